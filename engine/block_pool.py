@@ -1,0 +1,147 @@
+"""`BlockPool`: storage of KV blocks. Free list, ref counts, and the prefix cache's
+hash -> block map. Policy (which request gets which blocks) lives in `KVCacheManager`.
+
+Invariants:
+- A block is in the free queue iff its `ref_cnt` is 0.
+- A free block may still hold a cached hash; it is evicted (hash dropped) only when
+  `get_new_blocks` hands it out again. The free queue is LRU: the front is evicted first.
+- Not thread-safe: one scheduler thread owns the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Chained hash of a full block: identical hashes mean identical prefixes, across processes."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def hash_request_blocks(
+    token_ids: Sequence[int], block_size: int, hashes: list[BlockHash]
+) -> list[BlockHash]:
+    """Extend `hashes` (the chain computed so far) to cover every full block of `token_ids`."""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+    return hashes
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # block_id -> block, in eviction order (front = least recently freed).
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in eviction order (for tests and debugging)."""
+        return list(self._free)
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self._cached.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` from the front of the free queue, evicting any cached hash."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot get {num_blocks} blocks; {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference each. Blocks reaching 0 join the back of the free queue in the
+        order given, so pass a request's blocks tail-first: its last blocks are evicted first."""
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+    ) -> None:
+        """Register blocks[start:end] under their hashes (they now hold full, computed blocks)."""
+        if not self.enable_caching:
+            return
+        for i in range(start, end):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue
+            block_hash = block_hashes[i]
+            if block_hash in self._cached:
+                continue  # another block already holds this prefix; keep the first
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1

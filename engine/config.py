@@ -1,0 +1,115 @@
+"""`EngineConfig`: the one dataclass every part of the engine reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.errors import InvalidInputError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of one engine instance. Unknown keys are an error (see `from_kwargs`)."""
+
+    model: str | None = None
+    """HF model directory, GGUF file, or hub id. None: the embedded SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    """Tokenizer path (tokenizer.json or its folder). None: taken from the model."""
+    dtype: str = "auto"
+    """Weights and KV dtype: auto (bf16 on GPUs and CPUs with native bf16, else fp32), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV block: the unit of allocation, prefix caching and transfer."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool. None: derived from `kv_cache_memory_bytes`."""
+    kv_cache_memory_bytes: int = 1 << 30
+    """Memory budget of the KV pool when `num_kv_blocks` is None."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one scheduler step (prefill chunks + decodes)."""
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    max_model_len: int | None = None
+    """Longest prompt + output. None: the model's context length."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes (chained hashes of full blocks)."""
+    scheduling_policy: str = "fcfs"
+    """fcfs, or priority (lower `priority` value runs first, ties by arrival)."""
+    tensor_parallel_size: int = 1
+    """Ranks one model is sharded across."""
+    num_threads: int | None = None
+    """CPU threads for torch. None: torch's default."""
+    seed: int = 0
+    """Seed of the generator used by unseeded sampling."""
+    load_progress: bool = True
+    """Show a progress bar while loading weights."""
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    """Values that replace fields of the model's config.json (e.g. to shrink max_position_embeddings)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidInputError(
+                "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}"
+            )
+        if self.device not in DEVICES:
+            raise InvalidInputError(
+                "device", f"must be one of {', '.join(DEVICES)}; got {self.device!r}"
+            )
+        _check_min("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _check_min("num_kv_blocks", self.num_kv_blocks, 1)
+        _check_min("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_min("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            _check_min("max_model_len", self.max_model_len, 1)
+        _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidInputError(
+                "scheduling_policy", f"must be fcfs or priority; got {self.scheduling_policy!r}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build a config, refusing keys that are not fields (never silently dropped)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidInputError(
+                unknown[0], f"unknown config key; known keys are {', '.join(sorted(names))}"
+            )
+        return cls(**kwargs)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def _check_min(name: str, value: int, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(name, f"must be an integer >= {minimum}; got {value!r}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls are native."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

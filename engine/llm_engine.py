@@ -1,0 +1,240 @@
+"""`LLMEngine`: the synchronous core. `add_request`, then `step()` until done; `abort_request`
+at any time between steps. One thread drives it (`AsyncEngine` wraps it for serving)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model
+from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Message
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.device)
+        start = time.perf_counter()
+        loaded = load_model(
+            config.model,
+            self.dtype,
+            self.device,
+            config.tokenizer,
+            config.hf_overrides,
+            config.load_progress,
+        )
+        self.model_name = loaded.name
+        self.arch = loaded.arch
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(
+            config.max_model_len or loaded.arch.max_position_embeddings,
+            loaded.arch.max_position_embeddings,
+        )
+        arch = loaded.arch
+        block_bytes = kv_cache_bytes_per_block(
+            arch.num_hidden_layers,
+            config.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            self.dtype,
+        )
+        self.num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_bytes // block_bytes
+        )
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.runner = ModelRunner(
+            loaded.model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._states: dict[str, RequestState] = {}
+        self._sample_of: dict[
+            str, tuple[RequestState, int]
+        ] = {}  # engine request id -> (state, index)
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+        logger.info(
+            "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
+            self.model_name, arch.architecture, str(self.dtype).removeprefix("torch."), self.device,
+            time.perf_counter() - start, self.num_blocks, config.block_size,
+        )  # fmt: skip
+
+    # -- requests --------------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidInputError("prompt", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidInputError("prompt", "must not be empty")
+        vocab = self.arch.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidInputError(
+                "prompt", f"token ids must be integers in [0, {vocab}); got {bad!r}"
+            )
+        return None, ids
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a prompt (text or token ids). Raises `InvalidInputError` for bad input."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._states:
+            raise InvalidInputError("request_id", f"{request_id!r} is already running")
+        max_tokens = self.check_lengths(len(ids), params)
+        state = RequestState(request_id, text, ids)
+        for index in range(params.n):
+            sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + index)
+            request = Request(
+                sub_id,
+                ids,
+                params,
+                max_tokens,
+                self.tokenizer.eos_token_ids,
+                priority,
+                generator=generator,
+            )
+            state.samples.append(self.outputs.new_sample(index, request))
+            self._sample_of[sub_id] = (state, index)
+            self.scheduler.add_request(request)
+        self._states[request_id] = state
+        self.stats.num_prompt_tokens += len(ids) * params.n
+        return request_id
+
+    def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise InvalidInputError(
+                "prompt",
+                f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise InvalidInputError(
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                f"{limit}; max_tokens must be <= {limit - num_prompt}",
+            )
+        capacity = self.num_blocks * self.config.block_size
+        if num_prompt + max_tokens > capacity:
+            raise InvalidInputError(
+                "max_tokens",
+                f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool ({capacity} tokens)",
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final (aborted) output."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        for sample in state.samples:
+            self.scheduler.abort_request(sample.request.request_id)
+            self._sample_of.pop(sample.request.request_id, None)
+            if sample.finish_reason is None:
+                self.outputs.finish(sample, "abort")
+        return self.outputs.make_output(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and forward pass. Returns outputs of requests that changed."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        result = self.runner.execute(sched, self.kv)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        self.stats.num_steps += 1
+        changed: dict[str, RequestState] = {}
+        for request in updated:
+            entry = self._sample_of.get(request.request_id)
+            if entry is None:
+                continue
+            state, index = entry
+            sample = state.samples[index]
+            token = request.output_token_ids[-1]
+            self.stats.num_generated_tokens += 1
+            hit_stop = self.outputs.process_token(
+                sample, token, result.logprobs.get(request.request_id)
+            )
+            if hit_stop:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                reason = "stop" if hit_stop else request.status.finish_reason
+                assert reason is not None
+                self.outputs.finish(sample, reason)
+                self._sample_of.pop(request.request_id, None)
+            changed[state.request_id] = state
+        outputs = []
+        for request_id, state in changed.items():
+            outputs.append(self.outputs.make_output(state))
+            if state.finished:
+                self._states.pop(request_id, None)
+        self._update_stats()
+        return outputs
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries = self.kv.prefix_stats.num_queries
+        s.prefix_cache_hits = self.kv.prefix_stats.num_hits
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.kv_usage = self.kv.pool.usage()
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)

@@ -1,0 +1,172 @@
+"""Finding and loading a model: HF directory, GGUF file, hub id, or the embedded default."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from engine.errors import ModelLoadError
+from engine.model import LlamaForCausalLM, ModelArchConfig
+from engine.tokenizer import Tokenizer
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    name: str  # what users call it (served model id)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The local path for `model`: the embedded default when None, a download for a hub id."""
+    if model is None:
+        from engine.gguf_loader import default_model_path
+
+        return default_model_path()
+    if os.path.exists(model):
+        return model
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ModelLoadError(f"model path {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
+    except Exception as e:
+        raise ModelLoadError(
+            f"model {model!r} is not a local path and could not be fetched from the hub: {e}"
+        ) from e
+
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer_path: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    path = resolve_model_path(model)
+    name = model or "SmolLM2-135M-Instruct"
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from engine.gguf_loader import load_gguf
+
+        gguf = load_gguf(path)
+        hf_config = {**gguf.hf_config, **(hf_overrides or {})}
+        arch = ModelArchConfig.from_hf_config(hf_config)
+        tokenizer = Tokenizer(
+            gguf.tokenizer(),
+            gguf.chat_template,
+            gguf.bos_token,
+            gguf.eos_token,
+            arch.eos_token_ids,
+            getattr(gguf, "add_bos_token", False),
+        )
+        weights: Iterator[tuple[str, torch.Tensor]] = gguf.weights()
+        num_tensors = gguf.num_tensors
+        rope_freqs = gguf.rope_freqs
+        if model is None:
+            name = "SmolLM2-135M-Instruct"
+        elif os.path.exists(model):
+            name = os.path.basename(model).removesuffix(".gguf")
+    elif os.path.isdir(path):
+        hf_config = {**_read_json(os.path.join(path, "config.json")), **(hf_overrides or {})}
+        arch = ModelArchConfig.from_hf_config(hf_config)
+        eos = list(arch.eos_token_ids)
+        gen_file = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_file):
+            gen_eos = _read_json(gen_file).get("eos_token_id")
+            eos += (
+                gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+            )
+        tokenizer = Tokenizer.from_dir(tokenizer_path or path, eos)
+        files = _safetensors_files(path)
+        weights = _iter_safetensors(files)
+        num_tensors = _count_safetensors(files)
+        rope_freqs = None
+        if os.path.exists(model or ""):
+            name = os.path.basename(os.path.normpath(path))
+    else:
+        raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch, rope_freqs)
+    # Built on meta so no time goes into random init; the rope tables are then made for real.
+    net = net.to_empty(device=device).to(dtype)
+    net.rotary.rebuild(device)
+    if progress:
+        weights = iter(
+            tqdm(weights, total=num_tensors, desc=f"Loading {name}", unit="tensor", leave=False)
+        )
+    loaded = net.load_weights(weights)
+    _check_complete(net, loaded)
+    net.eval()
+    return LoadedModel(net, arch, tokenizer, name)
+
+
+def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:
+    cfg = net.config
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        expected.add("lm_head.weight")
+    per_layer = [
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+    ]  # fmt: skip
+    if cfg.attention_bias:
+        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+    if cfg.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    for i in range(cfg.num_hidden_layers):
+        expected.update(f"model.layers.{i}.{n}" for n in per_layer)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path} not found")
+    with open(path) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors weights in {path}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _count_safetensors(files: list[str]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(list(f.keys()))
+    return total
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

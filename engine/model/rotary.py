@@ -1,0 +1,81 @@
+"""Rotary position embeddings (HF rotate-half layout), with llama3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    rope_freqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[head_dim / 2] fp32 inverse frequencies, always computed on the CPU."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if rope_freqs is not None:  # GGUF llama3 models ship the per-frequency factors directly
+        return (inv_freq / rope_freqs.to("cpu", torch.float64)).float()
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]  # type: ignore[index]
+    elif kind == "llama3":
+        assert scaling is not None
+        factor = scaling["factor"]
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin per position; `forward` rotates q and k in place of a copy."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        rope_freqs: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self._args = (head_dim, theta, scaling, rope_freqs)
+        self.max_position = max_position
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.rebuild(torch.device("cpu"))
+
+    def rebuild(self, device: torch.device) -> None:
+        """(Re)compute the fp32 tables on `device`, e.g. after the model was built on meta."""
+        inv_freq = rope_inv_freq(*self._args).to(device)
+        t = torch.arange(self.max_position, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D], positions: [T]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Computed in fp32 like HF, then cast back.
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,126 @@
+"""Turns engine-side token updates into user-facing `RequestOutput`s: incremental text, stop
+strings (cut from the text, never streamed), logprobs, and the grouping of `n` samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from engine.request import Request
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SampleState:
+    """One of a request's `n` samples (one engine `Request`)."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    text: str = ""  # text released to the user (stop-string safe)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_sample(self, index: int, request: Request) -> SampleState:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens
+        )
+        logprobs: list[TokenLogprobs] | None = [] if request.sampling_params.logprobs is not None else None
+        return SampleState(index, request, detok, logprobs=logprobs)
+
+    def process_token(
+        self,
+        sample: SampleState,
+        token_id: int,
+        logprob: tuple[float, list[tuple[int, float]]] | None,
+    ) -> bool:
+        """Fold one new token into the sample. True when a stop string ended it."""
+        params = sample.request.sampling_params
+        sample.detok.add_token(token_id)
+        if sample.logprobs is not None and logprob is not None:
+            chosen, top = logprob
+            tok = self.tokenizer.id_to_token
+            sample.logprobs.append(
+                TokenLogprobs(
+                    Logprob(token_id, chosen, tok(token_id)),
+                    [Logprob(t, lp, tok(t)) for t, lp in top],
+                )
+            )
+        full = sample.detok.text
+        if params.stop and sample.request.num_output_tokens > params.min_tokens - 1:
+            # Only the tail can hold a stop string that this token completed.
+            window_start = max(0, len(sample.text) - max(len(s) for s in params.stop))
+            hit = _find_stop(full, params.stop, window_start)
+            if hit is not None:
+                pos, stop = hit
+                sample.text = full[:pos]
+                sample.stop_reason = stop
+                return True
+        # Hold back a tail that could still grow into a stop string.
+        hold = max((len(s) - 1 for s in params.stop), default=0)
+        sample.text = full[: max(0, len(full) - hold)]
+        return False
+
+    def finish(self, sample: SampleState, reason: str) -> None:
+        sample.finish_reason = reason
+        if reason != "stop" or sample.stop_reason is None or isinstance(sample.stop_reason, int):
+            sample.text = sample.detok.text  # release the held-back tail
+        if reason == "stop" and isinstance(sample.request.stop_reason, int):
+            sample.stop_reason = sample.request.stop_reason
+
+    def make_output(self, state: RequestState, delta: bool = True) -> RequestOutput:
+        outputs = []
+        for s in state.samples:
+            token_ids = s.request.output_token_ids
+            out = CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                delta_text=s.text[s.num_sent_chars :],
+                delta_token_ids=list(token_ids[s.num_sent_tokens :]),
+            )
+            if delta:
+                s.num_sent_chars = len(s.text)
+                s.num_sent_tokens = len(token_ids)
+            outputs.append(out)
+        cached = max(0, state.samples[0].request.num_cached_tokens)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            num_cached_tokens=cached,
+        )
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best

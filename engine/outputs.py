@@ -1,0 +1,69 @@
+"""What generation returns: `RequestOutput` holding one `CompletionOutput` per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token (from the model's raw logits), with its text."""
+
+    token_id: int
+    logprob: float
+    token: str = ""
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's logprob and the top alternatives at that position."""
+
+    sampled: Logprob
+    top: list[Logprob] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request (there are `n`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort; None while running
+    stop_reason: int | str | None = None  # the stop string or token that ended it
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""  # text added since the previous streamed output
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Outputs of one prompt. `.text`, `.token_ids`, `.finish_reason`, `.logprobs` read the
+    first sample; `.outputs` holds all `n`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs

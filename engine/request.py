@@ -1,0 +1,102 @@
+"""`Request`: one sequence's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything after PREEMPTED is finished (`status > PREEMPTED`)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A sequence to extend. Its `num_computed_tokens` catches up with `num_tokens` each step;
+    when they meet, the step samples one more token."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        priority: int = 0,
+        arrival_time: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.generator = generator
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = (
+            -1
+        )  # prompt tokens served from the prefix cache; -1 until scheduled
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, filled lazily
+        self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob}
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )

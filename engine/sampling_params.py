@@ -1,0 +1,105 @@
+"""`SamplingParams`: OpenAI's sampling knobs, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidInputError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. Invalid values raise `InvalidInputError`."""
+
+    n: int = 1
+    """Completions per prompt."""
+    max_tokens: int | None = 16
+    """Most tokens to generate. None: up to the model's context length."""
+    min_tokens: int = 0
+    """Stop and EOS tokens are ignored until this many tokens are generated."""
+    temperature: float = 1.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    seed: int | None = None
+    """Per-request generator seed: same seed, same output whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; not included in the output."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation (besides EOS)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty over generated tokens, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty over generated tokens, in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """HF-style multiplicative penalty over prompt and generated tokens, > 0."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _int_min("n", self.n, 1)
+        if self.max_tokens is not None:
+            _int_min("max_tokens", self.max_tokens, 1)
+        _int_min("min_tokens", self.min_tokens, 0)
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise InvalidInputError("temperature", f"must be >= 0; got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidInputError("top_p", f"must be in (0, 1]; got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise InvalidInputError(
+                "top_k", f"must be -1 (disabled) or an integer >= 0; got {self.top_k!r}"
+            )
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidInputError("min_p", f"must be in [0, 1]; got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidInputError(name, f"must be in [-2, 2]; got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidInputError(
+                "repetition_penalty", f"must be > 0; got {self.repetition_penalty!r}"
+            )
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
+                raise InvalidInputError(
+                    "logprobs", f"must be an integer in [0, 20]; got {self.logprobs!r}"
+                )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
+            raise InvalidInputError("seed", f"must be an integer; got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidInputError("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidInputError("stop_token_ids", "must be non-negative integers")
+        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _int_min(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidInputError(name, f"must be an integer >= {minimum}; got {value!r}")

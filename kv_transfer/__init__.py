@@ -1,0 +1,1 @@
+"""duet: kv_transfer."""

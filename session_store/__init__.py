@@ -1,0 +1,1 @@
+"""duet: session_store."""

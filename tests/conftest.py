@@ -1,0 +1,117 @@
+"""Shared fixtures: tiny random models of each supported architecture, built locally."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY_TEXT = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "def add(a, b):\n    return a + b\n",
+    "Ünïcödé tëxt, emojis 🎉🚀 and numbers 1234567890.",
+    "Continuous batching mixes prefill chunks with decode steps.",
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCH_CONFIGS: dict[str, dict] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+    "llama3": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rope_theta=500000.0,
+    ),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None
+    ),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32),
+    "smollm2": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True
+    ),
+}
+
+
+def build_tokenizer(path: str, vocab_size: int = 512) -> None:
+    """A small byte-level BPE trained on fixed text, with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_TEXT * 20, trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    import json
+
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+             "tokenizer_class": "PreTrainedTokenizerFast"},
+            f,
+        )  # fmt: skip
+
+
+def build_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
+    """Save a random tiny model of `arch` (HF format, safetensors) under `path`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    spec = {**base, **ARCH_CONFIGS[arch], **overrides}
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    cache: dict[tuple, str] = {}
+
+    def make(arch: str = "llama", **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
+            cache[key] = build_tiny_model(path, arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
