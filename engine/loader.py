@@ -69,7 +69,7 @@ def load_model(
             gguf.bos_token,
             gguf.eos_token,
             arch.eos_token_ids,
-            getattr(gguf, "add_bos_token", False),
+            False,  # the GGUF tokenizer's post-processor already adds BOS where the model wants it
         )
         weights: Iterator[tuple[str, torch.Tensor]] = gguf.weights()
         num_tensors = gguf.num_tensors

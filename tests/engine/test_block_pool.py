@@ -1,0 +1,151 @@
+"""BlockPool and KVCacheManager: exact block ids, ref counts, eviction order."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=8), max_tokens=8)
+
+
+def test_new_blocks_come_from_front_in_id_order():
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert pool.free_block_ids() == [3, 4, 5]
+    with pytest.raises(ValueError, match="cannot get 4 blocks; 3 free"):
+        pool.get_new_blocks(4)
+
+
+def test_free_order_sets_eviction_order():
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(a))  # tail first, as KVCacheManager.free does
+    assert pool.free_block_ids() == [3, 2, 1, 0]
+    assert pool.num_free_blocks == 4
+
+
+def test_touch_and_ref_counts():
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1 and 0 not in pool.free_block_ids()
+    pool.free_blocks([b])
+    assert b.ref_cnt == 0 and pool.free_block_ids()[-1] == 0
+    with pytest.raises(RuntimeError, match="double free of block 0"):
+        pool.free_blocks([b])
+    # Touching a free block takes it out of the free queue.
+    pool.touch([b])
+    assert b.ref_cnt == 1 and 0 not in pool.free_block_ids()
+
+
+def test_cached_free_block_is_evicted_only_when_reused():
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(2)
+    h0, h1 = hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [3, 4])
+    pool.cache_full_blocks(blocks, [h0, h1], 0, 2)
+    pool.free_blocks(reversed(blocks))
+    assert pool.free_block_ids() == [1, 0]
+    assert pool.get_cached_block(h0) is blocks[0]
+    (reused,) = pool.get_new_blocks(1)  # LRU front: block 1 goes, with its hash
+    assert reused.block_id == 1 and reused.block_hash is None
+    assert pool.get_cached_block(h1) is None
+    assert pool.get_cached_block(h0) is blocks[0]
+    assert pool.num_evictions == 1
+
+
+def test_chained_hashes_depend_on_parent():
+    a = hash_request_blocks([1, 2, 3, 4, 5], 2, [])
+    b = hash_request_blocks([9, 9, 3, 4], 2, [])
+    assert len(a) == 2 and len(b) == 2
+    assert a[1] != b[1]  # same tokens [3, 4], different parents
+    assert hash_request_blocks([1, 2, 3, 4, 5, 6], 2, list(a))[:2] == a
+
+
+def test_manager_allocation_exact_ids_and_free():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = make_request("a", list(range(10)))  # 10 tokens -> 3 blocks
+    assert kv.allocate_slots(r, 10) is not None
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    r.num_computed_tokens = 10
+    r.append_output_token(99)
+    r.append_output_token(98)  # 12 tokens: still 3 blocks
+    assert kv.allocate_slots(r, 2) == []
+    r.num_computed_tokens = 12
+    r.append_output_token(97)
+    new = kv.allocate_slots(r, 1)
+    assert [b.block_id for b in new] == [3]
+    assert kv.num_free_blocks == 4
+    kv.free(r)
+    assert kv.num_free_blocks == 8
+    assert kv.pool.free_block_ids() == [4, 5, 6, 7, 3, 2, 1, 0]
+
+
+def test_manager_refuses_without_side_effects():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = make_request("a", list(range(9)))  # needs 3 blocks
+    assert not kv.can_allocate(r, 9)
+    assert kv.allocate_slots(r, 9) is None
+    assert kv.num_free_blocks == 2 and kv.get_block_ids("a") == []
+
+
+def test_prefix_hits_share_blocks_and_keep_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    first = make_request("a", list(range(12)))
+    kv.allocate_slots(first, 12)
+    first.num_computed_tokens = 12
+    kv.cache_blocks(first, 12)
+    # Same 12 tokens: 3 full blocks cached, but the last token must be recomputed -> 2 blocks hit.
+    same = make_request("b", list(range(12)))
+    blocks, num_hit = kv.get_computed_blocks(same)
+    assert [b.block_id for b in blocks] == [0, 1] and num_hit == 8
+    longer = make_request("c", [*range(12), 50, 51])
+    blocks, num_hit = kv.get_computed_blocks(longer)
+    assert [b.block_id for b in blocks] == [0, 1, 2] and num_hit == 12
+    assert kv.allocate_slots(longer, 2, blocks) is not None
+    assert kv.get_block_ids("c") == [0, 1, 2, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 2, 1]
+    kv.free(first)
+    assert [kv.pool.blocks[i].ref_cnt for i in range(4)] == [1, 1, 1, 1]
+    kv.free(longer)
+    assert kv.num_free_blocks == 10
+    # Freed cached blocks still serve hits until evicted.
+    again = make_request("d", [*range(12), 7])
+    blocks, num_hit = kv.get_computed_blocks(again)
+    assert [b.block_id for b in blocks] == [0, 1, 2] and num_hit == 12
+    assert kv.prefix_stats.num_requests == 3 and kv.prefix_stats.num_requests_hit == 3
+
+
+def test_hits_in_free_queue_count_against_capacity():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_blocks(a, 5)
+    kv.free(a)
+    b = make_request("b", [1, 2, 3, 4, 9, 9, 9, 9])  # hits 2 free blocks, needs 2 more; only 1 left
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 4
+    assert not kv.can_allocate(b, 4, blocks)
+    assert kv.allocate_slots(b, 4, blocks) is None
+    assert kv.num_free_blocks == 3
+
+
+def test_disabled_prefix_caching_never_hits():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=False)
+    a = make_request("a", [1, 2, 3])
+    kv.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    kv.cache_blocks(a, 3)
+    kv.free(a)
+    assert kv.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)
+    assert kv.pool.num_cached_blocks == 0

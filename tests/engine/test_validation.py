@@ -1,0 +1,115 @@
+"""Every bad input raises a ValueError subclass naming the field and the allowed range."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, InvalidInputError, ModelLoadError, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "message"),
+    [
+        (dict(max_tokens=0), "max_tokens", "must be an integer >= 1; got 0"),
+        (dict(temperature=-0.5), "temperature", "must be >= 0; got -0.5"),
+        (dict(top_p=0.0), "top_p", "must be in (0, 1]; got 0.0"),
+        (dict(top_p=1.5), "top_p", "must be in (0, 1]; got 1.5"),
+        (dict(top_k=-2), "top_k", "must be -1 (disabled) or an integer >= 0; got -2"),
+        (dict(n=0), "n", "must be an integer >= 1; got 0"),
+        (dict(min_p=2.0), "min_p", "must be in [0, 1]; got 2.0"),
+        (dict(presence_penalty=3.0), "presence_penalty", "must be in [-2, 2]; got 3.0"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty", "must be in [-2, 2]; got -3.0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty", "must be > 0; got 0.0"),
+        (dict(logprobs=21), "logprobs", "must be an integer in [0, 20]; got 21"),
+        (dict(stop=[""]), "stop", "must be non-empty strings"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field, message):
+    with pytest.raises(InvalidInputError) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert info.value.field == field
+    assert str(info.value) == f"{field}: {message}"
+
+
+def test_unknown_config_key():
+    with pytest.raises(InvalidInputError) as info:
+        EngineConfig.from_kwargs(max_num_seq=4)
+    assert info.value.field == "max_num_seq"
+    assert "unknown config key" in str(info.value) and "max_num_seqs" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [(dict(dtype="int8"), "dtype"), (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs")],
+)
+def test_bad_config_values(kwargs, field):
+    with pytest.raises(InvalidInputError) as info:
+        EngineConfig(**kwargs)
+    assert info.value.field == field
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    # max_position_embeddings is 1024 in the tiny models; cap the context lower to test it.
+    return LLM(tiny_llama, dtype="float32", max_model_len=128, load_progress=False)
+
+
+def test_empty_prompt(llm):
+    for empty in ("", []):
+        with pytest.raises(InvalidInputError) as info:
+            llm.generate([empty])
+        assert info.value.field == "prompt"
+        assert str(info.value) == "prompt: must not be empty"
+
+
+def test_prompt_plus_max_tokens_beyond_context(llm):
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate([[5] * 100], SamplingParams(max_tokens=50))
+    assert info.value.field == "max_tokens"
+    assert "max_tokens must be <= 28" in str(info.value)
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate([[5] * 128])
+    assert info.value.field == "prompt" and "at most 127" in str(info.value)
+
+
+def test_token_ids_out_of_vocab(llm):
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate([[1, 2, 600]])
+    assert info.value.field == "prompt" and "[0, 512)" in str(info.value)
+
+
+def test_bad_prompt_in_batch_queues_nothing(llm):
+    with pytest.raises(InvalidInputError):
+        llm.generate([[1, 2, 3], ""])
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_unknown_llm_kwarg(tiny_llama):
+    with pytest.raises(InvalidInputError) as info:
+        LLM(tiny_llama, blocksize=8)
+    assert info.value.field == "blocksize"
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_unsupported_architecture(tiny_model_factory, tmp_path):
+    import json
+    import shutil
+
+    src = tiny_model_factory("llama")
+    dst = tmp_path / "gpt"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(dst))
+    msg = str(info.value)
+    assert "GPTNeoXForCausalLM" in msg
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in msg
