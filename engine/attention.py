@@ -11,8 +11,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+# Decode requests are grouped by length so that padding every group to its longest member
+# wastes at most this fraction of the gathered KV.
+_MAX_PADDING_WASTE = 0.25
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token requests of similar length, attended to in one batched call."""
+
+    token_indices: torch.Tensor  # [G] long: positions in the flat batch
+    block_ids: torch.Tensor  # [G * num_blocks] long: each request's table, padded, flattened
+    seq_lens: torch.Tensor  # [G] long
+    num_blocks: int
+
+
+@dataclass
+class DecodeBatch:
+    """All single-token requests, for the fused CPU kernel (no padding waste: it reads only
+    each request's own blocks)."""
+
+    token_indices: torch.Tensor  # [Bd] long
+    block_tables: torch.Tensor  # [Bd, max_blocks] long, padded with 0
+    seq_lens: torch.Tensor  # [Bd] long
 
 
 @dataclass
@@ -22,13 +47,10 @@ class AttentionMetadata:
     )  # [T] long: flat cache slot (block_id * block_size + offset) per token
     query_start_loc: list[int]  # [B + 1] host ints
     seq_lens: list[int]  # [B] host ints: tokens of KV after this step
-    block_tables: torch.Tensor  # [B, max_blocks] long (padded with 0)
-    # Requests with one query token whose KV fits the decode path, batched together.
-    decode_indices: torch.Tensor  # [Bd] long: rows of block_tables
-    decode_token_indices: torch.Tensor  # [Bd] long: their positions in the flat batch
-    decode_seq_lens: torch.Tensor  # [Bd] long
-    decode_max_blocks: int
-    prefill_indices: list[int]  # the other requests, handled one by one
+    block_ids: list[list[int]]  # [B] each request's block table
+    decode_groups: list[DecodeGroup]  # torch path
+    decode_batch: DecodeBatch | None  # kernel path
+    prefill_indices: list[int]  # requests with several query tokens, handled one by one
 
     @property
     def num_reqs(self) -> int:
@@ -42,37 +64,80 @@ class AttentionMetadata:
         block_ids: list[list[int]],
         block_size: int,
         device: torch.device,
+        use_decode_kernel: bool = False,
     ) -> AttentionMetadata:
-        num_reqs = len(query_lens)
-        max_blocks = max((len(b) for b in block_ids), default=1) or 1
-        table = torch.zeros((num_reqs, max_blocks), dtype=torch.long)
-        slots: list[int] = []
-        starts = [0]
-        for i, (q_len, s_len, blocks) in enumerate(
-            zip(query_lens, seq_lens, block_ids, strict=True)
-        ):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            for pos in range(s_len - q_len, s_len):
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            starts.append(starts[-1] + q_len)
-        decode = [i for i in range(num_reqs) if query_lens[i] == 1]
-        prefill = [i for i in range(num_reqs) if query_lens[i] != 1]
-        decode_max_blocks = max((-(-seq_lens[i] // block_size) for i in decode), default=1)
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        slots = []
+        for q_len, s_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
+            pos = np.arange(s_len - q_len, s_len)
+            slots.append(
+                np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size
+                + pos % block_size
+            )
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        groups: list[DecodeGroup] = []
+        batch = None
+        if decode and use_decode_kernel:
+            width = max(len(block_ids[i]) for i in decode)
+            table = np.zeros((len(decode), width), dtype=np.int64)
+            for row, i in enumerate(decode):
+                table[row, : len(block_ids[i])] = block_ids[i]
+            batch = DecodeBatch(
+                token_indices=torch.from_numpy(starts[decode]).to(device),
+                block_tables=torch.from_numpy(table).to(device),
+                seq_lens=torch.tensor([seq_lens[i] for i in decode], device=device),
+            )
+        elif decode:
+            groups = _group_decodes(decode, starts, seq_lens, block_ids, block_size, device)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_start_loc=starts,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            query_start_loc=starts.tolist(),
             seq_lens=seq_lens,
-            block_tables=table.to(device),
-            decode_indices=torch.tensor(decode, dtype=torch.long, device=device),
-            decode_token_indices=torch.tensor(
-                [starts[i] for i in decode], dtype=torch.long, device=device
-            ),
-            decode_seq_lens=torch.tensor(
-                [seq_lens[i] for i in decode], dtype=torch.long, device=device
-            ),
-            decode_max_blocks=decode_max_blocks,
-            prefill_indices=prefill,
+            block_ids=block_ids,
+            decode_groups=groups,
+            decode_batch=batch,
+            prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
         )
+
+
+def _group_decodes(
+    decode: list[int],
+    starts: np.ndarray,
+    seq_lens: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> list[DecodeGroup]:
+    order = sorted(decode, key=lambda i: seq_lens[i], reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            longest = -(-seq_lens[groups[-1][0]] // block_size)
+            members = groups[-1]
+            used = sum(-(-seq_lens[j] // block_size) for j in members) + -(
+                -seq_lens[i] // block_size
+            )
+            if 1 - used / (longest * (len(members) + 1)) <= _MAX_PADDING_WASTE:
+                members.append(i)
+                continue
+        groups.append([i])
+    out = []
+    for members in groups:
+        nb = -(-seq_lens[members[0]] // block_size)
+        table = np.zeros((len(members), nb), dtype=np.int64)
+        for row, i in enumerate(members):
+            n = -(-seq_lens[i] // block_size)
+            table[row, :n] = block_ids[i][:n]
+        out.append(
+            DecodeGroup(
+                token_indices=torch.from_numpy(starts[members]).to(device),
+                block_ids=torch.from_numpy(table.reshape(-1)).to(device),
+                seq_lens=torch.tensor([seq_lens[i] for i in members], device=device),
+                num_blocks=nb,
+            )
+        )
+    return out
 
 
 def write_kv_cache(
@@ -85,6 +150,26 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+class GatherWorkspace:
+    """Grow-only buffers that gathered K/V blocks are copied into, reused every layer and step
+    (fresh multi-MB tensors per layer cost page faults on the CPU)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+    def gather(self, which: int, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """cache: [num_blocks, block_size, Hkv, D] -> [len(block_ids), block_size, Hkv, D]."""
+        n = block_ids.shape[0]
+        key = (which, cache.dtype, cache.device, tuple(cache.shape[1:]))
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(
+                (max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device
+            )
+            self._bufs[key] = buf
+        return torch.index_select(cache, 0, block_ids, out=buf[:n])
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -92,6 +177,7 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    workspace: GatherWorkspace,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over all its KV (cached prefix + new).
 
@@ -103,21 +189,38 @@ def paged_attention(
     out = torch.empty_like(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
 
-    if meta.decode_indices.numel():
-        nb = meta.decode_max_blocks
-        tables = meta.block_tables[meta.decode_indices, :nb]  # [Bd, nb]
-        bd = tables.shape[0]
-        keys = key_cache[tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-        values = (
-            value_cache[tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    if meta.decode_batch is not None:
+        from engine.kernels.cpu import paged_decode_attention
+
+        d = meta.decode_batch
+        paged_decode_attention(
+            out,
+            query.contiguous(),
+            key_cache,
+            value_cache,
+            d.block_tables,
+            d.seq_lens,
+            d.token_indices,
+            scale,
         )
-        mask = torch.arange(nb * block_size, device=query.device) < meta.decode_seq_lens[:, None]
+
+    for g in meta.decode_groups:
+        bd, length = g.token_indices.shape[0], g.num_blocks * block_size
+        keys = workspace.gather(0, key_cache, g.block_ids).view(bd, length, num_kv_heads, head_dim)
+        values = workspace.gather(1, value_cache, g.block_ids).view(
+            bd, length, num_kv_heads, head_dim
+        )
+        mask = torch.arange(length, device=query.device) < g.seq_lens[:, None]
         # The G query heads sharing a KV head play the role of a query sequence: no repeat of K/V.
-        q = query[meta.decode_token_indices].view(bd, num_kv_heads, group, head_dim)
+        q = query[g.token_indices].view(bd, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+            q,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
         )  # [Bd, Hkv, G, D]
-        out[meta.decode_token_indices] = o.reshape(bd, num_heads, head_dim)
+        out[g.token_indices] = o.reshape(bd, num_heads, head_dim)
 
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -126,20 +229,25 @@ def paged_attention(
             keys, values = key[start:end], value[start:end]
         else:
             nb = -(-s_len // block_size)
-            blocks = meta.block_tables[i, :nb]
-            keys = key_cache[blocks].view(nb * block_size, num_kv_heads, head_dim)[:s_len]
-            values = value_cache[blocks].view(nb * block_size, num_kv_heads, head_dim)[:s_len]
+            ids = torch.tensor(meta.block_ids[i][:nb], device=query.device)
+            keys = workspace.gather(0, key_cache, ids).view(
+                nb * block_size, num_kv_heads, head_dim
+            )[:s_len]
+            values = workspace.gather(1, value_cache, ids).view(
+                nb * block_size, num_kv_heads, head_dim
+            )[:s_len]
         q = query[start:end].transpose(0, 1)  # [H, q_len, D]
         k = keys.transpose(0, 1)  # [Hkv, s_len, D]
         v = values.transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
         if q_len == s_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
             mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
         out[start:end] = o.transpose(0, 1)
     return out

@@ -48,6 +48,8 @@ class EngineConfig:
     """CPU threads for torch. None: torch's default."""
     seed: int = 0
     """Seed of the generator used by unseeded sampling."""
+    attention_backend: str = "auto"
+    """auto (fused kernels where they exist: C++ on CPU) or torch (the reference path)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +73,10 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_min("max_model_len", self.max_model_len, 1)
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.attention_backend not in ("auto", "torch"):
+            raise InvalidInputError(
+                "attention_backend", f"must be auto or torch; got {self.attention_backend!r}"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError(
                 "scheduling_policy", f"must be fcfs or priority; got {self.scheduling_policy!r}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_runtime import configure_cpu_runtime
 from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
@@ -47,6 +48,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
+        if self.device.type == "cpu":
+            configure_cpu_runtime()
         self.dtype = config.resolve_dtype(self.device)
         start = time.perf_counter()
         loaded = load_model(
@@ -78,7 +81,13 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(
-            loaded.model, self.num_blocks, config.block_size, self.device, self.dtype, config.seed
+            loaded.model,
+            self.num_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.seed,
+            config.attention_backend,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput
@@ -37,6 +38,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         cfg = model.config
         self.model = model
@@ -51,6 +53,13 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
+        # Decode attention: the C++ kernel on CPU when it builds, else the torch reference.
+        self.use_decode_kernel = (
+            attention_backend == "auto"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and load_cpu_kernels() is not None
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
@@ -74,6 +83,7 @@ class ModelRunner:
             [kv.get_block_ids(r.request_id) for r in requests],
             self.block_size,
             self.device,
+            self.use_decode_kernel,
         )
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),

@@ -45,7 +45,9 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens
         )
-        logprobs: list[TokenLogprobs] | None = [] if request.sampling_params.logprobs is not None else None
+        logprobs: list[TokenLogprobs] | None = (
+            [] if request.sampling_params.logprobs is not None else None
+        )
         return SampleState(index, request, detok, logprobs=logprobs)
 
     def process_token(

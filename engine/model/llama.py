@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv_cache
+from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv_cache
 from engine.model.arch import ModelArchConfig
 from engine.model.rotary import RotaryEmbedding
 
@@ -54,6 +54,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
@@ -65,7 +66,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -96,10 +97,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
+        workspace: GatherWorkspace,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, meta, rotary
-        )
+        normed = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(positions, normed, kv_cache, meta, rotary, workspace)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -118,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
         )
+        self.workspace = GatherWorkspace()
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -130,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary)
+            hidden = layer(positions, hidden, kv_cache, meta, self.rotary, self.workspace)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
