@@ -45,9 +45,20 @@ def test_greedy_matches_hf(tiny_model_factory, arch):
     prompts = make_prompts()
     expected = hf_greedy(model_dir, prompts)
     llm = LLM(model_dir, dtype="float32", load_progress=False)
+    assert llm.engine.runner.use_decode_kernel  # the C++ CPU kernel built and is in use
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert all(o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_torch_attention_path_matches_hf(tiny_model_factory, arch):
+    # The reference attention (length-bucketed SDPA) instead of the C++ decode kernel.
+    model_dir = tiny_model_factory(arch)
+    prompts = make_prompts()
+    llm = LLM(model_dir, dtype="float32", attention_backend="torch", load_progress=False)
+    assert not llm.engine.runner.use_decode_kernel
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == hf_greedy(model_dir, prompts)
 
 
 @pytest.fixture(scope="module")
