@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test lint typecheck bench proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.offline_throughput
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,234 @@
+"""The public gRPC service through generated stubs: streaming, health, reflection, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import os
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from duet.v1 import serving_pb2, serving_pb2_grpc
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from router.grpc_server import start_grpc_server
+
+API_KEY = "test-key-123"
+AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+class ServerThread:
+    """The engine and the gRPC server on their own event loop in a background thread."""
+
+    def __init__(self, model: str) -> None:
+        self.engine = AsyncEngine.from_config(
+            EngineConfig(model=model, dtype="float32", load_progress=False, max_model_len=256)
+        )
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.server, self.port = self.loop.run_until_complete(
+                start_grpc_server(self.engine, "tiny", port=0, api_keys=[API_KEY])
+            )
+            started.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(60), "gRPC server did not start"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=1), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerThread(tiny_llama)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+        yield ch
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return serving_pb2_grpc.DuetStub(channel)
+
+
+def collect(responses):
+    text, ids, finish, usage = {}, {}, {}, None
+    for r in responses:
+        if r.HasField("usage"):
+            usage = r.usage
+            continue
+        text[r.index] = text.get(r.index, "") + r.text
+        ids.setdefault(r.index, []).extend(r.token_ids)
+        if r.finish_reason:
+            finish[r.index] = r.finish_reason
+    return text, ids, finish, usage
+
+
+def test_generate_stream_matches_offline(stub, tiny_llama):
+    prompt = "The quick brown fox"
+    ref = LLM(tiny_llama, dtype="float32", load_progress=False).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )[0]
+    opts = serving_pb2.SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
+    responses = list(
+        stub.Generate(
+            serving_pb2.GenerateRequest(text=prompt, sampling=opts), metadata=AUTH, timeout=60
+        )
+    )
+    assert len(responses) > 2  # streamed in pieces, not one message
+    text, ids, finish, usage = collect(responses)
+    assert ids[0] == ref.token_ids and text[0] == ref.text and finish[0] == "length"
+    assert usage.prompt_tokens == len(ref.prompt_token_ids) and usage.completion_tokens == 12
+
+
+def test_token_id_prompt_n_and_logprobs(stub):
+    opts = serving_pb2.SamplingOptions(
+        max_tokens=5, temperature=1.0, seed=3, n=2, logprobs=2, ignore_eos=True
+    )
+    req = serving_pb2.GenerateRequest(
+        token_ids=serving_pb2.TokenIds(ids=[5, 6, 7, 8]), sampling=opts
+    )
+    responses = list(stub.Generate(req, metadata=AUTH, timeout=60))
+    _, ids, _, usage = collect(responses)
+    assert sorted(ids) == [0, 1] and all(len(v) == 5 for v in ids.values())
+    assert usage.completion_tokens == 10
+    lps = [lp for r in responses for lp in r.logprobs if r.index == 0]
+    assert [lp.sampled.token_id for lp in lps] == ids[0]
+    assert all(len(lp.top) == 2 and lp.sampled.logprob <= 0 for lp in lps)
+
+
+def test_chat(stub):
+    opts = serving_pb2.SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True)
+    req = serving_pb2.ChatRequest(
+        messages=[serving_pb2.ChatMessage(role="user", content="hello")], sampling=opts
+    )
+    _, ids, finish, usage = collect(stub.Chat(req, metadata=AUTH, timeout=60))
+    assert len(ids[0]) == 6 and finish[0] == "length" and usage.prompt_tokens > 5
+
+
+def test_list_models(stub):
+    models = stub.ListModels(serving_pb2.ListModelsRequest(), metadata=AUTH, timeout=10).models
+    assert [(m.id, m.max_model_len) for m in models] == [("tiny", 256)]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (serving_pb2.SamplingOptions(temperature=-1), "temperature"),
+        (serving_pb2.SamplingOptions(max_tokens=0), "max_tokens"),
+        (serving_pb2.SamplingOptions(top_p=1.5), "top_p"),
+        (serving_pb2.SamplingOptions(max_tokens=300), "max_tokens"),  # beyond the 256 context
+    ],
+)
+def test_invalid_argument_names_field(stub, sampling, field):
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            stub.Generate(
+                serving_pb2.GenerateRequest(text="hi", sampling=sampling), metadata=AUTH, timeout=10
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}:")
+
+
+def test_empty_prompt_and_bad_role(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(serving_pb2.GenerateRequest(text=""), metadata=AUTH, timeout=10))
+    assert (
+        info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+    )
+    bad = serving_pb2.ChatRequest(messages=[serving_pb2.ChatMessage(role="wizard", content="x")])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Chat(bad, metadata=AUTH, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in info.value.details()
+
+
+def test_auth_required(stub):
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stub.Generate(serving_pb2.GenerateRequest(text="hi"), metadata=metadata, timeout=10)
+            )
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ListModels(serving_pb2.ListModelsRequest(), metadata=metadata, timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_unknown_model(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            stub.Generate(
+                serving_pb2.GenerateRequest(model="gpt-5", text="hi"), metadata=AUTH, timeout=10
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_without_key(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "duet.v1.Duet"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_service(channel):
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+    )
+    names = [s.name for r in responses for s in r.list_services_response.service]
+    assert "duet.v1.Duet" in names and "grpc.health.v1.Health" in names
+
+
+def test_cancelled_stream_frees_blocks(server, stub):
+    opts = serving_pb2.SamplingOptions(max_tokens=200, ignore_eos=True)
+    call = stub.Generate(
+        serving_pb2.GenerateRequest(text="The quick brown fox", sampling=opts),
+        metadata=AUTH,
+        timeout=60,
+    )
+    next(call)
+    call.cancel()
+    engine = server.engine.engine
+    for _ in range(100):
+        if engine.kv.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
+            break
+        threading.Event().wait(0.05)
+    assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_generated_modules_are_fresh(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "proto_generate", os.path.join("proto", "generate.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for proto in module.generate(str(tmp_path)):
+        stem = proto.removesuffix(".proto")
+        for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+            fresh, committed = (
+                tmp_path / f"{stem}{suffix}",
+                os.path.join("proto", f"{stem}{suffix}"),
+            )
+            assert filecmp.cmp(fresh, committed, shallow=False), (
+                f"{committed} is stale: run make proto"
+            )
