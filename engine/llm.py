@@ -10,6 +10,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
+from engine.parallel import TensorParallel
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Message, Tokenizer
 
@@ -17,9 +18,11 @@ from engine.tokenizer import Message, Tokenizer
 class LLM:
     """`LLM(model=None, **config)`: config keys are `EngineConfig` fields; unknown keys raise."""
 
-    def __init__(self, model: str | None = None, **config: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, tp: TensorParallel | None = None, **config: Any
+    ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **config)
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, tp)
 
     @property
     def tokenizer(self) -> Tokenizer:

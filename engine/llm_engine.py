@@ -19,6 +19,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
+from engine.parallel import SINGLE, TensorParallel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -43,8 +44,18 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: this rank's tensor-parallel group when `config.tensor_parallel_size` > 1 (every
+        rank runs an engine and must receive the same requests in the same order)."""
         self.config = config
+        tp = tp or SINGLE
+        if tp.world_size != config.tensor_parallel_size:
+            raise InvalidInputError(
+                "tensor_parallel_size",
+                f"is {config.tensor_parallel_size} but the engine was given a group of "
+                f"{tp.world_size} rank(s); start tensor-parallel engines through a prefill worker",
+            )
+        self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
@@ -58,7 +69,8 @@ class LLMEngine:
             self.device,
             config.tokenizer,
             config.hf_overrides,
-            config.load_progress,
+            config.load_progress and tp.rank == 0,
+            tp,
         )
         self.model_name = loaded.name
         self.arch = loaded.arch
@@ -71,7 +83,7 @@ class LLMEngine:
         block_bytes = kv_cache_bytes_per_block(
             arch.num_hidden_layers,
             config.block_size,
-            arch.num_key_value_heads,
+            loaded.model.num_kv_heads,
             arch.head_dim,
             self.dtype,
         )

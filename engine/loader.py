@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.model import LlamaForCausalLM, ModelArchConfig
+from engine.parallel import SINGLE, TensorParallel
 from engine.tokenizer import Tokenizer
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
@@ -54,6 +55,7 @@ def load_model(
     tokenizer_path: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
     progress: bool = True,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
     path = resolve_model_path(model)
     name = model or "SmolLM2-135M-Instruct"
@@ -99,7 +101,7 @@ def load_model(
         raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
 
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, rope_freqs)
+        net = LlamaForCausalLM(arch, rope_freqs, tp)
     # Built on meta so no time goes into random init; the rope tables are then made for real.
     net = net.to_empty(device=device).to(dtype)
     net.rotary.rebuild(device)

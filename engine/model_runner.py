@@ -46,7 +46,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches = [
             torch.zeros(
-                (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+                (2, num_blocks, block_size, model.num_kv_heads, cfg.head_dim),
                 dtype=dtype,
                 device=device,
             )

@@ -2,12 +2,16 @@
 RMSNorm), SmolLM2 (tied embeddings).
 
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
-prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up).
+prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
+parallelism each rank holds its shard (see engine/parallel.py) and the shards meet in one
+all-reduce after o_proj, one after down_proj, one after the embedding, and an all-gather of
+the logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +20,17 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv_cache
 from engine.model.arch import ModelArchConfig
 from engine.model.rotary import RotaryEmbedding
+from engine.parallel import SINGLE, TensorParallel
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one step shares."""
+
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    rotary: RotaryEmbedding
+    workspace: GatherWorkspace
 
 
 class RMSNorm(nn.Module):
@@ -32,11 +47,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
         self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp.world_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.world_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -48,73 +64,71 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
-        workspace: GatherWorkspace,
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q, k = ctx.rotary(ctx.positions, q, k)
+        write_kv_cache(kv_cache, k, v, ctx.meta.slot_mapping)
+        out = paged_attention(q, k, v, kv_cache, ctx.meta, self.scale, ctx.workspace)  # [T, H, D]
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = cfg.intermediate_size // tp.world_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
-        workspace: GatherWorkspace,
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        normed = self.input_layernorm(hidden)
-        hidden = hidden + self.self_attn(positions, normed, kv_cache, meta, rotary, workspace)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, ctx)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rope_freqs: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        rope_freqs: torch.Tensor | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.tp = tp
+        # Checked up front so a bad tensor_parallel_size fails with a clear message.
+        tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
+        tp.shard(cfg.intermediate_size, "intermediate_size")
+        self.vocab_start, self.vocab_end = tp.shard(cfg.vocab_size, "vocab_size")
+        shard_vocab = self.vocab_end - self.vocab_start
+        self.embed_tokens = nn.Embedding(shard_vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, shard_vocab, bias=False)
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
@@ -123,55 +137,78 @@ class LlamaForCausalLM(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches."""
+        return self.config.num_key_value_heads // self.tp.world_size
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv / tp, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
+        hidden = self._embed(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, meta, self.rotary, self.workspace)
+            hidden = layer(hidden, kv_cache, ctx)
         return self.norm(hidden)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        hidden.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        return self.tp.all_gather_last_dim(F.linear(hidden, weight).float())  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the fused parameters. Returns the names it loaded."""
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        # HF name suffix -> (our parameter suffix, row offset in the fused tensor)
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
+        """Copy HF-named tensors (this rank's shard of each) into the fused parameters.
+        Returns the names it loaded."""
+        cfg, tp = self.config, self.tp
+        head_dim = cfg.head_dim
+        q_rows = [x * head_dim for x in tp.shard(cfg.num_attention_heads, "num_attention_heads")]
+        kv_rows = [x * head_dim for x in tp.shard(cfg.num_key_value_heads, "num_key_value_heads")]
+        mlp_rows = list(tp.shard(cfg.intermediate_size, "intermediate_size"))
+        vocab_rows = [self.vocab_start, self.vocab_end]
+        q, kv, inter = q_rows[1] - q_rows[0], kv_rows[1] - kv_rows[0], mlp_rows[1] - mlp_rows[0]
+        # HF module suffix -> (our module, row offset in the fused weight, shard rows, shard dim)
+        layout: dict[str, tuple[str, int, list[int] | None, int]] = {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows, 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv_rows, 0),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv_rows, 0),
+            "self_attn.o_proj": ("self_attn.o_proj", 0, q_rows, 1),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, mlp_rows, 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, mlp_rows, 0),
+            "mlp.down_proj": ("mlp.down_proj", 0, mlp_rows, 1),
+            "embed_tokens": ("embed_tokens", 0, vocab_rows, 0),
+            "lm_head": ("lm_head", 0, vocab_rows, 0),
         }
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            target = name.removeprefix("model.")
-            offset = None
-            for hf, (ours, off) in fused.items():
-                if f".{hf}." in f".{target}":
-                    target = target.replace(hf, ours)
-                    offset = off
-                    break
-            if target == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy
+            target, offset, rows, dim = name.removeprefix("model."), 0, None, 0
+            for hf, (ours, off, shard_rows, shard_dim) in layout.items():
+                if target == f"{hf}.weight" or f".{hf}." in f".{target}":
+                    target = target.replace(hf, ours)
+                    offset, rows, dim = off, shard_rows, shard_dim
+                    break
             param = params.get(target)
             if param is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            if rows is not None and tp.enabled and (dim == 0 or tensor.dim() == 2):
+                tensor = tensor.narrow(dim, rows[0], rows[1] - rows[0])
             with torch.no_grad():
-                if offset is None:
-                    param.copy_(tensor)
-                else:
-                    param[offset : offset + tensor.shape[0]].copy_(tensor)
+                param[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
         return loaded

@@ -1,0 +1,77 @@
+"""TP=2 (two gloo ranks on loopback) produces the same greedy tokens as TP=1, logprobs within
+fp32 tolerance, each rank caching half the KV heads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import LLM, InvalidInputError, SamplingParams
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])
+def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
+    model = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 19, 40, 77, 120, 8)]
+    prompts_file = tmp_path / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                SCRIPT,
+                model,
+                str(rank),
+                "2",
+                str(port),
+                str(prompts_file),
+                str(tmp_path / f"r{rank}.json"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+
+    ref = LLM(model, dtype="float32", load_progress=False).generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    )
+    for r in ranks:
+        assert r["tokens"] == [o.token_ids for o in ref]
+        assert r["kv_heads"] == 1  # 2 KV heads split over 2 ranks
+        for lps, o in zip(r["logprobs"], ref, strict=True):
+            torch.testing.assert_close(
+                torch.tensor(lps),
+                torch.tensor([x.sampled.logprob for x in o.logprobs]),
+                atol=1e-4,
+                rtol=0,
+            )
+
+
+def test_tp_size_without_group_is_refused(tiny_llama):
+    with pytest.raises(InvalidInputError) as info:
+        LLM(tiny_llama, tensor_parallel_size=2, load_progress=False)
+    assert info.value.field == "tensor_parallel_size"

@@ -1,0 +1,42 @@
+"""One rank of a tensor-parallel engine, run as a script by test_tensor_parallel.py:
+python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from engine import LLM, SamplingParams
+from engine.parallel import TensorParallel
+
+
+def main() -> None:
+    model, rank, world, port, prompts_file, out_file = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    tp = TensorParallel(rank, world, dist.group.WORLD)
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+    llm = LLM(model, tp=tp, dtype="float32", tensor_parallel_size=world, load_progress=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(prompts, params)
+    result = {
+        "tokens": [o.token_ids for o in outs],
+        "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
+        "kv_heads": llm.engine.runner.kv_caches[0].shape[3],
+    }
+    with open(out_file, "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
