@@ -21,10 +21,15 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/duet generate "Write a haiku about the sea."
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
+
+# tests/session_store runs a real redis-server (CI runs as root; elsewhere install it yourself).
+.PHONY: redis-server
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
