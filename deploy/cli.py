@@ -1,9 +1,10 @@
-"""The `duet` command: generate, chat (serve and bench come with their issues)."""
+"""The `duet` command: generate, chat, serve (bench comes with its issue)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -44,13 +45,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(chat)
     _add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="system prompt")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible REST API")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="REST port (default: %(default)s)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (repeatable; visible in the process list, "
+        "so prefer --api-key-file)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="file with accepted API keys, one per line (blank lines and # comments skipped)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model's)"
+    )
+    serve.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait behind a full batch before new requests get 503",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=10,
+        help="seconds Ctrl-C waits for in-flight requests before cancelling them",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     from engine import InvalidInputError, ModelLoadError
@@ -60,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
-    except (InvalidInputError, ModelLoadError) as e:
+        if args.command == "serve":
+            return _serve(args)
+    except (InvalidInputError, ModelLoadError, ServeConfigError) as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return 2
     return 1
@@ -129,6 +166,92 @@ def _chat(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+class ServeConfigError(ValueError):
+    """A `duet serve` flag is unusable (bad port, unreadable key file)."""
+
+
+def _read_api_keys(args: argparse.Namespace) -> list[str]:
+    keys = [k for k in args.api_key if k]
+    if len(keys) != len(args.api_key):
+        raise ServeConfigError("--api-key: must not be empty")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                lines = [line.strip() for line in f]
+        except OSError as e:
+            raise ServeConfigError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from e
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
+            raise ServeConfigError(f"--api-key-file: no keys in {args.api_key_file}")
+        keys += file_keys
+    return keys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ServeConfigError(f"--port: must be in [0, 65535]; got {args.port}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise ServeConfigError(
+            f"--max-queued-requests: must be >= 0; got {args.max_queued_requests}"
+        )
+    if args.shutdown_timeout < 0:
+        raise ServeConfigError(f"--shutdown-timeout: must be >= 0; got {args.shutdown_timeout}")
+    api_keys = _read_api_keys(args)  # before the (slow) model load
+
+    import uvicorn
+
+    from engine import AsyncEngine, EngineConfig
+    from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS, build_app
+
+    log = logging.getLogger("duet.serve")
+    # uvicorn handles SIGINT/SIGTERM with a graceful shutdown, then re-raises the signal through
+    # the handler that was installed before it: make SIGTERM, like SIGINT, an exception here so
+    # both end in the `finally` below (also while the model is still loading).
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    engine = None
+    try:
+        engine = AsyncEngine.from_config(EngineConfig(model=args.model, **_engine_kwargs(args)))
+        name = args.served_model_name or engine.engine.model_name
+        max_queued = args.max_queued_requests
+        app = build_app(
+            engine,
+            name,
+            api_keys,
+            DEFAULT_MAX_QUEUED_REQUESTS if max_queued is None else max_queued,
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            lifespan="off",
+            # uvicorn waits this long for in-flight requests on Ctrl-C, then cancels them
+            # (which aborts their engine requests).
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+        log.info(
+            "REST API (OpenAI-compatible) for model %r on http://%s:%d/v1 (API key %s)",
+            name, args.host, args.port, "required" if api_keys else "not required",
+        )  # fmt: skip
+        uvicorn.Server(config).run()
+    except (KeyboardInterrupt, _Terminated):
+        pass  # uvicorn has shut down gracefully (or the model was still loading)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+            log.info("engine stopped")
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""API-key authentication: `Authorization: Bearer KEY` on every path but the probes.
+
+A pure ASGI middleware (not Starlette's `BaseHTTPMiddleware`), so streaming responses and
+client-disconnect detection pass through untouched. Keys are compared in constant time and
+never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.errors import AuthenticationError
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Probes that answer without a key (Kubernetes liveness and readiness checks carry none)."""
+
+
+class APIKeyChecker:
+    """Holds the accepted keys. With none configured, every request is accepted."""
+
+    def __init__(self, api_keys: Iterable[str]) -> None:
+        keys = list(api_keys)
+        if any(not isinstance(k, str) or not k.strip() for k in keys):
+            raise ValueError("api_keys: keys must be non-empty strings")
+        self._keys = [k.encode() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise `AuthenticationError` unless the header carries an accepted key."""
+        if not self._keys:
+            return
+        if not authorization:
+            raise AuthenticationError("missing API key: send it as 'Authorization: Bearer <key>'")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationError("the Authorization header must read 'Bearer <key>'")
+        given = token.strip().encode()
+        # Compare against every key so the time taken does not say which one matched.
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise AuthenticationError("invalid API key")
+
+
+class APIKeyMiddleware:
+    """Rejects HTTP requests without an accepted key (401) before any route runs."""
+
+    def __init__(self, app: ASGIApp, checker: APIKeyChecker) -> None:
+        self.app = app
+        self.checker = checker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.checker.enabled or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        try:
+            self.checker.check(authorization)
+        except AuthenticationError as e:
+            await e.to_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

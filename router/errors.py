@@ -1,0 +1,200 @@
+"""REST errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every user mistake is a 4xx naming the field (`param`); FastAPI's default 422 for a body that
+fails validation becomes a 400. Only an internal fault is a 500, logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import InvalidInputError
+from engine.async_engine import EngineDeadError
+from router.openai_protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error fields."""
+
+    status_code = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def to_body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def to_response(self) -> JSONResponse:
+        return JSONResponse(self.to_body(), status_code=self.status_code, headers=self.headers)
+
+
+class BadRequestError(OpenAIError):
+    status_code = 400
+    type = "invalid_request_error"
+
+    @classmethod
+    def from_invalid_input(
+        cls, error: InvalidInputError, rename: Mapping[str, str] | None = None
+    ) -> BadRequestError:
+        """The engine's error, with its field renamed to the request's name for it."""
+        param = (rename or {}).get(error.field, error.field)
+        return cls(f"{param}: {error.message}", param=param)
+
+
+class AuthenticationError(OpenAIError):
+    status_code = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ModelNotFoundError(OpenAIError):
+    status_code = 404
+    type = "not_found_error"
+    code = "model_not_found"
+
+
+class RateLimitError(OpenAIError):
+    status_code = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
+
+class OverloadedError(OpenAIError):
+    """The admission queue is full: retry later (Retry-After says when)."""
+
+    status_code = 503
+    type = "overloaded_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
+
+class EngineUnavailableError(OpenAIError):
+    """The engine stopped (crash or shutdown); another replica may serve the retry."""
+
+    status_code = 503
+    type = "service_unavailable"
+    code = "engine_unavailable"
+
+
+class InternalServerError(OpenAIError):
+    status_code = 500
+    type = "internal_error"
+
+
+class RouteError(OpenAIError):
+    """Starlette's own HTTP errors (unknown path, wrong method) in OpenAI's shape."""
+
+    def __init__(
+        self, status_code: int, message: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message, headers=headers)
+        self.status_code = status_code
+        self.type = "not_found_error" if status_code == 404 else "invalid_request_error"
+
+
+def as_openai_error(
+    error: BaseException, request_id: str, rename: Mapping[str, str] | None = None
+) -> OpenAIError:
+    """What the client sees for an error raised while running a request. Internal faults are
+    logged here with the request id; their details stay in the log."""
+    if isinstance(error, OpenAIError):
+        return error
+    if isinstance(error, InvalidInputError):
+        return BadRequestError.from_invalid_input(error, rename)
+    if isinstance(error, EngineDeadError):
+        logger.warning("request %s: the engine stopped: %s", request_id, error)
+        return EngineUnavailableError(f"the engine stopped ({error}); retry the request")
+    logger.error("request %s failed", request_id, exc_info=error)
+    return InternalServerError(f"internal error (request {request_id})")
+
+
+def format_loc(loc: tuple[int | str, ...]) -> str | None:
+    """`("body", "messages", 0, "content")` -> `messages[0].content`; None for the body."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> BadRequestError:
+    errors = list(exc.errors())
+    if not errors:
+        return BadRequestError("invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return BadRequestError(f"request body is not valid JSON: {detail}".rstrip(": "))
+    messages = []
+    for error in errors:
+        param = format_loc(tuple(error.get("loc", ())))
+        msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if param is None and error.get("type") == "missing":
+            msg = "a JSON request body is required"
+        elif param is None and error.get("type") in ("model_attributes_type", "dict_type"):
+            msg = "the request body must be a JSON object (Content-Type: application/json)"
+        messages.append(f"{param}: {msg}" if param else msg)
+    return BadRequestError("; ".join(messages), param=format_loc(tuple(first.get("loc", ()))))
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Map every exception a route can raise to an OpenAI-shaped error response."""
+
+    async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, OpenAIError)
+        return exc.to_response()
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(exc).to_response()
+
+    async def on_invalid_input(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, InvalidInputError)
+        return BadRequestError.from_invalid_input(exc).to_response()
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return RouteError(exc.status_code, str(exc.detail), exc.headers).to_response()
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises the exception after this response, so the server logs the
+        # traceback; say which route it was.
+        logger.error("internal error on %s %s: %r", request.method, request.url.path, exc)
+        return InternalServerError("internal server error").to_response()
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(InvalidInputError, on_invalid_input)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

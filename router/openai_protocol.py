@@ -1,0 +1,388 @@
+"""OpenAI-compatible REST bodies: chat completions, completions, models, errors.
+
+Field names follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids) and
+duet's `session_id`. Unknown fields are ignored, as vLLM does: clients written for newer
+OpenAI features still get an answer instead of a 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from engine import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128
+"""Most completions per prompt (OpenAI's limit)."""
+MAX_LOGPROBS = 20
+"""Most top alternatives per token (the engine's limit)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIModel(BaseModel):
+    """Base of every body: unknown request fields are ignored (and logged by name only)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = set(data) - set(cls.model_fields)
+            if unknown:
+                logger.debug("%s: ignoring unknown fields %s", cls.__name__, sorted(unknown))
+        return data
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    """Send a last chunk with token usage (choices empty) before `[DONE]`."""
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextContentPart] | None = None
+    """A string, or a list of text parts (joined with newlines, as vLLM does)."""
+    name: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _check_content(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        # NOTE: re-raised with one clear message; pydantic's own names each union member.
+        try:
+            return handler(value)
+        except ValidationError:
+            if isinstance(value, list):
+                for j, part in enumerate(value):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind != "text":
+                        raise ValueError(
+                            f"content[{j}] has type {kind!r}; only text parts "
+                            '({"type": "text", "text": ...}) are supported'
+                        ) from None
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"content[{j}].text must be a string") from None
+            raise ValueError("must be a string or a list of text content parts") from None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+    def to_template_message(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by chat completions and completions."""
+
+    model: str | None = None
+    """Served model name; None means the one model this server serves."""
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    """Not supported: a non-empty map is a 400 rather than silently ignored."""
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
+    # duet
+    session_id: str | None = None
+    """Conversation id in the session store (accepted; sessions are wired by the router)."""
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _check_stop(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be a string or a list of strings") from None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Engine parameters. Raises `InvalidInputError` naming the engine-side field."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return value
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The name of the field that set the output budget, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+PromptInput = str | list[int] | list[list[int]] | list[str]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    """A string, a list of strings, token ids, or a list of token-id lists."""
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists"
+            ) from None
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _unsupported(cls, value: bool | str | None) -> bool | str | None:
+        if value:
+            raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n"):
+            raise ValueError("other than n is not supported by this server")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [p]  # type: ignore[list-item]  # one prompt of token ids
+        if not p:
+            return [[]]  # the engine names the empty prompt
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, num_prompt: int, num_completion: int, num_cached: int = 0) -> Usage:
+        return cls(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_completion,
+            total_tokens=num_prompt + num_completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
+        )
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the full response and each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "duet"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,165 @@
+"""`POST /v1/chat/completions`: render the chat template, generate, answer in OpenAI's shape
+(one JSON body, or SSE chunks when `stream` is true)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import jinja2
+from fastapi import Request, Response
+
+from engine import CompletionOutput, InvalidInputError, RequestOutput
+from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
+from router.errors import BadRequestError, as_openai_error
+from router.logprobs import chat_logprobs
+from router.openai_protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+    Usage,
+)
+from router.serving_context import ServingContext, final_output
+from router.sse import DONE, EventStreamResponse, sse_error, sse_event
+
+
+class ChatCompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        arrival_s = time.monotonic()
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        # Engine field names -> this request's names, so a 400 names what the client sent.
+        rename = {
+            "prompt": "messages",
+            "max_tokens": body.max_tokens_field,
+            "logprobs": "top_logprobs",
+        }
+        try:
+            params = body.to_sampling_params()
+            messages = [m.to_template_message() for m in body.messages]
+            prompt_ids = ctx.engine.engine.encode_chat(messages)
+        except InvalidInputError as e:
+            raise BadRequestError.from_invalid_input(e, rename) from None
+        except jinja2.TemplateError as e:
+            raise BadRequestError(f"messages: the chat template failed: {e}", "messages") from None
+        ctx.check_lengths(len(prompt_ids), params, rename)
+        ctx.check_engine()
+        [ticket] = ctx.admission.admit([params.n])
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s)
+        if body.stream:
+            return EventStreamResponse(
+                self._stream(body, request_id, params.n, outputs, rename), ticket.release
+            )
+        try:
+            final = await run_until_disconnect(raw, final_output(outputs))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as e:
+            raise as_openai_error(e, request_id, rename) from e
+        finally:
+            ticket.release()
+        return Response(
+            self._response(body, request_id, final).model_dump_json(),
+            media_type="application/json",
+        )
+
+    def _logprobs(
+        self, body: ChatCompletionRequest, c: CompletionOutput, num_new: int | None = None
+    ) -> ChatLogprobs | None:
+        """Logprobs of the sample's last `num_new` tokens (all of them when None)."""
+        if not body.logprobs or c.logprobs is None:
+            return None
+        entries = c.logprobs if num_new is None else c.logprobs[len(c.logprobs) - num_new :]
+        return chat_logprobs(
+            entries, body.top_logprobs or 0, self.ctx.token_texts, body.return_tokens_as_token_ids
+        )
+
+    def _response(
+        self, body: ChatCompletionRequest, request_id: str, final: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=c.text),
+                logprobs=self._logprobs(body, c),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id, model=self.ctx.model_name, choices=choices, usage=_usage(final)
+        )
+
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        request_id: str,
+        n: int,
+        outputs: AsyncGenerator[RequestOutput, None],
+        rename: dict[str, str],
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        exclude = None if body.include_usage else {"usage"}
+
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
+            payload = ChatCompletionChunk(
+                id=request_id,
+                created=created,
+                model=self.ctx.model_name,
+                choices=choices,
+                usage=usage,
+            )
+            return sse_event(payload, exclude)
+
+        try:
+            for index in range(n):
+                role = DeltaMessage(role="assistant", content="")
+                yield chunk([ChatCompletionStreamChoice(index=index, delta=role)])
+            finished: set[int] = set()
+            last: RequestOutput | None = None
+            async with aclosing(outputs) as it:
+                async for out in it:
+                    last = out
+                    for c in out.outputs:
+                        if c.index in finished:
+                            continue
+                        if c.finish_reason is not None:
+                            finished.add(c.index)
+                        logprobs = self._logprobs(body, c, len(c.delta_token_ids))
+                        if logprobs is not None and not logprobs.content:
+                            logprobs = None
+                        if not c.delta_text and logprobs is None and c.finish_reason is None:
+                            continue  # a token whose text is held back (maybe a stop string)
+                        choice = ChatCompletionStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=c.delta_text or None),
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        yield chunk([choice])
+            if body.include_usage and last is not None:
+                yield chunk([], usage=_usage(last))
+        except Exception as e:  # the client gets an error event, never a silent cut
+            yield sse_error(e, request_id, rename)
+        yield DONE
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage.of(
+        len(out.prompt_token_ids),
+        sum(len(c.token_ids) for c in out.outputs),
+        out.num_cached_tokens,
+    )

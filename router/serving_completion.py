@@ -1,0 +1,173 @@
+"""`POST /v1/completions`: one or more prompts (text or token ids), `n` samples each.
+
+Choice `i * n + j` is sample `j` of prompt `i`, as in vLLM; usage sums over all of them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+
+from fastapi import Request, Response
+
+from engine import CompletionOutput, InvalidInputError, RequestOutput
+from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
+from router.errors import BadRequestError, as_openai_error
+from router.logprobs import completion_logprobs
+from router.openai_protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from router.serving_context import ServingContext
+from router.sse import DONE, EventStreamResponse, sse_error, sse_event
+from router.stream_merge import merge_streams
+
+
+class CompletionHandler:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, body: CompletionRequest, raw: Request) -> Response:
+        arrival_s = time.monotonic()
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            prompts = [ctx.engine.engine.tokenize_prompt(p)[1] for p in body.prompts()]
+        except InvalidInputError as e:
+            raise BadRequestError.from_invalid_input(e) from None
+        for ids in prompts:
+            ctx.check_lengths(len(ids), params, {})
+        ctx.check_engine()
+        tickets = ctx.admission.admit([params.n] * len(prompts))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = [
+            ctx.generate(ids, params, f"{request_id}-{i}", ticket, arrival_s)
+            for i, (ids, ticket) in enumerate(zip(prompts, tickets, strict=True))
+        ]
+
+        def release() -> None:
+            for ticket in tickets:
+                ticket.release()
+
+        if body.stream:
+            return EventStreamResponse(self._stream(body, request_id, params.n, streams), release)
+        try:
+            finals = await run_until_disconnect(raw, _final_outputs(streams))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as e:
+            raise as_openai_error(e, request_id) from e
+        finally:
+            release()
+        return Response(
+            self._response(body, request_id, params.n, finals).model_dump_json(),
+            media_type="application/json",
+        )
+
+    def _logprobs(
+        self, body: CompletionRequest, c: CompletionOutput, num_new: int, text_offset: int
+    ) -> CompletionLogprobs | None:
+        """Logprobs of the sample's last `num_new` tokens."""
+        if body.logprobs is None or c.logprobs is None:
+            return None
+        return completion_logprobs(
+            c.logprobs[len(c.logprobs) - num_new :],
+            body.logprobs,
+            self.ctx.token_texts,
+            text_offset,
+            body.return_tokens_as_token_ids,
+        )
+
+    def _response(
+        self, body: CompletionRequest, request_id: str, n: int, finals: list[RequestOutput]
+    ) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=i * n + c.index,
+                text=c.text,
+                logprobs=self._logprobs(body, c, len(c.token_ids), 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for i, final in enumerate(finals)
+            for c in final.outputs
+        ]
+        return CompletionResponse(
+            id=request_id, model=self.ctx.model_name, choices=choices, usage=_usage(finals)
+        )
+
+    async def _stream(
+        self,
+        body: CompletionRequest,
+        request_id: str,
+        n: int,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+    ) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        exclude = None if body.include_usage else {"usage"}
+        num_sent_chars: dict[int, int] = {}
+        finished: set[int] = set()
+        lasts: dict[int, RequestOutput] = {}
+        try:
+            async with aclosing(merge_streams(streams)) as merged:
+                async for i, out in merged:
+                    lasts[i] = out
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        if index in finished:
+                            continue
+                        if c.finish_reason is not None:
+                            finished.add(index)
+                        offset = num_sent_chars.get(index, 0)
+                        logprobs = self._logprobs(body, c, len(c.delta_token_ids), offset)
+                        if logprobs is not None and not logprobs.tokens:
+                            logprobs = None
+                        if not c.delta_text and logprobs is None and c.finish_reason is None:
+                            continue  # a token whose text is held back (maybe a stop string)
+                        num_sent_chars[index] = offset + len(c.delta_text)
+                        choice = CompletionChoice(
+                            index=index,
+                            text=c.delta_text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                        payload = CompletionResponse(
+                            id=request_id, created=created, model=self.ctx.model_name,
+                            choices=[choice],
+                        )  # fmt: skip
+                        yield sse_event(payload, exclude)
+            if body.include_usage and lasts:
+                payload = CompletionResponse(
+                    id=request_id, created=created, model=self.ctx.model_name, choices=[],
+                    usage=_usage([lasts[i] for i in sorted(lasts)]),
+                )  # fmt: skip
+                yield sse_event(payload)
+        except Exception as e:  # the client gets an error event, never a silent cut
+            yield sse_error(e, request_id)
+        yield DONE
+
+
+async def _final_outputs(
+    streams: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async with aclosing(merge_streams(list(streams))) as merged:
+        async for i, out in merged:
+            finals[i] = out
+    if len(finals) != len(streams) or not all(out.finished for out in finals.values()):
+        raise RuntimeError("the engine ended a request without a final output")
+    return [finals[i] for i in range(len(streams))]
+
+
+def _usage(finals: Sequence[RequestOutput]) -> Usage:
+    return Usage.of(
+        sum(len(out.prompt_token_ids) for out in finals),
+        sum(len(c.token_ids) for out in finals for c in out.outputs),
+        sum(out.num_cached_tokens for out in finals),
+    )

@@ -1,0 +1,92 @@
+"""`ServingContext`: what every route shares: the engine, the served name, admission, metrics.
+
+`generate()` is the one way routes run a request: it records metrics and gives the admission
+ticket back however the request ends (finished, failed, client gone), and leaving it early
+aborts the engine request so its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from typing import cast
+
+from engine import AsyncEngine, InvalidInputError, RequestOutput, SamplingParams
+from router.admission import AdmissionController, AdmissionTicket
+from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
+from router.logprobs import TokenTexts
+from router.metrics import ServingMetrics
+
+
+class ServingContext:
+    def __init__(
+        self, engine: AsyncEngine, served_model_name: str, max_queued_requests: int
+    ) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.created = int(time.time())
+        self.admission = AdmissionController(engine.engine.config.max_num_seqs, max_queued_requests)
+        self.metrics = ServingMetrics(engine, served_model_name)
+        self.token_texts = TokenTexts(engine.engine.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+            )
+
+    def check_engine(self) -> None:
+        if not self.engine.is_running:
+            raise EngineUnavailableError("the engine is not running; retry on another replica")
+
+    def check_lengths(
+        self, num_prompt_tokens: int, params: SamplingParams, rename: Mapping[str, str]
+    ) -> None:
+        """400 when prompt + max_tokens cannot fit the context or the KV pool."""
+        try:
+            self.engine.engine.check_lengths(num_prompt_tokens, params)
+        except InvalidInputError as e:
+            raise BadRequestError.from_invalid_input(e, rename) from None
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        ticket: AdmissionTicket,
+        arrival_s: float,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream one request's outputs. The ticket is released when this generator ends."""
+        tracker = self.metrics.track(arrival_s)
+        last: RequestOutput | None = None
+        try:
+            # AsyncEngine.generate is an async generator (typed as an iterator): close it.
+            outputs = cast(
+                AsyncGenerator[RequestOutput, None],
+                self.engine.generate(prompt_token_ids, params, request_id),
+            )
+            async with aclosing(outputs) as it:
+                async for out in it:
+                    tracker.on_output(out)
+                    last = out
+                    yield out
+        finally:
+            ticket.release()
+            tracker.on_finish(last)
+
+
+async def final_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    """Drain a request's stream; its last output holds every sample's full result."""
+    last: RequestOutput | None = None
+    async with aclosing(outputs) as it:
+        async for out in it:
+            last = out
+    if last is None:
+        raise RuntimeError("the engine ended a request without any output")
+    return last

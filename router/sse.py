@@ -1,0 +1,54 @@
+"""Server-sent events as OpenAI sends them: `data: {json}\\n\\n` per event, then
+`data: [DONE]\\n\\n`. A failure mid-stream is an error event (then `[DONE]`), never a hang or
+a silently truncated stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable, Mapping
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.errors import as_openai_error
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: BaseModel, exclude: set[str] | None = None) -> str:
+    return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
+
+
+def sse_error(
+    error: BaseException, request_id: str, rename: Mapping[str, str] | None = None
+) -> str:
+    """The error event that ends a stream: OpenAI's error object, `code` the HTTP status."""
+    openai_error = as_openai_error(error, request_id, rename)
+    body = openai_error.to_body()
+    body["error"]["code"] = body["error"]["code"] or openai_error.status_code
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Streams SSE events; when the response ends for any reason (done, client gone, server
+    shutdown) it closes the event generator, which aborts an unfinished engine request now
+    rather than at garbage collection, and then calls `on_close`."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._events.aclose()
+            finally:
+                self._on_close()

@@ -1,0 +1,75 @@
+"""Helpers for the REST tests: a live uvicorn server in a background thread, engines on the
+tiny model, and a bounded wait for the engine to be idle with every KV block free."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx2
+import uvicorn
+from fastapi import FastAPI
+
+from engine import AsyncEngine, EngineConfig
+
+MODEL_NAME = "tiny-llama"
+API_KEY = "sk-test-key"
+NUM_KV_BLOCKS = 2048  # 32k tokens: plenty for the tests, far less memory than the default pool
+
+
+class LiveServer:
+    """Runs `app` with uvicorn on 127.0.0.1 (a free port) in a daemon thread until `stop()`."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout_s: float = 30.0) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx2.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
+                    return self
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"server on {self.url} not ready within {timeout_s}s")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self._sock.close()
+
+
+def make_engine(model: str, max_num_seqs: int = 128) -> AsyncEngine:
+    config = EngineConfig(
+        model=model,
+        dtype="float32",
+        load_progress=False,
+        num_kv_blocks=NUM_KV_BLOCKS,
+        max_num_seqs=max_num_seqs,
+    )
+    return AsyncEngine.from_config(config)
+
+
+def wait_until_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> bool:
+    """True once the engine has no requests and every KV block is free (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        inner = engine.engine
+        if not inner.has_unfinished_requests() and inner.kv.num_free_blocks == inner.num_blocks:
+            return True
+        time.sleep(0.02)
+    return False

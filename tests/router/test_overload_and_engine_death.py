@@ -1,0 +1,123 @@
+"""Servers with their own engines: a full admission queue answers 503 with Retry-After, and a
+dead engine ends in-flight streams with an error event (never a hang) and fails probes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx2
+import openai
+import pytest
+
+from engine import AsyncEngine
+from router.api_server import build_app
+from tests.router.rest_server import MODEL_NAME, LiveServer, make_engine, wait_until_idle
+
+MESSAGES = [{"role": "user", "content": "tell me a long story"}]
+LONG = {"max_tokens": 900, "ignore_eos": True}  # far longer than any test waits for
+
+
+@pytest.fixture
+def small(tiny_llama: str) -> Iterator[tuple[LiveServer, AsyncEngine]]:
+    """One running sequence and one queued: a third concurrent sequence is refused."""
+    engine = make_engine(tiny_llama, max_num_seqs=1)
+    live = LiveServer(build_app(engine, MODEL_NAME, max_queued_requests=1)).start()
+    yield live, engine
+    live.stop()
+    engine.shutdown()
+
+
+def _client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=20)
+
+
+def test_full_queue_is_503_with_retry_after(small: tuple[LiveServer, AsyncEngine]) -> None:
+    live, engine = small
+    client = _client(live)
+    streams = []
+    for _ in range(2):
+        stream = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, stream=True, extra_body=LONG
+        )
+        next(iter(stream))  # the role chunk: this request is admitted
+        streams.append(stream)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    err = info.value
+    assert err.status_code == 503
+    assert err.code == "overloaded"
+    assert err.response.headers["retry-after"] == "1"
+    with pytest.raises(openai.InternalServerError):  # streaming requests are refused up front
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2, stream=True)
+    for stream in streams:
+        stream.close()
+    assert wait_until_idle(engine)
+    # The capacity came back.
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_flood_gets_some_503s_and_the_rest_complete(
+    small: tuple[LiveServer, AsyncEngine],
+) -> None:
+    live, engine = small
+
+    async def one(aclient: openai.AsyncOpenAI) -> int:
+        try:
+            await aclient.completions.create(
+                model=MODEL_NAME, prompt="flood", max_tokens=200, extra_body={"ignore_eos": True}
+            )
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+
+    async def flood() -> list[int]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=20
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient) for _ in range(12)))
+
+    codes = asyncio.run(flood())
+    assert set(codes) <= {200, 503}
+    assert codes.count(200) >= 2
+    assert codes.count(503) >= 1
+    assert wait_until_idle(engine)
+
+
+def test_engine_death_ends_streams_with_an_error_event(tiny_llama: str) -> None:
+    engine = make_engine(tiny_llama)
+    live = LiveServer(build_app(engine, MODEL_NAME)).start()
+    try:
+        client = _client(live)
+        body = {"model": MODEL_NAME, "prompt": "a long story", "stream": True, **LONG}
+        with httpx2.stream("POST", f"{live.url}/v1/completions", json=body, timeout=20) as raw:
+            lines = raw.iter_lines()
+            assert next(lines).startswith("data: {")
+            stream = iter(
+                client.chat.completions.create(
+                    model=MODEL_NAME, messages=MESSAGES, stream=True, extra_body=LONG
+                )
+            )
+            next(stream)
+            engine.shutdown()
+            with pytest.raises(openai.APIError) as info:
+                for _ in stream:
+                    pass
+            assert info.value.code == "engine_unavailable"
+            assert "engine stopped" in info.value.message
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable"
+        assert error["code"] == "engine_unavailable"
+        # New requests and the probes say the engine is gone.
+        with pytest.raises(openai.InternalServerError) as info_new:
+            client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+        assert info_new.value.status_code == 503
+        assert httpx2.get(f"{live.url}/health").status_code == 503
+        assert httpx2.get(f"{live.url}/ready").status_code == 503
+    finally:
+        live.stop()
+        engine.shutdown()
