@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import InvalidInputError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -79,12 +80,14 @@ class AsyncEngine:
         _, ids = self.engine.tokenize_prompt(prompt)
         self.engine.check_lengths(len(ids), params)
         with self._lock:
+            # Checked under the lock: the loop marks itself dead under it before it notifies
+            # the registered streams, so a stream is either notified or refused here.
+            if self._dead is not None:
+                raise EngineDeadError("engine is not running") from self._dead
             if request_id is None:
                 self._counter += 1
                 request_id = f"req-{self._counter}"
             if request_id in self._streams:
-                from engine.errors import InvalidInputError
-
                 raise InvalidInputError("request_id", f"{request_id!r} is already running")
             out_queue: asyncio.Queue[Any] = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
@@ -123,11 +126,12 @@ class AsyncEngine:
                     self._publish(out.request_id, out)
         except BaseException as e:  # any failure must reach every waiting client
             logger.exception("engine loop failed")
-            self._dead = e
-        finally:
-            if self._dead is None:
-                self._dead = EngineDeadError("engine shut down")
             with self._lock:
+                self._dead = e
+        finally:
+            with self._lock:
+                if self._dead is None:
+                    self._dead = EngineDeadError("engine shut down")
                 streams = list(self._streams)
             for request_id in streams:
                 self._publish(request_id, EngineDeadError(str(self._dead)))

@@ -66,3 +66,18 @@ def test_bad_input_raises_before_queueing(engine):
     with pytest.raises(InvalidInputError) as info:
         asyncio.run(main())
     assert info.value.field == "prompt"
+
+
+def test_requests_after_shutdown_fail_fast(tiny_llama):
+    from engine.async_engine import EngineDeadError
+
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_llama, dtype="float32", load_progress=False))
+    eng.shutdown()
+    assert not eng.is_running
+
+    async def main():
+        async for _ in eng.generate("hello", SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(asyncio.wait_for(main(), timeout=10))
