@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/duet generate "Write a haiku about the sea."
+	$(VENV)/bin/duet serve $(SERVE_ARGS)
 
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
