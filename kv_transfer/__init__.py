@@ -1,1 +1,23 @@
-"""duet: kv_transfer."""
+"""Moving paged KV blocks between workers: layouts and handshakes, block gather/scatter, and
+sender/receiver backends registered by name (`local`; `torch_dist` comes with issue 4)."""
+
+from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
+from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.factory import available_backends, create_receiver, create_sender, register_backend
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+
+__all__ = [
+    "HandshakeError",
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "TransferResult",
+    "TransferStatus",
+    "available_backends",
+    "check_compatible",
+    "create_receiver",
+    "create_sender",
+    "gather_blocks",
+    "register_backend",
+    "scatter_blocks",
+]

@@ -1,0 +1,74 @@
+"""The KV transfer interface, split by role as in vLLM's connector: the prefill side sends,
+the decode side receives. Both are driven by their worker's engine thread; `poll` never blocks.
+
+Ownership (see DESIGN.md, "Timeouts and ownership of KV blocks"): the sender keeps its blocks
+until `poll` reports the transfer DONE (the receiver acknowledged) or FAILED/ABORTED; the
+receiver owns the blocks it reserved from `expect` until its `poll` reports the outcome, and
+frees them on failure or abort. After `abort`, no late write lands in the aborted blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kv_transfer.layout import KVLayout
+
+
+class TransferStatus(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    status: TransferStatus
+    error: str | None = None
+    retryable: bool = False  # FAILED because of a timeout or a peer that went away
+
+
+class KVSender(ABC):
+    """Prefill side of a channel."""
+
+    layout: KVLayout
+
+    @abstractmethod
+    def send(self, request_id: str, block_ids: list[int], dest: str) -> None:
+        """Start shipping the request's blocks to receiver `dest`. Returns at once."""
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Transfers that ended since the last call. Never blocks."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Give up on a transfer; it is reported ABORTED by the next `poll`."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release channels."""
+
+
+class KVReceiver(ABC):
+    """Decode side of a channel."""
+
+    layout: KVLayout
+
+    @abstractmethod
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        """Reserve: the request's KV will be written into `block_ids` (already allocated by the
+        caller) when it arrives. After `timeout_s` without it, the transfer FAILS (retryable)."""
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Transfers that ended since the last call: DONE means the blocks hold the KV. Never
+        blocks."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop waiting; anything that arrives later for this request is dropped."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release channels."""

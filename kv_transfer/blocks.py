@@ -1,0 +1,37 @@
+"""Gathering a request's blocks out of the paged cache and scattering them into another, as
+one tensor op per layer (never a Python loop over blocks)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_blocks(kv_caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_caches: per layer [2, NB, BS, Hkv, D]; block_ids: [n] long
+    -> [L, 2, n, BS, Hkv, D] contiguous."""
+    first = kv_caches[0]
+    out = torch.empty(
+        (len(kv_caches), 2, block_ids.numel(), *first.shape[2:]),
+        dtype=first.dtype,
+        device=first.device,
+    )
+    for layer, cache in enumerate(kv_caches):
+        torch.index_select(cache, 1, block_ids, out=out[layer])
+    return out
+
+
+def scatter_blocks(
+    kv_caches: list[torch.Tensor],
+    block_ids: torch.Tensor,
+    blocks: torch.Tensor,
+    head_range: tuple[int, int] | None = None,
+) -> None:
+    """Write `blocks` ([L, 2, n, BS, h, D]) into the caches at `block_ids`. With `head_range`
+    the blocks hold only KV heads [start, end) of the receiver's heads (a shard from a sender
+    with larger tensor parallelism)."""
+    for layer, cache in enumerate(kv_caches):
+        if head_range is None:
+            cache.index_copy_(1, block_ids, blocks[layer])
+        else:
+            start, end = head_range
+            cache[:, :, :, start:end].index_copy_(1, block_ids, blocks[layer])

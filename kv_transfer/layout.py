@@ -1,0 +1,93 @@
+"""What a KV transfer carries and the handshake that checks both sides agree on it.
+
+Blocks travel as one tensor per request, `[num_layers, 2, num_blocks, block_size, Hkv, D]`,
+so the receiver can scatter them without knowing how the sender stored them. A sender with
+tensor parallelism T ships the heads of its shard (rank r holds KV heads [r*H/T, (r+1)*H/T));
+a receiver with a smaller TP reassembles heads from several senders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+KV_LAYOUT_VERSION = 1
+
+
+class HandshakeError(RuntimeError):
+    """The two sides of a channel disagree on what a block is; nothing is transferred."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_id: str
+    dtype: str  # "float32", "bfloat16", ...
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # of the whole model
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    version: int = KV_LAYOUT_VERSION
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """[start, end) of the model's KV heads this side holds."""
+        return self.tp_rank * self.heads_per_rank, (self.tp_rank + 1) * self.heads_per_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        return cls(**data)
+
+    @classmethod
+    def of_caches(
+        cls,
+        model_id: str,
+        kv_caches: list[torch.Tensor],
+        num_kv_heads: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> KVLayout:
+        _, _, block_size, _, head_dim = kv_caches[0].shape
+        return cls(
+            model_id=model_id,
+            dtype=str(kv_caches[0].dtype).removeprefix("torch."),
+            block_size=block_size,
+            num_layers=len(kv_caches),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+
+
+def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
+    """Raise `HandshakeError` naming every field the two sides disagree on. TP sizes may
+    differ (heads are reassembled), everything else must match."""
+    fields = (
+        "version",
+        "model_id",
+        "dtype",
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+    )
+    diffs = [
+        f"{name}: sender {getattr(sender, name)!r} != receiver {getattr(receiver, name)!r}"
+        for name in fields
+        if getattr(sender, name) != getattr(receiver, name)
+    ]
+    if sender.num_kv_heads % sender.tp_size or receiver.num_kv_heads % receiver.tp_size:
+        diffs.append("num_kv_heads is not divisible by a side's tp_size")
+    if diffs:
+        raise HandshakeError("KV layout mismatch; refusing to transfer: " + "; ".join(diffs))
