@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.server import RouterConfig
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,10 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="system prompt")
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible REST API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible REST API and gRPC")
     _add_model_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="REST port (default: %(default)s)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="REST port, 0 for a free one (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="gRPC port, 0 for a free one (logged at startup) (default: %(default)s)",
+    )
     serve.add_argument(
         "--api-key",
         action="append",
@@ -74,10 +87,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences that may wait behind a full batch before new requests get 503",
     )
     serve.add_argument(
+        "--session-store",
+        default=None,
+        metavar="URL",
+        help="where sessions and shared rate-limit counters live: redis://host:6379/0 or "
+        "sqlite:///path.db (default: an SQLite file in the user data dir)",
+    )
+    serve.add_argument(
+        "--rate-limit-rpm",
+        type=float,
+        default=None,
+        metavar="N",
+        help="requests per minute per API key (default: unlimited)",
+    )
+    serve.add_argument(
+        "--rate-limit-tpm",
+        type=float,
+        default=None,
+        metavar="N",
+        help="tokens (prompt + max_tokens) per minute per API key (default: unlimited)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=int,
         default=10,
-        help="seconds Ctrl-C waits for in-flight requests before cancelling them",
+        help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
+        "error (SSE error event, gRPC UNAVAILABLE)",
     )
     return parser
 
@@ -189,22 +224,44 @@ def _read_api_keys(args: argparse.Namespace) -> list[str]:
     return keys
 
 
-def _serve(args: argparse.Namespace) -> int:
-    if not 0 <= args.port <= 65535:
-        raise ServeConfigError(f"--port: must be in [0, 65535]; got {args.port}")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        raise ServeConfigError(
-            f"--max-queued-requests: must be >= 0; got {args.max_queued_requests}"
+def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfig:
+    from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS
+    from router.server import RouterConfig
+    from session_store import RateLimits, open_session_store
+
+    rates = (("--rate-limit-rpm", args.rate_limit_rpm), ("--rate-limit-tpm", args.rate_limit_tpm))
+    for flag, value in rates:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ServeConfigError(f"{flag}: must be > 0 (omit it for no limit); got {value}")
+    max_queued = args.max_queued_requests
+    try:
+        config = RouterConfig(
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            api_keys=tuple(api_keys),
+            max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS if max_queued is None else max_queued,
+            session_store_url=args.session_store,
+            rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
+            shutdown_timeout_s=args.shutdown_timeout,
         )
-    if args.shutdown_timeout < 0:
-        raise ServeConfigError(f"--shutdown-timeout: must be >= 0; got {args.shutdown_timeout}")
-    api_keys = _read_api_keys(args)  # before the (slow) model load
+        open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
+    except ValueError as e:
+        raise ServeConfigError(str(e)) from e
+    return config
 
-    import uvicorn
 
+def _serve(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the flags fails before the (slow) model load.
+    config = _router_config(args, _read_api_keys(args))
     from engine import AsyncEngine, EngineConfig
-    from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS, build_app
+    from router.server import RouterServer, bind_rest_socket, check_grpc_port
 
+    try:
+        check_grpc_port(config.host, config.grpc_port)
+        rest_socket = bind_rest_socket(config.host, config.port)
+    except OSError as e:
+        raise ServeConfigError(str(e)) from e
     log = logging.getLogger("duet.serve")
     # uvicorn handles SIGINT/SIGTERM with a graceful shutdown, then re-raises the signal through
     # the handler that was installed before it: make SIGTERM, like SIGINT, an exception here so
@@ -214,31 +271,11 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncEngine.from_config(EngineConfig(model=args.model, **_engine_kwargs(args)))
         name = args.served_model_name or engine.engine.model_name
-        max_queued = args.max_queued_requests
-        app = build_app(
-            engine,
-            name,
-            api_keys,
-            DEFAULT_MAX_QUEUED_REQUESTS if max_queued is None else max_queued,
-        )
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level="info",
-            lifespan="off",
-            # uvicorn waits this long for in-flight requests on Ctrl-C, then cancels them
-            # (which aborts their engine requests).
-            timeout_graceful_shutdown=args.shutdown_timeout,
-        )
-        log.info(
-            "REST API (OpenAI-compatible) for model %r on http://%s:%d/v1 (API key %s)",
-            name, args.host, args.port, "required" if api_keys else "not required",
-        )  # fmt: skip
-        uvicorn.Server(config).run()
+        RouterServer(engine, name, config, rest_socket).run()
     except (KeyboardInterrupt, _Terminated):
-        pass  # uvicorn has shut down gracefully (or the model was still loading)
+        pass  # both servers have shut down gracefully (or the model was still loading)
     finally:
+        rest_socket.close()
         if engine is not None:
             engine.shutdown()
             log.info("engine stopped")

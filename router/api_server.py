@@ -1,31 +1,48 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`
-(liveness: the engine thread runs), `GET /ready` (readiness: it also accepts new requests),
-`GET /metrics` (Prometheus text). With API keys configured, every route but the two probes
-needs `Authorization: Bearer KEY`.
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, `GET /health` (liveness: the engine
+thread runs), `GET /ready` (readiness: it also accepts new requests), `GET /metrics`
+(Prometheus text), `GET /openapi.json`. With API keys configured, every route but the two
+probes needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Annotated
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine import AsyncEngine
-from router.auth import APIKeyChecker, APIKeyMiddleware
+from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
 from router.errors import EngineUnavailableError, install_exception_handlers
 from router.openai_protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ModelCard,
     ModelList,
 )
+from router.openapi import error_responses, install_openapi
+from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_chat import ChatCompletionHandler
 from router.serving_completion import CompletionHandler
 from router.serving_context import ServingContext
+from router.sessions import SessionManager
+from router.sessions_protocol import (
+    SessionCreateRequest,
+    SessionDeleted,
+    SessionList,
+    SessionMessage,
+    SessionObject,
+    SessionWithMessages,
+)
+from session_store import RateLimiter, RateLimits, SessionStore
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 """Sequences that may wait behind a full running batch before new requests get 503."""
@@ -36,35 +53,98 @@ def build_app(
     served_model_name: str,
     api_keys: Sequence[str] = (),
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    session_store: SessionStore | None = None,
+    rate_limiter: RateLimiter | None = None,
+    rate_limits: RateLimits = NO_RATE_LIMITS,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine and
-    shuts it down after the server stops. Several apps may share one process (and engine):
-    each has its own metrics registry and admission queue."""
+    """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
+    session store and the rate limiter, and closes them after the server stops (`lifespan`
+    may do it). Without a session store, session routes and `session_id` answer 404; rate
+    limits need a rate limiter. Several apps may share one process (and engine): each has its
+    own metrics registry and admission queue."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
-    ctx = ServingContext(engine, served_model_name, max_queued_requests)
+    sessions = SessionManager(session_store)
+    ctx = ServingContext(
+        engine,
+        served_model_name,
+        max_queued_requests,
+        sessions,
+        RequestRateLimiter(rate_limiter, rate_limits),
+    )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
     # NOTE: no interactive docs: they would be one more route to guard, and clients use the
-    # OpenAI SDKs anyway.
-    app = FastAPI(title="duet", docs_url=None, redoc_url=None, openapi_url=None)
+    # OpenAI SDKs anyway. The schema itself is served (behind the key, like every route).
+    app = FastAPI(
+        title="duet",
+        description="OpenAI-compatible LLM serving with stored sessions",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+    )
     app.state.serving = ctx
     install_exception_handlers(app)
+    install_openapi(app)
     app.add_middleware(APIKeyMiddleware, checker=checker)
 
-    @app.post("/v1/chat/completions")
+    streamed = {"text/event-stream": {"schema": {"type": "string"}}}
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            200: {"model": ChatCompletionResponse, "content": streamed},
+            **error_responses(400, 401, 404, 409, 429, 503),
+        },
+    )
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            200: {"model": CompletionResponse, "content": streamed},
+            **error_responses(400, 401, 404, 429, 503),
+        },
+    )
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completions.create(body, raw)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def list_models() -> ModelList:
         card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
         return ModelList(data=[card])
+
+    @app.post("/v1/sessions", responses=error_responses(400, 401, 404, 503))
+    async def create_session(
+        raw: Request, body: Annotated[SessionCreateRequest | None, Body()] = None
+    ) -> SessionObject:
+        metadata, ttl_s = (body.metadata, body.ttl_s) if body is not None else (None, None)
+        session = await sessions.create(caller_api_key(raw), metadata, ttl_s)
+        return SessionObject.of(session)
+
+    @app.get("/v1/sessions", responses=error_responses(401, 404, 503))
+    async def list_sessions(raw: Request) -> SessionList:
+        found = await sessions.list_owned(caller_api_key(raw))
+        return SessionList(data=[SessionObject.of(s) for s in found])
+
+    @app.get("/v1/sessions/{session_id}", responses=error_responses(401, 404, 503))
+    async def get_session(session_id: str, raw: Request) -> SessionWithMessages:
+        session, messages = await sessions.read(session_id, caller_api_key(raw))
+        return SessionWithMessages(
+            **SessionObject.of(session).model_dump(),
+            messages=[SessionMessage.model_validate(m) for m in messages],
+        )
+
+    @app.delete("/v1/sessions/{session_id}", responses=error_responses(401, 404, 503))
+    async def delete_session(session_id: str, raw: Request) -> SessionDeleted:
+        await sessions.delete(session_id, caller_api_key(raw))
+        return SessionDeleted(id=session_id)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,8 +1,9 @@
 """API-key authentication: `Authorization: Bearer KEY` on every path but the probes.
 
-A pure ASGI middleware (not Starlette's `BaseHTTPMiddleware`), so streaming responses and
-client-disconnect detection pass through untouched. Keys are compared in constant time and
-never logged.
+One `APIKeyChecker` serves REST (through `APIKeyMiddleware`) and gRPC (through
+`router.grpc_server`'s interceptor). The middleware is pure ASGI (not Starlette's
+`BaseHTTPMiddleware`), so streaming responses and client-disconnect detection pass through
+untouched. Keys are compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import AuthenticationError
@@ -33,8 +35,13 @@ class APIKeyChecker:
 
     def check(self, authorization: str | None) -> None:
         """Raise `AuthenticationError` unless the header carries an accepted key."""
+        self.authenticate(authorization)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The caller's key from an `Authorization` header value; None when no keys are
+        configured (everyone is the same anonymous caller). Raises `AuthenticationError`."""
         if not self._keys:
-            return
+            return None
         if not authorization:
             raise AuthenticationError("missing API key: send it as 'Authorization: Bearer <key>'")
         scheme, _, token = authorization.partition(" ")
@@ -47,6 +54,7 @@ class APIKeyChecker:
             matched |= hmac.compare_digest(given, key)
         if not matched:
             raise AuthenticationError("invalid API key")
+        return token.strip()
 
 
 class APIKeyMiddleware:
@@ -66,8 +74,16 @@ class APIKeyMiddleware:
                 authorization = value.decode("latin-1")
                 break
         try:
-            self.checker.check(authorization)
+            api_key = self.checker.authenticate(authorization)
         except AuthenticationError as e:
             await e.to_response()(scope, receive, send)
             return
+        # Routes read it back with `caller_api_key` (sessions are owned by a key, rate limits
+        # are per key). Starlette's `request.state` lives in this scope entry.
+        scope.setdefault("state", {})["api_key"] = api_key
         await self.app(scope, receive, send)
+
+
+def caller_api_key(request: Request) -> str | None:
+    """The key the request authenticated with; None when the server has no keys."""
+    return getattr(request.state, "api_key", None)

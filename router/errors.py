@@ -85,6 +85,54 @@ class RateLimitError(OpenAIError):
         super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
 
 
+class SessionNotFoundError(OpenAIError):
+    """Unknown, expired or deleted session, or one that another API key owns (not told apart,
+    so a key cannot probe for other keys' session ids)."""
+
+    status_code = 404
+    type = "not_found_error"
+    code = "session_not_found"
+
+    def __init__(self, session_id: str) -> None:
+        shown = session_id if len(session_id) <= 64 else session_id[:64] + "..."
+        super().__init__(
+            f"session_id: session {shown!r} not found (unknown, expired, deleted, or created "
+            "with another API key)",
+            param="session_id",
+        )
+
+
+class SessionsDisabledError(OpenAIError):
+    status_code = 404
+    type = "not_found_error"
+    code = "sessions_disabled"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "sessions are not enabled on this server (it was started without a session store)",
+            param="session_id",
+        )
+
+
+class SessionConflictError(OpenAIError):
+    """Another turn on the same session was stored first; this reply was not stored."""
+
+    status_code = 409
+    type = "conflict_error"
+    code = "session_conflict"
+
+
+class SessionStoreUnavailableError(OpenAIError):
+    """The session store is down or slow; requests without a session still work."""
+
+    status_code = 503
+    type = "service_unavailable"
+    code = "session_store_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
+
+
 class OverloadedError(OpenAIError):
     """The admission queue is full: retry later (Retry-After says when)."""
 

@@ -1,57 +1,92 @@
 """The public gRPC service `duet.v1.Duet` (plus standard health checking and reflection), on an
-`AsyncEngine`. Same validation as REST, mapped to gRPC status codes:
+`AsyncEngine`. Same validation, API keys (`router.auth.APIKeyChecker`), sessions
+(`router.sessions`) and rate limits (`router.rate_limit`) as REST; errors map to status codes:
 
-    bad field -> INVALID_ARGUMENT   missing/wrong key -> UNAUTHENTICATED   unknown model -> NOT_FOUND
-    queue full / engine down -> UNAVAILABLE   rate limited -> RESOURCE_EXHAUSTED
+    bad field -> INVALID_ARGUMENT   missing/wrong key -> UNAUTHENTICATED
+    unknown model or session -> NOT_FOUND   concurrent turn on a session -> ABORTED
+    rate limited -> RESOURCE_EXHAUSTED   queue full / engine down / store down -> UNAVAILABLE
+
+RESOURCE_EXHAUSTED and UNAVAILABLE carry `retry-after` (seconds) in the trailing metadata
+when the server knows when to retry.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
+from typing import Any, NoReturn, cast
 
 import grpc
+import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import AsyncEngine, InvalidInputError, SamplingParams
+from engine import AsyncEngine, InvalidInputError, RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
+from router.auth import APIKeyChecker
+from router.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ModelNotFoundError,
+    OpenAIError,
+    OverloadedError,
+)
+from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from router.sessions import SessionManager, SessionTurn
+from session_store import RateLimiter, RateLimits, SessionStore
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Duet"].full_name
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ABORTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+"""REST statuses of `OpenAIError`s -> gRPC codes; anything else is INTERNAL."""
+
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer KEY` on every method but health and reflection."""
 
-    def __init__(self, api_keys: Sequence[str]) -> None:
-        self._keys = [k.encode() for k in api_keys]
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key")
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+    def __init__(self, checker: APIKeyChecker) -> None:
+        self.checker = checker
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        if not self._keys or details.method.startswith(_OPEN_METHODS):
+        if not self.checker.enabled or details.method.startswith(_OPEN_METHODS):
             return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        auth = metadata.get("authorization", "")
-        token = auth[7:].encode() if isinstance(auth, str) and auth.startswith("Bearer ") else b""
-        if any(hmac.compare_digest(token, key) for key in self._keys):
-            return await continuation(details)
-        handler = await continuation(details)
-        return self._deny_stream if handler and handler.response_streaming else self._deny_unary
+        try:
+            self.checker.check(_authorization(details.invocation_metadata))
+        except AuthenticationError as e:
+            handler = await continuation(details)
+            return _deny(e.message, streaming=bool(handler and handler.response_streaming))
+        return await continuation(details)
+
+
+def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    value = dict(metadata or ()).get("authorization")
+    return value if isinstance(value, str) else None
+
+
+def _deny(message: str, streaming: bool) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
 
 
 def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingParams:
@@ -73,11 +108,20 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
 
 class DuetServicer(serving_pb2_grpc.DuetServicer):
     def __init__(
-        self, engine: AsyncEngine, model_name: str, max_queued_requests: int = 256
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        max_queued_requests: int = 256,
+        checker: APIKeyChecker | None = None,
+        sessions: SessionManager | None = None,
+        rate_limiter: RequestRateLimiter | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_queued_requests = max_queued_requests
+        self.checker = checker or APIKeyChecker(())
+        self.sessions = sessions or SessionManager(None)
+        self.rate_limiter = rate_limiter or RequestRateLimiter(None, NO_RATE_LIMITS)
 
     async def ListModels(
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -90,54 +134,86 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        await self._check_model(request.model, context)
-        which = request.WhichOneof("prompt")
-        prompt: str | list[int]
-        if which == "token_ids":
-            prompt = list(request.token_ids.ids)
-        else:
-            prompt = request.text
-        async for response in self._stream(prompt, request.sampling, request.request_id, context):
-            yield response
+        try:
+            self._check_model(request.model)
+            params = sampling_params_from_proto(request.sampling)
+            if request.WhichOneof("prompt") == "token_ids":
+                prompt_ids = list(request.token_ids.ids)
+                self.engine.engine.tokenize_prompt(prompt_ids)  # validates the ids
+            else:
+                prompt_ids = self.engine.engine.tokenize_prompt(request.text)[1]
+            stream = self._stream(prompt_ids, params, request.request_id, context)
+            async for response in stream:
+                yield response
+        except Exception as e:
+            await _abort(context, e, request.request_id)
 
     async def Chat(
         self, request: serving_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        await self._check_model(request.model, context)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
         try:
-            prompt = self.engine.engine.encode_chat(messages)
-        except InvalidInputError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        async for response in self._stream(prompt, request.sampling, request.request_id, context):
-            yield response
+            self._check_model(request.model)
+            params = sampling_params_from_proto(request.sampling)
+            new_messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            turn = None
+            if request.session_id:
+                if params.n != 1:
+                    raise BadRequestError(
+                        f"n: must be 1 with session_id (a session stores one reply per turn); "
+                        f"got {params.n}",
+                        param="n",
+                    )
+                turn = await self.sessions.begin_turn(request.session_id, self._caller(context))
+            messages = new_messages if turn is None else [*turn.history, *new_messages]
+            try:
+                prompt_ids = self.engine.engine.encode_chat(messages)
+            except jinja2.TemplateError as e:
+                raise BadRequestError(f"messages: the chat template failed: {e}") from None
+            stream = self._stream(
+                prompt_ids, params, request.request_id, context, turn, new_messages
+            )
+            async for response in stream:
+                yield response
+        except Exception as e:
+            await _abort(context, e, request.request_id)
 
-    async def _check_model(self, model: str, context: grpc.aio.ServicerContext) -> None:
+    def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
+        return self.checker.authenticate(_authorization(context.invocation_metadata()))
+
+    def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model: {model!r} is not served; available: {self.model_name}",
+            raise ModelNotFoundError(
+                f"model: {model!r} is not served; available: {self.model_name}", param="model"
             )
 
     async def _stream(
         self,
-        prompt: str | list[int],
-        options: serving_pb2.SamplingOptions,
+        prompt_ids: list[int],
+        params: SamplingParams,
         request_id: str,
         context: grpc.aio.ServicerContext,
+        turn: SessionTurn | None = None,
+        new_messages: Sequence[dict[str, str]] = (),
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        """Admit and run one request. With a session, the sample's last chunk and the usage
+        wait until the turn is stored, so a stream that ends OK always has its turn stored."""
         if not self.engine.is_running:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not running; retry later")
+            raise EngineDeadError("the engine is not running; retry later")
+        max_tokens = self.engine.engine.check_lengths(len(prompt_ids), params)
         if self.engine.engine.stats.num_waiting >= self.max_queued_requests:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "server overloaded: request queue is full"
-            )
-        try:
-            params = sampling_params_from_proto(options)
-            stream = self.engine.generate(prompt, params, request_id or None)
-            sent_logprobs: dict[int, int] = {}
-            last = None
-            async for out in stream:
+            raise OverloadedError("server overloaded: request queue is full")
+        num_tokens = len(prompt_ids) + max_tokens * params.n
+        await self.rate_limiter.admit(self._caller(context), num_tokens)
+        # Closed on any exit (client gone, error), which aborts the engine request at once.
+        stream = cast(
+            AsyncGenerator[RequestOutput, None],
+            self.engine.generate(prompt_ids, params, request_id or None),
+        )
+        sent_logprobs: dict[int, int] = {}
+        held: list[serving_pb2.GenerateResponse] = []
+        last = None
+        async with aclosing(stream) as outputs:
+            async for out in outputs:
                 last = out
                 for sample in out.outputs:
                     if not sample.delta_token_ids and not sample.finished:
@@ -147,7 +223,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                         start = sent_logprobs.get(sample.index, 0)
                         lps = [_logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
                         sent_logprobs[sample.index] = len(sample.logprobs)
-                    yield serving_pb2.GenerateResponse(
+                    response = serving_pb2.GenerateResponse(
                         request_id=out.request_id,
                         index=sample.index,
                         text=sample.delta_text,
@@ -155,17 +231,42 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                         finish_reason=sample.finish_reason or "",
                         logprobs=lps,
                     )
-            if last is not None:
-                usage = serving_pb2.Usage(
-                    prompt_tokens=len(last.prompt_token_ids),
-                    completion_tokens=sum(len(o.token_ids) for o in last.outputs),
-                    cached_prompt_tokens=last.num_cached_tokens,
-                )
-                yield serving_pb2.GenerateResponse(request_id=last.request_id, usage=usage)
-        except InvalidInputError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine stopped: {e}")
+                    if turn is not None and sample.finished:
+                        held.append(response)
+                    else:
+                        yield response
+        if last is None:
+            return
+        if turn is not None:
+            await self.sessions.commit_turn(turn, list(new_messages), last.outputs[0].text)
+        for response in held:
+            yield response
+        usage = serving_pb2.Usage(
+            prompt_tokens=len(last.prompt_token_ids),
+            completion_tokens=sum(len(o.token_ids) for o in last.outputs),
+            cached_prompt_tokens=last.num_cached_tokens,
+        )
+        yield serving_pb2.GenerateResponse(request_id=last.request_id, usage=usage)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception, request_id: str) -> NoReturn:
+    """End the call with the status that says what went wrong (INTERNAL only for our bugs)."""
+    if isinstance(error, grpc.aio.AbortError):
+        raise error  # already aborted
+    if isinstance(error, InvalidInputError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, EngineDeadError):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine stopped: {error}")
+    if isinstance(error, OpenAIError):
+        retry_after = error.headers.get("Retry-After")
+        if retry_after is not None:
+            context.set_trailing_metadata((("retry-after", retry_after),))
+        code = _STATUS_CODES.get(error.status_code, grpc.StatusCode.INTERNAL)
+        await context.abort(code, error.message)
+    error_id = request_id or uuid.uuid4().hex
+    logger.error("gRPC request %s failed", error_id, exc_info=error)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {error_id})")
+    raise AssertionError("unreachable: context.abort raises")
 
 
 def _logprobs_to_proto(lp: Any) -> serving_pb2.TokenLogprobs:
@@ -182,12 +283,24 @@ async def start_grpc_server(
     port: int = 50051,
     api_keys: Sequence[str] = (),
     max_queued_requests: int = 256,
+    session_store: SessionStore | None = None,
+    rate_limiter: RateLimiter | None = None,
+    rate_limits: RateLimits = NO_RATE_LIMITS,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the bound port (useful with port 0)."""
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_keys)])
-    serving_pb2_grpc.add_DuetServicer_to_server(
-        DuetServicer(engine, model_name, max_queued_requests), server
+    """Start serving in the running event loop; returns the server and the bound port (useful
+    with port 0). The caller owns the engine, session store and rate limiter; the store and
+    limiter must belong to this event loop (REST in the same process may share them)."""
+    checker = APIKeyChecker(api_keys)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(checker)])
+    servicer = DuetServicer(
+        engine,
+        model_name,
+        max_queued_requests,
+        checker,
+        SessionManager(session_store),
+        RequestRateLimiter(rate_limiter, rate_limits),
     )
+    serving_pb2_grpc.add_DuetServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -132,7 +132,8 @@ class SamplingRequest(OpenAIModel):
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
     # duet
     session_id: str | None = None
-    """Conversation id in the session store (accepted; sessions are wired by the router)."""
+    """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
+    the turn is stored once the reply completes (see router/sessions.py)."""
 
     @field_validator("stop", mode="wrap")
     @classmethod

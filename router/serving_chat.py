@@ -1,5 +1,9 @@
 """`POST /v1/chat/completions`: render the chat template, generate, answer in OpenAI's shape
-(one JSON body, or SSE chunks when `stream` is true)."""
+(one JSON body, or SSE chunks when `stream` is true).
+
+With `session_id`, the stored history comes before the request's messages, and the turn (the
+request's messages and the reply) is stored before the reply is reported complete (see
+`router.sessions`)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import jinja2
 from fastapi import Request, Response
 
 from engine import CompletionOutput, InvalidInputError, RequestOutput
+from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
 from router.logprobs import chat_logprobs
@@ -27,6 +32,7 @@ from router.openai_protocol import (
     Usage,
 )
 from router.serving_context import ServingContext, final_output
+from router.sessions import SessionTurn
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
 
 
@@ -38,6 +44,7 @@ class ChatCompletionHandler:
         arrival_s = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        api_key = caller_api_key(raw)
         # Engine field names -> this request's names, so a 400 names what the client sent.
         rename = {
             "prompt": "messages",
@@ -46,21 +53,34 @@ class ChatCompletionHandler:
         }
         try:
             params = body.to_sampling_params()
-            messages = [m.to_template_message() for m in body.messages]
+        except InvalidInputError as e:
+            raise BadRequestError.from_invalid_input(e, rename) from None
+        new_messages = [m.to_template_message() for m in body.messages]
+        turn: SessionTurn | None = None
+        if body.session_id is not None:
+            if params.n != 1:
+                raise BadRequestError(
+                    f"n: must be 1 with session_id (a session stores one reply per turn); "
+                    f"got {params.n}",
+                    param="n",
+                )
+            turn = await ctx.sessions.begin_turn(body.session_id, api_key)
+        messages = new_messages if turn is None else [*turn.history, *new_messages]
+        try:
             prompt_ids = ctx.engine.engine.encode_chat(messages)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
         except jinja2.TemplateError as e:
             raise BadRequestError(f"messages: the chat template failed: {e}", "messages") from None
-        ctx.check_lengths(len(prompt_ids), params, rename)
+        max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
         ctx.check_engine()
+        await ctx.rate_limiter.admit(api_key, len(prompt_ids) + max_tokens * params.n)
         [ticket] = ctx.admission.admit([params.n])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s)
         if body.stream:
-            return EventStreamResponse(
-                self._stream(body, request_id, params.n, outputs, rename), ticket.release
-            )
+            events = self._stream(body, request_id, params.n, outputs, rename, turn, new_messages)
+            return EventStreamResponse(events, ticket.release)
         try:
             final = await run_until_disconnect(raw, final_output(outputs))
         except ClientDisconnected:
@@ -69,6 +89,8 @@ class ChatCompletionHandler:
             raise as_openai_error(e, request_id, rename) from e
         finally:
             ticket.release()
+        if turn is not None:
+            await ctx.sessions.commit_turn(turn, new_messages, final.outputs[0].text)
         return Response(
             self._response(body, request_id, final).model_dump_json(),
             media_type="application/json",
@@ -109,7 +131,12 @@ class ChatCompletionHandler:
         n: int,
         outputs: AsyncGenerator[RequestOutput, None],
         rename: dict[str, str],
+        turn: SessionTurn | None,
+        new_messages: list[dict[str, str]],
     ) -> AsyncGenerator[str, None]:
+        """SSE events. With a session, the last content chunk (the one with finish_reason) and
+        the usage chunk wait until the turn is stored; if storing fails, an error event takes
+        their place."""
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
 
@@ -128,6 +155,7 @@ class ChatCompletionHandler:
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=role)])
             finished: set[int] = set()
+            held: list[str] = []
             last: RequestOutput | None = None
             async with aclosing(outputs) as it:
                 async for out in it:
@@ -149,7 +177,14 @@ class ChatCompletionHandler:
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
                         )
-                        yield chunk([choice])
+                        if turn is not None and c.finish_reason is not None:
+                            held.append(chunk([choice]))
+                        else:
+                            yield chunk([choice])
+            if turn is not None and last is not None:
+                await self.ctx.sessions.commit_turn(turn, new_messages, last.outputs[0].text)
+            for event in held:
+                yield event
             if body.include_usage and last is not None:
                 yield chunk([], usage=_usage(last))
         except Exception as e:  # the client gets an error event, never a silent cut

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from fastapi import Request, Response
 
 from engine import CompletionOutput, InvalidInputError, RequestOutput
+from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
 from router.logprobs import completion_logprobs
@@ -35,14 +36,21 @@ class CompletionHandler:
         arrival_s = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
+        if body.session_id is not None:
+            raise BadRequestError(
+                "session_id: sessions hold chat messages; use /v1/chat/completions",
+                param="session_id",
+            )
         try:
             params = body.to_sampling_params()
             prompts = [ctx.engine.engine.tokenize_prompt(p)[1] for p in body.prompts()]
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e) from None
+        num_tokens = 0
         for ids in prompts:
-            ctx.check_lengths(len(ids), params, {})
+            num_tokens += len(ids) + ctx.check_lengths(len(ids), params, {}) * params.n
         ctx.check_engine()
+        await ctx.rate_limiter.admit(caller_api_key(raw), num_tokens)
         tickets = ctx.admission.admit([params.n] * len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [

@@ -1,4 +1,5 @@
-"""`ServingContext`: what every route shares: the engine, the served name, admission, metrics.
+"""`ServingContext`: what every route shares: the engine, the served name, admission, metrics,
+sessions and rate limits.
 
 `generate()` is the one way routes run a request: it records metrics and gives the admission
 ticket back however the request ends (finished, failed, client gone), and leaving it early
@@ -17,13 +18,22 @@ from router.admission import AdmissionController, AdmissionTicket
 from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
 from router.logprobs import TokenTexts
 from router.metrics import ServingMetrics
+from router.rate_limit import RequestRateLimiter
+from router.sessions import SessionManager
 
 
 class ServingContext:
     def __init__(
-        self, engine: AsyncEngine, served_model_name: str, max_queued_requests: int
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        max_queued_requests: int,
+        sessions: SessionManager,
+        rate_limiter: RequestRateLimiter,
     ) -> None:
         self.engine = engine
+        self.sessions = sessions
+        self.rate_limiter = rate_limiter
         self.model_name = served_model_name
         self.created = int(time.time())
         self.admission = AdmissionController(engine.engine.config.max_num_seqs, max_queued_requests)
@@ -47,10 +57,11 @@ class ServingContext:
 
     def check_lengths(
         self, num_prompt_tokens: int, params: SamplingParams, rename: Mapping[str, str]
-    ) -> None:
-        """400 when prompt + max_tokens cannot fit the context or the KV pool."""
+    ) -> int:
+        """The effective max_tokens; 400 when prompt + max_tokens cannot fit the context or
+        the KV pool."""
         try:
-            self.engine.engine.check_lengths(num_prompt_tokens, params)
+            return self.engine.engine.check_lengths(num_prompt_tokens, params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
 

@@ -1,5 +1,6 @@
 """REST fixtures: one live server (API key required) on the tiny model for the session, the
-official `openai` client pointed at it, and raw HTTP for what that client cannot express."""
+official `openai` client pointed at it, raw HTTP for what that client cannot express, and a
+real redis-server (AOF on) for the session and rate-limit tests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from engine import LLM, AsyncEngine
 from router.api_server import build_app
 from tests.router.rest_server import API_KEY, MODEL_NAME, NUM_KV_BLOCKS, LiveServer, make_engine
+from tests.session_store.conftest import RedisServer, free_port
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +48,13 @@ def http(rest_server: LiveServer) -> Iterator[httpx2.Client]:
     """Raw HTTP (no key unless a test sends one), for framing, bad JSON and auth checks."""
     with httpx2.Client(base_url=rest_server.url, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server for the tests that only need Redis up; each test uses its own key
+    prefix. Tests that kill Redis start their own."""
+    server = RedisServer(tmp_path_factory.mktemp("router-redis"), free_port())
+    server.start()
+    yield server
+    server.stop()

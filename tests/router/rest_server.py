@@ -1,11 +1,15 @@
 """Helpers for the REST tests: a live uvicorn server in a background thread, engines on the
-tiny model, and a bounded wait for the engine to be idle with every KV block free."""
+tiny model, a lifespan that closes session stores in the server's loop, and a bounded wait for
+the engine to be idle with every KV block free."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol
 
 import httpx2
 import uvicorn
@@ -27,7 +31,7 @@ class LiveServer:
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -53,13 +57,35 @@ class LiveServer:
         self._sock.close()
 
 
-def make_engine(model: str, max_num_seqs: int = 128) -> AsyncEngine:
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+def closing(*closables: Closable) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """A lifespan that closes session stores and rate limiters when the server stops, in the
+    server's own event loop (the one their connections belong to)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            for closable in closables:
+                await closable.close()
+
+    return lifespan
+
+
+def make_engine(
+    model: str, max_num_seqs: int = 128, max_model_len: int | None = None
+) -> AsyncEngine:
     config = EngineConfig(
         model=model,
         dtype="float32",
         load_progress=False,
         num_kv_blocks=NUM_KV_BLOCKS,
         max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
     )
     return AsyncEngine.from_config(config)
 

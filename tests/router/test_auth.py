@@ -23,6 +23,11 @@ def test_rejects_missing_malformed_or_wrong(header: str | None) -> None:
     assert "k1" not in info.value.message  # never echo a key
 
 
+def test_authenticate_names_the_caller_key() -> None:
+    assert APIKeyChecker(["k1", "k2"]).authenticate("Bearer  k2 ") == "k2"
+    assert APIKeyChecker([]).authenticate("Bearer anything") is None
+
+
 def test_no_keys_means_open_and_empty_keys_are_refused() -> None:
     checker = APIKeyChecker([])
     assert not checker.enabled

@@ -183,7 +183,6 @@ def test_max_completion_tokens_wins_and_extras_are_accepted(client: openai.OpenA
         max_completion_tokens=5,
         extra_body={
             "ignore_eos": True,
-            "session_id": "conversation-1",
             "top_k": 5,
             "min_p": 0.01,
             "repetition_penalty": 1.1,

@@ -1,0 +1,219 @@
+"""One router process: REST (uvicorn) and gRPC (grpc.aio) on one event loop, sharing the
+engine, the session store and the rate limiter. `duet serve` runs it.
+
+Lifecycle:
+- Start: uvicorn owns the event loop; the app's lifespan starts the gRPC server in it, then the
+  log says where each endpoint listens.
+- Stop (Ctrl-C, SIGTERM): both servers stop taking new work at once. In-flight requests get
+  `shutdown_timeout_s` to finish; after that the engine is stopped, which ends every remaining
+  request with a retryable error (an SSE error event then `[DONE]` on REST, UNAVAILABLE on
+  gRPC), never a silent cut or a hang. Then the session store and rate limiter close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+import uvicorn
+from fastapi import FastAPI
+
+from engine import AsyncEngine
+from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS, build_app
+from router.grpc_server import SERVICE_NAME, start_grpc_server
+from router.rate_limit import NO_RATE_LIMITS
+from session_store import RateLimits, SqliteSessionStore, open_rate_limiter, open_session_store
+
+logger = logging.getLogger("duet.serve")
+
+_BACKSTOP_S = 5.0
+"""Extra time uvicorn and gRPC wait after the drain, in case the engine is slow to stop."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How `duet serve` exposes one engine."""
+
+    host: str = "127.0.0.1"
+    """Address both servers bind."""
+    port: int = 8000
+    """REST port; 0 picks a free one."""
+    grpc_port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted keys; none: no authentication (every caller is "anonymous")."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    """Sequences that may wait behind a full batch before new requests get 503."""
+    session_store_url: str | None = None
+    """`redis://...` or `sqlite:///...`; None: the embedded SQLite file in the user data dir."""
+    rate_limits: RateLimits = NO_RATE_LIMITS
+    """Per-key requests/min and tokens/min (unlimited by default)."""
+    shutdown_timeout_s: float = 10.0
+    """On stop, how long in-flight requests may run before they are ended with an error."""
+
+    def __post_init__(self) -> None:
+        for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag}: must be in [0, 65535]; got {port}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests: must be >= 0; got {self.max_queued_requests}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
+
+
+def bind_rest_socket(host: str, port: int) -> socket.socket:
+    """The REST listening socket, bound now (so a taken port fails before the model loads, and
+    port 0 is resolved). `OSError` names the flag and the address."""
+    sock = _bind("--port", host, port)
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_grpc_port(host: str, port: int) -> None:
+    """Fail early (`OSError` naming the flag) when the gRPC port is taken. gRPC binds its own
+    socket later, so a port taken in between still fails then, at startup."""
+    if port != 0:
+        _bind("--grpc-port", host, port).close()
+
+
+def _bind(flag: str, host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"{flag}: cannot bind {host}:{port}: {e.strerror or e}") from e
+    return sock
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server plus the gRPC server and the bounded drain described above."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        config: RouterConfig,
+        rest_socket: socket.socket,
+    ) -> None:
+        self.engine = engine
+        self.router_config = config
+        self.rest_socket = rest_socket
+        self.session_store = open_session_store(config.session_store_url)
+        self.rate_limiter = open_rate_limiter(config.session_store_url)
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_port: int | None = None
+        app = build_app(
+            engine,
+            served_model_name,
+            config.api_keys,
+            config.max_queued_requests,
+            session_store=self.session_store,
+            rate_limiter=self.rate_limiter,
+            rate_limits=config.rate_limits,
+            lifespan=self._lifespan,
+        )
+        self.served_model_name = served_model_name
+        super().__init__(
+            uvicorn.Config(
+                app,
+                log_level="info",
+                lifespan="on",
+                # NOTE: a backstop only: `shutdown` ends in-flight requests after the drain.
+                timeout_graceful_shutdown=int(config.shutdown_timeout_s + _BACKSTOP_S),
+            )
+        )
+
+    def run(self) -> None:  # type: ignore[override]
+        """Serve until Ctrl-C or SIGTERM (then re-raised by uvicorn, as KeyboardInterrupt for
+        Ctrl-C), blocking the calling thread."""
+        super().run(sockets=[self.rest_socket])
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        config = self.router_config
+        try:
+            self.grpc_server, self.grpc_port = await start_grpc_server(
+                self.engine,
+                self.served_model_name,
+                config.host,
+                config.grpc_port,
+                config.api_keys,
+                config.max_queued_requests,
+                session_store=self.session_store,
+                rate_limiter=self.rate_limiter,
+                rate_limits=config.rate_limits,
+            )
+        except Exception:
+            await self._close_stores()
+            raise
+        host, port = self.rest_socket.getsockname()[:2]
+        keys = "required" if config.api_keys else "not required"
+        logger.info(
+            "REST API (OpenAI-compatible) for model %r on http://%s:%d/v1 (API key %s)",
+            self.served_model_name, host, port, keys,
+        )  # fmt: skip
+        logger.info("gRPC API (%s) on %s:%d", SERVICE_NAME, config.host, self.grpc_port)
+        store = self.session_store
+        where = f"SQLite file {store.path}" if isinstance(store, SqliteSessionStore) else "Redis"
+        logger.info("sessions stored in %s", where)  # NOTE: never the URL: it may hold a password
+        limits = config.rate_limits
+        if not limits.is_unlimited:
+            rpm, tpm = limits.requests_per_min, limits.tokens_per_min
+            logger.info(
+                "rate limits per API key: %s requests/min, %s tokens/min",
+                "unlimited" if rpm is None else f"{rpm:g}",
+                "unlimited" if tpm is None else f"{tpm:g}",
+            )
+        try:
+            yield
+        finally:
+            if self.grpc_server is not None:
+                await self.grpc_server.stop(0)  # already drained by `shutdown`; a no-op then
+            await self._close_stores()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn stops accepting, waits for open connections, then runs the lifespan's exit;
+        # the drain runs beside it and bounds the wait for REST and gRPC alike.
+        drain = asyncio.create_task(self._drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await drain
+
+    async def _drain(self) -> None:
+        timeout_s = self.router_config.shutdown_timeout_s
+        grpc_stopped = (
+            asyncio.create_task(self.grpc_server.stop(timeout_s + _BACKSTOP_S))
+            if self.grpc_server is not None
+            else None
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        await asyncio.sleep(0.05)  # uvicorn closes idle connections; gRPC may stop at once
+        while self.server_state.connections or (grpc_stopped and not grpc_stopped.done()):
+            if loop.time() >= deadline:
+                logger.warning(
+                    "shutdown timeout (%gs) reached with requests in flight: stopping the "
+                    "engine, which ends them with a retryable error", timeout_s,
+                )  # fmt: skip
+                # Blocks until the engine thread exits (one step at most): off the event loop.
+                await asyncio.to_thread(self.engine.shutdown)
+                break
+            await asyncio.sleep(0.05)
+        if grpc_stopped is not None:
+            await grpc_stopped
+
+    async def _close_stores(self) -> None:
+        for closable in (self.session_store, self.rate_limiter):
+            try:
+                await closable.close()
+            except Exception as e:  # closing must not hide why we stopped
+                logger.warning("closing %s failed: %s", type(closable).__name__, e)
