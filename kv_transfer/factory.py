@@ -10,6 +10,7 @@ from kv_transfer.base import KVReceiver, KVSender
 # name -> (module, sender class, receiver class)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "local": ("kv_transfer.local", "LocalKVSender", "LocalKVReceiver"),
+    "torch_dist": ("kv_transfer.torch_dist", "TorchDistKVSender", "TorchDistKVReceiver"),
 }
 
 

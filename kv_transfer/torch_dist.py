@@ -1,0 +1,329 @@
+"""The `torch_dist` backend: a pairwise channel per (sender, receiver), built on demand.
+
+The receiver hosts a `TCPStore` at `address` ("host:port"). A sender opening a channel to it
+writes its `KVLayout` under a fresh channel id, pushes the id onto the store's accept queue and
+waits for the receiver's layout (or a refusal): the handshake. Both sides then build a 2-rank
+gloo group (NCCL on GPU, later) over a `PrefixStore` for that channel, so no global world is
+needed and workers can come and go.
+
+A transfer: the sender gathers the request's blocks into one tensor (on the caller's thread, so
+its blocks are free to reuse as soon as `send` returns), pushes `{request_id, num_blocks, tag}`
+onto the channel's queue, and a background thread sends the tensor. The receiver's channel
+thread pops the header, receives the tensor and leaves it in an inbox; the engine thread's
+`poll` scatters it into the blocks reserved by `expect` (only if still expected: an aborted
+request's late data is dropped, never written) and acknowledges through the store.
+
+Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a request at the
+`expect` deadline; a sender reports FAILED (retryable) when no acknowledgement comes within
+`ack_timeout_s`, or when its peer is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
+from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+
+logger = logging.getLogger(__name__)
+
+_ACCEPT_QUEUE = "duet/kv/accept"
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _receiver_heads(sender: KVLayout, receiver: KVLayout) -> tuple[int, int] | None:
+    if sender.head_range == receiver.head_range:
+        return None
+    s_start, s_end = sender.head_range
+    r_start, _ = receiver.head_range
+    return s_start - r_start, s_end - r_start
+
+
+@dataclass
+class _Channel:
+    cid: str
+    store: dist.Store
+    group: Any  # a 2-rank ProcessGroupGloo (its stubs lack send/recv)
+    peer_layout: KVLayout
+    tags: itertools.count[int]
+
+
+class TorchDistKVSender(KVSender):
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        name: str = "prefill",
+        timeout_s: float = 30.0,
+        ack_timeout_s: float = 60.0,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.name = name
+        self.timeout_s = timeout_s
+        self.ack_timeout_s = ack_timeout_s
+        self._channels: dict[str, _Channel] = {}
+        self._pending: dict[str, tuple[_Channel, float]] = {}  # request id -> (channel, deadline)
+        self._results: list[TransferResult] = []
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[str, _Channel, torch.Tensor, int] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._send_loop, name=f"kv-send-{name}", daemon=True)
+        self._worker.start()
+
+    def connect(self, dest: str) -> _Channel:
+        """Open (or reuse) the channel to receiver `dest`; raises HandshakeError on mismatch."""
+        channel = self._channels.get(dest)
+        if channel is not None:
+            return channel
+        host, port = dest.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=_timeout(self.timeout_s))
+        cid = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        store.set(f"{cid}/layout/sender", json.dumps(self.layout.to_dict()))
+        store.queue_push(_ACCEPT_QUEUE, cid)
+        store.wait([f"{cid}/verdict"], _timeout(self.timeout_s))
+        verdict = json.loads(store.get(f"{cid}/verdict"))
+        if "error" in verdict:
+            raise HandshakeError(f"receiver {dest} refused: {verdict['error']}")
+        peer = KVLayout.from_dict(verdict["layout"])
+        check_compatible(self.layout, peer)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(cid, store), 0, 2, _timeout(self.timeout_s))
+        channel = _Channel(cid, store, group, peer, itertools.count(1))
+        self._channels[dest] = channel
+        return channel
+
+    def send(self, request_id: str, block_ids: list[int], dest: str) -> None:
+        try:
+            channel = self.connect(dest)
+        except HandshakeError:
+            raise
+        except Exception as e:  # receiver unreachable: the router retries elsewhere
+            self._finish(
+                TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
+            )
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+        blocks = gather_blocks(self.kv_caches, ids)  # the caller may reuse its blocks from here on
+        with self._lock:
+            self._pending[request_id] = (channel, time.monotonic() + self.ack_timeout_s)
+        self._jobs.put((request_id, channel, blocks, next(channel.tags)))
+
+    def _send_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            request_id, channel, blocks, tag = job
+            with self._lock:
+                if request_id not in self._pending:
+                    continue  # aborted before it went out
+            try:
+                header = {"request_id": request_id, "shape": list(blocks.shape), "tag": tag}
+                channel.store.queue_push(f"{channel.cid}/xfers", json.dumps(header))
+                channel.group.send([blocks], 1, tag).wait()
+            except Exception as e:
+                logger.warning("KV send of %s failed: %s", request_id, e)
+                self._finish(
+                    TransferResult(request_id, TransferStatus.FAILED, str(e), retryable=True)
+                )
+
+    def poll(self) -> list[TransferResult]:
+        now = time.monotonic()
+        with self._lock:
+            pending = list(self._pending.items())
+        for request_id, (channel, deadline) in pending:
+            key = f"{channel.cid}/ack/{request_id}"
+            try:
+                acked = channel.store.check([key])
+            except Exception as e:  # receiver gone
+                self._finish(
+                    TransferResult(request_id, TransferStatus.FAILED, str(e), retryable=True)
+                )
+                continue
+            if acked:
+                self._finish(TransferResult(request_id, TransferStatus.DONE))
+            elif now >= deadline:
+                self._finish(
+                    TransferResult(
+                        request_id, TransferStatus.FAILED, "no acknowledgement", retryable=True
+                    )
+                )
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def abort(self, request_id: str) -> None:
+        self._finish(TransferResult(request_id, TransferStatus.ABORTED))
+
+    def _finish(self, result: TransferResult) -> None:
+        with self._lock:
+            self._pending.pop(result.request_id, None)
+            self._results.append(result)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(timeout=self.timeout_s)
+        self._channels.clear()
+
+
+class TorchDistKVReceiver(KVReceiver):
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s)
+        )
+        self.address = f"{host}:{self.store.port}"
+        self._lock = threading.Lock()
+        self._expected: dict[str, tuple[list[int], float]] = {}
+        # request id -> (blocks, channel, head range in our cache, arrival time)
+        self._inbox: dict[str, tuple[torch.Tensor, _Channel, tuple[int, int] | None, float]] = {}
+        self._failed: dict[str, str] = {}  # request id -> why its data can never arrive
+        self._aborted: set[str] = set()  # late data for these is dropped on arrival
+        self._results: list[TransferResult] = []
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
+        self._threads[0].start()
+
+    def _accept_loop(self) -> None:
+        # A client of our own store: blocking pops on the master object would hold its lock.
+        client = dist.TCPStore(
+            self.store.host, self.store.port, is_master=False, timeout=_timeout(1.0)
+        )
+        while not self._closed.is_set():
+            try:
+                cid = client.queue_pop(_ACCEPT_QUEUE, block=True).decode()
+            except Exception:
+                continue  # store timeout: look at _closed again
+            thread = threading.Thread(
+                target=self._serve_channel, args=(cid,), name=f"kv-recv-{cid}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve_channel(self, cid: str) -> None:
+        store = dist.TCPStore(
+            self.store.host, self.store.port, is_master=False, timeout=_timeout(self.timeout_s)
+        )
+        sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
+        try:
+            check_compatible(sender, self.layout)
+            if not (
+                self.layout.head_range[0] <= sender.head_range[0]
+                and sender.head_range[1] <= self.layout.head_range[1]
+            ):
+                raise HandshakeError(
+                    f"sender heads {sender.head_range} are not among receiver heads {self.layout.head_range}"
+                )
+        except HandshakeError as e:
+            logger.error("refusing KV channel %s: %s", cid, e)
+            store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
+            return
+        store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
+        group = dist.ProcessGroupGloo(dist.PrefixStore(cid, store), 1, 2, _timeout(self.timeout_s))
+        channel = _Channel(cid, store, group, sender, itertools.count(1))
+        heads = _receiver_heads(sender, self.layout)
+        headers = dist.TCPStore(
+            self.store.host, self.store.port, is_master=False, timeout=_timeout(1.0)
+        )
+        while not self._closed.is_set():
+            try:
+                header = json.loads(headers.queue_pop(f"{cid}/xfers", block=True))
+            except Exception:
+                continue  # idle channel
+            request_id = header["request_id"]
+            buf = torch.empty(
+                header["shape"], dtype=self.kv_caches[0].dtype, device=self.kv_caches[0].device
+            )
+            try:
+                group.recv([buf], 0, header["tag"]).wait()  # type: ignore[attr-defined]
+            except Exception as e:  # the sender died mid-transfer: this channel is done
+                logger.warning("KV channel %s lost while receiving %s: %s", cid, request_id, e)
+                with self._lock:
+                    self._failed[request_id] = f"sender lost: {e}"
+                return
+            with self._lock:
+                if request_id in self._aborted:
+                    self._aborted.discard(request_id)  # late data of an aborted request: dropped
+                else:
+                    self._inbox[request_id] = (buf, channel, heads, time.monotonic())
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        with self._lock:
+            self._expected[request_id] = (list(block_ids), time.monotonic() + timeout_s)
+
+    def poll(self) -> list[TransferResult]:
+        now = time.monotonic()
+        with self._lock:
+            for request_id, (block_ids, deadline) in list(self._expected.items()):
+                arrived = self._inbox.pop(request_id, None)
+                if arrived is not None:
+                    blocks, channel, heads, _ = arrived
+                    ids = torch.tensor(
+                        block_ids[: blocks.shape[2]], dtype=torch.long, device=blocks.device
+                    )
+                    scatter_blocks(self.kv_caches, ids, blocks, heads)
+                    channel.store.set(f"{channel.cid}/ack/{request_id}", "done")
+                    result = TransferResult(request_id, TransferStatus.DONE)
+                elif request_id in self._failed:
+                    result = TransferResult(
+                        request_id,
+                        TransferStatus.FAILED,
+                        self._failed.pop(request_id),
+                        retryable=True,
+                    )
+                elif now >= deadline:
+                    result = TransferResult(
+                        request_id,
+                        TransferStatus.FAILED,
+                        "timed out waiting for KV",
+                        retryable=True,
+                    )
+                else:
+                    continue
+                del self._expected[request_id]
+                self._results.append(result)
+            # Data nobody asked for within the timeout (its request failed elsewhere) is dropped.
+            stale = [
+                r
+                for r, e in self._inbox.items()
+                if r not in self._expected and now - e[3] > self.timeout_s
+            ]
+            for request_id in stale:
+                del self._inbox[request_id]
+            out, self._results = self._results, []
+        return out
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._expected.pop(request_id, None) is not None:
+                self._results.append(TransferResult(request_id, TransferStatus.ABORTED))
+                if self._inbox.pop(request_id, None) is None:
+                    self._aborted.add(request_id)  # it may still be on the wire
+
+    def close(self) -> None:
+        """Stop the accept and channel threads (each wakes within a second) and wait for them:
+        c10d objects must not be torn down under a thread still blocked in them."""
+        self._closed.set()
+        for thread in list(self._threads):
+            thread.join(timeout=self.timeout_s)

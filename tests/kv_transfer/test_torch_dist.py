@@ -1,0 +1,160 @@
+"""The torch_dist backend over gloo on loopback: handshake, transfer, heterogeneous TP,
+abort, timeouts, and a sender process killed mid-transfer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kv_transfer import HandshakeError, KVLayout, TransferStatus, create_receiver, create_sender
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def caches(heads=4, num_blocks=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, num_blocks, 4, heads, 8, generator=g).to(dtype) for _ in range(3)]
+
+
+def layout(kv, total_heads=4, tp_size=1, tp_rank=0, model_id="m"):
+    return KVLayout.of_caches(model_id, kv, total_heads, tp_size, tp_rank)
+
+
+def wait_for(poll, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = poll()
+        if results:
+            return results
+        time.sleep(0.01)
+    raise AssertionError("no transfer result in time")
+
+
+@pytest.fixture
+def receiver():
+    dst = caches(seed=1)
+    recv = create_receiver("torch_dist", kv_caches=dst, layout=layout(dst), timeout_s=10)
+    yield recv, dst
+    recv.close()
+
+
+def test_transfer_is_bit_exact_and_acknowledged(receiver):
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [9, 3, 12], timeout_s=10)
+    sender.send("r1", [0, 5, 7], recv.address)
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE
+    [acked] = wait_for(sender.poll)
+    assert acked.status == TransferStatus.DONE
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
+    # A second request reuses the channel.
+    recv.expect("r2", [1], timeout_s=10)
+    sender.send("r2", [2], recv.address)
+    assert wait_for(recv.poll)[0].status == TransferStatus.DONE
+    assert all(torch.equal(d[:, 1], s[:, 2]) for s, d in zip(src, dst, strict=True))
+    sender.close()
+
+
+def test_two_tp_shards_reassemble_into_one_receiver(receiver):
+    recv, dst = receiver
+    full = caches()
+    senders = []
+    for rank in range(2):
+        shard = [c[:, :, :, 2 * rank : 2 * rank + 2].contiguous() for c in full]
+        senders.append(
+            create_sender(
+                "torch_dist", kv_caches=shard, layout=layout(shard, 4, 2, rank), name=f"p{rank}"
+            )
+        )
+    # One request id per shard: the decode worker expects each rank's part.
+    recv.expect("r#0", [4, 6], timeout_s=10)
+    recv.expect("r#1", [4, 6], timeout_s=10)
+    for rank, s in enumerate(senders):
+        s.send(f"r#{rank}", [1, 2], recv.address)
+    got = []
+    while len(got) < 2:
+        got += wait_for(recv.poll)
+    assert {r.status for r in got} == {TransferStatus.DONE}
+    for f, d in zip(full, dst, strict=True):
+        assert torch.equal(d[:, [4, 6]], f[:, [1, 2]])
+    for s in senders:
+        s.close()
+
+
+def test_handshake_mismatch_refused_on_both_sides(receiver):
+    recv, _ = receiver
+    src = caches(dtype=torch.bfloat16)
+    sender = create_sender(
+        "torch_dist", kv_caches=src, layout=layout(src), name="bad", timeout_s=10
+    )
+    with pytest.raises(HandshakeError, match="dtype: sender 'bfloat16' != receiver 'float32'"):
+        sender.send("r1", [0], recv.address)
+    sender.close()
+
+
+def test_abort_drops_late_data(receiver):
+    recv, dst = receiver
+    before = [c.clone() for c in dst]
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [3], timeout_s=10)
+    recv.abort("r1")
+    sender.send("r1", [0], recv.address)
+    assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
+    time.sleep(0.5)
+    assert recv.poll() == []
+    assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
+    sender.close()
+
+
+def test_expect_times_out_retryable(receiver):
+    recv, _ = receiver
+    recv.expect("never", [1], timeout_s=0.2)
+    [result] = wait_for(recv.poll)
+    assert result.status == TransferStatus.FAILED and result.retryable
+
+
+def test_unreachable_receiver_is_retryable():
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=1)
+    sender.send("r1", [0], "127.0.0.1:1")
+    [result] = sender.poll()
+    assert result.status == TransferStatus.FAILED and result.retryable
+    sender.close()
+
+
+SENDER_SCRIPT = """
+import os, sys, time, torch
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+from kv_transfer import KVLayout, create_sender
+from kv_transfer.torch_dist import TorchDistKVSender
+kv = [torch.zeros(2, 16, 4, 4, 8) for _ in range(3)]
+s = create_sender("torch_dist", kv_caches=kv, layout=KVLayout.of_caches("m", kv, 4), name="doomed", timeout_s=10)
+s.connect(sys.argv[1])
+print("connected", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sender_killed_receiver_times_out_and_reports_retryable(receiver):
+    recv, _ = receiver
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER_SCRIPT, recv.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "connected"
+        recv.expect("r1", [2], timeout_s=1.5)
+        proc.kill()
+        proc.wait(10)
+        [result] = wait_for(recv.poll)
+        assert result.status == TransferStatus.FAILED and result.retryable
+    finally:
+        proc.kill()
