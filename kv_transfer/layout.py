@@ -91,3 +91,17 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
         diffs.append("num_kv_heads is not divisible by a side's tp_size")
     if diffs:
         raise HandshakeError("KV layout mismatch; refusing to transfer: " + "; ".join(diffs))
+
+
+def receiver_head_slice(sender: KVLayout, receiver: KVLayout) -> tuple[int, int] | None:
+    """Where a sender's KV heads land among the receiver's heads, as [start, end) in the
+    receiver's cache; None when both hold the same heads. Raises HandshakeError when the
+    sender's heads are not all among the receiver's."""
+    if sender.head_range == receiver.head_range:
+        return None
+    (s_start, s_end), (r_start, r_end) = sender.head_range, receiver.head_range
+    if not (r_start <= s_start and s_end <= r_end):
+        raise HandshakeError(
+            f"sender heads {sender.head_range} are not among receiver heads {receiver.head_range}"
+        )
+    return s_start - r_start, s_end - r_start

@@ -11,7 +11,7 @@ import torch
 
 from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks, scatter_blocks
-from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.layout import KVLayout, check_compatible, receiver_head_slice
 
 
 @dataclass
@@ -101,7 +101,7 @@ class LocalKVReceiver(KVReceiver):
                 if arrived is not None:
                     blocks, layout, sender = arrived
                     ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-                    heads = _receiver_heads(layout, self.layout)
+                    heads = receiver_head_slice(layout, self.layout)
                     scatter_blocks(self.kv_caches, ids[: blocks.shape[2]], blocks, heads)
                     result = TransferResult(request_id, TransferStatus.DONE)
                     sender.acknowledge(request_id, result)
@@ -129,16 +129,3 @@ class LocalKVReceiver(KVReceiver):
         with self.hub.lock:
             if self.hub.receivers.get(self.name) is self:
                 del self.hub.receivers[self.name]
-
-
-def _receiver_heads(sender: KVLayout, receiver: KVLayout) -> tuple[int, int] | None:
-    """Where a sender shard's heads land among the receiver's heads (None: all of them)."""
-    if sender.head_range == receiver.head_range:
-        return None
-    s_start, s_end = sender.head_range
-    r_start, r_end = receiver.head_range
-    if not (r_start <= s_start and s_end <= r_end):
-        raise ValueError(
-            f"sender heads {sender.head_range} are not within receiver heads {receiver.head_range}"
-        )
-    return s_start - r_start, s_end - r_start

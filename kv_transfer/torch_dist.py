@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks, scatter_blocks
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,6 @@ _ACCEPT_QUEUE = "duet/kv/accept"
 
 def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
-
-
-def _receiver_heads(sender: KVLayout, receiver: KVLayout) -> tuple[int, int] | None:
-    if sender.head_range == receiver.head_range:
-        return None
-    s_start, s_end = sender.head_range
-    r_start, _ = receiver.head_range
-    return s_start - r_start, s_end - r_start
 
 
 @dataclass
@@ -228,13 +220,7 @@ class TorchDistKVReceiver(KVReceiver):
         sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
         try:
             check_compatible(sender, self.layout)
-            if not (
-                self.layout.head_range[0] <= sender.head_range[0]
-                and sender.head_range[1] <= self.layout.head_range[1]
-            ):
-                raise HandshakeError(
-                    f"sender heads {sender.head_range} are not among receiver heads {self.layout.head_range}"
-                )
+            heads = receiver_head_slice(sender, self.layout)
         except HandshakeError as e:
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
@@ -242,7 +228,6 @@ class TorchDistKVReceiver(KVReceiver):
         store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
         group = dist.ProcessGroupGloo(dist.PrefixStore(cid, store), 1, 2, _timeout(self.timeout_s))
         channel = _Channel(cid, store, group, sender, itertools.count(1))
-        heads = _receiver_heads(sender, self.layout)
         headers = dist.TCPStore(
             self.store.host, self.store.port, is_master=False, timeout=_timeout(1.0)
         )
