@@ -30,6 +30,11 @@ def configure_cpu_runtime() -> None:
         return
     _configured = True
     torch.set_flush_denormal(True)
+    from engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    if kernels is not None:  # the intra-op worker threads too (torch's call covers this one)
+        kernels.flush_denormals_on_all_threads()
     name = ctypes.util.find_library("c")
     if name is None:
         return

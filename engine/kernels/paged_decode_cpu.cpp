@@ -146,7 +146,26 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   }
 }
 
+// torch.set_flush_denormal only sets the calling thread's MXCSR; intra-op worker threads
+// (OpenMP) keep denormals on, and fp32 softmax/attention on them crawls. Run one tiny task on
+// every worker so each sets flush-to-zero / denormals-are-zero for good (the pool persists).
+int64_t flush_denormals_on_all_threads() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> done(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+#if defined(__SSE__)
+    _mm_setcsr(_mm_getcsr() | 0x8040);
+#endif
+    for (int64_t i = begin; i < end; ++i) done[i] = 1;
+  });
+  int64_t total = 0;
+  for (int64_t d : done) total += d;
+  return total;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("flush_denormals_on_all_threads", &flush_denormals_on_all_threads,
+        "Set FTZ/DAZ on every intra-op worker thread; returns the number of tasks run");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Paged decode attention over a block-table KV cache (CPU), written into out in place");
 }
