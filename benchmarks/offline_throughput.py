@@ -32,9 +32,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -42,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu_usage import wait_for_idle
 from benchmarks.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
 from benchmarks.systems import (
     RunConfig,
@@ -61,6 +64,8 @@ DTYPES = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", 
 FULL_LENGTHS = {"prompt_len": (16, 512), "output_len": (16, 256)}
 QUICK_LENGTHS = {"prompt_len": (16, 64), "output_len": (8, 32)}
 QUICK_NUM_PROMPTS = 8
+NOISY_OTHER_CORES = 0.2
+COMMAND = ["python", "-m", "benchmarks.offline_throughput"]
 
 
 def _comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
@@ -75,7 +80,10 @@ def _comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="both", help="duet and vLLM dtypes")
@@ -98,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="duet and vLLM")
     p.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV pool, duet and vLLM")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_CACHE_DIR, help="HF export dir")
+    p.add_argument(
+        "--retries", type=int, default=1, help="reruns of a system disturbed by other processes"
+    )
+    p.add_argument(
+        "--idle-wait-s", type=float, default=120.0, help="wait this long for an idle machine"
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help=f"{QUICK_NUM_PROMPTS} short prompts")
     args = p.parse_args(argv)
@@ -174,7 +188,7 @@ def ratios(results: list[SystemResult]) -> dict[str, float]:
 def print_table(results: list[SystemResult], ratio: dict[str, float]) -> None:
     header = (
         f"{'system':<6} {'dtype':<9} {'variant':<10} {'load s':>7} {'wall s':>8} "
-        f"{'tok/s':>8} {'computed tok/s':>14}  match ref"
+        f"{'tok/s':>8} {'computed tok/s':>14} {'others':>6} {'stolen':>6}  match ref"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for r in results:
@@ -186,10 +200,49 @@ def print_table(results: list[SystemResult], ratio: dict[str, float]) -> None:
         )
         print(
             f"{r.system:<6} {r.dtype:<9} {r.variant:<10} {r.load_s:7.1f} {r.wall_s:8.1f} "
-            f"{r.output_tokens_per_s:8.1f} {r.num_computed_tokens / r.wall_s:14.1f}  {match_text}"
+            f"{r.output_tokens_per_s:8.1f} {r.num_computed_tokens / r.wall_s:14.1f} "
+            f"{r.details['cpu']['other_cores']:6.2f} {r.details['cpu']['stolen_cores']:6.2f}  "
+            f"{match_text}"
         )
     for name, value in ratio.items():
         print(f"{name:<28} {value:6.2f}x")
+    print(
+        "others/stolen: average cores used by other processes / stolen by the hypervisor during "
+        "the timed call; match ref: outputs equal to the reference's greedy tokens "
+        "(mean agreeing prefix)"
+    )
+    noisy = [r.name for r in results if r.details["cpu"]["other_cores"] > NOISY_OTHER_CORES]
+    if noisy:
+        print(f"WARNING: other processes competed for the CPU during: {', '.join(noisy)}")
+
+
+def run_quietly(
+    name: str, job: Callable[[], SystemResult], retries: int, idle_wait_s: float
+) -> SystemResult:
+    """Run `job` once the machine is idle; while other processes competed for the CPU during
+    its timed call, run it again (fresh engine), up to `retries` times. Keeps the quietest."""
+    best: SystemResult | None = None
+    for attempt in range(retries + 1):
+        busy = wait_for_idle(idle_wait_s)
+        if busy is not None:
+            print(f"note: machine still busy ({busy:.2f} cores) after {idle_wait_s:.0f}s; going on")
+        print(f"running {name} ...", flush=True)
+        result = job()
+        other = result.details["cpu"]["other_cores"]
+        print(
+            f"  {result.output_tokens_per_s:.1f} tok/s (wall {result.wall_s:.1f}s, "
+            f"other processes {other:.2f} cores)",
+            flush=True,
+        )
+        if best is None or other < best.details["cpu"]["other_cores"]:
+            best = result
+        if other <= NOISY_OTHER_CORES:
+            break
+        if attempt < retries:
+            print(f"  disturbed; retrying ({attempt + 1}/{retries})")
+    assert best is not None
+    best.details["attempts"] = attempt + 1
+    return best
 
 
 def build_workloads(args: argparse.Namespace, model_dir: Path) -> tuple[Workload, Workload]:
@@ -199,6 +252,35 @@ def build_workloads(args: argparse.Namespace, model_dir: Path) -> tuple[Workload
     workload = make_workload(args.num_prompts, args.seed, vocab, special, **lengths)
     warmup = make_workload(2, args.seed + 1_000_003, vocab, special, (32, 32), (8, 8))
     return workload, warmup
+
+
+def plan_jobs(
+    args: argparse.Namespace, workload: Workload, cfg: RunConfig
+) -> tuple[list[tuple[str, Callable[[], SystemResult]]], dict[str, str]]:
+    """(name, runner) per measured system, in run order, and the baselines skipped (why)."""
+    dtypes = DTYPES[args.dtype]
+    jobs: list[tuple[str, Callable[[], SystemResult]]] = [
+        (f"duet {dtype}", partial(run_duet, workload, dtype, cfg)) for dtype in dtypes
+    ]
+    skipped: dict[str, str] = {}
+    if "hf" in args.baselines:
+        if importlib.util.find_spec("transformers") is None:
+            skipped["hf"] = "transformers is not installed (pip install -e '.[dev]')"
+        else:
+            jobs.append(("hf float32", partial(run_hf, workload, args.hf_batch_size, cfg)))
+    if "vllm" in args.baselines:
+        try:
+            print(f"vllm {check_vllm(args.vllm_python)} under {args.vllm_python}")
+        except SystemUnavailable as e:
+            skipped["vllm"] = str(e)
+        else:
+            for dtype in dtypes:
+                for mode in args.vllm_modes:
+                    run = partial(run_vllm, workload, dtype, mode == "eager", args.vllm_python, cfg)
+                    jobs.append((f"vllm {dtype} {mode}", run))
+    for name, why in skipped.items():
+        print(f"note: skipping {name}: {why}")
+    return jobs, skipped
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,39 +300,20 @@ def main(argv: list[str] | None = None) -> None:
         warmup_prompts=warmup.prompts,
         seed=args.seed,
     )
-    dtypes = DTYPES[args.dtype]
+    machine = machine_info(args.threads)  # before the runs: the code that was measured
     print(f"workload: {workload.summary()}; threads {args.threads}; model {model_dir}")
-
-    jobs: list[tuple[str, Callable[[], SystemResult]]] = []
-    for dtype in dtypes:
-        jobs.append((f"duet {dtype}", partial(run_duet, workload, dtype, cfg)))
-    if "hf" in args.baselines:
-        jobs.append(("hf float32", partial(run_hf, workload, args.hf_batch_size, cfg)))
-    skipped: dict[str, str] = {}
-    if "vllm" in args.baselines:
-        try:
-            print(f"vllm {check_vllm(args.vllm_python)} under {args.vllm_python}")
-            for dtype in dtypes:
-                for mode in args.vllm_modes:
-                    eager = mode == "eager"
-                    run = partial(run_vllm, workload, dtype, eager, args.vllm_python, cfg)
-                    jobs.append((f"vllm {dtype} {mode}", run))
-        except SystemUnavailable as e:
-            skipped["vllm"] = str(e)
-            print(f"note: skipping vllm: {e}")
+    jobs, skipped = plan_jobs(args, workload, cfg)
 
     results: list[SystemResult] = []
     for name, job in jobs:
-        print(f"running {name} ...", flush=True)
         try:
-            result = job()
+            result = run_quietly(name, job, args.retries, args.idle_wait_s)
         except RuntimeError as e:  # a failed baseline must not lose the others' numbers
             if name.startswith("duet"):
                 raise
             skipped[name] = str(e)
             print(f"note: {name} failed, skipped:\n{e}")
             continue
-        print(f"  {result.output_tokens_per_s:.1f} tok/s (wall {result.wall_s:.1f}s)", flush=True)
         results.append(result)
         gc.collect()
 
@@ -265,13 +328,13 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "benchmark": "offline_throughput",
-        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.offline_throughput"])
-        + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip(),
-        "machine": machine_info(args.threads),
+        "command": shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine,
         "config": {
             "model_dir": str(model_dir),
-            "dtypes": dtypes,
+            "dtypes": DTYPES[args.dtype],
             "hf_batch_size": args.hf_batch_size,
+            "vllm_modes": args.vllm_modes,
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cpu_usage import CpuSnapshot
 from benchmarks.workload import Workload
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -98,9 +99,11 @@ def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
     warmup_s = time.perf_counter() - start
 
     before = dataclasses.asdict(llm.engine.stats)
+    cpu_start = CpuSnapshot.take(time.process_time())
     start = time.perf_counter()
     token_ids = generate(workload.prompts, workload.max_tokens)
     wall_s = time.perf_counter() - start
+    cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
     after = dataclasses.asdict(llm.engine.stats)
     counters = {k: after[k] - before[k] for k in after if k.startswith("num_") and k in before}
     return SystemResult(
@@ -113,7 +116,7 @@ def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
         workload.num_output_tokens,
         sum(len(t) for t in token_ids),
         token_ids,
-        {"engine_stats": counters, "num_kv_blocks": llm.engine.num_blocks},
+        {"cpu": cpu, "engine_stats": counters, "num_kv_blocks": llm.engine.num_blocks},
     )
 
 
@@ -157,12 +160,14 @@ def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
 
     token_ids: list[list[int]] = []
     num_computed = 0
+    cpu_start = CpuSnapshot.take(time.process_time())
     start = time.perf_counter()
     for first in range(0, workload.num_prompts, batch_size):
         max_tokens = workload.max_tokens[first : first + batch_size]
         token_ids += generate(workload.prompts[first : first + batch_size], max_tokens)
         num_computed += len(max_tokens) * max(max_tokens)
     wall_s = time.perf_counter() - start
+    cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
     return SystemResult(
         "hf",
         "float32",
@@ -173,6 +178,7 @@ def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
         workload.num_output_tokens,
         num_computed,
         token_ids,
+        {"cpu": cpu},
     )
 
 
@@ -240,5 +246,9 @@ def run_vllm(
         workload.num_output_tokens,
         sum(len(t) for t in token_ids),
         token_ids,
-        {"vllm_version": result["vllm_version"], "torch_version": result["torch_version"]},
+        {
+            "cpu": result["cpu"],
+            "vllm_version": result["vllm_version"],
+            "torch_version": result["torch_version"],
+        },
     )

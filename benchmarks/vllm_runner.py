@@ -14,7 +14,9 @@ duet. The job (written by `benchmarks.offline_throughput`) is a JSON object:
     max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory_bytes, seed
     result_path             where to write the result
 
-The result: {"vllm_version", "torch_version", "load_s", "warmup_s", "wall_s", "token_ids"}.
+The result: {"vllm_version", "torch_version", "load_s", "warmup_s", "wall_s", "cpu",
+"token_ids"}, where "cpu" holds the average cores used during the timed call by vLLM, by
+everything else, and stolen by the hypervisor.
 CPU threads come from the environment (VLLM_CPU_OMP_THREADS_BIND,
 VLLM_CPU_NUM_OF_RESERVED_CPU), which the caller sets.
 """
@@ -22,6 +24,7 @@ VLLM_CPU_NUM_OF_RESERVED_CPU), which the caller sets.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,17 +62,44 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     generate(job["warmup_prompts"], [8] * len(job["warmup_prompts"]))
     warmup_s = time.perf_counter() - start
 
+    cpu_start = cpu_snapshot()
     start = time.perf_counter()
     token_ids = generate(job["prompts"], job["max_tokens"])
     wall_s = time.perf_counter() - start
+    cpu_end = cpu_snapshot()
+    own, busy, steal = (end - begin for begin, end in zip(cpu_start, cpu_end, strict=True))
     return {
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "load_s": load_s,
         "warmup_s": warmup_s,
         "wall_s": wall_s,
+        "cpu": {
+            "own_cores": own / wall_s,
+            "other_cores": max(busy - own, 0.0) / wall_s,
+            "stolen_cores": steal / wall_s,
+        },
         "token_ids": token_ids,
     }
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """CPU seconds so far of this process and its children (vLLM's engine core and worker),
+    the machine's busy time, and time the hypervisor stole (`benchmarks.systems.CpuSnapshot`)."""
+    import psutil
+
+    me = psutil.Process()
+    own = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        own += times.user + times.system
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _, _, irq, softirq, steal = ticks
+    hz = os.sysconf("SC_CLK_TCK")
+    return own, (user + nice + system + irq + softirq) / hz, steal / hz
 
 
 def main() -> None:
