@@ -91,7 +91,18 @@ def build_app(
     install_openapi(app)
     app.add_middleware(APIKeyMiddleware, checker=checker)
 
-    streamed = {"text/event-stream": {"schema": {"type": "string"}}}
+    # One SSE event (`data: <json chunk>` or `data: [DONE]`), as OpenAPI tools parse streams.
+    sse_event = {
+        "type": "object",
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+        "required": ["data"],
+    }
+    streamed = {"text/event-stream": {"schema": sse_event}}
 
     @app.post(
         "/v1/chat/completions",
