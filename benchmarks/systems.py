@@ -25,6 +25,7 @@ from benchmarks.workload import Workload
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
 WARMUP_MAX_TOKENS = 8
+DUET_COUNTERS = ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_preemptions")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
     wall_s = time.perf_counter() - start
     cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
     after = dataclasses.asdict(llm.engine.stats)
-    counters = {k: after[k] - before[k] for k in after if k.startswith("num_") and k in before}
+    counters = {k: after[k] - before[k] for k in DUET_COUNTERS if k in after}
     return SystemResult(
         "duet",
         dtype,
