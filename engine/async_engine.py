@@ -11,7 +11,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[Any] = queue.Queue()  # _Add, _Abort, a subclass's, None: stop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
         self._counter = 0
@@ -79,6 +80,15 @@ class AsyncEngine:
         params = params or SamplingParams()
         _, ids = self.engine.tokenize_prompt(prompt)
         self.engine.check_lengths(len(ids), params)
+        request_id, out_queue = self._open_stream(request_id)
+        self._commands.put(_Add(request_id, prompt, params, priority))
+        # aclosing: leaving this generator must run _iterate's abort at once, not at GC time.
+        async with aclosing(self._iterate(request_id, out_queue)) as outputs:
+            async for out in outputs:
+                yield out
+
+    def _open_stream(self, request_id: str | None) -> tuple[str, asyncio.Queue[Any]]:
+        """Register a stream for a request about to be queued (a fresh id when None)."""
         with self._lock:
             # Checked under the lock: the loop marks itself dead under it before it notifies
             # the registered streams, so a stream is either notified or refused here.
@@ -91,7 +101,13 @@ class AsyncEngine:
                 raise InvalidInputError("request_id", f"{request_id!r} is already running")
             out_queue: asyncio.Queue[Any] = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._commands.put(_Add(request_id, prompt, params, priority))
+        return request_id, out_queue
+
+    async def _iterate(
+        self, request_id: str, out_queue: asyncio.Queue[Any]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes; exceptions published for it are
+        raised. Leaving early aborts the request."""
         finished = False
         try:
             while True:
@@ -103,10 +119,14 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(_Abort(request_id))
+            self._close_stream(request_id, finished)
+
+    def _close_stream(self, request_id: str, finished: bool) -> None:
+        """Unregister a request's stream; abort the request unless it finished. Idempotent."""
+        with self._lock:
+            registered = self._streams.pop(request_id, None) is not None
+        if registered and not finished:
+            self._commands.put(_Abort(request_id))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -119,9 +139,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain(block):
+                if not self._drain(self._wait_s()):
                     break
+                for request_id, item in self._poll():
+                    self._publish(request_id, item)
                 for out in self.engine.step():
                     self._publish(out.request_id, out)
         except BaseException as e:  # any failure must reach every waiting client
@@ -135,28 +156,49 @@ class AsyncEngine:
                 streams = list(self._streams)
             for request_id in streams:
                 self._publish(request_id, EngineDeadError(str(self._dead)))
+            self._on_exit()
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands. Returns False on shutdown."""
+    def _wait_s(self) -> float:
+        """How long the loop may wait for a command before stepping again."""
+        if self.engine.has_schedulable_requests():
+            return 0.0
+        if self.engine.has_unfinished_requests():
+            return 0.001  # only waiting for remote KV: poll for it soon
+        return 0.5
+
+    def _drain(self, wait_s: float) -> bool:
+        """Apply queued commands, waiting up to `wait_s` for the first. False on shutdown."""
         while True:
             try:
-                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                cmd = (
+                    self._commands.get(timeout=wait_s)
+                    if wait_s > 0
+                    else self._commands.get_nowait()
+                )
             except queue.Empty:
-                if block and not self.engine.has_unfinished_requests():
-                    continue  # idle: keep waiting for work
                 return True
-            block = False
+            wait_s = 0.0
             if cmd is None:
                 return False
-            if isinstance(cmd, _Add):
-                try:
-                    self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority)
-                except Exception as e:  # the caller gets the error; the loop goes on
-                    self._publish(cmd.request_id, e)
-            else:
-                out = self.engine.abort_request(cmd.request_id)
-                if out is not None:
-                    self._publish(cmd.request_id, out)
+            self._apply(cmd)
+
+    def _apply(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.priority)
+            except Exception as e:  # the caller gets the error; the loop goes on
+                self._publish(cmd.request_id, e)
+        elif isinstance(cmd, _Abort):
+            out = self.engine.abort_request(cmd.request_id)
+            if out is not None:
+                self._publish(cmd.request_id, out)
+
+    def _poll(self) -> list[tuple[str, Any]]:
+        """Hook: outputs or errors that arrived from outside the engine, per request id."""
+        return []
+
+    def _on_exit(self) -> None:
+        """Hook: runs on the engine thread when the loop ends."""
 
     def _publish(self, request_id: str, item: Any) -> None:
         with self._lock:

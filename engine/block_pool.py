@@ -62,6 +62,10 @@ class BlockPool:
         )
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        # (stored?, hash) since the last `take_events`, once `record_events` is on: a prefill
+        # worker reports them so the router knows which prefixes each worker holds.
+        self.record_events = False
+        self._events: list[tuple[bool, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,6 +133,14 @@ class BlockPool:
                 continue  # another block already holds this prefix; keep the first
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self.record_events:
+                self._events.append((True, block_hash))
+
+    def take_events(self) -> list[tuple[bool, BlockHash]]:
+        """Prefix-cache changes since the last call: (True, hash) cached, (False, hash)
+        evicted, in order."""
+        out, self._events = self._events, []
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
@@ -136,6 +148,8 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+        if self.record_events:
+            self._events.extend((False, h) for h in self._cached)
         self._cached.clear()
         return True
 
@@ -143,5 +157,7 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.record_events:
+                    self._events.append((False, block.block_hash))
             block.block_hash = None
             self.num_evictions += 1

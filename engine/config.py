@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -83,7 +83,7 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: Any) -> Self:
         """Build a config, refusing keys that are not fields (never silently dropped)."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)

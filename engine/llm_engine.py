@@ -30,6 +30,19 @@ logger = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
+@dataclass(frozen=True)
+class PrefillDone:
+    """A `prefill_only` request reached its first token: what the decode side needs to go on.
+    Its blocks stay held (see `LLMEngine.release_held`)."""
+
+    request_id: str
+    block_ids: list[int]  # covering the prompt's KV, in order
+    first_token: int
+    logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
+    generator_state: bytes | None  # the seeded generator after the first draw
+    num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -107,6 +120,7 @@ class LLMEngine:
             str, tuple[RequestState, int]
         ] = {}  # engine request id -> (state, index)
         self._ids = itertools.count()
+        self._prefilled: list[PrefillDone] = []
         self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
@@ -138,35 +152,115 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        prefill_only: bool = False,
     ) -> str:
-        """Queue a prompt (text or token ids). Raises `InvalidInputError` for bad input."""
+        """Queue a prompt (text or token ids). Raises `InvalidInputError` for bad input.
+
+        `prefill_only`: the prefill half of a disaggregated request. It ends after its first
+        token with no output of its own; `take_prefilled` hands over what the decode side
+        needs, and its blocks stay held until `release_held`."""
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._states:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")
+        if prefill_only and params.n != 1:
+            raise InvalidInputError("n", f"must be 1 for a prefill-only request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
         state = RequestState(request_id, text, ids)
         for index in range(params.n):
             sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index)
-            request = Request(
-                sub_id,
-                ids,
-                params,
-                max_tokens,
-                self.tokenizer.eos_token_ids,
-                priority,
-                generator=generator,
-            )
+            request = self._new_request(sub_id, ids, params, max_tokens, priority, index)
+            request.prefill_only = prefill_only
             state.samples.append(self.outputs.new_sample(index, request))
             self._sample_of[sub_id] = (state, index)
             self.scheduler.add_request(request)
         self._states[request_id] = state
         self.stats.num_prompt_tokens += len(ids) * params.n
         return request_id
+
+    def _new_request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        priority: int = 0,
+        index: int = 0,
+    ) -> Request:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed + index)
+        return Request(
+            request_id,
+            ids,
+            params,
+            max_tokens,
+            self.tokenizer.eos_token_ids,
+            priority,
+            generator=generator,
+        )
+
+    # -- disaggregation --------------------------------------------------------------------
+
+    def take_prefilled(self) -> list[PrefillDone]:
+        """`prefill_only` requests that reached their first token since the last call."""
+        out, self._prefilled = self._prefilled, []
+        return out
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a prefilled request's held blocks (its transfer ended either way)."""
+        return self.scheduler.release_held(request_id)
+
+    def add_remote_request(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> list[int] | None:
+        """Decode side: reserve blocks for a prompt whose KV comes from a prefill worker.
+        Returns the block ids to receive the KV into (in prompt order), or None when there is
+        no free sequence slot or too few free blocks (nothing is queued then). Raises
+        `InvalidInputError` for bad input, like `add_request`."""
+        _, ids = self.tokenize_prompt(prompt_token_ids)
+        if request_id in self._states:
+            raise InvalidInputError("request_id", f"{request_id!r} is already running")
+        if params.n != 1:
+            raise InvalidInputError("n", f"must be 1 for a disaggregated request; got {params.n}")
+        max_tokens = self.check_lengths(len(ids), params)
+        request = self._new_request(request_id, ids, params, max_tokens)
+        block_ids = self.scheduler.add_remote_request(request)
+        if block_ids is None:
+            return None
+        state = RequestState(request_id, None, ids)
+        state.samples.append(self.outputs.new_sample(0, request))
+        self._sample_of[request_id] = (state, 0)
+        self._states[request_id] = state
+        self.stats.num_prompt_tokens += len(ids)
+        return block_ids
+
+    def complete_remote(
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: tuple[float, list[tuple[int, float]]] | None = None,
+        generator_state: bytes | None = None,
+        num_cached_tokens: int = 0,
+    ) -> RequestOutput | None:
+        """The KV of a request from `add_remote_request` is in its blocks: take the prefill
+        worker's first token as if sampled here, and run the request from the next step.
+        Returns its first output; None when it is no longer waiting (aborted)."""
+        entry = self._sample_of.get(request_id)
+        if entry is None:
+            return None
+        request = entry[0].samples[entry[1]].request
+        if generator_state is not None and request.generator is not None:
+            request.generator.set_state(
+                torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
+            )
+        request.num_cached_tokens = num_cached_tokens
+        if self.scheduler.complete_remote(request_id, first_token) is None:
+            return None
+        changed: dict[str, RequestState] = {}
+        self._on_token(request, logprob, changed)
+        return self._emit(changed)[0]
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit."""
@@ -206,6 +300,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_schedulable_requests(self) -> bool:
+        """False when `step` has nothing to run (idle, or only waiting for remote KV)."""
+        return self.scheduler.has_schedulable_requests()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._states)
@@ -222,30 +320,58 @@ class LLMEngine:
         self.stats.num_steps += 1
         changed: dict[str, RequestState] = {}
         for request in updated:
-            entry = self._sample_of.get(request.request_id)
-            if entry is None:
-                continue
-            state, index = entry
-            sample = state.samples[index]
-            token = request.output_token_ids[-1]
-            self.stats.num_generated_tokens += 1
-            hit_stop = self.outputs.process_token(
-                sample, token, result.logprobs.get(request.request_id)
+            self._on_token(request, result.logprobs.get(request.request_id), changed)
+        outputs = self._emit(changed)
+        self._update_stats()
+        return outputs
+
+    def _on_token(
+        self,
+        request: Request,
+        logprob: tuple[float, list[tuple[int, float]]] | None,
+        changed: dict[str, RequestState],
+    ) -> None:
+        """Fold the request's newest token into its user-facing state."""
+        entry = self._sample_of.get(request.request_id)
+        if entry is None:
+            return
+        state, index = entry
+        token = request.output_token_ids[-1]
+        self.stats.num_generated_tokens += 1
+        if request.status == RequestStatus.FINISHED_REMOTE:
+            generator_state = None
+            if request.generator is not None:
+                generator_state = request.generator.get_state().numpy().tobytes()
+            self._prefilled.append(
+                PrefillDone(
+                    request.request_id,
+                    self.kv.get_block_ids(request.request_id),
+                    token,
+                    logprob,
+                    generator_state,
+                    max(0, request.num_cached_tokens),
+                )
             )
-            if hit_stop:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
-                reason = "stop" if hit_stop else request.status.finish_reason
-                assert reason is not None
-                self.outputs.finish(sample, reason)
-                self._sample_of.pop(request.request_id, None)
-            changed[state.request_id] = state
+            self._sample_of.pop(request.request_id, None)
+            self._states.pop(state.request_id, None)
+            return
+        sample = state.samples[index]
+        hit_stop = self.outputs.process_token(sample, token, logprob)
+        if hit_stop:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            reason = "stop" if hit_stop else request.status.finish_reason
+            assert reason is not None
+            self.outputs.finish(sample, reason)
+            self._sample_of.pop(request.request_id, None)
+        changed[state.request_id] = state
+
+    def _emit(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for request_id, state in changed.items():
             outputs.append(self.outputs.make_output(state))
             if state.finished:
                 self._states.pop(request_id, None)
-        self._update_stats()
         return outputs
 
     def _update_stats(self) -> None:

@@ -14,11 +14,13 @@ class RequestStatus(enum.IntEnum):
     """Ordered: everything after PREEMPTED is finished (`status > PREEMPTED`)."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # decode side: blocks reserved, KV on its way
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_REMOTE = enum.auto()  # prefill side: first token sampled, decode continues elsewhere
 
     @property
     def finished(self) -> bool:
@@ -33,6 +35,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REMOTE: "remote",
 }
 
 
@@ -50,6 +53,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         generator: torch.Generator | None = None,
+        prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,6 +63,9 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.generator = generator
+        # Prefill side of a disaggregated request: finish after the first token and keep the
+        # blocks (the KV is shipped to a decode worker) until the engine is told to release.
+        self.prefill_only = prefill_only
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

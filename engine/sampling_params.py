@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidInputError
@@ -84,6 +86,24 @@ class SamplingParams:
             raise InvalidInputError("stop_token_ids", "must be non-negative integers")
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+
+    def to_json(self) -> str:
+        """Every field, as JSON: how the router hands a request's parameters to workers."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SamplingParams:
+        """Inverse of `to_json`, validated like the constructor; unknown keys are refused."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError("sampling_params", f"is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidInputError("sampling_params", "must be a JSON object")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise InvalidInputError(unknown[0], "is not a sampling parameter")
+        return cls(**data)
 
     @property
     def greedy(self) -> bool:

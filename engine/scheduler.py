@@ -7,6 +7,12 @@ are admitted while budget, sequence slots and KV blocks last. When a running req
 grow, the lowest-priority running request is preempted: its blocks are freed and it
 recomputes later (its prefix may still be cached).
 
+Disaggregation adds two side doors. On a decode worker, `add_remote_request` reserves blocks
+for a prompt whose KV is computed elsewhere (WAITING_FOR_REMOTE_KV: never scheduled, counted
+against `max_num_seqs`), and `complete_remote` makes it RUNNING once the KV and the first token
+arrived. On a prefill worker, a `prefill_only` request finishes (FINISHED_REMOTE) right after
+its first token but keeps its blocks, "held" for the KV transfer, until `release_held`.
+
 Only the engine's thread calls into the scheduler.
 """
 
@@ -79,11 +85,22 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # FINISHED_REMOTE, blocks kept for the transfer
         self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+
+    @property
+    def num_seq_slots_used(self) -> int:
+        """Sequences counted against `max_num_seqs`: running, and reserved for remote KV."""
+        return len(self.running) + len(self.waiting_for_kv)
+
+    def has_schedulable_requests(self) -> bool:
+        """True when `schedule` could run something now (not only remote-KV waits)."""
+        return bool(self.waiting) or bool(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished > 0
@@ -118,7 +135,7 @@ class Scheduler:
 
         # New requests are admitted only when nothing had to be preempted this step.
         while not out.preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if self.num_seq_slots_used >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
             computed, num_hit = self.kv.get_computed_blocks(request)
@@ -149,24 +166,78 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk short of the end: nothing sampled yet
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request, status)
+            self._append_token(request, token)
             updated.append(request)
         return updated
 
+    def _append_token(self, request: Request, token: int) -> None:
+        request.append_output_token(token)
+        status = self._check_stop(request, token)
+        if status is not None:
+            self.finish_request(request, status)
+
+    # -- disaggregation ------------------------------------------------------------------------
+
+    def can_add_remote_request(self, num_prompt_tokens: int) -> bool:
+        return (
+            self.num_seq_slots_used < self.config.max_num_seqs
+            and self.kv.num_blocks_for(num_prompt_tokens) <= self.kv.num_free_blocks
+        )
+
+    def add_remote_request(self, request: Request) -> list[int] | None:
+        """Reserve blocks for the prompt's KV, computed elsewhere. Returns the block ids to
+        receive into, or None (nothing changed) when there is no sequence slot or room."""
+        if not self.can_add_remote_request(request.num_prompt_tokens):
+            return None
+        # NOTE: fresh blocks, never prefix-cache hits: the transfer writes into them.
+        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_cached_tokens = 0
+        self.requests[request.request_id] = request
+        self.waiting_for_kv[request.request_id] = request
+        return self.kv.get_block_ids(request.request_id)
+
+    def complete_remote(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV is in the reserved blocks and `first_token` was sampled by the
+        prefill worker: the request runs from the next step (or finishes right here, when the
+        first token already stops it). None when the request is no longer waiting."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_token(request, first_token)
+        return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks of a FINISHED_REMOTE request (its transfer ended). Full blocks stay
+        in the prefix cache. False when nothing was held under that id."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """End a request (stop, length or abort) and free its blocks. Idempotent."""
+        """End a request (stop, length, abort or remote) and free its blocks, except a
+        FINISHED_REMOTE request's, which are held until `release_held`. Idempotent."""
         if request.is_finished:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.waiting_for_kv[request.request_id]
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
         self.requests.pop(request.request_id, None)
+        if status == RequestStatus.FINISHED_REMOTE:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -175,6 +246,8 @@ class Scheduler:
         return request
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        if request.prefill_only:
+            return RequestStatus.FINISHED_REMOTE  # every stop rule is applied by the decode side
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:

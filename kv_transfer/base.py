@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 from kv_transfer.layout import KVLayout
 
@@ -28,6 +29,7 @@ class TransferResult:
     status: TransferStatus
     error: str | None = None
     retryable: bool = False  # FAILED because of a timeout or a peer that went away
+    meta: dict[str, Any] | None = None  # the sender's metadata, on the receiver's DONE
 
 
 class KVSender(ABC):
@@ -36,8 +38,16 @@ class KVSender(ABC):
     layout: KVLayout
 
     @abstractmethod
-    def send(self, request_id: str, block_ids: list[int], dest: str) -> None:
-        """Start shipping the request's blocks to receiver `dest`. Returns at once."""
+    def send(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        dest: str,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Start shipping the request's blocks to receiver `dest`, with `meta` (small,
+        JSON-serialisable: what the receiver needs besides the KV, e.g. the first token).
+        Returns at once; the blocks may be reused once `poll` reports the transfer ended."""
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:
@@ -59,7 +69,9 @@ class KVReceiver(ABC):
     @abstractmethod
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
         """Reserve: the request's KV will be written into `block_ids` (already allocated by the
-        caller) when it arrives. After `timeout_s` without it, the transfer FAILS (retryable)."""
+        caller) when it arrives; a sender with larger tensor parallelism sends one shard per
+        rank under the same id, and the transfer is DONE when all have landed. After
+        `timeout_s` without it, the transfer FAILS (retryable)."""
 
     @abstractmethod
     def poll(self) -> list[TransferResult]:

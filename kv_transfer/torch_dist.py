@@ -3,15 +3,16 @@
 The receiver hosts a `TCPStore` at `address` ("host:port"). A sender opening a channel to it
 writes its `KVLayout` under a fresh channel id, pushes the id onto the store's accept queue and
 waits for the receiver's layout (or a refusal): the handshake. Both sides then build a 2-rank
-gloo group (NCCL on GPU, later) over a `PrefixStore` for that channel, so no global world is
-needed and workers can come and go.
+group over a `PrefixStore` for that channel (gloo for CPU caches, NCCL for CUDA caches), so no
+global world is needed and workers can come and go.
 
 A transfer: the sender gathers the request's blocks into one tensor (on the caller's thread, so
-its blocks are free to reuse as soon as `send` returns), pushes `{request_id, num_blocks, tag}`
+its blocks are free to reuse as soon as `send` returns), pushes `{request_id, shape, tag, meta}`
 onto the channel's queue, and a background thread sends the tensor. The receiver's channel
-thread pops the header, receives the tensor and leaves it in an inbox; the engine thread's
-`poll` scatters it into the blocks reserved by `expect` (only if still expected: an aborted
-request's late data is dropped, never written) and acknowledges through the store.
+thread pops the header, receives the tensor and leaves it in the inbox (`InboxKVReceiver`); the
+engine thread's `poll` scatters it into the blocks reserved by `expect` (only if still
+expected: an aborted request's late data is dropped, never written) and acknowledges through
+the store.
 
 Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a request at the
 `expect` deadline; a sender reports FAILED (retryable) when no acknowledgement comes within
@@ -21,6 +22,7 @@ Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a req
 from __future__ import annotations
 
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -34,8 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
-from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.base import KVSender, TransferResult, TransferStatus
+from kv_transfer.blocks import gather_blocks
+from kv_transfer.inbox import Arrival, InboxKVReceiver
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
 
 logger = logging.getLogger(__name__)
@@ -47,11 +50,21 @@ def _timeout(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _pair_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
+    """A 2-rank process group for one channel: NCCL between CUDA caches, else gloo."""
+    if device.type == "cuda":
+        # NOTE: not exercised in CI (no GPU there); the gloo path is.
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _timeout(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, 2, _timeout(timeout_s))
+
+
 @dataclass
 class _Channel:
     cid: str
     store: dist.Store
-    group: Any  # a 2-rank ProcessGroupGloo (its stubs lack send/recv)
+    group: Any  # a 2-rank gloo or NCCL group (the stubs lack send/recv)
     peer_layout: KVLayout
     tags: itertools.count[int]
 
@@ -74,7 +87,9 @@ class TorchDistKVSender(KVSender):
         self._pending: dict[str, tuple[_Channel, float]] = {}  # request id -> (channel, deadline)
         self._results: list[TransferResult] = []
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[tuple[str, _Channel, torch.Tensor, int] | None] = queue.Queue()
+        self._jobs: queue.Queue[
+            tuple[str, _Channel, torch.Tensor, int, dict[str, Any] | None] | None
+        ] = queue.Queue()
         self._worker = threading.Thread(target=self._send_loop, name=f"kv-send-{name}", daemon=True)
         self._worker.start()
 
@@ -94,12 +109,19 @@ class TorchDistKVSender(KVSender):
             raise HandshakeError(f"receiver {dest} refused: {verdict['error']}")
         peer = KVLayout.from_dict(verdict["layout"])
         check_compatible(self.layout, peer)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(cid, store), 0, 2, _timeout(self.timeout_s))
+        device = self.kv_caches[0].device
+        group = _pair_group(dist.PrefixStore(cid, store), 0, device, self.timeout_s)
         channel = _Channel(cid, store, group, peer, itertools.count(1))
         self._channels[dest] = channel
         return channel
 
-    def send(self, request_id: str, block_ids: list[int], dest: str) -> None:
+    def send(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        dest: str,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
         try:
             channel = self.connect(dest)
         except HandshakeError:
@@ -113,16 +135,21 @@ class TorchDistKVSender(KVSender):
         blocks = gather_blocks(self.kv_caches, ids)  # the caller may reuse its blocks from here on
         with self._lock:
             self._pending[request_id] = (channel, time.monotonic() + self.ack_timeout_s)
-        self._jobs.put((request_id, channel, blocks, next(channel.tags)))
+        self._jobs.put((request_id, channel, blocks, next(channel.tags), meta))
 
     def _send_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            request_id, channel, blocks, tag = job
+            request_id, channel, blocks, tag, meta = job
             with self._lock:
                 if request_id not in self._pending:
                     continue  # aborted before it went out
             try:
-                header = {"request_id": request_id, "shape": list(blocks.shape), "tag": tag}
+                header = {
+                    "request_id": request_id,
+                    "shape": list(blocks.shape),
+                    "tag": tag,
+                    "meta": meta,
+                }
                 channel.store.queue_push(f"{channel.cid}/xfers", json.dumps(header))
                 channel.group.send([blocks], 1, tag).wait()
             except Exception as e:
@@ -170,7 +197,7 @@ class TorchDistKVSender(KVSender):
         self._channels.clear()
 
 
-class TorchDistKVReceiver(KVReceiver):
+class TorchDistKVReceiver(InboxKVReceiver):
     def __init__(
         self,
         kv_caches: list[torch.Tensor],
@@ -178,30 +205,28 @@ class TorchDistKVReceiver(KVReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 30.0,
+        advertise_host: str | None = None,
     ) -> None:
-        self.kv_caches = kv_caches
-        self.layout = layout
+        """Listen on `host:port` (0: a free port). `address` is what senders dial:
+        `advertise_host` (default `host`) and the bound port."""
+        super().__init__(kv_caches, layout, stale_after_s=timeout_s)
         self.timeout_s = timeout_s
         self.store = dist.TCPStore(
             host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s)
         )
-        self.address = f"{host}:{self.store.port}"
-        self._lock = threading.Lock()
-        self._expected: dict[str, tuple[list[int], float]] = {}
-        # request id -> (blocks, channel, head range in our cache, arrival time)
-        self._inbox: dict[str, tuple[torch.Tensor, _Channel, tuple[int, int] | None, float]] = {}
-        self._failed: dict[str, str] = {}  # request id -> why its data can never arrive
-        self._aborted: set[str] = set()  # late data for these is dropped on arrival
-        self._results: list[TransferResult] = []
+        self.address = f"{advertise_host or host}:{self.store.port}"
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
 
+    def _client(self, timeout_s: float) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.store.host, self.store.port, is_master=False, timeout=_timeout(timeout_s)
+        )
+
     def _accept_loop(self) -> None:
         # A client of our own store: blocking pops on the master object would hold its lock.
-        client = dist.TCPStore(
-            self.store.host, self.store.port, is_master=False, timeout=_timeout(1.0)
-        )
+        client = self._client(1.0)
         while not self._closed.is_set():
             try:
                 cid = client.queue_pop(_ACCEPT_QUEUE, block=True).decode()
@@ -214,97 +239,43 @@ class TorchDistKVReceiver(KVReceiver):
             thread.start()
 
     def _serve_channel(self, cid: str) -> None:
-        store = dist.TCPStore(
-            self.store.host, self.store.port, is_master=False, timeout=_timeout(self.timeout_s)
-        )
+        store = self._client(self.timeout_s)
         sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
         try:
             check_compatible(sender, self.layout)
-            heads = receiver_head_slice(sender, self.layout)
+            receiver_head_slice(sender, self.layout)
         except HandshakeError as e:
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
             return
         store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
-        group = dist.ProcessGroupGloo(dist.PrefixStore(cid, store), 1, 2, _timeout(self.timeout_s))
-        channel = _Channel(cid, store, group, sender, itertools.count(1))
-        headers = dist.TCPStore(
-            self.store.host, self.store.port, is_master=False, timeout=_timeout(1.0)
-        )
+        device = self.kv_caches[0].device
+        group = _pair_group(dist.PrefixStore(cid, store), 1, device, self.timeout_s)
+        headers = self._client(1.0)
         while not self._closed.is_set():
             try:
                 header = json.loads(headers.queue_pop(f"{cid}/xfers", block=True))
             except Exception:
                 continue  # idle channel
             request_id = header["request_id"]
-            buf = torch.empty(
-                header["shape"], dtype=self.kv_caches[0].dtype, device=self.kv_caches[0].device
-            )
+            buf = torch.empty(header["shape"], dtype=self.kv_caches[0].dtype, device=device)
             try:
-                group.recv([buf], 0, header["tag"]).wait()  # type: ignore[attr-defined]
+                group.recv([buf], 0, header["tag"]).wait()
             except Exception as e:  # the sender died mid-transfer: this channel is done
                 logger.warning("KV channel %s lost while receiving %s: %s", cid, request_id, e)
-                with self._lock:
-                    self._failed[request_id] = f"sender lost: {e}"
+                self.fail(request_id, f"sender lost: {e}")
                 return
-            with self._lock:
-                if request_id in self._aborted:
-                    self._aborted.discard(request_id)  # late data of an aborted request: dropped
-                else:
-                    self._inbox[request_id] = (buf, channel, heads, time.monotonic())
-
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
-        with self._lock:
-            self._expected[request_id] = (list(block_ids), time.monotonic() + timeout_s)
-
-    def poll(self) -> list[TransferResult]:
-        now = time.monotonic()
-        with self._lock:
-            for request_id, (block_ids, deadline) in list(self._expected.items()):
-                arrived = self._inbox.pop(request_id, None)
-                if arrived is not None:
-                    blocks, channel, heads, _ = arrived
-                    ids = torch.tensor(
-                        block_ids[: blocks.shape[2]], dtype=torch.long, device=blocks.device
-                    )
-                    scatter_blocks(self.kv_caches, ids, blocks, heads)
-                    channel.store.set(f"{channel.cid}/ack/{request_id}", "done")
-                    result = TransferResult(request_id, TransferStatus.DONE)
-                elif request_id in self._failed:
-                    result = TransferResult(
-                        request_id,
-                        TransferStatus.FAILED,
-                        self._failed.pop(request_id),
-                        retryable=True,
-                    )
-                elif now >= deadline:
-                    result = TransferResult(
-                        request_id,
-                        TransferStatus.FAILED,
-                        "timed out waiting for KV",
-                        retryable=True,
-                    )
-                else:
-                    continue
-                del self._expected[request_id]
-                self._results.append(result)
-            # Data nobody asked for within the timeout (its request failed elsewhere) is dropped.
-            stale = [
-                r
-                for r, e in self._inbox.items()
-                if r not in self._expected and now - e[3] > self.timeout_s
-            ]
-            for request_id in stale:
-                del self._inbox[request_id]
-            out, self._results = self._results, []
-        return out
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            if self._expected.pop(request_id, None) is not None:
-                self._results.append(TransferResult(request_id, TransferStatus.ABORTED))
-                if self._inbox.pop(request_id, None) is None:
-                    self._aborted.add(request_id)  # it may still be on the wire
+            ack_key = f"{cid}/ack/{request_id}"
+            self.deliver(
+                request_id,
+                Arrival(
+                    buf,
+                    sender,
+                    header.get("meta"),
+                    functools.partial(store.set, ack_key, "done"),
+                    time.monotonic(),
+                ),
+            )
 
     def close(self) -> None:
         """Stop the accept and channel threads (each wakes within a second) and wait for them:

@@ -63,6 +63,21 @@ def test_cached_free_block_is_evicted_only_when_reused():
     assert pool.num_evictions == 1
 
 
+def test_prefix_cache_events_in_order_only_when_recording():
+    pool = BlockPool(2)
+    blocks = pool.get_new_blocks(2)
+    h0, h1, h2 = (hash_block_tokens(None, [t]) for t in (1, 2, 3))
+    pool.cache_full_blocks(blocks, [h0, h1], 0, 1)
+    assert pool.take_events() == []  # off by default
+    pool.record_events = True
+    pool.cache_full_blocks(blocks, [h0, h1], 0, 2)  # block 0 already cached: one event
+    pool.free_blocks(reversed(blocks))
+    (reused,) = pool.get_new_blocks(1)  # evicts block 1 (h1)
+    pool.cache_full_blocks([reused], [h2], 0, 1)
+    assert pool.take_events() == [(True, h1), (False, h1), (True, h2)]
+    assert pool.take_events() == []
+
+
 def test_chained_hashes_depend_on_parent():
     a = hash_request_blocks([1, 2, 3, 4, 5], 2, [])
     b = hash_request_blocks([9, 9, 3, 4], 2, [])

@@ -95,13 +95,49 @@ def test_local_transfer_done_on_both_sides():
         assert torch.equal(d[:, [4, 6]], s[:, [1, 2]])
 
 
-def test_heterogeneous_tp_shard_lands_in_its_heads():
-    sender, receiver, src, dst = make_pair(tp_size=2)
-    receiver.expect("r1", [0], timeout_s=5)
-    sender.send("r1", [3], "decode-0")
-    assert receiver.poll()[0].status == TransferStatus.DONE
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(d[:, 0, :, 0:2], s[:, 3])
+def test_heterogeneous_tp_shards_complete_one_request():
+    hub = LocalHub()
+    full, dst = caches(heads=4), caches(heads=4, seed=1)
+    senders = []
+    for rank in range(2):
+        shard = [c[:, :, :, 2 * rank : 2 * rank + 2].contiguous() for c in full]
+        senders.append(
+            create_sender("local", hub=hub, kv_caches=shard, layout=layout(shard, 4, 2, rank))
+        )
+    receiver = create_receiver("local", hub=hub, name="d", kv_caches=dst, layout=layout(dst))
+    receiver.expect("r1", [0, 9], timeout_s=5)
+    senders[1].send("r1", [3, 4], "d", meta={"first_token": 7, "rank": 1})
+    assert receiver.poll() == []  # half the heads: not done
+    assert senders[1].poll() == []
+    senders[0].send("r1", [3, 4], "d", meta={"first_token": 7, "rank": 0})
+    [result] = receiver.poll()
+    assert result.status == TransferStatus.DONE
+    assert result.meta == {"first_token": 7, "rank": 0}  # the lowest rank's
+    for f, d in zip(full, dst, strict=True):
+        assert torch.equal(d[:, [0, 9]], f[:, [3, 4]])
+    assert [r.status for s in senders for r in s.poll()] == [TransferStatus.DONE] * 2
+
+
+def test_arrival_before_expect_is_kept_and_meta_delivered():
+    sender, receiver, src, dst = make_pair()
+    sender.send("r1", [5], "decode-0", meta={"first_token": 3})
+    assert receiver.poll() == []
+    receiver.expect("r1", [2], timeout_s=5)
+    [result] = receiver.poll()
+    assert (result.status, result.meta) == (TransferStatus.DONE, {"first_token": 3})
+    assert all(torch.equal(d[:, 2], s[:, 5]) for s, d in zip(src, dst, strict=True))
+
+
+def test_late_data_of_aborted_request_is_dropped():
+    sender, receiver, _, dst = make_pair()
+    before = [c.clone() for c in dst]
+    receiver.expect("r1", [4], timeout_s=5)
+    receiver.abort("r1")
+    sender.send("r1", [1], "decode-0")
+    receiver.expect("r2", [5], timeout_s=0.05)
+    time.sleep(0.1)
+    assert [r.status for r in receiver.poll()] == [TransferStatus.ABORTED, TransferStatus.FAILED]
+    assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
 
 
 def test_abort_before_delivery_writes_nothing():

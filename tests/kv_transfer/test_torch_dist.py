@@ -74,18 +74,16 @@ def test_two_tp_shards_reassemble_into_one_receiver(receiver):
                 "torch_dist", kv_caches=shard, layout=layout(shard, 4, 2, rank), name=f"p{rank}"
             )
         )
-    # One request id per shard: the decode worker expects each rank's part.
-    recv.expect("r#0", [4, 6], timeout_s=10)
-    recv.expect("r#1", [4, 6], timeout_s=10)
+    # Both ranks send their heads under one request id; it is done when both landed.
+    recv.expect("r", [4, 6], timeout_s=10)
     for rank, s in enumerate(senders):
-        s.send(f"r#{rank}", [1, 2], recv.address)
-    got = []
-    while len(got) < 2:
-        got += wait_for(recv.poll)
-    assert {r.status for r in got} == {TransferStatus.DONE}
+        s.send("r", [1, 2], recv.address, meta={"first_token": 42, "rank": rank})
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE and done.meta == {"first_token": 42, "rank": 0}
     for f, d in zip(full, dst, strict=True):
         assert torch.equal(d[:, [4, 6]], f[:, [1, 2]])
     for s in senders:
+        assert [r.status for r in wait_for(s.poll)] == [TransferStatus.DONE]
         s.close()
 
 

@@ -1,0 +1,114 @@
+"""The decode worker's gRPC service (`duet.v1.DecodeWorker`) plus standard health checking.
+
+Status codes: no room for the prompt -> RESOURCE_EXHAUSTED (try another worker); KV never
+arrived, or the worker is stopping -> UNAVAILABLE (retryable); bad input -> INVALID_ARGUMENT.
+A client that cancels its stream aborts the request and frees its blocks."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from decode_worker.wire import to_delta
+from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
+from duet.v1 import worker_pb2, worker_pb2_grpc
+from engine import InvalidInputError, SamplingParams
+from engine.async_engine import EngineDeadError
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+        self.worker_id = uuid.uuid4().hex
+
+    async def DecodeRemote(
+        self, request: worker_pb2.DecodeRemoteRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeMessage]:
+        try:
+            params = SamplingParams.from_json(request.sampling_params_json)
+            remote = await self.worker.reserve(
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.kv_wait_s or None,
+            )
+        except Exception as e:
+            await _abort(context, e)
+        async with remote:
+            reservation = remote.reservation
+            yield worker_pb2.DecodeMessage(
+                reserved=worker_pb2.Reserved(
+                    kv_address=reservation.kv_address, num_blocks=reservation.num_blocks
+                )
+            )
+            try:
+                async for out in remote:
+                    yield worker_pb2.DecodeMessage(output=to_delta(out))
+            except Exception as e:
+                await _abort(context, e)
+
+    async def Generate(
+        self, request: worker_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeMessage]:
+        try:
+            params = SamplingParams.from_json(request.sampling_params_json)
+            if params.n != 1:
+                raise InvalidInputError("n", f"must be 1 on a decode worker; got {params.n}")
+            outputs = self.worker.generate(
+                list(request.prompt_token_ids), params, request.request_id
+            )
+            async with aclosing(outputs) as stream:  # type: ignore[type-var]
+                async for out in stream:
+                    yield worker_pb2.DecodeMessage(output=to_delta(out))
+        except Exception as e:
+            await _abort(context, e)
+
+    async def GetLoad(
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DecodeLoad:
+        load = self.worker.load
+        return worker_pb2.DecodeLoad(
+            worker_id=self.worker_id,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_waiting_for_kv=load.num_waiting_for_kv,
+            num_free_blocks=load.num_free_blocks,
+            num_blocks=load.num_blocks,
+            max_num_seqs=load.max_num_seqs,
+            block_size=self.worker.config.block_size,
+            kv_address=self.worker.kv_address,
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
+    if isinstance(error, InvalidInputError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    if isinstance(error, NoCapacityError):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    if isinstance(error, KVTransferError | EngineDeadError):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+    raise error
+
+
+async def start_decode_server(
+    worker: DecodeWorker, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Serve `worker` on `host:port` (0: a free port). Returns the started server and port."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"decode worker: cannot bind gRPC on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

@@ -1,0 +1,245 @@
+"""`DecodeWorker`: continuous-batched decode of requests whose prompt KV was computed by a
+prefill worker, and local generation for the rest (conditional disaggregation).
+
+A remote request goes through three states. `reserve` takes a sequence slot and blocks for
+its prompt (or fails at once with `NoCapacityError`, so the router can pick another worker)
+and tells the KV receiver to expect it: WAITING_FOR_REMOTE_KV, never in the batch and never
+blocking it. When the receiver reports the KV written, the first token that came with it is
+taken as if sampled here (same detokenization, stop rules and logprobs as an aggregated run,
+and the seeded generator's state continues), and the request joins the running batch at the
+next step. If the KV does not arrive within its wait, or its sender is lost, the reservation
+is freed and the stream ends with `KVTransferError` (retryable).
+
+Threads: `AsyncEngine`'s engine thread also polls the receiver; callers use any event loop.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from decode_worker.config import DecodeWorkerConfig
+from engine import RequestOutput, SamplingParams
+from engine.async_engine import AsyncEngine, EngineDeadError, _Abort
+from engine.llm_engine import LLMEngine
+from kv_transfer import KVLayout, KVReceiver, TransferStatus, create_receiver
+
+
+class NoCapacityError(RuntimeError):
+    """No free sequence slot or too few free KV blocks for the prompt; try another worker."""
+
+
+class KVTransferError(RuntimeError):
+    """The prompt's KV never arrived (timeout, or its sender went away); retryable."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    request_id: str
+    kv_address: str  # where the prefill worker sends the KV
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A snapshot for routing, refreshed by the engine thread every iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    max_num_seqs: int = 0
+
+
+@dataclass(frozen=True)
+class _Reserve:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_wait_s: float
+
+
+class RemoteDecode:
+    """A reserved request: iterate its outputs (first token included). Leaving `async with`
+    (or `aclose`) before it finished aborts it and frees its blocks."""
+
+    def __init__(
+        self,
+        worker: DecodeWorker,
+        reservation: Reservation,
+        outputs: AsyncGenerator[RequestOutput, None],
+    ) -> None:
+        self.worker = worker
+        self.reservation = reservation
+        self._outputs = outputs
+
+    def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
+        return self._outputs
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+        # A stream never iterated has not registered its own cleanup: do it here.
+        self.worker._close_stream(self.reservation.request_id, finished=False)
+
+    async def __aenter__(self) -> RemoteDecode:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class DecodeWorker(AsyncEngine):
+    def __init__(
+        self,
+        config: DecodeWorkerConfig,
+        name: str = "decode",
+        receiver_options: dict[str, Any] | None = None,
+    ) -> None:
+        """`receiver_options`: extra arguments of the KV backend's receiver (the local
+        backend's hub and name)."""
+        self.config = config
+        self.name = name
+        engine = LLMEngine(config)
+        self.layout = KVLayout.of_caches(
+            config.model or "default", engine.runner.kv_caches, engine.arch.num_key_value_heads
+        )
+        options = dict(receiver_options or {})
+        if config.kv_backend == "torch_dist":
+            options = {
+                "host": config.kv_host,
+                "port": config.kv_port,
+                "advertise_host": config.kv_advertise_host,
+                "timeout_s": config.kv_transfer_timeout_s,
+                **options,
+            }
+        self.receiver: KVReceiver = create_receiver(
+            config.kv_backend, kv_caches=engine.runner.kv_caches, layout=self.layout, **options
+        )
+        self.kv_address: str = getattr(self.receiver, "address", options.get("name", name))
+        self.load = DecodeLoad(
+            num_free_blocks=engine.num_blocks,
+            num_blocks=engine.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+        )
+        super().__init__(engine)
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_wait_s: float | None = None,
+    ) -> RemoteDecode:
+        """Reserve blocks for a prompt whose KV a prefill worker will send to `kv_address`
+        under `request_id`. Raises `NoCapacityError` (nothing reserved), `InvalidInputError`
+        for bad input, `EngineDeadError` when the worker stopped."""
+        if self._dead is not None:
+            raise EngineDeadError("decode worker is not running") from self._dead
+        ids = list(prompt_token_ids)
+        self.engine.tokenize_prompt(ids)
+        self.engine.check_lengths(len(ids), params)
+        request_id, out_queue = self._open_stream(request_id)
+        self._commands.put(_Reserve(request_id, ids, params, kv_wait_s or self.config.kv_wait_s))
+        try:
+            first = await out_queue.get()
+        except BaseException:
+            self._close_stream(request_id, finished=False)
+            raise
+        if isinstance(first, BaseException):
+            self._close_stream(request_id, finished=True)
+            raise first
+        assert isinstance(first, Reservation)
+        return RemoteDecode(self, first, self._iterate(request_id, out_queue))
+
+    async def generate_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_wait_s: float | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """`reserve`, then stream the outputs (for callers that need no reservation info)."""
+        remote = await self.reserve(request_id, prompt_token_ids, params, kv_wait_s)
+        async with remote, aclosing(remote.__aiter__()) as outputs:
+            async for out in outputs:
+                yield out
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _apply(self, cmd: Any) -> None:
+        if isinstance(cmd, _Reserve):
+            self._reserve(cmd)
+            return
+        if isinstance(cmd, _Abort):
+            self.receiver.abort(cmd.request_id)  # late KV for it is dropped
+        super()._apply(cmd)
+
+    def _reserve(self, cmd: _Reserve) -> None:
+        try:
+            block_ids = self.engine.add_remote_request(
+                cmd.prompt_token_ids, cmd.params, cmd.request_id
+            )
+        except Exception as e:
+            self._publish(cmd.request_id, e)
+            return
+        if block_ids is None:
+            self._publish(
+                cmd.request_id,
+                NoCapacityError(
+                    f"decode worker {self.name}: no room for {len(cmd.prompt_token_ids)} prompt "
+                    f"tokens ({self.engine.kv.num_free_blocks} free blocks, "
+                    f"{self.engine.scheduler.num_seq_slots_used}/{self.config.max_num_seqs} "
+                    "sequences)"
+                ),
+            )
+            return
+        self.receiver.expect(cmd.request_id, block_ids, cmd.kv_wait_s)
+        self._publish(cmd.request_id, Reservation(cmd.request_id, self.kv_address, len(block_ids)))
+
+    def _poll(self) -> list[tuple[str, Any]]:
+        items: list[tuple[str, Any]] = []
+        for result in self.receiver.poll():
+            request_id = result.request_id
+            if result.status == TransferStatus.DONE:
+                out = self._complete(request_id, result.meta or {})
+                if out is not None:
+                    items.append((request_id, out))
+            elif result.status == TransferStatus.FAILED:
+                self.engine.abort_request(request_id)
+                items.append(
+                    (
+                        request_id,
+                        KVTransferError(f"KV of {request_id} did not arrive: {result.error}"),
+                    )
+                )
+        self._update_load()
+        return items
+
+    def _complete(self, request_id: str, meta: dict[str, Any]) -> RequestOutput | None:
+        logprob = meta.get("logprob")
+        state = meta.get("generator_state")
+        return self.engine.complete_remote(
+            request_id,
+            int(meta["first_token"]),
+            (logprob[0], [(t, v) for t, v in logprob[1]]) if logprob is not None else None,
+            base64.b64decode(state) if state is not None else None,
+            int(meta.get("num_cached_tokens", 0)),
+        )
+
+    def _update_load(self) -> None:
+        sched = self.engine.scheduler
+        self.load = DecodeLoad(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_waiting_for_kv=len(sched.waiting_for_kv),
+            num_free_blocks=self.engine.kv.num_free_blocks,
+            num_blocks=self.engine.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+
+    def _on_exit(self) -> None:
+        self.receiver.close()

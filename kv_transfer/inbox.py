@@ -1,0 +1,141 @@
+"""`InboxKVReceiver`: the receiver bookkeeping every backend shares.
+
+A backend's own threads put what arrives into the inbox (`deliver`) or report that a request's
+data can never arrive (`fail`); the engine thread's `poll` matches arrivals with what it
+`expect`s, scatters complete requests into their reserved blocks and acknowledges them. A
+request is complete when every shard it needs has arrived: a sender with larger tensor
+parallelism ships one shard of heads per rank, under the same request id.
+
+Arrivals for a request nobody expects (yet) wait up to `stale_after_s` (the router may ask
+the decode worker a moment after the prefill worker sent), then are dropped. Arrivals for an
+aborted request are dropped on arrival and never written, so a retry must use a new request id
+(the router numbers its attempts).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
+from kv_transfer.blocks import scatter_blocks
+from kv_transfer.layout import KVLayout, receiver_head_slice
+
+
+@dataclass
+class Arrival:
+    """One shard of one request's KV, received and not yet written."""
+
+    blocks: torch.Tensor  # [L, 2, n, BS, h, D]
+    layout: KVLayout  # the sender's: which heads the shard holds
+    meta: dict[str, Any] | None
+    acknowledge: Callable[[], None]  # tells the sender its blocks landed
+    time_s: float
+
+
+class InboxKVReceiver(KVReceiver):
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, stale_after_s: float = 30.0
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layout = layout
+        self.stale_after_s = stale_after_s
+        self._lock = threading.Lock()
+        self._expected: dict[str, tuple[list[int], float]] = {}  # id -> (blocks, deadline)
+        self._inbox: dict[str, list[Arrival]] = {}
+        self._failed: dict[str, tuple[str, float]] = {}  # id -> (why it can never arrive, when)
+        self._aborted: dict[str, float] = {}  # request id -> when; late shards are dropped
+        self._results: list[TransferResult] = []
+
+    # -- backend side (any thread) ---------------------------------------------------------
+
+    def deliver(self, request_id: str, arrival: Arrival) -> None:
+        with self._lock:
+            if request_id not in self._aborted:
+                self._inbox.setdefault(request_id, []).append(arrival)
+
+    def fail(self, request_id: str, why: str) -> None:
+        with self._lock:
+            self._failed[request_id] = (why, time.monotonic())
+
+    def withdraw(self, request_id: str, layout: KVLayout) -> None:
+        """The sender of these shards gave up on them (only the in-process backend can)."""
+        with self._lock:
+            arrivals = self._inbox.get(request_id, [])
+            arrivals[:] = [a for a in arrivals if a.layout != layout]
+
+    # -- engine side -------------------------------------------------------------------------
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+        with self._lock:
+            self._expected[request_id] = (list(block_ids), time.monotonic() + timeout_s)
+
+    def poll(self) -> list[TransferResult]:
+        now = time.monotonic()
+        with self._lock:
+            for request_id, (block_ids, deadline) in list(self._expected.items()):
+                arrivals = self._inbox.get(request_id, [])
+                if arrivals and len(arrivals) >= self._num_shards(arrivals[0].layout):
+                    del self._inbox[request_id]
+                    result = self._write(request_id, block_ids, arrivals)
+                elif request_id in self._failed:
+                    why = self._failed.pop(request_id)[0]
+                    result = TransferResult(request_id, TransferStatus.FAILED, why, retryable=True)
+                elif now >= deadline:
+                    result = TransferResult(
+                        request_id,
+                        TransferStatus.FAILED,
+                        "timed out waiting for KV",
+                        retryable=True,
+                    )
+                else:
+                    continue
+                del self._expected[request_id]
+                self._results.append(result)
+            self._drop_stale(now)
+            out, self._results = self._results, []
+        return out
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._expected.pop(request_id, None) is not None:
+                self._results.append(TransferResult(request_id, TransferStatus.ABORTED))
+            self._inbox.pop(request_id, None)
+            self._aborted[request_id] = time.monotonic()  # shards may still be on the wire
+
+    def _num_shards(self, sender: KVLayout) -> int:
+        return max(1, self.layout.heads_per_rank // sender.heads_per_rank)
+
+    def _write(
+        self, request_id: str, block_ids: list[int], arrivals: list[Arrival]
+    ) -> TransferResult:
+        device = self.kv_caches[0].device
+        for arrival in arrivals:
+            ids = torch.tensor(
+                block_ids[: arrival.blocks.shape[2]], dtype=torch.long, device=device
+            )
+            heads = receiver_head_slice(arrival.layout, self.layout)
+            scatter_blocks(self.kv_caches, ids, arrival.blocks.to(device), heads)
+        for arrival in arrivals:
+            arrival.acknowledge()
+        # Every shard carries the same metadata; the lowest rank's is the reference.
+        first = min(arrivals, key=lambda a: a.layout.tp_rank)
+        return TransferResult(request_id, TransferStatus.DONE, meta=first.meta)
+
+    def _drop_stale(self, now: float) -> None:
+        for request_id, arrivals in list(self._inbox.items()):
+            if request_id not in self._expected and all(
+                now - a.time_s > self.stale_after_s for a in arrivals
+            ):
+                del self._inbox[request_id]
+        for request_id, since in list(self._aborted.items()):
+            if now - since > self.stale_after_s:
+                del self._aborted[request_id]
+        for request_id, (_, since) in list(self._failed.items()):
+            if request_id not in self._expected and now - since > self.stale_after_s:
+                del self._failed[request_id]

@@ -1,0 +1,49 @@
+"""`python -m prefill_worker`: one rank of a prefill worker group as a process. Rank 0 serves
+gRPC and prints `DUET_READY <host:port>` once it does; other ranks follow rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.launch import start_prefill_rank
+from prefill_worker.server import start_prefill_server
+from prefill_worker.worker import PrefillWorker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m prefill_worker")
+    parser.add_argument("--config", default="{}", help="PrefillWorkerConfig fields as JSON")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (rank 0); 0: a free one")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-init-method", default=None, help="e.g. tcp://127.0.0.1:29500")
+    parser.add_argument("--name", default="prefill")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    config = PrefillWorkerConfig.from_kwargs(**json.loads(args.config))
+    worker = start_prefill_rank(config, args.tp_rank, args.tp_init_method, args.name)
+    if args.tp_rank != 0:
+        worker.join()
+        return
+    asyncio.run(_serve(worker, args.host, args.port))
+
+
+async def _serve(worker: PrefillWorker, host: str, port: int) -> None:
+    server, bound = await start_prefill_server(worker, host, port)
+    print(f"DUET_READY {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(5)
+    worker.shutdown()
+
+
+if __name__ == "__main__":
+    main()

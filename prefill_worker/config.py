@@ -1,0 +1,32 @@
+"""`PrefillWorkerConfig`: an engine configured for prefill, plus how its KV leaves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
+
+
+@dataclass
+class PrefillWorkerConfig(EngineConfig):
+    kv_backend: str = "torch_dist"
+    """KV transfer backend: torch_dist (between processes) or local (same process)."""
+    kv_transfer_timeout_s: float = 30.0
+    """Bound on one transfer's network operations (handshake, send)."""
+    kv_lease_s: float = 60.0
+    """How long sent blocks stay held waiting for the decode side's acknowledgement; must
+    exceed `kv_transfer_timeout_s` and stay below the decode side's wait for KV."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_transfer_timeout_s <= 0:
+            raise InvalidInputError(
+                "kv_transfer_timeout_s", f"must be > 0; got {self.kv_transfer_timeout_s}"
+            )
+        if self.kv_lease_s <= self.kv_transfer_timeout_s:
+            raise InvalidInputError(
+                "kv_lease_s",
+                f"must be > kv_transfer_timeout_s ({self.kv_transfer_timeout_s}); "
+                f"got {self.kv_lease_s}",
+            )

@@ -1,0 +1,93 @@
+"""The prefill worker's gRPC service (`duet.v1.PrefillWorker`) plus standard health checking.
+Rank 0 of a tensor-parallel group serves it; the other ranks only follow."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from duet.v1 import worker_pb2, worker_pb2_grpc
+from engine import InvalidInputError, SamplingParams
+from kv_transfer import TransferStatus
+from prefill_worker.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+OUTCOMES = {
+    TransferStatus.DONE: worker_pb2.TRANSFER_OUTCOME_DONE,
+    TransferStatus.FAILED: worker_pb2.TRANSFER_OUTCOME_FAILED,
+    TransferStatus.ABORTED: worker_pb2.TRANSFER_OUTCOME_ABORTED,
+}
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+        self.worker_id = uuid.uuid4().hex  # a restarted worker has a new id and an empty cache
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        if not self.worker.is_running:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is not running")
+        try:
+            params = SamplingParams.from_json(request.sampling_params_json)
+            result = await self.worker.prefill(
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.kv_destination,
+            )
+        except InvalidInputError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError as e:  # a duplicate request id
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        return worker_pb2.PrefillResponse(
+            outcome=OUTCOMES[result.status],
+            error=result.error or "",
+            retryable=result.retryable,
+            first_token=result.first_token or 0,
+            num_cached_tokens=result.num_cached_tokens,
+        )
+
+    async def GetLoad(
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillLoad:
+        load = self.worker.load
+        delta = self.worker.prefix_index.since(request.since_event)
+        return worker_pb2.PrefillLoad(
+            worker_id=self.worker_id,
+            num_waiting=load.num_waiting,
+            num_running=load.num_running,
+            num_transferring=load.num_transferring,
+            num_queued_tokens=load.num_queued_tokens,
+            num_free_blocks=load.num_free_blocks,
+            num_blocks=load.num_blocks,
+            block_size=self.worker.config.block_size,
+            last_event=delta.last_event,
+            snapshot=delta.snapshot,
+            stored_hashes=delta.stored,
+            removed_hashes=delta.removed,
+        )
+
+
+async def start_prefill_server(
+    worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """Serve `worker` on `host:port` (0: a free port). Returns the started server and port."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"prefill worker: cannot bind gRPC on {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

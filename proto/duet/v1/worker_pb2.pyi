@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransferOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_OUTCOME_UNSPECIFIED: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_DONE: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_FAILED: _ClassVar[TransferOutcome]
+    TRANSFER_OUTCOME_ABORTED: _ClassVar[TransferOutcome]
+TRANSFER_OUTCOME_UNSPECIFIED: TransferOutcome
+TRANSFER_OUTCOME_DONE: TransferOutcome
+TRANSFER_OUTCOME_FAILED: TransferOutcome
+TRANSFER_OUTCOME_ABORTED: TransferOutcome
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params_json: str
+    kv_destination: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    outcome: TransferOutcome
+    error: str
+    retryable: bool
+    first_token: int
+    num_cached_tokens: int
+    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("since_event",)
+    SINCE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    since_event: int
+    def __init__(self, since_event: _Optional[int] = ...) -> None: ...
+
+class PrefillLoad(_message.Message):
+    __slots__ = ("worker_id", "num_waiting", "num_running", "num_transferring", "num_queued_tokens", "num_free_blocks", "num_blocks", "block_size", "last_event", "snapshot", "stored_hashes", "removed_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFERRING_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_waiting: int
+    num_running: int
+    num_transferring: int
+    num_queued_tokens: int
+    num_free_blocks: int
+    num_blocks: int
+    block_size: int
+    last_event: int
+    snapshot: bool
+    stored_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    removed_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DecodeRemoteRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params_json: str
+    kv_wait_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
+
+class LocalGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params_json: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ...) -> None: ...
+
+class DecodeMessage(_message.Message):
+    __slots__ = ("reserved", "output")
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    reserved: Reserved
+    output: OutputDelta
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., output: _Optional[_Union[OutputDelta, _Mapping]] = ...) -> None: ...
+
+class Reserved(_message.Message):
+    __slots__ = ("kv_address", "num_blocks")
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    kv_address: str
+    num_blocks: int
+    def __init__(self, kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class WorkerLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "token")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+
+class WorkerTokenLogprobs(_message.Message):
+    __slots__ = ("sampled", "top")
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    sampled: WorkerLogprob
+    top: _containers.RepeatedCompositeFieldContainer[WorkerLogprob]
+    def __init__(self, sampled: _Optional[_Union[WorkerLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[WorkerLogprob, _Mapping]]] = ...) -> None: ...
+
+class OutputDelta(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_token_id", "stop_string", "num_cached_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[WorkerTokenLogprobs]
+    finish_reason: str
+    stop_token_id: int
+    stop_string: str
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeLoad(_message.Message):
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FOR_KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_free_blocks: int
+    num_blocks: int
+    max_num_seqs: int
+    block_size: int
+    kv_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...

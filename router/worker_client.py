@@ -1,0 +1,157 @@
+"""The router's side of the worker control plane (`duet.v1.PrefillWorker` and
+`duet.v1.DecodeWorker` over gRPC). Every call carries a deadline."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from duet.v1 import worker_pb2, worker_pb2_grpc
+from engine import SamplingParams
+from kv_transfer import TransferStatus
+
+_STATUSES = {
+    worker_pb2.TRANSFER_OUTCOME_DONE: TransferStatus.DONE,
+    worker_pb2.TRANSFER_OUTCOME_FAILED: TransferStatus.FAILED,
+    worker_pb2.TRANSFER_OUTCOME_ABORTED: TransferStatus.ABORTED,
+}
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    status: TransferStatus
+    error: str
+    retryable: bool
+    first_token: int
+    num_cached_tokens: int
+
+
+class PrefillClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_destination: str,
+        timeout_s: float,
+    ) -> PrefillOutcome:
+        """Raises `grpc.aio.AioRpcError` when the worker is unreachable, refuses the input
+        (INVALID_ARGUMENT) or the deadline passes."""
+        response = await self.stub.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params_json=params.to_json(),
+                kv_destination=kv_destination,
+            ),
+            timeout=timeout_s,
+        )
+        return PrefillOutcome(
+            _STATUSES[response.outcome],
+            response.error,
+            response.retryable,
+            response.first_token,
+            response.num_cached_tokens,
+        )
+
+    async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:
+        return await self.stub.GetLoad(
+            worker_pb2.LoadRequest(since_event=since_event), timeout=timeout_s
+        )
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DecodeStream:
+    """One request's stream from a decode worker; `cancel` aborts it there."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, reserved: worker_pb2.Reserved | None):
+        self.call = call
+        self.reserved = reserved
+
+    async def deltas(self) -> AsyncIterator[worker_pb2.OutputDelta]:
+        # NOTE: read(), not `async for`: the reservation was already read() and grpc.aio
+        # refuses to mix the two styles on one call.
+        while True:
+            message = await self.call.read()
+            if message is grpc.aio.EOF:
+                return
+            yield message.output
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+class DecodeClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_wait_s: float,
+        timeout_s: float,
+    ) -> DecodeStream:
+        """Reserve blocks for a remote prefill. Raises `grpc.aio.AioRpcError`
+        (RESOURCE_EXHAUSTED: no room there) before anything was reserved."""
+        call = self.stub.DecodeRemote(
+            worker_pb2.DecodeRemoteRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params_json=params.to_json(),
+                kv_wait_s=kv_wait_s,
+            ),
+            timeout=timeout_s,
+        )
+        try:
+            first = await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
+            call.cancel()
+            raise RuntimeError(
+                f"decode worker {self.address}: stream did not start with a reservation"
+            )
+        return DecodeStream(call, first.reserved)
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        timeout_s: float,
+    ) -> DecodeStream:
+        call = self.stub.Generate(
+            worker_pb2.LocalGenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling_params_json=params.to_json(),
+            ),
+            timeout=timeout_s,
+        )
+        return DecodeStream(call, None)
+
+    async def load(self, timeout_s: float = 2.0) -> worker_pb2.DecodeLoad:
+        return await self.stub.GetLoad(worker_pb2.LoadRequest(), timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,194 @@
+"""Prefill worker -> KV transfer -> decode worker, in one process: the same tokens as the
+aggregated engine, and every block back in its pool afterwards (including aborts and KV that
+never arrives)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import torch
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
+from engine import LLM, SamplingParams
+from kv_transfer import TransferStatus
+from kv_transfer.local import LocalHub
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.worker import PrefillWorker
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
+
+
+def mixed_prompts(n: int = 16, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 180, (n,), generator=g).tolist()
+    return [torch.randint(3, 512, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(params=["local", "torch_dist"])
+def workers(request, tiny_llama):
+    backend = request.param
+    hub = LocalHub()
+    p_opts = {"hub": hub} if backend == "local" else {}
+    d_opts = {"hub": hub, "name": "decode-0"} if backend == "local" else {}
+    prefill = PrefillWorker(
+        PrefillWorkerConfig(model=tiny_llama, kv_backend=backend, **ENGINE), sender_options=p_opts
+    )
+    decode = DecodeWorker(
+        DecodeWorkerConfig(model=tiny_llama, kv_backend=backend, **ENGINE), receiver_options=d_opts
+    )
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+async def disaggregated(prefill, decode, request_id, prompt, params):
+    """What the router does: reserve on decode, prefill towards it, stream from decode."""
+    remote = await decode.reserve(request_id, prompt, params)
+    async with remote:
+        result, outputs = await asyncio.gather(
+            prefill.prefill(request_id, prompt, params, remote.reservation.kv_address),
+            collect(remote),
+        )
+    assert result.status == TransferStatus.DONE, result
+    return result, outputs
+
+
+async def collect(remote):
+    return [out async for out in remote]
+
+
+def assert_pools_whole(prefill, decode):
+    for engine in (prefill.engine, decode.engine):
+        assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_disaggregated_equals_aggregated(workers, tiny_llama):
+    prefill, decode = workers
+    prompts = mixed_prompts()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    ref = LLM(tiny_llama, **ENGINE)
+    want_greedy = ref.generate(prompts, greedy)
+    want_seeded = ref.generate(prompts, seeded)
+
+    async def run():
+        return await asyncio.gather(
+            *(disaggregated(prefill, decode, f"g{i}", p, greedy) for i, p in enumerate(prompts)),
+            *(disaggregated(prefill, decode, f"s{i}", p, seeded) for i, p in enumerate(prompts)),
+        )
+
+    results = asyncio.run(run())
+    got = [outs[-1] for _, outs in results]
+    assert [o.token_ids for o in got[:16]] == [o.token_ids for o in want_greedy]
+    assert [o.token_ids for o in got[16:]] == [o.token_ids for o in want_seeded]
+    assert [o.text for o in got[:16]] == [o.text for o in want_greedy]
+    for o, w in zip(got[:16], want_greedy, strict=True):
+        torch.testing.assert_close(
+            [lp.sampled.logprob for lp in o.logprobs],
+            [lp.sampled.logprob for lp in w.logprobs],
+            atol=1e-4,
+            rtol=0,
+        )
+    # Streams carry every token exactly once, first token included.
+    for _, outs in results:
+        deltas = [t for out in outs for t in out.outputs[0].delta_token_ids]
+        assert deltas == outs[-1].token_ids and outs[-1].finish_reason == "length"
+    assert_pools_whole(prefill, decode)
+
+
+def test_prefix_cache_hits_on_the_prefill_side(workers, tiny_llama):
+    prefill, decode = workers
+    shared = torch.randint(3, 512, (160,), generator=torch.Generator().manual_seed(11)).tolist()
+    prompts = [shared + tail for tail in ([9, 8, 7], [6, 5], [4, 3, 2, 1])]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, **ENGINE, enable_prefix_caching=False).generate(prompts, params)
+
+    async def run():
+        return [
+            await disaggregated(prefill, decode, f"r{i}", p, params) for i, p in enumerate(prompts)
+        ]
+
+    results = asyncio.run(run())
+    assert [outs[-1].token_ids for _, outs in results] == [o.token_ids for o in want]
+    # Blocks of the shared 160 tokens (20 full blocks of 8) were cached by the first request.
+    assert [r.num_cached_tokens for r, _ in results] == [0, 160, 160]
+    assert [outs[-1].num_cached_tokens for _, outs in results] == [0, 160, 160]
+    assert_pools_whole(prefill, decode)
+
+
+def test_stop_on_the_first_token_ends_on_decode(workers, tiny_llama):
+    prefill, decode = workers
+    prompt = mixed_prompts(1, seed=5)[0]
+    ref = LLM(tiny_llama, **ENGINE).generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    first = ref[0].token_ids[0]
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[first])
+    _, outs = asyncio.run(disaggregated(prefill, decode, "r", prompt, params))
+    assert outs[-1].token_ids == [first]
+    assert (outs[-1].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", first)
+    assert_pools_whole(prefill, decode)
+
+
+def test_kv_that_never_arrives_fails_retryable_and_frees(workers):
+    _, decode = workers
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def run():
+        remote = await decode.reserve("lost", list(range(3, 40)), params, kv_wait_s=0.2)
+        assert decode.engine.kv.num_free_blocks < decode.engine.num_blocks
+        with pytest.raises(KVTransferError, match="did not arrive"):
+            await collect(remote)
+
+    asyncio.run(run())
+    assert decode.engine.kv.num_free_blocks == decode.engine.num_blocks
+
+
+def test_abort_while_waiting_for_kv_frees_blocks(workers):
+    _, decode = workers
+
+    async def run():
+        remote = await decode.reserve("gone", list(range(3, 60)), SamplingParams(max_tokens=4))
+        assert decode.engine.scheduler.waiting_for_kv.keys() == {"gone"}
+        await remote.aclose()
+        for _ in range(200):
+            if not decode.engine.scheduler.waiting_for_kv:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert decode.engine.kv.num_free_blocks == decode.engine.num_blocks
+
+
+def test_no_capacity_is_refused_at_once(tiny_llama):
+    decode = DecodeWorker(
+        DecodeWorkerConfig(model=tiny_llama, kv_backend="local", **{**ENGINE, "num_kv_blocks": 8}),
+        receiver_options={"hub": LocalHub(), "name": "d"},
+    )
+    params = SamplingParams(max_tokens=1)
+    try:
+
+        async def run():
+            first = await decode.reserve("a", list(range(3, 43)), params)  # 5 of 8 blocks
+            with pytest.raises(NoCapacityError, match="no room for 40 prompt tokens"):
+                await decode.reserve("b", list(range(3, 43)), params)
+            assert decode.engine.kv.num_free_blocks == 3
+            await first.aclose()
+
+        asyncio.run(run())
+        assert wait_for(lambda: decode.engine.kv.num_free_blocks == 8)
+    finally:
+        decode.shutdown()
+
+
+def wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

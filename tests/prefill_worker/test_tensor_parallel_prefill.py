@@ -1,0 +1,149 @@
+"""A TP=2 prefill group (two processes on loopback gloo, rank 0 serving gRPC) ships the KV
+heads of each rank to a TP=1 decode worker, which reassembles them: the same greedy tokens as
+the aggregated engine, prefix-cache hits on the prefill side, and whole pools afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.worker import DecodeWorker
+from engine import LLM, SamplingParams
+from engine.block_pool import hash_request_blocks
+from kv_transfer import TransferStatus
+from router.worker_client import PrefillClient
+
+ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prefill_group(tiny_model_factory):
+    model = tiny_model_factory("llama")
+    config = json.dumps(
+        {"model": model, **ENGINE, "tensor_parallel_size": 2, "kv_backend": "torch_dist"}
+    )
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefill_worker",
+                "--config",
+                config,
+                "--tp-rank",
+                str(rank),
+                "--tp-init-method",
+                init,
+                "--name",
+                "p0",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        address = None
+        for line in procs[0].stdout:
+            if line.startswith("DUET_READY "):
+                address = line.split()[1]
+                break
+        assert address, "rank 0 exited before serving"
+        yield model, address
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def decode_worker(prefill_group):
+    model, _ = prefill_group
+    worker = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend="torch_dist", **ENGINE))
+    yield worker
+    worker.shutdown()
+
+
+async def run_one(client, decode, request_id, prompt, params):
+    remote = await decode.reserve(request_id, prompt, params)
+    async with remote:
+        outcome, outputs = await asyncio.gather(
+            client.prefill(request_id, prompt, params, remote.reservation.kv_address, 60),
+            collect(remote),
+        )
+    assert outcome.status == TransferStatus.DONE, outcome
+    return outcome, outputs[-1]
+
+
+async def collect(remote):
+    return [o async for o in remote]
+
+
+def test_tp2_prefill_to_tp1_decode_equals_aggregated(prefill_group, decode_worker):
+    model, address = prefill_group
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 150, (16,), generator=g)]  # fmt: skip
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, params)
+
+    async def run():
+        client = PrefillClient(address)
+        try:
+            results = await asyncio.gather(
+                *(run_one(client, decode_worker, f"r{i}", p, params) for i, p in enumerate(prompts))
+            )
+            load = await client.load()
+        finally:
+            await client.close()
+        return results, load
+
+    results, load = asyncio.run(run())
+    assert [out.token_ids for _, out in results] == [o.token_ids for o in want]
+    assert load.num_free_blocks == load.num_blocks == 256  # every held block released
+    assert decode_worker.engine.kv.num_free_blocks == 256
+
+
+def test_tp2_prefix_cache_hits_and_reported_hashes(prefill_group, decode_worker):
+    model, address = prefill_group
+    shared = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [[*shared, 7, 8, 9], [*shared, 10, 11]]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE, enable_prefix_caching=False).generate(prompts, params)
+
+    async def run():
+        client = PrefillClient(address)
+        try:
+            first = await run_one(client, decode_worker, "a", prompts[0], params)
+            second = await run_one(client, decode_worker, "b", prompts[1], params)
+            return first, second, await client.load()
+        finally:
+            await client.close()
+
+    (o1, out1), (o2, out2), load = asyncio.run(run())
+    assert [out1.token_ids, out2.token_ids] == [o.token_ids for o in want]
+    assert (o1.num_cached_tokens, o2.num_cached_tokens) == (0, 64)
+    assert load.snapshot and load.block_size == 8
+    assert set(hash_request_blocks(shared, 8, [])) <= set(load.stored_hashes)
