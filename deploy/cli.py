@@ -1,4 +1,4 @@
-"""The `duet` command: generate, chat, serve (bench comes with its issue)."""
+"""The `duet` command: generate, chat, serve, bench serve, tokenizer save."""
 
 from __future__ import annotations
 
@@ -114,6 +114,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
+
+    from benchmarks.serve import add_arguments as add_bench_serve_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_arguments(
+        bench_sub.add_parser(
+            "serve",
+            help="serving benchmark: Poisson arrivals over the REST API; TTFT, TPOT, ITL, "
+            "throughput, goodput; JSON and PNG",
+        )
+    )
+
+    tokenizer = sub.add_parser("tokenizer", help="the model's tokenizer for other tools")
+    tokenizer_sub = tokenizer.add_subparsers(dest="tokenizer_command", required=True)
+    save = tokenizer_sub.add_parser(
+        "save",
+        help="write the tokenizer as an HF tokenizer dir (tokenizer.json, tokenizer_config.json "
+        "with the chat template) that transformers.AutoTokenizer loads, e.g. for aiperf",
+    )
+    save.add_argument(
+        "--model",
+        default=None,
+        help="HF dir, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct)",
+    )
+    save.add_argument("out_dir", help="directory to write (created)")
     return parser
 
 
@@ -132,6 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _chat(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from benchmarks.serve import run_from_args
+
+            return run_from_args(args)
+        if args.command == "tokenizer":
+            from deploy.tokenizer_export import save_tokenizer
+
+            try:
+                print(save_tokenizer(args.model, args.out_dir))
+            except OSError as e:
+                print(f"duet: error: out_dir: cannot write {args.out_dir}: {e}", file=sys.stderr)
+                return 2
+            return 0
     except (InvalidInputError, ModelLoadError, ServeConfigError) as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return 2

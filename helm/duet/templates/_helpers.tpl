@@ -1,0 +1,217 @@
+{{/* Names, labels and the pieces every duet pod shares. */}}
+
+{{- define "duet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name, at most 45 characters so "<fullname>-prefill-<hash>" fits 63. */}}
+{{- define "duet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "duet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "duet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "duet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "duet.labels" -}}
+helm.sh/chart: {{ include "duet.chart" . }}
+{{ include "duet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: duet
+{{- end }}
+
+{{/* Labels of one component: (dict "root" $ "component" "head"). */}}
+{{- define "duet.componentLabels" -}}
+{{ include "duet.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "duet.componentSelector" -}}
+{{ include "duet.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "duet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "duet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "duet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "duet.headService" -}}
+{{- printf "%s-head" (include "duet.fullname" .) }}
+{{- end }}
+
+{{- define "duet.routerService" -}}
+{{- printf "%s-router" (include "duet.fullname" .) }}
+{{- end }}
+
+{{- define "duet.rayAuthSecret" -}}
+{{- default (printf "%s-ray-auth" (include "duet.fullname" .)) .Values.ray.auth.existingSecret }}
+{{- end }}
+
+{{/* Checks the schema cannot express (it compares no two fields). */}}
+{{- define "duet.validate" -}}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.redis.externalUrlSecret.name) }}
+{{- fail "redis: with redis.enabled=false set redis.externalUrl or redis.externalUrlSecret.name" }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $.Values $pool }}
+{{- if gt (int $p.minReplicas) (int $p.maxReplicas) }}
+{{- fail (printf "%s.minReplicas (%d) must be <= %s.maxReplicas (%d)" $pool (int $p.minReplicas) $pool (int $p.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if .Values.planner.enabled }}
+{{- $need := add (mul .Values.prefill.minReplicas .Values.prefill.gpusPerPod) (mul .Values.decode.minReplicas .Values.decode.gpusPerPod) }}
+{{- if lt (int .Values.planner.gpuBudget) (int $need) }}
+{{- fail (printf "planner.gpuBudget (%d) is below the %d GPUs the pools' minReplicas need (prefill.minReplicas x prefill.gpusPerPod + decode.minReplicas x decode.gpusPerPod)" (int .Values.planner.gpuBudget) (int $need)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The session store URL `duet serve` gets (a $(VAR) reference when it comes from a Secret). */}}
+{{- define "duet.sessionStoreUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s-redis:6379/0" (include "duet.fullname" .) }}
+{{- else if .Values.redis.externalUrlSecret.name }}
+{{- print "$(DUET_SESSION_STORE_URL)" }}
+{{- else }}
+{{- .Values.redis.externalUrl }}
+{{- end }}
+{{- end }}
+
+{{/* Environment of every duet container. */}}
+{{- define "duet.env" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /cache
+- name: HF_HOME
+  value: /cache/huggingface
+- name: TRITON_CACHE_DIR
+  value: /cache/triton
+- name: TORCH_EXTENSIONS_DIR
+  value: /cache/torch_extensions
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+# NOTE: a file, not RAY_AUTH_TOKEN, so the token is never in the pod spec or `env` output.
+- name: RAY_AUTH_TOKEN_PATH
+  value: /etc/duet/ray-auth/{{ .Values.ray.auth.key }}
+{{- else }}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- end }}
+{{- if .Values.model.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hfTokenSecret.name }}
+      key: {{ .Values.model.hfTokenSecret.key }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes of every Ray pod, and their mounts. */}}
+{{- define "duet.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.model.cacheSizeLimit }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSizeLimit }}
+{{- if .Values.ray.auth.enabled }}
+- name: ray-auth
+  secret:
+    secretName: {{ include "duet.rayAuthSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- if .Values.model.pvc.existingClaim }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "duet.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+- name: shm
+  mountPath: /dev/shm
+{{- if .Values.ray.auth.enabled }}
+- name: ray-auth
+  mountPath: /etc/duet/ray-auth
+  readOnly: true
+{{- end }}
+{{- if .Values.model.pvc.existingClaim }}
+- name: models
+  mountPath: {{ .Values.model.pvc.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every duet pod. */}}
+{{- define "duet.podCommon" -}}
+serviceAccountName: {{ include "duet.serviceAccountName" . }}
+automountServiceAccountToken: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/* nodeSelector/tolerations/affinity: (dict "own" .Values.prefill "fallback" .Values.gpu). */}}
+{{- define "duet.scheduling" -}}
+{{- $nodeSelector := .own.nodeSelector | default .fallback.nodeSelector }}
+{{- $tolerations := .own.tolerations | default .fallback.tolerations }}
+{{- $affinity := .own.affinity | default .fallback.affinity }}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Extra pod template annotations. */}}
+{{- define "duet.podAnnotations" -}}
+{{- with .Values.podAnnotations }}{{ toYaml . }}{{ end }}
+{{- end }}
