@@ -18,10 +18,10 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import EngineStats, LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Message, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,37 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
+
+    # What the servers read of the engine (router.engine_client.EngineClient).
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_running
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize_prompt(prompt)
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self.engine.encode_chat(messages)
+
+    def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        return self.engine.check_lengths(num_prompt_tokens, params)
 
     async def generate(
         self,

@@ -41,6 +41,71 @@ class DecodeBatch:
 
 
 @dataclass
+class KernelBatch:
+    """The whole step as device tensors for the Triton kernels (engine/kernels/triton_*.py);
+    built only for that backend. Requests keep their order in the flat batch."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens of KV after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    decode_indices: torch.Tensor  # [Bd] int32: requests with one query token
+    prefill_indices: torch.Tensor  # [Bp] int32: the others (chunks, prefix hits, prompts)
+    max_query_len: int  # longest query among prefill_indices (sizes the prefill grid)
+    num_splits: int  # split-K factor of the decode kernel
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_ids: list[list[int]],
+        starts: np.ndarray,
+        num_kv_heads: int,
+        device: torch.device,
+    ) -> KernelBatch:
+        from engine.kernels.triton_decode import choose_num_splits, device_num_sms
+
+        num_reqs = len(seq_lens)
+        width = max(1, max(len(b) for b in block_ids))
+        decode = [i for i, q in enumerate(query_lens) if q == 1]
+        prefill = [i for i, q in enumerate(query_lens) if q != 1]
+        # One int32 buffer, one host-to-device copy; the fields are views of it.
+        sizes = [num_reqs + 1, num_reqs, len(decode), len(prefill), num_reqs * width]
+        packed = np.zeros(sum(sizes), dtype=np.int32)
+        parts = np.split(packed, np.cumsum(sizes)[:-1])
+        parts[0][:] = starts
+        parts[1][:] = seq_lens
+        parts[2][:] = decode
+        parts[3][:] = prefill
+        table = parts[4].reshape(num_reqs, width)
+        for row, blocks in enumerate(block_ids):
+            table[row, : len(blocks)] = blocks
+        dev = to_device(packed, device)
+        views = torch.split(dev, sizes)
+        max_decode_len = max((seq_lens[i] for i in decode), default=0)
+        return cls(
+            query_start_loc=views[0],
+            seq_lens=views[1],
+            block_tables=views[4].view(num_reqs, width),
+            decode_indices=views[2],
+            prefill_indices=views[3],
+            max_query_len=max((query_lens[i] for i in prefill), default=0),
+            num_splits=choose_num_splits(
+                len(decode), num_kv_heads, max_decode_len, device_num_sms(device)
+            ),
+        )
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device` (on CUDA through pinned memory, without a sync)."""
+    host = torch.from_numpy(array)
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy overlaps the host's work instead of syncing.
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: (
         torch.Tensor
@@ -51,6 +116,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]  # torch path
     decode_batch: DecodeBatch | None  # kernel path
     prefill_indices: list[int]  # requests with several query tokens, handled one by one
+    kernel_batch: KernelBatch | None = None  # Triton path: everything in two kernels
 
     @property
     def num_reqs(self) -> int:
@@ -65,7 +131,11 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         use_decode_kernel: bool = False,
+        triton_num_kv_heads: int | None = None,
     ) -> AttentionMetadata:
+        """`use_decode_kernel`: decodes go to the C++ CPU kernel. `triton_num_kv_heads`: the
+        Triton backend (the KV heads this rank caches, for the split-K heuristic); decode
+        groups are then not built."""
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
         slots = []
@@ -78,7 +148,12 @@ class AttentionMetadata:
         decode = [i for i, q in enumerate(query_lens) if q == 1]
         groups: list[DecodeGroup] = []
         batch = None
-        if decode and use_decode_kernel:
+        kernel_batch = None
+        if triton_num_kv_heads is not None:
+            kernel_batch = KernelBatch.build(
+                query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device
+            )
+        elif decode and use_decode_kernel:
             width = max(len(block_ids[i]) for i in decode)
             table = np.zeros((len(decode), width), dtype=np.int64)
             for row, i in enumerate(decode):
@@ -91,13 +166,14 @@ class AttentionMetadata:
         elif decode:
             groups = _group_decodes(decode, starts, seq_lens, block_ids, block_size, device)
         return cls(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+            slot_mapping=to_device(np.concatenate(slots), device),
             query_start_loc=starts.tolist(),
             seq_lens=seq_lens,
             block_ids=block_ids,
             decode_groups=groups,
             decode_batch=batch,
             prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
+            kernel_batch=kernel_batch,
         )
 
 
@@ -150,6 +226,19 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
 
+def store_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Write this step's K/V to their slots: one Triton kernel on that backend, else
+    `write_kv_cache`."""
+    if meta.kernel_batch is not None:
+        from engine.kernels.triton_cache import write_kv_cache as triton_write_kv_cache
+
+        triton_write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+    else:
+        write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+
+
 class GatherWorkspace:
     """Grow-only buffers that gathered K/V blocks are copied into, reused every layer and step
     (fresh multi-MB tensors per layer cost page faults on the CPU)."""
@@ -183,6 +272,8 @@ def paged_attention(
 
     query: [T, H, D], key/value: [T, Hkv, D] (this step's, already written to the cache)
     -> out [T, H, D]."""
+    if meta.kernel_batch is not None:
+        return _triton_attention(query, kv_cache, meta.kernel_batch, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -250,4 +341,21 @@ def paged_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
             )
         out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def _triton_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: KernelBatch, scale: float
+) -> torch.Tensor:
+    """Decodes through the split-K decode kernel, the rest through the prefill kernel; both
+    read K/V from the cache, where `store_kv` has put this step's."""
+    from engine.kernels.triton_decode import paged_decode_attention
+    from engine.kernels.triton_prefill import paged_prefill_attention
+
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
+    common = (kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    paged_decode_attention(out, query, *common, batch.decode_indices, scale, batch.num_splits)
+    paged_prefill_attention(out, query, *common, batch.prefill_indices, batch.max_query_len, scale)
     return out

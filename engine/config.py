@@ -12,6 +12,7 @@ from engine.errors import InvalidInputError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -31,7 +32,13 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV blocks in the pool. None: derived from `kv_cache_memory_bytes`."""
     kv_cache_memory_bytes: int = 1 << 30
-    """Memory budget of the KV pool when `num_kv_blocks` is None."""
+    """Memory budget of the KV pool when `num_kv_blocks` is None (CPU)."""
+    gpu_memory_utilization: float = 0.9
+    """On CUDA, when `num_kv_blocks` is None: fraction of the GPU's memory for weights,
+    activations and the KV pool, which gets what a warm-up forward leaves."""
+    enforce_eager: bool = True
+    """Run decode eagerly. False replays CUDA graphs (CUDA + Triton backend only); opt-in until
+    the graph path has been verified on a GPU."""
     max_num_batched_tokens: int = 2048
     """Token budget of one scheduler step (prefill chunks + decodes)."""
     max_num_seqs: int = 128
@@ -49,7 +56,8 @@ class EngineConfig:
     seed: int = 0
     """Seed of the generator used by unseeded sampling."""
     attention_backend: str = "auto"
-    """auto (fused kernels where they exist: C++ on CPU) or torch (the reference path)."""
+    """auto (Triton kernels on CUDA, the C++ decode kernel on CPU), triton (on CPU only under
+    TRITON_INTERPRET=1, for tests), or torch (the reference path)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
@@ -68,14 +76,24 @@ class EngineConfig:
         if self.num_kv_blocks is not None:
             _check_min("num_kv_blocks", self.num_kv_blocks, 1)
         _check_min("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
+            raise InvalidInputError(
+                "gpu_memory_utilization", f"must be a number in (0, 1]; got {util!r}"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidInputError(
+                "enforce_eager", f"must be true or false; got {self.enforce_eager!r}"
+            )
         _check_min("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_min("max_num_seqs", self.max_num_seqs, 1)
         if self.max_model_len is not None:
             _check_min("max_model_len", self.max_model_len, 1)
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.attention_backend not in ("auto", "torch"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidInputError(
-                "attention_backend", f"must be auto or torch; got {self.attention_backend!r}"
+                "attention_backend",
+                f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise InvalidInputError(

@@ -16,14 +16,19 @@ from engine.cpu_runtime import configure_cpu_runtime
 from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.model_runner import (
+    ModelRunner,
+    kv_cache_bytes_per_block,
+    num_kv_blocks_for_gpu_memory,
+    resolve_attention_backend,
+)
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.tokenizer import Message
+from engine.tokenizer import Message, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +105,21 @@ class LLMEngine:
             arch.head_dim,
             self.dtype,
         )
-        self.num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_bytes // block_bytes
-        )
+        if config.num_kv_blocks is not None:
+            self.num_blocks = config.num_kv_blocks
+        elif self.device.type == "cuda":
+            backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
+            self.num_blocks = num_kv_blocks_for_gpu_memory(
+                loaded.model,
+                config.block_size,
+                self.dtype,
+                self.device,
+                config.gpu_memory_utilization,
+                config.max_num_batched_tokens,
+                use_triton=backend == "triton",
+            )
+        else:
+            self.num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(
@@ -113,6 +130,9 @@ class LLMEngine:
             self.dtype,
             config.seed,
             config.attention_backend,
+            enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
@@ -131,20 +151,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidInputError("prompt", "must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise InvalidInputError("prompt", "must not be empty")
-        vocab = self.arch.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidInputError(
-                "prompt", f"token ids must be integers in [0, {vocab}); got {bad!r}"
-            )
-        return None, ids
+        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt)
 
     def add_request(
         self,
@@ -264,26 +271,8 @@ class LLMEngine:
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit."""
-        limit = self.max_model_len
-        if num_prompt >= limit:
-            raise InvalidInputError(
-                "prompt",
-                f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
-        if num_prompt + max_tokens > limit:
-            raise InvalidInputError(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                f"{limit}; max_tokens must be <= {limit - num_prompt}",
-            )
         capacity = self.num_blocks * self.config.block_size
-        if num_prompt + max_tokens > capacity:
-            raise InvalidInputError(
-                "max_tokens",
-                f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool ({capacity} tokens)",
-            )
-        return max_tokens
+        return check_lengths(num_prompt, params, self.max_model_len, capacity)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final (aborted) output."""
@@ -385,3 +374,50 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
+
+
+def tokenize_prompt(
+    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt
+) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text or token ids; raises `InvalidInputError`
+    for an empty prompt or ids outside the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidInputError("prompt", "must not be empty")
+        return prompt, tokenizer.encode(prompt)
+    ids = list(prompt)
+    if not ids:
+        raise InvalidInputError("prompt", "must not be empty")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidInputError(
+            "prompt", f"token ids must be integers in [0, {vocab_size}); got {bad!r}"
+        )
+    return None, ids
+
+
+def check_lengths(
+    num_prompt: int, params: SamplingParams, max_model_len: int, kv_capacity_tokens: int
+) -> int:
+    """A request's effective max_tokens; raises `InvalidInputError` when prompt + output
+    cannot fit the context or a KV pool of `kv_capacity_tokens`."""
+    limit = max_model_len
+    if num_prompt >= limit:
+        raise InvalidInputError(
+            "prompt",
+            f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+    if num_prompt + max_tokens > limit:
+        raise InvalidInputError(
+            "max_tokens",
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{limit}; max_tokens must be <= {limit - num_prompt}",
+        )
+    if num_prompt + max_tokens > kv_capacity_tokens:
+        raise InvalidInputError(
+            "max_tokens",
+            f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool "
+            f"({kv_capacity_tokens} tokens)",
+        )
+    return max_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,15 +48,25 @@ def resolve_model_path(model: str | None) -> str:
         ) from e
 
 
-def load_model(
+@dataclass
+class ModelSource:
+    """A model's architecture, tokenizer and name, and its weights not yet read."""
+
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    name: str
+    rope_freqs: torch.Tensor | None
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    count_tensors: Callable[[], int]
+
+
+def open_model(
     model: str | None,
-    dtype: torch.dtype,
-    device: torch.device,
     tokenizer_path: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
-    progress: bool = True,
-    tp: TensorParallel = SINGLE,
-) -> LoadedModel:
+) -> ModelSource:
+    """Read what describes `model` (config, tokenizer) without reading its weights: enough
+    for a router to tokenize and validate requests."""
     path = resolve_model_path(model)
     name = model or "SmolLM2-135M-Instruct"
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -73,14 +83,12 @@ def load_model(
             arch.eos_token_ids,
             False,  # the GGUF tokenizer's post-processor already adds BOS where the model wants it
         )
-        weights: Iterator[tuple[str, torch.Tensor]] = gguf.weights()
-        num_tensors = gguf.num_tensors
-        rope_freqs = gguf.rope_freqs
-        if model is None:
-            name = "SmolLM2-135M-Instruct"
-        elif os.path.exists(model):
+        if model is not None and os.path.exists(model):
             name = os.path.basename(model).removesuffix(".gguf")
-    elif os.path.isdir(path):
+        return ModelSource(
+            arch, tokenizer, name, gguf.rope_freqs, gguf.weights, lambda: gguf.num_tensors
+        )
+    if os.path.isdir(path):
         hf_config = {**_read_json(os.path.join(path, "config.json")), **(hf_overrides or {})}
         arch = ModelArchConfig.from_hf_config(hf_config)
         eos = list(arch.eos_token_ids)
@@ -91,28 +99,50 @@ def load_model(
                 gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
             )
         tokenizer = Tokenizer.from_dir(tokenizer_path or path, eos)
-        files = _safetensors_files(path)
-        weights = _iter_safetensors(files)
-        num_tensors = _count_safetensors(files)
-        rope_freqs = None
         if os.path.exists(model or ""):
             name = os.path.basename(os.path.normpath(path))
-    else:
-        raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
+        return ModelSource(
+            arch,
+            tokenizer,
+            name,
+            None,
+            lambda: _iter_safetensors(_safetensors_files(path)),
+            lambda: _count_safetensors(_safetensors_files(path)),
+        )
+    raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
 
+
+def load_model(
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer_path: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
+    progress: bool = True,
+    tp: TensorParallel = SINGLE,
+) -> LoadedModel:
+    source = open_model(model, tokenizer_path, hf_overrides)
+    arch, name = source.arch, source.name
+    weights = source.weights()
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, rope_freqs, tp)
+        net = LlamaForCausalLM(arch, source.rope_freqs, tp)
     # Built on meta so no time goes into random init; the rope tables are then made for real.
     net = net.to_empty(device=device).to(dtype)
     net.rotary.rebuild(device)
     if progress:
         weights = iter(
-            tqdm(weights, total=num_tensors, desc=f"Loading {name}", unit="tensor", leave=False)
+            tqdm(
+                weights,
+                total=source.count_tensors(),
+                desc=f"Loading {name}",
+                unit="tensor",
+                leave=False,
+            )
         )
     loaded = net.load_weights(weights)
     _check_complete(net, loaded)
     net.eval()
-    return LoadedModel(net, arch, tokenizer, name)
+    return LoadedModel(net, arch, source.tokenizer, name)
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:

@@ -17,8 +17,8 @@ from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine import AsyncEngine
 from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
+from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
 from router.openai_protocol import (
     ChatCompletionRequest,
@@ -49,7 +49,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = 256
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     served_model_name: str,
     api_keys: Sequence[str] = (),
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,

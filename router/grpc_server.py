@@ -1,5 +1,5 @@
 """The public gRPC service `duet.v1.Duet` (plus standard health checking and reflection), on an
-`AsyncEngine`. Same validation, API keys (`router.auth.APIKeyChecker`), sessions
+`EngineClient` (one engine, or the cluster). Same validation, API keys (`router.auth.APIKeyChecker`), sessions
 (`router.sessions`) and rate limits (`router.rate_limit`) as REST; errors map to status codes:
 
     bad field -> INVALID_ARGUMENT   missing/wrong key -> UNAUTHENTICATED
@@ -24,9 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import AsyncEngine, InvalidInputError, RequestOutput, SamplingParams
+from engine import InvalidInputError, RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
 from router.auth import APIKeyChecker
+from router.engine_client import EngineClient
 from router.errors import (
     AuthenticationError,
     BadRequestError,
@@ -109,7 +110,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
 class DuetServicer(serving_pb2_grpc.DuetServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model_name: str,
         max_queued_requests: int = 256,
         checker: APIKeyChecker | None = None,
@@ -127,7 +128,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.ListModelsResponse:
         model = serving_pb2.Model(
-            id=self.model_name, max_model_len=self.engine.engine.max_model_len, owned_by="duet"
+            id=self.model_name, max_model_len=self.engine.max_model_len, owned_by="duet"
         )
         return serving_pb2.ListModelsResponse(models=[model])
 
@@ -139,9 +140,9 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
             params = sampling_params_from_proto(request.sampling)
             if request.WhichOneof("prompt") == "token_ids":
                 prompt_ids = list(request.token_ids.ids)
-                self.engine.engine.tokenize_prompt(prompt_ids)  # validates the ids
+                self.engine.tokenize_prompt(prompt_ids)  # validates the ids
             else:
-                prompt_ids = self.engine.engine.tokenize_prompt(request.text)[1]
+                prompt_ids = self.engine.tokenize_prompt(request.text)[1]
             stream = self._stream(prompt_ids, params, request.request_id, context)
             async for response in stream:
                 yield response
@@ -166,7 +167,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                 turn = await self.sessions.begin_turn(request.session_id, self._caller(context))
             messages = new_messages if turn is None else [*turn.history, *new_messages]
             try:
-                prompt_ids = self.engine.engine.encode_chat(messages)
+                prompt_ids = self.engine.encode_chat(messages)
             except jinja2.TemplateError as e:
                 raise BadRequestError(f"messages: the chat template failed: {e}") from None
             stream = self._stream(
@@ -199,8 +200,8 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         wait until the turn is stored, so a stream that ends OK always has its turn stored."""
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running; retry later")
-        max_tokens = self.engine.engine.check_lengths(len(prompt_ids), params)
-        if self.engine.engine.stats.num_waiting >= self.max_queued_requests:
+        max_tokens = self.engine.check_lengths(len(prompt_ids), params)
+        if self.engine.stats.num_waiting >= self.max_queued_requests:
             raise OverloadedError("server overloaded: request queue is full")
         num_tokens = len(prompt_ids) + max_tokens * params.n
         await self.rate_limiter.admit(self._caller(context), num_tokens)
@@ -277,7 +278,7 @@ def _logprobs_to_proto(lp: Any) -> serving_pb2.TokenLogprobs:
 
 
 async def start_grpc_server(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 50051,

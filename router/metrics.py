@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import AsyncEngine, RequestOutput
+from engine import RequestOutput
+from router.engine_client import EngineClient
 
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -27,12 +28,12 @@ E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 
 class EngineStatsCollector(Collector):
     """Engine gauges and prefix-cache counters, read from `EngineStats` on each scrape."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self._engine = engine
         self._labels = [model_name]
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine.engine.stats
+        stats = self._engine.stats
         gauges = (
             ("duet:num_requests_running", "Sequences in the engine's running batch.",
              stats.num_running),
@@ -61,7 +62,7 @@ class EngineStatsCollector(Collector):
 class ServingMetrics:
     """The metrics of one app. Recording methods are called from the event loop's thread."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry

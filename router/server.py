@@ -23,8 +23,8 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
-from engine import AsyncEngine
 from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS, build_app
+from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
 from router.rate_limit import NO_RATE_LIMITS
 from session_store import RateLimits, SqliteSessionStore, open_rate_limiter, open_session_store
@@ -98,7 +98,7 @@ class RouterServer(uvicorn.Server):
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         served_model_name: str,
         config: RouterConfig,
         rest_socket: socket.socket,

@@ -67,7 +67,7 @@ class ChatCompletionHandler:
             turn = await ctx.sessions.begin_turn(body.session_id, api_key)
         messages = new_messages if turn is None else [*turn.history, *new_messages]
         try:
-            prompt_ids = ctx.engine.engine.encode_chat(messages)
+            prompt_ids = ctx.engine.encode_chat(messages)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
         except jinja2.TemplateError as e:

@@ -43,7 +43,7 @@ class CompletionHandler:
             )
         try:
             params = body.to_sampling_params()
-            prompts = [ctx.engine.engine.tokenize_prompt(p)[1] for p in body.prompts()]
+            prompts = [ctx.engine.tokenize_prompt(p)[1] for p in body.prompts()]
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e) from None
         num_tokens = 0

@@ -13,8 +13,9 @@ from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from typing import cast
 
-from engine import AsyncEngine, InvalidInputError, RequestOutput, SamplingParams
+from engine import InvalidInputError, RequestOutput, SamplingParams
 from router.admission import AdmissionController, AdmissionTicket
+from router.engine_client import EngineClient
 from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
 from router.logprobs import TokenTexts
 from router.metrics import ServingMetrics
@@ -25,7 +26,7 @@ from router.sessions import SessionManager
 class ServingContext:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         served_model_name: str,
         max_queued_requests: int,
         sessions: SessionManager,
@@ -36,13 +37,13 @@ class ServingContext:
         self.rate_limiter = rate_limiter
         self.model_name = served_model_name
         self.created = int(time.time())
-        self.admission = AdmissionController(engine.engine.config.max_num_seqs, max_queued_requests)
+        self.admission = AdmissionController(engine.max_num_seqs, max_queued_requests)
         self.metrics = ServingMetrics(engine, served_model_name)
-        self.token_texts = TokenTexts(engine.engine.tokenizer)
+        self.token_texts = TokenTexts(engine.tokenizer)
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -61,7 +62,7 @@ class ServingContext:
         """The effective max_tokens; 400 when prompt + max_tokens cannot fit the context or
         the KV pool."""
         try:
-            return self.engine.engine.check_lengths(num_prompt_tokens, params)
+            return self.engine.check_lengths(num_prompt_tokens, params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
 
@@ -77,7 +78,7 @@ class ServingContext:
         tracker = self.metrics.track(arrival_s)
         last: RequestOutput | None = None
         try:
-            # AsyncEngine.generate is an async generator (typed as an iterator): close it.
+            # EngineClient.generate is an async generator (typed as an iterator): close it.
             outputs = cast(
                 AsyncGenerator[RequestOutput, None],
                 self.engine.generate(prompt_token_ids, params, request_id),

@@ -7,6 +7,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # NOTE: Triton fixes interpreter mode when triton.language is first imported, and other
+    # libraries (transformers) import it early: set it before any test module is collected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Paged attention stores keys and values in fixed-size blocks.",

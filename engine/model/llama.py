@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv_cache
+from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, store_kv
 from engine.model.arch import ModelArchConfig
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import SINGLE, TensorParallel
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ctx.rotary(ctx.positions, q, k)
-        write_kv_cache(kv_cache, k, v, ctx.meta.slot_mapping)
+        store_kv(kv_cache, k, v, ctx.meta)
         out = paged_attention(q, k, v, kv_cache, ctx.meta, self.scale, ctx.workspace)  # [T, H, D]
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 

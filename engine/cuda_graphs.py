@@ -1,0 +1,161 @@
+"""CUDA graphs of the decode forward: one per batch-size bucket, replayed over static buffers.
+
+A decode step launches a few hundred small kernels whose launch cost, not the GPU, bounds the
+step time at small batches; a graph replays them all from one launch. Graphs fix every address
+and grid, so a step's inputs are copied into static buffers (from pinned host staging, without
+a sync) and a batch of n runs the graph of the smallest bucket >= n: rows past n are padding
+with slot -1 (their K/V is not written) and seq_len 0 (they attend to nothing). The split-K
+factor of each bucket is chosen for `max_model_len`, since the grid cannot change at replay.
+
+GPU only, with the Triton backend and no tensor parallelism; nothing here runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata, KernelBatch
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (which is always included)."""
+    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    buckets += list(range(16, max_num_seqs, 16))
+    return sorted({*buckets, max_num_seqs})
+
+
+class DecodeGraphs:
+    """Captured decode graphs of one model and its KV caches.
+
+    Invariants: built after the KV caches are allocated (the graphs hold their addresses) and
+    used only for steps in which every request has exactly one query token; `run` may be called
+    from one thread at a time (the static buffers are shared)."""
+
+    def __init__(
+        self,
+        model: Any,  # LlamaForCausalLM (not imported: engine.model imports engine.attention)
+        kv_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+    ) -> None:
+        from engine.kernels.triton_decode import choose_num_splits, device_num_sms
+
+        cache = kv_caches[0]
+        device = cache.device
+        self.block_size = block_size
+        self.buckets = decode_buckets(max_num_seqs)
+        max_bs = self.buckets[-1]
+        self.width = -(-max_model_len // block_size)
+        i32, i64 = torch.int32, torch.int64
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=device)
+        # one query token per request: request i's is row i
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
+        self.decode_indices = torch.arange(max_bs, dtype=i32, device=device)
+        self.prefill_indices = torch.zeros(0, dtype=i32, device=device)
+        self.seq_lens = torch.zeros(max_bs, dtype=i32, device=device)
+        self.block_tables = torch.zeros(max_bs, self.width, dtype=i32, device=device)
+        self.hidden = torch.zeros(
+            max_bs, model.config.hidden_size, dtype=cache.dtype, device=device
+        )
+        # Pinned staging: rows input_ids, positions, slots; then seq_lens + block table.
+        self._host_i64 = torch.zeros(3, max_bs, dtype=torch.int64).pin_memory()
+        self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+        num_kv_heads = cache.shape[3]
+        sms = device_num_sms(device)
+        pool = None
+        for bs in reversed(self.buckets):  # largest first: the others fit in its memory pool
+            splits = choose_num_splits(bs, num_kv_heads, max_model_len, sms)
+            meta = self._metadata(bs, splits)
+
+            def forward(bs: int = bs, meta: AttentionMetadata = meta) -> None:
+                ids, pos = self.input_ids[:bs], self.positions[:bs]
+                self.hidden[:bs] = model(ids, pos, kv_caches, meta)
+
+            forward()  # compiles the Triton kernels and warms the allocator outside the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                forward()
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, query_lens: Sequence[int], seq_lens: Sequence[int]) -> bool:
+        return (
+            0 < len(query_lens) <= self.max_batch_size
+            and all(q == 1 for q in query_lens)
+            and max(seq_lens) <= self.width * self.block_size
+        )
+
+    def run(
+        self,
+        input_ids: np.ndarray,  # [n] int64
+        positions: np.ndarray,  # [n] int64
+        slot_mapping: np.ndarray,  # [n] int64
+        seq_lens: Sequence[int],  # [n]
+        block_ids: Sequence[Sequence[int]],  # [n] block tables
+    ) -> torch.Tensor:
+        """Replay the decode graph for these n requests; returns hidden states [n, hidden] (a
+        view of a static buffer, valid until the next `run`)."""
+        n = len(seq_lens)
+        bs = next(b for b in self.buckets if b >= n)
+        width = max(len(b) for b in block_ids)
+        self._copied.synchronize()  # the previous step's copies have left the staging buffers
+        h64 = self._host_i64.numpy()
+        h64[:, :bs] = 0
+        h64[0, :n] = input_ids
+        h64[1, :n] = positions
+        h64[2, :n] = slot_mapping
+        h64[2, n:bs] = -1
+        h32 = self._host_i32.numpy()
+        h32[:bs] = 0
+        h32[:n] = seq_lens
+        table = h32[self.max_batch_size : self.max_batch_size + bs * width].reshape(bs, width)
+        table[:] = 0
+        for row, blocks in enumerate(block_ids):
+            table[row, : len(blocks)] = blocks
+        staged_table = self._host_i32[self.max_batch_size : self.max_batch_size + bs * width]
+        self.input_ids[:bs].copy_(self._host_i64[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(self._host_i64[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self._host_i64[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(self._host_i32[:bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(staged_table.view(bs, width), non_blocking=True)
+        self._copied.record()
+        self.graphs[bs].replay()
+        return self.hidden[:n]
+
+    def _metadata(self, bs: int, num_splits: int) -> AttentionMetadata:
+        batch = KernelBatch(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            decode_indices=self.decode_indices[:bs],
+            prefill_indices=self.prefill_indices,
+            max_query_len=0,
+            num_splits=num_splits,
+        )
+        # The host-side fields serve the torch path only; the Triton path reads `batch`.
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=list(range(bs + 1)),
+            seq_lens=[0] * bs,
+            block_ids=[[] for _ in range(bs)],
+            decode_groups=[],
+            decode_batch=None,
+            prefill_indices=[],
+            kernel_batch=batch,
+        )

@@ -1,0 +1,291 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read in place from the
+paged cache, GQA-aware, split-K over long contexts (flash-decoding).
+
+Grid of the main kernel: (decode sequence, KV head, split). A program loads the G query heads
+that share its KV head as one [G, D] tile (padded to 16 rows for the tensor cores), so each K/V
+tile is read once for all of them. Split s of a sequence of length L covers tokens
+[s * c, (s + 1) * c) with c = ceil(L / num_splits) rounded up to the tile: the split count is
+fixed per launch (a CUDA graph replays one grid) and each sequence divides its own length.
+With several splits a second kernel merges the partial outputs by their log-sum-exp.
+
+Reference: `engine.attention.paged_attention` (torch path).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton import next_power_of_2
+
+from engine.kernels.triton_runtime import check_cache_layout, dot_dtype
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 16
+# A split shorter than this costs more in the merge than it gains in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _decode_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    decode_indices_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    qk_scale,
+    head_dim,
+    block_size,
+    GROUP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(decode_indices_ptr + slot)
+    row = tl.load(query_start_loc_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < head_dim
+    q = tl.load(
+        query_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        block = tl.load(table + n // block_size, mask=n_mask, other=0)
+        kv_off = (
+            block[:, None] * stride_cb
+            + (n % block_size)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + d[None, :]
+        )  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = (
+            tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        )  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    empty = l_i == 0.0  # a split past the sequence's end (or a padded graph row)
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+    else:
+        # partials: [num_decodes, H, NUM_SPLITS, BLOCK_D] and lse [num_decodes, H, NUM_SPLITS]
+        num_heads = tl.num_programs(1) * GROUP
+        part = (slot * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=store_mask)
+        # log2-domain log-sum-exp of this split's scores
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    decode_indices_ptr,
+    stride_ot,
+    stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(decode_indices_ptr + slot)
+    row = tl.load(query_start_loc_ptr + req)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    base = (slot * tl.num_programs(1) + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: a padded row, output 0
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    parts = tl.load(
+        part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+        mask=s_mask[:, None],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + row * stride_ot + head * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < head_dim,
+    )
+
+
+@functools.cache
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per sequence: enough programs to fill every SM twice, no split shorter than
+    256 tokens, at most 16."""
+    programs = max(1, num_decodes * num_kv_heads)
+    wanted = -(-2 * num_sms // programs)
+    by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def decode_launch_config(
+    group: int, head_dim: int, num_splits: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Any]:
+    """Compile-time parameters of `_decode_kernel` (also what tests compile for sm_90: 80
+    registers, no spills at head_dim 128 in bf16). 32-key tiles waste little on the last,
+    partly filled tile of each split."""
+    return dict(
+        GROUP=group,
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs 16 rows
+        BLOCK_N=32,
+        BLOCK_D=next_power_of_2(head_dim),
+        DOT_DTYPE=dot_dtype(dtype, device),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def merge_launch_config(num_splits: int, head_dim: int) -> dict[str, Any]:
+    """Compile-time parameters of `_merge_kernel`."""
+    return dict(
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits),
+        BLOCK_D=next_power_of_2(head_dim),
+        num_warps=4,
+    )
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    decode_indices: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> None:
+    """Attention of each decode request's one query token over its whole KV.
+
+    out/query: [T, H, D] (last dim contiguous); kv_cache: [2, num_blocks, block_size, Hkv, D]
+    (contiguous); query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] (int32,
+    whole step); decode_indices [Bd]: the requests to serve, whose one token is row
+    query_start_loc[i]. Writes those rows of `out` only. A request with seq_len 0 gets zeros."""
+    num_decodes = decode_indices.shape[0]
+    if num_decodes == 0:
+        return
+    check_cache_layout(kv_cache)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    block_d = next_power_of_2(head_dim)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_decodes, num_heads, num_splits, block_d), dtype=torch.float32, device=out.device
+        )
+        part_lse = torch.empty(
+            (num_decodes, num_heads, num_splits), dtype=torch.float32, device=out.device
+        )
+    else:  # unused by the kernel; any tensor will do as the pointer
+        part_out = part_lse = out
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_lse,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        decode_indices,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        scale * _LOG2E,
+        head_dim,
+        block_size,
+        **decode_launch_config(
+            num_heads // num_kv_heads, head_dim, num_splits, kv_cache.dtype, query.device
+        ),
+    )
+    if num_splits > 1:
+        _merge_kernel[(num_decodes, num_heads)](
+            out,
+            part_out,
+            part_lse,
+            query_start_loc,
+            decode_indices,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            **merge_launch_config(num_splits, head_dim),
+        )

@@ -1,0 +1,197 @@
+"""Prefill (extend) attention in Triton over the paged cache: a variable-length batch of query
+chunks, each attending to its request's cached context in full and to its own new tokens
+causally, so a fresh prompt, a chunk in the middle of a prompt and a prefix-cache hit all run
+on this one kernel. K/V (the new tokens' included, already written) are read in place.
+
+Grid: (prefill request, query tile, KV head). A program's [BLOCK_M, D] query tile packs
+BLOCK_M // G tokens x the G query heads of its KV head (row r = token r // G, head r % G), so
+each K/V tile is loaded once for the whole group. Request i's query rows are
+[query_start_loc[i], query_start_loc[i + 1]) of the flat batch; it holds seq_lens[i] tokens
+of KV after this step, the last of which are the new ones; query token t sits at position
+seq_len - query_len + t and sees keys 0..that position.
+
+Reference: `engine.attention.paged_attention` (torch path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton import next_power_of_2
+
+from engine.kernels.triton_runtime import check_cache_layout, dot_dtype
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    prefill_indices_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    qk_scale,
+    head_dim,
+    block_size,
+    GROUP: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.load(prefill_indices_ptr + tl.program_id(0))
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    first_token = q_tile * TOKENS_PER_TILE
+    r = tl.arange(0, BLOCK_M)
+    token = first_token + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_mask = (r < TOKENS_PER_TILE * GROUP) & (token < q_len)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        query_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    q_pos = context_len + token  # [BLOCK_M]
+
+    # Keys below `visible_end` are seen by every row of this tile: no mask needed there.
+    visible_end = context_len + first_token
+    kv_end = tl.minimum(seq_len, context_len + first_token + TOKENS_PER_TILE)
+    kv_end = tl.where(first_token < q_len, kv_end, 0)  # tile past this request's chunk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(0, kv_end, BLOCK_N):
+        n = tile + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        block = tl.load(table + n // block_size, mask=n_mask, other=0)
+        kv_off = (
+            block[:, None] * stride_cb
+            + (n % block_size)[:, None] * stride_cs
+            + kv_head * stride_ch
+            + d[None, :]
+        )  # [BLOCK_N, BLOCK_D]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = (
+            tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        )  # [BLOCK_M, BLOCK_N]
+        if tile + BLOCK_N > visible_end:
+            causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(causal, s, float("-inf"))
+        # Every row sees key 0 in the first tile, so m_i is finite from then on (no NaN).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def prefill_launch_config(
+    group: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> dict[str, Any]:
+    """Compile-time parameters of `_prefill_kernel` (also what tests compile for sm_90).
+    On GPUs a 128-row query tile, 64-key tiles and 8 warps (176 registers, no spills at
+    head_dim 128 in bf16), as in Triton's fused-attention tutorial. The interpreter gets 64
+    rows: the same code with less padding on tiny test shapes."""
+    block_m = 128 if device.type == "cuda" and head_dim <= 128 else 64
+    block_m = max(block_m, next_power_of_2(group))
+    return dict(
+        GROUP=group,
+        TOKENS_PER_TILE=block_m // group,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_D=next_power_of_2(head_dim),
+        DOT_DTYPE=dot_dtype(dtype, device),
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    prefill_indices: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> None:
+    """Causal attention of each listed request's query chunk over its cached context + itself.
+
+    out/query: [T, H, D] (last dim contiguous); kv_cache: [2, num_blocks, block_size, Hkv, D]
+    (contiguous); query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] (int32,
+    whole step); prefill_indices [Bp]: the requests to serve; max_query_len: their longest
+    chunk (sizes the grid). Writes those requests' rows of `out` only."""
+    num_prefills = prefill_indices.shape[0]
+    if num_prefills == 0 or max_query_len == 0:
+        return
+    check_cache_layout(kv_cache)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = query.shape[1] // num_kv_heads
+    config = prefill_launch_config(group, head_dim, kv_cache.dtype, query.device)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    grid = (num_prefills, -(-max_query_len // config["TOKENS_PER_TILE"]), num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        prefill_indices,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        scale * _LOG2E,
+        head_dim,
+        block_size,
+        **config,
+    )
