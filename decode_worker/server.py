@@ -1,7 +1,8 @@
 """The decode worker's gRPC service (`duet.v1.DecodeWorker`) plus standard health checking.
 
-Status codes: no room for the prompt -> RESOURCE_EXHAUSTED (try another worker); KV never
-arrived, or the worker is stopping -> UNAVAILABLE (retryable); bad input -> INVALID_ARGUMENT.
+Status codes: no room for the prompt -> RESOURCE_EXHAUSTED (try another worker); the KV never
+arrived -> ABORTED (retry with another prefill); the worker is stopping -> UNAVAILABLE; bad
+input -> INVALID_ARGUMENT.
 A client that cancels its stream aborts the request and frees its blocks."""
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoRetur
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     if isinstance(error, NoCapacityError):
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-    if isinstance(error, KVTransferError | EngineDeadError):
+    if isinstance(error, KVTransferError):  # this worker is fine; the KV's sender is not
+        await context.abort(grpc.StatusCode.ABORTED, str(error))
+    if isinstance(error, EngineDeadError):
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
     raise error
 

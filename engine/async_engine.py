@@ -97,6 +97,12 @@ class AsyncEngine:
     def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         return self.engine.check_lengths(num_prompt_tokens, params)
 
+    async def start(self) -> None:
+        """Nothing to start: the engine thread runs from construction."""
+
+    async def stop(self) -> None:
+        """Nothing to stop: whoever built the engine shuts it down."""
+
     async def generate(
         self,
         prompt: Prompt,

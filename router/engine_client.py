@@ -58,3 +58,9 @@ class EngineClient(Protocol):
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop; in-flight streams end with `EngineDeadError`."""
+
+    async def start(self) -> None:
+        """Start background work on the server's event loop (called once at startup)."""
+
+    async def stop(self) -> None:
+        """End that background work at server shutdown."""

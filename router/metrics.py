@@ -49,6 +49,22 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(self._labels, float(value))
             yield gauge
+        cluster = getattr(self._engine, "cluster_stats", None)  # disaggregated mode only
+        if cluster is not None:
+            for name, doc, value in (
+                ("duet:num_prefill_workers", "Healthy prefill workers (TP groups).",
+                 cluster.num_prefill_workers),
+                ("duet:num_decode_workers", "Healthy decode workers.", cluster.num_decode_workers),
+                ("duet:prefill_queued_tokens",
+                 "Prompt tokens queued or being prefilled across prefill workers.",
+                 cluster.prefill_queued_tokens),
+                ("duet:decode_batch_occupancy",
+                 "Running and KV-waiting decode sequences over decode capacity (0..1).",
+                 cluster.decode_batch_occupancy),
+            ):  # fmt: skip
+                gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+                gauge.add_metric(self._labels, float(value))
+                yield gauge
         for name, doc, value in (
             ("duet:prefix_cache_queries", "Prefix-cache lookups (blocks).",
              stats.prefix_cache_queries),

@@ -140,6 +140,7 @@ class RouterServer(uvicorn.Server):
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         config = self.router_config
         try:
+            await self.engine.start()
             self.grpc_server, self.grpc_port = await start_grpc_server(
                 self.engine,
                 self.served_model_name,
@@ -177,6 +178,7 @@ class RouterServer(uvicorn.Server):
         finally:
             if self.grpc_server is not None:
                 await self.grpc_server.stop(0)  # already drained by `shutdown`; a no-op then
+            await self.engine.stop()
             await self._close_stores()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -179,7 +179,7 @@ class DecodeWorkerServicer:
     def DecodeRemote(self, request, context):
         """Reserve blocks for a prompt whose KV a prefill worker sends, then stream its outputs
         (the first token included). The first message is `reserved`; RESOURCE_EXHAUSTED when
-        there is no room, UNAVAILABLE when the KV never arrives.
+        there is no room, ABORTED when the KV never arrives, UNAVAILABLE when stopping.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

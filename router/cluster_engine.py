@@ -1,0 +1,431 @@
+"""`ClusterEngine`: the router's `EngineClient` in disaggregated mode.
+
+A request's samples (`n` of them, seeds `seed + i` as in the engine) each run as an attempt:
+pick a decode worker; if the prompt's uncached part is short (`local_prefill_threshold`) or no
+prefill worker is up, the decode worker prefills it itself (conditional disaggregation);
+otherwise reserve blocks on the decode worker, have the chosen prefill worker compute the KV
+and ship it there, and stream the tokens back from the decode worker.
+
+The router detokenizes: workers send token ids (and logprobs); the engine's own
+`OutputProcessor` turns them into text, applies stop strings (then cancels the worker's
+stream) and builds the `RequestOutput`s, so outputs read exactly as in aggregated mode.
+
+Failures never lose an accepted request silently. A prefill worker that fails or dies, a KV
+transfer that fails, or a decode worker without room sends the attempt elsewhere. A decode
+worker that dies mid-stream is replaced: the new attempt prefills prompt + the tokens already
+streamed, and continues with the remaining budget (greedy output is unchanged; a seeded sample
+continues with a fresh draw sequence, and presence/frequency penalties count the streamed
+tokens as prompt). After `max_attempts`, or with no decode worker at all, the request ends
+with `EngineDeadError` (503 / UNAVAILABLE: retryable).
+
+Timeouts nest: request (`request_timeout_s`) > decode worker's wait for KV (`kv_wait_s`) >
+prefill worker's lease on sent blocks > one transfer's network operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+
+from duet.v1 import worker_pb2
+from engine import InvalidInputError, RequestOutput, SamplingParams
+from engine.async_engine import EngineDeadError
+from engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
+from engine.loader import open_model
+from engine.output_processor import OutputProcessor, RequestState, SampleState
+from engine.request import Request
+from engine.tokenizer import Message, Tokenizer
+from kv_transfer import TransferStatus
+from router.worker_client import DecodeStream, PrefillOutcome
+from router.worker_pool import ClusterStats, DecodeState, PrefillState, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the router runs requests on the worker pools."""
+
+    local_prefill_threshold: int = 32
+    """Prompts with at most this many uncached tokens prefill on their decode worker."""
+    request_timeout_s: float = 600.0
+    """Longest a request may take, retries included."""
+    kv_wait_s: float = 90.0
+    """How long a decode worker waits for a request's KV (must exceed the prefill lease)."""
+    max_attempts: int = 4
+    """Attempts per sample before it fails."""
+    max_num_seqs_per_decode_worker: int = 128
+    """Admission capacity per decode worker (their `max_num_seqs`)."""
+    num_decode_workers: int = 1
+    """Decode workers expected (admission capacity before the first load reports)."""
+    poll_interval_s: float = 0.5
+    """How often each worker's load and health are polled."""
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_threshold < 0:
+            raise ValueError(
+                f"--local-prefill-threshold: must be >= 0; got {self.local_prefill_threshold}"
+            )
+        if not self.request_timeout_s > self.kv_wait_s > 0:
+            raise ValueError(
+                f"--request-timeout-s ({self.request_timeout_s}) must exceed the KV wait "
+                f"({self.kv_wait_s}), which must be > 0"
+            )
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
+
+
+class _Retry(Exception):
+    """This attempt failed in a way another attempt may not."""
+
+
+class ClusterEngine:
+    def __init__(
+        self,
+        model: str | None,
+        config: ClusterConfig | None = None,
+        tokenizer: str | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config or ClusterConfig()
+        source = open_model(model, tokenizer)
+        self._tokenizer = source.tokenizer
+        self._vocab_size = source.arch.vocab_size
+        self._model_name = source.name
+        limit = source.arch.max_position_embeddings
+        self._max_model_len = min(max_model_len or limit, limit)
+        self.pool = WorkerPool(self.config.poll_interval_s)
+        self.outputs = OutputProcessor(self._tokenizer)
+        self._ids = itertools.count()
+        self._stopped = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stats = EngineStats()
+
+    # -- EngineClient ----------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs_per_decode_worker * max(1, self.config.num_decode_workers)
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopped
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._stopped and bool(self.pool.healthy_decode())
+
+    @property
+    def stats(self) -> EngineStats:
+        c = self.pool.stats()
+        s = self._stats
+        s.num_running = c.decode_running
+        s.num_waiting = c.decode_waiting
+        s.kv_usage = 1.0 - c.decode_free_blocks / c.decode_blocks if c.decode_blocks else 0.0
+        return s
+
+    @property
+    def cluster_stats(self) -> ClusterStats:
+        return self.pool.stats()
+
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt)
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self._tokenizer.encode_chat(messages)
+
+    def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        pools = [s.num_blocks * s.block_size for s in self.pool.healthy_decode() if s.num_blocks]
+        capacity = min(pools) if pools else self._max_model_len
+        return check_lengths(num_prompt_tokens, params, self._max_model_len, capacity)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        self.shutdown()
+        await self.pool.stop()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """New requests are refused; in-flight ones end with `EngineDeadError`."""
+        self._stopped = True
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        if self._stopped:
+            raise EngineDeadError("the router is shutting down")
+        params = params or SamplingParams()
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.check_lengths(len(ids), params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        state = RequestState(request_id, text, ids)
+        for index in range(params.n):
+            sample_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                sample_params = dataclasses.replace(params, n=1, seed=seed)
+            sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(sub_id, ids, sample_params, max_tokens, self._tokenizer.eos_token_ids)
+            state.samples.append(self.outputs.new_sample(index, request))
+        self._stats.num_prompt_tokens += len(ids) * params.n
+        updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(
+                self._run_sample(sample, ids, updates), name=sample.request.request_id
+            )
+            for sample in state.samples
+        ]
+        self._tasks.update(tasks)
+        try:
+            while True:
+                items = [await updates.get()]
+                while not updates.empty():
+                    items.append(updates.get_nowait())
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                out = self.outputs.make_output(state)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._tasks.difference_update(tasks)
+
+    # -- one sample ------------------------------------------------------------------------------
+
+    async def _run_sample(
+        self,
+        sample: SampleState,
+        prompt_ids: list[int],
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        try:
+            await self._attempts(sample, prompt_ids, updates)
+        except asyncio.CancelledError:
+            if self._stopped:
+                updates.put_nowait(EngineDeadError("the router shut down"))
+            raise
+        except BaseException as e:
+            updates.put_nowait(e)
+
+    async def _attempts(
+        self,
+        sample: SampleState,
+        prompt_ids: list[int],
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        request = sample.request
+        deadline = time.monotonic() + self.config.request_timeout_s
+        last_error = "no attempt was made"
+        for attempt in range(1, self.config.max_attempts + 1):
+            decode = self.pool.pick_decode(len(prompt_ids) + request.num_output_tokens)
+            if decode is None:
+                raise EngineDeadError("no decode worker is available; retry later")
+            try:
+                await self._attempt(sample, prompt_ids, decode, attempt, deadline, updates)
+                return
+            except _Retry as e:
+                last_error = str(e)
+                logger.warning("request %s attempt %d: %s", request.request_id, attempt, e)
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05 * attempt)
+        raise EngineDeadError(
+            f"request {request.request_id} failed after {attempt} attempt(s): {last_error}"
+        )
+
+    async def _attempt(
+        self,
+        sample: SampleState,
+        prompt_ids: list[int],
+        decode: DecodeState,
+        attempt: int,
+        deadline: float,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        request = sample.request
+        ids = prompt_ids + request.output_token_ids  # after a lost decode worker: continue
+        emitted = request.num_output_tokens
+        # Stop strings are the router's (it sees all the text, across attempts).
+        params = dataclasses.replace(
+            request.sampling_params,
+            max_tokens=request.max_tokens - emitted,
+            min_tokens=max(0, request.sampling_params.min_tokens - emitted),
+            stop=[],
+        )
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
+        transfer_id = f"{request.request_id}@{attempt}"
+        pick = self.pool.pick_prefill(ids)
+        uncached = len(ids) - (pick[1] if pick else 0)
+        if attempt == 1:
+            self._stats.prefix_cache_queries += len(ids)
+        if pick is None or uncached <= self.config.local_prefill_threshold:
+            stream = decode.client.generate(transfer_id, ids, params, timeout)
+            await self._consume(sample, stream, decode, None, updates)
+            return
+        prefill = pick[0]
+        num_blocks = -(-len(ids) // max(1, decode.block_size))
+        decode.num_sent += 1
+        decode.num_sent_blocks += num_blocks
+        try:
+            stream = await decode.client.reserve(
+                transfer_id, ids, params, self.config.kv_wait_s, timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise self._decode_failure(decode, e) from None
+        prefill.num_sent_tokens += uncached
+        prefill_call = asyncio.create_task(
+            prefill.client.prefill(
+                transfer_id,
+                ids,
+                params,
+                stream.reserved.kv_address if stream.reserved else "",
+                min(timeout, self.config.kv_wait_s),
+            )
+        )
+        try:
+            await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
+        finally:
+            prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
+            if not prefill_call.done():
+                prefill_call.cancel()
+            await asyncio.gather(prefill_call, return_exceptions=True)
+
+    async def _consume(
+        self,
+        sample: SampleState,
+        stream: DecodeStream,
+        decode: DecodeState,
+        prefill: tuple[PrefillState, asyncio.Task[PrefillOutcome]] | None,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        """Stream the attempt's tokens into the sample until it finishes. A prefill that
+        fails first cancels the stream (the KV will never come)."""
+        reader = asyncio.create_task(self._read(sample, stream, updates))
+        try:
+            if prefill is not None:
+                state, call = prefill
+                done, _ = await asyncio.wait({reader, call}, return_when=asyncio.FIRST_COMPLETED)
+                if call in done and not reader.done():
+                    problem = self._prefill_problem(state, call)
+                    if problem is not None:
+                        raise _Retry(problem)
+            try:
+                finished = await reader
+            except grpc.aio.AioRpcError as e:
+                if prefill is not None and prefill[1].done():
+                    problem = self._prefill_problem(*prefill)
+                    if problem is not None:
+                        raise _Retry(problem) from None
+                raise self._decode_failure(decode, e) from None
+            if not finished:
+                self.pool.mark_broken(decode, RuntimeError("stream ended early"))
+                raise _Retry(f"decode worker {decode.name} ended the stream early")
+        finally:
+            if not reader.done():
+                reader.cancel()
+                stream.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(
+        self,
+        sample: SampleState,
+        stream: DecodeStream,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> bool:
+        """True once the sample finished (the stream is then cancelled if still open)."""
+        async for delta in stream.deltas():
+            if self._apply(sample, delta):
+                updates.put_nowait(None)
+            if sample.finish_reason is not None:
+                stream.cancel()
+                return True
+        return False
+
+    def _apply(self, sample: SampleState, delta: worker_pb2.OutputDelta) -> bool:
+        """Fold a worker's delta into the sample; True when anything changed."""
+        request = sample.request
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = delta.num_cached_tokens
+            self._stats.prefix_cache_hits += delta.num_cached_tokens
+        changed = False
+        for i, token in enumerate(delta.token_ids):
+            lp = delta.logprobs[i] if i < len(delta.logprobs) else None
+            logprob = (
+                (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) if lp else None
+            )
+            request.append_output_token(token)
+            self._stats.num_generated_tokens += 1
+            changed = True
+            if self.outputs.process_token(sample, token, logprob):
+                self.outputs.finish(sample, "stop")
+                return True
+        if delta.finish_reason:
+            if delta.WhichOneof("stop_reason") == "stop_token_id":
+                request.stop_reason = delta.stop_token_id
+            self.outputs.finish(sample, delta.finish_reason)
+            changed = True
+        return changed
+
+    def _prefill_problem(
+        self, state: PrefillState, call: asyncio.Task[PrefillOutcome]
+    ) -> str | None:
+        """Why a finished prefill call means the KV will not come; None if it came."""
+        if call.cancelled():
+            return None
+        error = call.exception()
+        if isinstance(error, grpc.aio.AioRpcError):
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidInputError("prompt", error.details() or "refused") from None
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.pool.mark_broken(state, error)
+            return f"prefill worker {state.name}: {error.code().name}: {error.details()}"
+        if error is not None:
+            return f"prefill worker {state.name}: {error!r}"
+        outcome = call.result()
+        if outcome.status == TransferStatus.DONE:
+            return None
+        return f"prefill worker {state.name}: KV transfer {outcome.status.value}: {outcome.error}"
+
+    def _decode_failure(self, decode: DecodeState, error: grpc.aio.AioRpcError) -> Exception:
+        code = error.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidInputError("prompt", error.details() or "refused by the decode worker")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            decode.full_until = time.monotonic() + 0.2
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
+        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            self.pool.mark_broken(decode, error)
+        return _Retry(f"decode worker {decode.name}: {code.name}: {error.details()}")

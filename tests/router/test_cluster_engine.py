@@ -1,0 +1,233 @@
+"""The router's ClusterEngine over real prefill and decode workers (gRPC on loopback, KV over
+torch_dist/gloo), without Ray: same outputs as the aggregated engine, prefix-aware routing,
+conditional disaggregation, and failover when a worker disappears."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import start_decode_server
+from decode_worker.worker import DecodeWorker
+from engine import LLM, SamplingParams
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.server import start_prefill_server
+from prefill_worker.worker import PrefillWorker
+from router.cluster_engine import ClusterConfig, ClusterEngine
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
+
+
+def prompts_of(lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+class Cluster:
+    """Workers and their gRPC servers on the test's event loop, and a ClusterEngine."""
+
+    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8):
+        self.model = model
+        self.prefill = [
+            PrefillWorker(PrefillWorkerConfig(model=model, **ENGINE), name=f"p{i}")
+            for i in range(num_prefill)
+        ]
+        self.decode = [
+            DecodeWorker(DecodeWorkerConfig(model=model, **ENGINE), name=f"d{i}")
+            for i in range(num_decode)
+        ]
+        self.threshold = threshold
+        self.servers = {}
+
+    async def __aenter__(self):
+        addresses = {}
+        for w in self.prefill:
+            server, port = await start_prefill_server(w)
+            self.servers[w.name] = server
+            addresses[w.name] = f"127.0.0.1:{port}"
+        for w in self.decode:
+            server, port = await start_decode_server(w)
+            self.servers[w.name] = server
+            addresses[w.name] = f"127.0.0.1:{port}"
+        self.engine = ClusterEngine(
+            self.model,
+            ClusterConfig(local_prefill_threshold=self.threshold, poll_interval_s=0.05),
+        )
+        self.engine.pool.set_workers(
+            {w.name: addresses[w.name] for w in self.prefill},
+            {w.name: addresses[w.name] for w in self.decode},
+        )
+        await self.engine.start()
+        assert await self.engine.pool.wait_until_ready(10)
+        for _ in range(100):  # until every prefill worker reported too
+            if len(self.engine.pool.healthy_prefill()) == len(self.prefill):
+                break
+            await asyncio.sleep(0.05)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.engine.stop()
+        for server in self.servers.values():
+            await server.stop(0)
+        for w in self.prefill + self.decode:
+            w.shutdown()
+
+    async def run(self, prompt, params):
+        last = None
+        async for out in self.engine.generate(prompt, params):
+            last = out
+        return last
+
+
+@pytest.fixture
+def model(tiny_llama):
+    return tiny_llama
+
+
+def test_cluster_equals_aggregated(model):
+    prompts = prompts_of([3, 5, 40, 77, 120, 9, 150, 64, 2, 33, 90, 17, 130, 8, 55, 101])
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=11, n=2, ignore_eos=True)
+    ref = LLM(model, **ENGINE)
+    want_greedy = ref.generate(prompts, greedy)
+    want_sampled = ref.generate(prompts[:4], sampled)
+
+    async def main():
+        async with Cluster(model) as c:
+            got = await asyncio.gather(*(c.run(p, greedy) for p in prompts))
+            got_n = await asyncio.gather(*(c.run(p, sampled) for p in prompts[:4]))
+            stats = c.engine.cluster_stats
+            pools = [(w.engine.kv.num_free_blocks, w.engine.num_blocks) for w in c.decode]
+            return got, got_n, stats, pools
+
+    got, got_n, stats, pools = asyncio.run(main())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want_greedy]
+    assert [o.text for o in got] == [o.text for o in want_greedy]
+    for o, w in zip(got, want_greedy, strict=True):
+        assert [lp.sampled.token_id for lp in o.logprobs] == o.token_ids
+        torch.testing.assert_close(
+            [lp.sampled.logprob for lp in o.logprobs],
+            [lp.sampled.logprob for lp in w.logprobs],
+            atol=1e-4,
+            rtol=0,
+        )
+    for o, w in zip(got_n, want_sampled, strict=True):
+        assert [s.token_ids for s in o.outputs] == [s.token_ids for s in w.outputs]
+    assert (stats.num_prefill_workers, stats.num_decode_workers) == (1, 1)
+    assert all(free == total for free, total in pools)
+
+
+def test_stop_string_is_applied_by_the_router(model):
+    prompt = prompts_of([50], seed=8)[0]
+    ref = LLM(model, **ENGINE)
+    full = ref.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    want = ref.generate([prompt], params)[0]
+
+    async def main():
+        async with Cluster(model) as c:
+            return await c.run(prompt, params)
+
+    got = asyncio.run(main())
+    assert (got.text, got.finish_reason) == (want.text, "stop")
+    assert got.outputs[0].stop_reason == stop
+
+
+def test_prefix_routing_and_conditional_disaggregation(model):
+    shared = prompts_of([96], seed=9)[0]
+
+    async def main():
+        async with Cluster(model, num_prefill=2) as c:
+            params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+            first = await c.run([*shared, 1, 2], params)
+            await asyncio.sleep(0.3)  # a load report carries the cached hashes to the router
+            holder = [w for w in c.prefill if w.engine.kv.prefix_stats.num_requests == 1]
+            second = await c.run([*shared, *range(3, 15)], params)  # 12 new > threshold 8
+            # Short prompts never reach a prefill worker.
+            before = [w.engine.kv.prefix_stats.num_requests for w in c.prefill]
+            await c.run([7, 8, 9], params)
+            after = [w.engine.kv.prefix_stats.num_requests for w in c.prefill]
+            return first, second, holder, before, after
+
+    first, second, holder, before, after = asyncio.run(main())
+    assert len(holder) == 1
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 96)
+    assert holder[0].engine.kv.prefix_stats.num_requests == 2  # the second went to it
+    assert before == after
+
+
+def test_decode_worker_lost_mid_stream_continues_elsewhere(model):
+    prompts = prompts_of([40, 70], seed=4)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, params)
+
+    async def main():
+        async with Cluster(model, num_decode=2, threshold=0) as c:
+            streams = [c.engine.generate(p, params) for p in prompts]
+            outs = [[], []]
+            victim = None
+
+            async def drain(i):
+                nonlocal victim
+                async for out in streams[i]:
+                    outs[i].append(out)
+                    if victim is None and len(out.token_ids) >= 5:
+                        # Kill the decode worker serving the most requests right now.
+                        victim = max(c.decode, key=lambda w: w.load.num_running)
+                        await c.servers[victim.name].stop(0)
+                        victim.shutdown()
+
+            await asyncio.gather(drain(0), drain(1))
+            return outs, victim
+
+    outs, victim = asyncio.run(main())
+    assert victim is not None
+    for got, w in zip(outs, want, strict=True):
+        assert got[-1].token_ids == w.token_ids
+        assert got[-1].text == w.text
+        streamed = [t for o in got for t in o.outputs[0].delta_token_ids]
+        assert streamed == w.token_ids  # nothing repeated, nothing missing
+
+
+def test_prefill_worker_lost_retries_on_another(model):
+    prompts = prompts_of([60, 80, 100], seed=6)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, params)
+
+    async def main():
+        async with Cluster(model, num_prefill=2, threshold=0) as c:
+            dead = c.prefill[0]
+            await c.servers[dead.name].stop(0)
+            dead.shutdown()
+            return await asyncio.gather(*(c.run(p, params) for p in prompts))
+
+    got = asyncio.run(main())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_no_decode_worker_fails_fast_retryable(model):
+    from engine.async_engine import EngineDeadError
+
+    async def main():
+        async with Cluster(model) as c:
+            for w in c.decode:
+                await c.servers[w.name].stop(0)
+                w.shutdown()
+            for _ in range(100):
+                if not c.engine.pool.healthy_decode():
+                    break
+                await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(EngineDeadError, match="no decode worker"):
+                await c.run([5, 6, 7], SamplingParams(max_tokens=3))
+            return loop.time() - start
+
+    assert asyncio.run(main()) < 1.0
