@@ -74,6 +74,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DecodeLoad:
+        if not self.worker.is_running:  # the load poll doubles as the health check
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is not running")
         load = self.worker.load
         return worker_pb2.DecodeLoad(
             worker_id=self.worker_id,

@@ -114,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=None, help="sequences an engine runs at once"
+    )
+    serve.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default: sized)"
+    )
+    from deploy.serve_cluster import add_cluster_arguments
+
+    add_cluster_arguments(serve)
 
     from benchmarks.serve import add_arguments as add_bench_serve_arguments
 
@@ -187,7 +196,11 @@ def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    for name in ("max_num_seqs", "num_kv_blocks"):  # serve's engine flags
+        if getattr(args, name, None) is not None:
+            kwargs[name] = getattr(args, name)
+    return kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -293,6 +306,13 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
 def _serve(args: argparse.Namespace) -> int:
     # Everything that can be wrong with the flags fails before the (slow) model load.
     config = _router_config(args, _read_api_keys(args))
+    if args.disaggregated:
+        from deploy.serve_cluster import serve_disaggregated
+
+        try:
+            return serve_disaggregated(args, config, _engine_kwargs(args))
+        except ValueError as e:
+            raise ServeConfigError(str(e)) from e
     from engine import AsyncEngine, EngineConfig
     from router.server import RouterServer, bind_rest_socket, check_grpc_port
 

@@ -58,6 +58,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillLoad:
+        if not self.worker.is_running:  # the load poll doubles as the health check
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is not running")
         load = self.worker.load
         delta = self.worker.prefix_index.since(request.since_event)
         return worker_pb2.PrefillLoad(

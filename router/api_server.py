@@ -165,8 +165,8 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        if not engine.is_running:
-            return EngineUnavailableError("the engine is not running").to_response()
+        if not engine.is_ready:
+            return EngineUnavailableError("not ready to serve (no engine or worker)").to_response()
         return JSONResponse({"status": "ready", "model": ctx.model_name})
 
     @app.get("/metrics")

@@ -66,10 +66,11 @@ class RouterConfig:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
 
 
-def bind_rest_socket(host: str, port: int) -> socket.socket:
+def bind_rest_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The REST listening socket, bound now (so a taken port fails before the model loads, and
-    port 0 is resolved). `OSError` names the flag and the address."""
-    sock = _bind("--port", host, port)
+    port 0 is resolved). `OSError` names the flag and the address. `reuse_port`: several
+    routers on one host share the port (SO_REUSEPORT; the kernel spreads connections)."""
+    sock = _bind("--port", host, port, reuse_port)
     sock.set_inheritable(True)
     return sock
 
@@ -81,10 +82,12 @@ def check_grpc_port(host: str, port: int) -> None:
         _bind("--grpc-port", host, port).close()
 
 
-def _bind(flag: str, host: str, port: int) -> socket.socket:
+def _bind(flag: str, host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

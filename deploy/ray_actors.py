@@ -1,0 +1,159 @@
+"""The Ray actors that host duet's processes: a prefill worker rank, a decode worker, a router.
+
+Each actor runs its gRPC (and, for the router, REST) server on an event loop of its own in a
+background thread, so Ray method calls (`info`, `start`, `set_workers`) stay answerable while
+requests are served. Actors are created with `max_restarts=-1` by the controller
+(`deploy.ray_cluster`): Ray restarts a dead one, and a restarted actor reports a new
+`incarnation` so the controller knows to re-form its group and re-publish its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_START_TIMEOUT_S = 600.0
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = _START_TIMEOUT_S) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+
+def advertise_host() -> str:
+    """The address other processes reach this one at: DUET_ADVERTISE_HOST, else Ray's."""
+    host = os.environ.get("DUET_ADVERTISE_HOST")
+    if host:
+        return host
+    import ray
+
+    return str(ray.util.get_node_ip_address())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class PrefillRankActor:
+    """One rank of a prefill group. `start` joins the group (every rank must be started, with
+    the same init method) and, on rank 0, serves `duet.v1.PrefillWorker`."""
+
+    def __init__(self, config: dict[str, Any], rank: int, name: str) -> None:
+        self.config = config
+        self.rank = rank
+        self.name = name
+        self.incarnation = uuid.uuid4().hex
+        self.host = advertise_host()
+        self.worker: Any = None
+        self.address: str | None = None
+
+    def rendezvous(self) -> str:
+        """An init method for the group, on this (rank 0's) node."""
+        return f"tcp://{self.host}:{_free_port(self.host)}"
+
+    def start(self, init_method: str | None) -> str | None:
+        from prefill_worker.config import PrefillWorkerConfig
+        from prefill_worker.launch import start_prefill_rank
+        from prefill_worker.server import start_prefill_server
+
+        config = PrefillWorkerConfig.from_kwargs(**self.config)
+        self.worker = start_prefill_rank(config, self.rank, init_method, self.name)
+        if self.rank == 0:
+            # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
+            self._loop = _LoopThread(f"{self.name}-grpc")
+            self._server, port = self._loop.run(start_prefill_server(self.worker, "0.0.0.0", 0))
+            self.address = f"{self.host}:{port}"
+        return self.address
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "started": self.worker is not None,
+            "alive": self.worker is not None and self.worker.is_running,
+            "address": self.address,
+        }
+
+
+class DecodeActor:
+    """A decode worker serving `duet.v1.DecodeWorker`; its KV receiver listens on all
+    interfaces and advertises this node's address."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        from decode_worker.config import DecodeWorkerConfig
+        from decode_worker.server import start_decode_server
+        from decode_worker.worker import DecodeWorker
+
+        self.incarnation = uuid.uuid4().hex
+        host = advertise_host()
+        config = {**config, "kv_host": "0.0.0.0", "kv_advertise_host": host}
+        self.worker = DecodeWorker(DecodeWorkerConfig.from_kwargs(**config), name)
+        # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
+        self._loop = _LoopThread(f"{name}-grpc")
+        self._server, port = self._loop.run(start_decode_server(self.worker, "0.0.0.0", 0))
+        self.address = f"{host}:{port}"
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "started": True,
+            "alive": self.worker.is_running,
+            "address": self.address,
+        }
+
+
+class RouterActor:
+    """The REST and gRPC front ends over a `ClusterEngine`. Several routers may share one
+    host's ports (SO_REUSEPORT): the kernel spreads connections over them."""
+
+    def __init__(
+        self,
+        model: str | None,
+        router_config: Any,  # router.server.RouterConfig
+        cluster_config: Any,  # router.cluster_engine.ClusterConfig
+        served_model_name: str | None,
+        tokenizer: str | None,
+        max_model_len: int | None,
+    ) -> None:
+        from router.cluster_engine import ClusterEngine
+        from router.server import RouterServer, bind_rest_socket
+
+        self.incarnation = uuid.uuid4().hex
+        self.engine = ClusterEngine(model, cluster_config, tokenizer, max_model_len)
+        rest_socket = bind_rest_socket(router_config.host, router_config.port, reuse_port=True)
+        self.rest_port = rest_socket.getsockname()[1]
+        name = served_model_name or self.engine.model_name
+        self.server = RouterServer(self.engine, name, router_config, rest_socket)
+        self._thread = threading.Thread(target=self.server.run, name="duet-router", daemon=True)
+        self._thread.start()
+
+    def set_workers(self, prefill: dict[str, str], decode: dict[str, str]) -> None:
+        self.engine.pool.set_workers(prefill, decode)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "started": bool(self.server.started),
+            "alive": self._thread.is_alive(),
+            "rest_port": self.rest_port,
+            "grpc_port": self.server.grpc_port,
+            "ready": self.engine.is_ready,
+        }
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)

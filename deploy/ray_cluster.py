@@ -1,0 +1,385 @@
+"""`DuetCluster`: places duet's processes on a Ray cluster and keeps them serving.
+
+Placement, by Ray custom resources (so that on Kubernetes each lands on the right pods):
+- a prefill group is `prefill_tp` `PrefillRankActor`s in a STRICT_PACK placement group, one
+  `prefill` resource (and one GPU on GPU clusters) per rank;
+- a decode worker is a `DecodeActor` on one `decode` resource (and GPU);
+- a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
+On one machine `start_local_ray` provides exactly the resources asked for.
+
+Keeping it serving (`reconcile`, every second from `run`): Ray restarts dead actors
+(`max_restarts=-1`); a restarted prefill rank breaks its group, so every rank of the group is
+restarted and the group re-formed; workers without a live, started process are left out of the
+registry the routers get (`RouterActor.set_workers`), which is re-sent whenever it changes and
+every few seconds (a restarted router starts empty). With `prefill_workers` / `decode_workers`
+None ("auto") the pools follow the cluster's `prefill` / `decode` resources as nodes join and
+leave, which is how the Kubernetes planner scales them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
+from router.cluster_engine import ClusterConfig
+from router.server import RouterConfig
+
+logger = logging.getLogger("duet.cluster")
+
+NAMESPACE = "duet"
+_INFO_TIMEOUT_S = 5.0
+_REPUBLISH_S = 5.0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to run. Counts of None mean "auto": follow the cluster's resources."""
+
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    """EngineConfig fields every worker shares (dtype, block_size, max_num_seqs, ...)."""
+    prefill_workers: int | None = 1
+    prefill_tp: int = 1
+    decode_workers: int | None = 1
+    routers: int = 1
+    router: RouterConfig = field(default_factory=RouterConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    served_model_name: str | None = None
+    gpus_per_worker: float = 0.0
+    """GPUs per prefill rank and per decode worker (1 on GPU clusters)."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (
+            ("--prefill-workers", self.prefill_workers),
+            ("--decode-workers", self.decode_workers),
+        ):
+            if value is not None and value < 0:
+                raise ValueError(f"{flag}: must be >= 0 or auto; got {value}")
+        if self.decode_workers == 0:
+            raise ValueError("--decode-workers: at least one decode worker is needed; got 0")
+        if self.prefill_tp < 1:
+            raise ValueError(f"--prefill-tp: must be >= 1; got {self.prefill_tp}")
+        if self.routers < 1:
+            raise ValueError(f"--routers: must be >= 1; got {self.routers}")
+
+    def worker_config(self, role: str) -> dict[str, Any]:
+        config = {"model": self.model, "load_progress": False, **self.engine}
+        if role == "prefill":
+            config["tensor_parallel_size"] = self.prefill_tp
+        return config
+
+
+@dataclass
+class _Group:
+    name: str
+    pg: PlacementGroup
+    ranks: list[Any]
+    starting: list[Any] | None = None  # start() calls in flight
+    endpoint: str | None = None  # rank 0's gRPC address once started
+    address: str | None = None  # the endpoint while every rank is healthy, else None
+    incarnations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Decode:
+    name: str
+    actor: Any
+    address: str | None = None
+
+
+@dataclass
+class _Router:
+    name: str
+    actor: Any
+    incarnation: str | None = None
+    rest_port: int | None = None
+    grpc_port: int | None = None
+
+
+class DuetCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.groups: list[_Group] = []
+        self.decodes: list[_Decode] = []
+        self.routers: list[_Router] = []
+        self._counter = 0
+        self._published: tuple[dict[str, str], dict[str, str]] | None = None
+        self._published_at = 0.0
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Create the routers and pools and wait until every one of them serves."""
+        spec = self.spec
+        for i in range(spec.routers):
+            self.routers.append(self._new_router(i))
+        for _ in range(self._wanted_decode()):
+            self.decodes.append(self._new_decode())
+        for _ in range(self._wanted_groups()):
+            self.groups.append(self._new_group())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.reconcile()
+            if self.is_complete():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster did not come up within {timeout_s:.0f}s")
+            time.sleep(0.25)
+
+    def is_complete(self) -> bool:
+        return (
+            all(r.rest_port is not None for r in self.routers)
+            and all(d.address for d in self.decodes)
+            and all(g.address for g in self.groups)
+        )
+
+    def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        while not stop.wait(interval_s):
+            try:
+                self.reconcile()
+            except Exception:  # one bad pass must not end supervision
+                logger.exception("reconcile failed")
+
+    def shutdown(self) -> None:
+        for router in self.routers:
+            try:
+                ray.get(router.actor.stop.remote(), timeout=30)
+            except Exception:
+                pass
+        actors = [r.actor for r in self.routers] + [d.actor for d in self.decodes]
+        actors += [a for g in self.groups for a in g.ranks]
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        for group in self.groups:
+            remove_placement_group(group.pg)
+
+    # -- supervision -------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """One pass: notice restarts and deaths, re-form broken groups, follow the cluster's
+        resources in auto mode, and publish the registry to the routers."""
+        with self._lock:
+            infos = self._infos()
+            for router in self.routers:
+                self._check_router(router, infos.get(id(router.actor)))
+            for decode in self.decodes:
+                info = infos.get(id(decode.actor))
+                decode.address = info["address"] if info and info["alive"] else None
+            for group in self.groups:
+                self._check_group(group, [infos.get(id(a)) for a in group.ranks])
+            self._autoscale()
+            self._publish()
+
+    def _infos(self) -> dict[int, dict[str, Any] | None]:
+        actors = [r.actor for r in self.routers] + [d.actor for d in self.decodes]
+        actors += [a for g in self.groups for a in g.ranks]
+        refs = [a.info.remote() for a in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=_INFO_TIMEOUT_S)
+        out: dict[int, dict[str, Any] | None] = {}
+        for actor, ref in zip(actors, refs, strict=True):
+            try:
+                out[id(actor)] = ray.get(ref, timeout=0)
+            except Exception:  # dead, restarting, or still loading its model
+                out[id(actor)] = None
+        return out
+
+    def _check_router(self, router: _Router, info: dict[str, Any] | None) -> None:
+        if info is None or not info["started"]:
+            router.rest_port = None
+            return
+        if info["incarnation"] != router.incarnation:
+            if router.incarnation is not None:
+                logger.warning("router %s restarted", router.name)
+            router.incarnation = info["incarnation"]
+            self._published = None  # a new router knows no workers yet
+            if router.rest_port is None:
+                logger.info(
+                    "router %s: REST on port %s, gRPC on port %s",
+                    router.name, info["rest_port"], info["grpc_port"],
+                )  # fmt: skip
+        router.rest_port, router.grpc_port = info["rest_port"], info["grpc_port"]
+
+    def _check_group(self, group: _Group, infos: list[dict[str, Any] | None]) -> None:
+        group.address = None
+        if group.starting is not None:
+            done, _ = ray.wait(group.starting, num_returns=len(group.starting), timeout=0)
+            if len(done) < len(group.starting):
+                return
+            try:
+                group.endpoint = ray.get(group.starting)[0]
+                logger.info("prefill group %s serving at %s", group.name, group.endpoint)
+            except Exception as e:
+                logger.warning("prefill group %s failed to start: %s", group.name, e)
+            group.starting = None
+        if any(i is None for i in infos):
+            return  # a rank is restarting or unreachable: wait for it
+        ranks = [i for i in infos if i is not None]
+        incarnations = [i["incarnation"] for i in ranks]
+        if all(i["started"] and i["alive"] for i in ranks) and group.endpoint:
+            if not group.incarnations:
+                group.incarnations = incarnations
+            if incarnations == group.incarnations:
+                group.address = group.endpoint
+                return
+        started = [a for a, i in zip(group.ranks, ranks, strict=True) if i["started"]]
+        group.endpoint, group.incarnations = None, []
+        if started:
+            # A rank came back without its group, or a rank's engine died: the whole group
+            # restarts (a torch.distributed group cannot take a new member).
+            logger.warning("prefill group %s is broken: restarting its ranks", group.name)
+            for actor in started:
+                ray.kill(actor, no_restart=False)
+            return
+        init = ray.get(group.ranks[0].rendezvous.remote(), timeout=_INFO_TIMEOUT_S)
+        group.starting = [actor.start.remote(init) for actor in group.ranks]
+
+    def _autoscale(self) -> None:
+        wanted = self._wanted_groups()
+        while len(self.groups) < wanted:
+            self.groups.append(self._new_group())
+        while len(self.groups) > wanted:
+            victim = min(self.groups, key=lambda g: g.address is not None)
+            self.groups.remove(victim)
+            for actor in victim.ranks:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(victim.pg)
+        wanted = self._wanted_decode()
+        while len(self.decodes) < wanted:
+            self.decodes.append(self._new_decode())
+        while len(self.decodes) > wanted:
+            victim_d = min(self.decodes, key=lambda d: d.address is not None)
+            self.decodes.remove(victim_d)
+            ray.kill(victim_d.actor, no_restart=True)
+
+    def _publish(self) -> None:
+        registry = (
+            {g.name: g.address for g in self.groups if g.address},
+            {d.name: d.address for d in self.decodes if d.address},
+        )
+        now = time.monotonic()
+        if registry == self._published and now - self._published_at < _REPUBLISH_S:
+            return
+        if registry != self._published:
+            logger.info(
+                "serving with prefill %s, decode %s", sorted(registry[0]), sorted(registry[1])
+            )  # fmt: skip
+        for router in self.routers:
+            router.actor.set_workers.remote(*registry)
+        self._published, self._published_at = registry, now
+
+    # -- creation --------------------------------------------------------------------------
+
+    def _wanted_groups(self) -> int:
+        if self.spec.prefill_workers is not None:
+            return self.spec.prefill_workers
+        return int(ray.cluster_resources().get("prefill", 0) // self.spec.prefill_tp)
+
+    def _wanted_decode(self) -> int:
+        if self.spec.decode_workers is not None:
+            return self.spec.decode_workers
+        return max(1, int(ray.cluster_resources().get("decode", 0)))
+
+    def _next_name(self, role: str) -> str:
+        self._counter += 1
+        return f"duet-{role}-{self._counter}"
+
+    def _new_router(self, index: int) -> _Router:
+        spec = self.spec
+        actor = (
+            ray.remote(RouterActor)
+            .options(
+                name=f"duet-router-{index}",
+                namespace=NAMESPACE,
+                resources={"router": 1},
+                num_cpus=0,
+                max_restarts=-1,
+                max_concurrency=4,
+            )
+            .remote(
+                spec.model,
+                spec.router,
+                spec.cluster,
+                spec.served_model_name,
+                spec.engine.get("tokenizer"),
+                spec.engine.get("max_model_len"),
+            )
+        )
+        return _Router(f"duet-router-{index}", actor)
+
+    def _new_decode(self) -> _Decode:
+        name = self._next_name("decode")
+        actor = (
+            ray.remote(DecodeActor)
+            .options(
+                name=name,
+                namespace=NAMESPACE,
+                resources={"decode": 1},
+                num_cpus=0,
+                num_gpus=self.spec.gpus_per_worker,
+                max_restarts=-1,
+                max_concurrency=4,
+            )
+            .remote(self.spec.worker_config("decode"), name)
+        )
+        return _Decode(name, actor)
+
+    def _new_group(self) -> _Group:
+        spec = self.spec
+        name = self._next_name("prefill")
+        bundle: dict[str, float] = {"prefill": 1}
+        if spec.gpus_per_worker:
+            bundle["GPU"] = spec.gpus_per_worker
+        pg = placement_group([dict(bundle) for _ in range(spec.prefill_tp)], strategy="STRICT_PACK")
+        ranks = [
+            ray.remote(PrefillRankActor)
+            .options(
+                name=f"{name}-rank{rank}",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                num_gpus=spec.gpus_per_worker,
+                resources={"prefill": 1},
+                max_restarts=-1,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+            )
+            .remote(spec.worker_config("prefill"), rank, name)
+            for rank in range(spec.prefill_tp)
+        ]
+        return _Group(name, pg, ranks)
+
+
+def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
+    """A Ray instance on this machine with the resources `spec` asks for; workers reach each
+    other on loopback and share its cores (torch threads split evenly unless the spec sets
+    `num_threads`)."""
+    num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
+    num_decode = spec.decode_workers if spec.decode_workers is not None else 1
+    cores = num_cpus or os.cpu_count() or 1
+    processes = num_prefill * spec.prefill_tp + num_decode
+    env = {
+        "GLOO_SOCKET_IFNAME": "lo",
+        "DUET_ADVERTISE_HOST": "127.0.0.1",
+        "OMP_NUM_THREADS": str(max(1, cores // max(1, processes))),
+    }
+    ray.init(
+        namespace=NAMESPACE,
+        num_cpus=cores,
+        resources={
+            "prefill": num_prefill * spec.prefill_tp,
+            "decode": num_decode,
+            "router": spec.routers,
+        },
+        include_dashboard=False,
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+    )

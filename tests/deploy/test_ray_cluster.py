@@ -1,0 +1,182 @@
+"""The disaggregated cluster on a local Ray instance (this process is the driver): two TP=2
+prefill groups, two decode workers and a router actor, driven through the official openai
+client. Same text as the aggregated engine, prefix-aware routing, and the faults the design
+promises to survive: a decode actor killed mid-stream, a prefill rank killed, everything
+killed (503 at once, no hang)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+import socket
+import threading
+import time
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+import ray
+import torch
+
+from duet.v1 import worker_pb2, worker_pb2_grpc
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    from deploy.ray_cluster import ClusterSpec, DuetCluster, start_local_ray
+    from router.cluster_engine import ClusterConfig
+    from router.server import RouterConfig
+
+    store = tmp_path_factory.mktemp("sessions") / "s.db"
+    spec = ClusterSpec(
+        model=tiny_llama,
+        served_model_name="tiny",
+        engine=ENGINE,
+        prefill_workers=2,
+        prefill_tp=2,
+        decode_workers=2,
+        router=RouterConfig(port=free_port(), grpc_port=free_port(), session_store_url=f"sqlite:///{store}"),
+        cluster=ClusterConfig(local_prefill_threshold=8, poll_interval_s=0.2, num_decode_workers=2,
+                              max_num_seqs_per_decode_worker=16),
+    )  # fmt: skip
+    start_local_ray(spec)
+    duet = DuetCluster(spec)
+    stop = threading.Event()
+    try:
+        duet.start(timeout_s=600)
+        supervisor = threading.Thread(target=duet.run, args=(stop, 0.5), daemon=True)
+        supervisor.start()
+        yield duet, f"http://127.0.0.1:{spec.router.port}"
+    finally:
+        stop.set()
+        duet.shutdown()
+        ray.shutdown()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def prompts_of(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_disaggregated_equals_aggregated(cluster, tiny_llama):
+    _, url = cluster
+    prompts = prompts_of([2, 5, 9, 17, 30, 44, 61, 75, 90, 104, 118, 127, 133, 140, 150, 7], 13)
+    want = LLM(tiny_llama, load_progress=False, **ENGINE).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    api = client(url)
+
+    def complete(prompt):
+        return api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(complete, prompts))
+    assert [r.choices[0].text for r in got] == [o.text for o in want]
+    assert [r.usage.completion_tokens for r in got] == [12] * 16
+    assert metric(url, "duet:num_prefill_workers") == 2
+    assert metric(url, "duet:num_decode_workers") == 2
+
+
+def test_prefix_routing_reuses_the_cache(cluster):
+    _, url = cluster
+    shared = prompts_of([96], 21)[0]
+    api = client(url)
+    kwargs = dict(model="tiny", max_tokens=2, temperature=0)
+    first = api.completions.create(prompt=[*shared, *range(3, 19)], **kwargs)
+    time.sleep(1.0)  # the holder's next load report carries the new block hashes
+    hits_before = metric(url, "duet:prefix_cache_hits_total")
+    second = api.completions.create(prompt=[*shared, *range(30, 46)], **kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 96
+    assert metric(url, "duet:prefix_cache_hits_total") - hits_before == 96
+
+
+def busiest_decode(duet) -> int:
+    """Index of the decode worker running the most sequences right now."""
+    loads = []
+    for d in duet.decodes:
+        with grpc.insecure_channel(d.address) as channel:
+            load = worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
+                worker_pb2.LoadRequest(), timeout=5
+            )
+        loads.append(load.num_running)
+    return max(range(len(loads)), key=loads.__getitem__)
+
+
+def test_decode_actor_killed_mid_stream_completes_identically(cluster, tiny_llama):
+    duet, url = cluster
+    prompt = prompts_of([70], 31)[0]
+    want = LLM(tiny_llama, load_progress=False, **ENGINE).generate(
+        [prompt], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    )[0]
+    stream = client(url).completions.create(
+        model="tiny", prompt=prompt, max_tokens=150, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    pieces, killed = [], None
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if killed is None and len("".join(pieces)) > 5:
+            killed = duet.decodes[busiest_decode(duet)]
+            ray.kill(killed.actor, no_restart=False)
+    assert killed is not None
+    assert "".join(pieces) == want.text
+    # Ray restarts the actor; it rejoins the pool.
+    wait_for(lambda: metric(url, "duet:num_decode_workers") == 2, 240, "the decode worker back")
+
+
+def test_prefill_rank_killed_requests_retried_and_group_restarted(cluster):
+    duet, url = cluster
+    api = client(url)
+    ray.kill(duet.groups[0].ranks[1], no_restart=False)
+    prompts = prompts_of([40, 50, 60, 70], 41)
+    for prompt in prompts:  # every one succeeds, on the other group (or after a retry)
+        r = api.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3
+    wait_for(lambda: metric(url, "duet:num_prefill_workers") == 2, 240, "the group back")
+
+
+def test_everything_killed_gives_503_at_once(cluster):
+    duet, url = cluster
+    for actor in [d.actor for d in duet.decodes] + [a for g in duet.groups for a in g.ranks]:
+        ray.kill(actor, no_restart=True)
+    wait_for(lambda: metric(url, "duet:num_decode_workers") == 0, 30, "the router to notice")
+    start = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as info:
+        client(url).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)
+    assert info.value.status_code == 503
+    assert time.monotonic() - start < 5
+    assert httpx.get(f"{url}/ready", timeout=5).status_code == 503
