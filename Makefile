@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: install serve test lint typecheck bench proto clean
+.PHONY: install serve test lint typecheck bench bench-kv proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.offline_throughput
+
+# KV-block transfer over gloo on loopback vs a raw torch.distributed send (benchmarks/README.md)
+bench-kv: $(STAMP)
+	$(PY) -m benchmarks.kv_transfer $(BENCH_KV_ARGS)
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -2,9 +2,12 @@
 
 A backend's own threads put what arrives into the inbox (`deliver`) or report that a request's
 data can never arrive (`fail`); the engine thread's `poll` matches arrivals with what it
-`expect`s, scatters complete requests into their reserved blocks and acknowledges them. A
-request is complete when every shard it needs has arrived: a sender with larger tensor
-parallelism ships one shard of heads per rank, under the same request id.
+`expect`s, scatters arrived layers into their reserved blocks and acknowledges a request once
+all of it is written. A request is complete when every shard it needs has arrived: a sender
+with larger tensor parallelism ships one shard of heads per rank, under the same request id.
+A backend may deliver a shard before its data has landed and report layers as they do
+(`progress`); the engine thread writes each layer once it is ready, so the copy into the cache
+overlaps the rest of the transfer, and only an expected request's layers are ever written.
 
 Arrivals for a request nobody expects (yet) wait up to `stale_after_s` (the router may ask
 the decode worker a moment after the prefill worker sent), then are dropped. Arrivals for an
@@ -29,13 +32,28 @@ from kv_transfer.layout import KVLayout, receiver_head_slice
 
 @dataclass
 class Arrival:
-    """One shard of one request's KV, received and not yet written."""
+    """One shard of one request's KV, arriving or arrived, and not yet all written."""
 
-    blocks: torch.Tensor  # [L, 2, n, BS, h, D]
+    blocks: torch.Tensor  # [L, 2, n, BS, h, D]; layers [0, layers_ready) hold data
     layout: KVLayout  # the sender's: which heads the shard holds
     meta: dict[str, Any] | None
     acknowledge: Callable[[], None]  # tells the sender its blocks landed
     time_s: float
+    layers_ready: int = -1  # -1: all of them; raised by the backend through `progress`
+    release: Callable[[], None] | None = None  # called once the inbox is done with `blocks`
+    layers_written: int = 0  # engine thread: written into the reserved blocks so far
+
+    def __post_init__(self) -> None:
+        if self.layers_ready < 0:
+            self.layers_ready = self.num_layers
+
+    @property
+    def num_layers(self) -> int:
+        return self.blocks.shape[0]
+
+    @property
+    def written(self) -> bool:
+        return self.layers_written == self.num_layers
 
 
 class InboxKVReceiver(KVReceiver):
@@ -56,8 +74,16 @@ class InboxKVReceiver(KVReceiver):
 
     def deliver(self, request_id: str, arrival: Arrival) -> None:
         with self._lock:
-            if request_id not in self._aborted:
+            if request_id in self._aborted:
+                _discard([arrival])
+            else:
                 self._inbox.setdefault(request_id, []).append(arrival)
+
+    def progress(self, arrival: Arrival, layers_ready: int) -> None:
+        """Layers [0, layers_ready) of a delivered arrival's `blocks` hold their data."""
+        with self._lock:
+            arrival.layers_ready = layers_ready
+            arrival.time_s = time.monotonic()  # staleness counts from the latest data
 
     def fail(self, request_id: str, why: str) -> None:
         with self._lock:
@@ -67,6 +93,7 @@ class InboxKVReceiver(KVReceiver):
         """The sender of these shards gave up on them (only the in-process backend can)."""
         with self._lock:
             arrivals = self._inbox.get(request_id, [])
+            _discard([a for a in arrivals if a.layout == layout])
             arrivals[:] = [a for a in arrivals if a.layout != layout]
 
     # -- engine side -------------------------------------------------------------------------
@@ -80,9 +107,15 @@ class InboxKVReceiver(KVReceiver):
         with self._lock:
             for request_id, (block_ids, deadline) in list(self._expected.items()):
                 arrivals = self._inbox.get(request_id, [])
-                if arrivals and len(arrivals) >= self._num_shards(arrivals[0].layout):
+                for arrival in arrivals:
+                    self._write_ready(block_ids, arrival)
+                if (
+                    arrivals
+                    and len(arrivals) >= self._num_shards(arrivals[0].layout)
+                    and all(a.written for a in arrivals)
+                ):
                     del self._inbox[request_id]
-                    result = self._write(request_id, block_ids, arrivals)
+                    result = self._done(request_id, arrivals)
                 elif request_id in self._failed:
                     why = self._failed.pop(request_id)[0]
                     result = TransferResult(request_id, TransferStatus.FAILED, why, retryable=True)
@@ -105,24 +138,27 @@ class InboxKVReceiver(KVReceiver):
         with self._lock:
             if self._expected.pop(request_id, None) is not None:
                 self._results.append(TransferResult(request_id, TransferStatus.ABORTED))
-            self._inbox.pop(request_id, None)
+            _discard(self._inbox.pop(request_id, []))
             self._aborted[request_id] = time.monotonic()  # shards may still be on the wire
 
     def _num_shards(self, sender: KVLayout) -> int:
         return max(1, self.layout.heads_per_rank // sender.heads_per_rank)
 
-    def _write(
-        self, request_id: str, block_ids: list[int], arrivals: list[Arrival]
-    ) -> TransferResult:
+    def _write_ready(self, block_ids: list[int], arrival: Arrival) -> None:
+        start, end = arrival.layers_written, arrival.layers_ready
+        if start == end:
+            return
         device = self.kv_caches[0].device
-        for arrival in arrivals:
-            ids = torch.tensor(
-                block_ids[: arrival.blocks.shape[2]], dtype=torch.long, device=device
-            )
-            heads = receiver_head_slice(arrival.layout, self.layout)
-            scatter_blocks(self.kv_caches, ids, arrival.blocks.to(device), heads)
+        ids = torch.tensor(block_ids[: arrival.blocks.shape[2]], dtype=torch.long, device=device)
+        heads = receiver_head_slice(arrival.layout, self.layout)
+        blocks = arrival.blocks[start:end].to(device)
+        scatter_blocks(self.kv_caches[start:end], ids, blocks, heads)
+        arrival.layers_written = end
+
+    def _done(self, request_id: str, arrivals: list[Arrival]) -> TransferResult:
         for arrival in arrivals:
             arrival.acknowledge()
+        _discard(arrivals)
         # Every shard carries the same metadata; the lowest rank's is the reference.
         first = min(arrivals, key=lambda a: a.layout.tp_rank)
         return TransferResult(request_id, TransferStatus.DONE, meta=first.meta)
@@ -132,10 +168,17 @@ class InboxKVReceiver(KVReceiver):
             if request_id not in self._expected and all(
                 now - a.time_s > self.stale_after_s for a in arrivals
             ):
-                del self._inbox[request_id]
+                _discard(self._inbox.pop(request_id))
         for request_id, since in list(self._aborted.items()):
             if now - since > self.stale_after_s:
                 del self._aborted[request_id]
         for request_id, (_, since) in list(self._failed.items()):
             if request_id not in self._expected and now - since > self.stale_after_s:
                 del self._failed[request_id]
+
+
+def _discard(arrivals: list[Arrival]) -> None:
+    """The inbox lets go of these arrivals' buffers (each arrival leaves the inbox once)."""
+    for arrival in arrivals:
+        if arrival.release is not None:
+            arrival.release()

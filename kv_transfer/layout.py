@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2  # 2: torch_dist ships a transfer in chunks of layers (header `chunks`)
 
 
 class HandshakeError(RuntimeError):

@@ -7,16 +7,20 @@ group over a `PrefixStore` for that channel (gloo for CPU caches, NCCL for CUDA 
 global world is needed and workers can come and go.
 
 A transfer: the sender gathers the request's blocks into one tensor (on the caller's thread, so
-its blocks are free to reuse as soon as `send` returns), pushes `{request_id, shape, tag, meta}`
-onto the channel's queue, and a background thread sends the tensor. The receiver's channel
-thread pops the header, receives the tensor and leaves it in the inbox (`InboxKVReceiver`); the
-engine thread's `poll` scatters it into the blocks reserved by `expect` (only if still
-expected: an aborted request's late data is dropped, never written) and acknowledges through
-the store.
+its blocks are free to reuse as soon as `send` returns) while a background thread pushes
+`{request_id, shape, chunks, meta}` onto the channel's queue and sends the tensor in chunks of
+whole layers, each as soon as it is gathered. The receiver's channel thread pops the header,
+posts a receive per chunk, leaves the tensor in the inbox (`InboxKVReceiver`) and reports each
+chunk as it lands; the engine thread's `poll` scatters landed layers into the blocks reserved
+by `expect` (only while still expected: an aborted request's late data is dropped, never
+written) and acknowledges through the store once all are written. So gather, wire and scatter
+overlap instead of running one after the other. Both sides stage transfers in buffers reused
+from a `StagingPool` (fresh ones page-fault on first touch).
 
 Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a request at the
 `expect` deadline; a sender reports FAILED (retryable) when no acknowledgement comes within
-`ack_timeout_s`, or when its peer is gone.
+`ack_timeout_s`, or when its peer is gone. A send that fails abandons its channel (the receiver
+may be waiting for chunks that will never come); the next send to that receiver opens a new one.
 """
 
 from __future__ import annotations
@@ -40,10 +44,24 @@ from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks
 from kv_transfer.inbox import Arrival, InboxKVReceiver
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from kv_transfer.staging import StagingPool
 
 logger = logging.getLogger(__name__)
 
 _ACCEPT_QUEUE = "duet/kv/accept"
+_IDLE_POP_S = 300.0  # a receiver thread's blocking wait for the next channel or transfer
+
+CHUNK_MIN_BYTES = 4 << 20
+"""A transfer goes as chunks of whole layers of at least this size (one chunk when smaller):
+smaller chunks overlap gather, wire and scatter more, but each costs a message."""
+
+
+def layer_chunks(num_layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) layer ranges of a transfer whose layers hold `layer_bytes` each."""
+    per_chunk = min(num_layers, max(1, -(-CHUNK_MIN_BYTES // max(layer_bytes, 1))))
+    return [
+        (start, min(start + per_chunk, num_layers)) for start in range(0, num_layers, per_chunk)
+    ]
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -69,6 +87,41 @@ class _Channel:
     tags: itertools.count[int]
 
 
+@dataclass
+class _SendJob:
+    request_id: str
+    channel: _Channel
+    blocks: torch.Tensor  # [L, 2, n, BS, h, D], a staging buffer the caller is filling
+    chunks: list[tuple[int, int]]  # [start, end) layers per message
+    tags: list[int]
+    meta: dict[str, Any] | None
+    gathered: list[threading.Event]  # per chunk: its layers are in `blocks`
+    gather_failed: bool = False
+
+    def wait_gathered(self, timeout_s: float) -> bool:
+        return all(e.wait(timeout_s) for e in self.gathered) and not self.gather_failed
+
+
+class _Lease:
+    """A receive buffer shared by the channel thread (receiving into it) and the inbox (copying
+    out of it): back in the pool once both let go, unless the receive failed (the transport
+    may still write into it)."""
+
+    def __init__(self, pool: StagingPool, buf: torch.Tensor) -> None:
+        self._pool, self._buf = pool, buf
+        self._lock = threading.Lock()
+        self._holders = 2
+        self._reusable = True
+
+    def release(self, reusable: bool = True) -> None:
+        with self._lock:
+            self._holders -= 1
+            self._reusable = self._reusable and reusable
+            last = self._holders == 0
+        if last and self._reusable:
+            self._pool.give(self._buf)
+
+
 class TorchDistKVSender(KVSender):
     def __init__(
         self,
@@ -87,15 +140,15 @@ class TorchDistKVSender(KVSender):
         self._pending: dict[str, tuple[_Channel, float]] = {}  # request id -> (channel, deadline)
         self._results: list[TransferResult] = []
         self._lock = threading.Lock()
-        self._jobs: queue.Queue[
-            tuple[str, _Channel, torch.Tensor, int, dict[str, Any] | None] | None
-        ] = queue.Queue()
+        self._staging = StagingPool(kv_caches[0].device)
+        self._jobs: queue.Queue[_SendJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._send_loop, name=f"kv-send-{name}", daemon=True)
         self._worker.start()
 
     def connect(self, dest: str) -> _Channel:
         """Open (or reuse) the channel to receiver `dest`; raises HandshakeError on mismatch."""
-        channel = self._channels.get(dest)
+        with self._lock:
+            channel = self._channels.get(dest)
         if channel is not None:
             return channel
         host, port = dest.rsplit(":", 1)
@@ -112,7 +165,8 @@ class TorchDistKVSender(KVSender):
         device = self.kv_caches[0].device
         group = _pair_group(dist.PrefixStore(cid, store), 0, device, self.timeout_s)
         channel = _Channel(cid, store, group, peer, itertools.count(1))
-        self._channels[dest] = channel
+        with self._lock:
+            self._channels[dest] = channel
         return channel
 
     def send(
@@ -131,32 +185,77 @@ class TorchDistKVSender(KVSender):
                 TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
             )
             return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        blocks = gather_blocks(self.kv_caches, ids)  # the caller may reuse its blocks from here on
+        first = self.kv_caches[0]
+        num_blocks = first.shape[1]
+        bad = [b for b in block_ids if not 0 <= b < num_blocks]
+        if bad:  # caught here: a chunk that fails to gather would leave the channel out of step
+            raise ValueError(f"block_ids: {bad[0]} is not in [0, {num_blocks})")
+        ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+        shape = (len(self.kv_caches), 2, len(block_ids), *first.shape[2:])
+        blocks = self._staging.take(shape, first.dtype)
+        chunks = layer_chunks(len(self.kv_caches), blocks[0].nbytes)
+        job = _SendJob(
+            request_id,
+            channel,
+            blocks,
+            chunks,
+            [next(channel.tags) for _ in chunks],
+            meta,
+            [threading.Event() for _ in chunks],
+        )
         with self._lock:
             self._pending[request_id] = (channel, time.monotonic() + self.ack_timeout_s)
-        self._jobs.put((request_id, channel, blocks, next(channel.tags), meta))
+        self._jobs.put(job)  # the header goes out and chunks follow while we gather
+        try:
+            for (start, end), gathered in zip(chunks, job.gathered, strict=True):
+                gather_blocks(self.kv_caches[start:end], ids, out=blocks[start:end])
+                gathered.set()
+        except BaseException:
+            job.gather_failed = True
+            for gathered in job.gathered:
+                gathered.set()
+            raise
+        # the caller may reuse its blocks from here on
 
     def _send_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            request_id, channel, blocks, tag, meta = job
             with self._lock:
-                if request_id not in self._pending:
-                    continue  # aborted before it went out
+                aborted = job.request_id not in self._pending
+            if aborted:  # before anything went out
+                if job.wait_gathered(self.timeout_s):
+                    self._staging.give(job.blocks)
+                continue
+            channel = job.channel
             try:
                 header = {
-                    "request_id": request_id,
-                    "shape": list(blocks.shape),
-                    "tag": tag,
-                    "meta": meta,
+                    "request_id": job.request_id,
+                    "shape": list(job.blocks.shape),
+                    "chunks": [[s, e, t] for (s, e), t in zip(job.chunks, job.tags, strict=True)],
+                    "meta": job.meta,
                 }
                 channel.store.queue_push(f"{channel.cid}/xfers", json.dumps(header))
-                channel.group.send([blocks], 1, tag).wait()
+                works = []
+                for (start, end), tag, gathered in zip(
+                    job.chunks, job.tags, job.gathered, strict=True
+                ):
+                    if not gathered.wait(self.timeout_s) or job.gather_failed:
+                        raise RuntimeError("gathering the blocks failed")
+                    works.append(channel.group.send([job.blocks[start:end]], 1, tag))
+                for work in works:
+                    work.wait()
             except Exception as e:
-                logger.warning("KV send of %s failed: %s", request_id, e)
+                logger.warning("KV send of %s failed: %s", job.request_id, e)
+                # NOTE: the receiver may now wait for chunks that never come: never reuse this
+                # channel (the next send opens a new one), nor the buffer gloo may still read.
+                with self._lock:
+                    for dest, open_channel in list(self._channels.items()):
+                        if open_channel is channel:
+                            del self._channels[dest]
                 self._finish(
-                    TransferResult(request_id, TransferStatus.FAILED, str(e), retryable=True)
+                    TransferResult(job.request_id, TransferStatus.FAILED, str(e), retryable=True)
                 )
+            else:
+                self._staging.give(job.blocks)
 
     def poll(self) -> list[TransferResult]:
         now = time.monotonic()
@@ -211,27 +310,36 @@ class TorchDistKVReceiver(InboxKVReceiver):
         `advertise_host` (default `host`) and the bound port."""
         super().__init__(kv_caches, layout, stale_after_s=timeout_s)
         self.timeout_s = timeout_s
+        self._staging = StagingPool(kv_caches[0].device)
         self.store = dist.TCPStore(
             host, port, is_master=True, wait_for_workers=False, timeout=_timeout(timeout_s)
         )
         self.address = f"{advertise_host or host}:{self.store.port}"
         self._closed = threading.Event()
+        self._channel_ids: list[str] = []  # channels opened to us (close() wakes their threads)
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
 
     def _client(self, timeout_s: float) -> dist.TCPStore:
-        return dist.TCPStore(
-            self.store.host, self.store.port, is_master=False, timeout=_timeout(timeout_s)
-        )
+        host = self.store.host
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface: reach it on loopback
+            host = "::1" if host == "::" else "127.0.0.1"
+        return dist.TCPStore(host, self.store.port, is_master=False, timeout=_timeout(timeout_s))
 
     def _accept_loop(self) -> None:
         # A client of our own store: blocking pops on the master object would hold its lock.
-        client = self._client(1.0)
+        # Pops block for long (each timeout logs a c10d warning); `close` wakes them by pushing
+        # an empty entry.
+        client = self._client(_IDLE_POP_S)
         while not self._closed.is_set():
             try:
                 cid = client.queue_pop(_ACCEPT_QUEUE, block=True).decode()
             except Exception:
                 continue  # store timeout: look at _closed again
+            if not cid or self._closed.is_set():
+                continue  # close() woke us
+            with self._lock:
+                self._channel_ids.append(cid)
             thread = threading.Thread(
                 target=self._serve_channel, args=(cid,), name=f"kv-recv-{cid}", daemon=True
             )
@@ -251,35 +359,53 @@ class TorchDistKVReceiver(InboxKVReceiver):
         store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
         device = self.kv_caches[0].device
         group = _pair_group(dist.PrefixStore(cid, store), 1, device, self.timeout_s)
-        headers = self._client(1.0)
+        headers = self._client(_IDLE_POP_S)
         while not self._closed.is_set():
             try:
-                header = json.loads(headers.queue_pop(f"{cid}/xfers", block=True))
+                raw = headers.queue_pop(f"{cid}/xfers", block=True)
             except Exception:
                 continue  # idle channel
+            if not raw:
+                continue  # close() woke us
+            header = json.loads(raw)
             request_id = header["request_id"]
-            buf = torch.empty(header["shape"], dtype=self.kv_caches[0].dtype, device=device)
+            buf = self._staging.take(tuple(header["shape"]), self.kv_caches[0].dtype)
+            lease = _Lease(self._staging, buf)
+            ack_key = f"{cid}/ack/{request_id}"
+            arrival = Arrival(
+                buf,
+                sender,
+                header.get("meta"),
+                functools.partial(store.set, ack_key, "done"),
+                time.monotonic(),
+                layers_ready=0,
+                release=lease.release,
+            )
             try:
-                group.recv([buf], 0, header["tag"]).wait()
+                # Every chunk's receive is posted up front: the sender streams them back to back.
+                works = [group.recv([buf[s:e]], 0, tag) for s, e, tag in header["chunks"]]
+                self.deliver(request_id, arrival)
+                for (_, end, _), work in zip(header["chunks"], works, strict=True):
+                    work.wait()
+                    self.progress(arrival, end)
             except Exception as e:  # the sender died mid-transfer: this channel is done
                 logger.warning("KV channel %s lost while receiving %s: %s", cid, request_id, e)
                 self.fail(request_id, f"sender lost: {e}")
+                lease.release(reusable=False)
                 return
-            ack_key = f"{cid}/ack/{request_id}"
-            self.deliver(
-                request_id,
-                Arrival(
-                    buf,
-                    sender,
-                    header.get("meta"),
-                    functools.partial(store.set, ack_key, "done"),
-                    time.monotonic(),
-                ),
-            )
+            lease.release()
 
     def close(self) -> None:
-        """Stop the accept and channel threads (each wakes within a second) and wait for them:
+        """Stop the accept and channel threads (woken by an empty queue entry) and wait for them:
         c10d objects must not be torn down under a thread still blocked in them."""
         self._closed.set()
+        with self._lock:
+            channel_ids = list(self._channel_ids)
+        try:
+            self.store.queue_push(_ACCEPT_QUEUE, b"")
+            for cid in channel_ids:
+                self.store.queue_push(f"{cid}/xfers", b"")
+        except Exception as e:  # the threads still wake at their pop timeout
+            logger.warning("could not wake the KV receiver's threads: %s", e)
         for thread in list(self._threads):
             thread.join(timeout=self.timeout_s)

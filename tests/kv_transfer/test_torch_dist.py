@@ -11,7 +11,14 @@ import time
 import pytest
 import torch
 
-from kv_transfer import HandshakeError, KVLayout, TransferStatus, create_receiver, create_sender
+from kv_transfer import (
+    HandshakeError,
+    KVLayout,
+    TransferStatus,
+    create_receiver,
+    create_sender,
+    torch_dist,
+)
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -60,6 +67,38 @@ def test_transfer_is_bit_exact_and_acknowledged(receiver):
     sender.send("r2", [2], recv.address)
     assert wait_for(recv.poll)[0].status == TransferStatus.DONE
     assert all(torch.equal(d[:, 1], s[:, 2]) for s, d in zip(src, dst, strict=True))
+    sender.close()
+
+
+def test_layer_by_layer_chunks_land_bit_exact_through_reused_buffers(receiver, monkeypatch):
+    monkeypatch.setattr(torch_dist, "CHUNK_MIN_BYTES", 1)  # one message per layer
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    nbytes = 3 * 2 * 3 * 4 * 4 * 8 * 4  # [L, 2, n, BS, H, D] fp32
+    for attempt, (src_ids, dst_ids) in enumerate([([0, 5, 7], [9, 3, 12]), ([1, 2], [4, 6])]):
+        recv.expect(f"r{attempt}", dst_ids, timeout_s=10)
+        sender.send(f"r{attempt}", src_ids, recv.address)
+        assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+        assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[:, dst_ids], s[:, src_ids])
+        # Both sides staged the transfers in one buffer, reused the second time.
+        assert sender._staging.idle_bytes == nbytes
+        assert wait_for(lambda: [recv._staging.idle_bytes] if recv._staging.idle_bytes else [])
+        assert recv._staging.idle_bytes == nbytes
+    sender.close()
+
+
+def test_out_of_range_block_id_is_refused_before_anything_is_sent(receiver):
+    recv, _ = receiver
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    with pytest.raises(ValueError, match=r"block_ids: 16 is not in \[0, 16\)"):
+        sender.send("r1", [0, 16], recv.address)
+    recv.expect("r2", [1], timeout_s=10)  # the channel is still in step
+    sender.send("r2", [2], recv.address)
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
     sender.close()
 
 

@@ -1,0 +1,228 @@
+"""The measuring half of `benchmarks.kv_transfer`: spawns the receiver and sender peers of one
+layout and drives them, rep by rep, through duet transfers and raw sends of the same size."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import random
+import statistics
+from multiprocessing.connection import Connection
+from typing import Any
+
+from benchmarks.cpu_usage import CpuSnapshot, wait_for_idle
+from benchmarks.kv_transfer_peers import (
+    POLL_INTERVAL_S,
+    LayoutSpec,
+    PeerConfig,
+    run_receiver,
+    run_sender,
+    spec_dict,
+)
+
+NOISY_OTHER_CORES = 0.2
+EXTRA_POOL_BLOCKS = 44  # the pool is a little larger than the largest transfer
+
+
+def _start_quiet(proc: Any) -> None:
+    """Start a peer with c10d's warnings off: an idle channel's blocking store read times out
+    every second by design and c10d logs each one (the peers report their own errors)."""
+    saved = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read by the child's torch at import
+    try:
+        proc.start()
+    finally:
+        if saved is None:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = saved
+
+
+def _reply(conn: Connection, timeout_s: float) -> Any:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no answer from a benchmark peer within {timeout_s:.0f} s")
+    status, payload = conn.recv()
+    if status == "error":
+        raise RuntimeError(payload)
+    return payload
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class _Peers:
+    """The receiver and sender processes of one layout, driven one command at a time."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.config = config
+        ctx = mp.get_context("spawn")
+        self.recv_conn, child = ctx.Pipe()
+        self.procs = [ctx.Process(target=run_receiver, args=(child, config), daemon=True)]
+        _start_quiet(self.procs[0])
+        self.send_conn: Connection | None = None
+        try:
+            info = _reply(self.recv_conn, config.timeout_s + 60)
+            self.send_conn, child = ctx.Pipe()
+            sender = ctx.Process(
+                target=run_sender,
+                args=(child, config, info["address"], info["raw_port"]),
+                daemon=True,
+            )
+            self.procs.append(sender)
+            _start_quiet(sender)
+            _reply(self.send_conn, config.timeout_s + 60)
+            _reply(self.recv_conn, config.timeout_s + 60)
+        except BaseException:
+            self.close()
+            raise
+        self.tag = 0
+
+    def ask(self, conn: Connection | None, *command: Any) -> Any:
+        assert conn is not None
+        conn.send(command)
+        return _reply(conn, self.config.timeout_s + 30)
+
+    def raw_buffers(self, nbytes: int) -> None:
+        for conn in (self.recv_conn, self.send_conn):
+            if self.ask(conn, "raw_buffer", nbytes) != nbytes:
+                raise RuntimeError(f"raw buffer is not {nbytes} bytes")
+
+    def duet(
+        self, request_id: str, src_ids: list[int], dst_ids: list[int], check: bool
+    ) -> dict[str, Any]:
+        self.ask(self.recv_conn, "duet", request_id, dst_ids, src_ids if check else None)
+        before = CpuSnapshot.take(0.0)
+        sent = self.ask(self.send_conn, "duet", request_id, src_ids)
+        done = _reply(self.recv_conn, self.config.timeout_s + 30)
+        own_s = sent["cpu_s"] + done["cpu_s"]
+        usage = CpuSnapshot.take(own_s).usage_since(before, sent["acked_s"] - sent["start_s"])
+        if check and not done["data_ok"]:
+            raise RuntimeError(f"{request_id}: the receiver's blocks do not hold the sent data")
+        return {
+            "done_s": done["done_s"] - sent["start_s"],
+            "ack_s": sent["acked_s"] - sent["start_s"],
+            "send_call_s": sent["returned_s"] - sent["start_s"],
+            "cpu_s": own_s,
+            "own_cores": usage["own_cores"],
+            "other_cores": usage["other_cores"],
+            "checked": check,
+        }
+
+    def raw(self) -> dict[str, Any]:
+        self.tag += 1
+        self.ask(self.recv_conn, "raw", self.tag)
+        before = CpuSnapshot.take(0.0)
+        sent = self.ask(self.send_conn, "raw", self.tag)
+        done = _reply(self.recv_conn, self.config.timeout_s + 30)
+        wall_s = done["done_s"] - sent["start_s"]
+        own_s = sent["cpu_s"] + done["cpu_s"]
+        usage = CpuSnapshot.take(own_s).usage_since(before, wall_s)
+        return {
+            "s": wall_s,
+            "cpu_s": own_s,
+            "own_cores": usage["own_cores"],
+            "other_cores": usage["other_cores"],
+        }
+
+    def close(self) -> None:
+        for conn in (self.send_conn, self.recv_conn):
+            if conn is None:
+                continue
+            try:
+                conn.send(("stop",))
+                _reply(conn, 30)
+            except (OSError, EOFError, RuntimeError, TimeoutError):
+                pass  # a peer that already died: terminated below
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=10)
+
+
+def measure_blocks(
+    peers: _Peers, num_blocks: int, reps: int, warmup: int, seed: int
+) -> dict[str, Any]:
+    """`warmup` + `reps` interleaved duet and raw transfers of `num_blocks` blocks."""
+    spec, pool = peers.config.spec, peers.config.num_blocks
+    nbytes = num_blocks * spec.block_bytes
+    peers.raw_buffers(nbytes)
+    rng = random.Random(seed * 1_000_003 + num_blocks)
+    # Block tables as an engine leaves them after some churn: distinct ids in no order.
+    src_ids, dst_ids = rng.sample(range(pool), num_blocks), rng.sample(range(pool), num_blocks)
+    duet_reps, raw_reps = [], []
+    total = warmup + reps
+    for rep in range(total):
+        check = rep == 0 or rep == total - 1
+        duet_first = rep % 2 == 0
+        if not duet_first:
+            raw = peers.raw()
+        duet = peers.duet(f"n{num_blocks}-rep{rep}", src_ids, dst_ids, check)
+        if duet_first:
+            raw = peers.raw()
+        if rep >= warmup:
+            duet_reps.append(duet)
+            raw_reps.append(raw)
+    done = _stats([r["done_s"] for r in duet_reps])
+    ack = _stats([r["ack_s"] for r in duet_reps])
+    raw_s = _stats([r["s"] for r in raw_reps])
+    other = [r["other_cores"] for r in duet_reps + raw_reps]
+    return {
+        "num_blocks": num_blocks,
+        "bytes": nbytes,
+        "duet_done_s": done,
+        "duet_ack_s": ack,
+        "send_call_s": _stats([r["send_call_s"] for r in duet_reps]),
+        "raw_s": raw_s,
+        "duet_done_gbps": nbytes / done["median"] / 1e9,
+        "duet_ack_gbps": nbytes / ack["median"] / 1e9,
+        "raw_gbps": nbytes / raw_s["median"] / 1e9,
+        "ratio_done": raw_s["median"] / done["median"],
+        "ratio_ack": raw_s["median"] / ack["median"],
+        # CPU seconds of both processes per transfer: on a 2-core machine, the extra copies
+        # (gather, scatter) compete with the transport for the same cores
+        "duet_cpu_s": statistics.median(r["cpu_s"] for r in duet_reps),
+        "raw_cpu_s": statistics.median(r["cpu_s"] for r in raw_reps),
+        "other_cores_median": statistics.median(other),
+        "other_cores_max": max(other),
+        "busy": statistics.median(other) > NOISY_OTHER_CORES,
+        "reps": [{"duet": d, "raw": r} for d, r in zip(duet_reps, raw_reps, strict=True)],
+    }
+
+
+def measure_layout(
+    spec: LayoutSpec,
+    block_counts: list[int],
+    reps: int = 10,
+    warmup: int = 2,
+    *,
+    pool_blocks: int | None = None,
+    seed: int = 0,
+    timeout_s: float = 60.0,
+    poll_interval_s: float = POLL_INTERVAL_S,
+    engine_malloc: bool = False,
+    num_threads: int = 1,
+    idle_wait_s: float = 0.0,
+    log: Any = None,
+) -> dict[str, Any]:
+    """Spawn the two peers for `spec` and measure each block count; the layout's JSON."""
+    log = log or functools.partial(print, flush=True)
+    pool = pool_blocks or max(block_counts) + EXTRA_POOL_BLOCKS
+    if max(block_counts) > pool:
+        raise ValueError(f"--pool-blocks: {pool} is smaller than the largest transfer")
+    config = PeerConfig(spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads)
+    results = []
+    peers = _Peers(config)
+    try:
+        for num_blocks in block_counts:
+            if idle_wait_s > 0 and (busy := wait_for_idle(idle_wait_s)) is not None:
+                log(f"  machine still busy after {idle_wait_s:.0f} s ({busy:.2f} other cores)")
+            load = os.getloadavg()
+            log(f"  {spec.name} {num_blocks} blocks: load average {load[0]:.2f} {load[1]:.2f}")
+            result = measure_blocks(peers, num_blocks, reps, warmup, seed)
+            results.append({"load_avg_before": list(load), **result})
+    finally:
+        peers.close()
+    return {"layout": spec_dict(spec), "pool_blocks": pool, "results": results}

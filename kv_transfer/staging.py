@@ -1,0 +1,52 @@
+"""Staging buffers reused across transfers.
+
+A transfer stages a request's blocks in one contiguous tensor on each side (the sender gathers
+into it, the receiver receives into it). A fresh multi-MB CPU tensor page-faults on first touch,
+which on a 2-core VM made the gather and the receive each take about twice as long as into
+warm memory; a buffer reused from the pool has its pages already.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StagingPool:
+    """Flat byte buffers on one device, handed out by `take` and returned by `give`. Keeps the
+    largest `max_idle` returned buffers (memory held while idle: at most `max_idle` times the
+    largest transfer seen); a buffer never given back (e.g. after a failed transfer, whose I/O
+    may still touch it) is simply not reused. Thread-safe."""
+
+    def __init__(self, device: torch.device, max_idle: int = 2) -> None:
+        self.device = device
+        self.max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: list[torch.Tensor] = []  # uint8, 1-D
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of `shape` and `dtype` (contents undefined), viewing a pooled
+        buffer; pass it back to `give` once no one reads or writes it any more."""
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
+            # the smallest that fits (idle is sorted largest first)
+            flat = self._idle.pop(fits[-1]) if fits else None
+        if flat is None:
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return flat[:nbytes].view(dtype).view(shape)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Return a tensor from `take`: its whole buffer becomes idle."""
+        whole = torch.empty(0, dtype=torch.uint8, device=self.device)
+        whole.set_(tensor.untyped_storage())
+        with self._lock:
+            self._idle.append(whole)
+            self._idle.sort(key=lambda b: b.numel(), reverse=True)
+            del self._idle[self.max_idle :]
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._idle)
