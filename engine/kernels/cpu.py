@@ -1,7 +1,9 @@
-"""CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja).
+"""CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
+paged decode attention (paged_decode_cpu.cpp) and the Llama block's elementwise ops
+(elementwise_cpu.cpp), bound in cpu_module.cpp.
 
-When the build is impossible (no compiler) the engine keeps the torch reference path, which
-computes the same thing; `DUET_CPU_KERNELS=0` forces that path.
+When the build is impossible (no compiler) the engine keeps the torch paths, which compute the
+same thing; `DUET_CPU_KERNELS=0` forces them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode_cpu.cpp")
+_DIR = os.path.dirname(__file__)
+_SOURCES = [
+    os.path.join(_DIR, name)
+    for name in ("cpu_module.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp")
+]
+_HEADERS = [os.path.join(_DIR, name) for name in ("cpu_ops.h", "cpu_simd.h")]
+# float32 and bfloat16 only: the kernels' element formats.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -26,29 +35,43 @@ def load_cpu_kernels() -> Any | None:
     if os.environ.get("DUET_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import is_ninja_available, load
-    except ImportError:
+        return build_cpu_kernels()
+    except Exception as e:  # any build failure: fall back to the torch paths
+        logger.warning("CPU kernels unavailable (%s); using the torch reference paths", e)
         return None
+
+
+def build_cpu_kernels(defines: tuple[str, ...] = ()) -> Any:
+    """Compile (or load the cached build of) the module. `defines` (e.g. "DUET_SIMD_LANES=16")
+    make a separate build, for tests of other SIMD widths. Raises when the build fails."""
+    from torch.utils.cpp_extension import is_ninja_available, load
+
     if not is_ninja_available():
         # ninja is a dependency, installed beside this interpreter, which may not be on PATH.
         os.environ["PATH"] = (
             os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         )
-    with open(_SOURCE, "rb") as f:
-        source_hash = hashlib.sha1(f.read()).hexdigest()[:10]
+    digest = hashlib.sha1(repr(defines).encode())
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
     # -march=native code must never run on another CPU: key the build on the CPU's flags too.
-    name = f"duet_cpu_kernels_{source_hash}_{_cpu_fingerprint()}"
-    try:
-        return load(
-            name=name,
-            sources=[_SOURCE],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # any build failure: fall back to the torch reference path
-        logger.warning("CPU kernels unavailable (%s); using the torch reference attention", e)
+    name = f"duet_cpu_kernels_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
+    return load(
+        name=name,
+        sources=_SOURCES,
+        extra_cflags=["-O3", "-march=native", "-fopenmp", *(f"-D{d}" for d in defines)],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def kernels_for(x: torch.Tensor) -> Any | None:
+    """The compiled module when it can run on `x` (a CPU tensor of a kernel dtype), else None:
+    the caller then takes its torch path. Cheap after the first call (the build is cached)."""
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
         return None
+    return load_cpu_kernels()
 
 
 def _cpu_fingerprint() -> str:

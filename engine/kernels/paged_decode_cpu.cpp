@@ -8,164 +8,371 @@
 // seq_lens:     [B] int64
 // token_indices:[B] int64
 //
-// Work is split over (sequence, kv head); the G = H / Hkv query heads sharing a KV head are
-// processed together so each K/V row is read once. Scores are kept in a per-task buffer, then a
-// numerically stable softmax (max-subtracted, fp32) weights the V rows.
-#include <torch/extension.h>
+// A work item is one sequence (or a token range of one) with all its heads. It walks the
+// sequence's blocks once, in order; a block's rows of all heads are contiguous in the cache, so
+// memory is read in runs of block_size rows. Per block and KV head, its G = H / Hkv query heads
+// are handled together as small matrix products: scores of the G query rows against the
+// block's keys (four keys at a time, so one horizontal reduction serves four dot products), an
+// online softmax (running max and sum, a vectorised exp), then the block's values weighted
+// into G accumulators held in registers. bf16 is widened to fp32 in registers, two vectors per
+// load (see load_vec).
+//
+// Threads take items from a shared counter, longest first, so a core slowed by another process
+// just takes fewer items. Long sequences are split into token ranges when there are too few
+// items to keep every thread busy; the partial results (max, sum, unnormalised output) are
+// merged afterwards.
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
-// Element loads/stores as plain bit operations so the compiler vectorizes them.
-struct F32 {
-  using raw = float;
-  static inline float load(raw x) { return x; }
-  static inline raw store(float x) { return x; }
-};
-struct BF16 {
-  using raw = uint16_t;
-  static inline float load(raw x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
-  static inline raw store(float x) {  // round to nearest even, as torch does
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<raw>(bits >> 16);
-  }
+#include "cpu_ops.h"
+#include "cpu_simd.h"
+
+namespace duet {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMinChunkTokens = 128;  // shorter token ranges cost more to merge than they save
+constexpr int64_t kItemsPerThread = 4;    // split long sequences until there are this many
+
+struct Item {
+  int64_t b, begin, end;  // tokens [begin, end) of sequence b, all heads
+  int64_t slot;           // -1: the whole sequence, written to out; else a partial slot
 };
 
-template <typename E>
-static void decode_impl(torch::Tensor& out, const torch::Tensor& query,
-                        const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                        const torch::Tensor& token_indices, double scale) {
+struct Problem {
+  int64_t H, Hkv, G, D, BS, max_blocks;
+  int64_t row, block;  // element strides between tokens in a block, and between blocks
+  const void *q, *kc, *vc;
+  void* o;
+  const int64_t *tables, *rows;
+  float scale;
+  float* partials;  // per slot: H maxima, H sums, H x D unnormalised outputs
+};
+
+// Vector i (of nd) of a head row as fp32 lanes. bf16 rows whose vectors come in pairs are
+// widened in a permuted order: one load of 2W bf16 (W 32-bit words) gives the W even elements
+// (word << 16) and the W odd ones (word & 0xffff0000), one operation per vector instead of a
+// zero-extension and a shift. Dot products do not see the order since q is loaded alike; the
+// output is put back in order at the end (widened_index).
+template <typename E, int ND>
+constexpr bool kPaired = std::is_same_v<E, BF16> && ND > 0 && ND % 2 == 0;
+
+template <typename E, int W, int ND>
+inline typename Vec<W>::F load_vec(const typename E::raw* row, int i) {
+  using F = typename Vec<W>::F;
+  if constexpr (kPaired<E, ND>) {
+    const typename Vec<W>::I w =
+        *reinterpret_cast<const typename Vec<W>::PU*>(row + (i & ~1) * W);
+    return reinterpret_cast<F>((i & 1) ? (w & static_cast<int32_t>(0xffff0000u)) : (w << 16));
+  } else {
+    return E::template load<W>(row + i * W);
+  }
+}
+
+template <typename E, int W, int ND>
+inline int64_t widened_index(int64_t d) {  // where element d of a row sits after load_vec
+  if constexpr (kPaired<E, ND>) {
+    const int64_t r = d % (2 * W);
+    return d - r + (r & 1) * W + (r >> 1);
+  } else {
+    return d;
+  }
+}
+
+// Lines part, part + parts, ... of a row: spreads a row's prefetches over `parts` calls.
+inline void prefetch_part(const void* row, int64_t bytes, int64_t part, int64_t parts) {
+  for (int64_t off = part * 64; off < bytes; off += parts * 64)
+    __builtin_prefetch(static_cast<const char*>(row) + off);
+}
+
+struct Scratch {  // per thread, reused across items
+  std::vector<float> q, scores, acc, maxima, sums;
+};
+
+// One item, block by block (see the top of the file). The next block is prefetched: blocks sit
+// anywhere in the cache, which hardware prefetchers cannot guess. E: element format; W: lanes;
+// ND: vectors per head row (0: known only at run time).
+template <typename E, int W, int ND>
+void attend(const Problem& P, const Item& it, Scratch& s) {
+  using F = typename Vec<W>::F;
   using raw = typename E::raw;
-  const int64_t B = block_tables.size(0), H = query.size(1), D = query.size(2);
-  const int64_t BS = key_cache.size(1), Hkv = key_cache.size(2);
-  const int64_t G = H / Hkv;
-  const int64_t max_blocks = block_tables.size(1);
-  const raw* q = reinterpret_cast<const raw*>(query.data_ptr());
-  const raw* kc = reinterpret_cast<const raw*>(key_cache.data_ptr());
-  const raw* vc = reinterpret_cast<const raw*>(value_cache.data_ptr());
-  raw* o = reinterpret_cast<raw*>(out.data_ptr());
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* rows = token_indices.data_ptr<int64_t>();
-  const int64_t row = Hkv * D;        // stride between tokens inside a block
-  const int64_t block = BS * row;     // stride between blocks
-  const float fscale = static_cast<float>(scale);
+  constexpr int kMaxND = ND > 0 ? ND : static_cast<int>(kMaxHeadDim / W);
+  // Locals, not P's fields: the compiler can then keep them in registers across stores.
+  const int64_t D = P.D, G = P.G, H = P.H, Hkv = P.Hkv, BS = P.BS, row = P.row,
+                block = P.block;
+  const int64_t begin = it.begin, end = it.end, BSpad = (BS + W - 1) / W * W;
+  const int nd = ND > 0 ? ND : static_cast<int>(D / W);
+  const raw* q = static_cast<const raw*>(P.q) + P.rows[it.b] * H * D;
+  const raw* kc = static_cast<const raw*>(P.kc);
+  const raw* vc = static_cast<const raw*>(P.vc);
+  const int64_t* table = P.tables + it.b * P.max_blocks;
+  s.q.resize(H * D);
+  s.scores.resize(G * BSpad);
+  s.acc.assign(H * D, 0.f);
+  s.maxima.assign(H, -INFINITY);
+  s.sums.assign(H, 0.f);
+  float* __restrict__ qf = s.q.data();
+  float* __restrict__ scores = s.scores.data();
+  float* __restrict__ acc_all = s.acc.data();
+  float* __restrict__ maxima = s.maxima.data();
+  float* __restrict__ sums = s.sums.data();
+  for (int64_t h = 0; h < H; ++h)
+    for (int i = 0; i < nd; ++i)
+      store_f32<W>(qf + h * D + i * W, load_vec<E, W, ND>(q + h * D, i) * P.scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t j0 = begin / BS, j1 = (end + BS - 1) / BS;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t t0 = std::max(begin, j * BS), t1 = std::min(end, (j + 1) * BS), n = t1 - t0;
+    // The next block's rows, prefetched a few lines at a time alongside this block's work
+    // (spread over all G query heads' loops): a burst for the whole block would stall on the
+    // core's few miss buffers instead of overlapping with the arithmetic.
+    const int64_t next_block = j + 1 < j1 ? table[j + 1] * block : -1;
+    const int64_t row_bytes = D * static_cast<int64_t>(sizeof(raw));
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const int64_t offset = table[j] * block + (t0 - j * BS) * row + kvh * D;
+      const raw* k = kc + offset;  // row t at k + t * row
+      const raw* v = vc + offset;
+      float* acc = acc_all + kvh * G * D;
+      const raw* k_next = next_block >= 0 ? kc + next_block + kvh * D : nullptr;
+      const raw* v_next = next_block >= 0 ? vc + next_block + kvh * D : nullptr;
+      for (int64_t g = 0; g < G; ++g) {  // scores[g, t] = q_g . k_t
+        const int64_t h = kvh * G + g;
+        F qv[kMaxND];
+#pragma GCC unroll 16
+        for (int i = 0; i < nd; ++i) qv[i] = load_f32<W>(qf + h * D + i * W);
+        float* out = scores + g * BSpad;
+        int64_t t = 0;
+        if constexpr (W >= 4) {
+          for (; t + 4 <= n; t += 4) {
+            const raw* kr = k + t * row;
+            if (k_next != nullptr)
+              for (int r = 0; r < 4; ++r) prefetch_part(k_next + (t + r) * row, row_bytes, g, G);
+            F a0 = qv[0] * load_vec<E, W, ND>(kr, 0);
+            F a1 = qv[0] * load_vec<E, W, ND>(kr + row, 0);
+            F a2 = qv[0] * load_vec<E, W, ND>(kr + 2 * row, 0);
+            F a3 = qv[0] * load_vec<E, W, ND>(kr + 3 * row, 0);
+#pragma GCC unroll 16
+            for (int i = 1; i < nd; ++i) {
+              a0 += qv[i] * load_vec<E, W, ND>(kr, i);
+              a1 += qv[i] * load_vec<E, W, ND>(kr + row, i);
+              a2 += qv[i] * load_vec<E, W, ND>(kr + 2 * row, i);
+              a3 += qv[i] * load_vec<E, W, ND>(kr + 3 * row, i);
+            }
+            store_f32<4>(out + t, hsum4<W>(a0, a1, a2, a3));
+          }
+        }
+        for (; t < n; ++t) {
+          const raw* kr = k + t * row;
+          F a = qv[0] * load_vec<E, W, ND>(kr, 0);
+#pragma GCC unroll 16
+          for (int i = 1; i < nd; ++i) a += qv[i] * load_vec<E, W, ND>(kr, i);
+          out[t] = hsum<W>(a);
+        }
+        for (t = n; t < BSpad; ++t) out[t] = -INFINITY;
+        // Online softmax: rescale what came before when the max grows.
+        const float mx = std::max(maxima[h], *std::max_element(out, out + n));
+        if (mx > maxima[h]) {
+          const float c = std::exp(maxima[h] - mx);  // 0 on the first block
+          sums[h] *= c;
+          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= c;
+          maxima[h] = mx;
+        }
+        F sum = F{};
+        for (t = 0; t < BSpad; t += W) {
+          const F e = vexp<W>(load_f32<W>(out + t) - mx);
+          store_f32<W>(out + t, e);
+          if (t + W <= n) sum += e;
+        }
+        float total = hsum<W>(sum);
+        for (t = n / W * W; t < n; ++t) total += out[t];
+        sums[h] += total;
+      }
+      for (int64_t g = 0; g < G; ++g) {  // acc[g] += sum_t p[g, t] v_t
+        F a[kMaxND];
+        float* accg = acc + g * D;
+#pragma GCC unroll 16
+        for (int i = 0; i < nd; ++i) a[i] = load_f32<W>(accg + i * W);
+        const float* p = scores + g * BSpad;
+        for (int64_t t = 0; t < n; ++t) {
+          const F pt = F{} + p[t];
+          const raw* vr = v + t * row;
+          if (v_next != nullptr) prefetch_part(v_next + t * row, row_bytes, g, G);
+#pragma GCC unroll 16
+          for (int i = 0; i < nd; ++i) a[i] += pt * load_vec<E, W, ND>(vr, i);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < nd; ++i) store_f32<W>(accg + i * W, a[i]);
+      }
+    }
+  }
+
+  if (it.slot >= 0) {  // partial: maxima, sums and the accumulators, in row order
+    float* part = P.partials + it.slot * H * (D + 2);
+    std::copy(maxima, maxima + H, part);
+    std::copy(sums, sums + H, part + H);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        part[2 * H + h * D + d] = acc_all[h * D + widened_index<E, W, ND>(d)];
+    return;
+  }
+  raw* o = static_cast<raw*>(P.o) + P.rows[it.b] * H * D;
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = 1.f / sums[h];
+    for (int64_t d = 0; d < D; ++d)
+      o[h * D + d] = E::store1(acc_all[h * D + widened_index<E, W, ND>(d)] * inv);
+  }
+}
+
+// The partial results of one sequence over consecutive slots: each rescaled to the common
+// max, added, normalised.
+template <typename E>
+void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
+  const int64_t H = P.H, D = P.D, slot_size = H * (D + 2);
+  const float* parts = P.partials + first_slot * slot_size;
+  typename E::raw* o = static_cast<typename E::raw*>(P.o) + P.rows[b] * H * D;
+  std::vector<float> acc(D);
+  for (int64_t h = 0; h < H; ++h) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < num_slots; ++c) mx = std::max(mx, parts[c * slot_size + h]);
+    float sum = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < num_slots; ++c) {
+      const float* part = parts + c * slot_size;
+      const float w = std::exp(part[h] - mx);
+      sum += w * part[H + h];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * part[2 * H + h * D + d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = E::store1(acc[d] / sum);
+  }
+}
+
+template <typename E, int W, int ND>
+void run(Problem& P, const int64_t* lens, int64_t B) {
+  // Token ranges: whole sequences unless that leaves too few items to balance the threads.
+  const int64_t num_threads = at::get_num_threads();
+  int64_t total = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    total += lens[b];
+    longest = std::max(longest, lens[b]);
+  }
+  int64_t chunk = longest;  // tokens per item (a multiple of the block size when splitting)
+  if (num_threads > 1) {
+    const int64_t per_item = (total + num_threads * kItemsPerThread - 1) /
+                             (num_threads * kItemsPerThread);
+    chunk = std::max(kMinChunkTokens, per_item);
+    chunk = (chunk + P.BS - 1) / P.BS * P.BS;
+  }
+  std::vector<Item> items;
+  struct Split { int64_t b, first_slot, num_slots; };
+  std::vector<Split> splits;
+  int64_t num_slots = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = (lens[b] + chunk - 1) / chunk;
+    if (n > 1) splits.push_back({b, num_slots, n});
+    for (int64_t c = 0; c < n; ++c)
+      items.push_back({b, c * chunk, std::min(lens[b], (c + 1) * chunk), n > 1 ? num_slots++ : -1});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.end - x.begin > y.end - y.begin;
+  });
+  std::vector<float> partials(num_slots * P.H * (P.D + 2));
+  P.partials = partials.data();
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
 #if defined(__SSE__)
     // Worker threads do not inherit torch.set_flush_denormal: flush denormals here too, or the
     // tiny softmax weights of far-away tokens make every multiply ~100x slower.
     _mm_setcsr(_mm_getcsr() | 0x8040);
 #endif
-    std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, kvh = task % Hkv;
-      const int64_t len = lens[b];
-      const int64_t qrow = rows[b];
-      scores.resize(G * len);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = E::load(q[(qrow * H + kvh * G + g) * D + d]) * fscale;
-      for (int64_t t = 0; t < len; ++t) {  // scores[g, t] = q_g . k_t
-        const raw* k = kc + tables[b * max_blocks + t / BS] * block + (t % BS) * row + kvh * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kf[d] = E::load(k[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          scores[g * len + t] = s;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        const float mx = *std::max_element(sg, sg + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const raw* v = vc + tables[b * max_blocks + t / BS] * block + (t % BS) * row + kvh * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kf[d] = E::load(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * kf[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          o[(qrow * H + kvh * G + g) * D + d] = E::store(acc[g * D + d]);
-    }
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+      attend<E, W, ND>(P, items[i], scratch);
   });
+  for (const Split& sp : splits) merge<E>(P, sp.b, sp.first_slot, sp.num_slots);
 }
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor token_indices, double scale) {
+template <typename E>
+void dispatch(Problem& P, const int64_t* lens, int64_t B) {
+  if (P.D % kLanes != 0) return run<E, 1, 0>(P, lens, B);  // odd head sizes: scalar lanes
+  switch (P.D / kLanes) {
+    case 1: return run<E, kLanes, 1>(P, lens, B);
+    case 2: return run<E, kLanes, 2>(P, lens, B);
+    case 4: return run<E, kLanes, 4>(P, lens, B);
+    case 8: return run<E, kLanes, 8>(P, lens, B);
+    case 16: return run<E, kLanes, 16>(P, lens, B);
+    default: return run<E, kLanes, 0>(P, lens, B);
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                            at::Tensor token_indices, double scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "query and cache dtypes differ");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "bad out");
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim);
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads not a multiple of kv heads");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64 &&
-                  token_indices.scalar_type() == torch::kInt64, "index tensors must be int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  token_indices.scalar_type() == at::kLong, "index tensors must be int64");
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   token_indices = token_indices.contiguous();
-  if (query.scalar_type() == torch::kFloat32) {
-    decode_impl<F32>(out, query, key_cache, value_cache, block_tables, seq_lens, token_indices, scale);
-  } else if (query.scalar_type() == torch::kBFloat16) {
-    decode_impl<BF16>(out, query, key_cache, value_cache, block_tables, seq_lens, token_indices, scale);
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(seq_lens.size(0) == B && token_indices.size(0) == B, "one length and row per table");
+  Problem P{};
+  P.H = query.size(1);
+  P.Hkv = key_cache.size(2);
+  P.G = P.H / P.Hkv;
+  P.D = query.size(2);
+  P.BS = key_cache.size(1);
+  P.max_blocks = block_tables.size(1);
+  P.row = P.Hkv * P.D;
+  P.block = P.BS * P.row;
+  P.q = query.data_ptr();
+  P.kc = key_cache.data_ptr();
+  P.vc = value_cache.data_ptr();
+  P.o = out.data_ptr();
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.rows = token_indices.data_ptr<int64_t>();
+  P.scale = static_cast<float>(scale);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Every block a sequence reads must exist: a bad table would read outside the cache.
+  const int64_t num_blocks = key_cache.size(0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= P.max_blocks * P.BS, "seq_lens[", b, "] = ", lens[b],
+                " outside [1, ", P.max_blocks * P.BS, "]");
+    TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < query.size(0), "token_indices[", b, "] out of range");
+    for (int64_t j = 0; j < (lens[b] + P.BS - 1) / P.BS; ++j) {
+      const int64_t id = P.tables[b * P.max_blocks + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
+                  " outside [0, ", num_blocks, ")");
+    }
+  }
+  if (query.scalar_type() == at::kFloat) {
+    dispatch<F32>(P, lens, B);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    dispatch<BF16>(P, lens, B);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
 }
 
-// torch.set_flush_denormal only sets the calling thread's MXCSR; intra-op worker threads
-// (OpenMP) keep denormals on, and fp32 softmax/attention on them crawls. Run one tiny task on
-// every worker so each sets flush-to-zero / denormals-are-zero for good (the pool persists).
-int64_t flush_denormals_on_all_threads() {
-  const int64_t n = at::get_num_threads();
-  std::vector<int64_t> done(n, 0);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-#if defined(__SSE__)
-    _mm_setcsr(_mm_getcsr() | 0x8040);
-#endif
-    for (int64_t i = begin; i < end; ++i) done[i] = 1;
-  });
-  int64_t total = 0;
-  for (int64_t d : done) total += d;
-  return total;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("flush_denormals_on_all_threads", &flush_denormals_on_all_threads,
-        "Set FTZ/DAZ on every intra-op worker thread; returns the number of tasks run");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-table KV cache (CPU), written into out in place");
-}
+}  // namespace duet

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, store_kv
+from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import SINGLE, TensorParallel
@@ -34,12 +35,33 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), fused
+    with the residual add before it in `add_and_norm`."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = kernels_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        if kernels is not None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): HF's residual add and the next norm. On the
+        CPU kernel path x and residual are overwritten with them (no allocation)."""
+        kernels = kernels_for(x) if x.dim() == 2 else None
+        if kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale in the input dtype, as HF does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -89,8 +111,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        kernels = kernels_for(gate_up)
+        if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
+            act = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -102,10 +130,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), kv_cache, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer (or the
+        final norm) adds the two, fused with its norm. `residual` is None for the first layer."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, kv_cache, ctx)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,9 +191,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
         hidden = self._embed(input_ids)  # [T, hidden]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, kv_cache, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, kv_cache, ctx)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

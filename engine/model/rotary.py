@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from engine.kernels.cpu import kernels_for
+
 
 def rope_inv_freq(
     head_dim: int,
@@ -40,7 +42,8 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin per position; `forward` rotates q and k in place of a copy."""
+    """Precomputed cos/sin per position. On the CPU a C++ kernel rotates q and k in place (one
+    pass, no copies); elsewhere `forward` returns rotated copies."""
 
     def __init__(
         self,
@@ -69,6 +72,10 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D], positions: [T]
+        kernels = kernels_for(q)
+        if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -1,0 +1,44 @@
+// duet's CPU kernel module: the Python bindings of cpu_ops.h, plus the per-thread denormal
+// setting the kernels rely on. Compiled by engine/kernels/cpu.py on first use.
+#include <ATen/Parallel.h>
+// Bindings only: torch/extension.h would also parse the whole C++ frontend (~15 s more).
+#include <torch/python.h>
+
+#include <vector>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+#include "cpu_ops.h"
+#include "cpu_simd.h"
+
+// torch.set_flush_denormal only sets the calling thread's MXCSR; intra-op worker threads
+// (OpenMP) keep denormals on, and fp32 softmax/attention on them crawls. Run one tiny task on
+// every worker so each sets flush-to-zero / denormals-are-zero for good (the pool persists).
+int64_t flush_denormals_on_all_threads() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> done(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+#if defined(__SSE__)
+    _mm_setcsr(_mm_getcsr() | 0x8040);
+#endif
+    for (int64_t i = begin; i < end; ++i) done[i] = 1;
+  });
+  int64_t total = 0;
+  for (int64_t d : done) total += d;
+  return total;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("flush_denormals_on_all_threads", &flush_denormals_on_all_threads,
+        "Set FTZ/DAZ on every intra-op worker thread; returns the number of tasks run");
+  m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+  m.def("paged_decode_attention", &duet::paged_decode_attention,
+        "Paged decode attention over a block-table KV cache (CPU), written into out in place");
+  m.def("rms_norm", &duet::rms_norm, "HF RMSNorm of x [rows, n] into a new tensor");
+  m.def("fused_add_rms_norm", &duet::fused_add_rms_norm,
+        "residual += x (rounded to the dtype), then x = RMSNorm(residual); both in place");
+  m.def("rotary_embedding", &duet::rotary_embedding,
+        "Rotate query [T, H, D] and key [T, Hkv, D] in place (rotate-half layout)");
+  m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
+}

@@ -1,0 +1,21 @@
+// The operations of duet's CPU kernel module (bound to Python in cpu_module.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace duet {
+
+// Attention of one query token per sequence over its paged KV (paged_decode_cpu.cpp).
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                            at::Tensor token_indices, double scale);
+
+// Elementwise ops of the Llama block (elementwise_cpu.cpp), with HF's rounding points.
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos,
+                      at::Tensor sin);
+// Overwrites the gate half of gate_up and returns it (a view).
+at::Tensor silu_and_mul(at::Tensor gate_up);
+
+}  // namespace duet

@@ -1,0 +1,274 @@
+"""The C++ CPU kernels (engine/kernels/*.cpp) against torch references: paged decode attention
+at block boundaries, GQA group sizes, head sizes that take each code path, fp32 and bf16, one
+and two threads (two split long sequences and merge the parts); the elementwise ops against
+HF's formulas; bad inputs rejected. The native SIMD width runs everywhere; the AVX-512 width's
+code also runs through a separate build with DUET_SIMD_LANES=16 (GCC splits the wide vectors)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import build_cpu_kernels, kernels_for, load_cpu_kernels
+from engine.model import llama, rotary
+from engine.model.rotary import RotaryEmbedding, _rotate
+
+# Lengths around block boundaries (block sizes below are 1, 3, 4, 5, 7 and 16), plus long
+# ones that two threads split into token ranges.
+LENGTHS = [1, 2, 3, 4, 5, 15, 16, 17, 33, 64, 127, 300, 1000, 2500]
+# (query heads, kv heads, head_dim, block_size): SmolLM2; Llama-3-8B; multi-head (G = 1);
+# Qwen2-7B's G = 7; head sizes that are not a multiple of the vector width (run-time or scalar
+# lanes); one-token blocks.
+SHAPES = [
+    (9, 3, 64, 16),
+    (32, 8, 128, 16),
+    (8, 8, 16, 4),
+    (14, 2, 128, 16),
+    (6, 2, 24, 3),
+    (4, 1, 20, 5),
+    (4, 2, 256, 1),
+    (6, 3, 48, 7),
+]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_cpu_kernels()
+    if module is None:
+        pytest.fail("the C++ CPU kernels did not build (g++ and ninja are project dependencies)")
+    return module
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def reference_decode(query, key_cache, value_cache, tables, lens, scale):
+    """Per sequence: gather its KV in order, softmax attention in fp32."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape[0], num_heads, head_dim)
+    for i, length in enumerate(lens.tolist()):
+        blocks = tables[i, : -(-length // block_size)]
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+    return out
+
+
+def random_decode_batch(shape, dtype, lens, seed=0):
+    """Caches with scattered block tables, and query rows at scattered positions of a flat
+    batch that has other rows too."""
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = [-(-n // block_size) for n in lens]
+    total = sum(num_blocks) + 3
+    key_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    value_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(total, generator=g)
+    tables = torch.zeros(len(lens), max(num_blocks) + 2, dtype=torch.long)  # padded rows
+    used = 0
+    for row, n in enumerate(num_blocks):
+        tables[row, :n] = perm[used : used + n]
+        used += n
+    num_tokens = len(lens) + 3
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    rows = torch.randperm(num_tokens, generator=g)[: len(lens)]
+    return query, key_cache, value_cache, tables, torch.tensor(lens), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
+def test_decode_matches_reference(kernels, threads, shape, dtype):
+    query, key_cache, value_cache, tables, lens, rows = random_decode_batch(shape, dtype, LENGTHS)
+    scale = shape[2] ** -0.5
+    out = torch.full_like(query, 7.0)
+    kernels.paged_decode_attention(out, query, key_cache, value_cache, tables, lens, rows, scale)
+    ref = reference_decode(query[rows], key_cache, value_cache, tables, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out[rows].float(), ref, atol=tol, rtol=tol)
+    others = torch.ones(query.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert bool((out[others] == 7.0).all())  # rows that are not decodes stay untouched
+
+
+def test_long_sequence_split_across_threads_matches_one_thread(kernels):
+    """One 3000-token sequence: two threads split it into token ranges and merge the parts."""
+    query, key_cache, value_cache, tables, lens, rows = random_decode_batch(
+        (9, 3, 64, 16), torch.float32, [3000], seed=1
+    )
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = torch.zeros_like(query)
+            kernels.paged_decode_attention(
+                out, query, key_cache, value_cache, tables, lens, rows, 0.125
+            )
+            outs.append(out[rows])
+    finally:
+        torch.set_num_threads(before)
+    ref = reference_decode(query[rows], key_cache, value_cache, tables, lens, 0.125)
+    torch.testing.assert_close(outs[1], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t, lens, r: t.__setitem__((0, 0), 10_000), "block_tables[0, 0] = 10000"),
+        (lambda t, lens, r: t.__setitem__((1, 0), -1), "block_tables[1, 0] = -1"),
+        (lambda t, lens, r: lens.__setitem__(0, 0), "seq_lens[0] = 0"),
+        (lambda t, lens, r: lens.__setitem__(1, 10_000), "seq_lens[1] = 10000"),
+        (lambda t, lens, r: r.__setitem__(0, 99), "token_indices[0] out of range"),
+    ],
+    ids=["block-past-cache", "negative-block", "empty-sequence", "past-table", "bad-row"],
+)
+def test_decode_rejects_bad_indices(kernels, change, message):
+    query, key_cache, value_cache, tables, lens, rows = random_decode_batch(
+        (4, 2, 16, 4), torch.float32, [5, 9]
+    )
+    change(tables, lens, rows)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        kernels.paged_decode_attention(
+            torch.empty_like(query), query, key_cache, value_cache, tables, lens, rows, 0.25
+        )
+
+
+def test_decode_rejects_mixed_dtypes(kernels):
+    query, key_cache, value_cache, tables, lens, rows = random_decode_batch(
+        (4, 2, 16, 4), torch.float32, [5]
+    )
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        kernels.paged_decode_attention(
+            torch.empty_like(query),
+            query,
+            key_cache,
+            value_cache.bfloat16(),
+            tables,
+            lens,
+            rows,
+            0.25,
+        )
+
+
+def hf_rms_norm(x, weight, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def close(dtype):
+    # fp32: a few ulp (summation order, fused multiply-adds); bf16: torch's default (1 ulp).
+    return {"atol": 2e-6, "rtol": 2e-6} if dtype == torch.float32 else {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [576, 37])
+def test_rms_norm_and_fused_residual_add_match_hf(kernels, threads, dtype, width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(70, width, generator=g).to(dtype)
+    residual = torch.randn(70, width, generator=g).to(dtype)
+    weight = (torch.rand(width, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **close(dtype)
+    )
+    summed = residual + x
+    kernels.fused_add_rms_norm(x, residual, weight, 1e-6)  # both in place
+    assert torch.equal(residual, summed)  # the same rounded add as torch's
+    torch.testing.assert_close(x, hf_rms_norm(summed, weight, 1e-6), **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 20])
+def test_rotary_in_place_matches_torch_path(kernels, threads, dtype, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
+    qkv = torch.randn(41, 14 * head_dim, generator=g).to(dtype)  # q: 9 heads, k and v: 3 + 2
+    q = qkv[:, : 9 * head_dim].view(41, 9, head_dim)
+    k = qkv[:, 9 * head_dim : 12 * head_dim].view(41, 3, head_dim)
+    rest = qkv[:, 12 * head_dim :].clone()
+    positions = torch.randint(0, 4096, (41,), generator=g)
+    cos, sin = rotary.cos[positions].unsqueeze(1), rotary.sin[positions].unsqueeze(1)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    kernels.rotary_embedding(positions, q, k, rotary.cos, rotary.sin)
+    torch.testing.assert_close(q, want_q, **close(dtype))
+    torch.testing.assert_close(k, want_k, **close(dtype))
+    assert torch.equal(qkv[:, 12 * head_dim :], rest)
+
+
+def test_rotary_rejects_positions_past_the_table(kernels):
+    rotary = RotaryEmbedding(16, 32, 10000.0)
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    with pytest.raises(RuntimeError, match=r"positions\[1\] = 32 outside \[0, 32\)"):
+        kernels.rotary_embedding(torch.tensor([0, 32]), q, k, rotary.cos, rotary.sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width", [1536, 37])
+def test_silu_and_mul_matches_torch(kernels, threads, dtype, width):
+    g = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(33, 2 * width, generator=g) * 4).to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
+    want = F.silu(gate) * up
+    out = kernels.silu_and_mul(gate_up)
+    assert out.data_ptr() == gate_up.data_ptr() and out.shape == (33, width)  # over the gate
+    torch.testing.assert_close(out, want, **close(dtype))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_torch_fallbacks_match_kernels(kernels, tiny_model_factory, monkeypatch, arch):
+    """The same model with every kernel (attention, norms fused with residual adds, rotary,
+    SiLU) and with none (their torch paths): identical greedy tokens, logprobs within 1e-4."""
+    model_dir = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 40, 130)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    assert kernels_for(torch.zeros(1)) is kernels
+    fast = LLM(model_dir, dtype="float32", load_progress=False).generate(prompts, params)
+    monkeypatch.setattr(llama, "kernels_for", lambda x: None)
+    monkeypatch.setattr(rotary, "kernels_for", lambda x: None)
+    llm = LLM(model_dir, dtype="float32", attention_backend="torch", load_progress=False)
+    slow = llm.generate(prompts, params)
+    for a, b in zip(fast, slow, strict=True):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.sampled.logprob - y.sampled.logprob) < 1e-4
+
+
+@pytest.mark.slow
+def test_avx512_width_code_matches_reference(kernels):
+    """The 16-lane build (AVX-512's width) on any CPU: decode and elementwise ops."""
+    if kernels.simd_lanes() == 16:
+        pytest.skip("the native build already has 16 lanes")
+    wide = build_cpu_kernels(("DUET_SIMD_LANES=16",))
+    assert wide.simd_lanes() == 16
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in [(9, 3, 64, 16), (14, 2, 128, 16), (6, 2, 24, 3), (4, 1, 32, 5)]:
+            query, kc, vc, tables, lens, rows = random_decode_batch(shape, dtype, LENGTHS)
+            out = torch.zeros_like(query)
+            wide.paged_decode_attention(out, query, kc, vc, tables, lens, rows, 0.1)
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            ref = reference_decode(query[rows], kc, vc, tables, lens, 0.1)
+            torch.testing.assert_close(out[rows].float(), ref, atol=tol, rtol=tol)
+        x = torch.randn(9, 576).to(dtype)
+        weight = torch.rand(576).to(dtype) + 0.5
+        torch.testing.assert_close(
+            wide.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), **close(dtype)
+        )
+        gate_up = torch.randn(5, 3072).to(dtype)
+        gate, up = gate_up.split(1536, dim=-1)
+        want = F.silu(gate) * up
+        torch.testing.assert_close(wide.silu_and_mul(gate_up), want, **close(dtype))
