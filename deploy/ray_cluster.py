@@ -69,7 +69,7 @@ class ClusterSpec:
         if self.prefill_tp < 1:
             raise ValueError(f"--prefill-tp: must be >= 1; got {self.prefill_tp}")
         if self.routers < 1:
-            raise ValueError(f"--routers: must be >= 1; got {self.routers}")
+            raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
 
     def worker_config(self, role: str) -> dict[str, Any]:
         config = {"model": self.model, "load_progress": False, **self.engine}

@@ -41,7 +41,10 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-workers", type=_count_or_auto, default=1, metavar="M|auto",
         help="decode workers; auto: one per unit of the 'decode' resource (default: 1)",
     )  # fmt: skip
-    g.add_argument("--routers", type=int, default=1, help="router actors (share the ports)")
+    g.add_argument(
+        "--router-replicas", dest="routers", type=int, default=1, metavar="N",
+        help="router actors, each serving REST and gRPC (they share the ports)",
+    )
     g.add_argument(
         "--ray-address", default=None, metavar="ADDR",
         help="join this Ray cluster (e.g. 127.0.0.1:6379 or auto) instead of starting one "
@@ -72,8 +75,15 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
     """The ClusterSpec of the flags; `ValueError` names a bad flag."""
     from deploy.ray_cluster import ClusterSpec
+    from prefill_worker.config import PrefillWorkerConfig
     from router.cluster_engine import ClusterConfig
 
+    lease_s = PrefillWorkerConfig().kv_lease_s
+    if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
+        raise ValueError(
+            f"--kv-wait: must exceed the prefill workers' hold lease ({lease_s} s); "
+            f"got {args.kv_wait}"
+        )
     max_num_seqs = engine.get("max_num_seqs") or 128
     cluster = ClusterConfig(
         local_prefill_threshold=args.local_prefill_threshold,

@@ -75,7 +75,7 @@ class ClusterConfig:
             )
         if not self.request_timeout_s > self.kv_wait_s > 0:
             raise ValueError(
-                f"--request-timeout-s ({self.request_timeout_s}) must exceed the KV wait "
+                f"--request-timeout ({self.request_timeout_s}) must exceed --kv-wait "
                 f"({self.kv_wait_s}), which must be > 0"
             )
         if self.max_attempts < 1:

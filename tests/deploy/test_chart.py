@@ -173,6 +173,22 @@ def test_head_runs_ray_head_then_duet_serve(prod):
     )
 
 
+@pytest.mark.parametrize("values", ["default", "prod"])
+def test_head_args_parse_with_duets_own_cli(values, request):
+    """The chart's `duet serve` flags are ones the CLI has (a renamed flag fails here, not in
+    a crash-looping pod)."""
+    from deploy.cli import build_parser
+
+    rendered: Rendered = request.getfixturevalue(values)
+    args = container(rendered.get("Deployment", "duet-head")["spec"]["template"]["spec"], "head")[
+        "args"
+    ]
+    assert args[0] == "duet"
+    parsed = build_parser().parse_args(args[1:])
+    assert parsed.disaggregated is True
+    assert parsed.routers == (3 if values == "prod" else 1)
+
+
 def test_default_head_uses_the_bundled_redis_and_embedded_model(default):
     c = container(default.pod_specs()["duet-head"], "head")
     assert "--session-store=redis://duet-redis:6379/0" in c["args"]

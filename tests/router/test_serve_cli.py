@@ -52,6 +52,10 @@ def test_serve_flags_parse() -> None:
         (["serve", "--session-store", "mysql://db/x"], "--session-store"),
         (["serve", "--rate-limit-rpm", "0"], "--rate-limit-rpm"),
         (["serve", "--rate-limit-tpm", "nan"], "--rate-limit-tpm"),
+        (["serve", "--disaggregated", "--kv-wait", "30"], "--kv-wait"),
+        (["serve", "--disaggregated", "--request-timeout", "60"], "--request-timeout"),
+        (["serve", "--disaggregated", "--router-replicas", "0"], "--router-replicas"),
+        (["serve", "--disaggregated", "--prefill-tp", "0"], "--prefill-tp"),
     ],
 )
 def test_bad_serve_flags_fail_before_loading(
