@@ -8,7 +8,7 @@ sequences as it asks the engine for (`n` per prompt).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.errors import OverloadedError
 
@@ -30,15 +30,26 @@ class AdmissionTicket:
 class AdmissionController:
     """Counts sequences inside the router. Only the event loop's thread may call it."""
 
-    def __init__(self, max_running: int, max_queued: int, retry_after_s: int = 1) -> None:
-        if max_running < 1:
-            raise ValueError(f"max_running: must be >= 1; got {max_running}")
+    def __init__(
+        self, max_running: int | Callable[[], int], max_queued: int, retry_after_s: int = 1
+    ) -> None:
+        """`max_running`: a number, or a function read at each admission (a cluster's capacity
+        follows its decode pool)."""
+        if isinstance(max_running, int):
+            if max_running < 1:
+                raise ValueError(f"max_running: must be >= 1; got {max_running}")
+            fixed = max_running
+            max_running = lambda: fixed  # noqa: E731
         if max_queued < 0:
             raise ValueError(f"max_queued_requests: must be >= 0; got {max_queued}")
-        self.max_running = max_running
+        self._max_running = max_running
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
         self.num_in_flight = 0
+
+    @property
+    def max_running(self) -> int:
+        return max(1, self._max_running())
 
     @property
     def capacity(self) -> int:

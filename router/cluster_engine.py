@@ -124,6 +124,11 @@ class ClusterEngine:
 
     @property
     def max_num_seqs(self) -> int:
+        """Sequences the healthy decode workers run at once (from their load reports); the
+        configured estimate until the first reports."""
+        reported = sum(d.max_num_seqs for d in self.pool.healthy_decode())
+        if reported:
+            return reported
         return self.config.max_num_seqs_per_decode_worker * max(1, self.config.num_decode_workers)
 
     @property

@@ -37,7 +37,7 @@ class ServingContext:
         self.rate_limiter = rate_limiter
         self.model_name = served_model_name
         self.created = int(time.time())
-        self.admission = AdmissionController(engine.max_num_seqs, max_queued_requests)
+        self.admission = AdmissionController(lambda: engine.max_num_seqs, max_queued_requests)
         self.metrics = ServingMetrics(engine, served_model_name)
         self.token_texts = TokenTexts(engine.tokenizer)
 

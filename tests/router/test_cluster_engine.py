@@ -231,3 +231,29 @@ def test_no_decode_worker_fails_fast_retryable(model):
             return loop.time() - start
 
     assert asyncio.run(main()) < 1.0
+
+
+def test_admission_capacity_follows_the_decode_pool(model):
+    """The router admits as many sequences as the healthy decode workers run (their reports),
+    so a pool that grows or shrinks moves the 503 threshold with it."""
+
+    async def main():
+        async with Cluster(model, num_decode=2) as c:
+            for _ in range(100):
+                if len(c.engine.pool.healthy_decode()) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            per_worker = [w.config.max_num_seqs for w in c.decode]
+            both = c.engine.max_num_seqs
+            gone = c.decode[1]
+            await c.servers[gone.name].stop(0)
+            gone.shutdown()
+            for _ in range(100):
+                if len(c.engine.pool.healthy_decode()) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            return per_worker, both, c.engine.max_num_seqs
+
+    per_worker, both, one = asyncio.run(main())
+    assert both == sum(per_worker)
+    assert one == per_worker[0]
