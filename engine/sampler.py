@@ -41,7 +41,9 @@ class Sampler:
 
         greedy = [r.sampling_params.greedy for r in requests]
         token_ids = torch.empty(len(requests), dtype=torch.long)
-        if any(greedy):
+        if all(greedy):  # the common batch: no row gather (a copy of [N, vocab] fp32)
+            token_ids = logits.argmax(dim=-1).cpu()
+        elif any(greedy):
             rows = torch.tensor([i for i, g in enumerate(greedy) if g])
             token_ids[rows] = logits[rows].argmax(dim=-1).cpu()
         if not all(greedy):
