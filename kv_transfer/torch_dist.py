@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _ACCEPT_QUEUE = "duet/kv/accept"
 _IDLE_POP_S = 300.0  # a receiver thread's blocking wait for the next channel or transfer
 
-CHUNK_MIN_BYTES = 4 << 20
+CHUNK_MIN_BYTES = 2 << 20
 """A transfer goes as chunks of whole layers of at least this size (one chunk when smaller):
 smaller chunks overlap gather, wire and scatter more, but each costs a message."""
 
