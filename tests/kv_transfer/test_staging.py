@@ -41,8 +41,10 @@ def test_layer_chunks_hold_whole_layers_of_at_least_the_minimum():
     assert layer_chunks(30, CHUNK_MIN_BYTES) == [(i, i + 1) for i in range(30)]
     assert layer_chunks(30, CHUNK_MIN_BYTES * 2) == [(i, i + 1) for i in range(30)]
     assert layer_chunks(30, 24_576) == [(0, 30)]  # one small transfer: one message
-    per = -(-CHUNK_MIN_BYTES // 393_216)  # 11 layers of 384 KiB make 4 MiB
-    assert layer_chunks(30, 393_216) == [(0, per), (per, 2 * per), (2 * per, 30)]
+    per = -(-CHUNK_MIN_BYTES // 393_216)  # layers of 384 KiB per chunk (6 at 2 MiB)
+    assert per * 393_216 >= CHUNK_MIN_BYTES > (per - 1) * 393_216
+    assert layer_chunks(30, 393_216) == [(i, min(i + per, 30)) for i in range(0, 30, per)]
+    assert layer_chunks(32, 2 << 20) == [(i, i + 1) for i in range(32)]
 
 
 def _inbox():
