@@ -23,6 +23,7 @@ serve: $(STAMP)
 
 test: $(STAMP) redis-server
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from engine import SamplingParams
     from router.server import RouterConfig
 
 
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
 
 
-def _sampling(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _sampling(args: argparse.Namespace) -> SamplingParams:
     from engine import SamplingParams
 
     return SamplingParams(

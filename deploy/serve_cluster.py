@@ -42,7 +42,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="decode workers; auto: one per unit of the 'decode' resource (default: 1)",
     )  # fmt: skip
     g.add_argument(
-        "--router-replicas", dest="routers", type=int, default=1, metavar="N",
+        "--router-replicas",
+        dest="routers",
+        type=int,
+        default=1,
+        metavar="N",
         help="router actors, each serving REST and gRPC (they share the ports)",
     )
     g.add_argument(

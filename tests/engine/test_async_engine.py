@@ -11,7 +11,9 @@ from engine import LLM, AsyncEngine, EngineConfig, InvalidInputError, SamplingPa
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    eng = AsyncEngine.from_config(EngineConfig(model=tiny_llama, dtype="float32", load_progress=False))
+    eng = AsyncEngine.from_config(
+        EngineConfig(model=tiny_llama, dtype="float32", load_progress=False)
+    )
     yield eng
     eng.shutdown()
 
@@ -71,7 +73,9 @@ def test_bad_input_raises_before_queueing(engine):
 def test_requests_after_shutdown_fail_fast(tiny_llama):
     from engine.async_engine import EngineDeadError
 
-    eng = AsyncEngine.from_config(EngineConfig(model=tiny_llama, dtype="float32", load_progress=False))
+    eng = AsyncEngine.from_config(
+        EngineConfig(model=tiny_llama, dtype="float32", load_progress=False)
+    )
     eng.shutdown()
     assert not eng.is_running
 

@@ -55,7 +55,9 @@ def test_greedy_matches_hf_on_gguf_weights(llm, hf_model):
         # Teacher forcing: one HF forward over prompt + our tokens. Our greedy sequence equals
         # HF's iff each of our tokens is HF's argmax given everything before it.
         with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+            logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[
+                0, len(prompt) - 1 : -1
+            ]
         assert out.token_ids == logits.argmax(dim=-1).tolist()
         ref = torch.log_softmax(logits.float(), dim=-1)
         for step, lp in enumerate(out.logprobs):

@@ -15,7 +15,10 @@ def llm(tiny_llama):
 
 def prompts(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (int(k),), generator=g).tolist() for k in torch.randint(4, 60, (n,), generator=g)]
+    return [
+        torch.randint(3, 512, (int(k),), generator=g).tolist()
+        for k in torch.randint(4, 60, (n,), generator=g)
+    ]
 
 
 def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
@@ -25,10 +28,14 @@ def test_seeded_sampling_reproducible_alone_and_in_batch(llm):
     again = llm.generate([target], params)[0].token_ids
     others = prompts(7, seed=5)
     unseeded = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
-    batch = llm.generate([*others[:3], target, *others[3:]], [unseeded] * 3 + [params] + [unseeded] * 4)
+    batch = llm.generate(
+        [*others[:3], target, *others[3:]], [unseeded] * 3 + [params] + [unseeded] * 4
+    )
     assert alone == again
     assert batch[3].token_ids == alone
-    different_seed = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    different_seed = SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True
+    )
     assert llm.generate([target], different_seed)[0].token_ids != alone
 
 
@@ -42,7 +49,9 @@ def test_greedy_ignores_seed(llm):
 def test_top_k_one_is_greedy(llm):
     p = prompts(1, seed=4)[0]
     greedy = llm.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    topk1 = llm.generate([p], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=0, ignore_eos=True))[0]
+    topk1 = llm.generate(
+        [p], SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=0, ignore_eos=True)
+    )[0]
     assert topk1.token_ids == greedy.token_ids
 
 
@@ -52,7 +61,9 @@ def test_stop_string_is_cut_from_output(llm):
     assert len(free.text) > 6
     stop = free.text[4:7]  # a piece of what greedy decoding produces
     first = free.text.find(stop)
-    out = llm.generate([p], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop
     assert out.text == free.text[:first]
@@ -64,7 +75,9 @@ def test_stop_token_ids(llm):
     free = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
     stop_id = free.token_ids[5]
     k = free.token_ids.index(stop_id)
-    out = llm.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    out = llm.generate(
+        [p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    )[0]
     assert out.token_ids == free.token_ids[: k + 1]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
 
@@ -73,7 +86,9 @@ def test_eos_stops_unless_ignored(tiny_model_factory):
     # A model whose EOS is the token greedy decoding emits third.
     base = LLM(tiny_model_factory("llama"), dtype="float32", load_progress=False)
     p = prompts(1, seed=8)[0]
-    free = base.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    free = base.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[
+        0
+    ].token_ids
     eos = free[2]
     k = free.index(eos)
     model = tiny_model_factory("llama", eos_token_id=eos)
@@ -88,11 +103,15 @@ def test_eos_stops_unless_ignored(tiny_model_factory):
 
 def test_n_samples(llm):
     p = prompts(1, seed=9)[0]
-    out = llm.generate([p], SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    out = llm.generate(
+        [p], SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 16 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3
-    again = llm.generate([p], SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))[0]
+    again = llm.generate(
+        [p], SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    )[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
     greedy = llm.generate([p], SamplingParams(n=2, max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
@@ -100,12 +119,19 @@ def test_n_samples(llm):
 
 def test_penalties_change_logits_as_specified(llm):
     p = prompts(1, seed=10)[0]
-    base = llm.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
+    base = llm.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[
+        0
+    ].token_ids
     # A strong presence penalty forbids repeating any generated token while fresh ones remain.
-    pen = llm.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=2.0))[0]
+    pen = llm.generate(
+        [p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=2.0)
+    )[0]
     if len(set(base)) < len(base):
         assert pen.token_ids != base
-    rep = llm.generate([p], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1000.0))[0]
+    rep = llm.generate(
+        [p],
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, repetition_penalty=1000.0),
+    )[0]
     assert not set(rep.token_ids[:-1]) & set(p)  # prompt tokens are pushed far down
     assert len(set(rep.token_ids)) == len(rep.token_ids)
 

@@ -41,7 +41,11 @@ def test_unknown_config_key():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [(dict(dtype="int8"), "dtype"), (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs")],
+    [
+        (dict(dtype="int8"), "dtype"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+    ],
 )
 def test_bad_config_values(kwargs, field):
     with pytest.raises(InvalidInputError) as info:
