@@ -142,6 +142,8 @@ def load_model(
     loaded = net.load_weights(weights)
     _check_complete(net, loaded)
     net.eval()
+    if device.type == "cpu" and os.environ.get("DUET_CPU_KERNELS", "1") != "0":
+        net.pack_for_cpu()  # bf16 only; DUET_CPU_KERNELS=0 keeps every plain torch path
     return LoadedModel(net, arch, source.tokenizer, name)
 
 

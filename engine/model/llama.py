@@ -20,6 +20,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, store_kv
 from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
+from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.model.rotary import RotaryEmbedding
 from engine.parallel import SINGLE, TensorParallel
 
@@ -174,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
         )
         self.workspace = GatherWorkspace()
+        self.tied_head: nn.Module | None = None  # set by pack_for_cpu
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -208,8 +210,22 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.tp.all_gather_last_dim(F.linear(hidden, weight).float())  # [N, vocab]
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        return self.tp.all_gather_last_dim(logits.float())  # [N, vocab]
+
+    def pack_for_cpu(self) -> int:
+        """Reorder bf16 projection weights once into oneDNN's layout (engine/model/
+        packed_linear.py); a tied LM head gets a packed copy. Returns the layers packed."""
+        count = pack_linears(self)
+        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+            self.tied_head = PackedLinear.from_weight(self.embed_tokens.weight)
+            count += 1
+        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (this rank's shard of each) into the fused parameters.

@@ -1,0 +1,72 @@
+"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU, bf16).
+
+torch's eager `F.linear` on a bf16 CPU tensor hands oneDNN a plain row-major weight, which
+oneDNN reorders into its blocked layout (for AMX / AVX512-BF16 tiles) on every call. Doing that
+once at load time makes a decode step's projections 1.5-2x faster (batches of 1-128 rows,
+SmolLM2's shapes, 2 threads on AVX512-BF16 + AMX) with bit-identical results; at 2048 rows the
+two are within 5%. The packed weight replaces the plain one, so memory does not grow, except
+for a tied LM head (the embedding keeps the plain table).
+
+fp32 is left alone: there the packed path is slower for single rows and only 1.1-1.4x faster
+for batches.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `weight` (a CPU bf16 [out, in] matrix) can take the packed path here."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W.T (+ b)` with W held in oneDNN's layout. Build with `from_weight`."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        return cls(packed, None if bias is None else bias.detach(), weight.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every packable `nn.Linear` under `model` by a `PackedLinear`; returns how many.
+    Any failure leaves the remaining layers as they are (the plain path computes the same)."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or not can_pack(child.weight):
+                continue
+            try:
+                packed = PackedLinear.from_weight(child.weight, child.bias)
+            except RuntimeError as e:  # an unusual build of torch: keep the plain layers
+                logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
+                return count
+            setattr(parent, name, packed)
+            count += 1
+    return count
