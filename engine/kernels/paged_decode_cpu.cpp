@@ -98,6 +98,75 @@ struct Scratch {  // per thread, reused across items
   std::vector<float> q, scores, acc, maxima, sums;
 };
 
+// The value half of a block for a KV head: acc[g] += sum_t p[g, t] v_t for its G query
+// heads. The heads go C at a time so that each value row is widened to fp32 once per C heads
+// (not once per head), with C x ND accumulators held in registers.
+template <typename E, int W>
+struct PV {
+  const float* scores;  // [G, BSpad]: softmax numerators of the block
+  int64_t BSpad;
+  const typename E::raw* v;  // row t at v + t * row
+  int64_t row, n, D;
+  const typename E::raw* v_next;  // the next block's rows to prefetch, or nullptr
+  int64_t row_bytes;
+};
+
+// Accumulator vectors the head chunks may keep in registers (32 vector registers with
+// AVX-512, 16 below it; the rest hold the widened value row).
+template <int W>
+constexpr int kAccRegs = W >= 16 ? 24 : 12;
+
+template <typename E, int W, int ND, int C>
+inline void pv_heads(const PV<E, W>& P, float* acc, int64_t g0, int64_t part, int64_t parts) {
+  using F = typename Vec<W>::F;
+  F a[C][ND];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+    for (int i = 0; i < ND; ++i) a[c][i] = load_f32<W>(acc + (g0 + c) * P.D + i * W);
+  const float* p = P.scores + g0 * P.BSpad;
+  for (int64_t t = 0; t < P.n; ++t) {
+    const typename E::raw* vr = P.v + t * P.row;
+    if (P.v_next != nullptr) prefetch_part(P.v_next + t * P.row, P.row_bytes, part, parts);
+    F vv[ND];
+#pragma GCC unroll 16
+    for (int i = 0; i < ND; ++i) vv[i] = load_vec<E, W, ND>(vr, i);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const F pt = F{} + p[c * P.BSpad + t];
+#pragma GCC unroll 16
+      for (int i = 0; i < ND; ++i) a[c][i] += pt * vv[i];
+    }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 16
+    for (int i = 0; i < ND; ++i) store_f32<W>(acc + (g0 + c) * P.D + i * W, a[c][i]);
+}
+
+template <typename E, int W, int ND, int C>
+inline void pv_tail(const PV<E, W>& P, float* acc, int64_t g0, int64_t rem, int64_t part,
+                    int64_t parts) {  // the last `rem` (< C + 1) heads, rem known at run time
+  if constexpr (C > 0) {
+    if (rem == C) return pv_heads<E, W, ND, C>(P, acc, g0, part, parts);
+    pv_tail<E, W, ND, C - 1>(P, acc, g0, rem, part, parts);
+  }
+}
+
+template <typename E, int W, int ND>
+inline void pv_group(const PV<E, W>& P, float* acc, int64_t G) {
+  constexpr int C = std::min(8, std::max(1, kAccRegs<W> / ND));
+  const int64_t parts = (G + C - 1) / C;
+  int64_t g0 = 0, part = 0;
+  for (; g0 + C <= G; g0 += C, ++part) pv_heads<E, W, ND, C>(P, acc, g0, part, parts);
+  pv_tail<E, W, ND, C - 1>(P, acc, g0, G - g0, part, parts);
+}
+
+// Whether the score loop widens four keys once for all of a KV head's query heads (4 x ND
+// vectors must fit in registers beside the accumulators).
+template <int W, int ND>
+constexpr bool kSharedKeys = W >= 4 && ND > 0 && 4 * ND <= kAccRegs<W> - 8;
+
 // One item, block by block (see the top of the file). The next block is prefetched: blocks sit
 // anywhere in the cache, which hardware prefetchers cannot guess. E: element format; W: lanes;
 // ND: vectors per head row (0: known only at run time).
@@ -144,14 +213,44 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
       float* acc = acc_all + kvh * G * D;
       const raw* k_next = next_block >= 0 ? kc + next_block + kvh * D : nullptr;
       const raw* v_next = next_block >= 0 ? vc + next_block + kvh * D : nullptr;
+      // Keys four at a time, each widened once for all G heads (short rows: they fit in
+      // registers); the per-head loop below then does the rest.
+      int64_t quads_done = 0;
+      if constexpr (kSharedKeys<W, ND>) {
+        for (; quads_done + 4 <= n; quads_done += 4) {
+          const raw* kr = k + quads_done * row;
+          if (k_next != nullptr)
+            for (int r = 0; r < 4; ++r)
+              prefetch_part(k_next + (quads_done + r) * row, row_bytes, 0, 1);
+          F kv[4][ND];
+#pragma GCC unroll 16
+          for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
+            for (int i = 0; i < ND; ++i) kv[r][i] = load_vec<E, W, ND>(kr + r * row, i);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qh = qf + (kvh * G + g) * D;
+            const F q0 = load_f32<W>(qh);
+            F a0 = q0 * kv[0][0], a1 = q0 * kv[1][0], a2 = q0 * kv[2][0], a3 = q0 * kv[3][0];
+#pragma GCC unroll 16
+            for (int i = 1; i < ND; ++i) {
+              const F qi = load_f32<W>(qh + i * W);
+              a0 += qi * kv[0][i];
+              a1 += qi * kv[1][i];
+              a2 += qi * kv[2][i];
+              a3 += qi * kv[3][i];
+            }
+            store_f32<4>(scores + g * BSpad + quads_done, hsum4<W>(a0, a1, a2, a3));
+          }
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {  // scores[g, t] = q_g . k_t
         const int64_t h = kvh * G + g;
         F qv[kMaxND];
 #pragma GCC unroll 16
         for (int i = 0; i < nd; ++i) qv[i] = load_f32<W>(qf + h * D + i * W);
         float* out = scores + g * BSpad;
-        int64_t t = 0;
-        if constexpr (W >= 4) {
+        int64_t t = quads_done;
+        if constexpr (W >= 4 && !kSharedKeys<W, ND>) {
           for (; t + 4 <= n; t += 4) {
             const raw* kr = k + t * row;
             if (k_next != nullptr)
@@ -196,21 +295,26 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
         for (t = n / W * W; t < n; ++t) total += out[t];
         sums[h] += total;
       }
-      for (int64_t g = 0; g < G; ++g) {  // acc[g] += sum_t p[g, t] v_t
-        F a[kMaxND];
-        float* accg = acc + g * D;
+      if constexpr (ND > 0) {  // acc[g] += sum_t p[g, t] v_t, each v_t widened once
+        const PV<E, W> pv{scores, BSpad, v, row, n, D, v_next, row_bytes};
+        pv_group<E, W, ND>(pv, acc, G);
+      } else {
+        for (int64_t g = 0; g < G; ++g) {  // acc[g] += sum_t p[g, t] v_t
+          F a[kMaxND];
+          float* accg = acc + g * D;
 #pragma GCC unroll 16
-        for (int i = 0; i < nd; ++i) a[i] = load_f32<W>(accg + i * W);
-        const float* p = scores + g * BSpad;
-        for (int64_t t = 0; t < n; ++t) {
-          const F pt = F{} + p[t];
-          const raw* vr = v + t * row;
-          if (v_next != nullptr) prefetch_part(v_next + t * row, row_bytes, g, G);
+          for (int i = 0; i < nd; ++i) a[i] = load_f32<W>(accg + i * W);
+          const float* p = scores + g * BSpad;
+          for (int64_t t = 0; t < n; ++t) {
+            const F pt = F{} + p[t];
+            const raw* vr = v + t * row;
+            if (v_next != nullptr) prefetch_part(v_next + t * row, row_bytes, g, G);
 #pragma GCC unroll 16
-          for (int i = 0; i < nd; ++i) a[i] += pt * load_vec<E, W, ND>(vr, i);
+            for (int i = 0; i < nd; ++i) a[i] += pt * load_vec<E, W, ND>(vr, i);
+          }
+#pragma GCC unroll 16
+          for (int i = 0; i < nd; ++i) store_f32<W>(accg + i * W, a[i]);
         }
-#pragma GCC unroll 16
-        for (int i = 0; i < nd; ++i) store_f32<W>(accg + i * W, a[i]);
       }
     }
   }

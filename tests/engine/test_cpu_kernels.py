@@ -1,8 +1,8 @@
 """The C++ CPU kernels (engine/kernels/*.cpp) against torch references: paged decode attention
 at block boundaries, GQA group sizes, head sizes that take each code path, fp32 and bf16, one
 and two threads (two split long sequences and merge the parts); the elementwise ops against
-HF's formulas; bad inputs rejected. The native SIMD width runs everywhere; the AVX-512 width's
-code also runs through a separate build with DUET_SIMD_LANES=16 (GCC splits the wide vectors)."""
+HF's formulas; bad inputs rejected. The native SIMD width runs everywhere; the other widths'
+code (16, 8, 4 lanes) also runs through separate builds with DUET_SIMD_LANES."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ SHAPES = [
     (4, 1, 20, 5),
     (4, 2, 256, 1),
     (6, 3, 48, 7),
+    (14, 2, 64, 16),  # G = 7: value rows shared by chunks of heads, plus a remainder chunk
+    (6, 2, 8, 4),  # one-vector rows at 8 lanes: keys shared by all heads there too
 ]
 
 
@@ -249,14 +251,19 @@ def test_model_torch_fallbacks_match_kernels(kernels, tiny_model_factory, monkey
 
 
 @pytest.mark.slow
-def test_avx512_width_code_matches_reference(kernels):
-    """The 16-lane build (AVX-512's width) on any CPU: decode and elementwise ops."""
-    if kernels.simd_lanes() == 16:
-        pytest.skip("the native build already has 16 lanes")
-    wide = build_cpu_kernels(("DUET_SIMD_LANES=16",))
-    assert wide.simd_lanes() == 16
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_other_simd_widths_match_reference(kernels, lanes):
+    """Builds of the other vector widths (16: AVX-512, 8: AVX2, 4: SSE/NEON) on any CPU (GCC
+    splits or pads the vectors): decode and elementwise ops, so every width's code paths run
+    in CI whatever CPU it has."""
+    if kernels.simd_lanes() == lanes:
+        pytest.skip(f"the native build has {lanes} lanes: the other tests run it")
+    wide = build_cpu_kernels((f"DUET_SIMD_LANES={lanes}",))
+    assert wide.simd_lanes() == lanes
+    shapes = [(9, 3, 64, 16), (14, 2, 128, 16), (14, 2, 64, 16), (6, 2, 24, 3), (4, 1, 32, 5)]
+    shapes += [(6, 2, 8, 4), (6, 3, 4, 2)]  # rows of one vector at 8 and at 4 lanes
     for dtype in (torch.float32, torch.bfloat16):
-        for shape in [(9, 3, 64, 16), (14, 2, 128, 16), (6, 2, 24, 3), (4, 1, 32, 5)]:
+        for shape in shapes:
             query, kc, vc, tables, lens, rows = random_decode_batch(shape, dtype, LENGTHS)
             out = torch.zeros_like(query)
             wide.paged_decode_attention(out, query, kc, vc, tables, lens, rows, 0.1)
