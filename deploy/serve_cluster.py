@@ -123,10 +123,10 @@ def serve_disaggregated(
     open_model(args.model)  # a bad model fails here, clearly, before any actor starts
     if args.ray_address:
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=True)
-        if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
-            spec = _with_gpus(spec, 1.0)
     else:
-        start_local_ray(spec)
+        start_local_ray(spec)  # Ray detects this machine's GPUs
+    if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
+        spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = DuetCluster(spec)
