@@ -62,14 +62,20 @@ class Settings:
         self.batches = [1, 4] if smoke else [1, 8, 32, 64, 128]
         self.context = 64 if smoke else 1024
         self.prefill_lens = [64] if smoke else [512, 2048, 8192]
-        self.hf_steps = 4 if smoke else 16
+        self.hf_steps = 16
         self.iters = 3 if smoke else 20
         self.copy_bytes = (16 if smoke else 1024) << 20
         self.matmul_n = 512 if smoke else 8192
 
 
-def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Median seconds per call."""
+def timed(
+    fn: Callable[[], Any],
+    device: torch.device,
+    iters: int,
+    warmup: int = 2,
+    reduce: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Seconds per call: the median of `iters` calls (or another `reduce` of them)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -85,7 +91,7 @@ def timed(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int =
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return reduce(times)
 
 
 def measure_device(s: Settings) -> dict[str, float]:
@@ -227,9 +233,11 @@ def hf_bench(hf: Any, s: Settings) -> dict[str, Any]:
                     do_sample=False, eos_token_id=None, pad_token_id=0,
                 )  # fmt: skip
 
-            iters = max(2, s.iters // 5)
-            one = timed(lambda: gen(1), s.device, iters, warmup=1)
-            many = timed(lambda: gen(1 + s.hf_steps), s.device, iters, warmup=1)
+            # A step is a difference of two timings: the fastest of each (noise only adds
+            # time), so that noise cannot swamp it.
+            iters = max(3, s.iters // 5)
+            one = timed(lambda: gen(1), s.device, iters, warmup=1, reduce=min)
+            many = timed(lambda: gen(1 + s.hf_steps), s.device, iters, warmup=1, reduce=min)
             decode.append({"batch": batch, "step_ms": (many - one) / s.hf_steps * 1e3})
         for n in s.prefill_lens:
             ids = torch.randint(0, vocab, (1, n), device=s.device)
