@@ -82,7 +82,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
     from prefill_worker.config import PrefillWorkerConfig
     from router.cluster_engine import ClusterConfig
 
-    lease_s = PrefillWorkerConfig().kv_lease_s
+    lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
     if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
         raise ValueError(
             f"--kv-wait: must exceed the prefill workers' hold lease ({lease_s} s); "

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from engine.errors import ModelLoadError
+from engine.kernels.cpu import cpu_kernels_enabled
 from engine.model import LlamaForCausalLM, ModelArchConfig
 from engine.parallel import SINGLE, TensorParallel
 from engine.tokenizer import Tokenizer
@@ -142,7 +143,7 @@ def load_model(
     loaded = net.load_weights(weights)
     _check_complete(net, loaded)
     net.eval()
-    if device.type == "cpu" and os.environ.get("DUET_CPU_KERNELS", "1") != "0":
+    if device.type == "cpu" and cpu_kernels_enabled():
         net.pack_for_cpu()  # bf16 only; DUET_CPU_KERNELS=0 keeps every plain torch path
     return LoadedModel(net, arch, source.tokenizer, name)
 

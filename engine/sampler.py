@@ -40,13 +40,13 @@ class Sampler:
                 logits[row, [t for t in stops if t < logits.shape[-1]]] = float("-inf")
 
         greedy = [r.sampling_params.greedy for r in requests]
-        token_ids = torch.empty(len(requests), dtype=torch.long)
         if all(greedy):  # the common batch: no row gather (a copy of [N, vocab] fp32)
             token_ids = logits.argmax(dim=-1).cpu()
-        elif any(greedy):
-            rows = torch.tensor([i for i, g in enumerate(greedy) if g])
-            token_ids[rows] = logits[rows].argmax(dim=-1).cpu()
-        if not all(greedy):
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.long)
+            if any(greedy):
+                rows = torch.tensor([i for i, g in enumerate(greedy) if g])
+                token_ids[rows] = logits[rows].argmax(dim=-1).cpu()
             rows_list = [i for i, g in enumerate(greedy) if not g]
             rows = torch.tensor(rows_list)
             probs = _probs(logits[rows], [requests[i] for i in rows_list])

@@ -29,10 +29,15 @@ _HEADERS = [os.path.join(_DIR, name) for name in ("cpu_ops.h", "cpu_simd.h")]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def cpu_kernels_enabled() -> bool:
+    """False when `DUET_CPU_KERNELS=0` asks for the plain torch paths everywhere."""
+    return os.environ.get("DUET_CPU_KERNELS", "1") != "0"
+
+
 @functools.cache
 def load_cpu_kernels() -> Any | None:
     """The compiled module, or None when kernels are off or cannot be built."""
-    if os.environ.get("DUET_CPU_KERNELS", "1") == "0":
+    if not cpu_kernels_enabled():
         return None
     try:
         return build_cpu_kernels()
