@@ -13,23 +13,39 @@ for batches.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 from torch import nn
 
+from engine.config import cpu_has_native_bf16
+
 logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def packing_supported() -> bool:
+    """Whether this CPU and torch build take the packed bf16 path: native bf16 (AVX512-BF16 or
+    AMX; elsewhere oneDNN refuses the bf16 reorder or emulates it slowly) and oneDNN's ops."""
+    if not (
+        cpu_has_native_bf16()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError as e:
+        logger.info("oneDNN bf16 weight packing unavailable here (%s); using F.linear", e)
+        return False
+    return True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` (a CPU bf16 [out, in] matrix) can take the packed path here."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_supported()
 
 
 class PackedLinear(nn.Module):
