@@ -6,8 +6,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -46,6 +47,17 @@ class PrefillDone:
     logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
     generator_state: bytes | None  # the seeded generator after the first draw
     num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
+
+
+class PrefillStream(Protocol):
+    """Layer-wise hand-off of prefill-only requests' KV (a prefill worker sets one on its
+    engine as `LLMEngine.prefill_stream`)."""
+
+    def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
+        """Called before a forward pass with the (request id, block ids) of the prefill-only
+        requests whose prompts it completes (each reaches `take_prefilled` after the pass).
+        Returns the pass's per-layer callback (see `LlamaForCausalLM.forward`), or None."""
+        ...
 
 
 @dataclass
@@ -141,6 +153,7 @@ class LLMEngine:
         ] = {}  # engine request id -> (state, index)
         self._ids = itertools.count()
         self._prefilled: list[PrefillDone] = []
+        self.prefill_stream: PrefillStream | None = None
         self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
@@ -304,7 +317,16 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        result = self.runner.execute(sched, self.kv)
+        on_layer = None
+        if self.prefill_stream is not None:
+            completing = [
+                (r.request_id, self.kv.get_block_ids(r.request_id))
+                for r, n in sched.scheduled
+                if r.prefill_only and r.num_computed_tokens + n == r.num_tokens
+            ]
+            if completing:
+                on_layer = self.prefill_stream.begin(completing)
+        result = self.runner.execute(sched, self.kv, on_layer)
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
         changed: dict[str, RequestState] = {}

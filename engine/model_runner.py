@@ -4,6 +4,7 @@ pass and a sample per request that reached the end of its tokens."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,7 +165,13 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        kv: KVCacheManager,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """`on_layer`: see `LlamaForCausalLM.forward` (never with a CUDA graph)."""
         requests = [r for r, _ in out.scheduled]
         query_lens = [n for _, n in out.scheduled]
         starts = [r.num_computed_tokens for r in requests]
@@ -181,7 +188,7 @@ class ModelRunner:
         )
         block_ids = [kv.get_block_ids(r.request_id) for r in requests]
         graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(query_lens, seq_lens):
+        if graphs is not None and on_layer is None and graphs.can_run(query_lens, seq_lens):
             bs = self.block_size
             slots = np.array(
                 [
@@ -206,6 +213,7 @@ class ModelRunner:
                 to_device(positions, self.device),
                 self.kv_caches,
                 meta,
+                on_layer,
             )
 
         # Only requests whose computed tokens reach their last token sample this step.

@@ -49,6 +49,24 @@ class KVSender(ABC):
         JSON-serialisable: what the receiver needs besides the KV, e.g. the first token).
         Returns at once; the blocks may be reused once `poll` reports the transfer ended."""
 
+    # Layer-wise sending (optional): `begin` before the forward pass that computes the
+    # request's last prompt tokens, `layer_computed` after each of that pass's layers (its
+    # blocks of that layer go out while later layers compute), `finish` with the metadata once
+    # the first token is sampled. A backend that cannot returns False from `begin`, and the
+    # caller uses `send` after the pass instead.
+
+    def begin(self, request_id: str, block_ids: list[int], dest: str) -> bool:
+        """Open a layer-wise transfer of `block_ids` to `dest`; False when this backend only
+        sends whole requests. A failure to reach `dest` is reported by `poll`, like `send`'s."""
+        return False
+
+    def layer_computed(self, layer: int) -> None:  # noqa: B027 (optional hook)
+        """Layer `layer` of the current forward pass wrote its KV: ship it for every transfer
+        begun before the pass. Called on the thread running the pass, in layer order."""
+
+    def finish(self, request_id: str, meta: dict[str, Any] | None = None) -> None:  # noqa: B027
+        """The metadata of a transfer opened by `begin` (after its pass's last layer)."""
+
     @abstractmethod
     def poll(self) -> list[TransferResult]:
         """Transfers that ended since the last call. Never blocks."""

@@ -19,7 +19,7 @@ def gather_blocks(
             device=first.device,
         )
     for layer, cache in enumerate(kv_caches):
-        torch.index_select(cache, 1, block_ids, out=out[layer])
+        torch.index_select(_as_words(cache), 1, block_ids, out=_as_words(out[layer]))
     return out
 
 
@@ -41,7 +41,8 @@ def scatter_blocks(
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """A 2-byte-element tensor (bf16, fp16) viewed as int32 pairs: the same bits, and CPU
-    `index_copy_` moves 4-byte elements ~1.5x faster per byte (measured on a 2-core EPYC VM)."""
+    `index_copy_` moves 4-byte elements ~1.5x faster per byte (measured on a 2-core EPYC VM;
+    `index_select` ~7% faster on a 2-core Xeon)."""
     if t.element_size() == 2 and t.shape[-1] % 2 == 0 and t.stride(-1) == 1:
         return t.view(torch.int32)
     return t

@@ -8,6 +8,8 @@ with larger tensor parallelism ships one shard of heads per rank, under the same
 A backend may deliver a shard before its data has landed and report layers as they do
 (`progress`); the engine thread writes each layer once it is ready, so the copy into the cache
 overlaps the rest of the transfer, and only an expected request's layers are ever written.
+A layer-wise sender's metadata (the first token) comes after its KV, as a trailer the
+arrival fetches (`fetch_meta`); the request is complete once that is here too.
 
 Arrivals for a request nobody expects (yet) wait up to `stale_after_s` (the router may ask
 the decode worker a moment after the prefill worker sent), then are dropped. Arrivals for an
@@ -41,6 +43,9 @@ class Arrival:
     time_s: float
     layers_ready: int = -1  # -1: all of them; raised by the backend through `progress`
     release: Callable[[], None] | None = None  # called once the inbox is done with `blocks`
+    fetch_meta: Callable[[], dict[str, Any] | None] | None = None
+    """A trailer: `meta` is sent after the KV (layer-wise sending); returns it, or None while
+    it has not come (never blocks)."""
     layers_written: int = 0  # engine thread: written into the reserved blocks so far
 
     def __post_init__(self) -> None:
@@ -54,6 +59,17 @@ class Arrival:
     @property
     def written(self) -> bool:
         return self.layers_written == self.num_layers
+
+    def complete(self) -> bool:
+        """All written, and the metadata is here (fetched now if it is a trailer)."""
+        if not self.written:
+            return False
+        if self.fetch_meta is not None:
+            meta = self.fetch_meta()
+            if meta is None:
+                return False
+            self.meta, self.fetch_meta = meta, None
+        return True
 
 
 class InboxKVReceiver(KVReceiver):
@@ -112,7 +128,7 @@ class InboxKVReceiver(KVReceiver):
                 if (
                     arrivals
                     and len(arrivals) >= self._num_shards(arrivals[0].layout)
-                    and all(a.written for a in arrivals)
+                    and all(a.complete() for a in arrivals)
                 ):
                     del self._inbox[request_id]
                     result = self._done(request_id, arrivals)

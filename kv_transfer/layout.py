@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-KV_LAYOUT_VERSION = 2  # 2: torch_dist ships a transfer in chunks of layers (header `chunks`)
+KV_LAYOUT_VERSION = 3
+"""2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
+the transfers queued together, and layer-wise transfers send their metadata as a trailer."""
 
 
 class HandshakeError(RuntimeError):

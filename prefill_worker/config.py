@@ -17,6 +17,9 @@ class PrefillWorkerConfig(EngineConfig):
     kv_lease_s: float = 60.0
     """How long sent blocks stay held waiting for the decode side's acknowledgement; must
     exceed `kv_transfer_timeout_s` and stay below the decode side's wait for KV."""
+    kv_layerwise: bool = True
+    """Send each layer's KV as soon as the forward pass wrote it, while later layers compute
+    (backends that can: torch_dist); False sends whole requests after the pass."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

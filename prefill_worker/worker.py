@@ -6,6 +6,10 @@ the decode worker named by `dest`, together with the first token, its logprobs a
 generator's state (the decode side continues exactly where this side stopped). The blocks
 stay held until the decode side acknowledges, or the transfer fails or its lease
 (`kv_lease_s`) runs out; then they are freed, full ones staying in the prefix cache.
+With `kv_layerwise` (the default) the transfer opens before the forward pass that completes
+the prompt, each layer's blocks leave as soon as the pass wrote them, and the first token
+follows as the transfer's trailer; a prompt prefilled in several chunks sends the layers of
+its earlier chunks during that last pass too.
 
 Threads: one engine thread owns the `LLMEngine` and the `KVSender`; `prefill`/`abort` may be
 called from any thread or event loop and talk to it through a command queue.
@@ -23,7 +27,7 @@ import base64
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +162,9 @@ class PrefillWorker:
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
+        self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
+        if config.kv_layerwise:
+            self.engine.prefill_stream = self
         self._dead: BaseException | None = None
         self.load = PrefillLoad(num_blocks=self.engine.num_blocks)
         self.prefix_index = PrefixCacheIndex()
@@ -294,12 +301,26 @@ class PrefillWorker:
                     self._resolve(cmd.result)  # after the release: the caller sees a whole pool
         return True
 
+    def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
+        """`PrefillStream`: open layer-wise transfers for the requests the coming pass
+        completes; the sender ships each layer as the pass writes it."""
+        for request_id, block_ids in requests:
+            try:
+                if self.sender.begin(request_id, block_ids, self._dest[request_id]):
+                    self._begun.add(request_id)
+            except HandshakeError as e:  # `_ship` sends it whole, and fails the same way
+                logger.error("KV handshake for %s failed: %s", request_id, e)
+        return self.sender.layer_computed if self._begun else None
+
     def _ship(self, done: PrefillDone) -> None:
         self._in_flight[done.request_id] = done
+        dest = self._dest[done.request_id]
         try:
-            self.sender.send(
-                done.request_id, done.block_ids, self._dest[done.request_id], kv_meta(done)
-            )
+            if done.request_id in self._begun:
+                self._begun.discard(done.request_id)
+                self.sender.finish(done.request_id, kv_meta(done))
+            else:
+                self.sender.send(done.request_id, done.block_ids, dest, kv_meta(done))
         except HandshakeError as e:  # a misconfigured pair: no retry helps
             logger.error("KV handshake for %s failed: %s", done.request_id, e)
             self._finish_transfer(

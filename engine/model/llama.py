@@ -10,7 +10,7 @@ the logits.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -190,12 +190,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv / tp, D]
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """`on_layer(i)` is called once layer i has written its KV into `kv_caches[i]` (on CUDA:
+        once the writes are queued), e.g. to start sending it (layer-wise KV transfer)."""
         ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
         hidden = self._embed(input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(hidden, residual, kv_cache, ctx)
+            if on_layer is not None:
+                on_layer(i)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]

@@ -30,21 +30,44 @@ def mixed_prompts(n: int = 16, seed: int = 3) -> list[list[int]]:
     return [torch.randint(3, 512, (k,), generator=g).tolist() for k in lengths]
 
 
-@pytest.fixture(params=["local", "torch_dist"])
-def workers(request, tiny_llama):
-    backend = request.param
+def start_workers(model, backend, layerwise=True, **engine):
+    engine = {**ENGINE, **engine}
     hub = LocalHub()
     p_opts = {"hub": hub} if backend == "local" else {}
     d_opts = {"hub": hub, "name": "decode-0"} if backend == "local" else {}
     prefill = PrefillWorker(
-        PrefillWorkerConfig(model=tiny_llama, kv_backend=backend, **ENGINE), sender_options=p_opts
+        PrefillWorkerConfig(model=model, kv_backend=backend, kv_layerwise=layerwise, **engine),
+        sender_options=p_opts,
     )
     decode = DecodeWorker(
-        DecodeWorkerConfig(model=tiny_llama, kv_backend=backend, **ENGINE), receiver_options=d_opts
+        DecodeWorkerConfig(model=model, kv_backend=backend, **engine), receiver_options=d_opts
     )
+    return prefill, decode
+
+
+@pytest.fixture(params=["local", "torch_dist", "torch_dist-whole"])
+def workers(request, tiny_llama):
+    """torch_dist sends layer by layer during the last prefill pass; -whole after it."""
+    backend, _, mode = request.param.partition("-")
+    prefill, decode = start_workers(tiny_llama, backend, layerwise=mode != "whole")
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
+
+
+def spy_begun(prefill):
+    """Request ids whose KV the prefill worker's sender streamed layer by layer."""
+    begun = []
+    begin = prefill.sender.begin
+
+    def spy(request_id, block_ids, dest):
+        streamed = begin(request_id, block_ids, dest)
+        if streamed:
+            begun.append(request_id)
+        return streamed
+
+    prefill.sender.begin = spy
+    return begun
 
 
 async def disaggregated(prefill, decode, request_id, prompt, params):
@@ -70,6 +93,8 @@ def assert_pools_whole(prefill, decode):
 
 def test_disaggregated_equals_aggregated(workers, tiny_llama):
     prefill, decode = workers
+    begun = spy_begun(prefill)
+    layerwise = prefill.config.kv_backend == "torch_dist" and prefill.config.kv_layerwise
     prompts = mixed_prompts()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
@@ -99,7 +124,33 @@ def test_disaggregated_equals_aggregated(workers, tiny_llama):
     for _, outs in results:
         deltas = [t for out in outs for t in out.outputs[0].delta_token_ids]
         assert deltas == outs[-1].token_ids and outs[-1].finish_reason == "length"
+    assert len(begun) == (32 if layerwise else 0)
     assert_pools_whole(prefill, decode)
+
+
+def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama):
+    """A 48-token budget splits prompts over several passes and puts several requests in one
+    pass: each is streamed during the pass that completes it, earlier chunks' layers included."""
+    prefill, decode = start_workers(tiny_llama, "torch_dist", max_num_batched_tokens=48)
+    try:
+        begun = spy_begun(prefill)
+        prompts = mixed_prompts(8, seed=5)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        want = LLM(tiny_llama, **ENGINE).generate(prompts, params)
+
+        async def run():
+            return await asyncio.gather(
+                *(disaggregated(prefill, decode, f"r{i}", p, params) for i, p in enumerate(prompts))
+            )
+
+        results = asyncio.run(run())
+        assert [outs[-1].token_ids for _, outs in results] == [o.token_ids for o in want]
+        assert sorted(begun) == sorted(f"r{i}" for i in range(8))
+        assert max(len(p) for p in prompts) > 48  # some prompts took several passes
+        assert_pools_whole(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_prefix_cache_hits_on_the_prefill_side(workers, tiny_llama):

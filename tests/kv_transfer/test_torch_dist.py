@@ -90,6 +90,70 @@ def test_layer_by_layer_chunks_land_bit_exact_through_reused_buffers(receiver, m
     sender.close()
 
 
+def test_layerwise_layers_land_while_later_layers_compute(receiver, monkeypatch):
+    """`begin` before a pass, `layer_computed` after each layer, `finish` with the metadata:
+    layer i is in the receiver's blocks before layer i+1 exists, and the request is DONE only
+    once the trailer (the first token) is there. Two requests of one pass share the channel."""
+    monkeypatch.setattr(torch_dist, "CHUNK_MIN_BYTES", 1)  # one message per layer
+    recv, dst = receiver
+    before = [c.clone() for c in dst]
+    src = [torch.zeros_like(c) for c in caches()]  # the pass fills a layer at a time
+    final = caches(seed=5)
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    plan = {"a": ([0, 5, 7], [9, 3, 12]), "b": ([2], [1])}
+    for rid, (src_ids, dst_ids) in plan.items():
+        recv.expect(rid, dst_ids, timeout_s=10)
+        assert sender.begin(rid, src_ids, recv.address)
+    for layer in range(len(src)):
+        src[layer].copy_(final[layer])
+        sender.layer_computed(layer)
+
+        def landed(layer=layer):  # this layer is in the receiver's blocks (its poll writes it)
+            if all(torch.equal(dst[layer][:, d], final[layer][:, s]) for s, d in plan.values()):
+                return [True]
+            return recv.poll()
+
+        assert wait_for(landed) == [True]
+        for later in range(layer + 1, len(src)):  # later layers are untouched
+            assert torch.equal(dst[later], before[later])
+    time.sleep(0.2)
+    assert recv.poll() == []  # every layer is in, but not the first token yet
+    sender.finish("b", {"first_token": 7})
+    sender.finish("a", {"first_token": 42})
+    results = wait_for(recv.poll)
+    results += [] if len(results) == 2 else wait_for(recv.poll)
+    assert sorted((r.request_id, r.status, r.meta["first_token"]) for r in results) == [
+        ("a", TransferStatus.DONE, 42),
+        ("b", TransferStatus.DONE, 7),
+    ]
+    acked = wait_for(sender.poll)
+    acked += [] if len(acked) == 2 else wait_for(sender.poll)
+    assert sorted((r.request_id, r.status) for r in acked) == [
+        ("a", TransferStatus.DONE),
+        ("b", TransferStatus.DONE),
+    ]
+    # The channel is still in step for a whole-request send.
+    recv.expect("c", [0], timeout_s=10)
+    sender.send("c", [4], recv.address, meta={"first_token": 1})
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE and done.meta == {"first_token": 1}
+    assert all(torch.equal(d[:, 0], f[:, 4]) for f, d in zip(final, dst, strict=True))
+    sender.close()
+
+
+def test_layerwise_without_trailer_times_out_retryable(receiver):
+    recv, _ = receiver
+    src = caches()
+    sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [2], timeout_s=1.0)
+    sender.begin("r1", [0], recv.address)
+    for layer in range(len(src)):
+        sender.layer_computed(layer)
+    [result] = wait_for(recv.poll)  # all KV landed, but the first token never came
+    assert result.status == TransferStatus.FAILED and result.retryable
+    sender.close()
+
+
 def test_out_of_range_block_id_is_refused_before_anything_is_sent(receiver):
     recv, _ = receiver
     src = caches()
