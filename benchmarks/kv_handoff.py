@@ -26,7 +26,6 @@ import asyncio
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.kv_transfer import _git_commit
+from benchmarks.machine import cpu_info
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "kv_handoff",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _git_commit(),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": cpu_info(),
         "model": model,
         "dtype": dtype,
         "threads": torch.get_num_threads(),

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 
 from benchmarks.kv_transfer_measure import EXTRA_POOL_BLOCKS, NOISY_OTHER_CORES, measure_layout
 from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
+from benchmarks.machine import cpu_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "-m", "benchmarks.kv_transfer", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        "machine": {"platform": platform.platform(), **cpu_info()},
         "config": {
             "reps": args.reps,
             "warmup": args.warmup,

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_usage import wait_for_idle
+from benchmarks.machine import cpu_info
 from benchmarks.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
 from benchmarks.systems import (
     RunConfig,
@@ -129,16 +130,6 @@ def machine_info(num_threads: int) -> dict[str, Any]:
     import torch
     import transformers
 
-    cpu_model, flags = "unknown", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu_model == "unknown":
-                cpu_model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
     git = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
         capture_output=True,
@@ -147,9 +138,7 @@ def machine_info(num_threads: int) -> dict[str, Any]:
     )
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": cpu_model,
-        "num_cpus": os.cpu_count(),
-        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+        **cpu_info(),
         "num_threads": num_threads,
         "python": platform.python_version(),
         "torch": torch.__version__,
