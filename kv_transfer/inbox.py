@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels.cpu import load_cpu_kernels
 from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
 from kv_transfer.blocks import scatter_blocks
 from kv_transfer.layout import KVLayout, receiver_head_slice
@@ -85,6 +86,8 @@ class InboxKVReceiver(KVReceiver):
         self._failed: dict[str, tuple[str, float]] = {}  # id -> (why it can never arrive, when)
         self._aborted: dict[str, float] = {}  # request id -> when; late shards are dropped
         self._results: list[TransferResult] = []
+        if kv_caches and kv_caches[0].device.type == "cpu":
+            load_cpu_kernels()  # scatter's row copies: build now, not inside the first transfer
 
     # -- backend side (any thread) ---------------------------------------------------------
 

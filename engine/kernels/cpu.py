@@ -1,6 +1,7 @@
 """CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
-paged decode attention (paged_decode_cpu.cpp) and the Llama block's elementwise ops
-(elementwise_cpu.cpp), bound in cpu_module.cpp.
+paged decode attention (paged_decode_cpu.cpp), the Llama block's elementwise ops
+(elementwise_cpu.cpp) and row copies by index for moving KV blocks (copy_cpu.cpp), bound in
+cpu_module.cpp.
 
 When the build is impossible (no compiler) the engine keeps the torch paths, which compute the
 same thing; `DUET_CPU_KERNELS=0` forces them.
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 _SOURCES = [
     os.path.join(_DIR, name)
-    for name in ("cpu_module.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp")
+    for name in ("cpu_module.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "copy_cpu.cpp")
 ]
 _HEADERS = [os.path.join(_DIR, name) for name in ("cpu_ops.h", "cpu_simd.h")]
 # float32 and bfloat16 only: the kernels' element formats.

@@ -40,5 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x (rounded to the dtype), then x = RMSNorm(residual); both in place");
   m.def("rotary_embedding", &duet::rotary_embedding,
         "Rotate query [T, H, D] and key [T, Hkv, D] in place (rotate-half layout)");
+  m.def("copy_rows", &duet::copy_rows,
+        "dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors with contiguous rows (memcpy each)");
   m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
 }

@@ -18,4 +18,8 @@ void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at
 // Overwrites the gate half of gate_up and returns it (a view).
 at::Tensor silu_and_mul(at::Tensor gate_up);
 
+// dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors of one dtype and row length, one memcpy
+// per row (copy_cpu.cpp). Indices are bounds-checked.
+void copy_rows(at::Tensor dst, at::Tensor dst_rows, at::Tensor src, at::Tensor src_rows);
+
 }  // namespace duet

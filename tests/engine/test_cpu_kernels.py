@@ -230,6 +230,43 @@ def test_silu_and_mul_matches_torch(kernels, threads, dtype, width):
     torch.testing.assert_close(out, want, **close(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+def test_copy_rows_equals_index_copy(kernels, threads, dtype):
+    g = torch.Generator().manual_seed(3)
+    dst = torch.randint(-100, 100, (40, 24), generator=g).to(dtype)
+    wide = torch.randint(-100, 100, (9, 30), generator=g).to(dtype)
+    src = wide[:, 3:27]  # rows with a stride larger than their length
+    dst_rows, src_rows = torch.tensor([5, 39, 0, 17, 6]), torch.tensor([8, 0, 3, 3, 1])
+    want = dst.clone()
+    want.index_copy_(0, dst_rows, src[src_rows])
+    kernels.copy_rows(dst, dst_rows, src, src_rows)
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    ("dst_rows", "src_rows", "message"),
+    [
+        ([0, 40], [0, 1], r"dst_rows\[1\] = 40 is outside \[0, 40\)"),
+        ([0, 1], [-1, 1], r"src_rows\[0\] = -1 is outside \[0, 9\)"),
+        ([0, 1], [0], "differ in length"),
+    ],
+)
+def test_copy_rows_rejects_bad_indices(kernels, dst_rows, src_rows, message):
+    dst, src = torch.zeros(40, 8), torch.ones(9, 8)
+    with pytest.raises(RuntimeError, match=message):
+        kernels.copy_rows(dst, torch.tensor(dst_rows), src, torch.tensor(src_rows))
+    assert not dst.any()  # nothing written
+
+
+def test_copy_rows_rejects_mismatched_rows(kernels):
+    with pytest.raises(RuntimeError, match="differ in length: 8 vs 6"):
+        kernels.copy_rows(torch.zeros(4, 8), torch.tensor([0]), torch.ones(4, 6), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.copy_rows(
+            torch.zeros(4, 8), torch.tensor([0]), torch.ones(4, 8).double(), torch.tensor([0])
+        )
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_model_torch_fallbacks_match_kernels(kernels, tiny_model_factory, monkeypatch, arch):
     """The same model with every kernel (attention, norms fused with residual adds, rotary,

@@ -17,6 +17,7 @@ from kv_transfer import (
     gather_blocks,
     scatter_blocks,
 )
+from kv_transfer import blocks as blocks_module
 from kv_transfer.local import LocalHub
 
 
@@ -45,6 +46,20 @@ def test_gather_scatter_round_trip_is_bit_exact(dtype):
         assert torch.equal(d[:, ids_dst], s[:, ids_src])
         others = [i for i in range(12) if i not in ids_dst.tolist()]
         assert torch.equal(d[:, others], u[:, others])  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_row_copies_equal_the_torch_path(dtype):
+    """scatter_blocks takes the C++ row copies on CPU; index_copy_ is the reference."""
+    src, dst = caches(dtype=dtype), caches(dtype=dtype, seed=1)
+    reference = [c.clone() for c in dst]
+    ids = torch.tensor([10, 4, 0, 11, 6])
+    blocks = gather_blocks(src, torch.tensor([1, 2, 3, 4, 5]))
+    assert blocks_module._scatter_rows(dst, ids, blocks)  # the fast path ran
+    for layer, cache in enumerate(reference):
+        cache.index_copy_(1, ids, blocks[layer])
+    for got, want in zip(dst, reference, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_two_sender_shards_reassemble_heads():
