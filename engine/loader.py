@@ -144,7 +144,7 @@ def load_model(
     _check_complete(net, loaded)
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
-        net.pack_for_cpu()  # bf16 only; DUET_CPU_KERNELS=0 keeps every plain torch path
+        net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     return LoadedModel(net, arch, source.tokenizer, name)
 
 

@@ -224,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_gather_last_dim(logits.float())  # [N, vocab]
 
     def pack_for_cpu(self) -> int:
-        """Reorder bf16 projection weights once into oneDNN's layout (engine/model/
+        """Reorder projection weights once into oneDNN's layout where that pays (engine/model/
         packed_linear.py); a tied LM head gets a packed copy. Returns the layers packed."""
         count = pack_linears(self)
         if self.lm_head is None and can_pack(self.embed_tokens.weight):

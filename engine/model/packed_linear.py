@@ -1,20 +1,28 @@
-"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU, bf16).
+"""Linear layers with their weights reordered once into oneDNN's blocked layout (CPU).
 
-torch's eager `F.linear` on a bf16 CPU tensor hands oneDNN a plain row-major weight, which
-oneDNN reorders into its blocked layout (for AMX / AVX512-BF16 tiles) on every call. Doing that
-once at load time makes a decode step's projections 1.5-2x faster (batches of 1-128 rows,
-SmolLM2's shapes, 2 threads on AVX512-BF16 + AMX) with bit-identical results; at 2048 rows the
-two are within 5%. The packed weight replaces the plain one, so memory does not grow, except
-for a tied LM head (the embedding keeps the plain table).
+bf16: torch's eager `F.linear` on a bf16 CPU tensor hands oneDNN a plain row-major weight,
+which oneDNN reorders into its blocked layout (for AMX / AVX512-BF16 tiles) on every call.
+Doing that once at load time makes a decode step's projections 1.5-2x faster (batches of 1-128
+rows, SmolLM2's shapes, 2 threads on AVX512-BF16 + AMX) with bit-identical results; at 2048
+rows the two are within 5%.
 
-fp32 is left alone: there the packed path is slower for single rows and only 1.1-1.4x faster
-for batches.
+fp32 on AMD CPUs: `F.linear` goes to MKL, which there copies the weight into its panel layout
+on every call (`sgemm_scopy_*`, 17% of a decode-heavy run's time). oneDNN's packed weight
+makes SmolLM2's projections 1.1-2.1x faster at 8-64 rows and the LM head 1.4-2.9x, within
++-25% at 1 row and 9-17% slower at 2048 rows (a long prefill chunk); the offline benchmark
+gained 8% (2-core EPYC, 2 threads). On Intel CPUs MKL has no such cost and an earlier
+measurement found the packed path slower for single rows, so fp32 stays plain there
+(`DUET_PACK_FP32=1` or `0` overrides the choice).
+
+The packed weight replaces the plain one, so memory does not grow, except for a tied LM head
+(the embedding keeps the plain table).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 from torch import nn
@@ -25,27 +33,47 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def packing_supported() -> bool:
-    """Whether this CPU and torch build take the packed bf16 path: native bf16 (AVX512-BF16 or
-    AMX; elsewhere oneDNN refuses the bf16 reorder or emulates it slowly) and oneDNN's ops."""
+def packing_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU and torch build take the packed path for `dtype`: bf16 needs native bf16
+    (AVX512-BF16 or AMX; elsewhere oneDNN refuses the bf16 reorder or emulates it slowly), fp32
+    an AMD CPU (see above), both oneDNN's ops."""
+    if dtype == torch.bfloat16:
+        wanted = cpu_has_native_bf16()
+    elif dtype == torch.float32:
+        choice = os.environ.get("DUET_PACK_FP32", "auto")
+        wanted = choice == "1" or (choice == "auto" and _cpu_vendor() == "AuthenticAMD")
+    else:
+        wanted = False
     if not (
-        cpu_has_native_bf16()
+        wanted
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
     except RuntimeError as e:
-        logger.info("oneDNN bf16 weight packing unavailable here (%s); using F.linear", e)
+        logger.info("oneDNN %s weight packing unavailable here (%s); using F.linear", dtype, e)
         return False
     return True
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` (a CPU bf16 [out, in] matrix) can take the packed path here."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and packing_supported()
+    """Whether `weight` (a CPU [out, in] matrix) takes the packed path here."""
+    return weight.device.type == "cpu" and packing_supported(weight.dtype)
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id":
+                    return value.strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 class PackedLinear(nn.Module):
