@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.kv_transfer import _git_commit
-from benchmarks.machine import cpu_info
+from benchmarks.machine import cpu_info, git_commit
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
@@ -194,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "kv_handoff",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(
+            "engine", "kv_transfer", "prefill_worker", "decode_worker", "benchmarks"
+        ),
         "machine": cpu_info(),
         "model": model,
         "dtype": dtype,

@@ -26,14 +26,13 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.kv_transfer_measure import EXTRA_POOL_BLOCKS, NOISY_OTHER_CORES, measure_layout
 from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
-from benchmarks.machine import cpu_info
+from benchmarks.machine import cpu_info, git_commit
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
@@ -75,22 +74,6 @@ def format_table(layouts: list[dict[str, Any]]) -> str:
                 f"{r['other_cores_median']:>6.2f}{' busy' if r['busy'] else ''}"
             )
     return "\n".join(lines)
-
-
-def _git_commit() -> str | None:
-    """HEAD, with "-dirty" when the code measured (kv_transfer/, benchmarks/) differs from it."""
-
-    def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
-
-    try:
-        head = git("rev-parse", "--short", "HEAD").stdout.strip()
-        status = git("status", "--porcelain", "--", "kv_transfer", "benchmarks").stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("-dirty" if status.strip() else "")) or None
 
 
 def _positive_ints(value: str) -> list[int]:
@@ -200,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "kv_transfer",
         "command": " ".join(["python", "-m", "benchmarks.kv_transfer", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit("kv_transfer", "benchmarks"),
         "machine": {"platform": platform.platform(), **cpu_info()},
         "config": {
             "reps": args.reps,

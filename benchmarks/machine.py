@@ -1,10 +1,14 @@
-"""What a benchmark ran on: the CPU's model and the SIMD flags that change duet's code paths."""
+"""What a benchmark ran on: the CPU's model and the SIMD flags that change duet's code paths,
+and the commit of the code it measured."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # the flags that pick kernels or dtypes in duet (engine/kernels/cpu_simd.h, engine/config.py)
 SIMD_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
@@ -27,3 +31,19 @@ def cpu_info() -> dict[str, Any]:
         "num_cpus": os.cpu_count(),
         "cpu_flags": sorted(flags & SIMD_FLAGS),
     }
+
+
+def git_commit(*paths: str) -> str | None:
+    """HEAD, with "-dirty" when the code under `paths` differs from it (results files aside)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        status = git("status", "--porcelain", "--", *paths, ":!benchmarks/results").stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("-dirty" if status.strip() else "")) or None
