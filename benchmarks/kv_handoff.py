@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.kv_transfer import int_list
 from benchmarks.machine import cpu_info, git_commit
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.worker import DecodeWorker
@@ -147,16 +148,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _lengths(value: str) -> list[int]:
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of integers") from None
-    if not items or any(n < 2 for n in items):
-        raise argparse.ArgumentTypeError(f"{value!r}: every prompt length must be >= 2")
-    return items
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
@@ -164,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--prompt-lens", type=_lengths, default=[512, 2048])
+    p.add_argument("--prompt-lens", type=int_list(2, "prompt length"), default=[512, 2048])
     p.add_argument("--reps", type=int, default=6, help="timed reps per mode and length")
     p.add_argument("--warmup", type=int, default=1, help="untimed reps per mode and length")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")

@@ -27,6 +27,7 @@ import datetime
 import json
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,19 @@ def format_table(layouts: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _positive_ints(value: str) -> list[int]:
-    try:
-        items = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of integers") from None
-    if not items or any(n < 1 for n in items):
-        raise argparse.ArgumentTypeError(f"{value!r}: every block count must be >= 1")
-    return items
+def int_list(minimum: int, what: str) -> Callable[[str], list[int]]:
+    """An argparse type: a comma list of integers, each >= `minimum` (`what` names them)."""
+
+    def parse(value: str) -> list[int]:
+        try:
+            items = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r}: a comma list of integers") from None
+        if not items or any(n < minimum for n in items):
+            raise argparse.ArgumentTypeError(f"{value!r}: every {what} must be >= {minimum}")
+        return items
+
+    return parse
 
 
 def _layout_names(value: str) -> list[str]:
@@ -100,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--layouts", type=_layout_names, default=list(LAYOUTS), help="comma list")
-    p.add_argument("--blocks", type=_positive_ints, default=[1, 16, TARGET_BLOCKS])
+    p.add_argument("--blocks", type=int_list(1, "block count"), default=[1, 16, TARGET_BLOCKS])
     p.add_argument("--reps", type=int, default=10, help="timed reps per size (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed reps per size")
     p.add_argument("--pool-blocks", type=int, default=None, help="default: largest + 44")
