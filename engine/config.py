@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -129,11 +130,26 @@ def _check_min(name: str, value: int, minimum: int) -> None:
         raise InvalidInputError(name, f"must be an integer >= {minimum}; got {value!r}")
 
 
-def cpu_has_native_bf16() -> bool:
-    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls are native."""
+@functools.cache
+def cpuinfo_field(name: str) -> str:
+    """The first `name: value` line's value in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
-        return False
+        pass
+    return ""
+
+
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with AVX512-BF16 or AMX, where bf16 matmuls are native."""
+    flags = cpuinfo_field("flags").split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"; "" where unknown)."""
+    return cpuinfo_field("vendor_id")

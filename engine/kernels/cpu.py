@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from engine.config import cpuinfo_field
+
 logger = logging.getLogger(__name__)
 
 _DIR = os.path.dirname(__file__)
@@ -81,12 +83,7 @@ def kernels_for(x: torch.Tensor) -> Any | None:
 
 
 def _cpu_fingerprint() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(cpuinfo_field("flags").encode()).hexdigest()[:8]
 
 
 def paged_decode_attention(

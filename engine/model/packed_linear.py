@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from engine.config import cpu_has_native_bf16
+from engine.config import cpu_has_native_bf16, cpu_vendor
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def packing_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
         wanted = cpu_has_native_bf16()
     elif dtype == torch.float32:
         choice = os.environ.get("DUET_PACK_FP32", "auto")
-        wanted = choice == "1" or (choice == "auto" and _cpu_vendor() == "AuthenticAMD")
+        wanted = choice == "1" or (choice == "auto" and cpu_vendor() == "AuthenticAMD")
     else:
         wanted = False
     if not (
@@ -62,18 +62,6 @@ def packing_supported(dtype: torch.dtype = torch.bfloat16) -> bool:
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` (a CPU [out, in] matrix) takes the packed path here."""
     return weight.device.type == "cpu" and packing_supported(weight.dtype)
-
-
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    return value.strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 class PackedLinear(nn.Module):
