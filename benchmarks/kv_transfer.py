@@ -1,10 +1,12 @@
-"""KV-transfer throughput: duet's `torch_dist` backend against the raw gloo limit, on loopback.
+"""KV-transfer throughput: duet's `torch_dist` and `tcp` backends against the raw gloo limit,
+on loopback.
 
     python -m benchmarks.kv_transfer                     # all layouts, 1/16/256 blocks, 10 reps
-    python -m benchmarks.kv_transfer --layouts smollm2-135m-bf16 --reps 5
+    python -m benchmarks.kv_transfer --layouts smollm2-135m-bf16 --reps 5 --backends tcp
 
 A receiver (decode side) and a sender (prefill side) run in two spawned processes, each with
-its own paged cache, as the workers do. Per layout and block count, rep by rep and alternating
+its own paged cache, as the workers do. Per layout, backend and block count, rep by rep and
+alternating
 which goes first (so that the shared machine's noise hits both alike):
 
 - duet: from `sender.send(...)` until the receiver's `poll()` reports DONE (the blocks are
@@ -39,6 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
 TARGET_RATIO = 0.8
 TARGET_BLOCKS = 256
+BACKENDS = ("torch_dist", "tcp")
 
 
 def _mem_available_bytes() -> int | None:
@@ -58,7 +61,7 @@ def memory_needed_bytes(spec: LayoutSpec, block_counts: list[int], pool: int) ->
 
 def format_table(layouts: list[dict[str, Any]]) -> str:
     head = (
-        f"{'layout':<18} {'blocks':>6} {'MB':>8} {'raw GB/s':>9} {'done GB/s':>10} "
+        f"{'layout':<18} {'backend':<10} {'blocks':>6} {'MB':>8} {'raw GB/s':>9} {'done GB/s':>10} "
         f"{'ratio':>6} {'ack GB/s':>9} {'ratio':>6} {'send() ms':>9} {'CPU ms duet/raw':>15} "
         f"{'load':>5} {'others':>6}"
     )
@@ -66,7 +69,8 @@ def format_table(layouts: list[dict[str, Any]]) -> str:
     for layout in layouts:
         for r in layout["results"]:
             lines.append(
-                f"{layout['layout']['name']:<18} {r['num_blocks']:>6} {r['bytes'] / 1e6:>8.2f} "
+                f"{layout['layout']['name']:<18} {layout['backend']:<10} {r['num_blocks']:>6} "
+                f"{r['bytes'] / 1e6:>8.2f} "
                 f"{r['raw_gbps']:>9.2f} {r['duet_done_gbps']:>10.2f} {r['ratio_done']:>6.2f} "
                 f"{r['duet_ack_gbps']:>9.2f} {r['ratio_ack']:>6.2f} "
                 f"{r['send_call_s']['median'] * 1e3:>9.1f} "
@@ -100,12 +104,22 @@ def _layout_names(value: str) -> list[str]:
     return items
 
 
+def _backend_names(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items or any(v not in BACKENDS for v in items):
+        raise argparse.ArgumentTypeError(f"{value!r}: choose from {', '.join(BACKENDS)}")
+    return items
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--layouts", type=_layout_names, default=list(LAYOUTS), help="comma list")
+    p.add_argument(
+        "--backends", type=_backend_names, default=list(BACKENDS), help="comma list of duet's"
+    )
     p.add_argument("--blocks", type=int_list(1, "block count"), default=[1, 16, TARGET_BLOCKS])
     p.add_argument("--reps", type=int, default=10, help="timed reps per size (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed reps per size")
@@ -151,25 +165,27 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {spec.block_bytes} bytes per block, pool of {pool} blocks per side",
             flush=True,
         )
-        layouts.append(
-            measure_layout(
-                spec,
-                args.blocks,
-                args.reps,
-                args.warmup,
-                pool_blocks=pool,
-                seed=args.seed,
-                timeout_s=args.timeout_s,
-                poll_interval_s=args.poll_interval_ms / 1e3,
-                engine_malloc=args.malloc == "engine",
-                num_threads=args.threads,
-                idle_wait_s=args.idle_wait_s,
+        for backend in args.backends:
+            layouts.append(
+                measure_layout(
+                    spec,
+                    args.blocks,
+                    args.reps,
+                    args.warmup,
+                    pool_blocks=pool,
+                    seed=args.seed,
+                    timeout_s=args.timeout_s,
+                    poll_interval_s=args.poll_interval_ms / 1e3,
+                    engine_malloc=args.malloc == "engine",
+                    num_threads=args.threads,
+                    idle_wait_s=args.idle_wait_s,
+                    backend=backend,
+                )
             )
-        )
     print()
     print(format_table(layouts))
     target = {
-        layout["layout"]["name"]: r["ratio_done"] >= TARGET_RATIO
+        f"{layout['layout']['name']}/{layout['backend']}": r["ratio_done"] >= TARGET_RATIO
         for layout in layouts
         for r in layout["results"]
         if r["num_blocks"] == TARGET_BLOCKS

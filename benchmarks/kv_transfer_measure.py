@@ -205,14 +205,16 @@ def measure_layout(
     engine_malloc: bool = False,
     num_threads: int = 1,
     idle_wait_s: float = 0.0,
+    backend: str = "torch_dist",
     log: Any = None,
 ) -> dict[str, Any]:
-    """Spawn the two peers for `spec` and measure each block count; the layout's JSON."""
+    """Spawn the two peers for `spec` and `backend` and measure each block count; the
+    layout's JSON."""
     log = log or functools.partial(print, flush=True)
     pool = pool_blocks or max(block_counts) + EXTRA_POOL_BLOCKS
     if max(block_counts) > pool:
         raise ValueError(f"--pool-blocks: {pool} is smaller than the largest transfer")
-    config = PeerConfig(spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads)
+    config = PeerConfig(spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend)
     results = []
     peers = _Peers(config)
     try:
@@ -220,9 +222,17 @@ def measure_layout(
             if idle_wait_s > 0 and (busy := wait_for_idle(idle_wait_s)) is not None:
                 log(f"  machine still busy after {idle_wait_s:.0f} s ({busy:.2f} other cores)")
             load = os.getloadavg()
-            log(f"  {spec.name} {num_blocks} blocks: load average {load[0]:.2f} {load[1]:.2f}")
+            log(
+                f"  {spec.name} {backend} {num_blocks} blocks: "
+                f"load average {load[0]:.2f} {load[1]:.2f}"
+            )
             result = measure_blocks(peers, num_blocks, reps, warmup, seed)
             results.append({"load_avg_before": list(load), **result})
     finally:
         peers.close()
-    return {"layout": spec_dict(spec), "pool_blocks": pool, "results": results}
+    return {
+        "layout": spec_dict(spec),
+        "backend": backend,
+        "pool_blocks": pool,
+        "results": results,
+    }

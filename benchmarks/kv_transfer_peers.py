@@ -1,6 +1,6 @@
 """The two processes of the KV-transfer benchmark: a receiver (decode side) and a sender
-(prefill side), each with its own paged cache, its `torch_dist` endpoint and one rank of a raw
-2-rank gloo world for the baseline. `benchmarks.kv_transfer` drives them over pipes, one
+(prefill side), each with its own paged cache, its endpoint of the measured backend
+(`torch_dist` or `tcp`) and one rank of a raw 2-rank gloo world for the baseline. `benchmarks.kv_transfer` drives them over pipes, one
 command at a time, so every timestamp below is taken inside the peer that does the work.
 
 Timestamps are `time.monotonic()`, CLOCK_MONOTONIC on Linux: one clock for every process on
@@ -61,6 +61,7 @@ class PeerConfig:
     poll_interval_s: float = POLL_INTERVAL_S
     engine_malloc: bool = False  # the glibc settings CPU workers run with (engine/cpu_runtime.py)
     num_threads: int = 1  # torch threads per peer (gather and scatter)
+    backend: str = "torch_dist"  # the duet KV backend measured
 
 
 def block_value(layer: int, kv: int, block: torch.Tensor) -> torch.Tensor:
@@ -147,20 +148,18 @@ def _serve(conn: Connection, role: str, handle: Any) -> None:
 
 
 def run_receiver(conn: Connection, config: PeerConfig) -> None:
-    """Decode side: hosts the `torch_dist` receiver and the raw world's store (rank 1)."""
+    """Decode side: hosts the backend's receiver and the raw world's store (rank 1)."""
     try:
         _setup(config)
         import torch.distributed as dist
 
         from kv_transfer import KVLayout, TransferResult, TransferStatus, create_receiver
-        from kv_transfer.torch_dist import TorchDistKVReceiver
 
         caches = _make_caches(config, fill=False)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
-        receiver = create_receiver(
-            "torch_dist", kv_caches=caches, layout=layout, timeout_s=config.timeout_s
+        receiver: Any = create_receiver(
+            config.backend, kv_caches=caches, layout=layout, timeout_s=config.timeout_s
         )
-        assert isinstance(receiver, TorchDistKVReceiver)
         raw_store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -220,26 +219,24 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
 
 
 def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int) -> None:
-    """Prefill side: the `torch_dist` sender (its channel opened before any timing) and rank 0
+    """Prefill side: the backend's sender (its channel opened before any timing) and rank 0
     of the raw world."""
     try:
         _setup(config)
         import torch.distributed as dist
 
         from kv_transfer import KVLayout, TransferResult, TransferStatus, create_sender
-        from kv_transfer.torch_dist import TorchDistKVSender
 
         caches = _make_caches(config, fill=True)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
-        sender = create_sender(
-            "torch_dist",
+        sender: Any = create_sender(
+            config.backend,
             kv_caches=caches,
             layout=layout,
             name="bench",
             timeout_s=config.timeout_s,
             ack_timeout_s=config.timeout_s,
         )
-        assert isinstance(sender, TorchDistKVSender)
         sender.connect(address)  # the handshake is a one-off per pair of workers: not timed
         _raw_world(0, raw_port, config.timeout_s)
         conn.send(("ok", None))

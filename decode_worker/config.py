@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError
+from kv_transfer.factory import check_backend_name
 
 
 @dataclass
 class DecodeWorkerConfig(EngineConfig):
-    kv_backend: str = "torch_dist"
-    """KV transfer backend: torch_dist (between processes) or local (same process)."""
+    kv_backend: str = "auto"
+    """KV transfer backend: auto (tcp for CPU caches, torch_dist for GPU caches), tcp (CPU,
+    straight between the caches), torch_dist (gloo or NCCL), or local (same process)."""
     kv_host: str = "127.0.0.1"
     """Address the KV receiver listens on."""
     kv_port: int = 0
@@ -25,6 +27,10 @@ class DecodeWorkerConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            check_backend_name(self.kv_backend)
+        except ValueError as e:
+            raise InvalidInputError("kv_backend", str(e).removeprefix("kv_backend: ")) from None
         for name in ("kv_transfer_timeout_s", "kv_wait_s"):
             if getattr(self, name) <= 0:
                 raise InvalidInputError(name, f"must be > 0; got {getattr(self, name)}")

@@ -26,6 +26,7 @@ from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError, _Abort
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVLayout, KVReceiver, TransferStatus, create_receiver
+from kv_transfer.factory import resolve_backend
 
 
 class NoCapacityError(RuntimeError):
@@ -107,8 +108,9 @@ class DecodeWorker(AsyncEngine):
         self.layout = KVLayout.of_caches(
             config.model or "default", engine.runner.kv_caches, engine.arch.num_key_value_heads
         )
+        self.kv_backend = resolve_backend(config.kv_backend, engine.runner.kv_caches)
         options = dict(receiver_options or {})
-        if config.kv_backend == "torch_dist":
+        if self.kv_backend in ("torch_dist", "tcp"):
             options = {
                 "host": config.kv_host,
                 "port": config.kv_port,
@@ -117,7 +119,7 @@ class DecodeWorker(AsyncEngine):
                 **options,
             }
         self.receiver: KVReceiver = create_receiver(
-            config.kv_backend, kv_caches=engine.runner.kv_caches, layout=self.layout, **options
+            self.kv_backend, kv_caches=engine.runner.kv_caches, layout=self.layout, **options
         )
         self.kv_address: str = getattr(self.receiver, "address", options.get("name", name))
         self.load = DecodeLoad(

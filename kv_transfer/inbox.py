@@ -135,6 +135,8 @@ class InboxKVReceiver(KVReceiver):
                 ):
                     del self._inbox[request_id]
                     result = self._done(request_id, arrivals)
+                elif self._busy(request_id):
+                    continue  # a backend thread is writing its blocks: it ends soon, either way
                 elif request_id in self._failed:
                     why = self._failed.pop(request_id)[0]
                     result = TransferResult(request_id, TransferStatus.FAILED, why, retryable=True)
@@ -159,6 +161,11 @@ class InboxKVReceiver(KVReceiver):
                 self._results.append(TransferResult(request_id, TransferStatus.ABORTED))
             _discard(self._inbox.pop(request_id, []))
             self._aborted[request_id] = time.monotonic()  # shards may still be on the wire
+
+    def _busy(self, request_id: str) -> bool:
+        """A backend thread is writing straight into the request's reserved blocks (called
+        under the lock): its outcome waits, so the blocks are never freed under the write."""
+        return False
 
     def _num_shards(self, sender: KVLayout) -> int:
         return max(1, self.layout.heads_per_rank // sender.heads_per_rank)

@@ -50,3 +50,23 @@ class StagingPool:
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(b.numel() for b in self._idle)
+
+
+class StagingLease:
+    """A receive buffer shared by a channel thread (receiving into it) and the inbox (copying
+    out of it): back in the pool once both let go, unless the receive failed (the transport
+    may still write into it)."""
+
+    def __init__(self, pool: StagingPool, buf: torch.Tensor) -> None:
+        self._pool, self._buf = pool, buf
+        self._lock = threading.Lock()
+        self._holders = 2
+        self._reusable = True
+
+    def release(self, reusable: bool = True) -> None:
+        with self._lock:
+            self._holders -= 1
+            self._reusable = self._reusable and reusable
+            last = self._holders == 0
+        if last and self._reusable:
+            self._pool.give(self._buf)

@@ -57,7 +57,7 @@ from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks
 from kv_transfer.inbox import Arrival, InboxKVReceiver
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
-from kv_transfer.staging import StagingPool
+from kv_transfer.staging import StagingLease, StagingPool
 
 logger = logging.getLogger(__name__)
 
@@ -168,26 +168,6 @@ class _SendJob:
 
     def wait_gathered(self, timeout_s: float) -> bool:
         return all(e.wait(timeout_s) for e in self.gathered) and not self.gather_failed
-
-
-class _Lease:
-    """A receive buffer shared by the channel thread (receiving into it) and the inbox (copying
-    out of it): back in the pool once both let go, unless the receive failed (the transport
-    may still write into it)."""
-
-    def __init__(self, pool: StagingPool, buf: torch.Tensor) -> None:
-        self._pool, self._buf = pool, buf
-        self._lock = threading.Lock()
-        self._holders = 2
-        self._reusable = True
-
-    def release(self, reusable: bool = True) -> None:
-        with self._lock:
-            self._holders -= 1
-            self._reusable = self._reusable and reusable
-            last = self._holders == 0
-        if last and self._reusable:
-            self._pool.give(self._buf)
 
 
 class TorchDistKVSender(KVSender):
@@ -518,14 +498,14 @@ class TorchDistKVReceiver(InboxKVReceiver):
         transfers: list[dict[str, Any]],
     ) -> bool:
         """Receive the transfers of one header; False when the channel is lost."""
-        posted: list[tuple[str, Arrival, _Lease]] = []
+        posted: list[tuple[str, Arrival, StagingLease]] = []
         works: list[tuple[int, int, Any]] = []  # (end layer, index in posted, work)
         try:
             # Every chunk's receive is posted up front: the sender streams them back to back.
             for transfer in transfers:
                 request_id = transfer["request_id"]
                 buf = self._staging.take(tuple(transfer["shape"]), self.kv_caches[0].dtype)
-                lease = _Lease(self._staging, buf)
+                lease = StagingLease(self._staging, buf)
                 fetch_meta = None
                 if transfer["trailer"]:
                     fetch_meta = functools.partial(_fetch_json, store, _meta_key(cid, request_id))

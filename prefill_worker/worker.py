@@ -44,6 +44,7 @@ from kv_transfer import (
     TransferStatus,
     create_sender,
 )
+from kv_transfer.factory import resolve_backend
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.prefix_index import PrefixCacheIndex
 
@@ -141,8 +142,9 @@ class PrefillWorker:
             tp.world_size,
             tp.rank,
         )
+        self.kv_backend = resolve_backend(config.kv_backend, self.engine.runner.kv_caches)
         options = dict(sender_options or {})
-        if config.kv_backend == "torch_dist":
+        if self.kv_backend in ("torch_dist", "tcp"):
             options = {
                 "name": f"{name}-tp{tp.rank}",
                 "timeout_s": config.kv_transfer_timeout_s,
@@ -150,7 +152,7 @@ class PrefillWorker:
                 **options,
             }
         self.sender: KVSender = create_sender(
-            config.kv_backend,
+            self.kv_backend,
             kv_caches=self.engine.runner.kv_caches,
             layout=self.layout,
             **options,

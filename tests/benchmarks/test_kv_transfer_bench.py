@@ -29,17 +29,19 @@ def test_block_bytes_of_the_real_layouts():
 
 
 @pytest.mark.slow
-def test_measure_tiny_layout_counts_exact_bytes(tmp_path):
+@pytest.mark.parametrize("backend", ["torch_dist", "tcp"])
+def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend):
     logged: list[str] = []
     layout = measure_layout(
-        TINY, [1, 3], reps=1, warmup=0, pool_blocks=5, timeout_s=30, log=logged.append
-    )
+        TINY, [1, 3], reps=1, warmup=0, pool_blocks=5, timeout_s=30, backend=backend,
+        log=logged.append,
+    )  # fmt: skip
     block_bytes = 2 * 2 * 4 * 2 * 8 * 4
     assert layout["layout"] == {
         "name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4,
         "dtype": "float32", "block_bytes": block_bytes,
     }  # fmt: skip
-    assert layout["pool_blocks"] == 5
+    assert (layout["pool_blocks"], layout["backend"]) == (5, backend)
     assert [r["num_blocks"] for r in layout["results"]] == [1, 3]
     for result, num_blocks in zip(layout["results"], [1, 3], strict=True):
         assert set(result) == RESULT_KEYS
@@ -59,9 +61,9 @@ def test_measure_tiny_layout_counts_exact_bytes(tmp_path):
         }  # fmt: skip
         assert rep["duet"]["checked"] is True  # the only rep: the receiver's blocks verified
         assert len(result["load_avg_before"]) == 3
-    assert len(logged) == 2 and logged[0].startswith("  tiny 1 blocks: load average")
+    assert len(logged) == 2 and logged[0].startswith(f"  tiny {backend} 1 blocks: load average")
     table = format_table([layout])
-    assert table.splitlines()[2].split()[:3] == ["tiny", "1", f"{block_bytes / 1e6:.2f}"]
+    assert table.splitlines()[2].split()[:4] == ["tiny", backend, "1", f"{block_bytes / 1e6:.2f}"]
     json.dumps(layout)  # the whole result is JSON-serialisable
 
 
@@ -70,6 +72,7 @@ def test_flag_errors_name_the_flag(capsys):
         (["--blocks", "1,0"], "every block count must be >= 1"),
         (["--blocks", "x"], "a comma list of integers"),
         (["--layouts", "gpt5"], "choose from smollm2-135m-fp32"),
+        (["--backends", "tcp,rdma"], "choose from torch_dist, tcp"),
         (["--reps", "0"], "--reps: must be >= 1"),
         (["--threads", "0"], "--threads: must be >= 1"),
         (["--poll-interval-ms", "0"], "--poll-interval-ms: must be in (0, 100]"),
@@ -94,6 +97,7 @@ def test_main_writes_the_json(tmp_path, capsys):
     assert report["command"].endswith(" ".join(argv) + f" --pool-blocks 2 --out {out}")
     assert report["config"]["threads"] == 1 and report["target"]["num_blocks"] == 256
     assert report["target"]["met"] == {}  # 256 blocks were not measured
-    [layout] = report["layouts"]
-    assert layout["results"][0]["bytes"] == 368_640
+    assert [layout["backend"] for layout in report["layouts"]] == ["torch_dist", "tcp"]
+    for layout in report["layouts"]:
+        assert layout["results"][0]["bytes"] == 368_640
     assert "smollm2-135m-bf16" in capsys.readouterr().out

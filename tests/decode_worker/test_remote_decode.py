@@ -45,9 +45,9 @@ def start_workers(model, backend, layerwise=True, **engine):
     return prefill, decode
 
 
-@pytest.fixture(params=["local", "torch_dist", "torch_dist-whole"])
+@pytest.fixture(params=["local", "torch_dist", "torch_dist-whole", "tcp", "tcp-whole"])
 def workers(request, tiny_llama):
-    """torch_dist sends layer by layer during the last prefill pass; -whole after it."""
+    """torch_dist and tcp send layer by layer during the last prefill pass; -whole after it."""
     backend, _, mode = request.param.partition("-")
     prefill, decode = start_workers(tiny_llama, backend, layerwise=mode != "whole")
     yield prefill, decode
@@ -94,7 +94,7 @@ def assert_pools_whole(prefill, decode):
 def test_disaggregated_equals_aggregated(workers, tiny_llama):
     prefill, decode = workers
     begun = spy_begun(prefill)
-    layerwise = prefill.config.kv_backend == "torch_dist" and prefill.config.kv_layerwise
+    layerwise = prefill.kv_backend in ("torch_dist", "tcp") and prefill.config.kv_layerwise
     prompts = mixed_prompts()
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
@@ -128,10 +128,11 @@ def test_disaggregated_equals_aggregated(workers, tiny_llama):
     assert_pools_whole(prefill, decode)
 
 
-def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama):
+@pytest.mark.parametrize("backend", ["torch_dist", "tcp"])
+def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama, backend):
     """A 48-token budget splits prompts over several passes and puts several requests in one
     pass: each is streamed during the pass that completes it, earlier chunks' layers included."""
-    prefill, decode = start_workers(tiny_llama, "torch_dist", max_num_batched_tokens=48)
+    prefill, decode = start_workers(tiny_llama, backend, max_num_batched_tokens=48)
     try:
         begun = spy_begun(prefill)
         prompts = mixed_prompts(8, seed=5)

@@ -181,5 +181,7 @@ def test_unknown_destination_and_backend():
     sender.send("r1", [1], "nowhere")
     [result] = sender.poll()
     assert result.status == TransferStatus.FAILED and result.retryable and "nowhere" in result.error
-    with pytest.raises(ValueError, match="unknown 'rdma'; available: local"):
+    with pytest.raises(
+        ValueError, match="kv_backend: unknown 'rdma'; available: auto, local, tcp, torch_dist"
+    ):
         create_sender("rdma")

@@ -30,11 +30,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def prefill_group(tiny_model_factory):
+@pytest.fixture(scope="module", params=["torch_dist", "tcp"])
+def prefill_group(request, tiny_model_factory):
+    """Two ranks of one group; `tcp` lands each rank's head shard in a staging buffer the decode
+    worker scatters, torch_dist every transfer."""
     model = tiny_model_factory("llama")
     config = json.dumps(
-        {"model": model, **ENGINE, "tensor_parallel_size": 2, "kv_backend": "torch_dist"}
+        {"model": model, **ENGINE, "tensor_parallel_size": 2, "kv_backend": request.param}
     )
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -67,7 +69,7 @@ def prefill_group(tiny_model_factory):
                 address = line.split()[1]
                 break
         assert address, "rank 0 exited before serving"
-        yield model, address
+        yield model, address, request.param
     finally:
         for p in procs:
             p.terminate()
@@ -80,8 +82,8 @@ def prefill_group(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def decode_worker(prefill_group):
-    model, _ = prefill_group
-    worker = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend="torch_dist", **ENGINE))
+    model, _, backend = prefill_group
+    worker = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend=backend, **ENGINE))
     yield worker
     worker.shutdown()
 
@@ -102,7 +104,7 @@ async def collect(remote):
 
 
 def test_tp2_prefill_to_tp1_decode_equals_aggregated(prefill_group, decode_worker):
-    model, address = prefill_group
+    model, address, _ = prefill_group
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
                for n in torch.randint(1, 150, (16,), generator=g)]  # fmt: skip
@@ -127,7 +129,7 @@ def test_tp2_prefill_to_tp1_decode_equals_aggregated(prefill_group, decode_worke
 
 
 def test_tp2_prefix_cache_hits_and_reported_hashes(prefill_group, decode_worker):
-    model, address = prefill_group
+    model, address, _ = prefill_group
     shared = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(5)).tolist()
     prompts = [[*shared, 7, 8, 9], [*shared, 10, 11]]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

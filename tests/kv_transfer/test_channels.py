@@ -1,0 +1,230 @@
+"""What every inter-process KV backend (torch_dist over gloo, tcp) does on loopback: handshake,
+transfer, layer-wise sending, heterogeneous TP, abort, timeouts, and a sender process killed
+mid-transfer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kv_transfer import (
+    HandshakeError,
+    TransferStatus,
+    create_receiver,
+    create_sender,
+    torch_dist,
+)
+from tests.kv_transfer.paged import caches, layout, wait_for
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+BACKENDS = ["torch_dist", "tcp"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def receiver(backend):
+    dst = caches(seed=1)
+    recv = create_receiver(backend, kv_caches=dst, layout=layout(dst), timeout_s=10)
+    yield recv, dst
+    recv.close()
+
+
+def test_transfer_is_bit_exact_and_acknowledged(receiver, backend):
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [9, 3, 12], timeout_s=10)
+    sender.send("r1", [0, 5, 7], recv.address)
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE
+    [acked] = wait_for(sender.poll)
+    assert acked.status == TransferStatus.DONE
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
+    # A second request reuses the channel.
+    recv.expect("r2", [1], timeout_s=10)
+    sender.send("r2", [2], recv.address)
+    assert wait_for(recv.poll)[0].status == TransferStatus.DONE
+    assert all(torch.equal(d[:, 1], s[:, 2]) for s, d in zip(src, dst, strict=True))
+    sender.close()
+
+
+def test_layerwise_layers_land_while_later_layers_compute(receiver, backend, monkeypatch):
+    """`begin` before a pass, `layer_computed` after each layer, `finish` with the metadata:
+    layer i is in the receiver's blocks before layer i+1 exists, and the request is DONE only
+    once the trailer (the first token) is there. Two requests of one pass share the channel."""
+    monkeypatch.setattr(torch_dist, "CHUNK_MIN_BYTES", 1)  # one message per layer
+    recv, dst = receiver
+    before = [c.clone() for c in dst]
+    src = [torch.zeros_like(c) for c in caches()]  # the pass fills a layer at a time
+    final = caches(seed=5)
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    plan = {"a": ([0, 5, 7], [9, 3, 12]), "b": ([2], [1])}
+    for rid, (src_ids, dst_ids) in plan.items():
+        recv.expect(rid, dst_ids, timeout_s=10)
+        assert sender.begin(rid, src_ids, recv.address)
+    for layer in range(len(src)):
+        src[layer].copy_(final[layer])
+        sender.layer_computed(layer)
+
+        def landed(layer=layer):  # this layer is in the receiver's blocks (its poll writes it)
+            if all(torch.equal(dst[layer][:, d], final[layer][:, s]) for s, d in plan.values()):
+                return [True]
+            return recv.poll()
+
+        assert wait_for(landed) == [True]
+        for later in range(layer + 1, len(src)):  # later layers are untouched
+            assert torch.equal(dst[later], before[later])
+    time.sleep(0.2)
+    assert recv.poll() == []  # every layer is in, but not the first token yet
+    sender.finish("b", {"first_token": 7})
+    sender.finish("a", {"first_token": 42})
+    results = wait_for(recv.poll)
+    results += [] if len(results) == 2 else wait_for(recv.poll)
+    assert sorted((r.request_id, r.status, r.meta["first_token"]) for r in results) == [
+        ("a", TransferStatus.DONE, 42),
+        ("b", TransferStatus.DONE, 7),
+    ]
+    acked = wait_for(sender.poll)
+    acked += [] if len(acked) == 2 else wait_for(sender.poll)
+    assert sorted((r.request_id, r.status) for r in acked) == [
+        ("a", TransferStatus.DONE),
+        ("b", TransferStatus.DONE),
+    ]
+    # The channel is still in step for a whole-request send.
+    recv.expect("c", [0], timeout_s=10)
+    sender.send("c", [4], recv.address, meta={"first_token": 1})
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE and done.meta == {"first_token": 1}
+    assert all(torch.equal(d[:, 0], f[:, 4]) for f, d in zip(final, dst, strict=True))
+    sender.close()
+
+
+def test_layerwise_without_trailer_times_out_retryable(receiver, backend):
+    recv, _ = receiver
+    src = caches()
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [2], timeout_s=1.0)
+    sender.begin("r1", [0], recv.address)
+    for layer in range(len(src)):
+        sender.layer_computed(layer)
+    [result] = wait_for(recv.poll)  # all KV landed, but the first token never came
+    assert result.status == TransferStatus.FAILED and result.retryable
+    sender.close()
+
+
+def test_out_of_range_block_id_is_refused_before_anything_is_sent(receiver, backend):
+    recv, _ = receiver
+    src = caches()
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    with pytest.raises(ValueError, match=r"block_ids: 16 is not in \[0, 16\)"):
+        sender.send("r1", [0, 16], recv.address)
+    recv.expect("r2", [1], timeout_s=10)  # the channel is still in step
+    sender.send("r2", [2], recv.address)
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    sender.close()
+
+
+def test_two_tp_shards_reassemble_into_one_receiver(receiver, backend):
+    recv, dst = receiver
+    full = caches()
+    senders = []
+    for rank in range(2):
+        shard = [c[:, :, :, 2 * rank : 2 * rank + 2].contiguous() for c in full]
+        senders.append(
+            create_sender(
+                backend, kv_caches=shard, layout=layout(shard, 4, 2, rank), name=f"p{rank}"
+            )
+        )
+    # Both ranks send their heads under one request id; it is done when both landed.
+    recv.expect("r", [4, 6], timeout_s=10)
+    for rank, s in enumerate(senders):
+        s.send("r", [1, 2], recv.address, meta={"first_token": 42, "rank": rank})
+    [done] = wait_for(recv.poll)
+    assert done.status == TransferStatus.DONE and done.meta == {"first_token": 42, "rank": 0}
+    for f, d in zip(full, dst, strict=True):
+        assert torch.equal(d[:, [4, 6]], f[:, [1, 2]])
+    for s in senders:
+        assert [r.status for r in wait_for(s.poll)] == [TransferStatus.DONE]
+        s.close()
+
+
+def test_handshake_mismatch_refused_on_both_sides(receiver, backend):
+    recv, _ = receiver
+    src = caches(dtype=torch.bfloat16)
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="bad", timeout_s=10)
+    with pytest.raises(HandshakeError, match="dtype: sender 'bfloat16' != receiver 'float32'"):
+        sender.send("r1", [0], recv.address)
+    sender.close()
+
+
+def test_abort_drops_late_data(receiver, backend):
+    recv, dst = receiver
+    before = [c.clone() for c in dst]
+    src = caches()
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [3], timeout_s=10)
+    recv.abort("r1")
+    sender.send("r1", [0], recv.address)
+    assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
+    time.sleep(0.5)
+    assert recv.poll() == []
+    assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
+    sender.close()
+
+
+def test_expect_times_out_retryable(receiver, backend):
+    recv, _ = receiver
+    recv.expect("never", [1], timeout_s=0.2)
+    [result] = wait_for(recv.poll)
+    assert result.status == TransferStatus.FAILED and result.retryable
+
+
+def test_unreachable_receiver_is_retryable(backend):
+    src = caches()
+    sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=1)
+    sender.send("r1", [0], "127.0.0.1:1")
+    [result] = sender.poll()
+    assert result.status == TransferStatus.FAILED and result.retryable
+    sender.close()
+
+
+SENDER_SCRIPT = """
+import sys
+import os, sys, time, torch
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+from kv_transfer import KVLayout, create_sender
+kv = [torch.zeros(2, 16, 4, 4, 8) for _ in range(3)]
+s = create_sender(sys.argv[2], kv_caches=kv, layout=KVLayout.of_caches("m", kv, 4), name="doomed", timeout_s=10)
+s.connect(sys.argv[1])
+print("connected", flush=True)
+time.sleep(60)
+"""
+
+
+def test_sender_killed_receiver_times_out_and_reports_retryable(receiver, backend):
+    recv, _ = receiver
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SENDER_SCRIPT, recv.address, backend],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "connected"
+        recv.expect("r1", [2], timeout_s=1.5)
+        proc.kill()
+        proc.wait(10)
+        [result] = wait_for(recv.poll)
+        assert result.status == TransferStatus.FAILED and result.retryable
+    finally:
+        proc.kill()

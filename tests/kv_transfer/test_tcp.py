@@ -1,0 +1,227 @@
+"""The tcp backend's own behaviour: KV lands straight in the reserved blocks (no staging) when
+expected, in a staging buffer when not; a write in progress holds off abort and timeouts and is
+cut off when it stalls; the sender reports a transfer only once its thread let go of the
+blocks; a broken connection fails its transfers retryable and is replaced; `auto` picks it for
+CPU caches. (What every backend does is in test_channels.py.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer import TransferStatus, create_receiver, create_sender, tcp
+from kv_transfer.factory import resolve_backend
+from tests.kv_transfer.paged import caches, layout, wait_for
+
+# caches(): 3 layers of [2, 16 blocks, 4 tokens, 4 heads, 8] fp32: a block row is 512 bytes
+ROW_BYTES = 4 * 4 * 8 * 4
+
+
+@pytest.fixture
+def receiver():
+    dst = caches(seed=1)
+    recv = create_receiver("tcp", kv_caches=dst, layout=layout(dst), timeout_s=10)
+    yield recv, dst
+    recv.close()
+
+
+def test_expected_kv_lands_in_the_reserved_blocks_without_staging(receiver):
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [9, 3, 12], timeout_s=10)
+    sender.send("r1", [0, 5, 7], recv.address, meta={"first_token": 3})
+    [done] = wait_for(recv.poll)
+    assert (done.status, done.meta) == (TransferStatus.DONE, {"first_token": 3})
+    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
+    assert recv._staging.idle_bytes == 0  # no buffer was ever taken
+    sender.close()
+
+
+def test_kv_before_expect_is_staged_then_written(receiver):
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    sender.send("early", [1, 2], recv.address)
+    deadline = time.monotonic() + 10
+    while "early" not in recv._inbox or recv._inbox["early"][0].layers_ready < 3:
+        assert time.monotonic() < deadline, "the transfer never landed"
+        time.sleep(0.01)
+    assert recv.poll() == []  # nobody expects it yet
+    recv.expect("early", [14, 0], timeout_s=10)
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, [14, 0]], s[:, [1, 2]])
+    assert recv._staging.idle_bytes == 3 * 2 * 2 * ROW_BYTES  # its buffer, back in the pool
+    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    sender.close()
+
+
+class FakeSender:
+    """A peer speaking the tcp backend's protocol by hand, to stall or break it mid-frame."""
+
+    def __init__(self, address: str, kv: list[torch.Tensor]) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.frame({"layout": layout(kv).to_dict()})
+        (length,) = struct.unpack("!I", self.read(4))
+        assert "layout" in json.loads(self.read(length))["verdict"]
+
+    def frame(self, header: dict, payload: bytes = b"") -> None:
+        body = json.dumps(header).encode()
+        self.sock.sendall(struct.pack("!I", len(body)) + body + payload)
+
+    def read(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            assert chunk, "receiver closed"
+            data += chunk
+        return data
+
+
+def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch):
+    monkeypatch.setattr(tcp, "ABORT_WAIT_S", 0.3)
+    recv, dst = receiver
+    before = [c.clone() for c in dst]
+    fake = FakeSender(recv.address, dst)
+    recv.expect("r1", [4, 6], timeout_s=10)
+    fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 2, "meta": {}, "trailer": False})
+    nbytes = 3 * 4 * ROW_BYTES  # 3 layers of K and V rows of 2 blocks
+    # Half of layer 0's K row of block 4, then the sender stalls mid-write.
+    fake.frame(
+        {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": nbytes},
+        b"\x00" * (ROW_BYTES // 2),
+    )
+    deadline = time.monotonic() + 10
+    while "r1" not in recv._writing:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert recv.poll() == []  # written into: not done, not timed out
+    started = time.monotonic()
+    recv.abort("r1")
+    assert 0.3 <= time.monotonic() - started < 5  # waited, then shut the connection
+    assert "r1" not in recv._writing
+    assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
+    with pytest.raises(OSError):  # the connection is gone: nothing more can land
+        for _ in range(100):
+            fake.sock.sendall(b"\x01" * nbytes)
+            time.sleep(0.01)
+    # Only the half row that came before the abort was written; every other byte is as it was.
+    k0 = dst[0][0, 4].view(-1).view(torch.uint8)
+    assert torch.equal(
+        k0[ROW_BYTES // 2 :], before[0][0, 4].view(-1).view(torch.uint8)[ROW_BYTES // 2 :]
+    )
+    dst[0][0, 4] = before[0][0, 4]
+    assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
+
+
+def test_a_malformed_frame_breaks_the_channel_and_fails_retryable(receiver):
+    recv, dst = receiver
+    fake = FakeSender(recv.address, dst)
+    recv.expect("r1", [4], timeout_s=10)
+    fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 1, "meta": {}, "trailer": False})
+    fake.frame({"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": 5})
+    [result] = wait_for(recv.poll)
+    assert result.status == TransferStatus.FAILED and result.retryable
+    assert "sender lost" in result.error
+    assert fake.sock.recv(1) == b""  # the receiver closed the connection
+
+
+class StalledReceiver:
+    """Accepts one channel, answers the handshake, then never reads."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.conn: socket.socket | None = None
+        self.thread = threading.Thread(target=self._handshake)
+        self.thread.start()
+
+    def _handshake(self) -> None:
+        conn, _ = self.server.accept()
+        (length,) = struct.unpack("!I", conn.recv(4, socket.MSG_WAITALL))
+        peer = json.loads(conn.recv(length, socket.MSG_WAITALL))["layout"]
+        body = json.dumps({"verdict": {"layout": peer}}).encode()
+        conn.sendall(struct.pack("!I", len(body)) + body)
+        self.conn = conn
+
+    def close(self) -> None:
+        self.thread.join(10)
+        if self.conn is not None:
+            self.conn.close()
+        self.server.close()
+
+
+def big_caches() -> list[torch.Tensor]:
+    return [torch.ones(2, 64, 16, 16, 64) for _ in range(2)]  # 4 MiB per layer and K/V
+
+
+def test_sender_reports_abort_only_after_its_thread_let_go_of_the_blocks():
+    """The receiver stops reading: the send thread is stuck in sendmsg, so an aborted transfer
+    is not reported (its blocks are still being read) until the connection breaks."""
+    big = big_caches()
+    peer = StalledReceiver()
+    sender = create_sender("tcp", kv_caches=big, layout=layout(big, 16), name="p0", timeout_s=10)
+    sender.send("r1", list(range(64)), peer.address)
+    time.sleep(0.5)  # the socket buffers fill; sendmsg blocks
+    sender.abort("r1")
+    for _ in range(20):
+        assert sender.poll() == []
+        time.sleep(0.02)
+    peer.close()  # the connection breaks: the send fails, the thread lets go
+    [result] = wait_for(sender.poll)
+    assert result.status == TransferStatus.ABORTED  # the first word stands
+    sender.close()
+
+
+def test_a_receiver_gone_mid_transfer_fails_it_retryable():
+    big = big_caches()
+    peer = StalledReceiver()
+    sender = create_sender("tcp", kv_caches=big, layout=layout(big, 16), name="p0", timeout_s=10)
+    sender.send("r1", list(range(64)), peer.address)
+    time.sleep(0.3)
+    peer.close()
+    [result] = wait_for(sender.poll)
+    assert result.status == TransferStatus.FAILED and result.retryable
+    sender.close()
+
+
+def test_a_connection_the_receiver_closed_is_replaced_by_the_next_send(receiver):
+    recv, dst = receiver
+    src = caches()
+    sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
+    recv.expect("r1", [2], timeout_s=10)
+    sender.send("r1", [3], recv.address)
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    first = sender.connect(recv.address)
+    for channel in list(recv._channels):  # the decode side drops the connection ...
+        channel.shutdown()
+    recv.expect("r2", [5], timeout_s=10)  # ... and the next send opens a new one
+    sender.send("r2", [1], recv.address)
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    assert all(torch.equal(d[:, 5], s[:, 1]) for s, d in zip(src, dst, strict=True))
+    assert sender.connect(recv.address) is not first
+    sender.close()
+
+
+def test_auto_picks_tcp_for_contiguous_cpu_caches_and_tcp_refuses_others():
+    kv = caches()
+    assert resolve_backend("auto", kv) == "tcp"
+    strided = [c.transpose(3, 4) for c in kv]  # not contiguous
+    assert resolve_backend("auto", strided) == "torch_dist"
+    assert resolve_backend("torch_dist", kv) == "torch_dist"
+    with pytest.raises(ValueError, match="kv_backend 'tcp': moves contiguous CPU caches only"):
+        create_receiver("tcp", kv_caches=strided, layout=layout(kv))
+    with pytest.raises(ValueError, match="kv_backend: unknown 'udp'"):
+        resolve_backend("udp", kv)
