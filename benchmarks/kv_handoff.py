@@ -3,8 +3,9 @@
     python -m benchmarks.kv_handoff                       # SmolLM2, prompts of 512 and 2048
     python -m benchmarks.kv_handoff --prompt-lens 256 --reps 3
 
-A `PrefillWorker` and a `DecodeWorker` (torch_dist over gloo on loopback, as in a disaggregated
-deployment) run on the embedded default model unless `--model` names another. Each rep sends
+A `PrefillWorker` and a `DecodeWorker` (KV over `--kv-backend` on loopback, as in a
+disaggregated deployment; default `auto`: tcp on CPU) run on the embedded default model unless
+`--model` names another. Each rep sends
 one prompt through both, as the router does (reserve on decode, prefill towards it, stream from
 decode), alternating the two ways of sending so that the machine's noise hits both alike:
 
@@ -49,13 +50,21 @@ MODES = ("layerwise", "whole")
 class Handoff:
     """The two workers, and the moment each request's first token left the prefill side."""
 
-    def __init__(self, model: str | None, dtype: str, max_len: int, threads: int | None) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        dtype: str,
+        max_len: int,
+        threads: int | None,
+        kv_backend: str = "auto",
+    ) -> None:
         engine: dict[str, Any] = dict(
             model=model,
             dtype=dtype,
             load_progress=False,
             max_num_batched_tokens=max(2048, max_len),
             num_threads=threads,
+            kv_backend=kv_backend,
         )
         self.prefill = PrefillWorker(PrefillWorkerConfig(**engine))
         self.decode = DecodeWorker(DecodeWorkerConfig(**engine))
@@ -159,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=6, help="timed reps per mode and length")
     p.add_argument("--warmup", type=int, default=1, help="untimed reps per mode and length")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--kv-backend", default="auto", choices=["auto", "tcp", "torch_dist"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -172,14 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    handoff = Handoff(args.model, args.dtype, max(args.prompt_lens), args.threads)
+    handoff = Handoff(args.model, args.dtype, max(args.prompt_lens), args.threads, args.kv_backend)
     try:
         rows = measure(handoff, args.prompt_lens, args.reps, args.warmup, args.seed)
         dtype = str(handoff.prefill.engine.dtype).removeprefix("torch.")
         model = handoff.prefill.engine.model_name
+        backend = handoff.prefill.kv_backend
     finally:
         handoff.close()
-    print(f"{model} ({dtype}), {args.reps} reps per cell, medians")
+    print(f"{model} ({dtype}), KV over {backend}, {args.reps} reps per cell, medians")
     print(format_table(rows))
     result = {
         "benchmark": "kv_handoff",
@@ -190,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": cpu_info(),
         "model": model,
         "dtype": dtype,
+        "kv_backend": backend,
         "threads": torch.get_num_threads(),
         "rows": rows,
     }

@@ -80,7 +80,23 @@ def row_iovecs(caches: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     iov = torch.empty((len(caches), rows.numel(), 2), dtype=torch.int64)
     iov[:, :, 0] = bases[:, None] + rows.to(torch.int64)[None, :] * row_bytes
     iov[:, :, 1] = row_bytes
-    return iov.view(-1, 2)
+    return merge_adjacent(iov.view(-1, 2))
+
+
+def merge_adjacent(iov: torch.Tensor) -> torch.Tensor:
+    """One iovec for each run that continues where the previous one ends (blocks allocated in
+    a row, as a fresh pool hands them out): fewer, longer copies for the kernel."""
+    if iov.shape[0] < 2:
+        return iov
+    starts = torch.ones(iov.shape[0], dtype=torch.bool)
+    starts[1:] = iov[1:, 0] != iov[:-1, 0] + iov[:-1, 1]
+    if bool(starts.all()):
+        return iov
+    run = torch.cumsum(starts, 0) - 1
+    merged = torch.zeros((int(run[-1]) + 1, 2), dtype=torch.int64)
+    merged[:, 0] = iov[starts, 0]
+    merged[:, 1].index_add_(0, run, iov[:, 1])
+    return merged
 
 
 def buffer_iovecs(buf: torch.Tensor) -> torch.Tensor:

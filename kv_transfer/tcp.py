@@ -632,8 +632,10 @@ class TcpKVReceiver(InboxKVReceiver):
             while _wait_readable(sock, self._closed, None):
                 self._handle(channel, sender, _read_frame(sock))
         except Exception as e:  # the sender went away or broke the protocol
-            if not self._closed.is_set():
-                logger.warning("KV channel lost: %s", e)
+            if channel.incoming:
+                logger.warning("KV channel lost mid-transfer: %s", e)
+            elif not self._closed.is_set():  # a sender that closed between transfers
+                logger.info("KV channel closed: %s", e)
             for request_id, incoming in channel.incoming.items():
                 self.fail(request_id, f"sender lost: {e}")
                 if incoming.lease is not None:

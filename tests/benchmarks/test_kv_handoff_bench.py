@@ -10,12 +10,15 @@ import pytest
 from benchmarks.kv_handoff import MODES, main, parse_args
 
 
-def test_tiny_run_writes_every_rep_of_both_modes(tiny_llama, tmp_path, capsys):
+@pytest.mark.parametrize(("flag", "backend"), [("auto", "tcp"), ("torch_dist", "torch_dist")])
+def test_tiny_run_writes_every_rep_of_both_modes(tiny_llama, tmp_path, capsys, flag, backend):
     out = tmp_path / "handoff.json"
     argv = ["--model", tiny_llama, "--dtype", "float32", "--prompt-lens", "9,40"]
-    assert main([*argv, "--reps", "2", "--warmup", "1", "--threads", "1", "--out", str(out)]) == 0
+    argv += ["--kv-backend", flag, "--reps", "2", "--warmup", "1", "--threads", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "kv_handoff" and result["dtype"] == "float32"
+    assert result["kv_backend"] == backend
     assert [row["prompt_len"] for row in result["rows"]] == [9, 40]
     for row in result["rows"]:
         for mode in MODES:
@@ -37,6 +40,7 @@ def test_tiny_run_writes_every_rep_of_both_modes(tiny_llama, tmp_path, capsys):
         (["--prompt-lens", "1"], "every prompt length must be >= 2"),
         (["--reps", "0"], "--reps: must be >= 1; got 0"),
         (["--warmup", "-1"], "--warmup: must be >= 0; got -1"),
+        (["--kv-backend", "rdma"], "invalid choice: 'rdma'"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, message, capsys):

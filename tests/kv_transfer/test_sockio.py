@@ -128,3 +128,23 @@ def test_iovecs_refuse_rows_outside_the_cache_and_strided_caches():
         sockio.row_iovecs([kv[0].transpose(2, 4)], torch.tensor([0]))
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         sockio.buffer_iovecs(kv[0].transpose(2, 4))
+
+
+def test_rows_that_continue_each_other_become_one_iovec():
+    kv = paged(0, num_layers=2, num_blocks=8)  # 16 rows of 48 bytes per layer
+    iov = sockio.row_iovecs(kv, torch.tensor([2, 3, 4, 7, 10, 11]))
+    base0, base1 = kv[0].data_ptr(), kv[1].data_ptr()
+    assert iov.tolist() == [
+        [base0 + 2 * 48, 3 * 48], [base0 + 7 * 48, 48], [base0 + 10 * 48, 2 * 48],
+        [base1 + 2 * 48, 3 * 48], [base1 + 7 * 48, 48], [base1 + 10 * 48, 2 * 48],
+    ]  # fmt: skip
+    src, dst = paged(1, num_blocks=8), paged(2, num_blocks=8)
+    rows = torch.tensor([0, 1, 2, 3, 9, 8, 12, 13])
+    a, b = connected_pair()
+    sender = threading.Thread(target=sockio.send_iovecs, args=(a, sockio.row_iovecs(src, rows)))
+    sender.start()
+    sockio.recv_iovecs(b, sockio.row_iovecs(dst, torch.arange(8)))
+    sender.join()
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d.view(16, -1)[:8], s.view(16, -1)[rows])
+    a.close(), b.close()
