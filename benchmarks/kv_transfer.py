@@ -140,6 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-wait-s", type=float, default=0.0, help="wait for an idle machine")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per transfer and start-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--block-order",
+        choices=("random", "runs"),
+        default="random",
+        help="block ids as a pool leaves them after churn (random), or as a fresh pool hands "
+        "them out (runs of consecutive ids)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     for name in ("reps", "warmup", "pool_blocks", "threads"):
@@ -180,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     num_threads=args.threads,
                     idle_wait_s=args.idle_wait_s,
                     backend=backend,
+                    block_order=args.block_order,
                 )
             )
     print()
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "timeout_s": args.timeout_s,
             "seed": args.seed,
+            "block_order": args.block_order,
         },
         "target": {"ratio": TARGET_RATIO, "num_blocks": TARGET_BLOCKS, "met": target},
         "busy": busy,

@@ -142,16 +142,27 @@ class _Peers:
                 proc.join(timeout=10)
 
 
+def block_tables(
+    pool: int, num_blocks: int, seed: int, order: str = "random"
+) -> tuple[list[int], list[int]]:
+    """The sender's and the receiver's block ids. `random`: as a pool leaves them after some
+    churn (distinct ids in no order); `runs`: as a fresh pool hands them out (one run of
+    consecutive ids each, at a random start)."""
+    rng = random.Random(seed * 1_000_003 + num_blocks)
+    if order == "runs":
+        src, dst = (rng.randrange(pool - num_blocks + 1) for _ in range(2))
+        return list(range(src, src + num_blocks)), list(range(dst, dst + num_blocks))
+    return rng.sample(range(pool), num_blocks), rng.sample(range(pool), num_blocks)
+
+
 def measure_blocks(
-    peers: _Peers, num_blocks: int, reps: int, warmup: int, seed: int
+    peers: _Peers, num_blocks: int, reps: int, warmup: int, seed: int, order: str = "random"
 ) -> dict[str, Any]:
     """`warmup` + `reps` interleaved duet and raw transfers of `num_blocks` blocks."""
     spec, pool = peers.config.spec, peers.config.num_blocks
     nbytes = num_blocks * spec.block_bytes
     peers.raw_buffers(nbytes)
-    rng = random.Random(seed * 1_000_003 + num_blocks)
-    # Block tables as an engine leaves them after some churn: distinct ids in no order.
-    src_ids, dst_ids = rng.sample(range(pool), num_blocks), rng.sample(range(pool), num_blocks)
+    src_ids, dst_ids = block_tables(pool, num_blocks, seed, order)
     duet_reps, raw_reps = [], []
     total = warmup + reps
     for rep in range(total):
@@ -206,6 +217,7 @@ def measure_layout(
     num_threads: int = 1,
     idle_wait_s: float = 0.0,
     backend: str = "torch_dist",
+    block_order: str = "random",
     log: Any = None,
 ) -> dict[str, Any]:
     """Spawn the two peers for `spec` and `backend` and measure each block count; the
@@ -226,13 +238,14 @@ def measure_layout(
                 f"  {spec.name} {backend} {num_blocks} blocks: "
                 f"load average {load[0]:.2f} {load[1]:.2f}"
             )
-            result = measure_blocks(peers, num_blocks, reps, warmup, seed)
+            result = measure_blocks(peers, num_blocks, reps, warmup, seed, block_order)
             results.append({"load_avg_before": list(load), **result})
     finally:
         peers.close()
     return {
         "layout": spec_dict(spec),
         "backend": backend,
+        "block_order": block_order,
         "pool_blocks": pool,
         "results": results,
     }

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks.kv_transfer import format_table, main, parse_args
-from benchmarks.kv_transfer_measure import measure_layout
+from benchmarks.kv_transfer_measure import block_tables, measure_layout
 from benchmarks.kv_transfer_peers import LAYOUTS, LayoutSpec
 
 TINY = LayoutSpec("tiny", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -101,3 +101,13 @@ def test_main_writes_the_json(tmp_path, capsys):
     for layout in report["layouts"]:
         assert layout["results"][0]["bytes"] == 368_640
     assert "smollm2-135m-bf16" in capsys.readouterr().out
+
+
+def test_block_tables_random_or_in_runs():
+    src, dst = block_tables(300, 256, seed=0)
+    assert len(set(src)) == len(set(dst)) == 256 and max(src + dst) < 300
+    assert src != sorted(src)  # no order
+    src, dst = block_tables(300, 256, seed=0, order="runs")
+    assert src == list(range(src[0], src[0] + 256)) and dst == list(range(dst[0], dst[0] + 256))
+    assert 0 <= src[0] <= 44 and 0 <= dst[0] <= 44
+    assert block_tables(300, 256, seed=0, order="runs") == (src, dst)  # seeded
