@@ -65,6 +65,13 @@ def test_bad_serve_flags_fail_before_loading(
     assert message in capsys.readouterr().err
 
 
+def test_unknown_kv_backend_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--disaggregated", "--kv-backend", "rdma"])
+    assert exc.value.code == 2
+    assert "--kv-backend: invalid choice: 'rdma'" in capsys.readouterr().err
+
+
 def test_a_taken_grpc_port_fails_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,0 +1,48 @@
+"""The worker configs refuse impossible KV settings, naming the field; `kv_backend` reaches
+both kinds of worker from the cluster's spec."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from deploy.ray_cluster import ClusterSpec
+from engine.errors import InvalidInputError
+from prefill_worker.config import PrefillWorkerConfig
+
+
+@pytest.mark.parametrize("config", [PrefillWorkerConfig, DecodeWorkerConfig])
+def test_unknown_kv_backend_is_refused(config):
+    with pytest.raises(InvalidInputError) as exc:
+        config(kv_backend="rdma")
+    assert exc.value.field == "kv_backend"
+    assert str(exc.value) == "kv_backend: unknown 'rdma'; available: auto, local, tcp, torch_dist"
+    assert config().kv_backend == "auto"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"kv_port": 70000}, "kv_port"),
+        ({"kv_wait_s": 0}, "kv_wait_s"),
+        ({"kv_transfer_timeout_s": -1}, "kv_transfer_timeout_s"),
+    ],
+)
+def test_decode_kv_settings_out_of_range(kwargs, field):
+    with pytest.raises(InvalidInputError) as exc:
+        DecodeWorkerConfig(**kwargs)
+    assert exc.value.field == field
+
+
+def test_prefill_lease_must_outlast_a_transfer():
+    with pytest.raises(InvalidInputError, match=r"kv_lease_s: must be > kv_transfer_timeout_s"):
+        PrefillWorkerConfig(kv_transfer_timeout_s=30, kv_lease_s=30)
+
+
+def test_cluster_spec_gives_both_roles_its_kv_backend():
+    spec = ClusterSpec(model="m", engine={"dtype": "float32"}, prefill_tp=2, kv_backend="tcp")
+    assert spec.worker_config("prefill")["kv_backend"] == "tcp"
+    assert spec.worker_config("decode") == {
+        "model": "m", "load_progress": False, "dtype": "float32", "kv_backend": "tcp",
+    }  # fmt: skip
+    assert spec.worker_config("prefill")["tensor_parallel_size"] == 2
