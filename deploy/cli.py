@@ -315,6 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ServeConfigError(str(e)) from e
     from engine import AsyncEngine, EngineConfig
+    from engine.heap import freeze_startup_heap
     from router.server import RouterServer, bind_rest_socket, check_grpc_port
 
     try:
@@ -331,7 +332,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncEngine.from_config(EngineConfig(model=args.model, **_engine_kwargs(args)))
         name = args.served_model_name or engine.engine.model_name
-        RouterServer(engine, name, config, rest_socket).run()
+        server = RouterServer(engine, name, config, rest_socket)
+        freeze_startup_heap()
+        server.run()
     except (KeyboardInterrupt, _Terminated):
         pass  # both servers have shut down gracefully (or the model was still loading)
     finally:

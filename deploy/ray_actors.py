@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from engine.heap import freeze_startup_heap
+
 T = TypeVar("T")
 
 _START_TIMEOUT_S = 600.0
@@ -78,6 +80,7 @@ class PrefillRankActor:
             self._loop = _LoopThread(f"{self.name}-grpc")
             self._server, port = self._loop.run(start_prefill_server(self.worker, "0.0.0.0", 0))
             self.address = f"{self.host}:{port}"
+        freeze_startup_heap()
         return self.address
 
     def info(self) -> dict[str, Any]:
@@ -106,6 +109,7 @@ class DecodeActor:
         self._loop = _LoopThread(f"{name}-grpc")
         self._server, port = self._loop.run(start_decode_server(self.worker, "0.0.0.0", 0))
         self.address = f"{host}:{port}"
+        freeze_startup_heap()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -138,6 +142,7 @@ class RouterActor:
         self.rest_port = rest_socket.getsockname()[1]
         name = served_model_name or self.engine.model_name
         self.server = RouterServer(self.engine, name, router_config, rest_socket)
+        freeze_startup_heap()
         self._thread = threading.Thread(target=self.server.run, name="duet-router", daemon=True)
         self._thread.start()
 

@@ -9,6 +9,7 @@ import json
 import logging
 import signal
 
+from engine.heap import freeze_startup_heap
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.launch import start_prefill_rank
 from prefill_worker.server import start_prefill_server
@@ -27,6 +28,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = PrefillWorkerConfig.from_kwargs(**json.loads(args.config))
     worker = start_prefill_rank(config, args.tp_rank, args.tp_init_method, args.name)
+    freeze_startup_heap()
     if args.tp_rank != 0:
         worker.join()
         return

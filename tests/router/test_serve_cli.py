@@ -182,4 +182,6 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
     assert proc.returncode == 0, err
     assert f"http://127.0.0.1:{port}/v1" in err
     assert "engine stopped" in err
+    frozen = re.search(r"froze (\d+) start-up objects", err)  # the serving process's heap
+    assert frozen is not None and int(frozen[1]) > 10_000, err
     assert key not in err + out
