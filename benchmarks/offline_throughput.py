@@ -3,6 +3,7 @@ seeded workload, the same weights and the same thread count, measured in one run
 
     python -m benchmarks.offline_throughput            # full run, ~25 minutes on 2 cores
     python -m benchmarks.offline_throughput --quick    # smoke run, a few minutes
+    python -m benchmarks.offline_throughput --paired-rounds 5 --vllm-modes compile
 
 Workload: 64 prompts of random (non-special) token ids, prompt lengths uniform in 16-512,
 output lengths uniform in 16-256, greedy, ignore_eos. Weights: the embedded SmolLM2-135M-Instruct
@@ -25,6 +26,10 @@ Setup (from the repository root):
 
 Without .venv-bench the vLLM baseline is skipped with a note. Results go to
 benchmarks/results/offline_throughput.json (see benchmarks/README.md).
+
+`--paired-rounds N` measures differently: for each dtype and vLLM mode, duet and that vLLM
+engine both stay loaded and their timed calls alternate for N rounds (`benchmarks/paired.py`),
+and the ratio is taken within each round, so the machine's drift over the run cancels out.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 
 from benchmarks.cpu_usage import wait_for_idle
 from benchmarks.machine import cpu_info
+from benchmarks.paired import DuetEngine, VllmEngine, run_rounds
 from benchmarks.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
 from benchmarks.systems import (
     RunConfig,
@@ -115,13 +121,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help=f"{QUICK_NUM_PROMPTS} short prompts")
+    p.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=0,
+        help="instead of one call per system in turn: duet and each vLLM engine stay loaded "
+        "and alternate timed calls for this many rounds (ratios within rounds)",
+    )
     args = p.parse_args(argv)
+    if args.paired_rounds < 0:
+        p.error(f"--paired-rounds: must be >= 0; got {args.paired_rounds}")
     if args.quick:
         args.num_prompts = min(args.num_prompts, QUICK_NUM_PROMPTS)
     if args.vllm_modes is None:
         args.vllm_modes = ["eager"] if args.quick else list(VLLM_MODES)
     if args.out is None:
         name = "offline_throughput_quick.json" if args.quick else "offline_throughput.json"
+        if args.paired_rounds:
+            name = "offline_throughput_paired.json"
         args.out = REPO_ROOT / "benchmarks/results" / name
     return args
 
@@ -291,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     machine = machine_info(args.threads)  # before the runs: the code that was measured
     print(f"workload: {workload.summary()}; threads {args.threads}; model {model_dir}")
+    if args.paired_rounds:
+        run_paired(args, workload, cfg, model_dir, machine, argv)
+        return
     jobs, skipped = plan_jobs(args, workload, cfg)
 
     results: list[SystemResult] = []
@@ -337,6 +357,78 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def run_paired(
+    args: argparse.Namespace,
+    workload: Workload,
+    cfg: RunConfig,
+    model_dir: Path,
+    machine: dict[str, Any],
+    argv: list[str] | None,
+) -> None:
+    """duet against each vLLM engine in alternating rounds, one dtype at a time."""
+    try:
+        version = check_vllm(args.vllm_python)
+    except SystemUnavailable as e:
+        raise SystemExit(f"--paired-rounds needs the vLLM baseline: {e}") from None
+    print(f"vllm {version} under {args.vllm_python}; {args.paired_rounds} paired rounds")
+    pairs = []
+    for dtype in DTYPES[args.dtype]:
+        duet = DuetEngine(workload, dtype, cfg)
+        try:
+            for mode in args.vllm_modes:
+                name = f"vllm-{mode}"
+                print(f"loading {name} {dtype} ...", flush=True)
+                vllm = VllmEngine(workload, dtype, mode == "eager", args.vllm_python, cfg)
+                try:
+                    pair = run_rounds(
+                        {"duet": duet, name: vllm}, workload, args.paired_rounds, args.idle_wait_s
+                    )
+                finally:
+                    vllm.close()
+                tokens = pair.pop("token_ids")
+                pair["same_tokens_as_vllm"] = sum(
+                    a == b for a, b in zip(tokens["duet"], tokens[name], strict=True)
+                )
+                pairs.append({"dtype": dtype, "baseline": name, **pair})
+                print(
+                    f"duet/{name} {dtype}: median {pair['median_ratio']:.2f}x "
+                    f"({pair['min_ratio']:.2f}-{pair['max_ratio']:.2f}) over "
+                    f"{args.paired_rounds} rounds",
+                    flush=True,
+                )
+        finally:
+            duet.close()
+            gc.collect()
+    print_paired(pairs)
+    report = {
+        "benchmark": "offline_throughput_paired",
+        "command": shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine,
+        "config": {"model_dir": str(model_dir), "rounds": args.paired_rounds},
+        "workload": workload.summary(),
+        "pairs": pairs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def print_paired(pairs: list[dict[str, Any]]) -> None:
+    header = f"{'pair':<26} {'dtype':<9} {'duet tok/s':>24} {'baseline tok/s':>24} {'ratio':>16}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for pair in pairs:
+        duet_name, base = pair["engines"]
+        duet_tok = [r[duet_name]["tok_s"] for r in pair["rounds"]]
+        base_tok = [r[base]["tok_s"] for r in pair["rounds"]]
+        print(
+            f"{'duet / ' + base:<26} {pair['dtype']:<9} "
+            f"{min(duet_tok):>10.1f}-{max(duet_tok):<10.1f}   "
+            f"{min(base_tok):>10.1f}-{max(base_tok):<10.1f}   "
+            f"{pair['median_ratio']:>5.2f}x ({pair['min_ratio']:.2f}-{pair['max_ratio']:.2f})"
+        )
+    print("ratio: median (min-max) over the rounds of duet tok/s / baseline tok/s in the round")
 
 
 if __name__ == "__main__":

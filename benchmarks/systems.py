@@ -75,7 +75,25 @@ class SystemUnavailable(Exception):
 
 
 def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
-    from engine import LLM, SamplingParams
+    llm, load_s, warmup_s = load_duet(dtype, cfg)
+    wall_s, cpu, token_ids, counters = time_duet(llm, workload)
+    return SystemResult(
+        "duet",
+        dtype,
+        "continuous",
+        load_s,
+        warmup_s,
+        wall_s,
+        workload.num_output_tokens,
+        sum(len(t) for t in token_ids),
+        token_ids,
+        {"cpu": cpu, "engine_stats": counters, "num_kv_blocks": llm.engine.num_blocks},
+    )
+
+
+def load_duet(dtype: str, cfg: RunConfig) -> tuple[Any, float, float]:
+    """duet's `LLM`, loaded and warmed up: (llm, load seconds, warm-up seconds)."""
+    from engine import LLM
 
     start = time.perf_counter()
     llm = LLM(
@@ -90,35 +108,34 @@ def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
         load_progress=False,
     )
     load_s = time.perf_counter() - start
-
-    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in max_tokens]
-        return [out.token_ids for out in llm.generate(prompts, params)]
-
     start = time.perf_counter()
-    generate(cfg.warmup_prompts, [WARMUP_MAX_TOKENS] * len(cfg.warmup_prompts))
-    warmup_s = time.perf_counter() - start
+    _duet_generate(llm, cfg.warmup_prompts, [WARMUP_MAX_TOKENS] * len(cfg.warmup_prompts))
+    return llm, load_s, time.perf_counter() - start
 
+
+def time_duet(
+    llm: Any, workload: Workload
+) -> tuple[float, dict[str, float], list[list[int]], dict[str, int]]:
+    """One timed generate of the whole workload: (wall seconds, CPU usage, token ids, engine
+    counters). The prefix cache is emptied first, so a repeated call computes everything."""
+    if not llm.engine.kv.pool.reset_prefix_cache():
+        raise RuntimeError("duet still holds KV blocks between timed calls")
     before = dataclasses.asdict(llm.engine.stats)
     cpu_start = CpuSnapshot.take(time.process_time())
     start = time.perf_counter()
-    token_ids = generate(workload.prompts, workload.max_tokens)
+    token_ids = _duet_generate(llm, workload.prompts, workload.max_tokens)
     wall_s = time.perf_counter() - start
     cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
     after = dataclasses.asdict(llm.engine.stats)
     counters = {k: after[k] - before[k] for k in DUET_COUNTERS if k in after}
-    return SystemResult(
-        "duet",
-        dtype,
-        "continuous",
-        load_s,
-        warmup_s,
-        wall_s,
-        workload.num_output_tokens,
-        sum(len(t) for t in token_ids),
-        token_ids,
-        {"cpu": cpu, "engine_stats": counters, "num_kv_blocks": llm.engine.num_blocks},
-    )
+    return wall_s, cpu, token_ids, counters
+
+
+def _duet_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in max_tokens]
+    return [out.token_ids for out in llm.generate(prompts, params)]
 
 
 def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
@@ -198,38 +215,46 @@ def check_vllm(python: Path) -> str:
     return probe.stdout.strip().splitlines()[-1]
 
 
+def vllm_job(workload: Workload, dtype: str, enforce_eager: bool, cfg: RunConfig) -> dict[str, Any]:
+    """What `benchmarks/vllm_runner.py` runs (its docstring lists the fields)."""
+    return {
+        "model": str(cfg.model_dir),
+        "dtype": dtype,
+        "enforce_eager": enforce_eager,
+        "prompts": workload.prompts,
+        "max_tokens": workload.max_tokens,
+        "warmup_prompts": cfg.warmup_prompts,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_model_len": cfg.max_model_len,
+        "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+        "seed": cfg.seed,
+    }
+
+
+def vllm_env(cfg: RunConfig) -> dict[str, str]:
+    """vLLM binds its OpenMP threads to cores 0..num_threads-1, as many as the others use."""
+    return {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.num_threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
 def run_vllm(
     workload: Workload, dtype: str, enforce_eager: bool, python: Path, cfg: RunConfig
 ) -> SystemResult:
     """One vLLM engine in a subprocess; it binds its OpenMP threads to cores 0..num_threads-1."""
     with tempfile.TemporaryDirectory(prefix="duet-vllm-") as tmp:
         job_path, result_path, log_path = (Path(tmp) / n for n in ("job", "result", "log"))
-        job = {
-            "model": str(cfg.model_dir),
-            "dtype": dtype,
-            "enforce_eager": enforce_eager,
-            "prompts": workload.prompts,
-            "max_tokens": workload.max_tokens,
-            "warmup_prompts": cfg.warmup_prompts,
-            "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "max_model_len": cfg.max_model_len,
-            "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
-            "seed": cfg.seed,
-            "result_path": str(result_path),
-        }
+        job = {**vllm_job(workload, dtype, enforce_eager, cfg), "result_path": str(result_path)}
         job_path.write_text(json.dumps(job))
-        env = {
-            **os.environ,
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cfg.num_threads - 1}",
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        }
         with log_path.open("w") as log:
             proc = subprocess.run(
                 [str(python), str(VLLM_RUNNER), str(job_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=env,
+                env=vllm_env(cfg),
                 check=False,
             )
         if proc.returncode != 0 or not result_path.is_file():

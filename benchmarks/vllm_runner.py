@@ -13,6 +13,9 @@ duet. The job (written by `benchmarks.offline_throughput`) is a JSON object:
     warmup_prompts          token-id lists generated (8 tokens each) before the timed run
     max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_memory_bytes, seed
     result_path             where to write the result
+    serve                   instead of result_path: {"address": [host, port], "authkey": hex}
+                            of the driver's listener; the runner stays loaded and times one
+                            call per "go" it receives (paired rounds, benchmarks/paired.py)
 
 The result: {"vllm_version", "torch_version", "load_s", "warmup_s", "wall_s", "cpu",
 "token_ids"}, where "cpu" holds the average cores used during the timed call by vLLM, by
@@ -32,10 +35,17 @@ from typing import Any
 
 
 def run(job: dict[str, Any]) -> dict[str, Any]:
+    """Load, warm up, one timed call: the result described above."""
+    llm, info = load(job)
+    return {**info, **timed(llm, job)}
+
+
+def load(job: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """vLLM's `LLM`, loaded and warmed up, and {vllm_version, torch_version, load_s,
+    warmup_s}."""
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     start = time.perf_counter()
     llm = LLM(
@@ -49,30 +59,27 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         seed=job["seed"],
     )
     load_s = time.perf_counter() - start
-
-    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        params = [
-            SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens
-        ]
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
     start = time.perf_counter()
-    generate(job["warmup_prompts"], [8] * len(job["warmup_prompts"]))
-    warmup_s = time.perf_counter() - start
+    generate(llm, job["warmup_prompts"], [8] * len(job["warmup_prompts"]))
+    return llm, {
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "load_s": load_s,
+        "warmup_s": time.perf_counter() - start,
+    }
 
+
+def timed(llm: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One timed generate of the job's prompts: {wall_s, cpu, token_ids}. The prefix cache is
+    emptied first, so a repeated call computes everything again."""
+    llm.reset_prefix_cache()
     cpu_start = cpu_snapshot()
     start = time.perf_counter()
-    token_ids = generate(job["prompts"], job["max_tokens"])
+    token_ids = generate(llm, job["prompts"], job["max_tokens"])
     wall_s = time.perf_counter() - start
     cpu_end = cpu_snapshot()
     own, busy, steal = (end - begin for begin, end in zip(cpu_start, cpu_end, strict=True))
     return {
-        "vllm_version": vllm.__version__,
-        "torch_version": torch.__version__,
-        "load_s": load_s,
-        "warmup_s": warmup_s,
         "wall_s": wall_s,
         "cpu": {
             "own_cores": own / wall_s,
@@ -81,6 +88,30 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         },
         "token_ids": token_ids,
     }
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in max_tokens]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def serve(job: dict[str, Any]) -> None:
+    """Stay loaded for paired rounds (`benchmarks/paired.py`): connect back to the driver, send
+    the load info, then answer each "go" with one timed call until "stop"."""
+    from multiprocessing.connection import Client
+
+    address = job["serve"]["address"]
+    conn = Client((address[0], address[1]), authkey=bytes.fromhex(job["serve"]["authkey"]))
+    llm, info = load(job)
+    conn.send(info)
+    while conn.recv() == "go":
+        conn.send(timed(llm, job))
+    conn.close()
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
@@ -106,6 +137,9 @@ def main() -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} JOB.json")
     job = json.loads(Path(sys.argv[1]).read_text())
+    if "serve" in job:
+        serve(job)
+        return
     result = run(job)
     Path(job["result_path"]).write_text(json.dumps(result))
 
