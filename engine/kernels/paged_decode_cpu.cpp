@@ -94,6 +94,23 @@ inline void prefetch_part(const void* row, int64_t bytes, int64_t part, int64_t 
     __builtin_prefetch(static_cast<const char*>(row) + off);
 }
 
+// The whole block kFarBlocks ahead (K and V, every KV head) is requested into L2 when a block
+// starts; the per-head prefetches above then pull the next block's lines into L1. Both
+// together read K/V 1.3-1.4x faster than the L1 prefetches alone (13.4 -> 18.2 GB/s fp32,
+// 13.3 -> 17.1 bf16; 64 sequences of 100-700 tokens, 30 layers' caches beyond L3, 2 threads,
+// 2-core AMD EPYC VM), and either alone is slower. 1 to 4 blocks ahead measured alike.
+constexpr int64_t kFarBlocks = 2;
+
+template <typename T>
+inline void prefetch_block_l2(const T* kc, const T* vc, int64_t offset, int64_t elems) {
+  const char* k = reinterpret_cast<const char*>(kc + offset);
+  const char* v = reinterpret_cast<const char*>(vc + offset);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) {
+    __builtin_prefetch(k + off, 0, 2);
+    __builtin_prefetch(v + off, 0, 2);
+  }
+}
+
 struct Scratch {  // per thread, reused across items
   std::vector<float> q, scores, acc, maxima, sums;
 };
@@ -206,6 +223,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
     // core's few miss buffers instead of overlapping with the arithmetic.
     const int64_t next_block = j + 1 < j1 ? table[j + 1] * block : -1;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(raw));
+    if (j + kFarBlocks < j1) prefetch_block_l2(kc, vc, table[j + kFarBlocks] * block, BS * row);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const int64_t offset = table[j] * block + (t0 - j * BS) * row + kvh * D;
       const raw* k = kc + offset;  // row t at k + t * row
