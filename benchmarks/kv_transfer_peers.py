@@ -9,8 +9,6 @@ the machine, so the sender's start and the receiver's end of one transfer can be
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import datetime
 import os
 import time
@@ -20,6 +18,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from engine.cpu_runtime import keep_freed_memory
 
 POLL_INTERVAL_S = 0.001  # what the decode and prefill workers wait between polls of KV
 STARTUP_TIMEOUT_S = 120.0
@@ -95,16 +95,6 @@ def _check_blocks(caches: list[torch.Tensor], dst_ids: list[int], src_ids: list[
     return True
 
 
-def _engine_malloc() -> None:
-    """The mallopt calls of engine/cpu_runtime.py (without its kernels): freed large buffers
-    stay in the heap instead of going back to the kernel, so reusing them costs no page faults."""
-    name = ctypes.util.find_library("c")
-    if name is not None:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-4, 0)  # M_MMAP_MAX
-        libc.mallopt(-1, 1 << 40)  # M_TRIM_THRESHOLD
-
-
 def _cpu_s() -> float:
     return time.process_time()  # every thread of this process
 
@@ -131,7 +121,7 @@ def _setup(config: PeerConfig) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(config.num_threads)
     if config.engine_malloc:
-        _engine_malloc()
+        keep_freed_memory()  # as the engine does at start (engine/cpu_runtime.py)
 
 
 def _serve(conn: Connection, role: str, handle: Any) -> None:
