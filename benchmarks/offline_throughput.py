@@ -392,10 +392,14 @@ def run_paired(
                     a == b for a, b in zip(tokens["duet"], tokens[name], strict=True)
                 )
                 pairs.append({"dtype": dtype, "baseline": name, **pair})
+                varied = [
+                    e for e, same in pair["same_tokens_every_round_by_engine"].items() if not same
+                ]
                 print(
                     f"duet/{name} {dtype}: median {pair['median_ratio']:.2f}x "
                     f"({pair['min_ratio']:.2f}-{pair['max_ratio']:.2f}) over "
-                    f"{args.paired_rounds} rounds",
+                    f"{args.paired_rounds} rounds; tokens changed between rounds: "
+                    f"{', '.join(varied) or 'neither'}",
                     flush=True,
                 )
         finally:

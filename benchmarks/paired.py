@@ -161,10 +161,10 @@ def run_rounds(
     """`rounds` rounds of one timed call per engine (the first engine is duet, the second the
     baseline). Per round: output tokens/s of each, the ratio first/second, CPU figures; over
     the rounds: the median, min and max ratio, and whether every call produced the same
-    tokens as that engine's first."""
+    tokens as that engine's first (per engine, and all of them)."""
     names = list(engines)
     first_tokens: dict[str, list[list[int]]] = {}
-    consistent = True
+    consistent = dict.fromkeys(names, True)
     records = []
     for k in range(rounds):
         record: dict[str, Any] = {"order": round_order(k, names)}
@@ -174,7 +174,7 @@ def run_rounds(
             t = engines[name].timed()
             tok_s = workload.num_output_tokens / t.wall_s
             record[name] = {"wall_s": t.wall_s, "tok_s": tok_s, "cpu": t.cpu}
-            consistent &= first_tokens.setdefault(name, t.token_ids) == t.token_ids
+            consistent[name] &= first_tokens.setdefault(name, t.token_ids) == t.token_ids
             log(
                 f"  round {k + 1} {name}: {tok_s:.1f} tok/s "
                 f"(other processes {t.cpu['other_cores']:.2f} cores)"
@@ -188,6 +188,7 @@ def run_rounds(
         "median_ratio": statistics.median(ratios),
         "min_ratio": min(ratios),
         "max_ratio": max(ratios),
-        "same_tokens_every_round": consistent,
+        "same_tokens_every_round": all(consistent.values()),
+        "same_tokens_every_round_by_engine": consistent,
         "token_ids": first_tokens,
     }

@@ -41,6 +41,17 @@ class DecodeBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """All multi-token requests (prompts, chunks, the rest of a prompt after a prefix hit), for
+    the CPU prefill kernel: it reads each request's KV from the cache, this step's included."""
+
+    block_tables: torch.Tensor  # [Bp, max_blocks] long, padded with 0
+    seq_lens: torch.Tensor  # [Bp] long
+    query_start: torch.Tensor  # [Bp] long: first row in the flat batch
+    query_lens: torch.Tensor  # [Bp] long
+
+
+@dataclass
 class KernelBatch:
     """The whole step as device tensors for the Triton kernels (engine/kernels/triton_*.py);
     built only for that backend. Requests keep their order in the flat batch."""
@@ -115,8 +126,9 @@ class AttentionMetadata:
     block_ids: list[list[int]]  # [B] each request's block table
     decode_groups: list[DecodeGroup]  # torch path
     decode_batch: DecodeBatch | None  # kernel path
-    prefill_indices: list[int]  # requests with several query tokens, handled one by one
+    prefill_indices: list[int]  # requests with several query tokens
     kernel_batch: KernelBatch | None = None  # Triton path: everything in two kernels
+    prefill_batch: PrefillBatch | None = None  # CPU kernel path for prefill_indices
 
     @property
     def num_reqs(self) -> int:
@@ -133,7 +145,8 @@ class AttentionMetadata:
         use_decode_kernel: bool = False,
         triton_num_kv_heads: int | None = None,
     ) -> AttentionMetadata:
-        """`use_decode_kernel`: decodes go to the C++ CPU kernel. `triton_num_kv_heads`: the
+        """`use_decode_kernel`: decodes and prefills go to the C++ CPU kernels (prefills where
+        the head size suits the kernel; `paged_attention` checks). `triton_num_kv_heads`: the
         Triton backend (the KV heads this rank caches, for the split-K heuristic); decode
         groups are then not built."""
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
@@ -154,17 +167,22 @@ class AttentionMetadata:
                 query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device
             )
         elif decode and use_decode_kernel:
-            width = max(len(block_ids[i]) for i in decode)
-            table = np.zeros((len(decode), width), dtype=np.int64)
-            for row, i in enumerate(decode):
-                table[row, : len(block_ids[i])] = block_ids[i]
             batch = DecodeBatch(
                 token_indices=torch.from_numpy(starts[decode]).to(device),
-                block_tables=torch.from_numpy(table).to(device),
+                block_tables=_block_table([block_ids[i] for i in decode], device),
                 seq_lens=torch.tensor([seq_lens[i] for i in decode], device=device),
             )
         elif decode:
             groups = _group_decodes(decode, starts, seq_lens, block_ids, block_size, device)
+        prefill = [i for i, q in enumerate(query_lens) if q != 1]
+        prefill_batch = None
+        if prefill and use_decode_kernel and triton_num_kv_heads is None:
+            prefill_batch = PrefillBatch(
+                block_tables=_block_table([block_ids[i] for i in prefill], device),
+                seq_lens=torch.tensor([seq_lens[i] for i in prefill], device=device),
+                query_start=torch.from_numpy(starts[prefill]).to(device),
+                query_lens=torch.tensor([query_lens[i] for i in prefill], device=device),
+            )
         return cls(
             slot_mapping=to_device(np.concatenate(slots), device),
             query_start_loc=starts.tolist(),
@@ -172,9 +190,19 @@ class AttentionMetadata:
             block_ids=block_ids,
             decode_groups=groups,
             decode_batch=batch,
-            prefill_indices=[i for i, q in enumerate(query_lens) if q != 1],
+            prefill_indices=prefill,
             kernel_batch=kernel_batch,
+            prefill_batch=prefill_batch,
         )
+
+
+def _block_table(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Rows of block ids, padded with 0 to the longest: [len(tables), max_blocks] long."""
+    width = max(len(t) for t in tables)
+    table = np.zeros((len(tables), width), dtype=np.int64)
+    for row, blocks in enumerate(tables):
+        table[row, : len(blocks)] = blocks
+    return torch.from_numpy(table).to(device)
 
 
 def _group_decodes(
@@ -279,6 +307,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if meta.decode_batch is not None or meta.prefill_batch is not None:
+        query = query.contiguous()  # the kernels' layout (a view of qkv is strided): one copy
 
     if meta.decode_batch is not None:
         from engine.kernels.cpu import paged_decode_attention
@@ -286,7 +316,7 @@ def paged_attention(
         d = meta.decode_batch
         paged_decode_attention(
             out,
-            query.contiguous(),
+            query,
             key_cache,
             value_cache,
             d.block_tables,
@@ -312,6 +342,24 @@ def paged_attention(
             scale=scale,
         )  # [Bd, Hkv, G, D]
         out[g.token_indices] = o.reshape(bd, num_heads, head_dim)
+
+    p = meta.prefill_batch
+    if p is not None:
+        from engine.kernels.cpu import paged_prefill_attention, prefill_kernel_supports
+
+        if prefill_kernel_supports(head_dim):
+            paged_prefill_attention(
+                out,
+                query,
+                key_cache,
+                value_cache,
+                p.block_tables,
+                p.seq_lens,
+                p.query_start,
+                p.query_lens,
+                scale,
+            )
+            return out
 
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]

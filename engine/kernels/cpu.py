@@ -1,5 +1,5 @@
 """CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
-paged decode attention (paged_decode_cpu.cpp), the Llama block's elementwise ops
+paged decode and prefill attention (paged_decode_cpu.cpp, paged_prefill_cpu.cpp), the Llama block's elementwise ops
 (elementwise_cpu.cpp) and row copies by index for moving KV blocks (copy_cpu.cpp), bound in
 cpu_module.cpp.
 
@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 _DIR = os.path.dirname(__file__)
 _SOURCES = [
     os.path.join(_DIR, name)
-    for name in ("cpu_module.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "copy_cpu.cpp")
+    for name in (
+        "cpu_module.cpp",
+        "paged_decode_cpu.cpp",
+        "paged_prefill_cpu.cpp",
+        "elementwise_cpu.cpp",
+        "copy_cpu.cpp",
+    )
 ]
 _HEADERS = [os.path.join(_DIR, name) for name in ("cpu_ops.h", "cpu_simd.h")]
 # float32 and bfloat16 only: the kernels' element formats.
@@ -102,4 +108,32 @@ def paged_decode_attention(
     assert kernels is not None
     kernels.paged_decode_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, token_indices, scale
+    )
+
+
+def prefill_kernel_supports(head_dim: int) -> bool:
+    """Whether `paged_prefill_attention` takes this head size (a multiple of the vector width
+    times 1, 2, 4, 8 or 16); other sizes keep the SDPA path."""
+    kernels = load_cpu_kernels()
+    return kernels is not None and bool(kernels.prefill_head_dim_supported(head_dim))
+
+
+def paged_prefill_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal attention of request i's `query_lens[i]` rows from `query_start[i]` (the last
+    tokens of its `seq_lens[i]`) over its paged KV, written into the same rows of `out`.
+    query/out: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]."""
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    kernels.paged_prefill_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start, query_lens, scale
     )

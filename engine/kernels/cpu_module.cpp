@@ -35,6 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
   m.def("paged_decode_attention", &duet::paged_decode_attention,
         "Paged decode attention over a block-table KV cache (CPU), written into out in place");
+  m.def("paged_prefill_attention", &duet::paged_prefill_attention,
+        "Causal paged attention of prefill query tokens (CPU), written into out in place");
+  m.def("prefill_head_dim_supported", &duet::prefill_head_dim_supported,
+        "Whether paged_prefill_attention takes this head size");
   m.def("rms_norm", &duet::rms_norm, "HF RMSNorm of x [rows, n] into a new tensor");
   m.def("fused_add_rms_norm", &duet::fused_add_rms_norm,
         "residual += x (rounded to the dtype), then x = RMSNorm(residual); both in place");

@@ -10,6 +10,14 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
                             at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
                             at::Tensor token_indices, double scale);
 
+// Causal attention of each request's query tokens over its paged KV (paged_prefill_cpu.cpp).
+void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                             at::Tensor value_cache, at::Tensor block_tables,
+                             at::Tensor seq_lens, at::Tensor query_start, at::Tensor query_lens,
+                             double scale);
+// Whether paged_prefill_attention takes this head size (a multiple of the vector width).
+bool prefill_head_dim_supported(int64_t head_dim);
+
 // Elementwise ops of the Llama block (elementwise_cpu.cpp), with HF's rounding points.
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

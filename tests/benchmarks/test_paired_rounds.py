@@ -38,6 +38,7 @@ def test_rounds_of_two_engines(tiny_llama):
     ratios = sorted(r["ratio"] for r in result["rounds"])
     assert (result["min_ratio"], result["median_ratio"], result["max_ratio"]) == tuple(ratios)
     assert result["same_tokens_every_round"] is True
+    assert result["same_tokens_every_round_by_engine"] == {"duet": True, "other": True}
     assert result["token_ids"]["duet"] == result["token_ids"]["other"]  # same weights, greedy
     assert [len(t) for t in result["token_ids"]["duet"]] == workload.max_tokens
     # Every timed call computed the whole workload: nothing came from the prefix cache.

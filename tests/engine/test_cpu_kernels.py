@@ -1,6 +1,7 @@
 """The C++ CPU kernels (engine/kernels/*.cpp) against torch references: paged decode attention
-at block boundaries, GQA group sizes, head sizes that take each code path, fp32 and bf16, one
-and two threads (two split long sequences and merge the parts); the elementwise ops against
+at block boundaries, paged prefill attention (whole prompts, chunks after cached context, tile
+and vector-width boundaries), GQA group sizes, head sizes that take each code path, fp32 and
+bf16, one and two threads (two split long sequences and merge the parts); the elementwise ops against
 HF's formulas; bad inputs rejected. The native SIMD width runs everywhere; the other widths'
 code (16, 8, 4 lanes) also runs through separate builds with DUET_SIMD_LANES."""
 
@@ -166,6 +167,129 @@ def test_decode_rejects_mixed_dtypes(kernels):
         )
 
 
+# (seq_len, query_len): whole prompts, chunks after earlier chunks or a prefix hit, single
+# tokens, lengths around the vector width and the kernel's 32-token tiles, and a long prompt.
+PREFILL_REQUESTS = [(5, 5), (1, 1), (40, 40), (100, 33), (33, 17), (31, 31), (32, 32), (65, 64)]
+PREFILL_REQUESTS += [(300, 1), (700, 700), (2, 2)]
+
+
+def reference_prefill(query, key_cache, value_cache, tables, lens, starts, query_lens, scale):
+    """Per request: gather its KV in order, causal softmax attention in fp32 of its query rows
+    (the last query_lens of its tokens)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape[0], num_heads, head_dim)
+    for i, (length, start, n) in enumerate(
+        zip(lens.tolist(), starts.tolist(), query_lens.tolist(), strict=True)
+    ):
+        blocks = tables[i, : -(-length // block_size)]
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,khd->htk", query[start : start + n].float(), k) * scale
+        visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start : start + n] = torch.einsum("htk,khd->thd", scores.softmax(-1), v)
+    return out
+
+
+def random_prefill_batch(shape, dtype, requests, seed=0):
+    """Caches with scattered block tables; each request's query rows sit in a flat batch after
+    a gap row that belongs to no request."""
+    lens = [length for length, _ in requests]
+    _, key_cache, value_cache, tables, _, _ = random_decode_batch(shape, dtype, lens, seed)
+    query_lens = torch.tensor([n for _, n in requests])
+    starts = torch.cumsum(query_lens + 1, 0) - query_lens  # row 0 and one row between requests
+    num_tokens = int(starts[-1] + query_lens[-1]) + 1
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(num_tokens, shape[0], shape[2], generator=g).to(dtype)
+    return query, key_cache, value_cache, tables, torch.tensor(lens), starts, query_lens
+
+
+def prefill_rows(starts, query_lens):
+    return torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts.tolist(), query_lens.tolist(), strict=True)]
+    )
+
+
+PREFILL_SHAPES = [s for s in SHAPES if s[2] in (16, 64, 128, 256)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
+def test_prefill_matches_reference(kernels, threads, shape, dtype):
+    batch = random_prefill_batch(shape, dtype, PREFILL_REQUESTS)
+    query, key_cache, value_cache, tables, lens, starts, query_lens = batch
+    assert kernels.prefill_head_dim_supported(shape[2])
+    scale = shape[2] ** -0.5
+    out = torch.full_like(query, 7.0)
+    kernels.paged_prefill_attention(
+        out, query, key_cache, value_cache, tables, lens, starts, query_lens, scale
+    )
+    ref = reference_prefill(query, key_cache, value_cache, tables, lens, starts, query_lens, scale)
+    rows = prefill_rows(starts, query_lens)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out[rows].float(), ref[rows], atol=tol, rtol=tol)
+    others = torch.ones(query.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert int(others.sum()) == len(PREFILL_REQUESTS) + 1
+    assert bool((out[others] == 7.0).all())  # rows of no request stay untouched
+
+
+def test_prefill_head_sizes_off_the_vector_width_are_refused(kernels):
+    lanes = kernels.simd_lanes()
+    assert kernels.prefill_head_dim_supported(4 * lanes)
+    assert not kernels.prefill_head_dim_supported(4 * lanes + 1)
+    assert not kernels.prefill_head_dim_supported(3 * lanes)
+    query, key_cache, value_cache, tables, lens, starts, query_lens = random_prefill_batch(
+        (4, 2, 3 * lanes, 4), torch.float32, [(5, 5)]
+    )
+    with pytest.raises(RuntimeError, match=f"head_dim {3 * lanes} unsupported"):
+        kernels.paged_prefill_attention(
+            torch.empty_like(query),
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            starts,
+            query_lens,
+            0.25,
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t, lens, s, n: t.__setitem__((0, 0), 10_000), "block_tables[0, 0] = 10000"),
+        (lambda t, lens, s, n: lens.__setitem__(0, 0), "seq_lens[0] = 0"),
+        (lambda t, lens, s, n: n.__setitem__(1, 10), "query_lens[1] = 10 outside [1, 9]"),
+        (lambda t, lens, s, n: n.__setitem__(0, 0), "query_lens[0] = 0"),
+        (lambda t, lens, s, n: s.__setitem__(1, 1000), "query rows of request 1"),
+    ],
+    ids=["block-past-cache", "empty-sequence", "query-past-sequence", "no-query", "bad-rows"],
+)
+def test_prefill_rejects_bad_indices(kernels, change, message):
+    lanes = kernels.simd_lanes()
+    query, key_cache, value_cache, tables, lens, starts, query_lens = random_prefill_batch(
+        (4, 2, lanes, 4), torch.float32, [(5, 5), (9, 4)]
+    )
+    change(tables, lens, starts, query_lens)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        kernels.paged_prefill_attention(
+            torch.empty_like(query),
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            lens,
+            starts,
+            query_lens,
+            0.25,
+        )
+
+
 def hf_rms_norm(x, weight, eps):
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -307,6 +431,16 @@ def test_other_simd_widths_match_reference(kernels, lanes):
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             ref = reference_decode(query[rows], kc, vc, tables, lens, 0.1)
             torch.testing.assert_close(out[rows].float(), ref, atol=tol, rtol=tol)
+            if not wide.prefill_head_dim_supported(shape[2]):
+                continue
+            query, kc, vc, tables, lens, starts, n = random_prefill_batch(
+                shape, dtype, PREFILL_REQUESTS
+            )
+            out = torch.zeros_like(query)
+            wide.paged_prefill_attention(out, query, kc, vc, tables, lens, starts, n, 0.1)
+            ref = reference_prefill(query, kc, vc, tables, lens, starts, n, 0.1)
+            rows = prefill_rows(starts, n)
+            torch.testing.assert_close(out[rows].float(), ref[rows], atol=tol, rtol=tol)
         x = torch.randn(9, 576).to(dtype)
         weight = torch.rand(576).to(dtype) + 0.5
         torch.testing.assert_close(
