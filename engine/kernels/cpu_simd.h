@@ -117,16 +117,27 @@ struct BF16 {
   }
 };
 
-template <int W>
-inline float hsum(typename Vec<W>::F v) {  // halving tree: vextractf128 + adds on x86
+// Horizontal reductions by halving: vextractf128 + one operation per step on x86.
+template <int W, typename Op>
+inline float hreduce(typename Vec<W>::F v, Op op) {
   if constexpr (W == 1) {
     return v[0];
   } else {
     typename Vec<W / 2>::F lo, hi;
     std::memcpy(&lo, &v, sizeof(lo));
     std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hsum<W / 2>(lo + hi);
+    return hreduce<W / 2>(op(lo, hi), op);
   }
+}
+
+template <int W>
+inline float hsum(typename Vec<W>::F v) {
+  return hreduce<W>(v, [](auto a, auto b) { return a + b; });
+}
+
+template <int W>
+inline float hmax(typename Vec<W>::F v) {
+  return hreduce<W>(v, [](auto a, auto b) { return a > b ? a : b; });
 }
 
 template <int W>

@@ -35,6 +35,7 @@
 
 #include "cpu_ops.h"
 #include "cpu_simd.h"
+#include "paged_common.h"
 
 namespace duet {
 namespace {
@@ -441,17 +442,8 @@ void dispatch(Problem& P, const int64_t* lens, int64_t B) {
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
                             at::Tensor token_indices, double scale) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "query and cache dtypes differ");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "bad out");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  check_paged_attention_args(out, query, key_cache, value_cache);
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim);
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads not a multiple of kv heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   token_indices.scalar_type() == at::kLong, "index tensors must be int64");
   block_tables = block_tables.contiguous();
@@ -479,14 +471,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   // Every block a sequence reads must exist: a bad table would read outside the cache.
   const int64_t num_blocks = key_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= P.max_blocks * P.BS, "seq_lens[", b, "] = ", lens[b],
-                " outside [1, ", P.max_blocks * P.BS, "]");
+    check_block_row(P.tables, b, P.max_blocks, P.BS, lens[b], num_blocks);
     TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < query.size(0), "token_indices[", b, "] out of range");
-    for (int64_t j = 0; j < (lens[b] + P.BS - 1) / P.BS; ++j) {
-      const int64_t id = P.tables[b * P.max_blocks + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
-                  " outside [0, ", num_blocks, ")");
-    }
   }
   if (query.scalar_type() == at::kFloat) {
     dispatch<F32>(P, lens, B);

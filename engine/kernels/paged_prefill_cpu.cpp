@@ -35,6 +35,7 @@
 
 #include "cpu_ops.h"
 #include "cpu_simd.h"
+#include "paged_common.h"
 
 namespace duet {
 namespace {
@@ -53,18 +54,6 @@ struct Problem {
   const int64_t *tables, *seq_lens, *q_start, *q_lens;
   float scale;
 };
-
-template <int W>
-inline float hmax(typename Vec<W>::F v) {
-  if constexpr (W == 1) {
-    return v[0];
-  } else {
-    typename Vec<W / 2>::F lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hmax<W / 2>(lo > hi ? lo : hi);
-  }
-}
 
 struct Scratch {  // per thread, reused across items
   std::vector<float> kt, v, q, p, o;
@@ -262,18 +251,9 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
                              at::Tensor value_cache, at::Tensor block_tables,
                              at::Tensor seq_lens, at::Tensor query_start, at::Tensor query_lens,
                              double scale) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "bad ranks");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(),
-              "query and cache dtypes differ");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "bad out");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  check_paged_attention_args(out, query, key_cache, value_cache);
   TORCH_CHECK(prefill_head_dim_supported(query.size(2)), "head_dim ", query.size(2),
               " unsupported: a multiple of ", kLanes, " times 1, 2, 4, 8 or 16");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads not a multiple of kv heads");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start, &query_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "index tensors must be int64");
   block_tables = block_tables.contiguous();
@@ -302,19 +282,13 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
   P.q_lens = query_lens.data_ptr<int64_t>();
   P.scale = static_cast<float>(scale);
   const int64_t num_blocks = key_cache.size(0), T = query.size(0);
-  for (int64_t b = 0; b < B; ++b) {  // a bad index would read or write outside the tensors
+  for (int64_t b = 0; b < B; ++b) {
     const int64_t len = P.seq_lens[b], q_len = P.q_lens[b], start = P.q_start[b];
-    TORCH_CHECK(len >= 1 && len <= P.max_blocks * P.BS, "seq_lens[", b, "] = ", len,
-                " outside [1, ", P.max_blocks * P.BS, "]");
+    check_block_row(P.tables, b, P.max_blocks, P.BS, len, num_blocks);
     TORCH_CHECK(q_len >= 1 && q_len <= len, "query_lens[", b, "] = ", q_len, " outside [1, ",
                 len, "]");
     TORCH_CHECK(start >= 0 && start + q_len <= T, "query rows of request ", b,
                 " outside the batch");
-    for (int64_t j = 0; j < (len + P.BS - 1) / P.BS; ++j) {
-      const int64_t id = P.tables[b * P.max_blocks + j];
-      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
-                  " outside [0, ", num_blocks, ")");
-    }
   }
   if (query.scalar_type() == at::kFloat) {
     dispatch<F32>(P, B);

@@ -207,6 +207,14 @@ def random_prefill_batch(shape, dtype, requests, seed=0):
     return query, key_cache, value_cache, tables, torch.tensor(lens), starts, query_lens
 
 
+def run_prefill(module, batch, scale=0.25):
+    """The kernel over a `random_prefill_batch`; returns its output (a new tensor)."""
+    query = batch[0]
+    out = torch.empty_like(query)
+    module.paged_prefill_attention(out, *batch, scale)
+    return out
+
+
 def prefill_rows(starts, query_lens):
     return torch.cat(
         [torch.arange(s, s + n) for s, n in zip(starts.tolist(), query_lens.tolist(), strict=True)]
@@ -242,21 +250,9 @@ def test_prefill_head_sizes_off_the_vector_width_are_refused(kernels):
     assert kernels.prefill_head_dim_supported(4 * lanes)
     assert not kernels.prefill_head_dim_supported(4 * lanes + 1)
     assert not kernels.prefill_head_dim_supported(3 * lanes)
-    query, key_cache, value_cache, tables, lens, starts, query_lens = random_prefill_batch(
-        (4, 2, 3 * lanes, 4), torch.float32, [(5, 5)]
-    )
+    batch = random_prefill_batch((4, 2, 3 * lanes, 4), torch.float32, [(5, 5)])
     with pytest.raises(RuntimeError, match=f"head_dim {3 * lanes} unsupported"):
-        kernels.paged_prefill_attention(
-            torch.empty_like(query),
-            query,
-            key_cache,
-            value_cache,
-            tables,
-            lens,
-            starts,
-            query_lens,
-            0.25,
-        )
+        run_prefill(kernels, batch)
 
 
 @pytest.mark.parametrize(
@@ -272,22 +268,11 @@ def test_prefill_head_sizes_off_the_vector_width_are_refused(kernels):
 )
 def test_prefill_rejects_bad_indices(kernels, change, message):
     lanes = kernels.simd_lanes()
-    query, key_cache, value_cache, tables, lens, starts, query_lens = random_prefill_batch(
-        (4, 2, lanes, 4), torch.float32, [(5, 5), (9, 4)]
-    )
+    batch = random_prefill_batch((4, 2, lanes, 4), torch.float32, [(5, 5), (9, 4)])
+    _, _, _, tables, lens, starts, query_lens = batch
     change(tables, lens, starts, query_lens)
     with pytest.raises(RuntimeError, match=re.escape(message)):
-        kernels.paged_prefill_attention(
-            torch.empty_like(query),
-            query,
-            key_cache,
-            value_cache,
-            tables,
-            lens,
-            starts,
-            query_lens,
-            0.25,
-        )
+        run_prefill(kernels, batch)
 
 
 def hf_rms_norm(x, weight, eps):

@@ -1,0 +1,42 @@
+// Argument checks shared by the paged attention kernels (paged_decode_cpu.cpp,
+// paged_prefill_cpu.cpp): a bad shape or index must fail with a message, never read or write
+// outside the tensors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace duet {
+
+// out/query [T, H, D] of one dtype, contiguous; caches [NB, BS, Hkv, D] alike, Hkv dividing H.
+inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query,
+                                       const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "bad ranks");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "query and cache dtypes differ");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "bad out");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "heads not a multiple of kv heads");
+}
+
+// Row b of the block table: seq_len in [1, max_blocks * block_size], and every block the
+// sequence reads inside the cache.
+inline void check_block_row(const int64_t* tables, int64_t b, int64_t max_blocks,
+                            int64_t block_size, int64_t seq_len, int64_t num_blocks) {
+  TORCH_CHECK(seq_len >= 1 && seq_len <= max_blocks * block_size, "seq_lens[", b, "] = ", seq_len,
+              " outside [1, ", max_blocks * block_size, "]");
+  for (int64_t j = 0; j < (seq_len + block_size - 1) / block_size; ++j) {
+    const int64_t id = tables[b * max_blocks + j];
+    TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
+                " outside [0, ", num_blocks, ")");
+  }
+}
+
+}  // namespace duet
