@@ -1,6 +1,6 @@
-// Argument checks shared by the paged attention kernels (paged_decode_cpu.cpp,
-// paged_prefill_cpu.cpp): a bad shape or index must fail with a message, never read or write
-// outside the tensors.
+// What the paged attention kernels (paged_decode_cpu.cpp, paged_prefill_cpu.cpp) share: their
+// argument checks (a bad shape or index must fail with a message, never read or write outside
+// the tensors) and the cache geometry and pointers every work item reads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -37,6 +37,36 @@ inline void check_block_row(const int64_t* tables, int64_t b, int64_t max_blocks
     TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", b, ", ", j, "] = ", id,
                 " outside [0, ", num_blocks, ")");
   }
+}
+
+// Shapes, strides and pointers of one call; each kernel's Problem extends it.
+struct PagedArgs {
+  int64_t H, Hkv, G, D, BS, max_blocks;
+  int64_t row, block;  // element strides between tokens in a block, and between blocks
+  const void *q, *kc, *vc;
+  void* o;
+  const int64_t* tables;
+  float scale;
+};
+
+// Fills `a` from checked arguments (check_paged_attention_args; block_tables contiguous int64).
+inline void fill_paged_args(PagedArgs& a, const at::Tensor& out, const at::Tensor& query,
+                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, double scale) {
+  a.H = query.size(1);
+  a.Hkv = key_cache.size(2);
+  a.G = a.H / a.Hkv;
+  a.D = query.size(2);
+  a.BS = key_cache.size(1);
+  a.max_blocks = block_tables.size(1);
+  a.row = a.Hkv * a.D;
+  a.block = a.BS * a.row;
+  a.q = query.data_ptr();
+  a.kc = key_cache.data_ptr();
+  a.vc = value_cache.data_ptr();
+  a.o = out.data_ptr();
+  a.tables = block_tables.data_ptr<int64_t>();
+  a.scale = static_cast<float>(scale);
 }
 
 }  // namespace duet

@@ -49,14 +49,9 @@ struct Item {
   int64_t slot;           // -1: the whole sequence, written to out; else a partial slot
 };
 
-struct Problem {
-  int64_t H, Hkv, G, D, BS, max_blocks;
-  int64_t row, block;  // element strides between tokens in a block, and between blocks
-  const void *q, *kc, *vc;
-  void* o;
-  const int64_t *tables, *rows;
-  float scale;
-  float* partials;  // per slot: H maxima, H sums, H x D unnormalised outputs
+struct Problem : PagedArgs {
+  const int64_t* rows;  // the query row of each sequence
+  float* partials;      // per slot: H maxima, H sums, H x D unnormalised outputs
 };
 
 // Vector i (of nd) of a head row as fp32 lanes. bf16 rows whose vectors come in pairs are
@@ -452,21 +447,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   const int64_t B = block_tables.size(0);
   TORCH_CHECK(seq_lens.size(0) == B && token_indices.size(0) == B, "one length and row per table");
   Problem P{};
-  P.H = query.size(1);
-  P.Hkv = key_cache.size(2);
-  P.G = P.H / P.Hkv;
-  P.D = query.size(2);
-  P.BS = key_cache.size(1);
-  P.max_blocks = block_tables.size(1);
-  P.row = P.Hkv * P.D;
-  P.block = P.BS * P.row;
-  P.q = query.data_ptr();
-  P.kc = key_cache.data_ptr();
-  P.vc = value_cache.data_ptr();
-  P.o = out.data_ptr();
-  P.tables = block_tables.data_ptr<int64_t>();
+  fill_paged_args(P, out, query, key_cache, value_cache, block_tables, scale);
   P.rows = token_indices.data_ptr<int64_t>();
-  P.scale = static_cast<float>(scale);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   // Every block a sequence reads must exist: a bad table would read outside the cache.
   const int64_t num_blocks = key_cache.size(0);

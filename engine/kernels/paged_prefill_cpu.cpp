@@ -16,8 +16,9 @@
 // token's G query heads are consecutive rows) a group of R at a time: for each run of W keys,
 // R x W scores from R x D broadcasts against D key vectors, an online softmax (running max and
 // sum per row, a vectorised exp, masked past each row's position), and the W value rows
-// weighted into R x D accumulators that stay in registers for the whole key range. Keys past
-// the group's last position are never visited, so the causal half costs nothing.
+// weighted into the R rows' outputs, a few vectors of them at a time in registers (the outputs
+// wait in L1 between runs of keys). Keys past the group's last position are never visited, so
+// the causal half costs nothing.
 //
 // Threads take items from a shared counter, biggest first (the way decode attention shares
 // work), so no thread waits for another's long prompt.
@@ -47,12 +48,8 @@ struct Item {
   int64_t cost;              // rows x keys, for the biggest-first order
 };
 
-struct Problem {
-  int64_t H, Hkv, G, D, BS, max_blocks, row, block;
-  const void *q, *kc, *vc;
-  void* o;
-  const int64_t *tables, *seq_lens, *q_start, *q_lens;
-  float scale;
+struct Problem : PagedArgs {
+  const int64_t *seq_lens, *q_start, *q_lens;
 };
 
 struct Scratch {  // per thread, reused across items
@@ -264,23 +261,10 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
   TORCH_CHECK(seq_lens.size(0) == B && query_start.size(0) == B && query_lens.size(0) == B,
               "one length, start and query length per table");
   Problem P{};
-  P.H = query.size(1);
-  P.Hkv = key_cache.size(2);
-  P.G = P.H / P.Hkv;
-  P.D = query.size(2);
-  P.BS = key_cache.size(1);
-  P.max_blocks = block_tables.size(1);
-  P.row = P.Hkv * P.D;
-  P.block = P.BS * P.row;
-  P.q = query.data_ptr();
-  P.kc = key_cache.data_ptr();
-  P.vc = value_cache.data_ptr();
-  P.o = out.data_ptr();
-  P.tables = block_tables.data_ptr<int64_t>();
+  fill_paged_args(P, out, query, key_cache, value_cache, block_tables, scale);
   P.seq_lens = seq_lens.data_ptr<int64_t>();
   P.q_start = query_start.data_ptr<int64_t>();
   P.q_lens = query_lens.data_ptr<int64_t>();
-  P.scale = static_cast<float>(scale);
   const int64_t num_blocks = key_cache.size(0), T = query.size(0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = P.seq_lens[b], q_len = P.q_lens[b], start = P.q_start[b];
