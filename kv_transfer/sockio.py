@@ -99,6 +99,32 @@ def merge_adjacent(iov: torch.Tensor) -> torch.Tensor:
     return merged
 
 
+def split_iovecs(iov: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """`iov` cut into `parts` runs of consecutive bytes, equal but for the last (which takes the
+    remainder), an iovec cut in two where a share ends inside it. Both ends of a striped
+    transfer cut at the same byte offsets, however differently their iovecs lie in memory."""
+    total = int(iov[:, 1].sum()) if iov.numel() else 0
+    if not 1 <= parts <= max(1, total):
+        raise ValueError(f"parts: must be in [1, {max(1, total)}] for {total} bytes")
+    out, rest = [], iov
+    for _ in range(parts - 1):
+        share = total // parts
+        ends = torch.cumsum(rest[:, 1], 0)
+        last = int(torch.searchsorted(ends, share))  # the iovec the share ends in
+        over = int(ends[last]) - share  # its bytes past the share's end
+        head = rest[: last + 1].clone()
+        head[-1, 1] -= over
+        if over:
+            rest = rest[last:].clone()
+            rest[0, 0] += head[-1, 1]
+            rest[0, 1] = over
+        else:
+            rest = rest[last + 1 :]
+        out.append(head)
+    out.append(rest)
+    return out
+
+
 def buffer_iovecs(buf: torch.Tensor) -> torch.Tensor:
     """One iovec over a contiguous CPU tensor."""
     if buf.device.type != "cpu" or not buf.is_contiguous():

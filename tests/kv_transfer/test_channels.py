@@ -17,17 +17,21 @@ from kv_transfer import (
     TransferStatus,
     create_receiver,
     create_sender,
+    tcp,
     torch_dist,
 )
 from tests.kv_transfer.paged import caches, layout, wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-BACKENDS = ["torch_dist", "tcp"]
+BACKENDS = ["torch_dist", "tcp", "tcp-striped"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request):
+def backend(request, monkeypatch):
+    if request.param == "tcp-striped":  # every payload split over the channel's 2 connections
+        monkeypatch.setattr(tcp, "STRIPE_MIN_BYTES", 1)
+        return "tcp"
     return request.param
 
 
@@ -51,6 +55,8 @@ def test_transfer_is_bit_exact_and_acknowledged(receiver, backend):
     assert acked.status == TransferStatus.DONE
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
+    if backend == "tcp":  # the channel's connections: the sender's default of two
+        assert len(sender.connect(recv.address).stripes.socks) == 2
     # A second request reuses the channel.
     recv.expect("r2", [1], timeout_s=10)
     sender.send("r2", [2], recv.address)

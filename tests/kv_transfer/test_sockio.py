@@ -148,3 +148,22 @@ def test_rows_that_continue_each_other_become_one_iovec():
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d.view(16, -1)[:8], s.view(16, -1)[rows])
     a.close(), b.close()
+
+
+def test_split_iovecs_cuts_equal_shares_of_bytes_inside_iovecs_where_needed():
+    iov = torch.tensor([[1000, 10], [2000, 7], [3000, 5]])  # 22 bytes
+    parts = sockio.split_iovecs(iov, 3)  # 7, 7 and the remaining 8
+    assert [p.tolist() for p in parts] == [
+        [[1000, 7]],
+        [[1007, 3], [2000, 4]],
+        [[2004, 3], [3000, 5]],
+    ]
+    assert [p.tolist() for p in sockio.split_iovecs(iov, 2)] == [
+        [[1000, 10], [2000, 1]],
+        [[2001, 6], [3000, 5]],
+    ]
+    assert sockio.split_iovecs(iov, 1)[0].tolist() == iov.tolist()
+    assert iov.tolist() == [[1000, 10], [2000, 7], [3000, 5]]  # the input is left as it was
+    for bad in (0, 23):
+        with pytest.raises(ValueError, match=r"parts: must be in \[1, 22\]"):
+            sockio.split_iovecs(iov, bad)

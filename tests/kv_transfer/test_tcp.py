@@ -70,19 +70,31 @@ class FakeSender:
 
     def __init__(self, address: str, kv: list[torch.Tensor]) -> None:
         host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.endpoint = (host, int(port))
+        self.sock = socket.create_connection(self.endpoint, timeout=10)
         self.frame({"layout": layout(kv).to_dict()})
-        (length,) = struct.unpack("!I", self.read(4))
-        assert "layout" in json.loads(self.read(length))["verdict"]
+        verdict = self.answer(self.sock)["verdict"]
+        assert "layout" in verdict
+        self.token = verdict["channel"]
 
-    def frame(self, header: dict, payload: bytes = b"") -> None:
+    def attach(self, index: int, token: str | None = None) -> socket.socket:
+        """A further connection of the channel: its stripe `index`."""
+        conn = socket.create_connection(self.endpoint, timeout=10)
+        self.frame({"attach": token or self.token, "stripe": index}, sock=conn)
+        return conn
+
+    def frame(self, header: dict, payload: bytes = b"", sock: socket.socket | None = None) -> None:
         body = json.dumps(header).encode()
-        self.sock.sendall(struct.pack("!I", len(body)) + body + payload)
+        (sock or self.sock).sendall(struct.pack("!I", len(body)) + body + payload)
 
-    def read(self, n: int) -> bytes:
+    def answer(self, sock: socket.socket) -> dict:
+        (length,) = struct.unpack("!I", self.read(4, sock))
+        return json.loads(self.read(length, sock))
+
+    def read(self, n: int, sock: socket.socket | None = None) -> bytes:
         data = b""
         while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
+            chunk = (sock or self.sock).recv(n - len(data))
             assert chunk, "receiver closed"
             data += chunk
         return data
@@ -124,40 +136,119 @@ def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
 
 
-def test_a_malformed_frame_breaks_the_channel_and_fails_retryable(receiver):
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"nbytes": 5},  # not the size of 3 layers of one block
+        {"nbytes": 3 * 2 * ROW_BYTES, "stripes": 2},  # more stripes than the channel has
+    ],
+)
+def test_a_malformed_frame_breaks_the_channel_and_fails_retryable(receiver, bad):
     recv, dst = receiver
     fake = FakeSender(recv.address, dst)
     recv.expect("r1", [4], timeout_s=10)
     fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 1, "meta": {}, "trailer": False})
-    fake.frame({"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": 5})
+    fake.frame({"type": "kv", "request_id": "r1", "start": 0, "end": 3, **bad})
     [result] = wait_for(recv.poll)
     assert result.status == TransferStatus.FAILED and result.retryable
     assert "sender lost" in result.error
     assert fake.sock.recv(1) == b""  # the receiver closed the connection
 
 
-class StalledReceiver:
-    """Accepts one channel, answers the handshake, then never reads."""
+def test_a_stripe_attaches_only_to_a_live_channel_in_order(receiver):
+    recv, dst = receiver
+    fake = FakeSender(recv.address, dst)
+    for index, token in ((1, "no-such-channel"), (2, None)):  # unknown channel; a gap
+        refused = fake.attach(index, token)
+        assert refused.recv(1) == b""  # closed without an answer
+        refused.close()
+    good = fake.attach(1)
+    assert fake.answer(good) == {"attached": 1}
+    good.close()
 
-    def __init__(self) -> None:
+
+def test_a_striped_payload_lands_and_an_abort_cuts_every_stripe(receiver, monkeypatch):
+    """A kv frame over two connections: each carries its share of the bytes (the first half on
+    the first, the rest on the second), written into the reserved rows. A stripe that stalls
+    mid-share holds the abort for ABORT_WAIT_S; then both connections are shut."""
+    monkeypatch.setattr(tcp, "ABORT_WAIT_S", 0.3)
+    recv, dst = receiver
+    fake = FakeSender(recv.address, dst)
+    second = fake.attach(1)
+    assert fake.answer(second) == {"attached": 1}
+    src = caches(seed=7)
+    recv.expect("r1", [4, 6], timeout_s=10)
+    fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 2, "meta": {}, "trailer": False})
+    # The sender's rows for its blocks 3 and 9 (K rows, then V rows, layer by layer).
+    payload = b"".join(
+        c.view(2 * c.shape[1], -1)[[3, 9, 3 + c.shape[1], 9 + c.shape[1]]].numpy().tobytes()
+        for c in src
+    )
+    half = len(payload) // 2
+    header = {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": len(payload)}
+    fake.frame({**header, "stripes": 2}, payload[:half])
+    second.sendall(payload[half:])
+    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, [4, 6]], s[:, [3, 9]])
+
+    before = [c.clone() for c in dst]
+    recv.expect("r2", [1, 2], timeout_s=10)
+    fake.frame({"type": "xfer", "request_id": "r2", "num_blocks": 2, "meta": {}, "trailer": False})
+    fake.frame({**header, "request_id": "r2", "stripes": 2}, payload[:half])
+    second.sendall(payload[half : half + ROW_BYTES])  # the second share stalls
+    deadline = time.monotonic() + 10
+    while "r2" not in recv._writing:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    started = time.monotonic()
+    recv.abort("r2")
+    assert 0.3 <= time.monotonic() - started < 5
+    assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
+    for conn in (fake.sock, second):  # both connections are gone
+        with pytest.raises(OSError):
+            for _ in range(100):
+                conn.sendall(b"\x01" * len(payload))
+                time.sleep(0.01)
+    # Blocks 1 and 2 got the first share and one row of the second; no other block changed.
+    others = [b for b in range(dst[0].shape[1]) if b not in (1, 2)]
+    assert all(torch.equal(a[:, others], b[:, others]) for a, b in zip(before, dst, strict=True))
+    second.close()
+
+
+class StalledReceiver:
+    """Accepts one channel of `stripes` connections, answers the handshake and the attaches,
+    then never reads."""
+
+    def __init__(self, stripes: int = 2) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.conn: socket.socket | None = None
+        self.stripes = stripes
+        self.conns: list[socket.socket] = []
         self.thread = threading.Thread(target=self._handshake)
         self.thread.start()
 
-    def _handshake(self) -> None:
-        conn, _ = self.server.accept()
+    @staticmethod
+    def _exchange(conn: socket.socket, answer) -> dict:
         (length,) = struct.unpack("!I", conn.recv(4, socket.MSG_WAITALL))
-        peer = json.loads(conn.recv(length, socket.MSG_WAITALL))["layout"]
-        body = json.dumps({"verdict": {"layout": peer}}).encode()
+        hello = json.loads(conn.recv(length, socket.MSG_WAITALL))
+        body = json.dumps(answer(hello)).encode()
         conn.sendall(struct.pack("!I", len(body)) + body)
-        self.conn = conn
+        return hello
+
+    def _handshake(self) -> None:
+        for index in range(self.stripes):
+            conn, _ = self.server.accept()
+            self.conns.append(conn)
+            if index == 0:
+                self._exchange(conn, lambda h: {"verdict": {"layout": h["layout"], "channel": "c"}})
+            else:
+                self._exchange(conn, lambda h: {"attached": h["stripe"]})
 
     def close(self) -> None:
         self.thread.join(10)
-        if self.conn is not None:
-            self.conn.close()
+        for conn in self.conns:
+            conn.close()
         self.server.close()
 
 
@@ -225,3 +316,6 @@ def test_auto_picks_tcp_for_contiguous_cpu_caches_and_tcp_refuses_others():
         create_receiver("tcp", kv_caches=strided, layout=layout(kv))
     with pytest.raises(ValueError, match="kv_backend: unknown 'udp'"):
         resolve_backend("udp", kv)
+    for stripes in (0, tcp.MAX_STRIPES + 1):
+        with pytest.raises(ValueError, match=r"stripes: must be in \[1, 16\]"):
+            create_sender("tcp", kv_caches=kv, layout=layout(kv), stripes=stripes)
