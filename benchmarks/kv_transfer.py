@@ -36,6 +36,7 @@ from typing import Any
 from benchmarks.kv_transfer_measure import EXTRA_POOL_BLOCKS, NOISY_OTHER_CORES, measure_layout
 from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
 from benchmarks.machine import cpu_info, git_commit
+from kv_transfer.tcp import MAX_STRIPES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--malloc",
         choices=("default", "engine"),
-        default="default",
+        default="engine",
         help="engine: the glibc settings CPU workers run with (engine/cpu_runtime.py)",
     )
     p.add_argument(
@@ -136,6 +137,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="torch threads in each peer: 1 gives each of the two processes one of 2 cores",
+    )
+    p.add_argument(
+        "--tcp-stripes",
+        type=int,
+        default=2,
+        help="connections per tcp channel (1: one stream, as before striping)",
     )
     p.add_argument("--idle-wait-s", type=float, default=0.0, help="wait for an idle machine")
     p.add_argument("--timeout-s", type=float, default=60.0, help="per transfer and start-up")
@@ -149,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    if not 1 <= args.tcp_stripes <= MAX_STRIPES:
+        p.error(f"--tcp-stripes: must be in [1, {MAX_STRIPES}]")
     for name in ("reps", "warmup", "pool_blocks", "threads"):
         value = getattr(args, name)
         if value is not None and value < (1 if name != "warmup" else 0):
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     idle_wait_s=args.idle_wait_s,
                     backend=backend,
                     block_order=args.block_order,
+                    tcp_stripes=args.tcp_stripes,
                 )
             )
     print()
@@ -220,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "poll_interval_ms": args.poll_interval_ms,
             "malloc": args.malloc,
+            "tcp_stripes": args.tcp_stripes,
             "threads": args.threads,
             "timeout_s": args.timeout_s,
             "seed": args.seed,

@@ -218,6 +218,7 @@ def measure_layout(
     idle_wait_s: float = 0.0,
     backend: str = "torch_dist",
     block_order: str = "random",
+    tcp_stripes: int = 2,
     log: Any = None,
 ) -> dict[str, Any]:
     """Spawn the two peers for `spec` and `backend` and measure each block count; the
@@ -226,7 +227,9 @@ def measure_layout(
     pool = pool_blocks or max(block_counts) + EXTRA_POOL_BLOCKS
     if max(block_counts) > pool:
         raise ValueError(f"--pool-blocks: {pool} is smaller than the largest transfer")
-    config = PeerConfig(spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend)
+    config = PeerConfig(
+        spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend, tcp_stripes
+    )
     results = []
     peers = _Peers(config)
     try:

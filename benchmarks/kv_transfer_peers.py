@@ -62,6 +62,7 @@ class PeerConfig:
     engine_malloc: bool = False  # the glibc settings CPU workers run with (engine/cpu_runtime.py)
     num_threads: int = 1  # torch threads per peer (gather and scatter)
     backend: str = "torch_dist"  # the duet KV backend measured
+    tcp_stripes: int = 2  # connections per tcp channel (TcpKVSender's `stripes`)
 
 
 def block_value(layer: int, kv: int, block: torch.Tensor) -> torch.Tensor:
@@ -219,6 +220,7 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
 
         caches = _make_caches(config, fill=True)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
+        striping = {"stripes": config.tcp_stripes} if config.backend == "tcp" else {}
         sender: Any = create_sender(
             config.backend,
             kv_caches=caches,
@@ -226,6 +228,7 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
             name="bench",
             timeout_s=config.timeout_s,
             ack_timeout_s=config.timeout_s,
+            **striping,
         )
         sender.connect(address)  # the handshake is a one-off per pair of workers: not timed
         _raw_world(0, raw_port, config.timeout_s)

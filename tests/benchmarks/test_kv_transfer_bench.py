@@ -76,6 +76,7 @@ def test_flag_errors_name_the_flag(capsys):
         (["--reps", "0"], "--reps: must be >= 1"),
         (["--threads", "0"], "--threads: must be >= 1"),
         (["--poll-interval-ms", "0"], "--poll-interval-ms: must be in (0, 100]"),
+        (["--tcp-stripes", "17"], "--tcp-stripes: must be in [1, 16]"),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
@@ -96,6 +97,7 @@ def test_main_writes_the_json(tmp_path, capsys):
     assert report["benchmark"] == "kv_transfer"
     assert report["command"].endswith(" ".join(argv) + f" --pool-blocks 2 --out {out}")
     assert report["config"]["threads"] == 1 and report["target"]["num_blocks"] == 256
+    assert report["config"]["malloc"] == "engine" and report["config"]["tcp_stripes"] == 2
     assert report["target"]["met"] == {}  # 256 blocks were not measured
     assert [layout["backend"] for layout in report["layouts"]] == ["torch_dist", "tcp"]
     for layout in report["layouts"]:
