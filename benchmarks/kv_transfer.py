@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kv_transfer_measure import EXTRA_POOL_BLOCKS, NOISY_OTHER_CORES, measure_layout
+from benchmarks.kv_transfer_measure import NOISY_OTHER_CORES, default_pool_blocks, measure_layout
 from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
 from benchmarks.machine import cpu_info, git_commit
 from kv_transfer.tcp import MAX_STRIPES
@@ -124,7 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int_list(1, "block count"), default=[1, 16, TARGET_BLOCKS])
     p.add_argument("--reps", type=int, default=10, help="timed reps per size (after warm-up)")
     p.add_argument("--warmup", type=int, default=2, help="untimed reps per size")
-    p.add_argument("--pool-blocks", type=int, default=None, help="default: largest + 44")
+    p.add_argument(
+        "--pool-blocks", type=int, default=None, help="default: largest + 44; with pool: 4x largest"
+    )
     p.add_argument("--poll-interval-ms", type=float, default=POLL_INTERVAL_S * 1e3)
     p.add_argument(
         "--malloc",
@@ -149,10 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--block-order",
-        choices=("random", "runs"),
+        choices=("random", "runs", "pool"),
         default="random",
-        help="block ids as a pool leaves them after churn (random), or as a fresh pool hands "
-        "them out (runs of consecutive ids)",
+        help="block ids in no order (random: the worst case), as a fresh pool hands them out "
+        "(runs of consecutive ids), or as duet's allocator hands them out after churn (pool)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = []
     for name in args.layouts:
         spec = LAYOUTS[name]
-        pool = args.pool_blocks or max(args.blocks) + EXTRA_POOL_BLOCKS
+        pool = args.pool_blocks or default_pool_blocks(args.blocks, args.block_order)
         need, have = memory_needed_bytes(spec, args.blocks, pool), _mem_available_bytes()
         if have is not None and need > 0.8 * have:
             print(f"skipping {name}: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} available")

@@ -20,8 +20,11 @@ from benchmarks.kv_transfer_peers import (
     run_sender,
     spec_dict,
 )
+from engine.block_pool import BlockPool
 
 NOISY_OTHER_CORES = 0.2
+CHURN_STEPS = 3000
+CHURN_MAX_PROMPT_BLOCKS = 128
 EXTRA_POOL_BLOCKS = 44  # the pool is a little larger than the largest transfer
 
 
@@ -142,13 +145,49 @@ class _Peers:
                 proc.join(timeout=10)
 
 
+def default_pool_blocks(block_counts: list[int], block_order: str) -> int:
+    """Each side's cache: a little more than the largest transfer, or with `--block-order
+    pool` four times it, so the churn before a transfer has other requests' blocks to mix in."""
+    if block_order == "pool":
+        return 4 * max(block_counts)
+    return max(block_counts) + EXTRA_POOL_BLOCKS
+
+
+def churned_table(pool: int, num_blocks: int, rng: random.Random) -> list[int]:
+    """A block table as duet's allocator (engine/block_pool.py) hands it out after churn:
+    `CHURN_STEPS` random steps of prompts taking 1-128 blocks at once, running requests growing
+    by a block, and requests finishing (freed tail-first, as the engine frees them), always
+    leaving room for the transfer; then the transfer's `num_blocks`."""
+    if pool < num_blocks + CHURN_MAX_PROMPT_BLOCKS:
+        raise ValueError(
+            f"--pool-blocks: {pool} leaves no room for churn beside {num_blocks} blocks "
+            f"(need >= {num_blocks + CHURN_MAX_PROMPT_BLOCKS})"
+        )
+    blocks = BlockPool(pool, enable_caching=False)
+    running: list[list[Any]] = []
+    for _ in range(CHURN_STEPS):
+        step = rng.random()
+        room = blocks.num_free_blocks - num_blocks
+        if running and (step < 0.3 or room < CHURN_MAX_PROMPT_BLOCKS):
+            blocks.free_blocks(reversed(running.pop(rng.randrange(len(running)))))
+        elif running and step < 0.7:
+            if room > 0:
+                running[rng.randrange(len(running))].extend(blocks.get_new_blocks(1))
+        else:
+            running.append(blocks.get_new_blocks(rng.randint(1, CHURN_MAX_PROMPT_BLOCKS)))
+    return [block.block_id for block in blocks.get_new_blocks(num_blocks)]
+
+
 def block_tables(
     pool: int, num_blocks: int, seed: int, order: str = "random"
 ) -> tuple[list[int], list[int]]:
-    """The sender's and the receiver's block ids. `random`: as a pool leaves them after some
-    churn (distinct ids in no order); `runs`: as a fresh pool hands them out (one run of
-    consecutive ids each, at a random start)."""
+    """The sender's and the receiver's block ids. `random`: distinct ids in no order (the
+    worst case: no two rows of a layer next to each other); `runs`: as a fresh pool hands them
+    out (one run of consecutive ids each, at a random start); `pool`: as duet's allocator hands
+    them out after churn (`churned_table`), each side its own history."""
     rng = random.Random(seed * 1_000_003 + num_blocks)
+    if order == "pool":
+        return churned_table(pool, num_blocks, rng), churned_table(pool, num_blocks, rng)
     if order == "runs":
         src, dst = (rng.randrange(pool - num_blocks + 1) for _ in range(2))
         return list(range(src, src + num_blocks)), list(range(dst, dst + num_blocks))
@@ -224,7 +263,7 @@ def measure_layout(
     """Spawn the two peers for `spec` and `backend` and measure each block count; the
     layout's JSON."""
     log = log or functools.partial(print, flush=True)
-    pool = pool_blocks or max(block_counts) + EXTRA_POOL_BLOCKS
+    pool = pool_blocks or default_pool_blocks(block_counts, block_order)
     if max(block_counts) > pool:
         raise ValueError(f"--pool-blocks: {pool} is smaller than the largest transfer")
     config = PeerConfig(

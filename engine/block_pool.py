@@ -86,7 +86,11 @@ class BlockPool:
         return self._cached.get(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take `num_blocks` from the front of the free queue, evicting any cached hash."""
+        """Take `num_blocks` from the front of the free queue, evicting any cached hash, in
+        ascending block order: which blocks leave the queue is the eviction policy's choice;
+        the order they serve a request in is ours, and ascending ids put consecutive blocks
+        next to each other in the request's table, so a KV transfer moves them as one span
+        (the queue holds freed requests tail-first, so taken as they come they descend)."""
         if num_blocks > len(self._free):
             raise ValueError(f"cannot get {num_blocks} blocks; {len(self._free)} free")
         out = []
@@ -95,6 +99,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda block: block.block_id)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

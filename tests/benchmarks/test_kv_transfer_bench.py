@@ -3,6 +3,7 @@ the JSON's structure and the bytes it counts (timings are not asserted), plus it
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -113,3 +114,16 @@ def test_block_tables_random_or_in_runs():
     assert src == list(range(src[0], src[0] + 256)) and dst == list(range(dst[0], dst[0] + 256))
     assert 0 <= src[0] <= 44 and 0 <= dst[0] <= 44
     assert block_tables(300, 256, seed=0, order="runs") == (src, dst)  # seeded
+
+
+def test_block_tables_from_the_engines_allocator_after_churn():
+    src, dst = block_tables(1024, 256, seed=0, order="pool")
+    assert len(set(src)) == len(set(dst)) == 256 and max(src + dst) < 1024
+    assert src == sorted(src) and dst == sorted(dst)  # ascending, as BlockPool serves them
+    for ids in (src, dst):
+        runs = 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
+        assert 16 < runs < 200  # churned: neither one run nor every block on its own
+    assert block_tables(1024, 256, seed=0, order="pool") == (src, dst)  # seeded
+    assert block_tables(1024, 256, seed=1, order="pool") != (src, dst)
+    with pytest.raises(ValueError, match=r"--pool-blocks: 300 leaves no room for churn"):
+        block_tables(300, 256, seed=0, order="pool")

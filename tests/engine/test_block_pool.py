@@ -32,6 +32,19 @@ def test_free_order_sets_eviction_order():
     assert pool.num_free_blocks == 4
 
 
+def test_blocks_taken_in_queue_order_serve_in_ascending_ids():
+    """Eviction picks which blocks (the queue's front); the request gets them in ascending
+    order, so a freed request's blocks, queued tail-first, come back as one run."""
+    pool = BlockPool(8)
+    a, b = pool.get_new_blocks(3), pool.get_new_blocks(2)  # 0 1 2, 3 4
+    pool.free_blocks(reversed(b))
+    pool.free_blocks(reversed(a))
+    assert pool.free_block_ids() == [5, 6, 7, 4, 3, 2, 1, 0]
+    assert [x.block_id for x in pool.get_new_blocks(5)] == [3, 4, 5, 6, 7]  # front five
+    assert pool.free_block_ids() == [2, 1, 0]
+    assert [x.block_id for x in pool.get_new_blocks(3)] == [0, 1, 2]
+
+
 def test_touch_and_ref_counts():
     pool = BlockPool(4)
     (b,) = pool.get_new_blocks(1)
