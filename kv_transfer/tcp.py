@@ -8,8 +8,9 @@ the wire, so that path runs at about half the speed of a raw send on loopback. H
 copies straight out of the sender's block rows and into the receiver's reserved ones
 (`sockio`: `sendmsg`/`recvmsg` with one iovec per block row). A payload of at least
 `STRIPE_MIN_BYTES` per connection is cut into equal shares of bytes, one per connection, moved
-at once (`_Stripes`): one stream keeps neither core busy on loopback, since each side waits on
-the other's copies, and two streams move 256 blocks at 0.9-1.1x a raw gloo send instead of 0.7x.
+at once (`_Stripes`): on loopback one stream keeps only ~1.4 of 2 cores busy, since each side
+waits on the other's copies; two moved 256 SmolLM2 fp32 blocks at 0.85-1.08x a raw gloo send
+where one managed ~0.7x (README, "KV transfer").
 
 Protocol (frames are a 4-byte big-endian length and a JSON header, all on the channel's first
 connection; a `kv` frame's payload follows its header, striped over the connections):
