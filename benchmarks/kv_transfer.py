@@ -33,7 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kv_transfer_measure import NOISY_OTHER_CORES, default_pool_blocks, measure_layout
+from benchmarks.kv_transfer_measure import (
+    NOISY_OTHER_CORES,
+    default_pool_blocks,
+    measure_layout,
+    pool_problem,
+)
 from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
 from benchmarks.machine import cpu_info, git_commit
 from kv_transfer.tcp import MAX_STRIPES
@@ -166,6 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: must be >= {1 if name != 'warmup' else 0}")
     if not 0 < args.poll_interval_ms <= 100:
         p.error("--poll-interval-ms: must be in (0, 100]")
+    if args.pool_blocks is not None and (
+        problem := pool_problem(args.pool_blocks, args.blocks, args.block_order)
+    ):
+        p.error(problem)
     return args
 
 

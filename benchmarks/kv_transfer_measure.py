@@ -20,7 +20,7 @@ from benchmarks.kv_transfer_peers import (
     run_sender,
     spec_dict,
 )
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, KVCacheBlock
 
 NOISY_OTHER_CORES = 0.2
 CHURN_STEPS = 3000
@@ -153,18 +153,28 @@ def default_pool_blocks(block_counts: list[int], block_order: str) -> int:
     return max(block_counts) + EXTRA_POOL_BLOCKS
 
 
+def pool_problem(pool: int, block_counts: list[int], block_order: str) -> str | None:
+    """Why a pool of `pool` blocks cannot serve these transfers in this order, or None."""
+    if max(block_counts) > pool:
+        return f"--pool-blocks: {pool} is smaller than the largest transfer"
+    need = max(block_counts) + CHURN_MAX_PROMPT_BLOCKS
+    if block_order == "pool" and pool < need:
+        return (
+            f"--pool-blocks: {pool} leaves no room for churn beside {max(block_counts)} blocks "
+            f"(need >= {need})"
+        )
+    return None
+
+
 def churned_table(pool: int, num_blocks: int, rng: random.Random) -> list[int]:
     """A block table as duet's allocator (engine/block_pool.py) hands it out after churn:
     `CHURN_STEPS` random steps of prompts taking 1-128 blocks at once, running requests growing
     by a block, and requests finishing (freed tail-first, as the engine frees them), always
     leaving room for the transfer; then the transfer's `num_blocks`."""
-    if pool < num_blocks + CHURN_MAX_PROMPT_BLOCKS:
-        raise ValueError(
-            f"--pool-blocks: {pool} leaves no room for churn beside {num_blocks} blocks "
-            f"(need >= {num_blocks + CHURN_MAX_PROMPT_BLOCKS})"
-        )
+    if problem := pool_problem(pool, [num_blocks], "pool"):
+        raise ValueError(problem)
     blocks = BlockPool(pool, enable_caching=False)
-    running: list[list[Any]] = []
+    running: list[list[KVCacheBlock]] = []
     for _ in range(CHURN_STEPS):
         step = rng.random()
         room = blocks.num_free_blocks - num_blocks
@@ -264,8 +274,8 @@ def measure_layout(
     layout's JSON."""
     log = log or functools.partial(print, flush=True)
     pool = pool_blocks or default_pool_blocks(block_counts, block_order)
-    if max(block_counts) > pool:
-        raise ValueError(f"--pool-blocks: {pool} is smaller than the largest transfer")
+    if problem := pool_problem(pool, block_counts, block_order):
+        raise ValueError(problem)  # before any peer starts
     config = PeerConfig(
         spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend, tcp_stripes
     )

@@ -167,9 +167,8 @@ class _Stripes:
 
     def add(self, sock: socket.socket) -> None:
         self.socks.append(sock)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-        self._pool = ThreadPoolExecutor(len(self.socks) - 1, thread_name_prefix=self.name)
+        if self._pool is None:  # starts a thread per share moving at once, no more
+            self._pool = ThreadPoolExecutor(MAX_STRIPES - 1, thread_name_prefix=self.name)
 
     def count(self, nbytes: int) -> int:
         """How many connections a payload of `nbytes` goes over."""
@@ -182,10 +181,10 @@ class _Stripes:
         The helpers' waits end: each socket operation gives up after its timeout without
         progress, and a shut-down socket fails at once."""
         parts = sockio.split_iovecs(iov, stripes) if stripes > 1 else [iov]
+        move = sockio.send_iovecs if send else sockio.recv_iovecs
         helpers: list[Future[None]] = []
         for sock, part in zip(self.socks[1:stripes], parts[1:], strict=True):
             assert self._pool is not None
-            move = sockio.send_iovecs if send else sockio.recv_iovecs
             helpers.append(self._pool.submit(move, sock, part))
             helpers[-1].add_done_callback(self._on_helper_done)
         error: BaseException | None = None
@@ -724,7 +723,8 @@ class TcpKVReceiver(InboxKVReceiver):
                 return
             hello = _read_frame(sock)
             if "attach" in hello:
-                attached = self._attach(sock, hello)
+                self._attach(sock, hello)
+                attached = True
                 return
             sender = KVLayout.from_dict(hello["layout"])
             try:
@@ -755,7 +755,7 @@ class TcpKVReceiver(InboxKVReceiver):
                     self._by_token.pop(channel.token, None)
                 channel.stripes.close()
 
-    def _attach(self, sock: socket.socket, hello: dict[str, Any]) -> bool:
+    def _attach(self, sock: socket.socket, hello: dict[str, Any]) -> None:
         """A sender's further connection joins the channel it names, as its next stripe."""
         index = hello.get("stripe")
         with self._lock:
@@ -764,7 +764,6 @@ class TcpKVReceiver(InboxKVReceiver):
                 raise ConnectionError(f"stripe {index} of channel {hello['attach']}: refused")
             owner.stripes.add(sock)
         sock.sendall(_frame({"attached": index}))
-        return True
 
     def _handle(self, channel: _RecvChannel, sender: KVLayout, header: dict[str, Any]) -> None:
         kind, request_id = header.get("type"), header.get("request_id", "")

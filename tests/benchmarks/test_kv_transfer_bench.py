@@ -78,6 +78,11 @@ def test_flag_errors_name_the_flag(capsys):
         (["--threads", "0"], "--threads: must be >= 1"),
         (["--poll-interval-ms", "0"], "--poll-interval-ms: must be in (0, 100]"),
         (["--tcp-stripes", "17"], "--tcp-stripes: must be in [1, 16]"),
+        (["--blocks", "256", "--pool-blocks", "100"], "--pool-blocks: 100 is smaller than"),
+        (
+            ["--blocks", "256", "--block-order", "pool", "--pool-blocks", "300"],
+            "--pool-blocks: 300 leaves no room for churn beside 256 blocks (need >= 384)",
+        ),
     ]:
         with pytest.raises(SystemExit):
             parse_args(argv)
