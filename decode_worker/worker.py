@@ -10,21 +10,23 @@ and the seeded generator's state continues), and the request joins the running b
 next step. If the KV does not arrive within its wait, or its sender is lost, the reservation
 is freed and the stream ends with `KVTransferError` (retryable).
 
-Threads: `AsyncEngine`'s engine thread also polls the receiver; callers use any event loop.
+Threads: the `EngineCore` thread runs the engine and polls the receiver (`DecodeRole`);
+callers use any event loop.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from engine import RequestOutput, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError, _Abort
-from engine.llm_engine import LLMEngine
+from engine.async_engine import AsyncEngine
+from engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
+from engine.llm_engine import LLMEngine, Prompt
 from kv_transfer import KVLayout, KVReceiver, TransferStatus, create_receiver
 from kv_transfer.factory import resolve_backend
 
@@ -56,14 +58,6 @@ class DecodeLoad:
     max_num_seqs: int = 0
 
 
-@dataclass(frozen=True)
-class _Reserve:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_wait_s: float
-
-
 class RemoteDecode:
     """A reserved request: iterate its outputs (first token included). Leaving `async with`
     (or `aclose`) before it finished aborts it and frees its blocks."""
@@ -84,7 +78,7 @@ class RemoteDecode:
     async def aclose(self) -> None:
         await self._outputs.aclose()
         # A stream never iterated has not registered its own cleanup: do it here.
-        self.worker._close_stream(self.reservation.request_id, finished=False)
+        self.worker.core.close_stream(self.reservation.request_id, finished=False)
 
     async def __aenter__(self) -> RemoteDecode:
         return self
@@ -93,7 +87,11 @@ class RemoteDecode:
         await self.aclose()
 
 
-class DecodeWorker(AsyncEngine):
+class DecodeWorker:
+    """A decode worker: an `AsyncEngine` whose role (`DecodeRole`) also takes reservations
+    and polls the KV receiver. `generate` serves local requests (conditional
+    disaggregation); `reserve` the remote ones."""
+
     def __init__(
         self,
         config: DecodeWorkerConfig,
@@ -104,11 +102,12 @@ class DecodeWorker(AsyncEngine):
         backend's hub and name)."""
         self.config = config
         self.name = name
-        engine = LLMEngine(config)
+        self.engine = LLMEngine(config)
+        caches = self.engine.runner.kv_caches
         self.layout = KVLayout.of_caches(
-            config.model or "default", engine.runner.kv_caches, engine.arch.num_key_value_heads
+            config.model or "default", caches, self.engine.arch.num_key_value_heads
         )
-        self.kv_backend = resolve_backend(config.kv_backend, engine.runner.kv_caches)
+        self.kv_backend = resolve_backend(config.kv_backend, caches)
         options = dict(receiver_options or {})
         if self.kv_backend in ("torch_dist", "tcp"):
             options = {
@@ -119,15 +118,38 @@ class DecodeWorker(AsyncEngine):
                 **options,
             }
         self.receiver: KVReceiver = create_receiver(
-            self.kv_backend, kv_caches=engine.runner.kv_caches, layout=self.layout, **options
+            self.kv_backend, kv_caches=caches, layout=self.layout, **options
         )
         self.kv_address: str = getattr(self.receiver, "address", options.get("name", name))
         self.load = DecodeLoad(
-            num_free_blocks=engine.num_blocks,
-            num_blocks=engine.num_blocks,
+            num_free_blocks=self.engine.num_blocks,
+            num_blocks=self.engine.num_blocks,
             max_num_seqs=config.max_num_seqs,
         )
-        super().__init__(engine)
+        self.client = AsyncEngine(self.engine, DecodeRole(self), name=name)
+        self.core = self.client.core
+
+    @property
+    def is_running(self) -> bool:
+        return self.core.is_running
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """A local request, prefilled and decoded here (see `AsyncEngine.generate`)."""
+        return self.client.generate(prompt, params, request_id, priority)
+
+    def abort(self, request_id: str) -> None:
+        self.core.submit(AbortRequest(request_id))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (the receiver closes with it); streams end with
+        `EngineDeadError`."""
+        self.core.shutdown(timeout_s)
 
     async def reserve(
         self,
@@ -139,23 +161,23 @@ class DecodeWorker(AsyncEngine):
         """Reserve blocks for a prompt whose KV a prefill worker will send to `kv_address`
         under `request_id`. Raises `NoCapacityError` (nothing reserved), `InvalidInputError`
         for bad input, `EngineDeadError` when the worker stopped."""
-        if self._dead is not None:
-            raise EngineDeadError("decode worker is not running") from self._dead
+        if self.core.dead is not None:
+            raise EngineDeadError("decode worker is not running") from self.core.dead
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)
         self.engine.check_lengths(len(ids), params)
-        request_id, out_queue = self._open_stream(request_id)
-        self._commands.put(_Reserve(request_id, ids, params, kv_wait_s or self.config.kv_wait_s))
+        request_id, out_queue = self.core.open_stream(request_id)
+        self.core.submit(ReserveRemote(request_id, ids, params, kv_wait_s or self.config.kv_wait_s))
         try:
             first = await out_queue.get()
         except BaseException:
-            self._close_stream(request_id, finished=False)
+            self.core.close_stream(request_id, finished=False)
             raise
         if isinstance(first, BaseException):
-            self._close_stream(request_id, finished=True)
+            self.core.close_stream(request_id, finished=True)
             raise first
         assert isinstance(first, Reservation)
-        return RemoteDecode(self, first, self._iterate(request_id, out_queue))
+        return RemoteDecode(self, first, self.core.iterate(request_id, out_queue))
 
     async def generate_remote(
         self,
@@ -170,56 +192,47 @@ class DecodeWorker(AsyncEngine):
             async for out in outputs:
                 yield out
 
-    # -- engine thread -------------------------------------------------------------------------
 
-    def _apply(self, cmd: Any) -> None:
-        if isinstance(cmd, _Reserve):
-            self._reserve(cmd)
-            return
-        if isinstance(cmd, _Abort):
-            self.receiver.abort(cmd.request_id)  # late KV for it is dropped
-        super()._apply(cmd)
+class DecodeRole(EngineRole):
+    """The decode worker's hooks on the engine thread: reservations, the receiver's poll,
+    aborts that also drop late KV, and the load snapshot."""
 
-    def _reserve(self, cmd: _Reserve) -> None:
-        try:
-            block_ids = self.engine.add_remote_request(
-                cmd.prompt_token_ids, cmd.params, cmd.request_id
-            )
-        except Exception as e:
-            self._publish(cmd.request_id, e)
-            return
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+        self.receiver = worker.receiver
+
+    def reserve(self, cmd: ReserveRemote) -> None:
+        engine = self.engine
+        block_ids = engine.add_remote_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
         if block_ids is None:
-            self._publish(
-                cmd.request_id,
-                NoCapacityError(
-                    f"decode worker {self.name}: no room for {len(cmd.prompt_token_ids)} prompt "
-                    f"tokens ({self.engine.kv.num_free_blocks} free blocks, "
-                    f"{self.engine.scheduler.num_seq_slots_used}/{self.config.max_num_seqs} "
-                    "sequences)"
-                ),
+            raise NoCapacityError(
+                f"decode worker {self.worker.name}: no room for {len(cmd.prompt_token_ids)} "
+                f"prompt tokens ({engine.kv.num_free_blocks} free blocks, "
+                f"{engine.scheduler.num_seq_slots_used}/{engine.config.max_num_seqs} sequences)"
             )
-            return
         self.receiver.expect(cmd.request_id, block_ids, cmd.kv_wait_s)
-        self._publish(cmd.request_id, Reservation(cmd.request_id, self.kv_address, len(block_ids)))
+        self.core.publish(
+            cmd.request_id, Reservation(cmd.request_id, self.worker.kv_address, len(block_ids))
+        )
 
-    def _poll(self) -> list[tuple[str, Any]]:
-        items: list[tuple[str, Any]] = []
+    def abort(self, cmd: AbortRequest) -> None:
+        self.receiver.abort(cmd.request_id)  # late KV for it is dropped
+        super().abort(cmd)
+
+    def before_step(self) -> None:
         for result in self.receiver.poll():
             request_id = result.request_id
             if result.status == TransferStatus.DONE:
                 out = self._complete(request_id, result.meta or {})
                 if out is not None:
-                    items.append((request_id, out))
+                    self.core.publish(request_id, out)
             elif result.status == TransferStatus.FAILED:
                 self.engine.abort_request(request_id)
-                items.append(
-                    (
-                        request_id,
-                        KVTransferError(f"KV of {request_id} did not arrive: {result.error}"),
-                    )
+                self.core.publish(
+                    request_id,
+                    KVTransferError(f"KV of {request_id} did not arrive: {result.error}"),
                 )
         self._update_load()
-        return items
 
     def _complete(self, request_id: str, meta: dict[str, Any]) -> RequestOutput | None:
         logprob = meta.get("logprob")
@@ -234,14 +247,14 @@ class DecodeWorker(AsyncEngine):
 
     def _update_load(self) -> None:
         sched = self.engine.scheduler
-        self.load = DecodeLoad(
+        self.worker.load = DecodeLoad(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_waiting_for_kv=len(sched.waiting_for_kv),
             num_free_blocks=self.engine.kv.num_free_blocks,
             num_blocks=self.engine.num_blocks,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.engine.config.max_num_seqs,
         )
 
-    def _on_exit(self) -> None:
+    def on_exit(self) -> None:
         self.receiver.close()

@@ -173,14 +173,18 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         prefill_only: bool = False,
+        prompt_text: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids). Raises `InvalidInputError` for bad input.
 
+        `prompt_text`: the text that `prompt`'s ids were tokenized from, when the caller
+        tokenized it already (each prompt is tokenized once), reported in the outputs.
         `prefill_only`: the prefill half of a disaggregated request. It ends after its first
         token with no output of its own; `take_prefilled` hands over what the decode side
         needs, and its blocks stay held until `release_held`."""
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
+        text = prompt_text if prompt_text is not None else text
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._states:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")

@@ -11,22 +11,21 @@ the prompt, each layer's blocks leave as soon as the pass wrote them, and the fi
 follows as the transfer's trailer; a prompt prefilled in several chunks sends the layers of
 its earlier chunks during that last pass too.
 
-Threads: one engine thread owns the `LLMEngine` and the `KVSender`; `prefill`/`abort` may be
-called from any thread or event loop and talk to it through a command queue.
+Threads: the `EngineCore` thread owns the `LLMEngine` and the `KVSender` (through
+`PrefillRole`); `prefill`/`abort` may be called from any thread or event loop and talk to it
+through the core's typed commands.
 
 Tensor parallelism: every rank of the group runs a `PrefillWorker` with an identical engine;
-rank 0 takes the requests and, each iteration, broadcasts the commands it will apply (add,
-abort, release) so that every rank's scheduler makes the same decisions and the collectives
-line up. Each rank ships the KV heads of its shard; the decode side reassembles them.
+rank 0 takes the requests and the core broadcasts, each iteration, the commands every rank
+applies (add, abort, release), so that every rank's scheduler makes the same decisions and the
+collectives line up. Each rank ships the KV heads of its shard; the decode side reassembles
+them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,16 @@ from typing import Any
 import torch.distributed as dist
 
 from engine import SamplingParams
+from engine.core import (
+    AbortRequest,
+    AddRequest,
+    EngineCore,
+    EngineDeadError,
+    EngineRole,
+    ReleaseHeld,
+)
 from engine.llm_engine import LLMEngine, PrefillDone
+from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from kv_transfer import (
     HandshakeError,
@@ -49,11 +57,6 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.prefix_index import PrefixCacheIndex
 
 logger = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.5
-"""Longest wait for a command while idle; also the heartbeat rank 0 sends its followers."""
-_TRANSFER_POLL_S = 0.001
-"""Wait between polls of the sender while only transfers are in flight."""
 
 
 @dataclass(frozen=True)
@@ -79,33 +82,6 @@ class PrefillLoad:
     num_queued_tokens: int = 0  # prompt tokens not yet prefilled
     num_free_blocks: int = 0
     num_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    dest: str
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Release:
-    request_id: str
-    result: PrefillResult | None = None  # rank 0 only: what to tell the caller once released
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Release | _Stop
 
 
 def kv_meta(done: PrefillDone) -> dict[str, Any]:
@@ -135,14 +111,15 @@ class PrefillWorker:
         self.tp = tp
         self.name = name
         self.engine = LLMEngine(config, tp)
+        caches = self.engine.runner.kv_caches
         self.layout = KVLayout.of_caches(
             config.model or "default",
-            self.engine.runner.kv_caches,
+            caches,
             self.engine.arch.num_key_value_heads,
             tp.world_size,
             tp.rank,
         )
-        self.kv_backend = resolve_backend(config.kv_backend, self.engine.runner.kv_caches)
+        self.kv_backend = resolve_backend(config.kv_backend, caches)
         options = dict(sender_options or {})
         if self.kv_backend in ("torch_dist", "tcp"):
             options = {
@@ -152,33 +129,21 @@ class PrefillWorker:
                 **options,
             }
         self.sender: KVSender = create_sender(
-            self.kv_backend,
-            kv_caches=self.engine.runner.kv_caches,
-            layout=self.layout,
-            **options,
+            self.kv_backend, kv_caches=caches, layout=self.layout, **options
         )
-        self._control_group = control_group if control_group is not None else tp.group
-        self._commands: queue.Queue[_Command] = queue.Queue()
-        self._internal: list[_Command] = []  # rank 0's own follow-ups, broadcast like the rest
-        self._lock = threading.Lock()
-        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
-        self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
-        self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
-        self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
-        if config.kv_layerwise:
-            self.engine.prefill_stream = self
-        self._dead: BaseException | None = None
         self.load = PrefillLoad(num_blocks=self.engine.num_blocks)
         self.prefix_index = PrefixCacheIndex()
         self.engine.kv.pool.record_events = config.enable_prefix_caching
-        self._thread = threading.Thread(target=self._loop, name=f"duet-{name}", daemon=True)
-        self._thread.start()
+        role = PrefillRole(self)
+        if config.kv_layerwise:
+            self.engine.prefill_stream = role
+        self.core = EngineCore(self.engine, role, name=name, tp=tp, control_group=control_group)
 
     # -- API (any thread) --------------------------------------------------------------------
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None
+        return self.core.is_running
 
     async def prefill(
         self,
@@ -191,117 +156,81 @@ class PrefillWorker:
         Returns once the transfer ended. Bad input raises `InvalidInputError`; cancelling
         the call aborts the request (its blocks are freed)."""
         if not self.is_running:
-            raise RuntimeError(f"prefill worker {self.name} is not running") from self._dead
+            raise RuntimeError(f"prefill worker {self.name} is not running") from self.core.dead
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)  # validates ids
         self.engine.check_lengths(len(ids), params)
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[PrefillResult] = loop.create_future()
-        with self._lock:
-            if request_id in self._futures:
-                raise ValueError(f"request_id: {request_id!r} is already being prefilled")
-            self._futures[request_id] = (loop, future)
-        self._commands.put(_Add(request_id, ids, params, dest))
+        request_id, out_queue = self.core.open_stream(request_id)
+        self.core.submit(AddRequest(request_id, ids, params, prefill_dest=dest))
+        finished = False
         try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
+            item = await out_queue.get()
+            finished = True
         finally:
-            with self._lock:
-                self._futures.pop(request_id, None)
+            self.core.close_stream(request_id, finished)  # cancelled: aborts the request
+        if isinstance(item, EngineDeadError):  # the worker stopped: another one may serve it
+            return PrefillResult(request_id, TransferStatus.FAILED, str(item), retryable=True)
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, PrefillResult)
+        return item
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self.core.submit(AbortRequest(request_id))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (followers stop with rank 0) and close the sender."""
-        self._commands.put(_Stop())
-        self._thread.join(timeout_s)
+        self.core.shutdown(timeout_s)
         self.sender.close()
 
     def join(self, timeout_s: float | None = None) -> None:
         """Block until the engine thread ends (a follower rank's main thread waits here)."""
-        self._thread.join(timeout_s)
+        self.core.join(timeout_s)
 
-    # -- engine thread -----------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        try:
-            while True:
-                commands = self._next_commands()
-                if self.tp.enabled:
-                    box: list[Any] = [commands]
-                    dist.broadcast_object_list(box, group=self._control_group, group_src=0)
-                    commands = box[0]
-                if not self._apply(commands):
-                    break
-                self.engine.step()
-                for done in self.engine.take_prefilled():
-                    self._ship(done)
-                self._poll_sender()
-                self.prefix_index.apply(self.engine.kv.pool.take_events())
-                self._update_load()
-        except BaseException as e:  # every waiting caller must hear of it
-            logger.exception("prefill worker %s failed", self.name)
-            self._dead = e
-        finally:
-            if self._dead is None:
-                self._dead = RuntimeError(f"prefill worker {self.name} shut down")
-            with self._lock:
-                futures = list(self._futures.items())
-            for request_id, _ in futures:
-                self._resolve(
-                    PrefillResult(
-                        request_id, TransferStatus.FAILED, str(self._dead), retryable=True
-                    )
-                )
+class PrefillRole(EngineRole):
+    """The prefill worker's hooks on the engine thread: prefill-only requests, shipping each
+    one's KV when its first token is out (layer-wise when the transfer opened before the
+    last pass: the `PrefillStream` the engine calls), polling the sender, releasing blocks
+    once a transfer ended, and the prefix index and load snapshot."""
 
-    def _next_commands(self) -> list[_Command]:
-        if self.tp.rank != 0:
-            return []  # followers take rank 0's commands from the broadcast
-        commands, self._internal = self._internal, []
-        if commands or self.engine.has_schedulable_requests():
-            timeout = 0.0
-        elif self._in_flight:
-            timeout = _TRANSFER_POLL_S
-        else:
-            timeout = _IDLE_WAIT_S
-        try:
-            if timeout > 0:
-                commands.append(self._commands.get(timeout=timeout))
-            while True:
-                commands.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        return commands
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+        self.sender = worker.sender
+        self.rank = worker.tp.rank
+        self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
+        self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
+        self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
 
-    def _apply(self, commands: list[_Command]) -> bool:
-        """Apply rank 0's commands, in order, on this rank. False on stop."""
-        for cmd in commands:
-            if isinstance(cmd, _Stop):
-                return False
-            if isinstance(cmd, _Add):
-                try:
-                    self.engine.add_request(
-                        cmd.prompt_token_ids, cmd.params, cmd.request_id, prefill_only=True
-                    )
-                    self._dest[cmd.request_id] = cmd.dest
-                except Exception as e:
-                    self._fail_future(cmd.request_id, e)
-            elif isinstance(cmd, _Abort):
-                if self.engine.abort_request(cmd.request_id) is not None:
-                    self._dest.pop(cmd.request_id, None)
-                    self._resolve(PrefillResult(cmd.request_id, TransferStatus.ABORTED))
-                elif cmd.request_id in self._in_flight:
-                    self.sender.abort(cmd.request_id)  # reported by the next poll
-            else:
-                self._in_flight.pop(cmd.request_id, None)
-                self._dest.pop(cmd.request_id, None)
-                self.engine.release_held(cmd.request_id)
-                if cmd.result is not None:
-                    self._resolve(cmd.result)  # after the release: the caller sees a whole pool
-        return True
+    def add(self, cmd: AddRequest) -> None:
+        if cmd.prefill_dest is None:
+            raise ValueError("prefill_dest: a prefill worker needs the decode worker's address")
+        self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, prefill_only=True)
+        self._dest[cmd.request_id] = cmd.prefill_dest
+
+    def abort(self, cmd: AbortRequest) -> None:
+        if self.engine.abort_request(cmd.request_id) is not None:
+            self._dest.pop(cmd.request_id, None)
+            self.core.publish(cmd.request_id, PrefillResult(cmd.request_id, TransferStatus.ABORTED))
+        elif cmd.request_id in self._in_flight:
+            self.sender.abort(cmd.request_id)  # reported by the next poll
+
+    def release(self, cmd: ReleaseHeld) -> None:
+        self._in_flight.pop(cmd.request_id, None)
+        self._dest.pop(cmd.request_id, None)
+        self.engine.release_held(cmd.request_id)
+        if cmd.result is not None:
+            self.core.publish(cmd.request_id, cmd.result)  # after the release: a whole pool
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        for done in self.engine.take_prefilled():
+            self._ship(done)
+        self._poll_sender()
+        self.worker.prefix_index.apply(self.engine.kv.pool.take_events())
+        self._update_load()
+
+    def has_io_in_flight(self) -> bool:
+        return bool(self._in_flight)
 
     def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
         """`PrefillStream`: open layer-wise transfers for the requests the coming pass
@@ -338,7 +267,7 @@ class PrefillWorker:
             self._finish_transfer(result)
 
     def _finish_transfer(self, result: TransferResult) -> None:
-        if self.tp.rank != 0:
+        if self.rank != 0:
             return  # rank 0 decides when every rank releases
         done = self._in_flight.get(result.request_id)
         outcome = PrefillResult(
@@ -349,13 +278,13 @@ class PrefillWorker:
             done.first_token if done else None,
             done.num_cached_tokens if done else 0,
         )
-        self._internal.append(_Release(result.request_id, outcome))
+        self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 
     def _update_load(self) -> None:
         sched = self.engine.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in sched.running)
         queued += sum(r.num_tokens for r in sched.waiting)
-        self.load = PrefillLoad(
+        self.worker.load = PrefillLoad(
             num_waiting=len(sched.waiting),
             num_running=len(sched.running),
             num_transferring=len(self._in_flight),
@@ -363,31 +292,3 @@ class PrefillWorker:
             num_free_blocks=self.engine.kv.num_free_blocks,
             num_blocks=self.engine.num_blocks,
         )
-
-    def _resolve(self, result: PrefillResult) -> None:
-        self._settle(result.request_id, result, None)
-
-    def _fail_future(self, request_id: str, error: BaseException) -> None:
-        self._settle(request_id, None, error)
-
-    def _settle(
-        self, request_id: str, result: PrefillResult | None, error: BaseException | None
-    ) -> None:
-        with self._lock:
-            entry = self._futures.get(request_id)
-        if entry is None:
-            return
-        loop, future = entry
-
-        def settle() -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:
-            pass  # the caller's loop is closed: nobody is waiting

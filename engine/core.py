@@ -1,0 +1,369 @@
+"""`EngineCore`: the one engine thread that every role (aggregated server, prefill worker,
+decode worker) runs its `LLMEngine` on.
+
+The core owns:
+- the thread, and the only code that touches the `LLMEngine` after construction;
+- a closed set of typed commands (`EngineCommand`) that other threads submit;
+- for tensor parallelism, the broadcast of each iteration's commands from rank 0 to the other
+  ranks, so that every rank's scheduler makes the same decisions and the collectives line up;
+- the step loop: apply commands, `role.before_step`, `engine.step()`, `role.after_step`;
+- per-request result streams, flushed once per iteration: all of an iteration's results for
+  the requests of one event loop travel in one hand-off (`call_soon_threadsafe`), not one per
+  request per token.
+
+What differs between roles lives in an `EngineRole` (hooks the core calls on its thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from engine.errors import InvalidInputError
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.parallel import SINGLE, TensorParallel
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5
+"""Longest wait for a command while idle; also rank 0's heartbeat to its followers."""
+IO_POLL_S = 0.001
+"""Wait between iterations while only I/O (remote KV, transfers) is pending."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; in-flight and new requests fail (retryable elsewhere)."""
+
+
+# -- commands (the closed set) --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a prompt. `prefill_dest`: a prefill worker's request, whose KV goes to the decode
+    worker at that address after its first token (the request is `prefill_only`)."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int = 0
+    prefill_dest: str | None = None
+    prompt_text: str | None = None  # what `prompt`'s ids were tokenized from, if they were
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop a request wherever it is (queued, running, transferring) and free its blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ReserveRemote:
+    """Decode side: reserve blocks for a prompt whose KV a prefill worker sends."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_wait_s: float
+
+
+@dataclass(frozen=True)
+class ReleaseHeld:
+    """Prefill side: free a prefilled request's held blocks; `result` is what rank 0 tells
+    the caller once they are free."""
+
+    request_id: str
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the loop; streams still open end with `EngineDeadError`."""
+
+
+EngineCommand = AddRequest | AbortRequest | ReserveRemote | ReleaseHeld | Stop
+
+
+# -- roles ----------------------------------------------------------------------------------
+
+
+class EngineRole:
+    """What one kind of worker does around the core's step loop. This base is the aggregated
+    engine: requests are generated here and each step's outputs go to their streams.
+
+    Invariants: every hook runs on the engine thread, between steps, and must not block
+    (poll, never wait). A hook reports to callers only through `core.publish`. An exception
+    raised by `add` or `reserve` is the caller's (published to its stream); one raised by any
+    other hook stops the loop, and every open stream ends with `EngineDeadError`.
+    """
+
+    core: EngineCore
+
+    def attach(self, core: EngineCore) -> None:
+        """Called once by the core before its thread starts."""
+        self.core = core
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.core.engine
+
+    def add(self, cmd: AddRequest) -> None:
+        if cmd.prefill_dest is not None:
+            raise InvalidInputError("prefill_dest", "this engine runs no prefill-only requests")
+        self.engine.add_request(
+            cmd.prompt, cmd.params, cmd.request_id, cmd.priority, prompt_text=cmd.prompt_text
+        )
+
+    def abort(self, cmd: AbortRequest) -> None:
+        out = self.engine.abort_request(cmd.request_id)
+        if out is not None:
+            self.core.publish(cmd.request_id, out)
+
+    def reserve(self, cmd: ReserveRemote) -> None:
+        raise InvalidInputError("request_id", "this engine takes no remote-KV reservations")
+
+    def release(self, cmd: ReleaseHeld) -> None:
+        raise InvalidInputError("request_id", "this engine holds no prefilled blocks")
+
+    def before_step(self) -> None:
+        """Take in what arrived from outside the engine (e.g. remote KV)."""
+
+    def after_step(self, outputs: list[RequestOutput]) -> None:
+        """Deliver a step's outputs (and start whatever they trigger)."""
+        for out in outputs:
+            self.core.publish(out.request_id, out)
+
+    def has_io_in_flight(self) -> bool:
+        """True while the role waits on I/O the loop must poll for soon (transfers)."""
+        return False
+
+    def on_exit(self) -> None:
+        """The loop ended (stop or failure): release what the role holds."""
+
+
+# -- the core -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        role: EngineRole | None = None,
+        *,
+        name: str = "engine",
+        tp: TensorParallel = SINGLE,
+        control_group: dist.ProcessGroup | None = None,
+        start: bool = True,
+    ) -> None:
+        """`tp`: this rank's group; with more than one rank, rank 0 takes commands and every
+        iteration broadcasts them over `control_group` (default `tp.group`, which must then be
+        gloo) to the followers, which take none of their own. `start=False`: call `start()`
+        once the role is fully built."""
+        self.engine = engine
+        self.role = role or EngineRole()
+        self.name = name
+        self.tp = tp
+        self._control_group = control_group if control_group is not None else tp.group
+        self._commands: queue.Queue[EngineCommand] = queue.Queue()
+        self._internal: list[EngineCommand] = []  # rank 0's own follow-ups (engine thread)
+        self._streams: dict[str, _Stream] = {}
+        self._pending: list[tuple[str, Any]] = []  # published this iteration (engine thread)
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._dead: BaseException | None = None
+        self.role.attach(self)
+        self._thread = threading.Thread(target=self._loop, name=f"duet-{name}", daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the loop ended (None while it runs)."""
+        return self._dead
+
+    def submit(self, cmd: EngineCommand) -> None:
+        self._commands.put(cmd)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop (followers stop with rank 0) and wait up to `timeout_s` for it."""
+        self._commands.put(Stop())
+        self._thread.join(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Block until the loop ends (a follower rank's main thread waits here)."""
+        self._thread.join(timeout_s)
+
+    def open_stream(self, request_id: str | None) -> tuple[str, asyncio.Queue[Any]]:
+        """Register the results stream of a request about to be submitted (a fresh id when
+        None), on the running event loop. Raises `EngineDeadError` once the loop ended and
+        `InvalidInputError` for an id that already has a stream."""
+        with self._lock:
+            # Checked under the lock: the loop marks itself dead under it before it notifies
+            # the registered streams, so a stream is either notified or refused here.
+            if self._dead is not None:
+                raise EngineDeadError(f"{self.name} is not running") from self._dead
+            if request_id is None:
+                self._counter += 1
+                request_id = f"req-{self._counter}"
+            if request_id in self._streams:
+                raise InvalidInputError("request_id", f"{request_id!r} is already running")
+            out_queue: asyncio.Queue[Any] = asyncio.Queue()
+            self._streams[request_id] = _Stream(asyncio.get_running_loop(), out_queue)
+        return request_id, out_queue
+
+    def close_stream(self, request_id: str, finished: bool) -> None:
+        """Unregister a request's stream; abort the request unless it finished. Idempotent."""
+        with self._lock:
+            registered = self._streams.pop(request_id, None) is not None
+        if registered and not finished:
+            self._commands.put(AbortRequest(request_id))
+
+    async def iterate(
+        self, request_id: str, out_queue: asyncio.Queue[Any]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until one is finished; exceptions published for it are
+        raised. Leaving early aborts the request."""
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.close_stream(request_id, finished)
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def submit_internal(self, cmd: EngineCommand) -> None:
+        """Engine thread, rank 0: apply `cmd` at the next iteration, broadcast like the rest."""
+        self._internal.append(cmd)
+
+    def publish(self, request_id: str, item: Any) -> None:
+        """Engine thread: queue `item` for the request's stream; sent at the iteration's end."""
+        self._pending.append((request_id, item))
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands()
+                if self.tp.enabled:
+                    box: list[Any] = [commands]
+                    dist.broadcast_object_list(box, group=self._control_group, group_src=0)
+                    commands = box[0]
+                if not self._apply(commands):
+                    break
+                self.role.before_step()
+                outputs = self.engine.step()
+                self.role.after_step(outputs)
+                self._flush()
+        except BaseException as e:  # any failure must reach every waiting caller
+            logger.exception("%s loop failed", self.name)
+            with self._lock:
+                self._dead = e
+        finally:
+            self._flush()
+            with self._lock:
+                if self._dead is None:
+                    self._dead = EngineDeadError(f"{self.name} shut down")
+                streams = list(self._streams)
+            error = self._dead if isinstance(self._dead, EngineDeadError) else None
+            for request_id in streams:
+                self.publish(request_id, error or EngineDeadError(str(self._dead)))
+            self._flush()
+            try:
+                self.role.on_exit()
+            except Exception:
+                logger.exception("%s role failed to clean up", self.name)
+
+    def _wait_s(self) -> float:
+        """How long the loop may wait for a command before stepping again."""
+        if self._internal or self.engine.has_schedulable_requests():
+            return 0.0
+        if self.engine.has_unfinished_requests() or self.role.has_io_in_flight():
+            return IO_POLL_S
+        return IDLE_WAIT_S
+
+    def _next_commands(self) -> list[EngineCommand]:
+        if self.tp.rank != 0:
+            return []  # followers take rank 0's commands from the broadcast
+        commands, self._internal = self._internal, []
+        wait_s = 0.0 if commands else self._wait_s()
+        try:
+            if wait_s > 0:
+                commands.append(self._commands.get(timeout=wait_s))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _apply(self, commands: Sequence[EngineCommand]) -> bool:
+        """Apply rank 0's commands, in order, on this rank. False on stop."""
+        role = self.role
+        for cmd in commands:
+            if isinstance(cmd, Stop):
+                return False
+            if isinstance(cmd, AbortRequest):
+                role.abort(cmd)
+            elif isinstance(cmd, ReleaseHeld):
+                role.release(cmd)
+            else:
+                try:
+                    if isinstance(cmd, AddRequest):
+                        role.add(cmd)
+                    else:
+                        role.reserve(cmd)
+                except Exception as e:  # the caller's error; the loop goes on
+                    self.publish(cmd.request_id, e)
+        return True
+
+    def _flush(self) -> None:
+        """Hand this iteration's results to their streams: one call per event loop."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        with self._lock:
+            for request_id, item in pending:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody is listening
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for out_queue, item in items:
+        out_queue.put_nowait(item)
