@@ -1,5 +1,6 @@
 """Moving paged KV blocks between workers: layouts and handshakes, block gather/scatter, and
-sender/receiver backends registered by name (`local`; `torch_dist` comes with issue 4)."""
+sender/receiver backends registered by name (`tcp`, `torch_dist`, `local`; see
+docs/kv_transfer.md)."""
 
 from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks, scatter_blocks

@@ -10,7 +10,7 @@ copies straight out of the sender's block rows and into the receiver's reserved 
 `STRIPE_MIN_BYTES` per connection is cut into equal shares of bytes, one per connection, moved
 at once (`_Stripes`): on loopback one stream keeps only ~1.4 of 2 cores busy, since each side
 waits on the other's copies; two moved 256 SmolLM2 fp32 blocks at 0.85-1.08x a raw gloo send
-where one managed ~0.7x (README, "KV transfer").
+where one managed ~0.7x (docs/benchmarks.md, "KV transfer").
 
 Protocol (frames are a 4-byte big-endian length and a JSON header, all on the channel's first
 connection; a `kv` frame's payload follows its header, striped over the connections):

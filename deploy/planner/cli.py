@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--scrape-timeout-s", type=float, default=5.0)
     loop.add_argument("--dry-run", action="store_true", help="log decisions, patch nothing")
     loop.add_argument("--health-port", type=int, default=8080, help="GET /healthz; 0: off")
-    policy = p.add_argument_group("policy (see README: how the planner decides)")
+    policy = p.add_argument_group("policy (see docs/kubernetes.md: how the planner decides)")
     defaults = PlannerConfig()
     for name in (
         "gpu_budget", "ttft_p90_target_s", "tpot_p90_target_s",
