@@ -69,17 +69,17 @@ class Handoff:
         self.prefill = PrefillWorker(PrefillWorkerConfig(**engine))
         self.decode = DecodeWorker(DecodeWorkerConfig(**engine))
         self.shipped_at: dict[str, float] = {}
-        ship = self.prefill._ship
+        ship = self.prefill.role.ship
 
         def timed_ship(done: Any) -> None:
             self.shipped_at[done.request_id] = time.perf_counter()
             ship(done)
 
-        self.prefill._ship = timed_ship  # type: ignore[method-assign]
+        self.prefill.role.ship = timed_ship  # type: ignore[method-assign]
 
     def set_mode(self, mode: str) -> None:
         """What `kv_layerwise` decides at start-up, switched between reps."""
-        self.prefill.engine.prefill_stream = self.prefill if mode == "layerwise" else None
+        self.prefill.engine.prefill_stream = self.prefill.role if mode == "layerwise" else None
 
     async def request(self, request_id: str, prompt: list[int]) -> dict[str, float]:
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -6,7 +6,7 @@ its prompt (or fails at once with `NoCapacityError`, so the router can pick anot
 and tells the KV receiver to expect it: WAITING_FOR_REMOTE_KV, never in the batch and never
 blocking it. When the receiver reports the KV written, the first token that came with it is
 taken as if sampled here (same detokenization, stop rules and logprobs as an aggregated run,
-and the seeded generator's state continues), and the request joins the running batch at the
+and its sampling seed continues), and the request joins the running batch at the
 next step. If the KV does not arrive within its wait, or its sender is lost, the reservation
 is freed and the stream ends with `KVTransferError` (retryable).
 
@@ -16,7 +16,6 @@ callers use any event loop.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -236,12 +235,12 @@ class DecodeRole(EngineRole):
 
     def _complete(self, request_id: str, meta: dict[str, Any]) -> RequestOutput | None:
         logprob = meta.get("logprob")
-        state = meta.get("generator_state")
+        seed = meta.get("sample_seed")
         return self.engine.complete_remote(
             request_id,
             int(meta["first_token"]),
             (logprob[0], [(t, v) for t, v in logprob[1]]) if logprob is not None else None,
-            base64.b64decode(state) if state is not None else None,
+            int(seed) if seed is not None else None,
             int(meta.get("num_cached_tokens", 0)),
         )
 

@@ -10,10 +10,14 @@ lives in the blocks listed in row i of `block_tables`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.input_batch import StepInputs
 
 # Decode requests are grouped by length so that padding every group to its longest member
 # wastes at most this fraction of the gathered KV.
@@ -144,20 +148,23 @@ class AttentionMetadata:
         device: torch.device,
         use_decode_kernel: bool = False,
         triton_num_kv_heads: int | None = None,
+        slot_mapping: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """`use_decode_kernel`: decodes and prefills go to the C++ CPU kernels (prefills where
         the head size suits the kernel; `paged_attention` checks). `triton_num_kv_heads`: the
         Triton backend (the KV heads this rank caches, for the split-K heuristic); decode
-        groups are then not built."""
+        groups are then not built. `slot_mapping`: already computed (by the `InputBatch`)."""
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
-        slots = []
-        for q_len, s_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
-            pos = np.arange(s_len - q_len, s_len)
-            slots.append(
-                np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size
-                + pos % block_size
-            )
+        if slot_mapping is None:
+            slots = []
+            for q_len, s_len, blocks in zip(query_lens, seq_lens, block_ids, strict=True):
+                pos = np.arange(s_len - q_len, s_len)
+                slots.append(
+                    np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size
+                    + pos % block_size
+                )
+            slot_mapping = to_device(np.concatenate(slots), device)
         decode = [i for i, q in enumerate(query_lens) if q == 1]
         groups: list[DecodeGroup] = []
         batch = None
@@ -184,7 +191,7 @@ class AttentionMetadata:
                 query_lens=torch.tensor([query_lens[i] for i in prefill], device=device),
             )
         return cls(
-            slot_mapping=to_device(np.concatenate(slots), device),
+            slot_mapping=slot_mapping,
             query_start_loc=starts.tolist(),
             seq_lens=seq_lens,
             block_ids=block_ids,
@@ -194,6 +201,64 @@ class AttentionMetadata:
             kernel_batch=kernel_batch,
             prefill_batch=prefill_batch,
         )
+
+    @classmethod
+    def from_step(
+        cls,
+        step: StepInputs,
+        block_table: np.ndarray,
+        block_size: int,
+        device: torch.device,
+        backend: str,
+        num_kv_heads: int,
+        prefill_kernel: bool,
+    ) -> AttentionMetadata:
+        """The metadata of a step the `InputBatch` prepared. `backend`: "cpu" (the C++
+        kernels read the batch's `KernelTables`; `prefill_kernel` says whether they also
+        take the prefills), "triton" or "torch" (the reference)."""
+        query_lens = step.query_lens
+        seq_lens = step.seq_lens.tolist()
+        starts = step.query_start
+        kt = step.kernel_tables
+        if backend == "cpu" and kt is not None:
+            prefill = kt.prefill_rows.tolist()
+            block_ids = (
+                [] if prefill_kernel or not prefill else step.block_ids(block_table, block_size)
+            )
+            decode_batch = None
+            if kt.decode_rows.size:
+                decode_batch = DecodeBatch(
+                    kt.decode_token_indices, kt.decode_tables, kt.decode_seq_lens
+                )
+            prefill_batch = None
+            if prefill and prefill_kernel:
+                prefill_batch = PrefillBatch(
+                    kt.prefill_tables,
+                    kt.prefill_seq_lens,
+                    kt.prefill_query_start,
+                    kt.prefill_query_lens,
+                )
+            return cls(
+                slot_mapping=step.slot_mapping,
+                query_start_loc=starts.tolist(),
+                seq_lens=seq_lens,
+                block_ids=block_ids,
+                decode_groups=[],
+                decode_batch=decode_batch,
+                prefill_indices=prefill,
+                prefill_batch=prefill_batch,
+            )
+        block_ids = step.block_ids(block_table, block_size)
+        meta = cls.build(
+            query_lens.tolist(),
+            seq_lens,
+            block_ids,
+            block_size,
+            device,
+            triton_num_kv_heads=num_kv_heads if backend == "triton" else None,
+            slot_mapping=step.slot_mapping,
+        )
+        return meta
 
 
 def _block_table(tables: list[list[int]], device: torch.device) -> torch.Tensor:

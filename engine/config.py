@@ -55,7 +55,8 @@ class EngineConfig:
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0
-    """Seed of the generator used by unseeded sampling."""
+    """Seeds the sampling seeds of requests that bring none (same engine seed and arrivals:
+    same text)."""
     attention_backend: str = "auto"
     """auto (Triton kernels on CUDA, the C++ decode kernel on CPU), triton (on CPU only under
     TRITON_INTERPRET=1, for tests), or torch (the reference path)."""

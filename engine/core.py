@@ -315,7 +315,10 @@ class EngineCore:
     def _next_commands(self) -> list[EngineCommand]:
         if self.tp.rank != 0:
             return []  # followers take rank 0's commands from the broadcast
-        commands, self._internal = self._internal, []
+        # NOTE: copy and clear, not swap: a frozen start-up list (engine.heap) freed each
+        # iteration would shrink the frozen generation under `gc.get_freeze_count`.
+        commands = list(self._internal)
+        self._internal.clear()
         wait_s = 0.0 if commands else self._wait_s()
         try:
             if wait_s > 0:
@@ -350,7 +353,8 @@ class EngineCore:
         """Hand this iteration's results to their streams: one call per event loop."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
+        pending = list(self._pending)
+        self._pending.clear()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         with self._lock:
             for request_id, item in pending:

@@ -26,6 +26,7 @@ from engine.model_runner import (
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
+from engine.random import SeedSource
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -45,7 +46,7 @@ class PrefillDone:
     block_ids: list[int]  # covering the prompt's KV, in order
     first_token: int
     logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
-    generator_state: bytes | None  # the seeded generator after the first draw
+    sample_seed: int  # keys the request's draws; the decode side continues with it
     num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
 
 
@@ -140,10 +141,10 @@ class LLMEngine:
             config.block_size,
             self.device,
             self.dtype,
-            config.seed,
             config.attention_backend,
             enforce_eager=config.enforce_eager,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
         self.outputs = OutputProcessor(self.tokenizer)
@@ -153,6 +154,7 @@ class LLMEngine:
         ] = {}  # engine request id -> (state, index)
         self._ids = itertools.count()
         self._prefilled: list[PrefillDone] = []
+        self._seeds = SeedSource(config.seed)
         self.prefill_stream: PrefillStream | None = None
         self.stats = EngineStats()
         logger.info(
@@ -212,9 +214,10 @@ class LLMEngine:
         priority: int = 0,
         index: int = 0,
     ) -> Request:
-        generator = None
         if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed + index)
+            sample_seed = params.seed + index
+        else:
+            sample_seed = self._seeds.next_seed()
         return Request(
             request_id,
             ids,
@@ -222,7 +225,7 @@ class LLMEngine:
             max_tokens,
             self.tokenizer.eos_token_ids,
             priority,
-            generator=generator,
+            sample_seed=sample_seed,
         )
 
     # -- disaggregation --------------------------------------------------------------------
@@ -265,7 +268,7 @@ class LLMEngine:
         request_id: str,
         first_token: int,
         logprob: tuple[float, list[tuple[int, float]]] | None = None,
-        generator_state: bytes | None = None,
+        sample_seed: int | None = None,
         num_cached_tokens: int = 0,
     ) -> RequestOutput | None:
         """The KV of a request from `add_remote_request` is in its blocks: take the prefill
@@ -275,10 +278,8 @@ class LLMEngine:
         if entry is None:
             return None
         request = entry[0].samples[entry[1]].request
-        if generator_state is not None and request.generator is not None:
-            request.generator.set_state(
-                torch.frombuffer(bytearray(generator_state), dtype=torch.uint8)
-            )
+        if sample_seed is not None:
+            request.sample_seed = sample_seed
         request.num_cached_tokens = num_cached_tokens
         if self.scheduler.complete_remote(request_id, first_token) is None:
             return None
@@ -319,6 +320,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and forward pass. Returns outputs of requests that changed."""
         sched = self.scheduler.schedule()
+        self.runner.remove_requests(self.scheduler.take_left_running())
         if sched.empty:
             return []
         on_layer = None
@@ -354,16 +356,13 @@ class LLMEngine:
         token = request.output_token_ids[-1]
         self.stats.num_generated_tokens += 1
         if request.status == RequestStatus.FINISHED_REMOTE:
-            generator_state = None
-            if request.generator is not None:
-                generator_state = request.generator.get_state().numpy().tobytes()
             self._prefilled.append(
                 PrefillDone(
                     request.request_id,
                     self.kv.get_block_ids(request.request_id),
                     token,
                     logprob,
-                    generator_state,
+                    request.sample_seed,
                     max(0, request.num_cached_tokens),
                 )
             )

@@ -7,13 +7,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, to_device
+from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.errors import InvalidInputError
-from engine.kernels.cpu import load_cpu_kernels
+from engine.input_batch import InputBatch
+from engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from engine.kernels.triton_runtime import triton_unusable_reason
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaForCausalLM
@@ -128,11 +128,11 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         dtype: torch.dtype,
-        seed: int = 0,
         attention_backend: str = "auto",
         *,
         enforce_eager: bool = True,
         max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
     ) -> None:
         """`enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
@@ -150,19 +150,33 @@ class ModelRunner:
             )
             for _ in range(cfg.num_hidden_layers)
         ]
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler()
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
-        self.use_decode_kernel = self.attention_backend == "cpu"
         self.use_triton = self.attention_backend == "triton"
+        self.use_decode_kernel = self.attention_backend == "cpu"
+        self.prefill_kernel = self.attention_backend == "cpu" and prefill_kernel_supports(
+            cfg.head_dim
+        )
+        max_model_len = max_model_len or cfg.max_position_embeddings
+        self.input_batch = InputBatch(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            block_size,
+            cfg.vocab_size,
+            device,
+            split_tables=self.use_decode_kernel,
+        )
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and device.type == "cuda" and self.use_triton and not model.tp.enabled:
             self.decode_graphs = DecodeGraphs(
-                model,
-                self.kv_caches,
-                max_num_seqs,
-                max_model_len or cfg.max_position_embeddings,
-                block_size,
+                model, self.kv_caches, max_num_seqs, max_model_len, block_size
             )
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Requests that left the running set give back their input-batch slots."""
+        if request_ids:
+            self.input_batch.remove(request_ids)
 
     @torch.inference_mode()
     def execute(
@@ -172,59 +186,39 @@ class ModelRunner:
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         """`on_layer`: see `LlamaForCausalLM.forward` (never with a CUDA graph)."""
-        requests = [r for r, _ in out.scheduled]
-        query_lens = [n for _, n in out.scheduled]
-        starts = [r.num_computed_tokens for r in requests]
-        seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-
-        input_ids = np.concatenate(
-            [
-                np.asarray(r.all_token_ids[s:e], dtype=np.int64)
-                for r, s, e in zip(requests, starts, seq_lens, strict=True)
-            ]
-        )
-        positions = np.concatenate(
-            [np.arange(s, e, dtype=np.int64) for s, e in zip(starts, seq_lens, strict=True)]
-        )
-        block_ids = [kv.get_block_ids(r.request_id) for r in requests]
+        batch = self.input_batch
+        step = batch.prepare(out.scheduled, kv)
         graphs = self.decode_graphs
-        if graphs is not None and on_layer is None and graphs.can_run(query_lens, seq_lens):
-            bs = self.block_size
-            slots = np.array(
-                [
-                    b[(s - 1) // bs] * bs + (s - 1) % bs
-                    for b, s in zip(block_ids, seq_lens, strict=True)
-                ],
-                dtype=np.int64,
+        if (
+            graphs is not None
+            and on_layer is None
+            and graphs.can_run(step.query_lens.tolist(), step.seq_lens.tolist())
+        ):
+            hidden = graphs.run(
+                *step.host_inputs,
+                step.seq_lens.tolist(),
+                step.block_ids(batch.block_table, self.block_size),
             )
-            hidden = graphs.run(input_ids, positions, slots, seq_lens, block_ids)
         else:
-            meta = AttentionMetadata.build(
-                query_lens,
-                seq_lens,
-                block_ids,
+            meta = AttentionMetadata.from_step(
+                step,
+                batch.block_table,
                 self.block_size,
                 self.device,
-                self.use_decode_kernel,
-                self.model.num_kv_heads if self.use_triton else None,
+                self.attention_backend,
+                self.model.num_kv_heads,
+                self.prefill_kernel,
             )
-            hidden = self.model(
-                to_device(input_ids, self.device),
-                to_device(positions, self.device),
-                self.kv_caches,
-                meta,
-                on_layer,
-            )
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, on_layer)
 
         # Only requests whose computed tokens reach their last token sample this step.
-        sample_rows = [i for i, r in enumerate(requests) if seq_lens[i] == r.num_tokens]
-        if not sample_rows:
+        if not step.sample_rows:
             return StepResult({}, {})
-        ends = np.cumsum(query_lens)
-        last = to_device(np.array([ends[i] - 1 for i in sample_rows], dtype=np.int64), self.device)
-        logits = self.model.compute_logits(hidden[last])  # [N, vocab]
-        to_sample = [requests[i] for i in sample_rows]
-        result: SamplerOutput = self.sampler(logits, to_sample)
+        logits = self.model.compute_logits(hidden[step.logits_indices])  # [N, vocab]
+        to_sample = [out.scheduled[i][0] for i in step.sample_rows]
+        sampling = batch.sampling.prepare(to_sample, step.slots[step.sample_rows])
+        result: SamplerOutput = self.sampler(logits, sampling, batch.to_host)
+        batch.sampling.record(sampling, result.token_tensor)
         sampled = {r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)}
         logprobs = {
             r.request_id: lp

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -52,7 +50,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         priority: int = 0,
         arrival_time: float | None = None,
-        generator: torch.Generator | None = None,
+        sample_seed: int = 0,
         prefill_only: bool = False,
     ) -> None:
         self.request_id = request_id
@@ -62,7 +60,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.generator = generator
+        # Keys this request's draws (engine.random): its seed, or one the engine picked.
+        self.sample_seed = sample_seed
         # Prefill side of a disaggregated request: finish after the first token and keep the
         # blocks (the KV is shipped to a decode worker) until the engine is told to release.
         self.prefill_only = prefill_only

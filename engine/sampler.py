@@ -1,18 +1,26 @@
-"""`Sampler`: logits -> token ids for a batch, honouring each request's `SamplingParams`.
+"""`Sampler`: logits -> token ids for the rows that sample this step, honouring each
+request's `SamplingParams` (gathered per step by `SamplingSlots`).
 
 Order: penalties, then temperature, top-k, top-p, min-p, then a draw. Logprobs are taken from
-the raw logits (before any of that), like OpenAI and vLLM. A request with a seed draws from
-its own generator, so its tokens do not depend on what else is in the batch.
+the raw logits (before any of that), like OpenAI and vLLM, and only for the rows that asked.
+
+The draw is inverse-CDF with one counter-based uniform per row (`engine.random`): the token
+a request draws depends only on its own logits, its seed and the token's position, never on
+the batch, and there is no generator object to live on the wrong device. Everything the
+sampler touches is on the logits' device; the one host transfer is the result
+(`to_host`: the tokens, and the logprobs of the rows that asked, in one tensor).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
+from engine.sampling_slots import SamplingBatch
+
+ToHost = Callable[[torch.Tensor], list]
 
 
 @dataclass
@@ -20,111 +28,91 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row: (sampled token logprob, top-N [(token_id, logprob)]), or None when not requested.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    token_tensor: torch.Tensor  # [N] long on the logits' device (for the token counts)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        # logits: [N, V] fp32, one row per request
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, to_host: ToHost
+    ) -> SamplerOutput:
+        # logits: [N, V] fp32, one row per sampling request
         raw = logits
-        if any(r.sampling_params.needs_penalties or _blocks_stops(r) for r in requests):
+        if batch.any_penalties or batch.stop_masks:
             logits = logits.clone()
-        for row, request in enumerate(requests):
-            if request.sampling_params.needs_penalties:
-                _apply_penalties(logits[row], request)
-            if _blocks_stops(request):
-                # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
-                stops = [*request.eos_token_ids, *request.sampling_params.stop_token_ids]
-                logits[row, [t for t in stops if t < logits.shape[-1]]] = float("-inf")
+        if batch.any_penalties:
+            _apply_penalties(logits, batch)
+        for row, stops in batch.stop_masks:
+            # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
+            logits[row, stops] = float("-inf")
 
-        greedy = [r.sampling_params.greedy for r in requests]
-        if all(greedy):  # the common batch: no row gather (a copy of [N, vocab] fp32)
-            token_ids = logits.argmax(dim=-1).cpu()
-        else:
-            token_ids = torch.empty(len(requests), dtype=torch.long)
-            if any(greedy):
-                rows = torch.tensor([i for i, g in enumerate(greedy) if g])
-                token_ids[rows] = logits[rows].argmax(dim=-1).cpu()
-            rows_list = [i for i, g in enumerate(greedy) if not g]
-            rows = torch.tensor(rows_list)
-            probs = _probs(logits[rows], [requests[i] for i in rows_list])
-            token_ids[rows] = self._draw(probs, [requests[i] for i in rows_list])
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            assert batch.greedy is not None
+            probs = _probs(logits, batch)
+            cdf = probs.double().cumsum(dim=-1)  # fp64: u * total never rounds up to total
+            target = batch.uniform * cdf[:, -1]
+            drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+            drawn.clamp_(max=logits.shape[-1] - 1)
+            token_ids = torch.where(batch.greedy, token_ids, drawn)
 
-        out_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(requests)
-        want = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(raw[want].float(), dim=-1).cpu()
-            for j, i in enumerate(want):
-                k = requests[i].sampling_params.logprobs or 0
-                chosen = float(lp[j, token_ids[i]])
-                top: list[tuple[int, float]] = []
-                if k:
-                    values, ids = lp[j].topk(k)
-                    top = list(zip(ids.tolist(), values.tolist(), strict=True))
-                out_logprobs[i] = (chosen, top)
-        return SamplerOutput(token_ids.tolist(), out_logprobs)
-
-    def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs)
-        for row, request in enumerate(requests):
-            gen = request.generator or self.generator
-            noise[row].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1).cpu()
+        n = batch.num_rows
+        num_want = len(batch.logprob_ks)
+        if not num_want:
+            return SamplerOutput(to_host(token_ids), [None] * n, token_ids)
+        want = batch.logprob_rows
+        lp = torch.log_softmax(raw.index_select(0, want).float(), dim=-1)  # [W, V]
+        chosen = lp.gather(1, token_ids.index_select(0, want)[:, None])  # [W, 1]
+        k = max(batch.logprob_ks)
+        parts = [token_ids.double(), chosen.double().flatten()]
+        if k:
+            values, ids = lp.topk(k, dim=-1)  # [W, k]
+            parts += [ids.double().flatten(), values.double().flatten()]
+        host = to_host(torch.cat(parts))  # the one sync: tokens and logprobs together
+        tokens = [int(t) for t in host[:n]]
+        out_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
+        top_ids = host[n + num_want : n + num_want + num_want * k]
+        top_values = host[n + num_want + num_want * k :]
+        for j, row_k in enumerate(batch.logprob_ks):
+            row = batch.logprob_host_rows[j]
+            base = j * k
+            top = [(int(top_ids[base + m]), top_values[base + m]) for m in range(row_k)]
+            out_logprobs[row] = (host[n + j], top)
+        return SamplerOutput(tokens, out_logprobs, token_ids)
 
 
-def _blocks_stops(request: Request) -> bool:
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        return False
-    return bool(params.stop_token_ids or (request.eos_token_ids and not params.ignore_eos))
-
-
-def _probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    temps = torch.tensor([r.sampling_params.temperature for r in requests], dtype=logits.dtype)
-    logits = logits / temps.to(logits.device)[:, None]
-    top_ks = [r.sampling_params.top_k for r in requests]
-    if any(k > 0 for k in top_ks):
+def _probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    dtype = logits.dtype
+    logits = logits / batch.temperature.to(dtype)[:, None]
+    if batch.any_top_k:
         vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).clamp(
-            max=vocab
-        )
+        k = batch.top_k.clamp(min=1, max=vocab)
         kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    top_ps = [r.sampling_params.top_p for r in requests]
-    if any(p < 1.0 for p in top_ps):
-        p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
+    if batch.any_top_p:
+        p = batch.top_p.to(dtype)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches p (the top token always stays).
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p[:, None]
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    min_ps = [r.sampling_params.min_p for r in requests]
-    if any(m > 0 for m in min_ps):
-        m = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)
+    if batch.any_min_p:
+        m = batch.min_p.to(dtype)
         probs = probs.masked_fill(probs < m[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
 
 
-def _apply_penalties(logits: torch.Tensor, request: Request) -> None:
-    """In place on one row [V]."""
-    params = request.sampling_params
-    vocab = logits.shape[0]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(request.all_token_ids)), dtype=torch.long, device=logits.device
-        )
-        seen = seen[seen < vocab]
-        vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
-        )
-    if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
-        out = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out[out < vocab], minlength=vocab).to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
-            logits.dtype
-        )
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place on [N, V]; rows without penalties hold neutral values (1.0, 0.0, 0.0), which
+    leave their logits bit for bit as they were."""
+    assert batch.counts is not None and batch.prompt_mask is not None
+    dtype = logits.dtype
+    counts = batch.counts.index_select(0, batch.slots)  # [N, V] int32: output tokens
+    seen = batch.prompt_mask.index_select(0, batch.slots) | (counts > 0)
+    rep = batch.repetition.to(dtype)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalized, logits))
+    counts_f = counts.to(dtype)
+    logits -= batch.frequency.to(dtype)[:, None] * counts_f + batch.presence.to(dtype)[:, None] * (
+        counts_f > 0
+    ).to(dtype)

@@ -87,6 +87,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting_for_kv: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # FINISHED_REMOTE, blocks kept for the transfer
+        self._left_running: list[str] = []  # ids that left `running` since the last take
         self.num_preemptions = 0
 
     @property
@@ -104,6 +105,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished > 0
+
+    def take_left_running(self) -> list[str]:
+        """Ids of requests that left the running set (finished, aborted, preempted) since the
+        last call: the model runner frees their input-batch slots."""
+        left, self._left_running = self._left_running, []
+        return left
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -228,6 +235,7 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._left_running.append(request.request_id)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[request.request_id]
         else:
@@ -277,6 +285,7 @@ class Scheduler:
                 refund = num_new
                 break
         self.running.remove(victim)
+        self._left_running.append(victim.request_id)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0

@@ -2,8 +2,9 @@
 
 Each request is prefilled (chunked, under the token budget, reusing prefix-cached blocks),
 its first token is sampled with the request's own sampling parameters, and its KV blocks go to
-the decode worker named by `dest`, together with the first token, its logprobs and the seeded
-generator's state (the decode side continues exactly where this side stopped). The blocks
+the decode worker named by `dest`, together with the first token, its logprobs and its
+sampling seed (the decode side continues exactly where this side stopped: each draw is keyed
+by the seed and the token's position). The blocks
 stay held until the decode side acknowledges, or the transfer fails or its lease
 (`kv_lease_s`) runs out; then they are freed, full ones staying in the prefix cache.
 With `kv_layerwise` (the default) the transfer opens before the forward pass that completes
@@ -24,7 +25,6 @@ them.
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,11 +86,10 @@ class PrefillLoad:
 
 def kv_meta(done: PrefillDone) -> dict[str, Any]:
     """What travels with the KV: everything the decode side needs to continue the request."""
-    state = done.generator_state
     return {
         "first_token": done.first_token,
         "logprob": done.logprob,
-        "generator_state": base64.b64encode(state).decode() if state is not None else None,
+        "sample_seed": done.sample_seed,
         "num_cached_tokens": done.num_cached_tokens,
     }
 
@@ -134,10 +133,12 @@ class PrefillWorker:
         self.load = PrefillLoad(num_blocks=self.engine.num_blocks)
         self.prefix_index = PrefixCacheIndex()
         self.engine.kv.pool.record_events = config.enable_prefix_caching
-        role = PrefillRole(self)
+        self.role = PrefillRole(self)
         if config.kv_layerwise:
-            self.engine.prefill_stream = role
-        self.core = EngineCore(self.engine, role, name=name, tp=tp, control_group=control_group)
+            self.engine.prefill_stream = self.role
+        self.core = EngineCore(
+            self.engine, self.role, name=name, tp=tp, control_group=control_group
+        )
 
     # -- API (any thread) --------------------------------------------------------------------
 
@@ -224,7 +225,7 @@ class PrefillRole(EngineRole):
 
     def after_step(self, outputs: list[RequestOutput]) -> None:
         for done in self.engine.take_prefilled():
-            self._ship(done)
+            self.ship(done)
         self._poll_sender()
         self.worker.prefix_index.apply(self.engine.kv.pool.take_events())
         self._update_load()
@@ -239,11 +240,13 @@ class PrefillRole(EngineRole):
             try:
                 if self.sender.begin(request_id, block_ids, self._dest[request_id]):
                     self._begun.add(request_id)
-            except HandshakeError as e:  # `_ship` sends it whole, and fails the same way
+            except HandshakeError as e:  # `ship` sends it whole, and fails the same way
                 logger.error("KV handshake for %s failed: %s", request_id, e)
         return self.sender.layer_computed if self._begun else None
 
-    def _ship(self, done: PrefillDone) -> None:
+    def ship(self, done: PrefillDone) -> None:
+        """Send a prefilled request's KV (finish the layer-wise transfer begun before its
+        last pass, or send it whole)."""
         self._in_flight[done.request_id] = done
         dest = self._dest[done.request_id]
         try:

@@ -1,0 +1,303 @@
+"""`InputBatch`: the model runner's persistent view of the requests it runs, and the buffers
+each step's inputs are written into.
+
+Every running request holds a slot (a row) from its first scheduled step until it leaves the
+running set (finished, aborted, preempted, handed to a decode worker). Per slot, kept across
+steps and written only when something changes:
+- its block table row: new blocks are appended as the request grows;
+- its sampling parameters (`SamplingSlots`), written when it joins.
+
+Per step, `prepare` writes the step's token ids, positions, cache slots, lengths and the
+rows that sample into buffers allocated once (pinned on CUDA) and copies them to the
+device in one go. Nothing is allocated per step: every buffer comes from `_buffer`, which
+counts (`num_buffers_allocated`), so a test can prove it; likewise `to_host` is the one place
+a step waits for the device (`num_host_syncs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_slots import SamplingSlots
+
+
+@dataclass
+class KernelTables:
+    """The C++ CPU kernels' view of a step (see `attention.DecodeBatch`, `PrefillBatch`):
+    decodes (one query token) and prefills (several) apart, each with its block tables."""
+
+    decode_rows: np.ndarray  # [Bd] indices into the step
+    decode_token_indices: torch.Tensor  # [Bd] long
+    decode_seq_lens: torch.Tensor  # [Bd] long
+    decode_tables: torch.Tensor  # [Bd, w] long
+    prefill_rows: np.ndarray  # [Bp]
+    prefill_query_start: torch.Tensor  # [Bp] long
+    prefill_query_lens: torch.Tensor  # [Bp] long
+    prefill_seq_lens: torch.Tensor  # [Bp] long
+    prefill_tables: torch.Tensor  # [Bp, w] long
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs. Host arrays are views of the batch's buffers and tensors are views
+    of their device mirror, valid until the next `prepare`."""
+
+    num_reqs: int
+    num_tokens: int
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset per token
+    query_lens: np.ndarray  # [B]
+    seq_lens: np.ndarray  # [B]: tokens of KV after this step
+    query_start: np.ndarray  # [B + 1]
+    slots: np.ndarray  # [B]: each request's row in the block table
+    sample_rows: list[int]  # requests (indices into the step) whose last token is computed
+    logits_indices: torch.Tensor  # [N] long: their last token's row in the flat batch
+    kernel_tables: KernelTables | None  # with `split_tables`
+    host_inputs: tuple[np.ndarray, np.ndarray, np.ndarray]  # ids, positions, slot mapping
+
+    def block_ids(self, table: np.ndarray, block_size: int) -> list[list[int]]:
+        """Each request's block table as a list (the torch reference path and CUDA graphs)."""
+        return [
+            table[slot, : -(-int(n) // block_size)].tolist()
+            for slot, n in zip(self.slots, self.seq_lens, strict=True)
+        ]
+
+
+class _Staging:
+    """A host buffer (pinned on CUDA) and its device mirror, handed out front to back each
+    step and copied in one transfer: every step's inputs go to the device together."""
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor) -> None:
+        self.host, self.dev = host, dev
+        self._host_np = host.numpy()
+        self.used = 0
+
+    def take(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        start, self.used = self.used, self.used + n
+        if self.used > self.host.shape[0]:
+            raise RuntimeError(f"step inputs overflow the staging buffer ({self.used} > "
+                               f"{self.host.shape[0]})")  # fmt: skip
+        return self._host_np[start : self.used], self.dev[start : self.used]
+
+    def copy(self) -> None:
+        if self.dev is not self.host and self.used:
+            # Pinned source + non_blocking: the copy overlaps the host's work, no sync.
+            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
+        self.used = 0
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        split_tables: bool = False,
+    ) -> None:
+        """`split_tables`: also lay out each step for the C++ CPU kernels (`KernelTables`)."""
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+        self.device = device
+        self.split_tables = split_tables
+        self.max_blocks = -(-max_model_len // block_size)
+        self.num_buffers_allocated = 0
+        self.num_host_syncs = 0
+        s = max_num_seqs
+        # Tokens of one step: the budget, plus one per request (the scheduler never exceeds
+        # the budget; the margin keeps a bad budget from writing out of bounds).
+        t = max_num_batched_tokens + s
+        self.block_table = self._host((s, self.max_blocks), torch.int64).numpy()
+        self._num_blocks = [0] * s  # block ids written per row
+        self._slot_of: dict[str, int] = {}
+        self._free_slots = list(range(s - 1, -1, -1))
+        self.sampling = SamplingSlots(s, vocab_size, device, self._buffer)
+
+        size = 3 * t + 2 * s  # ids, positions, slot mapping, logits rows, spare
+        if split_tables:
+            size += 5 * s + 2 * s * self.max_blocks
+        host = self._host((size,), torch.int64)
+        dev = host if device.type == "cpu" else self._buffer((size,), torch.int64, device)
+        self._staging = _Staging(host, dev)
+        # Host-only scratch, reused every step.
+        self._token_rows = self._host((t,), torch.int64).numpy()
+        self._scratch = self._host((t,), torch.int64).numpy()
+        self._arange = np.arange(t, dtype=np.int64)
+        self._query_lens = self._host((s,), torch.int64).numpy()
+        self._seq_lens = self._host((s,), torch.int64).numpy()
+        self._query_start = self._host((s + 1,), torch.int64).numpy()
+        self._slots = self._host((s,), torch.int64).numpy()
+        self._rows = self._host((2, s), torch.int64).numpy()
+
+    # -- buffers (the allocation hook) ---------------------------------------------------------
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        """Every buffer the batch (and its sampling slots) owns is made here, and counted."""
+        self.num_buffers_allocated += 1
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+    def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._buffer(shape, dtype, torch.device("cpu"))
+
+    def to_host(self, tensor: torch.Tensor) -> list:
+        """The step's one wait for the device: `tensor` as a (nested) list of numbers."""
+        self.num_host_syncs += 1
+        return tensor.tolist()
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self._slot_of)
+
+    def slot_of(self, request_id: str) -> int | None:
+        return self._slot_of.get(request_id)
+
+    def remove(self, request_ids: Sequence[str]) -> None:
+        """Free the slots of requests that left the running set."""
+        for request_id in request_ids:
+            slot = self._slot_of.pop(request_id, None)
+            if slot is not None:
+                self._num_blocks[slot] = 0
+                self._free_slots.append(slot)
+
+    def _join(self, request: Request) -> int:
+        if not self._free_slots:
+            raise RuntimeError(
+                f"input batch full ({self.max_num_seqs} slots): a request left the running set "
+                "without being removed"
+            )
+        slot = self._free_slots.pop()
+        self._slot_of[request.request_id] = slot
+        self._num_blocks[slot] = 0
+        self.sampling.write(slot, request)
+        return slot
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def prepare(self, scheduled: Sequence[tuple[Request, int]], kv: KVCacheManager) -> StepInputs:
+        """Write one step's inputs (requests in the scheduler's order, each with its number of
+        new tokens) and copy them to the device."""
+        bs = self.block_size
+        table = self.block_table
+        rows = self._token_rows
+        query_lens, seq_lens, slots = self._query_lens, self._seq_lens, self._slots
+        query_start = self._query_start
+        num_reqs = len(scheduled)
+        num_tokens = sum(n for _, n in scheduled)
+        staging = self._staging
+        ids, ids_dev = staging.take(num_tokens)
+        positions, positions_dev = staging.take(num_tokens)
+        sample_rows: list[int] = []
+        t = 0
+        query_start[0] = 0
+        for i, (request, num_new) in enumerate(scheduled):
+            slot = self._slot_of.get(request.request_id)
+            if slot is None:
+                slot = self._join(request)
+            blocks = kv.req_to_blocks[request.request_id]
+            written = self._num_blocks[slot]
+            if len(blocks) > written:  # the request grew: append its new blocks
+                for j in range(written, len(blocks)):
+                    table[slot, j] = blocks[j].block_id
+                self._num_blocks[slot] = len(blocks)
+            start = request.num_computed_tokens
+            end = start + num_new
+            stop = t + num_new
+            if num_new == 1:
+                ids[t] = request.all_token_ids[start]
+                positions[t] = start
+                rows[t] = slot
+            else:
+                ids[t:stop] = request.all_token_ids[start:end]
+                np.add(self._arange[:num_new], start, out=positions[t:stop])
+                rows[t:stop] = slot
+            slots[i] = slot
+            query_lens[i] = num_new
+            seq_lens[i] = end
+            query_start[i + 1] = stop
+            if end == request.num_tokens:
+                sample_rows.append(i)
+            t = stop
+
+        # slot_mapping = table[row, pos // bs] * bs + pos % bs, vectorized over the step.
+        slot_mapping, slot_mapping_dev = staging.take(t)
+        flat = self._scratch[:t]
+        np.floor_divide(positions, bs, out=flat)
+        np.multiply(rows[:t], self.max_blocks, out=rows[:t])
+        np.add(flat, rows[:t], out=flat)
+        np.take(table.reshape(-1), flat, out=slot_mapping)
+        np.multiply(slot_mapping, bs, out=slot_mapping)
+        np.remainder(positions, bs, out=flat)
+        np.add(slot_mapping, flat, out=slot_mapping)
+
+        logits, logits_dev = staging.take(len(sample_rows))
+        for j, i in enumerate(sample_rows):
+            logits[j] = query_start[i + 1] - 1
+        kernel_tables = self._kernel_tables(num_reqs) if self.split_tables else None
+        staging.copy()
+        return StepInputs(
+            num_reqs=num_reqs,
+            num_tokens=t,
+            input_ids=ids_dev,
+            positions=positions_dev,
+            slot_mapping=slot_mapping_dev,
+            query_lens=query_lens[:num_reqs],
+            seq_lens=seq_lens[:num_reqs],
+            query_start=query_start[: num_reqs + 1],
+            slots=slots[:num_reqs],
+            sample_rows=sample_rows,
+            logits_indices=logits_dev,
+            kernel_tables=kernel_tables,
+            host_inputs=(ids, positions, slot_mapping),
+        )
+
+    def _kernel_tables(self, num_reqs: int) -> KernelTables:
+        query_lens, seq_lens = self._query_lens[:num_reqs], self._seq_lens[:num_reqs]
+        bs, staging = self.block_size, self._staging
+        num_decode = num_prefill = 0
+        decode_rows, prefill_rows = self._rows[0], self._rows[1]
+        for i in range(num_reqs):
+            if query_lens[i] == 1:
+                decode_rows[num_decode] = i
+                num_decode += 1
+            else:
+                prefill_rows[num_prefill] = i
+                num_prefill += 1
+        dec, pre = decode_rows[:num_decode], prefill_rows[:num_prefill]
+
+        def stage(values: np.ndarray) -> torch.Tensor:
+            host, dev = staging.take(values.shape[0])
+            host[:] = values
+            return dev
+
+        def tables(rows: np.ndarray) -> torch.Tensor:
+            width = max(1, -(-int(seq_lens[rows].max()) // bs)) if rows.size else 1
+            host, dev = staging.take(rows.size * width)
+            np.take(
+                self.block_table[:, :width], self._slots[rows], axis=0,
+                out=host.reshape(rows.size, width),
+            )  # fmt: skip
+            return dev.view(rows.size, width)
+
+        return KernelTables(
+            decode_rows=dec,
+            decode_token_indices=stage(self._query_start[dec]),
+            decode_seq_lens=stage(seq_lens[dec]),
+            decode_tables=tables(dec),
+            prefill_rows=pre,
+            prefill_query_start=stage(self._query_start[pre]),
+            prefill_query_lens=stage(query_lens[pre]),
+            prefill_seq_lens=stage(seq_lens[pre]),
+            prefill_tables=tables(pre),
+        )

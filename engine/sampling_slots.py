@@ -1,0 +1,201 @@
+"""`SamplingSlots`: each running request's sampling parameters, kept per slot of the
+`InputBatch` and written once when the request joins, plus the per-slot token counts that
+penalties read. `prepare` gathers the rows that sample this step into one host buffer and
+copies it to the device: a step builds no tensor from Python objects."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.random import uniform
+from engine.request import Request
+
+BufferFn = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+# Rows of the float staging buffer, one value per sampled request.
+_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _UNIFORM = range(7)
+_NUM_FLOAT_ROWS = 7
+# Rows of the int staging buffer.
+_TOP_K, _SLOT, _WANT, _GREEDY = range(4)
+_NUM_INT_ROWS = 4
+
+
+@dataclass
+class SamplingBatch:
+    """The sampling parameters of the N requests that sample this step, on the logits'
+    device (views of the slots' buffers, valid until the next `prepare`)."""
+
+    num_rows: int
+    temperature: torch.Tensor  # [N] fp64; greedy rows hold 1.0 (they take the argmax)
+    top_p: torch.Tensor  # [N]
+    min_p: torch.Tensor  # [N]
+    top_k: torch.Tensor  # [N] long; the vocabulary size where unset
+    greedy: torch.Tensor | None  # [N] bool; None when every row is greedy
+    uniform: torch.Tensor  # [N] fp64 in (0, 1): this token's draw (engine.random)
+    presence: torch.Tensor  # [N]
+    frequency: torch.Tensor  # [N]
+    repetition: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] long: rows of the token counts
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalties: bool
+    stop_masks: list[tuple[int, list[int]]]  # (row, token ids) not to draw yet (min_tokens)
+    logprob_rows: torch.Tensor  # [W] long: rows that asked for logprobs
+    logprob_ks: list[int]  # [W] top alternatives each asked for
+    logprob_host_rows: list[int]  # [W] the rows of `logprob_rows`, on the host
+    counts: torch.Tensor | None  # [slots, V] int32 output-token counts (with penalties)
+    prompt_mask: torch.Tensor | None  # [slots, V] bool: prompt tokens (with penalties)
+
+
+class SamplingSlots:
+    def __init__(
+        self, num_slots: int, vocab_size: int, device: torch.device, buffer: BufferFn
+    ) -> None:
+        cpu = torch.device("cpu")
+        self.vocab_size = vocab_size
+        self.device = device
+        self._buffer = buffer
+        self._temperature = np.zeros(num_slots)
+        self._top_p = np.ones(num_slots)
+        self._min_p = np.zeros(num_slots)
+        self._top_k = np.full(num_slots, vocab_size, dtype=np.int64)
+        self._presence = np.zeros(num_slots)
+        self._frequency = np.zeros(num_slots)
+        self._repetition = np.ones(num_slots)
+        self._seed = [0] * num_slots
+        self._penalized = [False] * num_slots
+        self._floats_host = buffer((_NUM_FLOAT_ROWS, num_slots), torch.float64, cpu)
+        self._ints_host = buffer((_NUM_INT_ROWS, num_slots), torch.int64, cpu)
+        on_cpu = device.type == "cpu"
+        self._floats_dev = (
+            self._floats_host
+            if on_cpu
+            else buffer((_NUM_FLOAT_ROWS, num_slots), torch.float64, device)
+        )
+        self._ints_dev = (
+            self._ints_host if on_cpu else buffer((_NUM_INT_ROWS, num_slots), torch.int64, device)
+        )
+        self._floats_np = self._floats_host.numpy()
+        self._ints_np = self._ints_host.numpy()
+        self._ones = buffer((num_slots,), torch.int32, device)
+        self._ones.fill_(1)
+        self.counts: torch.Tensor | None = None  # made when the first penalized request joins
+        self.prompt_mask: torch.Tensor | None = None
+
+    def write(self, slot: int, request: Request) -> None:
+        """A request joins `slot`: keep its parameters (and its token counts if it has
+        penalties: its output so far, e.g. after a preemption or a remote prefill)."""
+        p = request.sampling_params
+        greedy = p.greedy
+        self._temperature[slot] = 1.0 if greedy else p.temperature
+        self._top_p[slot] = p.top_p
+        self._min_p[slot] = p.min_p
+        self._top_k[slot] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+        self._presence[slot] = p.presence_penalty
+        self._frequency[slot] = p.frequency_penalty
+        self._repetition[slot] = p.repetition_penalty
+        self._seed[slot] = request.sample_seed
+        self._penalized[slot] = p.needs_penalties
+        if p.needs_penalties:
+            counts, mask = self._penalty_buffers()
+            vocab = self.vocab_size
+            counts[slot].zero_()
+            mask[slot].zero_()
+            if request.output_token_ids:
+                out = torch.tensor(request.output_token_ids, device=self.device)
+                counts[slot] += torch.bincount(out[out < vocab], minlength=vocab).to(counts.dtype)
+            prompt = torch.tensor(request.prompt_token_ids, device=self.device)
+            mask[slot, prompt[prompt < vocab]] = True
+
+    def _penalty_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.counts is None or self.prompt_mask is None:
+            shape = (len(self._seed), self.vocab_size)
+            self.counts = self._buffer(shape, torch.int32, self.device)
+            self.prompt_mask = self._buffer(shape, torch.bool, self.device)
+        return self.counts, self.prompt_mask
+
+    def prepare(self, requests: Sequence[Request], slots: np.ndarray) -> SamplingBatch:
+        """Gather the sampling rows of `requests` (those that sample this step, in order;
+        `slots` their rows) and copy them to the device."""
+        n = len(requests)
+        idx = slots
+        floats, ints = self._floats_np, self._ints_np
+        for row, src in (
+            (_TEMPERATURE, self._temperature),
+            (_TOP_P, self._top_p),
+            (_MIN_P, self._min_p),
+            (_PRESENCE, self._presence),
+            (_FREQUENCY, self._frequency),
+            (_REPETITION, self._repetition),
+        ):
+            np.take(src, idx, out=floats[row, :n])
+        np.take(self._top_k, idx, out=ints[_TOP_K, :n])
+        ints[_SLOT, :n] = idx
+        all_greedy = True
+        any_penalties = False
+        stop_masks: list[tuple[int, list[int]]] = []
+        logprob_ks: list[int] = []
+        logprob_rows: list[int] = []
+        for row, request in enumerate(requests):
+            slot = int(idx[row])
+            params = request.sampling_params
+            if not params.greedy:
+                all_greedy = False
+                floats[_UNIFORM, row] = uniform(self._seed[slot], request.num_tokens)
+                ints[_GREEDY, row] = 0
+            else:
+                floats[_UNIFORM, row] = 0.5
+                ints[_GREEDY, row] = 1
+            any_penalties = any_penalties or self._penalized[slot]
+            if request.num_output_tokens < params.min_tokens:
+                stops = [*params.stop_token_ids]
+                if not params.ignore_eos:
+                    stops.extend(request.eos_token_ids)
+                stops = [t for t in stops if t < self.vocab_size]
+                if stops:
+                    stop_masks.append((row, stops))
+            if params.logprobs is not None:
+                ints[_WANT, len(logprob_ks)] = row
+                logprob_ks.append(params.logprobs)
+                logprob_rows.append(row)
+        if self._floats_dev is not self._floats_host:
+            self._floats_dev.copy_(self._floats_host, non_blocking=True)
+            self._ints_dev.copy_(self._ints_host, non_blocking=True)
+        f, i = self._floats_dev, self._ints_dev
+        return SamplingBatch(
+            num_rows=n,
+            temperature=f[_TEMPERATURE, :n],
+            top_p=f[_TOP_P, :n],
+            min_p=f[_MIN_P, :n],
+            top_k=i[_TOP_K, :n],
+            greedy=None if all_greedy else i[_GREEDY, :n].bool(),
+            uniform=f[_UNIFORM, :n],
+            presence=f[_PRESENCE, :n],
+            frequency=f[_FREQUENCY, :n],
+            repetition=f[_REPETITION, :n],
+            slots=i[_SLOT, :n],
+            all_greedy=all_greedy,
+            any_top_k=bool((ints[_TOP_K, :n] < self.vocab_size).any()),
+            any_top_p=bool((floats[_TOP_P, :n] < 1.0).any()),
+            any_min_p=bool((floats[_MIN_P, :n] > 0.0).any()),
+            any_penalties=any_penalties,
+            stop_masks=stop_masks,
+            logprob_rows=i[_WANT, : len(logprob_ks)],
+            logprob_ks=logprob_ks,
+            logprob_host_rows=logprob_rows,
+            counts=self.counts if any_penalties else None,
+            prompt_mask=self.prompt_mask if any_penalties else None,
+        )
+
+    def record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
+        """Count this step's sampled tokens (on the device, no sync) for later penalties."""
+        if self.counts is not None:
+            self.counts.index_put_(
+                (batch.slots, token_ids), self._ones[: batch.num_rows], accumulate=True
+            )

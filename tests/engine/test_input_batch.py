@@ -1,0 +1,113 @@
+"""The persistent input batch: after warm-up a step allocates no host or pinned buffer and
+waits for the device exactly once (the sampled tokens, logprobs with them)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+# Tensor methods that make the host wait for the device (or read device memory).
+_SYNCS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+}
+
+
+class CountSyncs(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(
+        EngineConfig(
+            model=tiny_llama,
+            dtype="float32",
+            load_progress=False,
+            max_num_batched_tokens=64,  # long prompts go in chunks beside the decodes
+            max_num_seqs=16,
+        )
+    )
+
+
+def _mixed_params(i: int) -> SamplingParams:
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8, top_p=0.9, seed=i),
+        dict(temperature=1.0, top_k=20),
+        dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=7),
+        dict(temperature=0, repetition_penalty=1.3, logprobs=3),
+        dict(temperature=1.2, min_p=0.05, logprobs=0, min_tokens=3),
+    ]
+    return SamplingParams(max_tokens=12 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+def test_steady_state_steps_allocate_nothing_and_sync_once(engine):
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.arch.vocab_size
+    batch = engine.runner.input_batch
+    counter = CountSyncs()
+    num_added = 0
+    allocated_after_warmup = None
+    syncs_per_step = []
+    for step in range(200):
+        # Keep about 10 requests in flight: a new one (prompt 5-150 tokens) whenever fewer.
+        while engine.num_unfinished_requests < 10:
+            length = int(torch.randint(5, 150, (1,), generator=gen))
+            prompt = torch.randint(3, vocab, (length,), generator=gen).tolist()
+            engine.add_request(prompt, _mixed_params(num_added))
+            num_added += 1
+        if step == 20:
+            allocated_after_warmup = batch.num_buffers_allocated
+        syncs_before = batch.num_host_syncs
+        with counter:
+            engine.step()
+        syncs_per_step.append((batch.num_host_syncs - syncs_before, counter.calls[:]))
+        counter.calls.clear()
+    assert num_added > 40  # requests came and went all along
+    assert allocated_after_warmup is not None
+    assert batch.num_buffers_allocated == allocated_after_warmup
+    # After warm-up every step samples (decodes run in each): one sync each, no other read.
+    steady = syncs_per_step[20:]
+    assert [n for n, _ in steady] == [1] * 180
+    assert [calls for _, calls in steady] == [["tolist"]] * 180
+
+
+def test_block_table_rows_follow_the_allocator(engine):
+    """The persistent rows equal each running request's blocks, as they grow."""
+    prompts = [list(range(3, 3 + n)) for n in (40, 7, 90)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    batch = engine.runner.input_batch
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in engine.scheduler.running:
+            slot = batch.slot_of(request.request_id)
+            if slot is None:
+                continue  # admitted but not yet stepped
+            blocks = engine.kv.get_block_ids(request.request_id)
+            np.testing.assert_array_equal(batch.block_table[slot, : len(blocks)], blocks)
+            checked += 1
+    assert checked > 30
+    engine.step()  # the last finished requests leave at the next step
+    assert batch.num_active == 0  # every finished request gave its slot back

@@ -1,0 +1,159 @@
+"""The sampler's draw: counter-based, on the logits' device, exact in distribution."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.random import SeedSource, uniform
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.sampling_slots import SamplingSlots
+
+
+class RecordDevices(TorchFunctionMode):
+    """Every torch call's tensor arguments' devices, and any `generator=` it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: set[torch.device] = set()
+        self.generators: list[object] = []
+        self.num_calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.num_calls += 1
+        for value in [*args, *kwargs.values()]:
+            for item in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(item, torch.Tensor):
+                    self.devices.add(item.device)
+        if kwargs.get("generator") is not None:
+            self.generators.append(kwargs["generator"])
+        return func(*args, **kwargs)
+
+
+def _slots(vocab: int) -> SamplingSlots:
+    def buffer(shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return SamplingSlots(8, vocab, torch.device("cpu"), buffer)
+
+
+def _request(i: int, params: SamplingParams, seed: int) -> Request:
+    r = Request(f"r{i}", [1, 2, 3, 4 + i], params, max_tokens=8, sample_seed=seed)
+    r.append_output_token(5)
+    return r
+
+
+def test_every_tensor_the_sampler_touches_is_on_the_logits_device_and_no_generator():
+    """The GPU crash (a CPU generator handed to a CUDA tensor's `exponential_`) cannot come
+    back: the draw takes no generator at all, and every tensor it reads or makes lives where
+    the logits do."""
+    vocab = 50
+    slots = _slots(vocab)
+    kinds = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+        SamplingParams(temperature=1.1, top_k=5, min_p=0.1),
+        SamplingParams(temperature=0.7, presence_penalty=1.0, repetition_penalty=1.2),
+        SamplingParams(temperature=1.0, logprobs=4, min_tokens=4, stop_token_ids=[7]),
+    ]
+    requests = [_request(i, p, seed=100 + i) for i, p in enumerate(kinds)]
+    for slot, r in enumerate(requests):
+        slots.write(slot, r)
+    logits = torch.randn(len(requests), vocab, generator=torch.Generator().manual_seed(0))
+    batch = slots.prepare(requests, np.arange(len(requests)))
+    record = RecordDevices()
+    with record:
+        out = Sampler()(logits, batch, lambda t: t.tolist())
+        slots.record(batch, out.token_tensor)
+    assert record.num_calls > 20  # the mode saw the sampler's work
+    assert record.devices == {logits.device}
+    assert record.generators == []
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert 7 != out.token_ids[4]  # min_tokens: the stop token cannot be drawn yet
+    assert out.logprobs[4] is not None and len(out.logprobs[4][1]) == 4
+    assert [lp is None for lp in out.logprobs] == [True, True, True, True, False]
+
+
+def test_uniform_is_a_pure_function_of_seed_and_position():
+    draws = [uniform(s, p) for s in range(50) for p in range(200)]
+    assert draws == [uniform(s, p) for s in range(50) for p in range(200)]
+    assert all(0.0 < u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+    # Uniform: each tenth of (0, 1) holds 10% of 10,000 draws, within 4 standard deviations.
+    counts = np.bincount((np.array(draws) * 10).astype(int), minlength=10)
+    sd = math.sqrt(len(draws) * 0.1 * 0.9)
+    assert np.abs(counts - len(draws) / 10).max() < 4 * sd
+
+
+def test_seed_source_repeats_with_the_engine_seed():
+    a, b, c = SeedSource(1), SeedSource(1), SeedSource(2)
+    first = [a.next_seed() for _ in range(5)]
+    assert first == [b.next_seed() for _ in range(5)]
+    assert first != [c.next_seed() for _ in range(5)]
+
+
+def test_inverse_cdf_draw_follows_the_distribution():
+    """4,000 draws (one per position) from a fixed 4-token distribution: frequencies within
+    4 standard deviations of the probabilities; zero-probability tokens never drawn."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = torch.log(probs).repeat(1, 1)
+    slots = _slots(5)
+    counts = [0] * 5
+    params = SamplingParams(temperature=1.0, seed=11)
+    num = 4000
+    for position in range(num):
+        r = Request("r", list(range(position + 1)), params, max_tokens=1, sample_seed=11)
+        slots.write(0, r)
+        batch = slots.prepare([r], np.zeros(1, dtype=np.int64))
+        counts[Sampler()(logits, batch, lambda t: t.tolist()).token_ids[0]] += 1
+    assert counts[1] == counts[4] == 0
+    for token, p in ((0, 0.5), (2, 0.3), (3, 0.2)):
+        assert abs(counts[token] - num * p) < 4 * math.sqrt(num * p * (1 - p))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(
+        EngineConfig(
+            model=tiny_llama,
+            dtype="float32",
+            load_progress=False,
+            num_kv_blocks=12,
+            enable_prefix_caching=False,
+        )
+    )
+
+
+def test_seeded_tokens_survive_a_preemption(engine, tiny_llama):
+    """A preempted request recomputes its KV and draws on with the same (seed, position)
+    keys: its text equals an unpreempted run's."""
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True)
+    prompt = list(range(3, 40))
+    engine.add_request(prompt, params, request_id="alone")
+    alone = _drain(engine)["alone"]
+    # 12 blocks of 16 tokens: three 77-token requests (5 blocks each, no prefix sharing)
+    # cannot all run to the end; the newest is preempted and recomputed.
+    for i in range(3):
+        engine.add_request(prompt, params, request_id=f"crowd{i}")
+    before = engine.scheduler.num_preemptions
+    crowd = _drain(engine)
+    assert engine.scheduler.num_preemptions > before
+    assert all(crowd[f"crowd{i}"] == alone for i in range(3))
+
+
+def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens
