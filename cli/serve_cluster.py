@@ -1,5 +1,9 @@
-"""`duet serve --disaggregated` and `python -m deploy.ray_job`: the cluster options, and
-running a `DuetCluster` until Ctrl-C / SIGTERM (or the Ray job is stopped)."""
+"""`duet serve --disaggregated` and `python -m cli.ray_job`: the cluster options, and
+running a `DuetCluster` until Ctrl-C / SIGTERM (or the Ray job is stopped).
+
+The engine flags (cli/engine_flags.py) reach every worker: each prefill rank builds a
+`PrefillWorkerConfig` and each decode worker a `DecodeWorkerConfig` (both `EngineConfig`
+subclasses) from them, with `--prefill-tp` as the prefill groups' `tensor_parallel_size`."""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ import logging
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
+
+from cli.engine_flags import fail_on_field
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from router.server import RouterConfig
@@ -83,28 +91,33 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
-    """The ClusterSpec of the flags; `ValueError` names a bad flag."""
+    """The ClusterSpec of the flags; `ValueError` names a bad flag. `engine` holds the
+    EngineConfig fields the command line set."""
     from deploy.ray_cluster import ClusterSpec
     from prefill_worker.config import PrefillWorkerConfig
     from router.cluster_engine import ClusterConfig
 
+    if "tensor_parallel_size" in engine:
+        raise ValueError(
+            "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
+            "--prefill-tp ranks and decode workers are not sharded; use --prefill-tp"
+        )
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
     if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
         raise ValueError(
             f"--kv-wait: must exceed the prefill workers' hold lease ({lease_s} s); "
             f"got {args.kv_wait}"
         )
-    max_num_seqs = engine.get("max_num_seqs") or 128
     cluster = ClusterConfig(
         local_prefill_threshold=args.local_prefill_threshold,
         request_timeout_s=args.request_timeout,
         kv_wait_s=args.kv_wait,
-        max_num_seqs_per_decode_worker=max_num_seqs,
+        max_num_seqs_per_decode_worker=engine.get("max_num_seqs", EngineConfig.max_num_seqs),
         num_decode_workers=args.decode_workers or 1,
     )
     return ClusterSpec(
-        model=args.model,
-        engine={k: v for k, v in engine.items() if v is not None},
+        model=engine.get("model"),
+        engine={k: v for k, v in engine.items() if k != "model"},
         prefill_workers=args.prefill_workers,
         prefill_tp=args.prefill_tp,
         decode_workers=args.decode_workers,
@@ -117,17 +130,35 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
     )
 
 
-def serve_disaggregated(
-    args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]
-) -> int:
-    """Start (or join) Ray, bring the cluster up and supervise it until told to stop."""
+def check_worker_configs(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    router: RouterConfig,
+    engine: dict[str, Any],
+) -> Any:
+    """The ClusterSpec of the flags, once the configs its workers will build from it are
+    valid: a refused engine value exits through `parser.error` naming its flag, here rather
+    than in a worker actor after Ray has started."""
+    from decode_worker.config import DecodeWorkerConfig
+    from prefill_worker.config import PrefillWorkerConfig
+
+    spec = build_spec(args, router, engine)
+    for role, config_cls in (("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)):
+        try:
+            config_cls.from_kwargs(**spec.worker_config(role))
+        except InvalidInputError as e:
+            fail_on_field(parser, e)
+    return spec
+
+
+def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
+    """Start (or join) Ray, bring `spec`'s cluster up and supervise it until told to stop."""
     import ray
 
     from deploy.ray_cluster import NAMESPACE, DuetCluster, start_local_ray
     from engine.loader import open_model
 
-    spec = build_spec(args, router, engine)
-    open_model(args.model)  # a bad model fails here, clearly, before any actor starts
+    open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
     if args.ray_address:
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=True)
     else:
@@ -143,7 +174,7 @@ def serve_disaggregated(
             logger.info(
                 "duet cluster ready: REST http://%s:%s/v1, gRPC %s:%s (%s prefill group(s) of "
                 "TP %d, %d decode worker(s))",
-                router.host, r.rest_port, router.host, r.grpc_port, len(cluster.groups),
+                spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
                 spec.prefill_tp, len(cluster.decodes),
             )  # fmt: skip
         cluster.run(stop)

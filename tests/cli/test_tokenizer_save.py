@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.cli import main
+from cli.main import main
 from engine.gguf_loader import default_model_path, load_gguf
 from engine.tokenizer import Tokenizer
 from tests.conftest import TINY_TEXT

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serve_client import RequestResult
+from loadgen.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

@@ -1,5 +1,5 @@
-"""The flags of `duet bench serve` (also `python -m benchmarks.serve`): argparse types that
-reject a bad value with a message argparse prints after the flag's name."""
+"""The flags of `duet bench serve`: argparse types that reject a bad value with a message
+argparse prints after the flag's name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.serve_workload import DIST_HELP, LengthDist, parse_rates
+from loadgen.workload import DIST_HELP, LengthDist, parse_rates
 
 
 def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -39,7 +39,7 @@ def _bounded(kind: type, low: float, inclusive: bool = True) -> Callable[[str], 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `duet bench serve` (also `python -m benchmarks.serve`)."""
+    """The flags of `duet bench serve`."""
     p.add_argument(
         "--url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)"
     )

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serve_client import RequestResult, SSEDecoder
-from benchmarks.serve_metrics import LATENCIES, SLO, summarize
-from benchmarks.serve_workload import LengthDist, arrival_offsets, build_workload, unit_gaps
-from deploy.cli import build_parser, main
+from cli.main import build_parser, main
 from engine import AsyncEngine
+from loadgen.client import RequestResult, SSEDecoder
+from loadgen.metrics import LATENCIES, SLO, summarize
+from loadgen.workload import LengthDist, arrival_offsets, build_workload, unit_gaps
 from router.api_server import build_app
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_engine
 

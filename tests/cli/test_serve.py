@@ -18,7 +18,7 @@ import httpx2
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.cli import build_parser, main
+from cli.main import build_parser, main
 from duet.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -119,7 +119,7 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
         f.write(f"# accepted keys\n\n{key}\n")
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_llama, "--dtype", "float32",
+        sys.executable, "-m", "cli", "serve", "--model", tiny_llama, "--dtype", "float32",
         "--port", str(port), "--grpc-port", "0", "--api-key-file", key_file,
         "--served-model-name", "tiny", "--shutdown-timeout", "0",
         "--session-store", f"sqlite:///{os.path.join(tmp_path, 'sessions.db')}",

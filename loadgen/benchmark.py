@@ -27,12 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.serve_args import add_arguments
-
 if TYPE_CHECKING:
     import httpx2
 
-    from benchmarks.serve_client import Endpoint, RequestResult
+    from loadgen.client import Endpoint, RequestResult
 
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
 SERVER_CHECK_TIMEOUT_S = 10.0
@@ -68,9 +66,9 @@ async def _run(args: argparse.Namespace) -> int:
         _require("matplotlib", "the plot (or pass --no-plot)")
     import httpx2
 
-    from benchmarks.serve_client import Endpoint
-    from benchmarks.serve_metrics import SLO, format_table, summarize
-    from benchmarks.serve_workload import allowed_token_ids, arrival_offsets, build_workload
+    from loadgen.client import Endpoint
+    from loadgen.metrics import SLO, format_table, summarize
+    from loadgen.workload import allowed_token_ids, arrival_offsets, build_workload
 
     if args.endpoint == "chat" and args.prompt_format == "ids":
         raise BenchError("--prompt-format ids: chat messages are text; use --endpoint completions")
@@ -127,8 +125,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _open_tokenizer(path: str | None) -> Any:
-    from deploy.tokenizer_export import open_tokenizer
     from engine import ModelLoadError
+    from engine.tokenizer_export import open_tokenizer
 
     try:
         return open_tokenizer(path)
@@ -186,7 +184,7 @@ async def _warm_up(
 ) -> None:
     """Requests before the timed runs (first-use kernel builds, allocator growth); the first
     failure stops the benchmark with the server's message, e.g. a prompt over the context."""
-    from benchmarks.serve_client import RequestResult, send_request
+    from loadgen.client import RequestResult, send_request
 
     specs, prompts = workload
     for i in range(min(num, len(specs))):
@@ -206,7 +204,7 @@ async def _run_rate(
 ) -> tuple[list[RequestResult], float]:
     """Send request i at `offsets[i]` (one task each, so a slow server does not delay later
     arrivals); every request is bounded by `timeout_s`, so this ends."""
-    from benchmarks.serve_client import RequestResult, send_request
+    from loadgen.client import RequestResult, send_request
 
     start = time.perf_counter()
     tasks = []
@@ -271,14 +269,14 @@ def _write_outputs(
         json_path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {json_path}")
     if not args.no_plot:
-        from benchmarks.serve_plot import plot_results
+        from loadgen.plot import plot_results
 
         plot_path = args.plot or (json_path.with_suffix(".png") if result else Path(f"{stem}.png"))
         print(f"wrote {plot_results(plotted, plot_path)}")
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from benchmarks.serve_metrics import format_table
+    from loadgen.metrics import format_table
 
     loaded = []
     for path in args.compare:
@@ -325,17 +323,3 @@ def _warn_if_workloads_differ(loaded: Sequence[tuple[str, dict[str, Any]]]) -> N
             "the plot's title describes the first",
             file=sys.stderr,
         )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
