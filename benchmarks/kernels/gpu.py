@@ -2,7 +2,7 @@
 (bf16): decode step time against the memory roofline, prefill against the bf16 matmul peak,
 and HF transformers on the same GPU, model and weights as the baseline, all in one run.
 
-    python -m benchmarks.gpu [--models llama8b,smollm2] [--out benchmarks/results/gpu.json]
+    python -m benchmarks.kernels.gpu [--models llama8b,smollm2] [--out benchmarks/results/gpu.json]
 
 - Roofline of a decode step: (weight bytes + KV bytes read) / the copy bandwidth measured in
   this run (device-to-device copy, read + write bytes).
@@ -290,7 +290,7 @@ def print_report(results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.kernels.gpu", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--models", default="llama8b,smollm2", help="comma-separated: llama8b, smollm2"
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--models: unknown {unknown[0] if unknown else ''!r}; choose from llama8b, smollm2"
         )
     if not args.smoke and not torch.cuda.is_available():
-        print("benchmarks.gpu: no CUDA device on this machine, nothing measured. "
+        print("benchmarks.kernels.gpu: no CUDA device on this machine, nothing measured. "
               "Run it on a GPU machine (H100/H200 class); --smoke checks the script on the CPU.")  # fmt: skip
         return 0
     if args.smoke:

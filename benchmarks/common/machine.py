@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # the flags that pick kernels or dtypes in duet (engine/kernels/cpu_simd.h, engine/config.py)
 SIMD_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}

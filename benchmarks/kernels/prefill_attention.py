@@ -1,8 +1,8 @@
 """CPU prefill attention: duet's C++ kernel (engine/kernels/paged_prefill_cpu.cpp) against
 torch's SDPA flash kernel, the path it replaced, on one prompt of each length.
 
-    python -m benchmarks.prefill_attention                       # SmolLM2's heads, fp32 + bf16
-    python -m benchmarks.prefill_attention --heads 32 --kv-heads 8 --head-dim 128 --lengths 512
+    python -m benchmarks.kernels.prefill_attention                       # SmolLM2's heads, fp32 + bf16
+    python -m benchmarks.kernels.prefill_attention --heads 32 --kv-heads 8 --head-dim 128 --lengths 512
 
 duet reads K/V from a paged cache with scattered blocks; SDPA gets the same K/V contiguous
 (`[1, heads, len, D]`, `is_causal=True`, `enable_gqa=True`), as attention.py used to pass them.
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.machine import cpu_info, git_commit
+from benchmarks.common.machine import cpu_info, git_commit
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/prefill_attention.json"
 
 

@@ -1,6 +1,6 @@
 """The two processes of the KV-transfer benchmark: a receiver (decode side) and a sender
 (prefill side), each with its own paged cache, its endpoint of the measured backend
-(`torch_dist` or `tcp`) and one rank of a raw 2-rank gloo world for the baseline. `benchmarks.kv_transfer` drives them over pipes, one
+(`torch_dist` or `tcp`) and one rank of a raw 2-rank gloo world for the baseline. `benchmarks.kv.transfer` drives them over pipes, one
 command at a time, so every timestamp below is taken inside the peer that does the work.
 
 Timestamps are `time.monotonic()`, CLOCK_MONOTONIC on Linux: one clock for every process on

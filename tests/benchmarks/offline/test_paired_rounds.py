@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.offline_throughput import parse_args
-from benchmarks.paired import DuetEngine, round_order, run_rounds
-from benchmarks.systems import RunConfig
-from benchmarks.workload import make_workload
+from benchmarks.offline.paired import DuetEngine, round_order, run_rounds
+from benchmarks.offline.systems import RunConfig
+from benchmarks.offline.throughput import parse_args
+from benchmarks.offline.workload import make_workload
 
 
 def test_round_order_alternates():

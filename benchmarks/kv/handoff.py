@@ -1,7 +1,7 @@
 """Prefill-to-decode hand-off: layer-wise KV sending against sending whole requests.
 
-    python -m benchmarks.kv_handoff                       # SmolLM2, prompts of 512 and 2048
-    python -m benchmarks.kv_handoff --prompt-lens 256 --reps 3
+    python -m benchmarks.kv.handoff                       # SmolLM2, prompts of 512 and 2048
+    python -m benchmarks.kv.handoff --prompt-lens 256 --reps 3
 
 A `PrefillWorker` and a `DecodeWorker` (KV over `--kv-backend` on loopback, as in a
 disaggregated deployment; default `auto`: tcp on CPU) run on the embedded default model unless
@@ -34,15 +34,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.kv_transfer import int_list
-from benchmarks.machine import cpu_info, git_commit
+from benchmarks.common.machine import cpu_info, git_commit
+from benchmarks.kv.transfer import int_list
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_handoff.json"
 MODES = ("layerwise", "whole")
 

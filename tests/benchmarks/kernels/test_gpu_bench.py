@@ -1,4 +1,4 @@
-"""benchmarks.gpu stays runnable without a GPU: it says so and exits 0, and --smoke runs the
+"""benchmarks.kernels.gpu stays runnable without a GPU: it says so and exits 0, and --smoke runs the
 whole script on tiny CPU shapes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import gpu
+from benchmarks.kernels import gpu
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

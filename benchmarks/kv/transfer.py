@@ -1,8 +1,8 @@
 """KV-transfer throughput: duet's `torch_dist` and `tcp` backends against the raw gloo limit,
 on loopback.
 
-    python -m benchmarks.kv_transfer                     # all layouts, 1/16/256 blocks, 10 reps
-    python -m benchmarks.kv_transfer --layouts smollm2-135m-bf16 --reps 5 --backends tcp
+    python -m benchmarks.kv.transfer                     # all layouts, 1/16/256 blocks, 10 reps
+    python -m benchmarks.kv.transfer --layouts smollm2-135m-bf16 --reps 5 --backends tcp
 
 A receiver (decode side) and a sender (prefill side) run in two spawned processes, each with
 its own paged cache, as the workers do. Per layout, backend and block count, rep by rep and
@@ -33,17 +33,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.kv_transfer_measure import (
+from benchmarks.common.machine import cpu_info, git_commit
+from benchmarks.kv.transfer_measure import (
     NOISY_OTHER_CORES,
     default_pool_blocks,
     measure_layout,
     pool_problem,
 )
-from benchmarks.kv_transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
-from benchmarks.machine import cpu_info, git_commit
+from benchmarks.kv.transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
 from kv_transfer.tcp import MAX_STRIPES
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
 TARGET_RATIO = 0.8
 TARGET_BLOCKS = 256
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     report = {
         "benchmark": "kv_transfer",
-        "command": " ".join(["python", "-m", "benchmarks.kv_transfer", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "benchmarks.kv.transfer", *(argv or sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit("kv_transfer", "benchmarks"),
         "machine": {"platform": platform.platform(), **cpu_info()},
