@@ -119,6 +119,12 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
+def _shown(default: Any) -> str:
+    if default is None:
+        return "unset"
+    return default if isinstance(default, str) else json.dumps(default)
+
+
 def _converter(name: str, annotation: Any) -> Callable[[str], Any] | None:
     """The argparse `type` of a field (None for bools: BooleanOptionalAction)."""
     if name == "kv_cache_memory_bytes":
@@ -146,8 +152,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     docs = field_docs(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         default = _default_of(f)
-        shown = "unset" if default is None else json.dumps(default)
-        help_text = f"{docs.get(f.name, '')} (default: {shown})".replace("%", "%%")
+        help_text = f"{docs.get(f.name, '')} (default: {_shown(default)})".replace("%", "%%")
         convert = _converter(f.name, hints[f.name])
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if convert is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,9 @@ def test_generate_samples_reproducibly_with_the_engine_seed(
     first = sample("5")
     assert sample("5") == first
     assert sample("6") != first
+
+
+def test_docs_list_every_engine_flag() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    rows = {line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| `--")}
+    assert sorted(f"`{name}`" for name in FIELDS if f"`{name}`" not in rows) == []
