@@ -69,17 +69,18 @@ class Handoff:
         self.prefill = PrefillWorker(PrefillWorkerConfig(**engine))
         self.decode = DecodeWorker(DecodeWorkerConfig(**engine))
         self.shipped_at: dict[str, float] = {}
-        ship = self.prefill._ship
+        self.role = self.prefill.core.role  # the PrefillRole: ships KV, is the PrefillStream
+        ship = self.role._ship  # type: ignore[attr-defined]
 
         def timed_ship(done: Any) -> None:
             self.shipped_at[done.request_id] = time.perf_counter()
             ship(done)
 
-        self.prefill._ship = timed_ship  # type: ignore[method-assign]
+        self.role._ship = timed_ship  # type: ignore[attr-defined]
 
     def set_mode(self, mode: str) -> None:
         """What `kv_layerwise` decides at start-up, switched between reps."""
-        self.prefill.engine.prefill_stream = self.prefill if mode == "layerwise" else None
+        self.prefill.engine.prefill_stream = self.role if mode == "layerwise" else None  # type: ignore[assignment]
 
     async def request(self, request_id: str, prompt: list[int]) -> dict[str, float]:
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
