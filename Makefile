@@ -40,11 +40,11 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.offline_throughput
+	$(PY) -m benchmarks.offline.throughput
 
 # KV-block transfer over gloo on loopback vs a raw torch.distributed send (benchmarks/README.md)
 bench-kv: $(STAMP)
-	$(PY) -m benchmarks.kv_transfer $(BENCH_KV_ARGS)
+	$(PY) -m benchmarks.kv.transfer $(BENCH_KV_ARGS)
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -14,6 +14,7 @@ from engine.errors import InvalidInputError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -97,9 +98,10 @@ class EngineConfig:
                 "attention_backend",
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidInputError(
-                "scheduling_policy", f"must be fcfs or priority; got {self.scheduling_policy!r}"
+                "scheduling_policy",
+                f"must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}",
             )
 
     @classmethod

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from engine.kernels.triton_runtime import check_cache_layout, dot_dtype
+from engine.kernels.triton_operands import check_cache_layout, dot_dtype
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16

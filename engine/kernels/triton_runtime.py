@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Any
 
 import torch
 
@@ -71,26 +70,3 @@ def triton_unusable_reason(device: torch.device) -> str | None:
             "before the process imports triton (meant for tests; use auto or torch)"
         )
     return None
-
-
-def check_cache_layout(kv_cache: torch.Tensor) -> None:
-    """The attention kernels index one half of the cache (K or V) with 32-bit offsets."""
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous [2, num_blocks, block_size, Hkv, D]")
-    if kv_cache[0].numel() >= 2**31:
-        raise ValueError(
-            f"kv_cache: one layer's K holds {kv_cache[0].numel()} elements; the Triton kernels "
-            "address at most 2**31 - 1 (use fewer num_kv_blocks per layer)"
-        )
-
-
-def dot_dtype(dtype: torch.dtype, device: torch.device) -> Any:
-    """Operand type of the attention kernels' `tl.dot`s: the cache's dtype on GPUs; fp32 in
-    the interpreter, whose `tl.dot` multiplies the raw bits of 16-bit floats (triton 3.7)."""
-    import triton.language as tl
-
-    if device.type != "cuda":
-        return tl.float32
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
-        dtype
-    ]

@@ -1,0 +1,1 @@
+"""What the benchmarks share: the machine's description, CPU usage and idle waits."""

@@ -1,0 +1,49 @@
+"""What a benchmark ran on: the CPU's model and the SIMD flags that change duet's code paths,
+and the commit of the code it measured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# the flags that pick kernels or dtypes in duet (engine/kernels/cpu_simd.h, engine/config.py)
+SIMD_FLAGS = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+
+
+def cpu_info() -> dict[str, Any]:
+    """{"cpu_model", "num_cpus", "cpu_flags"} read from /proc/cpuinfo ("unknown" elsewhere)."""
+    cpu_model, flags = "unknown", set[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu_model == "unknown":
+                cpu_model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu_model,
+        "num_cpus": os.cpu_count(),
+        "cpu_flags": sorted(flags & SIMD_FLAGS),
+    }
+
+
+def git_commit(*paths: str) -> str | None:
+    """HEAD, with "-dirty" when the code under `paths` differs from it (results files aside)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").stdout.strip()
+        status = git("status", "--porcelain", "--", *paths, ":!benchmarks/results").stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("-dirty" if status.strip() else "")) or None

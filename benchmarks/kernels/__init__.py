@@ -1,0 +1,1 @@
+"""Kernel- and device-level benchmarks: CPU prefill attention, the engine against the GPU roofline."""

@@ -1,0 +1,337 @@
+"""GPU benchmark of duet's engine on random weights shaped like Llama-3.1-8B and SmolLM2-135M
+(bf16): decode step time against the memory roofline, prefill against the bf16 matmul peak,
+and HF transformers on the same GPU, model and weights as the baseline, all in one run.
+
+    python -m benchmarks.kernels.gpu [--models llama8b,smollm2] [--out benchmarks/results/gpu.json]
+
+- Roofline of a decode step: (weight bytes + KV bytes read) / the copy bandwidth measured in
+  this run (device-to-device copy, read + write bytes).
+- Prefill: FLOP/s of one prompt (2 x matmul parameters x tokens, plus causal attention)
+  against a measured 8192^3 bf16 matmul.
+- Decode is timed both eager (prebuilt metadata) and as the CUDA-graph replay the engine runs
+  (input staging included); HF's step time is (generate 1 + K tokens - generate 1) / K.
+
+Without CUDA it says so and exits 0. `--smoke` runs tiny shapes on the CPU to check that the
+script itself works; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "smollm2": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "tiny": dict(  # --smoke only
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+BLOCK_SIZE = 16
+
+
+class Settings:
+    def __init__(self, smoke: bool) -> None:
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.dtype = torch.float32 if smoke else torch.bfloat16
+        self.batches = [1, 4] if smoke else [1, 8, 32, 64, 128]
+        self.context = 64 if smoke else 1024
+        self.prefill_lens = [64] if smoke else [512, 2048, 8192]
+        self.hf_steps = 16
+        self.iters = 3 if smoke else 20
+        self.copy_bytes = (16 if smoke else 1024) << 20
+        self.matmul_n = 512 if smoke else 8192
+
+
+def timed(
+    fn: Callable[[], Any],
+    device: torch.device,
+    iters: int,
+    warmup: int = 2,
+    reduce: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Seconds per call: the median of `iters` calls (or another `reduce` of them)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return reduce(times)
+
+
+def measure_device(s: Settings) -> dict[str, float]:
+    src = torch.empty(s.copy_bytes, dtype=torch.uint8, device=s.device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), s.device, s.iters)
+    n = s.matmul_n
+    a = torch.randn(n, n, device=s.device, dtype=s.dtype)
+    b = torch.randn(n, n, device=s.device, dtype=s.dtype)
+    mm_s = timed(lambda: a @ b, s.device, s.iters)
+    return {
+        "copy_bandwidth_gbs": 2 * s.copy_bytes / copy_s / 1e9,
+        "matmul_tflops": 2 * n**3 / mm_s / 1e12,
+    }
+
+
+def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
+    """HF model with random weights, and duet's model holding a copy of the same weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.model import LlamaForCausalLM
+    from engine.model.arch import ModelArchConfig
+
+    spec = dict(spec)
+    hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(s.device):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=s.dtype).eval()
+    arch = ModelArchConfig.from_hf_config(hf_config.to_dict())
+    with torch.device("meta"):
+        duet = LlamaForCausalLM(arch)
+    duet = duet.to_empty(device=s.device).to(s.dtype)
+    duet.rotary.rebuild(s.device)
+    duet.load_weights(hf.state_dict().items())
+    return hf, duet.eval()
+
+
+def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
+    from engine.attention import AttentionMetadata
+    from engine.cuda_graphs import DecodeGraphs
+
+    cfg = duet.config
+    ctx, bs = s.context, BLOCK_SIZE
+    blocks_per_seq = -(-(ctx + 1) // bs)
+    num_blocks = max(s.batches) * blocks_per_seq
+    caches = [
+        torch.randn(2, num_blocks, bs, duet.num_kv_heads, cfg.head_dim, device=s.device).to(s.dtype)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    graphs = None
+    if s.device.type == "cuda":
+        graphs = DecodeGraphs(duet, caches, max(s.batches), ctx + bs, bs)
+    itemsize = torch.empty((), dtype=s.dtype).element_size()
+    weight_bytes = sum(p.numel() for p in duet.parameters()) * itemsize
+    if not cfg.tie_word_embeddings:  # the embedding is looked up, not read whole
+        weight_bytes -= duet.embed_tokens.weight.numel() * itemsize
+    rows = []
+    rng = np.random.default_rng(0)
+    for batch in s.batches:
+        block_ids = [
+            list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)
+        ]
+        seq_lens = [ctx] * batch
+        ids_np = rng.integers(0, cfg.vocab_size, batch, dtype=np.int64)
+        pos_np = np.full(batch, ctx - 1, dtype=np.int64)
+        slots_np = np.array([b[(ctx - 1) // bs] * bs + (ctx - 1) % bs for b in block_ids])
+        use_triton = s.device.type == "cuda"
+        meta = AttentionMetadata.build(
+            [1] * batch, seq_lens, block_ids, bs, s.device,
+            triton_num_kv_heads=duet.num_kv_heads if use_triton else None,
+        )  # fmt: skip
+        ids = torch.from_numpy(ids_np).to(s.device)
+        pos = torch.from_numpy(pos_np).to(s.device)
+
+        def eager(ids: torch.Tensor = ids, pos: torch.Tensor = pos, meta: Any = meta) -> None:
+            duet.compute_logits(duet(ids, pos, caches, meta))
+
+        with torch.inference_mode():
+            eager_s = timed(eager, s.device, s.iters)
+            graph_s = None
+            if graphs is not None:
+                run = functools.partial(graphs.run, ids_np, pos_np, slots_np, seq_lens, block_ids)
+                graph_s = timed(lambda run=run: duet.compute_logits(run()), s.device, s.iters)
+        kv_bytes = (
+            batch * ctx * cfg.num_hidden_layers * 2 * duet.num_kv_heads * cfg.head_dim * itemsize
+        )
+        rows.append(
+            {"batch": batch, "context": ctx, "eager_ms": eager_s * 1e3,
+             "graph_ms": None if graph_s is None else graph_s * 1e3,
+             "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+        )  # fmt: skip
+    return rows
+
+
+def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
+    from engine.attention import AttentionMetadata
+
+    cfg = duet.config
+    rows = []
+    linear_params = sum(
+        m.weight.numel() for name, m in duet.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith("layers.")
+    )  # fmt: skip
+    for n in s.prefill_lens:
+        nb = -(-n // BLOCK_SIZE)
+        caches = [
+            torch.zeros(2, nb, BLOCK_SIZE, duet.num_kv_heads, cfg.head_dim, device=s.device, dtype=s.dtype)
+            for _ in range(cfg.num_hidden_layers)
+        ]  # fmt: skip
+        meta = AttentionMetadata.build(
+            [n], [n], [list(range(nb))], BLOCK_SIZE, s.device,
+            triton_num_kv_heads=duet.num_kv_heads if s.device.type == "cuda" else None,
+        )  # fmt: skip
+        ids = torch.randint(0, cfg.vocab_size, (n,), device=s.device)
+        pos = torch.arange(n, device=s.device)
+
+        forward = functools.partial(duet, ids, pos, caches, meta)
+        with torch.inference_mode():
+            sec = timed(
+                lambda f=forward: duet.compute_logits(f()[-1:]), s.device, max(3, s.iters // 4)
+            )
+        attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n
+        flops = 2 * linear_params * n + attn  # causal attention: half of 2 x 2 x N^2 x D per head
+        rows.append({"tokens": n, "ms": sec * 1e3, "tflops": flops / sec / 1e12, "flops": flops})
+    return rows
+
+
+def hf_bench(hf: Any, s: Settings) -> dict[str, Any]:
+    vocab = hf.config.vocab_size
+    decode, prefill = [], []
+    with torch.inference_mode():
+        for batch in s.batches:
+            ids = torch.randint(0, vocab, (batch, s.context - 1), device=s.device)
+            mask = torch.ones_like(ids)
+
+            def gen(k: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:
+                hf.generate(
+                    ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
+                    do_sample=False, eos_token_id=None, pad_token_id=0,
+                )  # fmt: skip
+
+            # A step is a difference of two timings: the fastest of each (noise only adds
+            # time), so that noise cannot swamp it.
+            iters = max(3, s.iters // 5)
+            one = timed(lambda: gen(1), s.device, iters, warmup=1, reduce=min)
+            many = timed(lambda: gen(1 + s.hf_steps), s.device, iters, warmup=1, reduce=min)
+            decode.append({"batch": batch, "step_ms": (many - one) / s.hf_steps * 1e3})
+        for n in s.prefill_lens:
+            ids = torch.randint(0, vocab, (1, n), device=s.device)
+            sec = timed(lambda ids=ids: hf(ids, use_cache=False, logits_to_keep=1), s.device, 3)
+            prefill.append({"tokens": n, "ms": sec * 1e3})
+    return {"decode": decode, "prefill": prefill}
+
+
+def bench_model(name: str, s: Settings, device_stats: dict[str, float]) -> dict[str, Any]:
+    hf, duet = build_models(MODELS[name], s)
+    decode = decode_bench(duet, s)
+    prefill = prefill_bench(duet, s)
+    del duet
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    baseline = hf_bench(hf, s)
+    del hf
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    bw = device_stats["copy_bandwidth_gbs"] * 1e9
+    for row, hf_row in zip(decode, baseline["decode"], strict=True):
+        best_ms = row["graph_ms"] or row["eager_ms"]
+        row["roofline_ms"] = (row["weight_bytes"] + row["kv_bytes"]) / bw * 1e3
+        row["roofline_fraction"] = row["roofline_ms"] / best_ms
+        row["hf_step_ms"] = hf_row["step_ms"]
+        row["speedup_vs_hf"] = hf_row["step_ms"] / best_ms
+    for row, hf_row in zip(prefill, baseline["prefill"], strict=True):
+        row["peak_fraction"] = row["tflops"] / device_stats["matmul_tflops"]
+        row["hf_ms"] = hf_row["ms"]
+        row["speedup_vs_hf"] = hf_row["ms"] / row["ms"]
+    return {"decode": decode, "prefill": prefill}
+
+
+def print_report(results: dict[str, Any]) -> None:
+    print(f"device: {results['device']}  copy {results['copy_bandwidth_gbs']:.0f} GB/s, "
+          f"bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s")  # fmt: skip
+    for name, r in results["models"].items():
+        print(f"\n{name} decode (context {r['decode'][0]['context']}):")
+        print("  batch  eager ms  graph ms  roofline ms  of roofline  HF ms  vs HF")
+        for d in r["decode"]:
+            graph = "-" if d["graph_ms"] is None else f"{d['graph_ms']:.2f}"
+            print(f"  {d['batch']:5d}  {d['eager_ms']:8.2f}  {graph:>8}  {d['roofline_ms']:11.2f}"
+                  f"  {d['roofline_fraction']:10.0%}  {d['hf_step_ms']:5.1f}  {d['speedup_vs_hf']:4.1f}x")  # fmt: skip
+        print(f"{name} prefill:")
+        print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF")
+        for p in r["prefill"]:
+            print(f"  {p['tokens']:6d}  {p['ms']:.1f}  {p['tflops']:.1f}  {p['peak_fraction']:.0%}"
+                  f"  {p['hf_ms']:.1f}  {p['speedup_vs_hf']:.1f}x")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels.gpu", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--models", default="llama8b,smollm2", help="comma-separated: llama8b, smollm2"
+    )
+    parser.add_argument("--out", default="benchmarks/results/gpu.json")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on CPU: checks the script only"
+    )
+    args = parser.parse_args(argv)
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in ("llama8b", "smollm2")]
+    if unknown or not names:
+        parser.error(
+            f"--models: unknown {unknown[0] if unknown else ''!r}; choose from llama8b, smollm2"
+        )
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks.kernels.gpu: no CUDA device on this machine, nothing measured. "
+              "Run it on a GPU machine (H100/H200 class); --smoke checks the script on the CPU.")  # fmt: skip
+        return 0
+    if args.smoke:
+        names = ["tiny"]
+    s = Settings(args.smoke)
+    import triton
+
+    stats = measure_device(s)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if s.device.type == "cuda" else "cpu (smoke)",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(s.dtype).removeprefix("torch."),
+        **stats,
+        "models": {name: bench_model(name, s, stats) for name in names},
+    }
+    print_report(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Offline throughput and latency against HF transformers and vLLM (paired rounds)."""

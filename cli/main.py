@@ -1,0 +1,42 @@
+"""`duet`: the parser of every subcommand, and the dispatch to the one given."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from cli import bench, chat, generate, serve, tokenizer
+
+SUBCOMMANDS = (generate, chat, serve, bench, tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `duet` parser; each parsed subcommand carries `run` (its handler) and
+    `command_parser` (the subparser that reports its errors)."""
+    parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from engine import InvalidInputError, ModelLoadError
+
+    try:
+        return int(args.run(args))
+    except (InvalidInputError, ModelLoadError, serve.ServeConfigError) as e:
+        print(f"duet: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

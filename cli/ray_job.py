@@ -1,0 +1,25 @@
+"""`ray job submit ... -- python -m cli.ray_job [duet serve flags]`: the entry point of a Ray
+job that serves duet in disaggregated mode on the cluster the job runs in.
+
+It takes `duet serve`'s flags; `--disaggregated` is implied and `--ray-address` defaults to
+`auto` (the job's own cluster). The job runs until `ray job stop`, which ends it like Ctrl-C:
+routers drain, then every actor is removed.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from cli.main import main as duet_main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--ray-address" or a.startswith("--ray-address=") for a in args):
+        args = ["--ray-address", "auto", *args]
+    return duet_main(["serve", "--disaggregated", *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`duet serve`: the OpenAI-compatible REST API and gRPC in front of one engine in this
+process, or, with `--disaggregated`, a Ray cluster of prefill and decode workers
+(cli/serve_cluster.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+from typing import TYPE_CHECKING
+
+from cli.engine_flags import add_engine_flags, build_config, given_engine_flags
+from cli.serve_cluster import add_cluster_arguments
+from engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from router.server import RouterConfig
+
+
+class ServeConfigError(ValueError):
+    """A `duet serve` flag is unusable (bad port, unreadable key file); names the flag."""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible REST API and gRPC"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8000, help="REST port, 0 for a free one (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=50051,
+        help="gRPC port, 0 for a free one (logged at startup) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (repeatable; visible in the process list, "
+        "so prefer --api-key-file)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="file with accepted API keys, one per line (blank lines and # comments skipped)",
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="sequences that may wait behind a full batch before new requests get 503",
+    )
+    parser.add_argument(
+        "--session-store",
+        default=None,
+        metavar="URL",
+        help="where sessions and shared rate-limit counters live: redis://host:6379/0 or "
+        "sqlite:///path.db (default: an SQLite file in the user data dir)",
+    )
+    parser.add_argument(
+        "--rate-limit-rpm",
+        type=float,
+        default=None,
+        metavar="N",
+        help="requests per minute per API key (default: unlimited)",
+    )
+    parser.add_argument(
+        "--rate-limit-tpm",
+        type=float,
+        default=None,
+        metavar="N",
+        help="tokens (prompt + max_tokens) per minute per API key (default: unlimited)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=10,
+        help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
+        "error (SSE error event, gRPC UNAVAILABLE)",
+    )
+    add_engine_flags(parser)
+    add_cluster_arguments(parser)
+    parser.set_defaults(run=run, command_parser=parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    # Everything that can be wrong with the flags fails before the (slow) model load.
+    parser = args.command_parser
+    config = build_config(parser, args)
+    router = _router_config(args, _read_api_keys(args))
+    if args.disaggregated:
+        from cli.serve_cluster import check_worker_configs, serve_disaggregated
+
+        engine = given_engine_flags(args)
+        try:
+            spec = check_worker_configs(parser, args, router, engine)
+            return serve_disaggregated(args, spec)
+        except ValueError as e:
+            raise ServeConfigError(str(e)) from e
+    return _serve_here(args, router, config)
+
+
+def _read_api_keys(args: argparse.Namespace) -> list[str]:
+    keys = [k for k in args.api_key if k]
+    if len(keys) != len(args.api_key):
+        raise ServeConfigError("--api-key: must not be empty")
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                lines = [line.strip() for line in f]
+        except OSError as e:
+            raise ServeConfigError(f"--api-key-file: cannot read {args.api_key_file}: {e}") from e
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
+            raise ServeConfigError(f"--api-key-file: no keys in {args.api_key_file}")
+        keys += file_keys
+    return keys
+
+
+def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfig:
+    from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS
+    from router.server import RouterConfig
+    from session_store import RateLimits, open_session_store
+
+    rates = (("--rate-limit-rpm", args.rate_limit_rpm), ("--rate-limit-tpm", args.rate_limit_tpm))
+    for flag, value in rates:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ServeConfigError(f"{flag}: must be > 0 (omit it for no limit); got {value}")
+    max_queued = args.max_queued_requests
+    try:
+        config = RouterConfig(
+            host=args.host,
+            port=args.port,
+            grpc_port=args.grpc_port,
+            api_keys=tuple(api_keys),
+            max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS if max_queued is None else max_queued,
+            session_store_url=args.session_store,
+            rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
+            shutdown_timeout_s=args.shutdown_timeout,
+        )
+        open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
+    except ValueError as e:
+        raise ServeConfigError(str(e)) from e
+    return config
+
+
+def _serve_here(args: argparse.Namespace, router: RouterConfig, config: EngineConfig) -> int:
+    """One engine in this process behind the REST and gRPC servers, until Ctrl-C or SIGTERM."""
+    from engine import AsyncEngine
+    from engine.heap import freeze_startup_heap
+    from router.server import RouterServer, bind_rest_socket, check_grpc_port
+
+    try:
+        check_grpc_port(router.host, router.grpc_port)
+        rest_socket = bind_rest_socket(router.host, router.port)
+    except OSError as e:
+        raise ServeConfigError(str(e)) from e
+    log = logging.getLogger("duet.serve")
+    # uvicorn handles SIGINT/SIGTERM with a graceful shutdown, then re-raises the signal through
+    # the handler that was installed before it: make SIGTERM, like SIGINT, an exception here so
+    # both end in the `finally` below (also while the model is still loading).
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    engine = None
+    try:
+        engine = AsyncEngine.from_config(config)
+        name = args.served_model_name or engine.engine.model_name
+        server = RouterServer(engine, name, router, rest_socket)
+        freeze_startup_heap()
+        server.run()
+    except (KeyboardInterrupt, _Terminated):
+        pass  # both servers have shut down gracefully (or the model was still loading)
+    finally:
+        rest_socket.close()
+        if engine is not None:
+            engine.shutdown()
+            log.info("engine stopped")
+        signal.signal(signal.SIGTERM, previous_sigterm)
+    return 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised in the main thread."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()

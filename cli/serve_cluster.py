@@ -1,0 +1,193 @@
+"""`duet serve --disaggregated` and `python -m cli.ray_job`: the cluster options, and
+running a `DuetCluster` until Ctrl-C / SIGTERM (or the Ray job is stopped).
+
+The engine flags (cli/engine_flags.py) reach every worker: each prefill rank builds a
+`PrefillWorkerConfig` and each decode worker a `DecodeWorkerConfig` (both `EngineConfig`
+subclasses) from them, with `--prefill-tp` as the prefill groups' `tensor_parallel_size`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from cli.engine_flags import fail_on_field
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from router.server import RouterConfig
+
+logger = logging.getLogger("duet.serve")
+
+
+def _count_or_auto(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'auto'; got {value!r}") from None
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("disaggregated mode (Ray)")
+    g.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="run prefill and decode on separate Ray actors behind router actors",
+    )
+    g.add_argument(
+        "--prefill-workers", type=_count_or_auto, default=1, metavar="N|auto",
+        help="prefill groups; auto: one per --prefill-tp units of the cluster's 'prefill' "
+        "resource, following nodes as they come and go (default: 1)",
+    )  # fmt: skip
+    g.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill group")
+    g.add_argument(
+        "--decode-workers", type=_count_or_auto, default=1, metavar="M|auto",
+        help="decode workers; auto: one per unit of the 'decode' resource (default: 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--router-replicas",
+        dest="routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="router actors, each serving REST and gRPC (they share the ports)",
+    )
+    g.add_argument(
+        "--ray-address", default=None, metavar="ADDR",
+        help="join this Ray cluster (e.g. 127.0.0.1:6379 or auto) instead of starting one "
+        "with the resources the flags ask for",
+    )  # fmt: skip
+    g.add_argument(
+        "--local-prefill-threshold", type=int, default=32, metavar="TOKENS",
+        help="prompts with at most this many uncached tokens prefill on their decode worker",
+    )  # fmt: skip
+    g.add_argument(
+        "--request-timeout", type=float, default=600.0, metavar="S",
+        help="longest a request may take, retries included",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-wait", type=float, default=90.0, metavar="S",
+        help="how long a decode worker waits for a request's KV",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-backend", choices=("auto", "tcp", "torch_dist"), default="auto",
+        help="how KV blocks move from prefill to decode workers: tcp (CPU caches, straight "
+        "between the caches), torch_dist (gloo on CPU, NCCL on GPU); auto: tcp on CPU, "
+        "torch_dist on GPU",
+    )  # fmt: skip
+    g.add_argument(
+        "--gpus-per-worker", type=float, default=None,
+        help="GPUs per prefill rank and decode worker (default: 1 when the cluster has GPUs)",
+    )  # fmt: skip
+    g.add_argument(
+        "--startup-timeout", type=float, default=900.0, metavar="S",
+        help="how long to wait for every worker to load its model",
+    )  # fmt: skip
+
+
+def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
+    """The ClusterSpec of the flags; `ValueError` names a bad flag. `engine` holds the
+    EngineConfig fields the command line set."""
+    from deploy.ray_cluster import ClusterSpec
+    from prefill_worker.config import PrefillWorkerConfig
+    from router.cluster_engine import ClusterConfig
+
+    if "tensor_parallel_size" in engine:
+        raise ValueError(
+            "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
+            "--prefill-tp ranks and decode workers are not sharded; use --prefill-tp"
+        )
+    lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
+    if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
+        raise ValueError(
+            f"--kv-wait: must exceed the prefill workers' hold lease ({lease_s} s); "
+            f"got {args.kv_wait}"
+        )
+    cluster = ClusterConfig(
+        local_prefill_threshold=args.local_prefill_threshold,
+        request_timeout_s=args.request_timeout,
+        kv_wait_s=args.kv_wait,
+        max_num_seqs_per_decode_worker=engine.get("max_num_seqs", EngineConfig.max_num_seqs),
+        num_decode_workers=args.decode_workers or 1,
+    )
+    return ClusterSpec(
+        model=engine.get("model"),
+        engine={k: v for k, v in engine.items() if k != "model"},
+        prefill_workers=args.prefill_workers,
+        prefill_tp=args.prefill_tp,
+        decode_workers=args.decode_workers,
+        routers=args.routers,
+        router=router,
+        cluster=cluster,
+        served_model_name=args.served_model_name,
+        gpus_per_worker=args.gpus_per_worker or 0.0,
+        kv_backend=args.kv_backend,
+    )
+
+
+def check_worker_configs(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    router: RouterConfig,
+    engine: dict[str, Any],
+) -> Any:
+    """The ClusterSpec of the flags, once the configs its workers will build from it are
+    valid: a refused engine value exits through `parser.error` naming its flag, here rather
+    than in a worker actor after Ray has started."""
+    from decode_worker.config import DecodeWorkerConfig
+    from prefill_worker.config import PrefillWorkerConfig
+
+    spec = build_spec(args, router, engine)
+    for role, config_cls in (("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)):
+        try:
+            config_cls.from_kwargs(**spec.worker_config(role))
+        except InvalidInputError as e:
+            fail_on_field(parser, e)
+    return spec
+
+
+def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
+    """Start (or join) Ray, bring `spec`'s cluster up and supervise it until told to stop."""
+    import ray
+
+    from deploy.ray_cluster import NAMESPACE, DuetCluster, start_local_ray
+    from engine.loader import open_model
+
+    open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
+    if args.ray_address:
+        ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=True)
+    else:
+        start_local_ray(spec)  # Ray detects this machine's GPUs
+    if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
+        spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    cluster = DuetCluster(spec)
+    try:
+        cluster.start(args.startup_timeout)
+        for r in cluster.routers:
+            logger.info(
+                "duet cluster ready: REST http://%s:%s/v1, gRPC %s:%s (%s prefill group(s) of "
+                "TP %d, %d decode worker(s))",
+                spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
+                spec.prefill_tp, len(cluster.decodes),
+            )  # fmt: skip
+        cluster.run(stop)
+    finally:
+        logger.info("stopping the cluster")
+        cluster.shutdown()
+        ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _with_gpus(spec: Any, gpus: float) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(spec, gpus_per_worker=gpus)

@@ -1,0 +1,191 @@
+"""The engine flags of `duet serve`, `duet generate` and `duet chat`: one per `EngineConfig`
+field (a new field without a flag fails here), exact values reaching the config the CLI builds
+(also the disaggregated workers' configs), and bad values as argparse errors naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cli.engine_flags import (
+    build_config,
+    field_docs,
+    flag_names,
+    given_engine_flags,
+    parse_bytes,
+)
+from cli.main import build_parser, main
+from cli.serve_cluster import check_worker_configs
+from decode_worker.config import DecodeWorkerConfig
+from engine.config import EngineConfig
+from prefill_worker.config import PrefillWorkerConfig
+from router.server import RouterConfig
+
+COMMANDS = ("serve", "generate", "chat")
+FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def command_parser(name: str) -> argparse.ArgumentParser:
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    args = build_parser().parse_args(argv)
+    return args.command_parser, args
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_engine_config_field_has_a_flag(command: str) -> None:
+    flags = {action.dest: action.option_strings for action in command_parser(command)._actions}
+    missing = [name for name in FIELDS if name not in flags]
+    assert missing == [], f"EngineConfig fields without a `duet {command}` flag: {missing}"
+    spelled = {"kv_cache_memory_bytes": "--kv-cache-memory"}  # vLLM's spelling
+    for name in FIELDS:
+        assert flags[name][0] == spelled.get(name, "--" + name.replace("_", "-"))
+
+
+def test_every_field_has_a_docstring_for_its_help() -> None:
+    docs = field_docs(EngineConfig)
+    assert sorted(name for name in FIELDS if not docs.get(name)) == []
+    help_text = {a.dest: a.help for a in command_parser("serve")._actions}
+    assert help_text["block_size"] == (
+        "Tokens per KV block: the unit of allocation, prefix caching and transfer. (default: 16)"
+    )
+
+
+def test_vllm_spellings() -> None:
+    assert flag_names("kv_cache_memory_bytes") == ("--kv-cache-memory", "--kv-cache-memory-bytes")
+    assert flag_names("tensor_parallel_size") == ("--tensor-parallel-size", "-tp")
+    assert flag_names("max_num_batched_tokens") == ("--max-num-batched-tokens",)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_no_engine_flags_give_the_dataclass_defaults(command: str) -> None:
+    parser, args = parse([command, "hi"] if command == "generate" else [command])
+    assert all(getattr(args, name) is None for name in FIELDS)  # None: "not given"
+    assert build_config(parser, args) == EngineConfig()
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_flags_reach_the_engine_config(command: str) -> None:
+    argv = [
+        command, "--model", "/models/m", "--tokenizer", "/models/t", "--dtype", "float32",
+        "--device", "cpu", "--block-size", "32", "--num-kv-blocks", "100",
+        "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--no-enforce-eager",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
+        "--no-enable-prefix-caching", "--scheduling-policy", "priority", "-tp", "2",
+        "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
+        "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
+    ]  # fmt: skip
+    parser, args = parse([*argv, "hi"] if command == "generate" else argv)
+    expected = dict(
+        model="/models/m", tokenizer="/models/t", dtype="float32", device="cpu", block_size=32,
+        num_kv_blocks=100, kv_cache_memory_bytes=4 * 2**30, gpu_memory_utilization=0.5,
+        enforce_eager=False, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
+        enable_prefix_caching=False, scheduling_policy="priority", tensor_parallel_size=2,
+        num_threads=1, seed=7, attention_backend="torch", load_progress=False,
+        hf_overrides={"rope_theta": 10000.0},
+    )  # fmt: skip
+    assert sorted(expected) == sorted(FIELDS)  # a new field: add it here too
+    assert build_config(parser, args) == EngineConfig(**expected)
+
+
+def test_boolean_flags_have_both_spellings() -> None:
+    for flag, expected in (
+        ("--no-enable-prefix-caching", False),
+        ("--enable-prefix-caching", True),
+        ("--enforce-eager", True),
+        ("--no-enforce-eager", False),
+    ):
+        parser, args = parse(["serve", flag])
+        name = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+        assert getattr(build_config(parser, args), name) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [("123", 123), ("4GiB", 4 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+     ("2kb", 2000), ("1TiB", 2**40), ("7B", 7)],
+)  # fmt: skip
+def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
+    assert parse_bytes(text) == num_bytes
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--block-size", "0"], "--block-size: must be an integer >= 1; got 0"),
+        (
+            ["serve", "--gpu-memory-utilization", "2"],
+            "--gpu-memory-utilization: must be a number in (0, 1]; got 2.0",
+        ),
+        (["generate", "--max-num-seqs", "0", "hi"], "--max-num-seqs: must be an integer >= 1"),
+        (["chat", "-tp", "0"], "--tensor-parallel-size: must be an integer >= 1; got 0"),
+        (["chat", "--num-kv-blocks", "0"], "--num-kv-blocks: must be an integer >= 1; got 0"),
+        (["serve", "--kv-cache-memory", "0"], "--kv-cache-memory: must be an integer >= 1"),
+        (["serve", "--kv-cache-memory", "4G"], "--kv-cache-memory/--kv-cache-memory-bytes: must"),
+        (["serve", "--kv-cache-memory", "0.5B"], "must be a whole number of bytes; got '0.5B'"),
+        (["generate", "--block-size", "x", "hi"], "--block-size: invalid int value: 'x'"),
+        (["chat", "--hf-overrides", "[1]"], "--hf-overrides: must be a JSON object"),
+        (["chat", "--hf-overrides", "{"], "--hf-overrides: not valid JSON"),
+        (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+        (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
+        (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
+    ],
+)
+def test_bad_values_are_argparse_errors_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert f"duet {argv[0]}: error:" in err and "Traceback" not in err
+
+
+def test_disaggregated_workers_get_the_engine_flags() -> None:
+    parser, args = parse(
+        ["serve", "--disaggregated", "--model", "m", "--block-size", "32", "--max-num-seqs", "7",
+         "--no-enable-prefix-caching", "--dtype", "float32", "--prefill-tp", "2"]
+    )  # fmt: skip
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
+    decode = DecodeWorkerConfig.from_kwargs(**spec.worker_config("decode"))
+    for config in (prefill, decode):
+        assert (config.model, config.block_size, config.max_num_seqs) == ("m", 32, 7)
+        assert (config.enable_prefix_caching, config.dtype) == (False, "float32")
+        assert config.load_progress is False  # workers load quietly unless asked
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
+    assert spec.cluster.max_num_seqs_per_decode_worker == 7
+
+
+def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--disaggregated", "-tp", "2"]) == 2
+    assert "--tensor-parallel-size: with --disaggregated" in capsys.readouterr().err
+
+
+def test_generate_samples_reproducibly_with_the_engine_seed(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def sample(seed: str) -> str:
+        argv = ["generate", "--model", tiny_llama, "--dtype", "float32", "--temperature", "1",
+                "--max-tokens", "24", "--no-load-progress", "--seed", seed, "hello"]  # fmt: skip
+        assert main(argv) == 0
+        return capsys.readouterr().out
+
+    first = sample("5")
+    assert sample("5") == first
+    assert sample("6") != first
+
+
+def test_docs_list_every_engine_flag() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    rows = {line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| `--")}
+    assert sorted(f"`{name}`" for name in FIELDS if f"`{name}`" not in rows) == []

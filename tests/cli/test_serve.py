@@ -1,0 +1,187 @@
+"""`duet serve`: flags, startup log, API keys from a file (never logged), REST and gRPC in one
+process, clean stop on Ctrl-C or SIGTERM (in-flight streams end with an error, not a cut)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx2
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cli.main import build_parser, main
+from duet.v1 import serving_pb2, serving_pb2_grpc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_flags_parse() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model", "m", "--port", "9000", "--api-key", "a", "--api-key", "b"]
+    )
+    assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 9000, ["a", "b"], "m")
+    assert (args.grpc_port, args.session_store) == (50051, None)
+    assert (args.rate_limit_rpm, args.rate_limit_tpm) == (None, None)
+    args = build_parser().parse_args(
+        ["serve", "--grpc-port", "0", "--session-store", "redis://h:1/0", "--rate-limit-rpm", "5"]
+    )
+    assert (args.grpc_port, args.session_store, args.rate_limit_rpm) == (0, "redis://h:1/0", 5)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--port", "70000"], "--port"),
+        (["serve", "--api-key", ""], "--api-key"),
+        (["serve", "--api-key-file", "/no/such/file"], "--api-key-file"),
+        (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
+        (["serve", "--grpc-port", "-1"], "--grpc-port"),
+        (["serve", "--session-store", "mysql://db/x"], "--session-store"),
+        (["serve", "--rate-limit-rpm", "0"], "--rate-limit-rpm"),
+        (["serve", "--rate-limit-tpm", "nan"], "--rate-limit-tpm"),
+        (["serve", "--disaggregated", "--kv-wait", "30"], "--kv-wait"),
+        (["serve", "--disaggregated", "--request-timeout", "60"], "--request-timeout"),
+        (["serve", "--disaggregated", "--router-replicas", "0"], "--router-replicas"),
+        (["serve", "--disaggregated", "--prefill-tp", "0"], "--prefill-tp"),
+    ],
+)
+def test_bad_serve_flags_fail_before_loading(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_kv_backend_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--disaggregated", "--kv-backend", "rdma"])
+    assert exc.value.code == 2
+    assert "--kv-backend: invalid choice: 'rdma'" in capsys.readouterr().err
+
+
+def test_a_taken_grpc_port_fails_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--grpc-port", str(port)]) == 2
+    assert f"--grpc-port: cannot bind 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+class _LogReader:
+    """Collects a child's stderr lines as they come, so a test can wait for one."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        assert proc.stderr is not None
+        self._stderr = proc.stderr
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stderr:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, proc: subprocess.Popen[str], timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            for line in list(self.lines):
+                if match := re.search(pattern, line):
+                    return match
+            time.sleep(0.05)
+        raise AssertionError(f"no log line matching {pattern!r}:\n{self.text()}")
+
+    def text(self, timeout_s: float = 0) -> str:
+        self._thread.join(timeout_s)
+        return "".join(self.lines)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
+    tiny_llama: str, tmp_path: os.PathLike[str], stop_signal: signal.Signals
+) -> None:
+    key = "sk-from-a-file"
+    key_file = os.path.join(tmp_path, "keys")
+    with open(key_file, "w") as f:
+        f.write(f"# accepted keys\n\n{key}\n")
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "cli", "serve", "--model", tiny_llama, "--dtype", "float32",
+        "--port", str(port), "--grpc-port", "0", "--api-key-file", key_file,
+        "--served-model-name", "tiny", "--shutdown-timeout", "0",
+        "--session-store", f"sqlite:///{os.path.join(tmp_path, 'sessions.db')}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    log = _LogReader(proc)
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"messages": [{"role": "user", "content": "go on"}], "stream": True,
+            "max_tokens": 1000, "ignore_eos": True}  # fmt: skip
+    try:
+        grpc_port = int(
+            log.wait_for(r"gRPC API \(duet\.v1\.Duet\) on 127\.0\.0\.1:(\d+)", proc, 60)[1]
+        )
+        assert grpc_port != 0
+        assert httpx2.get(f"{url}/ready", timeout=5).status_code == 200
+        assert httpx2.get(f"{url}/v1/models").status_code == 401
+        models = httpx2.get(f"{url}/v1/models", headers=auth)
+        assert models.json()["data"][0]["id"] == "tiny"
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service="duet.v1.Duet"), timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            # The same key for both APIs.
+            stub = serving_pb2_grpc.DuetStub(channel)
+            with pytest.raises(grpc.RpcError) as denied:
+                stub.ListModels(serving_pb2.ListModelsRequest(), timeout=10)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            metadata = (("authorization", f"Bearer {key}"),)
+            opts = serving_pb2.SamplingOptions(max_tokens=1000, ignore_eos=True)
+            grpc_stream = stub.Generate(
+                serving_pb2.GenerateRequest(text="go on", sampling=opts), metadata=metadata,
+                timeout=30,
+            )  # fmt: skip
+            next(grpc_stream)
+            # Streams in flight at the signal end with an error (shutdown timeout 0), not a cut.
+            with httpx2.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=30
+            ) as rest_stream:
+                lines = rest_stream.iter_lines()
+                assert next(lines).startswith("data: {")
+                proc.send_signal(stop_signal)
+                events = [line for line in lines if line]
+            with pytest.raises(grpc.RpcError) as ended:
+                list(grpc_stream)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "engine_unavailable"
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(stop_signal)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = log.text(timeout_s=5)
+    assert proc.returncode == 0, err
+    assert f"http://127.0.0.1:{port}/v1" in err
+    assert "engine stopped" in err
+    frozen = re.search(r"froze (\d+) start-up objects", err)  # the serving process's heap
+    assert frozen is not None and int(frozen[1]) > 10_000, err
+    assert key not in err + out
