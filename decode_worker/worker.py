@@ -101,32 +101,16 @@ class DecodeWorker:
         backend's hub and name)."""
         self.config = config
         self.name = name
-        self.engine = LLMEngine(config)
-        caches = self.engine.runner.kv_caches
-        self.layout = KVLayout.of_caches(
-            config.model or "default", caches, self.engine.arch.num_key_value_heads
-        )
-        self.kv_backend = resolve_backend(config.kv_backend, caches)
-        options = dict(receiver_options or {})
-        if self.kv_backend in ("torch_dist", "tcp"):
-            options = {
-                "host": config.kv_host,
-                "port": config.kv_port,
-                "advertise_host": config.kv_advertise_host,
-                "timeout_s": config.kv_transfer_timeout_s,
-                **options,
-            }
-        self.receiver: KVReceiver = create_receiver(
-            self.kv_backend, kv_caches=caches, layout=self.layout, **options
-        )
-        self.kv_address: str = getattr(self.receiver, "address", options.get("name", name))
-        self.load = DecodeLoad(
-            num_free_blocks=self.engine.num_blocks,
-            num_blocks=self.engine.num_blocks,
-            max_num_seqs=config.max_num_seqs,
-        )
-        self.client = AsyncEngine(self.engine, DecodeRole(self), name=name)
+        self.receiver_options = dict(receiver_options or {})
+        # Set by `DecodeRole.start` on the engine thread (see `EngineCore`'s note).
+        self.layout: KVLayout
+        self.kv_backend: str
+        self.receiver: KVReceiver
+        self.kv_address: str
+        self.load = DecodeLoad(max_num_seqs=config.max_num_seqs)
+        self.client = AsyncEngine(lambda: LLMEngine(config), DecodeRole(self), name=name)
         self.core = self.client.core
+        self.engine = self.client.engine
 
     @property
     def is_running(self) -> bool:
@@ -198,7 +182,29 @@ class DecodeRole(EngineRole):
 
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
-        self.receiver = worker.receiver
+
+    def start(self) -> None:
+        """The KV receiver, over the engine's caches (built on the engine thread)."""
+        worker, config = self.worker, self.worker.config
+        caches = self.engine.runner.kv_caches
+        worker.layout = KVLayout.of_caches(
+            config.model or "default", caches, self.engine.arch.num_key_value_heads
+        )
+        worker.kv_backend = resolve_backend(config.kv_backend, caches)
+        options = dict(worker.receiver_options)
+        if worker.kv_backend in ("torch_dist", "tcp"):
+            options = {
+                "host": config.kv_host,
+                "port": config.kv_port,
+                "advertise_host": config.kv_advertise_host,
+                "timeout_s": config.kv_transfer_timeout_s,
+                **options,
+            }
+        self.receiver = worker.receiver = create_receiver(
+            worker.kv_backend, kv_caches=caches, layout=worker.layout, **options
+        )
+        worker.kv_address = getattr(self.receiver, "address", options.get("name", worker.name))
+        self._update_load()
 
     def reserve(self, cmd: ReserveRemote) -> None:
         engine = self.engine

@@ -7,7 +7,7 @@ the `LLMEngine`; other threads talk to it through the core's typed commands.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -22,14 +22,24 @@ __all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, role: EngineRole | None = None, name: str = "engine"):
-        """`role`: what runs around each step (default: aggregated generation)."""
-        self.engine = engine
+    def __init__(
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        role: EngineRole | None = None,
+        name: str = "engine",
+    ) -> None:
+        """`engine`: the engine, or (in serving processes, see `EngineCore`) a function that
+        builds it on the engine thread; returns once it is built. `role`: what runs around
+        each step (default: aggregated generation)."""
         self.core = EngineCore(engine, role, name=name)
+        self.core.wait_ready()
+        self.engine = self.core.engine
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, **kwargs: Any) -> AsyncEngine:
-        return cls(LLMEngine(config or EngineConfig.from_kwargs(**kwargs)))
+        """An engine built on its own thread (the only thread that runs its CPU kernels)."""
+        config = config or EngineConfig.from_kwargs(**kwargs)
+        return cls(lambda: LLMEngine(config))
 
     @property
     def tokenizer(self) -> Tokenizer:

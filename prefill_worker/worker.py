@@ -109,36 +109,19 @@ class PrefillWorker:
         self.config = config
         self.tp = tp
         self.name = name
-        self.engine = LLMEngine(config, tp)
-        caches = self.engine.runner.kv_caches
-        self.layout = KVLayout.of_caches(
-            config.model or "default",
-            caches,
-            self.engine.arch.num_key_value_heads,
-            tp.world_size,
-            tp.rank,
-        )
-        self.kv_backend = resolve_backend(config.kv_backend, caches)
-        options = dict(sender_options or {})
-        if self.kv_backend in ("torch_dist", "tcp"):
-            options = {
-                "name": f"{name}-tp{tp.rank}",
-                "timeout_s": config.kv_transfer_timeout_s,
-                "ack_timeout_s": config.kv_lease_s,
-                **options,
-            }
-        self.sender: KVSender = create_sender(
-            self.kv_backend, kv_caches=caches, layout=self.layout, **options
-        )
-        self.load = PrefillLoad(num_blocks=self.engine.num_blocks)
+        self.sender_options = dict(sender_options or {})
+        # Set by `PrefillRole.start` on the engine thread (see `EngineCore`'s note).
+        self.layout: KVLayout
+        self.kv_backend: str
+        self.sender: KVSender
+        self.load = PrefillLoad()
         self.prefix_index = PrefixCacheIndex()
-        self.engine.kv.pool.record_events = config.enable_prefix_caching
         self.role = PrefillRole(self)
-        if config.kv_layerwise:
-            self.engine.prefill_stream = self.role
         self.core = EngineCore(
-            self.engine, self.role, name=name, tp=tp, control_group=control_group
+            lambda: LLMEngine(config, tp), self.role, name=name, tp=tp, control_group=control_group
         )
+        self.core.wait_ready()
+        self.engine = self.core.engine
 
     # -- API (any thread) --------------------------------------------------------------------
 
@@ -182,7 +165,7 @@ class PrefillWorker:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread (followers stop with rank 0) and close the sender."""
         self.core.shutdown(timeout_s)
-        self.sender.close()
+        self.role.close()
 
     def join(self, timeout_s: float | None = None) -> None:
         """Block until the engine thread ends (a follower rank's main thread waits here)."""
@@ -197,11 +180,37 @@ class PrefillRole(EngineRole):
 
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
-        self.sender = worker.sender
         self.rank = worker.tp.rank
         self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
         self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
+
+    def start(self) -> None:
+        """The KV sender over the engine's caches, and the prefix index's event feed (built
+        on the engine thread)."""
+        worker, config, engine = self.worker, self.worker.config, self.engine
+        caches = engine.runner.kv_caches
+        tp = worker.tp
+        worker.layout = KVLayout.of_caches(
+            config.model or "default", caches, engine.arch.num_key_value_heads, tp.world_size,
+            tp.rank,
+        )  # fmt: skip
+        worker.kv_backend = resolve_backend(config.kv_backend, caches)
+        options = dict(worker.sender_options)
+        if worker.kv_backend in ("torch_dist", "tcp"):
+            options = {
+                "name": f"{worker.name}-tp{tp.rank}",
+                "timeout_s": config.kv_transfer_timeout_s,
+                "ack_timeout_s": config.kv_lease_s,
+                **options,
+            }
+        self.sender = worker.sender = create_sender(
+            worker.kv_backend, kv_caches=caches, layout=worker.layout, **options
+        )
+        engine.kv.pool.record_events = config.enable_prefix_caching
+        if config.kv_layerwise:
+            engine.prefill_stream = self
+        self._update_load()
 
     def add(self, cmd: AddRequest) -> None:
         if cmd.prefill_dest is None:
@@ -232,6 +241,12 @@ class PrefillRole(EngineRole):
 
     def has_io_in_flight(self) -> bool:
         return bool(self._in_flight)
+
+    def close(self) -> None:
+        """Close the sender (after the loop stopped); nothing to close if start-up failed."""
+        sender = getattr(self, "sender", None)
+        if sender is not None:
+            sender.close()
 
     def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
         """`PrefillStream`: open layer-wise transfers for the requests the coming pass
