@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import httpx2
@@ -20,12 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cli.main import build_parser, main
 from duet.v1 import serving_pb2, serving_pb2_grpc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.net import free_port
+from tests.waiting import wait_for
 
 
 def test_serve_flags_parse() -> None:
@@ -96,13 +91,14 @@ class _LogReader:
             self.lines.append(line)
 
     def wait_for(self, pattern: str, proc: subprocess.Popen[str], timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and proc.poll() is None:
-            for line in list(self.lines):
-                if match := re.search(pattern, line):
-                    return match
-            time.sleep(0.05)
-        raise AssertionError(f"no log line matching {pattern!r}:\n{self.text()}")
+        def logged() -> re.Match | None:
+            assert proc.poll() is None, f"the server exited with {proc.returncode}"
+            return next(filter(None, (re.search(pattern, line) for line in list(self.lines))), None)
+
+        try:
+            return wait_for(logged, timeout_s, f"a log line matching {pattern!r}", 0.05)
+        except AssertionError as e:
+            raise AssertionError(f"{e}:\n{self.text()}") from None
 
     def text(self, timeout_s: float = 0) -> str:
         self._thread.join(timeout_s)
@@ -117,7 +113,7 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
     key_file = os.path.join(tmp_path, "keys")
     with open(key_file, "w") as f:
         f.write(f"# accepted keys\n\n{key}\n")
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "cli", "serve", "--model", tiny_llama, "--dtype", "float32",
         "--port", str(port), "--grpc-port", "0", "--api-key-file", key_file,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from kv_transfer import TransferStatus
 from kv_transfer.local import LocalHub
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
+from tests.waiting import wait_for, wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -207,10 +207,9 @@ def test_abort_while_waiting_for_kv_frees_blocks(workers):
         remote = await decode.reserve("gone", list(range(3, 60)), SamplingParams(max_tokens=4))
         assert decode.engine.scheduler.waiting_for_kv.keys() == {"gone"}
         await remote.aclose()
-        for _ in range(200):
-            if not decode.engine.scheduler.waiting_for_kv:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for_async(
+            lambda: not decode.engine.scheduler.waiting_for_kv, 10, "the abort to apply"
+        )
 
     asyncio.run(run())
     assert decode.engine.kv.num_free_blocks == decode.engine.num_blocks
@@ -232,15 +231,6 @@ def test_no_capacity_is_refused_at_once(tiny_llama):
             await first.aclose()
 
         asyncio.run(run())
-        assert wait_for(lambda: decode.engine.kv.num_free_blocks == 8)
+        wait_for(lambda: decode.engine.kv.num_free_blocks == 8, 10, "all 8 blocks free")
     finally:
         decode.shutdown()
-
-
-def wait_for(predicate, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +20,8 @@ from deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
 from deploy.planner.policy import ScalingPolicy
 from tests.deploy.fake_kube_api import FakeKubeAPI, Recorded, endpoint_slice
 from tests.deploy.router_metrics import MetricsServer, RouterMetrics
+from tests.net import free_port
+from tests.waiting import wait_for
 
 NS = "serving"
 TOKEN = "sa-token"
@@ -193,22 +194,6 @@ def test_cli_rejects_a_budget_below_the_minimums(capsys):
     )
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_duet_planner_process_scales_and_reports_health(kube, tmp_path: Path):
     r = RouterMetrics()
     _steady(r)
@@ -216,7 +201,7 @@ def test_duet_planner_process_scales_and_reports_health(kube, tmp_path: Path):
     token_file, keys_file = tmp_path / "token", tmp_path / "keys.txt"
     token_file.write_text(TOKEN + "\n")
     keys_file.write_text(f"# duet keys\n\n{API_KEY}\nsk-other\n")
-    health_port = _free_port()
+    health_port = free_port()
     with MetricsServer(r, API_KEY) as server:
         _routers(kube, server)
         proc = subprocess.Popen(
@@ -240,7 +225,7 @@ def test_duet_planner_process_scales_and_reports_health(kube, tmp_path: Path):
             text=True,
         )
         try:
-            _wait_for(lambda: kube.patches(), 30, "the planner's PATCH")
+            wait_for(lambda: kube.patches(), 30, "the planner's PATCH")
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{health_port}/healthz", timeout=5
             ) as response:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import socket
 import threading
 import time
 
@@ -21,16 +20,12 @@ import torch
 
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import LLM, SamplingParams
+from tests.net import free_port
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +71,6 @@ def metric(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
-
-
 def prompts_of(lengths, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
@@ -111,14 +99,24 @@ def test_disaggregated_equals_aggregated(cluster, tiny_llama):
 
 
 def test_prefix_routing_reuses_the_cache(cluster):
-    _, url = cluster
+    duet, url = cluster
     shared = prompts_of([96], 21)[0]
     api = client(url)
     kwargs = dict(model="tiny", max_tokens=2, temperature=0)
     first = api.completions.create(prompt=[*shared, *range(3, 19)], **kwargs)
-    time.sleep(1.0)  # the holder's next load report carries the new block hashes
+    second_prompt = [*shared, *range(30, 46)]
+
+    def cached_tokens(router) -> int:  # runs in a RouterActor: what it would route on
+        picked = router.engine.pool.pick_prefill(second_prompt)
+        return 0 if picked is None else picked[1]
+
+    def routers_know_the_prefix() -> bool:  # the holder's next load report carries its hashes
+        known = [r.actor.__ray_call__.remote(cached_tokens) for r in duet.routers]
+        return ray.get(known, timeout=30) == [96] * len(known)
+
+    wait_for(routers_know_the_prefix, 30, "the routers to learn the cached prefix", 0.1)
     hits_before = metric(url, "duet:prefix_cache_hits_total")
-    second = api.completions.create(prompt=[*shared, *range(30, 46)], **kwargs)
+    second = api.completions.create(prompt=second_prompt, **kwargs)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens == 96
     assert metric(url, "duet:prefix_cache_hits_total") - hits_before == 96
@@ -155,7 +153,12 @@ def test_decode_actor_killed_mid_stream_completes_identically(cluster, tiny_llam
     assert killed is not None
     assert "".join(pieces) == want.text
     # Ray restarts the actor; it rejoins the pool.
-    wait_for(lambda: metric(url, "duet:num_decode_workers") == 2, 240, "the decode worker back")
+    wait_for(
+        lambda: metric(url, "duet:num_decode_workers") == 2,
+        240,
+        "the decode worker back",
+        interval_s=0.25,
+    )
 
 
 def test_prefill_rank_killed_requests_retried_and_group_restarted(cluster):
@@ -166,14 +169,24 @@ def test_prefill_rank_killed_requests_retried_and_group_restarted(cluster):
     for prompt in prompts:  # every one succeeds, on the other group (or after a retry)
         r = api.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0)
         assert r.usage.completion_tokens == 3
-    wait_for(lambda: metric(url, "duet:num_prefill_workers") == 2, 240, "the group back")
+    wait_for(
+        lambda: metric(url, "duet:num_prefill_workers") == 2,
+        240,
+        "the group back",
+        interval_s=0.25,
+    )
 
 
 def test_everything_killed_gives_503_at_once(cluster):
     duet, url = cluster
     for actor in [d.actor for d in duet.decodes] + [a for g in duet.groups for a in g.ranks]:
         ray.kill(actor, no_restart=True)
-    wait_for(lambda: metric(url, "duet:num_decode_workers") == 0, 30, "the router to notice")
+    wait_for(
+        lambda: metric(url, "duet:num_decode_workers") == 0,
+        30,
+        "the router to notice",
+        interval_s=0.25,
+    )
     start = time.monotonic()
     with pytest.raises(openai.InternalServerError) as info:
         client(url).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)

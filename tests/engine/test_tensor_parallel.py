@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,14 +12,9 @@ import pytest
 import torch
 
 from engine import LLM, InvalidInputError, SamplingParams
+from tests.net import free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])

@@ -1,8 +1,6 @@
-"""Small paged caches and a poll loop for the KV-transfer tests."""
+"""Small paged caches and their layouts for the KV-transfer tests."""
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -16,13 +14,3 @@ def caches(heads=4, num_blocks=16, seed=0, dtype=torch.float32):
 
 def layout(kv, total_heads=4, tp_size=1, tp_rank=0, model_id="m"):
     return KVLayout.of_caches(model_id, kv, total_heads, tp_size, tp_rank)
-
-
-def wait_for(poll, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = poll()
-        if results:
-            return results
-        time.sleep(0.01)
-    raise AssertionError("no transfer result in time")

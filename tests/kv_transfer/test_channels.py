@@ -20,7 +20,8 @@ from kv_transfer import (
     tcp,
     torch_dist,
 )
-from tests.kv_transfer.paged import caches, layout, wait_for
+from tests.kv_transfer.paged import caches, layout
+from tests.waiting import wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -49,9 +50,9 @@ def test_transfer_is_bit_exact_and_acknowledged(receiver, backend):
     sender = create_sender(backend, kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     recv.expect("r1", [9, 3, 12], timeout_s=10)
     sender.send("r1", [0, 5, 7], recv.address)
-    [done] = wait_for(recv.poll)
+    [done] = wait_for(recv.poll, 20, "recv.poll")
     assert done.status == TransferStatus.DONE
-    [acked] = wait_for(sender.poll)
+    [acked] = wait_for(sender.poll, 20, "sender.poll")
     assert acked.status == TransferStatus.DONE
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
@@ -60,7 +61,7 @@ def test_transfer_is_bit_exact_and_acknowledged(receiver, backend):
     # A second request reuses the channel.
     recv.expect("r2", [1], timeout_s=10)
     sender.send("r2", [2], recv.address)
-    assert wait_for(recv.poll)[0].status == TransferStatus.DONE
+    assert wait_for(recv.poll, 20, "recv.poll")[0].status == TransferStatus.DONE
     assert all(torch.equal(d[:, 1], s[:, 2]) for s, d in zip(src, dst, strict=True))
     sender.close()
 
@@ -88,21 +89,21 @@ def test_layerwise_layers_land_while_later_layers_compute(receiver, backend, mon
                 return [True]
             return recv.poll()
 
-        assert wait_for(landed) == [True]
+        assert wait_for(landed, 20, f"layer {layer} landed") == [True]
         for later in range(layer + 1, len(src)):  # later layers are untouched
             assert torch.equal(dst[later], before[later])
-    time.sleep(0.2)
+    time.sleep(0.2)  # lets time pass on purpose: no result may come without the trailer
     assert recv.poll() == []  # every layer is in, but not the first token yet
     sender.finish("b", {"first_token": 7})
     sender.finish("a", {"first_token": 42})
-    results = wait_for(recv.poll)
-    results += [] if len(results) == 2 else wait_for(recv.poll)
+    results = wait_for(recv.poll, 20, "recv.poll")
+    results += [] if len(results) == 2 else wait_for(recv.poll, 20, "recv.poll")
     assert sorted((r.request_id, r.status, r.meta["first_token"]) for r in results) == [
         ("a", TransferStatus.DONE, 42),
         ("b", TransferStatus.DONE, 7),
     ]
-    acked = wait_for(sender.poll)
-    acked += [] if len(acked) == 2 else wait_for(sender.poll)
+    acked = wait_for(sender.poll, 20, "sender.poll")
+    acked += [] if len(acked) == 2 else wait_for(sender.poll, 20, "sender.poll")
     assert sorted((r.request_id, r.status) for r in acked) == [
         ("a", TransferStatus.DONE),
         ("b", TransferStatus.DONE),
@@ -110,7 +111,7 @@ def test_layerwise_layers_land_while_later_layers_compute(receiver, backend, mon
     # The channel is still in step for a whole-request send.
     recv.expect("c", [0], timeout_s=10)
     sender.send("c", [4], recv.address, meta={"first_token": 1})
-    [done] = wait_for(recv.poll)
+    [done] = wait_for(recv.poll, 20, "recv.poll")
     assert done.status == TransferStatus.DONE and done.meta == {"first_token": 1}
     assert all(torch.equal(d[:, 0], f[:, 4]) for f, d in zip(final, dst, strict=True))
     sender.close()
@@ -124,7 +125,7 @@ def test_layerwise_without_trailer_times_out_retryable(receiver, backend):
     sender.begin("r1", [0], recv.address)
     for layer in range(len(src)):
         sender.layer_computed(layer)
-    [result] = wait_for(recv.poll)  # all KV landed, but the first token never came
+    [result] = wait_for(recv.poll, 20, "recv.poll")  # all KV landed, but the first token never came
     assert result.status == TransferStatus.FAILED and result.retryable
     sender.close()
 
@@ -137,7 +138,7 @@ def test_out_of_range_block_id_is_refused_before_anything_is_sent(receiver, back
         sender.send("r1", [0, 16], recv.address)
     recv.expect("r2", [1], timeout_s=10)  # the channel is still in step
     sender.send("r2", [2], recv.address)
-    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
     sender.close()
 
 
@@ -156,12 +157,12 @@ def test_two_tp_shards_reassemble_into_one_receiver(receiver, backend):
     recv.expect("r", [4, 6], timeout_s=10)
     for rank, s in enumerate(senders):
         s.send("r", [1, 2], recv.address, meta={"first_token": 42, "rank": rank})
-    [done] = wait_for(recv.poll)
+    [done] = wait_for(recv.poll, 20, "recv.poll")
     assert done.status == TransferStatus.DONE and done.meta == {"first_token": 42, "rank": 0}
     for f, d in zip(full, dst, strict=True):
         assert torch.equal(d[:, [4, 6]], f[:, [1, 2]])
     for s in senders:
-        assert [r.status for r in wait_for(s.poll)] == [TransferStatus.DONE]
+        assert [r.status for r in wait_for(s.poll, 20, "s.poll")] == [TransferStatus.DONE]
         s.close()
 
 
@@ -183,7 +184,7 @@ def test_abort_drops_late_data(receiver, backend):
     recv.abort("r1")
     sender.send("r1", [0], recv.address)
     assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
-    time.sleep(0.5)
+    time.sleep(0.5)  # lets time pass on purpose: the late data lands nowhere, reports nothing
     assert recv.poll() == []
     assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
     sender.close()
@@ -192,7 +193,7 @@ def test_abort_drops_late_data(receiver, backend):
 def test_expect_times_out_retryable(receiver, backend):
     recv, _ = receiver
     recv.expect("never", [1], timeout_s=0.2)
-    [result] = wait_for(recv.poll)
+    [result] = wait_for(recv.poll, 20, "recv.poll")
     assert result.status == TransferStatus.FAILED and result.retryable
 
 
@@ -230,7 +231,7 @@ def test_sender_killed_receiver_times_out_and_reports_retryable(receiver, backen
         recv.expect("r1", [2], timeout_s=1.5)
         proc.kill()
         proc.wait(10)
-        [result] = wait_for(recv.poll)
+        [result] = wait_for(recv.poll, 20, "recv.poll")
         assert result.status == TransferStatus.FAILED and result.retryable
     finally:
         proc.kill()

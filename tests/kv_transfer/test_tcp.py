@@ -6,9 +6,11 @@ CPU caches. (What every backend does is in test_channels.py.)"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -17,7 +19,8 @@ import torch
 
 from kv_transfer import TransferStatus, create_receiver, create_sender, tcp
 from kv_transfer.factory import resolve_backend
-from tests.kv_transfer.paged import caches, layout, wait_for
+from tests.kv_transfer.paged import caches, layout
+from tests.waiting import wait_for
 
 # caches(): 3 layers of [2, 16 blocks, 4 tokens, 4 heads, 8] fp32: a block row is 512 bytes
 ROW_BYTES = 4 * 4 * 8 * 4
@@ -37,9 +40,9 @@ def test_expected_kv_lands_in_the_reserved_blocks_without_staging(receiver):
     sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     recv.expect("r1", [9, 3, 12], timeout_s=10)
     sender.send("r1", [0, 5, 7], recv.address, meta={"first_token": 3})
-    [done] = wait_for(recv.poll)
+    [done] = wait_for(recv.poll, 20, "recv.poll")
     assert (done.status, done.meta) == (TransferStatus.DONE, {"first_token": 3})
-    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
     assert recv._staging.idle_bytes == 0  # no buffer was ever taken
@@ -51,17 +54,18 @@ def test_kv_before_expect_is_staged_then_written(receiver):
     src = caches()
     sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     sender.send("early", [1, 2], recv.address)
-    deadline = time.monotonic() + 10
-    while "early" not in recv._inbox or recv._inbox["early"][0].layers_ready < 3:
-        assert time.monotonic() < deadline, "the transfer never landed"
-        time.sleep(0.01)
+    wait_for(
+        lambda: "early" in recv._inbox and recv._inbox["early"][0].layers_ready == 3,
+        10,
+        "all 3 layers of the early transfer staged",
+    )
     assert recv.poll() == []  # nobody expects it yet
     recv.expect("early", [14, 0], timeout_s=10)
-    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [14, 0]], s[:, [1, 2]])
     assert recv._staging.idle_bytes == 3 * 2 * 2 * ROW_BYTES  # its buffer, back in the pool
-    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     sender.close()
 
 
@@ -100,6 +104,15 @@ class FakeSender:
         return data
 
 
+def send_fails(sock: socket.socket, nbytes: int) -> bool:
+    """Whether sending `nbytes` on `sock` fails: the peer shut the connection."""
+    try:
+        sock.sendall(b"\x01" * nbytes)
+    except OSError:
+        return True
+    return False
+
+
 def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch):
     monkeypatch.setattr(tcp, "ABORT_WAIT_S", 0.3)
     recv, dst = receiver
@@ -113,20 +126,15 @@ def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch)
         {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": nbytes},
         b"\x00" * (ROW_BYTES // 2),
     )
-    deadline = time.monotonic() + 10
-    while "r1" not in recv._writing:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: "r1" in recv._writing, 10, "the receiver writing r1")
     assert recv.poll() == []  # written into: not done, not timed out
     started = time.monotonic()
     recv.abort("r1")
     assert 0.3 <= time.monotonic() - started < 5  # waited, then shut the connection
     assert "r1" not in recv._writing
     assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
-    with pytest.raises(OSError):  # the connection is gone: nothing more can land
-        for _ in range(100):
-            fake.sock.sendall(b"\x01" * nbytes)
-            time.sleep(0.01)
+    # The connection is gone: nothing more can land.
+    wait_for(lambda: send_fails(fake.sock, nbytes), 10, "the receiver to shut the connection")
     # Only the half row that came before the abort was written; every other byte is as it was.
     k0 = dst[0][0, 4].view(-1).view(torch.uint8)
     assert torch.equal(
@@ -149,7 +157,7 @@ def test_a_malformed_frame_breaks_the_channel_and_fails_retryable(receiver, bad)
     recv.expect("r1", [4], timeout_s=10)
     fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 1, "meta": {}, "trailer": False})
     fake.frame({"type": "kv", "request_id": "r1", "start": 0, "end": 3, **bad})
-    [result] = wait_for(recv.poll)
+    [result] = wait_for(recv.poll, 20, "recv.poll")
     assert result.status == TransferStatus.FAILED and result.retryable
     assert "sender lost" in result.error
     assert fake.sock.recv(1) == b""  # the receiver closed the connection
@@ -188,7 +196,7 @@ def test_a_striped_payload_lands_and_an_abort_cuts_every_stripe(receiver, monkey
     header = {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": len(payload)}
     fake.frame({**header, "stripes": 2}, payload[:half])
     second.sendall(payload[half:])
-    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [4, 6]], s[:, [3, 9]])
 
@@ -197,19 +205,13 @@ def test_a_striped_payload_lands_and_an_abort_cuts_every_stripe(receiver, monkey
     fake.frame({"type": "xfer", "request_id": "r2", "num_blocks": 2, "meta": {}, "trailer": False})
     fake.frame({**header, "request_id": "r2", "stripes": 2}, payload[:half])
     second.sendall(payload[half : half + ROW_BYTES])  # the second share stalls
-    deadline = time.monotonic() + 10
-    while "r2" not in recv._writing:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: "r2" in recv._writing, 10, "the receiver writing r2")
     started = time.monotonic()
     recv.abort("r2")
     assert 0.3 <= time.monotonic() - started < 5
     assert [r.status for r in recv.poll()] == [TransferStatus.ABORTED]
     for conn in (fake.sock, second):  # both connections are gone
-        with pytest.raises(OSError):
-            for _ in range(100):
-                conn.sendall(b"\x01" * len(payload))
-                time.sleep(0.01)
+        wait_for(lambda c=conn: send_fails(c, len(payload)), 10, "the receiver to shut it")
     # Blocks 1 and 2 got the first share and one row of the second; no other block changed.
     others = [b for b in range(dst[0].shape[1]) if b not in (1, 2)]
     assert all(torch.equal(a[:, others], b[:, others]) for a, b in zip(before, dst, strict=True))
@@ -245,6 +247,13 @@ class StalledReceiver:
             else:
                 self._exchange(conn, lambda h: {"attached": h["stripe"]})
 
+    def queued_bytes(self) -> int:
+        """Bytes that arrived on the accepted connections and were not read (Linux FIONREAD)."""
+        return sum(
+            struct.unpack("i", fcntl.ioctl(conn, termios.FIONREAD, b"\0" * 4))[0]
+            for conn in list(self.conns)
+        )
+
     def close(self) -> None:
         self.thread.join(10)
         for conn in self.conns:
@@ -263,13 +272,15 @@ def test_sender_reports_abort_only_after_its_thread_let_go_of_the_blocks():
     peer = StalledReceiver()
     sender = create_sender("tcp", kv_caches=big, layout=layout(big, 16), name="p0", timeout_s=10)
     sender.send("r1", list(range(64)), peer.address)
-    time.sleep(0.5)  # the socket buffers fill; sendmsg blocks
+    # Once payload bytes arrive, the send thread is moving the whole 16 MiB in one go (a send
+    # is one chunk), which the loopback buffers cannot take: it blocks and sees no abort.
+    wait_for(lambda: peer.queued_bytes() > 4096, 10, "the KV payload to reach the peer")
     sender.abort("r1")
-    for _ in range(20):
+    for _ in range(20):  # lets time pass on purpose: no report comes while the thread is stuck
         assert sender.poll() == []
         time.sleep(0.02)
     peer.close()  # the connection breaks: the send fails, the thread lets go
-    [result] = wait_for(sender.poll)
+    [result] = wait_for(sender.poll, 20, "sender.poll")
     assert result.status == TransferStatus.ABORTED  # the first word stands
     sender.close()
 
@@ -279,9 +290,9 @@ def test_a_receiver_gone_mid_transfer_fails_it_retryable():
     peer = StalledReceiver()
     sender = create_sender("tcp", kv_caches=big, layout=layout(big, 16), name="p0", timeout_s=10)
     sender.send("r1", list(range(64)), peer.address)
-    time.sleep(0.3)
+    wait_for(lambda: peer.queued_bytes() > 4096, 10, "the KV payload to reach the peer")
     peer.close()
-    [result] = wait_for(sender.poll)
+    [result] = wait_for(sender.poll, 20, "sender.poll")
     assert result.status == TransferStatus.FAILED and result.retryable
     sender.close()
 
@@ -292,15 +303,15 @@ def test_a_connection_the_receiver_closed_is_replaced_by_the_next_send(receiver)
     sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     recv.expect("r1", [2], timeout_s=10)
     sender.send("r1", [3], recv.address)
-    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
-    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     first = sender.connect(recv.address)
     for channel in list(recv._channels):  # the decode side drops the connection ...
         channel.shutdown()
     recv.expect("r2", [5], timeout_s=10)  # ... and the next send opens a new one
     sender.send("r2", [1], recv.address)
-    assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
-    assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
+    assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     assert all(torch.equal(d[:, 5], s[:, 1]) for s, d in zip(src, dst, strict=True))
     assert sender.connect(recv.address) is not first
     sender.close()

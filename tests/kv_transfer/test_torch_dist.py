@@ -8,7 +8,8 @@ import os
 import torch
 
 from kv_transfer import TransferStatus, create_receiver, create_sender, torch_dist
-from tests.kv_transfer.paged import caches, layout, wait_for
+from tests.kv_transfer.paged import caches, layout
+from tests.waiting import wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -30,12 +31,11 @@ def _check_chunks(recv, dst, monkeypatch):
     for attempt, (src_ids, dst_ids) in enumerate([([0, 5, 7], [9, 3, 12]), ([1, 2], [4, 6])]):
         recv.expect(f"r{attempt}", dst_ids, timeout_s=10)
         sender.send(f"r{attempt}", src_ids, recv.address)
-        assert [r.status for r in wait_for(recv.poll)] == [TransferStatus.DONE]
-        assert [r.status for r in wait_for(sender.poll)] == [TransferStatus.DONE]
+        assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
+        assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d[:, dst_ids], s[:, src_ids])
         # Both sides staged the transfers in one buffer, reused the second time.
         assert sender._staging.idle_bytes == nbytes
-        assert wait_for(lambda: [recv._staging.idle_bytes] if recv._staging.idle_bytes else [])
-        assert recv._staging.idle_bytes == nbytes
+        assert wait_for(lambda: recv._staging.idle_bytes, 20, "the staging buffer back") == nbytes
     sender.close()

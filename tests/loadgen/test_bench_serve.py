@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 import statistics
 import threading
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from loadgen.client import RequestResult, SSEDecoder
 from loadgen.metrics import LATENCIES, SLO, summarize
 from loadgen.workload import LengthDist, arrival_offsets, build_workload, unit_gaps
 from router.api_server import build_app
+from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_engine
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -188,9 +188,7 @@ def test_waits_for_a_server_that_is_starting(
 def test_server_down_wrong_key_and_unknown_model_are_clear_errors(
     server: LiveServer, tiny_llama: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert main(["bench", "serve", "--url", closed, "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert f"--url: cannot reach {closed}" in err and "Traceback" not in err

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,14 +19,9 @@ from engine import LLM, SamplingParams
 from engine.block_pool import hash_request_blocks
 from kv_transfer import TransferStatus
 from router.worker_client import PrefillClient
+from tests.net import free_port
 
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=["torch_dist", "tcp"])

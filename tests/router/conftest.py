@@ -12,8 +12,9 @@ import pytest
 
 from engine import LLM, AsyncEngine
 from router.api_server import build_app
+from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, NUM_KV_BLOCKS, LiveServer, make_engine
-from tests.session_store.conftest import RedisServer, free_port
+from tests.session_store.conftest import RedisServer
 
 
 @pytest.fixture(scope="session")

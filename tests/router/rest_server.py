@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
@@ -16,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine import AsyncEngine, EngineConfig
+from tests.waiting import wait_for
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
@@ -40,16 +40,18 @@ class LiveServer:
 
     def start(self, timeout_s: float = 30.0) -> LiveServer:
         self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx2.get(f"{self.url}/ready", timeout=1.0).status_code == 200:
-                    return self
-            except httpx2.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"server on {self.url} not ready within {timeout_s}s")
+        try:
+            wait_for(self._ready, timeout_s, f"the server on {self.url} to be ready", 0.05)
+        except AssertionError:
+            self.stop()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        try:
+            return httpx2.get(f"{self.url}/ready", timeout=1.0).status_code == 200
+        except httpx2.TransportError:
+            return False
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -91,11 +93,14 @@ def make_engine(
 
 
 def wait_until_idle(engine: AsyncEngine, timeout_s: float = 10.0) -> bool:
-    """True once the engine has no requests and every KV block is free (bounded wait)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        inner = engine.engine
-        if not inner.has_unfinished_requests() and inner.kv.num_free_blocks == inner.num_blocks:
-            return True
-        time.sleep(0.02)
-    return False
+    """True once the engine has no requests and every KV block is free; AssertionError if that
+    takes over `timeout_s`."""
+    inner = engine.engine
+    return wait_for(
+        lambda: (
+            not inner.has_unfinished_requests() and inner.kv.num_free_blocks == inner.num_blocks
+        ),
+        timeout_s,
+        "the engine to finish every request and free every KV block",
+        0.02,
+    )

@@ -18,6 +18,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_prefill_server
 from prefill_worker.worker import PrefillWorker
 from router.cluster_engine import ClusterConfig, ClusterEngine
+from tests.waiting import wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -65,10 +66,11 @@ class Cluster:
         )
         await self.engine.start()
         assert await self.engine.pool.wait_until_ready(10)
-        for _ in range(100):  # until every prefill worker reported too
-            if len(self.engine.pool.healthy_prefill()) == len(self.prefill):
-                break
-            await asyncio.sleep(0.05)
+        await wait_for_async(
+            lambda: len(self.engine.pool.healthy_prefill()) == len(self.prefill),
+            10,
+            "every prefill worker's first report",
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -147,9 +149,15 @@ def test_prefix_routing_and_conditional_disaggregation(model):
         async with Cluster(model, num_prefill=2) as c:
             params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
             first = await c.run([*shared, 1, 2], params)
-            await asyncio.sleep(0.3)  # a load report carries the cached hashes to the router
+            second_prompt = [*shared, *range(3, 15)]  # 12 new > threshold 8
+
+            def routed_hits() -> int:  # a load report carries the cached hashes to the router
+                picked = c.engine.pool.pick_prefill(second_prompt)
+                return 0 if picked is None else picked[1]
+
+            await wait_for_async(lambda: routed_hits() == 96, 10, "the router to see the prefix")
             holder = [w for w in c.prefill if w.engine.kv.prefix_stats.num_requests == 1]
-            second = await c.run([*shared, *range(3, 15)], params)  # 12 new > threshold 8
+            second = await c.run(second_prompt, params)
             # Short prompts never reach a prefill worker.
             before = [w.engine.kv.prefix_stats.num_requests for w in c.prefill]
             await c.run([7, 8, 9], params)
@@ -220,10 +228,9 @@ def test_no_decode_worker_fails_fast_retryable(model):
             for w in c.decode:
                 await c.servers[w.name].stop(0)
                 w.shutdown()
-            for _ in range(100):
-                if not c.engine.pool.healthy_decode():
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: not c.engine.pool.healthy_decode(), 10, "the router to drop the workers"
+            )
             loop = asyncio.get_running_loop()
             start = loop.time()
             with pytest.raises(EngineDeadError, match="no decode worker"):
@@ -239,19 +246,17 @@ def test_admission_capacity_follows_the_decode_pool(model):
 
     async def main():
         async with Cluster(model, num_decode=2) as c:
-            for _ in range(100):
-                if len(c.engine.pool.healthy_decode()) == 2:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: len(c.engine.pool.healthy_decode()) == 2, 10, "both decode workers' reports"
+            )
             per_worker = [w.config.max_num_seqs for w in c.decode]
             both = c.engine.max_num_seqs
             gone = c.decode[1]
             await c.servers[gone.name].stop(0)
             gone.shutdown()
-            for _ in range(100):
-                if len(c.engine.pool.healthy_decode()) == 1:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: len(c.engine.pool.healthy_decode()) == 1, 10, "the router to drop d1"
+            )
             return per_worker, both, c.engine.max_num_seqs
 
     per_worker, both, one = asyncio.run(main())

@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from duet.v1 import serving_pb2, serving_pb2_grpc
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from router.grpc_server import start_grpc_server
+from tests.waiting import wait_for
 
 API_KEY = "test-key-123"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -207,11 +208,13 @@ def test_cancelled_stream_frees_blocks(server, stub):
     next(call)
     call.cancel()
     engine = server.engine.engine
-    for _ in range(100):
-        if engine.kv.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests():
-            break
-        threading.Event().wait(0.05)
-    assert engine.kv.num_free_blocks == engine.num_blocks
+    wait_for(
+        lambda: (
+            engine.kv.num_free_blocks == engine.num_blocks and not engine.has_unfinished_requests()
+        ),
+        5,
+        "the cancelled request to free its blocks",
+    )
 
 
 def test_generated_modules_are_fresh(tmp_path):

@@ -17,9 +17,11 @@ import pytest
 from engine import AsyncEngine
 from router.api_server import build_app
 from session_store import RedisSessionStore
+from tests.net import free_port
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
-from tests.session_store.conftest import RedisServer, free_port
+from tests.session_store.conftest import RedisServer
+from tests.waiting import wait_for
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -38,13 +40,6 @@ def _chat(content: str, session_id: str | None = None, **extra: object) -> dict[
     if session_id is not None:
         body["session_id"] = session_id
     return body
-
-
-def _wait_for_engine_request(engine: AsyncEngine, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not engine.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        time.sleep(0.005)
 
 
 def test_redis_killed_mid_run(rest_engine: AsyncEngine, tmp_path: Path) -> None:
@@ -121,7 +116,8 @@ def test_redis_killed_mid_run(rest_engine: AsyncEngine, tmp_path: Path) -> None:
             )
         )
         worker.start()
-        _wait_for_engine_request(rest_engine)  # its session was read: generation started
+        # Its session was read: generation started.
+        wait_for(rest_engine.engine.has_unfinished_requests, 10, "the request in the engine", 0.005)
         redis.kill()
         worker.join(30)
         assert result["r"].status_code == 503

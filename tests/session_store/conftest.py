@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -23,15 +21,11 @@ from session_store import (
     SessionStore,
     SqliteSessionStore,
 )
+from tests.net import free_port
+from tests.waiting import wait_for
 
 T = TypeVar("T")
 S = TypeVar("S", SessionStore, RateLimiter)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:
@@ -64,22 +58,23 @@ class RedisServer:
             "--logfile", str(self.workdir / "redis.log"),
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = self.proc
         client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + timeout_s
+
+        def answers() -> bool:
+            if proc.poll() is not None:
+                self.proc = None
+                pytest.fail(f"redis-server exited at start:\n{self.log()}")
+            try:
+                return bool(client.ping())
+            except redis.exceptions.RedisError:
+                return False
+
         try:
-            while True:
-                if self.proc.poll() is not None:
-                    self.proc = None
-                    pytest.fail(f"redis-server exited at start:\n{self.log()}")
-                try:
-                    if client.ping():
-                        return
-                except redis.exceptions.RedisError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.kill()
-                    pytest.fail(f"redis-server did not answer PING in {timeout_s}s:\n{self.log()}")
-                time.sleep(0.02)
+            wait_for(answers, timeout_s, "redis-server to answer PING", 0.02)
+        except AssertionError as e:
+            self.kill()
+            pytest.fail(f"{e}:\n{self.log()}")
         finally:
             client.close()
 
