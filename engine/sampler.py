@@ -45,15 +45,17 @@ class Sampler:
             # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
             logits[row, stops] = float("-inf")
 
-        token_ids = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            assert batch.greedy is not None
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
             probs = _probs(logits, batch)
             cdf = probs.double().cumsum(dim=-1)  # fp64: u * total never rounds up to total
             target = batch.uniform * cdf[:, -1]
-            drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
-            drawn.clamp_(max=logits.shape[-1] - 1)
-            token_ids = torch.where(batch.greedy, token_ids, drawn)
+            token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+            token_ids.clamp_(max=logits.shape[-1] - 1)
+            if batch.any_greedy:
+                assert batch.greedy is not None
+                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
 
         n = batch.num_rows
         num_want = len(batch.logprob_ks)
@@ -84,22 +86,44 @@ def _probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     dtype = logits.dtype
     logits = logits / batch.temperature.to(dtype)[:, None]
     if batch.any_top_k:
+        # The k-th largest logit per row, from one topk of the largest k asked (no full sort);
+        # rows without top-k (k = vocab) keep every token.
         vocab = logits.shape[-1]
-        k = batch.top_k.clamp(min=1, max=vocab)
-        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        k = batch.top_k[:, None]
+        top = logits.topk(batch.max_top_k, dim=-1).values
+        kth = top.gather(-1, k.clamp(max=batch.max_top_k) - 1)
+        kth = kth.masked_fill(k >= vocab, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if batch.any_top_p:
-        p = batch.top_p.to(dtype)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches p (the top token always stays).
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p[:, None]
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = _top_p(probs, batch.top_p.to(dtype)[:, None])
     if batch.any_min_p:
         m = batch.min_p.to(dtype)
         probs = probs.masked_fill(probs < m[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+# Top-p candidates looked at first on the CPU, where a full sort of [N, vocab] costs more than
+# the forward pass of a small model; the largest `_TOP_P_CANDIDATES` nearly always hold the mass.
+_TOP_P_CANDIDATES = 512
+
+
+def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `p` [N, 1] (the top
+    token always stays): every token at least as likely as the last one that set needs."""
+    vocab = probs.shape[-1]
+    ordered = None
+    if probs.device.type == "cpu" and vocab > _TOP_P_CANDIDATES:
+        # NOTE: the check below reads a CPU tensor (no device sync); on a GPU the sort is
+        # cheap, and taking it unconditionally keeps the step free of syncs.
+        ordered = probs.topk(_TOP_P_CANDIDATES, dim=-1).values
+        if bool(((ordered.sum(dim=-1, keepdim=True) - ordered[:, -1:]) < p).any()):
+            ordered = None  # some row's set reaches past the candidates: sort them all
+    if ordered is None:
+        ordered = probs.sort(dim=-1, descending=True).values
+    num_keep = ((ordered.cumsum(dim=-1) - ordered) < p).sum(dim=-1, keepdim=True)
+    threshold = ordered.gather(-1, num_keep.clamp(min=1) - 1)
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

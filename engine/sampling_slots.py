@@ -41,7 +41,9 @@ class SamplingBatch:
     repetition: torch.Tensor  # [N]
     slots: torch.Tensor  # [N] long: rows of the token counts
     all_greedy: bool
+    any_greedy: bool
     any_top_k: bool
+    max_top_k: int  # the largest top-k asked (0 when none)
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
@@ -138,6 +140,7 @@ class SamplingSlots:
         np.take(self._top_k, idx, out=ints[_TOP_K, :n])
         ints[_SLOT, :n] = idx
         all_greedy = True
+        any_greedy = False
         any_penalties = False
         stop_masks: list[tuple[int, list[int]]] = []
         logprob_ks: list[int] = []
@@ -152,6 +155,7 @@ class SamplingSlots:
             else:
                 floats[_UNIFORM, row] = 0.5
                 ints[_GREEDY, row] = 1
+                any_greedy = True
             any_penalties = any_penalties or self._penalized[slot]
             if request.num_output_tokens < params.min_tokens:
                 stops = [*params.stop_token_ids]
@@ -164,6 +168,9 @@ class SamplingSlots:
                 ints[_WANT, len(logprob_ks)] = row
                 logprob_ks.append(params.logprobs)
                 logprob_rows.append(row)
+        asked = ints[_TOP_K, :n]
+        asked = asked[asked < self.vocab_size]
+        max_top_k = int(asked.max()) if asked.size else 0
         if self._floats_dev is not self._floats_host:
             self._floats_dev.copy_(self._floats_host, non_blocking=True)
             self._ints_dev.copy_(self._ints_host, non_blocking=True)
@@ -181,7 +188,9 @@ class SamplingSlots:
             repetition=f[_REPETITION, :n],
             slots=i[_SLOT, :n],
             all_greedy=all_greedy,
-            any_top_k=bool((ints[_TOP_K, :n] < self.vocab_size).any()),
+            any_greedy=any_greedy,
+            any_top_k=max_top_k > 0,
+            max_top_k=max_top_k,
             any_top_p=bool((floats[_TOP_P, :n] < 1.0).any()),
             any_min_p=bool((floats[_MIN_P, :n] > 0.0).any()),
             any_penalties=any_penalties,

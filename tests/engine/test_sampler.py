@@ -157,3 +157,23 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
     return tokens
+
+
+def test_top_p_from_candidates_equals_the_full_sort():
+    """The CPU path looks at the 512 likeliest tokens first and sorts everything only when a
+    row's set reaches past them: either way the kept set is the exact one."""
+    from engine.sampler import _top_p
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 5000
+    scales = torch.tensor([0.5, 2.0, 4.0, 8.0, 12.0, 1.0])[:, None]  # flat to peaked rows
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen) * scales, dim=-1)
+    p = torch.tensor([0.9, 0.95, 0.5, 0.99, 0.3, 0.8])[:, None]
+    ordered = probs.sort(dim=-1, descending=True).values
+    keep = ((ordered.cumsum(-1) - ordered) < p).sum(-1, keepdim=True)
+    expected = probs.masked_fill(probs < ordered.gather(-1, keep - 1), 0.0)
+    assert int(keep.max()) > 512 > int(keep.min())  # both paths are exercised
+    assert torch.equal(_top_p(probs, p), expected)
+    assert int(keep[2:5].max()) < 512
+    peaked = probs[2:5]  # every row's set within the candidates: the fast path alone
+    assert torch.equal(_top_p(peaked, p[2:5]), expected[2:5])
