@@ -112,18 +112,26 @@ def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `p` [N, 1] (the top
     token always stays): every token at least as likely as the last one that set needs."""
     vocab = probs.shape[-1]
-    ordered = None
-    if probs.device.type == "cpu" and vocab > _TOP_P_CANDIDATES:
-        # NOTE: the check below reads a CPU tensor (no device sync); on a GPU the sort is
-        # cheap, and taking it unconditionally keeps the step free of syncs.
-        ordered = probs.topk(_TOP_P_CANDIDATES, dim=-1).values
-        if bool(((ordered.sum(dim=-1, keepdim=True) - ordered[:, -1:]) < p).any()):
-            ordered = None  # some row's set reaches past the candidates: sort them all
-    if ordered is None:
-        ordered = probs.sort(dim=-1, descending=True).values
-    num_keep = ((ordered.cumsum(dim=-1) - ordered) < p).sum(dim=-1, keepdim=True)
-    threshold = ordered.gather(-1, num_keep.clamp(min=1) - 1)
+    if probs.device.type != "cpu" or vocab <= _TOP_P_CANDIDATES:
+        return probs.masked_fill(
+            probs < _threshold(probs.sort(dim=-1, descending=True).values, p), 0.0
+        )
+    # NOTE: reading `beyond` on the host is no device sync here (CPU); on a GPU the sort is
+    # cheap and taken unconditionally, which keeps the step free of syncs.
+    candidates = probs.topk(_TOP_P_CANDIDATES, dim=-1).values
+    threshold = _threshold(candidates, p)
+    beyond = (candidates.sum(dim=-1) - candidates[:, -1] < p[:, 0]).nonzero()[:, 0]
+    if beyond.numel():  # rows whose set reaches past the candidates: sort those rows only
+        rows = probs.index_select(0, beyond).sort(dim=-1, descending=True).values
+        threshold[beyond] = _threshold(rows, p.index_select(0, beyond))
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _threshold(ordered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The probability of the last token the top-p set needs, from probabilities in
+    descending order (the largest `ordered.shape[-1]`)."""
+    num_keep = ((ordered.cumsum(dim=-1) - ordered) < p).sum(dim=-1, keepdim=True)
+    return ordered.gather(-1, num_keep.clamp(min=1) - 1)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

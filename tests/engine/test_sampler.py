@@ -160,8 +160,8 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 def test_top_p_from_candidates_equals_the_full_sort():
-    """The CPU path looks at the 512 likeliest tokens first and sorts everything only when a
-    row's set reaches past them: either way the kept set is the exact one."""
+    """The CPU path looks at the 512 likeliest tokens first and sorts only the rows whose set
+    reaches past them: either way the kept set is the exact one."""
     from engine.sampler import _top_p
 
     gen = torch.Generator().manual_seed(3)
@@ -172,7 +172,7 @@ def test_top_p_from_candidates_equals_the_full_sort():
     ordered = probs.sort(dim=-1, descending=True).values
     keep = ((ordered.cumsum(-1) - ordered) < p).sum(-1, keepdim=True)
     expected = probs.masked_fill(probs < ordered.gather(-1, keep - 1), 0.0)
-    assert int(keep.max()) > 512 > int(keep.min())  # both paths are exercised
+    assert int(keep.max()) > 512 > int(keep.min())  # rows of both kinds in one batch
     assert torch.equal(_top_p(probs, p), expected)
     assert int(keep[2:5].max()) < 512
     peaked = probs[2:5]  # every row's set within the candidates: the fast path alone
