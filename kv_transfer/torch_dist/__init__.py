@@ -31,8 +31,9 @@ reused. (Not exercised in CI: no GPU there.)
 
 Files: `channel.py` (store keys, the pair group), `config.py` (`TorchDistSenderConfig`,
 `TorchDistReceiverConfig`), `sender.py`, `acks.py` (the sender's thread that reads the
-acknowledgements, so `poll` makes no store round trip), `receiver.py`; the sender's outcome
-bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's `inbox.py`.
+acknowledgements), `receiver.py`, `relay.py` (the receiver's thread that writes them and reads
+trailers): no `poll` makes a store round trip. The sender's outcome bookkeeping is the shared
+`kv_transfer/outbox.py`, the receiver's `inbox.py`.
 
 Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a request at the
 `expect` deadline; a sender reports FAILED (retryable) when no acknowledgement comes within

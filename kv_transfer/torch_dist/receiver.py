@@ -23,11 +23,11 @@ from kv_transfer.torch_dist.channel import (
     IDLE_POP_S,
     ack_key,
     as_timedelta,
-    fetch_json,
     meta_key,
     pair_group,
 )
 from kv_transfer.torch_dist.config import TorchDistReceiverConfig
+from kv_transfer.torch_dist.relay import StoreRelay
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
             timeout=as_timedelta(config.timeout_s),
         )
         self._address = f"{config.advertise_host or config.host}:{self.store.port}"
+        self._relay = StoreRelay(config.name, config.timeout_s)
         self._closed = threading.Event()
         self._channel_ids: list[str] = []  # channels opened to us (close() wakes their threads)
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
@@ -130,19 +131,17 @@ class TorchDistKVReceiver(InboxKVReceiver):
                 request_id = transfer["request_id"]
                 buf = self._staging.take(tuple(transfer["shape"]), self.kv_caches[0].dtype)
                 lease = StagingLease(self._staging, buf)
-                fetch_meta = None
-                if transfer["trailer"]:
-                    fetch_meta = functools.partial(fetch_json, store, meta_key(cid, request_id))
                 arrival = Arrival(
                     buf,
                     sender,
                     transfer["meta"],
-                    functools.partial(store.set, ack_key(cid, request_id), "done"),
+                    functools.partial(self._relay.acknowledge, store, ack_key(cid, request_id)),
                     time.monotonic(),
                     layers_ready=0,
                     release=lease.release,
-                    fetch_meta=fetch_meta,
                 )
+                if transfer["trailer"]:
+                    self._await_trailer(arrival, store, meta_key(cid, request_id))
                 for start, end, tag in transfer["chunks"]:
                     works.append((end, len(posted), group.recv([buf[start:end]], 0, tag)))
                 posted.append((request_id, arrival, lease))
@@ -164,6 +163,19 @@ class TorchDistKVReceiver(InboxKVReceiver):
             return False
         return True
 
+    def _await_trailer(self, arrival: Arrival, store: dist.Store, key: str) -> None:
+        """The relay's thread fetches the trailer; `poll` only looks at what it found."""
+        trailer = self._relay.await_trailer(store, key)
+        release = arrival.release
+        assert release is not None
+
+        def let_go() -> None:  # the inbox is done with the arrival: stop looking
+            release()
+            self._relay.forget(key)
+
+        arrival.fetch_meta = lambda: trailer.meta
+        arrival.release = let_go
+
     def close(self) -> None:
         """Stop the accept and channel threads (woken by an empty queue entry) and wait for them:
         c10d objects must not be torn down under a thread still blocked in them."""
@@ -178,3 +190,4 @@ class TorchDistKVReceiver(InboxKVReceiver):
             logger.warning("could not wake the KV receiver's threads: %s", e)
         for thread in list(self._threads):
             thread.join(timeout=self.timeout_s)
+        self._relay.close()
