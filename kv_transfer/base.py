@@ -16,7 +16,7 @@ Backends run their own threads for I/O; they hand results to `poll` through lock
 Invariants:
 - `poll` never blocks, on either side, whatever the peer does (a silent or stopped peer
   included): no network round trip, no wait on a backend thread. It may copy bytes that have
-  landed into the reserved blocks.
+  landed into the reserved blocks, and write a small acknowledgement into a socket's buffer.
 - Every transfer the sender opened is reported exactly once by the sender's `poll`; every
   `expect` exactly once by the receiver's `poll`.
 - Ownership (DESIGN.md, "Timeouts and ownership of KV blocks"): the sender keeps its blocks
