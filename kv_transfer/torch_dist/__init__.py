@@ -30,7 +30,7 @@ layers the CPU has already queued. The side stream is synchronised before a stag
 reused. (Not exercised in CI: no GPU there.)
 
 Files: `channel.py` (store keys, the pair group), `config.py` (`TorchDistSenderConfig`,
-`TorchDistReceiverConfig`), `sender.py`, `acks.py` (the sender's thread that reads the
+`TorchDistReceiverConfig`), `sender.py`, `acks.py` (the sender's threads that read the
 acknowledgements), `receiver.py`, `relay.py` (the receiver's thread that writes them and reads
 trailers): no `poll` makes a store round trip. The sender's outcome bookkeeping is the shared
 `kv_transfer/outbox.py`, the receiver's `inbox.py`.

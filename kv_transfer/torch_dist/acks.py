@@ -1,9 +1,11 @@
-"""`AckWatcher`: the torch_dist sender's thread that looks for acknowledgements.
+"""`AckWatcher`: the torch_dist sender's threads that look for acknowledgements.
 
 A receiver acknowledges a transfer by setting a key in its store; reading that is a network
 round trip per open transfer, which `poll` must not make (it never blocks, even when the
-receiver's store stops answering). This thread makes them and hands what it finds to the
-sender's `Outbox`; `poll` only reads the outbox.
+receiver's store stops answering). A thread per channel with open transfers makes them and
+hands what it finds to the sender's `Outbox`; `poll` only reads the outbox. One thread per
+channel, so a receiver whose store stalls holds up only its own transfers' acknowledgements
+(its lease or timeout ends them); a thread ends once its channel has nothing open.
 """
 
 from __future__ import annotations
@@ -14,36 +16,40 @@ from kv_transfer.outbox import Outbox
 from kv_transfer.torch_dist.channel import Channel, ack_key
 
 ACK_POLL_S = 0.005
-"""Pause between passes over the open transfers. NOTE: the engine thread used to look once per
-iteration (every ~1 ms while idle, once per step while busy); 5 ms keeps the store traffic of
-an idle worker lower and adds at most that to a busy one's release of its blocks."""
-IDLE_WAIT_S = 0.5  # the longest sleep with nothing open; `wake` ends it at once
+"""Pause between passes over a channel's open transfers. NOTE: the engine thread used to look
+once per iteration (every ~1 ms while idle, once per step while busy); 5 ms keeps the store
+traffic of an idle worker lower and adds at most that to a busy one's release of its blocks."""
 
 
 class AckWatcher:
     def __init__(self, outbox: Outbox, name: str, timeout_s: float) -> None:
         self._outbox = outbox
+        self._name = name
         self._timeout_s = timeout_s
-        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}  # channel id -> its watcher
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"kv-acks-{name}", daemon=True)
-        self._thread.start()
 
-    def wake(self) -> None:
-        """A transfer opened: look for its acknowledgement from now on."""
-        self._wake.set()
+    def watch(self, channel: Channel) -> None:
+        """A transfer opened on `channel` (already in the outbox): look for its acknowledgement."""
+        with self._lock:
+            if self._closed.is_set() or channel.cid in self._threads:
+                return
+            thread = threading.Thread(
+                target=self._loop, args=(channel,), name=f"kv-acks-{self._name}", daemon=True
+            )
+            self._threads[channel.cid] = thread
+        thread.start()
 
-    def _loop(self) -> None:
+    def _loop(self, channel: Channel) -> None:
         while not self._closed.is_set():
-            pending = self._outbox.undecided()
-            if not pending:
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-                continue
+            with self._lock:  # atomic with `watch`: a transfer opened now finds no thread
+                pending = self._outbox.undecided(channel)
+                if not pending:
+                    del self._threads[channel.cid]
+                    return
             for request_id in pending:
-                channel = self._outbox.channel_of(request_id)
-                if isinstance(channel, Channel):
-                    self._check(channel, request_id)
+                self._check(channel, request_id)
             self._closed.wait(ACK_POLL_S)
 
     def _check(self, channel: Channel, request_id: str) -> None:
@@ -59,6 +65,10 @@ class AckWatcher:
             self._outbox.acknowledge(request_id)
 
     def close(self) -> None:
+        """Stop the threads; one blocked on a stalled store is left behind (a daemon) after
+        `timeout_s`."""
         self._closed.set()
-        self._wake.set()
-        self._thread.join(timeout=self._timeout_s)
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.join(timeout=self._timeout_s)

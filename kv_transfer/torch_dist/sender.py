@@ -217,7 +217,7 @@ class TorchDistKVSender(KVSender):
             trailer,
         )
         self._outbox.open(request_id, channel, released=True)
-        self._acks.wake()
+        self._acks.watch(channel)
         return job
 
     def _send_loop(self) -> None:

@@ -146,3 +146,32 @@ def test_receiver_poll_never_blocks_on_a_silent_sender(backend):
         True,
     )
     assert LEASE_S * 0.9 <= took
+
+
+def test_a_stopped_torch_dist_receiver_holds_up_only_its_own_acknowledgements():
+    """The sender reads acknowledgements on a thread per channel: one stalled on a stopped
+    receiver's store leaves the other channel's transfer to be acknowledged at once."""
+    src, dst = caches(), caches(seed=1)
+    live = create_receiver("torch_dist", dst, layout(dst), timeout_s=TIMEOUT_S)
+    with contextlib.ExitStack() as stack:
+        stack.callback(live.close)
+        proc, stopped = stack.enter_context(peer(RECEIVER_SCRIPT, "torch_dist"))
+        sender = create_sender(
+            "torch_dist", src, layout(src), name="p0", timeout_s=TIMEOUT_S, ack_timeout_s=5.0
+        )
+        stack.callback(sender.close)
+        # Its KV goes out (never acknowledged: that receiver never polls), then it stops: the
+        # channel's ack thread blocks on its store. (Sends share one thread: a send to a
+        # stopped receiver would hold up the next one, which is not what this test is about.)
+        sender.send("to-stopped", [1], stopped)
+        time.sleep(0.5)  # lets the KV go out on purpose: nothing observable marks it
+        os.kill(proc.pid, signal.SIGSTOP)
+        stack.callback(proc.kill)
+        time.sleep(0.1)  # lets the ack thread block on the stopped store first
+        live.expect("to-live", [3], timeout_s=TIMEOUT_S)
+        sender.send("to-live", [2], live.address)
+        [received] = poll_until_outcome(live.poll, 2 * TIMEOUT_S)[0]
+        assert received.status == TransferStatus.DONE
+        [acked], _, took = poll_until_outcome(sender.poll, 2 * TIMEOUT_S)
+        assert (acked.request_id, acked.status) == ("to-live", TransferStatus.DONE)
+        assert took < 1.0  # well before the stopped one's lease (5 s) ends it
