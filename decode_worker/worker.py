@@ -26,7 +26,7 @@ from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
 from engine.llm_engine import LLMEngine, Prompt
-from kv_transfer import KVLayout, KVReceiver, TransferStatus, create_receiver
+from kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
 from kv_transfer.factory import resolve_backend
 
 
@@ -97,8 +97,9 @@ class DecodeWorker:
         name: str = "decode",
         receiver_options: dict[str, Any] | None = None,
     ) -> None:
-        """`receiver_options`: extra arguments of the KV backend's receiver (the local
-        backend's hub and name)."""
+        """`receiver_options`: the KV backend's own receiver options (the local backend's
+        `hub`) or a setting to override (its `name`, the local backend's address; default
+        `name`); one the backend does not take is an error naming it."""
         self.config = config
         self.name = name
         self.receiver_options = dict(receiver_options or {})
@@ -191,19 +192,17 @@ class DecodeRole(EngineRole):
             config.model or "default", caches, self.engine.arch.num_key_value_heads
         )
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
-        options = dict(worker.receiver_options)
-        if worker.kv_backend in ("torch_dist", "tcp"):
-            options = {
-                "host": config.kv_host,
-                "port": config.kv_port,
-                "advertise_host": config.kv_advertise_host,
-                "timeout_s": config.kv_transfer_timeout_s,
-                **options,
-            }
-        self.receiver = worker.receiver = create_receiver(
-            worker.kv_backend, kv_caches=caches, layout=worker.layout, **options
+        settings = ReceiverConfig(
+            name=worker.name,
+            timeout_s=config.kv_transfer_timeout_s,
+            host=config.kv_host,
+            port=config.kv_port,
+            advertise_host=config.kv_advertise_host,
         )
-        worker.kv_address = getattr(self.receiver, "address", options.get("name", worker.name))
+        self.receiver = worker.receiver = create_receiver(
+            worker.kv_backend, caches, worker.layout, settings, **worker.receiver_options
+        )
+        worker.kv_address = self.receiver.address
         self._update_load()
 
     def reserve(self, cmd: ReserveRemote) -> None:

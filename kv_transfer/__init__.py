@@ -1,9 +1,10 @@
 """Moving paged KV blocks between workers: layouts and handshakes, block gather/scatter, and
-sender/receiver backends registered by name (`tcp`, `torch_dist`, `local`; see
-docs/kv_transfer.md)."""
+sender/receiver backends registered by name (`tcp`, `torch_dist`, `local`), each built from
+the generic `SenderConfig` / `ReceiverConfig` plus its own options (see docs/kv_transfer.md)."""
 
 from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks, scatter_blocks
+from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.factory import available_backends, create_receiver, create_sender, register_backend
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 
@@ -12,6 +13,8 @@ __all__ = [
     "KVLayout",
     "KVReceiver",
     "KVSender",
+    "ReceiverConfig",
+    "SenderConfig",
     "TransferResult",
     "TransferStatus",
     "available_backends",

@@ -1,10 +1,31 @@
-"""The KV transfer interface, split by role as in vLLM's connector: the prefill side sends,
-the decode side receives. Both are driven by their worker's engine thread; `poll` never blocks.
+"""The KV transfer interface: the prefill side sends (`KVSender`), the decode side receives
+(`KVReceiver`). As in vLLM v1's connector, each side's calls split by role:
 
-Ownership (see DESIGN.md, "Timeouts and ownership of KV blocks"): the sender keeps its blocks
-until `poll` reports the transfer DONE (the receiver acknowledged) or FAILED/ABORTED; the
-receiver owns the blocks it reserved from `expect` until its `poll` reports the outcome, and
-frees them on failure or abort. After `abort`, no late write lands in the aborted blocks.
+- scheduler-side calls decide what to hold, reserve and release: the receiver's `expect`
+  (reserve: the caller allocated the blocks) and `abort` (release), and the outcome a
+  `poll` reports on either side (DONE, FAILED, ABORTED: when the caller may free or reuse the
+  blocks);
+- worker-side calls move the bytes: the sender's `send`, or `begin` / `layer_computed` /
+  `finish` around the forward pass that computes the KV, and its `abort`.
+
+In duet both roles run on the worker's engine thread (the scheduler and the model runner share
+it), so neither interface is thread-safe for its caller: one thread calls every method of an
+object, and `layer_computed` comes from the thread running the pass (that same thread).
+Backends run their own threads for I/O; they hand results to `poll` through locked queues.
+
+Invariants:
+- `poll` never blocks, on either side, whatever the peer does (a silent or stopped peer
+  included): no network round trip, no wait on a backend thread. It may copy bytes that have
+  landed into the reserved blocks, and write a small acknowledgement into a socket's buffer.
+- Every transfer the sender opened is reported exactly once by the sender's `poll`; every
+  `expect` exactly once by the receiver's `poll`.
+- Ownership (DESIGN.md, "Timeouts and ownership of KV blocks"): the sender keeps its blocks
+  until `poll` reports the transfer DONE (the receiver acknowledged) or FAILED/ABORTED, and no
+  backend thread reads them after that report; the receiver owns the blocks it reserved from
+  `expect` until its `poll` reports the outcome, and frees them on failure or abort. After the
+  receiver's `abort` returns, no late write lands in the aborted blocks.
+- Bounds nest: a sender reports FAILED (retryable) when no acknowledgement came within its
+  `ack_timeout_s` lease; a receiver FAILS a request at its `expect` deadline.
 """
 
 from __future__ import annotations
@@ -12,8 +33,9 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.layout import KVLayout
 
 
@@ -33,9 +55,13 @@ class TransferResult:
 
 
 class KVSender(ABC):
-    """Prefill side of a channel."""
+    """Prefill side of a channel. Built by `create_sender` as `cls(kv_caches, layout, config)`
+    with a `config_type` config."""
 
+    config_type: ClassVar[type[SenderConfig]] = SenderConfig
     layout: KVLayout
+
+    # -- worker side ---------------------------------------------------------------------------
 
     @abstractmethod
     def send(
@@ -47,7 +73,8 @@ class KVSender(ABC):
     ) -> None:
         """Start shipping the request's blocks to receiver `dest`, with `meta` (small,
         JSON-serialisable: what the receiver needs besides the KV, e.g. the first token).
-        Returns at once; the blocks may be reused once `poll` reports the transfer ended."""
+        Returns without waiting for the transfer (opening a new channel to `dest` may wait up to
+        the sender's `timeout_s`); the blocks may be reused once `poll` reports it ended."""
 
     # Layer-wise sending (optional): `begin` before the forward pass that computes the
     # request's last prompt tokens, `layer_computed` after each of that pass's layers (its
@@ -68,21 +95,35 @@ class KVSender(ABC):
         """The metadata of a transfer opened by `begin` (after its pass's last layer)."""
 
     @abstractmethod
-    def poll(self) -> list[TransferResult]:
-        """Transfers that ended since the last call. Never blocks."""
+    def abort(self, request_id: str) -> None:
+        """Give up on a transfer; it is reported ABORTED by a later `poll` (once no backend
+        thread reads its blocks), unless it had ended already."""
+
+    # -- scheduler side ------------------------------------------------------------------------
 
     @abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Give up on a transfer; it is reported ABORTED by the next `poll`."""
+    def poll(self) -> list[TransferResult]:
+        """Transfers that ended since the last call; the caller may free or reuse their blocks.
+        Never blocks."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
-        """Release channels."""
+        """Release channels and stop the backend's threads."""
 
 
 class KVReceiver(ABC):
-    """Decode side of a channel."""
+    """Decode side of a channel. Built by `create_receiver` as `cls(kv_caches, layout,
+    config)` with a `config_type` config."""
 
+    config_type: ClassVar[type[ReceiverConfig]] = ReceiverConfig
     layout: KVLayout
+
+    @property
+    @abstractmethod
+    def address(self) -> str:
+        """What a sender passes as `dest` to reach this receiver (`host:port` for the network
+        backends, the receiver's name for `local`)."""
+
+    # -- scheduler side ------------------------------------------------------------------------
 
     @abstractmethod
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
@@ -92,13 +133,14 @@ class KVReceiver(ABC):
         `timeout_s` without it, the transfer FAILS (retryable)."""
 
     @abstractmethod
-    def poll(self) -> list[TransferResult]:
-        """Transfers that ended since the last call: DONE means the blocks hold the KV. Never
-        blocks."""
+    def abort(self, request_id: str) -> None:
+        """Release: stop waiting; anything that arrives later for this request is dropped.
+        Once it returns, no backend thread writes the request's blocks."""
 
     @abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Stop waiting; anything that arrives later for this request is dropped."""
+    def poll(self) -> list[TransferResult]:
+        """Transfers that ended since the last call: DONE means the blocks hold the KV; on
+        FAILED or ABORTED the caller frees them. Never blocks."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
-        """Release channels."""
+        """Release channels and stop the backend's threads."""

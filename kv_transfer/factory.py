@@ -1,11 +1,21 @@
-"""Backends register by name and load lazily, so a process imports only what it uses."""
+"""Backends register by name and load lazily, so a process imports only what it uses.
+
+A caller names the backend (or "auto") and passes the settings every backend takes
+(`SenderConfig`, `ReceiverConfig`); a backend's own options (the local backend's `hub`, tcp's
+`stripes`) come as keyword arguments, checked against its config: the caller needs no
+knowledge of which backend takes what.
+"""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+import torch
+
 from kv_transfer.base import KVReceiver, KVSender
+from kv_transfer.config import ReceiverConfig, SenderConfig, build_config
+from kv_transfer.layout import KVLayout
 
 # name -> (module, sender class, receiver class)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -60,15 +70,31 @@ def _load(name: str, index: int) -> Any:
     return getattr(importlib.import_module(module_name), classes[index])
 
 
-def create_sender(backend: str, **kwargs: Any) -> KVSender:
-    """`backend` may be "auto" (resolved from `kv_caches`, see `resolve_backend`)."""
-    backend = resolve_backend(backend, kwargs.get("kv_caches", []))
-    sender: KVSender = _load(backend, 0)(**kwargs)
-    return sender
+def create_sender(
+    backend: str,
+    kv_caches: list[torch.Tensor],
+    layout: KVLayout,
+    settings: SenderConfig | None = None,
+    **options: Any,
+) -> KVSender:
+    """The sender of `backend` ("auto": resolved from `kv_caches`, see `resolve_backend`),
+    built with `settings` plus the backend's own `options` (which override a setting of the
+    same name). Raises ValueError naming an option the backend does not take."""
+    backend = resolve_backend(backend, kv_caches)
+    cls: type[KVSender] = _load(backend, 0)
+    config = build_config(cls.config_type, settings, options, f"the {backend} KV sender")
+    return cls(kv_caches, layout, config)  # type: ignore[call-arg]
 
 
-def create_receiver(backend: str, **kwargs: Any) -> KVReceiver:
-    """`backend` may be "auto" (resolved from `kv_caches`, see `resolve_backend`)."""
-    backend = resolve_backend(backend, kwargs.get("kv_caches", []))
-    receiver: KVReceiver = _load(backend, 1)(**kwargs)
-    return receiver
+def create_receiver(
+    backend: str,
+    kv_caches: list[torch.Tensor],
+    layout: KVLayout,
+    settings: ReceiverConfig | None = None,
+    **options: Any,
+) -> KVReceiver:
+    """The receiver of `backend`, as `create_sender` builds a sender."""
+    backend = resolve_backend(backend, kv_caches)
+    cls: type[KVReceiver] = _load(backend, 1)
+    config = build_config(cls.config_type, settings, options, f"the {backend} KV receiver")
+    return cls(kv_caches, layout, config)  # type: ignore[call-arg]

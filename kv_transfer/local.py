@@ -6,14 +6,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks
+from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.inbox import Arrival, InboxKVReceiver
 from kv_transfer.layout import KVLayout, check_compatible
+from kv_transfer.outbox import Outbox
 
 
 @dataclass
@@ -24,14 +26,40 @@ class LocalHub:
     receivers: dict[str, LocalKVReceiver] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LocalSenderConfig(SenderConfig):
+    hub: LocalHub | None = None
+    """Where the receivers of this process are found (required)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.hub is None:
+            raise ValueError("hub: the local backend needs the LocalHub its receivers joined")
+
+
+@dataclass(frozen=True)
+class LocalReceiverConfig(ReceiverConfig):
+    hub: LocalHub | None = None
+    """The hub this receiver joins under its `name` (required)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.hub is None:
+            raise ValueError("hub: the local backend needs a LocalHub to join")
+
+
 class LocalKVSender(KVSender):
-    def __init__(self, hub: LocalHub, kv_caches: list[torch.Tensor], layout: KVLayout) -> None:
-        self.hub = hub
+    config_type: ClassVar[type[SenderConfig]] = LocalSenderConfig
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: LocalSenderConfig
+    ) -> None:
+        assert config.hub is not None
+        self.hub = config.hub
         self.kv_caches = kv_caches
         self.layout = layout
-        self._lock = threading.Lock()
-        self._results: list[TransferResult] = []
-        self._pending: dict[str, str] = {}  # request id -> receiver name
+        self.config = config
+        self._outbox = Outbox(config.ack_timeout_s)
 
     def send(
         self,
@@ -43,7 +71,7 @@ class LocalKVSender(KVSender):
         with self.hub.lock:
             receiver = self.hub.receivers.get(dest)
         if receiver is None:
-            self._report(
+            self._outbox.report(
                 TransferResult(
                     request_id, TransferStatus.FAILED, f"no receiver {dest!r}", retryable=True
                 )
@@ -51,55 +79,49 @@ class LocalKVSender(KVSender):
             return
         check_compatible(self.layout, receiver.layout)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        with self._lock:
-            self._pending[request_id] = dest
+        blocks = gather_blocks(self.kv_caches, ids)
+        self._outbox.open(request_id, dest, released=True)  # copied: the blocks are free
         receiver.deliver(
             request_id,
             Arrival(
-                gather_blocks(self.kv_caches, ids),
+                blocks,
                 self.layout,
                 meta,
-                lambda: self._acknowledge(request_id),
+                lambda: self._outbox.acknowledge(request_id),  # the receiver wrote the blocks
                 time.monotonic(),
             ),
         )
 
-    def _acknowledge(self, request_id: str) -> None:
-        """Called by the receiver once it wrote the blocks."""
-        with self._lock:
-            if self._pending.pop(request_id, None) is None:
-                return
-        self._report(TransferResult(request_id, TransferStatus.DONE))
-
-    def _report(self, result: TransferResult) -> None:
-        with self._lock:
-            self._results.append(result)
-
     def poll(self) -> list[TransferResult]:
-        with self._lock:
-            out, self._results = self._results, []
-        return out
+        return self._outbox.poll()
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            dest = self._pending.pop(request_id, None)
+        dest = self._outbox.channel_of(request_id)
+        self._outbox.abort(request_id)
         if dest is not None:
             with self.hub.lock:
                 receiver = self.hub.receivers.get(dest)
             if receiver is not None:
                 receiver.withdraw(request_id, self.layout)
-        self._report(TransferResult(request_id, TransferStatus.ABORTED))
 
 
 class LocalKVReceiver(InboxKVReceiver):
+    config_type: ClassVar[type[ReceiverConfig]] = LocalReceiverConfig
+
     def __init__(
-        self, hub: LocalHub, name: str, kv_caches: list[torch.Tensor], layout: KVLayout
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: LocalReceiverConfig
     ) -> None:
         super().__init__(kv_caches, layout)
-        self.hub = hub
-        self.name = name
-        with hub.lock:
-            hub.receivers[name] = self
+        assert config.hub is not None
+        self.hub = config.hub
+        self.name = config.name
+        with self.hub.lock:
+            self.hub.receivers[self.name] = self
+
+    @property
+    def address(self) -> str:
+        """Senders find this receiver in the hub by its name."""
+        return self.name
 
     def close(self) -> None:
         with self.hub.lock:

@@ -48,6 +48,7 @@ from kv_transfer import (
     HandshakeError,
     KVLayout,
     KVSender,
+    SenderConfig,
     TransferResult,
     TransferStatus,
     create_sender,
@@ -105,7 +106,9 @@ class PrefillWorker:
     ) -> None:
         """`tp`: this rank's group when `config.tensor_parallel_size` > 1. `control_group`: a
         gloo group over the same ranks for the command broadcast (default `tp.group`, which
-        must then be gloo). `sender_options`: extra arguments of the KV backend's sender."""
+        must then be gloo). `sender_options`: the KV backend's own sender options (the local backend's
+        `hub`, tcp's `stripes`) or a setting to override; one the backend does not take is
+        an error naming it."""
         self.config = config
         self.tp = tp
         self.name = name
@@ -196,16 +199,13 @@ class PrefillRole(EngineRole):
             tp.rank,
         )  # fmt: skip
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
-        options = dict(worker.sender_options)
-        if worker.kv_backend in ("torch_dist", "tcp"):
-            options = {
-                "name": f"{worker.name}-tp{tp.rank}",
-                "timeout_s": config.kv_transfer_timeout_s,
-                "ack_timeout_s": config.kv_lease_s,
-                **options,
-            }
+        settings = SenderConfig(
+            name=f"{worker.name}-tp{tp.rank}",
+            timeout_s=config.kv_transfer_timeout_s,
+            ack_timeout_s=config.kv_lease_s,
+        )
         self.sender = worker.sender = create_sender(
-            worker.kv_backend, kv_caches=caches, layout=worker.layout, **options
+            worker.kv_backend, caches, worker.layout, settings, **worker.sender_options
         )
         engine.kv.pool.record_events = config.enable_prefix_caching
         if config.kv_layerwise:

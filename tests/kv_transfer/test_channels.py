@@ -15,11 +15,11 @@ import torch
 from kv_transfer import (
     HandshakeError,
     TransferStatus,
+    chunks,
     create_receiver,
     create_sender,
-    tcp,
-    torch_dist,
 )
+from kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -31,7 +31,7 @@ BACKENDS = ["torch_dist", "tcp", "tcp-striped"]
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     if request.param == "tcp-striped":  # every payload split over the channel's 2 connections
-        monkeypatch.setattr(tcp, "STRIPE_MIN_BYTES", 1)
+        monkeypatch.setattr(stripes, "STRIPE_MIN_BYTES", 1)
         return "tcp"
     return request.param
 
@@ -70,7 +70,7 @@ def test_layerwise_layers_land_while_later_layers_compute(receiver, backend, mon
     """`begin` before a pass, `layer_computed` after each layer, `finish` with the metadata:
     layer i is in the receiver's blocks before layer i+1 exists, and the request is DONE only
     once the trailer (the first token) is there. Two requests of one pass share the channel."""
-    monkeypatch.setattr(torch_dist, "CHUNK_MIN_BYTES", 1)  # one message per layer
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # one message per layer
     recv, dst = receiver
     before = [c.clone() for c in dst]
     src = [torch.zeros_like(c) for c in caches()]  # the pass fills a layer at a time

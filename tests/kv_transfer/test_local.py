@@ -184,4 +184,4 @@ def test_unknown_destination_and_backend():
     with pytest.raises(
         ValueError, match="kv_backend: unknown 'rdma'; available: auto, local, tcp, torch_dist"
     ):
-        create_sender("rdma")
+        create_sender("rdma", kv_caches=sender.kv_caches, layout=sender.layout)

@@ -17,8 +17,10 @@ import time
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, create_receiver, create_sender, tcp
+from kv_transfer import TransferStatus, create_receiver, create_sender
 from kv_transfer.factory import resolve_backend
+from kv_transfer.tcp import receiver as tcp_receiver
+from kv_transfer.tcp.stripes import MAX_STRIPES
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -114,7 +116,7 @@ def send_fails(sock: socket.socket, nbytes: int) -> bool:
 
 
 def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch):
-    monkeypatch.setattr(tcp, "ABORT_WAIT_S", 0.3)
+    monkeypatch.setattr(tcp_receiver, "ABORT_WAIT_S", 0.3)
     recv, dst = receiver
     before = [c.clone() for c in dst]
     fake = FakeSender(recv.address, dst)
@@ -179,7 +181,7 @@ def test_a_striped_payload_lands_and_an_abort_cuts_every_stripe(receiver, monkey
     """A kv frame over two connections: each carries its share of the bytes (the first half on
     the first, the rest on the second), written into the reserved rows. A stripe that stalls
     mid-share holds the abort for ABORT_WAIT_S; then both connections are shut."""
-    monkeypatch.setattr(tcp, "ABORT_WAIT_S", 0.3)
+    monkeypatch.setattr(tcp_receiver, "ABORT_WAIT_S", 0.3)
     recv, dst = receiver
     fake = FakeSender(recv.address, dst)
     second = fake.attach(1)
@@ -327,6 +329,6 @@ def test_auto_picks_tcp_for_contiguous_cpu_caches_and_tcp_refuses_others():
         create_receiver("tcp", kv_caches=strided, layout=layout(kv))
     with pytest.raises(ValueError, match="kv_backend: unknown 'udp'"):
         resolve_backend("udp", kv)
-    for stripes in (0, tcp.MAX_STRIPES + 1):
+    for stripes in (0, MAX_STRIPES + 1):
         with pytest.raises(ValueError, match=r"stripes: must be in \[1, 16\]"):
             create_sender("tcp", kv_caches=kv, layout=layout(kv), stripes=stripes)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kv_transfer import TransferStatus, create_receiver, create_sender, torch_dist
+from kv_transfer import TransferStatus, chunks, create_receiver, create_sender
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -24,7 +24,7 @@ def test_layer_by_layer_chunks_land_bit_exact_through_reused_buffers(monkeypatch
 
 
 def _check_chunks(recv, dst, monkeypatch):
-    monkeypatch.setattr(torch_dist, "CHUNK_MIN_BYTES", 1)  # one message per layer
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # one message per layer
     src = caches()
     sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     nbytes = 3 * 2 * 3 * 4 * 4 * 8 * 4  # [L, 2, n, BS, H, D] fp32

@@ -1,0 +1,150 @@
+"""`Outbox`: the sender bookkeeping every backend shares (the counterpart of `inbox.py`).
+
+A transfer is open from `open` until `poll` reports its one outcome. Two things must both
+happen before that report:
+
+- an outcome is decided, and the first word stands: DONE when the receiver acknowledges
+  (`acknowledge`), FAILED when the backend gives up (`fail`), ABORTED on `abort`; later words
+  for the same transfer are ignored;
+- the backend has let go of the blocks (`release`: no thread of it reads them any more), so
+  the caller never frees blocks under a send.
+
+The hold lease (DESIGN.md, "Timeouts and ownership of KV blocks") starts at `release`: a
+transfer that is released but not acknowledged within `ack_timeout_s` is FAILED (retryable)
+by `poll`, whatever the peer does. A transfer that never opened (its receiver unreachable) is
+reported as is (`report`).
+
+Thread-safety: every method may be called from any thread; none blocks beyond a short lock.
+The engine thread calls `poll`; backend threads decide outcomes and release blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer.base import TransferResult, TransferStatus
+
+
+@dataclass
+class Outgoing:
+    """The sender's record of one transfer until `poll` reports it."""
+
+    channel: Any  # the backend's channel it goes over (None where there is none)
+    outcome: TransferResult | None = None
+    released: bool = False  # the backend no longer reads the blocks
+    lease_deadline: float = float("inf")  # acknowledged by then, or FAILED
+
+
+class Outbox:
+    def __init__(self, ack_timeout_s: float) -> None:
+        self.ack_timeout_s = ack_timeout_s
+        self._lock = threading.Lock()
+        self._transfers: dict[str, Outgoing] = {}
+        self._results: list[TransferResult] = []
+
+    # -- the sender's calls (any thread) ---------------------------------------------------------
+
+    def open(self, request_id: str, channel: Any = None, released: bool = False) -> None:
+        """A transfer starts (`released`: the backend has copied the blocks already, and the
+        lease starts now)."""
+        with self._lock:
+            self._transfers[request_id] = Outgoing(channel)
+        if released:
+            self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The backend no longer reads the transfer's blocks; the lease (re)starts now."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is not None:
+                transfer.released = True
+                transfer.lease_deadline = time.monotonic() + self.ack_timeout_s
+
+    def release_channel(self, channel: Any) -> None:
+        """Every transfer on `channel` is let go of (its thread ended) without starting a
+        lease: their outcome is decided already."""
+        with self._lock:
+            for transfer in self._transfers.values():
+                if transfer.channel is channel:
+                    transfer.released = True
+
+    def acknowledge(self, request_id: str) -> None:
+        self.decide(request_id, TransferStatus.DONE)
+
+    def fail(self, request_id: str, why: str) -> None:
+        self.decide(request_id, TransferStatus.FAILED, why, retryable=True)
+
+    def abort(self, request_id: str) -> None:
+        self.decide(request_id, TransferStatus.ABORTED)
+
+    def decide(
+        self,
+        request_id: str,
+        status: TransferStatus,
+        error: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        """The transfer's outcome, unless it has one already (the first word stands); ignored
+        for a transfer that is not open (reported already, or never opened)."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and transfer.outcome is None:
+                transfer.outcome = TransferResult(request_id, status, error, retryable)
+
+    def report(self, result: TransferResult) -> None:
+        """An outcome for a transfer that never opened: reported by the next `poll` as is."""
+        with self._lock:
+            self._results.append(result)
+
+    # -- questions (any thread) ------------------------------------------------------------------
+
+    def decided(self, request_id: str) -> bool:
+        """The transfer has an outcome (or is not open): nothing more of it should be sent."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            return transfer is None or transfer.outcome is not None
+
+    def undecided(self, channel: Any = None) -> list[str]:
+        """Open transfers without an outcome yet (on `channel`, when given)."""
+        with self._lock:
+            return [
+                request_id
+                for request_id, t in self._transfers.items()
+                if t.outcome is None and (channel is None or t.channel is channel)
+            ]
+
+    def channels(self) -> list[Any]:
+        """The channels open transfers go over, each once."""
+        with self._lock:
+            found = {id(t.channel): t.channel for t in self._transfers.values()}
+        return list(found.values())
+
+    def channel_of(self, request_id: str) -> Any:
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            return None if transfer is None else transfer.channel
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def poll(self) -> list[TransferResult]:
+        """Outcomes to report: decided and released transfers, and leases that expired.
+        Never blocks."""
+        now = time.monotonic()
+        with self._lock:
+            for request_id, transfer in list(self._transfers.items()):
+                if (
+                    transfer.outcome is None
+                    and transfer.released
+                    and now >= transfer.lease_deadline
+                ):
+                    transfer.outcome = TransferResult(
+                        request_id, TransferStatus.FAILED, "no acknowledgement", retryable=True
+                    )
+                if transfer.outcome is not None and transfer.released:
+                    self._results.append(transfer.outcome)
+                    del self._transfers[request_id]
+            out, self._results = self._results, []
+        return out

@@ -1,0 +1,323 @@
+"""`TcpKVReceiver`: listens for channels, a thread per channel reading its frames, and the
+inbox (`InboxKVReceiver`) the engine thread polls (see the package's docstring for the
+protocol and where the data lands)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kv_transfer import sockio
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.inbox import Arrival, InboxKVReceiver
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from kv_transfer.staging import StagingLease, StagingPool
+from kv_transfer.tcp.config import TcpReceiverConfig, check_caches
+from kv_transfer.tcp.framing import TICK_S, configure, frame, kv_rows, read_frame, wait_readable
+from kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
+
+logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 2.0
+"""How long `abort` waits for a write into the aborted blocks to end before shutting the
+connection down (a chunk takes milliseconds; only a stalled sender takes longer)."""
+
+
+@dataclass
+class Incoming:
+    """A transfer a channel is receiving."""
+
+    arrival: Arrival
+    expected: tuple[list[int], float] | None  # the `expect` entry it lands in directly, or None
+    rows: torch.Tensor | None  # direct: rows of the reserved blocks
+    lease: StagingLease | None  # staged: the channel thread's hold on the buffer
+    trailer: bool = False  # the metadata follows the KV
+    meta: dict[str, Any] | None = None  # the trailer, once it came
+
+
+class RecvChannel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.stripes = Stripes(sock, "kv-tcp-recv-stripe")
+        self.token = uuid.uuid4().hex  # what the sender's other connections attach with
+        self.send_lock = threading.Lock()
+        self.incoming: dict[str, Incoming] = {}
+
+    def reply(self, header: dict[str, Any]) -> None:
+        with self.send_lock:
+            self.sock.sendall(frame(header))
+
+    def shutdown(self) -> None:
+        self.stripes.shutdown()
+
+
+class TcpKVReceiver(InboxKVReceiver):
+    config_type: ClassVar[type[ReceiverConfig]] = TcpReceiverConfig
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TcpReceiverConfig
+    ) -> None:
+        """Listen on `config.host:port` (0: a free port). `address` is what senders dial:
+        `advertise_host` (default `host`) and the bound port."""
+        check_caches(kv_caches)
+        super().__init__(kv_caches, layout, stale_after_s=config.timeout_s)
+        self.config = config
+        self.timeout_s = config.timeout_s
+        self._staging = StagingPool(kv_caches[0].device)
+        self._writing: dict[str, RecvChannel] = {}  # request id -> channel writing its blocks
+        self._written = threading.Condition(self._lock)
+        host = config.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, config.port), family=family, backlog=64)
+        bound = self._listener.getsockname()[1]
+        shown = config.advertise_host or host
+        self._address = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
+        self._closed = threading.Event()
+        self._channels: list[RecvChannel] = []
+        self._by_token: dict[str, RecvChannel] = {}
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        ]
+        self._threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _accept_loop(self) -> None:
+        while wait_readable(self._listener, self._closed, None):
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                continue
+            channel = RecvChannel(sock)
+            thread = threading.Thread(
+                target=self._serve_channel, args=(channel,), name="kv-tcp-recv", daemon=True
+            )
+            with self._lock:
+                self._channels.append(channel)
+                self._threads.append(thread)
+            thread.start()
+
+    def _serve_channel(self, channel: RecvChannel) -> None:
+        sock = channel.sock
+        attached = False  # the socket joined another channel, which owns it now
+        try:
+            configure(sock, self.timeout_s)
+            if not wait_readable(sock, self._closed, self.timeout_s):
+                return
+            hello = read_frame(sock)
+            if "attach" in hello:
+                self._attach(sock, hello)
+                attached = True
+                return
+            sender = KVLayout.from_dict(hello["layout"])
+            try:
+                check_compatible(sender, self.layout)
+                receiver_head_slice(sender, self.layout)
+            except HandshakeError as e:
+                logger.error("refusing KV channel from %s: %s", sock.getpeername(), e)
+                channel.reply({"verdict": {"error": str(e)}})
+                return
+            with self._lock:
+                self._by_token[channel.token] = channel
+            channel.reply({"verdict": {"layout": self.layout.to_dict(), "channel": channel.token}})
+            while wait_readable(sock, self._closed, None):
+                self._handle(channel, sender, read_frame(sock))
+        except Exception as e:  # the sender went away or broke the protocol
+            if channel.incoming:
+                logger.warning("KV channel lost mid-transfer: %s", e)
+            elif not self._closed.is_set():  # a sender that closed between transfers
+                logger.info("KV channel closed: %s", e)
+            for request_id, incoming in channel.incoming.items():
+                self.fail(request_id, f"sender lost: {e}")
+                if incoming.lease is not None:
+                    incoming.lease.release()
+            channel.incoming.clear()
+        finally:
+            if not attached:
+                with self._lock:
+                    self._by_token.pop(channel.token, None)
+                channel.stripes.close()
+
+    def _attach(self, sock: socket.socket, hello: dict[str, Any]) -> None:
+        """A sender's further connection joins the channel it names, as its next stripe."""
+        index = hello.get("stripe")
+        with self._lock:
+            owner = self._by_token.get(hello["attach"])
+            if owner is None or index != len(owner.stripes.socks) or index >= MAX_STRIPES:
+                raise ConnectionError(f"stripe {index} of channel {hello['attach']}: refused")
+            owner.stripes.add(sock)
+        sock.sendall(frame({"attached": index}))
+
+    def _handle(self, channel: RecvChannel, sender: KVLayout, header: dict[str, Any]) -> None:
+        kind, request_id = header.get("type"), header.get("request_id", "")
+        if kind == "xfer":
+            channel.incoming[request_id] = self._open(
+                channel, sender, request_id, header["num_blocks"], header["meta"], header["trailer"]
+            )
+            self.deliver(request_id, channel.incoming[request_id].arrival)
+        elif kind == "kv":
+            start, end, nbytes = header["start"], header["end"], header["nbytes"]
+            stripes = header.get("stripes", 1)
+            if not 1 <= stripes <= min(len(channel.stripes.socks), max(1, nbytes)):
+                raise ConnectionError(f"kv frame of {request_id}: {stripes} stripes")
+            self._receive(channel, request_id, start, end, nbytes, stripes)
+        elif kind == "meta":
+            channel.incoming.pop(request_id).meta = header["meta"]
+        elif kind == "cancel":
+            incoming = channel.incoming.pop(request_id)
+            self.fail(request_id, f"the sender gave up: {header['error']}")
+            if incoming.lease is not None:
+                incoming.lease.release()
+        else:
+            raise ConnectionError(f"unknown frame {kind!r}")
+
+    def _open(
+        self,
+        channel: RecvChannel,
+        sender: KVLayout,
+        request_id: str,
+        num_blocks: int,
+        meta: dict[str, Any] | None,
+        trailer: bool,
+    ) -> Incoming:
+        first = self.kv_caches[0]
+        if not 1 <= num_blocks <= first.shape[1]:
+            raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks")
+        shape = (
+            len(self.kv_caches),
+            2,
+            num_blocks,
+            first.shape[2],
+            sender.heads_per_rank,
+            first.shape[4],
+        )
+        with self._lock:
+            expected = self._expected.get(request_id)
+        direct = (
+            expected is not None
+            and len(expected[0]) >= num_blocks
+            and receiver_head_slice(sender, self.layout) is None
+        )
+        lease = rows = None
+        if direct:
+            assert expected is not None
+            blocks = torch.empty(shape, dtype=first.dtype, device="meta")  # nothing staged
+            ids = torch.tensor(expected[0][:num_blocks], dtype=torch.long)
+            rows = kv_rows(ids, first.shape[1])
+        else:
+            blocks = self._staging.take(shape, first.dtype)
+            lease = StagingLease(self._staging, blocks)
+        arrival = Arrival(blocks, sender, meta, lambda: None, time.monotonic(), layers_ready=0)
+        arrival.release = lease.release if lease is not None else None
+        incoming = Incoming(arrival, expected if direct else None, rows, lease, trailer)
+
+        def acknowledge() -> None:
+            try:
+                channel.reply({"type": "ack", "request_id": request_id})
+            except OSError as e:  # the sender is gone: its lease ends the transfer there
+                logger.warning("could not acknowledge %s: %s", request_id, e)
+
+        arrival.acknowledge = acknowledge
+        if trailer:
+            arrival.fetch_meta = lambda: incoming.meta
+        return incoming
+
+    def _receive(
+        self,
+        channel: RecvChannel,
+        request_id: str,
+        start: int,
+        end: int,
+        nbytes: int,
+        stripes: int,
+    ) -> None:
+        incoming = channel.incoming[request_id]
+        arrival = incoming.arrival
+        want = (end - start) * arrival.blocks[0].numel() * arrival.blocks.element_size()
+        if not 0 <= start < end <= arrival.num_layers or nbytes != want:
+            raise ConnectionError(
+                f"kv frame of {request_id}: layers [{start}, {end}), {nbytes} bytes"
+            )
+        if incoming.rows is None:  # staged: the engine thread scatters it
+            assert incoming.lease is not None
+            staging = sockio.buffer_iovecs(arrival.blocks[start:end])
+            channel.stripes.move(staging, send=False, stripes=stripes)
+            self.progress(arrival, end)
+        else:
+            with self._lock:
+                writable = self._expected.get(request_id) is incoming.expected
+                if writable:
+                    self._writing[request_id] = channel
+            if not writable:  # aborted or timed out meanwhile: read and drop
+                self._drain(channel, nbytes, stripes)
+            else:
+                landed = False
+                try:
+                    iov = sockio.row_iovecs(self.kv_caches[start:end], incoming.rows)
+                    channel.stripes.move(iov, send=False, stripes=stripes)
+                    landed = True
+                finally:
+                    with self._written:
+                        del self._writing[request_id]
+                        if landed:
+                            arrival.layers_ready = arrival.layers_written = end
+                            arrival.time_s = time.monotonic()
+                        self._written.notify_all()
+        if end == arrival.num_layers:
+            if incoming.lease is not None:  # this thread's hold on the buffer
+                incoming.lease.release()
+                incoming.lease = None
+            if not incoming.trailer:
+                channel.incoming.pop(request_id)
+
+    def _drain(self, channel: RecvChannel, nbytes: int, stripes: int) -> None:
+        """Read a payload of `nbytes` and drop it: every iovec points at one scratch buffer
+        (stripes may overwrite each other's bytes there; nobody reads them)."""
+        scratch = self._staging.take((min(nbytes, 4 << 20),), torch.uint8)
+        try:
+            size = scratch.numel()
+            iov = torch.tensor([[scratch.data_ptr(), size]], dtype=torch.int64)
+            iov = iov.repeat(-(-nbytes // size), 1)
+            iov[-1, 1] = nbytes - size * (iov.shape[0] - 1)
+            channel.stripes.move(iov, send=False, stripes=stripes)
+        finally:
+            self._staging.give(scratch)
+
+    def _busy(self, request_id: str) -> bool:
+        return request_id in self._writing
+
+    def abort(self, request_id: str) -> None:
+        """As the inbox's, and returns only once no thread writes the request's blocks."""
+        super().abort(request_id)
+        with self._written:
+            deadline = time.monotonic() + ABORT_WAIT_S
+            while request_id in self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:  # a stalled sender: break the write off
+                    logger.warning(
+                        "KV for aborted %s still arriving: closing its channel", request_id
+                    )
+                    self._writing[request_id].shutdown()
+                    deadline = float("inf")
+                self._written.wait(min(max(left, 0.01), TICK_S))
+
+    def close(self) -> None:
+        """Stop the accept and channel threads and wait for them."""
+        self._closed.set()
+        with self._lock:
+            channels = list(self._channels)
+            threads = list(self._threads)
+        for channel in channels:
+            channel.shutdown()
+        for thread in threads:
+            thread.join(timeout=self.timeout_s)
+        self._listener.close()

@@ -1,0 +1,193 @@
+"""`TorchDistKVReceiver`: hosts the rendezvous store, a thread per channel posting the
+receives of each header's chunks into staging buffers, and the inbox (`InboxKVReceiver`) the
+engine thread polls (see the package's docstring)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.inbox import Arrival, InboxKVReceiver
+from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from kv_transfer.staging import StagingLease, StagingPool
+from kv_transfer.torch_dist.channel import (
+    ACCEPT_QUEUE,
+    IDLE_POP_S,
+    ack_key,
+    as_timedelta,
+    meta_key,
+    pair_group,
+)
+from kv_transfer.torch_dist.config import TorchDistReceiverConfig
+from kv_transfer.torch_dist.relay import StoreRelay
+
+logger = logging.getLogger(__name__)
+
+
+class TorchDistKVReceiver(InboxKVReceiver):
+    config_type: ClassVar[type[ReceiverConfig]] = TorchDistReceiverConfig
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TorchDistReceiverConfig
+    ) -> None:
+        """Host the store on `config.host:port` (0: a free port). `address` is what senders
+        dial: `advertise_host` (default `host`) and the bound port."""
+        super().__init__(kv_caches, layout, stale_after_s=config.timeout_s)
+        self.config = config
+        self.timeout_s = config.timeout_s
+        self._staging = StagingPool(kv_caches[0].device)
+        self.store = dist.TCPStore(
+            config.host,
+            config.port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=as_timedelta(config.timeout_s),
+        )
+        self._address = f"{config.advertise_host or config.host}:{self.store.port}"
+        self._relay = StoreRelay(config.name, config.timeout_s)
+        self._closed = threading.Event()
+        self._channel_ids: list[str] = []  # channels opened to us (close() wakes their threads)
+        self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _client(self, timeout_s: float) -> dist.TCPStore:
+        host = self.store.host
+        if host in ("0.0.0.0", "::", ""):  # bound to every interface: reach it on loopback
+            host = "::1" if host == "::" else "127.0.0.1"
+        return dist.TCPStore(
+            host, self.store.port, is_master=False, timeout=as_timedelta(timeout_s)
+        )
+
+    def _accept_loop(self) -> None:
+        # A client of our own store: blocking pops on the master object would hold its lock.
+        # Pops block for long (each timeout logs a c10d warning); `close` wakes them by pushing
+        # an empty entry.
+        client = self._client(IDLE_POP_S)
+        while not self._closed.is_set():
+            try:
+                cid = client.queue_pop(ACCEPT_QUEUE, block=True).decode()
+            except Exception:
+                continue  # store timeout: look at _closed again
+            if not cid or self._closed.is_set():
+                continue  # close() woke us
+            with self._lock:
+                self._channel_ids.append(cid)
+            thread = threading.Thread(
+                target=self._serve_channel, args=(cid,), name=f"kv-recv-{cid}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve_channel(self, cid: str) -> None:
+        store = self._client(self.timeout_s)
+        sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
+        try:
+            check_compatible(sender, self.layout)
+            receiver_head_slice(sender, self.layout)
+        except HandshakeError as e:
+            logger.error("refusing KV channel %s: %s", cid, e)
+            store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
+            return
+        store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
+        device = self.kv_caches[0].device
+        group = pair_group(dist.PrefixStore(cid, store), 1, device, self.timeout_s)
+        headers = self._client(IDLE_POP_S)
+        while not self._closed.is_set():
+            try:
+                raw = headers.queue_pop(f"{cid}/xfers", block=True)
+            except Exception:
+                continue  # idle channel
+            if not raw:
+                continue  # close() woke us
+            if not self._receive(cid, store, group, sender, json.loads(raw)["transfers"]):
+                return
+
+    def _receive(
+        self,
+        cid: str,
+        store: dist.Store,
+        group: Any,
+        sender: KVLayout,
+        transfers: list[dict[str, Any]],
+    ) -> bool:
+        """Receive the transfers of one header; False when the channel is lost."""
+        posted: list[tuple[str, Arrival, StagingLease]] = []
+        works: list[tuple[int, int, Any]] = []  # (end layer, index in posted, work)
+        try:
+            # Every chunk's receive is posted up front: the sender streams them back to back.
+            for transfer in transfers:
+                request_id = transfer["request_id"]
+                buf = self._staging.take(tuple(transfer["shape"]), self.kv_caches[0].dtype)
+                lease = StagingLease(self._staging, buf)
+                arrival = Arrival(
+                    buf,
+                    sender,
+                    transfer["meta"],
+                    functools.partial(self._relay.acknowledge, store, ack_key(cid, request_id)),
+                    time.monotonic(),
+                    layers_ready=0,
+                    release=lease.release,
+                )
+                if transfer["trailer"]:
+                    self._await_trailer(arrival, store, meta_key(cid, request_id))
+                for start, end, tag in transfer["chunks"]:
+                    works.append((end, len(posted), group.recv([buf[start:end]], 0, tag)))
+                posted.append((request_id, arrival, lease))
+                self.deliver(request_id, arrival)
+            # ... and land in the order it sends them: layer by layer across the requests
+            works.sort(key=lambda item: item[0])
+            for end, index, work in works:
+                work.wait()
+                _, arrival, lease = posted[index]
+                self.progress(arrival, end)
+                if end == arrival.num_layers:
+                    lease.release()
+        except Exception as e:  # the sender died mid-transfer: this channel is done
+            logger.warning("KV channel %s lost: %s", cid, e)
+            for request_id, arrival, lease in posted:
+                if arrival.layers_ready < arrival.num_layers:
+                    self.fail(request_id, f"sender lost: {e}")
+                    lease.release(reusable=False)
+            return False
+        return True
+
+    def _await_trailer(self, arrival: Arrival, store: dist.Store, key: str) -> None:
+        """The relay's thread fetches the trailer; `poll` only looks at what it found."""
+        trailer = self._relay.await_trailer(store, key)
+        release = arrival.release
+        assert release is not None
+
+        def let_go() -> None:  # the inbox is done with the arrival: stop looking
+            release()
+            self._relay.forget(key)
+
+        arrival.fetch_meta = lambda: trailer.meta
+        arrival.release = let_go
+
+    def close(self) -> None:
+        """Stop the accept and channel threads (woken by an empty queue entry) and wait for them:
+        c10d objects must not be torn down under a thread still blocked in them."""
+        self._closed.set()
+        with self._lock:
+            channel_ids = list(self._channel_ids)
+        try:
+            self.store.queue_push(ACCEPT_QUEUE, b"")
+            for cid in channel_ids:
+                self.store.queue_push(f"{cid}/xfers", b"")
+        except Exception as e:  # the threads still wake at their pop timeout
+            logger.warning("could not wake the KV receiver's threads: %s", e)
+        for thread in list(self._threads):
+            thread.join(timeout=self.timeout_s)
+        self._relay.close()
