@@ -59,7 +59,17 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=int,
         default=None,
-        help="sequences that may wait behind a full batch before new requests get 503",
+        help="sequences that may wait behind a full batch before new requests get 503 "
+        "(default: as many as the measured drain rate starts within --max-queue-wait)",
+    )
+    parser.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with the default queue bound, refuse (503) a request whose estimated wait for "
+        "a running slot exceeds this (default: 300; with --disaggregated, at most half of "
+        "--request-timeout)",
     )
     parser.add_argument(
         "--session-store",
@@ -130,7 +140,7 @@ def _read_api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfig:
-    from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS
+    from router.admission import DEFAULT_MAX_QUEUE_WAIT_S
     from router.server import RouterConfig
     from session_store import RateLimits, open_session_store
 
@@ -138,14 +148,19 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
     for flag, value in rates:
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ServeConfigError(f"{flag}: must be > 0 (omit it for no limit); got {value}")
-    max_queued = args.max_queued_requests
+    max_queue_wait = args.max_queue_wait
+    if max_queue_wait is None:
+        max_queue_wait = DEFAULT_MAX_QUEUE_WAIT_S
+        if args.disaggregated:  # the wait must leave time for the request itself
+            max_queue_wait = min(max_queue_wait, args.request_timeout / 2)
     try:
         config = RouterConfig(
             host=args.host,
             port=args.port,
             grpc_port=args.grpc_port,
             api_keys=tuple(api_keys),
-            max_queued_requests=DEFAULT_MAX_QUEUED_REQUESTS if max_queued is None else max_queued,
+            max_queued_requests=args.max_queued_requests,
+            max_queue_wait_s=max_queue_wait,
             session_store_url=args.session_store,
             rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
             shutdown_timeout_s=args.shutdown_timeout,

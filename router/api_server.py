@@ -17,6 +17,7 @@ from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router.admission import AdmissionController
 from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
@@ -44,33 +45,35 @@ from router.sessions_protocol import (
 )
 from session_store import RateLimiter, RateLimits, SessionStore
 
-DEFAULT_MAX_QUEUED_REQUESTS = 256
-"""Sequences that may wait behind a full running batch before new requests get 503."""
-
 
 def build_app(
     engine: EngineClient,
     served_model_name: str,
     api_keys: Sequence[str] = (),
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    max_queued_requests: int | None = None,
     session_store: SessionStore | None = None,
     rate_limiter: RateLimiter | None = None,
     rate_limits: RateLimits = NO_RATE_LIMITS,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    admission: AdmissionController | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
     may do it). Without a session store, session routes and `session_id` answer 404; rate
     limits need a rate limiter. Several apps may share one process (and engine): each has its
-    own metrics registry and admission queue."""
+    own metrics registry and admission queue, unless `admission` is shared (REST and gRPC in
+    one server share one). `max_queued_requests`: a fixed queue bound, or None for the default
+    time-bounded queue (router/admission.py); ignored when `admission` is given."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
     sessions = SessionManager(session_store)
+    if admission is None:
+        admission = AdmissionController(lambda: engine.max_num_seqs, max_queued_requests)
     ctx = ServingContext(
         engine,
         served_model_name,
-        max_queued_requests,
+        admission,
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
     )

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from duet.v1 import serving_pb2, serving_pb2_grpc
 from engine import InvalidInputError, RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
+from router.admission import AdmissionController
 from router.auth import APIKeyChecker
 from router.engine_client import EngineClient
 from router.errors import (
@@ -33,7 +34,6 @@ from router.errors import (
     BadRequestError,
     ModelNotFoundError,
     OpenAIError,
-    OverloadedError,
 )
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.sessions import SessionManager, SessionTurn
@@ -112,14 +112,16 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         self,
         engine: EngineClient,
         model_name: str,
-        max_queued_requests: int = 256,
+        admission: AdmissionController | None = None,
         checker: APIKeyChecker | None = None,
         sessions: SessionManager | None = None,
         rate_limiter: RequestRateLimiter | None = None,
     ) -> None:
+        """`admission`: shared with the REST app of the same server; None: a queue of its own
+        with the default (time-bounded) limit."""
         self.engine = engine
         self.model_name = model_name
-        self.max_queued_requests = max_queued_requests
+        self.admission = admission or AdmissionController(lambda: engine.max_num_seqs)
         self.checker = checker or APIKeyChecker(())
         self.sessions = sessions or SessionManager(None)
         self.rate_limiter = rate_limiter or RequestRateLimiter(None, NO_RATE_LIMITS)
@@ -201,10 +203,23 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running; retry later")
         max_tokens = self.engine.check_lengths(len(prompt_ids), params)
-        if self.engine.stats.num_waiting >= self.max_queued_requests:
-            raise OverloadedError("server overloaded: request queue is full")
         num_tokens = len(prompt_ids) + max_tokens * params.n
         await self.rate_limiter.admit(self._caller(context), num_tokens)
+        [ticket] = self.admission.admit([params.n])
+        try:
+            async for response in self._run(prompt_ids, params, request_id, turn, new_messages):
+                yield response
+        finally:
+            ticket.release()
+
+    async def _run(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        turn: SessionTurn | None,
+        new_messages: Sequence[dict[str, str]],
+    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # Closed on any exit (client gone, error), which aborts the engine request at once.
         stream = cast(
             AsyncGenerator[RequestOutput, None],
@@ -283,7 +298,7 @@ async def start_grpc_server(
     host: str = "127.0.0.1",
     port: int = 50051,
     api_keys: Sequence[str] = (),
-    max_queued_requests: int = 256,
+    admission: AdmissionController | None = None,
     session_store: SessionStore | None = None,
     rate_limiter: RateLimiter | None = None,
     rate_limits: RateLimits = NO_RATE_LIMITS,
@@ -296,7 +311,7 @@ async def start_grpc_server(
     servicer = DuetServicer(
         engine,
         model_name,
-        max_queued_requests,
+        admission,
         checker,
         SessionManager(session_store),
         RequestRateLimiter(rate_limiter, rate_limits),

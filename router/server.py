@@ -23,7 +23,8 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
-from router.api_server import DEFAULT_MAX_QUEUED_REQUESTS, build_app
+from router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
+from router.api_server import build_app
 from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
 from router.rate_limit import NO_RATE_LIMITS
@@ -47,8 +48,11 @@ class RouterConfig:
     """gRPC port; 0 picks a free one."""
     api_keys: tuple[str, ...] = ()
     """Accepted keys; none: no authentication (every caller is "anonymous")."""
-    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
-    """Sequences that may wait behind a full batch before new requests get 503."""
+    max_queued_requests: int | None = None
+    """Sequences that may wait behind a full batch before new requests get 503; None: as many
+    as can start within `max_queue_wait_s` at the measured drain rate (router/admission.py)."""
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
+    """With the default queue bound: the longest estimated wait a new request may face."""
     session_store_url: str | None = None
     """`redis://...` or `sqlite:///...`; None: the embedded SQLite file in the user data dir."""
     rate_limits: RateLimits = NO_RATE_LIMITS
@@ -60,7 +64,9 @@ class RouterConfig:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag}: must be in [0, 65535]; got {port}")
-        if self.max_queued_requests < 0:
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"--max-queue-wait: must be > 0; got {self.max_queue_wait_s}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests: must be >= 0; got {self.max_queued_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
@@ -113,11 +119,16 @@ class RouterServer(uvicorn.Server):
         self.rate_limiter = open_rate_limiter(config.session_store_url)
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
+        self.admission = AdmissionController(
+            lambda: engine.max_num_seqs,
+            config.max_queued_requests,
+            max_queue_wait_s=config.max_queue_wait_s,
+        )
         app = build_app(
             engine,
             served_model_name,
             config.api_keys,
-            config.max_queued_requests,
+            admission=self.admission,
             session_store=self.session_store,
             rate_limiter=self.rate_limiter,
             rate_limits=config.rate_limits,
@@ -150,7 +161,7 @@ class RouterServer(uvicorn.Server):
                 config.host,
                 config.grpc_port,
                 config.api_keys,
-                config.max_queued_requests,
+                self.admission,
                 session_store=self.session_store,
                 rate_limiter=self.rate_limiter,
                 rate_limits=config.rate_limits,

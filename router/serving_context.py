@@ -28,7 +28,7 @@ class ServingContext:
         self,
         engine: EngineClient,
         served_model_name: str,
-        max_queued_requests: int,
+        admission: AdmissionController,
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
     ) -> None:
@@ -37,7 +37,7 @@ class ServingContext:
         self.rate_limiter = rate_limiter
         self.model_name = served_model_name
         self.created = int(time.time())
-        self.admission = AdmissionController(lambda: engine.max_num_seqs, max_queued_requests)
+        self.admission = admission
         self.metrics = ServingMetrics(engine, served_model_name)
         self.token_texts = TokenTexts(engine.tokenizer)
 

@@ -86,6 +86,34 @@ def test_flood_gets_some_503s_and_the_rest_complete(
     assert wait_until_idle(engine)
 
 
+def test_default_admission_queues_a_load_tools_burst(tiny_llama: str) -> None:
+    """300 concurrent requests on a 2-sequence engine: the default queue (bounded by the
+    measured drain rate, not a count) takes them all, as vLLM does; a fixed bound of 256
+    refused dozens."""
+    engine = make_engine(tiny_llama, max_num_seqs=2)
+    live = LiveServer(build_app(engine, MODEL_NAME)).start()
+
+    async def one(aclient: openai.AsyncOpenAI) -> int:
+        try:
+            await aclient.completions.create(model=MODEL_NAME, prompt="burst", max_tokens=1)
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+
+    async def burst() -> list[int]:
+        async with openai.AsyncOpenAI(
+            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120
+        ) as aclient:
+            return await asyncio.gather(*(one(aclient) for _ in range(300)))
+
+    try:
+        assert asyncio.run(burst()) == [200] * 300
+        assert wait_until_idle(engine)
+    finally:
+        live.stop()
+        engine.shutdown()
+
+
 def test_engine_death_ends_streams_with_an_error_event(tiny_llama: str) -> None:
     engine = make_engine(tiny_llama)
     live = LiveServer(build_app(engine, MODEL_NAME)).start()
