@@ -222,3 +222,45 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_model_factory):
         assert llm.engine.kv.prefix_stats.num_hits == 12  # the shared prefix: 3 full blocks
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 6 for t in tokens["triton"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestOnCuda:
+    """The engine on CUDA with the Triton kernels (kernels at real shapes:
+    test_triton_real_shapes.py)."""
+
+    def test_cuda_graph_decode_with_split_k_gives_eager_tokens(self, tiny_model_factory):
+        # Contexts up to 700 tokens: the graphs (captured for max_model_len 1024) split them.
+        model_dir = tiny_model_factory("llama")
+        prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+        prompts += [[3 + i % 500 for i in range(n)] for n in (300, 690)]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        tokens = {}
+        for eager in (True, False):
+            llm = LLM(
+                model_dir, dtype="float32", device="cuda", enforce_eager=eager,
+                num_kv_blocks=512, max_num_seqs=8, max_model_len=1024, load_progress=False,
+            )  # fmt: skip
+            graphs = llm.engine.runner.decode_graphs
+            assert (graphs is None) == eager
+            if graphs is not None:  # 2 KV heads: every bucket wants more programs than 1 split
+                assert graphs.num_splits == {1: 4, 2: 4, 4: 4, 8: 4}
+            tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert tokens[False] == tokens[True]
+
+    def test_kv_pool_sized_from_free_memory(self, tiny_model_factory):
+        from engine.model_runner import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
+
+        llm = LLM(
+            tiny_model_factory("llama"), dtype="bfloat16", device="cuda", num_kv_blocks=4,
+            load_progress=False,
+        )  # fmt: skip
+        model = llm.engine.runner.model
+        blocks = num_kv_blocks_for_gpu_memory(
+            model, 16, torch.bfloat16, DEVICE, 0.5, 2048, use_triton=True
+        )
+        free, total = torch.cuda.mem_get_info()
+        block_bytes = kv_cache_bytes_per_block(2, 16, model.num_kv_heads, 16, torch.bfloat16)
+        assert 0 < blocks * block_bytes <= 0.5 * total
+        assert blocks * block_bytes > 0.5 * total - (total - free) - (1 << 30)
