@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: install serve test lint typecheck bench bench-kv proto clean
+.PHONY: install serve test lint typecheck bench bench-kv gpu-check proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: $(STAMP)
 # KV-block transfer over gloo on loopback vs a raw torch.distributed send (benchmarks/README.md)
 bench-kv: $(STAMP)
 	$(PY) -m benchmarks.kv.transfer $(BENCH_KV_ARGS)
+
+# On a machine with NVIDIA GPUs: the gpu-marked tests, the disaggregated NCCL run and the GPU
+# benchmark, one JSON report under benchmarks/results/ (docs/gpu.md). Without CUDA it exits 2.
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -5,7 +5,9 @@ step time at small batches; a graph replays them all from one launch. Graphs fix
 and grid, so a step's inputs are copied into static buffers (from pinned host staging, without
 a sync) and a batch of n runs the graph of the smallest bucket >= n: rows past n are padding
 with slot -1 (their K/V is not written) and seq_len 0 (they attend to nothing). The split-K
-factor of each bucket is chosen for `max_model_len`, since the grid cannot change at replay.
+factor of each bucket is chosen for `max_model_len`, since the grid cannot change at replay;
+each request then uses as many of those splits as its own length fills (triton_decode), and
+every bucket's graph replays the same compiled kernels.
 
 GPU only, with the Triton backend and no tensor parallelism; nothing here runs on the CPU.
 """
@@ -69,12 +71,14 @@ class DecodeGraphs:
         self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32).pin_memory()
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_splits: dict[int, int] = {}  # bucket -> split count its graph replays
 
         num_kv_heads = cache.shape[3]
         sms = device_num_sms(device)
         pool = None
         for bs in reversed(self.buckets):  # largest first: the others fit in its memory pool
             splits = choose_num_splits(bs, num_kv_heads, max_model_len, sms)
+            self.num_splits[bs] = splits
             meta = self._metadata(bs, splits)
 
             def forward(bs: int = bs, meta: AttentionMetadata = meta) -> None:

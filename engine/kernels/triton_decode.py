@@ -3,10 +3,19 @@ paged cache, GQA-aware, split-K over long contexts (flash-decoding).
 
 Grid of the main kernel: (decode sequence, KV head, split). A program loads the G query heads
 that share its KV head as one [G, D] tile (padded to 16 rows for the tensor cores), so each K/V
-tile is read once for all of them. Split s of a sequence of length L covers tokens
-[s * c, (s + 1) * c) with c = ceil(L / num_splits) rounded up to the tile: the split count is
-fixed per launch (a CUDA graph replays one grid) and each sequence divides its own length.
-With several splits a second kernel merges the partial outputs by their log-sum-exp.
+tile is read once for all of them. The launch's split count S (the grid's third dimension) is a
+runtime argument, at most `MAX_SPLITS`: request i of length L is cut into splits of
+c = ceil(L / S) tokens rounded up to the key tile, so it uses its own count ceil(L / c) <= S
+(a short sequence in a long batch uses one). A request with one split writes its output
+directly; with several, each split writes a partial output and its log-sum-exp, and a second
+kernel merges them. Nothing about the split count is a compile-time constant, so a server
+compiles each kernel once (the split count is re-chosen every step, and a CUDA graph replays
+the grid of its capture).
+
+NOTE: the int32 metadata tensors are views at varying offsets of one packed buffer
+(`KernelBatch.build`) and the block table's width changes every step, so the kernels opt out of
+Triton's specialisation on their alignment and on the width's value: either would compile a
+new variant for some steps.
 
 Reference: `engine.attention.paged_attention` (torch path).
 """
@@ -21,15 +30,27 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from engine.kernels.triton_operands import check_cache_layout, dot_dtype
+from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 16
+MAX_SPLITS = 16
 # A split shorter than this costs more in the merge than it gains in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
+# Arguments whose value or alignment changes from step to step (see the module docstring).
+INDEX_PTRS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "decode_indices_ptr"]
+RUNTIME_INTS = ["stride_bt", "num_splits"]
 
 
 @triton.jit
+def _request_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """(tokens per split, splits used) of one request: whole key tiles, at most num_splits,
+    one for an empty sequence."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    count = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+    return split_len, count
+
+
+@triton.jit(do_not_specialize=RUNTIME_INTS, do_not_specialize_on_alignment=INDEX_PTRS)
 def _decode_kernel(
     query_ptr,
     key_cache_ptr,
@@ -52,11 +73,13 @@ def _decode_kernel(
     qk_scale,
     head_dim,
     block_size,
+    num_splits,
     GROUP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -66,21 +89,24 @@ def _decode_kernel(
     req = tl.load(decode_indices_ptr + slot)
     row = tl.load(query_start_loc_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
-
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len, count = _request_splits(seq_len, num_splits, BLOCK_N)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    end = tl.minimum(start + split_len, seq_len)  # empty for a split past this request's count
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < head_dim
-    q = tl.load(
-        query_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    q = (
+        tl.load(
+            query_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        .to(OPERAND_DTYPE)
+        .to(DOT_DTYPE)
+    )  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -100,7 +126,8 @@ def _decode_kernel(
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = (
-            tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+            tl.dot(q, tl.trans(k.to(OPERAND_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            * qk_scale
         )  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -108,67 +135,73 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(
-            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            p.to(OPERAND_DTYPE).to(DOT_DTYPE),
+            v.to(OPERAND_DTYPE).to(DOT_DTYPE),
+            input_precision=DOT_PRECISION,
         )
         m_i = m_new
 
-    empty = l_i == 0.0  # a split past the sequence's end (or a padded graph row)
+    empty = l_i == 0.0  # an empty sequence (a padded graph row): output 0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     store_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if count == 1:
         tl.store(
             out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=store_mask,
+            mask=store_mask & (split == 0),
         )
     else:
-        # partials: [num_decodes, H, NUM_SPLITS, BLOCK_D] and lse [num_decodes, H, NUM_SPLITS]
+        # partials: [num_decodes, H, MAX_SPLITS, BLOCK_D] and lse [num_decodes, H, MAX_SPLITS]
         num_heads = tl.num_programs(1) * GROUP
-        part = (slot * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G]
-        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=store_mask)
-        # log2-domain log-sum-exp of this split's scores
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + part, lse, mask=g_mask)
+        part = (slot * num_heads + heads) * MAX_SPLITS + split  # [BLOCK_G]
+        live = split < count
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + d[None, :], o, mask=store_mask & live)
+        # log2-domain log-sum-exp of this split's scores (every split below count is non-empty)
+        lse = m_i + tl.log2(tl.where(empty, 1.0, l_i))
+        tl.store(part_lse_ptr + part, lse, mask=g_mask & live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=INDEX_PTRS)
 def _merge_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
     query_start_loc_ptr,
+    seq_lens_ptr,
     decode_indices_ptr,
     stride_ot,
     stride_oh,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    num_splits,
+    MAX_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     slot = tl.program_id(0)
     head = tl.program_id(1)
     req = tl.load(decode_indices_ptr + slot)
-    row = tl.load(query_start_loc_ptr + req)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    base = (slot * tl.num_programs(1) + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: a padded row, output 0
-    w = tl.exp2(lse - m)  # [BLOCK_S]
-    parts = tl.load(
-        part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-        mask=s_mask[:, None],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + row * stride_ot + head * stride_oh + d,
-        o.to(out_ptr.dtype.element_ty),
-        mask=d < head_dim,
-    )
+    seq_len = tl.load(seq_lens_ptr + req)
+    _, count = _request_splits(seq_len, num_splits, BLOCK_N)
+    if count > 1:  # a request with one split was written by the decode kernel
+        row = tl.load(query_start_loc_ptr + req)
+        s = tl.arange(0, MAX_SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        s_mask = s < count
+        base = (slot * tl.num_programs(1) + head) * MAX_SPLITS
+        lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - m)  # [MAX_SPLITS]
+        parts = tl.load(
+            part_out_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+            mask=s_mask[:, None],
+            other=0.0,
+        )  # [MAX_SPLITS, BLOCK_D]
+        o = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(
+            out_ptr + row * stride_ot + head * stride_oh + d,
+            o.to(out_ptr.dtype.element_ty),
+            mask=d < head_dim,
+        )
 
 
 @functools.cache
@@ -180,40 +213,42 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Splits per sequence: enough programs to fill every SM twice, no split shorter than
-    256 tokens, at most 16."""
+    """Splits of the launch: enough programs to fill every SM twice, no split shorter than
+    256 tokens, at most MAX_SPLITS. A runtime value: any choice reuses the compiled kernels."""
     programs = max(1, num_decodes * num_kv_heads)
     wanted = -(-2 * num_sms // programs)
     by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, _MAX_SPLITS))
+    return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
 def decode_launch_config(
-    group: int, head_dim: int, num_splits: int, dtype: torch.dtype, device: torch.device
+    group: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
-    """Compile-time parameters of `_decode_kernel` (also what tests compile for sm_90: 80
-    registers, no spills at head_dim 128 in bf16). 32-key tiles waste little on the last,
-    partly filled tile of each split."""
+    """Compile-time parameters of `_decode_kernel`, one set per model and dtype (what
+    tests/engine/triton_sm90_compile.py compiles for sm_90, asserting no spills). 32-key tiles
+    waste little on the last, partly filled tile of each split. fp32 runs its `tl.dot`s as
+    exact FMA loops (no tensor cores), whose operands all sit in registers: 16-key tiles keep
+    them there at head_dim 128 (32-key tiles spill)."""
+    fp32 = dtype == torch.float32
     return dict(
         GROUP=group,
-        NUM_SPLITS=num_splits,
+        MAX_SPLITS=MAX_SPLITS,
         BLOCK_G=max(16, next_power_of_2(group)),  # tl.dot needs 16 rows
-        BLOCK_N=32,
+        BLOCK_N=16 if fp32 and head_dim > 64 else 32,
         BLOCK_D=next_power_of_2(head_dim),
+        OPERAND_DTYPE=operand_dtype(dtype),
         DOT_DTYPE=dot_dtype(dtype, device),
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=4,
         num_stages=2,
     )
 
 
-def merge_launch_config(num_splits: int, head_dim: int) -> dict[str, Any]:
-    """Compile-time parameters of `_merge_kernel`."""
+def merge_launch_config(head_dim: int, block_n: int) -> dict[str, Any]:
+    """Compile-time parameters of `_merge_kernel`; `block_n`: the decode kernel's BLOCK_N
+    (both derive each request's splits from it)."""
     return dict(
-        NUM_SPLITS=num_splits,
-        BLOCK_S=next_power_of_2(num_splits),
-        BLOCK_D=next_power_of_2(head_dim),
-        num_warps=4,
+        MAX_SPLITS=MAX_SPLITS, BLOCK_N=block_n, BLOCK_D=next_power_of_2(head_dim), num_warps=4
     )
 
 
@@ -233,24 +268,27 @@ def paged_decode_attention(
     out/query: [T, H, D] (last dim contiguous); kv_cache: [2, num_blocks, block_size, Hkv, D]
     (contiguous); query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] (int32,
     whole step); decode_indices [Bd]: the requests to serve, whose one token is row
-    query_start_loc[i]. Writes those rows of `out` only. A request with seq_len 0 gets zeros."""
+    query_start_loc[i]; num_splits: the launch's split count, 1 to MAX_SPLITS (each request
+    uses at most that many). Writes those rows of `out` only. A request with seq_len 0 gets
+    zeros."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     num_decodes = decode_indices.shape[0]
     if num_decodes == 0:
         return
     check_cache_layout(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
-    block_d = next_power_of_2(head_dim)
+    config = decode_launch_config(num_heads // num_kv_heads, head_dim, kv_cache.dtype, query.device)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if num_splits > 1:
-        part_out = torch.empty(
-            (num_decodes, num_heads, num_splits, block_d), dtype=torch.float32, device=out.device
-        )
-        part_lse = torch.empty(
-            (num_decodes, num_heads, num_splits), dtype=torch.float32, device=out.device
-        )
-    else:  # unused by the kernel; any tensor will do as the pointer
-        part_out = part_lse = out
+    # fp32 partials of the splits; with one split the kernel writes `out` and never touches them
+    part_shape = (num_decodes, num_heads, MAX_SPLITS) if num_splits > 1 else (1,)
+    part_lse = torch.empty(part_shape, dtype=torch.float32, device=out.device)
+    part_out = torch.empty(
+        (*part_shape, config["BLOCK_D"]) if num_splits > 1 else (1,),
+        dtype=torch.float32,
+        device=out.device,
+    )
     _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -273,9 +311,8 @@ def paged_decode_attention(
         scale * _LOG2E,
         head_dim,
         block_size,
-        **decode_launch_config(
-            num_heads // num_kv_heads, head_dim, num_splits, kv_cache.dtype, query.device
-        ),
+        num_splits,
+        **config,
     )
     if num_splits > 1:
         _merge_kernel[(num_decodes, num_heads)](
@@ -283,9 +320,11 @@ def paged_decode_attention(
             part_out,
             part_lse,
             query_start_loc,
+            seq_lens,
             decode_indices,
             out.stride(0),
             out.stride(1),
             head_dim,
-            **merge_launch_config(num_splits, head_dim),
+            num_splits,
+            **merge_launch_config(head_dim, config["BLOCK_N"]),
         )

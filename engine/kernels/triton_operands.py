@@ -20,13 +20,23 @@ def check_cache_layout(kv_cache: torch.Tensor) -> None:
         )
 
 
+def operand_dtype(dtype: torch.dtype) -> Any:
+    """What the attention kernels round their `tl.dot` operands to (the probabilities included):
+    the cache's dtype, on GPUs and in the interpreter alike."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+        dtype
+    ]
+
+
 def dot_dtype(dtype: torch.dtype, device: torch.device) -> Any:
-    """Operand type of the attention kernels' `tl.dot`s: the cache's dtype on GPUs; fp32 in
-    the interpreter, whose `tl.dot` multiplies the raw bits of 16-bit floats (triton 3.7)."""
+    """Type the attention kernels' `tl.dot`s multiply in: the cache's dtype on GPUs; fp32 in
+    the interpreter, whose `tl.dot` multiplies the raw bits of 16-bit floats (triton 3.7, errors
+    of 1e10). There the operands are still rounded to `operand_dtype` first, so the interpreter
+    emulates a 16-bit kernel's numerics with exact fp32 products of 16-bit values."""
     import triton.language as tl
 
     if device.type != "cuda":
         return tl.float32
-    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
-        dtype
-    ]
+    return operand_dtype(dtype)

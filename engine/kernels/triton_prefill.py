@@ -22,12 +22,14 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from engine.kernels.triton_operands import check_cache_layout, dot_dtype
+from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
 
 _LOG2E = 1.4426950408889634
+# Step-to-step variation Triton would otherwise compile a variant for (see triton_decode).
+INDEX_PTRS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "prefill_indices_ptr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=INDEX_PTRS)
 def _prefill_kernel(
     query_ptr,
     key_cache_ptr,
@@ -53,6 +55,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -72,11 +75,18 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     q_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(
-        query_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=q_mask,
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    q = (
+        tl.load(
+            query_ptr
+            + (q_start + token)[:, None] * stride_qt
+            + head[:, None] * stride_qh
+            + d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        .to(OPERAND_DTYPE)
+        .to(DOT_DTYPE)
+    )  # [BLOCK_M, BLOCK_D]
     q_pos = context_len + token  # [BLOCK_M]
 
     # Keys below `visible_end` are seen by every row of this tile: no mask needed there.
@@ -102,7 +112,8 @@ def _prefill_kernel(
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = (
-            tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+            tl.dot(q, tl.trans(k.to(OPERAND_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            * qk_scale
         )  # [BLOCK_M, BLOCK_N]
         if tile + BLOCK_N > visible_end:
             causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -113,7 +124,9 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(
-            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            p.to(OPERAND_DTYPE).to(DOT_DTYPE),
+            v.to(OPERAND_DTYPE).to(DOT_DTYPE),
+            input_precision=DOT_PRECISION,
         )
         m_i = m_new
 
@@ -128,21 +141,29 @@ def _prefill_kernel(
 def prefill_launch_config(
     group: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> dict[str, Any]:
-    """Compile-time parameters of `_prefill_kernel` (also what tests compile for sm_90).
-    On GPUs a 128-row query tile, 64-key tiles and 8 warps (176 registers, no spills at
-    head_dim 128 in bf16), as in Triton's fused-attention tutorial. The interpreter gets 64
-    rows: the same code with less padding on tiny test shapes."""
-    block_m = 128 if device.type == "cuda" and head_dim <= 128 else 64
+    """Compile-time parameters of `_prefill_kernel`, one set per model and dtype (what
+    tests/engine/triton_sm90_compile.py compiles for sm_90, asserting no spills).
+    16-bit on GPUs: a 128-row query tile, 64-key tiles and 8 warps (176 registers at head_dim
+    128 in bf16), as in Triton's fused-attention tutorial. fp32 runs its `tl.dot`s as exact FMA
+    loops whose operands all sit in registers: 64 x 32 tiles over 8 warps at head_dim <= 128
+    (a 128 x 64 tile spills hundreds of bytes). The interpreter gets 64 rows: the same code with
+    less padding on tiny test shapes."""
+    fp32 = dtype == torch.float32
+    if device.type != "cuda" or head_dim > 128:
+        block_m = 64
+    else:
+        block_m = 64 if fp32 else 128
     block_m = max(block_m, next_power_of_2(group))
     return dict(
         GROUP=group,
         TOKENS_PER_TILE=block_m // group,
         BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_N=32 if fp32 or head_dim > 128 else 64,
         BLOCK_D=next_power_of_2(head_dim),
+        OPERAND_DTYPE=operand_dtype(dtype),
         DOT_DTYPE=dot_dtype(dtype, device),
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=8 if block_m >= 128 or fp32 else 4,
         num_stages=2,
     )
 

@@ -1,16 +1,19 @@
-"""Compile duet's Triton kernels for an H100 (sm_90) on a machine without a GPU, with the launch
-configurations the wrappers pick, and print each kernel's resource use as JSON.
+"""Compile every Triton kernel variant duet ships for an H100 (sm_90) on a machine without a GPU,
+with the launch configurations the wrappers pick, and print each one's resource use as JSON.
 
 Run in its own process by tests/engine/test_triton_kernels.py: compiling needs `triton` imported
-without TRITON_INTERPRET (the test process interprets). Triton's wheel ships ptxas and cuobjdump,
-so this reaches real SASS: it catches what the lenient interpreter does not (tl.dot shape
-minimums, operand types, constexpr use) and register spills.
+without TRITON_INTERPRET (the test process interprets). Triton's wheel ships ptxas, so this
+reaches real SASS: it catches what the lenient interpreter does not (tl.dot shape minimums,
+operand types, constexpr use) and register spills, which ptxas reports.
+
+A variant is a (model shape, dtype, kernel): the decode kernel's split count is a runtime
+argument (triton_decode), so one variant serves every split count from 1 to MAX_SPLITS.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from engine.kernels.triton_cache import _write_kv_kernel
@@ -32,6 +36,10 @@ from engine.kernels.triton_prefill import _prefill_kernel, prefill_launch_config
 
 CUDA = torch.device("cuda")  # only its type is read: nothing touches a device
 TARGET = GPUTarget("cuda", 90, 32)
+# The dtypes EngineConfig accepts, with Triton's pointer type for the cache and activations.
+DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
+# Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
+MODELS = {"llama8b": (8, 4, 128), "smollm2": (3, 3, 64)}
 FP32_PTRS = {"part_out_ptr", "part_lse_ptr"}
 INT_PTRS = {
     "slot_ptr": "*i64",
@@ -42,11 +50,39 @@ INT_PTRS = {
     "prefill_indices_ptr": "*i32",
 }
 # Arguments a real launch sees as multiples of 16 at these shapes (Triton specialises on it).
-NOT_DIVISIBLE = {"qk_scale", "stride_bt", "num_kv_heads"}
+NOT_DIVISIBLE = {"qk_scale", "num_kv_heads"}
 
 
-def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, Any]:
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers, spill bytes and stack frame of the one kernel in `ptx`, as ptxas reports them."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as src:
+        src.write(ptx)
+        src.flush()
+        log = subprocess.run(
+            [get_ptxas(TARGET.arch).path, "-v", "--gpu-name=sm_90a", src.name, "-o", "/dev/null"],
+            capture_output=True, text=True, check=True, timeout=120,
+        ).stderr  # fmt: skip
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, log)
+        if found is None:
+            raise RuntimeError(f"ptxas -v printed no {pattern!r}:\n{log}")
+        return int(found.group(1))
+
+    return {
+        "regs": number(r"Used (\d+) registers"),
+        "spill_stores": number(r"(\d+) bytes spill stores"),
+        "spill_loads": number(r"(\d+) bytes spill loads"),
+        "stack": number(r"(\d+) bytes stack frame"),
+    }
+
+
+def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, int]:
+    """Compile `fn` as a launch with `config` would, for sm_90; its resource use."""
+    config = dict(config)
     options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
+    unspecialised = set(fn.do_not_specialize)
+    unaligned = set(fn.do_not_specialize_on_alignment)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in config:
@@ -54,51 +90,44 @@ def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, Any
             continue
         if name.endswith("_ptr"):
             signature[name] = INT_PTRS.get(name, "*fp32" if name in FP32_PTRS else dtype)
+            if name not in unaligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-        if name not in NOT_DIVISIBLE:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in NOT_DIVISIBLE and name not in unspecialised:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=config, attrs=attrs),
         target=TARGET,
         options=options,
     )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
-    fields = dict(
-        item.split(":", 1) for line in usage.splitlines() if "REG:" in line for item in line.split()
-    )
-    return {
-        "regs": int(fields["REG"]),
-        "stack": int(fields["STACK"]),
-        "local": int(fields["LOCAL"]),
-    }
+    return {**ptxas_usage(kernel.asm["ptx"]), "shared_bytes": kernel.metadata.shared}
+
+
+def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
+    """Every (kernel, pointer type, launch config) the wrappers launch for these models."""
+    variants = {}
+    for model, (kv_heads, group, head_dim) in MODELS.items():
+        for dtype_name, ptr in DTYPES.items():
+            dtype = getattr(torch, dtype_name)
+            name = f"{model}/{dtype_name}"
+            write = {"BLOCK_H": triton.next_power_of_2(kv_heads), "BLOCK_D": head_dim}
+            variants[f"{name}/write_kv"] = (_write_kv_kernel, ptr, {**write, "num_warps": 4})
+            decode = decode_launch_config(group, head_dim, dtype, CUDA)
+            variants[f"{name}/decode"] = (_decode_kernel, ptr, decode)
+            merge = merge_launch_config(head_dim, decode["BLOCK_N"])
+            variants[f"{name}/merge"] = (_merge_kernel, ptr, merge)
+            prefill = prefill_launch_config(group, head_dim, dtype, CUDA)
+            variants[f"{name}/prefill"] = (_prefill_kernel, ptr, prefill)
+    return variants
 
 
 def main() -> None:
-    results = {}
-    bf16 = torch.bfloat16
-    # Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
-    for model, group, head_dim in (("llama8b", 4, 128), ("smollm2", 3, 64)):
-        write = {"BLOCK_H": 8 if model == "llama8b" else 4, "BLOCK_D": head_dim, "num_warps": 4}
-        results[f"{model}/write_kv"] = compile_kernel(_write_kv_kernel, "*bf16", write)
-        for splits in (1, 8):
-            config = decode_launch_config(group, head_dim, splits, bf16, CUDA)
-            results[f"{model}/decode_splits{splits}"] = compile_kernel(
-                _decode_kernel, "*bf16", config
-            )
-        results[f"{model}/merge"] = compile_kernel(
-            _merge_kernel, "*bf16", merge_launch_config(8, head_dim)
-        )
-        results[f"{model}/prefill"] = compile_kernel(
-            _prefill_kernel, "*bf16", prefill_launch_config(group, head_dim, bf16, CUDA)
-        )
-    json.dump(results, sys.stdout)
+    results = {
+        name: compile_kernel(fn, ptr, config)
+        for name, (fn, ptr, config) in shipped_variants().items()
+    }
+    json.dump(results, sys.stdout, indent=1)
 
 
 if __name__ == "__main__":
