@@ -143,12 +143,49 @@ def check_worker_configs(
     from prefill_worker.config import PrefillWorkerConfig
 
     spec = build_spec(args, router, engine)
+    check_gpu_placement(args, spec)
     for role, config_cls in (("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)):
         try:
             config_cls.from_kwargs(**spec.worker_config(role))
         except InvalidInputError as e:
             fail_on_field(parser, e)
     return spec
+
+
+def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
+    """Refuse, before Ray starts, a GPU placement that would put a prefill rank and a decode
+    worker on one GPU while their KV moves over NCCL (torch_dist with CUDA caches), which
+    refuses two ranks of one communicator on one device. `ValueError` names the flags."""
+    import torch
+
+    if spec.engine.get("device", "auto") == "cpu" or spec.kv_backend == "tcp":
+        return  # CPU caches: KV moves over tcp or gloo
+    if not torch.cuda.is_available():
+        return
+    ways_out = (
+        "give each prefill rank and decode worker a whole GPU, serve aggregated (without "
+        "--disaggregated), or keep the model on the CPU (--device cpu)"
+    )
+    gpus = args.gpus_per_worker
+    if gpus is not None and gpus < 1:
+        raise ValueError(
+            f"--gpus-per-worker: {gpus:g} lets Ray put a prefill rank and a decode worker on one "
+            f"GPU, and NCCL (--kv-backend {spec.kv_backend}: torch_dist on GPUs) cannot move KV "
+            f"between two processes on one GPU; {ways_out}"
+        )
+    if args.ray_address:
+        return  # a cluster's GPUs are Ray's to place (one each, from --gpus-per-worker)
+    num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
+    num_decode = spec.decode_workers if spec.decode_workers is not None else 1
+    needed = num_prefill * spec.prefill_tp + num_decode
+    have = torch.cuda.device_count()
+    if needed > have:
+        raise ValueError(
+            f"--prefill-workers {num_prefill} x --prefill-tp {spec.prefill_tp} + "
+            f"--decode-workers {num_decode} need {needed} GPUs, one each (NCCL cannot move KV "
+            f"between two processes on one GPU); this machine has {have}: lower them, or "
+            f"{ways_out}"
+        )
 
 
 def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError
 from kv_transfer.factory import check_backend_name
+from kv_transfer.staging import transfer_reservations
 
 
 @dataclass
@@ -25,8 +26,26 @@ class DecodeWorkerConfig(EngineConfig):
     kv_wait_s: float = 90.0
     """Default wait for a reserved request's KV; must exceed the prefill side's lease."""
 
+    kv_staged_requests: int = 2
+    """On a GPU with the pool sized from free memory: whole `max_model_len`-token requests
+    whose KV transfer staging buffers the pool leaves room for (the staging pool keeps two
+    idle buffers; more concurrent long transfers need more)."""
+    kv_nccl_peers: int = 4
+    """On a GPU with the pool sized from free memory: NCCL communicators (one per peer
+    worker a torch_dist channel joins) the pool leaves room for."""
+
+    def device_reservations(self, block_bytes: int, max_model_len: int) -> dict[str, int]:
+        return transfer_reservations(
+            self.kv_backend, block_bytes, self.block_size, max_model_len,
+            self.kv_staged_requests, self.kv_nccl_peers,
+        )  # fmt: skip
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("kv_staged_requests", "kv_nccl_peers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(name, f"must be an integer >= 0; got {value!r}")
         try:
             check_backend_name(self.kv_backend)
         except ValueError as e:

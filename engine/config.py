@@ -9,6 +9,7 @@ from typing import Any, Self
 
 import torch
 
+from engine.device import resolve_device
 from engine.errors import InvalidInputError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -115,10 +116,15 @@ class EngineConfig:
             )
         return cls(**kwargs)
 
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+    def resolve_device(self, rank: int = 0) -> torch.device:
+        """This tensor-parallel rank's device, indexed on CUDA (`engine.device`)."""
+        return resolve_device(self.device, rank)
+
+    def device_reservations(self, block_bytes: int, max_model_len: int) -> dict[str, int]:
+        """GPU memory (name -> bytes) that the KV pool sized from free memory must leave for
+        consumers the warm-up does not see. None for an engine on its own; the worker configs
+        add KV transfer's staging buffers and NCCL communicators."""
+        return {}
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

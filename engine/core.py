@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine.device import bind_thread
 from engine.errors import InvalidInputError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
@@ -306,6 +307,7 @@ class EngineCore:
         try:
             if self._build is not None:
                 self.engine = self._build()
+            bind_thread(self.engine.device)  # per thread: an engine built elsewhere too
             self.role.start()
         except BaseException as e:  # start-up failed: `wait_ready` raises it
             logger.exception("%s failed to start", self.name)

@@ -14,15 +14,12 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cpu_runtime import configure_cpu_runtime
+from engine.device import bind_thread
 from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_sizing import size_kv_pool
 from engine.loader import load_model
-from engine.model_runner import (
-    ModelRunner,
-    kv_cache_bytes_per_block,
-    num_kv_blocks_for_gpu_memory,
-    resolve_attention_backend,
-)
+from engine.model_runner import ModelRunner, resolve_attention_backend
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
@@ -89,7 +86,8 @@ class LLMEngine:
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = config.resolve_device()
+        self.device = config.resolve_device(tp.rank)
+        bind_thread(self.device)  # the thread that builds the engine runs it (EngineCore)
         if self.device.type == "cpu":
             configure_cpu_runtime()
         self.dtype = config.resolve_dtype(self.device)
@@ -111,28 +109,12 @@ class LLMEngine:
             loaded.arch.max_position_embeddings,
         )
         arch = loaded.arch
-        block_bytes = kv_cache_bytes_per_block(
-            arch.num_hidden_layers,
-            config.block_size,
-            loaded.model.num_kv_heads,
-            arch.head_dim,
-            self.dtype,
+        use_triton = self.device.type == "cuda" and (
+            resolve_attention_backend(config.attention_backend, self.device, self.dtype) == "triton"
         )
-        if config.num_kv_blocks is not None:
-            self.num_blocks = config.num_kv_blocks
-        elif self.device.type == "cuda":
-            backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
-            self.num_blocks = num_kv_blocks_for_gpu_memory(
-                loaded.model,
-                config.block_size,
-                self.dtype,
-                self.device,
-                config.gpu_memory_utilization,
-                config.max_num_batched_tokens,
-                use_triton=backend == "triton",
-            )
-        else:
-            self.num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+        self.num_blocks = size_kv_pool(
+            config, loaded.model, self.device, self.dtype, tp, self.max_model_len, use_triton
+        )
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.runner = ModelRunner(

@@ -42,6 +42,15 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def agree_min(self, value: int, device: torch.device) -> int:
+        """The smallest `value` over the group's ranks (every rank must call it at the same
+        point). `device`: the engine's (NCCL reduces CUDA tensors, gloo CPU ones)."""
+        if not self.enabled:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension (rank order)."""
         if not self.enabled:

@@ -70,3 +70,32 @@ class StagingLease:
             last = self._holders == 0
         if last and self._reusable:
             self._pool.give(self._buf)
+
+
+NCCL_COMM_BYTES = 256 << 20
+"""Device memory budgeted per NCCL communicator (one per torch_dist channel: a prefill rank
+has one per decode worker it sends to, a decode worker one per prefill rank): NCCL's
+per-peer buffers (`NCCL_BUFFSIZE`, 4 MiB by default, per channel and direction) and its
+internal state. An estimate: NCCL does not report it."""
+
+
+def transfer_reservations(
+    kv_backend: str,
+    block_bytes: int,
+    block_size: int,
+    max_model_len: int,
+    num_staged_requests: int,
+    num_nccl_peers: int,
+) -> dict[str, int]:
+    """GPU memory (name -> bytes) a worker's KV pool sized from free memory leaves for KV
+    transfer with caches on CUDA: staging buffers for `num_staged_requests` requests of
+    `max_model_len` tokens (each side stages a whole request, in its own layout; the pool keeps
+    two idle buffers, so budget at least two) and `num_nccl_peers` NCCL communicators
+    (torch_dist, the backend for CUDA caches; "local" moves blocks without either)."""
+    if kv_backend == "local":
+        return {}
+    blocks_per_request = -(-max_model_len // block_size)
+    return {
+        "kv_staging": num_staged_requests * blocks_per_request * block_bytes,
+        "nccl": num_nccl_peers * NCCL_COMM_BYTES,
+    }

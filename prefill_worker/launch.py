@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from engine.device import bind_thread
 from engine.parallel import SINGLE, TensorParallel
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -26,8 +27,7 @@ def init_tensor_parallel(
         # gloo would otherwise bind the interface of the host's name, which may not route.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    bind_thread(device)  # NCCL's set-up runs on this thread; the engine thread binds its own
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -47,6 +47,6 @@ def start_prefill_rank(
     if config.tensor_parallel_size > 1 and init_method is None:
         raise ValueError("tp_init_method: required when tensor_parallel_size > 1")
     tp, control = init_tensor_parallel(
-        rank, config.tensor_parallel_size, init_method or "", config.resolve_device()
+        rank, config.tensor_parallel_size, init_method or "", config.resolve_device(rank)
     )
     return PrefillWorker(config, tp, name=name, control_group=control)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from engine.device import bind_thread
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.inbox import Arrival, InboxKVReceiver
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
@@ -91,6 +92,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
             thread.start()
 
     def _serve_channel(self, cid: str) -> None:
+        bind_thread(self.kv_caches[0].device)
         store = self._client(self.timeout_s)
         sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
         try:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from engine.device import bind_thread
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks
 from kv_transfer.chunks import layer_chunks
@@ -221,6 +222,7 @@ class TorchDistKVSender(KVSender):
         return job
 
     def _send_loop(self) -> None:
+        bind_thread(self.kv_caches[0].device)
         while (batch := self._jobs.get()) is not None:
             stream = self._send_stream
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

@@ -1,5 +1,6 @@
 """TP=2 (two gloo ranks on loopback) produces the same greedy tokens as TP=1, logprobs within
-fp32 tolerance, each rank caching half the KV heads."""
+fp32 tolerance, each rank caching half the KV heads; ranks given different KV budgets agree on
+the smallest pool (their schedulers must make identical decisions)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from engine import LLM, InvalidInputError, SamplingParams
 from tests.net import free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
+BUDGETS = (2 << 20, 1 << 20)  # kv_cache_memory_bytes of rank 0, rank 1
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])
@@ -37,6 +39,7 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
                 str(port),
                 str(prompts_file),
                 str(tmp_path / f"r{rank}.json"),
+                str(BUDGETS[rank]),
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -56,6 +59,7 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
     for r in ranks:
         assert r["tokens"] == [o.token_ids for o in ref]
         assert r["kv_heads"] == 1  # 2 KV heads split over 2 ranks
+        assert r["num_blocks"] == min(BUDGETS) // r["block_bytes"]  # rank 1's pool, on both
         for lps, o in zip(r["logprobs"], ref, strict=True):
             torch.testing.assert_close(
                 torch.tensor(lps),

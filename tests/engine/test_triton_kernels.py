@@ -250,7 +250,7 @@ class TestOnCuda:
         assert tokens[False] == tokens[True]
 
     def test_kv_pool_sized_from_free_memory(self, tiny_model_factory):
-        from engine.model_runner import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
+        from engine.kv_sizing import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
 
         llm = LLM(
             tiny_model_factory("llama"), dtype="bfloat16", device="cuda", num_kv_blocks=4,

@@ -1,5 +1,5 @@
 """One rank of a tensor-parallel engine, run as a script by test_tensor_parallel.py:
-python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON"""
+python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.parallel import TensorParallel
 
 
 def main() -> None:
-    model, rank, world, port, prompts_file, out_file = sys.argv[1:7]
+    model, rank, world, port, prompts_file, out_file, kv_bytes = sys.argv[1:8]
     rank, world = int(rank), int(world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -25,13 +25,18 @@ def main() -> None:
     tp = TensorParallel(rank, world, dist.group.WORLD)
     with open(prompts_file) as f:
         prompts = json.load(f)
-    llm = LLM(model, tp=tp, dtype="float32", tensor_parallel_size=world, load_progress=False)
+    llm = LLM(
+        model, tp=tp, dtype="float32", tensor_parallel_size=world, load_progress=False,
+        kv_cache_memory_bytes=int(kv_bytes),
+    )  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params)
     result = {
         "tokens": [o.token_ids for o in outs],
         "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
         "kv_heads": llm.engine.runner.kv_caches[0].shape[3],
+        "num_blocks": llm.engine.num_blocks,
+        "block_bytes": sum(c[:, :1].nbytes for c in llm.engine.runner.kv_caches),
     }
     with open(out_file, "w") as f:
         json.dump(result, f)

@@ -1,6 +1,7 @@
 """A TP=2 prefill group (two processes on loopback gloo, rank 0 serving gRPC) ships the KV
 heads of each rank to a TP=1 decode worker, which reassembles them: the same greedy tokens as
-the aggregated engine, prefix-cache hits on the prefill side, and whole pools afterwards."""
+the aggregated engine, prefix-cache hits on the prefill side, and whole pools afterwards. The
+ranks are given different pool sizes and agree on the smallest."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ def prefill_group(request, tiny_model_factory):
     """Two ranks of one group; `tcp` lands each rank's head shard in a staging buffer the decode
     worker scatters, torch_dist every transfer."""
     model = tiny_model_factory("llama")
-    config = json.dumps(
-        {"model": model, **ENGINE, "tensor_parallel_size": 2, "kv_backend": request.param}
-    )
+    configs = [
+        json.dumps({"model": model, **ENGINE, "tensor_parallel_size": 2,
+                    "kv_backend": request.param, "num_kv_blocks": num_blocks})
+        for num_blocks in (300, 256)  # rank 0's, rank 1's: the group agrees on 256
+    ]  # fmt: skip
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
@@ -41,7 +44,7 @@ def prefill_group(request, tiny_model_factory):
                 "-m",
                 "prefill_worker",
                 "--config",
-                config,
+                configs[rank],
                 "--tp-rank",
                 str(rank),
                 "--tp-init-method",

@@ -1,0 +1,227 @@
+"""How many KV blocks an engine's pool gets: from a byte budget (CPU) or from what a GPU has
+left once the weights, a warm-up's activations and every other known consumer (transfer
+staging, NCCL communicators, the CUDA-graph pool) are counted; never more than the kernels'
+32-bit offsets address; and the same on every rank of a tensor-parallel group, whose
+schedulers must make identical decisions."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.errors import InvalidInputError
+from engine.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.model import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+GRAPH_MAX_SPLITS = 16
+"""Most split-K partials per decode row a captured graph may hold (the decode kernel's cap)."""
+_GIB = 1 << 30
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def max_addressable_blocks(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Most blocks one layer's cache `[2, num_blocks, block_size, Hkv, D]` may hold so that the
+    offset of each of its elements fits a signed 32-bit integer (the Triton kernels compute
+    `block id * block stride` in int32)."""
+    return INT32_MAX // (2 * block_size * num_kv_heads * head_dim)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """What one GPU holds once the weights are loaded and a warm-up forward ran (bytes)."""
+
+    total_bytes: int
+    others_bytes: int  # other processes, the CUDA context, NCCL communicators made so far
+    weights_bytes: int  # allocated by this process before the warm-up
+    activation_bytes: int  # the warm-up's peak above the weights and its own KV
+    num_warmup_tokens: int  # tokens of that warm-up forward
+
+
+def plan_gpu_kv_blocks(
+    memory: GpuMemory, utilization: float, block_bytes: int, reserved: Mapping[str, int]
+) -> int:
+    """Blocks that fit in `utilization` of the GPU once `memory`'s consumers and the `reserved`
+    ones (name -> bytes: staging, NCCL, CUDA graphs) are counted. Raises `InvalidInputError`
+    naming every term when not one block fits."""
+    used = memory.others_bytes + memory.weights_bytes + memory.activation_bytes
+    budget = int(memory.total_bytes * utilization) - used - sum(reserved.values())
+    if budget < block_bytes:
+        terms = ", ".join(f"{name} {b / _GIB:.2f} GiB" for name, b in reserved.items())
+        raise InvalidInputError(
+            "gpu_memory_utilization",
+            f"{utilization} of {memory.total_bytes / _GIB:.1f} GiB leaves no room for KV blocks: "
+            f"weights take {memory.weights_bytes / _GIB:.2f} GiB, activations "
+            f"{memory.activation_bytes / _GIB:.2f} GiB, other processes "
+            f"{memory.others_bytes / _GIB:.2f} GiB" + (f", {terms}" if terms else "") + "; "
+            "raise it (at most 1.0), lower max_num_batched_tokens, or reserve less",
+        )
+    return budget // block_bytes
+
+
+def graph_pool_bytes(memory: GpuMemory, max_num_seqs: int, num_heads: int, head_dim: int) -> int:
+    """An upper estimate of the decode CUDA graphs' private memory pool: the activations of a
+    `max_num_seqs`-token forward at the warm-up's bytes per token (which include its logits,
+    which the graphs do not hold) plus the fp32 split-K partials of every row."""
+    per_token = -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
+    partials = max_num_seqs * num_heads * GRAPH_MAX_SPLITS * (head_dim + 2) * 4
+    return per_token * max_num_seqs + partials
+
+
+def measure_gpu_memory(
+    model: LlamaForCausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_num_batched_tokens: int,
+    use_triton: bool,
+) -> GpuMemory:
+    """Run a warm-up forward of one `max_num_batched_tokens`-token prompt (with the logits of
+    every row: an upper bound on a step's) and read the GPU's memory around it. CUDA only."""
+    cfg = model.config
+    num_tokens = max_num_batched_tokens
+    warm_blocks = -(-num_tokens // block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    caches = [
+        torch.zeros(
+            (2, warm_blocks, block_size, model.num_kv_heads, cfg.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    warm_cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+    meta = AttentionMetadata.build(
+        [num_tokens],
+        [num_tokens],
+        [list(range(warm_blocks))],
+        block_size,
+        device,
+        triton_num_kv_heads=model.num_kv_heads if use_triton else None,
+    )
+    with torch.inference_mode():
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
+        hidden = model(ids, positions, caches, meta)
+        model.compute_logits(hidden)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - warm_cache_bytes
+    del caches, hidden, meta
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemory(
+        total_bytes=total,
+        others_bytes=total - free - torch.cuda.memory_reserved(device),
+        weights_bytes=weights,
+        activation_bytes=max(0, peak - weights),
+        num_warmup_tokens=num_tokens,
+    )
+
+
+def num_kv_blocks_for_gpu_memory(
+    model: LlamaForCausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    use_triton: bool,
+    *,
+    reserved: Mapping[str, int] | None = None,
+    graph_max_num_seqs: int = 0,
+) -> int:
+    """KV blocks that fit in `gpu_memory_utilization` of the GPU (see `measure_gpu_memory`,
+    `plan_gpu_kv_blocks`); `graph_max_num_seqs` > 0 also reserves the CUDA-graph pool of
+    decode batches of up to that many requests. CUDA only."""
+    cfg = model.config
+    memory = measure_gpu_memory(
+        model, block_size, dtype, device, max_num_batched_tokens, use_triton
+    )
+    reserve = dict(reserved or {})
+    if graph_max_num_seqs > 0:
+        num_heads = cfg.num_attention_heads // model.tp.world_size
+        reserve["cuda_graphs"] = graph_pool_bytes(
+            memory, graph_max_num_seqs, num_heads, cfg.head_dim
+        )
+    block_bytes = kv_cache_bytes_per_block(
+        cfg.num_hidden_layers, block_size, model.num_kv_heads, cfg.head_dim, dtype
+    )
+    num_blocks = plan_gpu_kv_blocks(memory, gpu_memory_utilization, block_bytes, reserve)
+    logger.info(
+        "GPU memory: %.2f GiB total, weights %.2f, activations %.2f, others %.2f, %s; "
+        "KV pool %d blocks",
+        memory.total_bytes / _GIB, memory.weights_bytes / _GIB, memory.activation_bytes / _GIB,
+        memory.others_bytes / _GIB,
+        ", ".join(f"{k} {v / _GIB:.2f}" for k, v in reserve.items()) or "nothing reserved",
+        num_blocks,
+    )  # fmt: skip
+    return num_blocks
+
+
+def size_kv_pool(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+    max_model_len: int,
+    use_triton: bool,
+) -> int:
+    """The engine's block count: `num_kv_blocks`, else what the GPU has left (CUDA) or
+    `kv_cache_memory_bytes` (CPU); clamped to what 32-bit offsets address; the minimum over
+    the tensor-parallel group (every rank calls this at the same point)."""
+    cfg = model.config
+    block_bytes = kv_cache_bytes_per_block(
+        cfg.num_hidden_layers, config.block_size, model.num_kv_heads, cfg.head_dim, dtype
+    )
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif device.type == "cuda":
+        graphs = not config.enforce_eager and use_triton and not tp.enabled
+        num_blocks = num_kv_blocks_for_gpu_memory(
+            model,
+            config.block_size,
+            dtype,
+            device,
+            config.gpu_memory_utilization,
+            config.max_num_batched_tokens,
+            use_triton,
+            reserved=config.device_reservations(block_bytes, max_model_len),
+            graph_max_num_seqs=config.max_num_seqs if graphs else 0,
+        )
+    else:
+        num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+    limit = max_addressable_blocks(config.block_size, model.num_kv_heads, cfg.head_dim)
+    if num_blocks > limit:
+        logger.warning(
+            "KV pool clamped from %d to %d blocks: one layer's cache may hold at most 2^31 - 1 "
+            "elements (32-bit offsets in the attention kernels)",
+            num_blocks, limit,
+        )  # fmt: skip
+        num_blocks = limit
+    agreed = tp.agree_min(num_blocks, device)
+    if agreed != num_blocks:
+        logger.info(
+            "tensor-parallel rank %d: %d KV blocks fit here; the group agreed on %d",
+            tp.rank, num_blocks, agreed,
+        )  # fmt: skip
+    return agreed

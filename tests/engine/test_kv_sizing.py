@@ -1,0 +1,136 @@
+"""KV pool sizing with faked GPU memory (CPU only): transfer staging, NCCL communicators and
+the CUDA-graph pool are left out of the pool, and no pool outgrows 32-bit kernel offsets."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from decode_worker.config import DecodeWorkerConfig
+from engine import kv_sizing
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
+from engine.kv_sizing import (
+    INT32_MAX,
+    GpuMemory,
+    graph_pool_bytes,
+    kv_cache_bytes_per_block,
+    max_addressable_blocks,
+    plan_gpu_kv_blocks,
+    size_kv_pool,
+)
+from engine.parallel import SINGLE
+from kv_transfer.staging import NCCL_COMM_BYTES
+from prefill_worker.config import PrefillWorkerConfig
+
+GIB = 1 << 30
+MIB = 1 << 20
+CUDA = torch.device("cuda", 0)  # only passed along: the measurement is faked
+# Llama-3.1-8B's KV: 32 layers, 8 KV heads of 128, bf16, 16-token blocks: 2 MiB a block.
+LLAMA_8B_BLOCK = kv_cache_bytes_per_block(32, 16, 8, 128, torch.bfloat16)
+H100 = GpuMemory(
+    total_bytes=80 * GIB,
+    others_bytes=1 * GIB,
+    weights_bytes=15 * GIB,
+    activation_bytes=2 * GIB,
+    num_warmup_tokens=2048,
+)
+
+
+def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) -> SimpleNamespace:
+    config = SimpleNamespace(
+        num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads
+    )
+    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE)
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch):
+    """Replace the warm-up measurement with `memory` (set the returned box's item)."""
+    box: list[GpuMemory] = [H100]
+    monkeypatch.setattr(kv_sizing, "measure_gpu_memory", lambda *a: box[0])
+    return box
+
+
+def test_plan_counts_every_consumer() -> None:
+    assert LLAMA_8B_BLOCK == 2 * MIB
+    budget = int(80 * GIB * 0.9) - (1 + 15 + 2) * GIB  # 54 GiB
+    assert plan_gpu_kv_blocks(H100, 0.9, LLAMA_8B_BLOCK, {}) == budget // (2 * MIB)
+    reserved = {"kv_staging": 8 * GIB, "nccl": 1 * GIB, "cuda_graphs": 512 * MIB}
+    assert plan_gpu_kv_blocks(H100, 0.9, LLAMA_8B_BLOCK, reserved) == (budget - int(9.5 * GIB)) // (
+        2 * MIB
+    )
+
+
+def test_plan_with_no_room_names_every_term() -> None:
+    with pytest.raises(InvalidInputError) as info:
+        plan_gpu_kv_blocks(H100, 0.25, LLAMA_8B_BLOCK, {"kv_staging": 8 * GIB})
+    assert info.value.field == "gpu_memory_utilization"
+    message = str(info.value)
+    for term in ("weights take 15.00 GiB", "activations 2.00 GiB", "kv_staging 8.00 GiB"):
+        assert term in message
+
+
+def test_worker_configs_reserve_staging_for_whole_requests_and_nccl() -> None:
+    # One 32k-token Llama-8B prompt stages 2048 blocks: 4 GiB on each side.
+    want = {"kv_staging": 2 * 4 * GIB, "nccl": 4 * NCCL_COMM_BYTES}
+    for config_cls in (PrefillWorkerConfig, DecodeWorkerConfig):
+        assert config_cls().device_reservations(LLAMA_8B_BLOCK, 32768) == want
+        assert config_cls(kv_backend="local").device_reservations(LLAMA_8B_BLOCK, 32768) == {}
+        three = config_cls(kv_staged_requests=3, kv_nccl_peers=1)
+        assert three.device_reservations(LLAMA_8B_BLOCK, 32768) == {
+            "kv_staging": 12 * GIB,
+            "nccl": NCCL_COMM_BYTES,
+        }
+    assert EngineConfig().device_reservations(LLAMA_8B_BLOCK, 32768) == {}
+    with pytest.raises(InvalidInputError) as info:
+        PrefillWorkerConfig(kv_staged_requests=-1)
+    assert info.value.field == "kv_staged_requests"
+
+
+def test_graph_pool_estimate() -> None:
+    # 1 MiB of activations per warm-up token; 256 rows of 32 heads, 16 splits of 130 fp32.
+    memory = GpuMemory(80 * GIB, 0, 0, 2048 * MIB, 2048)
+    assert graph_pool_bytes(memory, 256, 32, 128) == 256 * MIB + 256 * 32 * 16 * 130 * 4
+
+
+def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> None:
+    model = fake_model(32, 8, 128, 32)
+    plain = size_kv_pool(EngineConfig(), model, CUDA, torch.bfloat16, SINGLE, 32768, True)
+    assert plain == (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
+    worker = PrefillWorkerConfig()
+    staging_and_nccl = 8 * GIB + 4 * NCCL_COMM_BYTES
+    assert size_kv_pool(worker, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
+        plain - staging_and_nccl // LLAMA_8B_BLOCK
+    )
+    graphs = DecodeWorkerConfig(enforce_eager=False, max_num_seqs=256)
+    graph_bytes = graph_pool_bytes(H100, 256, 32, 128)
+    assert (
+        size_kv_pool(graphs, model, CUDA, torch.bfloat16, SINGLE, 32768, True)
+        == (int(80 * GIB * 0.9) - 18 * GIB - staging_and_nccl - graph_bytes) // LLAMA_8B_BLOCK
+    )
+
+
+def test_tiny_model_on_a_huge_gpu_is_clamped_to_32_bit_offsets(
+    measured, caplog: pytest.LogCaptureFixture
+) -> None:
+    measured[0] = GpuMemory(80 * GIB, 0, 1 * MIB, 1 * MIB, 2048)
+    model = fake_model(2, 2, 16, 4)  # 2 layers, 2 KV heads of 16: 8 KiB a block in fp32
+    limit = max_addressable_blocks(16, 2, 16)
+    assert limit == INT32_MAX // (2 * 16 * 2 * 16)
+    with caplog.at_level(logging.WARNING, logger="engine.kv_sizing"):
+        num_blocks = size_kv_pool(
+            EngineConfig(), model, CUDA, torch.float32, SINGLE, 2048, True
+        )  # 72 GiB - 2 MiB: 9436928 blocks
+    assert num_blocks == limit
+    assert 2 * num_blocks * 16 * 2 * 16 <= INT32_MAX < 2 * (num_blocks + 1) * 16 * 2 * 16
+    assert f"KV pool clamped from 9436928 to {limit} blocks" in caplog.text
+    # An explicit count and a CPU budget are held to the same limit.
+    explicit = EngineConfig(num_kv_blocks=limit + 5)
+    assert size_kv_pool(explicit, model, CUDA, torch.float32, SINGLE, 2048, True) == limit
+    cpu_budget = EngineConfig(kv_cache_memory_bytes=1 << 40)
+    cpu = torch.device("cpu")
+    assert size_kv_pool(cpu_budget, model, cpu, torch.float32, SINGLE, 2048, False) == limit
