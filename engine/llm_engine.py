@@ -129,6 +129,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
+        self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
+        """Whether a request's tokens are independent of its batch, chunking and prefix hits
+        (docs/determinism.md): the CPU kernels and linears probed invariant at load."""
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from engine.errors import ModelLoadError
 from engine.kernels.cpu import cpu_kernels_enabled
-from engine.model import LlamaForCausalLM, ModelArchConfig
+from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from engine.parallel import SINGLE, TensorParallel
 from engine.tokenizer import Tokenizer
 
@@ -26,6 +26,7 @@ class LoadedModel:
     arch: ModelArchConfig
     tokenizer: Tokenizer
     name: str  # what users call it (served model id)
+    linears_batch_invariant: bool = False  # each row's bits independent of the batch (probed)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -145,7 +146,9 @@ def load_model(
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
-    return LoadedModel(net, arch, source.tokenizer, name)
+    # NOTE: cuBLAS is not batch-invariant; GPUs are not probed (docs/determinism.md).
+    invariant = device.type == "cpu" and row_invariant.check_model(net, dtype).ok
+    return LoadedModel(net, arch, source.tokenizer, name, invariant)
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:

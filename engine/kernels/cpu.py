@@ -33,7 +33,10 @@ _SOURCES = [
         "copy_cpu.cpp",
     )
 ]
-_HEADERS = [os.path.join(_DIR, name) for name in ("cpu_ops.h", "cpu_simd.h", "paged_common.h")]
+_HEADERS = [
+    os.path.join(_DIR, name)
+    for name in ("attention_order.h", "cpu_ops.h", "cpu_simd.h", "paged_common.h")
+]
 # float32 and bfloat16 only: the kernels' element formats.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -8,19 +8,21 @@
 // seq_lens:     [B] int64
 // token_indices:[B] int64
 //
-// A work item is one sequence (or a token range of one) with all its heads. It walks the
-// sequence's blocks once, in order; a block's rows of all heads are contiguous in the cache, so
-// memory is read in runs of block_size rows. Per block and KV head, its G = H / Hkv query heads
-// are handled together as small matrix products: scores of the G query rows against the
-// block's keys (four keys at a time, so one horizontal reduction serves four dot products), an
-// online softmax (running max and sum, a vectorised exp), then the block's values weighted
-// into G accumulators held in registers. bf16 is widened to fp32 in registers, two vectors per
-// load (see load_vec).
+// A work item is a partition of one sequence (attention_order.h: fixed token ranges, so a
+// sequence's output never depends on the batch or the threads) with all its heads. It walks
+// the partition's blocks once, in order; a block's rows of all heads are contiguous in the
+// cache, so memory is read in runs of block_size rows. Per block and KV head, its G = H / Hkv
+// query heads are handled together: scores of the G query rows against the block's keys (four
+// keys at a time, one horizontal reduction for four dot products, each key widened once for
+// all G heads when the rows are short), an online softmax per run of keys (a vectorised exp),
+// then the run's values weighted into G accumulators held in registers. The arithmetic per
+// query row is exactly the prefill kernel's (attention_order.h), so a token's output has the
+// same bits from either kernel. bf16 is widened to fp32 in registers (values two vectors per
+// load, see load_vec).
 //
 // Threads take items from a shared counter, longest first, so a core slowed by another process
-// just takes fewer items. Long sequences are split into token ranges when there are too few
-// items to keep every thread busy; the partial results (max, sum, unnormalised output) are
-// merged afterwards.
+// just takes fewer items. The partial results of a sequence of several partitions (max, sum,
+// unnormalised output) are folded afterwards, in position order.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -33,6 +35,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "attention_order.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
 #include "paged_common.h"
@@ -41,8 +44,6 @@ namespace duet {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kMinChunkTokens = 128;  // shorter token ranges cost more to merge than they save
-constexpr int64_t kItemsPerThread = 4;    // split long sequences until there are this many
 
 struct Item {
   int64_t b, begin, end;  // tokens [begin, end) of sequence b, all heads
@@ -108,7 +109,7 @@ inline void prefetch_block_l2(const T* kc, const T* vc, int64_t offset, int64_t 
 }
 
 struct Scratch {  // per thread, reused across items
-  std::vector<float> q, scores, acc, maxima, sums;
+  std::vector<float> q, scores, weights, acc, maxima, sums;
 };
 
 // The value half of a block for a KV head: acc[g] += sum_t p[g, t] v_t for its G query
@@ -180,9 +181,10 @@ inline void pv_group(const PV<E, W>& P, float* acc, int64_t G) {
 template <int W, int ND>
 constexpr bool kSharedKeys = W >= 4 && ND > 0 && 4 * ND <= kAccRegs<W> - 8;
 
-// One item, block by block (see the top of the file). The next block is prefetched: blocks sit
-// anywhere in the cache, which hardware prefetchers cannot guess. E: element format; W: lanes;
-// ND: vectors per head row (0: known only at run time).
+// One item (a partition of a sequence), block by block, in the order of attention_order.h;
+// the next block is prefetched: blocks sit anywhere in the cache, which hardware prefetchers
+// cannot guess. E: element format; W: lanes; ND: vectors per head row (0: known only at run
+// time).
 template <typename E, int W, int ND>
 void attend(const Problem& P, const Item& it, Scratch& s) {
   using F = typename Vec<W>::F;
@@ -191,25 +193,30 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   // Locals, not P's fields: the compiler can then keep them in registers across stores.
   const int64_t D = P.D, G = P.G, H = P.H, Hkv = P.Hkv, BS = P.BS, row = P.row,
                 block = P.block;
-  const int64_t begin = it.begin, end = it.end, BSpad = (BS + W - 1) / W * W;
+  const int64_t L = run_length<W>(BS);
+  // Score rows: BS keys, rounded up to whole quads, and room for a run's full vector.
+  const int64_t begin = it.begin, end = it.end, BSpad = (BS + 3) / 4 * 4 + W;
   const int nd = ND > 0 ? ND : static_cast<int>(D / W);
   const raw* q = static_cast<const raw*>(P.q) + P.rows[it.b] * H * D;
   const raw* kc = static_cast<const raw*>(P.kc);
   const raw* vc = static_cast<const raw*>(P.vc);
   const int64_t* table = P.tables + it.b * P.max_blocks;
   s.q.resize(H * D);
-  s.scores.resize(G * BSpad);
+  s.scores.assign(G * BSpad, 0.f);
+  s.weights.assign(G * BSpad, 0.f);
   s.acc.assign(H * D, 0.f);
   s.maxima.assign(H, -INFINITY);
   s.sums.assign(H, 0.f);
   float* __restrict__ qf = s.q.data();
   float* __restrict__ scores = s.scores.data();
+  float* __restrict__ weights = s.weights.data();  // a run's p, at the run's offset
   float* __restrict__ acc_all = s.acc.data();
   float* __restrict__ maxima = s.maxima.data();
   float* __restrict__ sums = s.sums.data();
+  // q in row order (the scores' order of arithmetic is fixed by it, attention_order.h).
   for (int64_t h = 0; h < H; ++h)
     for (int i = 0; i < nd; ++i)
-      store_f32<W>(qf + h * D + i * W, load_vec<E, W, ND>(q + h * D, i) * P.scale);
+      store_f32<W>(qf + h * D + i * W, E::template load<W>(q + h * D + i * W) * P.scale);
 
   const int64_t j0 = begin / BS, j1 = (end + BS - 1) / BS;
   for (int64_t j = j0; j < j1; ++j) {
@@ -227,107 +234,62 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
       float* acc = acc_all + kvh * G * D;
       const raw* k_next = next_block >= 0 ? kc + next_block + kvh * D : nullptr;
       const raw* v_next = next_block >= 0 ? vc + next_block + kvh * D : nullptr;
-      // Keys four at a time, each widened once for all G heads (short rows: they fit in
-      // registers); the per-head loop below then does the rest.
-      int64_t quads_done = 0;
-      if constexpr (kSharedKeys<W, ND>) {
-        for (; quads_done + 4 <= n; quads_done += 4) {
-          const raw* kr = k + quads_done * row;
-          if (k_next != nullptr)
-            for (int r = 0; r < 4; ++r)
-              prefetch_part(k_next + (quads_done + r) * row, row_bytes, 0, 1);
+      // scores[g, t] = q_g . k_t, four keys at a time; a last partial quad repeats key n - 1.
+      for (int64_t t = 0; t < n; t += 4) {
+        const raw* kr[4];
+        for (int r = 0; r < 4; ++r) kr[r] = k + std::min(t + r, n - 1) * row;
+        if (k_next != nullptr)
+          for (int r = 0; r < 4; ++r) prefetch_part(k_next + (t + r) * row, row_bytes, 0, 1);
+        if constexpr (kSharedKeys<W, ND>) {  // each key widened once for all G heads
           F kv[4][ND];
 #pragma GCC unroll 16
           for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 16
-            for (int i = 0; i < ND; ++i) kv[r][i] = load_vec<E, W, ND>(kr + r * row, i);
+            for (int i = 0; i < ND; ++i) kv[r][i] = E::template load<W>(kr[r] + i * W);
+          for (int64_t g = 0; g < G; ++g)
+            store_f32<4>(scores + g * BSpad + t,
+                         dot4<W, ND>(qf + (kvh * G + g) * D, nd,
+                                     [&](int r, int i) { return kv[r][i]; }));
+        } else {
+          for (int64_t g = 0; g < G; ++g)
+            store_f32<4>(scores + g * BSpad + t,
+                         dot4<W, ND>(qf + (kvh * G + g) * D, nd, [&](int r, int i) {
+                           return E::template load<W>(kr[r] + i * W);
+                         }));
+        }
+      }
+      for (int64_t r0 = 0; r0 < n; r0 += L) {  // the block's runs, in order
+        const int64_t nv = std::min(L, n - r0);
+        const typename Vec<W>::I valid = first_lanes<W>(nv);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = kvh * G + g;
+          float rescale;
+          const F p = softmax_run<W>(load_f32<W>(scores + g * BSpad + r0), valid, maxima[h],
+                                     sums[h], rescale);
+          if (rescale != 1.f)
+            for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= rescale;
+          store_f32<W>(weights + g * BSpad + r0, p);
+        }
+        // acc[g] += sum_t p[g, t] v_t over the run, each v_t widened once for C heads.
+        const raw* vr = v + r0 * row;
+        if constexpr (ND > 0) {
+          const PV<E, W> pv{weights + r0, BSpad, vr, row, nv, D, v_next, row_bytes};
+          pv_group<E, W, ND>(pv, acc, G);
+        } else {
           for (int64_t g = 0; g < G; ++g) {
-            const float* qh = qf + (kvh * G + g) * D;
-            const F q0 = load_f32<W>(qh);
-            F a0 = q0 * kv[0][0], a1 = q0 * kv[1][0], a2 = q0 * kv[2][0], a3 = q0 * kv[3][0];
+            F a[kMaxND];
+            float* accg = acc + g * D;
 #pragma GCC unroll 16
-            for (int i = 1; i < ND; ++i) {
-              const F qi = load_f32<W>(qh + i * W);
-              a0 += qi * kv[0][i];
-              a1 += qi * kv[1][i];
-              a2 += qi * kv[2][i];
-              a3 += qi * kv[3][i];
+            for (int i = 0; i < nd; ++i) a[i] = load_f32<W>(accg + i * W);
+            const float* p = weights + g * BSpad + r0;
+            for (int64_t t = 0; t < nv; ++t) {
+              const F pt = F{} + p[t];
+#pragma GCC unroll 16
+              for (int i = 0; i < nd; ++i) a[i] += pt * load_vec<E, W, ND>(vr + t * row, i);
             }
-            store_f32<4>(scores + g * BSpad + quads_done, hsum4<W>(a0, a1, a2, a3));
+#pragma GCC unroll 16
+            for (int i = 0; i < nd; ++i) store_f32<W>(accg + i * W, a[i]);
           }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // scores[g, t] = q_g . k_t
-        const int64_t h = kvh * G + g;
-        F qv[kMaxND];
-#pragma GCC unroll 16
-        for (int i = 0; i < nd; ++i) qv[i] = load_f32<W>(qf + h * D + i * W);
-        float* out = scores + g * BSpad;
-        int64_t t = quads_done;
-        if constexpr (W >= 4 && !kSharedKeys<W, ND>) {
-          for (; t + 4 <= n; t += 4) {
-            const raw* kr = k + t * row;
-            if (k_next != nullptr)
-              for (int r = 0; r < 4; ++r) prefetch_part(k_next + (t + r) * row, row_bytes, g, G);
-            F a0 = qv[0] * load_vec<E, W, ND>(kr, 0);
-            F a1 = qv[0] * load_vec<E, W, ND>(kr + row, 0);
-            F a2 = qv[0] * load_vec<E, W, ND>(kr + 2 * row, 0);
-            F a3 = qv[0] * load_vec<E, W, ND>(kr + 3 * row, 0);
-#pragma GCC unroll 16
-            for (int i = 1; i < nd; ++i) {
-              a0 += qv[i] * load_vec<E, W, ND>(kr, i);
-              a1 += qv[i] * load_vec<E, W, ND>(kr + row, i);
-              a2 += qv[i] * load_vec<E, W, ND>(kr + 2 * row, i);
-              a3 += qv[i] * load_vec<E, W, ND>(kr + 3 * row, i);
-            }
-            store_f32<4>(out + t, hsum4<W>(a0, a1, a2, a3));
-          }
-        }
-        for (; t < n; ++t) {
-          const raw* kr = k + t * row;
-          F a = qv[0] * load_vec<E, W, ND>(kr, 0);
-#pragma GCC unroll 16
-          for (int i = 1; i < nd; ++i) a += qv[i] * load_vec<E, W, ND>(kr, i);
-          out[t] = hsum<W>(a);
-        }
-        for (t = n; t < BSpad; ++t) out[t] = -INFINITY;
-        // Online softmax: rescale what came before when the max grows.
-        const float mx = std::max(maxima[h], *std::max_element(out, out + n));
-        if (mx > maxima[h]) {
-          const float c = std::exp(maxima[h] - mx);  // 0 on the first block
-          sums[h] *= c;
-          for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= c;
-          maxima[h] = mx;
-        }
-        F sum = F{};
-        for (t = 0; t < BSpad; t += W) {
-          const F e = vexp<W>(load_f32<W>(out + t) - mx);
-          store_f32<W>(out + t, e);
-          if (t + W <= n) sum += e;
-        }
-        float total = hsum<W>(sum);
-        for (t = n / W * W; t < n; ++t) total += out[t];
-        sums[h] += total;
-      }
-      if constexpr (ND > 0) {  // acc[g] += sum_t p[g, t] v_t, each v_t widened once
-        const PV<E, W> pv{scores, BSpad, v, row, n, D, v_next, row_bytes};
-        pv_group<E, W, ND>(pv, acc, G);
-      } else {
-        for (int64_t g = 0; g < G; ++g) {  // acc[g] += sum_t p[g, t] v_t
-          F a[kMaxND];
-          float* accg = acc + g * D;
-#pragma GCC unroll 16
-          for (int i = 0; i < nd; ++i) a[i] = load_f32<W>(accg + i * W);
-          const float* p = scores + g * BSpad;
-          for (int64_t t = 0; t < n; ++t) {
-            const F pt = F{} + p[t];
-            const raw* vr = v + t * row;
-            if (v_next != nullptr) prefetch_part(v_next + t * row, row_bytes, g, G);
-#pragma GCC unroll 16
-            for (int i = 0; i < nd; ++i) a[i] += pt * load_vec<E, W, ND>(vr, i);
-          }
-#pragma GCC unroll 16
-          for (int i = 0; i < nd; ++i) store_f32<W>(accg + i * W, a[i]);
         }
       }
     }
@@ -350,8 +312,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   }
 }
 
-// The partial results of one sequence over consecutive slots: each rescaled to the common
-// max, added, normalised.
+// A sequence's partitions, folded in position order (attention_order.h) and normalised.
 template <typename E>
 void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   const int64_t H = P.H, D = P.D, slot_size = H * (D + 2);
@@ -359,36 +320,23 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   typename E::raw* o = static_cast<typename E::raw*>(P.o) + P.rows[b] * H * D;
   std::vector<float> acc(D);
   for (int64_t h = 0; h < H; ++h) {
-    float mx = -INFINITY;
-    for (int64_t c = 0; c < num_slots; ++c) mx = std::max(mx, parts[c * slot_size + h]);
-    float sum = 0.f;
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t c = 0; c < num_slots; ++c) {
+    float mx = parts[h], sum = parts[H + h];
+    std::copy(parts + 2 * H + h * D, parts + 2 * H + (h + 1) * D, acc.begin());
+    for (int64_t c = 1; c < num_slots; ++c) {
       const float* part = parts + c * slot_size;
-      const float w = std::exp(part[h] - mx);
-      sum += w * part[H + h];
-      for (int64_t d = 0; d < D; ++d) acc[d] += w * part[2 * H + h * D + d];
+      fold_partition(mx, sum, acc.data(), part[h], part[H + h], part + 2 * H + h * D, D);
     }
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = E::store1(acc[d] / sum);
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < D; ++d) o[h * D + d] = E::store1(acc[d] * inv);
   }
 }
 
+// Work items are partitions (fixed by position: attention_order.h), so what a sequence's
+// output is never depends on the batch or the threads; a sequence of several partitions has
+// them merged afterwards.
 template <typename E, int W, int ND>
 void run(Problem& P, const int64_t* lens, int64_t B) {
-  // Token ranges: whole sequences unless that leaves too few items to balance the threads.
-  const int64_t num_threads = at::get_num_threads();
-  int64_t total = 0, longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    total += lens[b];
-    longest = std::max(longest, lens[b]);
-  }
-  int64_t chunk = longest;  // tokens per item (a multiple of the block size when splitting)
-  if (num_threads > 1) {
-    const int64_t per_item = (total + num_threads * kItemsPerThread - 1) /
-                             (num_threads * kItemsPerThread);
-    chunk = std::max(kMinChunkTokens, per_item);
-    chunk = (chunk + P.BS - 1) / P.BS * P.BS;
-  }
+  const int64_t chunk = partition_tokens(P.BS);
   std::vector<Item> items;
   struct Split { int64_t b, first_slot, num_slots; };
   std::vector<Split> splits;
@@ -406,7 +354,7 @@ void run(Problem& P, const int64_t* lens, int64_t B) {
   P.partials = partials.data();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
 #if defined(__SSE__)
     // Worker threads do not inherit torch.set_flush_denormal: flush denormals here too, or the
     // tiny softmax weights of far-away tokens make every multiply ~100x slower.

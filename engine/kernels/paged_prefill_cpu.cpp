@@ -11,14 +11,16 @@
 //
 // Unlike decode (one query row per sequence: memory-bound), prefill is a matrix product, so
 // this kernel is tiled like one. A work item is (request, KV head, a tile of query tokens). It
-// first copies the keys the tile can see into a transposed fp32 panel (Kt[d][key]) and the
-// values into an fp32 panel (one widening for every query row), then takes the tile's rows (a
-// token's G query heads are consecutive rows) a group of R at a time: for each run of W keys,
-// R x W scores from R x D broadcasts against D key vectors, an online softmax (running max and
-// sum per row, a vectorised exp, masked past each row's position), and the W value rows
-// weighted into the R rows' outputs, a few vectors of them at a time in registers (the outputs
-// wait in L1 between runs of keys). Keys past the group's last position are never visited, so
-// the causal half costs nothing.
+// first copies the keys and values the tile can see into fp32 panels (one widening for every
+// query row), then takes the tile's rows (a token's G query heads are consecutive rows) a
+// group of R at a time: for each run of keys, R x run scores (four keys at a time, a quad of
+// keys held in registers across the rows when it fits), an online softmax per row (a
+// vectorised exp, masked past each row's position), and the run's value rows weighted into
+// the R rows' outputs, a few vectors of them at a time in registers (the outputs wait in L1
+// between runs); at each partition boundary the rows' partial results are folded. The
+// arithmetic per query row is exactly the decode kernel's (attention_order.h): a row's output
+// does not depend on the rows beside it, on where its chunk starts, or on which kernel runs
+// it. Keys past the group's last position are never visited, so the causal half costs nothing.
 //
 // Threads take items from a shared counter, biggest first (the way decode attention shares
 // work), so no thread waits for another's long prompt.
@@ -34,6 +36,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "attention_order.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
 #include "paged_common.h"
@@ -53,29 +56,41 @@ struct Problem : PagedArgs {
 };
 
 struct Scratch {  // per thread, reused across items
-  std::vector<float> kt, v, q, p, o;
+  std::vector<float> kt, v, q, s, p, o, om;
 };
 
-// Rows per group and output vectors per pass of the value loop: R score vectors, then R x NC
-// accumulators, stay in registers (32 vector registers with AVX-512, 16 below it). Each run of
-// keys and values is read once per R rows, so R sets how much of the panels' L2 traffic each
-// multiply-add costs; the outputs wait in L1 between runs.
+// Rows per group and output vectors per pass of the value loop: R x NC accumulators stay in
+// registers (32 vector registers with AVX-512, 16 below it). Each run of values is read once
+// per R rows, so R sets how much of the panels' L2 traffic each multiply-add costs; the
+// outputs wait in L1 between runs.
 template <int W>
 constexpr int kRows = W >= 16 ? 12 : 6;
 template <int ND>
 constexpr int kPassVecs = ND % 2 == 0 ? 2 : 1;
+// Whether a quad of keys (4 x ND vectors) stays in registers across the group's rows.
+template <int ND>
+constexpr bool kSharedQuad = 4 * ND <= 16;
 
-// Rows [r0, r0 + R) of the item (row r: token j0 + r / G, head kvh * G + r % G), all keys.
+struct RowBuffers {  // per thread: a group's scores, weights, and partition / merged outputs
+  float *q, *s, *p, *o, *om;
+  int64_t sw;  // floats per row of s
+};
+
+// Rows [r0, r0 + R) of the item (row r: token j0 + r / G, head kvh * G + r % G), all keys, in
+// the order of attention_order.h.
 template <typename E, int W, int ND, int R>
-void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, const float* kt,
-                 int64_t kpad, const float* vf, float* qf, float* pbuf, float* ob) {
+void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, const float* kp,
+                 const float* vf, const RowBuffers& b) {
   using F = typename Vec<W>::F;
   using I = typename Vec<W>::I;
   using raw = typename E::raw;
   constexpr int64_t D = ND * W;
   constexpr int NC = kPassVecs<ND>;
   const int64_t G = P.G, H = P.H;
+  const int64_t L = run_length<W>(P.BS), part = partition_tokens(P.BS);
   const int64_t ctx = P.seq_lens[it.req] - P.q_lens[it.req];  // KV before the query tokens
+  float* qf = b.q;
+  float* ob = b.o;
   int64_t pos[R];
   raw* orow[R];
   for (int r = 0; r < R; ++r) {
@@ -89,49 +104,63 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
       store_f32<W>(qf + r * D + i * W, E::template load<W>(qrow + i * W) * P.scale);
   }
   std::fill(ob, ob + R * D, 0.f);
-  const int64_t first_pos = pos[0], last_pos = pos[R - 1];
-  float m[R], l[R];
+  const int64_t last_pos = pos[R - 1];
+  float m[R], l[R], M[R], Lm[R];
   for (int r = 0; r < R; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.f;
   }
+  bool first_partition = true;
+  auto end_partition = [&]() {  // fold the partition into the merged result, start the next
+    for (int r = 0; r < R; ++r) {
+      if (first_partition) {
+        M[r] = m[r];
+        Lm[r] = l[r];
+        std::copy(ob + r * D, ob + (r + 1) * D, b.om + r * D);
+      } else {
+        fold_partition(M[r], Lm[r], b.om + r * D, m[r], l[r], ob + r * D, D);
+      }
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+    }
+    std::fill(ob, ob + R * D, 0.f);
+    first_partition = false;
+  };
   I lane;
   for (int i = 0; i < W; ++i) lane[i] = i;
-  for (int64_t k0 = 0; k0 <= last_pos; k0 += W) {
-    F s[R];  // s[r] = q_r . k for the W keys [k0, k0 + W)
+  for (int64_t k0 = 0; k0 <= last_pos; k0 += L) {
+    if (k0 > 0 && k0 % part == 0) end_partition();
+    // s[r, t] = q_r . k_{k0 + t} for the run's keys, four at a time.
+    for (int64_t t4 = 0; t4 < L; t4 += 4) {
+      const float* kq = kp + (k0 + t4) * D;  // four panel rows (the panel is padded for it)
+      if constexpr (kSharedQuad<ND>) {
+        F kv[4][ND];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) s[r] = F{};
-    const float* ktk = kt + k0;
-#pragma GCC unroll 4
-    for (int64_t d = 0; d < D; ++d) {
-      const F kd = load_f32<W>(ktk + d * kpad);
+        for (int j = 0; j < 4; ++j)
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) s[r] += qf[r * D + d] * kd;
+          for (int i = 0; i < ND; ++i) kv[j][i] = load_f32<W>(kq + j * D + i * W);
+        for (int r = 0; r < R; ++r)
+          store_f32<4>(b.s + r * b.sw + t4,
+                       dot4<W, ND>(qf + r * D, ND, [&](int j, int i) { return kv[j][i]; }));
+      } else {
+        for (int r = 0; r < R; ++r)
+          store_f32<4>(b.s + r * b.sw + t4, dot4<W, ND>(qf + r * D, ND, [&](int j, int i) {
+                         return load_f32<W>(kq + j * D + i * W);
+                       }));
+      }
     }
-    const bool masked = k0 + W - 1 > first_pos;  // some key here lies past some row's position
     for (int r = 0; r < R; ++r) {
-      F x = s[r];
-      I valid{};
-      if (masked) {
-        valid = (lane + static_cast<int32_t>(k0)) <= static_cast<int32_t>(pos[r]);
-        x = valid ? x : splat<W>(-INFINITY);
-      }
-      const float mx = std::max(m[r], hmax<W>(x));
-      F p = vexp<W>(x - mx);
-      if (masked) p = valid ? p : F{};
-      if (mx > m[r]) {  // rescale what came before (nothing on the first run of keys)
-        const float c = std::exp(m[r] - mx);
-        l[r] *= c;
-        if (k0 > 0)
-          for (int i = 0; i < ND; ++i)
-            store_f32<W>(ob + r * D + i * W, load_f32<W>(ob + r * D + i * W) * c);
-        m[r] = mx;
-      }
-      l[r] += hsum<W>(p);
-      store_f32<W>(pbuf + r * W, p);
+      const I valid = (lane < static_cast<int32_t>(L)) &
+                      ((lane + static_cast<int32_t>(k0)) <= static_cast<int32_t>(pos[r]));
+      float rescale;
+      const F p = softmax_run<W>(load_f32<W>(b.s + r * b.sw), valid, m[r], l[r], rescale);
+      if (rescale != 1.f)
+        for (int i = 0; i < ND; ++i)
+          store_f32<W>(ob + r * D + i * W, load_f32<W>(ob + r * D + i * W) * rescale);
+      store_f32<W>(b.p + r * W, p);
     }
     // ob[r] += sum_t p[r, t] v_t, NC vectors of the row at a time.
-    const int64_t n = std::min<int64_t>(W, last_pos + 1 - k0);
+    const int64_t n = std::min<int64_t>(L, last_pos + 1 - k0);
     for (int c0 = 0; c0 < ND; c0 += NC) {
       F acc[R][NC];
 #pragma GCC unroll 16
@@ -145,7 +174,7 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
         for (int i = 0; i < NC; ++i) vv[i] = load_f32<W>(vr + i * W);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const F pt = splat<W>(pbuf[r * W + t]);
+          const F pt = splat<W>(b.p[r * W + t]);
 #pragma GCC unroll 2
           for (int i = 0; i < NC; ++i) acc[r][i] += pt * vv[i];
         }
@@ -156,10 +185,11 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
         for (int i = 0; i < NC; ++i) store_f32<W>(ob + r * D + (c0 + i) * W, acc[r][i]);
     }
   }
+  end_partition();
   for (int r = 0; r < R && r0 + r < rows; ++r) {
-    const float inv = 1.f / l[r];
+    const float inv = 1.f / Lm[r];
     for (int i = 0; i < ND; ++i)
-      E::template store<W>(orow[r] + i * W, load_f32<W>(ob + r * D + i * W) * inv);
+      E::template store<W>(orow[r] + i * W, load_f32<W>(b.om + r * D + i * W) * inv);
   }
 }
 
@@ -170,33 +200,41 @@ void attend_item(const Problem& P, const Item& it, Scratch& s) {
   constexpr int R = kRows<W>;
   const int64_t ctx = P.seq_lens[it.req] - P.q_lens[it.req];
   const int64_t keys = ctx + it.j1;  // what the tile's last token sees
-  const int64_t kpad = (keys + W - 1) / W * W;
-  s.kt.resize(D * kpad);
+  // Panels padded past the last run's vector and its last quad: finite, weighted by 0.
+  const int64_t kpad = (keys + W - 1) / W * W + 4;
+  const int64_t L = run_length<W>(P.BS);
+  const int64_t sw = (L + 3) / 4 * 4 + W;
+  s.kt.resize(kpad * D);
   s.v.resize(kpad * D);
   s.q.resize(R * D);
+  s.s.resize(R * sw);
   s.p.resize(R * W);
   s.o.resize(R * D);
-  float* kt = s.kt.data();
+  s.om.resize(R * D);
+  float* kp = s.kt.data();
   float* vf = s.v.data();
   const raw* kc = static_cast<const raw*>(P.kc);
   const raw* vc = static_cast<const raw*>(P.vc);
   const int64_t* table = P.tables + it.req * P.max_blocks;
   for (int64_t t = 0; t < kpad; ++t) {
+    float* kt = kp + t * D;
     float* vt = vf + t * D;
-    if (t >= keys) {  // padding: finite, and weighted by 0
-      for (int64_t d = 0; d < D; ++d) kt[d * kpad + t] = 0.f;
+    if (t >= keys) {
+      std::fill(kt, kt + D, 0.f);
       std::fill(vt, vt + D, 0.f);
       continue;
     }
     const int64_t offset = table[t / P.BS] * P.block + (t % P.BS) * P.row + it.kvh * D;
     const raw* kr = kc + offset;
     const raw* vr = vc + offset;
-    for (int64_t d = 0; d < D; ++d) kt[d * kpad + t] = E::load1(kr + d);
-    for (int i = 0; i < ND; ++i) store_f32<W>(vt + i * W, E::template load<W>(vr + i * W));
+    for (int i = 0; i < ND; ++i) {
+      store_f32<W>(kt + i * W, E::template load<W>(kr + i * W));
+      store_f32<W>(vt + i * W, E::template load<W>(vr + i * W));
+    }
   }
+  const RowBuffers b{s.q.data(), s.s.data(), s.p.data(), s.o.data(), s.om.data(), sw};
   const int64_t rows = (it.j1 - it.j0) * P.G;
-  for (int64_t r0 = 0; r0 < rows; r0 += R)
-    attend_rows<E, W, ND, R>(P, it, r0, rows, kt, kpad, vf, s.q.data(), s.p.data(), s.o.data());
+  for (int64_t r0 = 0; r0 < rows; r0 += R) attend_rows<E, W, ND, R>(P, it, r0, rows, kp, vf, b);
 }
 
 template <typename E, int W, int ND>

@@ -22,6 +22,7 @@ from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.model.rotary import RotaryEmbedding
+from engine.model.row_invariant import Linear, linear_rows
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -79,10 +80,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -108,8 +109,8 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate_size = cfg.intermediate_size // tp.world_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, shard_vocab, bias=False)
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, shard_vocab, bias=False)
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
@@ -220,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         elif self.tied_head is not None:
             logits = self.tied_head(hidden)
         else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
+            logits = linear_rows(hidden, lambda rows: F.linear(rows, self.embed_tokens.weight))
         return self.tp.all_gather_last_dim(logits.float())  # [N, vocab]
 
     def pack_for_cpu(self) -> int:

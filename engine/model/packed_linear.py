@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from engine.config import cpu_has_native_bf16, cpu_vendor
+from engine.model.row_invariant import linear_rows
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +68,28 @@ def can_pack(weight: torch.Tensor) -> bool:
 class PackedLinear(nn.Module):
     """`y = x @ W.T (+ b)` with W held in oneDNN's layout. Build with `from_weight`."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+    def __init__(
+        self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int, out_features: int
+    ) -> None:
         super().__init__()
         self.in_features = in_features
+        self.out_features = out_features
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        return cls(packed, None if bias is None else bias.detach(), weight.shape[1])
+        return cls(
+            packed, None if bias is None else bias.detach(), weight.shape[1], weight.shape[0]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        # At least MIN_ROWS rows, so a row's bits do not depend on the batch (row_invariant.py).
+        return linear_rows(x, self._product)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -1,0 +1,120 @@
+"""Batch-invariant linear layers on the CPU: a row's result must not depend on how many rows
+share the matrix product (deterministic inference, docs/determinism.md).
+
+oneDNN and MKL pick their GEMM kernel by the number of rows M. Measured on a 2-core AMD EPYC
+(AVX512-BF16; torch 2.13): a row computed alone (M = 1, a GEMV-like kernel) differs in the
+last bits from the same row inside a batch for most of SmolLM2's and Llama-8B's projection
+shapes, in bf16 (oneDNN, packed or not) and in fp32 (MKL: every row; packed oneDNN: K = 1536);
+MKL fp32 also gives a row at M = 9 its own tail kernel. From 16 rows up every M tried
+(16 to 2048) gave every row bit-identical results, at 1 and 2 threads. So every product runs
+on at least `MIN_ROWS` rows: fewer are padded with zero rows, whose results are dropped.
+
+That is an observation about these libraries, not their contract, so `probe` checks it for
+each of a model's weight shapes when the engine is built (`LinearInvariance`); a CPU or a
+library where it fails is reported (the engine then says it is not deterministic) instead of
+assumed. CUDA is left alone: cuBLAS is not batch-invariant at any padding (docs/determinism.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MIN_ROWS = 16
+"""Fewest rows a CPU matrix product runs on."""
+
+PROBE_ROWS = (1, 2, 3, 9, 15, 16, 17, 40, 64, 130)
+"""Batch sizes `probe` runs."""
+
+PROBE_ALONE = (0, 1, 2, 8, 14, 15, 16, 39, 63, 129)
+"""Rows `probe` also computes alone, to compare with the same rows in every batch above."""
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` ([M, K]) with zero rows appended up to `MIN_ROWS` on the CPU; as is otherwise."""
+    rows = x.shape[0]
+    if rows >= MIN_ROWS or x.device.type != "cpu":
+        return x
+    return torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+
+
+def linear_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`fn` (a row-wise product of a [M, K] matrix) applied batch-invariantly to `x` ([..., K])."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = fn(pad_rows(rows))[: rows.shape[0]]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose result per row does not depend on the batch on the CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+
+
+def probe(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+          seed: int = 0) -> bool:  # fmt: skip
+    """Whether `layer` gives each row the same bits alone as inside every batch of
+    `PROBE_ROWS`."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=gen).to(dtype)
+    alone = {i: layer(x[i : i + 1])[0] for i in PROBE_ALONE}
+    for m in PROBE_ROWS:
+        out = layer(x[:m])
+        if not all(torch.equal(out[i], row) for i, row in alone.items() if i < m):
+            return False
+    return True
+
+
+@dataclass
+class LinearInvariance:
+    """What `check_model` found: every distinct weight shape probed, and the ones that failed."""
+
+    probed: list[tuple[int, int]] = field(default_factory=list)
+    failed: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
+    """Probe one layer of each distinct (class, out, in) shape under `model` (CPU only)."""
+    result = LinearInvariance()
+    seen: set[tuple[str, int, int]] = set()
+    for module in model.modules():
+        shape = _shape(module)
+        if shape is None:
+            continue
+        key = (type(module).__name__, *shape)
+        if key in seen:
+            continue
+        seen.add(key)
+        result.probed.append(shape)
+        if not probe(module, shape[1], dtype):
+            result.failed.append(shape)
+    if result.failed:
+        logger.warning(
+            "linear layers of shapes %s are not batch-invariant on this CPU at %d+ rows: "
+            "outputs may depend on the batch (not deterministic)", result.failed, MIN_ROWS,
+        )  # fmt: skip
+    return result
+
+
+def _shape(module: nn.Module) -> tuple[int, int] | None:
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    out_features = getattr(module, "out_features", None)
+    in_features = getattr(module, "in_features", None)
+    if isinstance(out_features, int) and isinstance(in_features, int):
+        return out_features, in_features
+    return None

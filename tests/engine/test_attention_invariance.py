@@ -1,0 +1,80 @@
+"""The CPU attention kernels follow one order of arithmetic per query row
+(engine/kernels/attention_order.h): a token's output has the same bits from the decode and the
+prefill kernel, alone or in a batch, at any thread count, in a chunk starting anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.cpu import load_cpu_kernels
+from tests.engine.test_cpu_kernels import random_decode_batch
+
+# (heads, KV heads, head_dim, block size): SmolLM2, Llama-8B, a block size off the vector
+# width (runs of one key), a block wider than the vector (two runs per block).
+SHAPES = [(9, 3, 64, 16), (32, 8, 128, 16), (4, 2, 16, 7), (6, 2, 32, 32)]
+LENGTHS = [700, 37, 300, 1200, 5, 129, 128, 256]  # one and several partitions
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_cpu_kernels()
+    if module is None:
+        pytest.fail("the C++ CPU kernels did not build (g++ and ninja are project dependencies)")
+    return module
+
+
+def _decode(module, batch, which, scale):
+    query, key_cache, value_cache, tables, lens, rows = batch
+    out = torch.zeros_like(query)
+    module.paged_decode_attention(
+        out, query, key_cache, value_cache, tables[which], lens[which], rows[which], scale
+    )
+    return out[rows[which]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
+def test_decode_is_the_same_alone_in_a_batch_and_at_any_thread_count(kernels, shape, dtype):
+    batch = random_decode_batch(shape, dtype, LENGTHS)
+    scale = shape[2] ** -0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = _decode(kernels, batch, slice(None), scale)
+        torch.set_num_threads(1)
+        alone = [_decode(kernels, batch, slice(i, i + 1), scale) for i in range(len(LENGTHS))]
+    finally:
+        torch.set_num_threads(before)
+    for i, out in enumerate(alone):
+        assert torch.equal(out[0], together[i]), LENGTHS[i]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
+def test_prefill_rows_equal_decode_at_their_position_whatever_the_chunk(kernels, shape, dtype):
+    """Each of a sequence's last tokens, computed as a decode step (one row, its position's
+    length) and as a row of prefill chunks that start at different positions: one result."""
+    if not kernels.prefill_head_dim_supported(shape[2]):
+        pytest.skip("head_dim off the vector width: the prefill kernel refuses it (SDPA path)")
+    length = 300
+    _, key_cache, value_cache, tables, _, _ = random_decode_batch(shape, dtype, [length])
+    scale = shape[2] ** -0.5
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(length, shape[0], shape[2], generator=g).to(dtype)
+    table = tables[:1]
+    for chunk_start in (0, 100, 257, 290):  # a chunk of the last tokens, from chunk_start
+        n = length - chunk_start
+        out = torch.zeros_like(q)
+        kernels.paged_prefill_attention(
+            out, q, key_cache, value_cache, table, torch.tensor([length]),
+            torch.tensor([chunk_start]), torch.tensor([n]), scale,
+        )  # fmt: skip
+        for pos in (chunk_start, (chunk_start + length) // 2, length - 1):
+            dec = torch.zeros_like(q)
+            kernels.paged_decode_attention(
+                dec, q, key_cache, value_cache, table, torch.tensor([pos + 1]),
+                torch.tensor([pos]), scale,
+            )  # fmt: skip
+            assert torch.equal(out[pos], dec[pos]), (chunk_start, pos)

@@ -1,0 +1,87 @@
+"""Deterministic inference (issue 19): a request's tokens and logprobs do not depend on what
+else is in the batch, on how its prompt is chunked, or on a prefix-cache hit, in bf16 as in
+fp32: bitwise, not within a tolerance.
+
+The models are random but have SmolLM2's layer shapes (hidden 576, MLP 1536, 9 query and 3 KV
+heads of 64): the linear kernels' choice of code path depends on the shapes, and the tiny
+test models' shapes happen to hide the differences these tests are for."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.model import row_invariant
+
+SMOLLM2_SHAPES = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    initializer_range=0.05,
+)
+DTYPES = ["bfloat16", "float32"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_path(request, tiny_model_factory) -> str:
+    return tiny_model_factory(request.param, **SMOLLM2_SHAPES)
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+
+
+def _result(out) -> tuple[list[int], list]:
+    sample = out.outputs[0]
+    lps = [
+        (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sample.logprobs
+    ]
+    return sample.token_ids, lps
+
+
+def _llm(path: str, dtype: str, **kw) -> LLM:
+    return LLM(path, dtype=dtype, load_progress=False, num_kv_blocks=800, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_alone_equals_inside_a_batch_of_31_others(model_path, dtype):
+    llm = _llm(model_path, dtype, max_num_seqs=32)
+    assert llm.engine.deterministic
+    rng = random.Random(0)
+    prompt = _prompt(rng, 300)  # several attention partitions
+    alone = _result(llm.generate([prompt], PARAMS)[0])
+    others = [_prompt(rng, rng.randrange(1, 90)) for _ in range(31)]
+    batch = llm.generate([*others[:13], prompt, *others[13:]], PARAMS)
+    assert _result(batch[13]) == alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_and_prefix_hits_equal_one_cold_prefill(model_path, dtype):
+    rng = random.Random(1)
+    prompt = _prompt(rng, 161)  # 10 blocks and one token: a hit runs the decode kernel
+    llm = _llm(model_path, dtype, max_num_batched_tokens=256)
+    cold = _result(llm.generate([prompt], PARAMS)[0])
+    assert _result(llm.generate([prompt], PARAMS)[0]) == cold  # hit: the last token runs
+    for chunk in (7, 16, 61):
+        chunked = _llm(model_path, dtype, max_num_batched_tokens=chunk)
+        assert _result(chunked.generate([prompt], PARAMS)[0]) == cold, chunk
+    longer = prompt[:150] + _prompt(rng, 5)
+    cold_longer = _result(_llm(model_path, dtype).generate([longer], PARAMS)[0])
+    assert _result(llm.generate([longer], PARAMS)[0]) == cold_longer  # hit: 11 tokens run
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_linear_rows_do_not_depend_on_the_batch(dtype):
+    import torch
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    layer = row_invariant.Linear(1536, 576, bias=False).to(dt)  # SmolLM2's down_proj
+    assert row_invariant.probe(layer, 1536, dt)
