@@ -87,6 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             max_num_seqs=load.max_num_seqs,
             block_size=self.worker.config.block_size,
             kv_address=self.worker.kv_address,
+            deterministic=self.worker.deterministic,
         )
 
 

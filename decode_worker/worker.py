@@ -117,6 +117,11 @@ class DecodeWorker:
     def is_running(self) -> bool:
         return self.core.is_running
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether its tokens are independent of batching and chunking (engine.deterministic)."""
+        return self.engine.deterministic
+
     def generate(
         self,
         prompt: Prompt,

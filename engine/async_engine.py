@@ -56,6 +56,10 @@ class AsyncEngine:
         return self.is_running
 
     @property
+    def deterministic(self) -> bool:
+        return self.engine.deterministic
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

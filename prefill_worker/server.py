@@ -75,6 +75,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             snapshot=delta.snapshot,
             stored_hashes=delta.stored,
             removed_hashes=delta.removed,
+            deterministic=self.worker.deterministic,
         )
 
 

@@ -132,6 +132,11 @@ class PrefillWorker:
     def is_running(self) -> bool:
         return self.core.is_running
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether its tokens are independent of batching and chunking (engine.deterministic)."""
+        return self.engine.deterministic
+
     async def prefill(
         self,
         request_id: str,

@@ -131,7 +131,12 @@ def build_app(
 
     @app.get("/v1/models", responses=error_responses(401))
     async def list_models() -> ModelList:
-        card = ModelCard(id=ctx.model_name, created=ctx.created, max_model_len=ctx.max_model_len)
+        card = ModelCard(
+            id=ctx.model_name,
+            created=ctx.created,
+            max_model_len=ctx.max_model_len,
+            deterministic=ctx.engine.deterministic,
+        )
         return ModelList(data=[card])
 
     @app.post("/v1/sessions", responses=error_responses(400, 401, 404, 503))

@@ -140,6 +140,16 @@ class ClusterEngine:
         return not self._stopped and bool(self.pool.healthy_decode())
 
     @property
+    def deterministic(self) -> bool:
+        """True when every healthy worker reports it (and there is one of each kind)."""
+        prefill, decode = self.pool.healthy_prefill(), self.pool.healthy_decode()
+        return (
+            bool(prefill and decode)
+            and all(w.deterministic for w in prefill)
+            and all(w.deterministic for w in decode)
+        )
+
+    @property
     def stats(self) -> EngineStats:
         c = self.pool.stats()
         s = self._stats

@@ -31,6 +31,11 @@ class EngineClient(Protocol):
         """False once it stopped for good (liveness)."""
 
     @property
+    def deterministic(self) -> bool:
+        """Whether a request's tokens are independent of batching, chunking, prefix-cache hits
+        and (in a cluster) disaggregation (docs/determinism.md)."""
+
+    @property
     def is_ready(self) -> bool:
         """True while new requests can be served (readiness)."""
 

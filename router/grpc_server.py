@@ -130,7 +130,10 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.ListModelsResponse:
         model = serving_pb2.Model(
-            id=self.model_name, max_model_len=self.engine.max_model_len, owned_by="duet"
+            id=self.model_name,
+            max_model_len=self.engine.max_model_len,
+            owned_by="duet",
+            deterministic=self.engine.deterministic,
         )
         return serving_pb2.ListModelsResponse(models=[model])
 

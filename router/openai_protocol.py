@@ -371,6 +371,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "duet"
     max_model_len: int
+    deterministic: bool = False
+    """duet's extension: whether greedy (and seeded) output is independent of batching,
+    chunking, prefix-cache hits and disaggregation (docs/determinism.md)."""
 
 
 class ModelList(BaseModel):

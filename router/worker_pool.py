@@ -42,6 +42,7 @@ class PrefillState:
     num_sent_tokens: int = 0  # sent by this router and not finished yet
     num_free_blocks: int = 0
     num_blocks: int = 0
+    deterministic: bool = False
     last_event: int = 0
     cached: set[BlockHash] = field(default_factory=set)
 
@@ -64,6 +65,7 @@ class DecodeState:
     num_free_blocks: int = 0
     num_blocks: int = 0
     max_num_seqs: int = 0
+    deterministic: bool = False
     num_sent: int = 0  # requests sent by this router since the last report
     num_sent_blocks: int = 0
     full_until: float = 0.0  # refused for lack of room: skip until then
@@ -192,6 +194,7 @@ class WorkerPool:
         state.num_queued_tokens = report.num_queued_tokens
         state.num_free_blocks = report.num_free_blocks
         state.num_blocks = report.num_blocks
+        state.deterministic = report.deterministic
         self._recovered(state)
 
     async def _poll_decode(self, state: DecodeState) -> None:
@@ -208,6 +211,7 @@ class WorkerPool:
         state.num_free_blocks = report.num_free_blocks
         state.num_blocks = report.num_blocks
         state.max_num_seqs = report.max_num_seqs
+        state.deterministic = report.deterministic
         state.num_sent = state.num_sent_blocks = 0  # the report includes them now
         self._recovered(state)
 

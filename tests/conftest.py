@@ -120,3 +120,20 @@ def tiny_model_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+SMOLLM2_SHAPES = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    initializer_range=0.05,
+)
+"""SmolLM2-135M's layer shapes (2 layers, a 512-token vocabulary): the linear kernels' code
+paths depend on the shapes, and the tiny models' shapes hide differences that these show."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_shaped(tiny_model_factory) -> str:
+    return tiny_model_factory("llama", **SMOLLM2_SHAPES)

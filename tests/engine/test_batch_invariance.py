@@ -14,15 +14,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model import row_invariant
+from tests.conftest import SMOLLM2_SHAPES
 
-SMOLLM2_SHAPES = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    initializer_range=0.05,
-)
 DTYPES = ["bfloat16", "float32"]
 
 

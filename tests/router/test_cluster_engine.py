@@ -33,14 +33,15 @@ def prompts_of(lengths, seed=3):
 class Cluster:
     """Workers and their gRPC servers on the test's event loop, and a ClusterEngine."""
 
-    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8):
+    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8, engine=None):
         self.model = model
+        engine = engine or ENGINE
         self.prefill = [
-            PrefillWorker(PrefillWorkerConfig(model=model, **ENGINE), name=f"p{i}")
+            PrefillWorker(PrefillWorkerConfig(model=model, **engine), name=f"p{i}")
             for i in range(num_prefill)
         ]
         self.decode = [
-            DecodeWorker(DecodeWorkerConfig(model=model, **ENGINE), name=f"d{i}")
+            DecodeWorker(DecodeWorkerConfig(model=model, **engine), name=f"d{i}")
             for i in range(num_decode)
         ]
         self.threshold = threshold
@@ -125,6 +126,35 @@ def test_cluster_equals_aggregated(model):
     assert all(free == total for free, total in pools)
 
 
+def _logprobs(sample):
+    return [(lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sample.logprobs]
+
+
+def test_cluster_equals_aggregated_bitwise_in_bf16(smollm2_shaped):
+    """Deterministic inference: in bf16, disaggregated (remote prefill, and local prefill of
+    short prompts) gives the aggregated engine's tokens and logprobs bit for bit, greedy and
+    seeded, with 16 requests in flight at once."""
+    engine = {**ENGINE, "dtype": "bfloat16"}
+    prompts = prompts_of([3, 5, 40, 77, 120, 9, 150, 64, 2, 33, 90, 17, 130, 8, 55, 101])
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True, logprobs=1)
+    ref = LLM(smollm2_shaped, **engine)
+    want = [ref.generate([p], greedy)[0].outputs[0] for p in prompts]  # each alone
+    want_seeded = [ref.generate([p], seeded)[0].outputs[0] for p in prompts[:6]]
+
+    async def main():
+        async with Cluster(smollm2_shaped, engine=engine) as c:
+            assert c.engine.deterministic  # every worker reports it
+            got = await asyncio.gather(*(c.run(p, greedy) for p in prompts))
+            got_seeded = await asyncio.gather(*(c.run(p, seeded) for p in prompts[:6]))
+            return [o.outputs[0] for o in got], [o.outputs[0] for o in got_seeded]
+
+    got, got_seeded = asyncio.run(main())
+    for g, w in zip(got + got_seeded, want + want_seeded, strict=True):
+        assert g.token_ids == w.token_ids
+        assert _logprobs(g) == _logprobs(w)
+
+
 def test_stop_string_is_applied_by_the_router(model):
     prompt = prompts_of([50], seed=8)[0]
     ref = LLM(model, **ENGINE)
@@ -171,13 +201,21 @@ def test_prefix_routing_and_conditional_disaggregation(model):
     assert before == after
 
 
-def test_decode_worker_lost_mid_stream_continues_elsewhere(model):
+@pytest.mark.parametrize(
+    "case", ["fp32-greedy", "bf16-greedy", "bf16-seeded"]
+)  # bf16: the continuation recomputes prompt + streamed tokens as a prefill (deterministic)
+def test_decode_worker_lost_mid_stream_continues_elsewhere(request, case):
+    dtype, sampling = case.split("-")
+    model = request.getfixturevalue("tiny_llama" if dtype == "fp32" else "smollm2_shaped")
+    engine = {**ENGINE, "dtype": "float32" if dtype == "fp32" else "bfloat16"}
     prompts = prompts_of([40, 70], seed=4)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    want = LLM(model, **ENGINE).generate(prompts, params)
+    if sampling == "seeded":
+        params = SamplingParams(max_tokens=60, temperature=0.9, seed=3, ignore_eos=True)
+    want = LLM(model, **engine).generate(prompts, params)
 
     async def main():
-        async with Cluster(model, num_decode=2, threshold=0) as c:
+        async with Cluster(model, num_decode=2, threshold=0, engine=engine) as c:
             streams = [c.engine.generate(p, params) for p in prompts]
             outs = [[], []]
             victim = None

@@ -25,12 +25,14 @@ METRIC_NAMES = [
 ]
 
 
-def test_models(client: openai.OpenAI) -> None:
+def test_models(client: openai.OpenAI, rest_engine: AsyncEngine) -> None:
     [card] = client.models.list().data
     assert card.id == MODEL_NAME
     assert card.object == "model"
     assert card.owned_by == "duet"
-    assert card.model_extra == {"max_model_len": 1024}
+    # The CPU kernels and the probed linears: deterministic (docs/determinism.md).
+    assert rest_engine.deterministic
+    assert card.model_extra == {"max_model_len": 1024, "deterministic": True}
 
 
 def test_probes(http: httpx2.Client) -> None:

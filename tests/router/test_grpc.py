@@ -125,7 +125,7 @@ def test_chat(stub):
 
 def test_list_models(stub):
     models = stub.ListModels(serving_pb2.ListModelsRequest(), metadata=AUTH, timeout=10).models
-    assert [(m.id, m.max_model_len) for m in models] == [("tiny", 256)]
+    assert [(m.id, m.max_model_len, m.deterministic) for m in models] == [("tiny", 256, True)]
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ class LoadRequest(_message.Message):
     def __init__(self, since_event: _Optional[int] = ...) -> None: ...
 
 class PrefillLoad(_message.Message):
-    __slots__ = ("worker_id", "num_waiting", "num_running", "num_transferring", "num_queued_tokens", "num_free_blocks", "num_blocks", "block_size", "last_event", "snapshot", "stored_hashes", "removed_hashes")
+    __slots__ = ("worker_id", "num_waiting", "num_running", "num_transferring", "num_queued_tokens", "num_free_blocks", "num_blocks", "block_size", "last_event", "snapshot", "stored_hashes", "removed_hashes", "deterministic")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class PrefillLoad(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     STORED_HASHES_FIELD_NUMBER: _ClassVar[int]
     REMOVED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_waiting: int
     num_running: int
@@ -76,7 +77,8 @@ class PrefillLoad(_message.Message):
     snapshot: bool
     stored_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     removed_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class DecodeRemoteRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s")
@@ -153,7 +155,7 @@ class OutputDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address", "deterministic")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class DecodeLoad(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -172,4 +175,5 @@ class DecodeLoad(_message.Message):
     max_num_seqs: int
     block_size: int
     kv_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_address: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
