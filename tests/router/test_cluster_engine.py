@@ -127,7 +127,9 @@ def test_cluster_equals_aggregated(model):
 
 
 def _logprobs(sample):
-    return [(lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sample.logprobs]
+    return [
+        (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in sample.logprobs
+    ]
 
 
 def test_cluster_equals_aggregated_bitwise_in_bf16(smollm2_shaped):
