@@ -14,6 +14,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import start_decode_server
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
+from kv_transfer import chunks
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_prefill_server
 from prefill_worker.worker import PrefillWorker
@@ -33,14 +34,18 @@ def prompts_of(lengths, seed=3):
 class Cluster:
     """Workers and their gRPC servers on the test's event loop, and a ClusterEngine."""
 
-    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8):
+    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8, kv_backend="auto"):
         self.model = model
         self.prefill = [
-            PrefillWorker(PrefillWorkerConfig(model=model, **ENGINE), name=f"p{i}")
+            PrefillWorker(
+                PrefillWorkerConfig(model=model, kv_backend=kv_backend, **ENGINE), name=f"p{i}"
+            )
             for i in range(num_prefill)
         ]
         self.decode = [
-            DecodeWorker(DecodeWorkerConfig(model=model, **ENGINE), name=f"d{i}")
+            DecodeWorker(
+                DecodeWorkerConfig(model=model, kv_backend=kv_backend, **ENGINE), name=f"d{i}"
+            )
             for i in range(num_decode)
         ]
         self.threshold = threshold
@@ -122,6 +127,31 @@ def test_cluster_equals_aggregated(model):
     for o, w in zip(got_n, want_sampled, strict=True):
         assert [s.token_ids for s in o.outputs] == [s.token_ids for s in w.outputs]
     assert (stats.num_prefill_workers, stats.num_decode_workers) == (1, 1)
+    assert all(free == total for free, total in pools)
+
+
+def test_torch_dist_under_nccl_semantics_equals_aggregated(model, monkeypatch):
+    """KV over torch_dist with NCCL's semantics emulated (issue #18: tags ignored, `wait` before
+    the data landed), one prefill worker feeding two decode workers, 16 concurrent requests
+    of mixed lengths whose transfers share each channel: every token as the aggregated
+    engine's."""
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # a message per layer, as for real sizes
+    prompts = prompts_of([3, 5, 40, 77, 120, 9, 150, 64, 2, 33, 90, 17, 130, 8, 55, 101], seed=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, greedy)
+
+    async def main():
+        async with Cluster(model, num_decode=2, kv_backend="torch_dist") as c:
+            got = await asyncio.gather(*(c.run(p, greedy) for p in prompts))
+            receivers = [w.receiver for w in c.decode]
+            kinds = [sorted(link.kind for link in r._links.values()) for r in receivers]
+            pools = [(w.engine.kv.num_free_blocks, w.engine.num_blocks) for w in c.decode]
+            return got, kinds, pools
+
+    got, kinds, pools = asyncio.run(main())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert kinds == [["nccl-emulated"], ["nccl-emulated"]]  # both decode workers received
     assert all(free == total for free, total in pools)
 
 
