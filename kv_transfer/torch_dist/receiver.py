@@ -113,6 +113,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         link = open_link(
             dist.PrefixStore(cid, store), 1, device, self.timeout_s, self.emulate_nccl, cid
         )
+        logger.info("KV channel %s open over %s", cid, link.kind)
         with self._lock:
             self._links[cid] = link
         headers = self._client(IDLE_POP_S)
