@@ -201,13 +201,17 @@ def test_prefix_routing_and_conditional_disaggregation(model):
     assert before == after
 
 
-def test_decode_worker_lost_mid_stream_continues_elsewhere(model):
+@pytest.mark.parametrize("kv_backend", ["auto", "torch_dist-nccl-emulated"])
+def test_decode_worker_lost_mid_stream_continues_elsewhere(model, kv_backend, monkeypatch):
     prompts = prompts_of([40, 70], seed=4)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     want = LLM(model, **ENGINE).generate(prompts, params)
+    if kv_backend == "torch_dist-nccl-emulated":  # a lost peer raises nothing under NCCL
+        monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+        kv_backend = "torch_dist"
 
     async def main():
-        async with Cluster(model, num_decode=2, threshold=0) as c:
+        async with Cluster(model, num_decode=2, threshold=0, kv_backend=kv_backend) as c:
             streams = [c.engine.generate(p, params) for p in prompts]
             outs = [[], []]
             victim = None
