@@ -15,7 +15,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, chunks, create_receiver, create_sender
+from kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
+from kv_transfer.torch_dist.channel import sender_order
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -56,6 +57,40 @@ def _check_chunks(recv, dst, monkeypatch):
         assert wait_for(lambda: sender._staging.idle_bytes, 20, "the send buffer back") == nbytes
         assert wait_for(lambda: recv._staging.idle_bytes, 20, "the staging buffer back") == nbytes
     sender.close()
+
+
+def test_a_bad_emulation_setting_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "yes")
+    src = caches()
+    with pytest.raises(ValueError, match=r"^DUET_KV_EMULATE_NCCL: must be 0 or 1, got 'yes'$"):
+        create_sender("torch_dist", kv_caches=src, layout=layout(src))
+
+
+def test_sides_that_disagree_on_the_emulation_are_refused_at_the_handshake():
+    dst = caches(seed=1)
+    recv = create_receiver("torch_dist", dst, layout(dst), timeout_s=10, emulate_nccl=True)
+    src = caches()
+    sender = create_sender("torch_dist", src, layout(src), timeout_s=10, emulate_nccl=False)
+    try:
+        with pytest.raises(HandshakeError, match="link: sender 'gloo' != receiver 'nccl-emulated'"):
+            sender.send("r", [0], recv.address)
+    finally:
+        sender.close()
+        recv.close()
+
+
+@pytest.mark.parametrize(
+    ("order", "error"),
+    [
+        ([[0, 1], [0, 0]], "order: chunk 1 of transfer 0 out of place"),
+        ([[0, 0], [1, 0]], "order: chunk 0 of transfer 1 out of place"),
+        ([[0, 0]], r"order: chunks \[1\] of \[2\] listed"),
+    ],
+)
+def test_a_header_order_the_receiver_cannot_follow_is_refused(order, error):
+    header = {"transfers": [{"chunks": [[0, 1, 1], [1, 3, 2]]}], "order": order}
+    with pytest.raises(ValueError, match=error):
+        sender_order(header)
 
 
 def collect(poll, count: int, what: str) -> list:
