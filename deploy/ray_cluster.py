@@ -365,6 +365,11 @@ class DuetCluster:
         return _Group(name, pg, ranks)
 
 
+FORWARDED_ENV = ("DUET_KV_EMULATE_NCCL",)
+"""Read by every worker process (the KV transfer's NCCL emulation: both sides of a channel
+must agree, or its handshake refuses it)."""
+
+
 def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
     """A Ray instance on this machine with the resources `spec` asks for; workers reach each
     other on loopback and share its cores (torch threads split evenly unless the spec sets
@@ -378,6 +383,9 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
         "DUET_ADVERTISE_HOST": "127.0.0.1",
         "OMP_NUM_THREADS": str(max(1, cores // max(1, processes))),
     }
+    for name in FORWARDED_ENV:  # settings every worker process must share with the driver
+        if name in os.environ:
+            env[name] = os.environ[name]
     ray.init(
         namespace=NAMESPACE,
         num_cpus=cores,

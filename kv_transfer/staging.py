@@ -9,6 +9,7 @@ warm memory; a buffer reused from the pool has its pages already.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class StagingPool:
         self.max_idle = max_idle
         self._lock = threading.Lock()
         self._idle: list[torch.Tensor] = []  # uint8, 1-D
+        self._readers: dict[int, list[Any]] = {}  # id of an idle buffer -> its CUDA events
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of `shape` and `dtype` (contents undefined), viewing a pooled
@@ -33,18 +35,26 @@ class StagingPool:
             fits = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]
             # the smallest that fits (idle is sorted largest first)
             flat = self._idle.pop(fits[-1]) if fits else None
+            readers = self._readers.pop(id(flat), []) if flat is not None else []
+        for event in readers:  # CUDA: the last copies out of it have run
+            event.synchronize()
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return flat[:nbytes].view(dtype).view(shape)
 
-    def give(self, tensor: torch.Tensor) -> None:
-        """Return a tensor from `take`: its whole buffer becomes idle."""
+    def give(self, tensor: torch.Tensor, readers: list[Any] | None = None) -> None:
+        """Return a tensor from `take`: its whole buffer becomes idle. `readers`: CUDA events
+        after the last reads queued on other streams; `take` waits for them before reuse."""
         whole = torch.empty(0, dtype=torch.uint8, device=self.device)
         whole.set_(tensor.untyped_storage())
         with self._lock:
             self._idle.append(whole)
             self._idle.sort(key=lambda b: b.numel(), reverse=True)
+            for dropped in self._idle[self.max_idle :]:
+                self._readers.pop(id(dropped), None)
             del self._idle[self.max_idle :]
+            if readers:
+                self._readers[id(whole)] = readers
 
     @property
     def idle_bytes(self) -> int:
@@ -62,14 +72,24 @@ class StagingLease:
         self._lock = threading.Lock()
         self._holders = 2
         self._reusable = True
+        self._readers: list[Any] = []
 
     def release(self, reusable: bool = True) -> None:
+        """On CUDA, the caller's stream may still have copies out of the buffer queued (the
+        inbox's scatter): an event recorded on it now keeps the next receive from overwriting
+        them. NOTE: the receive runs on the link's own stream, not the one that reads."""
+        reader = None
+        if self._buf.is_cuda:
+            reader = torch.cuda.Event()
+            reader.record()
         with self._lock:
             self._holders -= 1
             self._reusable = self._reusable and reusable
+            if reader is not None:
+                self._readers.append(reader)
             last = self._holders == 0
         if last and self._reusable:
-            self._pool.give(self._buf)
+            self._pool.give(self._buf, self._readers)
 
 
 NCCL_COMM_BYTES = 256 << 20

@@ -1,10 +1,12 @@
 """The `torch_dist` backend: a pairwise channel per (sender, receiver), built on demand.
 
 The receiver hosts a `TCPStore` at `address` ("host:port"). A sender opening a channel to it
-writes its `KVLayout` under a fresh channel id, pushes the id onto the store's accept queue and
-waits for the receiver's layout (or a refusal): the handshake. Both sides then build a 2-rank
-group over a `PrefixStore` for that channel (gloo for CPU caches, NCCL for CUDA caches), so no
-global world is needed and workers can come and go.
+writes its `KVLayout` and its link kind under a fresh channel id, pushes the id onto the
+store's accept queue and waits for the receiver's layout (or a refusal): the handshake. Both
+sides then open the channel's link (`link.py`) over a `PrefixStore` for that channel: NCCL
+between CUDA caches, gloo between CPU caches, or gloo with NCCL's semantics
+(`nccl_emu.py`, `DUET_KV_EMULATE_NCCL=1`), so no global world is needed and workers can come
+and go.
 
 A transfer stages the request's blocks in one tensor `[L, 2, n, BS, h, D]` and ships it in
 chunks of whole layers, each as soon as its layers are gathered. `send` gathers every layer on
@@ -14,31 +16,40 @@ the transfer before the forward pass that computes the request's last prompt tok
 while later layers compute; `finish` then publishes the metadata (the first token, sampled
 after the last layer) as a trailer under a store key. A background thread pushes one header per
 channel for the transfers queued together (`{transfers: [{request_id, shape, chunks, meta,
-trailer}]}`) and sends their chunks in layer order across requests.
+trailer}], order: [[transfer, chunk], ...]}`) and sends their chunks in layer order across
+requests (a0, b0, a1, ...), the order the header lists.
 
-The receiver's channel thread pops a header, posts a receive per chunk of every transfer in it,
-leaves the tensors in the inbox (`InboxKVReceiver`) and reports each chunk as it lands; the
-engine thread's `poll` scatters landed layers into the blocks reserved by `expect` (only while
-still expected: an aborted request's late data is dropped, never written), reads a trailer once
-it is there, and acknowledges through the store once all is written. So compute, gather, wire
-and scatter overlap instead of running one after the other. Both sides stage transfers in
-buffers reused from a `StagingPool` (fresh ones page-fault on first touch).
+NCCL matches messages by issue order, not by tag: the receiver's channel thread pops a header
+and posts a receive per chunk in exactly the header's `order`, each followed by an event on
+the link; it reports a chunk landed (`progress`) only once its event completed (NCCL's
+`wait()` returns before the data is there), and the engine thread's `poll` scatters landed
+layers into the blocks reserved by `expect` (only while still expected: an aborted request's
+late data is dropped, never written), reads a trailer once it is there, and acknowledges
+through the store once all is written. So compute, gather, wire and scatter overlap. Both sides
+stage transfers in buffers reused from a `StagingPool` (fresh ones page-fault on first touch).
 
-CUDA: a chunk's gather records an event on the compute stream; the send thread waits for that
-event on a side stream and sends from there, so NCCL waits for that chunk only, not for later
-layers the CPU has already queued. The side stream is synchronised before a staging buffer is
-reused. (Not exercised in CI: no GPU there.)
+CUDA: a chunk's gather records an event on the compute stream; the link's stream waits for it
+and sends, so NCCL waits for that chunk only. Receives run on the receiver link's own stream
+and their completion is learned from a CUDA event queried from the host, so the decode step
+never waits for an incoming transfer; a staging buffer is received into again only after the
+scatter queued out of it ran. (Not exercised in CI: no GPU there; the emulation runs the same
+code path on CPU.)
 
-Files: `channel.py` (store keys, the pair group), `config.py` (`TorchDistSenderConfig`,
-`TorchDistReceiverConfig`), `sender.py`, `acks.py` (the sender's threads that read the
-acknowledgements), `receiver.py`, `relay.py` (the receiver's thread that writes them and reads
-trailers): no `poll` makes a store round trip. The sender's outcome bookkeeping is the shared
-`kv_transfer/outbox.py`, the receiver's `inbox.py`.
+Files: `channel.py` (store keys, handshake checks, the header's order), `link.py` (the link
+kinds, their events, abort), `landing.py` (gloo works waited for on a thread), `nccl_emu.py`,
+`config.py` (`TorchDistSenderConfig`, `TorchDistReceiverConfig`), `sender.py`, `acks.py` (the
+sender's threads that read the acknowledgements), `receiver.py`, `relay.py` (the receiver's
+thread that writes them and reads trailers): no `poll` makes a store round trip. The sender's
+outcome bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's `inbox.py`.
 
-Timeouts: gloo ops and store waits use `timeout_s`; a receiver gives up on a request at the
-`expect` deadline; a sender reports FAILED (retryable) when no acknowledgement comes within
-`ack_timeout_s`, or when its peer is gone. A send that fails abandons its channel (the receiver
-may be waiting for chunks that will never come); the next send to that receiver opens a new one.
+Timeouts (a lost peer raises nothing under NCCL): every operation of a channel is bounded by
+`timeout_s` without progress, on both sides. On expiry the side aborts the channel's link and
+fails only that channel's unfinished transfers (retryable); the process and its other
+channels go on (the sender's thread posts and never waits on a send; NCCL's own timeout, which
+by default tears the process down, is set to 4x). Store waits use `timeout_s`; a receiver gives
+up on a request at the `expect` deadline; a sender reports FAILED (retryable) when no
+acknowledgement comes within `ack_timeout_s`. A failed channel is never reused; the next send
+to that receiver opens a new one.
 """
 
 from kv_transfer.torch_dist.config import TorchDistReceiverConfig, TorchDistSenderConfig

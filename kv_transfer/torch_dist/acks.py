@@ -55,9 +55,9 @@ class AckWatcher:
     def _check(self, channel: Channel, request_id: str) -> None:
         key = ack_key(channel.cid, request_id)
         try:
-            acked = channel.store.check([key])
+            acked = channel.ack_store.check([key])
             if acked:
-                channel.store.delete_key(key)
+                channel.ack_store.delete_key(key)
         except Exception as e:  # receiver gone (or its store stopped answering)
             self._outbox.fail(request_id, str(e))
             return

@@ -1,5 +1,5 @@
-"""A torch_dist channel: the store keys both sides use, and the 2-rank group a channel's
-tensors go over."""
+"""A torch_dist channel: the store keys both sides use, and the handshake's checks (the link a
+channel's tensors go over is `link.py`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import HandshakeError, KVLayout
+from kv_transfer.torch_dist.link import PairLink
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +24,16 @@ IDLE_POP_S = 300.0  # a receiver thread's blocking wait for the next channel or 
 
 @dataclass
 class Channel:
+    """A sender's channel to one receiver."""
+
     cid: str
-    store: dist.Store
-    group: Any  # a 2-rank gloo or NCCL group (the stubs lack send/recv)
+    store: dist.Store  # headers and trailers (writes, which do not wait for the receiver)
+    ack_store: dist.Store  # the ack thread's own client: its reads block while a receiver stalls
+    link: PairLink
     peer_layout: KVLayout
     tags: itertools.count[int]
+    progress_s: float = 0.0  # send thread: when an operation was last posted or completed
+    failed: bool = False  # send thread: aborted; never used again
 
 
 def meta_key(cid: str, request_id: str) -> str:
@@ -58,11 +64,33 @@ def as_timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def pair_group(store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> Any:
-    """A 2-rank process group for one channel: NCCL between CUDA caches, else gloo."""
-    if device.type == "cuda":
-        # NOTE: not exercised in CI (no GPU there); the gloo path is.
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = as_timedelta(timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
-    return dist.ProcessGroupGloo(store, rank, 2, as_timedelta(timeout_s))
+def check_emulation(device: torch.device, emulate_nccl: bool) -> None:
+    if emulate_nccl and device.type != "cpu":
+        raise ValueError(
+            f"emulate_nccl: emulates NCCL for CPU caches; caches on {device} use NCCL itself"
+        )
+
+
+def check_link(sender: str, receiver: str) -> None:
+    """Refuse a channel whose sides would not speak the same way."""
+    if sender != receiver:
+        raise HandshakeError(
+            f"link: sender {sender!r} != receiver {receiver!r} (set DUET_KV_EMULATE_NCCL "
+            "alike on both sides)"
+        )
+
+
+def sender_order(header: dict[str, Any]) -> list[tuple[int, int]]:
+    """The header's `order`: its (transfer, chunk) pairs in the order the sender sends them,
+    which the receiver posts its receives in. ValueError unless every chunk of every transfer
+    appears once, each transfer's in order (a receiver cannot follow anything else)."""
+    order = [(int(t), int(k)) for t, k in header["order"]]
+    num_chunks = [len(transfer["chunks"]) for transfer in header["transfers"]]
+    next_chunk = [0] * len(num_chunks)
+    for t, k in order:
+        if not 0 <= t < len(num_chunks) or k != next_chunk[t]:
+            raise ValueError(f"order: chunk {k} of transfer {t} out of place")
+        next_chunk[t] += 1
+    if next_chunk != num_chunks:
+        raise ValueError(f"order: chunks {next_chunk} of {num_chunks} listed")
+    return order

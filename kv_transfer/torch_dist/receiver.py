@@ -24,10 +24,13 @@ from kv_transfer.torch_dist.channel import (
     IDLE_POP_S,
     ack_key,
     as_timedelta,
+    check_emulation,
+    check_link,
     meta_key,
-    pair_group,
+    sender_order,
 )
 from kv_transfer.torch_dist.config import TorchDistReceiverConfig
+from kv_transfer.torch_dist.link import PairLink, link_kind, open_link
 from kv_transfer.torch_dist.relay import StoreRelay
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,8 @@ class TorchDistKVReceiver(InboxKVReceiver):
         super().__init__(kv_caches, layout, stale_after_s=config.timeout_s)
         self.config = config
         self.timeout_s = config.timeout_s
+        self.emulate_nccl = config.emulate_nccl
+        check_emulation(kv_caches[0].device, config.emulate_nccl)
         self._staging = StagingPool(kv_caches[0].device)
         self.store = dist.TCPStore(
             config.host,
@@ -55,6 +60,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         self._address = f"{config.advertise_host or config.host}:{self.store.port}"
         self._relay = StoreRelay(config.name, config.timeout_s)
         self._closed = threading.Event()
+        self._links: dict[str, PairLink] = {}  # the channels being served (tests hold them)
         self._channel_ids: list[str] = []  # channels opened to us (close() wakes their threads)
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
         self._threads[0].start()
@@ -95,40 +101,52 @@ class TorchDistKVReceiver(InboxKVReceiver):
         bind_thread(self.kv_caches[0].device)
         store = self._client(self.timeout_s)
         sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
+        device = self.kv_caches[0].device
+        kind = link_kind(device, self.emulate_nccl)
         try:
             check_compatible(sender, self.layout)
             receiver_head_slice(sender, self.layout)
+            check_link(store.get(f"{cid}/link/sender").decode(), kind)
         except HandshakeError as e:
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
             return
         store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
-        device = self.kv_caches[0].device
-        group = pair_group(dist.PrefixStore(cid, store), 1, device, self.timeout_s)
+        link = open_link(
+            dist.PrefixStore(cid, store), 1, device, self.timeout_s, self.emulate_nccl, cid
+        )
+        logger.info("KV channel %s open over %s", cid, link.kind)
+        with self._lock:
+            self._links[cid] = link
         headers = self._client(IDLE_POP_S)
-        while not self._closed.is_set():
-            try:
-                raw = headers.queue_pop(f"{cid}/xfers", block=True)
-            except Exception:
-                continue  # idle channel
-            if not raw:
-                continue  # close() woke us
-            if not self._receive(cid, store, group, sender, json.loads(raw)["transfers"]):
-                return
+        try:
+            while not self._closed.is_set():
+                try:
+                    raw = headers.queue_pop(f"{cid}/xfers", block=True)
+                except Exception:
+                    continue  # idle channel
+                if not raw:
+                    continue  # close() woke us
+                if not self._receive(cid, store, link, sender, json.loads(raw)):
+                    return
+        finally:
+            link.close()
+            with self._lock:
+                del self._links[cid]
 
     def _receive(
         self,
         cid: str,
         store: dist.Store,
-        group: Any,
+        link: PairLink,
         sender: KVLayout,
-        transfers: list[dict[str, Any]],
+        header: dict[str, Any],
     ) -> bool:
-        """Receive the transfers of one header; False when the channel is lost."""
+        """Receive the transfers of one header; False when the channel is lost (its link
+        aborted, its unfinished requests failed)."""
+        transfers = header["transfers"]
         posted: list[tuple[str, Arrival, StagingLease]] = []
-        works: list[tuple[int, int, Any]] = []  # (end layer, index in posted, work)
         try:
-            # Every chunk's receive is posted up front: the sender streams them back to back.
             for transfer in transfers:
                 request_id = transfer["request_id"]
                 buf = self._staging.take(tuple(transfer["shape"]), self.kv_caches[0].dtype)
@@ -144,20 +162,26 @@ class TorchDistKVReceiver(InboxKVReceiver):
                 )
                 if transfer["trailer"]:
                     self._await_trailer(arrival, store, meta_key(cid, request_id))
-                for start, end, tag in transfer["chunks"]:
-                    works.append((end, len(posted), group.recv([buf[start:end]], 0, tag)))
                 posted.append((request_id, arrival, lease))
                 self.deliver(request_id, arrival)
-            # ... and land in the order it sends them: layer by layer across the requests
-            works.sort(key=lambda item: item[0])
-            for end, index, work in works:
-                work.wait()
-                _, arrival, lease = posted[index]
+            # NOTE: in exactly the sender's order (layer-first across the requests of a pass):
+            # NCCL matches messages by issue order, not by tag.
+            landings = []
+            for t, k in sender_order(header):
+                start, end, tag = transfers[t]["chunks"][k]
+                link.recv(posted[t][1].blocks[start:end], tag)
+                landings.append((t, end, link.record()))
+            # Each chunk is reported once its event says it landed; each within the timeout.
+            for t, end, event in landings:
+                if not event.wait(self.timeout_s):
+                    raise TimeoutError(f"no KV arrived for {self.timeout_s:g}s")
+                _, arrival, lease = posted[t]
                 self.progress(arrival, end)
                 if end == arrival.num_layers:
                     lease.release()
-        except Exception as e:  # the sender died mid-transfer: this channel is done
+        except Exception as e:  # the sender died or stalled mid-transfer: this channel is done
             logger.warning("KV channel %s lost: %s", cid, e)
+            link.abort()  # NOTE: before the leases go: nothing may land in a reused buffer
             for request_id, arrival, lease in posted:
                 if arrival.layers_ready < arrival.num_layers:
                     self.fail(request_id, f"sender lost: {e}")
@@ -184,6 +208,9 @@ class TorchDistKVReceiver(InboxKVReceiver):
         self._closed.set()
         with self._lock:
             channel_ids = list(self._channel_ids)
+            links = list(self._links.values())
+        for link in links:  # wakes a channel thread waiting for data
+            link.close()
         try:
             self.store.queue_push(ACCEPT_QUEUE, b"")
             for cid in channel_ids:

@@ -3,12 +3,12 @@ in chunks of whole layers over the channel's group (see the package's docstring)
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -29,12 +29,15 @@ from kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
     Channel,
     as_timedelta,
+    check_emulation,
     meta_key,
-    pair_group,
 )
 from kv_transfer.torch_dist.config import TorchDistSenderConfig
+from kv_transfer.torch_dist.link import LinkError, LinkEvent, link_kind, open_link
 
 logger = logging.getLogger(__name__)
+
+REAP_S = 0.001  # the send thread's pause between looks at sends in flight
 
 
 @dataclass
@@ -50,14 +53,15 @@ class SendJob:
     gathered: list[threading.Event] = field(default_factory=list)  # per chunk: in `blocks`
     events: list[Any] = field(default_factory=list)  # per chunk: its CUDA event, on CUDA
     gather_failed: bool = False
-    works: list[Any] = field(default_factory=list)
+    sent: LinkEvent | None = None  # recorded after its last chunk was posted
+    done: bool = False  # the send thread saw `sent` complete
     error: str | None = None
 
     def __post_init__(self) -> None:
         self.gathered = [threading.Event() for _ in self.chunks]
         self.events = [None] * len(self.chunks)
 
-    def header(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
             "shape": list(self.blocks.shape),
@@ -100,6 +104,8 @@ class TorchDistKVSender(KVSender):
         self.layout = layout
         self.name = config.name
         self.timeout_s = config.timeout_s
+        self.emulate_nccl = config.emulate_nccl
+        check_emulation(kv_caches[0].device, config.emulate_nccl)
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
         # Transfers are released when opened: the blocks are gathered on the caller's thread
@@ -108,7 +114,7 @@ class TorchDistKVSender(KVSender):
         self._acks = AckWatcher(self._outbox, config.name, config.timeout_s)
         device = kv_caches[0].device
         self._staging = StagingPool(device)
-        self._send_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._inflight: list[SendJob] = []  # send thread: posted, not yet known sent
         self._streaming: list[SendJob] = []  # begun, gathered layer by layer (engine thread)
         self._jobs: queue.Queue[list[SendJob] | None] = queue.Queue()  # sent together
         self._worker = threading.Thread(
@@ -127,6 +133,8 @@ class TorchDistKVSender(KVSender):
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         cid = f"{self.name}-{uuid.uuid4().hex[:12]}"
         store.set(f"{cid}/layout/sender", json.dumps(self.layout.to_dict()))
+        device = self.kv_caches[0].device
+        store.set(f"{cid}/link/sender", link_kind(device, self.emulate_nccl))
         store.queue_push(ACCEPT_QUEUE, cid)
         store.wait([f"{cid}/verdict"], as_timedelta(self.timeout_s))
         verdict = json.loads(store.get(f"{cid}/verdict"))
@@ -134,9 +142,13 @@ class TorchDistKVSender(KVSender):
             raise HandshakeError(f"receiver {dest} refused: {verdict['error']}")
         peer = KVLayout.from_dict(verdict["layout"])
         check_compatible(self.layout, peer)
-        device = self.kv_caches[0].device
-        group = pair_group(dist.PrefixStore(cid, store), 0, device, self.timeout_s)
-        channel = Channel(cid, store, group, peer, itertools.count(1))
+        link = open_link(
+            dist.PrefixStore(cid, store), 0, device, self.timeout_s, self.emulate_nccl, cid
+        )
+        # NOTE: a client of its own for the ack thread: a read from a stalled receiver's store
+        # blocks (no timeout) and would hold the client's lock under `finish` and the headers.
+        ack_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        channel = Channel(cid, store, ack_store, link, peer, itertools.count(1))
         with self._lock:
             self._channels[dest] = channel
         return channel
@@ -222,70 +234,103 @@ class TorchDistKVSender(KVSender):
         return job
 
     def _send_loop(self) -> None:
+        """Post each batch as it comes; between batches, learn which sends completed (never
+        waiting on one: a stalled channel holds up no other)."""
         bind_thread(self.kv_caches[0].device)
-        while (batch := self._jobs.get()) is not None:
-            stream = self._send_stream
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        while True:
+            try:
+                batch = self._jobs.get(timeout=REAP_S if self._inflight else None)
+            except queue.Empty:
+                batch = []
+            if batch is None:
+                return
+            if batch:
                 self._send_batch(batch)
+            self._reap()
 
     def _send_batch(self, batch: list[SendJob]) -> None:
         live = []
         for job in batch:
-            if not self._outbox.decided(job.request_id):
+            if job.channel.failed:  # opened just before its channel failed
+                self._outbox.fail(job.request_id, "its KV channel failed")
+            elif not self._outbox.decided(job.request_id):
                 live.append(job)
             elif job.wait_gathered(self.timeout_s):  # before anything went out
                 self._staging.give(job.blocks)
-        by_channel: dict[str, list[SendJob]] = {}
-        for job in live:
-            by_channel.setdefault(job.channel.cid, []).append(job)
-        for jobs in by_channel.values():
-            channel = jobs[0].channel
-            header = {"transfers": [job.header() for job in jobs]}
-            try:
-                channel.store.queue_push(f"{channel.cid}/xfers", json.dumps(header))
-            except Exception as e:
-                for job in jobs:
-                    job.error = str(e)
         # Chunks go in layer order across requests: each as soon as a forward pass wrote it.
         order = sorted(
             ((end, k, job) for job in live for k, (_, end) in enumerate(job.chunks)),
             key=lambda item: item[0],
         )
+        by_channel: dict[str, list[SendJob]] = {}
+        for job in live:
+            by_channel.setdefault(job.channel.cid, []).append(job)
+        for jobs in by_channel.values():
+            channel = jobs[0].channel
+            index = {id(job): t for t, job in enumerate(jobs)}
+            header = {  # the receiver posts its receives in exactly this order
+                "transfers": [job.describe() for job in jobs],
+                "order": [[index[id(job)], k] for _, k, job in order if id(job) in index],
+            }
+            try:
+                channel.store.queue_push(f"{channel.cid}/xfers", json.dumps(header))
+            except Exception as e:
+                self._fail_channel(channel, str(e), jobs)
         for _, k, job in order:
-            if job.error is not None:
+            channel = job.channel
+            if channel.failed:
                 continue
             try:
                 if not job.gathered[k].wait(self.timeout_s) or job.gather_failed:
                     raise RuntimeError("gathering the blocks failed")
-                event = job.events[k]
-                if event is not None:
-                    torch.cuda.current_stream().wait_event(event)
                 start, end = job.chunks[k]
-                job.works.append(job.channel.group.send([job.blocks[start:end]], 1, job.tags[k]))
-            except Exception as e:
-                job.error = str(e)
-        for job in live:
-            try:
-                if job.error is not None:
-                    raise RuntimeError(job.error)
-                for work in job.works:
-                    work.wait()
-                if self._send_stream is not None:  # NCCL is done with the buffer
-                    self._send_stream.synchronize()
-            except Exception as e:
-                self._abandon(job, str(e))
-            else:
-                self._staging.give(job.blocks)
+                channel.link.send(job.blocks[start:end], job.tags[k], after=job.events[k])
+                if k == len(job.chunks) - 1:
+                    job.sent = channel.link.record()
+                channel.progress_s = time.monotonic()
+            except Exception as e:  # NOTE: the receiver would now match later chunks wrongly
+                self._fail_channel(channel, str(e), [j for j in live if j.channel is channel])
+        self._inflight += [job for job in live if not job.channel.failed]
 
-    def _abandon(self, job: SendJob, error: str) -> None:
-        logger.warning("KV send of %s failed: %s", job.request_id, error)
-        # NOTE: the receiver may now wait for chunks that never come: never reuse this channel
-        # (the next send opens a new one), nor the buffer the transport may still read.
-        with self._lock:
-            for dest, open_channel in list(self._channels.items()):
-                if open_channel is job.channel:
-                    del self._channels[dest]
-        self._outbox.fail(job.request_id, error)
+    def _reap(self) -> None:
+        """Give back the buffers of sends that completed; fail the channels that made no
+        progress within the timeout (or whose link failed)."""
+        now = time.monotonic()
+        for job in self._inflight:
+            channel = job.channel
+            if channel.failed:
+                continue
+            assert job.sent is not None
+            try:
+                sent = job.sent.query()
+            except LinkError as e:
+                self._fail_channel(channel, str(e), self._inflight)
+                continue
+            if sent:
+                channel.progress_s = now
+                self._staging.give(job.blocks)
+                job.done = True
+            elif now - channel.progress_s > self.timeout_s:
+                why = f"no progress sending KV for {self.timeout_s:g}s"
+                self._fail_channel(channel, why, self._inflight)
+        self._inflight = [j for j in self._inflight if not (j.done or j.channel.failed)]
+
+    def _fail_channel(self, channel: Channel, error: str, jobs: list[SendJob]) -> None:
+        """Abort `channel`'s link and fail its unsent transfers among `jobs` (retryable)."""
+        if not channel.failed:
+            channel.failed = True
+            logger.warning("KV channel %s failed: %s", channel.cid, error)
+            channel.link.abort()
+            # NOTE: never reuse this channel (the next send opens a new one), nor the buffers
+            # of its unsent transfers.
+            with self._lock:
+                for dest, open_channel in list(self._channels.items()):
+                    if open_channel is channel:
+                        del self._channels[dest]
+        for job in jobs:
+            if job.channel is channel and not job.done and job.error is None:
+                job.error = error
+                self._outbox.fail(job.request_id, error)
 
     def abort(self, request_id: str) -> None:
         self._outbox.abort(request_id)
@@ -301,4 +346,7 @@ class TorchDistKVSender(KVSender):
         self._jobs.put(None)
         self._worker.join(timeout=self.timeout_s)
         self._acks.close()
-        self._channels.clear()
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.link.close()

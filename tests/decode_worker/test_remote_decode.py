@@ -13,7 +13,7 @@ import torch
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
 from engine import LLM, SamplingParams
-from kv_transfer import TransferStatus
+from kv_transfer import TransferStatus, chunks
 from kv_transfer.local import LocalHub
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
@@ -45,10 +45,22 @@ def start_workers(model, backend, layerwise=True, **engine):
     return prefill, decode
 
 
-@pytest.fixture(params=["local", "torch_dist", "torch_dist-whole", "tcp", "tcp-whole"])
-def workers(request, tiny_llama):
-    """torch_dist and tcp send layer by layer during the last prefill pass; -whole after it."""
+def emulate_nccl(monkeypatch):
+    """torch_dist with NCCL's semantics (issue #18), a message per layer so that the transfers
+    of one pass interleave on the wire."""
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)
+
+
+@pytest.fixture(
+    params=["local", "torch_dist", "torch_dist-whole", "torch_dist-nccl", "tcp", "tcp-whole"]
+)
+def workers(request, tiny_llama, monkeypatch):
+    """torch_dist and tcp send layer by layer during the last prefill pass; -whole after it;
+    -nccl under NCCL's semantics."""
     backend, _, mode = request.param.partition("-")
+    if mode == "nccl":
+        emulate_nccl(monkeypatch)
     prefill, decode = start_workers(tiny_llama, backend, layerwise=mode != "whole")
     yield prefill, decode
     prefill.shutdown()
@@ -128,10 +140,13 @@ def test_disaggregated_equals_aggregated(workers, tiny_llama):
     assert_pools_whole(prefill, decode)
 
 
-@pytest.mark.parametrize("backend", ["torch_dist", "tcp"])
-def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama, backend):
+@pytest.mark.parametrize("backend", ["torch_dist", "torch_dist-nccl", "tcp"])
+def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama, backend, monkeypatch):
     """A 48-token budget splits prompts over several passes and puts several requests in one
     pass: each is streamed during the pass that completes it, earlier chunks' layers included."""
+    backend, _, mode = backend.partition("-")
+    if mode == "nccl":
+        emulate_nccl(monkeypatch)
     prefill, decode = start_workers(tiny_llama, backend, max_num_batched_tokens=48)
     try:
         begun = spy_begun(prefill)

@@ -25,7 +25,7 @@ from tests.waiting import wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-BACKENDS = ["torch_dist", "tcp", "tcp-striped"]
+BACKENDS = ["torch_dist", "torch_dist-nccl-emulated", "tcp", "tcp-striped"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -33,6 +33,9 @@ def backend(request, monkeypatch):
     if request.param == "tcp-striped":  # every payload split over the channel's 2 connections
         monkeypatch.setattr(stripes, "STRIPE_MIN_BYTES", 1)
         return "tcp"
+    if request.param == "torch_dist-nccl-emulated":  # peer processes inherit the environment
+        monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+        return "torch_dist"
     return request.param
 
 

@@ -23,7 +23,7 @@ from tests.kv_transfer.paged import caches, layout
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-BACKENDS = ["local", "tcp", "tcp-striped", "torch_dist"]
+BACKENDS = ["local", "tcp", "tcp-striped", "torch_dist", "torch_dist-nccl-emulated"]
 POLL_BOUND_S = 0.05
 LEASE_S = 1.0  # the sender's ack_timeout_s, and the receiver's expect timeout
 TIMEOUT_S = 3.0  # each backend's wait on a silent peer: what a blocking poll would take
@@ -57,6 +57,9 @@ def backend(request, monkeypatch):
     if request.param == "tcp-striped":  # every payload split over the channel's 2 connections
         monkeypatch.setattr(stripes, "STRIPE_MIN_BYTES", 1)
         return "tcp"
+    if request.param == "torch_dist-nccl-emulated":  # peer processes inherit the environment
+        monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+        return "torch_dist"
     return request.param
 
 
@@ -148,9 +151,13 @@ def test_receiver_poll_never_blocks_on_a_silent_sender(backend):
     assert LEASE_S * 0.9 <= took
 
 
-def test_a_stopped_torch_dist_receiver_holds_up_only_its_own_acknowledgements():
+@pytest.mark.parametrize("emulate_nccl", ["0", "1"], ids=["gloo", "nccl-emulated"])
+def test_a_stopped_torch_dist_receiver_holds_up_only_its_own_acknowledgements(
+    emulate_nccl, monkeypatch
+):
     """The sender reads acknowledgements on a thread per channel: one stalled on a stopped
     receiver's store leaves the other channel's transfer to be acknowledged at once."""
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", emulate_nccl)  # the peer process's too
     src, dst = caches(), caches(seed=1)
     live = create_receiver("torch_dist", dst, layout(dst), timeout_s=TIMEOUT_S)
     with contextlib.ExitStack() as stack:
@@ -161,8 +168,8 @@ def test_a_stopped_torch_dist_receiver_holds_up_only_its_own_acknowledgements():
         )
         stack.callback(sender.close)
         # Its KV goes out (never acknowledged: that receiver never polls), then it stops: the
-        # channel's ack thread blocks on its store. (Sends share one thread: a send to a
-        # stopped receiver would hold up the next one, which is not what this test is about.)
+        # channel's ack thread blocks on its store. (A send to a stopped receiver is
+        # test_torch_dist.py's test_a_receiver_that_stops_reading_fails_only_its_sends.)
         sender.send("to-stopped", [1], stopped)
         time.sleep(0.5)  # lets the KV go out on purpose: nothing observable marks it
         os.kill(proc.pid, signal.SIGSTOP)

@@ -14,6 +14,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import start_decode_server
 from decode_worker.worker import DecodeWorker
 from engine import LLM, SamplingParams
+from kv_transfer import chunks
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_prefill_server
 from prefill_worker.worker import PrefillWorker
@@ -33,15 +34,21 @@ def prompts_of(lengths, seed=3):
 class Cluster:
     """Workers and their gRPC servers on the test's event loop, and a ClusterEngine."""
 
-    def __init__(self, model, num_prefill=1, num_decode=1, threshold=8, engine=None):
+    def __init__(
+        self, model, num_prefill=1, num_decode=1, threshold=8, kv_backend="auto", engine=None
+    ):
         self.model = model
         engine = engine or ENGINE
         self.prefill = [
-            PrefillWorker(PrefillWorkerConfig(model=model, **engine), name=f"p{i}")
+            PrefillWorker(
+                PrefillWorkerConfig(model=model, kv_backend=kv_backend, **engine), name=f"p{i}"
+            )
             for i in range(num_prefill)
         ]
         self.decode = [
-            DecodeWorker(DecodeWorkerConfig(model=model, **engine), name=f"d{i}")
+            DecodeWorker(
+                DecodeWorkerConfig(model=model, kv_backend=kv_backend, **engine), name=f"d{i}"
+            )
             for i in range(num_decode)
         ]
         self.threshold = threshold
@@ -157,6 +164,31 @@ def test_cluster_equals_aggregated_bitwise_in_bf16(smollm2_shaped):
         assert _logprobs(g) == _logprobs(w)
 
 
+def test_torch_dist_under_nccl_semantics_equals_aggregated(model, monkeypatch):
+    """KV over torch_dist with NCCL's semantics emulated (issue #18: tags ignored, `wait` before
+    the data landed), one prefill worker feeding two decode workers, 16 concurrent requests
+    of mixed lengths whose transfers share each channel: every token as the aggregated
+    engine's."""
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # a message per layer, as for real sizes
+    prompts = prompts_of([3, 5, 40, 77, 120, 9, 150, 64, 2, 33, 90, 17, 130, 8, 55, 101], seed=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, greedy)
+
+    async def main():
+        async with Cluster(model, num_decode=2, kv_backend="torch_dist") as c:
+            got = await asyncio.gather(*(c.run(p, greedy) for p in prompts))
+            receivers = [w.receiver for w in c.decode]
+            kinds = [sorted(link.kind for link in r._links.values()) for r in receivers]
+            pools = [(w.engine.kv.num_free_blocks, w.engine.num_blocks) for w in c.decode]
+            return got, kinds, pools
+
+    got, kinds, pools = asyncio.run(main())
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert kinds == [["nccl-emulated"], ["nccl-emulated"]]  # both decode workers received
+    assert all(free == total for free, total in pools)
+
+
 def test_stop_string_is_applied_by_the_router(model):
     prompt = prompts_of([50], seed=8)[0]
     ref = LLM(model, **ENGINE)
@@ -204,10 +236,12 @@ def test_prefix_routing_and_conditional_disaggregation(model):
 
 
 @pytest.mark.parametrize(
-    "case", ["fp32-greedy", "bf16-greedy", "bf16-seeded"]
-)  # bf16: the continuation recomputes prompt + streamed tokens as a prefill (deterministic)
-def test_decode_worker_lost_mid_stream_continues_elsewhere(request, case):
-    dtype, sampling = case.split("-")
+    "case",
+    ["fp32-greedy-auto", "fp32-greedy-nccl", "bf16-greedy-auto", "bf16-seeded-auto"],
+)  # bf16: the continuation recomputes prompt + streamed tokens as a prefill (deterministic);
+# nccl: KV over torch_dist with NCCL's semantics emulated (a lost peer raises nothing)
+def test_decode_worker_lost_mid_stream_continues_elsewhere(request, case, monkeypatch):
+    dtype, sampling, kv_backend = case.split("-")
     model = request.getfixturevalue("tiny_llama" if dtype == "fp32" else "smollm2_shaped")
     engine = {**ENGINE, "dtype": "float32" if dtype == "fp32" else "bfloat16"}
     prompts = prompts_of([40, 70], seed=4)
@@ -215,9 +249,14 @@ def test_decode_worker_lost_mid_stream_continues_elsewhere(request, case):
     if sampling == "seeded":
         params = SamplingParams(max_tokens=60, temperature=0.9, seed=3, ignore_eos=True)
     want = LLM(model, **engine).generate(prompts, params)
+    if kv_backend == "nccl":
+        monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
+        kv_backend = "torch_dist"
 
     async def main():
-        async with Cluster(model, num_decode=2, threshold=0, engine=engine) as c:
+        async with Cluster(
+            model, num_decode=2, threshold=0, kv_backend=kv_backend, engine=engine
+        ) as c:
             streams = [c.engine.generate(p, params) for p in prompts]
             outs = [[], []]
             victim = None
