@@ -50,6 +50,10 @@ class EngineConfig:
     """Longest prompt + output. None: the model's context length."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes (chained hashes of full blocks)."""
+    deterministic: bool = True
+    """On the CPU, run every matrix product on enough rows that a row's result does not depend
+    on its batch (docs/determinism.md); costs single-stream decode time. False: as few rows as
+    the batch has (faster at small batches; output may then depend on the batch)."""
     scheduling_policy: str = "fcfs"
     """fcfs, or priority (lower `priority` value runs first, ties by arrival)."""
     tensor_parallel_size: int = 1
@@ -84,6 +88,10 @@ class EngineConfig:
         if isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1:
             raise InvalidInputError(
                 "gpu_memory_utilization", f"must be a number in (0, 1]; got {util!r}"
+            )
+        if not isinstance(self.deterministic, bool):
+            raise InvalidInputError(
+                "deterministic", f"must be true or false; got {self.deterministic!r}"
             )
         if not isinstance(self.enforce_eager, bool):
             raise InvalidInputError(

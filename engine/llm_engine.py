@@ -100,6 +100,7 @@ class LLMEngine:
             config.hf_overrides,
             config.load_progress and tp.rank == 0,
             tp,
+            config.deterministic,
         )
         self.model_name = loaded.name
         self.arch = loaded.arch

@@ -122,6 +122,7 @@ def load_model(
     hf_overrides: dict[str, Any] | None = None,
     progress: bool = True,
     tp: TensorParallel = SINGLE,
+    deterministic: bool = True,
 ) -> LoadedModel:
     source = open_model(model, tokenizer_path, hf_overrides)
     arch, name = source.arch, source.name
@@ -147,7 +148,11 @@ def load_model(
     if device.type == "cpu" and cpu_kernels_enabled():
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     # NOTE: cuBLAS is not batch-invariant; GPUs are not probed (docs/determinism.md).
-    invariant = device.type == "cpu" and row_invariant.check_model(net, dtype).ok
+    if deterministic and device.type == "cpu":
+        invariant = row_invariant.check_model(net, dtype).ok
+    else:
+        row_invariant.set_min_rows(net, 1)
+        invariant = False
     return LoadedModel(net, arch, source.tokenizer, name, invariant)
 
 

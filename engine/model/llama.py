@@ -22,7 +22,7 @@ from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.model.rotary import RotaryEmbedding
-from engine.model.row_invariant import Linear, linear_rows
+from engine.model.row_invariant import Linear, TiedLinear
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
         )
         self.workspace = GatherWorkspace()
-        self.tied_head: nn.Module | None = None  # set by pack_for_cpu
+        self.tied_head: nn.Module | None = None  # set by load_weights, packed by pack_for_cpu
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -218,10 +218,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
-        elif self.tied_head is not None:
-            logits = self.tied_head(hidden)
         else:
-            logits = linear_rows(hidden, lambda rows: F.linear(rows, self.embed_tokens.weight))
+            assert self.tied_head is not None  # set by load_weights
+            logits = self.tied_head(hidden)
         return self.tp.all_gather_last_dim(logits.float())  # [N, vocab]
 
     def pack_for_cpu(self) -> int:
@@ -276,4 +275,6 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 param[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
+        if self.lm_head is None:  # the head is the embedding table, as loaded
+            self.tied_head = TiedLinear(self.embed_tokens.weight)
         return loaded

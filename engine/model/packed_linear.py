@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from engine.config import cpu_has_native_bf16, cpu_vendor
-from engine.model.row_invariant import linear_rows
+from engine.model.row_invariant import MIN_ROWS, linear_rows
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,11 @@ class PackedLinear(nn.Module):
             packed, None if bias is None else bias.detach(), weight.shape[1], weight.shape[0]
         )
 
+    min_rows: int = MIN_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At least MIN_ROWS rows, so a row's bits do not depend on the batch (row_invariant.py).
-        return linear_rows(x, self._product)
+        # At least min_rows rows, so a row's bits do not depend on the batch (row_invariant.py).
+        return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")

@@ -28,7 +28,12 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 MIN_ROWS = 16
-"""Fewest rows a CPU matrix product runs on."""
+"""Fewest rows a CPU matrix product runs on, unless `check_model` found fewer enough."""
+
+MIN_ROWS_CANDIDATES = (8, 16)
+"""What `check_model` tries per weight shape, smallest first: fewer padded rows cost less
+single-stream time (oneDNN's packed kernels measured invariant from 8 rows; MKL's fp32 GEMM
+gives 9 rows their own kernel, so needs 16)."""
 
 PROBE_ROWS = (1, 2, 3, 9, 15, 16, 17, 40, 64, 130)
 """Batch sizes `probe` runs."""
@@ -37,28 +42,51 @@ PROBE_ALONE = (0, 1, 2, 8, 14, 15, 16, 39, 63, 129)
 """Rows `probe` also computes alone, to compare with the same rows in every batch above."""
 
 
-def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` ([M, K]) with zero rows appended up to `MIN_ROWS` on the CPU; as is otherwise."""
+def pad_rows(x: torch.Tensor, min_rows: int = MIN_ROWS) -> torch.Tensor:
+    """`x` ([M, K]) with zero rows appended up to `min_rows` on the CPU; as is otherwise."""
     rows = x.shape[0]
-    if rows >= MIN_ROWS or x.device.type != "cpu":
+    if rows >= min_rows or x.device.type != "cpu":
         return x
-    return torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+    return torch.cat([x, x.new_zeros(min_rows - rows, x.shape[1])])
 
 
-def linear_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`fn` (a row-wise product of a [M, K] matrix) applied batch-invariantly to `x` ([..., K])."""
+def linear_rows(
+    x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], min_rows: int = MIN_ROWS
+) -> torch.Tensor:
+    """`fn` (a row-wise product of a [M, K] matrix) applied to `x` ([..., K]) on at least
+    `min_rows` rows."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = fn(pad_rows(rows))[: rows.shape[0]]
+    out = fn(pad_rows(rows, min_rows))[: rows.shape[0]]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class Linear(nn.Linear):
     """`nn.Linear` whose result per row does not depend on the batch on the CPU."""
 
+    min_rows: int = MIN_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, lambda rows: F.linear(rows, self.weight, self.bias))
+        return linear_rows(x, self._product, self.min_rows)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight, self.bias)
+
+
+class TiedLinear(nn.Module):
+    """The LM head of a model whose head is its embedding table (not a parameter of its own:
+    the table stays the embedding's, out of the state dict)."""
+
+    min_rows: int = MIN_ROWS
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight_ref = [weight]  # a list: not registered as a parameter or buffer
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_rows(x, lambda rows: F.linear(rows, self.weight_ref[0]), self.min_rows)
 
 
 def probe(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
@@ -77,9 +105,9 @@ def probe(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype
 
 @dataclass
 class LinearInvariance:
-    """What `check_model` found: every distinct weight shape probed, and the ones that failed."""
+    """What `check_model` found: each distinct weight shape's rows, and the ones that failed."""
 
-    probed: list[tuple[int, int]] = field(default_factory=list)
+    min_rows: dict[tuple[int, int], int] = field(default_factory=dict)
     failed: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -88,31 +116,47 @@ class LinearInvariance:
 
 
 def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
-    """Probe one layer of each distinct (class, out, in) shape under `model` (CPU only)."""
+    """For each distinct (class, out, in) shape of matrix product under `model` (CPU only),
+    the fewest rows of `MIN_ROWS_CANDIDATES` at which one such layer probes batch-invariant;
+    every layer of that shape is set to it. A shape invariant at none keeps `MIN_ROWS` and is
+    reported."""
     result = LinearInvariance()
-    seen: set[tuple[str, int, int]] = set()
+    groups: dict[tuple[str, int, int], list[nn.Module]] = {}
     for module in model.modules():
         shape = _shape(module)
-        if shape is None:
-            continue
-        key = (type(module).__name__, *shape)
-        if key in seen:
-            continue
-        seen.add(key)
-        result.probed.append(shape)
-        if not probe(module, shape[1], dtype):
-            result.failed.append(shape)
+        if shape is not None:
+            groups.setdefault((type(module).__name__, *shape), []).append(module)
+    for (_, out_features, in_features), layers in groups.items():
+        chosen = None
+        for rows in MIN_ROWS_CANDIDATES:
+            setattr(layers[0], "min_rows", rows)  # noqa: B010 (nn.Module's attribute typing)
+            if probe(layers[0], in_features, dtype):
+                chosen = rows
+                break
+        if chosen is None:
+            result.failed.append((out_features, in_features))
+        for layer in layers:
+            setattr(layer, "min_rows", MIN_ROWS if chosen is None else chosen)  # noqa: B010
+        result.min_rows[(out_features, in_features)] = MIN_ROWS if chosen is None else chosen
     if result.failed:
         logger.warning(
-            "linear layers of shapes %s are not batch-invariant on this CPU at %d+ rows: "
-            "outputs may depend on the batch (not deterministic)", result.failed, MIN_ROWS,
+            "linear layers of shapes %s are not batch-invariant on this CPU at %s rows: "
+            "outputs may depend on the batch (not deterministic)",
+            result.failed, MIN_ROWS_CANDIDATES,
         )  # fmt: skip
     return result
 
 
+def set_min_rows(model: nn.Module, rows: int) -> None:
+    """Every matrix product under `model` on at least `rows` rows (1: no padding)."""
+    for module in model.modules():
+        if _shape(module) is not None:
+            setattr(module, "min_rows", rows)  # noqa: B010
+
+
 def _shape(module: nn.Module) -> tuple[int, int] | None:
-    if isinstance(module, nn.Linear):
-        return module.out_features, module.in_features
+    if not hasattr(module, "min_rows"):
+        return None
     out_features = getattr(module, "out_features", None)
     in_features = getattr(module, "in_features", None)
     if isinstance(out_features, int) and isinstance(in_features, int):

@@ -78,3 +78,13 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     dt = getattr(torch, dtype)
     layer = row_invariant.Linear(1536, 576, bias=False).to(dt)  # SmolLM2's down_proj
     assert row_invariant.probe(layer, 1536, dt)
+
+
+def test_opting_out_runs_products_on_the_batch_rows_only(model_path):
+    llm = _llm(model_path, "bfloat16", deterministic=False)
+    assert not llm.engine.deterministic
+    layers = [m for m in llm.engine.runner.model.modules() if hasattr(m, "min_rows")]
+    assert layers and all(m.min_rows == 1 for m in layers)
+    on = _llm(model_path, "bfloat16")
+    assert all(m.min_rows in row_invariant.MIN_ROWS_CANDIDATES for m in
+               on.engine.runner.model.modules() if hasattr(m, "min_rows"))  # fmt: skip

@@ -22,7 +22,7 @@ TOPICS = [
     "prime numbers", "the ocean", "a red bicycle", "autumn leaves", "a robot", "jazz",
     "mountains", "a library", "the color blue", "a sleepy cat",
 ]  # fmt: skip
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
