@@ -26,6 +26,7 @@ class LiveServer:
     """Runs `app` with uvicorn on 127.0.0.1 (a free port) in a daemon thread until `stop()`."""
 
     def __init__(self, app: FastAPI) -> None:
+        self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]

@@ -1,0 +1,118 @@
+"""Running one batch line: the same handlers as interactive requests, at a lower priority.
+
+A line runs through `ChatCompletionHandler`/`CompletionHandler`, so validation, length checks
+and the response body are exactly those of `POST /v1/chat/completions` and
+`POST /v1/completions`. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
+own limits) and sessions (rejected at upload).
+
+Priority: `BatchPriority.free_slots` lets batch lines take engine slots only while interactive
+traffic leaves them free, keeping `reserved_fraction` of the running slots for interactive
+requests and never running more than `max_fraction` of them as batch work. A running line is
+not preempted; an interactive request arriving meanwhile queues behind at most those lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import Message
+
+from router.admission import AdmissionController
+from router.batches import BatchService
+from router.errors import OpenAIError
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.queue_worker import RetryTask, TaskRunner
+from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from router.serving_chat import ChatCompletionHandler
+from router.serving_completion import CompletionHandler
+from router.serving_context import ServingContext
+from router.sessions import SessionManager
+from session_store import Delivery
+
+
+@dataclass(frozen=True)
+class BatchPriority:
+    """How much of the engine batch work may use (fractions of its running slots)."""
+
+    max_fraction: float = 0.5
+    """At most this share of the running slots runs batch lines."""
+    reserved_fraction: float = 0.25
+    """This share of the running slots is kept free for interactive requests."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_fraction <= 1:
+            raise ValueError(f"max_fraction: must be in (0, 1]; got {self.max_fraction}")
+        if not 0 <= self.reserved_fraction < 1:
+            raise ValueError(f"reserved_fraction: must be in [0, 1); got {self.reserved_fraction}")
+
+    def free_slots(self, admission: AdmissionController, num_batch_running: int) -> int:
+        """How many more batch lines may start now."""
+        max_running = admission.max_running
+        cap = max(1, int(max_running * self.max_fraction))
+        # NOTE: each running line holds at least one admitted sequence; the rest is interactive.
+        num_interactive = max(0, admission.num_in_flight - num_batch_running)
+        room = max_running - int(max_running * self.reserved_fraction) - num_interactive
+        return max(0, min(cap, room) - num_batch_running)
+
+
+async def _never_disconnects() -> Message:
+    # The queue, not a client, waits for this result: nobody can go away. The handler cancels
+    # this wait once the result is in.
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def _internal_request() -> Request:
+    scope: dict[str, Any] = {
+        "type": "http", "method": "POST", "path": "/internal/batch", "headers": [],
+        "query_string": b"", "state": {"api_key": None},
+    }  # fmt: skip
+    return Request(scope, _never_disconnects)
+
+
+class BatchRunner:
+    """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission."""
+
+    def __init__(self, ctx: ServingContext, batches: BatchService) -> None:
+        batch_ctx = copy.copy(ctx)  # shares the engine, admission and metrics
+        batch_ctx.sessions = SessionManager(None)
+        batch_ctx.rate_limiter = RequestRateLimiter(None, NO_RATE_LIMITS)
+        self.batches = batches
+        self.chat = ChatCompletionHandler(batch_ctx)
+        self.completions = CompletionHandler(batch_ctx)
+
+    @property
+    def runners(self) -> dict[str, TaskRunner]:
+        return {"batch.chat": self.run, "batch.completion": self.run}
+
+    async def run(self, delivery: Delivery) -> dict[str, Any]:
+        payload = delivery.payload
+        if await self.batches.is_cancelled(payload["batch_id"]):
+            message = "the batch was cancelled before this request ran"
+            return {"error": {"code": "batch_cancelled", "message": message}}
+        try:
+            if delivery.kind == "batch.chat":
+                chat_body = ChatCompletionRequest.model_validate(payload["body"])
+                response = await self.chat.create(chat_body, _internal_request())
+            else:
+                body = CompletionRequest.model_validate(payload["body"])
+                response = await self.completions.create(body, _internal_request())
+        except OpenAIError as e:
+            if e.status_code >= 500 or e.status_code == 429:
+                raise RetryTask(f"{e.status_code} {e.type}: {e.message}") from e
+            return {
+                "response": {"status_code": e.status_code, "request_id": None, "body": e.to_body()}
+            }
+        doc = json.loads(bytes(response.body))
+        return {
+            "response": {
+                "status_code": response.status_code,
+                "request_id": doc.get("id"),
+                "body": doc,
+            }
+        }
