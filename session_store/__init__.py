@@ -71,6 +71,7 @@ __all__ = [
     "SqliteWorkQueue",
     "Task",
     "WorkQueue",
+    "check_store_url",
     "default_sqlite_path",
     "hash_api_key",
     "open_rate_limiter",
@@ -100,6 +101,11 @@ def _parse(url: str, flag: str = "--session-store") -> tuple[str, Path | None]:
     # NOTE: echo only the scheme: the URL may carry a password.
     shown = f"scheme {scheme!r}" if scheme else "a value that is not a URL"
     raise ValueError(f"{flag}: unsupported {shown}; expected {_ACCEPTED}")
+
+
+def check_store_url(url: str, flag: str) -> None:
+    """ValueError naming `flag` unless `url` is a Redis or SQLite URL this package opens."""
+    _parse(url, flag)
 
 
 def open_session_store(url: str | None) -> SessionStore:
