@@ -16,15 +16,24 @@ from openai.types import Batch
 
 from engine import AsyncEngine
 from router.api_server import build_app
+from router.batch_runner import BatchPriority
 from session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
+from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.session_store.conftest import RedisServer
 from tests.waiting import wait_for
 
 
-def serve(engine: AsyncEngine, queue: WorkQueue) -> LiveServer:
+def serve(
+    engine: AsyncEngine, queue: WorkQueue, priority: BatchPriority | None = None
+) -> LiveServer:
     app = build_app(
-        engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, lifespan=closing(queue)
+        engine,
+        MODEL_NAME,
+        api_keys=[API_KEY],
+        work_queue=queue,
+        lifespan=closing(queue),
+        batch_priority=priority,
     )
     return LiveServer(app).start()
 
@@ -227,3 +236,49 @@ def test_two_replicas_share_one_redis_queue(
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.slow
+def test_a_redis_restart_mid_batch_loses_no_acknowledged_line(
+    rest_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Redis (AOF, fsync always) SIGKILLed and restarted while a batch runs: the batch still
+    completes with every custom_id exactly once."""
+    redis_server = RedisServer(tmp_path, free_port())
+    redis_server.start()
+    queue = RedisWorkQueue.from_url(redis_server.url, lease_s=2.0)
+    # Two lines at a time (of the engine's 128 slots), so the restart falls mid-batch.
+    server = serve(rest_engine, queue, BatchPriority(max_fraction=2 / 128))
+    client = client_for(server)
+    try:
+        lines = [
+            {**chat_line(f"c-{i}", i), "body": {**chat_line(f"c-{i}", i)["body"], "max_tokens": 16}}
+            for i in range(60)
+        ]
+        data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+        batch = create_batch(client, data)
+
+        def some_done() -> bool:
+            counts = client.batches.retrieve(batch.id).request_counts
+            assert counts is not None and counts.completed < 60, "finished before the restart"
+            return counts.completed >= 1
+
+        wait_for(some_done, 60, "the first lines to finish", 0.02)
+        redis_server.kill()
+        redis_server.start()
+
+        def done() -> Batch | None:
+            try:
+                found = client.batches.retrieve(batch.id)
+            except openai.InternalServerError:  # 503 while Redis reloads
+                return None
+            return found if found.status == "completed" else None
+
+        finished = wait_for(done, 120, "the batch to complete after the restart", 0.2)
+        ids = sorted(e["custom_id"] for e in read_jsonl(client, finished.output_file_id))
+        assert ids == sorted(f"c-{i}" for i in range(60))
+        assert finished.request_counts is not None and finished.request_counts.failed == 0
+    finally:
+        client.close()
+        server.stop()
+        redis_server.stop()
