@@ -12,6 +12,7 @@ Key layout (`<prefix>` is `duet` unless configured, `<name>` is the queue's name
                                             num_deliveries
     <prefix>:records:<kind>         hash    record id -> JSON document (files, batches)
     <prefix>:blob:<id>              string  a file's bytes
+    <prefix>:events:<id>            list    an event log (entry i is offset i)
 
 Claim, renew, complete and fail are Lua scripts, so each is atomic: a result is stored and its
 entry acknowledged in one step. A claim first takes over entries idle longer than the lease
@@ -142,6 +143,19 @@ return 0
 )
 
 
+# KEYS: the log. ARGV: offset, event 1, event 2, ... Returns the new length, or -1 for a gap.
+_APPEND_EVENTS = """
+local n = redis.call('LLEN', KEYS[1])
+local offset = tonumber(ARGV[1])
+if offset > n then return -1 end
+local first = 2 + (n - offset)
+for i = first, #ARGV, 1000 do
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+return redis.call('LLEN', KEYS[1])
+"""
+
+
 class RedisWorkQueue(WorkQueue):
     """A work queue on Redis Streams; survives Redis restarts (it reconnects per call).
 
@@ -175,6 +189,7 @@ class RedisWorkQueue(WorkQueue):
         self._renew = client.register_script(_RENEW)
         self._complete = client.register_script(_COMPLETE)
         self._fail = client.register_script(_FAIL)
+        self._append_events = client.register_script(_APPEND_EVENTS)
         self._has_group = False
 
     @classmethod
@@ -328,6 +343,21 @@ class RedisWorkQueue(WorkQueue):
         key = f"{self.key_prefix}:blob:{blob_id}"
         raw = await self._guard.run("get_blob", self._client.get(key))
         return None if raw is None else cast(str, raw).encode("latin-1")
+
+    async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
+        key = f"{self.key_prefix}:events:{stream_id}"
+        length = await self._guard.run(
+            "append_events", self._append_events(keys=[key], args=[offset, *events])
+        )
+        if int(length) < 0:
+            raise ValueError(f"offset: {offset} is past the end of event log {stream_id!r}")
+        return int(length)
+
+    async def read_events(self, stream_id: str, offset: int, max_events: int) -> list[str]:
+        key = f"{self.key_prefix}:events:{stream_id}"
+        end = offset + max_events - 1
+        raw = await self._guard.run("read_events", self._client.lrange(key, offset, end))
+        return cast(list[str], raw)
 
     async def close(self) -> None:
         await self._client.aclose()

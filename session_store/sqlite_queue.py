@@ -11,6 +11,7 @@ Schema:
                num_deliveries)
     queue_records(kind, id, doc (JSON), PRIMARY KEY (kind, id))
     queue_blobs(id PRIMARY KEY, data BLOB)
+    queue_events(stream_id, offset, event, PRIMARY KEY (stream_id, offset))
 
 Each operation is one `BEGIN IMMEDIATE` transaction, so several router processes on one
 machine may share the file: a result is stored and its task row deleted (acknowledged)
@@ -71,6 +72,10 @@ CREATE TABLE IF NOT EXISTS queue_records (
     kind TEXT NOT NULL, id TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (kind, id)
 );
 CREATE TABLE IF NOT EXISTS queue_blobs (id TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS queue_events (
+    stream_id TEXT NOT NULL, offset INTEGER NOT NULL, event TEXT NOT NULL,
+    PRIMARY KEY (stream_id, offset)
+) WITHOUT ROWID;
 """
 
 
@@ -325,6 +330,30 @@ class SqliteWorkQueue(WorkQueue):
             return None if row is None else bytes(row[0])
 
         return await self._run("get_blob", body, write=False)
+
+    async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
+        def body(conn: sqlite3.Connection) -> int:
+            (n,) = conn.execute(
+                "SELECT COUNT(*) FROM queue_events WHERE stream_id = ?", (stream_id,)
+            ).fetchone()
+            if offset > n:
+                raise ValueError(f"offset: {offset} is past the end of event log {stream_id!r}")
+            new = [(stream_id, offset + i, e) for i, e in enumerate(events) if offset + i >= n]
+            conn.executemany("INSERT INTO queue_events VALUES (?, ?, ?)", new)
+            return int(n) + len(new)
+
+        return await self._run("append_events", body, write=True)
+
+    async def read_events(self, stream_id: str, offset: int, max_events: int) -> list[str]:
+        def body(conn: sqlite3.Connection) -> list[str]:
+            rows = conn.execute(
+                "SELECT event FROM queue_events WHERE stream_id = ? AND offset >= ?"
+                " ORDER BY offset LIMIT ?",
+                (stream_id, offset, max_events),
+            )
+            return [e for (e,) in rows.fetchall()]
+
+        return await self._run("read_events", body, write=False)
 
     async def close(self) -> None:
         if self._closed:

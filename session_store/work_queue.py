@@ -22,8 +22,9 @@ Invariants every backend keeps:
 - Every operation is bounded in time: a down backend raises `SessionStoreUnavailable`.
 - Methods are coroutines for one event loop; `close` is idempotent.
 
-Records (small JSON documents by kind and id) and blobs (file contents) live beside the
-queue so that the Batch API's files and batches are shared by every replica too.
+Records (small JSON documents by kind and id), blobs (file contents) and event logs (the
+chunks of a background request, read from any replica by offset) live beside the queue so that
+every replica shares them too.
 """
 
 from __future__ import annotations
@@ -147,6 +148,17 @@ class WorkQueue(ABC):
     @abstractmethod
     async def get_blob(self, blob_id: str) -> bytes | None:
         """The blob, or None."""
+
+    @abstractmethod
+    async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
+        """Append `events` to the event log `stream_id` as its entries `offset`, `offset + 1`,
+        ...; entries already there are kept, not repeated (a retried or re-delivered append is
+        a no-op for them). Returns the log's length. `offset` beyond the end is a ValueError:
+        a log never has gaps."""
+
+    @abstractmethod
+    async def read_events(self, stream_id: str, offset: int, max_events: int) -> list[str]:
+        """Up to `max_events` entries of the log from `offset` (fewer at its end)."""
 
     @abstractmethod
     async def close(self) -> None:

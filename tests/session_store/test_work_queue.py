@@ -222,6 +222,23 @@ def test_concurrent_consumers_split_the_work(queue_factory: Callable[..., WorkQu
     asyncio.run(main())
 
 
+def test_event_logs_append_once_per_offset(queue_factory: Callable[..., WorkQueue]) -> None:
+    async def main() -> None:
+        async with queue_factory() as q:
+            assert await q.append_events("r1", 0, ["a", "b"]) == 2
+            # A re-delivered task appends from where its first delivery began: no repeats.
+            assert await q.append_events("r1", 0, ["a", "b", "c"]) == 3
+            assert await q.append_events("r1", 3, ["d"]) == 4
+            assert await q.read_events("r1", 0, 100) == ["a", "b", "c", "d"]
+            assert await q.read_events("r1", 1, 2) == ["b", "c"]
+            assert await q.read_events("r1", 4, 10) == []
+            assert await q.read_events("other", 0, 10) == []
+            with pytest.raises(ValueError, match="offset: 9 is past the end"):
+                await q.append_events("r1", 9, ["z"])
+
+    asyncio.run(main())
+
+
 def test_bad_limits_and_urls_are_named() -> None:
     with pytest.raises(ValueError, match="lease_s: must be > 0"):
         SqliteWorkQueue(":memory:", lease_s=0)
