@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.admission import AdmissionController
 from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
+from router.background import KIND as BACKGROUND_KIND
+from router.background import BackgroundService, install_background_routes
 from router.batch_routes import install_batch_routes
 from router.batch_runner import BatchPriority, BatchRunner
 from router.batches import BatchService
@@ -94,9 +96,11 @@ def build_app(
         batches = BatchService(work_queue, served_model_name)
         adm = admission
         priority = batch_priority or BatchPriority()
+        background = BackgroundService(work_queue, ctx)
+        chat.background = background
         worker = QueueWorker(
             work_queue,
-            BatchRunner(ctx, batches).runners,
+            {**BatchRunner(ctx, batches).runners, BACKGROUND_KIND: background.run},
             lambda num_running: priority.free_slots(adm, num_running),
         )
         lifespan = _with_worker(lifespan, worker)
@@ -113,6 +117,7 @@ def build_app(
     app.state.serving = ctx
     app.state.queue_worker = worker
     app.state.batches = batches
+    app.state.background = chat.background
     install_exception_handlers(app)
     install_openapi(app)
     app.add_middleware(APIKeyMiddleware, checker=checker)
@@ -185,6 +190,8 @@ def build_app(
 
     if batches is not None:
         install_batch_routes(app, batches)
+    if chat.background is not None:
+        install_background_routes(app, chat.background)
 
     @app.get("/health")
     async def health() -> Response:

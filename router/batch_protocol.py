@@ -184,4 +184,6 @@ def _check_line(
         return "body.stream: must be false in a batch (results are collected in a file)"
     if request.session_id is not None:
         return "body.session_id: not supported in a batch"
+    if getattr(request, "background", False):
+        return "body.background: not supported in a batch (a batch runs in the background)"
     return None
