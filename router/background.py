@@ -147,7 +147,12 @@ class BackgroundService:
         text = "".join(e["text"] for e in events)
         num_tokens = sum(len(e["token_ids"]) for e in events)
         if p["session"] is not None:
-            await self._commit_turn(p, text)
+            try:
+                await self._commit_turn(p, text)
+            except OpenAIError as e:  # 409: another turn was stored first; 503: retry
+                if e.status_code >= 500:
+                    raise RetryTask(f"{e.status_code} {e.message}") from e
+                return _failed(e)
         response = ChatCompletionResponse(
             id=request_id,
             created=p["created"],

@@ -195,3 +195,25 @@ def read_events_until_cut(url: str, request_id: str) -> list[tuple[int, str]]:
     except httpx2.ReadTimeout:
         return events
     raise AssertionError("the stream ended although the request had not finished")
+
+
+def test_a_background_turn_that_lost_the_race_fails_with_409(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    worker = server.app.state.queue_worker
+    worker.free_slots = lambda num_running: 0  # hold the background turn in the queue
+    session = httpx2.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=10).json()
+    queued = create(client, "first?", 4, background=True, session_id=session["id"])
+    create(client, "second!", 4, session_id=session["id"])  # stored first
+    worker.free_slots = lambda num_running: 4
+
+    def failed() -> Any:
+        found = client.chat.completions.retrieve(queued.id)
+        assert found.model_extra is not None
+        return found.model_extra if found.model_extra["status"] == "failed" else None
+
+    extra = wait_for(failed, 60, "the background turn to fail", 0.05)
+    assert extra["error"]["code"] == "session_conflict"
+    stored = httpx2.get(f"{server.url}/v1/sessions/{session['id']}", headers=AUTH, timeout=10)
+    assert stored.json()["messages"][0]["content"] == "second!"
+    assert stored.json()["version"] == 1
