@@ -33,7 +33,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine import InvalidInputError
+from router.admission import AdmissionTicket
 from router.auth import caller_api_key
+from router.batch_runner import wait_out_overload
 from router.batches import NotFoundError, queue_errors
 from router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
 from router.openai_protocol import (
@@ -174,8 +176,13 @@ class BackgroundService:
         """Generate and log each output; an error result for a 4xx, RetryTask for the rest."""
         ctx = self.ctx
         engine_id = f"{delivery.task_id}-{delivery.num_deliveries}"
-        try:
+
+        async def admit() -> AdmissionTicket:
             [ticket] = ctx.admission.admit([1])
+            return ticket
+
+        try:
+            ticket = await wait_out_overload(admit)
         except OpenAIError as e:
             raise RetryTask(f"{e.status_code} {e.message}") from e
         try:

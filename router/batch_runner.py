@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Message
 
 from router.admission import AdmissionController
 from router.batches import BatchService
-from router.errors import OpenAIError
+from router.errors import OpenAIError, OverloadedError
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.queue_worker import RetryTask, TaskRunner
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
@@ -33,6 +35,10 @@ from router.serving_completion import CompletionHandler
 from router.serving_context import ServingContext
 from router.sessions import SessionManager
 from session_store import Delivery
+
+T = TypeVar("T")
+OVERLOAD_WAIT_S = 60.0
+"""How long a queued task waits for admission before it is given back for a retry."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,24 @@ def _internal_request() -> Request:
     return Request(scope, _never_disconnects)
 
 
+async def wait_out_overload(
+    attempt: Callable[[], Awaitable[T]], max_wait_s: float = OVERLOAD_WAIT_S
+) -> T:
+    """`attempt()`, retried while admission refuses it (503 overloaded) for up to `max_wait_s`.
+
+    NOTE: a queued task waits here, holding its lease (the worker renews it), rather than
+    being given back: each give-back counts as a delivery, so a burst of interactive traffic
+    would otherwise dead-letter batch lines."""
+    deadline = asyncio.get_running_loop().time() + max_wait_s
+    while True:
+        try:
+            return await attempt()
+        except OverloadedError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 class BatchRunner:
     """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission."""
 
@@ -90,18 +114,21 @@ class BatchRunner:
     def runners(self) -> dict[str, TaskRunner]:
         return {"batch.chat": self.run, "batch.completion": self.run}
 
+    async def _run(self, delivery: Delivery) -> Response:
+        payload = delivery.payload
+        if delivery.kind == "batch.chat":
+            chat_body = ChatCompletionRequest.model_validate(payload["body"])
+            return await self.chat.create(chat_body, _internal_request())
+        body = CompletionRequest.model_validate(payload["body"])
+        return await self.completions.create(body, _internal_request())
+
     async def run(self, delivery: Delivery) -> dict[str, Any]:
         payload = delivery.payload
         if await self.batches.is_cancelled(payload["batch_id"]):
             message = "the batch was cancelled before this request ran"
             return {"error": {"code": "batch_cancelled", "message": message}}
         try:
-            if delivery.kind == "batch.chat":
-                chat_body = ChatCompletionRequest.model_validate(payload["body"])
-                response = await self.chat.create(chat_body, _internal_request())
-            else:
-                body = CompletionRequest.model_validate(payload["body"])
-                response = await self.completions.create(body, _internal_request())
+            response = await wait_out_overload(lambda: self._run(delivery))
         except OpenAIError as e:
             if e.status_code >= 500 or e.status_code == 429:
                 raise RetryTask(f"{e.status_code} {e.type}: {e.message}") from e
