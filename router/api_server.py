@@ -91,19 +91,27 @@ def build_app(
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
     worker: QueueWorker | None = None
+    background_worker: QueueWorker | None = None
     batches: BatchService | None = None
     if work_queue is not None:
         batches = BatchService(work_queue, served_model_name)
         adm = admission
         priority = batch_priority or BatchPriority()
-        background = BackgroundService(work_queue, ctx)
+        background = BackgroundService(work_queue.queue_named("background"), ctx)
         chat.background = background
         worker = QueueWorker(
             work_queue,
-            {**BatchRunner(ctx, batches).runners, BACKGROUND_KIND: background.run},
+            BatchRunner(ctx, batches).runners,
             lambda num_running: priority.free_slots(adm, num_running),
         )
-        lifespan = _with_worker(lifespan, worker)
+        # Background requests are interactive work that outlives its connection: their own
+        # queue (never behind a batch), taken whenever admission has room.
+        background_worker = QueueWorker(
+            background.queue,
+            {BACKGROUND_KIND: background.run},
+            lambda num_running: max(0, adm.max_running - num_running) if adm.can_admit(1) else 0,
+        )
+        lifespan = _with_workers(lifespan, [worker, background_worker])
     # NOTE: no interactive docs: they would be one more route to guard, and clients use the
     # OpenAI SDKs anyway. The schema itself is served (behind the key, like every route).
     app = FastAPI(
@@ -116,6 +124,7 @@ def build_app(
     )
     app.state.serving = ctx
     app.state.queue_worker = worker
+    app.state.background_worker = background_worker
     app.state.batches = batches
     app.state.background = chat.background
     install_exception_handlers(app)
@@ -212,19 +221,22 @@ def build_app(
     return app
 
 
-def _with_worker(
-    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None, worker: QueueWorker
+def _with_workers(
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
+    workers: list[QueueWorker],
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """`lifespan` with the queue consumer running inside it (started after the caller's setup,
-    stopped before its teardown closes the queue)."""
+    """`lifespan` with the queue consumers running inside it (started after the caller's
+    setup, stopped before its teardown closes the queue)."""
 
     @asynccontextmanager
     async def combined(app: FastAPI) -> AsyncIterator[None]:
         async with lifespan(app) if lifespan is not None else nullcontext():
-            await worker.start()
+            for worker in workers:
+                await worker.start()
             try:
                 yield
             finally:
-                await worker.stop()
+                for worker in workers:
+                    await worker.stop()
 
     return combined

@@ -59,6 +59,8 @@ class QueueWorker:
         self._loop_task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._wake = asyncio.Event()
+        """Set when a task ends, so the next claim comes at once rather than at the next poll."""
         self.num_completed = 0
         """Tasks this worker stored a result for (duplicates excluded)."""
 
@@ -98,9 +100,17 @@ class QueueWorker:
             for delivery in deliveries:
                 task = asyncio.create_task(self._run(delivery), name=f"task {delivery.task_id}")
                 self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                task.add_done_callback(self._on_done)
             if not deliveries:
-                await asyncio.sleep(self.poll_interval_s)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                except TimeoutError:
+                    pass
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._wake.set()
 
     async def _run(self, delivery: Delivery) -> None:
         runner = self.runners.get(delivery.kind)

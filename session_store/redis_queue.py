@@ -1,12 +1,14 @@
 """The production `WorkQueue`: Redis Streams with one consumer group shared by every router.
 
-Key layout (`<prefix>` is `duet` unless configured, `<name>` is the queue's name, `work`):
+Key layout (`<prefix>` is `duet` unless configured, `<name>` is the queue's name: `work` for
+batches, `background` for background requests):
 
     <prefix>:queue:<name>:stream    stream  one entry per task: task_id, kind, payload (JSON);
                                             consumer group `routers`; an entry is XACKed and
                                             XDELed in the script that stores its result
-    <prefix>:queue:<name>:results   hash    task_id -> result (JSON); written with HSETNX, so a
-                                            task has one result however often it is delivered
+    <prefix>:queue:results          hash    task_id -> result (JSON), for every queue name;
+                                            written with HSETNX, so a task has one result
+                                            however often it is delivered
     <prefix>:queue:<name>:reasons   hash    task_id -> why its last delivery failed
     <prefix>:queue:<name>:dead      stream  dead letters: task_id, kind, payload, reason,
                                             num_deliveries
@@ -172,16 +174,20 @@ class RedisWorkQueue(WorkQueue):
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         op_timeout_s: float = 2.5,
+        owns_client: bool = True,
     ) -> None:
         validate_queue_limits(lease_s, max_deliveries)
         self._client = client
+        self._owns_client = owns_client
+        self.name = name
+        self._op_timeout_s = op_timeout_s
         self._guard = RedisGuard("work queue", op_timeout_s)
         self.key_prefix = key_prefix
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
         base = f"{key_prefix}:queue:{name}"
         self._stream = f"{base}:stream"
-        self._results = f"{base}:results"
+        self._results = f"{key_prefix}:queue:results"  # shared by every queue name
         self._reasons = f"{base}:reasons"
         self._dead = f"{base}:dead"
         self._keys = [self._stream, self._results, self._reasons, self._dead]
@@ -195,6 +201,17 @@ class RedisWorkQueue(WorkQueue):
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisWorkQueue:
         return cls(connect_redis(url), **kwargs)
+
+    def queue_named(self, name: str) -> RedisWorkQueue:
+        return RedisWorkQueue(
+            self._client,
+            key_prefix=self.key_prefix,
+            name=name,
+            lease_s=self.lease_s,
+            max_deliveries=self.max_deliveries,
+            op_timeout_s=self._op_timeout_s,
+            owns_client=False,  # a view on this queue's connection pool
+        )
 
     @property
     def _lease_ms(self) -> int:
@@ -360,4 +377,5 @@ class RedisWorkQueue(WorkQueue):
         return cast(list[str], raw)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()

@@ -3,11 +3,11 @@ machine needs no Redis. Same contract as the Redis queue (session_store/work_que
 
 Schema:
 
-    queue_tasks(seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id, kind, payload (JSON),
+    queue_tasks(seq INTEGER PRIMARY KEY AUTOINCREMENT, queue, task_id, kind, payload (JSON),
                 consumer NULL (NULL: claimable), lease_until REAL NULL, num_deliveries,
                 reason NULL (why the last delivery failed))
     queue_results(task_id PRIMARY KEY, result (JSON))      -- INSERT OR IGNORE: one result
-    queue_dead(seq INTEGER PRIMARY KEY AUTOINCREMENT, task_id, kind, payload, reason,
+    queue_dead(seq INTEGER PRIMARY KEY AUTOINCREMENT, queue, task_id, kind, payload, reason,
                num_deliveries)
     queue_records(kind, id, doc (JSON), PRIMARY KEY (kind, id))
     queue_blobs(id PRIMARY KEY, data BLOB)
@@ -50,6 +50,7 @@ T = TypeVar("T")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS queue_tasks (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
     task_id TEXT NOT NULL,
     kind TEXT NOT NULL,
     payload TEXT NOT NULL,
@@ -58,10 +59,11 @@ CREATE TABLE IF NOT EXISTS queue_tasks (
     num_deliveries INTEGER NOT NULL DEFAULT 0,
     reason TEXT
 );
-CREATE INDEX IF NOT EXISTS queue_tasks_by_lease ON queue_tasks (consumer, lease_until);
+CREATE INDEX IF NOT EXISTS queue_tasks_by_lease ON queue_tasks (queue, consumer, lease_until);
 CREATE TABLE IF NOT EXISTS queue_results (task_id TEXT PRIMARY KEY, result TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS queue_dead (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
     task_id TEXT NOT NULL,
     kind TEXT NOT NULL,
     payload TEXT NOT NULL,
@@ -86,6 +88,7 @@ class SqliteWorkQueue(WorkQueue):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
+        name: str = "work",
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         busy_timeout_s: float = 2.0,
@@ -94,6 +97,7 @@ class SqliteWorkQueue(WorkQueue):
     ) -> None:
         validate_queue_limits(lease_s, max_deliveries)
         self.path = Path(path) if path is not None else default_sqlite_path()
+        self.name = name
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
         self.busy_timeout_s = busy_timeout_s
@@ -102,6 +106,20 @@ class SqliteWorkQueue(WorkQueue):
         self._conn: sqlite3.Connection | None = None
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-queue")
+        self._views: list[SqliteWorkQueue] = []
+
+    def queue_named(self, name: str) -> SqliteWorkQueue:
+        view = SqliteWorkQueue(
+            self.path,
+            name=name,
+            lease_s=self.lease_s,
+            max_deliveries=self.max_deliveries,
+            busy_timeout_s=self.busy_timeout_s,
+            op_timeout_s=self.op_timeout_s,
+            clock=self._clock,
+        )
+        self._views.append(view)
+        return view
 
     async def _run(self, op: str, fn: Callable[[sqlite3.Connection], T], write: bool) -> T:
         if self._closed:
@@ -153,9 +171,9 @@ class SqliteWorkQueue(WorkQueue):
             "SELECT task_id, kind, payload, num_deliveries FROM queue_tasks WHERE seq = ?", (seq,)
         ).fetchone()
         conn.execute(
-            "INSERT INTO queue_dead (task_id, kind, payload, reason, num_deliveries)"
-            " VALUES (?, ?, ?, ?, ?)",
-            (task_id, kind, payload, reason, n),
+            "INSERT INTO queue_dead (queue, task_id, kind, payload, reason, num_deliveries)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (self.name, task_id, kind, payload, reason, n),
         )
         conn.execute(
             "INSERT OR IGNORE INTO queue_results VALUES (?, ?)",
@@ -169,12 +187,13 @@ class SqliteWorkQueue(WorkQueue):
         results: dict[str, dict[str, Any]] | None = None,
         record: tuple[str, str, dict[str, Any]] | None = None,
     ) -> None:
-        rows = [(t.task_id, t.kind, dumps(t.payload)) for t in tasks]
+        rows = [(self.name, t.task_id, t.kind, dumps(t.payload)) for t in tasks]
         done = [(k, dumps(v)) for k, v in (results or {}).items()]
 
         def body(conn: sqlite3.Connection) -> None:
             conn.executemany(
-                "INSERT INTO queue_tasks (task_id, kind, payload) VALUES (?, ?, ?)", rows
+                "INSERT INTO queue_tasks (queue, task_id, kind, payload) VALUES (?, ?, ?, ?)",
+                rows,
             )
             conn.executemany("INSERT OR IGNORE INTO queue_results VALUES (?, ?)", done)
             if record is not None:
@@ -196,9 +215,9 @@ class SqliteWorkQueue(WorkQueue):
             # Expired leases first (their consumer died), then claimable rows, oldest first.
             rows = conn.execute(
                 "SELECT seq, task_id, kind, payload, num_deliveries, reason FROM queue_tasks"
-                " WHERE consumer IS NULL OR lease_until <= ?"
+                " WHERE queue = ? AND (consumer IS NULL OR lease_until <= ?)"
                 " ORDER BY consumer IS NULL, seq",
-                (now,),
+                (self.name, now),
             )
             for seq, task_id, kind, payload, n, reason in rows.fetchall():
                 if len(taken) == max_tasks:
@@ -281,7 +300,9 @@ class SqliteWorkQueue(WorkQueue):
     async def dead_letters(self) -> list[DeadLetter]:
         def body(conn: sqlite3.Connection) -> list[DeadLetter]:
             rows = conn.execute(
-                "SELECT task_id, kind, payload, reason, num_deliveries FROM queue_dead ORDER BY seq"
+                "SELECT task_id, kind, payload, reason, num_deliveries FROM queue_dead"
+                " WHERE queue = ? ORDER BY seq",
+                (self.name,),
             ).fetchall()
             return [DeadLetter(t, k, json.loads(p), r, n) for t, k, p, r, n in rows]
 
@@ -289,7 +310,8 @@ class SqliteWorkQueue(WorkQueue):
 
     async def num_pending(self) -> int:
         def body(conn: sqlite3.Connection) -> int:
-            return int(conn.execute("SELECT COUNT(*) FROM queue_tasks").fetchone()[0])
+            row = conn.execute("SELECT COUNT(*) FROM queue_tasks WHERE queue = ?", (self.name,))
+            return int(row.fetchone()[0])
 
         return await self._run("num_pending", body, write=False)
 
@@ -359,6 +381,8 @@ class SqliteWorkQueue(WorkQueue):
         if self._closed:
             return
         self._closed = True
+        for view in self._views:
+            await view.close()
 
         def shutdown() -> None:
             if self._conn is not None:

@@ -83,8 +83,16 @@ class DeadLetter:
 class WorkQueue(ABC):
     """See the module docstring for the contract."""
 
+    name: str
+    """Which queue of the backend this object consumes (tasks, pending set, dead letters);
+    records, blobs, event logs and results are shared by every queue of one backend."""
     lease_s: float
     max_deliveries: int
+
+    @abstractmethod
+    def queue_named(self, name: str) -> WorkQueue:
+        """Another queue in the same backend (same lease and delivery limits), so that work
+        of one kind never waits behind another's. This object closes it with itself."""
 
     @abstractmethod
     async def enqueue(

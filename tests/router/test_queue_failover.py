@@ -129,15 +129,15 @@ class Router:
 def test_a_router_killed_mid_batch_is_finished_by_its_restart(
     tiny_llama: str, redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    num_lines = 24
+    num_lines = 12
     lines = [
         {
             "custom_id": f"req-{i}",
             "method": "POST",
             "url": "/v1/completions" if i % 2 else "/v1/chat/completions",
-            "body": {"prompt": f"p{i}", "max_tokens": 24, "ignore_eos": True}
+            "body": {"prompt": f"p{i}", "max_tokens": 48, "ignore_eos": True}
             if i % 2
-            else {"messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 24,
+            else {"messages": [{"role": "user", "content": f"m{i}"}], "max_tokens": 48,
                   "ignore_eos": True},
         }
         for i in range(num_lines)
@@ -151,19 +151,22 @@ def test_a_router_killed_mid_batch_is_finished_by_its_restart(
             input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
 
-        def some_done() -> bool:
+        def num_held() -> int:
+            """Batch lines the first router holds (claimed, not acknowledged)."""
+            consumers = r.xinfo_consumers("duet:queue:work:stream", "routers")
+            return sum(c["pending"] for c in consumers if f"-{first.proc.pid}-" in c["name"])
+
+        def mid_batch() -> bool:
             counts = first.client.batches.retrieve(batch.id).request_counts
             assert counts is not None and counts.completed < num_lines, "finished before the kill"
-            return counts.completed >= 2
+            return counts.completed >= 2 and num_held() > 0
 
-        wait_for(some_done, 120, "the first router to finish 2 lines", 0.05)
-        first.proc.kill()  # SIGKILL: no drain, no cleanup
-        first.proc.wait(timeout=10)
-        # It died holding leases: tasks pending under its consumer, not acknowledged.
         with redis.Redis.from_url(redis_server.url, decode_responses=True) as r:
-            consumers = r.xinfo_consumers("duet:queue:work:stream", "routers")
-        held = [c for c in consumers if f"-{first.proc.pid}-" in c["name"] and c["pending"]]
-        assert held, consumers
+            wait_for(mid_batch, 120, "the first router to finish 2 lines and run more", 0.02)
+            first.proc.kill()  # SIGKILL: no drain, no cleanup
+            first.proc.wait(timeout=10)
+            # It died holding leases: tasks pending under its consumer, not acknowledged.
+            assert num_held() > 0
     finally:
         first.stop()
     second = Router(tiny_llama, redis_server.url, tmp_path / "second.log")
@@ -183,6 +186,6 @@ def test_a_router_killed_mid_batch_is_finished_by_its_restart(
         assert sorted(e["custom_id"] for e in output) == sorted(
             f"req-{i}" for i in range(num_lines)
         )
-        assert all(e["response"]["body"]["usage"]["completion_tokens"] == 24 for e in output)
+        assert all(e["response"]["body"]["usage"]["completion_tokens"] == 48 for e in output)
     finally:
         second.stop()

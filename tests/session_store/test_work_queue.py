@@ -239,6 +239,27 @@ def test_event_logs_append_once_per_offset(queue_factory: Callable[..., WorkQueu
     asyncio.run(main())
 
 
+def test_named_queues_are_independent(queue_factory: Callable[..., WorkQueue]) -> None:
+    """Tasks of one queue never wait behind another's; results and records are shared."""
+
+    async def main() -> None:
+        async with queue_factory() as work:
+            other = work.queue_named("background")
+            await work.enqueue(tasks(3))
+            await other.enqueue([Task("bg", "chat", {})])
+            assert (await work.num_pending(), await other.num_pending()) == (3, 1)
+            [d] = await other.claim("c", max_tasks=5)
+            assert d.task_id == "bg"
+            assert await other.fail(d, "x") is False
+            [d] = await other.claim("c")
+            assert await other.complete(d, {"ok": 1})
+            assert await work.results(["bg"]) == [{"ok": 1}]
+            assert [t.task_id for t in await work.claim("c", max_tasks=5)] == ["t0", "t1", "t2"]
+            assert await other.dead_letters() == [] and await other.num_pending() == 0
+
+    asyncio.run(main())
+
+
 def test_bad_limits_and_urls_are_named() -> None:
     with pytest.raises(ValueError, match="lease_s: must be > 0"):
         SqliteWorkQueue(":memory:", lease_s=0)
