@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine import InvalidInputError
+from engine.tokenizer import IncrementalDetokenizer
 from router.admission import AdmissionTicket
 from router.auth import caller_api_key
 from router.batch_runner import wait_out_overload
@@ -138,7 +139,17 @@ class BackgroundService:
                     max_tokens=remaining,
                     min_tokens=max(0, params.min_tokens - len(emitted)),
                 )
-                failure = await self._generate(delivery, prompt_ids + emitted, params, len(events))
+                detok = None
+                if emitted:  # a takeover: continue the text exactly where the log ends
+                    detok = IncrementalDetokenizer(
+                        ctx.engine.tokenizer, prompt_ids, params.skip_special_tokens
+                    )
+                    for token_id in emitted:
+                        detok.add_token(token_id)
+                    detok.text = detok.text[len("".join(e["text"] for e in events)) :]
+                failure = await self._generate(
+                    delivery, prompt_ids + emitted, params, len(events), detok
+                )
                 if failure is not None:
                     return failure
             else:
@@ -171,9 +182,19 @@ class BackgroundService:
         return {"response": response.model_dump(mode="json")}
 
     async def _generate(
-        self, delivery: Delivery, prompt_ids: list[int], params: Any, offset: int
+        self,
+        delivery: Delivery,
+        prompt_ids: list[int],
+        params: Any,
+        offset: int,
+        detok: IncrementalDetokenizer | None,
     ) -> dict[str, Any] | None:
-        """Generate and log each output; an error result for a 4xx, RetryTask for the rest."""
+        """Generate and log each output; an error result for a 4xx, RetryTask for the rest.
+
+        `detok`: after a takeover, a detokenizer replayed over the logged tokens, whose `text`
+        holds what the log lacks (bytes of a character still incomplete, text held back).
+        NOTE: the engine's own text deltas would restart at the continuation's prompt and
+        drop a character split across the takeover."""
         ctx = self.ctx
         engine_id = f"{delivery.task_id}-{delivery.num_deliveries}"
 
@@ -192,7 +213,12 @@ class BackgroundService:
                     c = out.outputs[0]
                     if not c.delta_token_ids and c.finish_reason is None:
                         continue
-                    event = _event(list(c.delta_token_ids), c.delta_text, c.finish_reason)
+                    text = c.delta_text
+                    if detok is not None:
+                        pending, detok.text = detok.text, ""
+                        text = pending + "".join(detok.add_token(t) for t in c.delta_token_ids)
+                        detok.text = ""
+                    event = _event(list(c.delta_token_ids), text, c.finish_reason)
                     offset = await self.queue.append_events(
                         delivery.task_id, offset, [json.dumps(event)]
                     )

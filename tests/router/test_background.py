@@ -4,6 +4,7 @@ is stored once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from engine import AsyncEngine
 from router.api_server import build_app
-from session_store import SqliteSessionStore, SqliteWorkQueue
+from session_store import SqliteSessionStore, SqliteWorkQueue, Task, hash_api_key
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.waiting import wait_for
 
@@ -148,7 +149,7 @@ def test_a_replica_resumes_a_stream_whose_router_died(
     a, b = serve(rest_engine, db, lease_s=0.5), serve(rest_engine, db, lease_s=0.5)
     a_client = openai.OpenAI(base_url=f"{a.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     b_client = openai.OpenAI(base_url=f"{b.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
-    b_worker = b.app.state.queue_worker
+    b_worker = b.app.state.background_worker
     try:
         b_worker.free_slots = lambda num_running: 0  # B waits until A has died
         queued = create(a_client, "a long story", 200, background=True)
@@ -200,7 +201,7 @@ def read_events_until_cut(url: str, request_id: str) -> list[tuple[int, str]]:
 def test_a_background_turn_that_lost_the_race_fails_with_409(
     client: openai.OpenAI, server: LiveServer
 ) -> None:
-    worker = server.app.state.queue_worker
+    worker = server.app.state.background_worker
     worker.free_slots = lambda num_running: 0  # hold the background turn in the queue
     session = httpx2.post(f"{server.url}/v1/sessions", headers=AUTH, timeout=10).json()
     queued = create(client, "first?", 4, background=True, session_id=session["id"])
@@ -217,3 +218,63 @@ def test_a_background_turn_that_lost_the_race_fails_with_409(
     stored = httpx2.get(f"{server.url}/v1/sessions/{session['id']}", headers=AUTH, timeout=10)
     assert stored.json()["messages"][0]["content"] == "second!"
     assert stored.json()["version"] == 1
+
+
+def test_a_background_request_never_waits_behind_a_batch(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    batch_worker = server.app.state.queue_worker
+    batch_worker.free_slots = lambda num_running: 0  # a batch sits in the queue, unserved
+    lines = [
+        json.dumps({"custom_id": f"c{i}", "url": "/v1/completions",
+                    "body": {"prompt": "x", "max_tokens": 2}})
+        for i in range(50)
+    ]  # fmt: skip
+    file = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    queued = create(client, "urgent", 3, background=True)
+    assert wait_completed(client, queued.id).usage.completion_tokens == 3
+    counts = client.batches.retrieve(batch.id).request_counts
+    assert counts is not None and counts.completed == 0
+    batch_worker.free_slots = lambda num_running: 8
+
+
+def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
+    client: openai.OpenAI, server: LiveServer, tmp_path: Path
+) -> None:
+    """The log of a dead run ends right after a token whose text the detokenizer held back
+    (half a UTF-8 character): the run that takes over must still emit that character."""
+    first = wait_completed(client, create(client, "a long story", 120, background=True).id)
+    queue = SqliteWorkQueue(tmp_path / "duet.db")
+
+    async def setup() -> int:
+        try:
+            events = [json.loads(e) for e in await queue.read_events(first.id, 0, 1000)]
+            held = [i for i, e in enumerate(events) if e["token_ids"] and not e["text"]]
+            assert held, "no held-back token in this reply: pick another prompt"
+            cut = held[0] + 1
+            request_id = "chatcmpl-takeover"
+            messages = [{"role": "user", "content": "a long story"}]
+            body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 120,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            payload = {"body": body, "messages": messages, "new_messages": messages,
+                       "session": None, "created": 0}  # fmt: skip
+            await queue.append_events(request_id, 0, [json.dumps(e) for e in events[:cut]])
+            record = {"id": request_id, "owner": hash_api_key(API_KEY), "created": 0}
+            await queue.queue_named("background").enqueue(
+                [Task(request_id, "background.chat", payload)],
+                record=("background", request_id, record),
+            )
+            return cut
+        finally:
+            await queue.close()
+
+    cut = asyncio.run(setup())
+    resumed = wait_completed(client, "chatcmpl-takeover")
+    assert resumed.usage.completion_tokens == 120
+    assert resumed.choices[0].message.content == first.choices[0].message.content
+    streamed = read_events(server.url, "chatcmpl-takeover")
+    assert len(streamed) > cut
+    assert "".join(t for _, t in streamed) == first.choices[0].message.content
