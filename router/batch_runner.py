@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,6 +38,8 @@ from router.sessions import SessionManager
 from session_store import Delivery
 
 T = TypeVar("T")
+CANCEL_CHECK_S = 1.0
+"""How stale a line's view of its batch's cancellation may be."""
 OVERLOAD_WAIT_S = 60.0
 """How long a queued task waits for admission before it is given back for a retry."""
 
@@ -107,12 +110,25 @@ class BatchRunner:
         batch_ctx.sessions = SessionManager(None)
         batch_ctx.rate_limiter = RequestRateLimiter(None, NO_RATE_LIMITS)
         self.batches = batches
+        self._cancelled: dict[str, tuple[float, bool]] = {}
+        """batch id -> (when checked, cancelled): one record read per batch per second, not
+        per line (a batch record holds every line's custom_id)."""
         self.chat = ChatCompletionHandler(batch_ctx)
         self.completions = CompletionHandler(batch_ctx)
 
     @property
     def runners(self) -> dict[str, TaskRunner]:
         return {"batch.chat": self.run, "batch.completion": self.run}
+
+    async def _is_cancelled(self, batch_id: str) -> bool:
+        now = time.monotonic()
+        checked = self._cancelled.get(batch_id)
+        if checked is None or now - checked[0] > CANCEL_CHECK_S:
+            if len(self._cancelled) > 1024:
+                self._cancelled.clear()
+            checked = (now, await self.batches.is_cancelled(batch_id))
+            self._cancelled[batch_id] = checked
+        return checked[1]
 
     async def _run(self, delivery: Delivery) -> Response:
         payload = delivery.payload
@@ -124,7 +140,7 @@ class BatchRunner:
 
     async def run(self, delivery: Delivery) -> dict[str, Any]:
         payload = delivery.payload
-        if await self.batches.is_cancelled(payload["batch_id"]):
+        if await self._is_cancelled(payload["batch_id"]):
             message = "the batch was cancelled before this request ran"
             return {"error": {"code": "batch_cancelled", "message": message}}
         try:

@@ -92,8 +92,13 @@ class QueueWorker:
                 try:
                     deliveries = await self.queue.claim(self.consumer, wanted)
                     backoff_s = self.poll_interval_s
-                except SessionStoreUnavailable as e:
-                    logger.warning("work queue unavailable, retrying in %.1fs: %s", backoff_s, e)
+                except Exception as e:  # the loop must outlive any one failed claim
+                    if isinstance(e, SessionStoreUnavailable):
+                        logger.warning(
+                            "work queue unavailable, retrying in %.1fs: %s", backoff_s, e
+                        )
+                    else:
+                        logger.error("claiming from the work queue failed", exc_info=e)
                     await asyncio.sleep(backoff_s)
                     backoff_s = min(5.0, backoff_s * 2)
                     continue
@@ -147,7 +152,7 @@ class QueueWorker:
                 if not await self.queue.renew(delivery):
                     work.cancel()
                     return
-            except SessionStoreUnavailable as e:
+            except Exception as e:  # keep trying: the lease may still hold at the next one
                 logger.warning("task %s: lease renewal failed: %s", delivery.task_id, e)
 
     async def _settle(
