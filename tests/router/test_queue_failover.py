@@ -1,6 +1,7 @@
 """Real processes on a real Redis: a task whose router is SIGKILLed mid-task is taken over and
 completed by another consumer, and a `duet serve` router killed mid-batch leaves the batch to
-its restart, which finishes it with every custom_id exactly once."""
+its restart, or to a replica running beside it, which finishes it with every custom_id exactly
+once."""
 
 from __future__ import annotations
 
@@ -126,9 +127,12 @@ class Router:
 
 
 @pytest.mark.slow
-def test_a_router_killed_mid_batch_is_finished_by_its_restart(
-    tiny_llama: str, redis_server: RedisServer, tmp_path: Path
+@pytest.mark.parametrize("takeover", ["restart", "replica"])
+def test_a_router_killed_mid_batch_is_finished_by_another(
+    tiny_llama: str, redis_server: RedisServer, tmp_path: Path, takeover: str
 ) -> None:
+    """`restart`: the killed router is started again. `replica`: a second router, running all
+    along beside the first, finishes what the killed one held."""
     num_lines = 12
     lines = [
         {
@@ -144,8 +148,13 @@ def test_a_router_killed_mid_batch_is_finished_by_its_restart(
     ]  # fmt: skip
     data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
     first = Router(tiny_llama, redis_server.url, tmp_path / "first.log")
+    second: Router | None = None
+    if takeover == "replica":
+        second = Router(tiny_llama, redis_server.url, tmp_path / "second.log")
     try:
         first.wait_ready()
+        if second is not None:
+            second.wait_ready()
         file = first.client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
         batch = first.client.batches.create(
             input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -167,16 +176,21 @@ def test_a_router_killed_mid_batch_is_finished_by_its_restart(
             first.proc.wait(timeout=10)
             # It died holding leases: tasks pending under its consumer, not acknowledged.
             assert num_held() > 0
+    except BaseException:
+        if second is not None:
+            second.stop()
+        raise
     finally:
         first.stop()
-    second = Router(tiny_llama, redis_server.url, tmp_path / "second.log")
+    if second is None:
+        second = Router(tiny_llama, redis_server.url, tmp_path / "second.log")
     try:
         second.wait_ready()
 
         def finished() -> bool:
             return second.client.batches.retrieve(batch.id).status == "completed"
 
-        wait_for(finished, 180, "the restarted router to finish the batch", 0.2)
+        wait_for(finished, 180, f"the {takeover} to finish the batch", 0.2)
         done = second.client.batches.retrieve(batch.id)
         assert done.request_counts is not None
         assert (done.request_counts.completed, done.request_counts.failed) == (num_lines, 0)
