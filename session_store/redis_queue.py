@@ -62,8 +62,8 @@ local function field(fields, name)
 end
 """
 
-# ARGV: group, consumer, lease_ms, max_tasks, max_deliveries.
-# Returns a flat list: id, task_id, kind, payload, num_deliveries, ...
+# ARGV: group, consumer, lease_ms, max_tasks, max_deliveries, XAUTOCLAIM cursor.
+# Returns a flat list: next cursor, then id, task_id, kind, payload, num_deliveries, ...
 _CLAIM = (
     _LUA_PRELUDE
     + """
@@ -90,7 +90,7 @@ local function take(id, fields, n)
   end
   return false
 end
-local claimed = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], '0-0',
+local claimed = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[6],
                            'COUNT', max_tasks)
 local num_taken = 0
 for _, e in ipairs(claimed[2]) do
@@ -104,6 +104,7 @@ if num_taken < max_tasks then
     for _, e in ipairs(fresh[1][2]) do take(e[1], e[2], 1) end
   end
 end
+table.insert(out, 1, claimed[1])
 return out
 """
 )
@@ -197,6 +198,8 @@ class RedisWorkQueue(WorkQueue):
         self._fail = client.register_script(_FAIL)
         self._append_events = client.register_script(_APPEND_EVENTS)
         self._has_group = False
+        self._cursor = "0-0"
+        """Where the next XAUTOCLAIM scan of the pending entries starts (it wraps to 0-0)."""
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisWorkQueue:
@@ -257,7 +260,9 @@ class RedisWorkQueue(WorkQueue):
     async def claim(self, consumer: str, max_tasks: int = 1) -> list[Delivery]:
         if max_tasks < 1:
             raise ValueError(f"max_tasks: must be >= 1; got {max_tasks}")
-        args: list[str | int] = [GROUP, consumer, self._lease_ms, max_tasks, self.max_deliveries]
+        args: list[str | int] = [
+            GROUP, consumer, self._lease_ms, max_tasks, self.max_deliveries, self._cursor,
+        ]  # fmt: skip
 
         async def run() -> list[Any]:
             await self._ensure_group()
@@ -271,6 +276,9 @@ class RedisWorkQueue(WorkQueue):
                 return cast(list[Any], await self._claim(keys=self._keys, args=args))
 
         flat = await self._guard.run("claim", run())
+        # NOTE: XAUTOCLAIM scans a bounded part of the pending entries per call; carrying its
+        # cursor lets expired entries far down a long pending list be reached, not just the head.
+        self._cursor, flat = flat[0], flat[1:]
         return [
             Delivery(
                 task_id=flat[i + 1],

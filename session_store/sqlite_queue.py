@@ -216,8 +216,9 @@ class SqliteWorkQueue(WorkQueue):
             rows = conn.execute(
                 "SELECT seq, task_id, kind, payload, num_deliveries, reason FROM queue_tasks"
                 " WHERE queue = ? AND (consumer IS NULL OR lease_until <= ?)"
-                " ORDER BY consumer IS NULL, seq",
-                (self.name, now),
+                " ORDER BY consumer IS NULL, seq LIMIT ?",
+                # Rows skipped below (already done, dead) are deleted: the next claim goes on.
+                (self.name, now, 2 * max_tasks + 8),
             )
             for seq, task_id, kind, payload, n, reason in rows.fetchall():
                 if len(taken) == max_tasks:

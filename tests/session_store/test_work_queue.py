@@ -293,3 +293,29 @@ def test_acknowledged_results_survive_a_redis_kill(
     server.kill()
     server.start()
     asyncio.run(after())
+
+
+def test_an_expired_lease_far_down_the_pending_list_is_found(
+    redis_server: RedisServer,
+) -> None:
+    """XAUTOCLAIM scans a bounded stretch of the pending list per call: with 50 live leases
+    ahead of it, a dead router's task is still taken over (the scan carries its cursor)."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+
+    async def main() -> None:
+        async with RedisWorkQueue.from_url(redis_server.url, key_prefix=prefix, lease_s=0.5) as q:
+            await q.enqueue(tasks(51))
+            live = await q.claim("live", max_tasks=50)
+            [doomed] = await q.claim("dead")
+            assert doomed.task_id == "t50"
+            deadline = asyncio.get_running_loop().time() + 10
+            taken: list[Delivery] = []
+            while not taken:
+                assert asyncio.get_running_loop().time() < deadline, "t50 never taken over"
+                for d in live:  # the live router keeps its 50 leases
+                    assert await q.renew(d)
+                taken = await q.claim("survivor", max_tasks=1)
+                await asyncio.sleep(0.02)
+            assert [(d.task_id, d.num_deliveries) for d in taken] == [("t50", 2)]
+
+    asyncio.run(main())
