@@ -229,9 +229,13 @@ class BatchService:
         return await self._refresh(doc)
 
     async def is_cancelled(self, batch_id: str) -> bool:
-        """Whether the batch's remaining lines should be skipped (cancelled or gone)."""
+        """Whether the batch's remaining lines should be skipped (cancelled, expired or gone)."""
         doc = await self.queue.get_record("batch", batch_id)
-        return doc is None or doc["status"] in ("cancelling", "cancelled")
+        return (
+            doc is None
+            or doc["status"] in ("cancelling", "cancelled", "expired")
+            or (time.time() >= doc["expires_at"])
+        )
 
     async def _refresh(self, doc: dict[str, Any]) -> Batch:
         """The batch with its current counts; finalized if every line has a result."""
@@ -244,9 +248,22 @@ class BatchService:
         done = sum(1 for r in results if r is not None)
         counts = BatchRequestCounts(total=len(lines), completed=ok, failed=done - ok)
         doc = {**doc, "request_counts": counts.model_dump()}
+        if done < len(lines) and time.time() >= doc["expires_at"]:
+            return await self._expire(doc, lines)
         if done < len(lines):
             return Batch.model_validate(doc)
         return await self._finalize(doc, lines, results)
+
+    async def _expire(self, doc: dict[str, Any], lines: list[tuple[int, str | None]]) -> Batch:
+        """The completion window ended: every line without a result gets the expiry error (a
+        line finishing meanwhile keeps its own result: results are stored once)."""
+        message = "the batch's completion window ended before this request ran"
+        expired = {"error": {"code": "batch_expired", "message": message}}
+        task_ids = [f"{doc['id']}:{line}" for line, _ in lines]
+        with queue_errors():
+            await self.queue.enqueue([], {t: expired for t in task_ids})
+            results = await self.queue.results(task_ids)
+        return await self._finalize({**doc, "expiring": True}, lines, results)
 
     async def _finalize(
         self,
@@ -268,8 +285,15 @@ class BatchService:
             (output if _succeeded(result) else errors).append(json.dumps(entry))
         now = int(time.time())
         final = {**doc, "finalizing_at": doc.get("finalizing_at") or now}
+        expiring = final.pop("expiring", False)
+        ok = sum(1 for r in results if r is not None and _succeeded(r))
+        final["request_counts"] = BatchRequestCounts(
+            total=len(lines), completed=ok, failed=len(lines) - ok
+        ).model_dump()
         if doc["status"] == "cancelling":
             final.update(status="cancelled", cancelled_at=now)
+        elif expiring:
+            final.update(status="expired", expired_at=now)
         else:
             final.update(status="completed", completed_at=now)
         owner = doc["owner"]

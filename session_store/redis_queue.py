@@ -248,8 +248,8 @@ class RedisWorkQueue(WorkQueue):
                         "payload": dumps(task.payload),
                     }
                     pipe.xadd(self._stream, fields)
-                if results:
-                    pipe.hset(self._results, mapping={k: dumps(v) for k, v in results.items()})
+                for task_id, result in (results or {}).items():
+                    pipe.hsetnx(self._results, task_id, dumps(result))  # one result per task
                 if record is not None:
                     kind, record_id, doc = record
                     pipe.hset(self._records_key(kind), record_id, dumps(doc))

@@ -102,8 +102,8 @@ class WorkQueue(ABC):
         record: tuple[str, str, dict[str, Any]] | None = None,
     ) -> None:
         """Atomically: enqueue `tasks`, store `results` (task id -> result, for work that
-        needs no run, e.g. a rejected batch line) and put `record` (kind, id, doc). All or
-        nothing."""
+        needs no run, e.g. a rejected batch line; a task that has a result keeps it) and put
+        `record` (kind, id, doc). All or nothing."""
 
     @abstractmethod
     async def claim(self, consumer: str, max_tasks: int = 1) -> list[Delivery]:

@@ -3,8 +3,10 @@ the output and error files; cancel; limits; two replicas sharing one Redis queue
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -282,3 +284,29 @@ def test_a_redis_restart_mid_batch_loses_no_acknowledged_line(
         client.close()
         server.stop()
         redis_server.stop()
+
+
+def test_lines_left_when_the_window_ends_expire(
+    batch_client: openai.OpenAI, batch_server: LiveServer, tmp_path: Path
+) -> None:
+    worker = batch_server.app.state.queue_worker
+    worker.free_slots = lambda num_running: 0  # nothing runs before the window ends
+    batch = create_batch(batch_client, input_file(3, 0, bad=False))
+
+    async def end_window() -> None:
+        async with SqliteWorkQueue(tmp_path / "queue.db") as queue:
+            doc = await queue.get_record("batch", batch.id)
+            assert doc is not None
+            await queue.put_record("batch", batch.id, {**doc, "expires_at": int(time.time()) - 1})
+
+    asyncio.run(end_window())
+    expired = batch_client.batches.retrieve(batch.id)
+    assert expired.status == "expired" and expired.expired_at is not None
+    assert expired.request_counts is not None
+    assert (expired.request_counts.completed, expired.request_counts.failed) == (0, 3)
+    errors = read_jsonl(batch_client, expired.error_file_id)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (f"c-{i}", "batch_expired") for i in range(3)
+    ]
+    worker.free_slots = lambda num_running: 4
+    assert batch_client.batches.retrieve(batch.id).status == "expired"  # final
