@@ -85,7 +85,7 @@ class QueueWorker:
 
     async def _claim_loop(self) -> None:
         backoff_s = self.poll_interval_s
-        while True:
+        while not self._stopping:
             wanted = self.free_slots(len(self._running))
             deliveries: list[Delivery] = []
             if wanted > 0:
@@ -108,8 +108,12 @@ class QueueWorker:
                 task.add_done_callback(self._on_done)
             if not deliveries:
                 self._wake.clear()
+                # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+                # cancellation that races with the event being set (a task ending as the worker
+                # stops), and the loop would run on.
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                    async with asyncio.timeout(self.poll_interval_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
 

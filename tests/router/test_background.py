@@ -160,7 +160,12 @@ def test_a_replica_resumes_a_stream_whose_router_died(
             return bool(found.model_extra["status"] == "in_progress")
 
         wait_for(some_logged, 30, "A to start streaming", 0.01)
-        a.stop()  # the router dies: its worker is cancelled mid-stream, no result stored
+        # The router dies: its consumer is cancelled mid-stream, no result stored.
+        stop = a.app.state.background_worker.stop()
+        asyncio.run_coroutine_threadsafe(stop, a.app.state.loop).result(10)
+        found = a_client.chat.completions.retrieve(queued.id)
+        assert found.model_extra is not None and found.model_extra["status"] == "in_progress"
+        a.stop()
         seen = read_events_until_cut(b.url, queued.id)
         b_worker.free_slots = lambda num_running: 4
         rest = read_events(b.url, queued.id, offset=len(seen))
