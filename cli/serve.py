@@ -99,10 +99,37 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
+    _add_queue_flags(parser)
     add_engine_flags(parser)
     add_cluster_arguments(parser)
     parser.set_defaults(run=run, command_parser=parser)
     return parser
+
+
+def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
+    """The durable work queue behind the Batch API (docs/queue.md)."""
+    parser.add_argument(
+        "--queue-url",
+        default=None,
+        metavar="URL",
+        help="where the work queue lives: redis://host:6379/0 or sqlite:///path.db "
+        "(default: the --session-store backend)",
+    )
+    parser.add_argument(
+        "--queue-lease",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a router holds a task without renewing before another router takes it "
+        "over (default: 60)",
+    )
+    parser.add_argument(
+        "--queue-max-deliveries",
+        type=int,
+        default=3,
+        metavar="N",
+        help="deliveries without a result before a task is dead-lettered (default: 3)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,6 +191,9 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             session_store_url=args.session_store,
             rate_limits=RateLimits(args.rate_limit_rpm, args.rate_limit_tpm),
             shutdown_timeout_s=args.shutdown_timeout,
+            queue_url=args.queue_url,
+            queue_lease_s=args.queue_lease,
+            queue_max_deliveries=args.queue_max_deliveries,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

@@ -112,6 +112,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests sent one by one before the timed runs, not measured (default: %(default)s)",
     )
     p.add_argument(
+        "--with-batch",
+        type=_bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="before the timed runs, submit an N-line batch (Batch API, --batch-output-len "
+        "tokens per line) that runs beside them; cancelled at the end (default: none)",
+    )
+    p.add_argument(
+        "--batch-output-len",
+        type=_bounded(int, 1),
+        default=128,
+        metavar="TOKENS",
+        help="tokens each --with-batch line generates (default: %(default)s)",
+    )
+    p.add_argument(
         "--label", default="", help="name of this server/mode in the table, plot and file names"
     )
     p.add_argument(

@@ -66,6 +66,7 @@ async def _run(args: argparse.Namespace) -> int:
         _require("matplotlib", "the plot (or pass --no-plot)")
     import httpx2
 
+    from loadgen.batch_load import BatchLoadError, batch_lines, stop_batch, submit_batch
     from loadgen.client import Endpoint
     from loadgen.metrics import SLO, format_table, summarize
     from loadgen.workload import allowed_token_ids, arrival_offsets, build_workload
@@ -97,6 +98,14 @@ async def _run(args: argparse.Namespace) -> int:
             return specs, prompts
 
         await _warm_up(client, endpoint, prompts_of(-1), args.num_warmup, args.request_timeout_s)
+        batch_id = None
+        if args.with_batch is not None:
+            data = batch_lines(args.with_batch, model, args.batch_output_len)
+            try:
+                batch_id = await submit_batch(client, args.url, args.api_key, data)
+            except BatchLoadError as e:
+                raise BenchError(f"--with-batch: {e}") from None
+            print(f"batch {batch_id}: {args.with_batch} lines running beside the load", flush=True)
         runs: list[dict[str, Any]] = []
         for i, rate in enumerate(args.rate):
             specs, prompts = prompts_of(i)
@@ -118,7 +127,15 @@ async def _run(args: argparse.Namespace) -> int:
                     "requests": [r.to_json() for r in results],
                 }
             )
-    result: dict[str, Any] = {"benchmark": "serve", "config": _config(args, model), "runs": runs}
+        config = _config(args, model)
+        if batch_id is not None:
+            try:
+                counts = await stop_batch(client, args.url, args.api_key, batch_id)
+            except BatchLoadError as e:
+                raise BenchError(f"--with-batch: {e}") from None
+            config["batch"] = {"id": batch_id, "request_counts_at_end": counts}
+            print(f"batch {batch_id}: {counts['completed']} lines done during the runs; cancelled")
+    result: dict[str, Any] = {"benchmark": "serve", "config": config, "runs": runs}
     print(format_table(runs))
     _write_outputs(args, [(args.label, result)], result)
     return 0 if all(run["summary"]["completed"] for run in runs) else 1
@@ -242,6 +259,8 @@ def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "temperature": args.temperature,
         "request_timeout_s": args.request_timeout_s,
         "num_warmup": args.num_warmup,
+        "with_batch": args.with_batch,
+        "batch_output_len": args.batch_output_len if args.with_batch else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
     }

@@ -1,7 +1,8 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, `GET /health` (liveness: the engine
+`POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
+(router/batch_routes.py), `GET /health` (liveness: the engine
 thread runs), `GET /ready` (readiness: it also accepts new requests), `GET /metrics`
 (Prometheus text), `GET /openapi.json`. With API keys configured, every route but the two
 probes needs `Authorization: Bearer KEY`.
@@ -9,8 +10,8 @@ probes needs `Authorization: Bearer KEY`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Annotated
 
 from fastapi import Body, FastAPI, Request, Response
@@ -19,6 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.admission import AdmissionController
 from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
+from router.background import KIND as BACKGROUND_KIND
+from router.background import BackgroundService, install_background_routes
+from router.batch_routes import install_batch_routes
+from router.batch_runner import BatchPriority, BatchRunner
+from router.batches import BatchService
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
 from router.openai_protocol import (
@@ -30,6 +36,7 @@ from router.openai_protocol import (
     ModelList,
 )
 from router.openapi import error_responses, install_openapi
+from router.queue_worker import QueueWorker
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_chat import ChatCompletionHandler
 from router.serving_completion import CompletionHandler
@@ -43,7 +50,7 @@ from router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
-from session_store import RateLimiter, RateLimits, SessionStore
+from session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
 
 
 def build_app(
@@ -56,6 +63,8 @@ def build_app(
     rate_limits: RateLimits = NO_RATE_LIMITS,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
     admission: AdmissionController | None = None,
+    work_queue: WorkQueue | None = None,
+    batch_priority: BatchPriority | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -63,7 +72,9 @@ def build_app(
     limits need a rate limiter. Several apps may share one process (and engine): each has its
     own metrics registry and admission queue, unless `admission` is shared (REST and gRPC in
     one server share one). `max_queued_requests`: a fixed queue bound, or None for the default
-    time-bounded queue (router/admission.py); ignored when `admission` is given."""
+    time-bounded queue (router/admission.py); ignored when `admission` is given. With a
+    `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
+    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -79,6 +90,28 @@ def build_app(
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
+    worker: QueueWorker | None = None
+    background_worker: QueueWorker | None = None
+    batches: BatchService | None = None
+    if work_queue is not None:
+        batches = BatchService(work_queue, served_model_name)
+        adm = admission
+        priority = batch_priority or BatchPriority()
+        background = BackgroundService(work_queue.queue_named("background"), ctx)
+        chat.background = background
+        worker = QueueWorker(
+            work_queue,
+            BatchRunner(ctx, batches).runners,
+            lambda num_running: priority.free_slots(adm, num_running),
+        )
+        # Background requests are interactive work that outlives its connection: their own
+        # queue (never behind a batch), taken whenever admission has room.
+        background_worker = QueueWorker(
+            background.queue,
+            {BACKGROUND_KIND: background.run},
+            lambda num_running: max(0, adm.max_running - num_running) if adm.can_admit(1) else 0,
+        )
+        lifespan = _with_workers(lifespan, [worker, background_worker])
     # NOTE: no interactive docs: they would be one more route to guard, and clients use the
     # OpenAI SDKs anyway. The schema itself is served (behind the key, like every route).
     app = FastAPI(
@@ -90,6 +123,10 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.serving = ctx
+    app.state.queue_worker = worker
+    app.state.background_worker = background_worker
+    app.state.batches = batches
+    app.state.background = chat.background
     install_exception_handlers(app)
     install_openapi(app)
     app.add_middleware(APIKeyMiddleware, checker=checker)
@@ -165,6 +202,11 @@ def build_app(
         await sessions.delete(session_id, caller_api_key(raw))
         return SessionDeleted(id=session_id)
 
+    if batches is not None:
+        install_batch_routes(app, batches)
+    if chat.background is not None:
+        install_background_routes(app, chat.background)
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
@@ -182,3 +224,24 @@ def build_app(
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _with_workers(
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None,
+    workers: list[QueueWorker],
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """`lifespan` with the queue consumers running inside it (started after the caller's
+    setup, stopped before its teardown closes the queue)."""
+
+    @asynccontextmanager
+    async def combined(app: FastAPI) -> AsyncIterator[None]:
+        async with lifespan(app) if lifespan is not None else nullcontext():
+            for worker in workers:
+                await worker.start()
+            try:
+                yield
+            finally:
+                for worker in workers:
+                    await worker.stop()
+
+    return combined

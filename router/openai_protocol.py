@@ -183,6 +183,9 @@ class ChatCompletionRequest(SamplingRequest):
     """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    background: bool = False
+    """duet: enqueue the request and answer at once with its id; fetch or stream the result
+    later from any replica (router/background.py)."""
 
     @field_validator("top_logprobs")
     @classmethod

@@ -28,7 +28,17 @@ from router.api_server import build_app
 from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
 from router.rate_limit import NO_RATE_LIMITS
-from session_store import RateLimits, SqliteSessionStore, open_rate_limiter, open_session_store
+from session_store import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_DELIVERIES,
+    RateLimits,
+    SqliteSessionStore,
+    SqliteWorkQueue,
+    check_store_url,
+    open_rate_limiter,
+    open_session_store,
+    open_work_queue,
+)
 
 logger = logging.getLogger("duet.serve")
 
@@ -60,6 +70,14 @@ class RouterConfig:
     shutdown_timeout_s: float = 10.0
     """On stop, how long in-flight requests may run before they are ended with an error."""
 
+    # --- the durable work queue (docs/queue.md) ---
+    queue_url: str | None = None
+    """Where the work queue (Batch API) lives; None: the session store's backend."""
+    queue_lease_s: float = DEFAULT_LEASE_S
+    """How long a router may hold a task without renewing before another takes it over."""
+    queue_max_deliveries: int = DEFAULT_MAX_DELIVERIES
+    """Deliveries without a result before a task is dead-lettered."""
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
@@ -70,6 +88,17 @@ class RouterConfig:
             raise ValueError(f"--max-queued-requests: must be >= 0; got {self.max_queued_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
+        self._check_queue()
+
+    def _check_queue(self) -> None:
+        if self.queue_url is not None:
+            check_store_url(self.queue_url, "--queue-url")
+        if not self.queue_lease_s > 0:
+            raise ValueError(f"--queue-lease: must be > 0; got {self.queue_lease_s}")
+        if self.queue_max_deliveries < 1:
+            raise ValueError(
+                f"--queue-max-deliveries: must be >= 1; got {self.queue_max_deliveries}"
+            )
 
 
 def bind_rest_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -117,6 +146,11 @@ class RouterServer(uvicorn.Server):
         self.rest_socket = rest_socket
         self.session_store = open_session_store(config.session_store_url)
         self.rate_limiter = open_rate_limiter(config.session_store_url)
+        self.work_queue = open_work_queue(
+            config.queue_url or config.session_store_url,
+            lease_s=config.queue_lease_s,
+            max_deliveries=config.queue_max_deliveries,
+        )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
         self.admission = AdmissionController(
@@ -133,6 +167,7 @@ class RouterServer(uvicorn.Server):
             rate_limiter=self.rate_limiter,
             rate_limits=config.rate_limits,
             lifespan=self._lifespan,
+            work_queue=self.work_queue,
         )
         self.served_model_name = served_model_name
         super().__init__(
@@ -179,6 +214,9 @@ class RouterServer(uvicorn.Server):
         store = self.session_store
         where = f"SQLite file {store.path}" if isinstance(store, SqliteSessionStore) else "Redis"
         logger.info("sessions stored in %s", where)  # NOTE: never the URL: it may hold a password
+        queue = self.work_queue
+        where = f"SQLite file {queue.path}" if isinstance(queue, SqliteWorkQueue) else "Redis"
+        logger.info("work queue (Batch API) in %s", where)
         limits = config.rate_limits
         if not limits.is_unlimited:
             rpm, tpm = limits.requests_per_min, limits.tokens_per_min
@@ -228,7 +266,7 @@ class RouterServer(uvicorn.Server):
             await grpc_stopped
 
     async def _close_stores(self) -> None:
-        for closable in (self.session_store, self.rate_limiter):
+        for closable in (self.session_store, self.rate_limiter, self.work_queue):
             try:
                 await closable.close()
             except Exception as e:  # closing must not hide why we stopped

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import jinja2
 from fastapi import Request, Response
@@ -35,16 +36,28 @@ from router.serving_context import ServingContext, final_output
 from router.sessions import SessionTurn
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
 
+if TYPE_CHECKING:
+    from router.background import BackgroundService
+
 
 class ChatCompletionHandler:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
+        self.background: BackgroundService | None = None
+        """Runs `"background": true` requests; None: the server has no work queue."""
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         arrival_s = time.monotonic()
         ctx = self.ctx
         ctx.check_model(body.model)
         api_key = caller_api_key(raw)
+        if body.background:
+            if self.background is None:
+                raise BadRequestError(
+                    "background: not available (this server runs without a work queue)",
+                    param="background",
+                )
+            return await self.background.submit(body, api_key)
         # Engine field names -> this request's names, so a 400 names what the client sent.
         rename = {
             "prompt": "messages",

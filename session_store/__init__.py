@@ -9,6 +9,9 @@
     sqlite:////abs/path.db    embedded, at an absolute path (SQLAlchemy's convention)
     redis://host:6379/0       Redis (also rediss:// for TLS, unix:///path/to/redis.sock)
 
+`open_work_queue(url)` gives the durable work queue (session_store/work_queue.py) in the same
+backend: Redis Streams, or tables in the same SQLite file.
+
 Both factories are synchronous and connect lazily, on first use, in the caller's event loop.
 """
 
@@ -30,19 +33,34 @@ from session_store.base import (
     SessionStoreUnavailable,
     hash_api_key,
 )
+from session_store.redis_queue import RedisWorkQueue
 from session_store.redis_rate_limiter import RedisRateLimiter
 from session_store.redis_store import RedisSessionStore
+from session_store.sqlite_queue import SqliteWorkQueue
 from session_store.sqlite_store import SqliteSessionStore, default_sqlite_path
 from session_store.token_bucket import InProcessRateLimiter
+from session_store.work_queue import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_DELIVERIES,
+    DeadLetter,
+    Delivery,
+    Task,
+    WorkQueue,
+)
 
 __all__ = [
+    "DEFAULT_LEASE_S",
+    "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_SESSION_TTL_S",
+    "DeadLetter",
+    "Delivery",
     "InProcessRateLimiter",
     "RateDecision",
     "RateLimiter",
     "RateLimits",
     "RedisRateLimiter",
     "RedisSessionStore",
+    "RedisWorkQueue",
     "Session",
     "SessionConflict",
     "SessionNotFound",
@@ -50,10 +68,15 @@ __all__ = [
     "SessionStoreError",
     "SessionStoreUnavailable",
     "SqliteSessionStore",
+    "SqliteWorkQueue",
+    "Task",
+    "WorkQueue",
+    "check_store_url",
     "default_sqlite_path",
     "hash_api_key",
     "open_rate_limiter",
     "open_session_store",
+    "open_work_queue",
 ]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -64,7 +87,7 @@ _ACCEPTED = (
 )
 
 
-def _parse(url: str) -> tuple[str, Path | None]:
+def _parse(url: str, flag: str = "--session-store") -> tuple[str, Path | None]:
     """("redis", None) or ("sqlite", path); ValueError naming the flag otherwise."""
     scheme = urlsplit(url).scheme.lower() if "://" in url else ""
     if scheme in _REDIS_SCHEMES:
@@ -73,11 +96,16 @@ def _parse(url: str) -> tuple[str, Path | None]:
         prefix = "sqlite:///"
         path = url[len(prefix) :] if url[: len(prefix)].lower() == prefix else ""
         if not path:
-            raise ValueError(f"--session-store: sqlite URL has no path; expected {_ACCEPTED}")
+            raise ValueError(f"{flag}: sqlite URL has no path; expected {_ACCEPTED}")
         return "sqlite", Path(path).expanduser()
     # NOTE: echo only the scheme: the URL may carry a password.
     shown = f"scheme {scheme!r}" if scheme else "a value that is not a URL"
-    raise ValueError(f"--session-store: unsupported {shown}; expected {_ACCEPTED}")
+    raise ValueError(f"{flag}: unsupported {shown}; expected {_ACCEPTED}")
+
+
+def check_store_url(url: str, flag: str) -> None:
+    """ValueError naming `flag` unless `url` is a Redis or SQLite URL this package opens."""
+    _parse(url, flag)
 
 
 def open_session_store(url: str | None) -> SessionStore:
@@ -102,3 +130,20 @@ def open_rate_limiter(url: str | None) -> RateLimiter:
     if kind == "redis":
         return RedisRateLimiter.from_url(url)
     return InProcessRateLimiter()
+
+
+def open_work_queue(
+    url: str | None,
+    *,
+    lease_s: float = DEFAULT_LEASE_S,
+    max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    flag: str = "--queue-url",
+) -> WorkQueue:
+    """The work queue for a `--queue-url` (or, without one, the `--session-store` URL): Redis
+    Streams, else tables in the SQLite file (None: the embedded default file)."""
+    if url is None:
+        return SqliteWorkQueue(lease_s=lease_s, max_deliveries=max_deliveries)
+    kind, path = _parse(url, flag)
+    if kind == "redis":
+        return RedisWorkQueue.from_url(url, lease_s=lease_s, max_deliveries=max_deliveries)
+    return SqliteWorkQueue(path, lease_s=lease_s, max_deliveries=max_deliveries)

@@ -4,6 +4,7 @@ the engine to be idle with every KV block free."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,7 @@ class LiveServer:
     """Runs `app` with uvicorn on 127.0.0.1 (a free port) in a daemon thread until `stop()`."""
 
     def __init__(self, app: FastAPI) -> None:
+        self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
@@ -65,10 +67,13 @@ class Closable(Protocol):
 
 def closing(*closables: Closable) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """A lifespan that closes session stores and rate limiters when the server stops, in the
-    server's own event loop (the one their connections belong to)."""
+    server's own event loop (the one their connections belong to), and keeps that loop in
+    `app.state.loop`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Tests run coroutines in the server's loop through it (run_coroutine_threadsafe).
+        app.state.loop = asyncio.get_running_loop()
         try:
             yield
         finally:

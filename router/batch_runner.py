@@ -1,0 +1,161 @@
+"""Running one batch line: the same handlers as interactive requests, at a lower priority.
+
+A line runs through `ChatCompletionHandler`/`CompletionHandler`, so validation, length checks
+and the response body are exactly those of `POST /v1/chat/completions` and
+`POST /v1/completions`. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
+own limits) and sessions (rejected at upload).
+
+Priority: `BatchPriority.free_slots` lets batch lines take engine slots only while interactive
+traffic leaves them free, keeping `reserved_fraction` of the running slots for interactive
+requests and never running more than `max_fraction` of them as batch work. A running line is
+not preempted; an interactive request arriving meanwhile queues behind at most those lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message
+
+from router.admission import AdmissionController
+from router.batches import BatchService
+from router.errors import OpenAIError, OverloadedError
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.queue_worker import RetryTask, TaskRunner
+from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from router.serving_chat import ChatCompletionHandler
+from router.serving_completion import CompletionHandler
+from router.serving_context import ServingContext
+from router.sessions import SessionManager
+from session_store import Delivery
+
+T = TypeVar("T")
+CANCEL_CHECK_S = 1.0
+"""How stale a line's view of its batch's cancellation may be."""
+OVERLOAD_WAIT_S = 60.0
+"""How long a queued task waits for admission before it is given back for a retry."""
+
+
+@dataclass(frozen=True)
+class BatchPriority:
+    """How much of the engine batch work may use (fractions of its running slots)."""
+
+    max_fraction: float = 0.5
+    """At most this share of the running slots runs batch lines."""
+    reserved_fraction: float = 0.25
+    """This share of the running slots is kept free for interactive requests."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_fraction <= 1:
+            raise ValueError(f"max_fraction: must be in (0, 1]; got {self.max_fraction}")
+        if not 0 <= self.reserved_fraction < 1:
+            raise ValueError(f"reserved_fraction: must be in [0, 1); got {self.reserved_fraction}")
+
+    def free_slots(self, admission: AdmissionController, num_batch_running: int) -> int:
+        """How many more batch lines may start now."""
+        max_running = admission.max_running
+        cap = max(1, int(max_running * self.max_fraction))
+        # NOTE: each running line holds at least one admitted sequence; the rest is interactive.
+        num_interactive = max(0, admission.num_in_flight - num_batch_running)
+        room = max_running - int(max_running * self.reserved_fraction) - num_interactive
+        return max(0, min(cap, room) - num_batch_running)
+
+
+async def _never_disconnects() -> Message:
+    # The queue, not a client, waits for this result: nobody can go away. The handler cancels
+    # this wait once the result is in.
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+def _internal_request() -> Request:
+    scope: dict[str, Any] = {
+        "type": "http", "method": "POST", "path": "/internal/batch", "headers": [],
+        "query_string": b"", "state": {"api_key": None},
+    }  # fmt: skip
+    return Request(scope, _never_disconnects)
+
+
+async def wait_out_overload(
+    attempt: Callable[[], Awaitable[T]], max_wait_s: float = OVERLOAD_WAIT_S
+) -> T:
+    """`attempt()`, retried while admission refuses it (503 overloaded) for up to `max_wait_s`.
+
+    NOTE: a queued task waits here, holding its lease (the worker renews it), rather than
+    being given back: each give-back counts as a delivery, so a burst of interactive traffic
+    would otherwise dead-letter batch lines."""
+    deadline = asyncio.get_running_loop().time() + max_wait_s
+    while True:
+        try:
+            return await attempt()
+        except OverloadedError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+class BatchRunner:
+    """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission."""
+
+    def __init__(self, ctx: ServingContext, batches: BatchService) -> None:
+        batch_ctx = copy.copy(ctx)  # shares the engine, admission and metrics
+        batch_ctx.sessions = SessionManager(None)
+        batch_ctx.rate_limiter = RequestRateLimiter(None, NO_RATE_LIMITS)
+        self.batches = batches
+        self._cancelled: dict[str, tuple[float, bool]] = {}
+        """batch id -> (when checked, cancelled): one record read per batch per second, not
+        per line (a batch record holds every line's custom_id)."""
+        self.chat = ChatCompletionHandler(batch_ctx)
+        self.completions = CompletionHandler(batch_ctx)
+
+    @property
+    def runners(self) -> dict[str, TaskRunner]:
+        return {"batch.chat": self.run, "batch.completion": self.run}
+
+    async def _is_cancelled(self, batch_id: str) -> bool:
+        now = time.monotonic()
+        checked = self._cancelled.get(batch_id)
+        if checked is None or now - checked[0] > CANCEL_CHECK_S:
+            if len(self._cancelled) > 1024:
+                self._cancelled.clear()
+            checked = (now, await self.batches.is_cancelled(batch_id))
+            self._cancelled[batch_id] = checked
+        return checked[1]
+
+    async def _run(self, delivery: Delivery) -> Response:
+        payload = delivery.payload
+        if delivery.kind == "batch.chat":
+            chat_body = ChatCompletionRequest.model_validate(payload["body"])
+            return await self.chat.create(chat_body, _internal_request())
+        body = CompletionRequest.model_validate(payload["body"])
+        return await self.completions.create(body, _internal_request())
+
+    async def run(self, delivery: Delivery) -> dict[str, Any]:
+        payload = delivery.payload
+        if await self._is_cancelled(payload["batch_id"]):
+            message = "the batch was cancelled before this request ran"
+            return {"error": {"code": "batch_cancelled", "message": message}}
+        try:
+            response = await wait_out_overload(lambda: self._run(delivery))
+        except OpenAIError as e:
+            if e.status_code >= 500 or e.status_code == 429:
+                raise RetryTask(f"{e.status_code} {e.type}: {e.message}") from e
+            return {
+                "response": {"status_code": e.status_code, "request_id": None, "body": e.to_body()}
+            }
+        doc = json.loads(bytes(response.body))
+        return {
+            "response": {
+                "status_code": response.status_code,
+                "request_id": doc.get("id"),
+                "body": doc,
+            }
+        }

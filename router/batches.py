@@ -1,0 +1,319 @@
+"""The OpenAI Batch API on the durable work queue: files and batches shared by every replica.
+
+A batch is created in one atomic `WorkQueue.enqueue`: its record, one task per valid line
+(task id `<batch_id>:<line>`) and, for every rejected line, its error result. Any replica's
+queue worker runs the tasks (router/queue_worker.py); the batch's progress is the count of
+stored results, so nothing but the results needs updating as lines finish. Reading a batch
+whose every line has a result finalizes it: the output and error files are written (their ids
+and contents derive from the batch, so two replicas finalizing at once write the same thing)
+and the status becomes `completed` (or `cancelled`).
+
+Files and batches belong to the API key that created them (stored as its hash); another key
+gets 404, as for an unknown id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from router.batch_protocol import (
+    BATCH_ENDPOINTS,
+    COMPLETION_WINDOWS,
+    Batch,
+    BatchCreateRequest,
+    BatchRequestCounts,
+    FileObject,
+    parse_batch_file,
+)
+from router.errors import BadRequestError, OpenAIError, SessionStoreUnavailableError
+from session_store import SessionStoreUnavailable, Task, WorkQueue, hash_api_key
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_FILE_BYTES = 32 * 1024 * 1024
+"""Largest accepted batch input file."""
+MAX_BATCH_LINES = 10_000
+"""Most requests in one batch."""
+BATCH_KINDS = {"/v1/chat/completions": "batch.chat", "/v1/completions": "batch.completion"}
+_FINAL = ("completed", "cancelled", "failed", "expired")
+
+
+class NotFoundError(OpenAIError):
+    status_code = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+@contextmanager
+def queue_errors() -> Iterator[None]:
+    try:
+        yield
+    except SessionStoreUnavailable as e:
+        logger.warning("work queue unavailable: %s", e)
+        raise SessionStoreUnavailableError(
+            "the work queue is unavailable; retry shortly (interactive requests are not affected)"
+        ) from None
+
+
+def _owner(api_key: str | None) -> str:
+    return hash_api_key(api_key) or ""
+
+
+def _request_id(batch_id: str, line: int) -> str:
+    return "batch_req_" + hashlib.sha256(f"{batch_id}:{line}".encode()).hexdigest()[:32]
+
+
+class BatchService:
+    """Files and batches in `queue`'s records and blobs. Calls run on one event loop."""
+
+    def __init__(
+        self,
+        queue: WorkQueue,
+        model_name: str,
+        *,
+        max_file_bytes: int = MAX_BATCH_FILE_BYTES,
+        max_lines: int = MAX_BATCH_LINES,
+    ) -> None:
+        self.queue = queue
+        self.model_name = model_name
+        self.max_file_bytes = max_file_bytes
+        self.max_lines = max_lines
+
+    # --- files ---
+
+    async def create_file(
+        self, api_key: str | None, filename: str, purpose: str, data: bytes
+    ) -> FileObject:
+        if purpose != "batch":
+            raise BadRequestError(
+                f"purpose: only 'batch' is supported; got {purpose!r}", param="purpose"
+            )
+        self.check_file_size(len(data))
+        file = FileObject(
+            id=f"file-{uuid.uuid4().hex}",
+            bytes=len(data),
+            created_at=int(time.time()),
+            filename=filename,
+            purpose=purpose,
+        )
+        with queue_errors():
+            await self.queue.put_blob(file.id, data)
+            await self.queue.put_record(
+                "file", file.id, {**file.model_dump(), "owner": _owner(api_key)}
+            )
+        return file
+
+    def check_file_size(self, num_bytes: int) -> None:
+        if num_bytes > self.max_file_bytes:
+            raise BadRequestError(
+                f"file: {num_bytes} bytes is over the limit of {self.max_file_bytes} bytes",
+                param="file",
+            )
+
+    async def get_file(self, api_key: str | None, file_id: str) -> FileObject:
+        with queue_errors():
+            doc = await self.queue.get_record("file", file_id)
+        if doc is None or doc.get("owner") != _owner(api_key):
+            raise NotFoundError(f"file_id: file {file_id[:64]!r} not found", param="file_id")
+        return FileObject.model_validate(doc)
+
+    async def file_content(self, api_key: str | None, file_id: str) -> bytes:
+        await self.get_file(api_key, file_id)
+        with queue_errors():
+            data = await self.queue.get_blob(file_id)
+        if data is None:
+            raise NotFoundError(f"file_id: content of {file_id!r} not found", param="file_id")
+        return data
+
+    # --- batches ---
+
+    async def create_batch(self, api_key: str | None, body: BatchCreateRequest) -> Batch:
+        if body.endpoint not in BATCH_ENDPOINTS:
+            allowed = ", ".join(BATCH_ENDPOINTS)
+            raise BadRequestError(
+                f"endpoint: must be one of {allowed}; got {body.endpoint!r}", param="endpoint"
+            )
+        if body.completion_window not in COMPLETION_WINDOWS:
+            raise BadRequestError(
+                f"completion_window: must be '24h'; got {body.completion_window!r}",
+                param="completion_window",
+            )
+        try:
+            data = await self.file_content(api_key, body.input_file_id)
+        except NotFoundError:
+            raise NotFoundError(
+                f"input_file_id: file {body.input_file_id[:64]!r} not found",
+                param="input_file_id",
+            ) from None
+        good, bad = parse_batch_file(data, self.model_name)
+        num_lines = len(good) + len(bad)
+        if num_lines == 0:
+            raise BadRequestError("input_file_id: the file has no requests", param="input_file_id")
+        if num_lines > self.max_lines:
+            raise BadRequestError(
+                f"input_file_id: {num_lines} requests is over the limit of {self.max_lines} "
+                "per batch",
+                param="input_file_id",
+            )
+        now = int(time.time())
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        batch = Batch(
+            id=batch_id,
+            endpoint=body.endpoint,
+            input_file_id=body.input_file_id,
+            completion_window=body.completion_window,
+            status="in_progress",
+            created_at=now,
+            in_progress_at=now,
+            expires_at=now + 24 * 3600,
+            request_counts=BatchRequestCounts(total=num_lines, completed=0, failed=len(bad)),
+            metadata=body.metadata,
+        )
+        lines = sorted([(g.line, g.custom_id) for g in good] + [(b.line, b.custom_id) for b in bad])
+        record = {**batch.model_dump(), "owner": _owner(api_key), "lines": lines}
+        tasks = [
+            Task(
+                f"{batch_id}:{g.line}",
+                BATCH_KINDS[g.url],
+                {"batch_id": batch_id, "line": g.line, "body": g.body},
+            )
+            for g in good
+        ]
+        errors = {
+            f"{batch_id}:{b.line}": {"error": {"code": "invalid_request", "message": b.message}}
+            for b in bad
+        }
+        with queue_errors():
+            await self.queue.enqueue(tasks, errors, ("batch", batch_id, record))
+        return batch
+
+    async def _record(self, api_key: str | None, batch_id: str) -> dict[str, Any]:
+        with queue_errors():
+            doc = await self.queue.get_record("batch", batch_id)
+        if doc is None or doc.get("owner") != _owner(api_key):
+            raise NotFoundError(f"batch_id: batch {batch_id[:64]!r} not found", param="batch_id")
+        return doc
+
+    async def get_batch(self, api_key: str | None, batch_id: str) -> Batch:
+        return await self._refresh(await self._record(api_key, batch_id))
+
+    async def list_batches(
+        self, api_key: str | None, limit: int = 20, after: str | None = None
+    ) -> list[Batch]:
+        if not 1 <= limit <= 100:
+            raise BadRequestError(f"limit: must be in [1, 100]; got {limit}", param="limit")
+        with queue_errors():
+            docs = await self.queue.list_records("batch")
+        mine = sorted(
+            (d for d in docs if d.get("owner") == _owner(api_key)),
+            key=lambda d: (-d["created_at"], d["id"]),
+        )
+        if after is not None:
+            ids = [d["id"] for d in mine]
+            mine = mine[ids.index(after) + 1 :] if after in ids else []
+        return [await self._refresh(d) for d in mine[:limit]]
+
+    async def cancel_batch(self, api_key: str | None, batch_id: str) -> Batch:
+        doc = await self._record(api_key, batch_id)
+        if doc["status"] in ("in_progress", "validating"):
+            doc = {**doc, "status": "cancelling", "cancelling_at": int(time.time())}
+            with queue_errors():
+                await self.queue.put_record("batch", batch_id, doc)
+        return await self._refresh(doc)
+
+    async def is_cancelled(self, batch_id: str) -> bool:
+        """Whether the batch's remaining lines should be skipped (cancelled, expired or gone)."""
+        doc = await self.queue.get_record("batch", batch_id)
+        return (
+            doc is None
+            or doc["status"] in ("cancelling", "cancelled", "expired")
+            or (time.time() >= doc["expires_at"])
+        )
+
+    async def _refresh(self, doc: dict[str, Any]) -> Batch:
+        """The batch with its current counts; finalized if every line has a result."""
+        if doc["status"] in _FINAL:
+            return Batch.model_validate(doc)
+        lines: list[tuple[int, str | None]] = [tuple(x) for x in doc["lines"]]
+        with queue_errors():
+            results = await self.queue.results([f"{doc['id']}:{line}" for line, _ in lines])
+        ok = sum(1 for r in results if r is not None and _succeeded(r))
+        done = sum(1 for r in results if r is not None)
+        counts = BatchRequestCounts(total=len(lines), completed=ok, failed=done - ok)
+        doc = {**doc, "request_counts": counts.model_dump()}
+        if done < len(lines) and time.time() >= doc["expires_at"]:
+            return await self._expire(doc, lines)
+        if done < len(lines):
+            return Batch.model_validate(doc)
+        return await self._finalize(doc, lines, results)
+
+    async def _expire(self, doc: dict[str, Any], lines: list[tuple[int, str | None]]) -> Batch:
+        """The completion window ended: every line without a result gets the expiry error (a
+        line finishing meanwhile keeps its own result: results are stored once)."""
+        message = "the batch's completion window ended before this request ran"
+        expired = {"error": {"code": "batch_expired", "message": message}}
+        task_ids = [f"{doc['id']}:{line}" for line, _ in lines]
+        with queue_errors():
+            await self.queue.enqueue([], {t: expired for t in task_ids})
+            results = await self.queue.results(task_ids)
+        return await self._finalize({**doc, "expiring": True}, lines, results)
+
+    async def _finalize(
+        self,
+        doc: dict[str, Any],
+        lines: list[tuple[int, str | None]],
+        results: list[dict[str, Any] | None],
+    ) -> Batch:
+        batch_id = doc["id"]
+        output: list[str] = []
+        errors: list[str] = []
+        for (line, custom_id), result in zip(lines, results, strict=True):
+            assert result is not None
+            entry = {
+                "id": _request_id(batch_id, line),
+                "custom_id": custom_id,
+                "response": result.get("response"),
+                "error": result.get("error"),
+            }
+            (output if _succeeded(result) else errors).append(json.dumps(entry))
+        now = int(time.time())
+        final = {**doc, "finalizing_at": doc.get("finalizing_at") or now}
+        expiring = final.pop("expiring", False)
+        ok = sum(1 for r in results if r is not None and _succeeded(r))
+        final["request_counts"] = BatchRequestCounts(
+            total=len(lines), completed=ok, failed=len(lines) - ok
+        ).model_dump()
+        if doc["status"] == "cancelling":
+            final.update(status="cancelled", cancelled_at=now)
+        elif expiring:
+            final.update(status="expired", expired_at=now)
+        else:
+            final.update(status="completed", completed_at=now)
+        owner = doc["owner"]
+        with queue_errors():
+            for suffix, entries in (("output", output), ("errors", errors)):
+                if not entries:
+                    continue
+                file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
+                data = ("\n".join(entries) + "\n").encode()
+                file = FileObject(
+                    id=file_id, bytes=len(data), created_at=now, filename=f"{batch_id}_{suffix}.jsonl",
+                    purpose="batch_output",
+                )  # fmt: skip
+                await self.queue.put_blob(file_id, data)
+                await self.queue.put_record("file", file_id, {**file.model_dump(), "owner": owner})
+                final["output_file_id" if suffix == "output" else "error_file_id"] = file_id
+            await self.queue.put_record("batch", batch_id, final)
+        return Batch.model_validate(final)
+
+
+def _succeeded(result: dict[str, Any]) -> bool:
+    response = result.get("response")
+    return isinstance(response, dict) and response.get("status_code") == 200

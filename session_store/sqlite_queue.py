@@ -1,0 +1,394 @@
+"""The embedded `WorkQueue`: tables in an SQLite file (by default the session store's), so one
+machine needs no Redis. Same contract as the Redis queue (session_store/work_queue.py).
+
+Schema:
+
+    queue_tasks(seq INTEGER PRIMARY KEY AUTOINCREMENT, queue, task_id, kind, payload (JSON),
+                consumer NULL (NULL: claimable), lease_until REAL NULL, num_deliveries,
+                reason NULL (why the last delivery failed))
+    queue_results(task_id PRIMARY KEY, result (JSON))      -- INSERT OR IGNORE: one result
+    queue_dead(seq INTEGER PRIMARY KEY AUTOINCREMENT, queue, task_id, kind, payload, reason,
+               num_deliveries)
+    queue_records(kind, id, doc (JSON), PRIMARY KEY (kind, id))
+    queue_blobs(id PRIMARY KEY, data BLOB)
+    queue_events(stream_id, offset, event, PRIMARY KEY (stream_id, offset))
+
+Each operation is one `BEGIN IMMEDIATE` transaction, so several router processes on one
+machine may share the file: a result is stored and its task row deleted (acknowledged)
+together. A task whose `lease_until` has passed is claimable by anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from session_store.base import SessionStoreUnavailable
+from session_store.sqlite_store import default_sqlite_path
+from session_store.work_queue import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_DELIVERIES,
+    DeadLetter,
+    Delivery,
+    Task,
+    WorkQueue,
+    dead_letter_result,
+    dumps,
+    expired_reason,
+    validate_queue_limits,
+)
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS queue_tasks (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    consumer TEXT,
+    lease_until REAL,
+    num_deliveries INTEGER NOT NULL DEFAULT 0,
+    reason TEXT
+);
+CREATE INDEX IF NOT EXISTS queue_tasks_by_lease ON queue_tasks (queue, consumer, lease_until);
+CREATE TABLE IF NOT EXISTS queue_results (task_id TEXT PRIMARY KEY, result TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS queue_dead (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    queue TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    num_deliveries INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS queue_records (
+    kind TEXT NOT NULL, id TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (kind, id)
+);
+CREATE TABLE IF NOT EXISTS queue_blobs (id TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS queue_events (
+    stream_id TEXT NOT NULL, offset INTEGER NOT NULL, event TEXT NOT NULL,
+    PRIMARY KEY (stream_id, offset)
+) WITHOUT ROWID;
+"""
+
+
+class SqliteWorkQueue(WorkQueue):
+    """A work queue in an SQLite file. All SQLite calls run on one thread of the queue's own."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        name: str = "work",
+        lease_s: float = DEFAULT_LEASE_S,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        busy_timeout_s: float = 2.0,
+        op_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        validate_queue_limits(lease_s, max_deliveries)
+        self.path = Path(path) if path is not None else default_sqlite_path()
+        self.name = name
+        self.lease_s = lease_s
+        self.max_deliveries = max_deliveries
+        self.busy_timeout_s = busy_timeout_s
+        self.op_timeout_s = op_timeout_s
+        self._clock = clock
+        self._conn: sqlite3.Connection | None = None
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-queue")
+        self._views: list[SqliteWorkQueue] = []
+
+    def queue_named(self, name: str) -> SqliteWorkQueue:
+        view = SqliteWorkQueue(
+            self.path,
+            name=name,
+            lease_s=self.lease_s,
+            max_deliveries=self.max_deliveries,
+            busy_timeout_s=self.busy_timeout_s,
+            op_timeout_s=self.op_timeout_s,
+            clock=self._clock,
+        )
+        self._views.append(view)
+        return view
+
+    async def _run(self, op: str, fn: Callable[[sqlite3.Connection], T], write: bool) -> T:
+        if self._closed:
+            raise RuntimeError("SqliteWorkQueue is closed")
+        body = (lambda conn: self._transaction(conn, fn)) if write else fn
+        future = asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: body(self._connection())
+        )
+        try:
+            return await asyncio.wait_for(future, self.op_timeout_s)
+        except TimeoutError as e:
+            raise SessionStoreUnavailable(
+                f"work queue {op} timed out after {self.op_timeout_s}s ({self.path})"
+            ) from e
+        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
+            raise
+        except (sqlite3.DatabaseError, OSError) as e:
+            raise SessionStoreUnavailable(f"work queue {op} failed ({self.path}): {e}") from e
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            if str(self.path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+                conn.executescript(_SCHEMA)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    @staticmethod
+    def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def _bury(self, conn: sqlite3.Connection, seq: int, reason: str) -> None:
+        """Dead-letter the task in row `seq`; its result becomes the dead-letter error."""
+        task_id, kind, payload, n = conn.execute(
+            "SELECT task_id, kind, payload, num_deliveries FROM queue_tasks WHERE seq = ?", (seq,)
+        ).fetchone()
+        conn.execute(
+            "INSERT INTO queue_dead (queue, task_id, kind, payload, reason, num_deliveries)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (self.name, task_id, kind, payload, reason, n),
+        )
+        conn.execute(
+            "INSERT OR IGNORE INTO queue_results VALUES (?, ?)",
+            (task_id, dumps(dead_letter_result(reason))),
+        )
+        conn.execute("DELETE FROM queue_tasks WHERE seq = ?", (seq,))
+
+    async def enqueue(
+        self,
+        tasks: list[Task],
+        results: dict[str, dict[str, Any]] | None = None,
+        record: tuple[str, str, dict[str, Any]] | None = None,
+    ) -> None:
+        rows = [(self.name, t.task_id, t.kind, dumps(t.payload)) for t in tasks]
+        done = [(k, dumps(v)) for k, v in (results or {}).items()]
+
+        def body(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "INSERT INTO queue_tasks (queue, task_id, kind, payload) VALUES (?, ?, ?, ?)",
+                rows,
+            )
+            conn.executemany("INSERT OR IGNORE INTO queue_results VALUES (?, ?)", done)
+            if record is not None:
+                kind, record_id, doc = record
+                conn.execute(
+                    "INSERT OR REPLACE INTO queue_records VALUES (?, ?, ?)",
+                    (kind, record_id, dumps(doc)),
+                )
+
+        await self._run("enqueue", body, write=True)
+
+    async def claim(self, consumer: str, max_tasks: int = 1) -> list[Delivery]:
+        if max_tasks < 1:
+            raise ValueError(f"max_tasks: must be >= 1; got {max_tasks}")
+
+        def body(conn: sqlite3.Connection) -> list[Delivery]:
+            now = self._clock()
+            taken: list[Delivery] = []
+            # Expired leases first (their consumer died), then claimable rows, oldest first.
+            rows = conn.execute(
+                "SELECT seq, task_id, kind, payload, num_deliveries, reason FROM queue_tasks"
+                " WHERE queue = ? AND (consumer IS NULL OR lease_until <= ?)"
+                " ORDER BY consumer IS NULL, seq LIMIT ?",
+                # Rows skipped below (already done, dead) are deleted: the next claim goes on.
+                (self.name, now, 2 * max_tasks + 8),
+            )
+            for seq, task_id, kind, payload, n, reason in rows.fetchall():
+                if len(taken) == max_tasks:
+                    break
+                has_result = conn.execute(
+                    "SELECT 1 FROM queue_results WHERE task_id = ?", (task_id,)
+                ).fetchone()
+                if has_result:
+                    conn.execute("DELETE FROM queue_tasks WHERE seq = ?", (seq,))
+                elif n >= self.max_deliveries:
+                    self._bury(conn, seq, reason or expired_reason(n))
+                else:
+                    conn.execute(
+                        "UPDATE queue_tasks SET consumer = ?, lease_until = ?,"
+                        " num_deliveries = ? WHERE seq = ?",
+                        (consumer, now + self.lease_s, n + 1, seq),
+                    )
+                    payload_doc = json.loads(payload)
+                    taken.append(Delivery(task_id, kind, payload_doc, str(seq), consumer, n + 1))
+            return taken
+
+        return await self._run("claim", body, write=True)
+
+    async def renew(self, delivery: Delivery) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(
+                "UPDATE queue_tasks SET lease_until = ? WHERE seq = ? AND consumer = ?",
+                (self._clock() + self.lease_s, int(delivery.handle), delivery.consumer),
+            )
+            return cur.rowcount == 1
+
+        return await self._run("renew", body, write=True)
+
+    async def complete(self, delivery: Delivery, result: dict[str, Any]) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(
+                "INSERT OR IGNORE INTO queue_results VALUES (?, ?)",
+                (delivery.task_id, dumps(result)),
+            )
+            conn.execute("DELETE FROM queue_tasks WHERE seq = ?", (int(delivery.handle),))
+            return cur.rowcount == 1
+
+        return await self._run("complete", body, write=True)
+
+    async def fail(self, delivery: Delivery, reason: str) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            seq = int(delivery.handle)
+            row = conn.execute("SELECT 1 FROM queue_tasks WHERE seq = ?", (seq,)).fetchone()
+            if row is None:
+                return False  # completed or dead-lettered meanwhile
+            if delivery.num_deliveries >= self.max_deliveries:
+                conn.execute("UPDATE queue_tasks SET reason = ? WHERE seq = ?", (reason, seq))
+                self._bury(conn, seq, reason)
+                return True
+            conn.execute(
+                "UPDATE queue_tasks SET consumer = NULL, lease_until = NULL, reason = ?"
+                " WHERE seq = ?",
+                (reason, seq),
+            )
+            return False
+
+        return await self._run("fail", body, write=True)
+
+    async def results(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
+        def body(conn: sqlite3.Connection) -> list[dict[str, Any] | None]:
+            found: dict[str, str] = {}
+            for start in range(0, len(task_ids), 500):
+                chunk = task_ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                found.update(
+                    conn.execute(
+                        f"SELECT task_id, result FROM queue_results WHERE task_id IN ({marks})",
+                        chunk,
+                    ).fetchall()
+                )
+            return [json.loads(found[t]) if t in found else None for t in task_ids]
+
+        return await self._run("results", body, write=False)
+
+    async def dead_letters(self) -> list[DeadLetter]:
+        def body(conn: sqlite3.Connection) -> list[DeadLetter]:
+            rows = conn.execute(
+                "SELECT task_id, kind, payload, reason, num_deliveries FROM queue_dead"
+                " WHERE queue = ? ORDER BY seq",
+                (self.name,),
+            ).fetchall()
+            return [DeadLetter(t, k, json.loads(p), r, n) for t, k, p, r, n in rows]
+
+        return await self._run("dead_letters", body, write=False)
+
+    async def num_pending(self) -> int:
+        def body(conn: sqlite3.Connection) -> int:
+            row = conn.execute("SELECT COUNT(*) FROM queue_tasks WHERE queue = ?", (self.name,))
+            return int(row.fetchone()[0])
+
+        return await self._run("num_pending", body, write=False)
+
+    async def put_record(self, kind: str, record_id: str, doc: dict[str, Any]) -> None:
+        def body(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO queue_records VALUES (?, ?, ?)",
+                (kind, record_id, dumps(doc)),
+            )
+
+        await self._run("put_record", body, write=True)
+
+    async def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
+        def body(conn: sqlite3.Connection) -> dict[str, Any] | None:
+            row = conn.execute(
+                "SELECT doc FROM queue_records WHERE kind = ? AND id = ?", (kind, record_id)
+            ).fetchone()
+            return None if row is None else dict(json.loads(row[0]))
+
+        return await self._run("get_record", body, write=False)
+
+    async def list_records(self, kind: str) -> list[dict[str, Any]]:
+        def body(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute("SELECT doc FROM queue_records WHERE kind = ?", (kind,))
+            return [json.loads(doc) for (doc,) in rows.fetchall()]
+
+        return await self._run("list_records", body, write=False)
+
+    async def put_blob(self, blob_id: str, data: bytes) -> None:
+        def body(conn: sqlite3.Connection) -> None:
+            conn.execute("INSERT OR REPLACE INTO queue_blobs VALUES (?, ?)", (blob_id, data))
+
+        await self._run("put_blob", body, write=True)
+
+    async def get_blob(self, blob_id: str) -> bytes | None:
+        def body(conn: sqlite3.Connection) -> bytes | None:
+            row = conn.execute("SELECT data FROM queue_blobs WHERE id = ?", (blob_id,)).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await self._run("get_blob", body, write=False)
+
+    async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
+        def body(conn: sqlite3.Connection) -> int:
+            (n,) = conn.execute(
+                "SELECT COUNT(*) FROM queue_events WHERE stream_id = ?", (stream_id,)
+            ).fetchone()
+            if offset > n:
+                raise ValueError(f"offset: {offset} is past the end of event log {stream_id!r}")
+            new = [(stream_id, offset + i, e) for i, e in enumerate(events) if offset + i >= n]
+            conn.executemany("INSERT INTO queue_events VALUES (?, ?, ?)", new)
+            return int(n) + len(new)
+
+        return await self._run("append_events", body, write=True)
+
+    async def read_events(self, stream_id: str, offset: int, max_events: int) -> list[str]:
+        def body(conn: sqlite3.Connection) -> list[str]:
+            rows = conn.execute(
+                "SELECT event FROM queue_events WHERE stream_id = ? AND offset >= ?"
+                " ORDER BY offset LIMIT ?",
+                (stream_id, offset, max_events),
+            )
+            return [e for (e,) in rows.fetchall()]
+
+        return await self._run("read_events", body, write=False)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for view in self._views:
+            await view.close()
+
+        def shutdown() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, shutdown)
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,57 @@
+"""Batch work yields to interactive traffic: the slot policy, and waiting out a refused
+admission instead of burning a delivery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import AdmissionController
+from router.batch_runner import BatchPriority, wait_out_overload
+from router.errors import OverloadedError
+
+
+@pytest.mark.parametrize(
+    ("num_interactive", "num_batch", "free"),
+    [
+        (0, 0, 4),  # at most half of 8 slots run batch lines
+        (0, 3, 1),
+        (0, 4, 0),
+        (3, 0, 3),  # 8 - 2 reserved - 3 interactive
+        (5, 0, 1),
+        (6, 0, 0),  # interactive traffic fills all but the reserve: no new line
+        (5, 1, 0),
+    ],
+)
+def test_batch_lines_take_only_idle_slots(num_interactive: int, num_batch: int, free: int) -> None:
+    admission = AdmissionController(8)
+    if num_interactive + num_batch:
+        admission.admit([1] * (num_interactive + num_batch))
+    assert BatchPriority().free_slots(admission, num_batch) == free
+
+
+def test_bad_priorities_are_named() -> None:
+    with pytest.raises(ValueError, match="max_fraction"):
+        BatchPriority(max_fraction=0)
+    with pytest.raises(ValueError, match="reserved_fraction"):
+        BatchPriority(reserved_fraction=1)
+
+
+def test_an_overloaded_admission_is_waited_out_then_given_up() -> None:
+    calls: list[int] = []
+
+    async def attempt() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise OverloadedError("busy")
+        return "ran"
+
+    assert asyncio.run(wait_out_overload(attempt, max_wait_s=10)) == "ran"
+    assert len(calls) == 3
+
+    async def always_busy() -> str:
+        raise OverloadedError("busy")
+
+    with pytest.raises(OverloadedError):
+        asyncio.run(wait_out_overload(always_busy, max_wait_s=0))

@@ -1,0 +1,312 @@
+"""The Batch API with the official `openai` client: upload, create, poll to `completed`, read
+the output and error files; cancel; limits; two replicas sharing one Redis queue."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai.types import Batch
+
+from engine import AsyncEngine
+from router.api_server import build_app
+from router.batch_runner import BatchPriority
+from session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
+from tests.net import free_port
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.session_store.conftest import RedisServer
+from tests.waiting import wait_for
+
+
+def serve(
+    engine: AsyncEngine, queue: WorkQueue, priority: BatchPriority | None = None
+) -> LiveServer:
+    app = build_app(
+        engine,
+        MODEL_NAME,
+        api_keys=[API_KEY],
+        work_queue=queue,
+        lifespan=closing(queue),
+        batch_priority=priority,
+    )
+    return LiveServer(app).start()
+
+
+def client_for(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def batch_server(rest_engine: AsyncEngine, tmp_path: Path) -> Iterator[LiveServer]:
+    server = serve(rest_engine, SqliteWorkQueue(tmp_path / "queue.db", lease_s=10.0))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def batch_client(batch_server: LiveServer) -> Iterator[openai.OpenAI]:
+    c = client_for(batch_server)
+    yield c
+    c.close()
+
+
+def chat_line(custom_id: str, i: int) -> dict[str, Any]:
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def completion_line(custom_id: str, i: int) -> dict[str, Any]:
+    body = {"prompt": f"once upon a time {i}", "max_tokens": 3, "temperature": 0}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+
+
+BAD_LINES = [
+    ("not json at all", None, "line 196: not valid JSON"),
+    (json.dumps({"method": "POST", "url": "/v1/completions", "body": {}}), None,
+     "line 197: custom_id: must be a non-empty string"),
+    (json.dumps(completion_line("c-0", 0)), "c-0", "line 198: custom_id: 'c-0' is used by an"),
+    (json.dumps({**chat_line("bad-1", 1), "body": {"max_tokens": 3}}), "bad-1",
+     "line 199: body.messages: Field required"),
+    (json.dumps({**chat_line("bad-2", 2), "url": "/v1/embeddings"}), "bad-2",
+     "line 200: url: must be '/v1/chat/completions' or '/v1/completions'"),
+]  # fmt: skip
+
+
+def input_file(num_chat: int, num_completion: int, bad: bool) -> bytes:
+    lines = [json.dumps(chat_line(f"c-{i}", i)) for i in range(num_chat)]
+    lines += [json.dumps(completion_line(f"p-{i}", i)) for i in range(num_completion)]
+    if bad:
+        lines += [raw for raw, _, _ in BAD_LINES]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def create_batch(client: openai.OpenAI, data: bytes) -> Batch:
+    file = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    assert (file.object, file.purpose, file.bytes) == ("file", "batch", len(data))
+    return client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
+def wait_done(client: openai.OpenAI, batch_id: str, timeout_s: float = 120.0) -> Batch:
+    def done() -> Batch | None:
+        batch = client.batches.retrieve(batch_id)
+        return batch if batch.status in ("completed", "cancelled", "failed") else None
+
+    return wait_for(done, timeout_s, f"batch {batch_id} to finish", 0.2)
+
+
+def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    text = client.files.content(file_id).text
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_batch_of_200_mixed_lines_with_5_bad_ones(batch_client: openai.OpenAI) -> None:
+    data = input_file(100, 95, bad=True)
+    batch = create_batch(batch_client, data)
+    assert batch.status == "in_progress"
+    assert batch.request_counts is not None and batch.request_counts.total == 200
+    done = wait_done(batch_client, batch.id)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (200, 195)
+    assert done.request_counts.failed == 5
+    output = read_jsonl(batch_client, done.output_file_id)
+    ids = [entry["custom_id"] for entry in output]
+    expected = [f"c-{i}" for i in range(100)] + [f"p-{i}" for i in range(95)]
+    assert ids == expected  # one result per custom_id, in input order
+    for entry in output:
+        assert entry["id"].startswith("batch_req_") and entry["error"] is None
+        assert entry["response"]["status_code"] == 200
+        body = entry["response"]["body"]
+        kind = "chat.completion" if entry["custom_id"].startswith("c-") else "text_completion"
+        assert body["object"] == kind and body["usage"]["completion_tokens"] == 3
+        assert entry["response"]["request_id"] == body["id"]
+    # A batch line answers what the interactive endpoint answers (greedy, same engine).
+    direct = batch_client.chat.completions.create(**chat_line("x", 7)["body"])
+    by_id = {e["custom_id"]: e for e in output}
+    reply = by_id["c-7"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert reply == direct.choices[0].message.content
+    errors = read_jsonl(batch_client, done.error_file_id)
+    assert [(e["custom_id"], e["response"]) for e in errors] == [
+        (custom_id, None) for _, custom_id, _ in BAD_LINES
+    ]
+    for entry, (_, _, message) in zip(errors, BAD_LINES, strict=True):
+        assert entry["error"]["code"] == "invalid_request"
+        assert entry["error"]["message"].startswith(message), entry["error"]["message"]
+    assert [b.id for b in batch_client.batches.list().data] == [batch.id]
+
+
+def test_a_request_rejected_by_the_endpoint_goes_to_the_error_file(
+    batch_client: openai.OpenAI,
+) -> None:
+    too_long = {
+        **chat_line("long", 0),
+        "body": {**chat_line("long", 0)["body"], "max_tokens": 10**9},
+    }
+    data = (json.dumps(chat_line("ok", 0)) + "\n" + json.dumps(too_long) + "\n").encode()
+    done = wait_done(batch_client, create_batch(batch_client, data).id)
+    [error] = read_jsonl(batch_client, done.error_file_id)
+    assert error["custom_id"] == "long" and error["error"] is None
+    assert error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "max_tokens"
+    assert [e["custom_id"] for e in read_jsonl(batch_client, done.output_file_id)] == ["ok"]
+
+
+def test_cancel_skips_the_lines_not_yet_run(
+    batch_client: openai.OpenAI, batch_server: LiveServer
+) -> None:
+    worker = batch_server.app.state.queue_worker
+    worker.free_slots = lambda num_running: 0  # hold the lines in the queue
+    batch = create_batch(batch_client, input_file(5, 0, bad=False))
+    cancelling = batch_client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    worker.free_slots = lambda num_running: 4
+    done = wait_done(batch_client, batch.id)
+    assert done.status == "cancelled" and done.output_file_id is None
+    errors = read_jsonl(batch_client, done.error_file_id)
+    assert sorted(e["custom_id"] for e in errors) == [f"c-{i}" for i in range(5)]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+def test_bad_uploads_and_unknown_ids_are_clear_errors(
+    batch_client: openai.OpenAI, batch_server: LiveServer
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        batch_client.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+    assert e.value.body["param"] == "purpose"  # type: ignore[index]
+    service = batch_server.app.state.batches
+    service.max_file_bytes, service.max_lines = 1000, 3
+    with pytest.raises(openai.BadRequestError) as e:
+        batch_client.files.create(file=("x.jsonl", io.BytesIO(b"x" * 1001)), purpose="batch")
+    assert e.value.body["param"] == "file"  # type: ignore[index]
+    assert "1001 bytes is over the limit of 1000" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        create_batch(batch_client, input_file(4, 0, bad=False)[:1000])
+    assert e.value.body["param"] == "input_file_id"  # type: ignore[index]
+    assert "4 requests is over the limit of 3" in e.value.message
+    file = batch_client.files.create(file=("x.jsonl", io.BytesIO(b"\n")), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as e:
+        batch_client.batches.create(
+            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+        )
+    assert e.value.body["param"] == "endpoint"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as nf:
+        batch_client.batches.retrieve("batch_nope")
+    assert nf.value.body["param"] == "batch_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as nf:
+        batch_client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    assert nf.value.body["param"] == "input_file_id"  # type: ignore[index]
+
+
+def test_two_replicas_share_one_redis_queue(
+    rest_engine: AsyncEngine, redis_server: RedisServer
+) -> None:
+    """Two routers on one Redis: a batch submitted to one is finished by both, each line
+    once, and either replica reports it."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}"
+    servers = [
+        serve(rest_engine, RedisWorkQueue.from_url(redis_server.url, key_prefix=prefix))
+        for _ in range(2)
+    ]
+    try:
+        a, b = (client_for(s) for s in servers)
+        batch = create_batch(a, input_file(30, 30, bad=False))
+        done = wait_done(b, batch.id)
+        assert done.status == "completed"
+        ids = sorted(e["custom_id"] for e in read_jsonl(b, done.output_file_id))
+        assert ids == sorted([f"c-{i}" for i in range(30)] + [f"p-{i}" for i in range(30)])
+        workers = [s.app.state.queue_worker for s in servers]
+        assert sum(w.num_completed for w in workers) == 60
+        assert a.batches.retrieve(batch.id).output_file_id == done.output_file_id
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_a_redis_restart_mid_batch_loses_no_acknowledged_line(
+    rest_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Redis (AOF, fsync always) SIGKILLed and restarted while a batch runs: the batch still
+    completes with every custom_id exactly once."""
+    redis_server = RedisServer(tmp_path, free_port())
+    redis_server.start()
+    queue = RedisWorkQueue.from_url(redis_server.url, lease_s=2.0)
+    # Two lines at a time (of the engine's 128 slots), so the restart falls mid-batch.
+    server = serve(rest_engine, queue, BatchPriority(max_fraction=2 / 128))
+    client = client_for(server)
+    try:
+        lines = [
+            {**chat_line(f"c-{i}", i), "body": {**chat_line(f"c-{i}", i)["body"], "max_tokens": 16}}
+            for i in range(60)
+        ]
+        data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+        batch = create_batch(client, data)
+
+        def some_done() -> bool:
+            counts = client.batches.retrieve(batch.id).request_counts
+            assert counts is not None and counts.completed < 60, "finished before the restart"
+            return counts.completed >= 1
+
+        wait_for(some_done, 60, "the first lines to finish", 0.02)
+        redis_server.kill()
+        redis_server.start()
+
+        def done() -> Batch | None:
+            try:
+                found = client.batches.retrieve(batch.id)
+            except openai.InternalServerError:  # 503 while Redis reloads
+                return None
+            return found if found.status == "completed" else None
+
+        finished = wait_for(done, 120, "the batch to complete after the restart", 0.2)
+        ids = sorted(e["custom_id"] for e in read_jsonl(client, finished.output_file_id))
+        assert ids == sorted(f"c-{i}" for i in range(60))
+        assert finished.request_counts is not None and finished.request_counts.failed == 0
+    finally:
+        client.close()
+        server.stop()
+        redis_server.stop()
+
+
+def test_lines_left_when_the_window_ends_expire(
+    batch_client: openai.OpenAI, batch_server: LiveServer, tmp_path: Path
+) -> None:
+    worker = batch_server.app.state.queue_worker
+    worker.free_slots = lambda num_running: 0  # nothing runs before the window ends
+    batch = create_batch(batch_client, input_file(3, 0, bad=False))
+
+    async def end_window() -> None:
+        async with SqliteWorkQueue(tmp_path / "queue.db") as queue:
+            doc = await queue.get_record("batch", batch.id)
+            assert doc is not None
+            await queue.put_record("batch", batch.id, {**doc, "expires_at": int(time.time()) - 1})
+
+    asyncio.run(end_window())
+    expired = batch_client.batches.retrieve(batch.id)
+    assert expired.status == "expired" and expired.expired_at is not None
+    assert expired.request_counts is not None
+    assert (expired.request_counts.completed, expired.request_counts.failed) == (0, 3)
+    errors = read_jsonl(batch_client, expired.error_file_id)
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (f"c-{i}", "batch_expired") for i in range(3)
+    ]
+    worker.free_slots = lambda num_running: 4
+    assert batch_client.batches.retrieve(batch.id).status == "expired"  # final
