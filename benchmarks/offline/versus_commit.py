@@ -131,7 +131,7 @@ def _workloads(model_dir: Path, seed: int) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", required=True, help="the earlier commit")
+    p.add_argument("--before", default=None, help="the earlier commit (required)")
     p.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         worker(args.worker)
         return 0
+    if args.before is None:
+        p.error("--before: required (the earlier commit)")
     if args.rounds < 1:
         p.error(f"--rounds: must be >= 1; got {args.rounds}")
     from benchmarks.common.cpu_usage import wait_for_idle
