@@ -13,20 +13,52 @@
 // - Runs: inside a partition, keys in runs of run_length(BS) (aligned to multiples of it),
 //   each one online-softmax update (softmax_run): max over the run, exp, sum of the W lanes
 //   (masked lanes 0), then acc += p_t v_t for the run's keys in order.
-// - Scores: q . k for four keys at a time (dot4): per key, the first vector product and then
-//   multiply-adds over the row's vectors in order, all four reduced by one hsum4, whose tree
-//   per key does not depend on the other three keys. A last group of fewer than four keys
-//   repeats a valid key and drops its score.
+// - Scores: q . k for four keys at a time (dot4), q and k widened to fp32 in load_vec's lane
+//   order: per key, the first vector product and then multiply-adds over the row's vectors,
+//   all four reduced by one hsum4, whose tree per key does not depend on the other three
+//   keys. A last group of fewer than four keys repeats a valid key and drops its score.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 
 #include "cpu_simd.h"
 
 namespace duet {
+
+// Vector i (of nd) of a head row as fp32 lanes. bf16 rows whose vectors come in pairs are
+// widened in a permuted order: one load of 2W bf16 (W 32-bit words) gives the W even elements
+// (word << 16) and the W odd ones (word & 0xffff0000), one operation per vector instead of a
+// zero-extension and a shift. Both kernels load q and
+// k this way, so their dot products sum the same lanes; outputs go back in row order by
+// widened_index.
+template <typename E, int ND>
+constexpr bool kPaired = std::is_same_v<E, BF16> && ND > 0 && ND % 2 == 0;
+
+template <typename E, int W, int ND>
+inline typename Vec<W>::F load_vec(const typename E::raw* row, int i) {
+  using F = typename Vec<W>::F;
+  if constexpr (kPaired<E, ND>) {
+    const typename Vec<W>::I w =
+        *reinterpret_cast<const typename Vec<W>::PU*>(row + (i & ~1) * W);
+    return reinterpret_cast<F>((i & 1) ? (w & static_cast<int32_t>(0xffff0000u)) : (w << 16));
+  } else {
+    return E::template load<W>(row + i * W);
+  }
+}
+
+template <typename E, int W, int ND>
+inline int64_t widened_index(int64_t d) {  // where element d of a row sits after load_vec
+  if constexpr (kPaired<E, ND>) {
+    const int64_t r = d % (2 * W);
+    return d - r + (r & 1) * W + (r >> 1);
+  } else {
+    return d;
+  }
+}
 
 constexpr int64_t kPartitionTokens = 128;
 

@@ -8,21 +8,22 @@
 // seq_lens:     [B] int64
 // token_indices:[B] int64
 //
-// A work item is a partition of one sequence (attention_order.h: fixed token ranges, so a
-// sequence's output never depends on the batch or the threads) with all its heads. It walks
-// the partition's blocks once, in order; a block's rows of all heads are contiguous in the
+// A work item is a token range of one sequence, whole partitions of it (attention_order.h),
+// with all its heads: whole sequences unless that leaves too few items to keep every thread
+// busy. It walks its blocks once, in order; a block's rows of all heads are contiguous in the
 // cache, so memory is read in runs of block_size rows. Per block and KV head, its G = H / Hkv
 // query heads are handled together: scores of the G query rows against the block's keys (four
 // keys at a time, one horizontal reduction for four dot products, each key widened once for
 // all G heads when the rows are short), an online softmax per run of keys (a vectorised exp),
-// then the run's values weighted into G accumulators held in registers. The arithmetic per
-// query row is exactly the prefill kernel's (attention_order.h), so a token's output has the
-// same bits from either kernel. bf16 is widened to fp32 in registers (values two vectors per
-// load, see load_vec).
+// then the run's values weighted into G accumulators held in registers. At each partition
+// boundary the partition's partial result (max, sum, unnormalised output) is set aside; a
+// sequence of several partitions has them folded afterwards, in position order, so how the
+// ranges are cut never changes a result. The arithmetic per query row is exactly the prefill
+// kernel's, so a token's output has the same bits from either kernel. bf16 is widened to fp32
+// in registers, two vectors per load (see load_vec).
 //
 // Threads take items from a shared counter, longest first, so a core slowed by another process
-// just takes fewer items. The partial results of a sequence of several partitions (max, sum,
-// unnormalised output) are folded afterwards, in position order.
+// just takes fewer items.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -44,6 +45,7 @@ namespace duet {
 namespace {
 
 constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kItemsPerThread = 4;  // split long sequences until there are this many
 
 struct Item {
   int64_t b, begin, end;  // tokens [begin, end) of sequence b, all heads
@@ -54,36 +56,6 @@ struct Problem : PagedArgs {
   const int64_t* rows;  // the query row of each sequence
   float* partials;      // per slot: H maxima, H sums, H x D unnormalised outputs
 };
-
-// Vector i (of nd) of a head row as fp32 lanes. bf16 rows whose vectors come in pairs are
-// widened in a permuted order: one load of 2W bf16 (W 32-bit words) gives the W even elements
-// (word << 16) and the W odd ones (word & 0xffff0000), one operation per vector instead of a
-// zero-extension and a shift. Dot products do not see the order since q is loaded alike; the
-// output is put back in order at the end (widened_index).
-template <typename E, int ND>
-constexpr bool kPaired = std::is_same_v<E, BF16> && ND > 0 && ND % 2 == 0;
-
-template <typename E, int W, int ND>
-inline typename Vec<W>::F load_vec(const typename E::raw* row, int i) {
-  using F = typename Vec<W>::F;
-  if constexpr (kPaired<E, ND>) {
-    const typename Vec<W>::I w =
-        *reinterpret_cast<const typename Vec<W>::PU*>(row + (i & ~1) * W);
-    return reinterpret_cast<F>((i & 1) ? (w & static_cast<int32_t>(0xffff0000u)) : (w << 16));
-  } else {
-    return E::template load<W>(row + i * W);
-  }
-}
-
-template <typename E, int W, int ND>
-inline int64_t widened_index(int64_t d) {  // where element d of a row sits after load_vec
-  if constexpr (kPaired<E, ND>) {
-    const int64_t r = d % (2 * W);
-    return d - r + (r & 1) * W + (r >> 1);
-  } else {
-    return d;
-  }
-}
 
 // Lines part, part + parts, ... of a row: spreads a row's prefetches over `parts` calls.
 inline void prefetch_part(const void* row, int64_t bytes, int64_t part, int64_t parts) {
@@ -213,13 +185,31 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   float* __restrict__ acc_all = s.acc.data();
   float* __restrict__ maxima = s.maxima.data();
   float* __restrict__ sums = s.sums.data();
-  // q in row order (the scores' order of arithmetic is fixed by it, attention_order.h).
+  // q in load_vec's lane order, as the keys (attention_order.h: the prefill kernel's too).
   for (int64_t h = 0; h < H; ++h)
     for (int i = 0; i < nd; ++i)
-      store_f32<W>(qf + h * D + i * W, E::template load<W>(q + h * D + i * W) * P.scale);
+      store_f32<W>(qf + h * D + i * W, load_vec<E, W, ND>(q + h * D, i) * P.scale);
+
+  // A partition's partial result (maxima, sums, accumulators in row order) into its slot,
+  // and a fresh start for the next partition.
+  const int64_t part_tokens = partition_tokens(BS);
+  int64_t slot = it.slot;
+  auto end_partition = [&]() {
+    float* part = P.partials + slot * H * (D + 2);
+    std::copy(maxima, maxima + H, part);
+    std::copy(sums, sums + H, part + H);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        part[2 * H + h * D + d] = acc_all[h * D + widened_index<E, W, ND>(d)];
+    ++slot;
+    std::fill(acc_all, acc_all + H * D, 0.f);
+    std::fill(maxima, maxima + H, -INFINITY);
+    std::fill(sums, sums + H, 0.f);
+  };
 
   const int64_t j0 = begin / BS, j1 = (end + BS - 1) / BS;
   for (int64_t j = j0; j < j1; ++j) {
+    if (j > j0 && (j * BS) % part_tokens == 0) end_partition();
     const int64_t t0 = std::max(begin, j * BS), t1 = std::min(end, (j + 1) * BS), n = t1 - t0;
     // The next block's rows, prefetched a few lines at a time alongside this block's work
     // (spread over all G query heads' loops): a burst for the whole block would stall on the
@@ -245,7 +235,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
 #pragma GCC unroll 16
           for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 16
-            for (int i = 0; i < ND; ++i) kv[r][i] = E::template load<W>(kr[r] + i * W);
+            for (int i = 0; i < ND; ++i) kv[r][i] = load_vec<E, W, ND>(kr[r], i);
           for (int64_t g = 0; g < G; ++g)
             store_f32<4>(scores + g * BSpad + t,
                          dot4<W, ND>(qf + (kvh * G + g) * D, nd,
@@ -254,7 +244,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
           for (int64_t g = 0; g < G; ++g)
             store_f32<4>(scores + g * BSpad + t,
                          dot4<W, ND>(qf + (kvh * G + g) * D, nd, [&](int r, int i) {
-                           return E::template load<W>(kr[r] + i * W);
+                           return load_vec<E, W, ND>(kr[r], i);
                          }));
         }
       }
@@ -295,13 +285,8 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
     }
   }
 
-  if (it.slot >= 0) {  // partial: maxima, sums and the accumulators, in row order
-    float* part = P.partials + it.slot * H * (D + 2);
-    std::copy(maxima, maxima + H, part);
-    std::copy(sums, sums + H, part + H);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d)
-        part[2 * H + h * D + d] = acc_all[h * D + widened_index<E, W, ND>(d)];
+  if (it.slot >= 0) {  // the sequence has several partitions: they are merged afterwards
+    end_partition();
     return;
   }
   raw* o = static_cast<raw*>(P.o) + P.rows[it.b] * H * D;
@@ -331,21 +316,39 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   }
 }
 
-// Work items are partitions (fixed by position: attention_order.h), so what a sequence's
-// output is never depends on the batch or the threads; a sequence of several partitions has
-// them merged afterwards.
+// Work items are token ranges of whole partitions (attention_order.h): whole sequences, unless
+// that leaves too few items to keep every thread busy. Each partition is reduced on its own
+// and a sequence of several has them folded afterwards, so how the ranges are cut (which
+// depends on the batch and the threads) never changes a result.
 template <typename E, int W, int ND>
 void run(Problem& P, const int64_t* lens, int64_t B) {
-  const int64_t chunk = partition_tokens(P.BS);
+  const int64_t part = partition_tokens(P.BS);
+  const int64_t num_threads = at::get_num_threads();
+  int64_t total = 0, longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    total += lens[b];
+    longest = std::max(longest, lens[b]);
+  }
+  int64_t chunk = longest;  // tokens per item
+  if (num_threads > 1) {
+    const int64_t per_item = (total + num_threads * kItemsPerThread - 1) /
+                             (num_threads * kItemsPerThread);
+    chunk = std::max(part, per_item);
+  }
+  chunk = (chunk + part - 1) / part * part;
   std::vector<Item> items;
   struct Split { int64_t b, first_slot, num_slots; };
   std::vector<Split> splits;
   int64_t num_slots = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = (lens[b] + chunk - 1) / chunk;
-    if (n > 1) splits.push_back({b, num_slots, n});
-    for (int64_t c = 0; c < n; ++c)
-      items.push_back({b, c * chunk, std::min(lens[b], (c + 1) * chunk), n > 1 ? num_slots++ : -1});
+    const int64_t parts = (lens[b] + part - 1) / part;
+    const int64_t first = num_slots;
+    if (parts > 1) {
+      splits.push_back({b, first, parts});
+      num_slots += parts;
+    }
+    for (int64_t c = 0; c < lens[b]; c += chunk)
+      items.push_back({b, c, std::min(lens[b], c + chunk), parts > 1 ? first + c / part : -1});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
     return x.end - x.begin > y.end - y.begin;
@@ -354,7 +357,7 @@ void run(Problem& P, const int64_t* lens, int64_t B) {
   P.partials = partials.data();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
 #if defined(__SSE__)
     // Worker threads do not inherit torch.set_flush_denormal: flush denormals here too, or the
     // tiny softmax weights of far-away tokens make every multiply ~100x slower.

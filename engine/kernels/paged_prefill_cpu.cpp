@@ -101,7 +101,7 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
     const raw* qrow = static_cast<const raw*>(P.q) + (t * H + h) * D;
     orow[r] = static_cast<raw*>(P.o) + (t * H + h) * D;
     for (int i = 0; i < ND; ++i)
-      store_f32<W>(qf + r * D + i * W, E::template load<W>(qrow + i * W) * P.scale);
+      store_f32<W>(qf + r * D + i * W, load_vec<E, W, ND>(qrow, i) * P.scale);
   }
   std::fill(ob, ob + R * D, 0.f);
   const int64_t last_pos = pos[R - 1];
@@ -228,7 +228,7 @@ void attend_item(const Problem& P, const Item& it, Scratch& s) {
     const raw* kr = kc + offset;
     const raw* vr = vc + offset;
     for (int i = 0; i < ND; ++i) {
-      store_f32<W>(kt + i * W, E::template load<W>(kr + i * W));
+      store_f32<W>(kt + i * W, load_vec<E, W, ND>(kr, i));  // the decode kernel's lanes
       store_f32<W>(vt + i * W, E::template load<W>(vr + i * W));
     }
   }

@@ -19,11 +19,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
 BUDGETS = (2 << 20, 1 << 20)  # kv_cache_memory_bytes of rank 0, rank 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])
-def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
-    model = tiny_model_factory(arch)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 19, 40, 77, 120, 8)]
+def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu"):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     port = free_port()
@@ -40,6 +36,8 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
                 str(prompts_file),
                 str(tmp_path / f"r{rank}.json"),
                 str(BUDGETS[rank]),
+                backend,
+                device,
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -51,8 +49,19 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out[-3000:]
-    ranks = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
 
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 19, 40, 77, 120, 8)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "smollm2"])
+def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
+    model = tiny_model_factory(arch)
+    prompts = _prompts()
+    ranks = _run_ranks(model, tmp_path, prompts)
     ref = LLM(model, dtype="float32", load_progress=False).generate(
         prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     )
@@ -67,6 +76,21 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
                 atol=1e-4,
                 rtol=0,
             )
+
+
+@pytest.mark.gpu
+def test_tp2_over_nccl_matches_tp1_on_cuda(tiny_llama, tmp_path):
+    """`make gpu-check` on a machine with two GPUs: TP=2 over NCCL, each rank on its own GPU
+    (cuda:0 and cuda:1, resolved from the rank), gives TP=1's tokens on CUDA."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    prompts = _prompts()
+    ranks = _run_ranks(tiny_llama, tmp_path, prompts, backend="nccl", device="cuda")
+    ref = LLM(tiny_llama, dtype="float32", load_progress=False, device="cuda").generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    )
+    assert [r["tokens"] for r in ranks] == [[o.token_ids for o in ref]] * 2
+    assert ranks[0]["num_blocks"] == ranks[1]["num_blocks"]  # sized from memory, agreed
 
 
 def test_tp_size_without_group_is_refused(tiny_llama):
