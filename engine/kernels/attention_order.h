@@ -60,7 +60,7 @@ inline int64_t widened_index(int64_t d) {  // where element d of a row sits afte
   }
 }
 
-constexpr int64_t kPartitionTokens = 128;
+constexpr int64_t kPartitionTokens = 256;
 
 // Tokens per partition: the multiple of the block size nearest above kPartitionTokens, so a
 // partition is whole blocks.

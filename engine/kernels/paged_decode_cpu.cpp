@@ -195,12 +195,10 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   const int64_t part_tokens = partition_tokens(BS);
   int64_t slot = it.slot;
   auto end_partition = [&]() {
-    float* part = P.partials + slot * H * (D + 2);
+    float* part = P.partials + slot * H * (D + 2);  // accumulators in load_vec's order
     std::copy(maxima, maxima + H, part);
     std::copy(sums, sums + H, part + H);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d)
-        part[2 * H + h * D + d] = acc_all[h * D + widened_index<E, W, ND>(d)];
+    std::copy(acc_all, acc_all + H * D, part + 2 * H);
     ++slot;
     std::fill(acc_all, acc_all + H * D, 0.f);
     std::fill(maxima, maxima + H, -INFINITY);
@@ -297,8 +295,9 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   }
 }
 
-// A sequence's partitions, folded in position order (attention_order.h) and normalised.
-template <typename E>
+// A sequence's partitions, folded in position order (attention_order.h; element by element,
+// so in the accumulators' lane order) and normalised into row order.
+template <typename E, int W, int ND>
 void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   const int64_t H = P.H, D = P.D, slot_size = H * (D + 2);
   const float* parts = P.partials + first_slot * slot_size;
@@ -312,7 +311,8 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
       fold_partition(mx, sum, acc.data(), part[h], part[H + h], part + 2 * H + h * D, D);
     }
     const float inv = 1.f / sum;
-    for (int64_t d = 0; d < D; ++d) o[h * D + d] = E::store1(acc[d] * inv);
+    for (int64_t d = 0; d < D; ++d)
+      o[h * D + d] = E::store1(acc[widened_index<E, W, ND>(d)] * inv);
   }
 }
 
@@ -367,7 +367,7 @@ void run(Problem& P, const int64_t* lens, int64_t B) {
     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
       attend<E, W, ND>(P, items[i], scratch);
   });
-  for (const Split& sp : splits) merge<E>(P, sp.b, sp.first_slot, sp.num_slots);
+  for (const Split& sp : splits) merge<E, W, ND>(P, sp.b, sp.first_slot, sp.num_slots);
 }
 
 template <typename E>
