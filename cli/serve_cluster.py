@@ -192,14 +192,19 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     """Start (or join) Ray, bring `spec`'s cluster up and supervise it until told to stop."""
     import ray
 
-    from deploy.ray_cluster import NAMESPACE, DuetCluster, start_local_ray
+    from cluster_auth import load_cluster_secret
+    from cluster_auth.secret import remove_secret_file
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import NAMESPACE, DuetCluster
     from engine.loader import open_model
 
     open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
+    secret_file = None
     if args.ray_address:
+        load_cluster_secret()  # a cluster's processes share its secret (Helm: from a Secret)
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=True)
     else:
-        start_local_ray(spec)  # Ray detects this machine's GPUs
+        secret_file = start_local_ray(spec)  # a new secret; Ray detects this machine's GPUs
     if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
         spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
     stop = threading.Event()
@@ -219,6 +224,8 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         logger.info("stopping the cluster")
         cluster.shutdown()
         ray.shutdown()
+        if secret_file is not None:
+            remove_secret_file(secret_file)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
