@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import hmac
-import logging
 import secrets
 import threading
 import time
@@ -24,9 +23,8 @@ from typing import Any
 
 import grpc
 
+from cluster_auth.refusals import RefusalLog
 from cluster_auth.secret import ClusterSecret
-
-logger = logging.getLogger(__name__)
 
 METADATA_KEY = "x-duet-auth"
 VERSION = "v1"
@@ -34,8 +32,6 @@ MAX_SKEW_S = 30.0
 """How far a call's signed time may be from the server's clock (either way); also how long
 the server remembers a nonce (a replay after that is refused as expired)."""
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
-MAX_LOGGED_PEERS = 1024
-"""Distinct refused addresses logged; later ones are only counted (a scan does not flood the log)."""
 
 
 class CallSigner:
@@ -95,28 +91,6 @@ class CallVerifier:
             self._seen.add(nonce)
             heapq.heappush(self._expiry, (signed_at + self._max_skew_s, nonce))
         return None
-
-
-class RefusalLog:
-    """Counts refused peers and logs each address once (never the credentials)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.num_refused = 0
-        self._logged: set[str] = set()
-        self._lock = threading.Lock()
-
-    def refused(self, address: str, reason: str) -> None:
-        with self._lock:
-            self.num_refused += 1
-            first = address not in self._logged and len(self._logged) < MAX_LOGGED_PEERS
-            if first:
-                self._logged.add(address)
-        if first:
-            logger.warning(
-                "%s: refused a peer at %s: %s (further refusals from it are counted, not logged)",
-                self.what, address, reason,
-            )  # fmt: skip
 
 
 def peer_host(peer: str) -> str:

@@ -154,7 +154,7 @@ def test_worker_rpcs_need_credentials(caplog):
             await decode.stop(None)
             await prefill.stop(None)
 
-    with caplog.at_level(logging.WARNING, logger="cluster_auth.grpc_auth"):
+    with caplog.at_level(logging.WARNING, logger="cluster_auth"):
         asyncio.run(scenario())
     refusals = [r.getMessage() for r in caplog.records if "refused a peer" in r.getMessage()]
     # once per server for the one peer address (127.0.0.1), however many calls it made

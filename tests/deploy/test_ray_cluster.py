@@ -155,10 +155,15 @@ def busiest_decode(duet) -> int:
 
 
 def listening(actor) -> dict[int, str]:
-    """The actor process's listening TCP sockets: port -> bound address."""
+    """The actor process's listening TCP sockets: port -> bound address (gRPC binds an IPv6
+    socket to an IPv4-mapped address: `::ffff:127.0.0.1` is loopback only, and shown as such)."""
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     sockets = psutil.Process(pid).net_connections(kind="tcp")
-    return {c.laddr.port: c.laddr.ip for c in sockets if c.status == psutil.CONN_LISTEN}
+    return {
+        c.laddr.port: c.laddr.ip.removeprefix("::ffff:")
+        for c in sockets
+        if c.status == psutil.CONN_LISTEN
+    }
 
 
 def test_workers_listen_on_loopback_and_demand_credentials(cluster):
