@@ -72,3 +72,24 @@ def _read_exact(sock: socket.socket, num_bytes: int) -> bytes:
             raise ConnectionError("peer closed the connection")
         buf += chunk
     return bytes(buf)
+
+
+# -- over a rendezvous store (torch_dist's TCPStore), where both sides read and write keys --
+
+
+def store_challenge() -> str:
+    """The receiver's fresh nonce for one channel, as the store holds it."""
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def store_proof(secret: ClusterSecret, role: str, channel: str, challenge_hex: str) -> str:
+    """`role` ("sender" or "receiver")'s proof for `channel` against the receiver's challenge."""
+    return secret.mac(f"kv-store-{role}", channel.encode(), challenge_hex.encode()).hex()
+
+
+def check_store_proof(
+    secret: ClusterSecret, role: str, channel: str, challenge_hex: str, proof: object
+) -> bool:
+    """Constant-time: `proof` is `role`'s proof for `channel` and `challenge_hex`."""
+    want = store_proof(secret, role, channel, challenge_hex)
+    return isinstance(proof, str) and hmac.compare_digest(want.encode(), proof.encode())

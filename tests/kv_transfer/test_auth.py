@@ -1,12 +1,13 @@
-"""The tcp backend's challenge-response (cluster_auth/handshake.py): a sender without the
-cluster secret cannot open a channel or offer a block (the receiver's cache stays bitwise the
-same) while a sender with it completes its transfer on the same receiver; garbage, truncated
-and silent handshakes neither crash, hang nor leak anything; a receiver without the secret
-is refused by the sender."""
+"""KV channels' challenge-response (cluster_auth/handshake.py): a sender without the cluster
+secret cannot open a channel or offer a block (the receiver's cache stays bitwise the same)
+while a sender with it completes its transfer on the same receiver, over tcp and over
+torch_dist's store rendezvous; on tcp, garbage, truncated and silent handshakes neither crash,
+hang nor leak anything, and a receiver without the secret is refused by the sender."""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 
@@ -18,23 +19,25 @@ from kv_transfer import TransferStatus, create_receiver, create_sender
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
 SECRET = ClusterSecret("kv-right-" + "c" * 40)
 OTHER = ClusterSecret("kv-wrong-" + "d" * 40)
 
 
-def make_receiver(timeout_s=10.0):
+def make_receiver(timeout_s=10.0, backend="tcp"):
     dst = caches(seed=1)
     recv = create_receiver(
-        "tcp", kv_caches=dst, layout=layout(dst), timeout_s=timeout_s, secret=SECRET
+        backend, kv_caches=dst, layout=layout(dst), timeout_s=timeout_s, secret=SECRET
     )
     return recv, dst
 
 
-def send(src, recv, request_id, blocks, secret, name):
+def send(src, recv, request_id, blocks, secret, name, backend="tcp"):
     """The sender's outcome; for a transfer that lands, the receiver's poll (the engine
     thread's) is what acknowledges it, so it is polled here too."""
     sender = create_sender(
-        "tcp", kv_caches=src, layout=layout(src), name=name, timeout_s=10, secret=secret
+        backend, kv_caches=src, layout=layout(src), name=name, timeout_s=10, secret=secret
     )
     sender.send(request_id, blocks, recv.address)
     landed = []
@@ -150,3 +153,23 @@ def test_the_sender_refuses_a_receiver_without_the_secret():
         sender.close()
         listener.close()
         thread.join(timeout=10)
+
+
+def test_torch_dist_rendezvous_refuses_a_sender_without_the_secret():
+    recv, dst = make_receiver(backend="torch_dist")
+    src = caches()
+    try:
+        recv.expect("r4", [2, 8], timeout_s=30)
+        before = [c.clone() for c in dst]
+        wrong, landed = send(src, recv, "r4", [1, 3], OTHER, "intruder", "torch_dist")
+        assert (wrong.status, wrong.retryable, landed) == (TransferStatus.FAILED, True, [])
+        assert "different cluster secret" in wrong.error
+        assert recv.refusals.num_refused == 1
+        assert recv._links == {}  # no link was opened for it
+        assert all(torch.equal(b, c) for b, c in zip(before, dst, strict=True))
+        result, [done] = send(src, recv, "r4", [1, 3], SECRET, "prefill", "torch_dist")
+        assert (result.status, done.status) == (TransferStatus.DONE, TransferStatus.DONE)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(d[:, [2, 8]], s[:, [1, 3]])
+    finally:
+        recv.close()
