@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import AuthInterceptor
+from cluster_auth.tls import add_internal_port
 from decode_worker.wire import to_delta
 from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
 from duet.v1 import worker_pb2, worker_pb2_grpc
@@ -119,7 +120,7 @@ async def start_decode_server(
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_internal_port(server, f"{host}:{port}")  # TLS when configured (tls.py)
     if bound == 0:
         raise OSError(f"decode worker: cannot bind gRPC on {host}:{port}")
     await server.start()

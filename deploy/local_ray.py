@@ -11,9 +11,16 @@ import ray
 from cluster_auth import ENV_SECRET_FILE, ClusterSecret, write_secret_file
 from deploy.ray_cluster import NAMESPACE, ClusterSpec
 
-FORWARDED_ENV = ("DUET_KV_EMULATE_NCCL", "DUET_BIND_HOST")
+FORWARDED_ENV = (
+    "DUET_KV_EMULATE_NCCL",
+    "DUET_BIND_HOST",
+    "DUET_INTERNAL_TLS_CERT",
+    "DUET_INTERNAL_TLS_KEY",
+    "DUET_INTERNAL_TLS_CA",
+)
 """Read by every worker process: the KV transfer's NCCL emulation (both sides of a channel
-must agree, or its handshake refuses it) and where workers listen (deploy/ray_actors.py)."""
+must agree, or its handshake refuses it), where workers listen (deploy/ray_actors.py) and the
+internal plane's mTLS files (cluster_auth/tls.py)."""
 
 
 def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:

@@ -11,6 +11,7 @@ import grpc
 
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import CallSigner
+from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
 from kv_transfer import TransferStatus
@@ -45,7 +46,7 @@ class PrefillClient:
         """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
         self.address = address
         self.signer = CallSigner(secret or load_cluster_secret())
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(
@@ -112,7 +113,7 @@ class DecodeClient:
         """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
         self.address = address
         self.signer = CallSigner(secret or load_cluster_secret())
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
 
     async def reserve(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -20,33 +19,11 @@ from decode_worker.server import start_decode_server
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.server import start_prefill_server
 from router.worker_client import DecodeClient, PrefillClient
+from tests.cluster_auth.fake_worker import FakeWorker
 
 SECRET = ClusterSecret("right-" + "a" * 40)
 OTHER = ClusterSecret("wrong-" + "b" * 40)
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
-
-
-class FakeWorker:
-    """What the servicers read; `calls` counts the work a caller got out of the worker."""
-
-    def __init__(self) -> None:
-        self.is_running = True
-        self.calls = 0
-        self.config = SimpleNamespace(block_size=8)
-        self.kv_address = "127.0.0.1:1"
-        self.deterministic = True
-        self.load = SimpleNamespace(
-            num_running=0, num_waiting=0, num_waiting_for_kv=0, num_transferring=0,
-            num_queued_tokens=0, num_free_blocks=7, num_blocks=9, max_num_seqs=4,
-        )  # fmt: skip
-        self.prefix_index = SimpleNamespace(
-            since=lambda _: SimpleNamespace(last_event=0, snapshot=False, stored=[], removed=[])
-        )
-
-    async def generate(self, prompt, params, request_id):  # the free inference of issue #25
-        self.calls += 1
-        for _ in ():  # an empty stream: what matters is that it was served
-            yield
 
 
 def rpcs(stub_decode, stub_prefill):
