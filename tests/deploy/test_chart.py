@@ -353,6 +353,26 @@ def test_planner_rbac_is_scoped_to_what_it_patches(prod, default):
     assert default.of_kind("Role") == [] and default.of_kind("RoleBinding") == []
 
 
+def test_internal_tls_mounts_its_secret_in_every_ray_pod(chart, default):
+    assert "DUET_INTERNAL_TLS_CERT" not in json.dumps(default.objects)  # off by default
+    tls = render(chart, {**production_values(), "internalTLS": {"secretName": "duet-internal-tls"}})
+    for name, spec in tls.pod_specs().items():
+        env = dict(_env_values(spec))
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        if name == "duet-planner":
+            assert "internal-tls" not in volumes and "DUET_INTERNAL_TLS_CA" not in env
+            continue
+        assert volumes["internal-tls"]["secret"]["secretName"] == "duet-internal-tls"
+        assert [env[f"DUET_INTERNAL_TLS_{k}"] for k in ("CERT", "KEY", "CA")] == [
+            "/etc/duet/internal-tls/tls.crt",
+            "/etc/duet/internal-tls/tls.key",
+            "/etc/duet/internal-tls/ca.crt",
+        ]
+    for obj in tls.objects:
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert kubernetes_validate.validate(obj, KUBE_VERSION, strict=True) == KUBE_VERSION
+
+
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """A label selector (matchLabels and `In` matchExpressions) selects `labels`."""
     if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):

@@ -121,6 +121,14 @@ app.kubernetes.io/component: {{ .component }}
 # The internal plane's secret (docs/security.md), as a file: never in the pod spec or `env`.
 - name: DUET_CLUSTER_SECRET_FILE
   value: /etc/duet/cluster-secret/{{ .Values.clusterSecret.key }}
+{{- if .Values.internalTLS.secretName }}
+- name: DUET_INTERNAL_TLS_CERT
+  value: /etc/duet/internal-tls/tls.crt
+- name: DUET_INTERNAL_TLS_KEY
+  value: /etc/duet/internal-tls/tls.key
+- name: DUET_INTERNAL_TLS_CA
+  value: /etc/duet/internal-tls/ca.crt
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: RAY_AUTH_MODE
   value: token
@@ -158,6 +166,12 @@ app.kubernetes.io/component: {{ .component }}
   secret:
     secretName: {{ include "duet.clusterSecret" . }}
     defaultMode: 0440
+{{- if .Values.internalTLS.secretName }}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.internalTLS.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: ray-auth
   secret:
@@ -182,6 +196,11 @@ app.kubernetes.io/component: {{ .component }}
 - name: cluster-secret
   mountPath: /etc/duet/cluster-secret
   readOnly: true
+{{- if .Values.internalTLS.secretName }}
+- name: internal-tls
+  mountPath: /etc/duet/internal-tls
+  readOnly: true
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: ray-auth
   mountPath: /etc/duet/ray-auth
