@@ -29,11 +29,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from cluster_auth import MissingSecretError
     from engine import InvalidInputError, ModelLoadError
 
     try:
         return int(args.run(args))
-    except (InvalidInputError, ModelLoadError, serve.ServeConfigError) as e:
+    except (InvalidInputError, ModelLoadError, MissingSecretError, serve.ServeConfigError) as e:
         print(f"duet: error: {e}", file=sys.stderr)
         return 2
 

@@ -4,6 +4,10 @@ job that serves duet in disaggregated mode on the cluster the job runs in.
 It takes `duet serve`'s flags; `--disaggregated` is implied and `--ray-address` defaults to
 `auto` (the job's own cluster). The job runs until `ray job stop`, which ends it like Ctrl-C:
 routers drain, then every actor is removed.
+
+Every Ray node (and so every actor and this driver) must hold the cluster secret in its
+environment, `DUET_CLUSTER_SECRET_FILE` or `DUET_CLUSTER_SECRET`, set before `ray start` (the
+Helm chart mounts it from a Secret); without one the job exits naming them (docs/security.md).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "--startup-timeout", type=float, default=900.0, metavar="S",
         help="how long to wait for every worker to load its model",
     )  # fmt: skip
+    for name, what in (("cert", "this cluster's certificate"), ("key", "its private key"),
+                       ("ca", "the CA that signed it")):  # fmt: skip
+        g.add_argument(
+            f"--internal-tls-{name}", default=None, metavar="PEM",
+            help=f"mTLS on the workers' gRPC plane, one machine: {what} (all three or none; "
+            "a Ray cluster's nodes set DUET_INTERNAL_TLS_CERT/KEY/CA instead)",
+        )  # fmt: skip
 
 
 def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
@@ -102,6 +110,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
             "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
             "--prefill-tp ranks and decode workers are not sharded; use --prefill-tp"
         )
+    internal_tls(args)  # refused here, naming the flag, before Ray starts
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
     if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
         raise ValueError(
@@ -128,6 +137,29 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         gpus_per_worker=args.gpus_per_worker or 0.0,
         kv_backend=args.kv_backend,
     )
+
+
+def internal_tls(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that turns mTLS on in a local cluster's processes (cluster_auth/tls.py)
+    from the --internal-tls-* flags: all three or none, readable files, one machine only.
+    `ValueError` names the flag."""
+    from cluster_auth.tls import ENV_CA, ENV_CERT, ENV_KEY
+
+    flags = {"cert": ENV_CERT, "key": ENV_KEY, "ca": ENV_CA}
+    given = {n: getattr(args, f"internal_tls_{n}", None) for n in flags}
+    if not any(given.values()):
+        return {}
+    for name, path in given.items():
+        if not path:
+            raise ValueError(f"--internal-tls-{name}: mTLS needs --internal-tls-cert, -key and -ca")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"--internal-tls-{name}: cannot read {path}")
+    if args.ray_address:
+        raise ValueError(
+            "--internal-tls-cert: with --ray-address, set DUET_INTERNAL_TLS_CERT, _KEY and _CA "
+            "on every Ray node instead (docs/security.md)"
+        )
+    return {flags[n]: os.path.abspath(p) for n, p in given.items() if p}
 
 
 def check_worker_configs(
@@ -192,14 +224,20 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     """Start (or join) Ray, bring `spec`'s cluster up and supervise it until told to stop."""
     import ray
 
-    from deploy.ray_cluster import NAMESPACE, DuetCluster, start_local_ray
+    from cluster_auth import load_cluster_secret
+    from cluster_auth.secret import remove_secret_file
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import NAMESPACE, DuetCluster
     from engine.loader import open_model
 
     open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
+    secret_file = None
     if args.ray_address:
+        load_cluster_secret()  # a cluster's processes share its secret (Helm: from a Secret)
         ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=True)
     else:
-        start_local_ray(spec)  # Ray detects this machine's GPUs
+        os.environ.update(internal_tls(args))  # forwarded to the Ray processes
+        secret_file = start_local_ray(spec)  # a new secret; Ray detects this machine's GPUs
     if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
         spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
     stop = threading.Event()
@@ -219,6 +257,8 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         logger.info("stopping the cluster")
         cluster.shutdown()
         ray.shutdown()
+        if secret_file is not None:
+            remove_secret_file(secret_file)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -21,6 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from cluster_auth import load_cluster_secret
 from decode_worker.config import DecodeWorkerConfig
 from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
@@ -203,6 +204,7 @@ class DecodeRole(EngineRole):
             host=config.kv_host,
             port=config.kv_port,
             advertise_host=config.kv_advertise_host,
+            secret=load_cluster_secret(),
         )
         self.receiver = worker.receiver = create_receiver(
             worker.kv_backend, caches, worker.layout, settings, **worker.receiver_options

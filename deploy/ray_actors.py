@@ -45,6 +45,13 @@ def advertise_host() -> str:
     return str(ray.util.get_node_ip_address())
 
 
+def bind_host() -> str:
+    """Where worker listeners (gRPC, KV) bind: DUET_BIND_HOST, else the advertised address
+    (loopback on a local cluster, the pod IP on Kubernetes), never every interface unless
+    DUET_BIND_HOST=0.0.0.0 asks for it."""
+    return os.environ.get("DUET_BIND_HOST") or advertise_host()
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -78,7 +85,8 @@ class PrefillRankActor:
         if self.rank == 0:
             # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
             self._loop = _LoopThread(f"{self.name}-grpc")
-            self._server, port = self._loop.run(start_prefill_server(self.worker, "0.0.0.0", 0))
+            server = start_prefill_server(self.worker, bind_host(), 0)
+            self._server, port = self._loop.run(server)
             self.address = f"{self.host}:{port}"
         freeze_startup_heap()
         return self.address
@@ -93,8 +101,8 @@ class PrefillRankActor:
 
 
 class DecodeActor:
-    """A decode worker serving `duet.v1.DecodeWorker`; its KV receiver listens on all
-    interfaces and advertises this node's address."""
+    """A decode worker serving `duet.v1.DecodeWorker`; it and its KV receiver listen on
+    `bind_host()` and advertise this node's address."""
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
         from decode_worker.config import DecodeWorkerConfig
@@ -103,11 +111,11 @@ class DecodeActor:
 
         self.incarnation = uuid.uuid4().hex
         host = advertise_host()
-        config = {**config, "kv_host": "0.0.0.0", "kv_advertise_host": host}
+        config = {**config, "kv_host": bind_host(), "kv_advertise_host": host}
         self.worker = DecodeWorker(DecodeWorkerConfig.from_kwargs(**config), name)
         # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
         self._loop = _LoopThread(f"{name}-grpc")
-        self._server, port = self._loop.run(start_decode_server(self.worker, "0.0.0.0", 0))
+        self._server, port = self._loop.run(start_decode_server(self.worker, bind_host(), 0))
         self.address = f"{host}:{port}"
         freeze_startup_heap()
 

@@ -5,7 +5,7 @@ Placement, by Ray custom resources (so that on Kubernetes each lands on the righ
   `prefill` resource (and one GPU on GPU clusters) per rank;
 - a decode worker is a `DecodeActor` on one `decode` resource (and GPU);
 - a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
-On one machine `start_local_ray` provides exactly the resources asked for.
+On one machine `deploy.local_ray.start_local_ray` provides exactly the resources asked for.
 
 Keeping it serving (`reconcile`, every second from `run`): Ray restarts dead actors
 (`max_restarts=-1`); a restarted prefill rank breaks its group, so every rank of the group is
@@ -19,7 +19,6 @@ leave, which is how the Kubernetes planner scales them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -363,38 +362,3 @@ class DuetCluster:
             for rank in range(spec.prefill_tp)
         ]
         return _Group(name, pg, ranks)
-
-
-FORWARDED_ENV = ("DUET_KV_EMULATE_NCCL",)
-"""Read by every worker process (the KV transfer's NCCL emulation: both sides of a channel
-must agree, or its handshake refuses it)."""
-
-
-def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> None:
-    """A Ray instance on this machine with the resources `spec` asks for; workers reach each
-    other on loopback and share its cores (torch threads split evenly unless the spec sets
-    `num_threads`)."""
-    num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
-    num_decode = spec.decode_workers if spec.decode_workers is not None else 1
-    cores = num_cpus or os.cpu_count() or 1
-    processes = num_prefill * spec.prefill_tp + num_decode
-    env = {
-        "GLOO_SOCKET_IFNAME": "lo",
-        "DUET_ADVERTISE_HOST": "127.0.0.1",
-        "OMP_NUM_THREADS": str(max(1, cores // max(1, processes))),
-    }
-    for name in FORWARDED_ENV:  # settings every worker process must share with the driver
-        if name in os.environ:
-            env[name] = os.environ[name]
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=cores,
-        resources={
-            "prefill": num_prefill * spec.prefill_tp,
-            "decode": num_decode,
-            "router": spec.routers,
-        },
-        include_dashboard=False,
-        runtime_env={"env_vars": env},
-        log_to_driver=True,
-    )

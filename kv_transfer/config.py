@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from cluster_auth import ClusterSecret
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,10 @@ class SenderConfig:
     ack_timeout_s: float = 60.0
     """The hold lease on sent blocks: FAILED (retryable) when the receiver has not acknowledged
     within this long of the sender letting go of the blocks."""
+    secret: ClusterSecret | None = field(default=None, repr=False, compare=False)
+    """The cluster secret a network backend proves to each receiver (and asks it to prove)
+    before its first frame. None: no proof, for in-process use and tests only; every worker
+    passes its cluster's."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -44,6 +50,9 @@ class ReceiverConfig:
     """Port to listen on; 0 picks a free one."""
     advertise_host: str | None = None
     """The host senders dial, when it differs from `host` (e.g. `host` is 0.0.0.0)."""
+    secret: ClusterSecret | None = field(default=None, repr=False, compare=False)
+    """The cluster secret a network backend makes each connecting sender prove (and proves
+    back) before reading any frame. None: no proof, for in-process use and tests only."""
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -9,6 +9,9 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster_auth import ClusterSecret, load_cluster_secret
+from cluster_auth.grpc_auth import AuthInterceptor
+from cluster_auth.tls import add_internal_port
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
 from kv_transfer import TransferStatus
@@ -80,14 +83,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 async def start_prefill_server(
-    worker: PrefillWorker, host: str = "127.0.0.1", port: int = 0
+    worker: PrefillWorker,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    secret: ClusterSecret | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Serve `worker` on `host:port` (0: a free port). Returns the started server and port."""
-    server = grpc.aio.server()
+    """Serve `worker` on `host:port` (0: a free port), refusing calls without credentials of
+    `secret` (default: this process's cluster secret; health checks stay open). Returns the
+    started server and port."""
+    auth = AuthInterceptor(secret or load_cluster_secret(), "prefill worker gRPC")
+    server = grpc.aio.server(interceptors=[auth])
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_internal_port(server, f"{host}:{port}")  # TLS when configured (tls.py)
     if bound == 0:
         raise OSError(f"prefill worker: cannot bind gRPC on {host}:{port}")
     await server.start()

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cluster_auth import load_cluster_secret
 from engine import SamplingParams
 from engine.core import (
     AbortRequest,
@@ -208,6 +209,7 @@ class PrefillRole(EngineRole):
             name=f"{worker.name}-tp{tp.rank}",
             timeout_s=config.kv_transfer_timeout_s,
             ack_timeout_s=config.kv_lease_s,
+            secret=load_cluster_secret(),
         )
         self.sender = worker.sender = create_sender(
             worker.kv_backend, caches, worker.layout, settings, **worker.sender_options

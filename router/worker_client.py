@@ -1,5 +1,6 @@
 """The router's side of the worker control plane (`duet.v1.PrefillWorker` and
-`duet.v1.DecodeWorker` over gRPC). Every call carries a deadline."""
+`duet.v1.DecodeWorker` over gRPC). Every call carries a deadline and fresh credentials of the
+cluster secret (cluster_auth/grpc_auth.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from cluster_auth import ClusterSecret, load_cluster_secret
+from cluster_auth.grpc_auth import CallSigner
+from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
 from kv_transfer import TransferStatus
@@ -17,6 +21,9 @@ _STATUSES = {
     worker_pb2.TRANSFER_OUTCOME_FAILED: TransferStatus.FAILED,
     worker_pb2.TRANSFER_OUTCOME_ABORTED: TransferStatus.ABORTED,
 }
+
+_PREFILL = "/" + worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name + "/"
+_DECODE = "/" + worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name + "/"
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -35,9 +42,11 @@ class PrefillOutcome:
 
 
 class PrefillClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
+        """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.signer = CallSigner(secret or load_cluster_secret())
+        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(
@@ -58,6 +67,7 @@ class PrefillClient:
                 kv_destination=kv_destination,
             ),
             timeout=timeout_s,
+            metadata=self.signer.metadata(_PREFILL + "Prefill"),
         )
         return PrefillOutcome(
             _STATUSES[response.outcome],
@@ -69,7 +79,9 @@ class PrefillClient:
 
     async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:
         return await self.stub.GetLoad(
-            worker_pb2.LoadRequest(since_event=since_event), timeout=timeout_s
+            worker_pb2.LoadRequest(since_event=since_event),
+            timeout=timeout_s,
+            metadata=self.signer.metadata(_PREFILL + "GetLoad"),
         )
 
     async def close(self) -> None:
@@ -97,9 +109,11 @@ class DecodeStream:
 
 
 class DecodeClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
+        """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.signer = CallSigner(secret or load_cluster_secret())
+        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
 
     async def reserve(
@@ -120,6 +134,7 @@ class DecodeClient:
                 kv_wait_s=kv_wait_s,
             ),
             timeout=timeout_s,
+            metadata=self.signer.metadata(_DECODE + "DecodeRemote"),
         )
         try:
             first = await call.read()
@@ -147,11 +162,16 @@ class DecodeClient:
                 sampling_params_json=params.to_json(),
             ),
             timeout=timeout_s,
+            metadata=self.signer.metadata(_DECODE + "Generate"),
         )
         return DecodeStream(call, None)
 
     async def load(self, timeout_s: float = 2.0) -> worker_pb2.DecodeLoad:
-        return await self.stub.GetLoad(worker_pb2.LoadRequest(), timeout=timeout_s)
+        return await self.stub.GetLoad(
+            worker_pb2.LoadRequest(),
+            timeout=timeout_s,
+            metadata=self.signer.metadata(_DECODE + "GetLoad"),
+        )
 
     async def close(self) -> None:
         await self.channel.close()

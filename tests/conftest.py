@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
     # libraries (transformers) import it early: set it before any test module is collected.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# NOTE: every duet process needs the cluster secret (cluster_auth): the workers and clients
+# the tests start read it from here, and subprocesses inherit it.
+os.environ.setdefault("DUET_CLUSTER_SECRET", "tests-" + os.urandom(24).hex())
+
 TINY_TEXT = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Paged attention stores keys and values in fixed-size blocks.",

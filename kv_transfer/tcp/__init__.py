@@ -15,6 +15,9 @@ where one managed ~0.7x (docs/benchmarks.md, "KV transfer").
 Protocol (frames are a 4-byte big-endian length and a JSON header, all on the channel's first
 connection; a `kv` frame's payload follows its header, striped over the connections):
 
+- authentication (cluster_auth/handshake.py), on every connection before any frame when the
+  configs carry the cluster secret: a challenge-response by HMAC both ways; a sender that fails
+  it is closed before a byte of KV is read or a block is touched (`TcpKVReceiver.refusals`);
 - handshake: the sender sends `{"layout"}`, the receiver answers `{"verdict": {"layout",
   "channel"}}` or `{"verdict": {"error"}}` (a mismatch refused on both sides, as in torch_dist);
   each further connection sends `{"attach": channel, "stripe": i}` (i = 1, 2, ... in order) and

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from cluster_auth.handshake import challenge
+from cluster_auth.refusals import RefusalLog
 from kv_transfer import sockio
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.inbox import Arrival, InboxKVReceiver
@@ -43,8 +45,9 @@ class Incoming:
 
 
 class RecvChannel:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, peer: str = "") -> None:
         self.sock = sock
+        self.peer = peer  # the connecting host (for the log of refused peers)
         self.stripes = Stripes(sock, "kv-tcp-recv-stripe")
         self.token = uuid.uuid4().hex  # what the sender's other connections attach with
         self.send_lock = threading.Lock()
@@ -80,6 +83,7 @@ class TcpKVReceiver(InboxKVReceiver):
         shown = config.advertise_host or host
         self._address = f"[{shown}]:{bound}" if ":" in shown else f"{shown}:{bound}"
         self._closed = threading.Event()
+        self.refusals = RefusalLog(f"KV receiver {config.name}")
         self._channels: list[RecvChannel] = []
         self._by_token: dict[str, RecvChannel] = {}
         self._threads = [
@@ -94,10 +98,10 @@ class TcpKVReceiver(InboxKVReceiver):
     def _accept_loop(self) -> None:
         while wait_readable(self._listener, self._closed, None):
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 continue
-            channel = RecvChannel(sock)
+            channel = RecvChannel(sock, str(peer[0]))
             thread = threading.Thread(
                 target=self._serve_channel, args=(channel,), name="kv-tcp-recv", daemon=True
             )
@@ -111,6 +115,8 @@ class TcpKVReceiver(InboxKVReceiver):
         attached = False  # the socket joined another channel, which owns it now
         try:
             configure(sock, self.timeout_s)
+            if not self._authenticate(channel):
+                return
             if not wait_readable(sock, self._closed, self.timeout_s):
                 return
             hello = read_frame(sock)
@@ -146,6 +152,18 @@ class TcpKVReceiver(InboxKVReceiver):
                 with self._lock:
                     self._by_token.pop(channel.token, None)
                 channel.stripes.close()
+
+    def _authenticate(self, channel: RecvChannel) -> bool:
+        """Every connection (a channel's first and each stripe) proves the cluster secret
+        before a frame is read; one that does not is counted, logged once per address, closed."""
+        if self.config.secret is None:
+            return True
+        try:
+            challenge(channel.sock, self.config.secret)
+        except OSError as e:  # AuthenticationError, a timeout, a reset
+            self.refusals.refused(channel.peer, str(e))
+            return False
+        return True
 
     def _attach(self, sock: socket.socket, hello: dict[str, Any]) -> None:
         """A sender's further connection joins the channel it names, as its next stripe."""

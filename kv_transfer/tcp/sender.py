@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from cluster_auth.handshake import respond
 from kv_transfer import sockio
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.chunks import layer_chunks
@@ -108,6 +109,7 @@ class TcpKVSender(KVSender):
         stripes = Stripes(sock, f"kv-tcp-stripe-{self.name}")
         try:
             configure(sock, self.timeout_s)
+            self._authenticate(sock, dest)
             sock.sendall(frame({"layout": self.layout.to_dict()}))
             verdict = read_frame(sock)["verdict"]
             if "error" in verdict:
@@ -118,6 +120,7 @@ class TcpKVSender(KVSender):
                 extra = socket.create_connection(split_address(dest), timeout=self.timeout_s)
                 stripes.add(extra)
                 configure(extra, self.timeout_s)
+                self._authenticate(extra, dest)
                 extra.sendall(frame({"attach": verdict["channel"], "stripe": index}))
                 if read_frame(extra).get("attached") != index:
                     raise ConnectionError(f"receiver {dest} did not attach stripe {index}")
@@ -132,6 +135,10 @@ class TcpKVSender(KVSender):
         with self._lock:
             self._channels[dest] = channel
         return channel
+
+    def _authenticate(self, sock: socket.socket, dest: str) -> None:
+        if self.config.secret is not None:
+            respond(sock, self.config.secret, dest)
 
     # -- worker side (the engine thread) ---------------------------------------------------------
 

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from cluster_auth.handshake import check_store_proof, store_challenge, store_proof
+from cluster_auth.refusals import RefusalLog
 from engine.device import bind_thread
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.inbox import Arrival, InboxKVReceiver
@@ -60,6 +62,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         self._address = f"{config.advertise_host or config.host}:{self.store.port}"
         self._relay = StoreRelay(config.name, config.timeout_s)
         self._closed = threading.Event()
+        self.refusals = RefusalLog(f"KV receiver {config.name}")
         self._links: dict[str, PairLink] = {}  # the channels being served (tests hold them)
         self._channel_ids: list[str] = []  # channels opened to us (close() wakes their threads)
         self._threads = [threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)]
@@ -100,6 +103,9 @@ class TorchDistKVReceiver(InboxKVReceiver):
     def _serve_channel(self, cid: str) -> None:
         bind_thread(self.kv_caches[0].device)
         store = self._client(self.timeout_s)
+        proof = self._authenticate(cid, store)
+        if proof is None:
+            return
         sender = KVLayout.from_dict(json.loads(store.get(f"{cid}/layout/sender")))
         device = self.kv_caches[0].device
         kind = link_kind(device, self.emulate_nccl)
@@ -111,7 +117,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
             return
-        store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict()}))
+        store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict(), "proof": proof}))
         link = open_link(
             dist.PrefixStore(cid, store), 1, device, self.timeout_s, self.emulate_nccl, cid
         )
@@ -133,6 +139,29 @@ class TorchDistKVReceiver(InboxKVReceiver):
             link.close()
             with self._lock:
                 del self._links[cid]
+
+    def _authenticate(self, cid: str, store: dist.Store) -> str | None:
+        """The channel's sender proves the cluster secret against a fresh challenge before
+        anything it wrote is read: the receiver's proof back, or None (refused: the verdict
+        says so, no link is opened). Without a secret: "" (no proofs)."""
+        secret = self.config.secret
+        if secret is None:
+            return ""
+        challenge = store_challenge()
+        store.set(f"{cid}/challenge", challenge)
+        try:
+            store.wait([f"{cid}/proof/sender"], as_timedelta(self.timeout_s))
+            proof = store.get(f"{cid}/proof/sender").decode(errors="replace")
+        except Exception as e:  # the store's timeout: no answer
+            reason = f"no proof of the cluster secret: {e}"
+        else:
+            if check_store_proof(secret, "sender", cid, challenge, proof):
+                return store_proof(secret, "receiver", cid, challenge)
+            reason = "the sender did not prove the cluster secret"
+        # NOTE: the store does not know the peer's address: the channel id names the sender
+        self.refusals.refused(f"channel {cid.rsplit('-', 1)[0]}", reason)
+        store.set(f"{cid}/verdict", json.dumps({"error": "not authenticated"}))
+        return None
 
     def _receive(
         self,

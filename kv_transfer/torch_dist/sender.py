@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
 from engine.device import bind_thread
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.blocks import gather_blocks
@@ -136,10 +137,20 @@ class TorchDistKVSender(KVSender):
         device = self.kv_caches[0].device
         store.set(f"{cid}/link/sender", link_kind(device, self.emulate_nccl))
         store.queue_push(ACCEPT_QUEUE, cid)
+        challenge = self._prove(store, cid)
         store.wait([f"{cid}/verdict"], as_timedelta(self.timeout_s))
         verdict = json.loads(store.get(f"{cid}/verdict"))
+        if verdict.get("error") == "not authenticated":
+            raise AuthenticationError(
+                f"KV receiver {dest} refused this sender: it holds a different cluster secret"
+            )
         if "error" in verdict:
             raise HandshakeError(f"receiver {dest} refused: {verdict['error']}")
+        secret = self.config.secret
+        if secret is not None and not check_store_proof(
+            secret, "receiver", cid, challenge, verdict.get("proof")
+        ):
+            raise AuthenticationError(f"KV receiver {dest} did not prove the cluster secret")
         peer = KVLayout.from_dict(verdict["layout"])
         check_compatible(self.layout, peer)
         link = open_link(
@@ -152,6 +163,16 @@ class TorchDistKVSender(KVSender):
         with self._lock:
             self._channels[dest] = channel
         return channel
+
+    def _prove(self, store: dist.Store, cid: str) -> str:
+        """Answer the receiver's challenge for channel `cid` (cluster_auth/handshake.py);
+        returns the challenge ("" without a secret)."""
+        if self.config.secret is None:
+            return ""
+        store.wait([f"{cid}/challenge"], as_timedelta(self.timeout_s))
+        challenge = store.get(f"{cid}/challenge").decode()
+        store.set(f"{cid}/proof/sender", store_proof(self.config.secret, "sender", cid, challenge))
+        return challenge
 
     def send(
         self,

@@ -62,8 +62,11 @@ def test_default_render_objects(default):
         ("Deployment", "duet-head"),
         ("Deployment", "duet-prefill"),
         ("NetworkPolicy", "duet-redis"),
+        ("NetworkPolicy", "duet-routers"),
+        ("NetworkPolicy", "duet-workers"),
         ("PodDisruptionBudget", "duet-decode"),
         ("PodDisruptionBudget", "duet-prefill"),
+        ("Secret", "duet-cluster-secret"),
         ("Secret", "duet-ray-auth"),
         ("Service", "duet-head"),
         ("Service", "duet-redis"),
@@ -80,6 +83,9 @@ def test_production_render_objects(prod):
         ("Deployment", "duet-planner"),
         ("Deployment", "duet-prefill"),
         ("Deployment", "duet-router"),
+        ("NetworkPolicy", "duet-planner"),
+        ("NetworkPolicy", "duet-routers"),
+        ("NetworkPolicy", "duet-workers"),
         ("PodDisruptionBudget", "duet-decode"),
         ("PodDisruptionBudget", "duet-prefill"),
         ("PodDisruptionBudget", "duet-router"),
@@ -272,32 +278,43 @@ def test_secrets_are_referenced_not_inlined(default, prod):
         for name, value in _env_values(spec):
             assert name != "RAY_AUTH_TOKEN", workload
             if any(word in name for word in ("TOKEN", "KEY", "PASSWORD", "SECRET", "URL")):
-                assert value is None or name == "RAY_AUTH_TOKEN_PATH", f"{workload}: {name}"
+                is_path = name in ("RAY_AUTH_TOKEN_PATH", "DUET_CLUSTER_SECRET_FILE")
+                assert value is None or is_path, f"{workload}: {name}"
     secret_volumes = {
         name: sorted(v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v)
         for name, spec in prod.pod_specs().items()
     }
     assert secret_volumes == {
-        "duet-head": ["duet-api-keys", "duet-ray-token"],
-        "duet-router": ["duet-api-keys", "duet-ray-token"],
-        "duet-prefill": ["duet-ray-token"],
-        "duet-decode": ["duet-ray-token"],
+        "duet-head": ["duet-api-keys", "duet-internal-secret", "duet-ray-token"],
+        "duet-router": ["duet-api-keys", "duet-internal-secret", "duet-ray-token"],
+        "duet-prefill": ["duet-internal-secret", "duet-ray-token"],
+        "duet-decode": ["duet-internal-secret", "duet-ray-token"],
         "duet-planner": ["duet-api-keys"],
     }
     for name in ("duet-head", "duet-prefill", "duet-decode", "duet-router"):
-        env = dict(_env_values(prod.pod_specs()[name]))
+        spec = prod.pod_specs()[name]
+        env = dict(_env_values(spec))
         assert env["RAY_AUTH_MODE"] == "token"
         assert env["RAY_AUTH_TOKEN_PATH"] == "/etc/duet/ray-auth/token"
+        assert env["DUET_CLUSTER_SECRET_FILE"] == "/etc/duet/cluster-secret/secret"
+        mounts = {
+            m["name"]: m for m in container(spec, spec["containers"][0]["name"])["volumeMounts"]
+        }
+        assert mounts["cluster-secret"] == {
+            "name": "cluster-secret", "mountPath": "/etc/duet/cluster-secret", "readOnly": True,
+        }  # fmt: skip
     monitor = prod.get("ServiceMonitor", "duet")
     assert monitor["spec"]["endpoints"][0]["authorization"] == {
         "type": "Bearer", "credentials": {"name": "duet-metrics-key", "key": "key"},
     }  # fmt: skip
-    # Default: the chart makes the Ray token Secret, and no pod spec carries its value.
-    (secret,) = default.of_kind("Secret")
-    token = secret["data"]["auth_token"]
+    # Default: the chart makes the Ray token and cluster secret Secrets (kept across upgrades
+    # by `lookup`), and no pod spec carries their values.
+    token = default.get("Secret", "duet-ray-auth")["data"]["auth_token"]
     assert len(token) == 64  # 48 random characters, base64
+    cluster_secret = default.get("Secret", "duet-cluster-secret")["data"]["cluster_secret"]
+    assert len(cluster_secret) == 88  # 64 random characters, base64
     for spec in default.pod_specs().values():
-        assert token not in json.dumps(spec)
+        assert token not in json.dumps(spec) and cluster_secret not in json.dumps(spec)
 
 
 def test_planner_rbac_is_scoped_to_what_it_patches(prod, default):

@@ -31,7 +31,8 @@ ENGINE = dict(dtype="bfloat16", block_size=16, num_kv_blocks=1024, max_num_seqs=
 
 
 def test_disaggregated_over_nccl_equals_aggregated(tiny_llama, tmp_path):
-    from deploy.ray_cluster import ClusterSpec, DuetCluster, start_local_ray
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import ClusterSpec, DuetCluster
     from router.cluster_engine import ClusterConfig
     from router.server import RouterConfig
 

@@ -7,6 +7,7 @@ killed (503 at once, no hang)."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import re
 import threading
 import time
@@ -14,10 +15,13 @@ import time
 import grpc
 import httpx2 as httpx
 import openai
+import psutil
 import pytest
 import ray
 import torch
 
+from cluster_auth import load_cluster_secret
+from cluster_auth.grpc_auth import CallSigner
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import LLM, SamplingParams
 from tests.net import free_port
@@ -30,7 +34,9 @@ ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=16)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    from deploy.ray_cluster import ClusterSpec, DuetCluster, start_local_ray
+    from cluster_auth.secret import remove_secret_file
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import ClusterSpec, DuetCluster
     from router.cluster_engine import ClusterConfig
     from router.server import RouterConfig
 
@@ -46,7 +52,7 @@ def cluster(tiny_llama, tmp_path_factory):
         cluster=ClusterConfig(local_prefill_threshold=8, poll_interval_s=0.2, num_decode_workers=2,
                               max_num_seqs_per_decode_worker=16),
     )  # fmt: skip
-    start_local_ray(spec)
+    secret_file = start_local_ray(spec)
     duet = DuetCluster(spec)
     stop = threading.Event()
     try:
@@ -58,6 +64,8 @@ def cluster(tiny_llama, tmp_path_factory):
         stop.set()
         duet.shutdown()
         ray.shutdown()
+        remove_secret_file(secret_file)
+        assert not secret_file.exists()
 
 
 def client(url: str) -> openai.OpenAI:
@@ -122,16 +130,59 @@ def test_prefix_routing_reuses_the_cache(cluster):
     assert metric(url, "duet:prefix_cache_hits_total") - hits_before == 96
 
 
+def actor_env(actor, name: str) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.environ.get(name, "")), timeout=30)
+
+
+def decode_load(duet, d, signer: CallSigner | None = None) -> worker_pb2.DecodeLoad:
+    """A decode worker's load report, with credentials of the cluster's secret (which the
+    actor reads from the file its environment names)."""
+    if signer is None:
+        path = actor_env(d.actor, "DUET_CLUSTER_SECRET_FILE")
+        signer = CallSigner(load_cluster_secret({"DUET_CLUSTER_SECRET_FILE": path}))
+    with grpc.insecure_channel(d.address) as channel:
+        return worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
+            worker_pb2.LoadRequest(),
+            timeout=5,
+            metadata=signer.metadata("/duet.v1.DecodeWorker/GetLoad"),
+        )
+
+
 def busiest_decode(duet) -> int:
     """Index of the decode worker running the most sequences right now."""
-    loads = []
-    for d in duet.decodes:
-        with grpc.insecure_channel(d.address) as channel:
-            load = worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
-                worker_pb2.LoadRequest(), timeout=5
-            )
-        loads.append(load.num_running)
+    loads = [decode_load(duet, d).num_running for d in duet.decodes]
     return max(range(len(loads)), key=loads.__getitem__)
+
+
+def listening(actor) -> dict[int, str]:
+    """The actor process's listening TCP sockets: port -> bound address (gRPC binds an IPv6
+    socket to an IPv4-mapped address: `::ffff:127.0.0.1` is loopback only, and shown as such)."""
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    sockets = psutil.Process(pid).net_connections(kind="tcp")
+    return {
+        c.laddr.port: c.laddr.ip.removeprefix("::ffff:")
+        for c in sockets
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def test_workers_listen_on_loopback_and_demand_credentials(cluster):
+    duet, _ = cluster
+    for d in duet.decodes:
+        kv_port = int(decode_load(duet, d).kv_address.rsplit(":", 1)[1])
+        grpc_port = int(d.address.rsplit(":", 1)[1])
+        bound = listening(d.actor)
+        assert (bound[grpc_port], bound[kv_port]) == ("127.0.0.1", "127.0.0.1")
+        with grpc.insecure_channel(d.address) as channel, pytest.raises(grpc.RpcError) as info:
+            worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for g in duet.groups:
+        grpc_port = int(g.endpoint.rsplit(":", 1)[1])
+        assert listening(g.ranks[0])[grpc_port] == "127.0.0.1"
+    # one secret per local cluster, in a file only this user reads; the environment names it
+    path = actor_env(duet.decodes[0].actor, "DUET_CLUSTER_SECRET_FILE")
+    assert actor_env(duet.groups[0].ranks[0], "DUET_CLUSTER_SECRET_FILE") == path
+    assert os.stat(path).st_mode & 0o777 == 0o600
 
 
 def test_decode_actor_killed_mid_stream_completes_identically(cluster, tiny_llama):

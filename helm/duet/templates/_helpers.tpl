@@ -70,6 +70,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-ray-auth" (include "duet.fullname" .)) .Values.ray.auth.existingSecret }}
 {{- end }}
 
+{{- define "duet.clusterSecret" -}}
+{{- default (printf "%s-cluster-secret" (include "duet.fullname" .)) .Values.clusterSecret.existingSecret }}
+{{- end }}
+
 {{/* Checks the schema cannot express (it compares no two fields). */}}
 {{- define "duet.validate" -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.redis.externalUrlSecret.name) }}
@@ -114,6 +118,17 @@ app.kubernetes.io/component: {{ .component }}
   value: /cache/torch_extensions
 - name: PYTHONUNBUFFERED
   value: "1"
+# The internal plane's secret (docs/security.md), as a file: never in the pod spec or `env`.
+- name: DUET_CLUSTER_SECRET_FILE
+  value: /etc/duet/cluster-secret/{{ .Values.clusterSecret.key }}
+{{- if .Values.internalTLS.secretName }}
+- name: DUET_INTERNAL_TLS_CERT
+  value: /etc/duet/internal-tls/tls.crt
+- name: DUET_INTERNAL_TLS_KEY
+  value: /etc/duet/internal-tls/tls.key
+- name: DUET_INTERNAL_TLS_CA
+  value: /etc/duet/internal-tls/ca.crt
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: RAY_AUTH_MODE
   value: token
@@ -147,6 +162,16 @@ app.kubernetes.io/component: {{ .component }}
   emptyDir:
     medium: Memory
     sizeLimit: {{ .Values.ray.shmSizeLimit }}
+- name: cluster-secret
+  secret:
+    secretName: {{ include "duet.clusterSecret" . }}
+    defaultMode: 0440
+{{- if .Values.internalTLS.secretName }}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.internalTLS.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: ray-auth
   secret:
@@ -168,6 +193,14 @@ app.kubernetes.io/component: {{ .component }}
   mountPath: /cache
 - name: shm
   mountPath: /dev/shm
+- name: cluster-secret
+  mountPath: /etc/duet/cluster-secret
+  readOnly: true
+{{- if .Values.internalTLS.secretName }}
+- name: internal-tls
+  mountPath: /etc/duet/internal-tls
+  readOnly: true
+{{- end }}
 {{- if .Values.ray.auth.enabled }}
 - name: ray-auth
   mountPath: /etc/duet/ray-auth

@@ -1,0 +1,150 @@
+"""The workers' gRPC services behind `AuthInterceptor`, on real servers over loopback: every
+worker RPC without credentials, with another cluster's secret, with expired or replayed
+credentials ends UNAUTHENTICATED before the servicer runs; the router's clients get through;
+health checks stay open; a refused peer is logged once, without the secret."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster_auth import ClusterSecret
+from cluster_auth.grpc_auth import CallSigner
+from decode_worker.server import start_decode_server
+from duet.v1 import worker_pb2, worker_pb2_grpc
+from prefill_worker.server import start_prefill_server
+from router.worker_client import DecodeClient, PrefillClient
+from tests.cluster_auth.fake_worker import FakeWorker
+
+SECRET = ClusterSecret("right-" + "a" * 40)
+OTHER = ClusterSecret("wrong-" + "b" * 40)
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+
+
+def rpcs(stub_decode, stub_prefill):
+    """Every worker RPC, as (name, call(metadata) -> awaitable)."""
+    params = '{"max_tokens": 1}'
+
+    async def generate(md):
+        call = stub_decode.Generate(
+            worker_pb2.LocalGenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params_json=params),
+            metadata=md, timeout=5,
+        )  # fmt: skip
+        return [m async for m in call]
+
+    async def decode_remote(md):
+        call = stub_decode.DecodeRemote(
+            worker_pb2.DecodeRemoteRequest(request_id="r", prompt_token_ids=[1], sampling_params_json=params),
+            metadata=md, timeout=5,
+        )  # fmt: skip
+        return [m async for m in call]
+
+    return {
+        "DecodeWorker/Generate": generate,
+        "DecodeWorker/DecodeRemote": decode_remote,
+        "DecodeWorker/GetLoad": lambda md: stub_decode.GetLoad(
+            worker_pb2.LoadRequest(), metadata=md, timeout=5
+        ),
+        "PrefillWorker/Prefill": lambda md: stub_prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=[1], sampling_params_json=params
+            ),
+            metadata=md,
+            timeout=5,
+        ),
+        "PrefillWorker/GetLoad": lambda md: stub_prefill.GetLoad(
+            worker_pb2.LoadRequest(), metadata=md, timeout=5
+        ),
+    }
+
+
+async def status_of(awaitable) -> grpc.StatusCode:
+    try:
+        await awaitable
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_worker_rpcs_need_credentials(caplog):
+    async def scenario():
+        worker = FakeWorker()
+        decode, decode_port = await start_decode_server(worker, secret=SECRET)
+        prefill, prefill_port = await start_prefill_server(worker, secret=SECRET)  # type: ignore[arg-type]
+        try:
+            async with (
+                grpc.aio.insecure_channel(f"127.0.0.1:{decode_port}") as dch,
+                grpc.aio.insecure_channel(f"127.0.0.1:{prefill_port}") as pch,
+            ):
+                calls = rpcs(
+                    worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
+                )
+                wrong = CallSigner(OTHER)
+                old = CallSigner(SECRET, clock=lambda: time.time() - 120)
+                future = CallSigner(SECRET, clock=lambda: time.time() + 120)
+                right = CallSigner(SECRET)
+                for name, call in calls.items():
+                    method = f"/duet.v1.{name}"
+                    assert await status_of(call(None)) == UNAUTHENTICATED, name
+                    assert await status_of(call((("x-duet-auth", "v1.1.2.3"),))) == UNAUTHENTICATED
+                    assert await status_of(call(wrong.metadata(method))) == UNAUTHENTICATED, name
+                    assert await status_of(call(old.metadata(method))) == UNAUTHENTICATED, name
+                    assert await status_of(call(future.metadata(method))) == UNAUTHENTICATED
+                    # signed for another method: refused (the HMAC covers the method)
+                    signed_elsewhere = right.metadata("/duet.v1.Duet/Chat")
+                    assert await status_of(call(signed_elsewhere)) == UNAUTHENTICATED, name
+                assert worker.calls == 0  # nothing reached the servicer
+                # the right secret: served; the very same credentials again: a replay
+                md = right.metadata("/duet.v1.DecodeWorker/Generate")
+                assert await status_of(calls["DecodeWorker/Generate"](md)) == grpc.StatusCode.OK
+                assert worker.calls == 1
+                assert await status_of(calls["DecodeWorker/Generate"](md)) == UNAUTHENTICATED
+                assert worker.calls == 1
+                md = right.metadata("/duet.v1.PrefillWorker/GetLoad")
+                load = await calls["PrefillWorker/GetLoad"](md)
+                assert load.num_free_blocks == 7
+                assert await status_of(calls["PrefillWorker/GetLoad"](md)) == UNAUTHENTICATED
+                # health stays open, without credentials
+                for ch in (dch, pch):
+                    reply = await health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=5
+                    )
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # the router's clients carry credentials
+            dclient = DecodeClient(f"127.0.0.1:{decode_port}", SECRET)
+            pclient = PrefillClient(f"127.0.0.1:{prefill_port}", SECRET)
+            try:
+                assert (await dclient.load()).num_blocks == 9
+                assert (await pclient.load()).num_blocks == 9
+                bad = DecodeClient(f"127.0.0.1:{decode_port}", OTHER)
+                assert await status_of(bad.load()) == UNAUTHENTICATED
+                await bad.close()
+            finally:
+                await dclient.close()
+                await pclient.close()
+        finally:
+            await decode.stop(None)
+            await prefill.stop(None)
+
+    with caplog.at_level(logging.WARNING, logger="cluster_auth"):
+        asyncio.run(scenario())
+    refusals = [r.getMessage() for r in caplog.records if "refused a peer" in r.getMessage()]
+    # once per server for the one peer address (127.0.0.1), however many calls it made
+    assert len(refusals) == 2, refusals
+    assert all("127.0.0.1" in m for m in refusals)
+    assert not any(s in caplog.text for s in ("a" * 40, "b" * 40))
+
+
+def test_a_secret_is_never_printed_or_pickled():
+    import pickle
+
+    assert "a" * 40 not in repr(SECRET)
+    with pytest.raises(TypeError, match="not sent between processes"):
+        pickle.dumps(SECRET)
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        ClusterSecret("short")
