@@ -25,6 +25,8 @@ from pydantic import (
 )
 
 from engine import SamplingParams
+from router import structured_protocol
+from router.structured_protocol import ResponseFormat
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,7 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
+    structured_outputs: structured_protocol.StructuredOutputsBody | None = None
     # duet
     session_id: str | None = None
     """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
@@ -154,7 +157,9 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat | None = None
+    ) -> SamplingParams:
         """Engine parameters. Raises `InvalidInputError` naming the engine-side field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -174,6 +179,7 @@ class SamplingRequest(OpenAIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_protocol.params(fmt, self.structured_outputs),
         )
 
 
@@ -183,6 +189,7 @@ class ChatCompletionRequest(SamplingRequest):
     """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -199,7 +206,7 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.response_format)
 
 
 PromptInput = str | list[int] | list[list[int]] | list[str]
