@@ -96,16 +96,19 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        num_replayed: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Bad input raises `InvalidInputError` before anything
-        is queued."""
+        is queued. `num_replayed`: see `LLMEngine.add_request`."""
         if self.core.dead is not None:
             raise EngineDeadError("engine is not running") from self.core.dead
         params = params or SamplingParams()
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.check_lengths(len(ids), params)
         request_id, out_queue = self.core.open_stream(request_id)
-        self.core.submit(AddRequest(request_id, ids, params, priority, prompt_text=text))
+        self.core.submit(
+            AddRequest(request_id, ids, params, priority, text, num_replayed=num_replayed)
+        )
         # aclosing: leaving this generator must run iterate's abort at once, not at GC time.
         async with aclosing(self.core.iterate(request_id, out_queue)) as outputs:
             async for out in outputs:
