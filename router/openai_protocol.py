@@ -1,14 +1,14 @@
 """OpenAI-compatible REST bodies: chat completions, completions, models, errors.
 
 Field names follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids) and
-duet's `session_id`. Unknown fields are ignored, as vLLM does: clients written for newer
-OpenAI features still get an answer instead of a 400.
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids,
+structured_outputs) and duet's `session_id`. OpenAI fields duet does not implement are a 400
+unless their value asks for nothing (router/openai_fields.py); fields that are not OpenAI's are
+ignored with a warning naming them, as vLLM does.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Literal
 
@@ -26,9 +26,8 @@ from pydantic import (
 
 from engine import SamplingParams
 from router import structured_protocol
+from router.openai_fields import UnsupportedChatFields, warn_unknown_fields
 from router.structured_protocol import ResponseFormat
-
-logger = logging.getLogger(__name__)
 
 MAX_N = 128
 """Most completions per prompt (OpenAI's limit)."""
@@ -38,17 +37,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
-    """Base of every body: unknown request fields are ignored (and logged by name only)."""
+    """Base of every body: unknown request fields are ignored with a warning naming them."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _log_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = set(data) - set(cls.model_fields)
-            if unknown:
-                logger.debug("%s: ignoring unknown fields %s", cls.__name__, sorted(unknown))
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        warn_unknown_fields(cls, data)
         return data
 
 
@@ -183,7 +179,7 @@ class SamplingRequest(OpenAIModel):
         )
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
