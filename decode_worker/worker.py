@@ -16,6 +16,7 @@ callers use any event loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -157,6 +158,8 @@ class DecodeWorker:
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)
         self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
         wait_s = kv_wait_s or self.config.kv_wait_s
         self.core.submit(ReserveRemote(request_id, ids, params, wait_s, num_replayed))

@@ -143,7 +143,8 @@ class LLMEngine:
         self._prefilled: list[PrefillDone] = []
         self._seeds = SeedSource(config.seed)
         self.prefill_stream: PrefillStream | None = None
-        self._grammar_compiler: GrammarCompiler | None = None  # made on the first grammar
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        """Structured-output grammars for this tokenizer, cached (thread-safe)."""
         self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
@@ -226,13 +227,6 @@ class LLMEngine:
                 params.structured_outputs, ids, num_replayed
             )
         return request
-
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:
-        """Structured-output grammars for this tokenizer, cached (made on first use)."""
-        if self._grammar_compiler is None:
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
-        return self._grammar_compiler
 
     # -- disaggregation --------------------------------------------------------------------
 

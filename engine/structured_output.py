@@ -197,13 +197,14 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
 
 class GrammarCompiler:
     """Compiles specs against one tokenizer; the last `cache_size` compiled grammars are kept by
-    key (LRU). Thread-safe: `compile` may run off the engine thread."""
+    key (LRU). Thread-safe: `compile` may run off the engine thread (`AsyncEngine` compiles a
+    new spec on a worker thread before the request reaches the engine)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(
-            tokenizer_info(tokenizer, vocab_size), cache_enabled=False
-        )
+        self._tokenizer = tokenizer
+        # Built on the first compile: xgrammar's view of a large vocabulary takes a while.
+        self._compiler: xgr.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -217,7 +218,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(params.key)
                 self.num_cache_hits += 1
                 return hit
-        compiled = self._compiler.compile_grammar(build_grammar(params))
+            if self._compiler is None:
+                info = tokenizer_info(self._tokenizer, self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            compiler = self._compiler
+        # Outside the lock: a long compile does not hold up cache hits on the engine thread.
+        compiled = compiler.compile_grammar(build_grammar(params))
         with self._lock:
             self.num_compiled += 1
             self._cache[params.key] = compiled

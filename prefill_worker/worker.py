@@ -25,6 +25,7 @@ them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -153,6 +154,8 @@ class PrefillWorker:
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)  # validates ids
         self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
         self.core.submit(
             AddRequest(request_id, ids, params, prefill_dest=dest, num_replayed=num_replayed)
