@@ -122,7 +122,7 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             assert params.json is not None
-            schema = _json.dumps(_bounded_strings_as_patterns(_json.loads(params.json)))
+            schema = _json.dumps(_strings_as_patterns(_json.loads(params.json)), ensure_ascii=False)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=params.whitespace)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(
@@ -146,29 +146,31 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         ) from None
 
 
-# One JSON string character: anything but a quote, backslash or control character, or an
-# escape. A string's minLength/maxLength count these.
-_JSON_CHAR = r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]|u[0-9a-fA-F]{4}))'
+# One JSON string character: a code point other than a quote, backslash, control character or
+# surrogate (written as literal characters: xgrammar's regex reads no \U escape), or an escape.
+_JSON_CHAR = "([ !#-\\[\\]-\ud7ff\ue000-" + chr(0x10FFFF) + ']|\\\\(["\\\\/bfnrt]|u[0-9a-fA-F]{4}))'
 
 
-def _bounded_strings_as_patterns(schema: Any) -> Any:
-    """`schema` with each string's minLength/maxLength written as an equivalent pattern.
+def _strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each plain string (no pattern, format, enum or const) written as a pattern
+    over `_JSON_CHAR`, its minLength/maxLength as the repeat bounds.
 
-    NOTE: xgrammar 0.2.8 compiles a length-bounded string to `[^"\\\r\n]{m,n}`, which lets raw
-    control characters (invalid JSON) through; its pattern path gets them right
-    (tests/engine/test_structured_outputs.py shows the difference)."""
+    NOTE: xgrammar 0.2.8 compiles strings to negated classes that accept surrogate code points
+    (bytes that are not UTF-8, decoded as U+FFFD), and a length-bounded string to
+    `[^"\\\r\n]{m,n}`, which also lets raw control characters through (invalid JSON); its
+    pattern path with a positive class gets both right (tests/engine/test_structured_outputs.py
+    shows the difference)."""
     if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
+        return [_strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format"} & set(out):
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        if isinstance(low, int) and isinstance(high, int | str):
+    out = {key: _strings_as_patterns(value) for key, value in schema.items()}
+    if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
+        low, high = out.get("minLength", 0), out.get("maxLength", "")
+        if isinstance(low, int) and isinstance(high, int | str):  # else xgrammar names it
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
             out["pattern"] = f"^{_JSON_CHAR}{{{low},{high}}}$"
-        else:  # not integers: let xgrammar name the mistake
-            out["minLength"], out["maxLength"] = low, high
     return out
 
 

@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from engine import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
 
@@ -153,11 +154,10 @@ def test_a_replayed_output_resumes_the_grammar(llm: LLM) -> None:
 
 
 def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
-    """Random walks over every allowed token: xgrammar 0.2.8's own maxLength rule let raw
-    control characters through (about a third of these walks were invalid JSON)."""
+    """Random walks over every allowed token: xgrammar 0.2.8's own string rules let raw control
+    characters through (about a third of these walks were invalid JSON) and surrogate code
+    points (bytes that are not UTF-8: U+FFFD in the text, and too long a string)."""
     import random
-
-    import torch
 
     from engine.structured_output import apply_bitmask, bitmask_words
 
@@ -176,4 +176,34 @@ def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
             token = rng.choice((logits[0] == 0).nonzero()[:, 0].tolist())
             assert state.accept(token)
             tokens.append(token)
-        jsonschema.validate(json.loads(llm.tokenizer.decode(tokens)), schema)
+        text = llm.tokenizer.decode(tokens)
+        assert "\ufffd" not in text
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.slow
+def test_200_samples_at_temperature_1_all_validate(llm: LLM) -> None:
+    """The issue's bar: 100% of 200 samples valid on a random model (the grammar's doing)."""
+    params = SamplingParams(
+        n=200, temperature=1.0, seed=7, max_tokens=300, structured_outputs=so(json=PERSON)
+    )
+    [out] = llm.generate([PROMPT], params)
+    assert len(out.outputs) == 200
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), PERSON)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_mask_is_applied_on_the_gpu(tiny_llama: str) -> None:
+    cuda = LLM(tiny_llama, device="cuda", dtype="float32", load_progress=False, num_kv_blocks=512)
+    params = SamplingParams(
+        n=8, temperature=1.0, seed=3, max_tokens=300, structured_outputs=so(json=PERSON)
+    )
+    [out] = cuda.generate([PROMPT], params)
+    for completion in out.outputs:
+        assert completion.finish_reason == "stop"
+        jsonschema.validate(json.loads(completion.text), PERSON)
+    bitmask = cuda.engine.runner.input_batch.sampling._bitmask_dev
+    assert bitmask is not None and bitmask.device.type == "cuda"
