@@ -216,6 +216,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -254,7 +255,7 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.response_format)
 
 
 # -- responses -----------------------------------------------------------------------------

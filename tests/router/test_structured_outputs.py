@@ -95,6 +95,13 @@ def test_regex_choice_and_grammar_on_completions_and_chat(client: openai.OpenAI)
         extra_body={"structured_outputs": {"grammar": 'root ::= "<" ("a" | "b")+ ">"'}},
     )  # fmt: skip
     assert re.fullmatch(r"<[ab]+>", chat.choices[0].message.content or "")
+    # vLLM also takes response_format on completions.
+    resp = client.completions.create(
+        model=MODEL_NAME, prompt="json:", temperature=1.0, seed=4, max_tokens=200,
+        extra_body={"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "p", "schema": SCHEMA}}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(resp.choices[0].text), SCHEMA)
 
 
 def test_a_reply_cut_by_max_tokens_reports_length(client: openai.OpenAI) -> None:
