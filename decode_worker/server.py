@@ -42,6 +42,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 list(request.prompt_token_ids),
                 params,
                 request.kv_wait_s or None,
+                request.num_replayed,
             )
         except Exception as e:
             await _abort(context, e)
@@ -66,7 +67,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if params.n != 1:
                 raise InvalidInputError("n", f"must be 1 on a decode worker; got {params.n}")
             outputs = self.worker.generate(
-                list(request.prompt_token_ids), params, request.request_id
+                list(request.prompt_token_ids),
+                params,
+                request.request_id,
+                num_replayed=request.num_replayed,
             )
             async with aclosing(outputs) as stream:  # type: ignore[type-var]
                 async for out in stream:

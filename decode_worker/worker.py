@@ -16,6 +16,7 @@ callers use any event loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -129,9 +130,10 @@ class DecodeWorker:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        num_replayed: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """A local request, prefilled and decoded here (see `AsyncEngine.generate`)."""
-        return self.client.generate(prompt, params, request_id, priority)
+        return self.client.generate(prompt, params, request_id, priority, num_replayed)
 
     def abort(self, request_id: str) -> None:
         self.core.submit(AbortRequest(request_id))
@@ -147,6 +149,7 @@ class DecodeWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         kv_wait_s: float | None = None,
+        num_replayed: int = 0,
     ) -> RemoteDecode:
         """Reserve blocks for a prompt whose KV a prefill worker will send to `kv_address`
         under `request_id`. Raises `NoCapacityError` (nothing reserved), `InvalidInputError`
@@ -156,8 +159,11 @@ class DecodeWorker:
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)
         self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
-        self.core.submit(ReserveRemote(request_id, ids, params, kv_wait_s or self.config.kv_wait_s))
+        wait_s = kv_wait_s or self.config.kv_wait_s
+        self.core.submit(ReserveRemote(request_id, ids, params, wait_s, num_replayed))
         try:
             first = await out_queue.get()
         except BaseException:
@@ -214,7 +220,9 @@ class DecodeRole(EngineRole):
 
     def reserve(self, cmd: ReserveRemote) -> None:
         engine = self.engine
-        block_ids = engine.add_remote_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+        block_ids = engine.add_remote_request(
+            cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.num_replayed
+        )
         if block_ids is None:
             raise NoCapacityError(
                 f"decode worker {self.worker.name}: no room for {len(cmd.prompt_token_ids)} "

@@ -7,6 +7,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -19,5 +20,6 @@ __all__ = [
     "ModelLoadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TokenLogprobs",
 ]

@@ -2,11 +2,13 @@
 
 `generate()` is an async iterator of incremental `RequestOutput`s; leaving it early (client
 gone, task cancelled) aborts the request and frees its blocks. Only the engine thread touches
-the `LLMEngine`; other threads talk to it through the core's typed commands.
+the `LLMEngine`; other threads talk to it through the core's typed commands (and compile
+structured-output grammars with its thread-safe `grammar_compiler`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -96,16 +98,24 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        num_replayed: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Bad input raises `InvalidInputError` before anything
-        is queued."""
+        is queued. `num_replayed`: see `LLMEngine.add_request`."""
         if self.core.dead is not None:
             raise EngineDeadError("engine is not running") from self.core.dead
         params = params or SamplingParams()
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:
+            # Compile a new grammar on a worker thread; the engine thread then hits the cache.
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
-        self.core.submit(AddRequest(request_id, ids, params, priority, prompt_text=text))
+        self.core.submit(
+            AddRequest(
+                request_id, ids, params, priority, prompt_text=text, num_replayed=num_replayed
+            )
+        )
         # aclosing: leaving this generator must run iterate's abort at once, not at GC time.
         async with aclosing(self.core.iterate(request_id, out_queue)) as outputs:
             async for out in outputs:

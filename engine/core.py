@@ -61,6 +61,9 @@ class AddRequest:
     priority: int = 0
     prefill_dest: str | None = None
     prompt_text: str | None = None  # what `prompt`'s ids were tokenized from, if they were
+    num_replayed: int = (
+        0  # the prompt's tail that is the request's own output (a grammar replays it)
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ReserveRemote:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_wait_s: float
+    num_replayed: int = 0  # as in AddRequest
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,12 @@ class EngineRole:
         if cmd.prefill_dest is not None:
             raise InvalidInputError("prefill_dest", "this engine runs no prefill-only requests")
         self.engine.add_request(
-            cmd.prompt, cmd.params, cmd.request_id, cmd.priority, prompt_text=cmd.prompt_text
+            cmd.prompt,
+            cmd.params,
+            cmd.request_id,
+            cmd.priority,
+            prompt_text=cmd.prompt_text,
+            num_replayed=cmd.num_replayed,
         )
 
     def abort(self, cmd: AbortRequest) -> None:

@@ -27,6 +27,7 @@ from engine.random import SeedSource
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Message, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class LLMEngine:
         self._prefilled: list[PrefillDone] = []
         self._seeds = SeedSource(config.seed)
         self.prefill_stream: PrefillStream | None = None
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        """Structured-output grammars for this tokenizer, cached (thread-safe)."""
         self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
@@ -162,6 +165,7 @@ class LLMEngine:
         priority: int = 0,
         prefill_only: bool = False,
         prompt_text: str | None = None,
+        num_replayed: int = 0,
     ) -> str:
         """Queue a prompt (text or token ids). Raises `InvalidInputError` for bad input.
 
@@ -169,7 +173,9 @@ class LLMEngine:
         tokenized it already (each prompt is tokenized once), reported in the outputs.
         `prefill_only`: the prefill half of a disaggregated request. It ends after its first
         token with no output of its own; `take_prefilled` hands over what the decode side
-        needs, and its blocks stay held until `release_held`."""
+        needs, and its blocks stay held until `release_held`.
+        `num_replayed`: the prompt's last tokens that are the request's own earlier output (a
+        continuation after a lost worker); a grammar replays them before the first sample."""
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         text = prompt_text if prompt_text is not None else text
@@ -182,7 +188,9 @@ class LLMEngine:
         state = RequestState(request_id, text, ids)
         for index in range(params.n):
             sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            request = self._new_request(sub_id, ids, params, max_tokens, priority, index)
+            request = self._new_request(
+                sub_id, ids, params, max_tokens, priority, index, num_replayed
+            )
             request.prefill_only = prefill_only
             state.samples.append(self.outputs.new_sample(index, request))
             self._sample_of[sub_id] = (state, index)
@@ -199,12 +207,13 @@ class LLMEngine:
         max_tokens: int,
         priority: int = 0,
         index: int = 0,
+        num_replayed: int = 0,
     ) -> Request:
         if params.seed is not None:
             sample_seed = params.seed + index
         else:
             sample_seed = self._seeds.next_seed()
-        return Request(
+        request = Request(
             request_id,
             ids,
             params,
@@ -213,6 +222,11 @@ class LLMEngine:
             priority,
             sample_seed=sample_seed,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self.grammar_compiler.new_state(
+                params.structured_outputs, ids, num_replayed
+            )
+        return request
 
     # -- disaggregation --------------------------------------------------------------------
 
@@ -226,7 +240,11 @@ class LLMEngine:
         return self.scheduler.release_held(request_id)
 
     def add_remote_request(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        num_replayed: int = 0,
     ) -> list[int] | None:
         """Decode side: reserve blocks for a prompt whose KV comes from a prefill worker.
         Returns the block ids to receive the KV into (in prompt order), or None when there is
@@ -238,7 +256,7 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a disaggregated request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
-        request = self._new_request(request_id, ids, params, max_tokens)
+        request = self._new_request(request_id, ids, params, max_tokens, 0, 0, num_replayed)
         block_ids = self.scheduler.add_remote_request(request)
         if block_ids is None:
             return None

@@ -6,6 +6,7 @@ import enum
 import time
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,6 +78,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of its full blocks, filled lazily
         self.logprobs: list[dict[int, float]] = []  # per output token: {token_id: logprob}
+        # With structured outputs: where the output stands in its grammar (every appended
+        # token advances it; the sampler masks the logits with what it allows next).
+        self.grammar: GrammarState | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +101,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

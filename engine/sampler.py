@@ -1,7 +1,7 @@
 """`Sampler`: logits -> token ids for the rows that sample this step, honouring each
 request's `SamplingParams` (gathered per step by `SamplingSlots`).
 
-Order: penalties, then temperature, top-k, top-p, min-p, then a draw. Logprobs are taken from
+Order: penalties, the grammar mask (structured outputs), then temperature, top-k, top-p, min-p, then a draw. Logprobs are taken from
 the raw logits (before any of that), like OpenAI and vLLM, and only for the rows that asked.
 
 The draw is inverse-CDF with one counter-based uniform per row (`engine.random`): the token
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_slots import SamplingBatch
+from engine.structured_output import apply_bitmask
 
 ToHost = Callable[[torch.Tensor], list]
 
@@ -37,10 +38,12 @@ class Sampler:
     ) -> SamplerOutput:
         # logits: [N, V] fp32, one row per sampling request
         raw = logits
-        if batch.any_penalties or batch.stop_masks:
+        if batch.any_penalties or batch.stop_masks or batch.bitmask is not None:
             logits = logits.clone()
         if batch.any_penalties:
             _apply_penalties(logits, batch)
+        if batch.bitmask is not None:
+            apply_bitmask(logits, batch.bitmask)  # grammars: disallowed tokens to -inf
         for row, stops in batch.stop_masks:
             # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
             logits[row, stops] = float("-inf")

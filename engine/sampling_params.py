@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidInputError
+from engine.structured_output import StructuredOutputsParams
 
 
 @dataclass
@@ -45,10 +46,17 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A grammar the output must match (JSON schema, JSON object, regex, choice, EBNF); a dict
+    is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         _int_min("n", self.n, 1)
         if self.max_tokens is not None:
             _int_min("max_tokens", self.max_tokens, 1)
@@ -89,7 +97,10 @@ class SamplingParams:
 
     def to_json(self) -> str:
         """Every field, as JSON: how the router hands a request's parameters to workers."""
-        return json.dumps(dataclasses.asdict(self))
+        data = dataclasses.asdict(self)
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:

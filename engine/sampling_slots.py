@@ -13,6 +13,7 @@ import torch
 
 from engine.random import uniform
 from engine.request import Request
+from engine.structured_output import GrammarState, bitmask_words
 
 BufferFn = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
@@ -53,6 +54,7 @@ class SamplingBatch:
     logprob_host_rows: list[int]  # [W] the rows of `logprob_rows`, on the host
     counts: torch.Tensor | None  # [slots, V] int32 output-token counts (with penalties)
     prompt_mask: torch.Tensor | None  # [slots, V] bool: prompt tokens (with penalties)
+    bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 allowed tokens (with grammars)
 
 
 class SamplingSlots:
@@ -89,6 +91,9 @@ class SamplingSlots:
         self._ones.fill_(1)
         self.counts: torch.Tensor | None = None  # made when the first penalized request joins
         self.prompt_mask: torch.Tensor | None = None
+        # Made when the first request with a grammar joins: host (pinned on CUDA) and device.
+        self._bitmask_host: torch.Tensor | None = None
+        self._bitmask_dev: torch.Tensor | None = None
 
     def write(self, slot: int, request: Request) -> None:
         """A request joins `slot`: keep its parameters (and its token counts if it has
@@ -114,6 +119,17 @@ class SamplingSlots:
                 counts[slot] += torch.bincount(out[out < vocab], minlength=vocab).to(counts.dtype)
             prompt = torch.tensor(request.prompt_token_ids, device=self.device)
             mask[slot, prompt[prompt < vocab]] = True
+
+    def _bitmask_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bitmask_host is None or self._bitmask_dev is None:
+            shape = (len(self._seed), bitmask_words(self.vocab_size))
+            self._bitmask_host = self._buffer(shape, torch.int32, torch.device("cpu"))
+            self._bitmask_dev = (
+                self._bitmask_host
+                if self.device.type == "cpu"
+                else self._buffer(shape, torch.int32, self.device)
+            )
+        return self._bitmask_host, self._bitmask_dev
 
     def _penalty_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.counts is None or self.prompt_mask is None:
@@ -145,6 +161,7 @@ class SamplingSlots:
         stop_masks: list[tuple[int, list[int]]] = []
         logprob_ks: list[int] = []
         logprob_rows: list[int] = []
+        grammars: list[tuple[int, GrammarState]] = []
         for row, request in enumerate(requests):
             slot = int(idx[row])
             params = request.sampling_params
@@ -157,7 +174,10 @@ class SamplingSlots:
                 ints[_GREEDY, row] = 1
                 any_greedy = True
             any_penalties = any_penalties or self._penalized[slot]
-            if request.num_output_tokens < params.min_tokens:
+            if request.grammar is not None:
+                # NOTE: no min_tokens mask here: the grammar alone says when EOS may come.
+                grammars.append((row, request.grammar))
+            elif request.num_output_tokens < params.min_tokens:
                 stops = [*params.stop_token_ids]
                 if not params.ignore_eos:
                     stops.extend(request.eos_token_ids)
@@ -171,6 +191,7 @@ class SamplingSlots:
         asked = ints[_TOP_K, :n]
         asked = asked[asked < self.vocab_size]
         max_top_k = int(asked.max()) if asked.size else 0
+        bitmask = self._fill_bitmask(n, grammars) if grammars else None
         if self._floats_dev is not self._floats_host:
             self._floats_dev.copy_(self._floats_host, non_blocking=True)
             self._ints_dev.copy_(self._ints_host, non_blocking=True)
@@ -200,7 +221,20 @@ class SamplingSlots:
             logprob_host_rows=logprob_rows,
             counts=self.counts if any_penalties else None,
             prompt_mask=self.prompt_mask if any_penalties else None,
+            bitmask=bitmask,
         )
+
+    def _fill_bitmask(self, n: int, grammars: list[tuple[int, GrammarState]]) -> torch.Tensor:
+        """Each grammar row's allowed tokens (every token for the other rows), copied to the
+        device without waiting. On a GPU this host work overlaps the forward pass, which was
+        launched before `prepare`."""
+        host, dev = self._bitmask_buffers()
+        host[:n].fill_(-1)
+        for row, grammar in grammars:
+            grammar.fill_bitmask(host, row)
+        if dev is not host:
+            dev[:n].copy_(host[:n], non_blocking=True)
+        return dev[:n]
 
     def record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
         """Count this step's sampled tokens (on the device, no sync) for later penalties."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -257,6 +260,15 @@ class Scheduler:
         if request.prefill_only:
             return RequestStatus.FINISHED_REMOTE  # every stop rule is applied by the decode side
         params = request.sampling_params
+        if request.grammar is not None:
+            if request.grammar.rejected:
+                logger.error(
+                    "request %s: token %d is outside its grammar", request.request_id, token
+                )
+                return RequestStatus.FINISHED_ABORTED
+            if request.grammar.is_terminated:  # complete, and its EOS taken
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 request.stop_reason = None

@@ -66,6 +66,11 @@ class Tokenizer:
         return cls(tok, template, bos, _token_str(cfg.get("eos_token")), eos_token_ids, add_bos)
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The HF `tokenizers` object (its vocabulary, for grammar compilation)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -45,6 +45,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 list(request.prompt_token_ids),
                 params,
                 request.kv_destination,
+                request.num_replayed,
             )
         except InvalidInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -25,6 +25,7 @@ them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ class PrefillWorker:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         dest: str,
+        num_replayed: int = 0,
     ) -> PrefillResult:
         """Prefill, sample the first token and ship the KV to the decode worker at `dest`.
         Returns once the transfer ended. Bad input raises `InvalidInputError`; cancelling
@@ -153,8 +155,12 @@ class PrefillWorker:
         ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)  # validates ids
         self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
-        self.core.submit(AddRequest(request_id, ids, params, prefill_dest=dest))
+        self.core.submit(
+            AddRequest(request_id, ids, params, prefill_dest=dest, num_replayed=num_replayed)
+        )
         finished = False
         try:
             item = await out_queue.get()
@@ -222,7 +228,13 @@ class PrefillRole(EngineRole):
     def add(self, cmd: AddRequest) -> None:
         if cmd.prefill_dest is None:
             raise ValueError("prefill_dest: a prefill worker needs the decode worker's address")
-        self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, prefill_only=True)
+        self.engine.add_request(
+            cmd.prompt,
+            cmd.params,
+            cmd.request_id,
+            prefill_only=True,
+            num_replayed=cmd.num_replayed,
+        )
         self._dest[cmd.request_id] = cmd.prefill_dest
 
     def abort(self, cmd: AbortRequest) -> None:

@@ -306,7 +306,7 @@ class ClusterEngine:
         if attempt == 1:
             self._stats.prefix_cache_queries += len(ids)
         if pick is None or uncached <= self.config.local_prefill_threshold:
-            stream = decode.client.generate(transfer_id, ids, params, timeout)
+            stream = decode.client.generate(transfer_id, ids, params, timeout, emitted)
             await self._consume(sample, stream, decode, None, updates)
             return
         prefill = pick[0]
@@ -315,7 +315,7 @@ class ClusterEngine:
         decode.num_sent_blocks += num_blocks
         try:
             stream = await decode.client.reserve(
-                transfer_id, ids, params, self.config.kv_wait_s, timeout
+                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted
             )
         except grpc.aio.AioRpcError as e:
             raise self._decode_failure(decode, e) from None
@@ -327,6 +327,7 @@ class ClusterEngine:
                 params,
                 stream.reserved.kv_address if stream.reserved else "",
                 min(timeout, self.config.kv_wait_s),
+                emitted,  # a grammar replays the output so far (worker.proto)
             )
         )
         try:

@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import InvalidInputError, RequestOutput, SamplingParams
+from engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
 from engine.async_engine import EngineDeadError
 from router.admission import AdmissionController
 from router.auth import APIKeyChecker
@@ -99,6 +99,12 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
     ):  # fmt: skip
         if opts.HasField(name):
             kwargs[name] = getattr(opts, name)
+    if opts.HasField("structured_outputs"):
+        so = opts.structured_outputs
+        kind = so.WhichOneof("kind")
+        value: Any = list(so.choice.choices) if kind == "choice" else getattr(so, kind or "json")
+        spec = {kind: value} if kind else {}
+        kwargs["structured_outputs"] = StructuredOutputsParams(**spec, whitespace=so.any_whitespace)
     return SamplingParams(
         stop=list(opts.stop),
         stop_token_ids=list(opts.stop_token_ids),

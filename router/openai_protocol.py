@@ -1,14 +1,14 @@
 """OpenAI-compatible REST bodies: chat completions, completions, models, errors.
 
 Field names follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids) and
-duet's `session_id`. Unknown fields are ignored, as vLLM does: clients written for newer
-OpenAI features still get an answer instead of a 400.
+min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids,
+structured_outputs) and duet's `session_id`. OpenAI fields duet does not implement are a 400
+unless their value asks for nothing (router/openai_fields.py); fields that are not OpenAI's are
+ignored with a warning naming them, as vLLM does.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Literal
 
@@ -25,8 +25,9 @@ from pydantic import (
 )
 
 from engine import SamplingParams
-
-logger = logging.getLogger(__name__)
+from router import structured_protocol
+from router.openai_fields import UnsupportedChatFields, warn_unknown_fields
+from router.structured_protocol import ResponseFormat
 
 MAX_N = 128
 """Most completions per prompt (OpenAI's limit)."""
@@ -36,17 +37,14 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
-    """Base of every body: unknown request fields are ignored (and logged by name only)."""
+    """Base of every body: unknown request fields are ignored with a warning naming them."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _log_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = set(data) - set(cls.model_fields)
-            if unknown:
-                logger.debug("%s: ignoring unknown fields %s", cls.__name__, sorted(unknown))
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        warn_unknown_fields(cls, data)
         return data
 
 
@@ -130,6 +128,7 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
+    structured_outputs: structured_protocol.StructuredOutputsBody | None = None
     # duet
     session_id: str | None = None
     """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
@@ -154,7 +153,9 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat | None = None
+    ) -> SamplingParams:
         """Engine parameters. Raises `InvalidInputError` naming the engine-side field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -174,10 +175,11 @@ class SamplingRequest(OpenAIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=structured_protocol.params(fmt, self.structured_outputs),
         )
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
@@ -186,6 +188,7 @@ class ChatCompletionRequest(SamplingRequest):
     background: bool = False
     """duet: enqueue the request and answer at once with its id; fetch or stream the result
     later from any replica (router/background.py)."""
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -202,7 +205,7 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, self.response_format)
 
 
 PromptInput = str | list[int] | list[list[int]] | list[str]
@@ -216,6 +219,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -254,7 +258,7 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.response_format)
 
 
 # -- responses -----------------------------------------------------------------------------

@@ -56,15 +56,17 @@ class PrefillClient:
         params: SamplingParams,
         kv_destination: str,
         timeout_s: float,
+        num_replayed: int = 0,
     ) -> PrefillOutcome:
         """Raises `grpc.aio.AioRpcError` when the worker is unreachable, refuses the input
-        (INVALID_ARGUMENT) or the deadline passes."""
+        (INVALID_ARGUMENT) or the deadline passes. `num_replayed`: see worker.proto."""
         response = await self.stub.Prefill(
             worker_pb2.PrefillRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
                 sampling_params_json=params.to_json(),
                 kv_destination=kv_destination,
+                num_replayed=num_replayed,
             ),
             timeout=timeout_s,
             metadata=self.signer.metadata(_PREFILL + "Prefill"),
@@ -123,6 +125,7 @@ class DecodeClient:
         params: SamplingParams,
         kv_wait_s: float,
         timeout_s: float,
+        num_replayed: int = 0,
     ) -> DecodeStream:
         """Reserve blocks for a remote prefill. Raises `grpc.aio.AioRpcError`
         (RESOURCE_EXHAUSTED: no room there) before anything was reserved."""
@@ -132,6 +135,7 @@ class DecodeClient:
                 prompt_token_ids=prompt_token_ids,
                 sampling_params_json=params.to_json(),
                 kv_wait_s=kv_wait_s,
+                num_replayed=num_replayed,
             ),
             timeout=timeout_s,
             metadata=self.signer.metadata(_DECODE + "DecodeRemote"),
@@ -154,12 +158,14 @@ class DecodeClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         timeout_s: float,
+        num_replayed: int = 0,
     ) -> DecodeStream:
         call = self.stub.Generate(
             worker_pb2.LocalGenerateRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
                 sampling_params_json=params.to_json(),
+                num_replayed=num_replayed,
             ),
             timeout=timeout_s,
             metadata=self.signer.metadata(_DECODE + "Generate"),

@@ -58,10 +58,11 @@ def worker(spec_path: str) -> None:
         ]
         if not llm.engine.kv.pool.reset_prefix_cache():
             raise RuntimeError("KV blocks still held between timed calls")
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outs = llm.generate(load["prompts"], params)
-        wall_s = time.perf_counter() - start
-        print(json.dumps({"wall_s": wall_s, "token_ids": [o.token_ids for o in outs]}), flush=True)
+        wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        tokens = [o.token_ids for o in outs]
+        print(json.dumps({"wall_s": wall_s, "cpu_s": cpu_s, "token_ids": tokens}), flush=True)
 
 
 class Tree:
@@ -114,12 +115,12 @@ def _export(commit: str, into: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
-def _workloads(model_dir: Path, seed: int) -> dict[str, dict[str, Any]]:
+def _workloads(model_dir: Path, seed: int, num_prompts: int) -> dict[str, dict[str, Any]]:
     from benchmarks.offline.throughput import FULL_LENGTHS
     from benchmarks.offline.workload import make_workload, special_token_ids, vocab_size
 
     vocab, special = vocab_size(model_dir), special_token_ids(model_dir)
-    offline = make_workload(64, seed, vocab, special, **FULL_LENGTHS)
+    offline = make_workload(num_prompts, seed, vocab, special, **FULL_LENGTHS)
     single = make_workload(1, seed + 7, vocab, special, (SINGLE_PROMPT_LEN,) * 2,
                            (SINGLE_NEW_TOKENS,) * 2)  # fmt: skip
     warmup = make_workload(2, seed + 1_000_003, vocab, special, (32, 32), (8, 8))
@@ -135,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--num-prompts", type=int, default=64, help="of the offline workload")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time per call: wall, or the worker's CPU time (with --threads 1, robust to other "
+        "processes on a shared machine)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--idle-wait-s", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -152,9 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.offline.smollm2_hf import export_hf_dir
 
     model_dir = export_hf_dir()
-    workloads = _workloads(model_dir, args.seed)
+    workloads = _workloads(model_dir, args.seed, args.num_prompts)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-    report: dict[str, Any] = {"before": args.before, "machine": cpu_info(), "results": {}}
+    report: dict[str, Any] = {
+        "before": args.before,
+        "clock": args.clock,
+        "threads": args.threads,
+        "num_prompts": args.num_prompts,
+        "machine": cpu_info(),
+        "results": {},
+    }
     with tempfile.TemporaryDirectory(prefix="duet-before-") as tmp:
         _export(args.before, Path(tmp))
         for dtype in dtypes:
@@ -184,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         num_tokens = sum(load["max_tokens"])
                         walls: dict[str, float] = {}
+                        outputs: dict[str, list[list[int]]] = {}
                         for tree in trees if r % 2 == 0 else trees[::-1]:
                             wait_for_idle(args.idle_wait_s)
-                            walls[tree.name] = tree.run(name)["wall_s"]
+                            answer = tree.run(name)
+                            walls[tree.name] = answer[f"{args.clock}_s"]
+                            outputs[tree.name] = answer["token_ids"]
                         cell = {f"{k}_tok_s": num_tokens / v for k, v in walls.items()}
                         cell["ratio"] = cell["after_tok_s"] / cell["before_tok_s"]
+                        cell["same_tokens"] = float(outputs["after"] == outputs["before"])
                         rounds[name].append(cell)
                         print(f"round {r} {dtype} {name:8s} " + " ".join(
                             f"{k}={v:.3f}" for k, v in cell.items()), flush=True)  # fmt: skip

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, InvalidInputError, SamplingParams
+from engine import (
+    LLM,
+    AsyncEngine,
+    EngineConfig,
+    InvalidInputError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from engine.structured_output import GrammarCompiler
 from tests.waiting import wait_for_async
 
 
@@ -85,3 +95,32 @@ def test_requests_after_shutdown_fail_fast(tiny_llama):
 
     with pytest.raises(EngineDeadError):
         asyncio.run(asyncio.wait_for(main(), timeout=10))
+
+
+def test_new_grammars_compile_off_the_engine_thread(engine, monkeypatch):
+    compiler = engine.engine.grammar_compiler
+    compiled_on: list[str] = []
+    real = GrammarCompiler.compile
+
+    def spy(self, params):
+        before = self.num_compiled
+        out = real(self, params)
+        if self.num_compiled > before:
+            compiled_on.append(threading.current_thread().name)
+        return out
+
+    monkeypatch.setattr(GrammarCompiler, "compile", spy)
+    spec = StructuredOutputsParams(regex="(red|green) [0-9]{2}")
+    params = SamplingParams(max_tokens=20, temperature=0, structured_outputs=spec)
+
+    async def main():
+        last = None
+        async for out in engine.generate("color:", params):
+            last = out
+        return last
+
+    last = asyncio.run(main())
+    assert last.finish_reason == "stop"
+    assert re.fullmatch("(red|green) [0-9]{2}", last.text)
+    assert len(compiled_on) == 1 and not compiled_on[0].startswith("duet-")
+    assert compiler.num_cache_hits >= 1  # the engine thread found it compiled

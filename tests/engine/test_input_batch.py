@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutputsParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -57,6 +57,8 @@ def _mixed_params(i: int) -> SamplingParams:
         dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, seed=7),
         dict(temperature=0, repetition_penalty=1.3, logprobs=3),
         dict(temperature=1.2, min_p=0.05, logprobs=0, min_tokens=3),
+        # a grammar: its bitmask is filled on the host and goes down with the step's inputs
+        dict(temperature=0.9, structured_outputs=StructuredOutputsParams(regex="[a-z ]{8,40}")),
     ]
     return SamplingParams(max_tokens=12 + i % 9, ignore_eos=True, **kinds[i % len(kinds)])
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import json
 import os
+import re
 import threading
 
 import grpc
@@ -121,6 +123,44 @@ def test_chat(stub):
     )
     _, ids, finish, usage = collect(stub.Chat(req, metadata=AUTH, timeout=60))
     assert len(ids[0]) == 6 and finish[0] == "length" and usage.prompt_tokens > 5
+
+
+def test_structured_outputs(stub):
+    so = serving_pb2.StructuredOutputs
+    cases = [
+        (so(regex="[a-c]{3}-[0-9]{2}"), lambda t: re.fullmatch("[a-c]{3}-[0-9]{2}", t)),
+        (so(choice=serving_pb2.Choices(choices=["yes", "no"])), lambda t: t in ("yes", "no")),
+        (so(json='{"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}'),
+         lambda t: json.loads(t)["k"] in (1, 2)),
+    ]  # fmt: skip
+    for spec, check in cases:
+        opts = serving_pb2.SamplingOptions(
+            max_tokens=60, temperature=1.0, seed=1, n=3, structured_outputs=spec
+        )
+        req = serving_pb2.GenerateRequest(text="hi", sampling=opts)
+        text, _, finish, _ = collect(list(stub.Generate(req, metadata=AUTH, timeout=60)))
+        assert sorted(text) == [0, 1, 2] and set(finish.values()) == {"stop"}
+        assert all(check(t) for t in text.values()), text
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (serving_pb2.StructuredOutputs(regex="(ab"), "structured_outputs.regex"),
+        (serving_pb2.StructuredOutputs(json='{"type": 5}'), "structured_outputs.json"),
+        (serving_pb2.StructuredOutputs(), "structured_outputs"),
+    ],
+)
+def test_invalid_structured_outputs_name_the_field(stub, spec, field):
+    opts = serving_pb2.SamplingOptions(structured_outputs=spec)
+    with pytest.raises(grpc.RpcError) as info:
+        list(
+            stub.Generate(
+                serving_pb2.GenerateRequest(text="hi", sampling=opts), metadata=AUTH, timeout=10
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}:")
 
 
 def test_list_models(stub):

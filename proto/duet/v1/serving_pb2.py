@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64uet/v1/serving.proto\x12\x07\x64uet.v1\"\x97\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"[\n\rTokenLogprobs\x12&\n\x07sampled\x18\x01 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.duet.v1.Usage\"\x13\n\x11ListModelsRequest\"S\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.duet.v1.Model2\xcb\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x39\n\x04\x43hat\x12\x14.duet.v1.ChatRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64uet/v1/serving.proto\x12\x07\x64uet.v1\"\xcf\x04\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x36\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1a.duet.v1.StructuredOutputsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokens\"\xa2\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x10.duet.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa2\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x98\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"[\n\rTokenLogprobs\x12&\n\x07sampled\x18\x01 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.duet.v1.Usage\"\x13\n\x11ListModelsRequest\"S\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.duet.v1.Model2\xcb\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x39\n\x04\x43hat\x12\x14.duet.v1.ChatRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.v1.serving_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGOPTIONS']._serialized_start=35
-  _globals['_SAMPLINGOPTIONS']._serialized_end=570
-  _globals['_TOKENIDS']._serialized_start=572
-  _globals['_TOKENIDS']._serialized_end=595
-  _globals['_GENERATEREQUEST']._serialized_start=598
-  _globals['_GENERATEREQUEST']._serialized_end=760
-  _globals['_CHATMESSAGE']._serialized_start=762
-  _globals['_CHATMESSAGE']._serialized_end=806
-  _globals['_CHATREQUEST']._serialized_start=809
-  _globals['_CHATREQUEST']._serialized_end=961
-  _globals['_TOKENLOGPROB']._serialized_start=963
-  _globals['_TOKENLOGPROB']._serialized_end=1027
-  _globals['_TOKENLOGPROBS']._serialized_start=1029
-  _globals['_TOKENLOGPROBS']._serialized_end=1120
-  _globals['_USAGE']._serialized_start=1122
-  _globals['_USAGE']._serialized_end=1209
-  _globals['_GENERATERESPONSE']._serialized_start=1212
-  _globals['_GENERATERESPONSE']._serialized_end=1394
-  _globals['_LISTMODELSREQUEST']._serialized_start=1396
-  _globals['_LISTMODELSREQUEST']._serialized_end=1415
-  _globals['_MODEL']._serialized_start=1417
-  _globals['_MODEL']._serialized_end=1500
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1502
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1554
-  _globals['_DUET']._serialized_start=1557
-  _globals['_DUET']._serialized_end=1760
+  _globals['_SAMPLINGOPTIONS']._serialized_end=626
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=629
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=791
+  _globals['_CHOICES']._serialized_start=793
+  _globals['_CHOICES']._serialized_end=819
+  _globals['_TOKENIDS']._serialized_start=821
+  _globals['_TOKENIDS']._serialized_end=844
+  _globals['_GENERATEREQUEST']._serialized_start=847
+  _globals['_GENERATEREQUEST']._serialized_end=1009
+  _globals['_CHATMESSAGE']._serialized_start=1011
+  _globals['_CHATMESSAGE']._serialized_end=1055
+  _globals['_CHATREQUEST']._serialized_start=1058
+  _globals['_CHATREQUEST']._serialized_end=1210
+  _globals['_TOKENLOGPROB']._serialized_start=1212
+  _globals['_TOKENLOGPROB']._serialized_end=1276
+  _globals['_TOKENLOGPROBS']._serialized_start=1278
+  _globals['_TOKENLOGPROBS']._serialized_end=1369
+  _globals['_USAGE']._serialized_start=1371
+  _globals['_USAGE']._serialized_end=1458
+  _globals['_GENERATERESPONSE']._serialized_start=1461
+  _globals['_GENERATERESPONSE']._serialized_end=1643
+  _globals['_LISTMODELSREQUEST']._serialized_start=1645
+  _globals['_LISTMODELSREQUEST']._serialized_end=1664
+  _globals['_MODEL']._serialized_start=1666
+  _globals['_MODEL']._serialized_end=1749
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1751
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1803
+  _globals['_DUET']._serialized_start=1806
+  _globals['_DUET']._serialized_end=2009
 # @@protoc_insertion_point(module_scope)

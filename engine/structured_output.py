@@ -1,0 +1,287 @@
+"""Structured outputs: a grammar (JSON schema, any JSON object, regex, a choice of strings, or
+EBNF) that constrains a request's tokens, enforced with xgrammar (docs/structured_outputs.md).
+
+- `StructuredOutputsParams`: what a request asks for, validated on construction (it travels
+  inside `SamplingParams`, so through every worker as JSON).
+- `GrammarCompiler`: one per engine; compiles a spec against the tokenizer, cached by key.
+- `GrammarState`: one per running sequence; accepts each token the sequence gets and fills the
+  sequence's row of the token bitmask that the sampler applies to the logits.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xgrammar as xgr
+
+from engine.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+# xgrammar's C++ errors read "[time] /path/file.cc:123: message"; keep the message.
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's `structured_outputs`). Invalid values raise
+    `InvalidInputError` naming `structured_outputs.<field>`."""
+
+    json: str | None = None
+    """A JSON schema, as JSON text (a dict is serialized): the output is one instance of it."""
+    json_object: bool = False
+    """The output is any one JSON object."""
+    regex: str | None = None
+    """The output matches this regular expression in full."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar whose `root` rule the output matches."""
+    whitespace: bool = False
+    """JSON kinds: allow any whitespace between tokens (off: compact JSON, so a model cannot
+    loop on whitespace until max_tokens)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json, sort_keys=True)
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidInputError(
+                "structured_outputs",
+                f"must set exactly one of {', '.join(KINDS)}; got {given or 'none'}",
+            )
+        kind = given[0]
+        value: Any = getattr(self, kind)
+        if kind == "json":
+            _check_str("json", value)
+            try:
+                _json.loads(value)
+            except ValueError as e:
+                raise InvalidInputError("structured_outputs.json", f"is not JSON: {e}") from None
+        elif kind == "json_object":
+            if value is not True:
+                raise InvalidInputError("structured_outputs.json_object", "must be true")
+        elif kind == "choice":
+            if not isinstance(value, list) or not value:
+                raise InvalidInputError("structured_outputs.choice", "must be a non-empty list")
+            if not all(isinstance(c, str) and c for c in value):
+                raise InvalidInputError("structured_outputs.choice", "must be non-empty strings")
+        else:
+            _check_str(kind, value)
+        if not isinstance(self.whitespace, bool):
+            raise InvalidInputError("structured_outputs.whitespace", "must be a boolean")
+        build_grammar(self)  # refuse what does not compile, before any worker sees it
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """(kind, value, whitespace): equal keys compile to the same grammar (the cache key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        text = _json.dumps(value) if kind == "choice" else "" if kind == "json_object" else value
+        return (kind, text, self.whitespace)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in KINDS if getattr(self, k)}
+        if self.whitespace:
+            out["whitespace"] = True
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> StructuredOutputsParams:
+        if not isinstance(data, dict):
+            raise InvalidInputError("structured_outputs", "must be an object")
+        unknown = sorted(set(data) - {*KINDS, "whitespace"})
+        if unknown:
+            raise InvalidInputError(f"structured_outputs.{unknown[0]}", "is not a known field")
+        return cls(**data)
+
+
+def _check_str(kind: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidInputError(f"structured_outputs.{kind}", "must be a non-empty string")
+
+
+def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
+    """The tokenizer-independent grammar; raises `InvalidInputError` naming the field when it
+    does not compile (a bad schema, regex or EBNF)."""
+    kind = params.kind
+    try:
+        if kind == "json":
+            assert params.json is not None
+            schema = _json.dumps(_strings_as_patterns(_json.loads(params.json)), ensure_ascii=False)
+            return xgr.Grammar.from_json_schema(schema, any_whitespace=params.whitespace)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=params.whitespace
+            )
+        if kind == "regex":
+            assert params.regex is not None
+            return xgr.Grammar.from_regex(params.regex)
+        if kind == "choice":
+            assert params.choice is not None
+            # json.dumps escapes quotes, backslashes and non-ASCII the way EBNF strings read.
+            return xgr.Grammar.from_ebnf(
+                "root ::= " + " | ".join(_json.dumps(c) for c in params.choice)
+            )
+        assert params.grammar is not None
+        return xgr.Grammar.from_ebnf(params.grammar)
+    except RuntimeError as e:
+        message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0]).strip()
+        raise InvalidInputError(
+            f"structured_outputs.{kind}", f"does not compile: {message}"
+        ) from None
+
+
+# One JSON string character: a code point other than a quote, backslash, control character or
+# surrogate (written as literal characters: xgrammar's regex reads no \U escape), or an escape.
+_JSON_CHAR = "([ !#-\\[\\]-\ud7ff\ue000-" + chr(0x10FFFF) + ']|\\\\(["\\\\/bfnrt]|u[0-9a-fA-F]{4}))'
+
+
+def _strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each plain string (no pattern, format, enum or const) written as a pattern
+    over `_JSON_CHAR`, its minLength/maxLength as the repeat bounds.
+
+    NOTE: xgrammar 0.2.8 compiles strings to negated classes that accept surrogate code points
+    (bytes that are not UTF-8, decoded as U+FFFD), and a length-bounded string to
+    `[^"\\\r\n]{m,n}`, which also lets raw control characters through (invalid JSON); its
+    pattern path with a positive class gets both right (tests/engine/test_structured_outputs.py
+    shows the difference)."""
+    if isinstance(schema, list):
+        return [_strings_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _strings_as_patterns(value) for key, value in schema.items()}
+    if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
+        low, high = out.get("minLength", 0), out.get("maxLength", "")
+        if isinstance(low, int) and isinstance(high, int | str):  # else xgrammar names it
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
+            out["pattern"] = f"^{_JSON_CHAR}{{{low},{high}}}$"
+    return out
+
+
+def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary: `vocab_size` entries (the logits' width); special
+    tokens and ids past the tokenizer are empty strings, which xgrammar never allows, except
+    the EOS ids, which it allows exactly where the grammar may end."""
+    backend = tokenizer.backend
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    vocab = [""] * vocab_size
+    for text, token_id in backend.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size:
+            vocab[token_id] = text
+    for token_id, added in backend.get_added_tokens_decoder().items():
+        if added.special and token_id < vocab_size:
+            vocab[token_id] = ""
+    stops = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
+    return xgr.TokenizerInfo(
+        vocab,
+        meta["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stops or None,
+        add_prefix_space=meta["add_prefix_space"],
+    )
+
+
+class GrammarCompiler:
+    """Compiles specs against one tokenizer; the last `cache_size` compiled grammars are kept by
+    key (LRU). Thread-safe: `compile` may run off the engine thread (`AsyncEngine` compiles a
+    new spec on a worker thread before the request reaches the engine)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        # Built on the first compile: xgrammar's view of a large vocabulary takes a while.
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(params.key)
+            if hit is not None:
+                self._cache.move_to_end(params.key)
+                self.num_cache_hits += 1
+                return hit
+            if self._compiler is None:
+                info = tokenizer_info(self._tokenizer, self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            compiler = self._compiler
+        # Outside the lock: a long compile does not hold up cache hits on the engine thread.
+        compiled = compiler.compile_grammar(build_grammar(params))
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[params.key] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_state(
+        self, params: StructuredOutputsParams, prompt: Sequence[int] = (), num_replayed: int = 0
+    ) -> GrammarState:
+        """A sequence's state at its start, or, with `num_replayed`, after the last that many
+        tokens of `prompt` (its own output before a lost worker); `InvalidInputError` when
+        they do not follow the grammar."""
+        state = GrammarState(xgr.GrammarMatcher(self.compile(params)))
+        replayed = list(prompt[len(prompt) - num_replayed :]) if num_replayed > 0 else []
+        if num_replayed > len(prompt) or not all(map(state.accept, replayed)):
+            raise InvalidInputError(
+                "num_replayed",
+                f"the prompt's last {num_replayed} tokens do not follow the grammar of "
+                f"structured_outputs.{params.kind}",
+            )
+        return state
+
+
+class GrammarState:
+    """One sequence's position in its grammar. Every token the sequence gets goes through
+    `accept`, in order (the first token from a prefill worker and replayed output included)."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher) -> None:
+        self._matcher = matcher
+        self.rejected = False
+        """A token the grammar does not allow was accepted (an internal fault)."""
+
+    def accept(self, token_id: int) -> bool:
+        if self._matcher.is_terminated():
+            return True  # the EOS that ended it (or one past it): nothing more to match
+        ok = bool(self._matcher.accept_token(token_id))
+        self.rejected = self.rejected or not ok
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was taken: the sequence ends here."""
+        return bool(self._matcher.is_terminated())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32, one bit per token)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row."""
+    return -(-vocab_size // 32)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the disallowed tokens' logits [N, V] to -inf in place; `bitmask` [N, words] int32 on
+    the logits' device (rows without a grammar hold all ones)."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])

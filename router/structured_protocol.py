@@ -1,0 +1,80 @@
+"""REST bodies for structured outputs: OpenAI's `response_format` (chat) and vLLM's
+`structured_outputs` extra (chat and completions), turned into the engine's
+`StructuredOutputsParams` (docs/structured_outputs.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import InvalidInputError, StructuredOutputsParams
+
+
+class _Body(BaseModel):
+    # NOTE: `json` and `schema` are BaseModel methods, so those fields go by alias.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class JsonSchemaSpec(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema the reply is an instance of; none: any JSON object."""
+    strict: bool | None = None
+    """Accepted either way: the grammar always enforces the schema exactly."""
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+    """Required with type `json_schema`."""
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    """A JSON schema (an object, or its JSON text)."""
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """EBNF (GBNF) with a `root` rule."""
+    disable_any_whitespace: bool = True
+    """JSON kinds: compact JSON (true, duet's default) or any whitespace between tokens."""
+
+
+def params(
+    response_format: ResponseFormat | None, structured: StructuredOutputsBody | None
+) -> StructuredOutputsParams | None:
+    """The engine's spec from a request's fields; `InvalidInputError` naming the request's
+    field (`response_format.json_schema.schema`, `structured_outputs.regex`, ...)."""
+    wants_format = response_format is not None and response_format.type != "text"
+    if wants_format and structured is not None:
+        raise InvalidInputError("response_format", "cannot be combined with structured_outputs")
+    if response_format is not None and wants_format:
+        return _from_response_format(response_format)
+    if structured is None:
+        return None
+    return StructuredOutputsParams(
+        json=structured.json_,  # type: ignore[arg-type]  # a dict is serialized
+        json_object=bool(structured.json_object),
+        regex=structured.regex,
+        choice=structured.choice,
+        grammar=structured.grammar,
+        whitespace=not structured.disable_any_whitespace,
+    )
+
+
+def _from_response_format(fmt: ResponseFormat) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None:
+        raise InvalidInputError("response_format.json_schema", "is required with json_schema")
+    if fmt.json_schema.schema_ is None:
+        return StructuredOutputsParams(json_object=True)
+    try:
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)  # type: ignore[arg-type]
+    except InvalidInputError as e:
+        raise InvalidInputError("response_format.json_schema.schema", e.message) from None
