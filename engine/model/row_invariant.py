@@ -30,15 +30,17 @@ logger = logging.getLogger(__name__)
 MIN_ROWS = 16
 """Fewest rows a CPU matrix product runs on, unless `check_model` found fewer enough."""
 
-MIN_ROWS_CANDIDATES = (8, 16)
-"""What `check_model` tries per weight shape, smallest first: fewer padded rows cost less
-single-stream time (oneDNN's packed kernels measured invariant from 8 rows; MKL's fp32 GEMM
-gives 9 rows their own kernel, so needs 16)."""
+MIN_ROWS_CANDIDATES = (1, 8, 16)
+"""What `check_model` tries per weight shape, fewest rows first: padding costs single-stream
+time (8 rows: about 11% of a bf16 SmolLM2 decode step on one AVX512-BF16 EPYC core), so a
+shape that is invariant unpadded stays unpadded. Measured there: oneDNN's packed bf16 kernels
+are invariant unpadded for SmolLM2's q|k|v, o and gate|up shapes and need 8 rows for down_proj
+(K = 1536); MKL's fp32 GEMM gives 9 rows their own kernel, so it needs 16."""
 
-PROBE_ROWS = (1, 2, 3, 9, 15, 16, 17, 40, 64, 130)
-"""Batch sizes `probe` runs."""
+PROBE_ROWS = (1, 2, 3, 9, 15, 16, 17, 40, 64, 130, 257, 600)
+"""Batch sizes `probe` runs (larger prefill chunks are assumed to take the largest's path)."""
 
-PROBE_ALONE = (0, 1, 2, 8, 14, 15, 16, 39, 63, 129)
+PROBE_ALONE = (0, 1, 2, 8, 14, 15, 16, 39, 63, 129, 256, 599)
 """Rows `probe` also computes alone, to compare with the same rows in every batch above."""
 
 
