@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class ClusterEngine:
         self.pool = WorkerPool(self.config.poll_interval_s)
         self.outputs = OutputProcessor(self._tokenizer)
         self._ids = itertools.count()
+        self._instance = uuid.uuid4().hex[:12]  # unique per router: ids never collide
         self._stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stats = EngineStats()
@@ -198,14 +200,17 @@ class ClusterEngine:
         params = params or SamplingParams()
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.check_lengths(len(ids), params)
-        request_id = request_id or f"req-{next(self._ids)}"
+        # NOTE: workers see an id this router makes, never the client's: a client cannot pick
+        # an id another request (of another tenant, or another router) uses on the workers.
+        internal_id = f"{self._instance}-{next(self._ids)}"
+        request_id = request_id or internal_id
         state = RequestState(request_id, text, ids)
         for index in range(params.n):
             sample_params = params
             if params.n > 1:
                 seed = None if params.seed is None else params.seed + index
                 sample_params = dataclasses.replace(params, n=1, seed=seed)
-            sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            sub_id = internal_id if params.n == 1 else f"{internal_id}#{index}"
             request = Request(sub_id, ids, sample_params, max_tokens, self._tokenizer.eos_token_ids)
             state.samples.append(self.outputs.new_sample(index, request))
         self._stats.num_prompt_tokens += len(ids) * params.n

@@ -22,7 +22,9 @@ class FakeWorker:
             since=lambda _: SimpleNamespace(last_event=0, snapshot=False, stored=[], removed=[])
         )
 
-    async def generate(self, prompt, params, request_id):  # the free inference of issue #25
+    async def generate(
+        self, prompt, params, request_id, num_replayed=0
+    ):  # issue #25: free inference
         self.calls += 1
         for _ in ():  # an empty stream: what matters is that it was served
             yield
