@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels
 from tests.engine.test_cpu_kernels import random_decode_batch
 
 # (heads, KV heads, head_dim, block size): SmolLM2, Llama-8B, a block size off the vector
@@ -15,14 +14,6 @@ from tests.engine.test_cpu_kernels import random_decode_batch
 SHAPES = [(9, 3, 64, 16), (32, 8, 128, 16), (4, 2, 16, 7), (6, 2, 32, 32)]
 LENGTHS = [700, 37, 300, 1200, 5, 257, 256, 513, 129]  # one and several partitions
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_cpu_kernels()
-    if module is None:
-        pytest.fail("the C++ CPU kernels did not build (g++ and ninja are project dependencies)")
-    return module
 
 
 def _decode(module, batch, which, scale):

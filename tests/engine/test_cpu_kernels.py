@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
-from engine.kernels.cpu import build_cpu_kernels, kernels_for, load_cpu_kernels
+from engine.kernels.cpu import build_cpu_kernels, kernels_for
 from engine.model import llama, rotary
 from engine.model.rotary import RotaryEmbedding, _rotate
 
@@ -36,14 +36,6 @@ SHAPES = [
     (14, 2, 64, 16),  # G = 7: value rows shared by chunks of heads, plus a remainder chunk
     (6, 2, 8, 4),  # one-vector rows at 8 lanes: keys shared by all heads there too
 ]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = load_cpu_kernels()
-    if module is None:
-        pytest.fail("the C++ CPU kernels did not build (g++ and ninja are project dependencies)")
-    return module
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
