@@ -19,7 +19,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
 BUDGETS = (2 << 20, 1 << 20)  # kv_cache_memory_bytes of rank 0, rank 1
 
 
-def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu"):
+def _start_ranks(model, tmp_path, prompts, backend, device):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     port = free_port()
@@ -46,9 +46,20 @@ def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu"):
         )
         for rank in range(2)
     ]
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out[-3000:]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu"):
+    """NOTE: since 2026-11-25 a rank process sometimes dies by a signal (SIGBUS/SIGABRT) while
+    starting, before it loads the model, in about 1 of 3 runs on the 2-core CI VM, and never
+    when run by hand: not yet understood (see that day's closing note). Such a start is
+    retried once; any other failure, or a second one, fails the test."""
+    results = _start_ranks(model, tmp_path, prompts, backend, device)
+    if any(code < 0 for code, _ in results):
+        results = _start_ranks(model, tmp_path, prompts, backend, device)
+    for code, out in results:
+        assert code == 0, out[-3000:]
     return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
 
 
