@@ -59,27 +59,30 @@ def test_full_queue_is_503_with_retry_after(small: tuple[LiveServer, AsyncEngine
     assert resp.choices[0].finish_reason in ("length", "stop")
 
 
+async def _status_codes(live: LiveServer, count: int, timeout_s: float, **body) -> list[int]:
+    """`count` concurrent completions (`body`): each one's HTTP status."""
+
+    async def one(aclient: openai.AsyncOpenAI) -> int:
+        try:
+            await aclient.completions.create(model=MODEL_NAME, **body)
+        except openai.APIStatusError as e:
+            return e.status_code
+        return 200
+
+    async with openai.AsyncOpenAI(
+        base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=timeout_s
+    ) as aclient:
+        return await asyncio.gather(*(one(aclient) for _ in range(count)))
+
+
 def test_flood_gets_some_503s_and_the_rest_complete(
     small: tuple[LiveServer, AsyncEngine],
 ) -> None:
     live, engine = small
 
-    async def one(aclient: openai.AsyncOpenAI) -> int:
-        try:
-            await aclient.completions.create(
-                model=MODEL_NAME, prompt="flood", max_tokens=200, extra_body={"ignore_eos": True}
-            )
-        except openai.APIStatusError as e:
-            return e.status_code
-        return 200
-
-    async def flood() -> list[int]:
-        async with openai.AsyncOpenAI(
-            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=20
-        ) as aclient:
-            return await asyncio.gather(*(one(aclient) for _ in range(12)))
-
-    codes = asyncio.run(flood())
+    codes = asyncio.run(
+        _status_codes(live, 12, 20, prompt="flood", max_tokens=200, extra_body={"ignore_eos": True})
+    )
     assert set(codes) <= {200, 503}
     assert codes.count(200) >= 2
     assert codes.count(503) >= 1
@@ -93,21 +96,9 @@ def test_default_admission_queues_a_load_tools_burst(tiny_llama: str) -> None:
     engine = make_engine(tiny_llama, max_num_seqs=2)
     live = LiveServer(build_app(engine, MODEL_NAME)).start()
 
-    async def one(aclient: openai.AsyncOpenAI) -> int:
-        try:
-            await aclient.completions.create(model=MODEL_NAME, prompt="burst", max_tokens=1)
-        except openai.APIStatusError as e:
-            return e.status_code
-        return 200
-
-    async def burst() -> list[int]:
-        async with openai.AsyncOpenAI(
-            base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120
-        ) as aclient:
-            return await asyncio.gather(*(one(aclient) for _ in range(300)))
-
     try:
-        assert asyncio.run(burst()) == [200] * 300
+        codes = asyncio.run(_status_codes(live, 300, 120, prompt="burst", max_tokens=1))
+        assert codes == [200] * 300
         assert wait_until_idle(engine)
     finally:
         live.stop()
