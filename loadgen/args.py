@@ -106,6 +106,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "after starting `duet serve` (default: one try, bounded at 10 s)",
     )
     p.add_argument(
+        "--max-concurrency",
+        type=_bounded(int, 1),
+        default=None,
+        metavar="N",
+        help="at most N requests in flight; 1 measures one stream (default: no bound)",
+    )
+    p.add_argument(
         "--num-warmup",
         type=_bounded(int, 0),
         default=1,

@@ -112,8 +112,9 @@ async def _run(args: argparse.Namespace) -> int:
             offsets = arrival_offsets(args.num_requests, rate, args.seed)
             print(f"rate {_rate_json(rate)} req/s: sending {len(specs)} requests", flush=True)
             results, duration_s = await _run_rate(
-                client, endpoint, specs, prompts, offsets, args.request_timeout_s
-            )
+                client, endpoint, specs, prompts, offsets, args.request_timeout_s,
+                args.max_concurrency,
+            )  # fmt: skip
             summary = summarize(results, duration_s, slo)
             print(
                 f"  {summary['completed']} completed, {summary['failed']} failed in {duration_s:.1f}s"
@@ -218,21 +219,30 @@ async def _run_rate(
     prompts: Sequence[list[int] | str],
     offsets: Sequence[float],
     timeout_s: float,
+    max_concurrency: int | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send request i at `offsets[i]` (one task each, so a slow server does not delay later
-    arrivals); every request is bounded by `timeout_s`, so this ends."""
+    arrivals), or, with `max_concurrency`, once fewer than that many are in flight (as
+    vLLM's `bench serve --max-concurrency`; latencies count from the actual send). Every
+    request is bounded by `timeout_s`, so this ends."""
     from loadgen.client import RequestResult, send_request
 
     start = time.perf_counter()
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def send(prompt: list[int] | str, result: RequestResult) -> RequestResult:
+        if slots is None:
+            return await send_request(client, endpoint, prompt, result, start, timeout_s)
+        async with slots:
+            return await send_request(client, endpoint, prompt, result, start, timeout_s)
+
     tasks = []
     for i, (spec, prompt, offset) in enumerate(zip(specs, prompts, offsets, strict=True)):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         result = RequestResult(i, spec.input_len, spec.output_len)
-        tasks.append(
-            asyncio.create_task(send_request(client, endpoint, prompt, result, start, timeout_s))
-        )
+        tasks.append(asyncio.create_task(send(prompt, result)))
     results = list(await asyncio.gather(*tasks))
     return results, time.perf_counter() - start
 
@@ -259,6 +269,7 @@ def _config(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "temperature": args.temperature,
         "request_timeout_s": args.request_timeout_s,
         "num_warmup": args.num_warmup,
+        "max_concurrency": args.max_concurrency,
         "with_batch": args.with_batch,
         "batch_output_len": args.batch_output_len if args.with_batch else None,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

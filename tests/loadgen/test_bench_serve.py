@@ -123,6 +123,24 @@ def test_sweep_counts_tokens_exactly_and_writes_json_and_png(
     assert both.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_max_concurrency_one_is_one_stream(
+    server: LiveServer, tiny_llama: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "one.json"
+    rc = _bench(
+        server, tiny_llama, "--rate", "inf", "--num-requests", "4", "--max-concurrency", "1",
+        "--input-len-dist", "fixed:12", "--output-len-dist", "fixed:6",
+        "--result-json", str(out), "--no-plot",
+    )  # fmt: skip
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["max_concurrency"] == 1
+    requests = result["runs"][0]["requests"]
+    assert [r["error"] for r in requests] == [None] * 4
+    for before, after in itertools.pairwise(requests):  # each sent once the last ended
+        assert after["send_s"] >= before["send_s"] + before["e2e_s"]
+
+
 def test_chat_endpoint_with_impossible_slo(
     server: LiveServer, tiny_llama: str, tmp_path: Path
 ) -> None:
