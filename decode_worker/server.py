@@ -1,15 +1,15 @@
 """The decode worker's gRPC service (`duet.v1.DecodeWorker`) plus standard health checking.
 
-Status codes: no room for the prompt -> RESOURCE_EXHAUSTED (try another worker); the KV never
-arrived -> ABORTED (retry with another prefill); the worker is stopping -> UNAVAILABLE; bad
-input -> INVALID_ARGUMENT.
-A client that cancels its stream aborts the request and frees its blocks."""
+Status codes (of the call, or of a request's error item on its `Outputs` stream): no room
+for the prompt -> RESOURCE_EXHAUSTED (try another worker); the KV never arrived -> ABORTED
+(retry with another prefill); the worker is stopping -> UNAVAILABLE; bad input ->
+INVALID_ARGUMENT. A router that aborts a request, or closes its `Outputs` stream, frees the
+blocks of what it aborted (output_streams.py)."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import NoReturn
 
 import grpc
@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import AuthInterceptor
 from cluster_auth.tls import add_internal_port
-from decode_worker.wire import to_delta
+from decode_worker.output_streams import OutputStream, OutputStreams
 from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
@@ -31,10 +31,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
         self.worker_id = uuid.uuid4().hex
+        self.streams = OutputStreams()
+
+    async def Outputs(
+        self, request: worker_pb2.OutputsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.OutputBatch]:
+        try:
+            stream = self.streams.open(request.stream_id)
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"stream_id {request.stream_id!r} is empty or already open",
+            )
+        try:
+            async for batch in stream.batches():
+                yield batch
+        finally:  # the router closed it or went away: its requests end here
+            await self.streams.close(stream)
 
     async def DecodeRemote(
         self, request: worker_pb2.DecodeRemoteRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.DecodeMessage]:
+    ) -> worker_pb2.Reserved:
+        stream = await self._stream(request.stream_id, context)
         try:
             params = SamplingParams.from_json(request.sampling_params_json)
             remote = await self.worker.reserve(
@@ -46,22 +64,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             )
         except Exception as e:
             await _abort(context, e)
-        async with remote:
-            reservation = remote.reservation
-            yield worker_pb2.DecodeMessage(
-                reserved=worker_pb2.Reserved(
-                    kv_address=reservation.kv_address, num_blocks=reservation.num_blocks
-                )
-            )
-            try:
-                async for out in remote:
-                    yield worker_pb2.DecodeMessage(output=to_delta(out))
-            except Exception as e:
-                await _abort(context, e)
+        reservation = remote.reservation
+        try:
+            stream.start(request.request_id, remote, _status)
+        except ValueError as e:
+            await remote.aclose()
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        return worker_pb2.Reserved(
+            kv_address=reservation.kv_address, num_blocks=reservation.num_blocks
+        )
 
     async def Generate(
         self, request: worker_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.DecodeMessage]:
+    ) -> worker_pb2.Started:
+        stream = await self._stream(request.stream_id, context)
         try:
             params = SamplingParams.from_json(request.sampling_params_json)
             if params.n != 1:
@@ -72,11 +88,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request.request_id,
                 num_replayed=request.num_replayed,
             )
-            async with aclosing(outputs) as stream:  # type: ignore[type-var]
-                async for out in stream:
-                    yield worker_pb2.DecodeMessage(output=to_delta(out))
+            stream.start(request.request_id, outputs, _status)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except Exception as e:
             await _abort(context, e)
+        return worker_pb2.Started()
+
+    async def Abort(
+        self, request: worker_pb2.AbortDecodeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.Aborted:
+        stream = self.streams.get(request.stream_id)
+        if stream is not None:
+            stream.abort(request.request_id)
+        return worker_pb2.Aborted()
+
+    async def _stream(self, stream_id: str, context: grpc.aio.ServicerContext) -> OutputStream:
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            return stream
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, f"no open Outputs stream with stream_id {stream_id!r}"
+        )
+        raise AssertionError("unreachable: abort raises")
 
     async def GetLoad(
         self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
@@ -98,15 +132,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
+def _status(error: Exception) -> grpc.StatusCode | None:
+    """The status a request's failure ends it with; None for an unexpected one."""
     if isinstance(error, InvalidInputError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, NoCapacityError):
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, KVTransferError):  # this worker is fine; the KV's sender is not
-        await context.abort(grpc.StatusCode.ABORTED, str(error))
+        return grpc.StatusCode.ABORTED
     if isinstance(error, EngineDeadError):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        return grpc.StatusCode.UNAVAILABLE
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: Exception) -> NoReturn:
+    code = _status(error)
+    if code is not None:
+        await context.abort(code, str(error))
     raise error
 
 

@@ -44,7 +44,8 @@ from engine.output_processor import OutputProcessor, RequestState, SampleState
 from engine.request import Request
 from engine.tokenizer import Message, Tokenizer
 from kv_transfer import TransferStatus
-from router.worker_client import DecodeStream, PrefillOutcome
+from router.decode_client import DecodeStream
+from router.worker_client import PrefillOutcome
 from router.worker_pool import ClusterStats, DecodeState, PrefillState, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -311,7 +312,10 @@ class ClusterEngine:
         if attempt == 1:
             self._stats.prefix_cache_queries += len(ids)
         if pick is None or uncached <= self.config.local_prefill_threshold:
-            stream = decode.client.generate(transfer_id, ids, params, timeout, emitted)
+            try:
+                stream = await decode.client.generate(transfer_id, ids, params, timeout, emitted)
+            except grpc.aio.AioRpcError as e:
+                raise self._decode_failure(decode, e) from None
             await self._consume(sample, stream, decode, None, updates)
             return
         prefill = pick[0]

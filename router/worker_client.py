@@ -1,13 +1,10 @@
-"""The router's side of the worker control plane (`duet.v1.PrefillWorker` and
-`duet.v1.DecodeWorker` over gRPC). Every call carries a deadline and fresh credentials of the
+"""The router's client of a prefill worker (`duet.v1.PrefillWorker` over gRPC; the decode
+side is decode_client.py). Every call carries a deadline and fresh credentials of the
 cluster secret (cluster_auth/grpc_auth.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-
-import grpc
 
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import CallSigner
@@ -23,9 +20,8 @@ _STATUSES = {
 }
 
 _PREFILL = "/" + worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name + "/"
-_DECODE = "/" + worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name + "/"
 
-_CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -46,7 +42,7 @@ class PrefillClient:
         """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
         self.address = address
         self.signer = CallSigner(secret or load_cluster_secret())
-        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
+        self.channel = internal_channel(address, CHANNEL_OPTIONS)
         self.stub = worker_pb2_grpc.PrefillWorkerStub(self.channel)
 
     async def prefill(
@@ -84,99 +80,6 @@ class PrefillClient:
             worker_pb2.LoadRequest(since_event=since_event),
             timeout=timeout_s,
             metadata=self.signer.metadata(_PREFILL + "GetLoad"),
-        )
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-class DecodeStream:
-    """One request's stream from a decode worker; `cancel` aborts it there."""
-
-    def __init__(self, call: grpc.aio.UnaryStreamCall, reserved: worker_pb2.Reserved | None):
-        self.call = call
-        self.reserved = reserved
-
-    async def deltas(self) -> AsyncIterator[worker_pb2.OutputDelta]:
-        # NOTE: read(), not `async for`: the reservation was already read() and grpc.aio
-        # refuses to mix the two styles on one call.
-        while True:
-            message = await self.call.read()
-            if message is grpc.aio.EOF:
-                return
-            yield message.output
-
-    def cancel(self) -> None:
-        self.call.cancel()
-
-
-class DecodeClient:
-    def __init__(self, address: str, secret: ClusterSecret | None = None) -> None:
-        """`secret`: the cluster's (default: this process's, `load_cluster_secret`)."""
-        self.address = address
-        self.signer = CallSigner(secret or load_cluster_secret())
-        self.channel = internal_channel(address, _CHANNEL_OPTIONS)
-        self.stub = worker_pb2_grpc.DecodeWorkerStub(self.channel)
-
-    async def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kv_wait_s: float,
-        timeout_s: float,
-        num_replayed: int = 0,
-    ) -> DecodeStream:
-        """Reserve blocks for a remote prefill. Raises `grpc.aio.AioRpcError`
-        (RESOURCE_EXHAUSTED: no room there) before anything was reserved."""
-        call = self.stub.DecodeRemote(
-            worker_pb2.DecodeRemoteRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params_json=params.to_json(),
-                kv_wait_s=kv_wait_s,
-                num_replayed=num_replayed,
-            ),
-            timeout=timeout_s,
-            metadata=self.signer.metadata(_DECODE + "DecodeRemote"),
-        )
-        try:
-            first = await call.read()
-        except BaseException:
-            call.cancel()
-            raise
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
-            call.cancel()
-            raise RuntimeError(
-                f"decode worker {self.address}: stream did not start with a reservation"
-            )
-        return DecodeStream(call, first.reserved)
-
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        timeout_s: float,
-        num_replayed: int = 0,
-    ) -> DecodeStream:
-        call = self.stub.Generate(
-            worker_pb2.LocalGenerateRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                sampling_params_json=params.to_json(),
-                num_replayed=num_replayed,
-            ),
-            timeout=timeout_s,
-            metadata=self.signer.metadata(_DECODE + "Generate"),
-        )
-        return DecodeStream(call, None)
-
-    async def load(self, timeout_s: float = 2.0) -> worker_pb2.DecodeLoad:
-        return await self.stub.GetLoad(
-            worker_pb2.LoadRequest(),
-            timeout=timeout_s,
-            metadata=self.signer.metadata(_DECODE + "GetLoad"),
         )
 
     async def close(self) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine.block_pool import BlockHash, hash_request_blocks
-from router.worker_client import DecodeClient, PrefillClient
+from router.decode_client import DecodeClient
+from router.worker_client import PrefillClient
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,10 @@ from cluster_auth.grpc_auth import CallSigner
 from decode_worker.server import start_decode_server
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.server import start_prefill_server
-from router.worker_client import DecodeClient, PrefillClient
+from router.decode_client import DecodeClient
+from router.worker_client import PrefillClient
 from tests.cluster_auth.fake_worker import FakeWorker
+from tests.waiting import wait_for_async
 
 SECRET = ClusterSecret("right-" + "a" * 40)
 OTHER = ClusterSecret("wrong-" + "b" * 40)
@@ -30,23 +32,29 @@ def rpcs(stub_decode, stub_prefill):
     """Every worker RPC, as (name, call(metadata) -> awaitable)."""
     params = '{"max_tokens": 1}'
 
-    async def generate(md):
-        call = stub_decode.Generate(
-            worker_pb2.LocalGenerateRequest(request_id="r", prompt_token_ids=[1], sampling_params_json=params),
-            metadata=md, timeout=5,
-        )  # fmt: skip
-        return [m async for m in call]
-
-    async def decode_remote(md):
-        call = stub_decode.DecodeRemote(
-            worker_pb2.DecodeRemoteRequest(request_id="r", prompt_token_ids=[1], sampling_params_json=params),
-            metadata=md, timeout=5,
-        )  # fmt: skip
-        return [m async for m in call]
+    async def outputs(md):
+        call = stub_decode.Outputs(worker_pb2.OutputsRequest(stream_id="s"), metadata=md, timeout=5)
+        return await call.read()  # the opening batch
 
     return {
-        "DecodeWorker/Generate": generate,
-        "DecodeWorker/DecodeRemote": decode_remote,
+        "DecodeWorker/Outputs": outputs,
+        "DecodeWorker/Generate": lambda md: stub_decode.Generate(
+            worker_pb2.LocalGenerateRequest(
+                request_id="r", prompt_token_ids=[1], sampling_params_json=params, stream_id="s"
+            ),
+            metadata=md,
+            timeout=5,
+        ),
+        "DecodeWorker/DecodeRemote": lambda md: stub_decode.DecodeRemote(
+            worker_pb2.DecodeRemoteRequest(
+                request_id="r", prompt_token_ids=[1], sampling_params_json=params, stream_id="s"
+            ),
+            metadata=md,
+            timeout=5,
+        ),
+        "DecodeWorker/Abort": lambda md: stub_decode.Abort(
+            worker_pb2.AbortDecodeRequest(request_id="r", stream_id="s"), metadata=md, timeout=5
+        ),
         "DecodeWorker/GetLoad": lambda md: stub_decode.GetLoad(
             worker_pb2.LoadRequest(), metadata=md, timeout=5
         ),
@@ -61,6 +69,18 @@ def rpcs(stub_decode, stub_prefill):
             worker_pb2.LoadRequest(), metadata=md, timeout=5
         ),
     }
+
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"]
+
+
+def stub_outputs(channel, signer):
+    """An open `Outputs` stream with id "s"."""
+    return worker_pb2_grpc.DecodeWorkerStub(channel).Outputs(
+        worker_pb2.OutputsRequest(stream_id="s"),
+        metadata=signer.metadata("/duet.v1.DecodeWorker/Outputs"),
+        timeout=10,
+    )
 
 
 async def status_of(awaitable) -> grpc.StatusCode:
@@ -99,12 +119,18 @@ def test_worker_rpcs_need_credentials(caplog):
                     signed_elsewhere = right.metadata("/duet.v1.Duet/Chat")
                     assert await status_of(call(signed_elsewhere)) == UNAUTHENTICATED, name
                 assert worker.calls == 0  # nothing reached the servicer
+                assert {m.name for m in SERVICE.methods} == {
+                    n.split("/")[1] for n in calls if n.startswith("DecodeWorker/")
+                }  # every decode RPC was tried
                 # the right secret: served; the very same credentials again: a replay
+                opened = stub_outputs(dch, right)
+                assert list((await opened.read()).items) == []
                 md = right.metadata("/duet.v1.DecodeWorker/Generate")
                 assert await status_of(calls["DecodeWorker/Generate"](md)) == grpc.StatusCode.OK
-                assert worker.calls == 1
+                await wait_for_async(lambda: worker.calls == 1, 5, "the call served")
                 assert await status_of(calls["DecodeWorker/Generate"](md)) == UNAUTHENTICATED
                 assert worker.calls == 1
+                opened.cancel()
                 md = right.metadata("/duet.v1.PrefillWorker/GetLoad")
                 load = await calls["PrefillWorker/GetLoad"](md)
                 assert load.num_free_blocks == 7

@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 from cluster_auth import ClusterSecret
 from cluster_auth.tls import SERVER_NAME, load_internal_tls
 from decode_worker.server import start_decode_server
-from router.worker_client import DecodeClient
+from router.decode_client import DecodeClient
 from tests.cluster_auth.fake_worker import FakeWorker
 
 SECRET = ClusterSecret("tls-" + "e" * 40)

@@ -83,38 +83,80 @@ class PrefillLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class DecodeRemoteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed", "stream_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     kv_wait_s: float
     num_replayed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed", "stream_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     num_replayed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
 
-class DecodeMessage(_message.Message):
-    __slots__ = ("reserved", "output")
-    RESERVED_FIELD_NUMBER: _ClassVar[int]
+class OutputsRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class OutputBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RequestOutputItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[RequestOutputItem, _Mapping]]] = ...) -> None: ...
+
+class RequestOutputItem(_message.Message):
+    __slots__ = ("request_id", "output", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    reserved: Reserved
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
     output: OutputDelta
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., output: _Optional[_Union[OutputDelta, _Mapping]] = ...) -> None: ...
+    error: RequestError
+    def __init__(self, request_id: _Optional[str] = ..., output: _Optional[_Union[OutputDelta, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class Started(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortDecodeRequest(_message.Message):
+    __slots__ = ("request_id", "stream_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    stream_id: str
+    def __init__(self, request_id: _Optional[str] = ..., stream_id: _Optional[str] = ...) -> None: ...
+
+class Aborted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("kv_address", "num_blocks")

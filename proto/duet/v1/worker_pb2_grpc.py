@@ -146,7 +146,8 @@ class PrefillWorker:
 
 
 class DecodeWorkerStub:
-    """Continuous-batched decode; tokens stream back to the router.
+    """Continuous-batched decode; tokens stream back to the router, all of a router's requests
+    in one message per engine step (`Outputs`).
     """
 
     def __init__(self, channel):
@@ -155,15 +156,25 @@ class DecodeWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.DecodeRemote = channel.unary_stream(
+        self.Outputs = channel.unary_stream(
+                '/duet.v1.DecodeWorker/Outputs',
+                request_serializer=duet_dot_v1_dot_worker__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=duet_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+                _registered_method=True)
+        self.DecodeRemote = channel.unary_unary(
                 '/duet.v1.DecodeWorker/DecodeRemote',
                 request_serializer=duet_dot_v1_dot_worker__pb2.DecodeRemoteRequest.SerializeToString,
-                response_deserializer=duet_dot_v1_dot_worker__pb2.DecodeMessage.FromString,
+                response_deserializer=duet_dot_v1_dot_worker__pb2.Reserved.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
+        self.Generate = channel.unary_unary(
                 '/duet.v1.DecodeWorker/Generate',
                 request_serializer=duet_dot_v1_dot_worker__pb2.LocalGenerateRequest.SerializeToString,
-                response_deserializer=duet_dot_v1_dot_worker__pb2.DecodeMessage.FromString,
+                response_deserializer=duet_dot_v1_dot_worker__pb2.Started.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/duet.v1.DecodeWorker/Abort',
+                request_serializer=duet_dot_v1_dot_worker__pb2.AbortDecodeRequest.SerializeToString,
+                response_deserializer=duet_dot_v1_dot_worker__pb2.Aborted.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/duet.v1.DecodeWorker/GetLoad',
@@ -173,20 +184,40 @@ class DecodeWorkerStub:
 
 
 class DecodeWorkerServicer:
-    """Continuous-batched decode; tokens stream back to the router.
+    """Continuous-batched decode; tokens stream back to the router, all of a router's requests
+    in one message per engine step (`Outputs`).
     """
 
+    def Outputs(self, request, context):
+        """The outputs of every request started with this stream's `stream_id`: one `OutputBatch`
+        per engine step. The first message is an empty batch (the stream is open: requests may
+        name it now). Ending the stream aborts the requests still running on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DecodeRemote(self, request, context):
-        """Reserve blocks for a prompt whose KV a prefill worker sends, then stream its outputs
-        (the first token included). The first message is `reserved`; RESOURCE_EXHAUSTED when
-        there is no room, ABORTED when the KV never arrives, UNAVAILABLE when stopping.
+        """Reserve blocks for a prompt whose KV a prefill worker sends; its outputs (the first
+        token included) come on the `Outputs` stream named by `stream_id`.
+        RESOURCE_EXHAUSTED when there is no room, UNAVAILABLE when stopping, NOT_FOUND for an
+        unknown stream. Later failures (ABORTED: the KV never arrived) come on the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """Prefill here and decode (conditional disaggregation, or a recompute after a failure).
+        """Prefill here and decode (conditional disaggregation, or a recompute after a failure);
+        outputs on the `Outputs` stream, as above.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Abort a request started on one of the caller's streams (idempotent; a request that
+        already ended is not an error).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,15 +232,25 @@ class DecodeWorkerServicer:
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'DecodeRemote': grpc.unary_stream_rpc_method_handler(
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=duet_dot_v1_dot_worker__pb2.OutputsRequest.FromString,
+                    response_serializer=duet_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
+            ),
+            'DecodeRemote': grpc.unary_unary_rpc_method_handler(
                     servicer.DecodeRemote,
                     request_deserializer=duet_dot_v1_dot_worker__pb2.DecodeRemoteRequest.FromString,
-                    response_serializer=duet_dot_v1_dot_worker__pb2.DecodeMessage.SerializeToString,
+                    response_serializer=duet_dot_v1_dot_worker__pb2.Reserved.SerializeToString,
             ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
+            'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=duet_dot_v1_dot_worker__pb2.LocalGenerateRequest.FromString,
-                    response_serializer=duet_dot_v1_dot_worker__pb2.DecodeMessage.SerializeToString,
+                    response_serializer=duet_dot_v1_dot_worker__pb2.Started.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=duet_dot_v1_dot_worker__pb2.AbortDecodeRequest.FromString,
+                    response_serializer=duet_dot_v1_dot_worker__pb2.Aborted.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -225,11 +266,12 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
-    """Continuous-batched decode; tokens stream back to the router.
+    """Continuous-batched decode; tokens stream back to the router, all of a router's requests
+    in one message per engine step (`Outputs`).
     """
 
     @staticmethod
-    def DecodeRemote(request,
+    def Outputs(request,
             target,
             options=(),
             channel_credentials=None,
@@ -242,9 +284,36 @@ class DecodeWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
+            '/duet.v1.DecodeWorker/Outputs',
+            duet_dot_v1_dot_worker__pb2.OutputsRequest.SerializeToString,
+            duet_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeRemote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
             '/duet.v1.DecodeWorker/DecodeRemote',
             duet_dot_v1_dot_worker__pb2.DecodeRemoteRequest.SerializeToString,
-            duet_dot_v1_dot_worker__pb2.DecodeMessage.FromString,
+            duet_dot_v1_dot_worker__pb2.Reserved.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,12 +335,39 @@ class DecodeWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
+        return grpc.experimental.unary_unary(
             request,
             target,
             '/duet.v1.DecodeWorker/Generate',
             duet_dot_v1_dot_worker__pb2.LocalGenerateRequest.SerializeToString,
-            duet_dot_v1_dot_worker__pb2.DecodeMessage.FromString,
+            duet_dot_v1_dot_worker__pb2.Started.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.DecodeWorker/Abort',
+            duet_dot_v1_dot_worker__pb2.AbortDecodeRequest.SerializeToString,
+            duet_dot_v1_dot_worker__pb2.Aborted.FromString,
             options,
             channel_credentials,
             insecure,
