@@ -51,10 +51,13 @@ def _start_ranks(model, tmp_path, prompts, backend, device):
 
 
 def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu"):
-    """NOTE: since 2026-11-25 a rank process sometimes dies by a signal (SIGBUS/SIGABRT) while
-    starting, before it loads the model, in about 1 of 3 runs on the 2-core CI VM, and never
-    when run by hand: not yet understood (see that day's closing note). Such a start is
-    retried once; any other failure, or a second one, fails the test."""
+    """NOTE: on 2026-11-25 a rank process sometimes died by a signal (SIGBUS/SIGABRT) while
+    starting, in about 1 of 3 runs on the 2-core CI VM, never when run by hand. The likely
+    cause, since mended (engine/kernels/cpu.py, tests/engine/test_kernel_build.py): every
+    checkout shared one kernel build name, so a checkout at another path (CI's clone, a
+    worktree) rebuilt the .so in place under processes that had it mapped. A start that dies
+    by a signal is still retried once until CI has shown it gone; any other failure, or a
+    second one, fails the test."""
     results = _start_ranks(model, tmp_path, prompts, backend, device)
     if any(code < 0 for code, _ in results):
         results = _start_ranks(model, tmp_path, prompts, backend, device)
