@@ -1,0 +1,246 @@
+"""One attempt of one sample on the cluster: a decode worker, and a prefill group unless the
+decode worker prefills it itself; its tokens streamed into the sample. What makes an attempt
+fail in a way another may not raises `RetryAttempt` (cluster_engine.py tries again)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from duet.v1 import worker_pb2
+from engine import InvalidInputError
+from engine.async_engine import EngineDeadError
+from engine.llm_engine import EngineStats
+from engine.output_processor import OutputProcessor, SampleState
+from kv_transfer import TransferStatus
+from router.decode_client import DecodeStream
+from router.worker_client import PrefillOutcome
+from router.worker_pool import DecodeState, PrefillState, WorkerPool
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the router runs requests on the worker pools."""
+
+    local_prefill_threshold: int = 32
+    """Prompts with at most this many uncached tokens prefill on their decode worker."""
+    request_timeout_s: float = 600.0
+    """Longest a request may take, retries included."""
+    kv_wait_s: float = 90.0
+    """How long a decode worker waits for a request's KV (must exceed the prefill lease)."""
+    max_attempts: int = 4
+    """Attempts per sample before it fails."""
+    max_num_seqs_per_decode_worker: int = 128
+    """Admission capacity per decode worker (their `max_num_seqs`)."""
+    num_decode_workers: int = 1
+    """Decode workers expected (admission capacity before the first load reports)."""
+    poll_interval_s: float = 0.5
+    """How often each worker's load and health are polled."""
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_threshold < 0:
+            raise ValueError(
+                f"--local-prefill-threshold: must be >= 0; got {self.local_prefill_threshold}"
+            )
+        if not self.request_timeout_s > self.kv_wait_s > 0:
+            raise ValueError(
+                f"--request-timeout ({self.request_timeout_s}) must exceed --kv-wait "
+                f"({self.kv_wait_s}), which must be > 0"
+            )
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
+
+
+class RetryAttempt(Exception):
+    """This attempt failed in a way another attempt may not."""
+
+
+class AttemptRunner:
+    """Runs attempts for `ClusterEngine` over its pool, its output processor and its stats."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        pool: WorkerPool,
+        outputs: OutputProcessor,
+        stats: EngineStats,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.outputs = outputs
+        self._stats = stats
+
+    async def run(
+        self,
+        sample: SampleState,
+        prompt_ids: list[int],
+        decode: DecodeState,
+        attempt: int,
+        deadline: float,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        request = sample.request
+        ids = prompt_ids + request.output_token_ids  # after a lost decode worker: continue
+        emitted = request.num_output_tokens
+        # Stop strings are the router's (it sees all the text, across attempts).
+        params = dataclasses.replace(
+            request.sampling_params,
+            max_tokens=request.max_tokens - emitted,
+            min_tokens=max(0, request.sampling_params.min_tokens - emitted),
+            stop=[],
+        )
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
+        transfer_id = f"{request.request_id}@{attempt}"
+        pick = self.pool.pick_prefill(ids)
+        uncached = len(ids) - (pick[1] if pick else 0)
+        if attempt == 1:
+            self._stats.prefix_cache_queries += len(ids)
+        if pick is None or uncached <= self.config.local_prefill_threshold:
+            try:
+                stream = await decode.client.generate(transfer_id, ids, params, timeout, emitted)
+            except grpc.aio.AioRpcError as e:
+                raise self._decode_failure(decode, e) from None
+            await self._consume(sample, stream, decode, None, updates)
+            return
+        prefill = pick[0]
+        num_blocks = -(-len(ids) // max(1, decode.block_size))
+        decode.num_sent += 1
+        decode.num_sent_blocks += num_blocks
+        try:
+            stream = await decode.client.reserve(
+                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted
+            )
+        except grpc.aio.AioRpcError as e:
+            raise self._decode_failure(decode, e) from None
+        prefill.num_sent_tokens += uncached
+        prefill_call = asyncio.create_task(
+            prefill.client.prefill(
+                transfer_id,
+                ids,
+                params,
+                stream.reserved.kv_address if stream.reserved else "",
+                min(timeout, self.config.kv_wait_s),
+                emitted,  # a grammar replays the output so far (worker.proto)
+            )
+        )
+        try:
+            await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
+        finally:
+            prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
+            if not prefill_call.done():
+                prefill_call.cancel()
+            await asyncio.gather(prefill_call, return_exceptions=True)
+
+    async def _consume(
+        self,
+        sample: SampleState,
+        stream: DecodeStream,
+        decode: DecodeState,
+        prefill: tuple[PrefillState, asyncio.Task[PrefillOutcome]] | None,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> None:
+        """Stream the attempt's tokens into the sample until it finishes. A prefill that
+        fails first cancels the stream (the KV will never come)."""
+        reader = asyncio.create_task(self._read(sample, stream, updates))
+        try:
+            if prefill is not None:
+                state, call = prefill
+                done, _ = await asyncio.wait({reader, call}, return_when=asyncio.FIRST_COMPLETED)
+                if call in done and not reader.done():
+                    problem = self._prefill_problem(state, call)
+                    if problem is not None:
+                        raise RetryAttempt(problem)
+            try:
+                finished = await reader
+            except grpc.aio.AioRpcError as e:
+                if prefill is not None and prefill[1].done():
+                    problem = self._prefill_problem(*prefill)
+                    if problem is not None:
+                        raise RetryAttempt(problem) from None
+                raise self._decode_failure(decode, e) from None
+            if not finished:
+                self.pool.mark_broken(decode, RuntimeError("stream ended early"))
+                raise RetryAttempt(f"decode worker {decode.name} ended the stream early")
+        finally:
+            if not reader.done():
+                reader.cancel()
+                stream.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(
+        self,
+        sample: SampleState,
+        stream: DecodeStream,
+        updates: asyncio.Queue[BaseException | None],
+    ) -> bool:
+        """True once the sample finished (the stream is then cancelled if still open)."""
+        async for delta in stream.deltas():
+            if self._apply(sample, delta):
+                updates.put_nowait(None)
+            if sample.finish_reason is not None:
+                stream.cancel()
+                return True
+        return False
+
+    def _apply(self, sample: SampleState, delta: worker_pb2.OutputDelta) -> bool:
+        """Fold a worker's delta into the sample; True when anything changed."""
+        request = sample.request
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = delta.num_cached_tokens
+            self._stats.prefix_cache_hits += delta.num_cached_tokens
+        changed = False
+        for i, token in enumerate(delta.token_ids):
+            lp = delta.logprobs[i] if i < len(delta.logprobs) else None
+            logprob = (
+                (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) if lp else None
+            )
+            request.append_output_token(token)
+            self._stats.num_generated_tokens += 1
+            changed = True
+            if self.outputs.process_token(sample, token, logprob):
+                self.outputs.finish(sample, "stop")
+                return True
+        if delta.finish_reason:
+            if delta.WhichOneof("stop_reason") == "stop_token_id":
+                request.stop_reason = delta.stop_token_id
+            self.outputs.finish(sample, delta.finish_reason)
+            changed = True
+        return changed
+
+    def _prefill_problem(
+        self, state: PrefillState, call: asyncio.Task[PrefillOutcome]
+    ) -> str | None:
+        """Why a finished prefill call means the KV will not come; None if it came."""
+        if call.cancelled():
+            return None
+        error = call.exception()
+        if isinstance(error, grpc.aio.AioRpcError):
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidInputError("prompt", error.details() or "refused") from None
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.pool.mark_broken(state, error)
+            return f"prefill worker {state.name}: {error.code().name}: {error.details()}"
+        if error is not None:
+            return f"prefill worker {state.name}: {error!r}"
+        outcome = call.result()
+        if outcome.status == TransferStatus.DONE:
+            return None
+        return f"prefill worker {state.name}: KV transfer {outcome.status.value}: {outcome.error}"
+
+    def _decode_failure(self, decode: DecodeState, error: grpc.aio.AioRpcError) -> Exception:
+        code = error.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidInputError("prompt", error.details() or "refused by the decode worker")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            decode.full_until = time.monotonic() + 0.2
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
+        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            self.pool.mark_broken(decode, error)
+        return RetryAttempt(f"decode worker {decode.name}: {code.name}: {error.details()}")
