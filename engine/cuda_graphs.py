@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, KernelBatch
+from engine.attention_metadata import AttentionMetadata, KernelBatch
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

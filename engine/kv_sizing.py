@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.errors import InvalidInputError
 from engine.parallel import TensorParallel
 

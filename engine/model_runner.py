@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention_metadata import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.errors import InvalidInputError
 from engine.input_batch import InputBatch

@@ -130,7 +130,7 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
 
 
 def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
-    from engine.attention import AttentionMetadata
+    from engine.attention_metadata import AttentionMetadata
     from engine.cuda_graphs import DecodeGraphs
 
     cfg = duet.config
@@ -187,7 +187,7 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
 
 
 def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
-    from engine.attention import AttentionMetadata
+    from engine.attention_metadata import AttentionMetadata
 
     cfg = duet.config
     rows = []

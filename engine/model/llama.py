@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, store_kv
+from engine.attention import GatherWorkspace, paged_attention, store_kv
+from engine.attention_metadata import AttentionMetadata
 from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears

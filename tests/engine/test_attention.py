@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv_cache
+from engine.attention import GatherWorkspace, paged_attention, write_kv_cache
+from engine.attention_metadata import AttentionMetadata
 from engine.kernels.cpu import load_cpu_kernels
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata, GatherWorkspace, paged_attention, write_kv_cache
+from engine.attention import GatherWorkspace, paged_attention, write_kv_cache
+from engine.attention_metadata import AttentionMetadata
 from engine.kernels.triton_runtime import triton_unusable_reason
 from tests.engine.triton_cases import (
     BF16_TOL,

@@ -14,13 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import (
-    AttentionMetadata,
-    GatherWorkspace,
-    paged_attention,
-    store_kv,
-    write_kv_cache,
-)
+from engine.attention import GatherWorkspace, paged_attention, store_kv, write_kv_cache
+from engine.attention_metadata import AttentionMetadata
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
