@@ -8,6 +8,8 @@ from typing import Any
 import helm_python as helm
 import yaml
 
+KUBE_VERSION = "1.34"  # the Kubernetes schemas manifests are validated against
+
 CHART_DIR = Path(__file__).resolve().parents[2] / "helm" / "duet"
 PRODUCTION_VALUES = CHART_DIR / "ci" / "production-values.yaml"
 RELEASE = "duet"
@@ -58,3 +60,8 @@ def render(chart: helm.Chart, values: dict[str, Any] | None = None) -> Rendered:
 def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
     (found,) = [c for c in spec["containers"] if c["name"] == name]
     return found
+
+
+def env_values(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(name, value) of every env entry of a pod spec's containers (value None: a reference)."""
+    return [(e["name"], e.get("value")) for c in spec["containers"] for e in c.get("env", [])]

