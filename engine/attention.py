@@ -171,6 +171,8 @@ def _triton_attention(
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
     common = (kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
-    paged_decode_attention(out, query, *common, batch.decode_indices, scale, batch.num_splits)
+    paged_decode_attention(
+        out, query, *common, batch.decode_indices, scale, batch.num_splits, batch.split_partition
+    )
     paged_prefill_attention(out, query, *common, batch.prefill_indices, batch.max_query_len, scale)
     return out

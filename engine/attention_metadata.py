@@ -65,7 +65,8 @@ class KernelBatch:
     decode_indices: torch.Tensor  # [Bd] int32: requests with one query token
     prefill_indices: torch.Tensor  # [Bp] int32: the others (chunks, prefix hits, prompts)
     max_query_len: int  # longest query among prefill_indices (sizes the prefill grid)
-    num_splits: int  # split-K factor of the decode kernel
+    num_splits: int  # split-K factor of the decode kernel's launch
+    split_partition: int = 0  # 0, or each request's fixed split unit (deterministic inference)
 
     @classmethod
     def build(
@@ -76,8 +77,9 @@ class KernelBatch:
         starts: np.ndarray,
         num_kv_heads: int,
         device: torch.device,
+        deterministic: bool = False,
     ) -> KernelBatch:
-        from engine.kernels.triton_decode import choose_num_splits, device_num_sms
+        from engine.kernels.triton_decode import choose_splits, device_num_sms
 
         num_reqs = len(seq_lens)
         width = max(1, max(len(b) for b in block_ids))
@@ -97,6 +99,9 @@ class KernelBatch:
         dev = to_device(packed, device)
         views = torch.split(dev, sizes)
         max_decode_len = max((seq_lens[i] for i in decode), default=0)
+        num_splits, partition = choose_splits(
+            len(decode), num_kv_heads, max_decode_len, device_num_sms(device), deterministic
+        )
         return cls(
             query_start_loc=views[0],
             seq_lens=views[1],
@@ -104,9 +109,8 @@ class KernelBatch:
             decode_indices=views[2],
             prefill_indices=views[3],
             max_query_len=max((query_lens[i] for i in prefill), default=0),
-            num_splits=choose_num_splits(
-                len(decode), num_kv_heads, max_decode_len, device_num_sms(device)
-            ),
+            num_splits=num_splits,
+            split_partition=partition,
         )
 
 
@@ -148,11 +152,13 @@ class AttentionMetadata:
         use_decode_kernel: bool = False,
         triton_num_kv_heads: int | None = None,
         slot_mapping: torch.Tensor | None = None,
+        deterministic: bool = False,
     ) -> AttentionMetadata:
         """`use_decode_kernel`: decodes and prefills go to the C++ CPU kernels (prefills where
         the head size suits the kernel; `paged_attention` checks). `triton_num_kv_heads`: the
         Triton backend (the KV heads this rank caches, for the split-K heuristic); decode
-        groups are then not built. `slot_mapping`: already computed (by the `InputBatch`)."""
+        groups are then not built. `slot_mapping`: already computed (by the `InputBatch`).
+        `deterministic`: Triton's decode splits by each request's own length (`choose_splits`)."""
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
         if slot_mapping is None:
@@ -170,7 +176,7 @@ class AttentionMetadata:
         kernel_batch = None
         if triton_num_kv_heads is not None:
             kernel_batch = KernelBatch.build(
-                query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device
+                query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device, deterministic
             )
         elif decode and use_decode_kernel:
             batch = DecodeBatch(
@@ -211,6 +217,7 @@ class AttentionMetadata:
         backend: str,
         num_kv_heads: int,
         prefill_kernel: bool,
+        deterministic: bool = False,
     ) -> AttentionMetadata:
         """The metadata of a step the `InputBatch` prepared. `backend`: "cpu" (the C++
         kernels read the batch's `KernelTables`; `prefill_kernel` says whether they also
@@ -256,6 +263,7 @@ class AttentionMetadata:
             device,
             triton_num_kv_heads=num_kv_heads if backend == "triton" else None,
             slot_mapping=step.slot_mapping,
+            deterministic=deterministic,
         )
         return meta
 

@@ -44,8 +44,9 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_model_len: int,
         block_size: int,
+        deterministic: bool = False,
     ) -> None:
-        from engine.kernels.triton_decode import choose_num_splits, device_num_sms
+        from engine.kernels.triton_decode import choose_splits, device_num_sms
 
         cache = kv_caches[0]
         device = cache.device
@@ -72,12 +73,16 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_splits: dict[int, int] = {}  # bucket -> split count its graph replays
+        self.split_partition = 0  # deterministic inference: each request's split unit
 
         num_kv_heads = cache.shape[3]
         sms = device_num_sms(device)
         pool = None
         for bs in reversed(self.buckets):  # largest first: the others fit in its memory pool
-            splits = choose_num_splits(bs, num_kv_heads, max_model_len, sms)
+            # The grid is fixed at capture: it covers the longest request the graph may see.
+            splits, self.split_partition = choose_splits(
+                bs, num_kv_heads, max_model_len, sms, deterministic
+            )
             self.num_splits[bs] = splits
             meta = self._metadata(bs, splits)
 
@@ -151,6 +156,7 @@ class DecodeGraphs:
             prefill_indices=self.prefill_indices,
             max_query_len=0,
             num_splits=num_splits,
+            split_partition=self.split_partition,
         )
         # The host-side fields serve the torch path only; the Triton path reads `batch`.
         return AttentionMetadata(

@@ -130,6 +130,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            deterministic=config.deterministic,
         )
         self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
         """Whether a request's tokens are independent of its batch, chunking and prefix hits

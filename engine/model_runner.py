@@ -66,10 +66,13 @@ class ModelRunner:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         """`enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
         requests and `max_model_len` tokens (default: the model's context) where they apply:
-        CUDA, the Triton backend, no tensor parallelism. Elsewhere it changes nothing."""
+        CUDA, the Triton backend, no tensor parallelism. Elsewhere it changes nothing.
+        `deterministic`: the Triton decode kernel splits each request by its own length
+        (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -84,6 +87,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
+        self.deterministic = deterministic
         self.use_triton = self.attention_backend == "triton"
         self.use_decode_kernel = self.attention_backend == "cpu"
         self.prefill_kernel = self.attention_backend == "cpu" and prefill_kernel_supports(
@@ -102,7 +106,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and device.type == "cuda" and self.use_triton and not model.tp.enabled:
             self.decode_graphs = DecodeGraphs(
-                model, self.kv_caches, max_num_seqs, max_model_len, block_size
+                model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
 
     def remove_requests(self, request_ids: list[str]) -> None:
@@ -140,6 +144,7 @@ class ModelRunner:
                 self.attention_backend,
                 self.model.num_kv_heads,
                 self.prefill_kernel,
+                self.deterministic,
             )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, on_layer)
 

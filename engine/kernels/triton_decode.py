@@ -36,16 +36,27 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 # A split shorter than this costs more in the merge than it gains in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
+# Deterministic inference: a request's splits are whole multiples of this many tokens, from its
+# own length (a multiple of every BLOCK_N; the CPU kernels' partition, attention_order.h).
+DETERMINISTIC_PARTITION = 256
 # Arguments whose value or alignment changes from step to step (see the module docstring).
 INDEX_PTRS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "decode_indices_ptr"]
-RUNTIME_INTS = ["stride_bt", "num_splits"]
+RUNTIME_INTS = ["stride_bt", "num_splits", "partition"]
 
 
 @triton.jit
-def _request_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """(tokens per split, splits used) of one request: whole key tiles, at most num_splits,
-    one for an empty sequence."""
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+def _request_splits(
+    seq_len, num_splits, partition, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr
+):
+    """(tokens per split, splits used) of one request, one split for an empty sequence.
+    partition 0: whole key tiles, at most num_splits (the launch's). partition P > 0
+    (deterministic inference): a multiple of P tokens that depends on the request's own
+    length only, at most MAX_SPLITS splits, so its partials and their merge are the same
+    whatever else is in the batch (the launch's num_splits only has to cover them)."""
+    adaptive = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    unit = tl.maximum(partition, 1)
+    fixed = unit * tl.maximum(tl.cdiv(seq_len, unit * MAX_SPLITS), 1)
+    split_len = tl.where(partition > 0, fixed, adaptive)
     count = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
     return split_len, count
 
@@ -74,6 +85,7 @@ def _decode_kernel(
     head_dim,
     block_size,
     num_splits,
+    partition,
     GROUP: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -89,7 +101,7 @@ def _decode_kernel(
     req = tl.load(decode_indices_ptr + slot)
     row = tl.load(query_start_loc_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len, count = _request_splits(seq_len, num_splits, BLOCK_N)
+    split_len, count = _request_splits(seq_len, num_splits, partition, BLOCK_N, MAX_SPLITS)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)  # empty for a split past this request's count
 
@@ -161,7 +173,9 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask & live)
 
 
-@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=INDEX_PTRS)
+@triton.jit(
+    do_not_specialize=["num_splits", "partition"], do_not_specialize_on_alignment=INDEX_PTRS
+)
 def _merge_kernel(
     out_ptr,
     part_out_ptr,
@@ -173,6 +187,7 @@ def _merge_kernel(
     stride_oh,
     head_dim,
     num_splits,
+    partition,
     MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -181,7 +196,7 @@ def _merge_kernel(
     head = tl.program_id(1)
     req = tl.load(decode_indices_ptr + slot)
     seq_len = tl.load(seq_lens_ptr + req)
-    _, count = _request_splits(seq_len, num_splits, BLOCK_N)
+    _, count = _request_splits(seq_len, num_splits, partition, BLOCK_N, MAX_SPLITS)
     if count > 1:  # a request with one split was written by the decode kernel
         row = tl.load(query_start_loc_ptr + req)
         s = tl.arange(0, MAX_SPLITS)
@@ -219,6 +234,19 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num
     wanted = -(-2 * num_sms // programs)
     by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def choose_splits(
+    num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, deterministic: bool
+) -> tuple[int, int]:
+    """(the launch's split count, partition): adaptive (`choose_num_splits`, partition 0), or
+    for deterministic inference every request split by its own length into multiples of
+    `DETERMINISTIC_PARTITION` tokens (see `_request_splits`), the launch covering the
+    longest."""
+    if not deterministic:
+        return choose_num_splits(num_decodes, num_kv_heads, max_seq_len, num_sms), 0
+    by_length = -(-max_seq_len // DETERMINISTIC_PARTITION)
+    return max(1, min(by_length, MAX_SPLITS)), DETERMINISTIC_PARTITION
 
 
 def decode_launch_config(
@@ -262,6 +290,7 @@ def paged_decode_attention(
     decode_indices: torch.Tensor,
     scale: float,
     num_splits: int,
+    partition: int = 0,
 ) -> None:
     """Attention of each decode request's one query token over its whole KV.
 
@@ -269,7 +298,8 @@ def paged_decode_attention(
     (contiguous); query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] (int32,
     whole step); decode_indices [Bd]: the requests to serve, whose one token is row
     query_start_loc[i]; num_splits: the launch's split count, 1 to MAX_SPLITS (each request
-    uses at most that many). Writes those rows of `out` only. A request with seq_len 0 gets
+    uses at most that many); partition: 0, or the fixed split unit of deterministic inference
+    (`choose_splits`). Writes those rows of `out` only. A request with seq_len 0 gets
     zeros."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
@@ -312,6 +342,7 @@ def paged_decode_attention(
         head_dim,
         block_size,
         num_splits,
+        partition,
         **config,
     )
     if num_splits > 1:
@@ -326,5 +357,6 @@ def paged_decode_attention(
             out.stride(1),
             head_dim,
             num_splits,
+            partition,
             **merge_launch_config(head_dim, config["BLOCK_N"]),
         )
