@@ -102,6 +102,7 @@ class LLMEngine:
             config.load_progress and tp.rank == 0,
             tp,
             config.deterministic,
+            config.quantization_config(),
         )
         self.model_name = loaded.name
         self.arch = loaded.arch
