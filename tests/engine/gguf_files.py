@@ -184,6 +184,7 @@ def write_tiny_gguf(
     lm_head: bool = False,
     extra_kv: Callable[[gguf.GGUFWriter], None] | None = None,
     extra_tensors: dict[str, tuple[np.ndarray, Q | None]] | None = None,
+    qtypes: Callable[[str], Q] = quant_type_for,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model as llama.cpp's converter would; return its HF-layout weights."""
     writer = gguf.GGUFWriter(str(path), arch)
@@ -205,7 +206,7 @@ def write_tiny_gguf(
             array = permute_like_llama_cpp(array, NUM_HEADS)
         elif arch == "llama" and "k_proj" in name:
             array = permute_like_llama_cpp(array, NUM_KV_HEADS)
-        qtype = quant_type_for(name)
+        qtype = qtypes(name) if len(array.shape) == 2 else Q.F32
         raw_dtype = qtype if qtype not in (Q.F32, Q.F16) else None
         writer.add_tensor(gguf_name(name), encode(array, qtype), raw_dtype=raw_dtype)
     for name, (array, raw_dtype) in (extra_tensors or {}).items():
