@@ -105,6 +105,7 @@ class LLMEngine:
             config.quantization_config(),
         )
         self.model_name = loaded.name
+        self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(
