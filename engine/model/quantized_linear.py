@@ -10,8 +10,10 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
   whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
   Both kernels compute each row on its own (probed like every linear, `row_invariant.check_model`).
-- fp32 on the CPU: torch's kernels are scalar there (10-40x slower than the dense fp32 GEMM), and
-  every GPU: dequantize, then the dense product. Memory shrinks; speed does not.
+- fp32 on the CPU: torch's kernels are scalar there (10-40x slower than the dense fp32 GEMM):
+  dequantize, then the dense product. Memory shrinks; speed does not.
+- CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
+  checked in Triton's interpreter only, not yet run on a GPU.
 - int8 with groups (GGUF Q8_0, Q6_K): no torch kernel takes per-group int8 scales; dequantize.
 """
 
@@ -71,6 +73,7 @@ class QuantizedLinear(nn.Module):
         self.group_size = in_features
         self.symmetric = True
         self.use_kernel = False
+        self.use_triton = False
         self._padded_rows = out_features
 
     # -- loading -------------------------------------------------------------------------------
@@ -126,13 +129,24 @@ class QuantizedLinear(nn.Module):
                 linear.bias.copy_(self.bias)
         return linear
 
-    def set_weight(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> None:
-        """Hold `weight` in the layout of the product that runs for `dtype` on `device`."""
+    def set_weight(
+        self,
+        weight: QuantizedWeight,
+        dtype: torch.dtype,
+        device: torch.device,
+        triton: bool | None = None,
+    ) -> None:
+        """Hold `weight` in the layout of the product that runs for `dtype` on `device`.
+        `triton`: the Triton kernels (engine/quant/triton_linear.py); None: on CUDA."""
         n, k = weight.shape
         self.group_size = weight.group_size
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-        for name in ("q", "scale", "packed", "scales_zeros", "offset"):
+        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero"):
             self.register_buffer(name, None, persistent=False)
+        self.use_triton = device.type == "cuda" if triton is None else triton
+        if self.use_triton:
+            self._set_triton_weight(weight, dtype, device)
+            return
         if isinstance(weight, Int8Weight):
             per_channel = weight.group_size == k
             self.kind = "int8" if per_channel else "int8-grouped"
@@ -162,12 +176,35 @@ class QuantizedLinear(nn.Module):
             self.scale = weight.scale.to(device)
             self.offset = None if weight.offset is None else weight.offset.to(device)
 
+    def _set_triton_weight(
+        self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        from engine.quant.triton_linear import pack_int4_rows
+
+        self.use_kernel = False
+        if isinstance(weight, Int8Weight):
+            self.kind = "int8" if weight.group_size == weight.shape[1] else "int8-grouped"
+            self.q, self.scale = weight.q.to(device), weight.scale.to(device, dtype)
+            return
+        self.kind, self.symmetric = "int4", weight.symmetric
+        zero = -8 * weight.scale if weight.offset is None else weight.offset  # w = q s + zero
+        self.packed = pack_int4_rows(weight.q).to(device)  # [N, K / 2]
+        self.scale, self.zero = weight.scale.to(device, dtype), zero.to(device, dtype)
+
     # -- compute -------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from engine.quant.triton_linear import w4a16_linear, w8a16_linear
+
+            if self.kind == "int4":
+                out = w4a16_linear(rows, self.packed, self.scale, self.zero)
+            else:
+                out = w8a16_linear(rows, self.q, self.scale)
+            return out if self.bias is None else out + self.bias
         if not (
             self.use_kernel
             and rows.dtype == torch.bfloat16
@@ -193,6 +230,11 @@ class QuantizedLinear(nn.Module):
             groups = self.q.view(n, -1, self.group_size).to(self.scale.dtype)
             scale = self.scale.view(n, -1, 1)
             return (groups * scale).view(n, k).to(dtype)
+        if self.use_triton:  # row layout: column 2j low nibble, 2j + 1 high
+            q = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).view(n, k)
+            groups = q.to(self.scale.dtype).view(n, -1, self.group_size)
+            w = groups * self.scale[..., None] + self.zero[..., None]
+            return w.view(n, k).to(dtype)
         q = unpack_int4(self.packed)[:n]
         if self.use_kernel:
             sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, K / G, 2]
