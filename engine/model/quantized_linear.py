@@ -14,7 +14,9 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   dequantize, then the dense product. Memory shrinks; speed does not.
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
   checked in Triton's interpreter only, not yet run on a GPU.
-- int8 with groups (GGUF Q8_0, Q6_K): no torch kernel takes per-group int8 scales; dequantize.
+- int8 with groups: no torch kernel takes per-group int8 scales. GGUF Q8_0 (groups of 32) runs
+  as two int4 planes through the int4 kernel (`_set_split_int8`); Q6_K's groups of 16 are
+  below that kernel's smallest, so those layers dequantize.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ multiplied densely (the crossover measured above lies between 16 and 64 rows).""
 
 Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+"""Group sizes torch's CPU int4 kernel takes."""
 
 
 class QuantizedLinear(nn.Module):
@@ -69,7 +73,7 @@ class QuantizedLinear(nn.Module):
         self.config = config
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._parts: dict[int, Part] = {}
-        self.kind = ""  # "int8", "int8-grouped" or "int4" once finalized
+        self.kind = ""  # "int8", "int8-split", "int8-grouped" or "int4" once finalized
         self.group_size = in_features
         self.symmetric = True
         self.use_kernel = False
@@ -141,14 +145,19 @@ class QuantizedLinear(nn.Module):
         n, k = weight.shape
         self.group_size = weight.group_size
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero"):
+        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero", "packed_lo",
+                     "scales_zeros_lo"):  # fmt: skip
             self.register_buffer(name, None, persistent=False)
         self.use_triton = device.type == "cuda" if triton is None else triton
         if self.use_triton:
             self._set_triton_weight(weight, dtype, device)
             return
+        self._padded_rows = -(-n // INT4_BLOCK_N) * INT4_BLOCK_N
         if isinstance(weight, Int8Weight):
             per_channel = weight.group_size == k
+            if not per_channel and on_cpu_bf16 and weight.group_size in INT4_KERNEL_GROUPS:
+                self._set_split_int8(weight, dtype, device)
+                return
             self.kind = "int8" if per_channel else "int8-grouped"
             self.use_kernel = per_channel and on_cpu_bf16
             self.q = weight.q.to(device)
@@ -156,25 +165,56 @@ class QuantizedLinear(nn.Module):
             self.scale = scale.to(device, dtype if self.use_kernel else torch.float32)
             return
         self.kind, self.symmetric = "int4", weight.symmetric
-        self._padded_rows = -(-n // INT4_BLOCK_N) * INT4_BLOCK_N
-        q = weight.q
-        if self._padded_rows != n:
-            q = torch.cat([q, q.new_full((self._padded_rows - n, k), 8)])
-        self.packed = pack_int4(q).to(device)  # [N padded, K / 2]
         self.use_kernel = on_cpu_bf16
         if self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
             zero = torch.zeros_like(weight.scale)
             if weight.offset is not None:
                 zero = weight.offset + 8 * weight.scale
-            scales_zeros = torch.stack([weight.scale, zero], dim=-1)  # [N, K / G, 2]
-            pad = self._padded_rows - n
-            scales_zeros = torch.cat(
-                [scales_zeros, scales_zeros.new_zeros(pad, k // self.group_size, 2)]
+            self.packed, self.scales_zeros = self._int4_kernel_operands(
+                weight.q, weight.scale, zero, dtype, device
             )
-            self.scales_zeros = scales_zeros.transpose(0, 1).contiguous().to(device, dtype)
         else:  # exact fp32 scales: dequantizes as the format does (bit-exact for GGUF)
+            self.packed, _ = self._int4_kernel_operands(
+                weight.q, weight.scale, weight.scale, dtype, device
+            )
             self.scale = weight.scale.to(device)
             self.offset = None if weight.offset is None else weight.offset.to(device)
+
+    def _int4_kernel_operands(
+        self,
+        q: torch.Tensor,  # [N, K] in [0, 15]
+        scale: torch.Tensor,  # [N, K / G]
+        zero: torch.Tensor,  # [N, K / G]
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed [N padded, K / 2], scales_zeros [K / G, N padded, 2]): torch's CPU int4
+        kernel operands, rows padded to its blocks of 64."""
+        pad = self._padded_rows - q.shape[0]
+        if pad:
+            q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+        scales_zeros = torch.stack([scale, zero], dim=-1)  # [N, K / G, 2]
+        if pad:
+            scales_zeros = torch.cat(
+                [scales_zeros, scales_zeros.new_zeros(pad, *scale.shape[1:], 2)]
+            )
+        packed = pack_int4(q).to(device)
+        return packed, scales_zeros.transpose(0, 1).contiguous().to(device, dtype)
+
+    def _set_split_int8(self, weight: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
+        """int8 with per-group scales (GGUF Q8_0) as two int4 planes for torch's int4 kernel:
+        q + 128 = 16 h + l, so q s = (h - 8) (16 s) + [(l - 8) s + 8 s]; the same bytes as int8
+        and two kernel calls instead of dequantizing the whole weight every step."""
+        self.kind, self.use_kernel = "int8-split", True
+        unsigned = weight.q.to(torch.int16) + 128  # [N, K] in [0, 255]
+        high, low = unsigned >> 4, unsigned & 0x0F
+        scale = weight.scale
+        self.packed, self.scales_zeros = self._int4_kernel_operands(
+            high, 16 * scale, torch.zeros_like(scale), dtype, device
+        )
+        self.packed_lo, self.scales_zeros_lo = self._int4_kernel_operands(
+            low, scale, 8 * scale, dtype, device
+        )
 
     def _set_triton_weight(
         self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
@@ -214,9 +254,11 @@ class QuantizedLinear(nn.Module):
         if self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows.contiguous(), self.packed, self.group_size, self.scales_zeros
-            )
+            rows = rows.contiguous()
+            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = int4_mm(rows, self.packed, self.group_size, self.scales_zeros)
+            if self.kind == "int8-split":
+                out += int4_mm(rows, self.packed_lo, self.group_size, self.scales_zeros_lo)
             if self._padded_rows != self.out_features:
                 out = out[:, : self.out_features].contiguous()
         if self.bias is not None:
@@ -226,6 +268,12 @@ class QuantizedLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as the dense [N, K] matrix the kernels stand for."""
         n, k = self.out_features, self.in_features
+        if self.kind == "int8-split":
+            high, low = unpack_int4(self.packed)[:n], unpack_int4(self.packed_lo)[:n]
+            q = high.to(torch.int16) * 16 + low - 128
+            scale = self.scales_zeros_lo[:, :n, 0].transpose(0, 1).float()  # [N, K / G]
+            groups = q.float().view(n, -1, self.group_size)
+            return (groups * scale[..., None]).view(n, k).to(dtype)
         if self.kind.startswith("int8"):
             groups = self.q.view(n, -1, self.group_size).to(self.scale.dtype)
             scale = self.scale.view(n, -1, 1)
@@ -237,8 +285,8 @@ class QuantizedLinear(nn.Module):
             return w.view(n, k).to(dtype)
         q = unpack_int4(self.packed)[:n]
         if self.use_kernel:
-            sz = self.scales_zeros[:, :n].transpose(0, 1)  # [N, K / G, 2]
-            q = (q.to(torch.int8) - 8).to(sz.dtype).view(n, -1, self.group_size)
+            sz = self.scales_zeros[:, :n].transpose(0, 1).float()  # [N, K / G, 2]
+            q = (q.to(torch.int8) - 8).float().view(n, -1, self.group_size)
             return (q * sz[..., :1] + sz[..., 1:]).view(n, k).to(dtype)
         weight = Int4Weight(q, self.scale, self.offset, self.group_size)
         return weight.dequantize().to(dtype)

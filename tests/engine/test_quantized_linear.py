@@ -12,7 +12,14 @@ from engine.errors import InvalidInputError, ModelLoadError
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.row_invariant import probe
 from engine.quant.config import QuantizationConfig
-from engine.quant.formats import Int4Weight, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from engine.quant.formats import (
+    Int4Weight,
+    Int8Weight,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 K = 576  # SmolLM2's hidden size (a multiple of 32 and 64, not of 128)
 CONFIGS = [
@@ -153,3 +160,36 @@ def test_config_errors_name_the_field() -> None:
     assert error.value.field == "quantize_lm_head"
     config = EngineConfig(quantization="int4", quantization_group_size=64)
     assert config.quantization_config() == QuantizationConfig("int4", 64, False, False)
+
+
+def grouped_int8(n: int, group_size: int) -> Int8Weight:
+    """int8 with a scale per group of columns, as GGUF Q8_0 (32) and Q6_K (16) repack."""
+    weight = torch.randn(n, K, generator=torch.Generator().manual_seed(2)) * 0.05
+    groups = weight.view(n, -1, group_size)
+    scale = groups.abs().amax(-1) / 127
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.view(n, K), scale, group_size)
+
+
+@pytest.mark.parametrize(("group_size", "kind"), [(32, "int8-split"), (16, "int8-grouped")])
+def test_grouped_int8_equals_dequantized_reference(group_size: int, kind: str) -> None:
+    exact = grouped_int8(96, group_size)  # 96 rows: padded to the kernel's blocks of 64
+    linear = QuantizedLinear(K, 96, False, QuantizationConfig("gguf"))
+    linear.set_weight(exact, torch.bfloat16, torch.device("cpu"))
+    linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
+    assert linear.kind == kind and linear.use_kernel is (kind == "int8-split")
+    if kind == "int8-split":  # q s with s rounded to bf16, as the kernel holds it
+        bf16_scale = exact.scale.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)
+        assert torch.equal(linear.dequantize(torch.float32), exact.q.float() * bf16_scale)
+    else:  # fp32 scales, dequantized exactly as the format
+        assert torch.equal(linear.dequantize(torch.float32), exact.dequantize())
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        out = linear(x)
+        expected = F.linear(x.float(), exact.dequantize())
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
+    assert probe(linear, K, torch.bfloat16)
+    if kind == "int8-split":  # two nibble planes (rows padded to 128), two scale-zero pairs
+        assert linear.weight_bytes() == 128 * K + 2 * (K // group_size) * 128 * 2 * 2
