@@ -3,10 +3,10 @@
 Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/quantization.md):
 
 - bf16 on the CPU, int8 per output channel: `aten._weight_int8pack_mm`; int4:
-  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At 1-4 rows they
-  match oneDNN's packed bf16 product on a weight that fits in cache and read 2-4x fewer bytes;
-  from about 16 rows they are 2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows`
-  the weight is dequantized to bf16 for the call and multiplied densely.
+  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At one row they
+  match oneDNN's packed bf16 product on a weight that fits in cache, and read 2-4x fewer bytes;
+  from 64 rows they are 2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16)
+  the weight is dequantized for the call and multiplied densely.
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
   whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
   Both kernels compute each row on its own (probed like every linear, `row_invariant.check_model`).
