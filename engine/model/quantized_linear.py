@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.model.row_invariant import MIN_ROWS, linear_rows
+from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from engine.quant.config import QuantizationConfig
 from engine.quant.formats import (
     INT4_BLOCK_N,
@@ -108,8 +108,12 @@ class QuantizedLinear(nn.Module):
         """Assemble the parts; returns self, or a dense `nn.Linear` replacing it."""
         parts = [self._parts[k] for k in sorted(self._parts)]
         self._parts = {}
-        if sum(p.shape[0] for p in parts) != self.out_features:
-            raise ModelLoadError(f"a quantized layer got {len(parts)} parts of the wrong shape")
+        num_rows = sum(p.shape[0] for p in parts)
+        if num_rows != self.out_features:
+            raise ModelLoadError(
+                f"a {self.out_features}x{self.in_features} layer's checkpoint tensors hold "
+                f"{num_rows} of its {self.out_features} rows"
+            )
         first = parts[0]
         if isinstance(first, torch.Tensor) or not all(first.same_kind(p) for p in parts):
             return self._dense(parts, dtype, device)
@@ -117,7 +121,7 @@ class QuantizedLinear(nn.Module):
         self.set_weight(weight, dtype, device)
         return self
 
-    def _dense(self, parts: list[Part], dtype: torch.dtype, device: torch.device) -> nn.Linear:
+    def _dense(self, parts: list[Part], dtype: torch.dtype, device: torch.device) -> Linear:
         kinds = sorted({type(p).__name__ for p in parts})
         if any(not isinstance(p, torch.Tensor) for p in parts):
             logger.info(
@@ -125,7 +129,8 @@ class QuantizedLinear(nn.Module):
                 self.out_features, self.in_features, ", ".join(kinds), dtype,
             )  # fmt: skip
         full = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        # NOTE: row_invariant.Linear, not nn.Linear: the load-time probe must see it.
+        linear = Linear(self.in_features, self.out_features, bias=self.bias is not None)
         linear = linear.to(device=device, dtype=dtype).requires_grad_(False)
         with torch.no_grad():
             linear.weight.copy_(full)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
-from engine.model.row_invariant import probe
+from engine.model.row_invariant import MIN_ROWS, Linear, probe
 from engine.quant.config import QuantizationConfig
 from engine.quant.formats import (
     Int4Weight,
@@ -135,7 +135,8 @@ def test_mixed_parts_become_a_dense_layer() -> None:
     slot.load_part(0, q4)
     slot.load_part(64, dense)
     result = slot.finalize(torch.float32, torch.device("cpu"))
-    assert isinstance(result, torch.nn.Linear)
+    # a batch-invariant dense layer, which the load-time probe sees (it has `min_rows`)
+    assert isinstance(result, Linear) and result.min_rows == MIN_ROWS
     assert torch.equal(result.weight, torch.cat([q4.dequantize(), dense]))
 
 
