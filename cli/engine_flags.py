@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from engine.errors import InvalidInputError
+from engine.quant.config import QUANTIZATIONS
 
 # Option strings where the field's name is not what vLLM users type (the first one is the
 # canonical spelling, used in error messages).
@@ -37,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "quantization": QUANTIZATIONS,
 }
 METAVARS = {"model": "PATH|ID", "tokenizer": "PATH", "kv_cache_memory_bytes": "BYTES"}
 

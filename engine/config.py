@@ -11,6 +11,7 @@ import torch
 
 from engine.device import resolve_device
 from engine.errors import InvalidInputError
+from engine.quant.config import QuantizationConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,10 +69,21 @@ class EngineConfig:
     TRITON_INTERPRET=1, for tests), or torch (the reference path)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
+    quantization: str | None = None
+    """Weight-only quantization at load: int8 (per output channel), int4 (groups of
+    `quantization_group_size`) or gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors).
+    None: full-precision weights (docs/quantization.md)."""
+    quantization_group_size: int = 32
+    """int4: input columns per scale: 32, 64 or 128."""
+    quantization_symmetric: bool = False
+    """int4: symmetric groups (a scale each) instead of asymmetric (a scale and an offset)."""
+    quantize_lm_head: bool = False
+    """Quantize the LM head as well as the projections."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Values that replace fields of the model's config.json (e.g. to shrink max_position_embeddings)."""
 
     def __post_init__(self) -> None:
+        self.quantization_config()  # validates the quantization fields
         if self.dtype not in DTYPES:
             raise InvalidInputError(
                 "dtype", f"must be one of {', '.join(DTYPES)}; got {self.dtype!r}"
@@ -123,6 +135,20 @@ class EngineConfig:
                 unknown[0], f"unknown config key; known keys are {', '.join(sorted(names))}"
             )
         return cls(**kwargs)
+
+    def quantization_config(self) -> QuantizationConfig | None:
+        """The quantization fields as one `QuantizationConfig` (None: not quantized)."""
+        for name in ("quantization_symmetric", "quantize_lm_head"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(name, f"must be true or false; got {getattr(self, name)!r}")
+        if self.quantization is None:
+            return None
+        return QuantizationConfig(
+            self.quantization,
+            self.quantization_group_size,
+            self.quantization_symmetric,
+            self.quantize_lm_head,
+        )
 
     def resolve_device(self, rank: int = 0) -> torch.device:
         """This tensor-parallel rank's device, indexed on CUDA (`engine.device`)."""

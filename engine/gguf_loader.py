@@ -11,7 +11,9 @@ onto what the rest of the engine already understands from an HF model directory:
     tok = model.tokenizer()  # a `tokenizers.Tokenizer`, like tokenizer.json
 
 Weights are dequantized with `gguf.quants.dequantize` one tensor at a time from the memory-mapped
-file, so peak memory is the fp32 model the caller builds plus one tensor.
+file, so peak memory is the fp32 model the caller builds plus one tensor; or, with
+`weights(keep_quantized=True)` (`--quantization gguf`), Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors are
+repacked into duet's int8/int4 formats instead, one at a time (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -26,18 +28,12 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from tokenizers import (
-    AddedToken,
-    Regex,
-    Tokenizer,
-    decoders,
-    models,
-    normalizers,
-    pre_tokenizers,
-    processors,
-)
+from tokenizers import Tokenizer
 
 from engine.errors import ModelLoadError
+from engine.gguf_tokenizer import GGUFTokenizer
+from engine.quant.formats import QuantizedWeight
+from engine.quant.gguf_repack import REPACKED_TYPES, repack
 
 logger = logging.getLogger(__name__)
 
@@ -71,35 +67,6 @@ _LAYER_TENSORS = {
 _QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # llama3-style frequency factors; exposed as `GGUFModel.rope_freqs`, not as a weight.
 _ROPE_FREQS_TENSOR = "rope_freqs.weight"
-
-# llama.cpp token types (`tokenizer.ggml.token_type`).
-_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
-
-# Split regexes for byte-level BPE vocabularies, by `tokenizer.ggml.pre`, as llama.cpp and the
-# models' own tokenizer.json files split text before BPE.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"})
-_QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "megrez"})
-_SPLIT_BY_PRE = {
-    **dict.fromkeys(_LLAMA3_PRE, _LLAMA3_SPLIT),
-    **dict.fromkeys(_QWEN2_PRE, _QWEN2_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-}
-# GPT-2's split after cutting every digit apart (SmolLM2's and StarCoder's tokenizer.json).
-_DIGITS_PRE = frozenset({"smollm", "starcoder", "refact"})
-_GPT2_PRE = frozenset({"default", "gpt-2", "gpt2"})
 
 
 def default_model_path() -> str:
@@ -136,13 +103,19 @@ def supported_quant_types() -> list[str]:
     return [t.name for t in gguf.GGMLQuantizationType if _can_dequantize(t)]
 
 
-def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rope_rows(
+    weight: torch.Tensor | QuantizedWeight, num_heads: int
+) -> torch.Tensor | QuantizedWeight:
     """Undo llama.cpp's q/k row permutation for interleaved (GPT-J style) rope.
 
     llama.cpp's converter reorders each head's rows from HF's [first half, second half] layout
     (rotate_half rope) to interleaved pairs: row r of half h moves to 2 * r + h. This reads the
     pairs back into halves. Works for weights [out, in] and biases [out].
     """
+    if not isinstance(weight, torch.Tensor):  # quantized: move whole rows with their scales
+        index = _unpermute_rope_rows(torch.arange(weight.shape[0]), num_heads)
+        assert isinstance(index, torch.Tensor)
+        return weight.permute_rows(index)
     head_rows = weight.shape[0] // num_heads
     pairs = weight.reshape(num_heads, head_rows // 2, 2, *weight.shape[1:])
     return pairs.transpose(1, 2).reshape(weight.shape)
@@ -323,13 +296,34 @@ class GGUFModel:
         Shapes are HF's: [out_features, in_features] for linears. For GGUF arch "llama" the q/k
         rows are put back in HF's rotate_half order (see `_unpermute_rope_rows`).
         """
+        for name, weight in self._weights(keep_quantized=False):
+            assert isinstance(weight, torch.Tensor)
+            yield name, weight
+
+    def quantized_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """As `weights()`, but a 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensor comes repacked into a duet
+        format (engine/quant/gguf_repack.py); other types are dequantized (logged once each)."""
+        return self._weights(keep_quantized=True)
+
+    def _weights(
+        self, keep_quantized: bool
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         num_heads = self.hf_config["num_attention_heads"]
         num_kv_heads = self.hf_config["num_key_value_heads"]
+        dequantized: set[str] = set()
         for gguf_name, tensor in self._tensors.items():
             hf_name = self._hf_names[gguf_name]
             if hf_name is None:
                 continue
-            weight = self._dequantize(tensor)
+            weight: torch.Tensor | QuantizedWeight
+            qtype = tensor.tensor_type
+            if keep_quantized and len(tensor.shape) == 2 and qtype in REPACKED_TYPES:
+                weight = repack(tensor.data, qtype)
+            else:
+                if keep_quantized and qtype.name not in dequantized and len(tensor.shape) == 2:
+                    dequantized.add(qtype.name)
+                    logger.info("GGUF type %s is not kept quantized: dequantized", qtype.name)
+                weight = self._dequantize(tensor)
             if self.architecture == "llama":
                 if ".self_attn.q_proj." in hf_name:
                     weight = _unpermute_rope_rows(weight, num_heads)
@@ -340,143 +334,10 @@ class GGUFModel:
     # -- tokenizer ----------------------------------------------------------------------------
 
     def tokenizer(self) -> Tokenizer:
-        """Build a `tokenizers.Tokenizer` equivalent to the model's tokenizer.json (a new one per call).
-
-        Control (and unknown) tokens become special added tokens; user-defined tokens become
-        non-special added tokens (matched whole, kept by decode). A BOS/EOS post-processor is set
-        when the file asks for it (`tokenizer.ggml.add_bos_token`, default True for SentencePiece
-        vocabularies); encode a rendered chat template with `add_special_tokens=False`.
-        """
-        tokenizer_model = self._field("tokenizer.ggml.model")
-        if not self._tokens:
-            raise ModelLoadError("tokenizer.ggml.tokens: the GGUF file has no vocabulary")
-        if tokenizer_model == "gpt2":
-            tokenizer = self._byte_level_tokenizer()
-            add_bos_default = False
-        elif tokenizer_model == "llama":
-            tokenizer = self._sentencepiece_tokenizer()
-            add_bos_default = True
-        else:
-            raise ModelLoadError(
-                f"tokenizer.ggml.model: tokenizer {tokenizer_model!r} is not supported; "
-                "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)"
-            )
-        self._add_special_tokens(tokenizer, byte_level=tokenizer_model == "gpt2")
-        add_bos = bool(self._field("tokenizer.ggml.add_bos_token", add_bos_default))
-        add_eos = bool(self._field("tokenizer.ggml.add_eos_token", False))
-        post_processor = self._post_processor(add_bos, add_eos)
-        if post_processor is not None:
-            tokenizer.post_processor = post_processor
-        return tokenizer
-
-    def _merges(self) -> list[tuple[str, str]]:
-        merges = self._field("tokenizer.ggml.merges")
-        if merges is not None:
-            pairs = [merge.split(" ", 1) for merge in merges]
-            return [(left, right) for left, right in pairs]
-        scores = self._field("tokenizer.ggml.scores")
-        if scores is None:
-            raise ModelLoadError("tokenizer.ggml.merges: the GGUF has neither merges nor scores")
-        return _merges_from_scores(self._tokens, scores)
-
-    def _byte_level_tokenizer(self) -> Tokenizer:
-        # Tokens are spelled in GPT-2's byte alphabet; respell the few that are not (as
-        # transformers does) so every vocabulary entry is reachable.
-        alphabet = _byte_to_unicode()
-        letters = set(alphabet.values())
-        vocab = {
-            (token if set(token) <= letters else "".join(alphabet[b] for b in token.encode())): i
-            for i, token in enumerate(self._tokens)
-        }
-        pre = self._field("tokenizer.ggml.pre", "default")
-        tokenizer = Tokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=self._merges(),
-                fuse_unk=False,
-                byte_fallback=False,
-                ignore_merges=pre in _LLAMA3_PRE,  # as Llama 3's tokenizer.json and llama.cpp
-            )
-        )
-        if pre in _SPLIT_BY_PRE:
-            regex = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
-            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([regex, byte_level])
-            if pre in _QWEN2_PRE:
-                tokenizer.normalizer = normalizers.NFC()
-        elif pre in _DIGITS_PRE:
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        else:
-            if pre not in _GPT2_PRE:
-                logger.warning(
-                    "tokenizer.ggml.pre %r is not known; splitting text as GPT-2 does", pre
-                )
-            tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(
-                add_prefix_space=False, use_regex=True
-            )
-        tokenizer.decoder = decoders.ByteLevel()
-        return tokenizer
-
-    def _sentencepiece_tokenizer(self) -> Tokenizer:
-        # As transformers' LlamaTokenizer (legacy=False) builds Llama 2 / Mistral tokenizers.
-        vocab = {token: i for i, token in enumerate(self._tokens)}
-        unk_token = self._token(self._field("tokenizer.ggml.unknown_token_id"))
-        add_prefix_space = bool(self._field("tokenizer.ggml.add_space_prefix", True))
-        tokenizer = Tokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=self._merges(),
-                unk_token=unk_token,
-                fuse_unk=True,
-                byte_fallback=True,
-            )
-        )
-        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="▁", prepend_scheme="first" if add_prefix_space else "never", split=False
-        )
-        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if add_prefix_space:
-            steps.append(decoders.Strip(content=" ", left=1, right=0))
-        tokenizer.decoder = decoders.Sequence(steps)
-        return tokenizer
-
-    def _add_special_tokens(self, tokenizer: Tokenizer, byte_level: bool) -> None:
-        token_types = self._field("tokenizer.ggml.token_type") or []
-        letters = set(_byte_to_unicode().values()) if byte_level else None
-        special, user_defined = [], []
-        for token, token_type in zip(self._tokens, token_types, strict=False):
-            if token_type in (_TOKEN_CONTROL, _TOKEN_UNKNOWN):
-                # A byte-level "control" token outside the byte alphabet is a llama.cpp mislabel;
-                # adding it would grow the vocabulary past the embedding, so skip it.
-                if letters is None or set(token) <= letters:
-                    special.append(AddedToken(token, special=True, normalized=False))
-            elif token_type == _TOKEN_USER_DEFINED:
-                user_defined.append(AddedToken(token, special=False, normalized=False))
-        tokenizer.add_special_tokens(special)
-        tokenizer.add_tokens(user_defined)
-
-    def _post_processor(self, add_bos: bool, add_eos: bool) -> processors.PostProcessor | None:
-        bos = self.bos_token if add_bos else None
-        eos = self.eos_token if add_eos else None
-        if bos is None and eos is None:
-            return None
-
-        def template(sequence: str, type_id: int) -> str:
-            parts = [
-                bos and f"{bos}:{type_id}",
-                f"{sequence}:{type_id}",
-                eos and f"{eos}:{type_id}",
-            ]
-            return " ".join(p for p in parts if p)
-
-        special = [(t, i) for t, i in ((bos, self.bos_token_id), (eos, self.eos_token_id)) if t]
-        single, pair = template("$A", 0), template("$A", 0) + " " + template("$B", 1)
-        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+        """A `tokenizers.Tokenizer` equivalent to the model's tokenizer.json (a new one per call);
+        see `engine.gguf_tokenizer.GGUFTokenizer.build`."""
+        bos, eos = (self.bos_token, self.bos_token_id), (self.eos_token, self.eos_token_id)
+        return GGUFTokenizer(self._field, self._tokens, bos, eos).build()
 
 
 def load_gguf(path: str) -> GGUFModel:
@@ -486,35 +347,3 @@ def load_gguf(path: str) -> GGUFModel:
     unexpected tensor, or a tensor type `gguf` cannot dequantize.
     """
     return GGUFModel(path)
-
-
-@functools.cache
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from bytes to printable characters (the byte-level alphabet)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
-    printable |= set(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
-    best score first (transformers' `generate_merges`, so both tokenize alike)."""
-    vocab = {token: i for i, token in enumerate(tokens)}
-    candidates: list[tuple[str, str, float]] = []
-    for token, score in zip(tokens, scores, strict=True):
-        local = [
-            (token[:k], token[k:], score)
-            for k in range(1, len(token))
-            if token[:k] in vocab and token[k:] in vocab
-        ]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        candidates.extend(local)
-    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in candidates]

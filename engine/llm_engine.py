@@ -102,8 +102,10 @@ class LLMEngine:
             config.load_progress and tp.rank == 0,
             tp,
             config.deterministic,
+            config.quantization_config(),
         )
         self.model_name = loaded.name
+        self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(

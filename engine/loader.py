@@ -11,10 +11,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.errors import ModelLoadError
+from engine.errors import InvalidInputError, ModelLoadError
 from engine.kernels.cpu import cpu_kernels_enabled
 from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
+from engine.model.quantized_linear import log_weight_bytes, set_kernel_max_rows
 from engine.parallel import SINGLE, TensorParallel
+from engine.quant.config import QuantizationConfig
+from engine.quant.formats import QuantizedWeight
 from engine.tokenizer import Tokenizer
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
@@ -27,6 +30,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # what users call it (served model id)
     linears_batch_invariant: bool = False  # each row's bits independent of the batch (probed)
+    weight_bytes: int = 0  # parameters and quantized weights this rank holds (tied head once)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -60,6 +64,10 @@ class ModelSource:
     rope_freqs: torch.Tensor | None
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     count_tensors: Callable[[], int]
+    quantized_weights: Callable[[], Iterator[tuple[str, torch.Tensor | QuantizedWeight]]] | None = (
+        None
+    )
+    """GGUF only: the weights with the file's quantized tensors kept quantized (repacked)."""
 
 
 def open_model(
@@ -88,7 +96,13 @@ def open_model(
         if model is not None and os.path.exists(model):
             name = os.path.basename(model).removesuffix(".gguf")
         return ModelSource(
-            arch, tokenizer, name, gguf.rope_freqs, gguf.weights, lambda: gguf.num_tensors
+            arch,
+            tokenizer,
+            name,
+            gguf.rope_freqs,
+            gguf.weights,
+            lambda: gguf.num_tensors,
+            gguf.quantized_weights,
         )
     if os.path.isdir(path):
         hf_config = {**_read_json(os.path.join(path, "config.json")), **(hf_overrides or {})}
@@ -123,12 +137,19 @@ def load_model(
     progress: bool = True,
     tp: TensorParallel = SINGLE,
     deterministic: bool = True,
+    quantization: QuantizationConfig | None = None,
 ) -> LoadedModel:
     source = open_model(model, tokenizer_path, hf_overrides)
     arch, name = source.arch, source.name
-    weights = source.weights()
+    weights: Iterator[tuple[str, Any]] = source.weights()
+    if quantization is not None and quantization.method == "gguf":
+        if source.quantized_weights is None:
+            raise InvalidInputError(
+                "quantization", "gguf keeps a GGUF file's quantized tensors; this model is not one"
+            )
+        weights = source.quantized_weights()
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, source.rope_freqs, tp)
+        net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
     # Built on meta so no time goes into random init; the rope tables are then made for real.
     net = net.to_empty(device=device).to(dtype)
     net.rotary.rebuild(device)
@@ -149,11 +170,13 @@ def load_model(
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     # NOTE: cuBLAS is not batch-invariant; GPUs are not probed (docs/determinism.md).
     if deterministic and device.type == "cpu":
+        set_kernel_max_rows(net, None)  # one product at every row count
         invariant = row_invariant.check_model(net, dtype).ok
     else:
         row_invariant.set_min_rows(net, 1)
         invariant = False
-    return LoadedModel(net, arch, source.tokenizer, name, invariant)
+    num_bytes = log_weight_bytes(net, name, quantization)
+    return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes)
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:

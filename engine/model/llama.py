@@ -22,9 +22,21 @@ from engine.attention_metadata import AttentionMetadata
 from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.rotary import RotaryEmbedding
 from engine.model.row_invariant import Linear, TiedLinear
 from engine.parallel import SINGLE, TensorParallel
+from engine.quant.config import QuantizationConfig
+from engine.quant.formats import QuantizedWeight
+
+
+def make_linear(
+    in_features: int, out_features: int, bias: bool, quant: QuantizationConfig | None
+) -> nn.Module:
+    """A projection: dense, or a `QuantizedLinear` that the loader fills (no dense copy)."""
+    if quant is None:
+        return Linear(in_features, out_features, bias=bias)
+    return QuantizedLinear(in_features, out_features, bias, quant)
 
 
 @dataclass
@@ -72,7 +84,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.head_dim = cfg.head_dim
@@ -81,10 +95,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        self.qkv_proj = make_linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, quant
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = make_linear(self.q_size, cfg.hidden_size, False, quant)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -106,12 +120,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.intermediate_size = cfg.intermediate_size // tp.world_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, quant)
+        self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
@@ -125,10 +141,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        self.self_attn = Attention(cfg, tp, quant)
+        self.mlp = MLP(cfg, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -157,10 +175,12 @@ class LlamaForCausalLM(nn.Module):
         cfg: ModelArchConfig,
         rope_freqs: torch.Tensor | None = None,
         tp: TensorParallel = SINGLE,
+        quant: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.quant = quant
         # Checked up front so a bad tensor_parallel_size fails with a clear message.
         tp.shard(cfg.num_attention_heads, "num_attention_heads")
         tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
@@ -168,10 +188,15 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_start, self.vocab_end = tp.shard(cfg.vocab_size, "vocab_size")
         shard_vocab = self.vocab_end - self.vocab_start
         self.embed_tokens = nn.Embedding(shard_vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, quant) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_quant = quant if quant is not None and quant.lm_head else None
         self.lm_head = (
-            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, shard_vocab, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else make_linear(cfg.hidden_size, shard_vocab, False, head_quant)
         )
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, rope_freqs
@@ -228,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
         """Reorder projection weights once into oneDNN's layout where that pays (engine/model/
         packed_linear.py); a tied LM head gets a packed copy. Returns the layers packed."""
         count = pack_linears(self)
-        if self.lm_head is None and can_pack(self.embed_tokens.weight):
+        tied_dense = isinstance(self.tied_head, TiedLinear)
+        if self.lm_head is None and tied_dense and can_pack(self.embed_tokens.weight):
             self.tied_head = PackedLinear.from_weight(self.embed_tokens.weight)
             count += 1
         return count
@@ -256,6 +282,10 @@ class LlamaForCausalLM(nn.Module):
             "lm_head": ("lm_head", 0, vocab_rows, 0),
         }
         params = dict(self.named_parameters())
+        slots = {
+            f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)
+        }
+        quantized_embedding: QuantizedWeight | None = None
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -268,14 +298,43 @@ class LlamaForCausalLM(nn.Module):
                     target = target.replace(hf, ours)
                     offset, rows, dim = off, shard_rows, shard_dim
                     break
-            param = params.get(target)
-            if param is None:
+            param, slot = params.get(target), slots.get(target)
+            if param is None and slot is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            if rows is not None and tp.enabled and (dim == 0 or tensor.dim() == 2):
+            if rows is not None and tp.enabled and (dim == 0 or len(tensor.shape) == 2):
                 tensor = tensor.narrow(dim, rows[0], rows[1] - rows[0])
-            with torch.no_grad():
-                param[offset : offset + tensor.shape[0]].copy_(tensor)
+            if slot is not None:
+                slot.load_part(offset, tensor)
+            else:
+                assert param is not None
+                if not isinstance(tensor, torch.Tensor):  # a GGUF embedding kept quantized
+                    quantized_embedding = tensor if target == "embed_tokens.weight" else None
+                    tensor = tensor.dequantize()
+                with torch.no_grad():
+                    param[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
+        self._finalize_quantized()
         if self.lm_head is None:  # the head is the embedding table, as loaded
-            self.tied_head = TiedLinear(self.embed_tokens.weight)
+            self.tied_head = self._tied_head(quantized_embedding)
         return loaded
+
+    def _finalize_quantized(self) -> None:
+        """Turn every loaded `QuantizedLinear` into its kernel layout (or a dense fallback)."""
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        for parent in list(self.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, QuantizedLinear):
+                    setattr(parent, child_name, child.finalize(dtype, device))
+
+    def _tied_head(self, quantized: QuantizedWeight | None) -> nn.Module:
+        table = self.embed_tokens.weight
+        if self.quant is None or not self.quant.lm_head:
+            return TiedLinear(table)
+        if quantized is not None and self.quant.method == "gguf":
+            head = QuantizedLinear(table.shape[1], table.shape[0], False, self.quant)
+            head.load_part(0, quantized)
+            return head.finalize(table.dtype, table.device)
+        method = self.quant if self.quant.method != "gguf" else None
+        if method is None:  # gguf with a full-precision embedding: keep the head dense
+            return TiedLinear(table)
+        return quantize_linear(table, None, method, table.dtype)

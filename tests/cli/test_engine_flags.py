@@ -81,6 +81,8 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         "-tp", "2",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
         "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
+        "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
+        "--quantize-lm-head",
     ]  # fmt: skip
     parser, args = parse([*argv, "hi"] if command == "generate" else argv)
     expected = dict(
@@ -90,7 +92,8 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
         tensor_parallel_size=2,
         num_threads=1, seed=7, attention_backend="torch", load_progress=False,
-        hf_overrides={"rope_theta": 10000.0},
+        hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
+        quantization_symmetric=True, quantize_lm_head=True,
     )  # fmt: skip
     assert sorted(expected) == sorted(FIELDS)  # a new field: add it here too
     assert build_config(parser, args) == EngineConfig(**expected)

@@ -1,6 +1,7 @@
 """One rank of a tensor-parallel engine, run as a script by test_tensor_parallel.py:
-python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES [BACKEND DEVICE]
-(BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs)."""
+python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES [BACKEND DEVICE
+[ENGINE_JSON]] (BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs;
+ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}')."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from engine.parallel import TensorParallel
 def main() -> None:
     model, rank, world, port, prompts_file, out_file, kv_bytes = sys.argv[1:8]
     backend, device = (sys.argv[8], sys.argv[9]) if len(sys.argv) > 9 else ("gloo", "cpu")
+    engine = json.loads(sys.argv[10]) if len(sys.argv) > 10 else {}
     rank, world = int(rank), int(world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -29,7 +31,7 @@ def main() -> None:
         prompts = json.load(f)
     llm = LLM(
         model, tp=tp, dtype="float32", tensor_parallel_size=world, load_progress=False,
-        kv_cache_memory_bytes=int(kv_bytes), device=device,
+        kv_cache_memory_bytes=int(kv_bytes), device=device, **engine,
     )  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params)

@@ -1,0 +1,93 @@
+"""`python -m benchmarks.quantized`: decode speed of bf16, int8 and int4 weights (and llama.cpp
+on the matching GGUF when llama-cpp-python is importable); `--accuracy`: mean NLL of a shipped
+public-domain text per format. Writes benchmarks/results/quantized[_accuracy].json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
+from benchmarks.quantized.accuracy import mean_nll
+from benchmarks.quantized.llama_cpp import llama_cpp_available
+from benchmarks.quantized.methods import METHODS, applicable
+from benchmarks.quantized.speed import ratios, run_speed
+from engine.gguf_loader import default_model_path
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quantized", description=__doc__)
+    parser.add_argument("--model", default=None, help="model path (default: embedded SmolLM2)")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated formats")
+    parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    parser.add_argument("--accuracy", action="store_true", help="mean NLL instead of speed")
+    parser.add_argument("--window", type=int, default=1024, help="accuracy: tokens per window")
+    parser.add_argument("--max-text-tokens", type=int, default=None, help="accuracy: cut the text")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32, help="batch size (0: single stream only)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timed rounds")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    parser.add_argument("--llama-cpp-q4-1", default=None,
+                        help="Q4_1 GGUF for llama.cpp (default: the embedded SmolLM2)")  # fmt: skip
+    parser.add_argument("--llama-cpp-q8-0", default=None, help="Q8_0 GGUF for llama.cpp")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--out", type=Path, default=None, help="result JSON path")
+    return parser.parse_args()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args()
+    methods = [m for m in args.methods.split(",") if applicable(m, args.model)]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record: dict[str, object] = {"machine": cpu_info(), "commit": git_commit("engine"),
+                                 "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1",
+                                 "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    if args.accuracy:
+        rows = [mean_nll(args.model, m, args.group_size, args.window, args.max_text_tokens)
+                for m in methods]  # fmt: skip
+        base = next((r["mean_nll"] for r in rows if r["method"] == "bf16"), None)
+        print(f"{'format':8} {'mean NLL':>9} {'vs bf16':>8} {'weights MiB':>12}  tokens")
+        for row in rows:
+            rel = f"{float(row['mean_nll']) / float(base) - 1:+.2%}" if base else "-"
+            mib = int(row["weight_bytes"]) / 2**20
+            print(f"{row['method']:8} {row['mean_nll']:9.4f} {rel:>8} {mib:12.1f}  {row['tokens']}")
+        record["accuracy"] = rows
+        name = "quantized_accuracy.json"
+    else:
+        files: dict[str, str] = {}
+        if not args.no_llama_cpp and llama_cpp_available():
+            if args.llama_cpp_q4_1 or args.model is None:
+                files["Q4_1"] = args.llama_cpp_q4_1 or default_model_path()
+            if args.llama_cpp_q8_0:
+                files["Q8_0"] = args.llama_cpp_q8_0
+        elif not args.no_llama_cpp:
+            print("llama-cpp-python is not importable: no llama.cpp baseline "
+                  "(see benchmarks/quantized/llama_cpp.py to install it)")  # fmt: skip
+        results = run_speed(args.model, methods, args.group_size, files, args.prompt_tokens,
+                            args.new_tokens, args.batch, args.rounds, args.threads)  # fmt: skip
+        print(f"{'system':18} {'1-stream tok/s':>15} {'batch tok/s':>12} {'weights MiB':>12}")
+        for r in results:
+            s = r.summary()
+            batch = f"{s['batch_median']:.1f}" if s["batch_median"] else "-"
+            mib = f"{r.weight_bytes / 2**20:.1f}" if r.weight_bytes else "-"
+            print(f"{r.system:18} {s['single_stream_median']:15.1f} {batch:>12} {mib:>12}")
+        record["speed"] = [r.summary() for r in results]
+        record["ratios"] = ratios(results)
+        for key, value in record["ratios"].items():  # type: ignore[union-attr]
+            print(f"{key}: {value:.3f}")
+        name = "quantized.json"
+    out = args.out or REPO_ROOT / "benchmarks" / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Single-stream decode and batch throughput of each weight format, in one run: every engine
+loaded at once, timed calls alternating between them round by round (this machine is shared,
+so only ratios measured in one run mean anything)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from benchmarks.quantized.llama_cpp import LlamaCppRunner
+from benchmarks.quantized.methods import engine_kwargs
+from engine import LLM, SamplingParams
+
+
+@dataclass
+class SpeedResult:
+    system: str  # "duet-bf16", "duet-int4", "llama.cpp-Q4_1", ...
+    weight_bytes: int | None
+    single_stream_tok_s: list[float] = field(default_factory=list)  # one per round
+    batch_tok_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["single_stream_median"] = _median(self.single_stream_tok_s)
+        out["batch_median"] = _median(self.batch_tok_s)
+        return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    high = min(vocab_size, 32000) - 1
+    return [[rng.randrange(100, high) for _ in range(length)] for _ in range(count)]
+
+
+def run_speed(
+    model: str | None,
+    methods: list[str],
+    group_size: int,
+    llama_cpp_files: dict[str, str],
+    prompt_tokens: int,
+    new_tokens: int,
+    batch: int,
+    rounds: int,
+    threads: int | None,
+    log: Callable[[str], None] = print,
+) -> list[SpeedResult]:
+    engines: dict[str, LLM] = {}
+    results: dict[str, SpeedResult] = {}
+    for method in methods:
+        llm = LLM(model, load_progress=False, num_threads=threads, max_num_seqs=max(batch, 1),
+                  enable_prefix_caching=False, **engine_kwargs(method, group_size))  # fmt: skip
+        engines[f"duet-{method}"] = llm
+        results[f"duet-{method}"] = SpeedResult(f"duet-{method}", llm.engine.weight_bytes)
+        log(f"loaded duet-{method}: {llm.engine.weight_bytes / 2**20:.1f} MiB of weights")
+    runners = {
+        f"llama.cpp-{q}": LlamaCppRunner(path, threads) for q, path in llama_cpp_files.items()
+    }
+    for name in runners:
+        results[name] = SpeedResult(name, None)
+    vocab = next(iter(engines.values())).engine.arch.vocab_size
+    single = random_prompts(1, prompt_tokens, vocab, seed=0)
+    batched = random_prompts(batch, prompt_tokens, vocab, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up: first calls build caches and pick kernels
+        llm.generate(single, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    order = [*engines, *runners]
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else reversed(order):
+            if name in engines:
+                llm = engines[name]
+                elapsed = _timed(llm, single, params)
+                results[name].single_stream_tok_s.append(new_tokens / elapsed)
+                if batch > 0:
+                    elapsed = _timed(llm, batched, params)
+                    results[name].batch_tok_s.append(batch * new_tokens / elapsed)
+            else:
+                elapsed = runners[name].decode(single[0], new_tokens)
+                results[name].single_stream_tok_s.append(new_tokens / elapsed)
+            log(f"round {r + 1} {name}: {results[name].single_stream_tok_s[-1]:.1f} tok/s")
+    return list(results.values())
+
+
+def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    llm.generate(prompts, params)  # type: ignore[arg-type]
+    return time.perf_counter() - start
+
+
+def ratios(results: list[SpeedResult]) -> dict[str, float]:
+    """Median-over-rounds ratios: each duet format against bf16, and int4/int8 against the
+    llama.cpp GGUF of the matching type."""
+    by_name = {r.system: r.summary() for r in results}
+    out: dict[str, float] = {}
+    base = by_name.get("duet-bf16")
+    for name, summary in by_name.items():
+        if base is not None and name.startswith("duet-") and name != "duet-bf16":
+            for key in ("single_stream_median", "batch_median"):
+                if summary[key] and base[key]:
+                    out[f"{name}/duet-bf16 {key}"] = summary[key] / base[key]
+    for duet, llama in (("duet-int4", "llama.cpp-Q4_1"), ("duet-gguf", "llama.cpp-Q4_1"),
+                        ("duet-int8", "llama.cpp-Q8_0")):  # fmt: skip
+        if duet in by_name and llama in by_name:
+            key = "single_stream_median"
+            out[f"{duet}/{llama} {key}"] = by_name[duet][key] / by_name[llama][key]
+    return out

@@ -1,0 +1,361 @@
+"""Weight-only quantized linear layers: int8 and int4 weights, activations in the model dtype.
+
+Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/quantization.md):
+
+- bf16 on the CPU, int8 per output channel: `aten._weight_int8pack_mm`; int4:
+  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At one row they
+  match oneDNN's packed bf16 product on a weight that fits in cache, and read 2-4x fewer bytes;
+  from 64 rows they are 2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16)
+  the weight is dequantized for the call and multiplied densely.
+- Deterministic mode keeps one product at every row count (a token's bits must not depend on
+  whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
+  Both kernels compute each row on its own (probed like every linear, `row_invariant.check_model`).
+- fp32 on the CPU: torch's kernels are scalar there (10-40x slower than the dense fp32 GEMM):
+  dequantize, then the dense product. Memory shrinks; speed does not.
+- CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
+  checked in Triton's interpreter only, not yet run on a GPU.
+- int8 with groups: no torch kernel takes per-group int8 scales. GGUF Q8_0 (groups of 32) runs
+  as two int4 planes through the int4 kernel (`_set_split_int8`); Q6_K's groups of 16 are
+  below that kernel's smallest, so those layers dequantize.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
+from engine.quant.config import QuantizationConfig
+from engine.quant.formats import (
+    INT4_BLOCK_N,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+logger = logging.getLogger(__name__)
+
+KERNEL_MAX_ROWS = 16
+"""Most rows the int8/int4 kernels take outside deterministic mode; more are dequantized and
+multiplied densely (the crossover measured above lies between 16 and 64 rows)."""
+
+Part = QuantizedWeight | torch.Tensor
+_WARNED_K: set[int] = set()
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+"""Group sizes torch's CPU int4 kernel takes."""
+
+
+class QuantizedLinear(nn.Module):
+    """`y = x @ W.T (+ b)` with W held as int8 or int4.
+
+    Built empty with its shape; the loader hands it its weight in row ranges (`load_part`: a
+    fused q|k|v gets three), then `finalize` builds the kernel layout, or returns a dense
+    `nn.Linear` to use instead when the parts cannot share one format (a GGUF mixing types).
+    """
+
+    min_rows: int = MIN_ROWS
+    kernel_max_rows: int = KERNEL_MAX_ROWS
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, config: QuantizationConfig
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.config = config
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._parts: dict[int, Part] = {}
+        self.kind = ""  # "int8", "int8-split", "int8-grouped" or "int4" once finalized
+        self.group_size = in_features
+        self.symmetric = True
+        self.use_kernel = False
+        self.use_triton = False
+        self._padded_rows = out_features
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load_part(self, row_offset: int, part: Part) -> None:
+        """Rows [row_offset, row_offset + rows) of the weight: quantized (GGUF), or dense (then
+        rounded to nearest here, one part at a time; int8 and int4 scales are per row, so the
+        parts quantize as the whole would)."""
+        if isinstance(part, torch.Tensor) and self.config.method in ("int8", "int4"):
+            part = self._round(part)
+        self._parts[row_offset] = part
+
+    def _round(self, weight: torch.Tensor) -> QuantizedWeight:
+        if self.config.method == "int8":
+            return quantize_int8(weight)
+        group_size = self.config.group_size
+        while self.in_features % group_size and group_size > 32:
+            group_size //= 2  # e.g. 128 on SmolLM2's K = 576: 64
+        if group_size != self.config.group_size and self.in_features not in _WARNED_K:
+            _WARNED_K.add(self.in_features)
+            logger.warning(
+                "quantization_group_size %d does not divide input size %d: groups of %d there",
+                self.config.group_size, self.in_features, group_size,
+            )  # fmt: skip
+        return quantize_int4(weight, group_size, self.config.symmetric)
+
+    def finalize(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """Assemble the parts; returns self, or a dense `nn.Linear` replacing it."""
+        parts = [self._parts[k] for k in sorted(self._parts)]
+        self._parts = {}
+        num_rows = sum(p.shape[0] for p in parts)
+        if num_rows != self.out_features:
+            raise ModelLoadError(
+                f"a {self.out_features}x{self.in_features} layer's checkpoint tensors hold "
+                f"{num_rows} of its {self.out_features} rows"
+            )
+        first = parts[0]
+        if isinstance(first, torch.Tensor) or not all(first.same_kind(p) for p in parts):
+            return self._dense(parts, dtype, device)
+        weight = type(first).cat_rows(parts)  # type: ignore[arg-type]
+        self.set_weight(weight, dtype, device)
+        return self
+
+    def _dense(self, parts: list[Part], dtype: torch.dtype, device: torch.device) -> Linear:
+        kinds = sorted({type(p).__name__ for p in parts})
+        if any(not isinstance(p, torch.Tensor) for p in parts):
+            logger.info(
+                "a %dx%d layer mixes weight formats (%s): dequantized to %s",
+                self.out_features, self.in_features, ", ".join(kinds), dtype,
+            )  # fmt: skip
+        full = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+        # NOTE: row_invariant.Linear, not nn.Linear: the load-time probe must see it.
+        linear = Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear = linear.to(device=device, dtype=dtype).requires_grad_(False)
+        with torch.no_grad():
+            linear.weight.copy_(full)
+            if self.bias is not None and linear.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear
+
+    def set_weight(
+        self,
+        weight: QuantizedWeight,
+        dtype: torch.dtype,
+        device: torch.device,
+        triton: bool | None = None,
+    ) -> None:
+        """Hold `weight` in the layout of the product that runs for `dtype` on `device`.
+        `triton`: the Triton kernels (engine/quant/triton_linear.py); None: on CUDA."""
+        n, k = weight.shape
+        self.group_size = weight.group_size
+        on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero", "packed_lo",
+                     "scales_zeros_lo"):  # fmt: skip
+            self.register_buffer(name, None, persistent=False)
+        self.use_triton = device.type == "cuda" if triton is None else triton
+        if self.use_triton:
+            self._set_triton_weight(weight, dtype, device)
+            return
+        self._padded_rows = -(-n // INT4_BLOCK_N) * INT4_BLOCK_N
+        if isinstance(weight, Int8Weight):
+            per_channel = weight.group_size == k
+            if not per_channel and on_cpu_bf16 and weight.group_size in INT4_KERNEL_GROUPS:
+                self._set_split_int8(weight, dtype, device)
+                return
+            self.kind = "int8" if per_channel else "int8-grouped"
+            self.use_kernel = per_channel and on_cpu_bf16
+            self.q = weight.q.to(device)
+            scale = weight.scale.squeeze(1) if per_channel else weight.scale
+            self.scale = scale.to(device, dtype if self.use_kernel else torch.float32)
+            return
+        self.kind, self.symmetric = "int4", weight.symmetric
+        self.use_kernel = on_cpu_bf16
+        if self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
+            zero = torch.zeros_like(weight.scale)
+            if weight.offset is not None:
+                zero = weight.offset + 8 * weight.scale
+            self.packed, self.scales_zeros = self._int4_kernel_operands(
+                weight.q, weight.scale, zero, dtype, device
+            )
+        else:  # exact fp32 scales: dequantizes as the format does (bit-exact for GGUF)
+            self.packed, _ = self._int4_kernel_operands(
+                weight.q, weight.scale, weight.scale, dtype, device
+            )
+            self.scale = weight.scale.to(device)
+            self.offset = None if weight.offset is None else weight.offset.to(device)
+
+    def _int4_kernel_operands(
+        self,
+        q: torch.Tensor,  # [N, K] in [0, 15]
+        scale: torch.Tensor,  # [N, K / G]
+        zero: torch.Tensor,  # [N, K / G]
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed [N padded, K / 2], scales_zeros [K / G, N padded, 2]): torch's CPU int4
+        kernel operands, rows padded to its blocks of 64."""
+        pad = self._padded_rows - q.shape[0]
+        if pad:
+            q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+        scales_zeros = torch.stack([scale, zero], dim=-1)  # [N, K / G, 2]
+        if pad:
+            scales_zeros = torch.cat(
+                [scales_zeros, scales_zeros.new_zeros(pad, *scale.shape[1:], 2)]
+            )
+        packed = pack_int4(q).to(device)
+        return packed, scales_zeros.transpose(0, 1).contiguous().to(device, dtype)
+
+    def _set_split_int8(self, weight: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
+        """int8 with per-group scales (GGUF Q8_0) as two int4 planes for torch's int4 kernel:
+        q + 128 = 16 h + l, so q s = (h - 8) (16 s) + [(l - 8) s + 8 s]; the same bytes as int8
+        and two kernel calls instead of dequantizing the whole weight every step."""
+        self.kind, self.use_kernel = "int8-split", True
+        unsigned = weight.q.to(torch.int16) + 128  # [N, K] in [0, 255]
+        high, low = unsigned >> 4, unsigned & 0x0F
+        scale = weight.scale
+        self.packed, self.scales_zeros = self._int4_kernel_operands(
+            high, 16 * scale, torch.zeros_like(scale), dtype, device
+        )
+        self.packed_lo, self.scales_zeros_lo = self._int4_kernel_operands(
+            low, scale, 8 * scale, dtype, device
+        )
+
+    def _set_triton_weight(
+        self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        from engine.quant.triton_linear import pack_int4_rows
+
+        self.use_kernel = False
+        if isinstance(weight, Int8Weight):
+            self.kind = "int8" if weight.group_size == weight.shape[1] else "int8-grouped"
+            self.q, self.scale = weight.q.to(device), weight.scale.to(device, dtype)
+            return
+        self.kind, self.symmetric = "int4", weight.symmetric
+        zero = -8 * weight.scale if weight.offset is None else weight.offset  # w = q s + zero
+        self.packed = pack_int4_rows(weight.q).to(device)  # [N, K / 2]
+        self.scale, self.zero = weight.scale.to(device, dtype), zero.to(device, dtype)
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_rows(x, self._product, self.min_rows)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from engine.quant.triton_linear import w4a16_linear, w8a16_linear
+
+            if self.kind == "int4":
+                out = w4a16_linear(rows, self.packed, self.scale, self.zero)
+            else:
+                out = w8a16_linear(rows, self.q, self.scale)
+            return out if self.bias is None else out + self.bias
+        if not (
+            self.use_kernel
+            and rows.dtype == torch.bfloat16
+            and rows.shape[0] <= self.kernel_max_rows
+        ):
+            return F.linear(rows, self.dequantize(rows.dtype), self.bias)
+        if self.kind == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
+        else:
+            rows = rows.contiguous()
+            int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            out = int4_mm(rows, self.packed, self.group_size, self.scales_zeros)
+            if self.kind == "int8-split":
+                out += int4_mm(rows, self.packed_lo, self.group_size, self.scales_zeros_lo)
+            if self._padded_rows != self.out_features:
+                out = out[:, : self.out_features].contiguous()
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as the dense [N, K] matrix the kernels stand for."""
+        n, k = self.out_features, self.in_features
+        if self.kind == "int8-split":
+            high, low = unpack_int4(self.packed)[:n], unpack_int4(self.packed_lo)[:n]
+            q = high.to(torch.int16) * 16 + low - 128
+            scale = self.scales_zeros_lo[:, :n, 0].transpose(0, 1).float()  # [N, K / G]
+            groups = q.float().view(n, -1, self.group_size)
+            return (groups * scale[..., None]).view(n, k).to(dtype)
+        if self.kind.startswith("int8"):
+            groups = self.q.view(n, -1, self.group_size).to(self.scale.dtype)
+            scale = self.scale.view(n, -1, 1)
+            return (groups * scale).view(n, k).to(dtype)
+        if self.use_triton:  # row layout: column 2j low nibble, 2j + 1 high
+            q = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).view(n, k)
+            groups = q.to(self.scale.dtype).view(n, -1, self.group_size)
+            w = groups * self.scale[..., None] + self.zero[..., None]
+            return w.view(n, k).to(dtype)
+        q = unpack_int4(self.packed)[:n]
+        if self.use_kernel:
+            sz = self.scales_zeros[:, :n].transpose(0, 1).float()  # [N, K / G, 2]
+            q = (q.to(torch.int8) - 8).float().view(n, -1, self.group_size)
+            return (q * sz[..., :1] + sz[..., 1:]).view(n, k).to(dtype)
+        weight = Int4Weight(q, self.scale, self.offset, self.group_size)
+        return weight.dequantize().to(dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (bias excluded)."""
+        return sum(b.nbytes for b in self.buffers(recurse=False))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"kind={self.kind or 'unloaded'}, group_size={self.group_size}, kernel={self.use_kernel}"
+        )
+
+
+def quantize_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, config: QuantizationConfig, dtype: torch.dtype
+) -> QuantizedLinear:
+    """A finalized `QuantizedLinear` of a dense weight ([N, K]), rounded to nearest."""
+    layer = QuantizedLinear(weight.shape[1], weight.shape[0], bias is not None, config)
+    if bias is not None and layer.bias is not None:
+        layer.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+    layer.load_part(0, weight)
+    result = layer.finalize(dtype, weight.device)
+    assert result is layer
+    return layer
+
+
+def set_kernel_max_rows(model: nn.Module, rows: int | None) -> None:
+    """Most rows every `QuantizedLinear` under `model` gives its kernel (None: all of them, so
+    each row takes one product whatever its batch: deterministic mode)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.kernel_max_rows = rows if rows is not None else 1 << 62
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(all weight bytes, the quantized layers' share) of `model`: parameters, quantized
+    weights with their scales, and a tied LM head's own copy when it has one."""
+    seen: set[int] = set()
+    total = quantized = 0
+    for module in model.modules():
+        tensors: list[torch.Tensor] = list(module.parameters(recurse=False))
+        if isinstance(module, QuantizedLinear):
+            quantized += module.weight_bytes()
+            tensors += list(module.buffers(recurse=False))
+        elif isinstance(getattr(module, "packed", None), torch.Tensor):
+            tensors.append(module.packed)  # type: ignore[arg-type]  # PackedLinear's oneDNN copy
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.nbytes
+    return total, quantized
+
+
+def log_weight_bytes(model: nn.Module, name: str, config: QuantizationConfig | None) -> int:
+    """Log the weight bytes at load (and the quantized layers' share); returns the total."""
+    total, quantized = weight_bytes(model)
+    mib = 1 << 20
+    if config is None:
+        logger.info("%s: weights %.1f MiB", name, total / mib)
+    else:
+        logger.info(
+            "%s: weights %.1f MiB, of which %.1f MiB %s linears",
+            name, total / mib, quantized / mib, config.describe(),
+        )  # fmt: skip
+    return total

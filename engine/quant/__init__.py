@@ -1,0 +1,1 @@
+"""Weight-only quantization: formats, round-to-nearest, GGUF repacking (docs/quantization.md)."""

@@ -1,0 +1,50 @@
+"""benchmarks.quantized: the NLL it reports is the engine's own log-probabilities, and its
+ratios pair the right systems."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.quantized.accuracy import window_nll
+from benchmarks.quantized.methods import applicable, engine_kwargs
+from benchmarks.quantized.speed import SpeedResult, ratios
+from engine import LLM, SamplingParams
+
+
+def test_window_nll_is_the_engines_negative_logprobs(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=64)
+    prompt = [5, 17, 99, 200, 3, 42, 7]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                logprobs=0))[0].outputs[0]  # fmt: skip
+    model = llm.engine.runner.model
+    whole, n_whole = window_nll(model, torch.tensor(prompt + out.token_ids), torch.float32)
+    prompt_only, n_prompt = window_nll(model, torch.tensor(prompt), torch.float32)
+    assert (n_whole, n_prompt) == (12, 6)
+    generated = -sum(lp.sampled.logprob for lp in out.logprobs)
+    assert whole - prompt_only == pytest.approx(generated, abs=1e-3)
+
+
+def test_ratios_pair_formats_with_bf16_and_llama_cpp() -> None:
+    results = [
+        SpeedResult("duet-bf16", 100, [10.0, 12.0, 11.0], [100.0]),
+        SpeedResult("duet-int4", 30, [22.0], [90.0]),
+        SpeedResult("llama.cpp-Q4_1", None, [20.0, 20.0]),
+    ]
+    assert ratios(results) == {
+        "duet-int4/duet-bf16 single_stream_median": 2.0,
+        "duet-int4/duet-bf16 batch_median": 0.9,
+        "duet-int4/llama.cpp-Q4_1 single_stream_median": 1.1,
+    }
+
+
+def test_methods() -> None:
+    assert engine_kwargs("bf16", 64) == {"dtype": "bfloat16"}
+    assert engine_kwargs("int4", 64) == {
+        "dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 64,
+    }  # fmt: skip
+    assert engine_kwargs("gguf", 64) == {"dtype": "bfloat16", "quantization": "gguf"}
+    assert applicable("gguf", None) and applicable("gguf", "m.gguf")
+    assert not applicable("gguf", "/models/hf-dir") and applicable("int8", "/models/hf-dir")
+    with pytest.raises(ValueError, match="method must be one of bf16, int8, int4, gguf"):
+        engine_kwargs("int2", 32)

@@ -1,0 +1,196 @@
+"""engine/model/quantized_linear.py and engine/quant/formats.py: int8 and int4 weight-only
+linears against their dequantized reference, row by row, and their storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError, ModelLoadError
+from engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from engine.model.row_invariant import MIN_ROWS, Linear, probe
+from engine.quant.config import QuantizationConfig
+from engine.quant.formats import (
+    Int4Weight,
+    Int8Weight,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+
+K = 576  # SmolLM2's hidden size (a multiple of 32 and 64, not of 128)
+CONFIGS = [
+    QuantizationConfig("int8"),
+    QuantizationConfig("int4", 32, symmetric=False),
+    QuantizationConfig("int4", 64, symmetric=True),
+    QuantizationConfig("int4", 32, symmetric=True),
+]
+IDS = ["int8", "int4-g32-asym", "int4-g64-sym", "int4-g32-sym"]
+
+
+def layer(config: QuantizationConfig, dtype: torch.dtype, n: int = 192, bias: bool = False):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, K, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen) if bias else None
+    return quantize_linear(weight, b, config, dtype), weight
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("kernel_max_rows", [1 << 62, 16], ids=["kernel", "dequantize-above-16"])
+def test_bf16_equals_dequantized_reference(
+    config: QuantizationConfig, kernel_max_rows: int
+) -> None:
+    linear, _ = layer(config, torch.bfloat16, bias=True)
+    assert linear.use_kernel is (config.method == "int4" or config.method == "int8")
+    linear.kernel_max_rows = kernel_max_rows
+    reference = linear.dequantize(torch.float32)  # [N, K]
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        out = linear(x)
+        assert out.shape == (rows, 192) and out.dtype == torch.bfloat16
+        expected = F.linear(x.float(), reference, linear.bias.float())
+        # bf16 output: a few units in the last place of the largest value
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_fp32_is_the_dense_product_of_the_dequantized_weight(config: QuantizationConfig) -> None:
+    linear, _ = layer(config, torch.float32)
+    assert not linear.use_kernel  # torch's int kernels are scalar in fp32: dequantize instead
+    linear.min_rows = 1
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen)
+        assert torch.equal(linear(x), F.linear(x, linear.dequantize(torch.float32)))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig) -> None:
+    linear, _ = layer(config, torch.bfloat16)
+    linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
+    assert probe(linear, K, torch.bfloat16)  # rows 1..600, each alone and in every batch
+    x = torch.randn(64, K).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(64)])
+    assert torch.equal(linear(x), alone)
+    assert torch.equal(linear(x[:7]), alone[:7])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_round_to_nearest_error_is_at_most_half_a_step(config: QuantizationConfig) -> None:
+    _, weight = layer(config, torch.float32)
+    if config.method == "int8":
+        q = quantize_int8(weight)
+        step = q.scale.expand(-1, K)
+    else:
+        q = quantize_int4(weight, config.group_size, config.symmetric)
+        step = q.scale.repeat_interleave(config.group_size, dim=1)
+    error = (q.dequantize() - weight).abs()
+    assert bool((error <= step / 2 * (1 + 1e-5)).all())
+    assert q.dequantize().shape == weight.shape
+
+
+def test_kernel_layout_equals_torch_pack_and_unpacks() -> None:
+    q = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(q)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
+    assert torch.equal(unpack_int4(packed), q.to(torch.uint8))
+
+
+def test_rows_off_the_kernel_block_are_padded() -> None:
+    config = QuantizationConfig("int4", 32)
+    linear, _ = layer(config, torch.bfloat16, n=96)  # the kernel packs 64 rows per block
+    assert linear.packed.shape == (128, K // 2)
+    x = torch.randn(3, K).to(torch.bfloat16)
+    out = linear(x)
+    assert out.shape == (3, 96)
+    expected = F.linear(x.float(), linear.dequantize(torch.float32))
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
+
+
+def test_storage_bytes() -> None:
+    n = 192
+    int8, _ = layer(QuantizationConfig("int8"), torch.bfloat16, n=n)
+    assert int8.weight_bytes() == n * K + n * 2  # int8 + a bf16 scale per row
+    int4, _ = layer(QuantizationConfig("int4", 32), torch.bfloat16, n=n)
+    assert int4.weight_bytes() == n * K // 2 + n * (K // 32) * 2 * 2  # nibbles + bf16 scale, zero
+    assert int4.weight_bytes() / (n * K * 2) == pytest.approx(0.3125)
+    int4_64, _ = layer(QuantizationConfig("int4", 64), torch.bfloat16, n=n)
+    assert int4_64.weight_bytes() / (n * K * 2) == pytest.approx(0.28125)
+
+
+def test_group_size_falls_back_to_one_that_divides_the_input() -> None:
+    linear, _ = layer(QuantizationConfig("int4", 128), torch.bfloat16)
+    assert linear.group_size == 64  # 576 = 4.5 x 128
+
+
+def test_mixed_parts_become_a_dense_layer() -> None:
+    config = QuantizationConfig("gguf")
+    slot = QuantizedLinear(K, 96, False, config)
+    dense = torch.randn(32, K)
+    q4 = quantize_int4(torch.randn(64, K), 32, symmetric=False)
+    slot.load_part(0, q4)
+    slot.load_part(64, dense)
+    result = slot.finalize(torch.float32, torch.device("cpu"))
+    # a batch-invariant dense layer, which the load-time probe sees (it has `min_rows`)
+    assert isinstance(result, Linear) and result.min_rows == MIN_ROWS
+    assert torch.equal(result.weight, torch.cat([q4.dequantize(), dense]))
+
+
+def test_narrowing_off_a_group_is_refused() -> None:
+    q4 = quantize_int4(torch.randn(64, K), 32, symmetric=True)
+    assert isinstance(q4.narrow(1, 288, 288), Int4Weight)
+    with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size: a shard of columns"):
+        q4.narrow(1, 16, 288)
+    with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size: an int8 per-channel"):
+        quantize_int8(torch.randn(64, K)).narrow(1, 0, 288)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(InvalidInputError) as error:
+        EngineConfig(quantization="int3")
+    assert error.value.field == "quantization"
+    with pytest.raises(InvalidInputError) as error:
+        EngineConfig(quantization="int4", quantization_group_size=48)
+    assert error.value.field == "quantization_group_size"
+    with pytest.raises(InvalidInputError) as error:
+        EngineConfig(quantize_lm_head="yes")  # type: ignore[arg-type]
+    assert error.value.field == "quantize_lm_head"
+    config = EngineConfig(quantization="int4", quantization_group_size=64)
+    assert config.quantization_config() == QuantizationConfig("int4", 64, False, False)
+
+
+def grouped_int8(n: int, group_size: int) -> Int8Weight:
+    """int8 with a scale per group of columns, as GGUF Q8_0 (32) and Q6_K (16) repack."""
+    weight = torch.randn(n, K, generator=torch.Generator().manual_seed(2)) * 0.05
+    groups = weight.view(n, -1, group_size)
+    scale = groups.abs().amax(-1) / 127
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.view(n, K), scale, group_size)
+
+
+@pytest.mark.parametrize(("group_size", "kind"), [(32, "int8-split"), (16, "int8-grouped")])
+def test_grouped_int8_equals_dequantized_reference(group_size: int, kind: str) -> None:
+    exact = grouped_int8(96, group_size)  # 96 rows: padded to the kernel's blocks of 64
+    linear = QuantizedLinear(K, 96, False, QuantizationConfig("gguf"))
+    linear.set_weight(exact, torch.bfloat16, torch.device("cpu"))
+    linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
+    assert linear.kind == kind and linear.use_kernel is (kind == "int8-split")
+    if kind == "int8-split":  # q s with s rounded to bf16, as the kernel holds it
+        bf16_scale = exact.scale.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)
+        assert torch.equal(linear.dequantize(torch.float32), exact.q.float() * bf16_scale)
+    else:  # fp32 scales, dequantized exactly as the format
+        assert torch.equal(linear.dequantize(torch.float32), exact.dequantize())
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        out = linear(x)
+        expected = F.linear(x.float(), exact.dequantize())
+        assert out.shape == (rows, 96)
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
+    assert probe(linear, K, torch.bfloat16)
+    if kind == "int8-split":  # two nibble planes (rows padded to 128), two scale-zero pairs
+        assert linear.weight_bytes() == 128 * K + 2 * (K // group_size) * 128 * 2 * 2
