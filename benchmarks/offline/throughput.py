@@ -51,7 +51,7 @@ from typing import Any
 
 from benchmarks.common.cpu_usage import wait_for_idle
 from benchmarks.common.machine import cpu_info
-from benchmarks.offline.paired import DuetEngine, VllmEngine, run_rounds
+from benchmarks.offline.paired_vllm import run_paired
 from benchmarks.offline.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
 from benchmarks.offline.systems import (
     RunConfig,
@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_info(args.threads)  # before the runs: the code that was measured
     print(f"workload: {workload.summary()}; threads {args.threads}; model {model_dir}")
     if args.paired_rounds:
-        run_paired(args, workload, cfg, model_dir, machine, argv)
+        command = shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)])
+        run_paired(args, workload, cfg, model_dir, machine, command, DTYPES[args.dtype])
         return
     jobs, skipped = plan_jobs(args, workload, cfg)
 
@@ -357,82 +358,6 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
-
-
-def run_paired(
-    args: argparse.Namespace,
-    workload: Workload,
-    cfg: RunConfig,
-    model_dir: Path,
-    machine: dict[str, Any],
-    argv: list[str] | None,
-) -> None:
-    """duet against each vLLM engine in alternating rounds, one dtype at a time."""
-    try:
-        version = check_vllm(args.vllm_python)
-    except SystemUnavailable as e:
-        raise SystemExit(f"--paired-rounds needs the vLLM baseline: {e}") from None
-    print(f"vllm {version} under {args.vllm_python}; {args.paired_rounds} paired rounds")
-    pairs = []
-    for dtype in DTYPES[args.dtype]:
-        duet = DuetEngine(workload, dtype, cfg)
-        try:
-            for mode in args.vllm_modes:
-                name = f"vllm-{mode}"
-                print(f"loading {name} {dtype} ...", flush=True)
-                vllm = VllmEngine(workload, dtype, mode == "eager", args.vllm_python, cfg)
-                try:
-                    pair = run_rounds(
-                        {"duet": duet, name: vllm}, workload, args.paired_rounds, args.idle_wait_s
-                    )
-                finally:
-                    vllm.close()
-                tokens = pair.pop("token_ids")
-                pair["same_tokens_as_vllm"] = sum(
-                    a == b for a, b in zip(tokens["duet"], tokens[name], strict=True)
-                )
-                pairs.append({"dtype": dtype, "baseline": name, **pair})
-                varied = [
-                    e for e, same in pair["same_tokens_every_round_by_engine"].items() if not same
-                ]
-                print(
-                    f"duet/{name} {dtype}: median {pair['median_ratio']:.2f}x "
-                    f"({pair['min_ratio']:.2f}-{pair['max_ratio']:.2f}) over "
-                    f"{args.paired_rounds} rounds; tokens changed between rounds: "
-                    f"{', '.join(varied) or 'neither'}",
-                    flush=True,
-                )
-        finally:
-            duet.close()
-            gc.collect()
-    print_paired(pairs)
-    report = {
-        "benchmark": "offline_throughput_paired",
-        "command": shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)]),
-        "machine": machine,
-        "config": {"model_dir": str(model_dir), "rounds": args.paired_rounds},
-        "workload": workload.summary(),
-        "pairs": pairs,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-
-
-def print_paired(pairs: list[dict[str, Any]]) -> None:
-    header = f"{'pair':<26} {'dtype':<9} {'duet tok/s':>24} {'baseline tok/s':>24} {'ratio':>16}"
-    print("\n" + header + "\n" + "-" * len(header))
-    for pair in pairs:
-        duet_name, base = pair["engines"]
-        duet_tok = [r[duet_name]["tok_s"] for r in pair["rounds"]]
-        base_tok = [r[base]["tok_s"] for r in pair["rounds"]]
-        print(
-            f"{'duet / ' + base:<26} {pair['dtype']:<9} "
-            f"{min(duet_tok):>10.1f}-{max(duet_tok):<10.1f}   "
-            f"{min(base_tok):>10.1f}-{max(base_tok):<10.1f}   "
-            f"{pair['median_ratio']:>5.2f}x ({pair['min_ratio']:.2f}-{pair['max_ratio']:.2f})"
-        )
-    print("ratio: median (min-max) over the rounds of duet tok/s / baseline tok/s in the round")
 
 
 if __name__ == "__main__":
