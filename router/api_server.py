@@ -27,10 +27,10 @@ from router.batch_runner import BatchPriority, BatchRunner
 from router.batches import BatchService
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
-from router.openai_protocol import (
-    ChatCompletionRequest,
+from router.openai_chat import ChatOptions
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
@@ -65,6 +65,7 @@ def build_app(
     admission: AdmissionController | None = None,
     work_queue: WorkQueue | None = None,
     batch_priority: BatchPriority | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -74,7 +75,8 @@ def build_app(
     one server share one). `max_queued_requests`: a fixed queue bound, or None for the default
     time-bounded queue (router/admission.py); ignored when `admission` is given. With a
     `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
-    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`."""
+    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`.
+    `chat_options`: the tool-call and reasoning parsers (router/openai_chat.py)."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -87,6 +89,7 @@ def build_app(
         admission,
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
+        chat_options,
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)

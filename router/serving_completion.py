@@ -16,13 +16,8 @@ from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
 from router.logprobs import completion_logprobs
-from router.openai_protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from router.openai_protocol import CompletionRequest
+from router.openai_responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from router.serving_context import ServingContext
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
 from router.stream_merge import merge_streams

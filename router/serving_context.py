@@ -19,6 +19,7 @@ from router.engine_client import EngineClient
 from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
 from router.logprobs import TokenTexts
 from router.metrics import ServingMetrics
+from router.openai_chat import ChatOptions
 from router.rate_limit import RequestRateLimiter
 from router.sessions import SessionManager
 
@@ -31,6 +32,7 @@ class ServingContext:
         admission: AdmissionController,
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
+        chat_options: ChatOptions | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -40,6 +42,8 @@ class ServingContext:
         self.admission = admission
         self.metrics = ServingMetrics(engine, served_model_name)
         self.token_texts = TokenTexts(engine.tokenizer)
+        self.chat_options = chat_options or ChatOptions()
+        """Tool-call and reasoning parsers (router/openai_chat.py)."""
 
     @property
     def max_model_len(self) -> int:
