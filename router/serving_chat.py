@@ -89,6 +89,12 @@ class ChatCompletionHandler:
         except jinja2.TemplateError as e:
             param = "messages" if body.chat_template is None else "chat_template"
             raise BadRequestError(f"{param}: the chat template failed: {e}", param) from None
+        except (TypeError, ValueError, LookupError, ArithmeticError) as e:
+            # A template or variables the request brought may fail in any way while rendering.
+            if body.chat_template is None and body.chat_template_kwargs is None:
+                raise
+            param = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
+            raise BadRequestError(f"{param}: the chat template failed: {e!r}", param) from None
         max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
         ctx.check_engine()
         await ctx.rate_limiter.admit(api_key, len(prompt_ids) + max_tokens * params.n)
@@ -133,6 +139,8 @@ class ChatCompletionHandler:
         for c in final.outputs:
             reply = plan.new_reply()
             piece, content, tool_calls = reply.whole(c.text)
+            if piece.reasoning and not content:
+                content = None  # only thinking (cut by max_tokens): no answer yet
             message = ChatResponseMessage(
                 content=content, reasoning_content=piece.reasoning or None, tool_calls=tool_calls
             )
