@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`,
 `POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
 (router/batch_routes.py), `GET /health` (liveness: the engine
 thread runs), `GET /ready` (readiness: it also accepts new requests), `GET /metrics`
@@ -35,6 +36,7 @@ from router.openai_responses import (
     ModelCard,
     ModelList,
 )
+from router.openai_tokenize import install_tokenize_routes
 from router.openapi import error_responses, install_openapi
 from router.queue_worker import QueueWorker
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
@@ -205,6 +207,7 @@ def build_app(
         await sessions.delete(session_id, caller_api_key(raw))
         return SessionDeleted(id=session_id)
 
+    install_tokenize_routes(app, ctx)
     if batches is not None:
         install_batch_routes(app, batches)
     if chat.background is not None:

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
+
 from engine import InvalidInputError, SamplingParams
 from engine.tokenizer import Message, Tokenizer
 from router.openai_protocol import ChatCompletionRequest
@@ -91,6 +93,8 @@ class ChatPlan:
                 if getattr(body, field):
                     raise InvalidInputError(field, "cannot be combined with tools (not yet)")
         if body.background:
+            if body.priority != 0:
+                raise InvalidInputError("priority", "cannot be combined with background (not yet)")
             for field in ("chat_template", "chat_template_kwargs"):
                 if getattr(body, field) is not None:
                     raise InvalidInputError(field, "cannot be combined with background (not yet)")
@@ -122,8 +126,22 @@ class ChatPlan:
     def render(
         self, tokenizer: Tokenizer, body: ChatCompletionRequest, messages: list[Message]
     ) -> list[int]:
-        """The prompt's token ids (`render_chat`); notes whether the reply starts thinking."""
-        text = render_chat(tokenizer, body, messages, self)
+        """The prompt's token ids (`render_chat`); notes whether the reply starts thinking.
+        A template that fails is `InvalidInputError` naming messages, chat_template or
+        chat_template_kwargs."""
+        try:
+            text = render_chat(tokenizer, body, messages, self)
+        except jinja2.TemplateError as e:
+            field = "messages" if body.chat_template is None else "chat_template"
+            raise InvalidInputError(field, f"the chat template failed: {e}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError) as e:
+            # A template or variables the request brought may fail in any way while rendering.
+            if isinstance(e, InvalidInputError) or (
+                body.chat_template is None and body.chat_template_kwargs is None
+            ):
+                raise
+            field = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
+            raise InvalidInputError(field, f"the chat template failed: {e!r}") from None
         if self.reasoning_parser is not None:
             self.reply_start = reply_start(self.reasoning_parser, text)
         # The template already holds BOS where the model wants one.

@@ -157,6 +157,10 @@ class SamplingRequest(OpenAIModel):
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
     structured_outputs: structured_protocol.StructuredOutputsBody | None = None
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """Lower runs first when the server schedules by priority (else only 0 is accepted)."""
+    prompt_logprobs: int | None = None
+    """Not supported yet: any value but null is a 400."""
     # duet
     session_id: str | None = None
     """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
@@ -169,6 +173,13 @@ class SamplingRequest(OpenAIModel):
             return handler(value)
         except ValidationError:
             raise ValueError("must be a string or a list of strings") from None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("is not supported by this server yet")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -277,6 +288,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    """Each choice's text starts with its prompt (not with logprobs yet)."""
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
@@ -292,9 +304,17 @@ class CompletionRequest(SamplingRequest):
                 "token-id lists"
             ) from None
 
-    @field_validator("echo", "suffix")
+    @field_validator("echo")
     @classmethod
-    def _unsupported(cls, value: bool | str | None) -> bool | str | None:
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs is not supported by this server yet (needs prompt "
+                             "logprobs)")  # fmt: skip
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _unsupported(cls, value: str | None) -> str | None:
         if value:
             raise ValueError("is not supported by this server")
         return value

@@ -13,7 +13,6 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-import jinja2
 from fastapi import Request, Response
 
 from engine import CompletionOutput, InvalidInputError, RequestOutput
@@ -86,21 +85,13 @@ class ChatCompletionHandler:
             params = plan.sampling_params(params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
-        except jinja2.TemplateError as e:
-            param = "messages" if body.chat_template is None else "chat_template"
-            raise BadRequestError(f"{param}: the chat template failed: {e}", param) from None
-        except (TypeError, ValueError, LookupError, ArithmeticError) as e:
-            # A template or variables the request brought may fail in any way while rendering.
-            if body.chat_template is None and body.chat_template_kwargs is None:
-                raise
-            param = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
-            raise BadRequestError(f"{param}: the chat template failed: {e!r}", param) from None
         max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
+        ctx.check_priority(body.priority)
         ctx.check_engine()
         await ctx.rate_limiter.admit(api_key, len(prompt_ids) + max_tokens * params.n)
         [ticket] = ctx.admission.admit([params.n])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s)
+        outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s, body.priority)
         if body.stream:
             events = self._stream(
                 body, plan, request_id, params.n, outputs, rename, turn, new_messages

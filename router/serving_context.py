@@ -70,6 +70,16 @@ class ServingContext:
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
 
+    def check_priority(self, priority: int) -> None:
+        """400 for a priority this server would ignore (it schedules first come, first served)."""
+        policy = getattr(self.engine, "scheduling_policy", "fcfs")
+        if priority != 0 and policy != "priority":
+            raise BadRequestError(
+                f"priority: this server schedules {policy} and would ignore it (start it with "
+                "--scheduling-policy priority; disaggregated mode has no priorities yet)",
+                param="priority",
+            )
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -77,15 +87,17 @@ class ServingContext:
         request_id: str,
         ticket: AdmissionTicket,
         arrival_s: float,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs. The ticket is released when this generator ends."""
+        """Stream one request's outputs. The ticket is released when this generator ends.
+        `priority`: lower runs first, under the priority scheduling policy."""
         tracker = self.metrics.track(arrival_s)
         last: RequestOutput | None = None
         try:
             # EngineClient.generate is an async generator (typed as an iterator): close it.
             outputs = cast(
                 AsyncGenerator[RequestOutput, None],
-                self.engine.generate(prompt_token_ids, params, request_id),
+                self.engine.generate(prompt_token_ids, params, request_id, priority),
             )
             async with aclosing(outputs) as it:
                 async for out in it:
