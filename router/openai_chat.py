@@ -107,7 +107,12 @@ class ChatPlan:
     def sampling_params(self, params: SamplingParams) -> SamplingParams:
         """`params` with the tools' grammar, and special tokens kept where the parser needs
         them."""
-        constraint = self.tools.constraint() or params.structured_outputs
+        constraint = self.tools.constraint()
+        if constraint is not None and params.structured_outputs is not None:
+            raise InvalidInputError(
+                "structured_outputs", f"cannot be combined with a {self.tools.mode} tool_choice"
+            )
+        constraint = constraint or params.structured_outputs
         if constraint is not None and self.reply_start is not None:
             constraint = dataclasses.replace(constraint, reasoning=self.reply_start)
         if constraint is not None:

@@ -217,6 +217,7 @@ class RouterServer(uvicorn.Server):
                 session_store=self.session_store,
                 rate_limiter=self.rate_limiter,
                 rate_limits=config.rate_limits,
+                chat_options=config.chat_options,
             )
         except Exception:
             await self._close_stores()

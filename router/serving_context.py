@@ -71,14 +71,7 @@ class ServingContext:
             raise BadRequestError.from_invalid_input(e, rename) from None
 
     def check_priority(self, priority: int) -> None:
-        """400 for a priority this server would ignore (it schedules first come, first served)."""
-        policy = getattr(self.engine, "scheduling_policy", "fcfs")
-        if priority != 0 and policy != "priority":
-            raise BadRequestError(
-                f"priority: this server schedules {policy} and would ignore it (start it with "
-                "--scheduling-policy priority; disaggregated mode has no priorities yet)",
-                param="priority",
-            )
+        check_priority(self.engine, priority)
 
     async def generate(
         self,
@@ -107,6 +100,17 @@ class ServingContext:
         finally:
             ticket.release()
             tracker.on_finish(last)
+
+
+def check_priority(engine: EngineClient, priority: int) -> None:
+    """400 for a priority `engine` would ignore (it schedules first come, first served)."""
+    policy = getattr(engine, "scheduling_policy", "fcfs")
+    if priority != 0 and policy != "priority":
+        raise BadRequestError(
+            f"priority: this server schedules {policy} and would ignore it (start it with "
+            "--scheduling-policy priority; disaggregated mode has no priorities yet)",
+            param="priority",
+        )
 
 
 async def final_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
