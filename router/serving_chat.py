@@ -51,13 +51,6 @@ class ChatCompletionHandler:
         ctx = self.ctx
         ctx.check_model(body.model)
         api_key = caller_api_key(raw)
-        if body.background:
-            if self.background is None:
-                raise BadRequestError(
-                    "background: not available (this server runs without a work queue)",
-                    param="background",
-                )
-            return await self.background.submit(body, api_key)
         # Engine field names -> this request's names, so a 400 names what the client sent.
         rename = {
             "prompt": "messages",
@@ -69,6 +62,13 @@ class ChatCompletionHandler:
             params = body.to_sampling_params()
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
+        if body.background:
+            if self.background is None:
+                raise BadRequestError(
+                    "background: not available (this server runs without a work queue)",
+                    param="background",
+                )
+            return await self.background.submit(body, api_key)
         new_messages = [m.to_template_message() for m in body.messages]
         turn: SessionTurn | None = None
         if body.session_id is not None:
