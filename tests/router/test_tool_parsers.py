@@ -118,6 +118,11 @@ def test_the_default_parser_comes_from_the_chat_template() -> None:
         ChatOptions(tool_call_parser="x")
     with pytest.raises(ValueError, match="reasoning_parser: unknown 'r1'"):
         ChatOptions(reasoning_parser="r1")
+    from router.server import RouterConfig
+
+    with pytest.raises(ValueError, match=r"^--tool-call-parser: unknown tool-call parser 'x'"):
+        RouterConfig(tool_call_parser="x")
+    assert RouterConfig(reasoning_parser="qwen3").chat_options == ChatOptions(None, "qwen3")
 
 
 def _split(start: str | None, text: str, step: int) -> tuple[str, str]:
