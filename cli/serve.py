@@ -100,10 +100,29 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
     _add_queue_flags(parser)
+    _add_chat_flags(parser)
     add_engine_flags(parser)
     add_cluster_arguments(parser)
     parser.set_defaults(run=run, command_parser=parser)
     return parser
+
+
+def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
+    """How chat replies are parsed into tool calls and reasoning (docs/tool_calling.md)."""
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes", "llama3_json", "mistral"],
+        help="the model's tool-call format for tool_choice auto (default: inferred from the "
+        "chat template: mistral for [TOOL_CALLS]/[INST], llama3_json for Llama 3 headers, "
+        "hermes otherwise)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3", "deepseek_r1"],
+        help="put <think>...</think> into reasoning_content (default: none, it stays in content)",
+    )
 
 
 def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +213,8 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_url=args.queue_url,
             queue_lease_s=args.queue_lease,
             queue_max_deliveries=args.queue_max_deliveries,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

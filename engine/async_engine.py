@@ -74,6 +74,11 @@ class AsyncEngine:
         return self.engine.config.max_num_seqs
 
     @property
+    def scheduling_policy(self) -> str:
+        """fcfs, or priority (a request's `priority` orders the waiting queue)."""
+        return self.engine.config.scheduling_policy
+
+    @property
     def stats(self) -> EngineStats:
         return self.engine.stats
 

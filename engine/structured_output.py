@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+REASONING_STARTS = (None, "thinking", "may_think")
+THINK_START, THINK_END = "<think>", "</think>"
+
+GrammarKey = tuple[str, str, bool, str]
 
 # xgrammar's C++ errors read "[time] /path/file.cc:123: message"; keep the message.
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
@@ -50,6 +54,9 @@ class StructuredOutputsParams:
     whitespace: bool = False
     """JSON kinds: allow any whitespace between tokens (off: compact JSON, so a model cannot
     loop on whitespace until max_tokens)."""
+    reasoning: str | None = None
+    """The grammar applies after the model's thinking: `thinking` (the output starts inside
+    it: any text up to `</think>`) or `may_think` (an optional `<think>...</think>` first)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
@@ -80,6 +87,10 @@ class StructuredOutputsParams:
             _check_str(kind, value)
         if not isinstance(self.whitespace, bool):
             raise InvalidInputError("structured_outputs.whitespace", "must be a boolean")
+        if self.reasoning not in REASONING_STARTS:
+            raise InvalidInputError(
+                "structured_outputs.reasoning", "must be null, 'thinking' or 'may_think'"
+            )
         build_grammar(self)  # refuse what does not compile, before any worker sees it
 
     @property
@@ -87,24 +98,27 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str, bool]:
-        """(kind, value, whitespace): equal keys compile to the same grammar (the cache key)."""
+    def key(self) -> GrammarKey:
+        """(kind, value, whitespace, reasoning): equal keys compile to the same grammar (the
+        cache key)."""
         kind = self.kind
         value = getattr(self, kind)
         text = _json.dumps(value) if kind == "choice" else "" if kind == "json_object" else value
-        return (kind, text, self.whitespace)
+        return (kind, text, self.whitespace, self.reasoning or "")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in KINDS if getattr(self, k)}
         if self.whitespace:
             out["whitespace"] = True
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
         return out
 
     @classmethod
     def from_dict(cls, data: object) -> StructuredOutputsParams:
         if not isinstance(data, dict):
             raise InvalidInputError("structured_outputs", "must be an object")
-        unknown = sorted(set(data) - {*KINDS, "whitespace"})
+        unknown = sorted(set(data) - {*KINDS, "whitespace", "reasoning"})
         if unknown:
             raise InvalidInputError(f"structured_outputs.{unknown[0]}", "is not a known field")
         return cls(**data)
@@ -118,6 +132,20 @@ def _check_str(kind: str, value: object) -> None:
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """The tokenizer-independent grammar; raises `InvalidInputError` naming the field when it
     does not compile (a bad schema, regex or EBNF)."""
+    grammar = _build_output_grammar(params)
+    if params.reasoning is None:
+        return grammar
+    # Thinking is free text up to </think>: xgrammar's any_text stops at the first end tag.
+    begin = "" if params.reasoning == "thinking" else THINK_START
+    tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}
+    thinking = xgr.Grammar.from_structural_tag(
+        _json.dumps({"type": "structural_tag", "format": tag})
+    )
+    after = xgr.Grammar.concat(thinking, grammar)
+    return after if params.reasoning == "thinking" else xgr.Grammar.union(after, grammar)
+
+
+def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     kind = params.kind
     try:
         if kind == "json":
@@ -207,7 +235,7 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         # Built on the first compile: xgrammar's view of a large vocabulary takes a while.
         self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[GrammarKey, xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.num_compiled = 0

@@ -40,6 +40,8 @@ class Tokenizer:
         # Some tokenizer.json files lack the post-processor that adds BOS; add it ourselves.
         self.add_bos_token = add_bos_token
         self._template: jinja2.Template | None = None
+        self._request_templates: dict[str, jinja2.Template] = {}
+        """Per-request templates, compiled, the 16 last used (LRU by insertion order)."""
 
     @classmethod
     def from_dir(cls, path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -88,31 +90,48 @@ class Tokenizer:
         return self._tok.id_to_token(token_id) or ""
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """Render messages with the model's template (as transformers does)."""
+        """Render messages with the model's template, or `chat_template` instead (as
+        transformers does). `continue_final_message`: the text ends inside the last message,
+        so generation continues it. `kwargs` are more template variables (`tools`, ...)."""
         _check_messages(messages)
-        if self.chat_template is None:
-            raise InvalidInputError(
-                "messages", "this model has no chat template; use a plain prompt"
-            )
-        if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent
-            )
-            env.globals["raise_exception"] = _raise_template_error
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(self.chat_template)
-        return self._template.render(
+        template = self._compiled(chat_template)
+        text = template.render(
             messages=messages,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1])
+        return text
+
+    def _compiled(self, chat_template: str | None) -> jinja2.Template:
+        if chat_template is None:
+            if self.chat_template is None:
+                raise InvalidInputError(
+                    "messages", "this model has no chat template; use a plain prompt"
+                )
+            if self._template is None:
+                self._template = _compile_template(self.chat_template)
+            return self._template
+        compiled = self._request_templates.pop(chat_template, None)
+        if compiled is None:
+            try:
+                compiled = _compile_template(chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise InvalidInputError("chat_template", f"is not a valid template: {e}") from None
+        self._request_templates[chat_template] = compiled  # most recent last
+        while len(self._request_templates) > 16:
+            del self._request_templates[next(iter(self._request_templates))]
+        return compiled
 
     def encode_chat(self, messages: list[Message], **kwargs: Any) -> list[int]:
         # The template already holds BOS where the model wants one.
@@ -130,6 +149,31 @@ def _check_messages(messages: list[Message]) -> None:
                 f"messages[{i}].role",
                 f"must be system, user, assistant, tool or developer; got {m['role']!r}",
             )
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+        x, ensure_ascii=False, indent=indent
+    )
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _cut_after_final_message(text: str, final: Message) -> str:
+    """`text` up to the end of the last message's content (transformers' rule)."""
+    content = final.get("content") or ""
+    for needle in (content, content.strip()):
+        i = text.rfind(needle)
+        if needle and i >= 0:
+            return text[: i + len(needle)]
+    raise InvalidInputError(
+        "continue_final_message",
+        "the last message's content does not appear in the rendered chat template",
+    )
 
 
 def _raise_template_error(message: str) -> None:

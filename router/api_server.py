@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize`, `GET /version`,
 `POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
 (router/batch_routes.py), `GET /health` (liveness: the engine
 thread runs), `GET /ready` (readiness: it also accepts new requests), `GET /metrics`
@@ -27,14 +28,15 @@ from router.batch_runner import BatchPriority, BatchRunner
 from router.batches import BatchService
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
-from router.openai_protocol import (
-    ChatCompletionRequest,
+from router.openai_chat import ChatOptions
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
 )
+from router.openai_tokenize import install_tokenize_routes
 from router.openapi import error_responses, install_openapi
 from router.queue_worker import QueueWorker
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
@@ -65,6 +67,7 @@ def build_app(
     admission: AdmissionController | None = None,
     work_queue: WorkQueue | None = None,
     batch_priority: BatchPriority | None = None,
+    chat_options: ChatOptions | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -74,7 +77,8 @@ def build_app(
     one server share one). `max_queued_requests`: a fixed queue bound, or None for the default
     time-bounded queue (router/admission.py); ignored when `admission` is given. With a
     `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
-    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`."""
+    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`.
+    `chat_options`: the tool-call and reasoning parsers (router/openai_chat.py)."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -87,6 +91,7 @@ def build_app(
         admission,
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
+        chat_options,
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
@@ -202,6 +207,7 @@ def build_app(
         await sessions.delete(session_id, caller_api_key(raw))
         return SessionDeleted(id=session_id)
 
+    install_tokenize_routes(app, ctx)
     if batches is not None:
         install_batch_routes(app, batches)
     if chat.background is not None:

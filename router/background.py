@@ -39,10 +39,10 @@ from router.auth import caller_api_key
 from router.batch_runner import wait_out_overload
 from router.batches import NotFoundError, queue_errors
 from router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
-from router.openai_protocol import (
+from router.openai_protocol import ChatCompletionRequest
+from router.openai_responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatResponseMessage,

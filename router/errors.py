@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import InvalidInputError
 from engine.async_engine import EngineDeadError
-from router.openai_protocol import ErrorInfo, ErrorResponse
+from router.openai_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

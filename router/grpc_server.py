@@ -19,7 +19,6 @@ from contextlib import aclosing
 from typing import Any, NoReturn, cast
 
 import grpc
-import jinja2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -35,7 +34,10 @@ from router.errors import (
     ModelNotFoundError,
     OpenAIError,
 )
+from router.grpc_chat import chat_body, piece_fields
+from router.openai_chat import ChatOptions, ChatPlan
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from router.serving_context import check_priority
 from router.sessions import SessionManager, SessionTurn
 from session_store import RateLimiter, RateLimits, SessionStore
 
@@ -122,15 +124,18 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         checker: APIKeyChecker | None = None,
         sessions: SessionManager | None = None,
         rate_limiter: RequestRateLimiter | None = None,
+        chat_options: ChatOptions | None = None,
     ) -> None:
         """`admission`: shared with the REST app of the same server; None: a queue of its own
-        with the default (time-bounded) limit."""
+        with the default (time-bounded) limit. `chat_options`: the tool-call and reasoning
+        parsers, as REST's."""
         self.engine = engine
         self.model_name = model_name
         self.admission = admission or AdmissionController(lambda: engine.max_num_seqs)
         self.checker = checker or APIKeyChecker(())
         self.sessions = sessions or SessionManager(None)
         self.rate_limiter = rate_limiter or RequestRateLimiter(None, NO_RATE_LIMITS)
+        self.chat_options = chat_options or ChatOptions()
 
     async def ListModels(
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -154,7 +159,10 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                 self.engine.tokenize_prompt(prompt_ids)  # validates the ids
             else:
                 prompt_ids = self.engine.tokenize_prompt(request.text)[1]
-            stream = self._stream(prompt_ids, params, request.request_id, context)
+            check_priority(self.engine, request.priority)
+            stream = self._stream(
+                prompt_ids, params, request.request_id, context, priority=request.priority
+            )
             async for response in stream:
                 yield response
         except Exception as e:
@@ -165,8 +173,11 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         try:
             self._check_model(request.model)
+            body = chat_body(request)
+            plan = ChatPlan.of(body, self.chat_options, self.engine.tokenizer)
             params = sampling_params_from_proto(request.sampling)
-            new_messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            check_priority(self.engine, body.priority)
+            new_messages = [m.to_template_message() for m in body.messages]
             turn = None
             if request.session_id:
                 if params.n != 1:
@@ -177,13 +188,12 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                     )
                 turn = await self.sessions.begin_turn(request.session_id, self._caller(context))
             messages = new_messages if turn is None else [*turn.history, *new_messages]
-            try:
-                prompt_ids = self.engine.encode_chat(messages)
-            except jinja2.TemplateError as e:
-                raise BadRequestError(f"messages: the chat template failed: {e}") from None
+            prompt_ids = plan.render(self.engine.tokenizer, body, messages)
+            params = plan.sampling_params(params)
             stream = self._stream(
-                prompt_ids, params, request.request_id, context, turn, new_messages
-            )
+                prompt_ids, params, request.request_id, context, turn, new_messages, plan,
+                body.priority,
+            )  # fmt: skip
             async for response in stream:
                 yield response
         except Exception as e:
@@ -205,7 +215,9 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         request_id: str,
         context: grpc.aio.ServicerContext,
         turn: SessionTurn | None = None,
-        new_messages: Sequence[dict[str, str]] = (),
+        new_messages: Sequence[dict[str, Any]] = (),
+        plan: ChatPlan | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         """Admit and run one request. With a session, the sample's last chunk and the usage
         wait until the turn is stored, so a stream that ends OK always has its turn stored."""
@@ -216,7 +228,8 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         await self.rate_limiter.admit(self._caller(context), num_tokens)
         [ticket] = self.admission.admit([params.n])
         try:
-            async for response in self._run(prompt_ids, params, request_id, turn, new_messages):
+            run = self._run(prompt_ids, params, request_id, turn, new_messages, plan, priority)
+            async for response in run:
                 yield response
         finally:
             ticket.release()
@@ -227,13 +240,16 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         params: SamplingParams,
         request_id: str,
         turn: SessionTurn | None,
-        new_messages: Sequence[dict[str, str]],
+        new_messages: Sequence[dict[str, Any]],
+        plan: ChatPlan | None,
+        priority: int,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # Closed on any exit (client gone, error), which aborts the engine request at once.
         stream = cast(
             AsyncGenerator[RequestOutput, None],
-            self.engine.generate(prompt_ids, params, request_id or None),
+            self.engine.generate(prompt_ids, params, request_id or None, priority),
         )
+        replies = {i: plan.new_reply() for i in range(params.n)} if plan is not None else {}
         sent_logprobs: dict[int, int] = {}
         held: list[serving_pb2.GenerateResponse] = []
         last = None
@@ -248,13 +264,22 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                         start = sent_logprobs.get(sample.index, 0)
                         lps = [_logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
                         sent_logprobs[sample.index] = len(sample.logprobs)
+                    fields: dict[str, Any] = {"text": sample.delta_text}
+                    finish_reason = sample.finish_reason
+                    reply = replies.get(sample.index)
+                    if reply is not None:
+                        piece = reply.feed(sample.delta_text)
+                        if sample.finished:
+                            piece = piece.then(reply.finish())
+                        fields = piece_fields(piece)
+                        finish_reason = reply.finish_reason(finish_reason)
                     response = serving_pb2.GenerateResponse(
                         request_id=out.request_id,
                         index=sample.index,
-                        text=sample.delta_text,
                         token_ids=sample.delta_token_ids,
-                        finish_reason=sample.finish_reason or "",
+                        finish_reason=finish_reason or "",
                         logprobs=lps,
+                        **fields,
                     )
                     if turn is not None and sample.finished:
                         held.append(response)
@@ -311,6 +336,7 @@ async def start_grpc_server(
     session_store: SessionStore | None = None,
     rate_limiter: RateLimiter | None = None,
     rate_limits: RateLimits = NO_RATE_LIMITS,
+    chat_options: ChatOptions | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving in the running event loop; returns the server and the bound port (useful
     with port 0). The caller owns the engine, session store and rate limiter; the store and
@@ -324,6 +350,7 @@ async def start_grpc_server(
         checker,
         SessionManager(session_store),
         RequestRateLimiter(rate_limiter, rate_limits),
+        chat_options,
     )
     serving_pb2_grpc.add_DuetServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

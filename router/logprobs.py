@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine import Logprob, TokenLogprobs
 from engine.tokenizer import Tokenizer
-from router.openai_protocol import (
+from router.openai_responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,

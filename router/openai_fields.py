@@ -24,9 +24,6 @@ def _empty(value: Any) -> bool:
 
 # Field -> whether its value asks for nothing. The order is the check order.
 _INERT: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
-    "tool_choice": lambda v: v in (None, "none", "auto"),  # with no tools, "auto" is "none"
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),  # only acts with tools
     "functions": _empty,
     "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _absent,
@@ -44,9 +41,6 @@ _INERT: dict[str, Callable[[Any], bool]] = {
 class UnsupportedChatFields(BaseModel):
     """OpenAI chat-completion fields duet does not implement (see `_INERT`)."""
 
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None

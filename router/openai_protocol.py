@@ -9,7 +9,6 @@ ignored with a warning naming them, as vLLM does.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -19,7 +18,6 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
-    field_serializer,
     field_validator,
     model_validator,
 )
@@ -27,6 +25,7 @@ from pydantic import (
 from engine import SamplingParams
 from router import structured_protocol
 from router.openai_fields import UnsupportedChatFields, warn_unknown_fields
+from router.openai_tools import ChatTool, ToolCall, ToolChoice
 from router.structured_protocol import ResponseFormat
 
 MAX_N = 128
@@ -66,6 +65,28 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextContentPart] | None = None
     """A string, or a list of text parts (joined with newlines, as vLLM does)."""
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant messages: the calls the assistant made (they reach the chat template)."""
+    tool_call_id: str | None = Field(None, validate_default=True)
+    """Tool messages (required there): the call this message answers."""
+    reasoning_content: str | None = None
+    """Assistant messages: earlier thinking, for templates that render it (Qwen3)."""
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(
+        cls, value: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
+        if value and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_messages_answer_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("is required in tool messages (the id of the call it answers)")
+        return value
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -93,10 +114,17 @@ class ChatMessage(OpenAIModel):
             return self.content
         return "\n".join(part.text for part in self.content)
 
-    def to_template_message(self) -> dict[str, str]:
-        message = {"role": self.role, "content": self.text()}
+    def to_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -129,6 +157,10 @@ class SamplingRequest(OpenAIModel):
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
     structured_outputs: structured_protocol.StructuredOutputsBody | None = None
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    """Lower runs first when the server schedules by priority (else only 0 is accepted)."""
+    prompt_logprobs: int | None = None
+    """Not supported yet: any value but null is a 400."""
     # duet
     session_id: str | None = None
     """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
@@ -141,6 +173,13 @@ class SamplingRequest(OpenAIModel):
             return handler(value)
         except ValidationError:
             raise ValueError("must be a string or a list of strings") from None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("is not supported by this server yet")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -189,6 +228,38 @@ class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
     """duet: enqueue the request and answer at once with its id; fetch or stream the result
     later from any replica (router/background.py)."""
     response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    """none, auto (the default with tools), required, or {"type": "function", "function":
+    {"name": ...}}; docs/tool_calling.md."""
+    parallel_tool_calls: bool | None = None
+    """false: at most one tool call per reply."""
+    # vLLM's chat-template extras
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the model's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra template variables (e.g. {"enable_thinking": false} for Qwen3)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Continue the last (assistant) message instead of starting a new one."""
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                'must be "none", "auto", "required" or {"type": "function", "function": '
+                '{"name": ...}}'
+            ) from None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true with add_generation_prompt (set that to false)")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -217,6 +288,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    """Each choice's text starts with its prompt (not with logprobs yet)."""
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
@@ -232,9 +304,17 @@ class CompletionRequest(SamplingRequest):
                 "token-id lists"
             ) from None
 
-    @field_validator("echo", "suffix")
+    @field_validator("echo")
     @classmethod
-    def _unsupported(cls, value: bool | str | None) -> bool | str | None:
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("with logprobs is not supported by this server yet (needs prompt "
+                             "logprobs)")  # fmt: skip
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _unsupported(cls, value: str | None) -> str | None:
         if value:
             raise ValueError("is not supported by this server")
         return value
@@ -259,141 +339,3 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, self.response_format)
-
-
-# -- responses -----------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, num_prompt: int, num_completion: int, num_cached: int = 0) -> Usage:
-        return cls(
-            prompt_tokens=num_prompt,
-            completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached),
-        )
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @field_serializer("delta")
-    def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
-        return delta.model_dump(exclude_none=True)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """Both the full response and each streamed chunk (OpenAI uses one shape for both)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "duet"
-    max_model_len: int
-    deterministic: bool = False
-    """duet's extension: whether greedy (and seeded) output is independent of batching,
-    chunking, prefix-cache hits and disaggregation (docs/determinism.md)."""
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -27,6 +27,7 @@ from router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
 from router.api_server import build_app
 from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
+from router.openai_chat import ChatOptions
 from router.rate_limit import NO_RATE_LIMITS
 from session_store import (
     DEFAULT_LEASE_S,
@@ -78,6 +79,16 @@ class RouterConfig:
     queue_max_deliveries: int = DEFAULT_MAX_DELIVERIES
     """Deliveries without a result before a task is dead-lettered."""
 
+    # --- chat replies (docs/tool_calling.md) ---
+    tool_call_parser: str | None = None
+    """hermes, llama3_json or mistral; None: inferred from the chat template."""
+    reasoning_parser: str | None = None
+    """qwen3 or deepseek_r1: thinking goes to `reasoning_content`; None: it stays in content."""
+
+    @property
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(self.tool_call_parser, self.reasoning_parser)
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
@@ -89,6 +100,11 @@ class RouterConfig:
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
         self._check_queue()
+        try:
+            self.chat_options  # noqa: B018  # validates the parser names
+        except ValueError as e:
+            field, _, message = str(e).partition(": ")
+            raise ValueError(f"--{field.replace('_', '-')}: {message}") from None
 
     def _check_queue(self) -> None:
         if self.queue_url is not None:
@@ -168,6 +184,7 @@ class RouterServer(uvicorn.Server):
             rate_limits=config.rate_limits,
             lifespan=self._lifespan,
             work_queue=self.work_queue,
+            chat_options=config.chat_options,
         )
         self.served_model_name = served_model_name
         super().__init__(
@@ -200,6 +217,7 @@ class RouterServer(uvicorn.Server):
                 session_store=self.session_store,
                 rate_limiter=self.rate_limiter,
                 rate_limits=config.rate_limits,
+                chat_options=config.chat_options,
             )
         except Exception:
             await self._close_stores()

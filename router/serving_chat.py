@@ -11,9 +11,8 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 from fastapi import Request, Response
 
 from engine import CompletionOutput, InvalidInputError, RequestOutput
@@ -21,10 +20,11 @@ from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
 from router.logprobs import chat_logprobs
-from router.openai_protocol import (
+from router.openai_chat import ChatPlan
+from router.openai_protocol import ChatCompletionRequest
+from router.openai_responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatLogprobs,
@@ -51,13 +51,6 @@ class ChatCompletionHandler:
         ctx = self.ctx
         ctx.check_model(body.model)
         api_key = caller_api_key(raw)
-        if body.background:
-            if self.background is None:
-                raise BadRequestError(
-                    "background: not available (this server runs without a work queue)",
-                    param="background",
-                )
-            return await self.background.submit(body, api_key)
         # Engine field names -> this request's names, so a 400 names what the client sent.
         rename = {
             "prompt": "messages",
@@ -65,9 +58,17 @@ class ChatCompletionHandler:
             "logprobs": "top_logprobs",
         }
         try:
+            plan = ChatPlan.of(body, ctx.chat_options, ctx.engine.tokenizer)
             params = body.to_sampling_params()
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
+        if body.background:
+            if self.background is None:
+                raise BadRequestError(
+                    "background: not available (this server runs without a work queue)",
+                    param="background",
+                )
+            return await self.background.submit(body, api_key)
         new_messages = [m.to_template_message() for m in body.messages]
         turn: SessionTurn | None = None
         if body.session_id is not None:
@@ -80,19 +81,21 @@ class ChatCompletionHandler:
             turn = await ctx.sessions.begin_turn(body.session_id, api_key)
         messages = new_messages if turn is None else [*turn.history, *new_messages]
         try:
-            prompt_ids = ctx.engine.encode_chat(messages)
+            prompt_ids = plan.render(ctx.engine.tokenizer, body, messages)
+            params = plan.sampling_params(params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
-        except jinja2.TemplateError as e:
-            raise BadRequestError(f"messages: the chat template failed: {e}", "messages") from None
         max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
+        ctx.check_priority(body.priority)
         ctx.check_engine()
         await ctx.rate_limiter.admit(api_key, len(prompt_ids) + max_tokens * params.n)
         [ticket] = ctx.admission.admit([params.n])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s)
+        outputs = ctx.generate(prompt_ids, params, request_id, ticket, arrival_s, body.priority)
         if body.stream:
-            events = self._stream(body, request_id, params.n, outputs, rename, turn, new_messages)
+            events = self._stream(
+                body, plan, request_id, params.n, outputs, rename, turn, new_messages
+            )
             return EventStreamResponse(events, ticket.release)
         try:
             final = await run_until_disconnect(raw, final_output(outputs))
@@ -105,7 +108,7 @@ class ChatCompletionHandler:
         if turn is not None:
             await ctx.sessions.commit_turn(turn, new_messages, final.outputs[0].text)
         return Response(
-            self._response(body, request_id, final).model_dump_json(),
+            self._response(body, plan, request_id, final).model_dump_json(),
             media_type="application/json",
         )
 
@@ -121,18 +124,26 @@ class ChatCompletionHandler:
         )
 
     def _response(
-        self, body: ChatCompletionRequest, request_id: str, final: RequestOutput
+        self, body: ChatCompletionRequest, plan: ChatPlan, request_id: str, final: RequestOutput
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(content=c.text),
-                logprobs=self._logprobs(body, c),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.outputs:
+            reply = plan.new_reply()
+            piece, content, tool_calls = reply.whole(c.text)
+            if piece.reasoning and not content:
+                content = None  # only thinking (cut by max_tokens): no answer yet
+            message = ChatResponseMessage(
+                content=content, reasoning_content=piece.reasoning or None, tool_calls=tool_calls
             )
-            for c in final.outputs
-        ]
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(body, c),
+                    finish_reason=reply.finish_reason(c.finish_reason),
+                    stop_reason=c.stop_reason,
+                )
+            )
         return ChatCompletionResponse(
             id=request_id, model=self.ctx.model_name, choices=choices, usage=_usage(final)
         )
@@ -140,12 +151,13 @@ class ChatCompletionHandler:
     async def _stream(
         self,
         body: ChatCompletionRequest,
+        plan: ChatPlan,
         request_id: str,
         n: int,
         outputs: AsyncGenerator[RequestOutput, None],
         rename: dict[str, str],
         turn: SessionTurn | None,
-        new_messages: list[dict[str, str]],
+        new_messages: list[dict[str, Any]],
     ) -> AsyncGenerator[str, None]:
         """SSE events. With a session, the last content chunk (the one with finish_reason) and
         the usage chunk wait until the turn is stored; if storing fails, an error event takes
@@ -168,6 +180,7 @@ class ChatCompletionHandler:
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatCompletionStreamChoice(index=index, delta=role)])
             finished: set[int] = set()
+            replies = {index: plan.new_reply() for index in range(n)}
             held: list[str] = []
             last: RequestOutput | None = None
             async with aclosing(outputs) as it:
@@ -176,18 +189,26 @@ class ChatCompletionHandler:
                     for c in out.outputs:
                         if c.index in finished:
                             continue
+                        reply = replies[c.index]
+                        piece = reply.feed(c.delta_text)
                         if c.finish_reason is not None:
                             finished.add(c.index)
+                            piece = piece.then(reply.finish())
                         logprobs = self._logprobs(body, c, len(c.delta_token_ids))
                         if logprobs is not None and not logprobs.content:
                             logprobs = None
-                        if not c.delta_text and logprobs is None and c.finish_reason is None:
-                            continue  # a token whose text is held back (maybe a stop string)
+                        if piece.is_empty and logprobs is None and c.finish_reason is None:
+                            continue  # text held back (maybe a stop string or a marker)
+                        delta = DeltaMessage(
+                            content=piece.content or None,
+                            reasoning_content=piece.reasoning or None,
+                            tool_calls=piece.tool_calls or None,
+                        )
                         choice = ChatCompletionStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=c.delta_text or None),
+                            delta=delta,
                             logprobs=logprobs,
-                            finish_reason=c.finish_reason,
+                            finish_reason=reply.finish_reason(c.finish_reason),
                             stop_reason=c.stop_reason,
                         )
                         if turn is not None and c.finish_reason is not None:

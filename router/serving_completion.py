@@ -16,13 +16,8 @@ from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
 from router.logprobs import completion_logprobs
-from router.openai_protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from router.openai_protocol import CompletionRequest
+from router.openai_responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from router.serving_context import ServingContext
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
 from router.stream_merge import merge_streams
@@ -43,18 +38,24 @@ class CompletionHandler:
             )
         try:
             params = body.to_sampling_params()
-            prompts = [ctx.engine.tokenize_prompt(p)[1] for p in body.prompts()]
+            tokenized = [ctx.engine.tokenize_prompt(p) for p in body.prompts()]
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e) from None
+        prompts = [ids for _, ids in tokenized]
+        # echo: each choice's text starts with its prompt's text.
+        echoes = ["" for _ in tokenized]
+        if body.echo:
+            echoes = [ctx.engine.tokenizer.decode(ids) if t is None else t for t, ids in tokenized]
         num_tokens = 0
         for ids in prompts:
             num_tokens += len(ids) + ctx.check_lengths(len(ids), params, {}) * params.n
+        ctx.check_priority(body.priority)
         ctx.check_engine()
         await ctx.rate_limiter.admit(caller_api_key(raw), num_tokens)
         tickets = ctx.admission.admit([params.n] * len(prompts))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [
-            ctx.generate(ids, params, f"{request_id}-{i}", ticket, arrival_s)
+            ctx.generate(ids, params, f"{request_id}-{i}", ticket, arrival_s, body.priority)
             for i, (ids, ticket) in enumerate(zip(prompts, tickets, strict=True))
         ]
 
@@ -63,7 +64,9 @@ class CompletionHandler:
                 ticket.release()
 
         if body.stream:
-            return EventStreamResponse(self._stream(body, request_id, params.n, streams), release)
+            return EventStreamResponse(
+                self._stream(body, request_id, params.n, streams, echoes), release
+            )
         try:
             finals = await run_until_disconnect(raw, _final_outputs(streams))
         except ClientDisconnected:
@@ -73,7 +76,7 @@ class CompletionHandler:
         finally:
             release()
         return Response(
-            self._response(body, request_id, params.n, finals).model_dump_json(),
+            self._response(body, request_id, params.n, finals, echoes).model_dump_json(),
             media_type="application/json",
         )
 
@@ -92,12 +95,17 @@ class CompletionHandler:
         )
 
     def _response(
-        self, body: CompletionRequest, request_id: str, n: int, finals: list[RequestOutput]
+        self,
+        body: CompletionRequest,
+        request_id: str,
+        n: int,
+        finals: list[RequestOutput],
+        echoes: list[str],
     ) -> CompletionResponse:
         choices = [
             CompletionChoice(
                 index=i * n + c.index,
-                text=c.text,
+                text=echoes[i] + c.text,
                 logprobs=self._logprobs(body, c, len(c.token_ids), 0),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -115,11 +123,13 @@ class CompletionHandler:
         request_id: str,
         n: int,
         streams: list[AsyncGenerator[RequestOutput, None]],
+        echoes: list[str],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
         num_sent_chars: dict[int, int] = {}
         finished: set[int] = set()
+        echoed: set[int] = set()
         lasts: dict[int, RequestOutput] = {}
         try:
             async with aclosing(merge_streams(streams)) as merged:
@@ -138,9 +148,11 @@ class CompletionHandler:
                         if not c.delta_text and logprobs is None and c.finish_reason is None:
                             continue  # a token whose text is held back (maybe a stop string)
                         num_sent_chars[index] = offset + len(c.delta_text)
+                        echo = echoes[i] if index not in echoed else ""
+                        echoed.add(index)
                         choice = CompletionChoice(
                             index=index,
-                            text=c.delta_text,
+                            text=echo + c.delta_text,
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,

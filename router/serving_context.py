@@ -19,6 +19,7 @@ from router.engine_client import EngineClient
 from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
 from router.logprobs import TokenTexts
 from router.metrics import ServingMetrics
+from router.openai_chat import ChatOptions
 from router.rate_limit import RequestRateLimiter
 from router.sessions import SessionManager
 
@@ -31,6 +32,7 @@ class ServingContext:
         admission: AdmissionController,
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
+        chat_options: ChatOptions | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -40,6 +42,8 @@ class ServingContext:
         self.admission = admission
         self.metrics = ServingMetrics(engine, served_model_name)
         self.token_texts = TokenTexts(engine.tokenizer)
+        self.chat_options = chat_options or ChatOptions()
+        """Tool-call and reasoning parsers (router/openai_chat.py)."""
 
     @property
     def max_model_len(self) -> int:
@@ -66,6 +70,9 @@ class ServingContext:
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
 
+    def check_priority(self, priority: int) -> None:
+        check_priority(self.engine, priority)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -73,15 +80,17 @@ class ServingContext:
         request_id: str,
         ticket: AdmissionTicket,
         arrival_s: float,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs. The ticket is released when this generator ends."""
+        """Stream one request's outputs. The ticket is released when this generator ends.
+        `priority`: lower runs first, under the priority scheduling policy."""
         tracker = self.metrics.track(arrival_s)
         last: RequestOutput | None = None
         try:
             # EngineClient.generate is an async generator (typed as an iterator): close it.
             outputs = cast(
                 AsyncGenerator[RequestOutput, None],
-                self.engine.generate(prompt_token_ids, params, request_id),
+                self.engine.generate(prompt_token_ids, params, request_id, priority),
             )
             async with aclosing(outputs) as it:
                 async for out in it:
@@ -91,6 +100,17 @@ class ServingContext:
         finally:
             ticket.release()
             tracker.on_finish(last)
+
+
+def check_priority(engine: EngineClient, priority: int) -> None:
+    """400 for a priority `engine` would ignore (it schedules first come, first served)."""
+    policy = getattr(engine, "scheduling_policy", "fcfs")
+    if priority != 0 and policy != "priority":
+        raise BadRequestError(
+            f"priority: this server schedules {policy} and would ignore it (start it with "
+            "--scheduling-policy priority; disaggregated mode has no priorities yet)",
+            param="priority",
+        )
 
 
 async def final_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:

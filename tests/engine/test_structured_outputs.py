@@ -207,3 +207,34 @@ def test_the_mask_is_applied_on_the_gpu(tiny_llama: str) -> None:
         jsonschema.validate(json.loads(completion.text), PERSON)
     bitmask = cuda.engine.runner.input_batch.sampling._bitmask_dev
     assert bitmask is not None and bitmask.device.type == "cuda"
+
+
+def _allowed(compiler: object, state: object) -> set[int]:
+    from engine.structured_output import bitmask_words
+
+    vocab = compiler.vocab_size  # type: ignore[attr-defined]
+    bitmask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
+    state.fill_bitmask(bitmask, 0)  # type: ignore[attr-defined]
+    bits = [(int(bitmask[0, i // 32]) >> (i % 32)) & 1 for i in range(vocab)]
+    return {i for i, bit in enumerate(bits) if bit}
+
+
+@pytest.mark.parametrize("reasoning, think", [("thinking", "so: {x"), ("may_think", "<think>{x")])
+def test_the_grammar_applies_after_the_thinking_ends(llm: LLM, reasoning: str, think: str) -> None:
+    compiler = llm.engine.grammar_compiler
+    tok = llm.tokenizer
+    spec = so(regex="[0-9]{2}", reasoning=reasoning)
+    assert spec.to_dict() == {"regex": "[0-9]{2}", "reasoning": reasoning}
+    thinking = tok.encode(think, add_special_tokens=False)
+    state = compiler.new_state(spec, thinking, len(thinking))
+    free = _allowed(compiler, state)  # thinking: anything but EOS goes
+    assert tok.encode("a", add_special_tokens=False)[0] in free
+    assert not free & tok.eos_token_ids
+    end = tok.encode("</think>", add_special_tokens=False)
+    state = compiler.new_state(spec, thinking + end, len(thinking) + len(end))
+    after = _allowed(compiler, state)
+    digits = {t for t in range(compiler.vocab_size) if re.fullmatch("[0-9]+", tok.decode([t]))}
+    assert digits and after == {t for t in digits if len(tok.decode([t])) <= 2}
+    # Without the reasoning field the same thinking text is refused by the grammar.
+    with pytest.raises(InvalidInputError):
+        compiler.new_state(so(regex="[0-9]{2}"), thinking, len(thinking))

@@ -275,3 +275,87 @@ def test_generated_modules_are_fresh(tmp_path):
             assert filecmp.cmp(fresh, committed, shallow=False), (
                 f"{committed} is stale: run make proto"
             )
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [serving_pb2.Tool(name="get_weather", parameters_json=json.dumps(WEATHER))]
+
+
+def _calls(responses):
+    """(tool calls as [id, name, arguments], finish reason per index, usage)."""
+    calls, finish, usage = [], {}, None
+    for r in responses:
+        if r.HasField("usage"):
+            usage = r.usage
+            continue
+        assert r.text == ""  # a tool-call reply has no content
+        for d in r.tool_calls:
+            if d.id:
+                assert d.index == len(calls)
+                calls.append([d.id, d.name, ""])
+            calls[d.index][2] += d.arguments
+        finish[r.index] = r.finish_reason or finish.get(r.index)
+    return calls, finish, usage
+
+
+def test_chat_tool_calls_and_a_tool_round_trip(server, stub):
+    import jsonschema
+
+    user = serving_pb2.ChatMessage(role="user", content="weather?")
+    opts = serving_pb2.SamplingOptions(max_tokens=100, temperature=1.0, seed=3)
+    for choice in (dict(tool_choice="required"), dict(tool_choice_function="get_weather")):
+        req = serving_pb2.ChatRequest(messages=[user], sampling=opts, tools=TOOLS, **choice)
+        calls, finish, _ = _calls(stub.Chat(req, metadata=AUTH, timeout=60))
+        assert finish[0] == ("tool_calls" if "tool_choice" in choice else "stop")
+        assert calls and all(name == "get_weather" for _, name, _ in calls)
+        for _, _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), WEATHER)
+    # The call and its result reach the template: the prompt is what the template renders.
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.arguments | tojson }}]"
+        "{% endfor %}{% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %}|{% endfor %}"
+    )
+    call = serving_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "x"}')
+    messages = [
+        user,
+        serving_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+        serving_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="rain"),
+    ]
+    req = serving_pb2.ChatRequest(
+        messages=messages, tools=TOOLS, chat_template=template,
+        sampling=serving_pb2.SamplingOptions(max_tokens=3, temperature=0),
+    )  # fmt: skip
+    text, _, finish, usage = collect(stub.Chat(req, metadata=AUTH, timeout=60))
+    assert finish[0] == "length" and text[0]
+    prompt = 'user:weather?|assistant:[call_1 {"city": "x"}]|tool:rain<call_1>|'
+    assert usage.prompt_tokens == len(
+        server.engine.tokenizer.encode(prompt, add_special_tokens=False)
+    )
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(tool_choice_function="nope"), "tool_choice"),
+        (dict(tool_choice="sometimes"), "tool_choice"),
+        (dict(tools=[serving_pb2.Tool(name="f", parameters_json="{oops")]),
+         "tools[0].parameters_json"),
+        (dict(priority=2), "priority"),
+        (dict(chat_template_kwargs_json="[1]"), "chat_template_kwargs"),
+    ],
+)  # fmt: skip
+def test_bad_tool_and_template_fields_name_the_field(stub, request_kwargs, field):
+    kwargs = {"tools": TOOLS, **request_kwargs}
+    req = serving_pb2.ChatRequest(
+        messages=[serving_pb2.ChatMessage(role="user", content="x")], **kwargs
+    )
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Chat(req, metadata=AUTH, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{field}:"), info.value.details()

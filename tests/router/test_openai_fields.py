@@ -24,9 +24,6 @@ def _chat(http: httpx2.Client, **extra) -> httpx2.Response:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [TOOL]),
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [TOOL["function"]]),
         ("function_call", {"name": "f"}),
         ("audio", {"voice": "alloy", "format": "wav"}),
@@ -66,10 +63,10 @@ def test_the_openai_client_sees_the_400(client: openai.OpenAI) -> None:
             model=MODEL_NAME,
             messages=MESSAGES,
             max_tokens=2,
-            tools=[TOOL],  # type: ignore[list-item]
+            prediction={"type": "content", "content": "x"},
         )
     assert e.value.status_code == 400
-    assert isinstance(e.value.body, dict) and e.value.body["param"] == "tools"
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "prediction"
 
 
 def test_fields_that_are_not_openais_are_ignored_with_a_warning(

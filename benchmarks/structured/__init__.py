@@ -1,0 +1,1 @@
+"""Structured-output benchmarks: `python -m benchmarks.structured` (see throughput.py)."""
