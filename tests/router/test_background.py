@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -148,12 +149,28 @@ def test_a_background_session_turn_is_stored_once(
     ]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="in the full suite the reply sometimes completes before the consumer's cancellation "
-    "lands (status 'completed' where 'in_progress' is asserted); passes alone: a race in the "
-    "test, to be made deterministic (issue 24 note of 2026-11-25)",
-)
+class StallingContext:
+    """A router's serving context whose streams stop after `after` outputs and wait there (for
+    at most a minute): its consumer is mid-stream for sure when the test kills the router.
+    (Unstalled, an 800-token reply sometimes finished before the kill landed.)"""
+
+    def __init__(self, ctx: Any, after: int = 5) -> None:
+        self._ctx = ctx
+        self.after = after
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        async with aclosing(self._ctx.generate(*args, **kwargs)) as outputs:
+            n = 0
+            async for out in outputs:
+                yield out
+                n += 1
+                if n == self.after:
+                    await asyncio.sleep(60)  # cancelled when the router dies
+
+
 def test_a_replica_resumes_a_stream_whose_router_died(
     rest_engine: AsyncEngine, tmp_path: Path
 ) -> None:
@@ -168,6 +185,7 @@ def test_a_replica_resumes_a_stream_whose_router_died(
     b_worker = b.app.state.background_worker
     try:
         b_worker.free_slots = lambda num_running: 0  # B waits until A has died
+        a.app.state.background.ctx = StallingContext(a.app.state.background.ctx)
         queued = create(a_client, "a long story", 800, background=True)
 
         def some_logged() -> bool:
