@@ -99,6 +99,19 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
+    parser.add_argument(
+        "--no-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the web chat at / and the cluster dashboard at /dashboard",
+    )
+    parser.add_argument(
+        "--metrics-prefix",
+        choices=("duet", "vllm"),
+        default="duet",
+        help="duet: metrics under duet: names; vllm: also under vLLM's vllm: names, for its "
+        "Grafana dashboard and gateways that read them (default: %(default)s)",
+    )
     _add_queue_flags(parser)
     add_engine_flags(parser)
     add_cluster_arguments(parser)
@@ -194,6 +207,8 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_url=args.queue_url,
             queue_lease_s=args.queue_lease,
             queue_max_deliveries=args.queue_max_deliveries,
+            web_ui=args.web_ui,
+            metrics_prefix=args.metrics_prefix,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

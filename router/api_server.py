@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.admission import AdmissionController
-from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
+from router.auth import OPEN_PATHS, APIKeyChecker, APIKeyMiddleware, caller_api_key
 from router.background import KIND as BACKGROUND_KIND
 from router.background import BackgroundService, install_background_routes
 from router.batch_routes import install_batch_routes
@@ -50,6 +50,7 @@ from router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
+from router.web_ui import install_web_ui, open_paths
 from session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
 
 
@@ -65,6 +66,8 @@ def build_app(
     admission: AdmissionController | None = None,
     work_queue: WorkQueue | None = None,
     batch_priority: BatchPriority | None = None,
+    web_ui: bool = True,
+    metrics_prefix: str = "duet",
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -74,7 +77,9 @@ def build_app(
     one server share one). `max_queued_requests`: a fixed queue bound, or None for the default
     time-bounded queue (router/admission.py); ignored when `admission` is given. With a
     `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
-    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`."""
+    runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`. `web_ui`:
+    serve the chat page at `/` and the cluster dashboard (router/web_ui.py). `metrics_prefix`:
+    `duet`, or `vllm` to add vLLM's metric names (router/metrics.py)."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -87,6 +92,7 @@ def build_app(
         admission,
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
+        metrics_prefix,
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
@@ -129,7 +135,13 @@ def build_app(
     app.state.background = chat.background
     install_exception_handlers(app)
     install_openapi(app)
-    app.add_middleware(APIKeyMiddleware, checker=checker)
+    app.add_middleware(
+        APIKeyMiddleware,
+        checker=checker,
+        open_paths=OPEN_PATHS | (open_paths() if web_ui else set()),
+    )
+    if web_ui:
+        install_web_ui(app)
 
     # One SSE event (`data: <json chunk>` or `data: [DONE]`), as OpenAPI tools parse streams.
     sse_event = {

@@ -27,6 +27,7 @@ from router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
 from router.api_server import build_app
 from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
+from router.metrics import METRICS_PREFIXES
 from router.rate_limit import NO_RATE_LIMITS
 from session_store import (
     DEFAULT_LEASE_S,
@@ -78,6 +79,12 @@ class RouterConfig:
     queue_max_deliveries: int = DEFAULT_MAX_DELIVERIES
     """Deliveries without a result before a task is dead-lettered."""
 
+    # --- pages and observability (docs/web_ui.md, docs/observability.md) ---
+    web_ui: bool = True
+    """Serve the chat page at `/` and the cluster dashboard at `/dashboard`."""
+    metrics_prefix: str = "duet"
+    """`duet`: metrics under `duet:` names; `vllm`: also under vLLM's `vllm:` names."""
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
@@ -88,6 +95,11 @@ class RouterConfig:
             raise ValueError(f"--max-queued-requests: must be >= 0; got {self.max_queued_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"--metrics-prefix: must be one of {', '.join(METRICS_PREFIXES)}; "
+                f"got {self.metrics_prefix!r}"
+            )
         self._check_queue()
 
     def _check_queue(self) -> None:
@@ -168,6 +180,8 @@ class RouterServer(uvicorn.Server):
             rate_limits=config.rate_limits,
             lifespan=self._lifespan,
             work_queue=self.work_queue,
+            web_ui=config.web_ui,
+            metrics_prefix=config.metrics_prefix,
         )
         self.served_model_name = served_model_name
         super().__init__(

@@ -31,6 +31,7 @@ class ServingContext:
         admission: AdmissionController,
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
+        metrics_prefix: str = "duet",
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -38,7 +39,7 @@ class ServingContext:
         self.model_name = served_model_name
         self.created = int(time.time())
         self.admission = admission
-        self.metrics = ServingMetrics(engine, served_model_name)
+        self.metrics = ServingMetrics(engine, served_model_name, metrics_prefix)
         self.token_texts = TokenTexts(engine.tokenizer)
 
     @property
@@ -75,7 +76,7 @@ class ServingContext:
         arrival_s: float,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs. The ticket is released when this generator ends."""
-        tracker = self.metrics.track(arrival_s)
+        tracker = self.metrics.track(arrival_s, params)
         last: RequestOutput | None = None
         try:
             # EngineClient.generate is an async generator (typed as an iterator): close it.
