@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -44,6 +45,7 @@ from engine.output_processor import OutputProcessor, RequestState, SampleState
 from engine.request import Request
 from engine.tokenizer import Message, Tokenizer
 from kv_transfer import TransferStatus
+from router.transfer_log import TransferLog
 from router.worker_client import DecodeStream, PrefillOutcome
 from router.worker_pool import ClusterStats, DecodeState, PrefillState, WorkerPool
 
@@ -109,6 +111,7 @@ class ClusterEngine:
         self._stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stats = EngineStats()
+        self.transfers = TransferLog()  # /metrics and the dashboard read it
 
     # -- EngineClient ----------------------------------------------------------------------------
 
@@ -275,6 +278,7 @@ class ClusterEngine:
                 return
             except _Retry as e:
                 last_error = str(e)
+                self.transfers.count_migration(last_error)
                 logger.warning("request %s attempt %d: %s", request.request_id, attempt, e)
             if time.monotonic() >= deadline:
                 break
@@ -335,6 +339,7 @@ class ClusterEngine:
                 emitted,  # a grammar replays the output so far (worker.proto)
             )
         )
+        transfer = self.transfers.begin(transfer_id, prefill.name, decode.name)
         try:
             await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
         finally:
@@ -342,6 +347,7 @@ class ClusterEngine:
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
+            self.transfers.end(transfer, prefill_call, sys.exc_info()[1])
 
     async def _consume(
         self,

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from engine import RequestOutput, SamplingParams
 from router.engine_client import EngineClient
+from router.transfer_log import TransferCollector
 
 METRICS_PREFIXES = ("duet", "vllm")
 """`--metrics-prefix` values: `vllm` adds a `vllm:` copy of every `duet:` metric."""
@@ -173,6 +174,9 @@ class ServingMetrics:
         ).labels(model_name)  # fmt: skip
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
+        transfers = getattr(engine, "transfers", None)  # disaggregated mode only
+        if transfers is not None:
+            reg.register(TransferCollector(transfers, model_name))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (twice, under both prefixes, with

@@ -24,41 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64uet/v1/worker.proto\x12\x07\x64uet.v1\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x16\n\x0ekv_destination\x18\x04 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"\x8e\x01\n\x0fPrefillResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.duet.v1.TransferOutcome\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\"\"\n\x0bLoadRequest\x12\x13\n\x0bsince_event\x18\x01 \x01(\x04\"\xac\x02\n\x0bPrefillLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x18\n\x10num_transferring\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nlast_event\x18\t \x01(\x04\x12\x10\n\x08snapshot\x18\n \x01(\x08\x12\x15\n\rstored_hashes\x18\x0b \x03(\x0c\x12\x16\n\x0eremoved_hashes\x18\x0c \x03(\x0c\x12\x15\n\rdeterministic\x18\r \x01(\x08\"\x8a\x01\n\x13\x44\x65\x63odeRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"x\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x04 \x01(\r\"f\n\rDecodeMessage\x12%\n\x08reserved\x18\x01 \x01(\x0b\x32\x11.duet.v1.ReservedH\x00\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x14.duet.v1.OutputDeltaH\x00\x42\x06\n\x04kind\"2\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"A\n\rWorkerLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"c\n\x13WorkerTokenLogprobs\x12\'\n\x07sampled\x18\x01 \x01(\x0b\x32\x16.duet.v1.WorkerLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.duet.v1.WorkerLogprob\"\xcf\x01\n\x0bOutputDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.duet.v1.WorkerTokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\rB\r\n\x0bstop_reason\"\xe7\x01\n\nDecodeLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nkv_address\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08*\x89\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_OUTCOME_DONE\x10\x01\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x02\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x03\x32\x84\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.duet.v1.PrefillRequest\x1a\x18.duet.v1.PrefillResponse\x12\x35\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x14.duet.v1.PrefillLoad2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12\x46\n\x0c\x44\x65\x63odeRemote\x12\x1c.duet.v1.DecodeRemoteRequest\x1a\x16.duet.v1.DecodeMessage0\x01\x12\x43\n\x08Generate\x12\x1d.duet.v1.LocalGenerateRequest\x1a\x16.duet.v1.DecodeMessage0\x01\x12\x34\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x13.duet.v1.DecodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64uet/v1/worker.proto\x12\x07\x64uet.v1\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x16\n\x0ekv_destination\x18\x04 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"\xbe\x01\n\x0fPrefillResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.duet.v1.TransferOutcome\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_transfer_bytes\x18\x06 \x01(\x04\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\"\"\n\x0bLoadRequest\x12\x13\n\x0bsince_event\x18\x01 \x01(\x04\"\xac\x02\n\x0bPrefillLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x18\n\x10num_transferring\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nlast_event\x18\t \x01(\x04\x12\x10\n\x08snapshot\x18\n \x01(\x08\x12\x15\n\rstored_hashes\x18\x0b \x03(\x0c\x12\x16\n\x0eremoved_hashes\x18\x0c \x03(\x0c\x12\x15\n\rdeterministic\x18\r \x01(\x08\"\x8a\x01\n\x13\x44\x65\x63odeRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"x\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x04 \x01(\r\"f\n\rDecodeMessage\x12%\n\x08reserved\x18\x01 \x01(\x0b\x32\x11.duet.v1.ReservedH\x00\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x14.duet.v1.OutputDeltaH\x00\x42\x06\n\x04kind\"2\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"A\n\rWorkerLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"c\n\x13WorkerTokenLogprobs\x12\'\n\x07sampled\x18\x01 \x01(\x0b\x32\x16.duet.v1.WorkerLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.duet.v1.WorkerLogprob\"\xcf\x01\n\x0bOutputDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.duet.v1.WorkerTokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\rB\r\n\x0bstop_reason\"\xe7\x01\n\nDecodeLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nkv_address\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08*\x89\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_OUTCOME_DONE\x10\x01\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x02\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x03\x32\x84\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.duet.v1.PrefillRequest\x1a\x18.duet.v1.PrefillResponse\x12\x35\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x14.duet.v1.PrefillLoad2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12\x46\n\x0c\x44\x65\x63odeRemote\x12\x1c.duet.v1.DecodeRemoteRequest\x1a\x16.duet.v1.DecodeMessage0\x01\x12\x43\n\x08Generate\x12\x1d.duet.v1.LocalGenerateRequest\x1a\x16.duet.v1.DecodeMessage0\x01\x12\x34\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x13.duet.v1.DecodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFEROUTCOME']._serialized_start=1690
-  _globals['_TRANSFEROUTCOME']._serialized_end=1827
+  _globals['_TRANSFEROUTCOME']._serialized_start=1738
+  _globals['_TRANSFEROUTCOME']._serialized_end=1875
   _globals['_PREFILLREQUEST']._serialized_start=34
   _globals['_PREFILLREQUEST']._serialized_end=172
   _globals['_PREFILLRESPONSE']._serialized_start=175
-  _globals['_PREFILLRESPONSE']._serialized_end=317
-  _globals['_LOADREQUEST']._serialized_start=319
-  _globals['_LOADREQUEST']._serialized_end=353
-  _globals['_PREFILLLOAD']._serialized_start=356
-  _globals['_PREFILLLOAD']._serialized_end=656
-  _globals['_DECODEREMOTEREQUEST']._serialized_start=659
-  _globals['_DECODEREMOTEREQUEST']._serialized_end=797
-  _globals['_LOCALGENERATEREQUEST']._serialized_start=799
-  _globals['_LOCALGENERATEREQUEST']._serialized_end=919
-  _globals['_DECODEMESSAGE']._serialized_start=921
-  _globals['_DECODEMESSAGE']._serialized_end=1023
-  _globals['_RESERVED']._serialized_start=1025
-  _globals['_RESERVED']._serialized_end=1075
-  _globals['_WORKERLOGPROB']._serialized_start=1077
-  _globals['_WORKERLOGPROB']._serialized_end=1142
-  _globals['_WORKERTOKENLOGPROBS']._serialized_start=1144
-  _globals['_WORKERTOKENLOGPROBS']._serialized_end=1243
-  _globals['_OUTPUTDELTA']._serialized_start=1246
-  _globals['_OUTPUTDELTA']._serialized_end=1453
-  _globals['_DECODELOAD']._serialized_start=1456
-  _globals['_DECODELOAD']._serialized_end=1687
-  _globals['_PREFILLWORKER']._serialized_start=1830
-  _globals['_PREFILLWORKER']._serialized_end=1962
-  _globals['_DECODEWORKER']._serialized_start=1965
-  _globals['_DECODEWORKER']._serialized_end=2174
+  _globals['_PREFILLRESPONSE']._serialized_end=365
+  _globals['_LOADREQUEST']._serialized_start=367
+  _globals['_LOADREQUEST']._serialized_end=401
+  _globals['_PREFILLLOAD']._serialized_start=404
+  _globals['_PREFILLLOAD']._serialized_end=704
+  _globals['_DECODEREMOTEREQUEST']._serialized_start=707
+  _globals['_DECODEREMOTEREQUEST']._serialized_end=845
+  _globals['_LOCALGENERATEREQUEST']._serialized_start=847
+  _globals['_LOCALGENERATEREQUEST']._serialized_end=967
+  _globals['_DECODEMESSAGE']._serialized_start=969
+  _globals['_DECODEMESSAGE']._serialized_end=1071
+  _globals['_RESERVED']._serialized_start=1073
+  _globals['_RESERVED']._serialized_end=1123
+  _globals['_WORKERLOGPROB']._serialized_start=1125
+  _globals['_WORKERLOGPROB']._serialized_end=1190
+  _globals['_WORKERTOKENLOGPROBS']._serialized_start=1192
+  _globals['_WORKERTOKENLOGPROBS']._serialized_end=1291
+  _globals['_OUTPUTDELTA']._serialized_start=1294
+  _globals['_OUTPUTDELTA']._serialized_end=1501
+  _globals['_DECODELOAD']._serialized_start=1504
+  _globals['_DECODELOAD']._serialized_end=1735
+  _globals['_PREFILLWORKER']._serialized_start=1878
+  _globals['_PREFILLWORKER']._serialized_end=2010
+  _globals['_DECODEWORKER']._serialized_start=2013
+  _globals['_DECODEWORKER']._serialized_end=2222
 # @@protoc_insertion_point(module_scope)
