@@ -25,6 +25,7 @@ from router.background import BackgroundService, install_background_routes
 from router.batch_routes import install_batch_routes
 from router.batch_runner import BatchPriority, BatchRunner
 from router.batches import BatchService
+from router.dashboard import install_dashboard_routes
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
 from router.openai_protocol import (
@@ -142,6 +143,7 @@ def build_app(
     )
     if web_ui:
         install_web_ui(app)
+    install_dashboard_routes(app, ctx)
 
     # One SSE event (`data: <json chunk>` or `data: [DONE]`), as OpenAPI tools parse streams.
     sse_event = {

@@ -339,7 +339,7 @@ class ClusterEngine:
                 emitted,  # a grammar replays the output so far (worker.proto)
             )
         )
-        transfer = self.transfers.begin(transfer_id, prefill.name, decode.name)
+        transfer = self.transfers.begin(transfer_id, prefill.name, decode.name, len(ids))
         try:
             await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
         finally:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from engine import RequestOutput, SamplingParams
 from router.engine_client import EngineClient
+from router.live_window import LiveWindow
 from router.transfer_log import TransferCollector
 
 METRICS_PREFIXES = ("duet", "vllm")
@@ -172,6 +173,7 @@ class ServingMetrics:
             "duet:request_params_max_tokens", "The max_tokens requests asked for.",
             labels, buckets=TOKEN_BUCKETS, registry=reg,
         ).labels(model_name)  # fmt: skip
+        self.window = LiveWindow()  # the dashboard's live plots
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
         transfers = getattr(engine, "transfers", None)  # disaggregated mode only
@@ -227,12 +229,15 @@ class RequestMetrics:
             self._first_token_s = now
             self._num_prompt_tokens = len(out.prompt_token_ids)
             self._m.ttft_s.observe(now - self._arrival_s)
+            self._m.window.observe_ttft(now - self._arrival_s)
             self._m.phase_s["prefill"].observe(now - self._admitted_s)
             self._m.num_prompt_tokens.inc(len(out.prompt_token_ids))
         else:
             self._m.itl_s.observe(now - self._last_token_s)
+            self._m.window.observe_itl(now - self._last_token_s)
         self._last_token_s = now
         self._m.num_generation_tokens.inc(num_new)
+        self._m.window.count_tokens(num_new)
 
     def on_finish(self, last: RequestOutput | None) -> None:
         """Record the end of the request (finished, failed or aborted). Idempotent."""

@@ -65,6 +65,7 @@ class TransferHandle:
     request_id: str
     prefill_worker: str
     decode_worker: str
+    num_prompt_tokens: int
 
 
 class TransferLog:
@@ -79,10 +80,19 @@ class TransferLog:
         self.duration_sum_s = 0.0
         self.bandwidth_counts = [0] * (len(BANDWIDTH_BUCKETS_GBPS) + 1)
         self.bandwidth_sum_gbps = 0.0
+        # per prefill worker, over the prompts it prefilled: (tokens looked up, tokens hit)
+        self.prefix_tokens: dict[str, list[int]] = {}
 
-    def begin(self, request_id: str, prefill_worker: str, decode_worker: str) -> TransferHandle:
+    def begin(
+        self, request_id: str, prefill_worker: str, decode_worker: str, num_prompt_tokens: int
+    ) -> TransferHandle:
         self.num_in_flight += 1
-        return TransferHandle(request_id, prefill_worker, decode_worker)
+        return TransferHandle(request_id, prefill_worker, decode_worker, num_prompt_tokens)
+
+    def prefix_hit_rate(self, prefill_worker: str) -> float | None:
+        """Prompt tokens the worker found in its prefix cache over those it was sent."""
+        queries, hits = self.prefix_tokens.get(prefill_worker, (0, 0))
+        return hits / queries if queries else None
 
     def end(
         self,
@@ -98,6 +108,9 @@ class TransferLog:
             outcome = call.result()
             status = outcome.status.value
             num_bytes, duration_s = outcome.num_transfer_bytes, outcome.transfer_s
+            counts = self.prefix_tokens.setdefault(handle.prefill_worker, [0, 0])
+            counts[0] += handle.num_prompt_tokens
+            counts[1] += outcome.num_cached_tokens
             if outcome.status == TransferStatus.FAILED:
                 reason = _failure_reason(outcome.error, outcome.retryable)
         elif call.done() and not call.cancelled():
