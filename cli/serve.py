@@ -112,6 +112,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="duet: metrics under duet: names; vllm: also under vLLM's vllm: names, for its "
         "Grafana dashboard and gateways that read them (default: %(default)s)",
     )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export each request's OpenTelemetry trace (router, prefill, KV transfer, decode) "
+        "over OTLP/gRPC to this collector (default: no tracing)",
+    )
     _add_queue_flags(parser)
     add_engine_flags(parser)
     add_cluster_arguments(parser)
@@ -209,6 +216,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_max_deliveries=args.queue_max_deliveries,
             web_ui=args.web_ui,
             metrics_prefix=args.metrics_prefix,
+            otlp_endpoint=args.otlp_endpoint,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

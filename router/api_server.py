@@ -16,6 +16,7 @@ from typing import Annotated
 
 from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.admission import AdmissionController
@@ -51,6 +52,7 @@ from router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
+from router.tracing import RequestTracing
 from router.web_ui import install_web_ui, open_paths
 from session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
 
@@ -69,6 +71,7 @@ def build_app(
     batch_priority: BatchPriority | None = None,
     web_ui: bool = True,
     metrics_prefix: str = "duet",
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -80,7 +83,8 @@ def build_app(
     `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
     runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`. `web_ui`:
     serve the chat page at `/` and the cluster dashboard (router/web_ui.py). `metrics_prefix`:
-    `duet`, or `vllm` to add vLLM's metric names (router/metrics.py)."""
+    `duet`, or `vllm` to add vLLM's metric names (router/metrics.py). `tracer_provider`: where
+    each request's trace goes (router/tracing.py); None: no tracing."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -94,6 +98,7 @@ def build_app(
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
         metrics_prefix,
+        RequestTracing(tracer_provider.get_tracer("duet.router") if tracer_provider else None),
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)

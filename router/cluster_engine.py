@@ -339,7 +339,9 @@ class ClusterEngine:
                 emitted,  # a grammar replays the output so far (worker.proto)
             )
         )
-        transfer = self.transfers.begin(transfer_id, prefill.name, decode.name, len(ids))
+        transfer = self.transfers.begin(
+            transfer_id, prefill.name, decode.name, len(ids), prefill_call
+        )
         try:
             await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
         finally:

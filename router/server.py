@@ -29,6 +29,7 @@ from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
 from router.metrics import METRICS_PREFIXES
 from router.rate_limit import NO_RATE_LIMITS
+from router.tracing import otlp_tracer_provider
 from session_store import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
@@ -84,6 +85,8 @@ class RouterConfig:
     """Serve the chat page at `/` and the cluster dashboard at `/dashboard`."""
     metrics_prefix: str = "duet"
     """`duet`: metrics under `duet:` names; `vllm`: also under vLLM's `vllm:` names."""
+    otlp_endpoint: str | None = None
+    """Export each request's trace over OTLP/gRPC to this collector; None: no tracing."""
 
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
@@ -163,6 +166,9 @@ class RouterServer(uvicorn.Server):
             lease_s=config.queue_lease_s,
             max_deliveries=config.queue_max_deliveries,
         )
+        self.tracer_provider = (
+            otlp_tracer_provider(config.otlp_endpoint) if config.otlp_endpoint else None
+        )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
         self.admission = AdmissionController(
@@ -182,6 +188,7 @@ class RouterServer(uvicorn.Server):
             work_queue=self.work_queue,
             web_ui=config.web_ui,
             metrics_prefix=config.metrics_prefix,
+            tracer_provider=self.tracer_provider,
         )
         self.served_model_name = served_model_name
         super().__init__(
@@ -246,6 +253,8 @@ class RouterServer(uvicorn.Server):
                 await self.grpc_server.stop(0)  # already drained by `shutdown`; a no-op then
             await self.engine.stop()
             await self._close_stores()
+            if self.tracer_provider is not None:  # exports what is still batched
+                await asyncio.to_thread(self.tracer_provider.shutdown)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn stops accepting, waits for open connections, then runs the lifespan's exit;

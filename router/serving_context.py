@@ -21,6 +21,7 @@ from router.logprobs import TokenTexts
 from router.metrics import ServingMetrics
 from router.rate_limit import RequestRateLimiter
 from router.sessions import SessionManager
+from router.tracing import REQUEST_TRACE, RequestTracing
 
 
 class ServingContext:
@@ -32,6 +33,7 @@ class ServingContext:
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
         metrics_prefix: str = "duet",
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -41,6 +43,7 @@ class ServingContext:
         self.admission = admission
         self.metrics = ServingMetrics(engine, served_model_name, metrics_prefix)
         self.token_texts = TokenTexts(engine.tokenizer)
+        self.tracing = tracing or RequestTracing()
 
     @property
     def max_model_len(self) -> int:
@@ -78,6 +81,9 @@ class ServingContext:
         """Stream one request's outputs. The ticket is released when this generator ends."""
         tracker = self.metrics.track(arrival_s, params)
         last: RequestOutput | None = None
+        traced = self.tracing.begin(arrival_s)
+        # The engine's tasks start in the first step and inherit this context (router/tracing.py).
+        token = REQUEST_TRACE.set(traced) if traced is not None else None
         try:
             # EngineClient.generate is an async generator (typed as an iterator): close it.
             outputs = cast(
@@ -86,12 +92,30 @@ class ServingContext:
             )
             async with aclosing(outputs) as it:
                 async for out in it:
+                    if token is not None:
+                        REQUEST_TRACE.reset(token)  # the same step that set it
+                        token = None
                     tracker.on_output(out)
                     last = out
                     yield out
         finally:
+            if token is not None:
+                REQUEST_TRACE.reset(token)
             ticket.release()
             tracker.on_finish(last)
+            if traced is not None:
+                self.tracing.finish(traced, _span_attributes(request_id, self.model_name, last))
+
+
+def _span_attributes(
+    request_id: str, model_name: str, last: RequestOutput | None
+) -> dict[str, str | int]:
+    attributes: dict[str, str | int] = {"duet.request_id": request_id, "duet.model": model_name}
+    if last is not None:
+        attributes["duet.prompt_tokens"] = len(last.prompt_token_ids)
+        attributes["duet.generated_tokens"] = sum(len(c.token_ids) for c in last.outputs)
+        attributes["duet.finish_reason"] = last.outputs[0].finish_reason or "abort"
+    return attributes
 
 
 async def final_output(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kv_transfer import TransferStatus
+from router.tracing import REQUEST_TRACE, AttemptTiming
 from router.worker_client import PrefillOutcome
 
 DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -66,6 +67,7 @@ class TransferHandle:
     prefill_worker: str
     decode_worker: str
     num_prompt_tokens: int
+    timing: AttemptTiming | None = None  # when the request is traced
 
 
 class TransferLog:
@@ -84,10 +86,25 @@ class TransferLog:
         self.prefix_tokens: dict[str, list[int]] = {}
 
     def begin(
-        self, request_id: str, prefill_worker: str, decode_worker: str, num_prompt_tokens: int
+        self,
+        request_id: str,
+        prefill_worker: str,
+        decode_worker: str,
+        num_prompt_tokens: int,
+        call: asyncio.Task[PrefillOutcome],
     ) -> TransferHandle:
+        """A transfer starts: `call` is the prefill worker's call that reports its end."""
         self.num_in_flight += 1
-        return TransferHandle(request_id, prefill_worker, decode_worker, num_prompt_tokens)
+        handle = TransferHandle(request_id, prefill_worker, decode_worker, num_prompt_tokens)
+        traced = REQUEST_TRACE.get()
+        if traced is not None:
+            timing = AttemptTiming(
+                request_id, prefill_worker, decode_worker, num_prompt_tokens, time.time_ns()
+            )
+            call.add_done_callback(lambda _: setattr(timing, "answer_ns", time.time_ns()))
+            traced.attempts.append(timing)
+            handle.timing = timing
+        return handle
 
     def prefix_hit_rate(self, prefill_worker: str) -> float | None:
         """Prompt tokens the worker found in its prefix cache over those it was sent."""
@@ -103,11 +120,12 @@ class TransferLog:
         """Record how the transfer ended: from the prefill worker's answer when `call`
         finished, else from `error`, the exception ending the attempt (None: it succeeded)."""
         self.num_in_flight -= 1
-        num_bytes, duration_s, reason = 0, 0.0, ""
+        num_bytes, duration_s, reason, num_cached = 0, 0.0, "", 0
         if call.done() and not call.cancelled() and call.exception() is None:
             outcome = call.result()
             status = outcome.status.value
             num_bytes, duration_s = outcome.num_transfer_bytes, outcome.transfer_s
+            num_cached = outcome.num_cached_tokens
             counts = self.prefix_tokens.setdefault(handle.prefill_worker, [0, 0])
             counts[0] += handle.num_prompt_tokens
             counts[1] += outcome.num_cached_tokens
@@ -130,6 +148,12 @@ class TransferLog:
             num_bytes, duration_s, time.time(),
         )  # fmt: skip
         self._count(record)
+        timing = handle.timing
+        if timing is not None:
+            timing.end_ns = time.time_ns()
+            timing.status, timing.reason = status, reason
+            timing.num_bytes, timing.transfer_s = num_bytes, duration_s
+            timing.num_cached_tokens = num_cached
         return record
 
     def count_migration(self, cause: str) -> None:

@@ -22,8 +22,10 @@ T = TypeVar("T")
 
 
 class ClusterServer:
-    def __init__(self, model: str, **cluster: Any) -> None:
+    def __init__(self, model: str, app_args: dict[str, Any] | None = None, **cluster: Any) -> None:
+        """`app_args`: more `build_app` arguments; `cluster`: `Cluster`'s."""
         self._model = model
+        self._app_args = app_args or {}
         self._cluster_args = cluster
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
@@ -57,7 +59,7 @@ class ClusterServer:
             async with Cluster(self._model, **self._cluster_args) as cluster:
                 self.cluster = cluster
                 self.app = build_app(cluster.engine, MODEL_NAME, api_keys=[API_KEY],
-                                     metrics_prefix="vllm")  # fmt: skip
+                                     metrics_prefix="vllm", **self._app_args)  # fmt: skip
                 server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
                 serving = asyncio.create_task(server.serve(sockets=[self._sock]))
                 async with asyncio.timeout(30):

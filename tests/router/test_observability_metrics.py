@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
+import threading
 from pathlib import Path
 
 import openai
@@ -93,11 +93,12 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
                 await c.run(prompt, params)
             healthy = metrics.render().decode()
 
-            # A prefill that holds its KV back while its decode worker is killed.
+            # A prefill that holds its KV back until its decode worker was killed.
             ship = PrefillRole.ship
+            killed = threading.Event()
 
             def slow_ship(self: PrefillRole, done: object) -> None:
-                time.sleep(0.5)
+                killed.wait(30)
                 ship(self, done)  # type: ignore[arg-type]
 
             monkeypatch.setattr(PrefillRole, "ship", slow_ship)
@@ -109,6 +110,7 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
             victim = next(w for w in c.decode if w.load.num_waiting_for_kv)
             await c.servers[victim.name].stop(0)
             victim.shutdown()
+            killed.set()
             out = await asyncio.wait_for(run, 60)
             assert len(out.token_ids) == 3  # finished on the other decode worker
             return healthy, metrics.render().decode()
