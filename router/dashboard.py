@@ -88,9 +88,7 @@ def snapshot(ctx: ServingContext) -> dict[str, Any]:
         }
         for r in reversed(recent[-NUM_RECENT_TRANSFERS:])
     ]  # fmt: skip
-    out["series"] = ctx.metrics.window.series(
-        (r.finished_at, r.num_bytes, r.duration_s) for r in recent if r.status == "done"
-    )
+    out["series"] = ctx.metrics.window.series(transfers.history)
     return out
 
 

@@ -71,8 +71,10 @@ class TransferHandle:
 
 
 class TransferLog:
-    def __init__(self, num_recent: int = 200) -> None:
+    def __init__(self, num_recent: int = 200, num_history: int = 50_000) -> None:
         self.recent: deque[TransferRecord] = deque(maxlen=num_recent)
+        # (finished_at, bytes, seconds) of completed transfers, for the bandwidth plot
+        self.history: deque[tuple[float, int, float]] = deque(maxlen=num_history)
         self.num_in_flight = 0
         self.num_transfers: Counter[str] = Counter()  # by status
         self.num_failures: Counter[str] = Counter()  # by reason
@@ -168,6 +170,7 @@ class TransferLog:
         if record.status != "done":
             return
         self.num_bytes += record.num_bytes
+        self.history.append((record.finished_at, record.num_bytes, record.duration_s))
         self.duration_sum_s += record.duration_s
         self.duration_counts[_bucket(DURATION_BUCKETS_S, record.duration_s)] += 1
         if record.duration_s > 0:
