@@ -29,6 +29,7 @@ from router.batches import BatchService
 from router.dashboard import install_dashboard_routes
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
+from router.http_metrics import HTTPStatusMiddleware
 from router.openai_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -146,6 +147,8 @@ def build_app(
         checker=checker,
         open_paths=OPEN_PATHS | (open_paths() if web_ui else set()),
     )
+    # Outermost (added last), so the key check's 401s are counted too.
+    app.add_middleware(HTTPStatusMiddleware, metrics=ctx.metrics, routes=app.router.routes)
     if web_ui:
         install_web_ui(app)
     install_dashboard_routes(app, ctx)

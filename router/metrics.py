@@ -173,6 +173,10 @@ class ServingMetrics:
             "duet:request_params_max_tokens", "The max_tokens requests asked for.",
             labels, buckets=TOKEN_BUCKETS, registry=reg,
         ).labels(model_name)  # fmt: skip
+        self._responses = Counter(
+            "duet:http_responses", "HTTP responses by route and status class (2xx, 4xx, 429, 5xx).",
+            [*labels, "route", "status"], registry=reg,
+        )  # fmt: skip
         self.window = LiveWindow()  # the dashboard's live plots
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
@@ -188,6 +192,9 @@ class ServingMetrics:
     def track(self, arrival_s: float, params: SamplingParams | None = None) -> RequestMetrics:
         """Start recording one request, admitted now, that arrived at `arrival_s`."""
         return RequestMetrics(self, arrival_s, params)
+
+    def count_response(self, route: str, status: str) -> None:
+        self._responses.labels(self._model_name, route, status).inc()
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()

@@ -10,6 +10,7 @@ import re
 import threading
 from pathlib import Path
 
+import httpx2
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -53,8 +54,6 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
                 model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
-            import httpx2
-
             text = httpx2.get(f"{live.url}/metrics").text
     finally:
         live.stop()
@@ -78,6 +77,32 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
     assert value(found, "duet:generation_tokens_total", model_name=MODEL_NAME) == 6
     # The prefix cache counts tokens, and says so.
     assert "Prompt tokens looked up" in text.split("# HELP duet:prefix_cache_queries_total")[1]
+
+
+def test_responses_are_counted_by_route_and_status(rest_engine: AsyncEngine) -> None:
+    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
+    try:
+        keyed = {"Authorization": "Bearer k"}
+        assert httpx2.get(f"{live.url}/v1/models", headers=keyed).status_code == 200
+        assert httpx2.get(f"{live.url}/v1/models").status_code == 401
+        assert httpx2.get(f"{live.url}/v1/sessions/abc", headers=keyed).status_code == 404
+        assert httpx2.get(f"{live.url}/nowhere", headers=keyed).status_code == 404
+        text = httpx2.get(f"{live.url}/metrics", headers=keyed).text
+    finally:
+        live.stop()
+    found = samples(text)
+    counts = {
+        (dict(ls)["route"], dict(ls)["status"]): v
+        for (n, ls), v in found.items()
+        if n == "duet:http_responses_total"
+    }
+    assert counts.pop(("/ready", "2xx")) >= 1  # the test server's start-up polls
+    assert counts == {
+        ("/v1/models", "2xx"): 1,
+        ("/v1/models", "4xx"): 1,
+        ("/v1/sessions/{session_id}", "4xx"): 1,
+        ("unmatched", "4xx"): 1,
+    }
 
 
 def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
