@@ -19,6 +19,9 @@ from engine import AsyncEngine, SamplingParams
 from prefill_worker.worker import PrefillRole
 from router.api_server import build_app
 from router.metrics import ServingMetrics
+from tests.deploy.test_grafana_dashboard import (
+    dashboard_metric_names as duet_dashboard_metric_names,
+)
 from tests.router.rest_server import MODEL_NAME, LiveServer
 from tests.router.test_cluster_engine import Cluster, prompts_of
 from tests.waiting import wait_for_async
@@ -158,3 +161,10 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
     assert sum(migrations) == 1
     assert value(after, "duet:kv_transfers_total", outcome="done") == 3
     assert value(after, "duet:kv_transfers_in_flight") == 0
+    # duet's own Grafana dashboard reads only names a disaggregated router exports.
+    exported = {
+        family.name + suffix
+        for family in text_string_to_metric_families(after_text)
+        for suffix in ("", "_total", "_bucket", "_sum", "_count")
+    }
+    assert sorted(duet_dashboard_metric_names() - exported) == []
