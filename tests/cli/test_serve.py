@@ -152,6 +152,8 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
         assert grpc_port != 0
         assert httpx2.get(f"{url}/ready", timeout=5).status_code == 200
         assert httpx2.get(f"{url}/v1/models").status_code == 401
+        page = httpx2.get(f"{url}/")  # the web chat: open, its data behind the key
+        assert page.status_code == 200 and "<title>duet chat</title>" in page.text
         models = httpx2.get(f"{url}/v1/models", headers=auth)
         assert models.json()["data"][0]["id"] == "tiny"
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:

@@ -50,12 +50,15 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         browser.find_element(By.ID, "api-key").send_keys(API_KEY)
         browser.find_element(By.ID, "key-save").click()
         wait_for(lambda: _names(browser, "decode") == ["d0", "d1"], 15, "the decode workers")
+        _check_the_chat_streams(browser, cluster_server.url)
+        browser.get(f"{cluster_server.url}/dashboard")  # the key stays in the tab
+        wait_for(lambda: _names(browser, "decode") == ["d0", "d1"], 15, "the decode workers")
         assert _names(browser, "prefill") == ["p0"]
         for table in ("prefill", "decode"):
             states = [r.find_elements(By.TAG_NAME, "td")[1].text for r in _rows(browser, table)]
             assert states == ["healthy"] * len(states)
         transfers = _rows(browser, "transfers")
-        assert len(transfers) == NUM_REQUESTS
+        assert len(transfers) == NUM_REQUESTS + 1  # and the chat's
         for row in transfers:
             cells = [td.text for td in row.find_elements(By.TAG_NAME, "td")]
             assert cells[1] in ("p0 → d0", "p0 → d1")
@@ -75,6 +78,22 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         )
         assert painted > 500
         assert not browser.find_element(By.ID, "error").is_displayed()
+
+
+def _check_the_chat_streams(browser: WebDriver, url: str) -> None:
+    """The web chat works against the disaggregated server too (no sessions here)."""
+    browser.get(f"{url}/")
+    wait_for(lambda: browser.find_element(By.ID, "model").text == MODEL_NAME, 10, "the chat")
+    wait_for(lambda: browser.find_element(By.ID, "sessions-off").is_displayed(), 10,
+             "the page to find no session store")  # fmt: skip
+    browser.find_element(By.ID, "settings-toggle").click()
+    browser.find_element(By.ID, "max-tokens").clear()
+    browser.find_element(By.ID, "max-tokens").send_keys("5")
+    browser.find_element(By.ID, "prompt").send_keys("hello " * 20)
+    browser.find_element(By.ID, "send").click()
+    stats = (By.CSS_SELECTOR, ".msg.assistant .stats")
+    wait_for(lambda: "5 tokens" in "".join(e.text for e in browser.find_elements(*stats)), 20,
+             "the reply through prefill, transfer and decode")  # fmt: skip
 
 
 def _rows(browser: WebDriver, table: str) -> list:
