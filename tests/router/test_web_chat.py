@@ -153,8 +153,9 @@ def test_chat_streams_stops_and_resumes(
     browser.refresh()
     wait_for(lambda: len(_replies(browser)) == 1, 10, "the stored conversation to load")
     assert _replies(browser)[0].find_element(By.CLASS_NAME, "body").text == first_text
-    titles = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#sessions li .open")]
-    assert "hello there" in titles
+    # One read in the page: the list is rebuilt as the page loads (a found element goes stale).
+    titles = "return [...document.querySelectorAll('#sessions li .open')].map(e => e.textContent)"
+    wait_for(lambda: "hello there" in browser.execute_script(titles), 10, "the session's title")
     current = f'#sessions li[data-id="{session_id}"]'
     wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, current + ".current"), 10,
              "the open conversation to be marked in the list")  # fmt: skip
@@ -233,3 +234,33 @@ def test_pages_are_open_and_locked_down(chat_server: LiveServer) -> None:
         assert httpx2.get(f"{chat_server.url}{src}").status_code == 200
     assert httpx2.get(f"{chat_server.url}/v1/models").status_code == 401  # data stays keyed
     assert httpx2.get(f"{chat_server.url}/ui/../api_server.py").status_code in (401, 404)
+
+
+def test_the_dashboard_data_of_an_aggregated_server(
+    chat_server: LiveServer, rest_engine: AsyncEngine
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx2.get(f"{chat_server.url}/v1/dashboard").status_code == 401
+    # A reply left after its first token: the server aborts it (no engine step may follow).
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 200, "stream": True}  # fmt: skip
+    url = f"{chat_server.url}/v1/chat/completions"
+    with httpx2.stream("POST", url, json=body, headers=headers, timeout=30) as stream:
+        lines = stream.iter_lines()
+        token = re.compile(r'"content":"[^"]')  # not the role chunk's empty content
+        wait_for(lambda: token.search(next(lines)) is not None, 10, "a token")
+    wait_until_idle(rest_engine)
+    data = httpx2.get(f"{chat_server.url}/v1/dashboard", headers=headers).json()
+    assert (data["model"], data["mode"]) == (MODEL_NAME, "aggregated")
+    assert data["prefill"] == [] and data["transfers"] == []
+    (engine,) = data["decode"]
+    # Idle again after the aborted reply: no stale running request, no blocks in use.
+    assert (engine["name"], engine["state"], engine["num_running"]) == ("engine", "healthy", 0)
+    assert engine["kv_usage"] == 0.0
+    assert data["queues"]["admitted"] == 0
+    series = data["series"]
+    assert len(series["t"]) == 60
+    # The reply's first token, in one of the last two bins (the window may have moved on).
+    assert [v for v in series["ttft_p50_ms"][-2:] if v is not None]
+    assert sum(series["tokens_per_s"][-2:]) > 0
+    assert series["transfer_gbps"] == [None] * 60
