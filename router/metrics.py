@@ -58,6 +58,21 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(self._labels, float(value))
             yield gauge
+        # vLLM's name before 0.10, which older gateways (endpoint pickers) still read
+        legacy = GaugeMetricFamily(
+            "duet:gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+            labels=["model_name"],
+        )  # fmt: skip
+        legacy.add_metric(self._labels, float(stats.kv_usage))
+        yield legacy
+        cache = cache_config(self._engine)
+        if cache is not None:
+            info = GaugeMetricFamily(
+                "duet:cache_config_info", "The KV cache's configuration, in labels (value 1).",
+                labels=["model_name", *cache],
+            )  # fmt: skip
+            info.add_metric([*self._labels, *cache.values()], 1.0)
+            yield info
         cluster = getattr(self._engine, "cluster_stats", None)  # disaggregated mode only
         if cluster is not None:
             for name, doc, value in (
@@ -85,6 +100,28 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._labels, float(value))
             yield counter
+
+
+def cache_config(engine: EngineClient) -> dict[str, str] | None:
+    """The KV cache's block size, block count and prefix caching, as vLLM's `cache_config_info`
+    labels: one engine's (aggregated), or the decode pool's block size and total blocks as the
+    router last heard them (disaggregated; None until a decode worker reported)."""
+    inner = getattr(engine, "engine", None)  # AsyncEngine -> LLMEngine
+    if inner is not None and hasattr(inner, "num_blocks"):
+        config = inner.config
+        return {
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(inner.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+        }
+    pool = getattr(engine, "pool", None)
+    decode = [d for d in pool.decode.values() if d.block_size] if pool is not None else []
+    if not decode:
+        return None
+    return {
+        "block_size": str(decode[0].block_size),
+        "num_gpu_blocks": str(sum(d.num_blocks for d in decode)),
+    }
 
 
 class RenamedCollector(Collector):

@@ -22,7 +22,7 @@ from router.metrics import ServingMetrics
 from tests.deploy.test_grafana_dashboard import (
     dashboard_metric_names as duet_dashboard_metric_names,
 )
-from tests.router.rest_server import MODEL_NAME, LiveServer
+from tests.router.rest_server import MODEL_NAME, NUM_KV_BLOCKS, LiveServer
 from tests.router.test_cluster_engine import Cluster, prompts_of
 from tests.waiting import wait_for_async
 
@@ -76,6 +76,12 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
             assert value(found, name, model_name=MODEL_NAME) > 0, name
     assert value(found, "vllm:generation_tokens_total", model_name=MODEL_NAME) == 6
     assert value(found, "vllm:request_generation_tokens_sum", model_name=MODEL_NAME) == 6
+    # What gateways read besides the dashboard: the KV usage under vLLM's older name too, and
+    # the cache's block size (prefix-aware pickers hash prompts in blocks).
+    assert value(found, "vllm:gpu_cache_usage_perc", model_name=MODEL_NAME) == 0
+    info = value(found, "vllm:cache_config_info", model_name=MODEL_NAME, block_size="16",
+                 num_gpu_blocks=str(NUM_KV_BLOCKS), enable_prefix_caching="True")  # fmt: skip
+    assert info == 1
     # The duet: names stay, with the same values.
     assert value(found, "duet:generation_tokens_total", model_name=MODEL_NAME) == 6
     # The prefix cache counts tokens, and says so.
@@ -152,6 +158,7 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
     assert value(healthy, "duet:kv_transfer_duration_seconds_sum") > 0
     assert value(healthy, "duet:kv_transfer_bandwidth_gbps_count") == 2
     assert value(healthy, "duet:kv_transfers_in_flight") == 0
+    assert value(healthy, "duet:cache_config_info", block_size="8", num_gpu_blocks="512") == 1
 
     after = samples(after_text)
     assert value(after, "duet:kv_transfers_total", outcome="failed") == 1
