@@ -173,7 +173,7 @@ def test_chat_streams_stops_and_resumes(
 HOSTILE = (
     "Here is **bold** and `code`:\n\n```html\n<b>not bold</b>\n```\n\n"
     '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
-    "[link](javascript:window.pwned=3)"
+    "[link](javascript:window.pwned=3) and <b>a tail</b>"
 )
 
 
@@ -205,10 +205,46 @@ def test_a_reply_holding_html_renders_as_text(
     body = _replies(browser)[0].find_element(By.CLASS_NAME, "body")
     assert "<script>window.pwned = 1</script>" in body.text
     assert '<img src=x onerror="window.pwned = 2">' in body.text
+    assert body.text.endswith("and <b>a tail</b>")
     assert body.find_element(By.TAG_NAME, "strong").text == "bold"
     assert body.find_element(By.CSS_SELECTOR, "pre code").text == "<b>not bold</b>"
     assert not body.find_elements(By.CSS_SELECTOR, "script, img, b, a")
     assert browser.execute_script("return window.pwned === undefined")
+
+    # The same reply streamed: the page's fetch of /v1/chat/completions answers with SSE chunks
+    # carrying it, split mid-tag (the server's stream, as the page parses it).
+    chunks = [HOSTILE[i : i + 7] for i in range(0, len(HOSTILE), 7)]
+    browser.execute_script(FAKE_STREAM, chunks)
+    browser.find_element(By.ID, "new-chat").click()
+    _send(browser, "stream me html")
+    wait_for(lambda: "tokens" in _reply_stats(browser, 0), 10, "the streamed reply")
+    body = _replies(browser)[0].find_element(By.CLASS_NAME, "body")
+    assert "<script>window.pwned = 1</script>" in body.text
+    assert body.find_element(By.TAG_NAME, "strong").text == "bold"
+    assert not body.find_elements(By.CSS_SELECTOR, "script, img, b, a")
+    assert browser.execute_script("return window.pwned === undefined")
+    assert _reply_stats(browser, 0).endswith(f"{len(chunks)} tokens")
+
+
+FAKE_STREAM = r"""
+const chunks = arguments[0];
+const real = window.fetch;
+window.fetch = (url, opts) => {
+  if (!String(url).endsWith("/v1/chat/completions")) return real(url, opts);
+  const enc = new TextEncoder();
+  const body = new ReadableStream({
+    start(c) {
+      for (const t of chunks) {
+        const chunk = {choices: [{index: 0, delta: {content: t}, finish_reason: null}]};
+        c.enqueue(enc.encode("data: " + JSON.stringify(chunk) + "\n\n"));
+      }
+      c.enqueue(enc.encode("data: [DONE]\n\n"));
+      c.close();
+    }
+  });
+  return Promise.resolve(new Response(body, {headers: {"Content-Type": "text/event-stream"}}));
+};
+"""
 
 
 def test_no_ui_serves_no_pages(rest_engine: AsyncEngine) -> None:
