@@ -21,7 +21,7 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/duet serve $(SERVE_ARGS)
 
-test: $(STAMP) redis-server
+test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -31,6 +31,11 @@ test: $(STAMP) redis-server
 .PHONY: redis-server
 redis-server:
 	command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+# tests/router drive the web pages in Debian's headless Chromium through its chromedriver.
+.PHONY: chromium
+chromium:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -99,6 +99,26 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="seconds Ctrl-C waits for in-flight requests before ending them with a retryable "
         "error (SSE error event, gRPC UNAVAILABLE)",
     )
+    parser.add_argument(
+        "--no-ui",
+        dest="web_ui",
+        action="store_false",
+        help="do not serve the web chat at / and the cluster dashboard at /dashboard",
+    )
+    parser.add_argument(
+        "--metrics-prefix",
+        choices=("duet", "vllm"),
+        default="duet",
+        help="duet: metrics under duet: names; vllm: also under vLLM's vllm: names, for its "
+        "Grafana dashboard and gateways that read them (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="export each request's OpenTelemetry trace (router, prefill, KV transfer, decode) "
+        "over OTLP/gRPC to this collector (default: no tracing)",
+    )
     _add_queue_flags(parser)
     _add_chat_flags(parser)
     add_engine_flags(parser)
@@ -215,6 +235,9 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_max_deliveries=args.queue_max_deliveries,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            web_ui=args.web_ui,
+            metrics_prefix=args.metrics_prefix,
+            otlp_endpoint=args.otlp_endpoint,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

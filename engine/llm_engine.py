@@ -309,6 +309,7 @@ class LLMEngine:
             self._sample_of.pop(sample.request.request_id, None)
             if sample.finish_reason is None:
                 self.outputs.finish(sample, "abort")
+        self._update_stats()  # no step may follow: the gauges must not keep the aborted request
         return self.outputs.make_output(state)
 
     def has_unfinished_requests(self) -> bool:

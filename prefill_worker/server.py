@@ -57,6 +57,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             retryable=result.retryable,
             first_token=result.first_token or 0,
             num_cached_tokens=result.num_cached_tokens,
+            num_transfer_bytes=result.num_transfer_bytes,
+            transfer_s=result.transfer_s,
         )
 
     async def GetLoad(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,8 @@ class PrefillResult:
     retryable: bool = False
     first_token: int | None = None
     num_cached_tokens: int = 0
+    num_transfer_bytes: int = 0  # the request's KV, all TP ranks together
+    transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ class PrefillRole(EngineRole):
         self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
         self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
+        self._shipped_s: dict[str, float] = {}  # request id -> when its prefill ended
+        self._block_bytes = 0  # one block's KV over every layer and TP rank
 
     def start(self) -> None:
         """The KV sender over the engine's caches, and the prefix index's event feed (built
@@ -206,6 +211,8 @@ class PrefillRole(EngineRole):
         worker, config, engine = self.worker, self.worker.config, self.engine
         caches = engine.runner.kv_caches
         tp = worker.tp
+        # [2, num_blocks, block_size, heads, head_dim] per layer; every rank holds 1/tp of it
+        self._block_bytes = sum(c.nbytes // c.shape[1] for c in caches) * tp.world_size
         worker.layout = KVLayout.of_caches(
             config.model or "default", caches, engine.arch.num_key_value_heads, tp.world_size,
             tp.rank,
@@ -246,6 +253,7 @@ class PrefillRole(EngineRole):
 
     def release(self, cmd: ReleaseHeld) -> None:
         self._in_flight.pop(cmd.request_id, None)
+        self._shipped_s.pop(cmd.request_id, None)
         self._dest.pop(cmd.request_id, None)
         self.engine.release_held(cmd.request_id)
         if cmd.result is not None:
@@ -282,6 +290,7 @@ class PrefillRole(EngineRole):
         """Send a prefilled request's KV (finish the layer-wise transfer begun before its
         last pass, or send it whole)."""
         self._in_flight[done.request_id] = done
+        self._shipped_s[done.request_id] = time.monotonic()
         dest = self._dest[done.request_id]
         try:
             if done.request_id in self._begun:
@@ -307,6 +316,7 @@ class PrefillRole(EngineRole):
         if self.rank != 0:
             return  # rank 0 decides when every rank releases
         done = self._in_flight.get(result.request_id)
+        shipped_s = self._shipped_s.get(result.request_id)
         outcome = PrefillResult(
             result.request_id,
             result.status,
@@ -314,6 +324,8 @@ class PrefillRole(EngineRole):
             result.retryable,
             done.first_token if done else None,
             done.num_cached_tokens if done else 0,
+            len(done.block_ids) * self._block_bytes if done else 0,
+            time.monotonic() - shipped_s if shipped_s is not None else 0.0,
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

@@ -17,17 +17,20 @@ from typing import Annotated
 
 from fastapi import Body, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.admission import AdmissionController
-from router.auth import APIKeyChecker, APIKeyMiddleware, caller_api_key
+from router.auth import OPEN_PATHS, APIKeyChecker, APIKeyMiddleware, caller_api_key
 from router.background import KIND as BACKGROUND_KIND
 from router.background import BackgroundService, install_background_routes
 from router.batch_routes import install_batch_routes
 from router.batch_runner import BatchPriority, BatchRunner
 from router.batches import BatchService
+from router.dashboard import install_dashboard_routes
 from router.engine_client import EngineClient
 from router.errors import EngineUnavailableError, install_exception_handlers
+from router.http_metrics import HTTPStatusMiddleware
 from router.openai_chat import ChatOptions
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from router.openai_responses import (
@@ -52,6 +55,8 @@ from router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
+from router.tracing import RequestTracing
+from router.web_ui import install_web_ui, open_paths
 from session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
 
 
@@ -68,6 +73,9 @@ def build_app(
     work_queue: WorkQueue | None = None,
     batch_priority: BatchPriority | None = None,
     chat_options: ChatOptions | None = None,
+    web_ui: bool = True,
+    metrics_prefix: str = "duet",
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` as `served_model_name`. The caller owns the engine, the
     session store and the rate limiter, and closes them after the server stops (`lifespan`
@@ -78,7 +86,10 @@ def build_app(
     time-bounded queue (router/admission.py); ignored when `admission` is given. With a
     `work_queue` (which the caller also owns), the Batch API is served and the app's lifespan
     runs this replica's queue consumer (router/queue_worker.py) at `batch_priority`.
-    `chat_options`: the tool-call and reasoning parsers (router/openai_chat.py)."""
+    `chat_options`: the tool-call and reasoning parsers (router/openai_chat.py). `web_ui`:
+    serve the chat page at `/` and the cluster dashboard (router/web_ui.py). `metrics_prefix`:
+    `duet`, or `vllm` to add vLLM's metric names (router/metrics.py). `tracer_provider`: where
+    each request's trace goes (router/tracing.py); None: no tracing."""
     if not served_model_name:
         raise ValueError("served_model_name: must not be empty")
     checker = APIKeyChecker(api_keys)
@@ -92,6 +103,8 @@ def build_app(
         sessions,
         RequestRateLimiter(rate_limiter, rate_limits),
         chat_options,
+        metrics_prefix,
+        RequestTracing(tracer_provider.get_tracer("duet.router") if tracer_provider else None),
     )
     chat = ChatCompletionHandler(ctx)
     completions = CompletionHandler(ctx)
@@ -134,7 +147,16 @@ def build_app(
     app.state.background = chat.background
     install_exception_handlers(app)
     install_openapi(app)
-    app.add_middleware(APIKeyMiddleware, checker=checker)
+    app.add_middleware(
+        APIKeyMiddleware,
+        checker=checker,
+        open_paths=OPEN_PATHS | (open_paths() if web_ui else set()),
+    )
+    # Outermost (added last), so the key check's 401s are counted too.
+    app.add_middleware(HTTPStatusMiddleware, metrics=ctx.metrics, routes=app.router.routes)
+    if web_ui:
+        install_web_ui(app)
+    install_dashboard_routes(app, ctx)
 
     # One SSE event (`data: <json chunk>` or `data: [DONE]`), as OpenAPI tools parse streams.
     sse_event = {

@@ -60,12 +60,16 @@ class APIKeyChecker:
 class APIKeyMiddleware:
     """Rejects HTTP requests without an accepted key (401) before any route runs."""
 
-    def __init__(self, app: ASGIApp, checker: APIKeyChecker) -> None:
+    def __init__(
+        self, app: ASGIApp, checker: APIKeyChecker, open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
+        """`open_paths`: answered without a key (the probes, and the static web pages)."""
         self.app = app
         self.checker = checker
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.checker.enabled or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.checker.enabled or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         authorization = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from engine.llm_engine import EngineStats
 from engine.output_processor import OutputProcessor, SampleState
 from kv_transfer import TransferStatus
 from router.decode_client import DecodeStream
+from router.transfer_log import TransferLog
 from router.worker_client import PrefillOutcome
 from router.worker_pool import DecodeState, PrefillState, WorkerPool
 
@@ -68,11 +70,13 @@ class AttemptRunner:
         pool: WorkerPool,
         outputs: OutputProcessor,
         stats: EngineStats,
+        transfers: TransferLog,
     ) -> None:
         self.config = config
         self.pool = pool
         self.outputs = outputs
         self._stats = stats
+        self.transfers = transfers
 
     async def run(
         self,
@@ -129,6 +133,9 @@ class AttemptRunner:
                 emitted,  # a grammar replays the output so far (worker.proto)
             )
         )
+        transfer = self.transfers.begin(
+            transfer_id, prefill.name, decode.name, len(ids), prefill_call
+        )
         try:
             await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
         finally:
@@ -136,6 +143,7 @@ class AttemptRunner:
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
+            self.transfers.end(transfer, prefill_call, sys.exc_info()[1])
 
     async def _consume(
         self,

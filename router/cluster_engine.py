@@ -40,6 +40,7 @@ from engine.output_processor import OutputProcessor, RequestState, SampleState
 from engine.request import Request
 from engine.tokenizer import Message, Tokenizer
 from router.cluster_attempt import AttemptRunner, ClusterConfig, RetryAttempt
+from router.transfer_log import TransferLog
 from router.worker_pool import ClusterStats, WorkerPool
 
 __all__ = ["ClusterConfig", "ClusterEngine"]
@@ -69,7 +70,10 @@ class ClusterEngine:
         self._stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stats = EngineStats()
-        self._attempt = AttemptRunner(self.config, self.pool, self.outputs, self._stats)
+        self.transfers = TransferLog()  # /metrics and the dashboard read it
+        self._attempt = AttemptRunner(
+            self.config, self.pool, self.outputs, self._stats, self.transfers
+        )
 
     # -- EngineClient ----------------------------------------------------------------------------
 
@@ -236,6 +240,7 @@ class ClusterEngine:
                 return
             except RetryAttempt as e:
                 last_error = str(e)
+                self.transfers.count_migration(last_error)
                 logger.warning("request %s attempt %d: %s", request.request_id, attempt, e)
             if time.monotonic() >= deadline:
                 break

@@ -2,7 +2,9 @@
 
 Latencies and token counters are recorded by the router as outputs pass through; engine
 gauges (running, waiting, KV usage, prefix-cache hit rate) are read from `EngineStats` at
-scrape time, so they cost nothing between scrapes.
+scrape time, so they cost nothing between scrapes. With the `vllm` prefix every metric is
+exported a second time with `vllm:` in place of `duet:`, so vLLM's Grafana dashboard and
+gateways that read vLLM's names work unmodified (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import RequestOutput
+from engine import RequestOutput, SamplingParams
 from router.engine_client import EngineClient
+from router.live_window import LiveWindow
+from router.transfer_log import TransferCollector
+
+METRICS_PREFIXES = ("duet", "vllm")
+"""`--metrics-prefix` values: `vllm` adds a `vllm:` copy of every `duet:` metric."""
 
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -23,6 +30,8 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                  0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                  30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)  # fmt: skip
 
 
 class EngineStatsCollector(Collector):
@@ -49,6 +58,21 @@ class EngineStatsCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
             gauge.add_metric(self._labels, float(value))
             yield gauge
+        # vLLM's name before 0.10, which older gateways (endpoint pickers) still read
+        legacy = GaugeMetricFamily(
+            "duet:gpu_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+            labels=["model_name"],
+        )  # fmt: skip
+        legacy.add_metric(self._labels, float(stats.kv_usage))
+        yield legacy
+        cache = cache_config(self._engine)
+        if cache is not None:
+            info = GaugeMetricFamily(
+                "duet:cache_config_info", "The KV cache's configuration, in labels (value 1).",
+                labels=["model_name", *cache],
+            )  # fmt: skip
+            info.add_metric([*self._labels, *cache.values()], 1.0)
+            yield info
         cluster = getattr(self._engine, "cluster_stats", None)  # disaggregated mode only
         if cluster is not None:
             for name, doc, value in (
@@ -66,20 +90,70 @@ class EngineStatsCollector(Collector):
                 gauge.add_metric(self._labels, float(value))
                 yield gauge
         for name, doc, value in (
-            ("duet:prefix_cache_queries", "Prefix-cache lookups (blocks).",
+            ("duet:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              stats.prefix_cache_queries),
-            ("duet:prefix_cache_hits", "Prefix-cache hits (blocks).", stats.prefix_cache_hits),
+            ("duet:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+             stats.prefix_cache_hits),
+            ("duet:num_preemptions", "Sequences preempted (their KV freed, to be recomputed).",
+             stats.num_preemptions),
         ):  # fmt: skip
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._labels, float(value))
             yield counter
 
 
+def cache_config(engine: EngineClient) -> dict[str, str] | None:
+    """The KV cache's block size, block count and prefix caching, as vLLM's `cache_config_info`
+    labels: one engine's (aggregated), or the decode pool's block size and total blocks as the
+    router last heard them (disaggregated; None until a decode worker reported)."""
+    inner = getattr(engine, "engine", None)  # AsyncEngine -> LLMEngine
+    if inner is not None and hasattr(inner, "num_blocks"):
+        config = inner.config
+        return {
+            "block_size": str(config.block_size),
+            "num_gpu_blocks": str(inner.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+        }
+    pool = getattr(engine, "pool", None)
+    decode = [d for d in pool.decode.values() if d.block_size] if pool is not None else []
+    if not decode:
+        return None
+    return {
+        "block_size": str(decode[0].block_size),
+        "num_gpu_blocks": str(sum(d.num_blocks for d in decode)),
+    }
+
+
+class RenamedCollector(Collector):
+    """Every metric of `source` again, with `duet:` replaced by `new_prefix:`."""
+
+    def __init__(self, source: CollectorRegistry, new_prefix: str) -> None:
+        self._source = source
+        self._prefix = new_prefix + ":"
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if not family.name.startswith("duet:"):
+                continue
+            renamed = Metric(self._rename(family.name), family.documentation, family.type)
+            renamed.samples = [s._replace(name=self._rename(s.name)) for s in family.samples]
+            yield renamed
+
+    def _rename(self, name: str) -> str:
+        return self._prefix + name.removeprefix("duet:")
+
+
 class ServingMetrics:
     """The metrics of one app. Recording methods are called from the event loop's thread."""
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, prefix: str = "duet") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix: must be one of {METRICS_PREFIXES}; got {prefix!r}")
         self.registry = CollectorRegistry()
+        self._exported = CollectorRegistry()
+        self._exported.register(_Everything(self.registry))
+        if prefix != "duet":
+            self._exported.register(RenamedCollector(self.registry, prefix))
         labels = ["model_name"]
         reg = self.registry
         self.ttft_s = Histogram(
@@ -105,28 +179,90 @@ class ServingMetrics:
             "duet:request_success", "Finished sequences by finish reason.",
             [*labels, "finished_reason"], registry=reg,
         )  # fmt: skip
+        phases = (
+            ("queue", "Time from arrival until the request was admitted to the engine."),
+            ("prefill", "Time from admission to the first token (prefill, and in a cluster the "
+             "KV transfer)."),
+            ("decode", "Time from the first token to the last."),
+            ("inference", "Time from admission to the last token."),
+        )  # fmt: skip
+        self.phase_s = {
+            phase: Histogram(
+                f"duet:request_{phase}_time_seconds", doc, labels,
+                buckets=E2E_BUCKETS_S, registry=reg,
+            ).labels(model_name)
+            for phase, doc in phases
+        }  # fmt: skip
+        self.request_prompt_tokens = Histogram(
+            "duet:request_prompt_tokens", "Prompt length of finished requests (tokens).",
+            labels, buckets=TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)  # fmt: skip
+        self.request_generation_tokens = Histogram(
+            "duet:request_generation_tokens", "Tokens generated per finished request.",
+            labels, buckets=TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)  # fmt: skip
+        self.request_max_num_generation_tokens = Histogram(
+            "duet:request_max_num_generation_tokens",
+            "The most tokens any one sample of a finished request generated.",
+            labels, buckets=TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)  # fmt: skip
+        self.request_params_max_tokens = Histogram(
+            "duet:request_params_max_tokens", "The max_tokens requests asked for.",
+            labels, buckets=TOKEN_BUCKETS, registry=reg,
+        ).labels(model_name)  # fmt: skip
+        self._responses = Counter(
+            "duet:http_responses", "HTTP responses by route and status class (2xx, 4xx, 429, 5xx).",
+            [*labels, "route", "status"], registry=reg,
+        )  # fmt: skip
+        self.window = LiveWindow()  # the dashboard's live plots
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
+        transfers = getattr(engine, "transfers", None)  # disaggregated mode only
+        if transfers is not None:
+            reg.register(TransferCollector(transfers, model_name))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (twice, under both prefixes, with
+        the `vllm` prefix)."""
+        return generate_latest(self._exported)
 
-    def track(self, arrival_s: float) -> RequestMetrics:
-        return RequestMetrics(self, arrival_s)
+    def track(self, arrival_s: float, params: SamplingParams | None = None) -> RequestMetrics:
+        """Start recording one request, admitted now, that arrived at `arrival_s`."""
+        return RequestMetrics(self, arrival_s, params)
+
+    def count_response(self, route: str, status: str) -> None:
+        self._responses.labels(self._model_name, route, status).inc()
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
 
 
+class _Everything(Collector):
+    """All of a registry's metrics, for a second registry that adds renamed copies."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._source.collect())
+
+
 class RequestMetrics:
     """Latencies and token counts of one request, fed its outputs as they stream."""
 
-    def __init__(self, metrics: ServingMetrics, arrival_s: float) -> None:
+    def __init__(
+        self, metrics: ServingMetrics, arrival_s: float, params: SamplingParams | None
+    ) -> None:
         self._m = metrics
         self._arrival_s = arrival_s
+        self._admitted_s = time.monotonic()
+        self._first_token_s: float | None = None
         self._last_token_s: float | None = None
+        self._num_prompt_tokens = 0
         self._done = False
+        metrics.phase_s["queue"].observe(max(0.0, self._admitted_s - arrival_s))
+        if params is not None and params.max_tokens is not None:
+            metrics.request_params_max_tokens.observe(params.max_tokens)
 
     def on_output(self, out: RequestOutput) -> None:
         num_new = sum(len(c.delta_token_ids) for c in out.outputs)
@@ -134,19 +270,34 @@ class RequestMetrics:
             return
         now = time.monotonic()
         if self._last_token_s is None:
+            self._first_token_s = now
+            self._num_prompt_tokens = len(out.prompt_token_ids)
             self._m.ttft_s.observe(now - self._arrival_s)
+            self._m.window.observe_ttft(now - self._arrival_s)
+            self._m.phase_s["prefill"].observe(now - self._admitted_s)
             self._m.num_prompt_tokens.inc(len(out.prompt_token_ids))
         else:
             self._m.itl_s.observe(now - self._last_token_s)
+            self._m.window.observe_itl(now - self._last_token_s)
         self._last_token_s = now
         self._m.num_generation_tokens.inc(num_new)
+        self._m.window.count_tokens(num_new)
 
     def on_finish(self, last: RequestOutput | None) -> None:
         """Record the end of the request (finished, failed or aborted). Idempotent."""
         if self._done:
             return
         self._done = True
-        self._m.e2e_s.observe(time.monotonic() - self._arrival_s)
+        now = time.monotonic()
+        m = self._m
+        m.e2e_s.observe(now - self._arrival_s)
+        m.phase_s["inference"].observe(now - self._admitted_s)
+        if self._first_token_s is not None and self._last_token_s is not None:
+            m.phase_s["decode"].observe(self._last_token_s - self._first_token_s)
         if last is not None:
             for c in last.outputs:
-                self._m.count_finished(c.finish_reason or "abort")
+                m.count_finished(c.finish_reason or "abort")
+            lengths = [len(c.token_ids) for c in last.outputs] or [0]
+            m.request_prompt_tokens.observe(len(last.prompt_token_ids))
+            m.request_generation_tokens.observe(sum(lengths))
+            m.request_max_num_generation_tokens.observe(max(lengths))

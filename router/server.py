@@ -27,8 +27,10 @@ from router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
 from router.api_server import build_app
 from router.engine_client import EngineClient
 from router.grpc_server import SERVICE_NAME, start_grpc_server
+from router.metrics import METRICS_PREFIXES
 from router.openai_chat import ChatOptions
 from router.rate_limit import NO_RATE_LIMITS
+from router.tracing import otlp_tracer_provider
 from session_store import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
@@ -89,6 +91,14 @@ class RouterConfig:
     def chat_options(self) -> ChatOptions:
         return ChatOptions(self.tool_call_parser, self.reasoning_parser)
 
+    # --- pages and observability (docs/web_ui.md, docs/observability.md) ---
+    web_ui: bool = True
+    """Serve the chat page at `/` and the cluster dashboard at `/dashboard`."""
+    metrics_prefix: str = "duet"
+    """`duet`: metrics under `duet:` names; `vllm`: also under vLLM's `vllm:` names."""
+    otlp_endpoint: str | None = None
+    """Export each request's trace over OTLP/gRPC to this collector; None: no tracing."""
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
@@ -99,6 +109,11 @@ class RouterConfig:
             raise ValueError(f"--max-queued-requests: must be >= 0; got {self.max_queued_requests}")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout: must be >= 0; got {self.shutdown_timeout_s}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"--metrics-prefix: must be one of {', '.join(METRICS_PREFIXES)}; "
+                f"got {self.metrics_prefix!r}"
+            )
         self._check_queue()
         try:
             self.chat_options  # noqa: B018  # validates the parser names
@@ -167,6 +182,9 @@ class RouterServer(uvicorn.Server):
             lease_s=config.queue_lease_s,
             max_deliveries=config.queue_max_deliveries,
         )
+        self.tracer_provider = (
+            otlp_tracer_provider(config.otlp_endpoint) if config.otlp_endpoint else None
+        )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
         self.admission = AdmissionController(
@@ -185,6 +203,9 @@ class RouterServer(uvicorn.Server):
             lifespan=self._lifespan,
             work_queue=self.work_queue,
             chat_options=config.chat_options,
+            web_ui=config.web_ui,
+            metrics_prefix=config.metrics_prefix,
+            tracer_provider=self.tracer_provider,
         )
         self.served_model_name = served_model_name
         super().__init__(
@@ -250,6 +271,8 @@ class RouterServer(uvicorn.Server):
                 await self.grpc_server.stop(0)  # already drained by `shutdown`; a no-op then
             await self.engine.stop()
             await self._close_stores()
+            if self.tracer_provider is not None:  # exports what is still batched
+                await asyncio.to_thread(self.tracer_provider.shutdown)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn stops accepting, waits for open connections, then runs the lifespan's exit;

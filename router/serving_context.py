@@ -22,6 +22,7 @@ from router.metrics import ServingMetrics
 from router.openai_chat import ChatOptions
 from router.rate_limit import RequestRateLimiter
 from router.sessions import SessionManager
+from router.tracing import REQUEST_TRACE, RequestTracing
 
 
 class ServingContext:
@@ -33,6 +34,8 @@ class ServingContext:
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
         chat_options: ChatOptions | None = None,
+        metrics_prefix: str = "duet",
+        tracing: RequestTracing | None = None,
     ) -> None:
         self.engine = engine
         self.sessions = sessions
@@ -40,10 +43,11 @@ class ServingContext:
         self.model_name = served_model_name
         self.created = int(time.time())
         self.admission = admission
-        self.metrics = ServingMetrics(engine, served_model_name)
+        self.metrics = ServingMetrics(engine, served_model_name, metrics_prefix)
         self.token_texts = TokenTexts(engine.tokenizer)
         self.chat_options = chat_options or ChatOptions()
         """Tool-call and reasoning parsers (router/openai_chat.py)."""
+        self.tracing = tracing or RequestTracing()
 
     @property
     def max_model_len(self) -> int:
@@ -84,8 +88,11 @@ class ServingContext:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream one request's outputs. The ticket is released when this generator ends.
         `priority`: lower runs first, under the priority scheduling policy."""
-        tracker = self.metrics.track(arrival_s)
+        tracker = self.metrics.track(arrival_s, params)
         last: RequestOutput | None = None
+        traced = self.tracing.begin(arrival_s)
+        # The engine's tasks start in the first step and inherit this context (router/tracing.py).
+        token = REQUEST_TRACE.set(traced) if traced is not None else None
         try:
             # EngineClient.generate is an async generator (typed as an iterator): close it.
             outputs = cast(
@@ -94,12 +101,30 @@ class ServingContext:
             )
             async with aclosing(outputs) as it:
                 async for out in it:
+                    if token is not None:
+                        REQUEST_TRACE.reset(token)  # the same step that set it
+                        token = None
                     tracker.on_output(out)
                     last = out
                     yield out
         finally:
+            if token is not None:
+                REQUEST_TRACE.reset(token)
             ticket.release()
             tracker.on_finish(last)
+            if traced is not None:
+                self.tracing.finish(traced, _span_attributes(request_id, self.model_name, last))
+
+
+def _span_attributes(
+    request_id: str, model_name: str, last: RequestOutput | None
+) -> dict[str, str | int]:
+    attributes: dict[str, str | int] = {"duet.request_id": request_id, "duet.model": model_name}
+    if last is not None:
+        attributes["duet.prompt_tokens"] = len(last.prompt_token_ids)
+        attributes["duet.generated_tokens"] = sum(len(c.token_ids) for c in last.outputs)
+        attributes["duet.finish_reason"] = last.outputs[0].finish_reason or "abort"
+    return attributes
 
 
 def check_priority(engine: EngineClient, priority: int) -> None:

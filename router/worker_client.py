@@ -35,6 +35,8 @@ class PrefillOutcome:
     retryable: bool
     first_token: int
     num_cached_tokens: int
+    num_transfer_bytes: int = 0
+    transfer_s: float = 0.0
 
 
 class PrefillClient:
@@ -73,6 +75,8 @@ class PrefillClient:
             response.retryable,
             response.first_token,
             response.num_cached_tokens,
+            response.num_transfer_bytes,
+            response.transfer_s,
         )
 
     async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import httpx2
@@ -34,6 +35,21 @@ def test_serve_flags_parse() -> None:
         ["serve", "--grpc-port", "0", "--session-store", "redis://h:1/0", "--rate-limit-rpm", "5"]
     )
     assert (args.grpc_port, args.session_store, args.rate_limit_rpm) == (0, "redis://h:1/0", 5)
+
+
+def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) -> None:
+    from cli.serve import _router_config
+    from router.server import RouterConfig
+
+    store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
+    args = build_parser().parse_args(["serve", *store])
+    config = _router_config(args, [])
+    assert (config.web_ui, config.metrics_prefix, config.otlp_endpoint) == (True, "duet", None)
+    argv = ["serve", *store, "--no-ui", "--metrics-prefix", "vllm", "--otlp-endpoint", "h:4317"]
+    config = _router_config(build_parser().parse_args(argv), [])
+    assert (config.web_ui, config.metrics_prefix, config.otlp_endpoint) == (False, "vllm", "h:4317")
+    with pytest.raises(ValueError, match="--metrics-prefix: must be one of duet, vllm; got 'x'"):
+        RouterConfig(metrics_prefix="x")
 
 
 @pytest.mark.parametrize(
@@ -136,6 +152,8 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
         assert grpc_port != 0
         assert httpx2.get(f"{url}/ready", timeout=5).status_code == 200
         assert httpx2.get(f"{url}/v1/models").status_code == 401
+        page = httpx2.get(f"{url}/")  # the web chat: open, its data behind the key
+        assert page.status_code == 200 and "<title>duet chat</title>" in page.text
         models = httpx2.get(f"{url}/v1/models", headers=auth)
         assert models.json()["data"][0]["id"] == "tiny"
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:

@@ -33,18 +33,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens")
+    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     outcome: TransferOutcome
     error: str
     retryable: bool
     first_token: int
     num_cached_tokens: int
-    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_transfer_bytes: int
+    transfer_s: float
+    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("since_event",)

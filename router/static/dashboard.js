@@ -1,0 +1,105 @@
+// The cluster dashboard: polls GET /v1/dashboard (behind the API key) every 2 s and draws the
+// workers, queues, recent KV transfers and the live plots.
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const api = window.duetApi;
+  const plot = window.duetPlot;
+  const POLL_MS = 2000;
+
+  const pct = (v) => (v === null || v === undefined ? "\u2013" : (100 * v).toFixed(1) + "%");
+  const num = (v, d) => (v === null || v === undefined ? "\u2013" : Number(v).toFixed(d || 0));
+
+  function bytes(n) {
+    const units = ["B", "KiB", "MiB", "GiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) {
+      n /= 1024;
+      i++;
+    }
+    return n.toFixed(i ? 1 : 0) + " " + units[i];
+  }
+
+  function rows(tableId, items, cells) {
+    const body = $(tableId).querySelector("tbody");
+    body.replaceChildren();
+    for (const item of items) {
+      const tr = document.createElement("tr");
+      tr.dataset.name = item.name || item.request_id;
+      for (const [text, cls] of cells(item)) {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (cls) td.className = cls;
+        tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+  }
+
+  function cards(queues) {
+    const div = $("queues");
+    div.replaceChildren();
+    const labels = {
+      admitted: "admitted requests",
+      admission_queued: "queued at admission",
+      engine_running: "running",
+      engine_waiting: "waiting",
+      prefill_queued_tokens: "prefill queue (tokens)",
+      decode_waiting_for_kv: "waiting for KV",
+      transfers_in_flight: "transfers in flight",
+    };
+    for (const [key, label] of Object.entries(labels)) {
+      if (!(key in queues)) continue;
+      const card = document.createElement("div");
+      card.className = "card";
+      card.dataset.key = key;
+      const l = document.createElement("div");
+      l.className = "label";
+      l.textContent = label;
+      const v = document.createElement("div");
+      v.className = "value";
+      v.textContent = String(queues[key]);
+      card.append(l, v);
+      div.appendChild(card);
+    }
+  }
+
+  function render(d) {
+    $("model").textContent = d.model + " \u00b7 " + d.mode;
+    $("updated").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
+    cards(d.queues);
+    rows("prefill", d.prefill, (p) => [
+      [p.name], [p.state, p.state], [String(p.queued_tokens)], [pct(p.kv_usage)],
+      [pct(p.prefix_hit_rate)], [String(p.num_cached_blocks)],
+    ]);
+    rows("decode", d.decode, (w) => [
+      [w.name], [w.state, w.state], [String(w.num_running)], [String(w.num_waiting)],
+      [String(w.num_waiting_for_kv)], [pct(w.load)], [pct(w.kv_usage)],
+    ]);
+    rows("transfers", d.transfers, (t) => [
+      [t.request_id], [t.prefill + " \u2192 " + t.decode],
+      [t.reason ? t.status + " (" + t.reason + ")" : t.status, t.status === "failed" ? "unhealthy" : "healthy"],
+      [bytes(t.bytes)], [num(t.duration_ms, 2)], [t.status === "done" ? num(t.gbps, 3) : "\u2013"],
+    ]);
+    const s = d.series;
+    const q = (name) => ["p50", "p90", "p99"].map((p) => ({ label: p, values: s[name + "_" + p + "_ms"] }));
+    plot.draw($("plot-ttft"), s.t, q("ttft"));
+    plot.draw($("plot-itl"), s.t, q("itl"));
+    plot.draw($("plot-throughput"), s.t, [{ label: "tok/s", values: s.tokens_per_s }]);
+    plot.draw($("plot-bandwidth"), s.t, [{ label: "GB/s", values: s.transfer_gbps }]);
+  }
+
+  async function poll() {
+    try {
+      render(await api.json("/v1/dashboard"));
+      $("error").hidden = true;
+    } catch (e) {
+      $("error").hidden = false;
+      $("error").textContent = "Cannot load the cluster state: " + e.message;
+    }
+    setTimeout(poll, POLL_MS);
+  }
+
+  poll();
+})();

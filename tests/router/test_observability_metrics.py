@@ -1,0 +1,177 @@
+"""/metrics as tools read it: every metric vLLM's Grafana dashboard queries is exported under
+`--metrics-prefix vllm` with data in it, and the KV-transfer metrics of a disaggregated
+server move when transfers happen and count a failure when a decode worker dies mid-transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import AsyncEngine, SamplingParams
+from prefill_worker.worker import PrefillRole
+from router.api_server import build_app
+from router.metrics import ServingMetrics
+from tests.deploy.test_grafana_dashboard import (
+    dashboard_metric_names as duet_dashboard_metric_names,
+)
+from tests.router.rest_server import MODEL_NAME, NUM_KV_BLOCKS, LiveServer
+from tests.router.test_cluster_engine import Cluster, prompts_of
+from tests.waiting import wait_for_async
+
+DASHBOARD = Path(__file__).parent.parent / "data" / "vllm_grafana_dashboard_queries.json"
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, from a Prometheus text exposition."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(found: dict, name: str, **labels: str) -> float:
+    matches = [v for (n, ls), v in found.items() if n == name and set(labels.items()) <= set(ls)]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples"
+    return matches[0]
+
+
+def dashboard_metric_names() -> set[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return {m for exprs in panels.values() for e in exprs for m in re.findall(r"vllm:\w+", e)}
+
+
+def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> None:
+    live = LiveServer(build_app(rest_engine, MODEL_NAME, metrics_prefix="vllm")).start()
+    try:
+        with openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0) as client:
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            text = httpx2.get(f"{live.url}/metrics").text
+    finally:
+        live.stop()
+    found = samples(text)
+    names = dashboard_metric_names()
+    assert len(names) == 21  # what the dashboard's 12 panels query
+    for name in sorted(names):
+        if name.endswith("_bucket"):
+            total = value(found, name, model_name=MODEL_NAME, le="+Inf")
+            # one request; its 6 tokens are 5 inter-token gaps
+            assert total == (5 if "inter_token" in name else 1), name
+        elif name.startswith(("vllm:num_requests_", "vllm:kv_cache_usage")):
+            assert value(found, name, model_name=MODEL_NAME) == 0  # idle after the request
+        elif name == "vllm:request_success_total":
+            assert value(found, name, model_name=MODEL_NAME, finished_reason="length") == 1
+        else:
+            assert value(found, name, model_name=MODEL_NAME) > 0, name
+    assert value(found, "vllm:generation_tokens_total", model_name=MODEL_NAME) == 6
+    assert value(found, "vllm:request_generation_tokens_sum", model_name=MODEL_NAME) == 6
+    # What gateways read besides the dashboard: the KV usage under vLLM's older name too, and
+    # the cache's block size (prefix-aware pickers hash prompts in blocks).
+    assert value(found, "vllm:gpu_cache_usage_perc", model_name=MODEL_NAME) == 0
+    info = value(found, "vllm:cache_config_info", model_name=MODEL_NAME, block_size="16",
+                 num_gpu_blocks=str(NUM_KV_BLOCKS), enable_prefix_caching="True")  # fmt: skip
+    assert info == 1
+    # The duet: names stay, with the same values.
+    assert value(found, "duet:generation_tokens_total", model_name=MODEL_NAME) == 6
+    # The prefix cache counts tokens, and says so.
+    assert "Prompt tokens looked up" in text.split("# HELP duet:prefix_cache_queries_total")[1]
+
+
+def test_responses_are_counted_by_route_and_status(rest_engine: AsyncEngine) -> None:
+    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
+    try:
+        keyed = {"Authorization": "Bearer k"}
+        assert httpx2.get(f"{live.url}/v1/models", headers=keyed).status_code == 200
+        assert httpx2.get(f"{live.url}/v1/models").status_code == 401
+        assert httpx2.get(f"{live.url}/v1/sessions/abc", headers=keyed).status_code == 404
+        assert httpx2.get(f"{live.url}/nowhere", headers=keyed).status_code == 404
+        text = httpx2.get(f"{live.url}/metrics", headers=keyed).text
+    finally:
+        live.stop()
+    found = samples(text)
+    counts = {
+        (dict(ls)["route"], dict(ls)["status"]): v
+        for (n, ls), v in found.items()
+        if n == "duet:http_responses_total"
+    }
+    assert counts.pop(("/ready", "2xx")) >= 1  # the test server's start-up polls
+    assert counts == {
+        ("/v1/models", "2xx"): 1,
+        ("/v1/models", "4xx"): 1,
+        ("/v1/sessions/{session_id}", "4xx"): 1,
+        ("unmatched", "4xx"): 1,
+    }
+
+
+def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    block_bytes = 2 * 2 * 8 * 2 * 16 * 4  # K and V x layers x block x kv heads x head dim x fp32
+
+    async def main() -> tuple[str, str]:
+        async with Cluster(tiny_llama, num_decode=2, threshold=0) as c:
+            metrics = ServingMetrics(c.engine, MODEL_NAME)
+            for prompt in prompts_of([40, 70], seed=5):
+                await c.run(prompt, params)
+            healthy = metrics.render().decode()
+
+            # A prefill that holds its KV back until its decode worker was killed.
+            ship = PrefillRole.ship
+            killed = threading.Event()
+
+            def slow_ship(self: PrefillRole, done: object) -> None:
+                killed.wait(30)
+                ship(self, done)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(PrefillRole, "ship", slow_ship)
+            run = asyncio.create_task(c.run(prompts_of([60], seed=6)[0], params))
+            await wait_for_async(
+                lambda: any(w.load.num_waiting_for_kv for w in c.decode), 10,
+                "a decode worker to wait for the KV",
+            )  # fmt: skip
+            victim = next(w for w in c.decode if w.load.num_waiting_for_kv)
+            await c.servers[victim.name].stop(0)
+            victim.shutdown()
+            killed.set()
+            out = await asyncio.wait_for(run, 60)
+            assert len(out.token_ids) == 3  # finished on the other decode worker
+            return healthy, metrics.render().decode()
+
+    healthy_text, after_text = asyncio.run(main())
+    healthy = samples(healthy_text)
+    assert value(healthy, "duet:kv_transfers_total", outcome="done") == 2
+    assert value(healthy, "duet:kv_transfers_total", outcome="failed") == 0
+    assert value(healthy, "duet:kv_transfer_bytes_total") == (5 + 9) * block_bytes
+    assert value(healthy, "duet:kv_transfer_duration_seconds_count") == 2
+    assert value(healthy, "duet:kv_transfer_duration_seconds_sum") > 0
+    assert value(healthy, "duet:kv_transfer_bandwidth_gbps_count") == 2
+    assert value(healthy, "duet:kv_transfers_in_flight") == 0
+    assert value(healthy, "duet:cache_config_info", block_size="8", num_gpu_blocks="512") == 1
+
+    after = samples(after_text)
+    assert value(after, "duet:kv_transfers_total", outcome="failed") == 1
+    failures = [v for (n, _), v in after.items() if n == "duet:kv_transfer_failures_total"]
+    assert sum(failures) == 1
+    migrations = [v for (n, _), v in after.items() if n == "duet:request_migrations_total"]
+    assert sum(migrations) == 1
+    assert value(after, "duet:kv_transfers_total", outcome="done") == 3
+    assert value(after, "duet:kv_transfers_in_flight") == 0
+    # duet's own Grafana dashboard reads only names a disaggregated router exports.
+    exported = {
+        family.name + suffix
+        for family in text_string_to_metric_families(after_text)
+        for suffix in ("", "_total", "_bucket", "_sum", "_count")
+    }
+    assert sorted(duet_dashboard_metric_names() - exported) == []
