@@ -57,6 +57,10 @@ class ClusterConfig:
             raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
 
 
+PREFILL_ANSWER_GRACE_S = 2.0
+"""How long a finished sample waits for its prefill worker's answer before cancelling it."""
+
+
 class RetryAttempt(Exception):
     """This attempt failed in a way another attempt may not."""
 
@@ -140,10 +144,15 @@ class AttemptRunner:
             await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
         finally:
             prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
+            error = sys.exc_info()[1]
+            if not prefill_call.done() and error is None:
+                # The sample finished, so its KV arrived: the prefill worker's answer (what
+                # the transfer cost, for the metrics) is due; tokens can overtake it.
+                await asyncio.wait({prefill_call}, timeout=PREFILL_ANSWER_GRACE_S)
             if not prefill_call.done():
                 prefill_call.cancel()
             await asyncio.gather(prefill_call, return_exceptions=True)
-            self.transfers.end(transfer, prefill_call, sys.exc_info()[1])
+            self.transfers.end(transfer, prefill_call, error)
 
     async def _consume(
         self,

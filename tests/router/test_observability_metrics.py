@@ -125,6 +125,9 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
             metrics = ServingMetrics(c.engine, MODEL_NAME)
             for prompt in prompts_of([40, 70], seed=5):
                 await c.run(prompt, params)
+            # A reply can end before its attempt's clean-up records the transfer.
+            settled = lambda: c.engine.transfers.num_in_flight == 0  # noqa: E731
+            await wait_for_async(settled, 10, "the transfers recorded")
             healthy = metrics.render().decode()
 
             # A prefill that holds its KV back until its decode worker was killed.
@@ -147,6 +150,7 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
             killed.set()
             out = await asyncio.wait_for(run, 60)
             assert len(out.token_ids) == 3  # finished on the other decode worker
+            await wait_for_async(settled, 10, "the transfers recorded")
             return healthy, metrics.render().decode()
 
     healthy_text, after_text = asyncio.run(main())
