@@ -6,9 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
@@ -23,53 +21,27 @@ from engine.model_runner import ModelRunner, resolve_attention_backend
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
+from engine.prefill_handoff import PrefillDone, PrefillStream
 from engine.random import SeedSource
 from engine.request import Request, RequestStatus
+from engine.request_checks import Prompt, check_lengths, tokenize_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Message, Tokenizer
+from engine.tokenizer import Message
+
+__all__ = [  # with the names an engine's callers use, defined beside it
+    "EngineStats",
+    "LLMEngine",
+    "PrefillDone",
+    "PrefillStream",
+    "Prompt",
+    "check_lengths",
+    "tokenize_prompt",
+]
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class PrefillDone:
-    """A `prefill_only` request reached its first token: what the decode side needs to go on.
-    Its blocks stay held (see `LLMEngine.release_held`)."""
-
-    request_id: str
-    block_ids: list[int]  # covering the prompt's KV, in order
-    first_token: int
-    logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
-    sample_seed: int  # keys the request's draws; the decode side continues with it
-    num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
-
-
-class PrefillStream(Protocol):
-    """Layer-wise hand-off of prefill-only requests' KV (a prefill worker sets one on its
-    engine as `LLMEngine.prefill_stream`)."""
-
-    def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
-        """Called before a forward pass with the (request id, block ids) of the prefill-only
-        requests whose prompts it completes (each reaches `take_prefilled` after the pass).
-        Returns the pass's per-layer callback (see `LlamaForCausalLM.forward`), or None."""
-        ...
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
 
 
 class LLMEngine:
@@ -403,50 +375,3 @@ class LLMEngine:
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
-
-
-def tokenize_prompt(
-    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt
-) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text or token ids; raises `InvalidInputError`
-    for an empty prompt or ids outside the vocabulary."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidInputError("prompt", "must not be empty")
-        return prompt, tokenizer.encode(prompt)
-    ids = list(prompt)
-    if not ids:
-        raise InvalidInputError("prompt", "must not be empty")
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidInputError(
-            "prompt", f"token ids must be integers in [0, {vocab_size}); got {bad!r}"
-        )
-    return None, ids
-
-
-def check_lengths(
-    num_prompt: int, params: SamplingParams, max_model_len: int, kv_capacity_tokens: int
-) -> int:
-    """A request's effective max_tokens; raises `InvalidInputError` when prompt + output
-    cannot fit the context or a KV pool of `kv_capacity_tokens`."""
-    limit = max_model_len
-    if num_prompt >= limit:
-        raise InvalidInputError(
-            "prompt",
-            f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
-        )
-    max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
-    if num_prompt + max_tokens > limit:
-        raise InvalidInputError(
-            "max_tokens",
-            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-            f"{limit}; max_tokens must be <= {limit - num_prompt}",
-        )
-    if num_prompt + max_tokens > kv_capacity_tokens:
-        raise InvalidInputError(
-            "max_tokens",
-            f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool "
-            f"({kv_capacity_tokens} tokens)",
-        )
-    return max_tokens
