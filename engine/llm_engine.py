@@ -17,7 +17,7 @@ from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import size_kv_pool
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, resolve_attention_backend
+from engine.model_runner import ModelRunner, TokenLogprob, resolve_attention_backend
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.request_checks import Prompt, check_lengths, tokenize_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Message
@@ -91,6 +92,7 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        spec = config.speculative()
         self.runner = ModelRunner(
             loaded.model,
             self.num_blocks,
@@ -102,7 +104,10 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
+        self.speculator = Speculator(spec, self.max_model_len) if spec else None
+        """Speculative decoding (`EngineConfig.speculative_config`), or None."""
         self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
         (docs/determinism.md): the CPU kernels and linears probed invariant at load."""
@@ -260,7 +265,7 @@ class LLMEngine:
         if self.scheduler.complete_remote(request_id, first_token) is None:
             return None
         changed: dict[str, RequestState] = {}
-        self._on_token(request, logprob, changed)
+        self._on_tokens(request, 1, [logprob] if logprob is not None else None, changed)
         return self._emit(changed)[0]
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
@@ -276,6 +281,8 @@ class LLMEngine:
         for sample in state.samples:
             self.scheduler.abort_request(sample.request.request_id)
             self._sample_of.pop(sample.request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.release(sample.request.request_id)
             if sample.finish_reason is None:
                 self.outputs.finish(sample, "abort")
         return self.outputs.make_output(state)
@@ -312,32 +319,42 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
         changed: dict[str, RequestState] = {}
-        for request in updated:
-            self._on_token(request, result.logprobs.get(request.request_id), changed)
+        speculator = self.speculator
+        for request, num_new in updated:
+            if speculator is not None:
+                spec = sched.spec_token_ids.get(request.request_id)
+                if spec:
+                    num_accepted = len(result.sampled[request.request_id]) - 1
+                    speculator.observe(request.request_id, len(spec), num_accepted)
+            logprobs = result.logprobs.get(request.request_id)
+            self._on_tokens(request, num_new, logprobs, changed)
+        if speculator is not None:
+            speculator.propose(r for r, _ in updated if not r.is_finished)
         outputs = self._emit(changed)
         self._update_stats()
         return outputs
 
-    def _on_token(
+    def _on_tokens(
         self,
         request: Request,
-        logprob: tuple[float, list[tuple[int, float]]] | None,
+        num_new: int,
+        logprobs: list[TokenLogprob] | None,
         changed: dict[str, RequestState],
     ) -> None:
-        """Fold the request's newest token into its user-facing state."""
+        """Fold the request's `num_new` newest tokens into its user-facing state; a stop
+        string ends it at the token that completed it (the tokens after are dropped)."""
         entry = self._sample_of.get(request.request_id)
         if entry is None:
             return
         state, index = entry
-        token = request.output_token_ids[-1]
-        self.stats.num_generated_tokens += 1
+        self.stats.num_generated_tokens += num_new
         if request.status == RequestStatus.FINISHED_REMOTE:
             self._prefilled.append(
                 PrefillDone(
                     request.request_id,
                     self.kv.get_block_ids(request.request_id),
-                    token,
-                    logprob,
+                    request.output_token_ids[-1],
+                    logprobs[0] if logprobs else None,
                     request.sample_seed,
                     max(0, request.num_cached_tokens),
                 )
@@ -346,14 +363,24 @@ class LLMEngine:
             self._states.pop(state.request_id, None)
             return
         sample = state.samples[index]
-        hit_stop = self.outputs.process_token(sample, token, logprob)
-        if hit_stop:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        first = request.num_output_tokens - num_new
+        hit_stop = False
+        for i in range(num_new):
+            token = request.output_token_ids[first + i]
+            logprob = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            hit_stop = self.outputs.process_token(sample, token, logprob)
+            if hit_stop:
+                self.stats.num_generated_tokens -= num_new - 1 - i
+                request.truncate_output(first + i + 1)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                break
         if request.is_finished:
             reason = "stop" if hit_stop else request.status.finish_reason
             assert reason is not None
             self.outputs.finish(sample, reason)
             self._sample_of.pop(request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.release(request.request_id)
         changed[state.request_id] = state
 
     def _emit(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
@@ -372,6 +399,8 @@ class LLMEngine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.kv_usage = self.kv.pool.usage()
+        if self.speculator is not None:
+            s.spec_decode = self.speculator.stats
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode_chat(messages)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.spec_decode.speculator import SpecDecodeStats
+
 
 @dataclass
 class EngineStats:
@@ -16,3 +18,4 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding

@@ -1,0 +1,81 @@
+"""`Proposer`: the interface every speculation method implements, and the factory that builds
+one by name.
+
+A proposer is asked, after a step, for the next tokens of the requests that just got a token
+and will decode next (`propose`). The scheduler puts those tokens into the next step's
+token budget, the target model computes them next to everything else, and verification keeps
+the prefix it agrees with. Methods differ only in where guesses come from:
+
+- `ngram`: the request's own tokens (prompt lookup); no model, no state.
+- `draft_model` (next): a small model with its own paged KV, run `k` times per step; its
+  per-token distributions travel as `Proposal.probs` for rejection sampling.
+- EAGLE / MTP heads (later): they need the target's hidden states of the step, which
+  `ProposeContext.hidden_states` is there to carry.
+
+Invariants: `propose` runs on the engine thread between steps and must not change any request;
+it returns at most `max_tokens[i]` tokens for request i (0 means: propose nothing).
+`release` is called once for every request that leaves the engine (finished, aborted), so a
+proposer with per-request state (a draft model's KV) frees it there.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+from engine.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request. `probs`: the draft's distribution at each proposed
+    position ([len(token_ids), vocab], for rejection sampling); None for a point mass (the
+    token was proposed with certainty, as ngram does)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class ProposeContext:
+    """What a step leaves for the proposers: the requests to propose for, each one's cap."""
+
+    requests: Sequence[Request]
+    max_tokens: Sequence[int]
+    hidden_states: torch.Tensor | None = None  # the target's, for EAGLE/MTP (not filled yet)
+
+
+class Proposer(ABC):
+    method: str
+
+    @abstractmethod
+    def propose(self, ctx: ProposeContext) -> list[Proposal]:
+        """One proposal per request of `ctx`, in order (empty token list: no guess)."""
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine: drop any state kept for it (none by default)."""
+        return None
+
+
+_FACTORIES: dict[str, Callable[[SpeculativeConfig], Proposer]] = {}
+
+
+def register(method: str) -> Callable[[Callable[[SpeculativeConfig], Proposer]], None]:
+    def add(factory: Callable[[SpeculativeConfig], Proposer]) -> None:
+        _FACTORIES[method] = factory
+
+    return add
+
+
+def create_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of `config.method` (modules register themselves on import)."""
+    if not _FACTORIES:
+        import engine.spec_decode.ngram  # noqa: F401  (registers "ngram")
+    factory = _FACTORIES.get(config.method)
+    if factory is None:
+        raise ValueError(f"no proposer registered for method {config.method!r}")
+    return factory(config)
