@@ -318,20 +318,16 @@ class LLMEngine:
         result = self.runner.execute(sched, self.kv, on_layer)
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
+        if self.speculator is not None:
+            self.speculator.verified(sched.spec_token_ids, result.sampled)
         changed: dict[str, RequestState] = {}
-        speculator = self.speculator
         for request, num_new in updated:
-            if speculator is not None:
-                spec = sched.spec_token_ids.get(request.request_id)
-                if spec:
-                    num_accepted = len(result.sampled[request.request_id]) - 1
-                    speculator.observe(request.request_id, len(spec), num_accepted)
             logprobs = result.logprobs.get(request.request_id)
             self._on_tokens(request, num_new, logprobs, changed)
-        if speculator is not None:
-            speculator.propose(r for r, _ in updated if not r.is_finished)
+        if self.speculator is not None:
+            self.speculator.propose(r for r, _ in updated if not r.is_finished)
         outputs = self._emit(changed)
-        self._update_stats()
+        self.stats.refresh(self.scheduler, self.kv, self.speculator)
         return outputs
 
     def _on_tokens(
@@ -390,17 +386,6 @@ class LLMEngine:
             if state.finished:
                 self._states.pop(request_id, None)
         return outputs
-
-    def _update_stats(self) -> None:
-        s = self.stats
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.prefix_cache_queries = self.kv.prefix_stats.num_queries
-        s.prefix_cache_hits = self.kv.prefix_stats.num_hits
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.kv_usage = self.kv.pool.usage()
-        if self.speculator is not None:
-            s.spec_decode = self.speculator.stats
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode_chat(messages)

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.spec_decode.speculator import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.scheduler import Scheduler
+    from engine.spec_decode.speculator import Speculator
 
 
 @dataclass
@@ -19,3 +25,16 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
+
+    def refresh(
+        self, scheduler: Scheduler, kv: KVCacheManager, speculator: Speculator | None
+    ) -> None:
+        """Read the gauges and counters the engine's parts keep (after each step)."""
+        self.num_preemptions = scheduler.num_preemptions
+        self.prefix_cache_queries = kv.prefix_stats.num_queries
+        self.prefix_cache_hits = kv.prefix_stats.num_hits
+        self.num_running = len(scheduler.running)
+        self.num_waiting = len(scheduler.waiting)
+        self.kv_usage = kv.pool.usage()
+        if speculator is not None:
+            self.spec_decode = speculator.stats

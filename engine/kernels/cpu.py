@@ -9,11 +9,15 @@ same thing; `DUET_CPU_KERNELS=0` forces them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +41,7 @@ _HEADERS = [
     os.path.join(_DIR, name)
     for name in ("attention_order.h", "cpu_ops.h", "cpu_simd.h", "paged_common.h")
 ]
+BUILD_TIMEOUT_S = 1800.0  # another process building the same kernels: wait at most this
 # float32 and bfloat16 only: the kernels' element formats.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -68,19 +73,59 @@ def build_cpu_kernels(defines: tuple[str, ...] = ()) -> Any:
         os.environ["PATH"] = (
             os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         )
-    digest = hashlib.sha1(repr(defines).encode())
+    # Keyed on the sources' directory too: torch rebuilds a name whose build arguments (the
+    # source paths) changed, so two checkouts sharing one name rebuilt it over each other,
+    # rewriting a .so that other processes had mapped (SIGBUS) and racing for its lock.
+    digest = hashlib.sha1(repr((defines, _DIR)).encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
     # -march=native code must never run on another CPU: key the build on the CPU's flags too.
     name = f"duet_cpu_kernels_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
-    return load(
-        name=name,
-        sources=_SOURCES,
-        extra_cflags=["-O3", "-march=native", "-fopenmp", *(f"-D{d}" for d in defines)],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    build_dir = _build_directory(name)
+    with _exclusive(os.path.join(build_dir, "duet-build.flock"), BUILD_TIMEOUT_S):
+        # torch's own lock file, if present now, was left by a build that was killed (we hold
+        # the only lock on this directory): torch would wait for it forever.
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by an interrupted kernel build", stale)
+            os.remove(stale)
+        return load(
+            name=name,
+            sources=_SOURCES,
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *(f"-D{d}" for d in defines)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
+            verbose=False,
+        )
+
+
+def _build_directory(name: str) -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    path = _get_build_directory(name, verbose=False)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive(path: str, timeout_s: float) -> Iterator[None]:
+    """An advisory lock across processes that the kernel releases when its holder dies (a
+    killed build cannot leave it behind). Raises TimeoutError after `timeout_s`."""
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no lock on {path} within {timeout_s:g}s") from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def kernels_for(x: torch.Tensor) -> Any | None:

@@ -12,7 +12,7 @@ nothing matches speculation decays to a probe every `max_backoff_steps` steps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -86,6 +86,13 @@ class Speculator:
             chosen, self.proposer.propose(ProposeContext(chosen, caps)), strict=True
         ):
             request.spec_token_ids = proposal.token_ids
+
+    def verified(self, proposed: Mapping[str, list[int]], sampled: Mapping[str, list[int]]) -> None:
+        """A step's verifications: each request's proposed tokens and its new tokens."""
+        for request_id, spec in proposed.items():
+            tokens = sampled.get(request_id)
+            if spec and tokens is not None:
+                self.observe(request_id, len(spec), len(tokens) - 1)
 
     def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """A verification of `num_proposed` guesses kept the first `num_accepted`."""
