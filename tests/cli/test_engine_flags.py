@@ -81,6 +81,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         "-tp", "2",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
         "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     ]  # fmt: skip
     parser, args = parse([*argv, "hi"] if command == "generate" else argv)
     expected = dict(
@@ -91,6 +92,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         tensor_parallel_size=2,
         num_threads=1, seed=7, attention_backend="torch", load_progress=False,
         hf_overrides={"rope_theta": 10000.0},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )  # fmt: skip
     assert sorted(expected) == sorted(FIELDS)  # a new field: add it here too
     assert build_config(parser, args) == EngineConfig(**expected)
@@ -134,6 +136,19 @@ def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
         (["generate", "--block-size", "x", "hi"], "--block-size: invalid int value: 'x'"),
         (["chat", "--hf-overrides", "[1]"], "--hf-overrides: must be a JSON object"),
         (["chat", "--hf-overrides", "{"], "--hf-overrides: not valid JSON"),
+        (
+            ["serve", "--speculative-config", '{"method": "ngram", "k": 3}'],
+            "--speculative-config: 'k' is not a key; known keys are method, ",
+        ),
+        (
+            [
+                "generate",
+                "--speculative-config",
+                '{"method": "ngram", "prompt_lookup_min": 0}',
+                "hi",
+            ],
+            "--speculative-config: 'prompt_lookup_min' must be an integer in [1, 1024]; got 0",
+        ),
         (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
         (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
