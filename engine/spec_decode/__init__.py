@@ -4,6 +4,7 @@ prefill chunks and decodes, and verification keeps the longest prefix the target
 with plus one token of its own (docs/speculative_decoding.md)."""
 
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposer, create_proposer
+from engine.spec_decode.factory import create_proposer
+from engine.spec_decode.proposer import Proposer
 
 __all__ = ["Proposer", "SpeculativeConfig", "create_proposer"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, register
+from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -36,6 +36,7 @@ class NgramProposer(Proposer):
     method = "ngram"
 
     def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
         self.n_min = config.prompt_lookup_min
         self.n_max = config.prompt_lookup_max
 
@@ -48,6 +49,3 @@ class NgramProposer(Proposer):
             tokens = np.asarray(request.all_token_ids, dtype=np.int64)
             out.append(Proposal(ngram_lookup(tokens, self.n_min, self.n_max, k)))
         return out
-
-
-register("ngram")(NgramProposer)

@@ -1,5 +1,5 @@
-"""`Proposer`: the interface every speculation method implements, and the factory that builds
-one by name.
+"""`Proposer`: the interface every speculation method implements (built by name in
+`engine.spec_decode.factory`).
 
 A proposer is asked, after a step, for the next tokens of the requests that just got a token
 and will decode next (`propose`). The scheduler puts those tokens into the next step's
@@ -21,7 +21,7 @@ proposer with per-request state (a draft model's KV) frees it there.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +52,9 @@ class ProposeContext:
 class Proposer(ABC):
     method: str
 
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
     @abstractmethod
     def propose(self, ctx: ProposeContext) -> list[Proposal]:
         """One proposal per request of `ctx`, in order (empty token list: no guess)."""
@@ -59,23 +62,3 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:
         """The request left the engine: drop any state kept for it (none by default)."""
         return None
-
-
-_FACTORIES: dict[str, Callable[[SpeculativeConfig], Proposer]] = {}
-
-
-def register(method: str) -> Callable[[Callable[[SpeculativeConfig], Proposer]], None]:
-    def add(factory: Callable[[SpeculativeConfig], Proposer]) -> None:
-        _FACTORIES[method] = factory
-
-    return add
-
-
-def create_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method` (modules register themselves on import)."""
-    if not _FACTORIES:
-        import engine.spec_decode.ngram  # noqa: F401  (registers "ngram")
-    factory = _FACTORIES.get(config.method)
-    if factory is None:
-        raise ValueError(f"no proposer registered for method {config.method!r}")
-    return factory(config)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import ProposeContext, create_proposer
+from engine.spec_decode.factory import create_proposer
+from engine.spec_decode.proposer import ProposeContext
 
 
 @dataclass

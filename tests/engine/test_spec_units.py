@@ -193,7 +193,7 @@ def _decoding(request_id: str, max_tokens: int = 100) -> Request:
 def test_backoff_pauses_double_and_reset_on_a_good_probe():
     config = SpeculativeConfig(num_speculative_tokens=2, max_backoff_steps=4)
     spec = Speculator(config, max_model_len=1000)
-    spec.proposer = _Fixed()
+    spec.proposer = _Fixed(config)
     r = _decoding("a")
 
     def proposes() -> bool:
@@ -217,8 +217,9 @@ def test_backoff_pauses_double_and_reset_on_a_good_probe():
 
 
 def test_proposals_are_capped_by_max_tokens_and_context():
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=5), max_model_len=8)
-    spec.proposer = _Fixed()
+    config = SpeculativeConfig(num_speculative_tokens=5)
+    spec = Speculator(config, max_model_len=8)
+    spec.proposer = _Fixed(config)
     near_max = _decoding("m", max_tokens=3)  # 0 out, so 2 guesses at most (then a bonus)
     near_context = _decoding("c")  # 3 tokens in a context of 8: 4 guesses at most
     prefilling = _decoding("p")
