@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.request_checks import Prompt, check_lengths, tokenize_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.proposer import TargetInfo
 from engine.spec_decode.speculator import Speculator
 from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
@@ -106,7 +107,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
-        self.speculator = Speculator(spec, self.max_model_len) if spec else None
+        self.speculator = Speculator(spec, self._target_info()) if spec else None
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""
         self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
@@ -127,6 +128,14 @@ class LLMEngine:
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
             self.model_name, arch.architecture, str(self.dtype).removeprefix("torch."), self.device,
             time.perf_counter() - start, self.num_blocks, config.block_size,
+        )  # fmt: skip
+
+    def _target_info(self) -> TargetInfo:
+        c = self.config
+        return TargetInfo(
+            self.arch.vocab_size, self.tokenizer, self.device, self.dtype, c.block_size,
+            self.num_blocks, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens,
+            c.attention_backend, c.tensor_parallel_size,
         )  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class SpeculativeConfig:
     refuses unknown keys and bad values with an error naming them."""
 
     method: str = "ngram"
-    """ngram (prompt lookup in the request's own tokens) or draft_model (not built yet)."""
+    """ngram (prompt lookup in the request's own tokens) or draft_model (a smaller model)."""
     num_speculative_tokens: int = 3
     """Most tokens proposed per request per step."""
     prompt_lookup_min: int = 2
@@ -52,7 +52,6 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 _fail("model", "is required with method draft_model (the draft model's path)")
-            _fail("method", "draft_model is not implemented yet; use ngram")
         elif self.model is not None:
             _fail("model", f"applies to method draft_model only; got it with {self.method!r}")
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 import importlib
 
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposer
+from engine.spec_decode.proposer import Proposer, TargetInfo
 
 _PROPOSERS: dict[str, tuple[str, str]] = {
     "ngram": ("engine.spec_decode.ngram", "NgramProposer"),
+    "draft_model": ("engine.spec_decode.draft_model", "DraftModelProposer"),
 }
 
 
-def create_proposer(config: SpeculativeConfig) -> Proposer:
+def create_proposer(config: SpeculativeConfig, target: TargetInfo) -> Proposer:
     """The proposer of `config.method`, built from `config`."""
     entry = _PROPOSERS.get(config.method)
     if entry is None:
         raise ValueError(f"no proposer for method {config.method!r}")
     module, name = entry
     proposer_cls: type[Proposer] = getattr(importlib.import_module(module), name)
-    return proposer_cls(config)
+    return proposer_cls(config, target)

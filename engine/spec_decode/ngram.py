@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer
+from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -35,8 +35,8 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
 class NgramProposer(Proposer):
     method = "ngram"
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: SpeculativeConfig, target: TargetInfo) -> None:
+        super().__init__(config, target)
         self.n_min = config.prompt_lookup_min
         self.n_max = config.prompt_lookup_max
 

@@ -28,6 +28,7 @@ import torch
 
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
+from engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -38,6 +39,23 @@ class Proposal:
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a proposer may need to know of the target engine."""
+
+    vocab_size: int
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int  # the target's KV pool (a draft's pool gets as many blocks)
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    attention_backend: str
+    tensor_parallel_size: int
 
 
 @dataclass
@@ -52,8 +70,9 @@ class ProposeContext:
 class Proposer(ABC):
     method: str
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, target: TargetInfo) -> None:
         self.config = config
+        self.target = target
 
     @abstractmethod
     def propose(self, ctx: ProposeContext) -> list[Proposal]:

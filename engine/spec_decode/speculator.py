@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from engine.request import Request
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.factory import create_proposer
-from engine.spec_decode.proposer import ProposeContext
+from engine.spec_decode.proposer import ProposeContext, TargetInfo
 
 
 @dataclass
@@ -46,10 +46,10 @@ class _Backoff:
 class Speculator:
     """Engine thread only."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, target: TargetInfo) -> None:
         self.config = config
-        self.max_model_len = max_model_len
-        self.proposer = create_proposer(config)
+        self.max_model_len = target.max_model_len
+        self.proposer = create_proposer(config, target)
         self.stats = SpecDecodeStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
         )

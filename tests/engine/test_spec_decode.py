@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.block_pool import hash_request_blocks
+from engine.errors import InvalidInputError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -111,16 +112,22 @@ def test_stops_inside_accepted_runs(tiny_llama):
     assert spec.engine.stats.spec_decode.num_accepted_tokens_per_pos[4] > 0
 
 
-def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llama):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llama, method):
     """A pool too small for the batch (preemptions), proposals rejected and accepted, two
     requests aborted mid-speculation: every block ends back in the pool, blocks never
     outgrow what a request's tokens need after a step, and the prefix cache holds only
     blocks of real sequences. Then prompts that continue those sequences hit the cache and
     generate what a fresh engine without speculation generates (no stale KV was cached)."""
-    engine = LLMEngine(_llm(tiny_llama, "float32", _ngram(5), num_kv_blocks=40,
-                            block_size=8).config)  # fmt: skip
-    kv, bs = engine.kv, 8
+    spec = _ngram(5)
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    if method == "draft_model":
+        # The target as its own (greedy) draft, sampled at temperature 0.7: guesses are both
+        # accepted and rejected.
+        spec = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3}
+        params = SamplingParams(max_tokens=48, temperature=0.7, seed=3, ignore_eos=True)
+    engine = LLMEngine(_llm(tiny_llama, "float32", spec, num_kv_blocks=40, block_size=8).config)
+    kv, bs = engine.kv, 8
     ids = [engine.add_request(p, params) for p in PROMPTS]
     sequences: dict[str, list[int]] = {}
     steps = 0
@@ -143,6 +150,10 @@ def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llam
     assert engine.scheduler.num_preemptions > 0
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     assert kv.num_free_blocks == engine.num_blocks
+    if method == "draft_model":  # the draft's pool too: every shadow released
+        assert engine.speculator is not None
+        draft_kv = engine.speculator.proposer.kv  # type: ignore[attr-defined]
+        assert draft_kv.num_free_blocks == engine.num_blocks and not draft_kv.req_to_blocks
     assert all(block.ref_cnt == 0 for block in kv.pool.blocks)
     real: set = set()
     for tokens in sequences.values():
@@ -152,15 +163,59 @@ def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llam
     cached = set(kv.pool._cached)
     assert cached and cached <= real
 
-    follow_ups = [sequences[i][: len(sequences[i]) - 3] for i in ids]
+    # Continuations of the sequences the cache holds most of, one at a time: they hit blocks
+    # of generated tokens (computed with guesses in flight) and must generate what a fresh
+    # engine generates.
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    hits_before = kv.prefix_stats.num_hits
-    again = [engine.add_request(p, params) for p in follow_ups]
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-    assert kv.prefix_stats.num_hits - hits_before > 20 * bs
     fresh = _llm(tiny_llama, "float32", num_kv_blocks=400, block_size=8)
-    assert [got[i] for i in again] == _tokens(fresh.generate(follow_ups, params))
+    prompt_len = {i: len(p) for i, p in zip(ids, PROMPTS, strict=True)}
+    for _ in range(2):
+        cached = set(kv.pool._cached)
+        leading = {}
+        for request_id, tokens in sequences.items():
+            hashes = []
+            hash_request_blocks(tokens, bs, hashes)
+            leading[request_id] = next(
+                (n for n, h in enumerate(hashes) if h not in cached), len(hashes)
+            )
+        best = max(leading, key=lambda r: leading[r])
+        prompt = sequences.pop(best)
+        expected_hits = min(leading[best], (len(prompt) - 1) // bs) * bs
+        assert expected_hits > prompt_len[best]  # blocks of generated tokens among the hits
+        hits_before = kv.prefix_stats.num_hits
+        outputs = []
+        engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert kv.prefix_stats.num_hits - hits_before == expected_hits
+        assert _tokens(outputs) == _tokens(fresh.generate([prompt], params))
+
+
+# -- draft_model ---------------------------------------------------------------------------------
+
+
+def test_greedy_with_a_draft_model_equals_greedy_without(tiny_llama, tiny_model_factory):
+    """A 1-layer draft with the target's tokenizer: same tokens as no speculation. The target
+    as its own draft: every guess accepted."""
+    draft = tiny_model_factory("llama", num_hidden_layers=1)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    reference = _tokens(_llm(tiny_llama, "float32").generate(PROMPTS, params))
+    for model, k in ((draft, 3), (tiny_llama, 4)):
+        config = {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+        llm = _llm(tiny_llama, "float32", config)
+        assert _tokens(llm.generate(PROMPTS, params)) == reference, model
+        stats = llm.engine.stats.spec_decode
+        assert stats is not None and stats.num_draft_tokens > 0
+        if model == tiny_llama:
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+        else:
+            assert stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_model_factory):
+    draft = tiny_model_factory("llama", vocab_size=600)
+    with pytest.raises(InvalidInputError) as info:
+        _llm(tiny_llama, "float32", {"method": "draft_model", "model": draft})
+    assert info.value.field == "speculative_config"
+    assert "has a vocabulary of 600 tokens" in info.value.message
+    assert "must share the target's tokenizer" in info.value.message

@@ -16,7 +16,7 @@ from engine.sampler import Sampler
 from engine.sampling_slots import SamplingSlots
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.ngram import ngram_lookup
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer
+from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
 from engine.spec_decode.speculator import Speculator
 from engine.spec_decode.verify import accept_point_mass, rejection_sample
 
@@ -61,7 +61,6 @@ def test_ngram_lookup(tokens, n_min, n_max, k, expected):
         ({"method": "ngram", "min_acceptance_rate": 1.5}, "'min_acceptance_rate' must be"),
         ({"method": "ngram", "model": "/x"}, "'model' applies to method draft_model only"),
         ({"method": "draft_model"}, "'model' is required with method draft_model"),
-        ({"method": "draft_model", "model": "/x"}, "draft_model is not implemented yet"),
         ([1], "must be a JSON object"),
     ],
 )  # fmt: skip
@@ -184,6 +183,11 @@ class _Fixed(Proposer):
         return [Proposal([1] * k) for k in ctx.max_tokens]
 
 
+def _target_info(max_model_len: int) -> TargetInfo:
+    return TargetInfo(512, None, torch.device("cpu"), torch.float32, 16, 64, max_model_len,  # type: ignore[arg-type]
+                      8, 256, "auto", 1)  # fmt: skip
+
+
 def _decoding(request_id: str, max_tokens: int = 100) -> Request:
     r = Request(request_id, [4, 5, 6], SamplingParams(), max_tokens=max_tokens)
     r.num_computed_tokens = r.num_tokens - 1
@@ -192,8 +196,8 @@ def _decoding(request_id: str, max_tokens: int = 100) -> Request:
 
 def test_backoff_pauses_double_and_reset_on_a_good_probe():
     config = SpeculativeConfig(num_speculative_tokens=2, max_backoff_steps=4)
-    spec = Speculator(config, max_model_len=1000)
-    spec.proposer = _Fixed(config)
+    spec = Speculator(config, _target_info(max_model_len=1000))
+    spec.proposer = _Fixed(config, spec.proposer.target)
     r = _decoding("a")
 
     def proposes() -> bool:
@@ -218,8 +222,8 @@ def test_backoff_pauses_double_and_reset_on_a_good_probe():
 
 def test_proposals_are_capped_by_max_tokens_and_context():
     config = SpeculativeConfig(num_speculative_tokens=5)
-    spec = Speculator(config, max_model_len=8)
-    spec.proposer = _Fixed(config)
+    spec = Speculator(config, _target_info(max_model_len=8))
+    spec.proposer = _Fixed(config, spec.proposer.target)
     near_max = _decoding("m", max_tokens=3)  # 0 out, so 2 guesses at most (then a bonus)
     near_context = _decoding("c")  # 3 tokens in a context of 8: 4 guesses at most
     prefilling = _decoding("p")
