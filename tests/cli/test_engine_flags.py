@@ -181,6 +181,16 @@ def test_disaggregated_workers_get_the_engine_flags() -> None:
     assert spec.cluster.max_num_seqs_per_decode_worker == 7
 
 
+def test_only_decode_workers_get_the_speculative_config() -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 2}'
+    parser, args = parse(["serve", "--disaggregated", "--speculative-config", config])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    decode = DecodeWorkerConfig.from_kwargs(**spec.worker_config("decode"))
+    prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
+    assert decode.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert prefill.speculative_config is None
+
+
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
