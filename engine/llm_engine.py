@@ -33,15 +33,8 @@ from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Message
 
-__all__ = [  # with the names an engine's callers use, defined beside it
-    "EngineStats",
-    "LLMEngine",
-    "PrefillDone",
-    "PrefillStream",
-    "Prompt",
-    "check_lengths",
-    "tokenize_prompt",
-]
+__all__ = ["EngineStats", "LLMEngine", "PrefillDone", "PrefillStream", "Prompt",  # re-exported
+           "check_lengths", "tokenize_prompt"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +100,12 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
-        self.speculator = Speculator(spec, self._target_info()) if spec else None
+        target = TargetInfo(
+            loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
+            self.num_blocks, self.max_model_len, config.max_num_seqs,
+            config.max_num_batched_tokens, config.attention_backend, tp.world_size,
+        )  # fmt: skip
+        self.speculator = Speculator(spec, target) if spec else None
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""
         self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
@@ -128,14 +126,6 @@ class LLMEngine:
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
             self.model_name, arch.architecture, str(self.dtype).removeprefix("torch."), self.device,
             time.perf_counter() - start, self.num_blocks, config.block_size,
-        )  # fmt: skip
-
-    def _target_info(self) -> TargetInfo:
-        c = self.config
-        return TargetInfo(
-            self.arch.vocab_size, self.tokenizer, self.device, self.dtype, c.block_size,
-            self.num_blocks, self.max_model_len, c.max_num_seqs, c.max_num_batched_tokens,
-            c.attention_backend, c.tensor_parallel_size,
         )  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
