@@ -72,7 +72,7 @@ class SamplingSlots:
         """`max_rows`: most sampling rows in one step (default one per slot; with speculation,
         a request samples one row per proposed token plus one)."""
         cpu = torch.device("cpu")
-        rows = max(num_slots, max_rows or 0)
+        rows = self._max_rows = max(num_slots, max_rows or 0)
         self.vocab_size = vocab_size
         self.device = device
         self._buffer = buffer
@@ -131,7 +131,9 @@ class SamplingSlots:
 
     def _bitmask_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bitmask_host is None or self._bitmask_dev is None:
-            shape = (len(self._seed), bitmask_words(self.vocab_size))
+            # A row per sampling row, not per slot: grammar rows share a step with the rows of
+            # speculating requests.
+            shape = (self._max_rows, bitmask_words(self.vocab_size))
             self._bitmask_host = self._buffer(shape, torch.int32, torch.device("cpu"))
             self._bitmask_dev = (
                 self._bitmask_host

@@ -219,3 +219,23 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_model_f
     assert info.value.field == "speculative_config"
     assert "has a vocabulary of 600 tokens" in info.value.message
     assert "must share the target's tokenizer" in info.value.message
+
+
+def test_grammar_requests_beside_speculating_ones(tiny_llama):
+    """A request with a grammar does not speculate, and shares steps with requests that do:
+    more sampling rows than sequence slots, the grammar's mask on its own row only."""
+    from engine.structured_output import StructuredOutputsParams
+
+    regex = r"[a-c]{2,5}-\d{1,3}"
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0,
+                       structured_outputs=StructuredOutputsParams(regex=regex)),
+    ]  # fmt: skip
+    prompts = [PROMPTS[0], PROMPTS[6]]
+    want = _llm(tiny_llama, "float32", max_num_seqs=2).generate(prompts, params)
+    llm = _llm(tiny_llama, "float32", _ngram(5), max_num_seqs=2)
+    got = llm.generate(prompts, params)
+    assert _tokens(got) == _tokens(want)
+    assert got[1].outputs[0].finish_reason == "stop"
+    assert llm.engine.stats.spec_decode.num_accepted_tokens_per_pos[4] > 0
