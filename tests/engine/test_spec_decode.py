@@ -44,9 +44,10 @@ def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_with_ngram_equals_greedy_without(tiny_llama, dtype):
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     reference = _tokens(_llm(tiny_llama, dtype).generate(PROMPTS, params))
     for k in (1, 3, 5):
         llm = _llm(tiny_llama, dtype, _ngram(k))
@@ -194,6 +195,7 @@ def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llam
 # -- draft_model ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_greedy_with_a_draft_model_equals_greedy_without(tiny_llama, tiny_model_factory):
     """A 1-layer draft with the target's tokenizer: same tokens as no speculation. The target
     as its own draft: every guess accepted."""
