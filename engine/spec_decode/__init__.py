@@ -1,4 +1,4 @@
-"""Speculative decoding: proposers (`ngram` now; `draft_model`, EAGLE and MTP heads later)
+"""Speculative decoding: proposers (`ngram`, `draft_model`; EAGLE and MTP heads later)
 guess a request's next tokens cheaply, the target model computes them in one step next to
 prefill chunks and decodes, and verification keeps the longest prefix the target agrees
 with plus one token of its own (docs/speculative_decoding.md)."""

@@ -7,8 +7,9 @@ token budget, the target model computes them next to everything else, and verifi
 the prefix it agrees with. Methods differ only in where guesses come from:
 
 - `ngram`: the request's own tokens (prompt lookup); no model, no state.
-- `draft_model` (next): a small model with its own paged KV, run `k` times per step; its
-  per-token distributions travel as `Proposal.probs` for rejection sampling.
+- `draft_model`: a small model with its own paged KV, run `k` times per step; it guesses
+  greedily (a point mass). A draft that samples would pass its distributions as
+  `Proposal.probs`, for `verify.rejection_sample`.
 - EAGLE / MTP heads (later): they need the target's hidden states of the step, which
   `ProposeContext.hidden_states` is there to carry.
 
