@@ -86,6 +86,12 @@ class Speculator:
         for request, proposal in zip(
             chosen, self.proposer.propose(ProposeContext(chosen, caps)), strict=True
         ):
+            if proposal.probs is not None:
+                # NOTE: the runner verifies point masses only; a distribution would be ignored
+                # and the output's distribution silently wrong.
+                raise NotImplementedError(
+                    f"{self.proposer.method}: proposals with a distribution are not verified yet"
+                )
             request.spec_token_ids = proposal.token_ids
 
     def verified(self, proposed: Mapping[str, list[int]], sampled: Mapping[str, list[int]]) -> None:
