@@ -176,6 +176,13 @@ class InputBatch:
                 self._num_blocks[slot] = 0
                 self._free_slots.append(slot)
 
+    def trim(self, request_id: str, num_blocks: int) -> None:
+        """The request's block table was cut to `num_blocks`: its row is rewritten from
+        there when it grows again (new blocks may have other ids than the ones given back)."""
+        slot = self._slot_of.get(request_id)
+        if slot is not None:
+            self._num_blocks[slot] = min(self._num_blocks[slot], num_blocks)
+
     def _join(self, request: Request) -> int:
         if not self._free_slots:
             raise RuntimeError(
@@ -220,8 +227,6 @@ class InputBatch:
                 slot = self._join(request)
             blocks = kv.req_to_blocks[request.request_id]
             written = self._num_blocks[slot]
-            if len(blocks) < written:  # rejected guesses gave blocks back: rewrite from there
-                written = self._num_blocks[slot] = len(blocks)
             if len(blocks) > written:  # the request grew: append its new blocks
                 for j in range(written, len(blocks)):
                     table[slot, j] = blocks[j].block_id

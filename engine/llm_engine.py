@@ -303,6 +303,7 @@ class LLMEngine:
         """Run one scheduler step and forward pass. Returns outputs of requests that changed."""
         sched = self.scheduler.schedule()
         self.runner.remove_requests(self.scheduler.take_left_running())
+        self.runner.trim_requests(self.scheduler.take_trimmed())
         if sched.empty:
             return []
         on_layer = None

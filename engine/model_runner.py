@@ -117,6 +117,12 @@ class ModelRunner:
         if request_ids:
             self.input_batch.remove(request_ids)
 
+    def trim_requests(self, num_blocks: dict[str, int]) -> None:
+        """Requests whose block tables were cut to `num_blocks[id]` blocks (see
+        `Scheduler.take_trimmed`)."""
+        for request_id, n in num_blocks.items():
+            self.input_batch.trim(request_id, n)
+
     @torch.inference_mode()
     def execute(
         self,

@@ -94,6 +94,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # FINISHED_REMOTE, blocks kept for the transfer
         self._left_running: list[str] = []  # ids that left `running` since the last take
+        self._trimmed: dict[str, int] = {}  # id -> blocks kept, after rejected guesses
         self.num_preemptions = 0
 
     @property
@@ -117,6 +118,13 @@ class Scheduler:
         last call: the model runner frees their input-batch slots."""
         left, self._left_running = self._left_running, []
         return left
+
+    def take_trimmed(self) -> dict[str, int]:
+        """Running requests whose block tables lost their tail since the last call (blocks
+        taken for rejected guesses), with how many blocks each kept: the model runner must
+        rewrite those rows from there, since the next blocks may have other ids."""
+        trimmed, self._trimmed = self._trimmed, {}
+        return trimmed
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -217,8 +225,8 @@ class Scheduler:
             self.kv.cache_blocks(request, request.num_computed_tokens)
             if status is not None:
                 self.finish_request(request, status)
-            elif spec:
-                self.kv.trim(request, request.num_tokens)
+            elif spec and self.kv.trim(request, request.num_tokens):
+                self._trimmed[request.request_id] = len(self.kv.req_to_blocks[request.request_id])
             updated.append((request, num_appended))
         return updated
 

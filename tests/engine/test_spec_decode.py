@@ -164,12 +164,18 @@ def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llam
     cached = set(kv.pool._cached)
     assert cached and cached <= real
 
+    fresh = _llm(tiny_llama, "float32", num_kv_blocks=400, block_size=8)
+    prompt_len = {i: len(p) for i, p in zip(ids, PROMPTS, strict=True)}
+    # Requests that ran to the end (preempted and recomputed or not) generated what an engine
+    # without speculation generates.
+    want = fresh.generate(PROMPTS, params)
+    for request_id, prompt, w in zip(ids, PROMPTS, want, strict=True):
+        if request_id not in (ids[1], ids[6]):
+            assert sequences[request_id] == prompt + w.outputs[0].token_ids, request_id
+
     # Continuations of the sequences the cache holds most of, one at a time: they hit blocks
     # of generated tokens (computed with guesses in flight) and must generate what a fresh
     # engine generates.
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    fresh = _llm(tiny_llama, "float32", num_kv_blocks=400, block_size=8)
-    prompt_len = {i: len(p) for i, p in zip(ids, PROMPTS, strict=True)}
     for _ in range(2):
         cached = set(kv.pool._cached)
         leading = {}
@@ -182,6 +188,7 @@ def test_pool_and_prefix_cache_after_rejections_aborts_and_preemptions(tiny_llam
         best = max(leading, key=lambda r: leading[r])
         prompt = sequences.pop(best)
         expected_hits = min(leading[best], (len(prompt) - 1) // bs) * bs
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         assert expected_hits > prompt_len[best]  # blocks of generated tokens among the hits
         hits_before = kv.prefix_stats.num_hits
         outputs = []
