@@ -138,7 +138,7 @@ def _converter(name: str, annotation: Any) -> Callable[[str], Any] | None:
         return int
     if float in base:
         return float
-    if dict in base or typing.get_origin(annotation) is dict:
+    if dict in base or any(typing.get_origin(a) is dict for a in (annotation, *base)):
         return parse_json_object
     if str in base:
         return str

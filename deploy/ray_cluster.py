@@ -81,6 +81,9 @@ class ClusterSpec:
         }
         if role == "prefill":
             config["tensor_parallel_size"] = self.prefill_tp
+            # Only decode workers speculate: a prefill-only request never decodes, and a
+            # draft model there would be loaded for nothing (and refuse prefill TP).
+            config.pop("speculative_config", None)
         return config
 
 

@@ -12,6 +12,7 @@ import torch
 from engine.device import resolve_device
 from engine.errors import InvalidInputError
 from engine.quant.config import QuantizationConfig
+from engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -81,6 +82,8 @@ class EngineConfig:
     """Quantize the LM head as well as the projections."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Values that replace fields of the model's config.json (e.g. to shrink max_position_embeddings)."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding, as vLLM spells it, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} (docs/speculative_decoding.md). None: off."""
 
     def __post_init__(self) -> None:
         self.quantization_config()  # validates the quantization fields
@@ -124,6 +127,14 @@ class EngineConfig:
                 "scheduling_policy",
                 f"must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.scheduling_policy!r}",
             )
+
+        self.speculative()  # a bad key or value names itself now, not at engine start
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed and validated (None when off)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Self:

@@ -3,7 +3,8 @@ decode worker) runs its `LLMEngine` on.
 
 The core owns:
 - the thread, and the only code that touches the `LLMEngine` after construction;
-- a closed set of typed commands (`EngineCommand`) that other threads submit;
+- a closed set of typed commands (`EngineCommand`, engine/commands.py) that other threads
+  submit;
 - for tensor parallelism, the broadcast of each iteration's commands from rank 0 to the other
   ranks, so that every rank's scheduler makes the same decisions and the collectives line up;
 - the step loop: apply commands, `role.before_step`, `engine.step()`, `role.after_step`;
@@ -26,12 +27,31 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine.commands import (
+    AbortRequest,
+    AddRequest,
+    EngineCommand,
+    ReleaseHeld,
+    ReserveRemote,
+    Stop,
+)
 from engine.device import bind_thread
 from engine.errors import InvalidInputError
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
-from engine.sampling_params import SamplingParams
+
+__all__ = [  # the commands live in engine.commands; importable from here with the core
+    "AbortRequest",
+    "AddRequest",
+    "EngineCommand",
+    "EngineCore",
+    "EngineDeadError",
+    "EngineRole",
+    "ReleaseHeld",
+    "ReserveRemote",
+    "Stop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,60 +65,6 @@ STARTUP_TIMEOUT_S = 1800.0
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; in-flight and new requests fail (retryable elsewhere)."""
-
-
-# -- commands (the closed set) --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    """Queue a prompt. `prefill_dest`: a prefill worker's request, whose KV goes to the decode
-    worker at that address after its first token (the request is `prefill_only`)."""
-
-    request_id: str
-    prompt: Prompt
-    params: SamplingParams
-    priority: int = 0
-    prefill_dest: str | None = None
-    prompt_text: str | None = None  # what `prompt`'s ids were tokenized from, if they were
-    num_replayed: int = (
-        0  # the prompt's tail that is the request's own output (a grammar replays it)
-    )
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    """Stop a request wherever it is (queued, running, transferring) and free its blocks."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class ReserveRemote:
-    """Decode side: reserve blocks for a prompt whose KV a prefill worker sends."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_wait_s: float
-    num_replayed: int = 0  # as in AddRequest
-
-
-@dataclass(frozen=True)
-class ReleaseHeld:
-    """Prefill side: free a prefilled request's held blocks; `result` is what rank 0 tells
-    the caller once they are free."""
-
-    request_id: str
-    result: Any = None
-
-
-@dataclass(frozen=True)
-class Stop:
-    """End the loop; streams still open end with `EngineDeadError`."""
-
-
-EngineCommand = AddRequest | AbortRequest | ReserveRemote | ReleaseHeld | Stop
 
 
 # -- roles ----------------------------------------------------------------------------------

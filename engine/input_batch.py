@@ -16,7 +16,7 @@ a step waits for the device (`num_host_syncs`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +58,8 @@ class StepInputs:
     query_start: np.ndarray  # [B + 1]
     slots: np.ndarray  # [B]: each request's row in the block table
     sample_rows: list[int]  # requests (indices into the step) whose last token is computed
-    logits_indices: torch.Tensor  # [N] long: their last token's row in the flat batch
+    logits_indices: torch.Tensor  # [N] long: their last token's row in the flat batch (and
+    # a speculating request's proposed tokens' rows before it)
     kernel_tables: KernelTables | None  # with `split_tables`
     host_inputs: tuple[np.ndarray, np.ndarray, np.ndarray]  # ids, positions, slot mapping
 
@@ -103,8 +104,10 @@ class InputBatch:
         vocab_size: int,
         device: torch.device,
         split_tables: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
-        """`split_tables`: also lay out each step for the C++ CPU kernels (`KernelTables`)."""
+        """`split_tables`: also lay out each step for the C++ CPU kernels (`KernelTables`).
+        `num_speculative_tokens`: most proposed tokens a request computes in one step."""
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.device = device
@@ -120,9 +123,11 @@ class InputBatch:
         self._num_blocks = [0] * s  # block ids written per row
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(s - 1, -1, -1))
-        self.sampling = SamplingSlots(s, vocab_size, device, self._buffer)
+        self.sampling = SamplingSlots(
+            s, vocab_size, device, self._buffer, max_rows=s * (1 + num_speculative_tokens)
+        )
 
-        size = 3 * t + 2 * s  # ids, positions, slot mapping, logits rows, spare
+        size = 4 * t + s  # ids, positions, slot mapping, logits rows (at most one per token)
         if split_tables:
             size += 5 * s + 2 * s * self.max_blocks
         host = self._host((size,), torch.int64)
@@ -171,6 +176,13 @@ class InputBatch:
                 self._num_blocks[slot] = 0
                 self._free_slots.append(slot)
 
+    def trim(self, request_id: str, num_blocks: int) -> None:
+        """The request's block table was cut to `num_blocks`: its row is rewritten from
+        there when it grows again (new blocks may have other ids than the ones given back)."""
+        slot = self._slot_of.get(request_id)
+        if slot is not None:
+            self._num_blocks[slot] = min(self._num_blocks[slot], num_blocks)
+
     def _join(self, request: Request) -> int:
         if not self._free_slots:
             raise RuntimeError(
@@ -185,9 +197,16 @@ class InputBatch:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def prepare(self, scheduled: Sequence[tuple[Request, int]], kv: KVCacheManager) -> StepInputs:
+    def prepare(
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        kv: KVCacheManager,
+        spec_token_ids: Mapping[str, list[int]] | None = None,
+    ) -> StepInputs:
         """Write one step's inputs (requests in the scheduler's order, each with its number of
-        new tokens) and copy them to the device."""
+        new tokens, which count its proposed tokens in `spec_token_ids`) and copy them to the
+        device. A speculating request's logits rows are its last token's and every proposed
+        token's (verification needs the target's distribution at each)."""
         bs = self.block_size
         table = self.block_table
         rows = self._token_rows
@@ -199,6 +218,7 @@ class InputBatch:
         ids, ids_dev = staging.take(num_tokens)
         positions, positions_dev = staging.take(num_tokens)
         sample_rows: list[int] = []
+        num_logits = 0
         t = 0
         query_start[0] = 0
         for i, (request, num_new) in enumerate(scheduled):
@@ -214,20 +234,27 @@ class InputBatch:
             start = request.num_computed_tokens
             end = start + num_new
             stop = t + num_new
+            spec = spec_token_ids.get(request.request_id) if spec_token_ids else None
             if num_new == 1:
                 ids[t] = request.all_token_ids[start]
                 positions[t] = start
                 rows[t] = slot
             else:
-                ids[t:stop] = request.all_token_ids[start:end]
+                if spec:
+                    ids[t : stop - len(spec)] = request.all_token_ids[start:]
+                    ids[stop - len(spec) : stop] = spec
+                    end -= len(spec)  # sampling is decided on the request's own tokens
+                else:
+                    ids[t:stop] = request.all_token_ids[start:end]
                 np.add(self._arange[:num_new], start, out=positions[t:stop])
                 rows[t:stop] = slot
             slots[i] = slot
             query_lens[i] = num_new
-            seq_lens[i] = end
+            seq_lens[i] = start + num_new
             query_start[i + 1] = stop
             if end == request.num_tokens:
                 sample_rows.append(i)
+                num_logits += 1 + (len(spec) if spec else 0)
             t = stop
 
         # slot_mapping = table[row, pos // bs] * bs + pos % bs, vectorized over the step.
@@ -241,9 +268,13 @@ class InputBatch:
         np.remainder(positions, bs, out=flat)
         np.add(slot_mapping, flat, out=slot_mapping)
 
-        logits, logits_dev = staging.take(len(sample_rows))
-        for j, i in enumerate(sample_rows):
-            logits[j] = query_start[i + 1] - 1
+        logits, logits_dev = staging.take(num_logits)
+        j = 0
+        for i in sample_rows:
+            spec = spec_token_ids.get(scheduled[i][0].request_id) if spec_token_ids else None
+            n = 1 + len(spec) if spec else 1
+            logits[j : j + n] = self._arange[:n] + (query_start[i + 1] - n)
+            j += n
         kernel_tables = self._kernel_tables(num_reqs) if self.split_tables else None
         staging.copy()
         return StepInputs(

@@ -99,6 +99,19 @@ class KVCacheManager:
         num_full = min(num_full, len(request.block_hashes), len(blocks))
         self.pool.cache_full_blocks(blocks, request.block_hashes, 0, num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past those `num_tokens` tokens need (slots a step
+        took for speculative tokens that were rejected). They hold no full computed block, so
+        none is in the prefix cache. Returns how many blocks were freed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its prefix stays cached longest."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

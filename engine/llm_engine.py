@@ -6,9 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
@@ -19,57 +17,26 @@ from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import size_kv_pool
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, resolve_attention_backend
+from engine.model_runner import ModelRunner, TokenLogprob, resolve_attention_backend
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
+from engine.prefill_handoff import PrefillDone, PrefillStream
 from engine.random import SeedSource
 from engine.request import Request, RequestStatus
+from engine.request_checks import Prompt, check_lengths, tokenize_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec_decode.proposer import TargetInfo
+from engine.spec_decode.speculator import Speculator
+from engine.stats import EngineStats
 from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Message, Tokenizer
+from engine.tokenizer import Message
+
+__all__ = ["EngineStats", "LLMEngine", "PrefillDone", "PrefillStream", "Prompt",  # re-exported
+           "check_lengths", "tokenize_prompt"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class PrefillDone:
-    """A `prefill_only` request reached its first token: what the decode side needs to go on.
-    Its blocks stay held (see `LLMEngine.release_held`)."""
-
-    request_id: str
-    block_ids: list[int]  # covering the prompt's KV, in order
-    first_token: int
-    logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
-    sample_seed: int  # keys the request's draws; the decode side continues with it
-    num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
-
-
-class PrefillStream(Protocol):
-    """Layer-wise hand-off of prefill-only requests' KV (a prefill worker sets one on its
-    engine as `LLMEngine.prefill_stream`)."""
-
-    def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
-        """Called before a forward pass with the (request id, block ids) of the prefill-only
-        requests whose prompts it completes (each reaches `take_prefilled` after the pass).
-        Returns the pass's per-layer callback (see `LlamaForCausalLM.forward`), or None."""
-        ...
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
 
 
 class LLMEngine:
@@ -121,6 +88,7 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        spec = config.speculative()
         self.runner = ModelRunner(
             loaded.model,
             self.num_blocks,
@@ -133,7 +101,15 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             deterministic=config.deterministic,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
+        target = TargetInfo(
+            loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
+            self.num_blocks, self.max_model_len, config.max_num_seqs,
+            config.max_num_batched_tokens, config.attention_backend, tp.world_size,
+        )  # fmt: skip
+        self.speculator = Speculator(spec, target) if spec else None
+        """Speculative decoding (`EngineConfig.speculative_config`), or None."""
         self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
         (docs/determinism.md): the CPU kernels and linears probed invariant at load."""
@@ -291,7 +267,7 @@ class LLMEngine:
         if self.scheduler.complete_remote(request_id, first_token) is None:
             return None
         changed: dict[str, RequestState] = {}
-        self._on_token(request, logprob, changed)
+        self._on_tokens(request, 1, [logprob] if logprob is not None else None, changed)
         return self._emit(changed)[0]
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
@@ -307,9 +283,12 @@ class LLMEngine:
         for sample in state.samples:
             self.scheduler.abort_request(sample.request.request_id)
             self._sample_of.pop(sample.request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.release(sample.request.request_id)
             if sample.finish_reason is None:
                 self.outputs.finish(sample, "abort")
-        self._update_stats()  # no step may follow: the gauges must not keep the aborted request
+        # no step may follow: the gauges must not keep the aborted request
+        self.stats.refresh(self.scheduler, self.kv, self.speculator)
         return self.outputs.make_output(state)
 
     def has_unfinished_requests(self) -> bool:
@@ -329,6 +308,7 @@ class LLMEngine:
         """Run one scheduler step and forward pass. Returns outputs of requests that changed."""
         sched = self.scheduler.schedule()
         self.runner.remove_requests(self.scheduler.take_left_running())
+        self.runner.trim_requests(self.scheduler.take_trimmed())
         if sched.empty:
             return []
         on_layer = None
@@ -343,33 +323,39 @@ class LLMEngine:
         result = self.runner.execute(sched, self.kv, on_layer)
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
+        if self.speculator is not None:
+            self.speculator.verified(sched.spec_token_ids, result.sampled)
         changed: dict[str, RequestState] = {}
-        for request in updated:
-            self._on_token(request, result.logprobs.get(request.request_id), changed)
+        for request, num_new in updated:
+            logprobs = result.logprobs.get(request.request_id)
+            self._on_tokens(request, num_new, logprobs, changed)
+        if self.speculator is not None:
+            self.speculator.propose(r for r, _ in updated if not r.is_finished)
         outputs = self._emit(changed)
-        self._update_stats()
+        self.stats.refresh(self.scheduler, self.kv, self.speculator)
         return outputs
 
-    def _on_token(
+    def _on_tokens(
         self,
         request: Request,
-        logprob: tuple[float, list[tuple[int, float]]] | None,
+        num_new: int,
+        logprobs: list[TokenLogprob] | None,
         changed: dict[str, RequestState],
     ) -> None:
-        """Fold the request's newest token into its user-facing state."""
+        """Fold the request's `num_new` newest tokens into its user-facing state; a stop
+        string ends it at the token that completed it (the tokens after are dropped)."""
         entry = self._sample_of.get(request.request_id)
         if entry is None:
             return
         state, index = entry
-        token = request.output_token_ids[-1]
-        self.stats.num_generated_tokens += 1
+        self.stats.num_generated_tokens += num_new
         if request.status == RequestStatus.FINISHED_REMOTE:
             self._prefilled.append(
                 PrefillDone(
                     request.request_id,
                     self.kv.get_block_ids(request.request_id),
-                    token,
-                    logprob,
+                    request.output_token_ids[-1],
+                    logprobs[0] if logprobs else None,
                     request.sample_seed,
                     max(0, request.num_cached_tokens),
                 )
@@ -378,14 +364,24 @@ class LLMEngine:
             self._states.pop(state.request_id, None)
             return
         sample = state.samples[index]
-        hit_stop = self.outputs.process_token(sample, token, logprob)
-        if hit_stop:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        first = request.num_output_tokens - num_new
+        hit_stop = False
+        for i in range(num_new):
+            token = request.output_token_ids[first + i]
+            logprob = logprobs[i] if logprobs is not None and i < len(logprobs) else None
+            hit_stop = self.outputs.process_token(sample, token, logprob)
+            if hit_stop:
+                self.stats.num_generated_tokens -= num_new - 1 - i
+                request.truncate_output(first + i + 1)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                break
         if request.is_finished:
             reason = "stop" if hit_stop else request.status.finish_reason
             assert reason is not None
             self.outputs.finish(sample, reason)
             self._sample_of.pop(request.request_id, None)
+            if self.speculator is not None:
+                self.speculator.release(request.request_id)
         changed[state.request_id] = state
 
     def _emit(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
@@ -396,61 +392,5 @@ class LLMEngine:
                 self._states.pop(request_id, None)
         return outputs
 
-    def _update_stats(self) -> None:
-        s = self.stats
-        s.num_preemptions = self.scheduler.num_preemptions
-        s.prefix_cache_queries = self.kv.prefix_stats.num_queries
-        s.prefix_cache_hits = self.kv.prefix_stats.num_hits
-        s.num_running = len(self.scheduler.running)
-        s.num_waiting = len(self.scheduler.waiting)
-        s.kv_usage = self.kv.pool.usage()
-
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
-
-
-def tokenize_prompt(
-    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt
-) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a prompt given as text or token ids; raises `InvalidInputError`
-    for an empty prompt or ids outside the vocabulary."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidInputError("prompt", "must not be empty")
-        return prompt, tokenizer.encode(prompt)
-    ids = list(prompt)
-    if not ids:
-        raise InvalidInputError("prompt", "must not be empty")
-    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidInputError(
-            "prompt", f"token ids must be integers in [0, {vocab_size}); got {bad!r}"
-        )
-    return None, ids
-
-
-def check_lengths(
-    num_prompt: int, params: SamplingParams, max_model_len: int, kv_capacity_tokens: int
-) -> int:
-    """A request's effective max_tokens; raises `InvalidInputError` when prompt + output
-    cannot fit the context or a KV pool of `kv_capacity_tokens`."""
-    limit = max_model_len
-    if num_prompt >= limit:
-        raise InvalidInputError(
-            "prompt",
-            f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
-        )
-    max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
-    if num_prompt + max_tokens > limit:
-        raise InvalidInputError(
-            "max_tokens",
-            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-            f"{limit}; max_tokens must be <= {limit - num_prompt}",
-        )
-    if num_prompt + max_tokens > kv_capacity_tokens:
-        raise InvalidInputError(
-            "max_tokens",
-            f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool "
-            f"({kv_capacity_tokens} tokens)",
-        )
-    return max_tokens

@@ -19,6 +19,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaForCausalLM
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.spec_decode.verify import accept_point_mass
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,13 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
     return "torch"
 
 
+TokenLogprob = tuple[float, list[tuple[int, float]]]  # (sampled token's, top [(id, logprob)])
+
+
 @dataclass
 class StepResult:
-    sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]
+    sampled: dict[str, list[int]]  # request id -> new tokens (more than one with speculation)
+    logprobs: dict[str, list[TokenLogprob]]  # one per new token, for requests that asked
 
 
 class ModelRunner:
@@ -67,8 +71,10 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         deterministic: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
-        """`enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
+        """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
+        `enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
         requests and `max_model_len` tokens (default: the model's context) where they apply:
         CUDA, the Triton backend, no tensor parallelism. Elsewhere it changes nothing.
         `deterministic`: the Triton decode kernel splits each request by its own length
@@ -102,6 +108,7 @@ class ModelRunner:
             cfg.vocab_size,
             device,
             split_tables=self.use_decode_kernel,
+            num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
         if not enforce_eager and device.type == "cuda" and self.use_triton and not model.tp.enabled:
@@ -114,6 +121,12 @@ class ModelRunner:
         if request_ids:
             self.input_batch.remove(request_ids)
 
+    def trim_requests(self, num_blocks: dict[str, int]) -> None:
+        """Requests whose block tables were cut to `num_blocks[id]` blocks (see
+        `Scheduler.take_trimmed`)."""
+        for request_id, n in num_blocks.items():
+            self.input_batch.trim(request_id, n)
+
     @torch.inference_mode()
     def execute(
         self,
@@ -123,7 +136,7 @@ class ModelRunner:
     ) -> StepResult:
         """`on_layer`: see `LlamaForCausalLM.forward` (never with a CUDA graph)."""
         batch = self.input_batch
-        step = batch.prepare(out.scheduled, kv)
+        step = batch.prepare(out.scheduled, kv, out.spec_token_ids)
         graphs = self.decode_graphs
         if (
             graphs is not None
@@ -153,13 +166,26 @@ class ModelRunner:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[step.logits_indices])  # [N, vocab]
         to_sample = [out.scheduled[i][0] for i in step.sample_rows]
-        sampling = batch.sampling.prepare(to_sample, step.slots[step.sample_rows])
+        spec = out.spec_token_ids
+        drafts = [spec.get(r.request_id, []) for r in to_sample] if spec else None
+        sampling = batch.sampling.prepare(to_sample, step.slots[step.sample_rows], drafts)
         result: SamplerOutput = self.sampler(logits, sampling, batch.to_host)
-        batch.sampling.record(sampling, result.token_tensor)
-        sampled = {r.request_id: t for r, t in zip(to_sample, result.token_ids, strict=True)}
-        logprobs = {
-            r.request_id: lp
-            for r, lp in zip(to_sample, result.logprobs, strict=True)
-            if lp is not None
-        }
+        if drafts is None:
+            batch.sampling.record(sampling, result.token_tensor)
+            sampled = {r.request_id: [t] for r, t in zip(to_sample, result.token_ids, strict=True)}
+            logprobs = {
+                r.request_id: [lp]
+                for r, lp in zip(to_sample, result.logprobs, strict=True)
+                if lp is not None
+            }
+            return StepResult(sampled, logprobs)
+        new_tokens, kept_rows = accept_point_mass(result.token_ids, drafts)
+        batch.sampling.record(sampling, result.token_tensor, kept_rows)
+        sampled, logprobs, row = {}, {}, 0
+        for r, tokens, draft in zip(to_sample, new_tokens, drafts, strict=True):
+            sampled[r.request_id] = tokens
+            if r.sampling_params.logprobs is not None:
+                lps = result.logprobs[row : row + len(tokens)]
+                logprobs[r.request_id] = [lp for lp in lps if lp is not None]
+            row += len(draft) + 1
         return StepResult(sampled, logprobs)

@@ -81,6 +81,10 @@ class Request:
         # With structured outputs: where the output stands in its grammar (every appended
         # token advances it; the sampler masks the logits with what it allows next).
         self.grammar: GrammarState | None = None
+        # Speculative decoding: tokens a proposer guessed for the next step. The scheduler
+        # takes them into a step's budget (`SchedulerOutput.spec_token_ids`); they never enter
+        # `all_token_ids` unless verification accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +107,14 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a stop string ended the
+        request inside a step's accepted tokens). Only for a request that is finishing."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[self.num_tokens - drop :]
 
     def sort_key(self) -> tuple[int, float]:
         return (self.priority, self.arrival_time)

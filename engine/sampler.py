@@ -143,6 +143,9 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     assert batch.counts is not None and batch.prompt_mask is not None
     dtype = logits.dtype
     counts = batch.counts.index_select(0, batch.slots)  # [N, V] int32: output tokens
+    if batch.draft_counts is not None:  # speculation: proposed tokens ahead of each row
+        rows, tokens = batch.draft_counts
+        counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=counts.dtype), True)
     seen = batch.prompt_mask.index_select(0, batch.slots) | (counts > 0)
     rep = batch.repetition.to(dtype)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)

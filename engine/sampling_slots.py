@@ -55,13 +55,24 @@ class SamplingBatch:
     counts: torch.Tensor | None  # [slots, V] int32 output-token counts (with penalties)
     prompt_mask: torch.Tensor | None  # [slots, V] bool: prompt tokens (with penalties)
     bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 allowed tokens (with grammars)
+    # With speculation and penalties: (rows, token ids) to count on top of the slot's counts,
+    # the proposed tokens before each row.
+    draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class SamplingSlots:
     def __init__(
-        self, num_slots: int, vocab_size: int, device: torch.device, buffer: BufferFn
+        self,
+        num_slots: int,
+        vocab_size: int,
+        device: torch.device,
+        buffer: BufferFn,
+        max_rows: int | None = None,
     ) -> None:
+        """`max_rows`: most sampling rows in one step (default one per slot; with speculation,
+        a request samples one row per proposed token plus one)."""
         cpu = torch.device("cpu")
+        rows = self._max_rows = max(num_slots, max_rows or 0)
         self.vocab_size = vocab_size
         self.device = device
         self._buffer = buffer
@@ -74,20 +85,18 @@ class SamplingSlots:
         self._repetition = np.ones(num_slots)
         self._seed = [0] * num_slots
         self._penalized = [False] * num_slots
-        self._floats_host = buffer((_NUM_FLOAT_ROWS, num_slots), torch.float64, cpu)
-        self._ints_host = buffer((_NUM_INT_ROWS, num_slots), torch.int64, cpu)
+        self._floats_host = buffer((_NUM_FLOAT_ROWS, rows), torch.float64, cpu)
+        self._ints_host = buffer((_NUM_INT_ROWS, rows), torch.int64, cpu)
         on_cpu = device.type == "cpu"
         self._floats_dev = (
-            self._floats_host
-            if on_cpu
-            else buffer((_NUM_FLOAT_ROWS, num_slots), torch.float64, device)
+            self._floats_host if on_cpu else buffer((_NUM_FLOAT_ROWS, rows), torch.float64, device)
         )
         self._ints_dev = (
-            self._ints_host if on_cpu else buffer((_NUM_INT_ROWS, num_slots), torch.int64, device)
+            self._ints_host if on_cpu else buffer((_NUM_INT_ROWS, rows), torch.int64, device)
         )
         self._floats_np = self._floats_host.numpy()
         self._ints_np = self._ints_host.numpy()
-        self._ones = buffer((num_slots,), torch.int32, device)
+        self._ones = buffer((rows,), torch.int32, device)
         self._ones.fill_(1)
         self.counts: torch.Tensor | None = None  # made when the first penalized request joins
         self.prompt_mask: torch.Tensor | None = None
@@ -122,7 +131,9 @@ class SamplingSlots:
 
     def _bitmask_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bitmask_host is None or self._bitmask_dev is None:
-            shape = (len(self._seed), bitmask_words(self.vocab_size))
+            # A row per sampling row, not per slot: grammar rows share a step with the rows of
+            # speculating requests.
+            shape = (self._max_rows, bitmask_words(self.vocab_size))
             self._bitmask_host = self._buffer(shape, torch.int32, torch.device("cpu"))
             self._bitmask_dev = (
                 self._bitmask_host
@@ -138,9 +149,33 @@ class SamplingSlots:
             self.prompt_mask = self._buffer(shape, torch.bool, self.device)
         return self.counts, self.prompt_mask
 
-    def prepare(self, requests: Sequence[Request], slots: np.ndarray) -> SamplingBatch:
+    def prepare(
+        self,
+        requests: Sequence[Request],
+        slots: np.ndarray,
+        drafts: Sequence[Sequence[int]] | None = None,
+    ) -> SamplingBatch:
         """Gather the sampling rows of `requests` (those that sample this step, in order;
-        `slots` their rows) and copy them to the device."""
+        `slots` their rows) and copy them to the device.
+
+        `drafts`: each request's proposed tokens, when some speculate. A request with d of them
+        samples d + 1 rows, the target's distribution after its last token and after each
+        proposed one: row j is drawn as the token at position `num_tokens + j` would be with
+        the proposed tokens before it taken (its uniform, min_tokens and penalty counts)."""
+        offsets: list[int] | None = None
+        draft_counts: list[tuple[int, int]] = []
+        if drafts is not None and any(drafts):
+            rows_of: list[Request] = []
+            offsets = []
+            row_slots = []
+            for request, slot, draft in zip(requests, slots, drafts, strict=True):
+                for j in range(len(draft) + 1):
+                    rows_of.append(request)
+                    offsets.append(j)
+                    row_slots.append(slot)
+                    draft_counts.extend((len(rows_of) - 1, t) for t in draft[:j])
+            requests = rows_of
+            slots = np.asarray(row_slots, dtype=np.int64)
         n = len(requests)
         idx = slots
         floats, ints = self._floats_np, self._ints_np
@@ -165,9 +200,10 @@ class SamplingSlots:
         for row, request in enumerate(requests):
             slot = int(idx[row])
             params = request.sampling_params
+            ahead = offsets[row] if offsets is not None else 0  # proposed tokens before it
             if not params.greedy:
                 all_greedy = False
-                floats[_UNIFORM, row] = uniform(self._seed[slot], request.num_tokens)
+                floats[_UNIFORM, row] = uniform(self._seed[slot], request.num_tokens + ahead)
                 ints[_GREEDY, row] = 0
             else:
                 floats[_UNIFORM, row] = 0.5
@@ -177,7 +213,7 @@ class SamplingSlots:
             if request.grammar is not None:
                 # NOTE: no min_tokens mask here: the grammar alone says when EOS may come.
                 grammars.append((row, request.grammar))
-            elif request.num_output_tokens < params.min_tokens:
+            elif request.num_output_tokens + ahead < params.min_tokens:
                 stops = [*params.stop_token_ids]
                 if not params.ignore_eos:
                     stops.extend(request.eos_token_ids)
@@ -222,7 +258,15 @@ class SamplingSlots:
             counts=self.counts if any_penalties else None,
             prompt_mask=self.prompt_mask if any_penalties else None,
             bitmask=bitmask,
+            draft_counts=self._draft_counts(draft_counts)
+            if any_penalties and draft_counts
+            else None,
         )
+
+    def _draft_counts(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.tensor([r for r, _ in pairs], dtype=torch.long, device=self.device)
+        tokens = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
+        return rows, tokens.clamp(max=self.vocab_size - 1)
 
     def _fill_bitmask(self, n: int, grammars: list[tuple[int, GrammarState]]) -> torch.Tensor:
         """Each grammar row's allowed tokens (every token for the other rows), copied to the
@@ -236,9 +280,19 @@ class SamplingSlots:
             dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]
 
-    def record(self, batch: SamplingBatch, token_ids: torch.Tensor) -> None:
-        """Count this step's sampled tokens (on the device, no sync) for later penalties."""
-        if self.counts is not None:
+    def record(
+        self, batch: SamplingBatch, token_ids: torch.Tensor, rows: list[int] | None = None
+    ) -> None:
+        """Count this step's sampled tokens (on the device, no sync) for later penalties.
+        `rows`: only these rows' tokens (with speculation: the tokens verification kept)."""
+        if self.counts is None:
+            return
+        if rows is None:
             self.counts.index_put_(
                 (batch.slots, token_ids), self._ones[: batch.num_rows], accumulate=True
+            )
+        elif rows:
+            keep = torch.tensor(rows, dtype=torch.long, device=token_ids.device)
+            self.counts.index_put_(
+                (batch.slots[keep], token_ids[keep]), self._ones[: len(rows)], accumulate=True
             )

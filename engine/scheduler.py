@@ -37,6 +37,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, num_new_tokens)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Proposed tokens scheduled after each speculating request's last token (they are part of
+    # its `num_new_tokens`).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -91,6 +94,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # FINISHED_REMOTE, blocks kept for the transfer
         self._left_running: list[str] = []  # ids that left `running` since the last take
+        self._trimmed: dict[str, int] = {}  # id -> blocks kept, after rejected guesses
         self.num_preemptions = 0
 
     @property
@@ -115,6 +119,13 @@ class Scheduler:
         left, self._left_running = self._left_running, []
         return left
 
+    def take_trimmed(self) -> dict[str, int]:
+        """Running requests whose block tables lost their tail since the last call (blocks
+        taken for rejected guesses), with how many blocks each kept: the model runner must
+        rewrite those rows from there, since the next blocks may have other ids."""
+        trimmed, self._trimmed = self._trimmed, {}
+        return trimmed
+
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.push(request)
@@ -127,10 +138,22 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Proposed tokens are tokens to compute like any other, within the budget; only
+            # a request about to decode speculates.
+            spec, request.spec_token_ids = request.spec_token_ids, []
+            if num_new == 1 and budget > 1:
+                spec = spec[: budget - 1]
+                num_new += len(spec)
+            else:
+                spec = []
             if num_new <= 0:
                 i += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
+                if spec:  # drop the guesses before preempting anyone for them
+                    num_new -= len(spec)
+                    spec = []
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1  # an already-scheduled request left the list before us
@@ -140,6 +163,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; running[i] is now the next request
             out.scheduled.append((request, num_new))
+            if spec:
+                out.spec_token_ids[request.request_id] = spec
             budget -= num_new
             i += 1
 
@@ -164,20 +189,45 @@ class Scheduler:
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, int]]:
         """Advance computed counts, append sampled tokens, finish what stopped.
-        Returns the requests that got a new token (finished ones included)."""
+
+        `sampled`: each request's new tokens: one, or with speculation the accepted proposed
+        tokens plus the target's own next one. A proposed token that was rejected leaves
+        `num_computed_tokens` behind its KV slot (recomputed next step) and the blocks taken
+        only for such tokens go back to the pool; tokens past a stop are dropped.
+        Returns (request, number of tokens appended) for requests that got any."""
         updated = []
         for request, num_new in out.scheduled:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
+            tokens = sampled.get(request.request_id)
+            if tokens is None:  # a prefill chunk short of the end: nothing sampled yet
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+                continue
+            spec = out.spec_token_ids.get(request.request_id)
+            if spec:
+                # Accepted guesses' KV is valid; the first rejected one's and after are not.
+                request.num_computed_tokens -= len(spec) + 1 - len(tokens)
+            status = None
+            num_appended = 0
+            for token in tokens:
+                request.append_output_token(token)
+                num_appended += 1
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            # NOTE: cached after appending (accepted tokens are now in `all_token_ids`) and
+            # never past `num_computed_tokens`: a rejected guess never reaches the cache.
             self.kv.cache_blocks(request, request.num_computed_tokens)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue  # a prefill chunk short of the end: nothing sampled yet
-            self._append_token(request, token)
-            updated.append(request)
+            if status is not None:
+                self.finish_request(request, status)
+            elif spec and self.kv.trim(request, request.num_tokens):
+                self._trimmed[request.request_id] = len(self.kv.req_to_blocks[request.request_id])
+            updated.append((request, num_appended))
         return updated
 
     def _append_token(self, request: Request, token: int) -> None:
@@ -296,6 +346,8 @@ class Scheduler:
                 del out.scheduled[j]
                 refund = num_new
                 break
+        out.spec_token_ids.pop(victim.request_id, None)
+        victim.spec_token_ids = []
         self.running.remove(victim)
         self._left_running.append(victim.request_id)
         self.kv.free(victim)

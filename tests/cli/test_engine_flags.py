@@ -83,6 +83,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
         "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
         "--quantize-lm-head",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     ]  # fmt: skip
     parser, args = parse([*argv, "hi"] if command == "generate" else argv)
     expected = dict(
@@ -94,6 +95,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         num_threads=1, seed=7, attention_backend="torch", load_progress=False,
         hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
         quantization_symmetric=True, quantize_lm_head=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )  # fmt: skip
     assert sorted(expected) == sorted(FIELDS)  # a new field: add it here too
     assert build_config(parser, args) == EngineConfig(**expected)
@@ -137,6 +139,19 @@ def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
         (["generate", "--block-size", "x", "hi"], "--block-size: invalid int value: 'x'"),
         (["chat", "--hf-overrides", "[1]"], "--hf-overrides: must be a JSON object"),
         (["chat", "--hf-overrides", "{"], "--hf-overrides: not valid JSON"),
+        (
+            ["serve", "--speculative-config", '{"method": "ngram", "k": 3}'],
+            "--speculative-config: 'k' is not a key; known keys are method, ",
+        ),
+        (
+            [
+                "generate",
+                "--speculative-config",
+                '{"method": "ngram", "prompt_lookup_min": 0}',
+                "hi",
+            ],
+            "--speculative-config: 'prompt_lookup_min' must be an integer in [1, 1024]; got 0",
+        ),
         (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
         (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
@@ -167,6 +182,16 @@ def test_disaggregated_workers_get_the_engine_flags() -> None:
         assert config.load_progress is False  # workers load quietly unless asked
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
     assert spec.cluster.max_num_seqs_per_decode_worker == 7
+
+
+def test_only_decode_workers_get_the_speculative_config() -> None:
+    config = '{"method": "ngram", "num_speculative_tokens": 2}'
+    parser, args = parse(["serve", "--disaggregated", "--speculative-config", config])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    decode = DecodeWorkerConfig.from_kwargs(**spec.worker_config("decode"))
+    prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
+    assert decode.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert prefill.speculative_config is None
 
 
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(

@@ -22,7 +22,7 @@ def test_token_budget_chunks_prefill_and_mixes_decodes(tiny_llama):
     first = engine.scheduler.schedule()
     assert [(r.request_id, n) for r, n in first.scheduled] == [("short", 5), ("long", 11)]
     engine.runner.execute(first, engine.kv)
-    engine.scheduler.update_from_output(first, {"short": 3})
+    engine.scheduler.update_from_output(first, {"short": [3]})
     second = engine.scheduler.schedule()
     # The short request decodes one token; the long one continues its prefill in the rest.
     assert [(r.request_id, n) for r, n in second.scheduled] == [("short", 1), ("long", 15)]

@@ -1,0 +1,60 @@
+"""Checks every entry point applies to a prompt before it becomes a request: tokenizing and
+validating the ids (`tokenize_prompt`), fitting prompt + output in the context and the KV pool
+(`check_lengths`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.errors import InvalidInputError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+def tokenize_prompt(
+    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt
+) -> tuple[str | None, list[int]]:
+    """(text, token ids) of a prompt given as text or token ids; raises `InvalidInputError`
+    for an empty prompt or ids outside the vocabulary."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidInputError("prompt", "must not be empty")
+        return prompt, tokenizer.encode(prompt)
+    ids = list(prompt)
+    if not ids:
+        raise InvalidInputError("prompt", "must not be empty")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidInputError(
+            "prompt", f"token ids must be integers in [0, {vocab_size}); got {bad!r}"
+        )
+    return None, ids
+
+
+def check_lengths(
+    num_prompt: int, params: SamplingParams, max_model_len: int, kv_capacity_tokens: int
+) -> int:
+    """A request's effective max_tokens; raises `InvalidInputError` when prompt + output
+    cannot fit the context or a KV pool of `kv_capacity_tokens`."""
+    limit = max_model_len
+    if num_prompt >= limit:
+        raise InvalidInputError(
+            "prompt",
+            f"has {num_prompt} tokens; the model's context is {limit}, so at most {limit - 1}",
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+    if num_prompt + max_tokens > limit:
+        raise InvalidInputError(
+            "max_tokens",
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{limit}; max_tokens must be <= {limit - num_prompt}",
+        )
+    if num_prompt + max_tokens > kv_capacity_tokens:
+        raise InvalidInputError(
+            "max_tokens",
+            f"prompt + max_tokens ({num_prompt + max_tokens}) exceeds the KV pool "
+            f"({kv_capacity_tokens} tokens)",
+        )
+    return max_tokens

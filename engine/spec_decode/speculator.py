@@ -1,0 +1,135 @@
+"""`Speculator`: the engine's side of speculative decoding. After each step it asks the
+proposer for the next tokens of the requests that will decode (each capped so no guess runs
+past `max_tokens` or the context), backs off per request while guesses keep failing, and
+counts what was proposed and accepted (`SpecDecodeStats`, exported by `/metrics`).
+
+Adaptive back-off: a request whose moving acceptance rate (accepted / proposed, halved weight
+per verification) drops below `min_acceptance_rate` proposes nothing for a pause of 1, 2, 4,
+... up to `max_backoff_steps` decode steps, then probes once; a probe that pays resets the
+pause. A guess that fails costs a verification row per proposed token, so on a workload where
+nothing matches speculation decays to a probe every `max_backoff_steps` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.factory import create_proposer
+from engine.spec_decode.proposer import ProposeContext, TargetInfo
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the engine started (vLLM's `spec_decode_*`)."""
+
+    num_drafts: int = 0  # verifications: request-steps that computed at least one guess
+    num_draft_tokens: int = 0  # proposed tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]
+    num_backoffs: int = 0  # times a request paused its speculation
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass
+class _Backoff:
+    rate: float | None = None  # moving acceptance rate
+    pause: int = 0  # length of the current (or last) pause, steps
+    skip: int = 0  # steps left in the pause
+
+
+class Speculator:
+    """Engine thread only."""
+
+    def __init__(self, config: SpeculativeConfig, target: TargetInfo) -> None:
+        self.config = config
+        self.max_model_len = target.max_model_len
+        self.proposer = create_proposer(config, target)
+        self.stats = SpecDecodeStats(
+            num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens
+        )
+        self._backoff: dict[str, _Backoff] = {}
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Set `spec_token_ids` of the requests that decode next (running, one token to
+        compute), for the scheduler's next step."""
+        chosen: list[Request] = []
+        caps: list[int] = []
+        k = self.config.num_speculative_tokens
+        for request in requests:
+            request.spec_token_ids = []
+            if (
+                request.is_finished
+                or request.prefill_only
+                or request.grammar is not None  # NOTE: a grammar would have to vet each guess
+                or request.num_tokens - request.num_computed_tokens != 1
+            ):
+                continue
+            # A step turns k guesses into up to k + 1 tokens: stop short of max_tokens and
+            # keep every guessed position inside the context.
+            cap = min(
+                k,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            if cap <= 0 or self._paused(request.request_id):
+                continue
+            chosen.append(request)
+            caps.append(cap)
+        if not chosen:
+            return
+        for request, proposal in zip(
+            chosen, self.proposer.propose(ProposeContext(chosen, caps)), strict=True
+        ):
+            if proposal.probs is not None:
+                # NOTE: the runner verifies point masses only; a distribution would be ignored
+                # and the output's distribution silently wrong.
+                raise NotImplementedError(
+                    f"{self.proposer.method}: proposals with a distribution are not verified yet"
+                )
+            request.spec_token_ids = proposal.token_ids
+
+    def verified(self, proposed: Mapping[str, list[int]], sampled: Mapping[str, list[int]]) -> None:
+        """A step's verifications: each request's proposed tokens and its new tokens."""
+        for request_id, spec in proposed.items():
+            tokens = sampled.get(request_id)
+            if spec and tokens is not None:
+                self.observe(request_id, len(spec), len(tokens) - 1)
+
+    def observe(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verification of `num_proposed` guesses kept the first `num_accepted`."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_proposed
+        s.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            s.num_accepted_tokens_per_pos[pos] += 1
+        if not self.config.adaptive:
+            return
+        state = self._backoff.setdefault(request_id, _Backoff())
+        rate = num_accepted / num_proposed
+        state.rate = rate if state.rate is None else (state.rate + rate) / 2
+        if state.rate < self.config.min_acceptance_rate:
+            state.pause = min(self.config.max_backoff_steps, max(1, 2 * state.pause))
+            state.skip = state.pause
+            state.rate = None  # the probe after the pause decides afresh
+            s.num_backoffs += 1
+        else:
+            state.pause = 0
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine."""
+        self._backoff.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def _paused(self, request_id: str) -> bool:
+        state = self._backoff.get(request_id)
+        if state is None or state.skip <= 0:
+            return False
+        state.skip -= 1
+        return True
