@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from collections import Counter
 
 import grpc
 import pytest
@@ -73,8 +75,10 @@ def test_one_message_per_step_for_all_requests(worker, tiny_llama, monkeypatch):
     steps: list[list[str]] = []  # per engine step: the requests it produced output for
     batches: list[list[str]] = []  # per message sent: the requests it carried
     real_step = worker.engine.step
+    all_added = threading.Event()
 
     def step():
+        all_added.wait(30)  # the first step waits for every request: they share the steps
         outputs = real_step()
         if outputs:
             steps.append([o.request_id for o in outputs])
@@ -97,20 +101,27 @@ def test_one_message_per_step_for_all_requests(worker, tiny_llama, monkeypatch):
         streams = [
             await client.generate(f"r{i}", p, params, timeout_s=60) for i, p in enumerate(prompts)
         ]
+        all_added.set()
         return await asyncio.gather(*(drain(s) for s in streams))
 
     tokens = run(worker, scenario)
     expected = LLM(tiny_llama, **ENGINE).generate(prompts, params)
     assert tokens == [o.outputs[0].token_ids for o in expected]
-    # Every message is whole consecutive steps: never a step split over two messages.
+    # Every message is whole consecutive steps (in any order within a step): never a step
+    # split over two messages.
     assert len(batches) <= len(steps)
+    i = 0
+    for batch in batches:
+        want, got = Counter(batch), Counter[str]()
+        while got != want:
+            assert i < len(steps), (steps, batches)
+            got += Counter(steps[i])
+            i += 1
+            assert all(got[r] <= want[r] for r in got), (steps, batches)
+    assert i == len(steps)
     flat_steps = [rid for s in steps for rid in s]
-    assert [rid for b in batches for rid in b] == flat_steps
-    boundaries = {sum(map(len, steps[: i + 1])) for i in range(len(steps))}
-    ends = [sum(map(len, batches[: i + 1])) for i in range(len(batches))]
-    assert all(end in boundaries for end in ends), (steps, batches)
     assert len(flat_steps) >= 8 * 12  # 12 tokens each, one per step once decoding
-    assert len(batches) <= 12 + 8  # far fewer messages than the 96+ deltas
+    assert len(steps) <= 14  # the requests shared their steps: far fewer than the 96+ deltas
 
 
 def test_cancel_aborts_on_the_worker_and_frees_its_blocks(worker):
