@@ -15,11 +15,13 @@ from router.errors import OverloadedError
 @pytest.mark.parametrize(
     ("num_interactive", "num_batch", "free"),
     [
-        (0, 0, 4),  # at most half of 8 slots run batch lines
+        (0, 0, 4),  # idle: at most half of 8 slots run batch lines
         (0, 3, 1),
         (0, 4, 0),
-        (3, 0, 3),  # 8 - 2 reserved - 3 interactive
-        (5, 0, 1),
+        (3, 0, 1),  # interactive requests running: an eighth (at least one)
+        (1, 1, 0),
+        (1, 3, 0),  # lines started while idle run on; no new one until under the share
+        (5, 0, 1),  # 8 - 2 reserved - 5 interactive
         (6, 0, 0),  # interactive traffic fills all but the reserve: no new line
         (5, 1, 0),
     ],
@@ -36,6 +38,8 @@ def test_bad_priorities_are_named() -> None:
         BatchPriority(max_fraction=0)
     with pytest.raises(ValueError, match="reserved_fraction"):
         BatchPriority(reserved_fraction=1)
+    with pytest.raises(ValueError, match="shared_fraction"):
+        BatchPriority(shared_fraction=0)
 
 
 def test_an_overloaded_admission_is_waited_out_then_given_up() -> None:
