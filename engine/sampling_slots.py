@@ -163,12 +163,15 @@ class SamplingSlots:
         proposed one: row j is drawn as the token at position `num_tokens + j` would be with
         the proposed tokens before it taken (its uniform, min_tokens and penalty counts)."""
         offsets: list[int] | None = None
+        drafts_of: dict[int, Sequence[int]] | None = None  # first row -> proposed tokens
         draft_counts: list[tuple[int, int]] = []
         if drafts is not None and any(drafts):
             rows_of: list[Request] = []
             offsets = []
             row_slots = []
+            drafts_of = {}
             for request, slot, draft in zip(requests, slots, drafts, strict=True):
+                drafts_of[len(rows_of)] = draft
                 for j in range(len(draft) + 1):
                     rows_of.append(request)
                     offsets.append(j)
@@ -196,7 +199,7 @@ class SamplingSlots:
         stop_masks: list[tuple[int, list[int]]] = []
         logprob_ks: list[int] = []
         logprob_rows: list[int] = []
-        grammars: list[tuple[int, GrammarState]] = []
+        grammars: list[tuple[int, GrammarState, Sequence[int]]] = []
         for row, request in enumerate(requests):
             slot = int(idx[row])
             params = request.sampling_params
@@ -212,7 +215,9 @@ class SamplingSlots:
             any_penalties = any_penalties or self._penalized[slot]
             if request.grammar is not None:
                 # NOTE: no min_tokens mask here: the grammar alone says when EOS may come.
-                grammars.append((row, request.grammar))
+                if not ahead:  # its rows after proposed tokens are filled with this one
+                    draft = drafts_of[row] if drafts_of is not None else ()
+                    grammars.append((row, request.grammar, draft))
             elif request.num_output_tokens + ahead < params.min_tokens:
                 stops = [*params.stop_token_ids]
                 if not params.ignore_eos:
@@ -268,14 +273,17 @@ class SamplingSlots:
         tokens = torch.tensor([t for _, t in pairs], dtype=torch.long, device=self.device)
         return rows, tokens.clamp(max=self.vocab_size - 1)
 
-    def _fill_bitmask(self, n: int, grammars: list[tuple[int, GrammarState]]) -> torch.Tensor:
-        """Each grammar row's allowed tokens (every token for the other rows), copied to the
-        device without waiting. On a GPU this host work overlaps the forward pass, which was
-        launched before `prepare`."""
+    def _fill_bitmask(
+        self, n: int, grammars: list[tuple[int, GrammarState, Sequence[int]]]
+    ) -> torch.Tensor:
+        """Each grammar row's allowed tokens (every token for the other rows; a speculating
+        request's rows after each proposed token from its grammar with those tokens taken),
+        copied to the device without waiting. On a GPU this host work overlaps the forward
+        pass, which was launched before `prepare`."""
         host, dev = self._bitmask_buffers()
         host[:n].fill_(-1)
-        for row, grammar in grammars:
-            grammar.fill_bitmask(host, row)
+        for row, grammar, draft in grammars:
+            grammar.fill_bitmask(host, row, draft)
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]

@@ -299,9 +299,39 @@ class GrammarState:
         """The grammar is complete and its stop token was taken: the sequence ends here."""
         return bool(self._matcher.is_terminated())
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (int32, one bit per token)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft: Sequence[int] = ()) -> None:
+        """Write the allowed next tokens into `bitmask[row]` (int32, one bit per token) and,
+        for a speculating sequence, into `bitmask[row + j + 1]` the tokens allowed after
+        `draft[: j + 1]` (every proposed token must have passed `valid_prefix`). The state is
+        unchanged afterwards."""
+        matcher = self._matcher
+        matcher.fill_next_token_bitmask(bitmask, row)
+        for j, token in enumerate(draft):
+            if not matcher.accept_token(token):
+                matcher.rollback(j)
+                raise ValueError(f"proposed token {token} is outside the grammar")
+            matcher.fill_next_token_bitmask(bitmask, row + j + 1)
+        if draft:
+            matcher.rollback(len(draft))
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar allows from here, stopping before a token
+        that would end it (a guess past the end could not be verified against a mask). The
+        state is unchanged afterwards."""
+        matcher = self._matcher
+        if matcher.is_terminated():
+            return 0
+        n = 0
+        for token in tokens:
+            if not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return n
 
 
 def bitmask_words(vocab_size: int) -> int:

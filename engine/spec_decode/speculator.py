@@ -66,7 +66,6 @@ class Speculator:
             if (
                 request.is_finished
                 or request.prefill_only
-                or request.grammar is not None  # NOTE: a grammar would have to vet each guess
                 or request.num_tokens - request.num_computed_tokens != 1
             ):
                 continue
@@ -92,7 +91,10 @@ class Speculator:
                 raise NotImplementedError(
                     f"{self.proposer.method}: proposals with a distribution are not verified yet"
                 )
-            request.spec_token_ids = proposal.token_ids
+            tokens = proposal.token_ids
+            if request.grammar is not None:  # structured outputs: only guesses it allows
+                tokens = tokens[: request.grammar.valid_prefix(tokens)]
+            request.spec_token_ids = tokens
 
     def verified(self, proposed: Mapping[str, list[int]], sampled: Mapping[str, list[int]]) -> None:
         """A step's verifications: each request's proposed tokens and its new tokens."""

@@ -230,21 +230,35 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_model_f
     assert "must share the target's tokenizer" in info.value.message
 
 
-def test_grammar_requests_beside_speculating_ones(tiny_llama):
-    """A request with a grammar does not speculate, and shares steps with requests that do:
-    more sampling rows than sequence slots, the grammar's mask on its own row only."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grammar_requests_speculate_with_vetted_guesses(tiny_llama, dtype):
+    """Requests with a grammar speculate too: each guess is cut at the first token the
+    grammar refuses, and each verification row is masked by the grammar after the guesses
+    before it. Same tokens as without speculation, a plain request beside them (more
+    sampling rows than sequence slots), guesses accepted, and the grammar's output valid."""
+    import re
+
     from engine.structured_output import StructuredOutputsParams
 
     regex = r"[a-c]{2,5}-\d{1,3}"
+    repeat = r"(ab|ba|c){8,30}"
     params = [
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=40, temperature=0,
                        structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(max_tokens=40, temperature=0,
+                       structured_outputs=StructuredOutputsParams(regex=repeat)),
     ]  # fmt: skip
-    prompts = [PROMPTS[0], PROMPTS[6]]
-    want = _llm(tiny_llama, "float32", max_num_seqs=2).generate(prompts, params)
-    llm = _llm(tiny_llama, "float32", _ngram(5), max_num_seqs=2)
+    prompts = [PROMPTS[0], PROMPTS[6], PROMPTS[3]]
+    want = _llm(tiny_llama, dtype, max_num_seqs=3).generate(prompts, params)
+    llm = _llm(tiny_llama, dtype, _ngram(5), max_num_seqs=3)
     got = llm.generate(prompts, params)
     assert _tokens(got) == _tokens(want)
     assert got[1].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(regex, got[1].outputs[0].text)
+    assert re.fullmatch(repeat, got[2].outputs[0].text)
     assert llm.engine.stats.spec_decode.num_accepted_tokens_per_pos[4] > 0
+    # The grammar requests alone: their own guesses are verified and accepted.
+    alone = _llm(tiny_llama, dtype, _ngram(3), max_num_seqs=2)
+    assert _tokens(alone.generate(prompts[1:], params[1:])) == _tokens(want[1:])
+    assert alone.engine.stats.spec_decode.num_accepted_tokens > 0

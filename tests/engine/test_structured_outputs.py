@@ -238,3 +238,36 @@ def test_the_grammar_applies_after_the_thinking_ends(llm: LLM, reasoning: str, t
     # Without the reasoning field the same thinking text is refused by the grammar.
     with pytest.raises(InvalidInputError):
         compiler.new_state(so(regex="[0-9]{2}"), thinking, len(thinking))
+
+
+def test_proposed_tokens_are_vetted_and_masked_without_moving_the_state(llm: LLM) -> None:
+    """Speculation: `valid_prefix` keeps the guesses the grammar allows (never one that ends
+    it), and `fill_bitmask` with a draft writes, row by row, exactly the masks of a state that
+    took each guess in turn; the state itself is where it was."""
+    from engine.structured_output import bitmask_words
+
+    compiler = llm.engine.grammar_compiler
+    tok = llm.tokenizer
+    spec = so(regex="xxx(yyy|zzz)")
+    ids = [tok.encode(c, add_special_tokens=False)[0] for c in "xyzq"]
+    x, y, z, q = ids
+    eos = min(llm.engine.tokenizer.eos_token_ids)
+    state = compiler.new_state(spec)
+    assert state.valid_prefix([x, x, q, x]) == 2
+    assert state.valid_prefix([x, x, x, z, z, z, eos]) == 6  # the EOS would end the grammar
+    assert state.valid_prefix([y]) == 0
+    draft = [x, x, x, z]
+    words = bitmask_words(512)
+    got = torch.zeros((len(draft) + 1, words), dtype=torch.int32)
+    state.fill_bitmask(got, 0, draft)
+    want = torch.zeros_like(got)
+    walker = compiler.new_state(spec)
+    for row in range(len(draft) + 1):
+        walker.fill_bitmask(want, row)
+        if row < len(draft):
+            assert walker.accept(draft[row])
+    assert torch.equal(got, want)
+    assert not torch.equal(got[3], got[4])  # after "xxx" and after "xxxz": different masks
+    # Untouched: the state still starts at the beginning.
+    assert state.valid_prefix([x, x, x, y, y, y]) == 6
+    assert state.accept(x) and not state.rejected
