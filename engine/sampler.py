@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from engine.kernels.cpu import load_cpu_kernels
 from engine.sampling_slots import SamplingBatch
 from engine.structured_output import apply_bitmask
 
@@ -51,11 +53,7 @@ class Sampler:
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
-            probs = _probs(logits, batch)
-            cdf = probs.double().cumsum(dim=-1)  # fp64: u * total never rounds up to total
-            target = batch.uniform * cdf[:, -1]
-            token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
-            token_ids.clamp_(max=logits.shape[-1] - 1)
+            token_ids = _draw(_probs(logits, batch), batch.uniform)
             if batch.any_greedy:
                 assert batch.greedy is not None
                 token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
@@ -83,6 +81,25 @@ class Sampler:
             top = [(int(top_ids[base + m]), top_values[base + m]) for m in range(row_k)]
             out_logprobs[row] = (host[n + j], top)
         return SamplerOutput(tokens, out_logprobs, token_ids)
+
+
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF per row: the first token whose cumulative probability (fp64, so u * total
+    never rounds up to the total) exceeds `uniform` [N] times the row's total."""
+    kernels = _kernels(probs)
+    if kernels is not None:  # the same sums without a [N, V] fp64 tensor
+        return kernels.sample_inverse_cdf(probs, uniform.float().contiguous())
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniform * cdf[:, -1]
+    token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def _kernels(probs: torch.Tensor) -> Any | None:
+    """The CPU kernel module for fp32 CPU probabilities, else None (the torch path)."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        return None
+    return load_cpu_kernels()
 
 
 def _probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -113,12 +130,16 @@ _TOP_P_CANDIDATES = 512
 
 def _top_p(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `p` [N, 1] (the top
-    token always stays): every token at least as likely as the last one that set needs."""
+    token always stays): every token at least as likely as the last one that set needs. A
+    row with p >= 1 keeps every token, whatever the rounding of its sum."""
+    kernels = _kernels(probs)
+    if kernels is not None:  # the same threshold, selecting only as far as the set reaches
+        threshold = kernels.top_p_threshold(probs, p[:, 0].float().contiguous())
+        return probs.masked_fill(probs < threshold, 0.0)
     vocab = probs.shape[-1]
     if probs.device.type != "cpu" or vocab <= _TOP_P_CANDIDATES:
-        return probs.masked_fill(
-            probs < _threshold(probs.sort(dim=-1, descending=True).values, p), 0.0
-        )
+        ordered = probs.sort(dim=-1, descending=True).values
+        return probs.masked_fill(probs < _threshold(ordered, p), 0.0)
     # NOTE: reading `beyond` on the host is no device sync here (CPU); on a GPU the sort is
     # cheap and taken unconditionally, which keeps the step free of syncs.
     candidates = probs.topk(_TOP_P_CANDIDATES, dim=-1).values
@@ -134,7 +155,7 @@ def _threshold(ordered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The probability of the last token the top-p set needs, from probabilities in
     descending order (the largest `ordered.shape[-1]`)."""
     num_keep = ((ordered.cumsum(dim=-1) - ordered) < p).sum(dim=-1, keepdim=True)
-    return ordered.gather(-1, num_keep.clamp(min=1) - 1)
+    return ordered.gather(-1, num_keep.clamp(min=1) - 1).masked_fill(p >= 1.0, 0.0)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:

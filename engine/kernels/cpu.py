@@ -1,7 +1,7 @@
 """CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
 paged decode and prefill attention (paged_decode_cpu.cpp, paged_prefill_cpu.cpp), the Llama block's elementwise ops
-(elementwise_cpu.cpp) and row copies by index for moving KV blocks (copy_cpu.cpp), bound in
-cpu_module.cpp.
+(elementwise_cpu.cpp), row copies by index for moving KV blocks (copy_cpu.cpp) and the
+sampler's top-p threshold and inverse-CDF draw (sampling_cpu.cpp), bound in cpu_module.cpp.
 
 When the build is impossible (no compiler) the engine keeps the torch paths, which compute the
 same thing; `DUET_CPU_KERNELS=0` forces them.
@@ -35,6 +35,7 @@ _SOURCES = [
         "paged_prefill_cpu.cpp",
         "elementwise_cpu.cpp",
         "copy_cpu.cpp",
+        "sampling_cpu.cpp",
     )
 ]
 _HEADERS = [

@@ -46,5 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotate query [T, H, D] and key [T, Hkv, D] in place (rotate-half layout)");
   m.def("copy_rows", &duet::copy_rows,
         "dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors with contiguous rows (memcpy each)");
+  m.def("top_p_threshold", &duet::top_p_threshold,
+        "Per row of probs [rows, vocab] float32: the probability of the last token its top-p "
+        "set needs ([rows, 1]; 0 where top_p >= 1)");
+  m.def("sample_inverse_cdf", &duet::sample_inverse_cdf,
+        "Per row: the first token whose cumulative probability (double) exceeds u * total");
   m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
 }

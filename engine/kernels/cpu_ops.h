@@ -30,4 +30,10 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // per row (copy_cpu.cpp). Indices are bounds-checked.
 void copy_rows(at::Tensor dst, at::Tensor dst_rows, at::Tensor src, at::Tensor src_rows);
 
+// The sampler's full-vocabulary walks (sampling_cpu.cpp), bitwise equal to engine/sampler.py's
+// torch path: each row's top-p threshold [rows, 1] (0 where top_p >= 1), and each row's
+// inverse-CDF draw [rows] int64 (cumulative sum in double, first token above u * total).
+at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p);
+at::Tensor sample_inverse_cdf(at::Tensor probs, at::Tensor uniform);
+
 }  // namespace duet

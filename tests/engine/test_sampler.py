@@ -177,3 +177,61 @@ def test_top_p_from_candidates_equals_the_full_sort():
     assert int(keep[2:5].max()) < 512
     peaked = probs[2:5]  # every row's set within the candidates: the fast path alone
     assert torch.equal(_top_p(peaked, p[2:5]), expected[2:5])
+
+
+def _sorted_threshold(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    ordered = probs.sort(dim=-1, descending=True).values
+    keep = ((ordered.cumsum(-1) - ordered) < p).sum(-1, keepdim=True)
+    threshold = ordered.gather(-1, keep.clamp(min=1) - 1)
+    return threshold.masked_fill(p >= 1.0, 0.0)
+
+
+def _rows_of_every_kind(vocab: int) -> torch.Tensor:
+    """Flat to peaked softmax rows, a row with top-k's zeros, one of ties, a one-hot row."""
+    gen = torch.Generator().manual_seed(11)
+    scales = torch.tensor([0.05, 0.5, 2.0, 8.0, 30.0])[:, None]
+    rows = torch.softmax(torch.randn(5, vocab, generator=gen) * scales, dim=-1)
+    zeros = rows[2].clone()
+    zeros[zeros < zeros.topk(40).values[-1]] = 0.0
+    ties = torch.randint(1, 5, (vocab,), generator=gen).float()
+    onehot = torch.zeros(vocab)
+    onehot[vocab // 3] = 1.0
+    return torch.cat([rows, zeros[None], (ties / ties.sum())[None], onehot[None]])
+
+
+@pytest.mark.parametrize("vocab", [97, 5000, 49152])
+def test_cpu_sampling_kernels_give_the_torch_paths_bits(vocab):
+    """The C++ top-p threshold (selecting a chunk at a time) and inverse-CDF draw (no fp64
+    [N, V] tensor) against the full sort and cumsum + searchsorted: the same bits for flat,
+    peaked, zero-padded, tied and one-hot rows, at every p (1.0 keeps everything)."""
+    from engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here"
+    probs = _rows_of_every_kind(vocab)
+    n = probs.shape[0]
+    for value in (0.0, 0.1, 0.5, 0.9, 0.95, 0.999, 0.9999999, 1.0):
+        p = torch.full((n, 1), value)
+        got = kernels.top_p_threshold(probs, p[:, 0].contiguous())
+        assert torch.equal(got, _sorted_threshold(probs, p)), value
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        u = torch.rand(n, generator=gen)
+        cdf = probs.double().cumsum(dim=-1)
+        want = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        want.clamp_(max=vocab - 1)
+        assert torch.equal(kernels.sample_inverse_cdf(probs, u), want)
+    # u at the edges: u = 0 draws the first token with mass.
+    first = kernels.sample_inverse_cdf(probs, torch.zeros(n))
+    assert first.tolist() == [int((row > 0).nonzero()[0]) for row in probs]
+
+
+def test_top_p_at_one_keeps_every_token_alone_or_beside_top_p_rows():
+    """A row with top_p = 1 keeps its tail even when a neighbour's top-p makes the batch take
+    the top-p path (the rounding of its cumulative sum once dropped the smallest tokens)."""
+    from engine.sampler import _top_p
+
+    probs = _rows_of_every_kind(5000)[:2]
+    out = _top_p(probs, torch.tensor([[1.0], [0.5]]))
+    assert torch.equal(out[0], probs[0])
+    assert int((out[1] > 0).sum()) < int((probs[1] > 0).sum())

@@ -1,0 +1,119 @@
+// The sampler's two full-vocabulary walks on the CPU, with exactly the arithmetic of the torch
+// path in engine/sampler.py (so both give the same bits), one row per task:
+//
+// - top_p_threshold: the probability of the last token a row's top-p set needs. torch sorts
+//   the whole row (values and indices) and takes a cumulative sum; here the largest tokens
+//   are selected a chunk at a time (nth_element, then a sort of the chunk only) until the set
+//   is complete, so a peaked row costs O(vocab) instead of a full sort.
+// - sample_inverse_cdf: the first token whose cumulative probability exceeds u * total, with
+//   the cumulative sum in double in token order, as torch's cumsum + searchsorted compute it,
+//   without materialising the [rows, vocab] double tensor.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace duet {
+namespace {
+
+void check_probs(const at::Tensor& probs, const at::Tensor& per_row, const char* name) {
+  TORCH_CHECK(probs.device().is_cpu() && probs.scalar_type() == at::kFloat && probs.dim() == 2 &&
+                  probs.is_contiguous(),
+              "probs must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(per_row.device().is_cpu() && per_row.scalar_type() == at::kFloat &&
+                  per_row.dim() == 1 && per_row.is_contiguous() &&
+                  per_row.size(0) == probs.size(0),
+              name, " must be a contiguous float32 CPU tensor of one value per row");
+  TORCH_CHECK(probs.size(1) > 0, "probs must have at least one column");
+}
+
+// The top-p set of one row: torch computes ordered = sort(row, descending), cum =
+// cumsum(ordered) (accumulated in double, each prefix rounded to float), keeps the count of
+// positions where float(cum_i) - ordered_i < p and returns ordered[max(count, 1) - 1]. That
+// difference never decreases along the order, so the kept positions are a prefix: walk the
+// order until the first position that fails. A row with p >= 1 keeps everything (0).
+float row_threshold(const float* row, int64_t vocab, float p, std::vector<float>& work) {
+  if (p >= 1.0f) return 0.0f;  // top_p = 1: every token (never masks by rounding of the sum)
+  work.assign(row, row + vocab);
+  auto desc = std::greater<float>();
+  double cum = 0.0;
+  int64_t kept = 0;
+  int64_t start = 0;
+  int64_t chunk = 256;
+  while (start < vocab) {
+    const int64_t end = std::min(vocab, start + chunk);
+    if (end < vocab) {
+      std::nth_element(work.begin() + start, work.begin() + end, work.end(), desc);
+    }
+    std::sort(work.begin() + start, work.begin() + end, desc);
+    for (int64_t i = start; i < end; ++i) {
+      cum += static_cast<double>(work[i]);
+      const float prefix = static_cast<float>(cum);
+      if (!(prefix - work[i] < p)) {
+        return work[std::max<int64_t>(kept, 1) - 1];
+      }
+      ++kept;
+    }
+    start = end;
+    chunk *= 8;
+  }
+  return work[kept - 1];
+}
+
+}  // namespace
+
+at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p) {
+  check_probs(probs, top_p, "top_p");
+  const int64_t rows = probs.size(0);
+  const int64_t vocab = probs.size(1);
+  at::Tensor out = at::empty({rows, 1}, probs.options());
+  const float* src = probs.data_ptr<float>();
+  const float* p = top_p.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t r = begin; r < end; ++r) {
+      dst[r] = row_threshold(src + r * vocab, vocab, p[r], work);
+    }
+  });
+  return out;
+}
+
+at::Tensor sample_inverse_cdf(at::Tensor probs, at::Tensor uniform) {
+  check_probs(probs, uniform, "uniform");
+  const int64_t rows = probs.size(0);
+  const int64_t vocab = probs.size(1);
+  at::Tensor out = at::empty({rows}, probs.options().dtype(at::kLong));
+  const float* src = probs.data_ptr<float>();
+  const float* u = uniform.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * vocab;
+      double total = 0.0;
+      for (int64_t i = 0; i < vocab; ++i) total += static_cast<double>(row[i]);
+      const double target = static_cast<double>(u[r]) * total;
+      // searchsorted(cdf, target, right=True): the first i with cdf[i] > target.
+      double cum = 0.0;
+      int64_t token = vocab - 1;
+      for (int64_t i = 0; i < vocab; ++i) {
+        cum += static_cast<double>(row[i]);
+        if (cum > target) {
+          token = i;
+          break;
+        }
+      }
+      dst[r] = token;
+    }
+  });
+  return out;
+}
+
+}  // namespace duet
