@@ -2,9 +2,9 @@
 // path in engine/sampler.py (so both give the same bits), one row per task:
 //
 // - top_p_threshold: the probability of the last token a row's top-p set needs. torch sorts
-//   the whole row (values and indices) and takes a cumulative sum; here the largest tokens
-//   are selected a chunk at a time (nth_element, then a sort of the chunk only) until the set
-//   is complete, so a peaked row costs O(vocab) instead of a full sort.
+//   the whole row (values and indices) and takes a cumulative sum; here the largest 256 are
+//   selected and sorted first, and only a row whose set reaches past them has the rest
+//   sorted, by a radix sort of the values alone: linear time either way.
 // - sample_inverse_cdf: the first token whose cumulative probability exceeds u * total, with
 //   the cumulative sum in double in token order, as torch's cumsum + searchsorted compute it,
 //   without materialising the [rows, vocab] double tensor.
@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -34,37 +35,62 @@ void check_probs(const at::Tensor& probs, const at::Tensor& per_row, const char*
   TORCH_CHECK(probs.size(1) > 0, "probs must have at least one column");
 }
 
+// Sorts n floats in descending order (values only) by an LSD radix sort of their bits: three
+// passes of 11 bits over keys that order like the values. The same sequence std::sort gives,
+// in linear time (a flat row's set spans most of the vocabulary).
+void radix_sort_descending(float* first, int64_t n, std::vector<uint32_t>& keys,
+                           std::vector<uint32_t>& spare) {
+  keys.resize(n);
+  spare.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, first + i, sizeof bits);
+    const uint32_t ascending = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    keys[i] = ~ascending;  // ascending keys: descending values
+  }
+  uint32_t* src = keys.data();
+  uint32_t* dst = spare.data();
+  for (int shift = 0; shift < 32; shift += 11) {
+    int64_t start[2049] = {0};
+    for (int64_t i = 0; i < n; ++i) ++start[((src[i] >> shift) & 2047u) + 1];
+    for (int b = 0; b < 2048; ++b) start[b + 1] += start[b];
+    for (int64_t i = 0; i < n; ++i) dst[start[(src[i] >> shift) & 2047u]++] = src[i];
+    std::swap(src, dst);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t ascending = ~src[i];
+    const uint32_t bits = (ascending & 0x80000000u) ? (ascending & 0x7fffffffu) : ~ascending;
+    std::memcpy(first + i, &bits, sizeof bits);
+  }
+}
+
 // The top-p set of one row: torch computes ordered = sort(row, descending), cum =
 // cumsum(ordered) (accumulated in double, each prefix rounded to float), keeps the count of
 // positions where float(cum_i) - ordered_i < p and returns ordered[max(count, 1) - 1]. That
 // difference never decreases along the order, so the kept positions are a prefix: walk the
-// order until the first position that fails. A row with p >= 1 keeps everything (0).
-float row_threshold(const float* row, int64_t vocab, float p, std::vector<float>& work) {
+// order until the first position that fails. The largest kHead tokens are selected and
+// sorted first (a peaked row's set is nearly always among them); only a row whose set
+// reaches past them has the rest sorted. A row with p >= 1 keeps everything (0).
+constexpr int64_t kHead = 256;
+
+float row_threshold(const float* row, int64_t vocab, float p, std::vector<float>& work,
+                    std::vector<uint32_t>& keys, std::vector<uint32_t>& spare) {
   if (p >= 1.0f) return 0.0f;  // top_p = 1: every token (never masks by rounding of the sum)
   work.assign(row, row + vocab);
   auto desc = std::greater<float>();
-  double cum = 0.0;
-  int64_t kept = 0;
-  int64_t start = 0;
-  int64_t chunk = 256;
-  while (start < vocab) {
-    const int64_t end = std::min(vocab, start + chunk);
-    if (end < vocab) {
-      std::nth_element(work.begin() + start, work.begin() + end, work.end(), desc);
-    }
-    std::sort(work.begin() + start, work.begin() + end, desc);
-    for (int64_t i = start; i < end; ++i) {
-      cum += static_cast<double>(work[i]);
-      const float prefix = static_cast<float>(cum);
-      if (!(prefix - work[i] < p)) {
-        return work[std::max<int64_t>(kept, 1) - 1];
-      }
-      ++kept;
-    }
-    start = end;
-    chunk *= 8;
+  const int64_t head = std::min(vocab, kHead);
+  if (head < vocab) {
+    std::nth_element(work.begin(), work.begin() + head, work.end(), desc);
   }
-  return work[kept - 1];
+  std::sort(work.begin(), work.begin() + head, desc);
+  double cum = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (i == head) radix_sort_descending(work.data() + head, vocab - head, keys, spare);
+    cum += static_cast<double>(work[i]);
+    const float prefix = static_cast<float>(cum);
+    if (!(prefix - work[i] < p)) return work[std::max<int64_t>(i, 1) - 1];
+  }
+  return work[vocab - 1];
 }
 
 }  // namespace
@@ -79,8 +105,9 @@ at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p) {
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work;
+    std::vector<uint32_t> keys, spare;
     for (int64_t r = begin; r < end; ++r) {
-      dst[r] = row_threshold(src + r * vocab, vocab, p[r], work);
+      dst[r] = row_threshold(src + r * vocab, vocab, p[r], work, keys, spare);
     }
   });
   return out;
