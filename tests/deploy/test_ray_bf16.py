@@ -1,0 +1,116 @@
+"""The disaggregated cluster on a local Ray instance in bf16, the production dtype: one
+prefill worker, two decode workers and a router actor. Greedy and seeded completions, sent all
+at once, give exactly the aggregated engine's text, and a decode actor killed mid-stream leaves
+greedy and seeded streams identical to an unfailed run (issue 19: the continuation is
+recomputed as a prefill on another worker, which must give the decode steps' bits)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from tests.deploy.test_ray_cluster import busiest_decode, client, metric, prompts_of
+from tests.net import free_port
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(dtype="bfloat16", block_size=8, num_kv_blocks=256, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    from cluster_auth.secret import remove_secret_file
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import ClusterSpec, DuetCluster
+    from router.cluster_engine import ClusterConfig
+    from router.server import RouterConfig
+
+    store = tmp_path_factory.mktemp("sessions") / "s.db"
+    spec = ClusterSpec(
+        model=tiny_llama,
+        served_model_name="tiny",
+        engine=ENGINE,
+        prefill_workers=1,
+        prefill_tp=1,
+        decode_workers=2,
+        router=RouterConfig(port=free_port(), grpc_port=free_port(), session_store_url=f"sqlite:///{store}"),
+        cluster=ClusterConfig(local_prefill_threshold=8, poll_interval_s=0.2, num_decode_workers=2,
+                              max_num_seqs_per_decode_worker=16),
+    )  # fmt: skip
+    secret_file = start_local_ray(spec)
+    duet = DuetCluster(spec)
+    stop = threading.Event()
+    try:
+        duet.start(timeout_s=600)
+        supervisor = threading.Thread(target=duet.run, args=(stop, 0.5), daemon=True)
+        supervisor.start()
+        yield duet, f"http://127.0.0.1:{spec.router.port}"
+    finally:
+        stop.set()
+        duet.shutdown()
+        ray.shutdown()
+        remove_secret_file(secret_file)
+
+
+@pytest.fixture(scope="module")
+def aggregated(tiny_llama) -> LLM:
+    return LLM(tiny_llama, load_progress=False, **ENGINE)
+
+
+def _params(i: int, max_tokens: int) -> dict:
+    """Greedy for even i, seeded sampling for odd i."""
+    if i % 2 == 0:
+        return dict(temperature=0, max_tokens=max_tokens)
+    return dict(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=max_tokens)
+
+
+def test_bf16_disaggregated_equals_aggregated(cluster, aggregated):
+    _, url = cluster
+    prompts = prompts_of([3, 6, 9, 17, 30, 44, 61, 75, 90, 104, 118, 127, 133, 140, 150, 12], 7)
+    want = [
+        aggregated.generate([p], SamplingParams(ignore_eos=True, **_params(i, 16)))[0].text
+        for i, p in enumerate(prompts)
+    ]
+    api = client(url)
+
+    def complete(i: int) -> str:
+        r = api.completions.create(
+            model="tiny", prompt=prompts[i], extra_body={"ignore_eos": True}, **_params(i, 16)
+        )
+        assert r.usage.completion_tokens == 16
+        return r.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(complete, range(len(prompts))))
+    assert got == want
+
+
+@pytest.mark.parametrize("i", [0, 1], ids=["greedy", "seeded"])
+def test_bf16_decode_actor_killed_mid_stream_completes_identically(cluster, aggregated, i):
+    duet, url = cluster
+    prompt = prompts_of([70], 31 + i)[0]
+    want = aggregated.generate([prompt], SamplingParams(ignore_eos=True, **_params(i, 120)))[0]
+    stream = client(url).completions.create(
+        model="tiny", prompt=prompt, stream=True, extra_body={"ignore_eos": True},
+        **_params(i, 120),
+    )  # fmt: skip
+    pieces, killed = [], None
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if killed is None and len("".join(pieces)) > 5:
+            killed = duet.decodes[busiest_decode(duet)]
+            ray.kill(killed.actor, no_restart=False)
+    assert killed is not None
+    assert "".join(pieces) == want.text
+    wait_for(
+        lambda: metric(url, "duet:num_decode_workers") == 2,
+        240,
+        "the decode worker back",
+        interval_s=0.25,
+    )
+
