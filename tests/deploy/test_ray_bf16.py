@@ -113,4 +113,3 @@ def test_bf16_decode_actor_killed_mid_stream_completes_identically(cluster, aggr
         "the decode worker back",
         interval_s=0.25,
     )
-
