@@ -246,6 +246,10 @@ class ServingMetrics:
             "duet:http_responses", "HTTP responses by route and status class (2xx, 4xx, 429, 5xx).",
             [*labels, "route", "status"], registry=reg,
         )  # fmt: skip
+        self._grpc_requests = Counter(
+            "duet:grpc_requests", "Public gRPC API calls by method and final status code.",
+            [*labels, "method", "code"], registry=reg,
+        )  # fmt: skip
         self.window = LiveWindow()  # the dashboard's live plots
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
@@ -264,6 +268,9 @@ class ServingMetrics:
 
     def count_response(self, route: str, status: str) -> None:
         self._responses.labels(self._model_name, route, status).inc()
+
+    def count_grpc(self, method: str, code: str) -> None:
+        self._grpc_requests.labels(self._model_name, method, code).inc()
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()
