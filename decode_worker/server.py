@@ -28,6 +28,7 @@ from engine.async_engine import EngineDeadError
 from engine.outputs import RequestOutput
 from telemetry.otel import remote_parent, worker_tracer
 from telemetry.worker_spans import TracedOutputs
+from telemetry.worker_stats import worker_stats
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
@@ -156,6 +157,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             block_size=self.worker.config.block_size,
             kv_address=self.worker.kv_address,
             deterministic=self.worker.deterministic,
+            stats=worker_stats(self.worker.engine.stats),
         )
 
 

@@ -20,6 +20,7 @@ from kv_transfer import TransferStatus
 from prefill_worker.worker import PrefillWorker
 from telemetry.otel import remote_parent, worker_tracer
 from telemetry.worker_spans import record_prefill
+from telemetry.worker_stats import worker_stats
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             stored_hashes=delta.stored,
             removed_hashes=delta.removed,
             deterministic=self.worker.deterministic,
+            stats=worker_stats(self.worker.engine.stats),
         )
 
 
