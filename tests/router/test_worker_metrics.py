@@ -6,11 +6,14 @@ aggregation of several workers' reports."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
 
 from duet.v1 import worker_pb2
 from engine import SamplingParams
 from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
-from router.metrics import ServingMetrics
+from router.metrics import EngineStatsCollector, ServingMetrics
 from router.worker_metrics import sum_spec_decode
 from tests.router.rest_server import MODEL_NAME
 from tests.router.test_cluster_engine import ENGINE, Cluster
@@ -99,3 +102,9 @@ def test_an_engine_counts_its_steps_by_tokens() -> None:
     assert (counts[1], counts[8], counts[16], counts[16384], counts["inf"]) == (1, 2, 1, 1, 1)
     assert sum(stats.iteration_token_counts) == 6
     assert stats.iteration_tokens_sum == 1 + 2 + 8 + 9 + 16384 + 20000
+    # An aggregated engine's /metrics reads them from its stats.
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(SimpleNamespace(stats=stats), "m"))  # type: ignore[arg-type]
+    lines = generate_latest(registry).decode().splitlines()
+    assert 'duet:iteration_tokens_total_bucket{le="8",model_name="m"} 3.0' in lines
+    assert 'duet:iteration_tokens_total_count{model_name="m"} 6.0' in lines
