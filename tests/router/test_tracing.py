@@ -143,3 +143,12 @@ def test_without_a_provider_nothing_is_traced() -> None:
     assert not tracing.enabled
     assert tracing.begin(0.0) is None
     assert REQUEST_TRACE.get() is None
+
+
+def test_the_ray_launcher_gives_workers_the_routers_collector() -> None:
+    from deploy.ray_cluster import ClusterSpec
+    from router.server import RouterConfig
+
+    traced = ClusterSpec(router=RouterConfig(otlp_endpoint="collector:4317"))
+    assert traced.worker_runtime_env() == {"env_vars": {OTLP_ENDPOINT_ENV: "collector:4317"}}
+    assert ClusterSpec().worker_runtime_env() is None
