@@ -14,12 +14,32 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import Any
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from engine.outputs import RequestOutput
+from kv_transfer import TransferStatus
+
+
+class PrefillAnswer(Protocol):
+    """What `record_prefill` reads of a prefill worker's `PrefillResult`."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def status(self) -> TransferStatus: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def num_transfer_bytes(self) -> int: ...
+    @property
+    def transfer_s(self) -> float: ...
+    @property
+    def queued_s(self) -> float: ...
 
 
 def record_prefill(
@@ -27,7 +47,7 @@ def record_prefill(
     parent: Context,
     worker: str,
     received_ns: int,
-    result: Any,  # prefill_worker.worker.PrefillResult
+    result: PrefillAnswer,
 ) -> None:
     """Emit one `Prefill` call's spans, ending now."""
     end_ns = time.time_ns()
