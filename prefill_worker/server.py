@@ -39,6 +39,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.worker_id = uuid.uuid4().hex  # a restarted worker has a new id and an empty cache
         self.tracer = tracer
+        worker.role.record_queue_times = tracer is not None  # the queue span's end
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext

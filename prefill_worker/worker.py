@@ -204,6 +204,8 @@ class PrefillRole(EngineRole):
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
         self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
         self._shipped_s: dict[str, float] = {}  # request id -> when its prefill ended
+        # Queue times, for traces only (set by a server that traces; off: no bookkeeping).
+        self.record_queue_times = False
         self._added_s: dict[str, float] = {}  # added, not scheduled yet: when it arrived
         self._queued_s: dict[str, float] = {}  # request id -> arrival to its first step
         self._step_s = 0.0  # when the current step began
@@ -247,7 +249,8 @@ class PrefillRole(EngineRole):
             num_replayed=cmd.num_replayed,
         )
         self._dest[cmd.request_id] = cmd.prefill_dest
-        self._added_s[cmd.request_id] = time.monotonic()
+        if self.record_queue_times:
+            self._added_s[cmd.request_id] = time.monotonic()
 
     def abort(self, cmd: AbortRequest) -> None:
         if self.engine.abort_request(cmd.request_id) is not None:

@@ -133,6 +133,9 @@ def test_a_disaggregated_request_is_one_trace_in_order(
     assert kv_send["duet.kv_transfer.bytes"] == 5 * BLOCK_BYTES
     decode_top = _attributes(by_name["duet.decode_worker"])
     assert (decode_top["duet.generated_tokens"], decode_top["duet.finish_reason"]) == (5, "length")
+    # The queue ends where the engine step that computed the prompt began (after the add).
+    queue = by_name["duet.prefill_worker.queue"]
+    assert queue.end_time_unix_nano > queue.start_time_unix_nano
     # The decode worker waits for the KV while the prefill worker computes and sends it.
     kv_wait = by_name["duet.decode_worker.kv_wait"]
     assert kv_wait.end_time_unix_nano >= by_name["duet.prefill_worker.compute"].end_time_unix_nano
