@@ -8,12 +8,14 @@ blocks of what it aborted (output_streams.py)."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import AuthInterceptor
@@ -23,13 +25,19 @@ from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
 from engine.async_engine import EngineDeadError
+from engine.outputs import RequestOutput
+from telemetry.otel import remote_parent, worker_tracer
+from telemetry.worker_spans import TracedOutputs
+from telemetry.worker_stats import worker_stats
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
+    def __init__(self, worker: DecodeWorker, tracer: trace.Tracer | None = None) -> None:
+        """`tracer`: records the spans of calls that carry a trace context (None: none)."""
         self.worker = worker
+        self.tracer = tracer
         self.worker_id = uuid.uuid4().hex
         self.streams = OutputStreams()
 
@@ -52,6 +60,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def DecodeRemote(
         self, request: worker_pb2.DecodeRemoteRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.Reserved:
+        received_ns = time.time_ns()
         stream = await self._stream(request.stream_id, context)
         try:
             params = SamplingParams.from_json(request.sampling_params_json)
@@ -66,7 +75,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await _abort(context, e)
         reservation = remote.reservation
         try:
-            stream.start(request.request_id, remote, _status)
+            outputs = self._traced(remote, context, request.request_id, "kv_wait", received_ns)
+            stream.start(request.request_id, outputs, _status)
         except ValueError as e:
             await remote.aclose()
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
@@ -77,6 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Generate(
         self, request: worker_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.Started:
+        received_ns = time.time_ns()
         stream = await self._stream(request.stream_id, context)
         try:
             params = SamplingParams.from_json(request.sampling_params_json)
@@ -88,7 +99,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 request.request_id,
                 num_replayed=request.num_replayed,
             )
-            stream.start(request.request_id, outputs, _status)
+            traced = self._traced(outputs, context, request.request_id, "prefill", received_ns)
+            stream.start(request.request_id, traced, _status)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except Exception as e:
@@ -102,6 +114,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if stream is not None:
             stream.abort(request.request_id)
         return worker_pb2.Aborted()
+
+    def _traced(
+        self,
+        outputs: AsyncIterable[RequestOutput],
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        first_phase: str,
+        received_ns: int,
+    ) -> AsyncIterable[RequestOutput]:
+        """`outputs`, recording the request's spans when the call carried a trace context."""
+        parent = remote_parent(context.invocation_metadata()) if self.tracer else None
+        if parent is None or self.tracer is None:
+            return outputs
+        return TracedOutputs(
+            outputs, self.tracer, parent, self.worker.name, request_id, first_phase, received_ns
+        )
 
     async def _stream(self, stream_id: str, context: grpc.aio.ServicerContext) -> OutputStream:
         stream = self.streams.get(stream_id)
@@ -129,6 +157,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             block_size=self.worker.config.block_size,
             kv_address=self.worker.kv_address,
             deterministic=self.worker.deterministic,
+            stats=worker_stats(self.worker.engine.stats),
         )
 
 
@@ -157,13 +186,16 @@ async def start_decode_server(
     host: str = "127.0.0.1",
     port: int = 0,
     secret: ClusterSecret | None = None,
+    tracer: trace.Tracer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `worker` on `host:port` (0: a free port), refusing calls without credentials of
     `secret` (default: this process's cluster secret; health checks stay open). Returns the
-    started server and port."""
+    started server and port. `tracer`: for traced calls' spans (default: from
+    `DUET_OTLP_ENDPOINT`, telemetry/otel.py; unset: no tracing)."""
     auth = AuthInterceptor(secret or load_cluster_secret(), "decode worker gRPC")
     server = grpc.aio.server(interceptors=[auth])
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), server)
+    servicer = DecodeServicer(worker, tracer or worker_tracer("duet-decode-worker"))
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = add_internal_port(server, f"{host}:{port}")  # TLS when configured (tls.py)

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
 from router.cluster_engine import ClusterConfig
 from router.server import RouterConfig
+from telemetry.otel import OTLP_ENDPOINT_ENV
 
 logger = logging.getLogger("duet.cluster")
 
@@ -85,6 +86,13 @@ class ClusterSpec:
             # draft model there would be loaded for nothing (and refuse prefill TP).
             config.pop("speculative_config", None)
         return config
+
+    def worker_runtime_env(self) -> dict[str, Any] | None:
+        """The workers' environment: when the routers trace, the workers export their spans
+        to the same collector (telemetry/otel.py)."""
+        if not self.router.otlp_endpoint:
+            return None
+        return {"env_vars": {OTLP_ENDPOINT_ENV: self.router.otlp_endpoint}}
 
 
 @dataclass
@@ -337,6 +345,7 @@ class DuetCluster:
                 num_gpus=self.spec.gpus_per_worker,
                 max_restarts=-1,
                 max_concurrency=4,
+                runtime_env=self.spec.worker_runtime_env(),
             )
             .remote(self.spec.worker_config("decode"), name)
         )
@@ -360,6 +369,7 @@ class DuetCluster:
                 max_restarts=-1,
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
+                runtime_env=spec.worker_runtime_env(),
             )
             .remote(spec.worker_config("prefill"), rank, name)
             for rank in range(spec.prefill_tp)

@@ -323,6 +323,7 @@ class LLMEngine:
         result = self.runner.execute(sched, self.kv, on_layer)
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
+        self.stats.observe_step(sched.num_batched_tokens)
         if self.speculator is not None:
             self.speculator.verified(sched.spec_token_ids, result.sampled)
         changed: dict[str, RequestState] = {}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.spec_decode.speculator import SpecDecodeStats
@@ -11,6 +12,10 @@ if TYPE_CHECKING:
     from engine.kv_cache_manager import KVCacheManager
     from engine.scheduler import Scheduler
     from engine.spec_decode.speculator import Speculator
+
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Upper bounds of the tokens-per-step histogram (vLLM's `iteration_tokens_total`)."""
 
 
 @dataclass
@@ -25,6 +30,16 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
+    # Steps by tokens computed (ITERATION_TOKEN_BUCKETS, then +Inf; not cumulative), and the sum
+    iteration_token_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    )
+    iteration_tokens_sum: int = 0
+
+    def observe_step(self, num_tokens: int) -> None:
+        """A step computed `num_tokens` tokens (prompt chunks, decodes and proposed tokens)."""
+        self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
 
     def refresh(
         self, scheduler: Scheduler, kv: KVCacheManager, speculator: Speculator | None

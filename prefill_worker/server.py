@@ -4,10 +4,12 @@ Rank 0 of a tensor-parallel group serves it; the other ranks only follow."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
 from cluster_auth import ClusterSecret, load_cluster_secret
 from cluster_auth.grpc_auth import AuthInterceptor
@@ -16,6 +18,9 @@ from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
 from kv_transfer import TransferStatus
 from prefill_worker.worker import PrefillWorker
+from telemetry.otel import remote_parent, worker_tracer
+from telemetry.worker_spans import record_prefill
+from telemetry.worker_stats import worker_stats
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +34,20 @@ OUTCOMES = {
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, tracer: trace.Tracer | None = None) -> None:
+        """`tracer`: records the spans of calls that carry a trace context (None: none)."""
         self.worker = worker
         self.worker_id = uuid.uuid4().hex  # a restarted worker has a new id and an empty cache
+        self.tracer = tracer
+        worker.role.record_queue_times = tracer is not None  # the queue span's end
 
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
         if not self.worker.is_running:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is not running")
+        received_ns = time.time_ns()
+        parent = remote_parent(context.invocation_metadata()) if self.tracer else None
         try:
             params = SamplingParams.from_json(request.sampling_params_json)
             result = await self.worker.prefill(
@@ -51,6 +61,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ValueError as e:  # a duplicate request id
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        if parent is not None and self.tracer is not None:
+            record_prefill(self.tracer, parent, self.worker.name, received_ns, result)
         return worker_pb2.PrefillResponse(
             outcome=OUTCOMES[result.status],
             error=result.error or "",
@@ -82,6 +94,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             stored_hashes=delta.stored,
             removed_hashes=delta.removed,
             deterministic=self.worker.deterministic,
+            stats=worker_stats(self.worker.engine.stats),
         )
 
 
@@ -90,13 +103,17 @@ async def start_prefill_server(
     host: str = "127.0.0.1",
     port: int = 0,
     secret: ClusterSecret | None = None,
+    tracer: trace.Tracer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Serve `worker` on `host:port` (0: a free port), refusing calls without credentials of
     `secret` (default: this process's cluster secret; health checks stay open). Returns the
-    started server and port."""
+    started server and port. `tracer`: for traced calls' spans (default: from
+    `DUET_OTLP_ENDPOINT`, telemetry/otel.py; unset: no tracing)."""
     auth = AuthInterceptor(secret or load_cluster_secret(), "prefill worker gRPC")
     server = grpc.aio.server(interceptors=[auth])
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker), server)
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+        PrefillServicer(worker, tracer or worker_tracer("duet-prefill-worker")), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = add_internal_port(server, f"{host}:{port}")  # TLS when configured (tls.py)

@@ -76,6 +76,7 @@ class PrefillResult:
     num_cached_tokens: int = 0
     num_transfer_bytes: int = 0  # the request's KV, all TP ranks together
     transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
+    queued_s: float = 0.0  # from its arrival to the start of the first step computing it
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,11 @@ class PrefillRole(EngineRole):
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
         self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
         self._shipped_s: dict[str, float] = {}  # request id -> when its prefill ended
+        # Queue times, for traces only (set by a server that traces; off: no bookkeeping).
+        self.record_queue_times = False
+        self._added_s: dict[str, float] = {}  # added, not scheduled yet: when it arrived
+        self._queued_s: dict[str, float] = {}  # request id -> arrival to its first step
+        self._step_s = 0.0  # when the current step began
         self._block_bytes = 0  # one block's KV over every layer and TP rank
 
     def start(self) -> None:
@@ -243,15 +249,21 @@ class PrefillRole(EngineRole):
             num_replayed=cmd.num_replayed,
         )
         self._dest[cmd.request_id] = cmd.prefill_dest
+        if self.record_queue_times:
+            self._added_s[cmd.request_id] = time.monotonic()
 
     def abort(self, cmd: AbortRequest) -> None:
         if self.engine.abort_request(cmd.request_id) is not None:
             self._dest.pop(cmd.request_id, None)
+            self._added_s.pop(cmd.request_id, None)
+            self._queued_s.pop(cmd.request_id, None)
             self.core.publish(cmd.request_id, PrefillResult(cmd.request_id, TransferStatus.ABORTED))
         elif cmd.request_id in self._in_flight:
             self.sender.abort(cmd.request_id)  # reported by the next poll
 
     def release(self, cmd: ReleaseHeld) -> None:
+        self._added_s.pop(cmd.request_id, None)
+        self._queued_s.pop(cmd.request_id, None)
         self._in_flight.pop(cmd.request_id, None)
         self._shipped_s.pop(cmd.request_id, None)
         self._dest.pop(cmd.request_id, None)
@@ -259,7 +271,15 @@ class PrefillRole(EngineRole):
         if cmd.result is not None:
             self.core.publish(cmd.request_id, cmd.result)  # after the release: a whole pool
 
+    def before_step(self) -> None:
+        self._step_s = time.monotonic()
+
     def after_step(self, outputs: list[RequestOutput]) -> None:
+        if self._added_s:  # the queue time of requests this step started (for their traces)
+            waiting = {r.request_id for r in self.engine.scheduler.waiting}
+            for request_id in [r for r in self._added_s if r not in waiting]:
+                added_s = self._added_s.pop(request_id)
+                self._queued_s[request_id] = max(0.0, self._step_s - added_s)
         for done in self.engine.take_prefilled():
             self.ship(done)
         self._poll_sender()
@@ -326,6 +346,7 @@ class PrefillRole(EngineRole):
             done.num_cached_tokens if done else 0,
             len(done.block_ids) * self._block_bytes if done else 0,
             time.monotonic() - shipped_s if shipped_s is not None else 0.0,
+            self._queued_s.get(result.request_id, 0.0),
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

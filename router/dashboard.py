@@ -4,7 +4,9 @@ JSON from this router's own state, behind the API key like every data route.
 In disaggregated mode: each prefill group and decode worker as the router's `WorkerPool` sees
 it (health, load, KV-cache occupancy, the prefill workers' prefix-cache hit rate on the
 prompts this router sent them), the queues, the recent KV transfers with their achieved
-bandwidth. In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py).
+bandwidth. In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py)
+and the planner's last decisions (`planner`: None while no planner reported any; a planner
+reports them with `POST /v1/planner/decisions`, router/planner_log.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from router.planner_log import PlannerDecision, PlannerLog
 from router.serving_context import ServingContext
 from router.transfer_log import TransferLog
 from router.worker_pool import WorkerPool
@@ -22,9 +25,18 @@ NUM_RECENT_TRANSFERS = 25
 
 
 def install_dashboard_routes(app: FastAPI, ctx: ServingContext) -> None:
+    planner = PlannerLog()
+    app.state.planner_log = planner
+
     @app.get("/v1/dashboard", include_in_schema=False)
     async def dashboard() -> dict[str, Any]:
-        return snapshot(ctx)
+        out = snapshot(ctx)
+        out["planner"] = planner.snapshot()
+        return out
+
+    @app.post("/v1/planner/decisions", include_in_schema=False, status_code=204)
+    async def planner_decision(decision: PlannerDecision) -> None:
+        planner.add(decision)
 
 
 def snapshot(ctx: ServingContext) -> dict[str, Any]:

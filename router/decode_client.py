@@ -24,6 +24,7 @@ from cluster_auth.grpc_auth import CallSigner
 from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
+from router.tracing import request_trace_metadata
 from router.worker_client import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,10 @@ class DecodeClient:
                     stream_id=shared.stream_id,
                 ),
                 timeout=max(0.0, deadline - time.monotonic()),
-                metadata=self.signer.metadata(_DECODE + "DecodeRemote"),
+                metadata=(
+                    *self.signer.metadata(_DECODE + "DecodeRemote"),
+                    *request_trace_metadata(),
+                ),
             )
         except BaseException:
             shared.forget(request_id)
@@ -211,7 +215,7 @@ class DecodeClient:
                     stream_id=shared.stream_id,
                 ),
                 timeout=max(0.0, deadline - time.monotonic()),
-                metadata=self.signer.metadata(_DECODE + "Generate"),
+                metadata=(*self.signer.metadata(_DECODE + "Generate"), *request_trace_metadata()),
             )
         except BaseException:
             shared.forget(request_id)

@@ -13,6 +13,7 @@ when the server knows when to retry.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -35,10 +36,13 @@ from router.errors import (
     OpenAIError,
 )
 from router.grpc_chat import chat_body, piece_fields
+from router.grpc_metrics import GrpcMetricsInterceptor
+from router.metrics import ServingMetrics
 from router.openai_chat import ChatOptions, ChatPlan
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_context import check_priority
 from router.sessions import SessionManager, SessionTurn
+from router.tracing import RequestTracing, traced_outputs
 from session_store import RateLimiter, RateLimits, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -125,10 +129,11 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         sessions: SessionManager | None = None,
         rate_limiter: RequestRateLimiter | None = None,
         chat_options: ChatOptions | None = None,
+        tracing: RequestTracing | None = None,
     ) -> None:
         """`admission`: shared with the REST app of the same server; None: a queue of its own
         with the default (time-bounded) limit. `chat_options`: the tool-call and reasoning
-        parsers, as REST's."""
+        parsers, as REST's. `tracing`: REST's (router/tracing.py); None: no traces."""
         self.engine = engine
         self.model_name = model_name
         self.admission = admission or AdmissionController(lambda: engine.max_num_seqs)
@@ -136,6 +141,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         self.sessions = sessions or SessionManager(None)
         self.rate_limiter = rate_limiter or RequestRateLimiter(None, NO_RATE_LIMITS)
         self.chat_options = chat_options or ChatOptions()
+        self.tracing = tracing or RequestTracing()
 
     async def ListModels(
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -221,6 +227,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         """Admit and run one request. With a session, the sample's last chunk and the usage
         wait until the turn is stored, so a stream that ends OK always has its turn stored."""
+        arrival_s = time.monotonic()
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running; retry later")
         max_tokens = self.engine.check_lengths(len(prompt_ids), params)
@@ -228,7 +235,9 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         await self.rate_limiter.admit(self._caller(context), num_tokens)
         [ticket] = self.admission.admit([params.n])
         try:
-            run = self._run(prompt_ids, params, request_id, turn, new_messages, plan, priority)
+            run = self._run(
+                prompt_ids, params, request_id, turn, new_messages, plan, priority, arrival_s
+            )
             async for response in run:
                 yield response
         finally:
@@ -243,12 +252,16 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         new_messages: Sequence[dict[str, Any]],
         plan: ChatPlan | None,
         priority: int,
+        arrival_s: float,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         # Closed on any exit (client gone, error), which aborts the engine request at once.
-        stream = cast(
-            AsyncGenerator[RequestOutput, None],
-            self.engine.generate(prompt_ids, params, request_id or None, priority),
-        )
+        stream = traced_outputs(
+            self.tracing, arrival_s, self.model_name,
+            lambda: cast(
+                AsyncGenerator[RequestOutput, None],
+                self.engine.generate(prompt_ids, params, request_id or None, priority),
+            ),
+        )  # fmt: skip
         replies = {i: plan.new_reply() for i in range(params.n)} if plan is not None else {}
         sent_logprobs: dict[int, int] = {}
         held: list[serving_pb2.GenerateResponse] = []
@@ -337,12 +350,19 @@ async def start_grpc_server(
     rate_limiter: RateLimiter | None = None,
     rate_limits: RateLimits = NO_RATE_LIMITS,
     chat_options: ChatOptions | None = None,
+    metrics: ServingMetrics | None = None,
+    tracing: RequestTracing | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start serving in the running event loop; returns the server and the bound port (useful
     with port 0). The caller owns the engine, session store and rate limiter; the store and
-    limiter must belong to this event loop (REST in the same process may share them)."""
+    limiter must belong to this event loop (REST in the same process may share them).
+    `metrics`, `tracing`: the REST app's (`app.state.serving`), to count calls by method and
+    status (router/grpc_metrics.py) and trace requests; None: neither."""
     checker = APIKeyChecker(api_keys)
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(checker)])
+    interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(checker)]
+    if metrics is not None:
+        interceptors.insert(0, GrpcMetricsInterceptor(metrics, SERVICE_NAME))
+    server = grpc.aio.server(interceptors=interceptors)
     servicer = DuetServicer(
         engine,
         model_name,
@@ -351,6 +371,7 @@ async def start_grpc_server(
         SessionManager(session_store),
         RequestRateLimiter(rate_limiter, rate_limits),
         chat_options,
+        tracing,
     )
     serving_pb2_grpc.add_DuetServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -17,10 +17,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine import RequestOutput, SamplingParams
-from engine.spec_decode.speculator import SpecDecodeStats
 from router.engine_client import EngineClient
 from router.live_window import LiveWindow
 from router.transfer_log import TransferCollector
+from router.worker_metrics import (
+    WorkerStatsCollector,
+    iteration_tokens_histogram,
+    spec_decode_metrics,
+)
 
 METRICS_PREFIXES = ("duet", "vllm")
 """`--metrics-prefix` values: `vllm` adds a `vllm:` copy of every `duet:` metric."""
@@ -101,37 +105,12 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._labels, float(value))
             yield counter
+        if getattr(self._engine, "pool", None) is None:  # a cluster's: WorkerStatsCollector
+            yield iteration_tokens_histogram(
+                stats.iteration_token_counts, stats.iteration_tokens_sum, self._labels
+            )
         if stats.spec_decode is not None:
-            yield from _spec_decode_metrics(stats.spec_decode, self._labels)
-
-
-def _spec_decode_metrics(spec: SpecDecodeStats, labels: list[str]) -> Iterator[Metric]:
-    """Speculative decoding's counters (vLLM's `spec_decode_*`) and the acceptance rate."""
-    for name, doc, value in (
-        ("duet:spec_decode_num_drafts", "Verifications of proposed tokens (request-steps).",
-         spec.num_drafts),
-        ("duet:spec_decode_num_draft_tokens", "Proposed tokens verified.", spec.num_draft_tokens),
-        ("duet:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-         spec.num_accepted_tokens),
-    ):  # fmt: skip
-        counter = CounterMetricFamily(name, doc, labels=["model_name"])
-        counter.add_metric(labels, float(value))
-        yield counter
-    per_pos = CounterMetricFamily(
-        "duet:spec_decode_num_accepted_tokens_per_pos",
-        "Proposed tokens accepted at each position of a proposal (0 = first).",
-        labels=["model_name", "position"],
-    )
-    for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
-        per_pos.add_metric([*labels, str(pos)], float(value))
-    yield per_pos
-    rate = GaugeMetricFamily(
-        "duet:spec_decode_acceptance_rate",
-        "Accepted over proposed tokens since start (0 before any proposal).",
-        labels=["model_name"],
-    )
-    rate.add_metric(labels, spec.acceptance_rate)
-    yield rate
+            yield from spec_decode_metrics(stats.spec_decode, self._labels)
 
 
 def cache_config(engine: EngineClient) -> dict[str, str] | None:
@@ -246,12 +225,19 @@ class ServingMetrics:
             "duet:http_responses", "HTTP responses by route and status class (2xx, 4xx, 429, 5xx).",
             [*labels, "route", "status"], registry=reg,
         )  # fmt: skip
+        self._grpc_requests = Counter(
+            "duet:grpc_requests", "Public gRPC API calls by method and final status code.",
+            [*labels, "method", "code"], registry=reg,
+        )  # fmt: skip
         self.window = LiveWindow()  # the dashboard's live plots
         self._model_name = model_name
         reg.register(EngineStatsCollector(engine, model_name))
         transfers = getattr(engine, "transfers", None)  # disaggregated mode only
         if transfers is not None:
             reg.register(TransferCollector(transfers, model_name))
+        pool = getattr(engine, "pool", None)  # disaggregated mode only
+        if pool is not None:
+            reg.register(WorkerStatsCollector(pool, model_name))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (twice, under both prefixes, with
@@ -264,6 +250,9 @@ class ServingMetrics:
 
     def count_response(self, route: str, status: str) -> None:
         self._responses.labels(self._model_name, route, status).inc()
+
+    def count_grpc(self, method: str, code: str) -> None:
+        self._grpc_requests.labels(self._model_name, method, code).inc()
 
     def count_finished(self, reason: str) -> None:
         self._success.labels(self._model_name, reason).inc()

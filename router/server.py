@@ -239,6 +239,8 @@ class RouterServer(uvicorn.Server):
                 rate_limiter=self.rate_limiter,
                 rate_limits=config.rate_limits,
                 chat_options=config.chat_options,
+                metrics=app.state.serving.metrics,
+                tracing=app.state.serving.tracing,
             )
         except Exception:
             await self._close_stores()

@@ -4,9 +4,12 @@ One trace per request: a `duet.request` span at the router (arrival to last toke
 disaggregated mode, for each attempt that went through a prefill worker, `duet.prefill`
 (prefill call sent to prefill done), `duet.kv_transfer` (prefill done to the decode side's
 acknowledgement, with the bytes and the achieved bandwidth) and `duet.decode` (KV in place to
-the attempt's last token), in that order. The router builds the child spans when the request
-ends, from the prefill worker's answer (its transfer time and bytes, worker.proto) and its own
-clock, so workers need no tracing setup and no clocks need to agree.
+the attempt's last token), in that order. The router builds these child spans when the
+request ends, from the prefill worker's answer (its transfer time and bytes, worker.proto) and
+its own clock. The `duet.request` span starts at arrival and its context goes to the workers in
+the metadata of the request's calls (`trace_metadata`), so workers that trace
+(`DUET_OTLP_ENDPOINT`, telemetry/otel.py) add their own spans under it
+(telemetry/worker_spans.py).
 
 Off (no `--otlp-endpoint`, no provider given): `RequestTracing.begin` returns None and nothing
 else runs: no spans, no context, no exporter.
@@ -15,14 +18,19 @@ else runs: no spans, no context, no exporter.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from engine import RequestOutput
+from telemetry.otel import otlp_tracer_provider, trace_metadata
+
+__all__ = ["REQUEST_TRACE", "AttemptTiming", "RequestTrace", "RequestTracing",
+           "otlp_tracer_provider", "request_trace_metadata", "traced_outputs"]  # fmt: skip
 
 REQUEST_TRACE: ContextVar[RequestTrace | None] = ContextVar("duet_request_trace", default=None)
 """The trace of the request whose engine tasks run in this context (set by the router around
@@ -51,7 +59,16 @@ class AttemptTiming:
 @dataclass
 class RequestTrace:
     arrival_ns: int
+    root: trace.Span
+    """`duet.request`, open from arrival until `RequestTracing.finish`."""
     attempts: list[AttemptTiming] = field(default_factory=list)
+
+
+def request_trace_metadata() -> tuple[tuple[str, str], ...]:
+    """gRPC metadata for a worker call made for the traced request of this context (its
+    `duet.request` span's context); empty when the request is not traced."""
+    traced = REQUEST_TRACE.get()
+    return trace_metadata(traced.root) if traced is not None else ()
 
 
 class RequestTracing:
@@ -68,16 +85,18 @@ class RequestTracing:
         """A trace for a request that arrived at `arrival_s` (time.monotonic)."""
         if self._tracer is None:
             return None
-        return RequestTrace(_epoch_ns(arrival_s))
+        arrival_ns = _epoch_ns(arrival_s)
+        root = self._tracer.start_span(
+            "duet.request", start_time=arrival_ns, kind=trace.SpanKind.SERVER
+        )
+        return RequestTrace(arrival_ns, root)
 
     def finish(self, request: RequestTrace, attributes: dict[str, Any]) -> None:
         """Emit the request's spans, ending now."""
         assert self._tracer is not None
         end_ns = time.time_ns()
-        root = self._tracer.start_span(
-            "duet.request", start_time=request.arrival_ns, attributes=attributes,
-            kind=trace.SpanKind.SERVER,
-        )  # fmt: skip
+        root = request.root
+        root.set_attributes(attributes)
         parent = trace.set_span_in_context(root)
         for a in request.attempts:
             self._attempt_spans(a, parent, end_ns)
@@ -117,17 +136,42 @@ class RequestTracing:
         decode.end(end_time=max(acked_ns, a.end_ns or end_ns))
 
 
-def otlp_tracer_provider(endpoint: str, service_name: str = "duet-router") -> TracerProvider:
-    """A provider exporting over OTLP/gRPC to `endpoint` (host:port, or http(s)://host:port;
-    plain host:port is insecure, for a collector beside the router), batched off the
-    serving path."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+async def traced_outputs(
+    tracing: RequestTracing,
+    arrival_s: float,
+    model_name: str,
+    start: Callable[[], AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[RequestOutput, None]:
+    """The outputs of `start()` (an engine's `generate`), traced as one request when `tracing`
+    is on (the gRPC API's requests; REST's are traced by `ServingContext.generate`)."""
+    traced = tracing.begin(arrival_s)
+    # The engine's tasks start in the first step and inherit this context.
+    token = REQUEST_TRACE.set(traced) if traced is not None else None
+    last: RequestOutput | None = None
+    try:
+        async with aclosing(start()) as outputs:
+            async for out in outputs:
+                if token is not None:
+                    REQUEST_TRACE.reset(token)  # the same step that set it
+                    token = None
+                last = out
+                yield out
+    finally:
+        if token is not None:
+            REQUEST_TRACE.reset(token)
+        if traced is not None:
+            tracing.finish(traced, request_span_attributes(model_name, last))
 
-    insecure = not endpoint.startswith("https://")
-    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+
+def request_span_attributes(model_name: str, last: RequestOutput | None) -> dict[str, str | int]:
+    """`duet.request`'s attributes from the request's last output (None: it produced none)."""
+    attributes: dict[str, str | int] = {"duet.model": model_name}
+    if last is not None:
+        attributes["duet.request_id"] = last.request_id
+        attributes["duet.prompt_tokens"] = len(last.prompt_token_ids)
+        attributes["duet.generated_tokens"] = sum(len(c.token_ids) for c in last.outputs)
+        attributes["duet.finish_reason"] = last.outputs[0].finish_reason or "abort"
+    return attributes
 
 
 def _epoch_ns(monotonic_s: float) -> int:

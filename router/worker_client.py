@@ -12,6 +12,7 @@ from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
 from kv_transfer import TransferStatus
+from router.tracing import request_trace_metadata
 
 _STATUSES = {
     worker_pb2.TRANSFER_OUTCOME_DONE: TransferStatus.DONE,
@@ -67,7 +68,7 @@ class PrefillClient:
                 num_replayed=num_replayed,
             ),
             timeout=timeout_s,
-            metadata=self.signer.metadata(_PREFILL + "Prefill"),
+            metadata=(*self.signer.metadata(_PREFILL + "Prefill"), *request_trace_metadata()),
         )
         return PrefillOutcome(
             _STATUSES[response.outcome],

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from duet.v1 import worker_pb2
 from engine.block_pool import BlockHash, hash_request_blocks
 from router.decode_client import DecodeClient
 from router.worker_client import PrefillClient
@@ -114,6 +115,10 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._wanted: tuple[dict[str, str], dict[str, str]] | None = None
         self._task: asyncio.Task[None] | None = None
+        # Each worker process's engine counters as last reported, by worker id (a restarted
+        # worker has a new id, so sums over this never go down; one small entry per process
+        # ever seen): the router's /metrics sums them (router/worker_metrics.py).
+        self.worker_stats: dict[str, worker_pb2.WorkerStats] = {}
 
     # -- membership (any thread) -----------------------------------------------------------------
 
@@ -196,6 +201,8 @@ class WorkerPool:
         state.num_free_blocks = report.num_free_blocks
         state.num_blocks = report.num_blocks
         state.deterministic = report.deterministic
+        if report.HasField("stats"):
+            self.worker_stats[report.worker_id] = report.stats
         self._recovered(state)
 
     async def _poll_decode(self, state: DecodeState) -> None:
@@ -214,6 +221,8 @@ class WorkerPool:
         state.max_num_seqs = report.max_num_seqs
         state.deterministic = report.deterministic
         state.num_sent = state.num_sent_blocks = 0  # the report includes them now
+        if report.HasField("stats"):
+            self.worker_stats[report.worker_id] = report.stats
         self._recovered(state)
 
     def _failed(self, state: PrefillState | DecodeState, error: BaseException) -> None:

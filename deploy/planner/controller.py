@@ -1,15 +1,18 @@
 """The planner's control loop: scrape every router, turn two scrape rounds into load
-signals, ask the policy, patch the pools that change (or only log them in dry-run)."""
+signals, ask the policy, patch the pools that change (or only log them in dry-run), and
+report the decision to the routers it scraped (their dashboards show the last ones)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from deploy.planner.kube import DeploymentScaler
@@ -17,6 +20,9 @@ from deploy.planner.metrics import MetricsError, RouterScrape, interval_signals,
 from deploy.planner.policy import POOLS, Decision, PoolSizes, ScalingPolicy
 
 log = logging.getLogger("duet.planner")
+
+NUM_DECISIONS = 50
+"""Decisions the controller keeps (`Controller.decisions`)."""
 
 
 class RouterScraper:
@@ -29,6 +35,7 @@ class RouterScraper:
         self._urls = urls
         self._api_key = api_key
         self._timeout_s = timeout_s
+        self._scraped: list[str] = []  # the URLs the last round read
 
     def scrape(self) -> dict[str, RouterScrape]:
         out: dict[str, RouterScrape] = {}
@@ -41,7 +48,44 @@ class RouterScraper:
                     out[url] = parse_scrape(response.read().decode("utf-8"))
             except (OSError, urllib.error.URLError, MetricsError) as e:
                 log.warning("scrape %s failed: %s", url, e)
+        self._scraped = list(out)
         return out
+
+    def report(self, record: DecisionRecord) -> None:
+        """POST `record` to `/v1/planner/decisions` of each router the last round read (a
+        router that fails only misses it: the dashboard is not the planner's concern)."""
+        body = json.dumps(asdict(record)).encode()
+        for url in self._scraped:
+            target = url.removesuffix("/metrics") + "/v1/planner/decisions"
+            request = urllib.request.Request(target, data=body, method="POST")
+            request.add_header("Content-Type", "application/json")
+            if self._api_key:
+                request.add_header("Authorization", f"Bearer {self._api_key}")
+            try:
+                urllib.request.urlopen(request, timeout=self._timeout_s).close()
+            except (OSError, urllib.error.URLError) as e:
+                log.debug("reporting the decision to %s failed: %s", target, e)
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """One control step, as the routers' dashboards show it (router/planner_log.py)."""
+
+    time: float  # wall clock
+    current: dict[str, int]
+    sizes: dict[str, int]
+    reasons: dict[str, str]
+    dry_run: bool
+
+    @classmethod
+    def of(cls, decision: Decision, current: PoolSizes, dry_run: bool) -> DecisionRecord:
+        return cls(
+            time.time(),
+            {pool: current.get(pool) for pool in POOLS},
+            {pool: decision.sizes.get(pool) for pool in POOLS},
+            dict(decision.reasons),
+            dry_run,
+        )
 
 
 @dataclass(frozen=True)
@@ -76,6 +120,8 @@ class Controller:
         self.clock = clock
         self._previous: Mapping[str, RouterScrape] = {}
         self.last_step_s: float | None = None
+        self.decisions: deque[DecisionRecord] = deque(maxlen=NUM_DECISIONS)
+        """The last control steps' decisions, newest last."""
 
     def step(self) -> Decision:
         scrapes = self._scraper.scrape()
@@ -100,6 +146,9 @@ class Controller:
             log.info("%s: %s %d -> %d (%s)", pool, verb, old, new, decision.reasons[pool])
             if not self._dry_run:
                 self._scaler.set_replicas(self._targets.get(pool), new)
+        record = DecisionRecord.of(decision, current, self._dry_run)
+        self.decisions.append(record)
+        self._scraper.report(record)
         self.last_step_s = self.clock()
         return decision
 

@@ -1,5 +1,5 @@
 // The cluster dashboard: polls GET /v1/dashboard (behind the API key) every 2 s and draws the
-// workers, queues, recent KV transfers and the live plots.
+// workers, queues, recent KV transfers, the live plots and the planner's last decisions.
 "use strict";
 
 (function () {
@@ -65,6 +65,27 @@
     }
   }
 
+  const PLANNER_ROWS = 10;
+
+  function planner(p) {
+    // p: null while no planner reported to this router (router/planner_log.py).
+    $("no-planner").hidden = !!p;
+    $("planner").hidden = !p;
+    if (!p) return;
+    const mode = p.decisions.length && p.decisions[0].dry_run ? " (dry run: logged, not applied)" : "";
+    $("planner-updated").textContent =
+      "last report " + new Date(p.last_report * 1000).toLocaleTimeString() + mode;
+    const size = (d, pool) =>
+      d.current[pool] === d.sizes[pool] ? String(d.sizes[pool]) : d.current[pool] + " \u2192 " + d.sizes[pool];
+    const items = p.decisions.slice(0, PLANNER_ROWS).map((d, i) => ({ ...d, name: "decision-" + i }));
+    rows("planner-decisions", items, (d) => [
+      [new Date(d.time * 1000).toLocaleTimeString()],
+      [size(d, "prefill"), d.changed.includes("prefill") ? "changed" : ""],
+      [size(d, "decode"), d.changed.includes("decode") ? "changed" : ""],
+      [["prefill", "decode"].filter((pool) => d.reasons[pool]).map((pool) => pool + ": " + d.reasons[pool]).join("; ")],
+    ]);
+  }
+
   function render(d) {
     $("model").textContent = d.model + " \u00b7 " + d.mode;
     $("updated").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
@@ -82,6 +103,7 @@
       [t.reason ? t.status + " (" + t.reason + ")" : t.status, t.status === "failed" ? "unhealthy" : "healthy"],
       [bytes(t.bytes)], [num(t.duration_ms, 2)], [t.status === "done" ? num(t.gbps, 3) : "\u2013"],
     ]);
+    planner(d.planner);
     const s = d.series;
     const q = (name) => ["p50", "p90", "p99"].map((p) => ({ label: p, values: s[name + "_" + p + "_ms"] }));
     plot.draw($("plot-ttft"), s.t, q("ttft"));

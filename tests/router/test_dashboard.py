@@ -1,6 +1,7 @@
 """The cluster dashboard at `/dashboard` in a real browser against a disaggregated server
 (real prefill and decode workers, no Ray): workers listed with their state, KV transfers with
-their bandwidth, every live plot drawn; its data stays behind the API key."""
+their bandwidth, every live plot drawn, the planner's decisions once a planner reports ("no
+planner" before); its data stays behind the API key."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from tests.browser import chromium
 from tests.router.cluster_server import ClusterServer
 from tests.router.rest_server import API_KEY, MODEL_NAME
+from tests.router.test_planner_log import planner
 from tests.waiting import wait_for
 
 NUM_REQUESTS = 3
@@ -78,6 +80,19 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         )
         assert painted > 500
         assert not browser.find_element(By.ID, "error").is_displayed()
+
+        # No planner has reported: the panel says so. Then one does, twice.
+        assert browser.find_element(By.ID, "no-planner").is_displayed()
+        assert not browser.find_element(By.ID, "planner").is_displayed()
+        controller = planner(cluster_server.url)
+        controller.step()
+        controller.step()
+        wait_for(lambda: len(_rows(browser, "planner-decisions")) == 2, 10, "the decisions")
+        assert not browser.find_element(By.ID, "no-planner").is_displayed()
+        newest = [td.text for td in _rows(browser, "planner-decisions")[0].find_elements(
+            By.TAG_NAME, "td")]  # fmt: skip
+        assert newest[1:] == ["2 → 4", "2", "prefill: step 2; decode: on target"]
+        assert "dry run" not in browser.find_element(By.ID, "planner-updated").text
 
 
 def _check_the_chat_streams(browser: WebDriver, url: str) -> None:

@@ -1,9 +1,12 @@
 """Per-request traces: a disaggregated request exported over OTLP to an in-process collector
 is one trace with router, prefill, KV-transfer and decode spans, in order, the transfer's
-bytes on its span; without a provider nothing is traced."""
+bytes on its span, and the prefill and decode workers' own spans under the router's request
+span (the trace context travels in the gRPC metadata); without a provider nothing is
+traced."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -15,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from router.tracing import REQUEST_TRACE, RequestTracing, otlp_tracer_provider
+from telemetry.otel import OTLP_ENDPOINT_ENV, worker_tracer_provider
 from tests.router.cluster_server import ClusterServer
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for
@@ -56,11 +60,19 @@ def _attributes(span: Span) -> dict[str, object]:
     return out
 
 
+ROUTER_SPANS = ["duet.request", "duet.prefill", "duet.kv_transfer", "duet.decode"]
+PREFILL_SPANS = ["duet.prefill_worker", "duet.prefill_worker.queue",
+                 "duet.prefill_worker.compute", "duet.prefill_worker.kv_send"]  # fmt: skip
+DECODE_SPANS = ["duet.decode_worker", "duet.decode_worker.kv_wait", "duet.decode_worker.decode"]
+
+
 def test_a_disaggregated_request_is_one_trace_in_order(
-    tiny_llama: str, collector: tuple[Collector, int]
+    tiny_llama: str, collector: tuple[Collector, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spans, port = collector
-    provider = otlp_tracer_provider(f"127.0.0.1:{port}")
+    endpoint = f"127.0.0.1:{port}"
+    monkeypatch.setenv(OTLP_ENDPOINT_ENV, endpoint)  # what the cluster launcher sets
+    provider = otlp_tracer_provider(endpoint)
     server = ClusterServer(tiny_llama, app_args={"tracer_provider": provider}, threshold=0).start()
     try:
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as client:
@@ -70,20 +82,19 @@ def test_a_disaggregated_request_is_one_trace_in_order(
             )  # fmt: skip
         assert reply.usage is not None and reply.usage.completion_tokens == 5
         provider.force_flush(10_000)
-        wait_for(lambda: len(spans.spans) >= 4, 10, "the request's spans at the collector")
+        for service in ("duet-prefill-worker", "duet-decode-worker"):
+            worker_tracer_provider(endpoint, service).force_flush(10_000)
+        wait_for(lambda: len(spans.spans) >= 11, 10, "the request's spans at the collector")
     finally:
         server.stop()
         provider.shutdown()
 
-    got = sorted(spans.spans, key=lambda s: (s.start_time_unix_nano, s.name != "duet.request"))
-    assert [s.name for s in got] == [
-        "duet.request",
-        "duet.prefill",
-        "duet.kv_transfer",
-        "duet.decode",
-    ]
+    by_name = {s.name: s for s in spans.spans}
+    assert sorted(by_name) == sorted(ROUTER_SPANS + PREFILL_SPANS + DECODE_SPANS)
+    assert len(spans.spans) == 11
+    got = [by_name[n] for n in ROUTER_SPANS]
     root, prefill, transfer, decode = got
-    assert {s.trace_id for s in got} == {root.trace_id}
+    assert {s.trace_id for s in spans.spans} == {root.trace_id}
     assert root.parent_span_id == b""
     assert [s.parent_span_id for s in got[1:]] == [root.span_id] * 3
     # In order, each within the request: prefill, then the transfer, then decode.
@@ -103,9 +114,44 @@ def test_a_disaggregated_request_is_one_trace_in_order(
     assert _attributes(prefill)["duet.worker"] == "p0"
     assert _attributes(decode)["duet.worker"] == "d0"
 
+    # The workers' spans: each worker's request span is a child of the router's request span
+    # (the context came in the call's metadata), its phases children of it, back to back.
+    for names, worker in ((PREFILL_SPANS, "p0"), (DECODE_SPANS, "d0")):
+        top, *phases = (by_name[n] for n in names)
+        assert top.parent_span_id == root.span_id
+        assert top.kind == Span.SpanKind.SPAN_KIND_SERVER
+        assert [p.parent_span_id for p in phases] == [top.span_id] * len(phases)
+        assert phases[0].start_time_unix_nano == top.start_time_unix_nano
+        for a, b in itertools.pairwise(phases):
+            assert a.end_time_unix_nano == b.start_time_unix_nano
+        assert phases[-1].end_time_unix_nano <= top.end_time_unix_nano
+        assert top.start_time_unix_nano >= root.start_time_unix_nano
+        assert top.end_time_unix_nano <= root.end_time_unix_nano
+        assert _attributes(top)["duet.worker"] == worker
+        assert _attributes(top)["duet.request_id"] == _attributes(prefill)["duet.transfer_id"]
+    kv_send = _attributes(by_name["duet.prefill_worker.kv_send"])
+    assert kv_send["duet.kv_transfer.bytes"] == 5 * BLOCK_BYTES
+    decode_top = _attributes(by_name["duet.decode_worker"])
+    assert (decode_top["duet.generated_tokens"], decode_top["duet.finish_reason"]) == (5, "length")
+    # The queue ends where the engine step that computed the prompt began (after the add).
+    queue = by_name["duet.prefill_worker.queue"]
+    assert queue.end_time_unix_nano > queue.start_time_unix_nano
+    # The decode worker waits for the KV while the prefill worker computes and sends it.
+    kv_wait = by_name["duet.decode_worker.kv_wait"]
+    assert kv_wait.end_time_unix_nano >= by_name["duet.prefill_worker.compute"].end_time_unix_nano
+
 
 def test_without_a_provider_nothing_is_traced() -> None:
     tracing = RequestTracing()
     assert not tracing.enabled
     assert tracing.begin(0.0) is None
     assert REQUEST_TRACE.get() is None
+
+
+def test_the_ray_launcher_gives_workers_the_routers_collector() -> None:
+    from deploy.ray_cluster import ClusterSpec
+    from router.server import RouterConfig
+
+    traced = ClusterSpec(router=RouterConfig(otlp_endpoint="collector:4317"))
+    assert traced.worker_runtime_env() == {"env_vars": {OTLP_ENDPOINT_ENV: "collector:4317"}}
+    assert ClusterSpec().worker_runtime_env() is None

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64uet/v1/worker.proto\x12\x07\x64uet.v1\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x16\n\x0ekv_destination\x18\x04 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"\xbe\x01\n\x0fPrefillResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.duet.v1.TransferOutcome\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_transfer_bytes\x18\x06 \x01(\x04\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\"\"\n\x0bLoadRequest\x12\x13\n\x0bsince_event\x18\x01 \x01(\x04\"\xac\x02\n\x0bPrefillLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x18\n\x10num_transferring\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nlast_event\x18\t \x01(\x04\x12\x10\n\x08snapshot\x18\n \x01(\x08\x12\x15\n\rstored_hashes\x18\x0b \x03(\x0c\x12\x16\n\x0eremoved_hashes\x18\x0c \x03(\x0c\x12\x15\n\rdeterministic\x18\r \x01(\x08\"\x9d\x01\n\x13\x44\x65\x63odeRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\x12\x11\n\tstream_id\x18\x06 \x01(\t\"\x8b\x01\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x04 \x01(\r\x12\x11\n\tstream_id\x18\x05 \x01(\t\"#\n\x0eOutputsRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\"8\n\x0bOutputBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.duet.v1.RequestOutputItem\"\x7f\n\x11RequestOutputItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x14.duet.v1.OutputDeltaH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.duet.v1.RequestErrorH\x00\x42\x06\n\x04kind\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\t\n\x07Started\";\n\x12\x41\x62ortDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\"\t\n\x07\x41\x62orted\"2\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"A\n\rWorkerLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"c\n\x13WorkerTokenLogprobs\x12\'\n\x07sampled\x18\x01 \x01(\x0b\x32\x16.duet.v1.WorkerLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.duet.v1.WorkerLogprob\"\xcf\x01\n\x0bOutputDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.duet.v1.WorkerTokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\rB\r\n\x0bstop_reason\"\xe7\x01\n\nDecodeLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nkv_address\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08*\x89\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_OUTCOME_DONE\x10\x01\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x02\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x03\x32\x84\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.duet.v1.PrefillRequest\x1a\x18.duet.v1.PrefillResponse\x12\x35\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x14.duet.v1.PrefillLoad2\xb6\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x07Outputs\x12\x17.duet.v1.OutputsRequest\x1a\x14.duet.v1.OutputBatch0\x01\x12?\n\x0c\x44\x65\x63odeRemote\x12\x1c.duet.v1.DecodeRemoteRequest\x1a\x11.duet.v1.Reserved\x12;\n\x08Generate\x12\x1d.duet.v1.LocalGenerateRequest\x1a\x10.duet.v1.Started\x12\x36\n\x05\x41\x62ort\x12\x1b.duet.v1.AbortDecodeRequest\x1a\x10.duet.v1.Aborted\x12\x34\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x13.duet.v1.DecodeLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x64uet/v1/worker.proto\x12\x07\x64uet.v1\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x16\n\x0ekv_destination\x18\x04 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\"\xbe\x01\n\x0fPrefillResponse\x12)\n\x07outcome\x18\x01 \x01(\x0e\x32\x18.duet.v1.TransferOutcome\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1a\n\x12num_transfer_bytes\x18\x06 \x01(\x04\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\"\"\n\x0bLoadRequest\x12\x13\n\x0bsince_event\x18\x01 \x01(\x04\"\xd1\x02\n\x0bPrefillLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x18\n\x10num_transferring\x18\x04 \x01(\r\x12\x19\n\x11num_queued_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nlast_event\x18\t \x01(\x04\x12\x10\n\x08snapshot\x18\n \x01(\x08\x12\x15\n\rstored_hashes\x18\x0b \x03(\x0c\x12\x16\n\x0eremoved_hashes\x18\x0c \x03(\x0c\x12\x15\n\rdeterministic\x18\r \x01(\x08\x12#\n\x05stats\x18\x0e \x01(\x0b\x32\x14.duet.v1.WorkerStats\"\xe4\x01\n\x0bWorkerStats\x12\x1e\n\x16iteration_token_counts\x18\x01 \x03(\x04\x12\x1c\n\x14iteration_tokens_sum\x18\x02 \x01(\x04\x12\x13\n\x0bspeculating\x18\x03 \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\x04 \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x05 \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x06 \x01(\x04\x12(\n spec_num_accepted_tokens_per_pos\x18\x07 \x03(\x04\"\x9d\x01\n\x13\x44\x65\x63odeRemoteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_replayed\x18\x05 \x01(\r\x12\x11\n\tstream_id\x18\x06 \x01(\t\"\x8b\x01\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1c\n\x14sampling_params_json\x18\x03 \x01(\t\x12\x14\n\x0cnum_replayed\x18\x04 \x01(\r\x12\x11\n\tstream_id\x18\x05 \x01(\t\"#\n\x0eOutputsRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\"8\n\x0bOutputBatch\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.duet.v1.RequestOutputItem\"\x7f\n\x11RequestOutputItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06output\x18\x02 \x01(\x0b\x32\x14.duet.v1.OutputDeltaH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.duet.v1.RequestErrorH\x00\x42\x06\n\x04kind\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\t\n\x07Started\";\n\x12\x41\x62ortDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tstream_id\x18\x02 \x01(\t\"\t\n\x07\x41\x62orted\"2\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"A\n\rWorkerLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"c\n\x13WorkerTokenLogprobs\x12\'\n\x07sampled\x18\x01 \x01(\x0b\x32\x16.duet.v1.WorkerLogprob\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.duet.v1.WorkerLogprob\"\xcf\x01\n\x0bOutputDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.duet.v1.WorkerTokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x17\n\rstop_token_id\x18\x05 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\rB\r\n\x0bstop_reason\"\x8c\x02\n\nDecodeLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x1a\n\x12num_waiting_for_kv\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x12\n\nkv_address\x18\t \x01(\t\x12\x15\n\rdeterministic\x18\n \x01(\x08\x12#\n\x05stats\x18\x0b \x01(\x0b\x32\x14.duet.v1.WorkerStats*\x89\x01\n\x0fTransferOutcome\x12 \n\x1cTRANSFER_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_OUTCOME_DONE\x10\x01\x12\x1b\n\x17TRANSFER_OUTCOME_FAILED\x10\x02\x12\x1c\n\x18TRANSFER_OUTCOME_ABORTED\x10\x03\x32\x84\x01\n\rPrefillWorker\x12<\n\x07Prefill\x12\x17.duet.v1.PrefillRequest\x1a\x18.duet.v1.PrefillResponse\x12\x35\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x14.duet.v1.PrefillLoad2\xb6\x02\n\x0c\x44\x65\x63odeWorker\x12:\n\x07Outputs\x12\x17.duet.v1.OutputsRequest\x1a\x14.duet.v1.OutputBatch0\x01\x12?\n\x0c\x44\x65\x63odeRemote\x12\x1c.duet.v1.DecodeRemoteRequest\x1a\x11.duet.v1.Reserved\x12;\n\x08Generate\x12\x1d.duet.v1.LocalGenerateRequest\x1a\x10.duet.v1.Started\x12\x36\n\x05\x41\x62ort\x12\x1b.duet.v1.AbortDecodeRequest\x1a\x10.duet.v1.Aborted\x12\x34\n\x07GetLoad\x12\x14.duet.v1.LoadRequest\x1a\x13.duet.v1.DecodeLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFEROUTCOME']._serialized_start=2027
-  _globals['_TRANSFEROUTCOME']._serialized_end=2164
+  _globals['_TRANSFEROUTCOME']._serialized_start=2332
+  _globals['_TRANSFEROUTCOME']._serialized_end=2469
   _globals['_PREFILLREQUEST']._serialized_start=34
   _globals['_PREFILLREQUEST']._serialized_end=172
   _globals['_PREFILLRESPONSE']._serialized_start=175
@@ -40,37 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREQUEST']._serialized_start=367
   _globals['_LOADREQUEST']._serialized_end=401
   _globals['_PREFILLLOAD']._serialized_start=404
-  _globals['_PREFILLLOAD']._serialized_end=704
-  _globals['_DECODEREMOTEREQUEST']._serialized_start=707
-  _globals['_DECODEREMOTEREQUEST']._serialized_end=864
-  _globals['_LOCALGENERATEREQUEST']._serialized_start=867
-  _globals['_LOCALGENERATEREQUEST']._serialized_end=1006
-  _globals['_OUTPUTSREQUEST']._serialized_start=1008
-  _globals['_OUTPUTSREQUEST']._serialized_end=1043
-  _globals['_OUTPUTBATCH']._serialized_start=1045
-  _globals['_OUTPUTBATCH']._serialized_end=1101
-  _globals['_REQUESTOUTPUTITEM']._serialized_start=1103
-  _globals['_REQUESTOUTPUTITEM']._serialized_end=1230
-  _globals['_REQUESTERROR']._serialized_start=1232
-  _globals['_REQUESTERROR']._serialized_end=1277
-  _globals['_STARTED']._serialized_start=1279
-  _globals['_STARTED']._serialized_end=1288
-  _globals['_ABORTDECODEREQUEST']._serialized_start=1290
-  _globals['_ABORTDECODEREQUEST']._serialized_end=1349
-  _globals['_ABORTED']._serialized_start=1351
-  _globals['_ABORTED']._serialized_end=1360
-  _globals['_RESERVED']._serialized_start=1362
-  _globals['_RESERVED']._serialized_end=1412
-  _globals['_WORKERLOGPROB']._serialized_start=1414
-  _globals['_WORKERLOGPROB']._serialized_end=1479
-  _globals['_WORKERTOKENLOGPROBS']._serialized_start=1481
-  _globals['_WORKERTOKENLOGPROBS']._serialized_end=1580
-  _globals['_OUTPUTDELTA']._serialized_start=1583
-  _globals['_OUTPUTDELTA']._serialized_end=1790
-  _globals['_DECODELOAD']._serialized_start=1793
-  _globals['_DECODELOAD']._serialized_end=2024
-  _globals['_PREFILLWORKER']._serialized_start=2167
-  _globals['_PREFILLWORKER']._serialized_end=2299
-  _globals['_DECODEWORKER']._serialized_start=2302
-  _globals['_DECODEWORKER']._serialized_end=2612
+  _globals['_PREFILLLOAD']._serialized_end=741
+  _globals['_WORKERSTATS']._serialized_start=744
+  _globals['_WORKERSTATS']._serialized_end=972
+  _globals['_DECODEREMOTEREQUEST']._serialized_start=975
+  _globals['_DECODEREMOTEREQUEST']._serialized_end=1132
+  _globals['_LOCALGENERATEREQUEST']._serialized_start=1135
+  _globals['_LOCALGENERATEREQUEST']._serialized_end=1274
+  _globals['_OUTPUTSREQUEST']._serialized_start=1276
+  _globals['_OUTPUTSREQUEST']._serialized_end=1311
+  _globals['_OUTPUTBATCH']._serialized_start=1313
+  _globals['_OUTPUTBATCH']._serialized_end=1369
+  _globals['_REQUESTOUTPUTITEM']._serialized_start=1371
+  _globals['_REQUESTOUTPUTITEM']._serialized_end=1498
+  _globals['_REQUESTERROR']._serialized_start=1500
+  _globals['_REQUESTERROR']._serialized_end=1545
+  _globals['_STARTED']._serialized_start=1547
+  _globals['_STARTED']._serialized_end=1556
+  _globals['_ABORTDECODEREQUEST']._serialized_start=1558
+  _globals['_ABORTDECODEREQUEST']._serialized_end=1617
+  _globals['_ABORTED']._serialized_start=1619
+  _globals['_ABORTED']._serialized_end=1628
+  _globals['_RESERVED']._serialized_start=1630
+  _globals['_RESERVED']._serialized_end=1680
+  _globals['_WORKERLOGPROB']._serialized_start=1682
+  _globals['_WORKERLOGPROB']._serialized_end=1747
+  _globals['_WORKERTOKENLOGPROBS']._serialized_start=1749
+  _globals['_WORKERTOKENLOGPROBS']._serialized_end=1848
+  _globals['_OUTPUTDELTA']._serialized_start=1851
+  _globals['_OUTPUTDELTA']._serialized_end=2058
+  _globals['_DECODELOAD']._serialized_start=2061
+  _globals['_DECODELOAD']._serialized_end=2329
+  _globals['_PREFILLWORKER']._serialized_start=2472
+  _globals['_PREFILLWORKER']._serialized_end=2604
+  _globals['_DECODEWORKER']._serialized_start=2607
+  _globals['_DECODEWORKER']._serialized_end=2917
 # @@protoc_insertion_point(module_scope)

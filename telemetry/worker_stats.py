@@ -1,0 +1,23 @@
+"""A worker's engine counters in its load report (`WorkerStats`, worker.proto), for the
+router's /metrics: tokens per engine step and speculative decoding's counters."""
+
+from __future__ import annotations
+
+from duet.v1 import worker_pb2
+from engine.stats import EngineStats
+
+
+def worker_stats(stats: EngineStats) -> worker_pb2.WorkerStats:
+    """`stats` (the engine thread's; read without a lock: a report may be a step behind)."""
+    out = worker_pb2.WorkerStats(
+        iteration_token_counts=list(stats.iteration_token_counts),
+        iteration_tokens_sum=stats.iteration_tokens_sum,
+    )
+    spec = stats.spec_decode
+    if spec is not None:
+        out.speculating = True
+        out.spec_num_drafts = spec.num_drafts
+        out.spec_num_draft_tokens = spec.num_draft_tokens
+        out.spec_num_accepted_tokens = spec.num_accepted_tokens
+        out.spec_num_accepted_tokens_per_pos.extend(spec.num_accepted_tokens_per_pos)
+    return out
