@@ -1,14 +1,17 @@
 """The disaggregated cluster on a local Ray instance in bf16, the production dtype: one
-prefill worker, two decode workers and a router actor. Greedy and seeded completions, sent all
-at once, give exactly the aggregated engine's text, and a decode actor killed mid-stream leaves
-greedy and seeded streams identical to an unfailed run (issue 19: the continuation is
-recomputed as a prefill on another worker, which must give the decode steps' bits)."""
+prefill worker, two decode workers that speculate (ngram) and a router actor. Greedy and
+seeded completions, sent all at once, give exactly the text of an aggregated engine without
+speculation, and a decode actor killed mid-stream leaves greedy and seeded streams identical
+to an unfailed run (issue 19: the continuation is recomputed as a prefill on another worker,
+which must give the decode steps' bits; issue 21: verification rows must give a plain decode's
+bits). The router's /metrics carries the decode workers' speculation counters."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
 
+import httpx2 as httpx
 import pytest
 import ray
 
@@ -20,6 +23,8 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.slow
 
 ENGINE = dict(dtype="bfloat16", block_size=8, num_kv_blocks=256, max_num_seqs=16)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,7 @@ def cluster(tiny_llama, tmp_path_factory):
     spec = ClusterSpec(
         model=tiny_llama,
         served_model_name="tiny",
-        engine=ENGINE,
+        engine={**ENGINE, "speculative_config": NGRAM},
         prefill_workers=1,
         prefill_tp=1,
         decode_workers=2,
@@ -71,7 +76,8 @@ def _params(i: int, max_tokens: int) -> dict:
 
 def test_bf16_disaggregated_equals_aggregated(cluster, aggregated):
     _, url = cluster
-    prompts = prompts_of([3, 6, 9, 17, 30, 44, 61, 75, 90, 104, 118, 127, 133, 140, 150, 12], 7)
+    prompts = prompts_of([3, 6, 9, 17, 30, 44, 61, 75, 90, 104, 118, 127, 133, 140], 7)
+    prompts += [[5, 6, 7, 8, 9] * 6, [42] * 20]  # answered with runs: guesses accepted
     want = [
         aggregated.generate([p], SamplingParams(ignore_eos=True, **_params(i, 16)))[0].text
         for i, p in enumerate(prompts)
@@ -88,6 +94,15 @@ def test_bf16_disaggregated_equals_aggregated(cluster, aggregated):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         got = list(pool.map(complete, range(len(prompts))))
     assert got == want
+    # The decode workers speculated (their next load reports reach the router's /metrics).
+    wait_for(
+        lambda: "duet:spec_decode_num_drafts_total" in httpx.get(f"{url}/metrics").text,
+        30,
+        "the decode workers' speculation counters",
+        interval_s=0.25,
+    )
+    assert metric(url, "duet:spec_decode_num_drafts_total") > 0
+    assert metric(url, "duet:spec_decode_num_accepted_tokens_total") > 0
 
 
 @pytest.mark.parametrize("i", [0, 1], ids=["greedy", "seeded"])
