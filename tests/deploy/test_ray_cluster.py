@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
-import threading
 import time
 
 import grpc
@@ -24,7 +23,7 @@ from cluster_auth import load_cluster_secret
 from cluster_auth.grpc_auth import CallSigner
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import LLM, SamplingParams
-from tests.net import free_port
+from tests.deploy.ray_harness import cluster_spec, running_cluster
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -34,38 +33,12 @@ ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=16)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    from cluster_auth.secret import remove_secret_file
-    from deploy.local_ray import start_local_ray
-    from deploy.ray_cluster import ClusterSpec, DuetCluster
-    from router.cluster_engine import ClusterConfig
-    from router.server import RouterConfig
-
-    store = tmp_path_factory.mktemp("sessions") / "s.db"
-    spec = ClusterSpec(
-        model=tiny_llama,
-        served_model_name="tiny",
-        engine=ENGINE,
-        prefill_workers=2,
-        prefill_tp=2,
-        decode_workers=2,
-        router=RouterConfig(port=free_port(), grpc_port=free_port(), session_store_url=f"sqlite:///{store}"),
-        cluster=ClusterConfig(local_prefill_threshold=8, poll_interval_s=0.2, num_decode_workers=2,
-                              max_num_seqs_per_decode_worker=16),
+    spec = cluster_spec(
+        tiny_llama, tmp_path_factory.mktemp("sessions"), ENGINE,
+        prefill_workers=2, prefill_tp=2, decode_workers=2,
     )  # fmt: skip
-    secret_file = start_local_ray(spec)
-    duet = DuetCluster(spec)
-    stop = threading.Event()
-    try:
-        duet.start(timeout_s=600)
-        supervisor = threading.Thread(target=duet.run, args=(stop, 0.5), daemon=True)
-        supervisor.start()
-        yield duet, f"http://127.0.0.1:{spec.router.port}"
-    finally:
-        stop.set()
-        duet.shutdown()
-        ray.shutdown()
-        remove_secret_file(secret_file)
-        assert not secret_file.exists()
+    with running_cluster(spec) as running:
+        yield running
 
 
 def client(url: str) -> openai.OpenAI:

@@ -1,0 +1,68 @@
+"""The local Ray deployment the Ray tests drive: a `ClusterSpec` for a tiny model with free
+ports and a SQLite session store, started with its supervisor thread and torn down after."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tests.net import free_port
+
+
+def cluster_spec(
+    model: str,
+    store_dir: Path,
+    engine: dict[str, Any],
+    *,
+    prefill_workers: int,
+    decode_workers: int,
+    **spec: Any,
+) -> Any:
+    """A `ClusterSpec` serving `model` as "tiny" (local prefill up to 8 tokens, 16 sequences
+    per decode worker); `spec` adds or overrides ClusterSpec fields (prefill_tp, kv_backend,
+    gpus_per_worker)."""
+    from deploy.ray_cluster import ClusterSpec
+    from router.cluster_engine import ClusterConfig
+    from router.server import RouterConfig
+
+    return ClusterSpec(
+        model=model,
+        served_model_name="tiny",
+        engine=engine,
+        prefill_workers=prefill_workers,
+        decode_workers=decode_workers,
+        router=RouterConfig(port=free_port(), grpc_port=free_port(),
+                            session_store_url=f"sqlite:///{store_dir / 's.db'}"),
+        cluster=ClusterConfig(local_prefill_threshold=8, poll_interval_s=0.2,
+                              num_decode_workers=decode_workers,
+                              max_num_seqs_per_decode_worker=16),
+        **spec,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def running_cluster(spec: Any) -> Iterator[tuple[Any, str]]:
+    """Start Ray and the cluster (600 s at most), yield (DuetCluster, router URL); shut both
+    down and remove the cluster secret afterwards (checked gone)."""
+    from cluster_auth.secret import remove_secret_file
+    from deploy.local_ray import start_local_ray
+    from deploy.ray_cluster import DuetCluster
+
+    secret_file = start_local_ray(spec)
+    duet = DuetCluster(spec)
+    stop = threading.Event()
+    try:
+        duet.start(timeout_s=600)
+        threading.Thread(target=duet.run, args=(stop, 0.5), daemon=True).start()
+        yield duet, f"http://127.0.0.1:{spec.router.port}"
+    finally:
+        stop.set()
+        duet.shutdown()
+        ray.shutdown()
+        remove_secret_file(secret_file)
+        assert not secret_file.exists()
