@@ -22,6 +22,13 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
+from engine.kernels.triton_attention_order import (
+    PARTITION,
+    fold_partition,
+    normalise,
+    online_step,
+    tile_scores,
+)
 from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
 
 _LOG2E = 1.4426950408889634
@@ -58,6 +65,7 @@ def _prefill_kernel(
     OPERAND_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PARTITION: tl.constexpr,
 ):
     req = tl.load(prefill_indices_ptr + tl.program_id(0))
     q_tile = tl.program_id(1)
@@ -94,10 +102,15 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, context_len + first_token + TOKENS_PER_TILE)
     kv_end = tl.where(first_token < q_len, kv_end, 0)  # tile past this request's chunk
 
+    # Partitions of PARTITION keys from position 0, each from an empty state, folded left to
+    # right (triton_attention_order): the same order for a row whatever its chunk.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
+    pm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pacc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for tile in range(0, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
@@ -111,26 +124,18 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = (
-            tl.dot(q, tl.trans(k.to(OPERAND_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-            * qk_scale
-        )  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(q, k, qk_scale, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION)
         if tile + BLOCK_N > visible_end:
             causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(causal, s, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_i is finite from then on (no NaN).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(OPERAND_DTYPE).to(DOT_DTYPE),
-            v.to(OPERAND_DTYPE).to(DOT_DTYPE),
-            input_precision=DOT_PRECISION,
-        )
-        m_i = m_new
+        pm, pl, pacc = online_step(s, v, pm, pl, pacc, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        if ((tile + BLOCK_N) % PARTITION == 0) | (tile + BLOCK_N >= kv_end):  # partition done
+            m_i, l_i, acc = fold_partition(m_i, l_i, acc, pm, pl, pacc)
+            pm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+            pacc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o = normalise(l_i, acc)
     tl.store(
         out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -143,16 +148,17 @@ def prefill_launch_config(
 ) -> dict[str, Any]:
     """Compile-time parameters of `_prefill_kernel`, one set per model and dtype (what
     tests/engine/triton_sm90_compile.py compiles for sm_90, asserting no spills).
-    16-bit on GPUs: a 128-row query tile, 64-key tiles and 8 warps (176 registers at head_dim
-    128 in bf16), as in Triton's fused-attention tutorial. fp32 runs its `tl.dot`s as exact FMA
-    loops whose operands all sit in registers: 64 x 32 tiles over 8 warps at head_dim <= 128
-    (a 128 x 64 tile spills hundreds of bytes). The interpreter gets 64 rows: the same code with
-    less padding on tiny test shapes."""
+    16-bit on GPUs: a 128-row query tile, 64-key tiles and 8 warps (249 registers at head_dim
+    128 in bf16, no spill: the partition's state and the running state are two accumulators;
+    176 with one), as in Triton's fused-attention tutorial. fp32 runs its `tl.dot`s as exact
+    FMA loops whose operands all sit in registers: 32 x 32 tiles over 8 warps at head_dim <= 128
+    (64 x 32 spills 32 bytes with the two accumulators). The interpreter gets 64 rows: the same
+    code with less padding on tiny test shapes. Deterministic decode runs this config too."""
     fp32 = dtype == torch.float32
     if device.type != "cuda" or head_dim > 128:
         block_m = 64
     else:
-        block_m = 64 if fp32 else 128
+        block_m = 32 if fp32 else 128
     block_m = max(block_m, next_power_of_2(group))
     return dict(
         GROUP=group,
@@ -163,6 +169,7 @@ def prefill_launch_config(
         OPERAND_DTYPE=operand_dtype(dtype),
         DOT_DTYPE=dot_dtype(dtype, device),
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        PARTITION=PARTITION,
         num_warps=8 if block_m >= 128 or fp32 else 4,
         num_stages=2,
     )
