@@ -59,7 +59,7 @@ def prefill_chunks(prompt, bounds: list[tuple[int, int]]) -> torch.Tensor:
     seq_lens = torch.tensor([b for _, b in bounds], **I32)
     paged_prefill_attention(
         out, q, cache, torch.tensor(starts, **I32), seq_lens, table,
-        torch.arange(len(bounds), **I32), max(b - a for a, b in bounds), HEAD_DIM**-0.5,
+        torch.arange(len(bounds), **I32), max(b - a for a, b in bounds), q.shape[-1] ** -0.5,
     )  # fmt: skip
     return out
 
@@ -112,3 +112,29 @@ def test_decode_is_bitwise_the_prefill_row(prompt, whole, position):
         torch.tensor([blocks], **I32), torch.zeros(1, **I32), HEAD_DIM**-0.5, splits, partition,
     )  # fmt: skip
     assert torch.equal(out[0], whole[position])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA: the interpreter's bf16 dot is wrong")
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-8B
+def test_bf16_on_gpu_decode_chunks_and_prefix_hits_are_bitwise_the_whole_prefill(shape):
+    """Compiled in bf16 (the tiles and warps a GPU runs, `make gpu-check`)."""
+    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+
+    heads, kv_heads, head_dim = shape
+    (cache, query, _, _), block_ids = make_case(
+        [LENGTH], [LENGTH], heads, kv_heads, head_dim, BLOCK, torch.bfloat16, seed=3
+    )
+    prompt = (cache, query, block_ids[0])
+    whole = chunked(prompt, LENGTH)
+    for size in (7, 16, 61):
+        assert torch.equal(chunked(prompt, size), whole), size
+    assert torch.equal(chunked(prompt, LENGTH, first=320), whole[320:])
+    q = query[LENGTH - 1 :].contiguous()
+    out = torch.empty_like(q)
+    splits, partition = choose_splits(1, kv_heads, LENGTH, 132, True)
+    paged_decode_attention(
+        out, q, cache, torch.arange(2, **I32), torch.tensor([LENGTH], **I32),
+        torch.tensor(block_ids, **I32), torch.zeros(1, **I32), head_dim**-0.5, splits, partition,
+    )  # fmt: skip
+    assert torch.equal(out[0], whole[-1])

@@ -60,3 +60,17 @@ def test_bad_shapes_are_refused():
         invariant_linear(x[:, :10], w)
     with pytest.raises(ValueError, match="share a dtype"):
         invariant_linear(x, w.double())
+
+
+def test_rms_norm_rows_are_bitwise_the_same_at_any_batch_size():
+    from engine.kernels.triton_norm import rms_norm
+    from engine.model.llama import RMSNorm
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    x = torch.randn(300, K, generator=g, device=DEVICE)
+    norm = RMSNorm(K, 1e-5).to(DEVICE)
+    norm.weight.data = torch.rand(K, generator=g, device=DEVICE) + 0.5
+    full = rms_norm(x, norm.weight, norm.eps)
+    for rows in ROWS:
+        assert torch.equal(rms_norm(x[:rows], norm.weight, norm.eps), full[:rows]), rows
+    torch.testing.assert_close(full, norm._norm(x), atol=1e-5, rtol=1e-5)

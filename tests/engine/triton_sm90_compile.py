@@ -32,6 +32,8 @@ from engine.kernels.triton_decode import (
     decode_launch_config,
     merge_launch_config,
 )
+from engine.kernels.triton_matmul import _matmul_kernel, matmul_config
+from engine.kernels.triton_norm import _rms_norm_kernel
 from engine.kernels.triton_prefill import _prefill_kernel, prefill_launch_config
 
 CUDA = torch.device("cuda")  # only its type is read: nothing touches a device
@@ -40,6 +42,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 # Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
 MODELS = {"llama8b": (8, 4, 128), "smollm2": (3, 3, 64)}
+HIDDEN = {"llama8b": 4096, "smollm2": 576}
 FP32_PTRS = {"part_out_ptr", "part_lse_ptr"}
 INT_PTRS = {
     "slot_ptr": "*i64",
@@ -50,7 +53,7 @@ INT_PTRS = {
     "prefill_indices_ptr": "*i32",
 }
 # Arguments a real launch sees as multiples of 16 at these shapes (Triton specialises on it).
-NOT_DIVISIBLE = {"qk_scale", "num_kv_heads"}
+NOT_DIVISIBLE = {"qk_scale", "num_kv_heads", "eps", "M"}
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -93,7 +96,7 @@ def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, int
             if name not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
             if name not in NOT_DIVISIBLE and name not in unspecialised:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
@@ -119,6 +122,13 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             variants[f"{name}/merge"] = (_merge_kernel, ptr, merge)
             prefill = prefill_launch_config(group, head_dim, dtype, CUDA)
             variants[f"{name}/prefill"] = (_prefill_kernel, ptr, prefill)
+            # deterministic inference: the batch-invariant linears and norms
+            for bias in (False, True):
+                gemm = {**matmul_config(dtype, CUDA), "HAS_BIAS": bias}
+                variants[f"{name}/matmul{'_bias' if bias else ''}"] = (_matmul_kernel, ptr, gemm)
+            block = triton.next_power_of_2(HIDDEN[model])
+            norm = {"BLOCK": block, "num_warps": min(16, max(1, block // 256))}
+            variants[f"{name}/rms_norm"] = (_rms_norm_kernel, ptr, norm)
     return variants
 
 
