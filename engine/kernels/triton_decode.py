@@ -12,13 +12,16 @@ kernel merges them. Nothing about the split count is a compile-time constant, so
 compiles each kernel once (the split count is re-chosen every step, and a CUDA graph replays
 the grid of its capture).
 
-Deterministic inference (`partition` > 0) does not split: a request's attention must not depend
-on its batch, nor differ from the prefill kernel's at the same position, and a split-then-merge
-is a different order of arithmetic from the prefill kernel's left fold over partitions
-(triton_attention_order). So those decode rows run the prefill kernel as chunks of one token:
-one program per (request, KV head), the same code, tiles and warps as a prefill row. The cost
-is the parallelism split-K gives a small batch of long contexts: batch x KV heads programs
-(8 for one Llama-8B request on 132 SMs).
+Deterministic inference (`partition` > 0) does not use this kernel: a request's attention must
+not depend on its batch, nor differ from the prefill kernel's at the same position, and this
+kernel's split-then-merge (a weighted sum over splits sized by the launch) is a different
+order of arithmetic from the prefill kernel's left fold over 256-key partitions
+(triton_attention_order). So those decode rows run the prefill kernel as chunks of one token,
+on the same code, tiles and warps as a prefill row: walking all partitions in one program per
+(request, KV head), or, for a batch too small to fill the GPU, one program per partition and a
+left fold of their states (`triton_prefill.ordered_decode_attention`), which gives the same
+bits. The cost against split-K: the prefill kernel's larger query tile (up to 128 rows for G
+live ones; decode attention is bound by K/V reads) and a partial state per 256 keys.
 
 NOTE: the int32 metadata tensors are views at varying offsets of one packed buffer
 (`KernelBatch.build`) and the block table's width changes every step, so the kernels opt out of
@@ -40,7 +43,7 @@ from triton import next_power_of_2
 
 from engine.kernels.triton_attention_order import PARTITION
 from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
-from engine.kernels.triton_prefill import paged_prefill_attention
+from engine.kernels.triton_prefill import ordered_decode_attention
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -48,6 +51,9 @@ MAX_SPLITS = 16
 _MIN_TOKENS_PER_SPLIT = 256
 # Deterministic inference: the partition of the one order of arithmetic (triton_attention_order).
 DETERMINISTIC_PARTITION = PARTITION
+# ... split by partition only up to this many (16k tokens): bounds the fp32 partial states a
+# CUDA graph holds (rows x partitions; kv_sizing reserves 16 per row for max_num_seqs rows).
+MAX_PARTITION_SPLITS = 64
 # Arguments whose value or alignment changes from step to step (see the module docstring).
 INDEX_PTRS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "decode_indices_ptr"]
 RUNTIME_INTS = ["stride_bt", "num_splits"]
@@ -237,11 +243,17 @@ def choose_splits(
     num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, deterministic: bool
 ) -> tuple[int, int]:
     """(the launch's split count, partition): adaptive (`choose_num_splits`, partition 0), or
-    for deterministic inference one split and `DETERMINISTIC_PARTITION`: each request's one
-    program per KV head walks its partitions in order (see `paged_decode_attention`)."""
+    for deterministic inference `DETERMINISTIC_PARTITION` and either 1 (each request's one
+    program per KV head walks its partitions) or, when that leaves SMs idle (fewer programs
+    than twice the SMs) and the longest request has at most `MAX_PARTITION_SPLITS`
+    partitions, that count (one program per partition, then a left fold): both give the same
+    bits (`ordered_decode_attention`)."""
     if not deterministic:
         return choose_num_splits(num_decodes, num_kv_heads, max_seq_len, num_sms), 0
-    return 1, DETERMINISTIC_PARTITION
+    parts = max(1, -(-max_seq_len // DETERMINISTIC_PARTITION))
+    if num_decodes * num_kv_heads >= 2 * num_sms or parts > MAX_PARTITION_SPLITS:
+        return 1, DETERMINISTIC_PARTITION
+    return parts, DETERMINISTIC_PARTITION
 
 
 def decode_launch_config(
@@ -294,22 +306,22 @@ def paged_decode_attention(
     whole step); decode_indices [Bd]: the requests to serve, whose one token is row
     query_start_loc[i]; num_splits: the launch's split count, 1 to MAX_SPLITS (each request
     uses at most that many); partition: 0, or `DETERMINISTIC_PARTITION` for deterministic
-    inference, which runs these rows through the prefill kernel instead: one program per
-    (request, KV head) folds the request's partitions left to right, the order a prefill row
-    at the same position follows, on the same tiles (num_splits is then unused). Writes those
+    inference, which runs these rows through the prefill kernel instead, in the order a
+    prefill row at the same position follows, on the same tiles (`ordered_decode_attention`;
+    num_splits is then 1 or at least the longest request's partition count). Writes those
     rows of `out` only. A request with seq_len 0 gets zeros."""
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     if partition not in (0, DETERMINISTIC_PARTITION):
         raise ValueError(f"partition must be 0 or {DETERMINISTIC_PARTITION}; got {partition}")
+    if partition:
+        ordered_decode_attention(
+            out, query, kv_cache, query_start_loc, seq_lens, block_tables, decode_indices,
+            scale, num_splits,
+        )  # fmt: skip
+        return
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     num_decodes = decode_indices.shape[0]
     if num_decodes == 0:
-        return
-    if partition:
-        paged_prefill_attention(
-            out, query, kv_cache, query_start_loc, seq_lens, block_tables, decode_indices, 1,
-            scale,
-        )  # fmt: skip
         return
     check_cache_layout(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -98,13 +98,16 @@ def test_prefix_hit_is_bitwise_the_cold_prefill(prompt, whole):
 
 
 @pytest.mark.parametrize("position", [255, 256, LENGTH - 1])
-def test_decode_is_bitwise_the_prefill_row(prompt, whole, position):
+@pytest.mark.parametrize("batch", [1, 300])  # split by partition and folded; one walk
+def test_decode_is_bitwise_the_prefill_row(prompt, whole, position, batch):
     """The deterministic decode launch at a partition's last key, its next partition's first,
-    and the prompt's last token."""
+    and the prompt's last token; launched as for one request on an H100 (a program per
+    partition, then a left fold) and as for a batch of 300 (one program walks them all)."""
     from engine.kernels.triton_decode import choose_splits, paged_decode_attention
 
     cache, query, blocks = prompt
-    splits, partition = choose_splits(1, KV_HEADS, position + 1, 132, True)
+    splits, partition = choose_splits(batch, KV_HEADS, position + 1, 132, True)
+    assert (splits, partition) == ((position + 256) // 256 if batch == 1 else 1, 256)
     q = query[position : position + 1].contiguous()
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(

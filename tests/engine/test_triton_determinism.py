@@ -66,7 +66,7 @@ def test_deterministic_decode_is_bitwise_the_same_in_any_batch(case):
     cache, query, block_ids, seq_lens = case
     alone, splits_alone = decode_rows(cache, query, block_ids, seq_lens, [0], True)
     batched, splits_batched = decode_rows(cache, query, block_ids, seq_lens, [1, 0, 2, 3], True)
-    assert (splits_alone, splits_batched) == (1, 1)  # no split: the prefill kernel's walk
+    assert (splits_alone, splits_batched) == (3, 8)  # partitions of the longest request
     assert torch.equal(batched[1], alone[0])
 
 
@@ -99,3 +99,13 @@ def test_the_engine_passes_deterministic_to_the_triton_metadata(case):
         )  # fmt: skip
         assert meta.kernel_batch is not None
         assert meta.kernel_batch.split_partition == partition
+
+
+def test_deterministic_decode_splits_by_partition_only_where_the_gpu_would_idle():
+    from engine.kernels.triton_decode import MAX_PARTITION_SPLITS, choose_splits
+
+    assert choose_splits(1, 8, 700, H100_SMS, True) == (3, 256)  # 8 programs: by partition
+    assert choose_splits(33, 8, 700, H100_SMS, True) == (1, 256)  # 264: one walk each
+    longest = MAX_PARTITION_SPLITS * 256
+    assert choose_splits(1, 8, longest, H100_SMS, True) == (MAX_PARTITION_SPLITS, 256)
+    assert choose_splits(1, 8, longest + 1, H100_SMS, True) == (1, 256)

@@ -34,7 +34,7 @@ from engine.kernels.triton_decode import (
 )
 from engine.kernels.triton_matmul import _matmul_kernel, matmul_config
 from engine.kernels.triton_norm import _rms_norm_kernel
-from engine.kernels.triton_prefill import _prefill_kernel, prefill_launch_config
+from engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
 
 CUDA = torch.device("cuda")  # only its type is read: nothing touches a device
 TARGET = GPUTarget("cuda", 90, 32)
@@ -43,7 +43,7 @@ DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 # Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
 MODELS = {"llama8b": (8, 4, 128), "smollm2": (3, 3, 64)}
 HIDDEN = {"llama8b": 4096, "smollm2": 576}
-FP32_PTRS = {"part_out_ptr", "part_lse_ptr"}
+FP32_PTRS = {"part_out_ptr", "part_lse_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
 INT_PTRS = {
     "slot_ptr": "*i64",
     "query_start_loc_ptr": "*i32",
@@ -121,7 +121,12 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             merge = merge_launch_config(head_dim, decode["BLOCK_N"])
             variants[f"{name}/merge"] = (_merge_kernel, ptr, merge)
             prefill = prefill_launch_config(group, head_dim, dtype, CUDA)
-            variants[f"{name}/prefill"] = (_prefill_kernel, ptr, prefill)
+            variants[f"{name}/prefill"] = (_prefill_kernel, ptr, {**prefill, "SPLIT": False})
+            # deterministic decode: the prefill kernel by partition, then the left fold
+            split = {**prefill, "SPLIT": True}
+            variants[f"{name}/prefill_split"] = (_prefill_kernel, ptr, split)
+            fold = {"BLOCK_D": prefill["BLOCK_D"], "PARTITION": prefill["PARTITION"]}
+            variants[f"{name}/fold"] = (_fold_kernel, ptr, {**fold, "num_warps": 4})
             # deterministic inference: the batch-invariant linears and norms
             for bias in (False, True):
                 gemm = {**matmul_config(dtype, CUDA), "HAS_BIAS": bias}
