@@ -4,7 +4,9 @@
 
 1. the `gpu`-marked tests (`pytest -m gpu`): the Triton kernels compiled at Llama-3.1-8B and
    SmolLM2 shapes in bf16, CUDA-graph decode with split-K captured, seeded sampling at
-   temperature > 0 on CUDA (and against the CPU), the KV pool sized from free memory, the GPU
+   temperature > 0 on CUDA (and against the CPU), deterministic inference in bf16 (decode ==
+   prefill, chunked == whole, prefix hit == cold attention, bitwise; the batch-invariant
+   matmul), the KV pool sized from free memory, the GPU
    benchmark's own checks, and the disaggregated run with KV over NCCL against the aggregated
    engine (two GPUs; with one, pytest skips it and the report says why);
 2. `benchmarks.kernels.gpu`: decode step time against the HBM roofline, prefill against the

@@ -54,8 +54,10 @@ class EngineConfig:
     """Reuse KV blocks of identical prefixes (chained hashes of full blocks)."""
     deterministic: bool = True
     """On the CPU, run every matrix product on enough rows that a row's result does not depend
-    on its batch (docs/determinism.md); costs single-stream decode time. False: as few rows as
-    the batch has (faster at small batches; output may then depend on the batch)."""
+    on its batch (docs/determinism.md); costs single-stream decode time. On CUDA, run the
+    linears, LM head and RMSNorms as fixed-tile Triton kernels and decode attention without
+    split-K. False: as few rows as the batch has, cuBLAS and split-K (faster; output may then
+    depend on the batch)."""
     scheduling_policy: str = "fcfs"
     """fcfs, or priority (lower `priority` value runs first, ties by arrival)."""
     tensor_parallel_size: int = 1
@@ -207,3 +209,22 @@ def cpu_has_native_bf16() -> bool:
 def cpu_vendor() -> str:
     """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"; "" where unknown)."""
     return cpuinfo_field("vendor_id")
+
+
+def reports_deterministic(
+    device: torch.device,
+    linears_invariant: bool,
+    cpu_prefill_kernel: bool,
+    triton_attention: bool,
+    tp_size: int,
+) -> bool:
+    """What an engine reports as `deterministic` (docs/determinism.md). `linears_invariant`:
+    the loader's verdict on the matrix products (CPU: probed invariant with padding; CUDA: the
+    Triton matmuls and norms are in, deterministic mode, nothing quantized).
+    - CPU: that, and the C++ prefill kernel runs (it shares the decode kernel's order).
+    - CUDA: that, the Triton attention kernels (the torch path's SDPA is not invariant), and
+      one rank (NCCL picks its all-reduce algorithm by message size, so a row's sum may
+      depend on the batch's token count)."""
+    if device.type == "cuda":
+        return linears_invariant and triton_attention and tp_size == 1
+    return linears_invariant and cpu_prefill_kernel

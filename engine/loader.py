@@ -168,15 +168,34 @@ def load_model(
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
-    # NOTE: cuBLAS is not batch-invariant; GPUs are not probed (docs/determinism.md).
     if deterministic and device.type == "cpu":
         set_kernel_max_rows(net, None)  # one product at every row count
         invariant = row_invariant.check_model(net, dtype).ok
+    elif deterministic and device.type == "cuda":
+        # cuBLAS and torch's reductions are not batch-invariant: Triton products and norms with
+        # fixed tiles instead (docs/determinism.md). Quantized layers keep their kernels.
+        row_invariant.set_min_rows(net, 1)
+        invariant = _use_invariant_cuda_kernels(net) and quantization is None
     else:
         row_invariant.set_min_rows(net, 1)
         invariant = False
     num_bytes = log_weight_bytes(net, name, quantization)
     return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes)
+
+
+def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
+    """Batch-invariant Triton matmuls and RMSNorms for `net` on CUDA; False (and nothing set)
+    where Triton cannot run."""
+    from engine.kernels.triton_runtime import triton_unusable_reason
+    from engine.model.llama import RMSNorm
+
+    if triton_unusable_reason(torch.device("cuda")) is not None:
+        return False
+    row_invariant.use_invariant_gemm(net)
+    for module in net.modules():
+        if isinstance(module, RMSNorm):
+            module.invariant = True
+    return True
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:

@@ -12,6 +12,17 @@ kernel merges them. Nothing about the split count is a compile-time constant, so
 compiles each kernel once (the split count is re-chosen every step, and a CUDA graph replays
 the grid of its capture).
 
+Deterministic inference (`partition` > 0) does not use this kernel: a request's attention must
+not depend on its batch, nor differ from the prefill kernel's at the same position, and this
+kernel's split-then-merge (a weighted sum over splits sized by the launch) is a different
+order of arithmetic from the prefill kernel's left fold over 256-key partitions
+(triton_attention_order). So those decode rows run the prefill kernel as chunks of one token,
+on the same code, tiles and warps as a prefill row: walking all partitions in one program per
+(request, KV head), or, for a batch too small to fill the GPU, one program per partition and a
+left fold of their states (`triton_prefill.ordered_decode_attention`), which gives the same
+bits. The cost against split-K: the prefill kernel's larger query tile (up to 128 rows for G
+live ones; decode attention is bound by K/V reads) and a partial state per 256 keys.
+
 NOTE: the int32 metadata tensors are views at varying offsets of one packed buffer
 (`KernelBatch.build`) and the block table's width changes every step, so the kernels opt out of
 Triton's specialisation on their alignment and on the width's value: either would compile a
@@ -30,33 +41,29 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
+from engine.kernels.triton_attention_order import PARTITION
 from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
+from engine.kernels.triton_prefill import ordered_decode_attention
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 # A split shorter than this costs more in the merge than it gains in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
-# Deterministic inference: a request's splits are whole multiples of this many tokens, from its
-# own length (a multiple of every BLOCK_N; the CPU kernels' partition, attention_order.h).
-DETERMINISTIC_PARTITION = 256
+# Deterministic inference: the partition of the one order of arithmetic (triton_attention_order).
+DETERMINISTIC_PARTITION = PARTITION
+# ... split by partition only up to this many (16k tokens): bounds the fp32 partial states a
+# CUDA graph holds (rows x partitions; kv_sizing reserves 16 per row for max_num_seqs rows).
+MAX_PARTITION_SPLITS = 64
 # Arguments whose value or alignment changes from step to step (see the module docstring).
 INDEX_PTRS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "decode_indices_ptr"]
-RUNTIME_INTS = ["stride_bt", "num_splits", "partition"]
+RUNTIME_INTS = ["stride_bt", "num_splits"]
 
 
 @triton.jit
-def _request_splits(
-    seq_len, num_splits, partition, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr
-):
-    """(tokens per split, splits used) of one request, one split for an empty sequence.
-    partition 0: whole key tiles, at most num_splits (the launch's). partition P > 0
-    (deterministic inference): a multiple of P tokens that depends on the request's own
-    length only, at most MAX_SPLITS splits, so its partials and their merge are the same
-    whatever else is in the batch (the launch's num_splits only has to cover them)."""
-    adaptive = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    unit = tl.maximum(partition, 1)
-    fixed = unit * tl.maximum(tl.cdiv(seq_len, unit * MAX_SPLITS), 1)
-    split_len = tl.where(partition > 0, fixed, adaptive)
+def _request_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """(tokens per split, splits used) of one request, one split for an empty sequence: whole
+    key tiles, at most num_splits (the launch's)."""
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     count = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
     return split_len, count
 
@@ -85,7 +92,6 @@ def _decode_kernel(
     head_dim,
     block_size,
     num_splits,
-    partition,
     GROUP: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -101,7 +107,7 @@ def _decode_kernel(
     req = tl.load(decode_indices_ptr + slot)
     row = tl.load(query_start_loc_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len, count = _request_splits(seq_len, num_splits, partition, BLOCK_N, MAX_SPLITS)
+    split_len, count = _request_splits(seq_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)  # empty for a split past this request's count
 
@@ -173,9 +179,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=g_mask & live)
 
 
-@triton.jit(
-    do_not_specialize=["num_splits", "partition"], do_not_specialize_on_alignment=INDEX_PTRS
-)
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=INDEX_PTRS)
 def _merge_kernel(
     out_ptr,
     part_out_ptr,
@@ -187,7 +191,6 @@ def _merge_kernel(
     stride_oh,
     head_dim,
     num_splits,
-    partition,
     MAX_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -196,7 +199,7 @@ def _merge_kernel(
     head = tl.program_id(1)
     req = tl.load(decode_indices_ptr + slot)
     seq_len = tl.load(seq_lens_ptr + req)
-    _, count = _request_splits(seq_len, num_splits, partition, BLOCK_N, MAX_SPLITS)
+    _, count = _request_splits(seq_len, num_splits, BLOCK_N)
     if count > 1:  # a request with one split was written by the decode kernel
         row = tl.load(query_start_loc_ptr + req)
         s = tl.arange(0, MAX_SPLITS)
@@ -240,13 +243,17 @@ def choose_splits(
     num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int, deterministic: bool
 ) -> tuple[int, int]:
     """(the launch's split count, partition): adaptive (`choose_num_splits`, partition 0), or
-    for deterministic inference every request split by its own length into multiples of
-    `DETERMINISTIC_PARTITION` tokens (see `_request_splits`), the launch covering the
-    longest."""
+    for deterministic inference `DETERMINISTIC_PARTITION` and either 1 (each request's one
+    program per KV head walks its partitions) or, when that leaves SMs idle (fewer programs
+    than twice the SMs) and the longest request has at most `MAX_PARTITION_SPLITS`
+    partitions, that count (one program per partition, then a left fold): both give the same
+    bits (`ordered_decode_attention`)."""
     if not deterministic:
         return choose_num_splits(num_decodes, num_kv_heads, max_seq_len, num_sms), 0
-    by_length = -(-max_seq_len // DETERMINISTIC_PARTITION)
-    return max(1, min(by_length, MAX_SPLITS)), DETERMINISTIC_PARTITION
+    parts = max(1, -(-max_seq_len // DETERMINISTIC_PARTITION))
+    if num_decodes * num_kv_heads >= 2 * num_sms or parts > MAX_PARTITION_SPLITS:
+        return 1, DETERMINISTIC_PARTITION
+    return parts, DETERMINISTIC_PARTITION
 
 
 def decode_launch_config(
@@ -298,9 +305,19 @@ def paged_decode_attention(
     (contiguous); query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks] (int32,
     whole step); decode_indices [Bd]: the requests to serve, whose one token is row
     query_start_loc[i]; num_splits: the launch's split count, 1 to MAX_SPLITS (each request
-    uses at most that many); partition: 0, or the fixed split unit of deterministic inference
-    (`choose_splits`). Writes those rows of `out` only. A request with seq_len 0 gets
-    zeros."""
+    uses at most that many); partition: 0, or `DETERMINISTIC_PARTITION` for deterministic
+    inference, which runs these rows through the prefill kernel instead, in the order a
+    prefill row at the same position follows, on the same tiles (`ordered_decode_attention`;
+    num_splits is then 1 or at least the longest request's partition count). Writes those
+    rows of `out` only. A request with seq_len 0 gets zeros."""
+    if partition not in (0, DETERMINISTIC_PARTITION):
+        raise ValueError(f"partition must be 0 or {DETERMINISTIC_PARTITION}; got {partition}")
+    if partition:
+        ordered_decode_attention(
+            out, query, kv_cache, query_start_loc, seq_lens, block_tables, decode_indices,
+            scale, num_splits,
+        )  # fmt: skip
+        return
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}]; got {num_splits}")
     num_decodes = decode_indices.shape[0]
@@ -342,7 +359,6 @@ def paged_decode_attention(
         head_dim,
         block_size,
         num_splits,
-        partition,
         **config,
     )
     if num_splits > 1:
@@ -357,6 +373,5 @@ def paged_decode_attention(
             out.stride(1),
             head_dim,
             num_splits,
-            partition,
             **merge_launch_config(head_dim, config["BLOCK_N"]),
         )

@@ -22,6 +22,13 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
+from engine.kernels.triton_attention_order import (
+    PARTITION,
+    fold_partition,
+    normalise,
+    online_step,
+    tile_scores,
+)
 from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
 
 _LOG2E = 1.4426950408889634
@@ -35,6 +42,9 @@ def _prefill_kernel(
     key_cache_ptr,
     value_cache_ptr,
     out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -58,9 +68,13 @@ def _prefill_kernel(
     OPERAND_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
+    # SPLIT (deterministic decode, `ordered_decode_attention`): chunks of one token, program
+    # (i, p, h) reduces partition p only and writes its state; `_fold_kernel` folds them.
     req = tl.load(prefill_indices_ptr + tl.program_id(0))
-    q_tile = tl.program_id(1)
+    q_tile = 0 if SPLIT else tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -94,11 +108,21 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, context_len + first_token + TOKENS_PER_TILE)
     kv_end = tl.where(first_token < q_len, kv_end, 0)  # tile past this request's chunk
 
+    # Partitions of PARTITION keys from position 0, each from an empty state, folded left to
+    # right (triton_attention_order): the same order for a row whatever its chunk.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * stride_bt
-    for tile in range(0, kv_end, BLOCK_N):
+    pm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pacc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    hi = kv_end
+    if SPLIT:
+        lo = tl.program_id(1) * PARTITION
+        hi = tl.minimum(lo + PARTITION, kv_end)
+    for tile in range(lo, hi, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         block = tl.load(table + n // block_size, mask=n_mask, other=0)
@@ -111,30 +135,75 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = (
-            tl.dot(q, tl.trans(k.to(OPERAND_DTYPE).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-            * qk_scale
-        )  # [BLOCK_M, BLOCK_N]
+        s = tile_scores(q, k, qk_scale, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION)
         if tile + BLOCK_N > visible_end:
             causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
             s = tl.where(causal, s, float("-inf"))
-        # Every row sees key 0 in the first tile, so m_i is finite from then on (no NaN).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(OPERAND_DTYPE).to(DOT_DTYPE),
-            v.to(OPERAND_DTYPE).to(DOT_DTYPE),
-            input_precision=DOT_PRECISION,
-        )
-        m_i = m_new
+        pm, pl, pacc = online_step(s, v, pm, pl, pacc, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION)
+        if ((tile + BLOCK_N) % PARTITION == 0) | (tile + BLOCK_N >= kv_end):  # partition done
+            m_i, l_i, acc = fold_partition(m_i, l_i, acc, pm, pl, pacc)
+            pm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            pl = tl.zeros([BLOCK_M], dtype=tl.float32)
+            pacc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if SPLIT:  # the partition's state (folded into the empty state: exactly itself)
+        part = ((tl.program_id(0) * tl.num_programs(2) * GROUP + head) * tl.num_programs(1)
+                + tl.program_id(1))  # fmt: skip
+        live = row_mask & (lo < kv_end)
+        tl.store(part_m_ptr + part, m_i, mask=live)
+        tl.store(part_l_ptr + part, l_i, mask=live)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=live[:, None])
+    else:
+        o = normalise(l_i, acc)
+        tl.store(
+            out_ptr
+            + (q_start + token)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit(do_not_specialize=["max_parts"], do_not_specialize_on_alignment=INDEX_PTRS)
+def _fold_kernel(
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    prefill_indices_ptr,
+    stride_ot,
+    stride_oh,
+    head_dim,
+    max_parts,
+    BLOCK_D: tl.constexpr,
+    PARTITION: tl.constexpr,
+):
+    """Decode row (program 0) x query head (program 1): its partitions' states folded left to
+    right, in position order, with the prefill kernel's `fold_partition`, then normalised."""
+    slot = tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.load(prefill_indices_ptr + slot)
+    row = tl.load(query_start_loc_ptr + req)
+    count = tl.cdiv(tl.load(seq_lens_ptr + req), PARTITION)
+    d = tl.arange(0, BLOCK_D)
+    zero = tl.zeros([1], dtype=tl.int32)
+    m_i = tl.full([1], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    base = (slot * tl.num_programs(1) + head) * max_parts
+    for p in range(0, count):
+        pm = tl.load(part_m_ptr + base + p + zero)
+        pl = tl.load(part_l_ptr + base + p + zero)
+        pacc = tl.load(part_acc_ptr + (base + p) * BLOCK_D + d)[None, :]
+        m_i, l_i, acc = fold_partition(m_i, l_i, acc, pm, pl, pacc)
+    o = normalise(l_i, acc)
     tl.store(
-        out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out_ptr + row * stride_ot + head * stride_oh + d[None, :],
         o.to(out_ptr.dtype.element_ty),
-        mask=q_mask,
+        mask=(d < head_dim)[None, :],
     )
 
 
@@ -143,16 +212,17 @@ def prefill_launch_config(
 ) -> dict[str, Any]:
     """Compile-time parameters of `_prefill_kernel`, one set per model and dtype (what
     tests/engine/triton_sm90_compile.py compiles for sm_90, asserting no spills).
-    16-bit on GPUs: a 128-row query tile, 64-key tiles and 8 warps (176 registers at head_dim
-    128 in bf16), as in Triton's fused-attention tutorial. fp32 runs its `tl.dot`s as exact FMA
-    loops whose operands all sit in registers: 64 x 32 tiles over 8 warps at head_dim <= 128
-    (a 128 x 64 tile spills hundreds of bytes). The interpreter gets 64 rows: the same code with
-    less padding on tiny test shapes."""
+    16-bit on GPUs: a 128-row query tile, 64-key tiles and 8 warps (249 registers at head_dim
+    128 in bf16, no spill: the partition's state and the running state are two accumulators;
+    176 with one), as in Triton's fused-attention tutorial. fp32 runs its `tl.dot`s as exact
+    FMA loops whose operands all sit in registers: 32 x 32 tiles over 8 warps at head_dim <= 128
+    (64 x 32 spills 32 bytes with the two accumulators). The interpreter gets 64 rows: the same
+    code with less padding on tiny test shapes. Deterministic decode runs this config too."""
     fp32 = dtype == torch.float32
     if device.type != "cuda" or head_dim > 128:
         block_m = 64
     else:
-        block_m = 64 if fp32 else 128
+        block_m = 32 if fp32 else 128
     block_m = max(block_m, next_power_of_2(group))
     return dict(
         GROUP=group,
@@ -163,6 +233,7 @@ def prefill_launch_config(
         OPERAND_DTYPE=operand_dtype(dtype),
         DOT_DTYPE=dot_dtype(dtype, device),
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        PARTITION=PARTITION,
         num_warps=8 if block_m >= 128 or fp32 else 4,
         num_stages=2,
     )
@@ -188,31 +259,79 @@ def paged_prefill_attention(
     num_prefills = prefill_indices.shape[0]
     if num_prefills == 0 or max_query_len == 0:
         return
+    _launch(
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, prefill_indices,
+        max_query_len, scale, 0,
+    )  # fmt: skip
+
+
+def ordered_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    decode_indices: torch.Tensor,
+    scale: float,
+    num_partitions: int,
+) -> None:
+    """Deterministic decode: each listed request's one query token (row query_start_loc[i])
+    over its whole KV, bitwise what `paged_prefill_attention` gives that row in any chunk.
+    num_partitions 1: one program per (request, KV head) walks the partitions (the prefill
+    kernel as one-token chunks). More: at least the longest request's partition count
+    (ceil(seq_len / PARTITION)); one program per (request, partition, KV head) reduces one
+    partition and `_fold_kernel` folds them left to right: the same arithmetic, in parallel."""
+    if decode_indices.shape[0] == 0:
+        return
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1; got {num_partitions}")
+    _launch(
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, decode_indices, 1,
+        scale, num_partitions if num_partitions > 1 else 0,
+    )  # fmt: skip
+
+
+def _launch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    indices: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    num_partitions: int,
+) -> None:
+    """The prefill kernel over `indices`; with num_partitions > 0 (one-token chunks only) split
+    by partition, then folded."""
     check_cache_layout(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    group = query.shape[1] // num_kv_heads
-    config = prefill_launch_config(group, head_dim, kv_cache.dtype, query.device)
+    num_heads = query.shape[1]
+    config = prefill_launch_config(num_heads // num_kv_heads, head_dim, kv_cache.dtype,
+                                   query.device)  # fmt: skip
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_prefills, -(-max_query_len // config["TOKENS_PER_TILE"]), num_kv_heads)
+    split = num_partitions > 0
+    if split:
+        grid = (indices.shape[0], num_partitions, num_kv_heads)
+        states = (indices.shape[0], num_heads, num_partitions)
+        part_m = torch.empty(states, dtype=torch.float32, device=out.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((*states, config["BLOCK_D"]), dtype=torch.float32,
+                               device=out.device)  # fmt: skip
+    else:
+        grid = (indices.shape[0], -(-max_query_len // config["TOKENS_PER_TILE"]), num_kv_heads)
+        part_m = part_l = part_acc = out  # unused: SPLIT is off
     _prefill_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        prefill_indices,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        block_tables.stride(0),
-        scale * _LOG2E,
-        head_dim,
-        block_size,
-        **config,
-    )
+        query, key_cache, value_cache, out, part_m, part_l, part_acc, query_start_loc,
+        seq_lens, block_tables, indices, query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0), scale * _LOG2E, head_dim, block_size, SPLIT=split, **config,
+    )  # fmt: skip
+    if split:
+        _fold_kernel[(indices.shape[0], num_heads)](
+            out, part_m, part_l, part_acc, query_start_loc, seq_lens, indices, out.stride(0),
+            out.stride(1), head_dim, num_partitions, BLOCK_D=config["BLOCK_D"],
+            PARTITION=PARTITION, num_warps=4,
+        )  # fmt: skip

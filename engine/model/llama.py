@@ -51,7 +51,10 @@ class ForwardContext:
 
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), fused
-    with the residual add before it in `add_and_norm`."""
+    with the residual add before it in `add_and_norm`. On CUDA with `invariant` set
+    (deterministic inference) a Triton kernel does the norm (engine/kernels/triton_norm.py)."""
+
+    invariant: bool = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -77,6 +80,10 @@ class RMSNorm(nn.Module):
         return self._norm(residual), residual
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant and x.is_cuda:
+            from engine.kernels.triton_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and scale in the input dtype, as HF does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

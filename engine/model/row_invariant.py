@@ -64,16 +64,30 @@ def linear_rows(
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def product(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant_gemm: bool
+) -> torch.Tensor:
+    """F.linear, or on CUDA with `invariant_gemm` the batch-invariant Triton product
+    (engine/kernels/triton_matmul.py; cuBLAS is not batch-invariant)."""
+    if invariant_gemm and rows.device.type == "cuda":
+        from engine.kernels.triton_matmul import invariant_linear
+
+        return invariant_linear(rows, weight, bias)
+    return F.linear(rows, weight, bias)
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` whose result per row does not depend on the batch on the CPU."""
+    """`nn.Linear` whose result per row does not depend on the batch on the CPU (padding), and
+    on CUDA with `invariant_gemm` set (`use_invariant_gemm`)."""
 
     min_rows: int = MIN_ROWS
+    invariant_gemm: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.weight, self.bias)
+        return product(rows, self.weight, self.bias, self.invariant_gemm)
 
 
 class TiedLinear(nn.Module):
@@ -81,6 +95,7 @@ class TiedLinear(nn.Module):
     the table stays the embedding's, out of the state dict)."""
 
     min_rows: int = MIN_ROWS
+    invariant_gemm: bool = False
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -88,7 +103,19 @@ class TiedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, lambda rows: F.linear(rows, self.weight_ref[0]), self.min_rows)
+        return linear_rows(
+            x, lambda rows: product(rows, self.weight_ref[0], None, self.invariant_gemm),
+            self.min_rows,
+        )  # fmt: skip
+
+
+def use_invariant_gemm(model: nn.Module) -> int:
+    """Route every dense projection and LM head of `model` through the batch-invariant Triton
+    product on CUDA (quantized layers are not); returns how many layers that is."""
+    layers = [m for m in model.modules() if isinstance(m, Linear | TiedLinear)]
+    for layer in layers:
+        layer.invariant_gemm = True
+    return len(layers)
 
 
 def probe(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,

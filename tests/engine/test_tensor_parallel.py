@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidInputError, SamplingParams
+from tests.conftest import SMOLLM2_SHAPES
 from tests.net import free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "tp_rank.py")
@@ -91,6 +92,30 @@ def test_tp2_matches_tp1(tiny_model_factory, tmp_path, arch):
                 atol=1e-4,
                 rtol=0,
             )
+
+
+def test_tp2_bf16_request_alone_equals_it_in_a_batch(tiny_model_factory, tmp_path):
+    """Deterministic inference at one TP size (docs/determinism.md): at TP=2 in bf16, a request
+    alone and the same request among 15 random others give the same tokens and logprobs, bit
+    for bit, on both ranks (TP=2 need not equal TP=1). SmolLM2's hidden and MLP sizes (the
+    tiny model's hide the linear kernels' row-count paths, test_batch_invariance.py), with 6
+    query and 2 KV heads (9 and 3 do not split over 2 ranks)."""
+    g = torch.Generator().manual_seed(7)
+    others = [
+        torch.randint(3, 500, (int(n),), generator=g).tolist()
+        for n in torch.randint(2, 90, (15,), generator=g)
+    ]
+    request = torch.randint(3, 500, (300,), generator=g).tolist()  # two attention partitions
+    batches = {"batches": [[request], [*others[:9], request, *others[9:]]]}
+    shapes = {**SMOLLM2_SHAPES, "num_attention_heads": 6, "num_key_value_heads": 2}
+    model = tiny_model_factory("smollm2", **shapes)
+    ranks = _run_ranks(model, tmp_path, batches, engine={"dtype": "bfloat16"})
+    for r in ranks:
+        alone, batched = r["batches"]
+        assert len(batched["tokens"]) == 16 and len(alone["tokens"][0]) == 16
+        assert batched["tokens"][9] == alone["tokens"][0]
+        assert batched["logprobs"][9] == alone["logprobs"][0]
+    assert ranks[0]["batches"] == ranks[1]["batches"]
 
 
 def test_tp2_int4_matches_tp1_int4(tiny_llama, tmp_path):

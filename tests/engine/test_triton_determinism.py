@@ -1,5 +1,7 @@
-"""Deterministic inference on the Triton path (issue #19, GPU half): the decode kernel splits a
-request by its own length, so its attention is bitwise the same whatever else is in the batch.
+"""Deterministic inference on the Triton path (issue #19, GPU half): a query row's attention
+follows one order of arithmetic (engine/kernels/triton_attention_order.py) whatever the batch,
+the chunk it is prefilled in, where that chunk starts, or whether the decode or the prefill
+kernel runs it; bitwise.
 
 The launch's split count is chosen as an H100 (132 SMs) would choose it; the kernels run in
 Triton's interpreter without CUDA (fp32: the interpreter's bf16 `tl.dot` is wrong)."""
@@ -52,11 +54,10 @@ def decode_rows(cache, query, block_ids, seq_lens, rows, deterministic):
 
 @pytest.fixture(scope="module")
 def case():
-    # request 0 alone, then beside long requests that change the launch's split count;
-    # request 4 is longer than 16 partitions (its splits are 2 partitions each)
-    seq_lens = [700, 2000, 41, 1500, 4200]
+    # request 0 alone, then beside long requests that change the adaptive launch's split count
+    seq_lens = [700, 2000, 41, 1500]
     (cache, query, _, _), block_ids = make_case(
-        [1] * 5, seq_lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK, torch.float32
+        [1] * 4, seq_lens, HEADS, KV_HEADS, HEAD_DIM, BLOCK, torch.float32
     )
     return cache, query, block_ids, seq_lens
 
@@ -65,12 +66,8 @@ def test_deterministic_decode_is_bitwise_the_same_in_any_batch(case):
     cache, query, block_ids, seq_lens = case
     alone, splits_alone = decode_rows(cache, query, block_ids, seq_lens, [0], True)
     batched, splits_batched = decode_rows(cache, query, block_ids, seq_lens, [1, 0, 2, 3], True)
-    assert (splits_alone, splits_batched) == (3, 8)  # different launches...
-    assert torch.equal(batched[1], alone[0])  # ...the same bits for request 0
-    long_alone, _ = decode_rows(cache, query, block_ids, seq_lens, [4], True)
-    long_batched, splits = decode_rows(cache, query, block_ids, seq_lens, [0, 4, 2], True)
-    assert splits == 16
-    assert torch.equal(long_batched[1], long_alone[0])
+    assert (splits_alone, splits_batched) == (3, 8)  # partitions of the longest request
+    assert torch.equal(batched[1], alone[0])
 
 
 def test_adaptive_splits_change_the_bits_with_the_batch(case):
@@ -86,8 +83,8 @@ def test_adaptive_splits_change_the_bits_with_the_batch(case):
 
 def test_deterministic_decode_matches_the_reference(case):
     cache, query, block_ids, seq_lens = case
-    out, _ = decode_rows(cache, query, block_ids, seq_lens, [0, 1, 2, 3, 4], True)
-    meta = AttentionMetadata.build([1] * 5, seq_lens, block_ids, BLOCK, DEVICE)
+    out, _ = decode_rows(cache, query, block_ids, seq_lens, [0, 1, 2, 3], True)
+    meta = AttentionMetadata.build([1] * 4, seq_lens, block_ids, BLOCK, DEVICE)
     unused = query[:, :KV_HEADS]  # decodes read all their K/V from the cache
     ref = paged_attention(query, unused, unused, cache, meta, HEAD_DIM**-0.5, GatherWorkspace())
     torch.testing.assert_close(out, ref, **FP32_TOL)
@@ -97,8 +94,18 @@ def test_the_engine_passes_deterministic_to_the_triton_metadata(case):
     _, _, block_ids, seq_lens = case
     for deterministic, partition in ((True, 256), (False, 0)):
         meta = AttentionMetadata.build(
-            [1] * 5, seq_lens, block_ids, BLOCK, DEVICE, triton_num_kv_heads=KV_HEADS,
+            [1] * 4, seq_lens, block_ids, BLOCK, DEVICE, triton_num_kv_heads=KV_HEADS,
             deterministic=deterministic,
         )  # fmt: skip
         assert meta.kernel_batch is not None
         assert meta.kernel_batch.split_partition == partition
+
+
+def test_deterministic_decode_splits_by_partition_only_where_the_gpu_would_idle():
+    from engine.kernels.triton_decode import MAX_PARTITION_SPLITS, choose_splits
+
+    assert choose_splits(1, 8, 700, H100_SMS, True) == (3, 256)  # 8 programs: by partition
+    assert choose_splits(33, 8, 700, H100_SMS, True) == (1, 256)  # 264: one walk each
+    longest = MAX_PARTITION_SPLITS * 256
+    assert choose_splits(1, 8, longest, H100_SMS, True) == (MAX_PARTITION_SPLITS, 256)
+    assert choose_splits(1, 8, longest + 1, H100_SMS, True) == (1, 256)

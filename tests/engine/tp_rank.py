@@ -1,7 +1,10 @@
 """One rank of a tensor-parallel engine, run as a script by test_tensor_parallel.py:
 python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES [BACKEND DEVICE
 [ENGINE_JSON]] (BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs;
-ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}')."""
+ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}' or '{"dtype": "bfloat16"}'
+(float32 by default)). PROMPTS_JSON: a list of prompts, generated as one batch; or
+{"batches": [[prompt, ...], ...]}, generated one batch after another, each batch's results in
+the output's "batches"."""
 
 from __future__ import annotations
 
@@ -30,14 +33,21 @@ def main() -> None:
     with open(prompts_file) as f:
         prompts = json.load(f)
     llm = LLM(
-        model, tp=tp, dtype="float32", tensor_parallel_size=world, load_progress=False,
-        kv_cache_memory_bytes=int(kv_bytes), device=device, **engine,
+        model, tp=tp, tensor_parallel_size=world, load_progress=False,
+        kv_cache_memory_bytes=int(kv_bytes), device=device, **{"dtype": "float32", **engine},
     )  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
-    outs = llm.generate(prompts, params)
+    batches = prompts["batches"] if isinstance(prompts, dict) else [prompts]
+    results = []
+    for batch in batches:
+        outs = llm.generate(batch, params)
+        results.append({
+            "tokens": [o.token_ids for o in outs],
+            "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
+        })  # fmt: skip
     result = {
-        "tokens": [o.token_ids for o in outs],
-        "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
+        **results[0],
+        "batches": results,
         "kv_heads": llm.engine.runner.kv_caches[0].shape[3],
         "num_blocks": llm.engine.num_blocks,
         "block_bytes": sum(c[:, :1].nbytes for c in llm.engine.runner.kv_caches),

@@ -32,7 +32,9 @@ from engine.kernels.triton_decode import (
     decode_launch_config,
     merge_launch_config,
 )
-from engine.kernels.triton_prefill import _prefill_kernel, prefill_launch_config
+from engine.kernels.triton_matmul import _matmul_kernel, matmul_config
+from engine.kernels.triton_norm import _rms_norm_kernel
+from engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
 
 CUDA = torch.device("cuda")  # only its type is read: nothing touches a device
 TARGET = GPUTarget("cuda", 90, 32)
@@ -40,7 +42,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 # Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
 MODELS = {"llama8b": (8, 4, 128), "smollm2": (3, 3, 64)}
-FP32_PTRS = {"part_out_ptr", "part_lse_ptr"}
+HIDDEN = {"llama8b": 4096, "smollm2": 576}
+FP32_PTRS = {"part_out_ptr", "part_lse_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
 INT_PTRS = {
     "slot_ptr": "*i64",
     "query_start_loc_ptr": "*i32",
@@ -50,7 +53,7 @@ INT_PTRS = {
     "prefill_indices_ptr": "*i32",
 }
 # Arguments a real launch sees as multiples of 16 at these shapes (Triton specialises on it).
-NOT_DIVISIBLE = {"qk_scale", "num_kv_heads"}
+NOT_DIVISIBLE = {"qk_scale", "num_kv_heads", "eps", "M"}
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -93,7 +96,7 @@ def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, int
             if name not in unaligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
             if name not in NOT_DIVISIBLE and name not in unspecialised:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
@@ -118,7 +121,19 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             merge = merge_launch_config(head_dim, decode["BLOCK_N"])
             variants[f"{name}/merge"] = (_merge_kernel, ptr, merge)
             prefill = prefill_launch_config(group, head_dim, dtype, CUDA)
-            variants[f"{name}/prefill"] = (_prefill_kernel, ptr, prefill)
+            variants[f"{name}/prefill"] = (_prefill_kernel, ptr, {**prefill, "SPLIT": False})
+            # deterministic decode: the prefill kernel by partition, then the left fold
+            split = {**prefill, "SPLIT": True}
+            variants[f"{name}/prefill_split"] = (_prefill_kernel, ptr, split)
+            fold = {"BLOCK_D": prefill["BLOCK_D"], "PARTITION": prefill["PARTITION"]}
+            variants[f"{name}/fold"] = (_fold_kernel, ptr, {**fold, "num_warps": 4})
+            # deterministic inference: the batch-invariant linears and norms
+            for bias in (False, True):
+                gemm = {**matmul_config(dtype, CUDA), "HAS_BIAS": bias}
+                variants[f"{name}/matmul{'_bias' if bias else ''}"] = (_matmul_kernel, ptr, gemm)
+            block = triton.next_power_of_2(HIDDEN[model])
+            norm = {"BLOCK": block, "num_warps": min(16, max(1, block // 256))}
+            variants[f"{name}/rms_norm"] = (_rms_norm_kernel, ptr, norm)
     return variants
 
 
