@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, reports_deterministic
 from engine.cpu_runtime import configure_cpu_runtime
 from engine.device import bind_thread
 from engine.errors import InvalidInputError
@@ -110,9 +110,12 @@ class LLMEngine:
         )  # fmt: skip
         self.speculator = Speculator(spec, target) if spec else None
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""
-        self.deterministic = loaded.linears_batch_invariant and self.runner.prefill_kernel
+        self.deterministic = reports_deterministic(
+            self.device, loaded.linears_batch_invariant, self.runner.prefill_kernel,
+            self.runner.use_triton, tp.world_size,
+        )  # fmt: skip
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
-        (docs/determinism.md): the CPU kernels and linears probed invariant at load."""
+        (docs/determinism.md; `engine.config.reports_deterministic`)."""
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
         self._sample_of: dict[
