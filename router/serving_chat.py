@@ -19,7 +19,7 @@ from engine import CompletionOutput, InvalidInputError, RequestOutput
 from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
-from router.logprobs import chat_logprobs
+from router.logprobs import chat_logprobs, prompt_logprobs
 from router.openai_chat import ChatPlan
 from router.openai_protocol import ChatCompletionRequest
 from router.openai_responses import (
@@ -30,6 +30,7 @@ from router.openai_responses import (
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
+    PromptLogprobs,
     Usage,
 )
 from router.serving_context import ServingContext, final_output
@@ -145,8 +146,20 @@ class ChatCompletionHandler:
                 )
             )
         return ChatCompletionResponse(
-            id=request_id, model=self.ctx.model_name, choices=choices, usage=_usage(final)
+            id=request_id,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=_usage(final),
+            prompt_logprobs=self._prompt_logprobs(body, final),
         )
+
+    def _prompt_logprobs(
+        self, body: ChatCompletionRequest, out: RequestOutput
+    ) -> PromptLogprobs | None:
+        if body.prompt_logprobs is None:
+            return None
+        texts = self.ctx.token_texts
+        return prompt_logprobs(out.prompt_logprobs, texts, body.return_tokens_as_token_ids)
 
     async def _stream(
         self,
@@ -165,14 +178,21 @@ class ChatCompletionHandler:
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: Usage | None = None,
+            prompt_lps: PromptLogprobs | None = None,
+        ) -> str:
             payload = ChatCompletionChunk(
                 id=request_id,
                 created=created,
                 model=self.ctx.model_name,
                 choices=choices,
                 usage=usage,
+                prompt_logprobs=prompt_lps,
             )
+            if prompt_lps is None:  # only the first output's chunk carries them
+                return sse_event(payload, (exclude or set()) | {"prompt_logprobs"})
             return sse_event(payload, exclude)
 
         try:
@@ -185,6 +205,8 @@ class ChatCompletionHandler:
             last: RequestOutput | None = None
             async with aclosing(outputs) as it:
                 async for out in it:
+                    if last is None and body.prompt_logprobs is not None:
+                        yield chunk([], prompt_lps=self._prompt_logprobs(body, out))
                     last = out
                     for c in out.outputs:
                         if c.index in finished:
