@@ -35,6 +35,7 @@ from router.errors import (
     OpenAIError,
 )
 from router.grpc_chat import chat_body, piece_fields
+from router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from router.openai_chat import ChatOptions, ChatPlan
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_context import check_priority
@@ -97,7 +98,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
     kwargs: dict[str, Any] = {}
     for name in (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "logprobs", "n", "min_tokens",
+        "frequency_penalty", "repetition_penalty", "logprobs", "n", "min_tokens", "prompt_logprobs",
     ):  # fmt: skip
         if opts.HasField(name):
             kwargs[name] = getattr(opts, name)
@@ -251,6 +252,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         )
         replies = {i: plan.new_reply() for i in range(params.n)} if plan is not None else {}
         sent_logprobs: dict[int, int] = {}
+        sent_prompt = False
         held: list[serving_pb2.GenerateResponse] = []
         last = None
         async with aclosing(stream) as outputs:
@@ -262,7 +264,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                     lps = []
                     if sample.logprobs is not None:
                         start = sent_logprobs.get(sample.index, 0)
-                        lps = [_logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
+                        lps = [logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
                         sent_logprobs[sample.index] = len(sample.logprobs)
                     fields: dict[str, Any] = {"text": sample.delta_text}
                     finish_reason = sample.finish_reason
@@ -273,6 +275,11 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                             piece = piece.then(reply.finish())
                         fields = piece_fields(piece)
                         finish_reason = reply.finish_reason(finish_reason)
+                    if out.prompt_logprobs is not None and not sent_prompt:
+                        sent_prompt = True
+                        fields["prompt_logprobs"] = prompt_logprobs_to_proto(
+                            out.prompt_logprobs, params.prompt_logprobs or 0
+                        )
                     response = serving_pb2.GenerateResponse(
                         request_id=out.request_id,
                         index=sample.index,
@@ -317,13 +324,6 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, request_id
     logger.error("gRPC request %s failed", error_id, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {error_id})")
     raise AssertionError("unreachable: context.abort raises")
-
-
-def _logprobs_to_proto(lp: Any) -> serving_pb2.TokenLogprobs:
-    def one(x: Any) -> serving_pb2.TokenLogprob:
-        return serving_pb2.TokenLogprob(token_id=x.token_id, logprob=x.logprob, token=x.token)
-
-    return serving_pb2.TokenLogprobs(sampled=one(lp.sampled), top=[one(t) for t in lp.top])
 
 
 async def start_grpc_server(
