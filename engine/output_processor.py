@@ -110,7 +110,7 @@ class OutputProcessor:
         if state.prompt_logprobs is not None and state.prompt_logprobs_out is None:
             state.prompt_logprobs[first : first + len(entries)] = entries
 
-    def _prompt_logprobs_out(self, state: RequestState) -> list[dict[int, Logprob] | None] | None:
+    def prompt_logprobs_of(self, state: RequestState) -> list[dict[int, Logprob] | None] | None:
         """vLLM's shape, once every prompt token after the first has its entry."""
         if state.prompt_logprobs_out is not None or state.prompt_logprobs is None:
             return state.prompt_logprobs_out
@@ -156,7 +156,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=state.finished,
             num_cached_tokens=cached,
-            prompt_logprobs=self._prompt_logprobs_out(state),
+            prompt_logprobs=self.prompt_logprobs_of(state),
         )
 
 

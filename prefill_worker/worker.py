@@ -45,7 +45,7 @@ from engine.core import (
     ReleaseHeld,
 )
 from engine.llm_engine import LLMEngine, PrefillDone
-from engine.outputs import RequestOutput
+from engine.outputs import PromptLogprob, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from kv_transfer import (
     HandshakeError,
@@ -76,6 +76,7 @@ class PrefillResult:
     num_cached_tokens: int = 0
     num_transfer_bytes: int = 0  # the request's KV, all TP ranks together
     transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # when the request asked
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,7 @@ class PrefillRole(EngineRole):
             done.num_cached_tokens if done else 0,
             len(done.block_ids) * self._block_bytes if done else 0,
             time.monotonic() - shipped_s if shipped_s is not None else 0.0,
+            done.prompt_logprobs if done else None,
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

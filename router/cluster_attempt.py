@@ -16,7 +16,7 @@ from duet.v1 import worker_pb2
 from engine import InvalidInputError
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import EngineStats
-from engine.output_processor import OutputProcessor, SampleState
+from engine.output_processor import OutputProcessor, RequestState, SampleState
 from kv_transfer import TransferStatus
 from router.decode_client import DecodeStream
 from router.transfer_log import TransferLog
@@ -90,7 +90,10 @@ class AttemptRunner:
         attempt: int,
         deadline: float,
         updates: asyncio.Queue[BaseException | None],
+        state: RequestState,
     ) -> None:
+        """`state`: the sample's request, which takes the prompt logprobs (computed by the
+        prefill worker, with its answer) when the sample asked for them."""
         request = sample.request
         ids = prompt_ids + request.output_token_ids  # after a lost decode worker: continue
         emitted = request.num_output_tokens
@@ -100,7 +103,10 @@ class AttemptRunner:
             max_tokens=request.max_tokens - emitted,
             min_tokens=max(0, request.sampling_params.min_tokens - emitted),
             stop=[],
+            # A continuation's prompt logprobs were out before its first token.
+            prompt_logprobs=None if emitted else request.sampling_params.prompt_logprobs,
         )
+        prompt_state = state if params.prompt_logprobs is not None else None
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
@@ -109,7 +115,13 @@ class AttemptRunner:
         uncached = len(ids) - (pick[1] if pick else 0)
         if attempt == 1:
             self._stats.prefix_cache_queries += len(ids)
-        if pick is None or uncached <= self.config.local_prefill_threshold:
+        if prompt_state is not None and pick is None:
+            # NOTE: the decode workers' outputs do not carry prompt logprobs; only a
+            # prefill worker's answer does.
+            raise EngineDeadError("prompt_logprobs: no prefill worker is available; retry later")
+        if pick is None or (
+            uncached <= self.config.local_prefill_threshold and prompt_state is None
+        ):
             try:
                 stream = await decode.client.generate(transfer_id, ids, params, timeout, emitted)
             except grpc.aio.AioRpcError as e:
@@ -141,7 +153,9 @@ class AttemptRunner:
             transfer_id, prefill.name, decode.name, len(ids), prefill_call
         )
         try:
-            await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
+            await self._consume(
+                sample, stream, decode, (prefill, prefill_call), updates, prompt_state
+            )
         finally:
             prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
             error = sys.exc_info()[1]
@@ -161,9 +175,23 @@ class AttemptRunner:
         decode: DecodeState,
         prefill: tuple[PrefillState, asyncio.Task[PrefillOutcome]] | None,
         updates: asyncio.Queue[BaseException | None],
+        prompt_state: RequestState | None = None,
     ) -> None:
         """Stream the attempt's tokens into the sample until it finishes. A prefill that
-        fails first cancels the stream (the KV will never come)."""
+        fails first cancels the stream (the KV will never come). With `prompt_state`, the
+        prefill worker's answer (which carries the prompt logprobs) comes first: no output
+        of the request goes out without them (the tokens wait in the stream meanwhile)."""
+        if prefill is not None and prompt_state is not None:
+            await asyncio.wait({prefill[1]})  # bounded by the call's deadline
+            problem = self._prefill_problem(*prefill)
+            if problem is not None or prefill[1].cancelled():
+                stream.cancel()
+                raise RetryAttempt(problem or "prefill call cancelled")
+            entries = prefill[1].result().prompt_logprobs
+            if entries is None:
+                stream.cancel()
+                raise RetryAttempt(f"prefill worker {prefill[0].name} sent no prompt logprobs")
+            self.outputs.add_prompt_logprobs(prompt_state, 0, entries)
         reader = asyncio.create_task(self._read(sample, stream, updates))
         try:
             if prefill is not None:

@@ -11,7 +11,9 @@ from cluster_auth.grpc_auth import CallSigner
 from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
+from engine.outputs import PromptLogprob
 from kv_transfer import TransferStatus
+from prefill_worker.wire import prompt_logprobs_from_wire
 
 _STATUSES = {
     worker_pb2.TRANSFER_OUTCOME_DONE: TransferStatus.DONE,
@@ -37,6 +39,7 @@ class PrefillOutcome:
     num_cached_tokens: int
     num_transfer_bytes: int = 0
     transfer_s: float = 0.0
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class PrefillClient:
@@ -77,6 +80,7 @@ class PrefillClient:
             response.num_cached_tokens,
             response.num_transfer_bytes,
             response.transfer_s,
+            prompt_logprobs_from_wire(response.prompt_logprobs),
         )
 
     async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:
