@@ -61,6 +61,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 request.kv_wait_s or None,
                 request.num_replayed,
+                request.priority,
             )
         except Exception as e:
             await _abort(context, e)
@@ -86,6 +87,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 list(request.prompt_token_ids),
                 params,
                 request.request_id,
+                priority=request.priority,
                 num_replayed=request.num_replayed,
             )
             stream.start(request.request_id, outputs, _status)

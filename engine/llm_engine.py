@@ -218,6 +218,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> list[int] | None:
         """Decode side: reserve blocks for a prompt whose KV comes from a prefill worker.
         Returns the block ids to receive the KV into (in prompt order), or None when there is
@@ -229,7 +230,7 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a disaggregated request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
-        request = self._new_request(request_id, ids, params, max_tokens, 0, 0, num_replayed)
+        request = self._new_request(request_id, ids, params, max_tokens, priority, 0, num_replayed)
         block_ids = self.scheduler.add_remote_request(request)
         if block_ids is None:
             return None

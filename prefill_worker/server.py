@@ -47,6 +47,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 params,
                 request.kv_destination,
                 request.num_replayed,
+                request.priority,
             )
         except InvalidInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -150,6 +150,7 @@ class PrefillWorker:
         params: SamplingParams,
         dest: str,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> PrefillResult:
         """Prefill, sample the first token and ship the KV to the decode worker at `dest`.
         Returns once the transfer ended. Bad input raises `InvalidInputError`; cancelling
@@ -163,7 +164,9 @@ class PrefillWorker:
             await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
         self.core.submit(
-            AddRequest(request_id, ids, params, prefill_dest=dest, num_replayed=num_replayed)
+            AddRequest(
+                request_id, ids, params, priority, prefill_dest=dest, num_replayed=num_replayed
+            )
         )
         finished = False
         try:
@@ -240,6 +243,7 @@ class PrefillRole(EngineRole):
             cmd.prompt,
             cmd.params,
             cmd.request_id,
+            cmd.priority,
             prefill_only=True,
             num_replayed=cmd.num_replayed,
         )

@@ -15,6 +15,7 @@ import grpc
 from duet.v1 import worker_pb2
 from engine import InvalidInputError
 from engine.async_engine import EngineDeadError
+from engine.config import SCHEDULING_POLICIES
 from engine.llm_engine import EngineStats
 from engine.output_processor import OutputProcessor, RequestState, SampleState
 from kv_transfer import TransferStatus
@@ -42,6 +43,9 @@ class ClusterConfig:
     """Decode workers expected (admission capacity before the first load reports)."""
     poll_interval_s: float = 0.5
     """How often each worker's load and health are polled."""
+    scheduling_policy: str = "fcfs"
+    """The workers' (their `EngineConfig.scheduling_policy`): with `priority`, a request's
+    priority reaches the prefill and decode workers' schedulers; with fcfs it is refused."""
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -52,6 +56,11 @@ class ClusterConfig:
             raise ValueError(
                 f"--request-timeout ({self.request_timeout_s}) must exceed --kv-wait "
                 f"({self.kv_wait_s}), which must be > 0"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy: must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                f"got {self.scheduling_policy!r}"
             )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
@@ -123,7 +132,9 @@ class AttemptRunner:
             uncached <= self.config.local_prefill_threshold and prompt_state is None
         ):
             try:
-                stream = await decode.client.generate(transfer_id, ids, params, timeout, emitted)
+                stream = await decode.client.generate(
+                    transfer_id, ids, params, timeout, emitted, request.priority
+                )
             except grpc.aio.AioRpcError as e:
                 raise self._decode_failure(decode, e) from None
             await self._consume(sample, stream, decode, None, updates)
@@ -134,7 +145,7 @@ class AttemptRunner:
         decode.num_sent_blocks += num_blocks
         try:
             stream = await decode.client.reserve(
-                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted
+                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted, request.priority
             )
         except grpc.aio.AioRpcError as e:
             raise self._decode_failure(decode, e) from None
@@ -147,6 +158,7 @@ class AttemptRunner:
                 stream.reserved.kv_address if stream.reserved else "",
                 min(timeout, self.config.kv_wait_s),
                 emitted,  # a grammar replays the output so far (worker.proto)
+                request.priority,
             )
         )
         transfer = self.transfers.begin(

@@ -107,6 +107,11 @@ class ClusterEngine:
         return not self._stopped and bool(self.pool.healthy_decode())
 
     @property
+    def scheduling_policy(self) -> str:
+        """The workers' policy (`ClusterConfig.scheduling_policy`)."""
+        return self.config.scheduling_policy
+
+    @property
     def deterministic(self) -> bool:
         """True when every healthy worker reports it (and there is one of each kind)."""
         prefill, decode = self.pool.healthy_prefill(), self.pool.healthy_decode()
@@ -179,7 +184,8 @@ class ClusterEngine:
                     params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
                 )
             sub_id = internal_id if params.n == 1 else f"{internal_id}#{index}"
-            request = Request(sub_id, ids, sample_params, max_tokens, self._tokenizer.eos_token_ids)
+            eos = self._tokenizer.eos_token_ids
+            request = Request(sub_id, ids, sample_params, max_tokens, eos, priority)
             state.samples.append(self.outputs.new_sample(index, request))
         self._stats.num_prompt_tokens += len(ids) * params.n
         updates: asyncio.Queue[BaseException | None] = asyncio.Queue()

@@ -58,6 +58,7 @@ class PrefillClient:
         kv_destination: str,
         timeout_s: float,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> PrefillOutcome:
         """Raises `grpc.aio.AioRpcError` when the worker is unreachable, refuses the input
         (INVALID_ARGUMENT) or the deadline passes. `num_replayed`: see worker.proto."""
@@ -68,6 +69,7 @@ class PrefillClient:
                 sampling_params_json=params.to_json(),
                 kv_destination=kv_destination,
                 num_replayed=num_replayed,
+                priority=priority,
             ),
             timeout=timeout_s,
             metadata=self.signer.metadata(_PREFILL + "Prefill"),

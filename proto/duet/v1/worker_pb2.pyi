@@ -19,18 +19,20 @@ TRANSFER_OUTCOME_FAILED: TransferOutcome
 TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_destination", "num_replayed")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_destination", "num_replayed", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     kv_destination: str
     num_replayed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s", "prompt_logprobs")
@@ -89,34 +91,38 @@ class PrefillLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class DecodeRemoteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed", "stream_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed", "stream_id", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     kv_wait_s: float
     num_replayed: int
     stream_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed", "stream_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed", "stream_id", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     num_replayed: int
     stream_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
     __slots__ = ("stream_id",)
