@@ -36,10 +36,11 @@ from router.errors import (
 )
 from router.grpc_chat import chat_body, piece_fields
 from router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
-from router.openai_chat import ChatOptions, ChatPlan
+from router.openai_chat import ChatOptions, ChatPlan, reply_message
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_context import check_priority
 from router.sessions import SessionManager, SessionTurn
+from router.tool_stream import Piece
 from session_store import RateLimiter, RateLimits, SessionStore
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         sent_logprobs: dict[int, int] = {}
         sent_prompt = False
         held: list[serving_pb2.GenerateResponse] = []
+        pieces: list[Piece] = []  # sample 0's, which a session stores
         last = None
         async with aclosing(stream) as outputs:
             async for out in outputs:
@@ -269,12 +271,15 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                     fields: dict[str, Any] = {"text": sample.delta_text}
                     finish_reason = sample.finish_reason
                     reply = replies.get(sample.index)
+                    piece = Piece(content=sample.delta_text)
                     if reply is not None:
                         piece = reply.feed(sample.delta_text)
                         if sample.finished:
                             piece = piece.then(reply.finish())
                         fields = piece_fields(piece)
                         finish_reason = reply.finish_reason(finish_reason)
+                    if sample.index == 0:
+                        pieces.append(piece)
                     if out.prompt_logprobs is not None and not sent_prompt:
                         sent_prompt = True
                         fields["prompt_logprobs"] = prompt_logprobs_to_proto(
@@ -295,7 +300,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         if last is None:
             return
         if turn is not None:
-            await self.sessions.commit_turn(turn, list(new_messages), last.outputs[0].text)
+            await self.sessions.commit_turn(turn, list(new_messages), reply_message(pieces))
         for response in held:
             yield response
         usage = serving_pb2.Usage(
