@@ -3,6 +3,7 @@ at any time between steps. One thread drives it (`AsyncEngine` wraps it for serv
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -187,10 +188,9 @@ class LLMEngine:
         index: int = 0,
         num_replayed: int = 0,
     ) -> Request:
-        if params.seed is not None:
-            sample_seed = params.seed + index
-        else:
-            sample_seed = self._seeds.next_seed()
+        sample_seed = params.seed + index if params.seed is not None else self._seeds.next_seed()
+        if index and params.prompt_logprobs is not None:  # sample 0 computes them for all `n`
+            params = dataclasses.replace(params, prompt_logprobs=None)
         eos = self.tokenizer.eos_token_ids
         request = Request(
             request_id, ids, params, max_tokens, eos, priority, sample_seed=sample_seed
@@ -326,7 +326,7 @@ class LLMEngine:
         changed: dict[str, RequestState] = {}
         for request_id, (first, entries) in result.prompt_logprobs.items():
             entry = self._sample_of.get(request_id)
-            if entry is not None and entry[1] == 0:  # the `n` samples share one prompt
+            if entry is not None:
                 self.outputs.add_prompt_logprobs(entry[0], first, entries)
         for request, num_new in updated:
             logprobs = result.logprobs.get(request.request_id)
