@@ -72,12 +72,13 @@ class BackgroundService:
         for field, bad in (
             ("n", body.n != 1),
             ("logprobs", body.logprobs),
+            ("prompt_logprobs", body.prompt_logprobs is not None),
             ("stream", body.stream),
         ):
             if bad:
                 raise BadRequestError(
-                    f"{field}: not supported with background (n must be 1; stream the result "
-                    "from GET /v1/chat/completions/{id}/events)",
+                    f"{field}: not supported with background (n must be 1, no logprobs; stream "
+                    "the result from GET /v1/chat/completions/{id}/events)",
                     param=field,
                 )
         rename = {"prompt": "messages", "max_tokens": body.max_tokens_field}

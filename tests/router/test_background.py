@@ -126,6 +126,7 @@ def test_background_errors_are_clear(client: openai.OpenAI) -> None:
         ({"tools": [tool], "tool_choice": "required"}, "background"),
         ({"chat_template": "{{ 'x' }}"}, "chat_template"),
         ({"priority": 1}, "priority"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             create(client, "x", 4, background=True, **extra)
