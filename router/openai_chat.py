@@ -88,10 +88,6 @@ class ChatPlan:
                 raise InvalidInputError(
                     "structured_outputs", f"cannot be combined with a {tools.mode} tool_choice"
                 )
-        if tools.mode != "none" and body.background:
-            # NOTE: a background request's events log holds the raw text, which the queue
-            # worker would have to parse into tool calls with stable ids across takeovers.
-            raise InvalidInputError("background", "cannot be combined with tools (not yet)")
         if body.background:
             if body.priority != 0:
                 raise InvalidInputError("priority", "cannot be combined with background (not yet)")
