@@ -123,6 +123,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         kv_wait_s=args.kv_wait,
         max_num_seqs_per_decode_worker=engine.get("max_num_seqs", EngineConfig.max_num_seqs),
         num_decode_workers=args.decode_workers or 1,
+        scheduling_policy=engine.get("scheduling_policy", EngineConfig.scheduling_policy),
     )
     return ClusterSpec(
         model=engine.get("model"),

@@ -70,6 +70,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 params,
                 request.kv_wait_s or None,
                 request.num_replayed,
+                request.priority,
             )
         except Exception as e:
             await _abort(context, e)
@@ -97,6 +98,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 list(request.prompt_token_ids),
                 params,
                 request.request_id,
+                priority=request.priority,
                 num_replayed=request.num_replayed,
             )
             traced = self._traced(outputs, context, request.request_id, "prefill", received_ns)

@@ -150,6 +150,7 @@ class DecodeWorker:
         params: SamplingParams,
         kv_wait_s: float | None = None,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> RemoteDecode:
         """Reserve blocks for a prompt whose KV a prefill worker will send to `kv_address`
         under `request_id`. Raises `NoCapacityError` (nothing reserved), `InvalidInputError`
@@ -163,7 +164,7 @@ class DecodeWorker:
             await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
         wait_s = kv_wait_s or self.config.kv_wait_s
-        self.core.submit(ReserveRemote(request_id, ids, params, wait_s, num_replayed))
+        self.core.submit(ReserveRemote(request_id, ids, params, wait_s, num_replayed, priority))
         try:
             first = await out_queue.get()
         except BaseException:
@@ -221,7 +222,7 @@ class DecodeRole(EngineRole):
     def reserve(self, cmd: ReserveRemote) -> None:
         engine = self.engine
         block_ids = engine.add_remote_request(
-            cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.num_replayed
+            cmd.prompt_token_ids, cmd.params, cmd.request_id, cmd.num_replayed, cmd.priority
         )
         if block_ids is None:
             raise NoCapacityError(

@@ -42,6 +42,7 @@ class ReserveRemote:
     params: SamplingParams
     kv_wait_s: float
     num_replayed: int = 0  # as in AddRequest
+    priority: int = 0  # as in AddRequest
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request: (blocks, number of tokens they hold).
 
-        At least one token is always left to compute, so the step produces logits."""
-        if not self.enable_caching:
+        At least one token is always left to compute, so the step produces logits. A request
+        that asked for prompt logprobs gets no hit (every position's logits are needed)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -3,6 +3,7 @@ at any time between steps. One thread drives it (`AsyncEngine` wraps it for serv
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from engine.kv_sizing import size_kv_pool
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, TokenLogprob, resolve_attention_backend
 from engine.output_processor import OutputProcessor, RequestState
-from engine.outputs import RequestOutput
+from engine.outputs import PromptLogprob, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.prefill_handoff import PrefillDone, PrefillStream
 from engine.random import SeedSource
@@ -118,9 +119,8 @@ class LLMEngine:
         (docs/determinism.md; `engine.config.reports_deterministic`)."""
         self.outputs = OutputProcessor(self.tokenizer)
         self._states: dict[str, RequestState] = {}
-        self._sample_of: dict[
-            str, tuple[RequestState, int]
-        ] = {}  # engine request id -> (state, index)
+        # engine request id -> (state, index)
+        self._sample_of: dict[str, tuple[RequestState, int]] = {}
         self._ids = itertools.count()
         self._prefilled: list[PrefillDone] = []
         self._seeds = SeedSource(config.seed)
@@ -167,7 +167,7 @@ class LLMEngine:
         if prefill_only and params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a prefill-only request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
-        state = RequestState(request_id, text, ids)
+        state = self.outputs.new_state(request_id, text, ids, params.prompt_logprobs)
         for index in range(params.n):
             sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = self._new_request(
@@ -191,18 +191,12 @@ class LLMEngine:
         index: int = 0,
         num_replayed: int = 0,
     ) -> Request:
-        if params.seed is not None:
-            sample_seed = params.seed + index
-        else:
-            sample_seed = self._seeds.next_seed()
+        sample_seed = params.seed + index if params.seed is not None else self._seeds.next_seed()
+        if index and params.prompt_logprobs is not None:  # sample 0 computes them for all `n`
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        eos = self.tokenizer.eos_token_ids
         request = Request(
-            request_id,
-            ids,
-            params,
-            max_tokens,
-            self.tokenizer.eos_token_ids,
-            priority,
-            sample_seed=sample_seed,
+            request_id, ids, params, max_tokens, eos, priority, sample_seed=sample_seed
         )
         if params.structured_outputs is not None:
             request.grammar = self.grammar_compiler.new_state(
@@ -227,6 +221,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> list[int] | None:
         """Decode side: reserve blocks for a prompt whose KV comes from a prefill worker.
         Returns the block ids to receive the KV into (in prompt order), or None when there is
@@ -238,11 +233,11 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a disaggregated request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
-        request = self._new_request(request_id, ids, params, max_tokens, 0, 0, num_replayed)
+        request = self._new_request(request_id, ids, params, max_tokens, priority, 0, num_replayed)
         block_ids = self.scheduler.add_remote_request(request)
         if block_ids is None:
             return None
-        state = RequestState(request_id, None, ids)
+        state = self.outputs.new_state(request_id, None, ids, params.prompt_logprobs)
         state.samples.append(self.outputs.new_sample(0, request))
         self._sample_of[request_id] = (state, 0)
         self._states[request_id] = state
@@ -256,13 +251,16 @@ class LLMEngine:
         logprob: tuple[float, list[tuple[int, float]]] | None = None,
         sample_seed: int | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: Sequence[PromptLogprob | None] | None = None,
     ) -> RequestOutput | None:
         """The KV of a request from `add_remote_request` is in its blocks: take the prefill
-        worker's first token as if sampled here, and run the request from the next step.
-        Returns its first output; None when it is no longer waiting (aborted)."""
+        worker's first token (and prompt logprobs) as if computed here, and run the request
+        from the next step. Returns its first output; None when no longer waiting (aborted)."""
         entry = self._sample_of.get(request_id)
         if entry is None:
             return None
+        if prompt_logprobs is not None:
+            self.outputs.add_prompt_logprobs(entry[0], 0, prompt_logprobs)
         request = entry[0].samples[entry[1]].request
         if sample_seed is not None:
             request.sample_seed = sample_seed
@@ -330,6 +328,10 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.verified(sched.spec_token_ids, result.sampled)
         changed: dict[str, RequestState] = {}
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            entry = self._sample_of.get(request_id)
+            if entry is not None:
+                self.outputs.add_prompt_logprobs(entry[0], first, entries)
         for request, num_new in updated:
             logprobs = result.logprobs.get(request.request_id)
             self._on_tokens(request, num_new, logprobs, changed)
@@ -362,6 +364,7 @@ class LLMEngine:
                     logprobs[0] if logprobs else None,
                     request.sample_seed,
                     max(0, request.num_cached_tokens),
+                    state.prompt_logprobs,
                 )
             )
             self._sample_of.pop(request.request_id, None)

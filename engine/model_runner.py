@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention_metadata import AttentionMetadata
@@ -17,6 +18,8 @@ from engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from engine.kernels.triton_runtime import triton_unusable_reason
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaForCausalLM
+from engine.outputs import PromptLogprob
+from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
 from engine.spec_decode.verify import accept_point_mass
@@ -49,11 +52,18 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
 
 TokenLogprob = tuple[float, list[tuple[int, float]]]  # (sampled token's, top [(id, logprob)])
 
+# Prompt positions whose logits are materialized at once ([rows, vocab] fp32), bounding the
+# memory prompt logprobs take whatever the chunk size.
+_PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass
 class StepResult:
     sampled: dict[str, list[int]]  # request id -> new tokens (more than one with speculation)
     logprobs: dict[str, list[TokenLogprob]]  # one per new token, for requests that asked
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    """Requests with `prompt_logprobs` that computed prompt positions this step: (the prompt
+    index of the first entry, one entry per prompt token from there)."""
 
 
 class ModelRunner:
@@ -161,9 +171,10 @@ class ModelRunner:
             )
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, on_layer)
 
+        prompt_logprobs = self._prompt_logprobs(out, step.query_start, hidden)
         # Only requests whose computed tokens reach their last token sample this step.
         if not step.sample_rows:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[step.logits_indices])  # [N, vocab]
         to_sample = [out.scheduled[i][0] for i in step.sample_rows]
         spec = out.spec_token_ids
@@ -178,7 +189,7 @@ class ModelRunner:
                 for r, lp in zip(to_sample, result.logprobs, strict=True)
                 if lp is not None
             }
-            return StepResult(sampled, logprobs)
+            return StepResult(sampled, logprobs, prompt_logprobs)
         new_tokens, kept_rows = accept_point_mass(result.token_ids, drafts)
         batch.sampling.record(sampling, result.token_tensor, kept_rows)
         sampled, logprobs, row = {}, {}, 0
@@ -188,4 +199,53 @@ class ModelRunner:
                 lps = result.logprobs[row : row + len(tokens)]
                 logprobs[r.request_id] = [lp for lp in lps if lp is not None]
             row += len(draft) + 1
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[PromptLogprob]]]:
+        """Logprobs of the prompt tokens this step's chunks predict, for the requests that
+        asked: position p's logits score prompt token p + 1. Each position's logits come from
+        its own hidden row only (rows are independent in the head's matmul and the softmax),
+        so a chunk of any size gives the same values (bitwise where the linears are batch
+        invariant, docs/determinism.md). Requests that did not ask compute no extra logits."""
+        spans: list[tuple[Request, int, int, int]] = []  # (request, first position, end, row)
+        for i, (request, num_new) in enumerate(out.scheduled):
+            if request.sampling_params.prompt_logprobs is None:
+                continue
+            start = request.num_computed_tokens
+            end = min(start + num_new, request.num_prompt_tokens - 1)
+            if end > start:
+                spans.append((request, start, end, int(query_start[i])))
+        if not spans:
+            return {}
+        rows = np.concatenate([np.arange(q, q + end - start) for _, start, end, q in spans])
+        targets = np.concatenate(
+            [np.asarray(r.prompt_token_ids[s + 1 : e + 1], dtype=np.int64) for r, s, e, _ in spans]
+        )
+        k = max(r.sampling_params.prompt_logprobs or 0 for r, *_ in spans)
+        width = 2 + 2 * k
+        host: list[float] = []
+        for lo in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            idx = torch.from_numpy(rows[lo : lo + _PROMPT_LOGPROB_ROWS]).to(self.device)
+            target = torch.from_numpy(targets[lo : lo + _PROMPT_LOGPROB_ROWS]).to(self.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)  # [R, V]
+            chosen = lp.gather(1, target[:, None])  # [R, 1]
+            parts = [chosen.double(), ((lp > chosen).sum(dim=-1, keepdim=True) + 1).double()]
+            if k:
+                values, ids = lp.topk(k, dim=-1)  # [R, k]
+                parts += [ids.double(), values.double()]
+            host += self.input_batch.to_host(torch.cat(parts, dim=1).flatten())
+        result: dict[str, tuple[int, list[PromptLogprob]]] = {}
+        base = 0
+        for request, start, end, _ in spans:
+            row_k = request.sampling_params.prompt_logprobs or 0
+            entries: list[PromptLogprob] = []
+            for j in range(base, base + end - start):
+                h = host[j * width : (j + 1) * width]
+                entries.append(
+                    (h[0], int(h[1]), [(int(h[2 + m]), h[2 + k + m]) for m in range(row_k)])
+                )
+            base += end - start
+            result[request.request_id] = (start + 1, entries)
+        return result

@@ -3,9 +3,10 @@ strings (cut from the text, never streamed), logprobs, and the grouping of `n` s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from engine.outputs import CompletionOutput, Logprob, PromptLogprob, RequestOutput, TokenLogprobs
 from engine.request import Request
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -31,6 +32,10 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[SampleState] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: filled position by position as chunks run (a
+    preempted request's recomputation overwrites them with the same values)."""
+    prompt_logprobs_out: list[dict[int, Logprob] | None] | None = None  # built once, complete
 
     @property
     def finished(self) -> bool:
@@ -90,6 +95,41 @@ class OutputProcessor:
         if reason == "stop" and isinstance(sample.request.stop_reason, int):
             sample.stop_reason = sample.request.stop_reason
 
+    def new_state(
+        self, request_id: str, prompt: str | None, ids: list[int], num_prompt_logprobs: int | None
+    ) -> RequestState:
+        state = RequestState(request_id, prompt, ids)
+        if num_prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(ids)
+        return state
+
+    def add_prompt_logprobs(
+        self, state: RequestState, first: int, entries: Sequence[PromptLogprob | None]
+    ) -> None:
+        """Entries for prompt tokens `first`, `first + 1`, ... (see `ModelRunner`)."""
+        if state.prompt_logprobs is not None and state.prompt_logprobs_out is None:
+            state.prompt_logprobs[first : first + len(entries)] = entries
+
+    def prompt_logprobs_of(self, state: RequestState) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape, once every prompt token after the first has its entry."""
+        if state.prompt_logprobs_out is not None or state.prompt_logprobs is None:
+            return state.prompt_logprobs_out
+        if any(e is None for e in state.prompt_logprobs[1:]):
+            return None
+        tok = self.tokenizer.id_to_token
+        out: list[dict[int, Logprob] | None] = [None]
+        for token_id, entry in zip(
+            state.prompt_token_ids[1:], state.prompt_logprobs[1:], strict=True
+        ):
+            assert entry is not None
+            chosen, rank, top = entry
+            d = {token_id: Logprob(token_id, chosen, tok(token_id), rank)}
+            for m, (t, lp) in enumerate(top):
+                d.setdefault(t, Logprob(t, lp, tok(t), m + 1))
+            out.append(d)
+        state.prompt_logprobs_out = out
+        return out
+
     def make_output(self, state: RequestState, delta: bool = True) -> RequestOutput:
         outputs = []
         for s in state.samples:
@@ -116,6 +156,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=state.finished,
             num_cached_tokens=cached,
+            prompt_logprobs=self.prompt_logprobs_of(state),
         )
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+"""A prompt token's logprob, its rank (1 + how many tokens were more likely) and the top
+alternatives [(token id, logprob)], as the model runner computes them."""
+
 
 @dataclass
 class Logprob:
@@ -12,6 +16,7 @@ class Logprob:
     token_id: int
     logprob: float
     token: str = ""
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs)
 
 
 @dataclass
@@ -51,6 +56,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first;
+    each maps the prompt token (first) and the top alternatives to their `Logprob` (vLLM's
+    shape). Complete from the first output on."""
 
     @property
     def text(self) -> str:

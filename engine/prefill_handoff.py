@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.outputs import PromptLogprob
+
 
 @dataclass(frozen=True)
 class PrefillDone:
@@ -19,6 +21,9 @@ class PrefillDone:
     logprob: tuple[float, list[tuple[int, float]]] | None  # as the sampler returns it
     sample_seed: int  # keys the request's draws; the decode side continues with it
     num_cached_tokens: int  # prompt tokens that were prefix-cache hits here
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one entry per prompt token (the first None),
+    as `ModelRunner` computes them: (logprob, rank, top [(id, logprob)])."""
 
 
 class PrefillStream(Protocol):

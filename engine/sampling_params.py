@@ -44,6 +44,10 @@ class SamplingParams:
     """HF-style multiplicative penalty over prompt and generated tokens, > 0."""
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its logprob and this many top
+    alternatives (0..20), as vLLM does. Such a request skips the prefix cache (the logits of
+    every prompt position are needed, so every position is computed)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
     structured_outputs: StructuredOutputsParams | None = None
@@ -79,11 +83,12 @@ class SamplingParams:
             raise InvalidInputError(
                 "repetition_penalty", f"must be > 0; got {self.repetition_penalty!r}"
             )
-        if self.logprobs is not None:
-            if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20:
-                raise InvalidInputError(
-                    "logprobs", f"must be an integer in [0, 20]; got {self.logprobs!r}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20
+            ):
+                raise InvalidInputError(name, f"must be an integer in [0, 20]; got {value!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool)
         ):

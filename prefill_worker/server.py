@@ -17,6 +17,7 @@ from cluster_auth.tls import add_internal_port
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
 from kv_transfer import TransferStatus
+from prefill_worker.wire import prompt_logprobs_to_wire
 from prefill_worker.worker import PrefillWorker
 from telemetry.otel import remote_parent, worker_tracer
 from telemetry.worker_spans import record_prefill
@@ -56,6 +57,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 params,
                 request.kv_destination,
                 request.num_replayed,
+                request.priority,
             )
         except InvalidInputError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -71,6 +73,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=result.num_cached_tokens,
             num_transfer_bytes=result.num_transfer_bytes,
             transfer_s=result.transfer_s,
+            prompt_logprobs=prompt_logprobs_to_wire(
+                result.prompt_logprobs or [], request.prompt_token_ids
+            ),
         )
 
     async def GetLoad(

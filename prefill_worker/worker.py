@@ -45,7 +45,7 @@ from engine.core import (
     ReleaseHeld,
 )
 from engine.llm_engine import LLMEngine, PrefillDone
-from engine.outputs import RequestOutput
+from engine.outputs import PromptLogprob, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from kv_transfer import (
     HandshakeError,
@@ -77,6 +77,7 @@ class PrefillResult:
     num_transfer_bytes: int = 0  # the request's KV, all TP ranks together
     transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
     queued_s: float = 0.0  # from its arrival to the start of the first step computing it
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # when the request asked
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class PrefillWorker:
         params: SamplingParams,
         dest: str,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> PrefillResult:
         """Prefill, sample the first token and ship the KV to the decode worker at `dest`.
         Returns once the transfer ended. Bad input raises `InvalidInputError`; cancelling
@@ -163,7 +165,9 @@ class PrefillWorker:
             await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
         self.core.submit(
-            AddRequest(request_id, ids, params, prefill_dest=dest, num_replayed=num_replayed)
+            AddRequest(
+                request_id, ids, params, priority, prefill_dest=dest, num_replayed=num_replayed
+            )
         )
         finished = False
         try:
@@ -245,6 +249,7 @@ class PrefillRole(EngineRole):
             cmd.prompt,
             cmd.params,
             cmd.request_id,
+            cmd.priority,
             prefill_only=True,
             num_replayed=cmd.num_replayed,
         )
@@ -347,6 +352,7 @@ class PrefillRole(EngineRole):
             len(done.block_ids) * self._block_bytes if done else 0,
             time.monotonic() - shipped_s if shipped_s is not None else 0.0,
             self._queued_s.get(result.request_id, 0.0),
+            done.prompt_logprobs if done else None,
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

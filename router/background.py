@@ -36,9 +36,11 @@ from engine import InvalidInputError
 from engine.tokenizer import IncrementalDetokenizer
 from router.admission import AdmissionTicket
 from router.auth import caller_api_key
+from router.background_tools import event_delta, rebuild_plan, replay, tool_fields
 from router.batch_runner import wait_out_overload
 from router.batches import NotFoundError, queue_errors
 from router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
+from router.openai_chat import ChatPlan, assistant_message
 from router.openai_protocol import ChatCompletionRequest
 from router.openai_responses import (
     ChatCompletionChoice,
@@ -72,12 +74,13 @@ class BackgroundService:
         for field, bad in (
             ("n", body.n != 1),
             ("logprobs", body.logprobs),
+            ("prompt_logprobs", body.prompt_logprobs is not None),
             ("stream", body.stream),
         ):
             if bad:
                 raise BadRequestError(
-                    f"{field}: not supported with background (n must be 1; stream the result "
-                    "from GET /v1/chat/completions/{id}/events)",
+                    f"{field}: not supported with background (n must be 1, no logprobs; stream "
+                    "the result from GET /v1/chat/completions/{id}/events)",
                     param=field,
                 )
         rename = {"prompt": "messages", "max_tokens": body.max_tokens_field}
@@ -90,8 +93,15 @@ class BackgroundService:
         if body.session_id is not None:
             turn = await ctx.sessions.begin_turn(body.session_id, api_key)
         messages = new_messages if turn is None else [*turn.history, *new_messages]
+        tools = tool_fields(body)
+        reply_start = None
         try:
-            prompt_ids = ctx.engine.encode_chat(messages)
+            if tools is None:
+                prompt_ids = ctx.engine.encode_chat(messages)
+            else:
+                plan = ChatPlan.of(body, ctx.chat_options, ctx.engine.tokenizer)
+                prompt_ids = plan.render(ctx.engine.tokenizer, body, messages)
+                params, reply_start = plan.sampling_params(params), plan.reply_start
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
         max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
@@ -104,8 +114,11 @@ class BackgroundService:
             "new_messages": new_messages,
             "session": None if turn is None else {"id": turn.session_id, "version": turn.version},
             "created": created,
+            "tools": tools,
+            "reply_start": reply_start,
         }
-        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created}
+        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created,
+                  "tools": tools, "reply_start": reply_start}  # fmt: skip
         with queue_errors():
             await self.queue.enqueue(
                 [Task(request_id, KIND, payload)], record=("background", request_id, record)
@@ -123,9 +136,15 @@ class BackgroundService:
     async def run(self, delivery: Delivery) -> dict[str, Any]:
         ctx, p, request_id = self.ctx, delivery.payload, delivery.task_id
         body = ChatCompletionRequest.model_validate(p["body"])
+        plan = None
         try:
             params = body.to_sampling_params()
-            prompt_ids = ctx.engine.encode_chat(p["messages"])
+            if p.get("tools") is None:
+                prompt_ids = ctx.engine.encode_chat(p["messages"])
+            else:
+                plan = self._plan(p, request_id)
+                prompt_ids = plan.render(ctx.engine.tokenizer, body, p["messages"])
+                params = plan.sampling_params(params)
             max_tokens = ctx.check_lengths(len(prompt_ids), params, {})
         except (InvalidInputError, OpenAIError) as e:
             return _failed(as_openai_error(e, request_id))
@@ -159,9 +178,21 @@ class BackgroundService:
             events = await self._events(request_id)
         text = "".join(e["text"] for e in events)
         num_tokens = sum(len(e["token_ids"]) for e in events)
+        message = ChatResponseMessage(content=text)
+        finish_reason = events[-1]["finish_reason"]
+        if plan is not None:  # the calls the events route streamed, under the same ids
+            reply = plan.new_reply()
+            piece, content, calls = reply.whole(text)
+            message = ChatResponseMessage(
+                content=content, reasoning_content=piece.reasoning or None, tool_calls=calls
+            )
+            finish_reason = reply.finish_reason(finish_reason)
         if p["session"] is not None:
+            m = message
             try:
-                await self._commit_turn(p, text)
+                await self._commit_turn(
+                    p, assistant_message(m.content, m.tool_calls, m.reasoning_content)
+                )
             except OpenAIError as e:  # 409: another turn was stored first; 503: retry
                 if e.status_code >= 500:
                     raise RetryTask(f"{e.status_code} {e.message}") from e
@@ -170,13 +201,7 @@ class BackgroundService:
             id=request_id,
             created=p["created"],
             model=ctx.model_name,
-            choices=[
-                ChatCompletionChoice(
-                    index=0,
-                    message=ChatResponseMessage(content=text),
-                    finish_reason=events[-1]["finish_reason"],
-                )
-            ],
+            choices=[ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)],
             usage=Usage.of(len(prompt_ids), num_tokens),
         )
         return {"response": response.model_dump(mode="json")}
@@ -233,7 +258,13 @@ class BackgroundService:
             ticket.release()
         return None
 
-    async def _commit_turn(self, payload: dict[str, Any], reply: str) -> None:
+    def _plan(self, stored: dict[str, Any], request_id: str) -> ChatPlan:
+        """The tool plan a request with tools was submitted with (`background_tools`)."""
+        tokenizer = self.ctx.engine.tokenizer
+        options = self.ctx.chat_options
+        return rebuild_plan(stored["tools"], stored["reply_start"], options, tokenizer, request_id)
+
+    async def _commit_turn(self, payload: dict[str, Any], reply: dict[str, Any]) -> None:
         session = payload["session"]
         turn = SessionTurn(session["id"], session["version"], [])
         try:
@@ -241,7 +272,7 @@ class BackgroundService:
         except SessionConflictError:
             # A re-run after this turn was stored (before its result was): not again.
             history = await self.ctx.sessions.store.history(turn.session_id)  # type: ignore[union-attr]
-            mine = [*payload["new_messages"], {"role": "assistant", "content": reply}]
+            mine = [*payload["new_messages"], reply]
             if history[-len(mine) :] != mine:
                 raise
 
@@ -280,11 +311,15 @@ class BackgroundService:
         doc = await self._record(api_key, request_id)
         if offset < 0:
             raise BadRequestError(f"offset: must be >= 0; got {offset}", param="offset")
-        return self._stream(request_id, doc["created"], offset)
+        return self._stream(request_id, doc, offset)
 
     async def _stream(
-        self, request_id: str, created: int, offset: int
+        self, request_id: str, doc: dict[str, Any], offset: int
     ) -> AsyncGenerator[str, None]:
+        created, reply = doc["created"], None
+        if doc.get("tools") is not None:  # the log's raw text -> content and tool-call deltas
+            reply = self._plan(doc, request_id).new_reply()
+            replay(reply, (await self._events(request_id))[:offset] if offset else [])
         deadline = time.monotonic() + MAX_STREAM_S
         while time.monotonic() < deadline:
             try:
@@ -295,10 +330,11 @@ class BackgroundService:
                 continue
             for entry in raw:
                 event = json.loads(entry)
+                delta, finish_reason = DeltaMessage(content=event["text"] or None), None
+                if reply is not None:
+                    delta, finish_reason = event_delta(reply, event)
                 choice = ChatCompletionStreamChoice(
-                    index=0,
-                    delta=DeltaMessage(content=event["text"] or None),
-                    finish_reason=event["finish_reason"],
+                    index=0, delta=delta, finish_reason=finish_reason or event["finish_reason"]
                 )
                 chunk = ChatCompletionChunk(
                     id=request_id, created=created, model=self.ctx.model_name, choices=[choice]

@@ -15,8 +15,9 @@ import grpc
 from duet.v1 import worker_pb2
 from engine import InvalidInputError
 from engine.async_engine import EngineDeadError
+from engine.config import SCHEDULING_POLICIES
 from engine.llm_engine import EngineStats
-from engine.output_processor import OutputProcessor, SampleState
+from engine.output_processor import OutputProcessor, RequestState, SampleState
 from kv_transfer import TransferStatus
 from router.decode_client import DecodeStream
 from router.transfer_log import TransferLog
@@ -42,6 +43,9 @@ class ClusterConfig:
     """Decode workers expected (admission capacity before the first load reports)."""
     poll_interval_s: float = 0.5
     """How often each worker's load and health are polled."""
+    scheduling_policy: str = "fcfs"
+    """The workers' (their `EngineConfig.scheduling_policy`): with `priority`, a request's
+    priority reaches the prefill and decode workers' schedulers; with fcfs it is refused."""
 
     def __post_init__(self) -> None:
         if self.local_prefill_threshold < 0:
@@ -52,6 +56,11 @@ class ClusterConfig:
             raise ValueError(
                 f"--request-timeout ({self.request_timeout_s}) must exceed --kv-wait "
                 f"({self.kv_wait_s}), which must be > 0"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"--scheduling-policy: must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                f"got {self.scheduling_policy!r}"
             )
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
@@ -90,7 +99,10 @@ class AttemptRunner:
         attempt: int,
         deadline: float,
         updates: asyncio.Queue[BaseException | None],
+        state: RequestState,
     ) -> None:
+        """`state`: the sample's request, which takes the prompt logprobs (computed by the
+        prefill worker, with its answer) when the sample asked for them."""
         request = sample.request
         ids = prompt_ids + request.output_token_ids  # after a lost decode worker: continue
         emitted = request.num_output_tokens
@@ -100,7 +112,10 @@ class AttemptRunner:
             max_tokens=request.max_tokens - emitted,
             min_tokens=max(0, request.sampling_params.min_tokens - emitted),
             stop=[],
+            # A continuation's prompt logprobs were out before its first token.
+            prompt_logprobs=None if emitted else request.sampling_params.prompt_logprobs,
         )
+        prompt_state = state if params.prompt_logprobs is not None else None
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
@@ -109,9 +124,17 @@ class AttemptRunner:
         uncached = len(ids) - (pick[1] if pick else 0)
         if attempt == 1:
             self._stats.prefix_cache_queries += len(ids)
-        if pick is None or uncached <= self.config.local_prefill_threshold:
+        if prompt_state is not None and pick is None:
+            # NOTE: the decode workers' outputs do not carry prompt logprobs; only a
+            # prefill worker's answer does.
+            raise EngineDeadError("prompt_logprobs: no prefill worker is available; retry later")
+        if pick is None or (
+            uncached <= self.config.local_prefill_threshold and prompt_state is None
+        ):
             try:
-                stream = await decode.client.generate(transfer_id, ids, params, timeout, emitted)
+                stream = await decode.client.generate(
+                    transfer_id, ids, params, timeout, emitted, request.priority
+                )
             except grpc.aio.AioRpcError as e:
                 raise self._decode_failure(decode, e) from None
             await self._consume(sample, stream, decode, None, updates)
@@ -122,7 +145,7 @@ class AttemptRunner:
         decode.num_sent_blocks += num_blocks
         try:
             stream = await decode.client.reserve(
-                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted
+                transfer_id, ids, params, self.config.kv_wait_s, timeout, emitted, request.priority
             )
         except grpc.aio.AioRpcError as e:
             raise self._decode_failure(decode, e) from None
@@ -135,13 +158,16 @@ class AttemptRunner:
                 stream.reserved.kv_address if stream.reserved else "",
                 min(timeout, self.config.kv_wait_s),
                 emitted,  # a grammar replays the output so far (worker.proto)
+                request.priority,
             )
         )
         transfer = self.transfers.begin(
             transfer_id, prefill.name, decode.name, len(ids), prefill_call
         )
         try:
-            await self._consume(sample, stream, decode, (prefill, prefill_call), updates)
+            await self._consume(
+                sample, stream, decode, (prefill, prefill_call), updates, prompt_state
+            )
         finally:
             prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
             error = sys.exc_info()[1]
@@ -161,9 +187,23 @@ class AttemptRunner:
         decode: DecodeState,
         prefill: tuple[PrefillState, asyncio.Task[PrefillOutcome]] | None,
         updates: asyncio.Queue[BaseException | None],
+        prompt_state: RequestState | None = None,
     ) -> None:
         """Stream the attempt's tokens into the sample until it finishes. A prefill that
-        fails first cancels the stream (the KV will never come)."""
+        fails first cancels the stream (the KV will never come). With `prompt_state`, the
+        prefill worker's answer (which carries the prompt logprobs) comes first: no output
+        of the request goes out without them (the tokens wait in the stream meanwhile)."""
+        if prefill is not None and prompt_state is not None:
+            await asyncio.wait({prefill[1]})  # bounded by the call's deadline
+            problem = self._prefill_problem(*prefill)
+            if problem is not None or prefill[1].cancelled():
+                stream.cancel()
+                raise RetryAttempt(problem or "prefill call cancelled")
+            entries = prefill[1].result().prompt_logprobs
+            if entries is None:
+                stream.cancel()
+                raise RetryAttempt(f"prefill worker {prefill[0].name} sent no prompt logprobs")
+            self.outputs.add_prompt_logprobs(prompt_state, 0, entries)
         reader = asyncio.create_task(self._read(sample, stream, updates))
         try:
             if prefill is not None:

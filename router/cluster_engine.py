@@ -107,6 +107,11 @@ class ClusterEngine:
         return not self._stopped and bool(self.pool.healthy_decode())
 
     @property
+    def scheduling_policy(self) -> str:
+        """The workers' policy (`ClusterConfig.scheduling_policy`)."""
+        return self.config.scheduling_policy
+
+    @property
     def deterministic(self) -> bool:
         """True when every healthy worker reports it (and there is one of each kind)."""
         prefill, decode = self.pool.healthy_prefill(), self.pool.healthy_decode()
@@ -169,20 +174,24 @@ class ClusterEngine:
         # an id another request (of another tenant, or another router) uses on the workers.
         internal_id = f"{self._instance}-{next(self._ids)}"
         request_id = request_id or internal_id
-        state = RequestState(request_id, text, ids)
+        state = self.outputs.new_state(request_id, text, ids, params.prompt_logprobs)
         for index in range(params.n):
             sample_params = params
-            if params.n > 1:
+            if params.n > 1:  # one sample computes the prompt logprobs for all
                 seed = None if params.seed is None else params.seed + index
-                sample_params = dataclasses.replace(params, n=1, seed=seed)
+                prompt_logprobs = params.prompt_logprobs if index == 0 else None
+                sample_params = dataclasses.replace(
+                    params, n=1, seed=seed, prompt_logprobs=prompt_logprobs
+                )
             sub_id = internal_id if params.n == 1 else f"{internal_id}#{index}"
-            request = Request(sub_id, ids, sample_params, max_tokens, self._tokenizer.eos_token_ids)
+            eos = self._tokenizer.eos_token_ids
+            request = Request(sub_id, ids, sample_params, max_tokens, eos, priority)
             state.samples.append(self.outputs.new_sample(index, request))
         self._stats.num_prompt_tokens += len(ids) * params.n
         updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
         tasks = [
             asyncio.create_task(
-                self._run_sample(sample, ids, updates), name=sample.request.request_id
+                self._run_sample(sample, ids, updates, state), name=sample.request.request_id
             )
             for sample in state.samples
         ]
@@ -195,6 +204,8 @@ class ClusterEngine:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
+                if state.prompt_logprobs is not None and not self.outputs.prompt_logprobs_of(state):
+                    continue  # sample 0's prefill answer brings them; nothing goes out before
                 out = self.outputs.make_output(state)
                 yield out
                 if out.finished:
@@ -212,9 +223,10 @@ class ClusterEngine:
         sample: SampleState,
         prompt_ids: list[int],
         updates: asyncio.Queue[BaseException | None],
+        state: RequestState,
     ) -> None:
         try:
-            await self._attempts(sample, prompt_ids, updates)
+            await self._attempts(sample, prompt_ids, updates, state)
         except asyncio.CancelledError:
             if self._stopped:
                 updates.put_nowait(EngineDeadError("the router shut down"))
@@ -227,6 +239,7 @@ class ClusterEngine:
         sample: SampleState,
         prompt_ids: list[int],
         updates: asyncio.Queue[BaseException | None],
+        state: RequestState,
     ) -> None:
         request = sample.request
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -236,7 +249,9 @@ class ClusterEngine:
             if decode is None:
                 raise EngineDeadError("no decode worker is available; retry later")
             try:
-                await self._attempt.run(sample, prompt_ids, decode, attempt, deadline, updates)
+                await self._attempt.run(
+                    sample, prompt_ids, decode, attempt, deadline, updates, state
+                )
                 return
             except RetryAttempt as e:
                 last_error = str(e)

@@ -167,6 +167,7 @@ class DecodeClient:
         kv_wait_s: float,
         timeout_s: float,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> DecodeStream:
         """Reserve blocks for a remote prefill. Raises `grpc.aio.AioRpcError`
         (RESOURCE_EXHAUSTED: no room there) before anything was reserved."""
@@ -181,6 +182,7 @@ class DecodeClient:
                     kv_wait_s=kv_wait_s,
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
+                    priority=priority,
                 ),
                 timeout=max(0.0, deadline - time.monotonic()),
                 metadata=(
@@ -200,6 +202,7 @@ class DecodeClient:
         params: SamplingParams,
         timeout_s: float,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> DecodeStream:
         """Prefill and decode on the worker. Raises `grpc.aio.AioRpcError` when it refuses
         the request; later failures are raised by the stream."""
@@ -213,6 +216,7 @@ class DecodeClient:
                     sampling_params_json=params.to_json(),
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
+                    priority=priority,
                 ),
                 timeout=max(0.0, deadline - time.monotonic()),
                 metadata=(*self.signer.metadata(_DECODE + "Generate"), *request_trace_metadata()),

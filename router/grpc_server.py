@@ -36,12 +36,14 @@ from router.errors import (
     OpenAIError,
 )
 from router.grpc_chat import chat_body, piece_fields
+from router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from router.grpc_metrics import GrpcMetricsInterceptor
 from router.metrics import ServingMetrics
-from router.openai_chat import ChatOptions, ChatPlan
+from router.openai_chat import ChatOptions, ChatPlan, reply_message
 from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from router.serving_context import check_priority
 from router.sessions import SessionManager, SessionTurn
+from router.tool_stream import Piece
 from router.tracing import RequestTracing, traced_outputs
 from session_store import RateLimiter, RateLimits, SessionStore
 
@@ -101,7 +103,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
     kwargs: dict[str, Any] = {}
     for name in (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-        "frequency_penalty", "repetition_penalty", "logprobs", "n", "min_tokens",
+        "frequency_penalty", "repetition_penalty", "logprobs", "n", "min_tokens", "prompt_logprobs",
     ):  # fmt: skip
         if opts.HasField(name):
             kwargs[name] = getattr(opts, name)
@@ -264,7 +266,9 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         )  # fmt: skip
         replies = {i: plan.new_reply() for i in range(params.n)} if plan is not None else {}
         sent_logprobs: dict[int, int] = {}
+        sent_prompt = False
         held: list[serving_pb2.GenerateResponse] = []
+        pieces: list[Piece] = []  # sample 0's, which a session stores
         last = None
         async with aclosing(stream) as outputs:
             async for out in outputs:
@@ -275,17 +279,25 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                     lps = []
                     if sample.logprobs is not None:
                         start = sent_logprobs.get(sample.index, 0)
-                        lps = [_logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
+                        lps = [logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
                         sent_logprobs[sample.index] = len(sample.logprobs)
                     fields: dict[str, Any] = {"text": sample.delta_text}
                     finish_reason = sample.finish_reason
                     reply = replies.get(sample.index)
+                    piece = Piece(content=sample.delta_text)
                     if reply is not None:
                         piece = reply.feed(sample.delta_text)
                         if sample.finished:
                             piece = piece.then(reply.finish())
                         fields = piece_fields(piece)
                         finish_reason = reply.finish_reason(finish_reason)
+                    if sample.index == 0:
+                        pieces.append(piece)
+                    if out.prompt_logprobs is not None and not sent_prompt:
+                        sent_prompt = True
+                        fields["prompt_logprobs"] = prompt_logprobs_to_proto(
+                            out.prompt_logprobs, params.prompt_logprobs or 0
+                        )
                     response = serving_pb2.GenerateResponse(
                         request_id=out.request_id,
                         index=sample.index,
@@ -301,7 +313,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         if last is None:
             return
         if turn is not None:
-            await self.sessions.commit_turn(turn, list(new_messages), last.outputs[0].text)
+            await self.sessions.commit_turn(turn, list(new_messages), reply_message(pieces))
         for response in held:
             yield response
         usage = serving_pb2.Usage(
@@ -330,13 +342,6 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, request_id
     logger.error("gRPC request %s failed", error_id, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error (request {error_id})")
     raise AssertionError("unreachable: context.abort raises")
-
-
-def _logprobs_to_proto(lp: Any) -> serving_pb2.TokenLogprobs:
-    def one(x: Any) -> serving_pb2.TokenLogprob:
-        return serving_pb2.TokenLogprob(token_id=x.token_id, logprob=x.logprob, token=x.token)
-
-    return serving_pb2.TokenLogprobs(sampled=one(lp.sampled), top=[one(t) for t in lp.top])
 
 
 async def start_grpc_server(

@@ -12,6 +12,8 @@ from router.openai_responses import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogprobs,
+    PromptLogprobs,
+    PromptTokenLogprob,
 )
 
 
@@ -83,3 +85,64 @@ def completion_logprobs(
         top.setdefault(token, _finite(entry.sampled.logprob))
         out.top_logprobs.append(top)
     return out
+
+
+def prompt_logprobs(
+    entries: Sequence[dict[int, Logprob] | None] | None, texts: TokenTexts, as_ids: bool = False
+) -> PromptLogprobs | None:
+    """The engine's `RequestOutput.prompt_logprobs` in vLLM's JSON shape."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): PromptTokenLogprob(
+                logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=texts.text(t, as_ids)
+            )
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]
+
+
+def echo_logprobs(
+    prompt_token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    texts: TokenTexts,
+    as_ids: bool = False,
+) -> CompletionLogprobs:
+    """Completions' logprobs of an echoed prompt (OpenAI: the first token's are null)."""
+    out = CompletionLogprobs()
+    text_offset = 0
+    for token_id, entry in zip(prompt_token_ids, entries, strict=True):
+        token = texts.text(token_id, as_ids)
+        out.tokens.append(token)
+        out.text_offset.append(text_offset)
+        text_offset += len(token)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_finite(entry[token_id].logprob))
+        top = {
+            texts.text(t, as_ids): _finite(lp.logprob)
+            for t, lp in entry.items()
+            if lp.rank is not None and lp.rank <= num_top
+        }
+        top.setdefault(token, _finite(entry[token_id].logprob))
+        out.top_logprobs.append(top)
+    return out
+
+
+def join_logprobs(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    """`then` (generated tokens' logprobs) after `first` (the echoed prompt's)."""
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        text_offset=first.text_offset + then.text_offset,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        tokens=first.tokens + then.tokens,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+    )

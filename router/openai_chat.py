@@ -88,10 +88,6 @@ class ChatPlan:
                 raise InvalidInputError(
                     "structured_outputs", f"cannot be combined with a {tools.mode} tool_choice"
                 )
-        if tools.mode != "none":
-            for field in ("background", "session_id"):
-                if getattr(body, field):
-                    raise InvalidInputError(field, "cannot be combined with tools (not yet)")
         if body.background:
             if body.priority != 0:
                 raise InvalidInputError("priority", "cannot be combined with background (not yet)")
@@ -219,3 +215,23 @@ def render_chat(
         continue_final_message=body.continue_final_message,
         **variables,
     )
+
+
+def assistant_message(
+    content: str | None, tool_calls: list[ToolCall] | None, reasoning: str | None = None
+) -> dict[str, Any]:
+    """A reply as a session stores it, the way a client sends it back: its content, its tool
+    calls under the ids the client got (so the next turn's `tool` messages match them) and its
+    thinking apart, in the chat templates' shape (`ChatMessage.to_template_message`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+    if tool_calls:
+        message["tool_calls"] = [call.to_template() for call in tool_calls]
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def reply_message(pieces: list[Piece]) -> dict[str, Any]:
+    """`assistant_message` of a streamed reply's pieces."""
+    content, calls = collect(pieces)
+    return assistant_message(content, calls, "".join(p.reasoning for p in pieces))

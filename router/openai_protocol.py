@@ -159,8 +159,9 @@ class SamplingRequest(OpenAIModel):
     structured_outputs: structured_protocol.StructuredOutputsBody | None = None
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     """Lower runs first when the server schedules by priority (else only 0 is accepted)."""
-    prompt_logprobs: int | None = None
-    """Not supported yet: any value but null is a 400."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """vLLM's extra: every prompt token's logprob (after the first) and this many top
+    alternatives, in the response's `prompt_logprobs` (docs/tool_calling.md)."""
     # duet
     session_id: str | None = None
     """Chat only: a session from `POST /v1/sessions` whose history comes before `messages`;
@@ -174,13 +175,6 @@ class SamplingRequest(OpenAIModel):
         except ValidationError:
             raise ValueError("must be a string or a list of strings") from None
 
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("is not supported by this server yet")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -193,7 +187,11 @@ class SamplingRequest(OpenAIModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, fmt: ResponseFormat | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        fmt: ResponseFormat | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Engine parameters. Raises `InvalidInputError` naming the engine-side field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -213,6 +211,7 @@ class SamplingRequest(OpenAIModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_protocol.params(fmt, self.structured_outputs),
         )
@@ -288,7 +287,8 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    """Each choice's text starts with its prompt (not with logprobs yet)."""
+    """Each choice's text starts with its prompt; with `logprobs`, so do its logprobs (the
+    first prompt token's null)."""
     suffix: str | None = None
     best_of: int | None = None
     response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
@@ -303,14 +303,6 @@ class CompletionRequest(SamplingRequest):
                 "must be a string, a list of strings, a list of token ids or a list of "
                 "token-id lists"
             ) from None
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("with logprobs is not supported by this server yet (needs prompt "
-                             "logprobs)")  # fmt: skip
-        return value
 
     @field_validator("suffix")
     @classmethod
@@ -337,5 +329,15 @@ class CompletionRequest(SamplingRequest):
             return [[]]  # the engine names the empty prompt
         return list(p)  # type: ignore[arg-type]
 
+    @property
+    def echo_logprobs(self) -> bool:
+        """Whether the echoed prompt carries logprobs (which needs prompt logprobs)."""
+        return self.echo and self.logprobs is not None
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs, self.response_format)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo_logprobs:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs or 0)
+        return self._sampling_params(
+            self.max_tokens, self.logprobs, self.response_format, prompt_logprobs
+        )

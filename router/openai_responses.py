@@ -54,6 +54,18 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's shape of one prompt-logprob entry (keyed by token id in its position's map)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+"""One map per prompt token (null for the first): the prompt token, then the top-k."""
+
+
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatResponseMessage
@@ -69,6 +81,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -97,6 +110,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """duet/vLLM: in one chunk (with no choices) before the first token's."""
 
 
 class CompletionLogprobs(BaseModel):
@@ -112,6 +127,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -19,8 +19,8 @@ from engine import CompletionOutput, InvalidInputError, RequestOutput
 from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
-from router.logprobs import chat_logprobs
-from router.openai_chat import ChatPlan
+from router.logprobs import chat_logprobs, prompt_logprobs
+from router.openai_chat import ChatPlan, assistant_message, reply_message
 from router.openai_protocol import ChatCompletionRequest
 from router.openai_responses import (
     ChatCompletionChoice,
@@ -30,11 +30,13 @@ from router.openai_responses import (
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
+    PromptLogprobs,
     Usage,
 )
 from router.serving_context import ServingContext, final_output
 from router.sessions import SessionTurn
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
+from router.tool_stream import Piece
 
 if TYPE_CHECKING:
     from router.background import BackgroundService
@@ -105,12 +107,12 @@ class ChatCompletionHandler:
             raise as_openai_error(e, request_id, rename) from e
         finally:
             ticket.release()
+        response = self._response(body, plan, request_id, final)
         if turn is not None:
-            await ctx.sessions.commit_turn(turn, new_messages, final.outputs[0].text)
-        return Response(
-            self._response(body, plan, request_id, final).model_dump_json(),
-            media_type="application/json",
-        )
+            m = response.choices[0].message
+            reply = assistant_message(m.content, m.tool_calls, m.reasoning_content)
+            await ctx.sessions.commit_turn(turn, new_messages, reply)
+        return Response(response.model_dump_json(), media_type="application/json")
 
     def _logprobs(
         self, body: ChatCompletionRequest, c: CompletionOutput, num_new: int | None = None
@@ -145,8 +147,20 @@ class ChatCompletionHandler:
                 )
             )
         return ChatCompletionResponse(
-            id=request_id, model=self.ctx.model_name, choices=choices, usage=_usage(final)
+            id=request_id,
+            model=self.ctx.model_name,
+            choices=choices,
+            usage=_usage(final),
+            prompt_logprobs=self._prompt_logprobs(body, final),
         )
+
+    def _prompt_logprobs(
+        self, body: ChatCompletionRequest, out: RequestOutput
+    ) -> PromptLogprobs | None:
+        if body.prompt_logprobs is None:
+            return None
+        texts = self.ctx.token_texts
+        return prompt_logprobs(out.prompt_logprobs, texts, body.return_tokens_as_token_ids)
 
     async def _stream(
         self,
@@ -165,14 +179,21 @@ class ChatCompletionHandler:
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
 
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: Usage | None = None) -> str:
+        def chunk(
+            choices: list[ChatCompletionStreamChoice],
+            usage: Usage | None = None,
+            prompt_lps: PromptLogprobs | None = None,
+        ) -> str:
             payload = ChatCompletionChunk(
                 id=request_id,
                 created=created,
                 model=self.ctx.model_name,
                 choices=choices,
                 usage=usage,
+                prompt_logprobs=prompt_lps,
             )
+            if prompt_lps is None:  # only the first output's chunk carries them
+                return sse_event(payload, (exclude or set()) | {"prompt_logprobs"})
             return sse_event(payload, exclude)
 
         try:
@@ -182,9 +203,12 @@ class ChatCompletionHandler:
             finished: set[int] = set()
             replies = {index: plan.new_reply() for index in range(n)}
             held: list[str] = []
+            pieces: list[Piece] = []  # choice 0's, which a session stores
             last: RequestOutput | None = None
             async with aclosing(outputs) as it:
                 async for out in it:
+                    if last is None and body.prompt_logprobs is not None:
+                        yield chunk([], prompt_lps=self._prompt_logprobs(body, out))
                     last = out
                     for c in out.outputs:
                         if c.index in finished:
@@ -199,6 +223,8 @@ class ChatCompletionHandler:
                             logprobs = None
                         if piece.is_empty and logprobs is None and c.finish_reason is None:
                             continue  # text held back (maybe a stop string or a marker)
+                        if c.index == 0:
+                            pieces.append(piece)
                         delta = DeltaMessage(
                             content=piece.content or None,
                             reasoning_content=piece.reasoning or None,
@@ -216,7 +242,7 @@ class ChatCompletionHandler:
                         else:
                             yield chunk([choice])
             if turn is not None and last is not None:
-                await self.ctx.sessions.commit_turn(turn, new_messages, last.outputs[0].text)
+                await self.ctx.sessions.commit_turn(turn, new_messages, reply_message(pieces))
             for event in held:
                 yield event
             if body.include_usage and last is not None:

@@ -15,9 +15,15 @@ from engine import CompletionOutput, InvalidInputError, RequestOutput
 from router.auth import caller_api_key
 from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from router.errors import BadRequestError, as_openai_error
-from router.logprobs import completion_logprobs
+from router.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
 from router.openai_protocol import CompletionRequest
-from router.openai_responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from router.openai_responses import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptLogprobs,
+    Usage,
+)
 from router.serving_context import ServingContext
 from router.sse import DONE, EventStreamResponse, sse_error, sse_event
 from router.stream_merge import merge_streams
@@ -81,18 +87,42 @@ class CompletionHandler:
         )
 
     def _logprobs(
-        self, body: CompletionRequest, c: CompletionOutput, num_new: int, text_offset: int
+        self,
+        body: CompletionRequest,
+        c: CompletionOutput,
+        num_new: int,
+        text_offset: int,
+        echo_of: RequestOutput | None = None,
     ) -> CompletionLogprobs | None:
-        """Logprobs of the sample's last `num_new` tokens."""
-        if body.logprobs is None or c.logprobs is None:
-            return None
-        return completion_logprobs(
-            c.logprobs[len(c.logprobs) - num_new :],
-            body.logprobs,
+        """Logprobs of the sample's last `num_new` tokens, after its echoed prompt's when
+        `echo_of` (the request's output) is given and the request asked for them."""
+        generated = None
+        if body.logprobs is not None and c.logprobs is not None:
+            generated = completion_logprobs(
+                c.logprobs[len(c.logprobs) - num_new :],
+                body.logprobs,
+                self.ctx.token_texts,
+                text_offset,
+                body.return_tokens_as_token_ids,
+            )
+        if echo_of is None or not body.echo_logprobs or echo_of.prompt_logprobs is None:
+            return generated
+        echoed = echo_logprobs(
+            echo_of.prompt_token_ids,
+            echo_of.prompt_logprobs,
+            body.logprobs or 0,
             self.ctx.token_texts,
-            text_offset,
             body.return_tokens_as_token_ids,
         )
+        return join_logprobs(echoed, generated)
+
+    def _prompt_logprobs(
+        self, body: CompletionRequest, out: RequestOutput
+    ) -> PromptLogprobs | None:
+        if body.prompt_logprobs is None:
+            return None
+        texts = self.ctx.token_texts
+        return prompt_logprobs(out.prompt_logprobs, texts, body.return_tokens_as_token_ids)
 
     def _response(
         self,
@@ -106,9 +136,12 @@ class CompletionHandler:
             CompletionChoice(
                 index=i * n + c.index,
                 text=echoes[i] + c.text,
-                logprobs=self._logprobs(body, c, len(c.token_ids), 0),
+                logprobs=self._logprobs(
+                    body, c, len(c.token_ids), len(echoes[i]), final if body.echo else None
+                ),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_logprobs=self._prompt_logprobs(body, final),
             )
             for i, final in enumerate(finals)
             for c in final.outputs
@@ -141,21 +174,24 @@ class CompletionHandler:
                             continue
                         if c.finish_reason is not None:
                             finished.add(index)
-                        offset = num_sent_chars.get(index, 0)
-                        logprobs = self._logprobs(body, c, len(c.delta_token_ids), offset)
+                        first = index not in echoed
+                        offset = num_sent_chars.get(index, len(echoes[i]))
+                        logprobs = self._logprobs(
+                            body, c, len(c.delta_token_ids), offset, out if first else None
+                        )
                         if logprobs is not None and not logprobs.tokens:
                             logprobs = None
                         if not c.delta_text and logprobs is None and c.finish_reason is None:
                             continue  # a token whose text is held back (maybe a stop string)
                         num_sent_chars[index] = offset + len(c.delta_text)
-                        echo = echoes[i] if index not in echoed else ""
                         echoed.add(index)
                         choice = CompletionChoice(
                             index=index,
-                            text=echo + c.delta_text,
+                            text=(echoes[i] if first else "") + c.delta_text,
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            prompt_logprobs=self._prompt_logprobs(body, out) if first else None,
                         )
                         payload = CompletionResponse(
                             id=request_id, created=created, model=self.ctx.model_name,

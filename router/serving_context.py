@@ -133,7 +133,7 @@ def check_priority(engine: EngineClient, priority: int) -> None:
     if priority != 0 and policy != "priority":
         raise BadRequestError(
             f"priority: this server schedules {policy} and would ignore it (start it with "
-            "--scheduling-policy priority; disaggregated mode has no priorities yet)",
+            "--scheduling-policy priority)",
             param="priority",
         )
 

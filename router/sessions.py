@@ -107,16 +107,17 @@ class SessionManager:
         return SessionTurn(session.id, session.version, history)
 
     async def commit_turn(
-        self, turn: SessionTurn, messages: list[dict[str, Any]], reply: str
+        self, turn: SessionTurn, messages: list[dict[str, Any]], reply: str | dict[str, Any]
     ) -> int:
-        """Append the request's messages and the assistant's reply as one turn; return the new
-        version. `SessionConflictError` when another turn was stored since `begin_turn`."""
+        """Append the request's messages and the assistant's reply (its text, or its message
+        with tool calls: `openai_chat.assistant_message`) as one turn; return the new version.
+        `SessionConflictError` when another turn was stored since `begin_turn`."""
         store = self._store()
+        if isinstance(reply, str):
+            reply = {"role": "assistant", "content": reply}
         with _store_errors(turn.session_id):
             return await store.append_turn(
-                turn.session_id,
-                [*messages, {"role": "assistant", "content": reply}],
-                expected_version=turn.version,
+                turn.session_id, [*messages, reply], expected_version=turn.version
             )
 
     def _store(self) -> SessionStore:

@@ -48,6 +48,9 @@ class ToolCallParser:
     """One model family's format. Stateless: the stream (router/tool_stream.py) keeps state."""
 
     name = ""
+    end_marker: str | None = None
+    """What ends each call, where the format has one: `complete_calls` finds nothing new
+    until it appears (a stream looks for it in the new text only)."""
     needs_special_tokens = False
     """Its markers are special tokens, which the text keeps only with skip_special_tokens off."""
 
@@ -73,6 +76,7 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    end_marker = END
 
     def find_start(self, text: str, at_start: bool) -> int | None:
         i = text.find(self.START)

@@ -184,19 +184,24 @@ class ParsedCallsStream(ToolCallStream):
         self._parallel = parallel
         self._pending = ""  # content held back: it may start a marker
         self._at_start = True
-        self._calls_text: str | None = None  # from where tool calls start, once they did
+        self._calls: list[str] | None = None  # the text from where tool calls start, in pieces
+        self._tail: list[str] = []  # the part of it after the calls parsed so far
+        self._window = ""  # the tail's end, where an end marker may have begun
         self._num_parsed = 0
+        self.num_scanned_chars = 0
+        """Characters looked at for end markers (each a bounded number of times: streaming a
+        long call is linear in its length, not quadratic)."""
 
     def feed(self, text: str) -> Piece:
-        if self._calls_text is not None:
-            self._calls_text += text
-            return Piece(tool_calls=self._complete())
+        if self._calls is not None:
+            return Piece(tool_calls=self._complete(text))
         self._pending += text
         start = self._parser.find_start(self._pending, self._at_start)
         if start is not None:
-            content, self._calls_text = self._pending[:start], self._pending[start:]
+            content, calls_text = self._pending[:start], self._pending[start:]
             self._pending = ""
-            return Piece(content=content, tool_calls=self._complete())
+            self._calls = []
+            return Piece(content=content, tool_calls=self._complete(calls_text))
         keep = self._parser.held_back(self._pending, self._at_start)
         content = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(content) :]
@@ -205,22 +210,38 @@ class ParsedCallsStream(ToolCallStream):
         return Piece(content=content)
 
     def finish(self) -> Piece:
-        if self._calls_text is None:
+        if self._calls is None:
             content, self._pending = self._pending, ""
             return Piece(content=content)
-        calls = self._parser.final_calls(self._calls_text)
+        calls_text = "".join(self._calls)
+        calls = self._parser.final_calls(calls_text)
         if calls is None:
             if self.num_calls:
                 return Piece()  # what follows the calls that parsed is dropped
-            return Piece(content=self._calls_text)  # nothing parsed: it was content after all
+            return Piece(content=calls_text)  # nothing parsed: it was content after all
         return Piece(tool_calls=self._emit(calls[self._num_parsed :]))
 
-    def _complete(self) -> list[DeltaToolCall]:
-        assert self._calls_text is not None
-        calls, _ = self._parser.complete_calls(self._calls_text)
-        new = calls[self._num_parsed :]
-        self._num_parsed = len(calls)
-        return self._emit(new)
+    def _complete(self, text: str) -> list[DeltaToolCall]:
+        """Calls that `text` completes. Only the text since the last parsed call is parsed,
+        and only once an end marker shows up in the new text (or across its start)."""
+        assert self._calls is not None
+        self._calls.append(text)
+        end = self._parser.end_marker
+        if end is None or not text:
+            return []
+        self._tail.append(text)
+        window = self._window + text
+        self.num_scanned_chars += len(window)
+        self._window = window[len(window) - len(end) + 1 :]
+        if end not in window:
+            return []
+        tail = "".join(self._tail)
+        calls, used = self._parser.complete_calls(tail)
+        rest = tail[used:]
+        self._tail = [rest]
+        self._window = rest[max(0, len(rest) - len(end) + 1) :]
+        self._num_parsed += len(calls)
+        return self._emit(calls)
 
     def _emit(self, calls: list[ParsedCall]) -> list[DeltaToolCall]:
         if not self._parallel:

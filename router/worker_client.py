@@ -11,7 +11,9 @@ from cluster_auth.grpc_auth import CallSigner
 from cluster_auth.tls import internal_channel
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import SamplingParams
+from engine.outputs import PromptLogprob
 from kv_transfer import TransferStatus
+from prefill_worker.wire import prompt_logprobs_from_wire
 from router.tracing import request_trace_metadata
 
 _STATUSES = {
@@ -38,6 +40,7 @@ class PrefillOutcome:
     num_cached_tokens: int
     num_transfer_bytes: int = 0
     transfer_s: float = 0.0
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 class PrefillClient:
@@ -56,6 +59,7 @@ class PrefillClient:
         kv_destination: str,
         timeout_s: float,
         num_replayed: int = 0,
+        priority: int = 0,
     ) -> PrefillOutcome:
         """Raises `grpc.aio.AioRpcError` when the worker is unreachable, refuses the input
         (INVALID_ARGUMENT) or the deadline passes. `num_replayed`: see worker.proto."""
@@ -66,6 +70,7 @@ class PrefillClient:
                 sampling_params_json=params.to_json(),
                 kv_destination=kv_destination,
                 num_replayed=num_replayed,
+                priority=priority,
             ),
             timeout=timeout_s,
             metadata=(*self.signer.metadata(_PREFILL + "Prefill"), *request_trace_metadata()),
@@ -78,6 +83,7 @@ class PrefillClient:
             response.num_cached_tokens,
             response.num_transfer_bytes,
             response.transfer_s,
+            prompt_logprobs_from_wire(response.prompt_logprobs),
         )
 
     async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:

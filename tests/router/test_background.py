@@ -121,11 +121,10 @@ def test_background_errors_are_clear(client: openai.OpenAI) -> None:
         create(client, "x", 10**9, background=True)
     assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
     # What a background run would not honour yet is refused, naming the field.
-    tool = {"type": "function", "function": {"name": "f"}}
     for extra, param in (
-        ({"tools": [tool], "tool_choice": "required"}, "background"),
         ({"chat_template": "{{ 'x' }}"}, "chat_template"),
         ({"priority": 1}, "priority"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
             create(client, "x", 4, background=True, **extra)

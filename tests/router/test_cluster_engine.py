@@ -39,6 +39,7 @@ class Cluster:
     ):
         self.model = model
         engine = engine or ENGINE
+        self.scheduling_policy = engine.get("scheduling_policy", "fcfs")  # as the CLI sets it
         self.prefill = [
             PrefillWorker(
                 PrefillWorkerConfig(model=model, kv_backend=kv_backend, **engine), name=f"p{i}"
@@ -66,7 +67,11 @@ class Cluster:
             addresses[w.name] = f"127.0.0.1:{port}"
         self.engine = ClusterEngine(
             self.model,
-            ClusterConfig(local_prefill_threshold=self.threshold, poll_interval_s=0.05),
+            ClusterConfig(
+                local_prefill_threshold=self.threshold,
+                poll_interval_s=0.05,
+                scheduling_policy=self.scheduling_policy,
+            ),
         )
         self.engine.pool.set_workers(
             {w.name: addresses[w.name] for w in self.prefill},

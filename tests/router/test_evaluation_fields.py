@@ -108,3 +108,69 @@ def test_priority_reaches_the_scheduler_or_is_refused(
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}],
                                    max_tokens=1, extra_body={"priority": -2})  # fmt: skip
     assert seen == [3, -2]
+
+
+def test_echo_with_logprobs_scores_the_prompt(
+    client: openai.OpenAI, reference_llm: Any, rest_engine: AsyncEngine
+) -> None:
+    """OpenAI's echo + logprobs (the log-likelihood requests of evaluation harnesses): the
+    echoed prompt tokens carry logprobs (the first null), then the generated ones'."""
+    from engine import SamplingParams
+
+    ids = rest_engine.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    kwargs: Any = dict(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=2)
+    out = client.completions.create(echo=True, **kwargs)
+    plain = client.completions.create(**kwargs)
+    ref = reference_llm.generate(
+        [ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    )[0]
+    lps = out.choices[0].logprobs
+    assert lps is not None and lps.token_logprobs is not None and lps.top_logprobs is not None
+    assert len(lps.token_logprobs) == len(ids) + 2
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    expected = [ref.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]
+    assert lps.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-5)
+    assert all(len(top) in (2, 3) for top in lps.top_logprobs[1:])  # top 2 (+ the token)
+    assert plain.choices[0].logprobs is not None
+    assert lps.token_logprobs[len(ids) :] == plain.choices[0].logprobs.token_logprobs
+    stream = client.completions.create(echo=True, stream=True, **kwargs)
+    streamed: list = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == lps.token_logprobs
+
+
+def test_prompt_logprobs_on_completions_and_chat(
+    client: openai.OpenAI, http: httpx2.Client, reference_llm: Any
+) -> None:
+    from engine import SamplingParams
+
+    body: Any = dict(model=MODEL_NAME, prompt="hello world again", max_tokens=1,
+                     temperature=0, prompt_logprobs=1)  # fmt: skip
+    r = http.post("/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    ref = reference_llm.generate(
+        ["hello world again"], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    )[0]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for entry, expected in zip(got[1:], ref.prompt_logprobs[1:], strict=True):
+        assert list(entry) == [str(t) for t in expected]
+        for t, lp in expected.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert entry[str(t)]["rank"] == lp.rank
+    messages = [{"role": "user", "content": "hi"}]
+    chat = dict(model=MODEL_NAME, messages=messages, max_tokens=1, prompt_logprobs=0)
+    r = http.post("/v1/chat/completions", json=chat, headers=AUTH)
+    assert r.status_code == 200, r.text
+    lps = r.json()["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == r.json()["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in lps[1:])
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True},
+                     headers=AUTH) as s:  # fmt: skip
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: {")]
+    import json
+
+    firsts = [json.loads(e) for e in events if "prompt_logprobs" in json.loads(e)]
+    assert len(firsts) == 1 and firsts[0]["prompt_logprobs"] == lps

@@ -116,6 +116,31 @@ def test_token_id_prompt_n_and_logprobs(stub):
     assert all(len(lp.top) == 2 and lp.sampled.logprob <= 0 for lp in lps)
 
 
+def test_prompt_logprobs(stub, tiny_llama):
+    prompt = [5, 6, 7, 8, 9]
+    ref = LLM(tiny_llama, dtype="float32", load_progress=False).generate(
+        [prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    )[0]
+    opts = serving_pb2.SamplingOptions(max_tokens=2, temperature=0, prompt_logprobs=2, n=2)
+    req = serving_pb2.GenerateRequest(token_ids=serving_pb2.TokenIds(ids=prompt), sampling=opts)
+    responses = list(stub.Generate(req, metadata=AUTH, timeout=60))
+    carrying = [r for r in responses if r.prompt_logprobs]
+    assert len(carrying) == 1  # once per request, whatever `n`
+    entries = carrying[0].prompt_logprobs
+    assert len(entries) == len(prompt) and not entries[0].HasField("sampled")
+    assert ref.prompt_logprobs is not None
+    for token, entry, expected in zip(
+        prompt[1:], entries[1:], ref.prompt_logprobs[1:], strict=True
+    ):
+        assert entry.sampled.token_id == token
+        assert entry.sampled.rank == expected[token].rank
+        assert entry.sampled.logprob == pytest.approx(expected[token].logprob, abs=1e-5)
+        assert [t.rank for t in entry.top] == [1, 2]
+        assert {t.token_id for t in entry.top} == {
+            t for t, lp in expected.items() if lp.rank is not None and lp.rank <= 2
+        }
+
+
 def test_chat(stub):
     opts = serving_pb2.SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True)
     req = serving_pb2.ChatRequest(
@@ -175,6 +200,7 @@ def test_list_models(stub):
         (serving_pb2.SamplingOptions(max_tokens=0), "max_tokens"),
         (serving_pb2.SamplingOptions(top_p=1.5), "top_p"),
         (serving_pb2.SamplingOptions(max_tokens=300), "max_tokens"),  # beyond the 256 context
+        (serving_pb2.SamplingOptions(prompt_logprobs=21), "prompt_logprobs"),
     ],
 )
 def test_invalid_argument_names_field(stub, sampling, field):

@@ -110,3 +110,29 @@ def test_concurrent_grpc_turns_store_one_per_version(
         (messages[j]["content"], messages[j + 1]["content"]) for j in range(0, len(messages), 2)
     }
     assert len(messages) == 2 * len(stored_turns) and pairs == stored_turns
+
+
+def test_a_grpc_tool_call_is_stored_with_its_id(
+    servers: tuple[LiveServer, LiveGrpcServer], http: httpx2.Client
+) -> None:
+    import json
+
+    from duet.v1 import serving_pb2
+
+    schema = {"type": "object", "properties": {"days": {"enum": [1, 2]}}, "required": ["days"],
+              "additionalProperties": False}  # fmt: skip
+    tool = serving_pb2.Tool(name="get_weather", parameters_json=json.dumps(schema))
+    session_id = http.post("/v1/sessions").json()["id"]
+    req = serving_pb2.ChatRequest(
+        messages=[serving_pb2.ChatMessage(role="user", content="weather?")],
+        sampling=serving_pb2.SamplingOptions(max_tokens=60, temperature=0),
+        tools=[tool], tool_choice_function="get_weather", session_id=session_id,
+    )  # fmt: skip
+    deltas = [d for r in servers[1].stub.Chat(req, metadata=AUTH, timeout=60) for d in r.tool_calls]
+    call_id, arguments = deltas[0].id, "".join(d.arguments for d in deltas)
+    stored = http.get(f"/v1/sessions/{session_id}").json()["messages"]
+    assert stored[-1] == {
+        "role": "assistant", "content": "",
+        "tool_calls": [{"id": call_id, "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.loads(arguments)}}],
+    }  # fmt: skip

@@ -242,7 +242,6 @@ def test_auto_parses_the_models_own_tool_calls_streamed_and_not(client: openai.O
         ({"messages": [{"role": "user", "content": "x", "tool_calls": [
             {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
          "messages[0].tool_calls"),
-        ({"session_id": "s"}, "session_id"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400_naming_the_field(

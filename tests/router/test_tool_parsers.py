@@ -157,3 +157,45 @@ def test_how_a_reply_starts_follows_the_prompt() -> None:
     assert reply_start("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
     assert reply_start("deepseek_r1", "<｜Assistant｜>") == "thinking"
     assert reply_start("deepseek_r1", "<｜Assistant｜><think>\n") == "thinking"
+
+
+class _CountingHermes(HermesParser):
+    """Counts the characters handed to the parser: the work a stream makes it do."""
+
+    def __init__(self) -> None:
+        self.num_chars = 0
+
+    def find_start(self, text: str, at_start: bool) -> int | None:
+        self.num_chars += len(text)
+        return super().find_start(text, at_start)
+
+    def held_back(self, text: str, at_start: bool) -> int:
+        self.num_chars += len(text)
+        return super().held_back(text, at_start)
+
+    def complete_calls(self, text: str) -> tuple[list[tuple[str, str]], int]:
+        self.num_chars += len(text)
+        return super().complete_calls(text)
+
+    def final_calls(self, text: str) -> list[tuple[str, str]] | None:
+        self.num_chars += len(text)
+        return super().final_calls(text)
+
+
+def test_a_long_call_in_one_character_deltas_is_parsed_in_linear_work() -> None:
+    arguments = '{"s": "' + 'x\\"y</' * 3400 + '", "n": 1}'  # 20k characters
+    text = f'Sure.<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    whole = _run(lambda new_id: Parsed(HermesParser(), True, new_id), text, len(text))
+    assert whole == ("Sure.", [("f", arguments.replace('\\"', '\\"'))])
+    parser = _CountingHermes()
+    stream = Parsed(parser, True, lambda: "id0")
+    pieces = [stream.feed(ch) for ch in text]
+    pieces.append(stream.finish())
+    content, calls = collect(pieces)
+    assert (content, [(c.function.name, c.function.arguments) for c in calls]) == whole
+    assert pieces[-2].tool_calls and not pieces[-3].tool_calls  # out once its end tag is in
+    # Each character is looked at a bounded number of times: within one end marker's length
+    # of the new text, then parsed once or twice (before: the whole text at every delta,
+    # 7,500 times its length for a 15k-character call).
+    bound = (len(HermesParser.END) + 4) * len(text)
+    assert parser.num_chars + stream.num_scanned_chars <= bound

@@ -19,21 +19,23 @@ TRANSFER_OUTCOME_FAILED: TransferOutcome
 TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_destination", "num_replayed")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_destination", "num_replayed", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     kv_destination: str
     num_replayed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s")
+    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s", "prompt_logprobs")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +43,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     outcome: TransferOutcome
     error: str
     retryable: bool
@@ -48,7 +51,8 @@ class PrefillResponse(_message.Message):
     num_cached_tokens: int
     num_transfer_bytes: int
     transfer_s: float
-    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[WorkerTokenLogprobs]
+    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("since_event",)
@@ -107,34 +111,38 @@ class WorkerStats(_message.Message):
     def __init__(self, iteration_token_counts: _Optional[_Iterable[int]] = ..., iteration_tokens_sum: _Optional[int] = ..., speculating: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRemoteRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed", "stream_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "kv_wait_s", "num_replayed", "stream_id", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     kv_wait_s: float
     num_replayed: int
     stream_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed", "stream_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params_json", "num_replayed", "stream_id", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_REPLAYED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params_json: str
     num_replayed: int
     stream_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., num_replayed: _Optional[int] = ..., stream_id: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
     __slots__ = ("stream_id",)
@@ -191,14 +199,16 @@ class Reserved(_message.Message):
     def __init__(self, kv_address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "token")
+    __slots__ = ("token_id", "logprob", "token", "rank")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     token: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class WorkerTokenLogprobs(_message.Message):
     __slots__ = ("sampled", "top")

@@ -1,0 +1,82 @@
+"""Request fields through disaggregated prefill and decode (in-process workers, gRPC on
+loopback). Prompt logprobs: the prefill worker computes them and its answer carries them to the
+router, which sends no output of the request before they are in; the values equal the
+aggregated engine's. Priority: reaches the prefill and decode workers' schedulers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
+
+
+def test_disaggregated_prompt_logprobs_equal_aggregated(tiny_llama: str) -> None:
+    # 4 tokens: under the threshold, yet prefilled on the prefill worker (which computes them).
+    prompts = prompts_of([30, 4])
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2, n=2)
+    want = LLM(tiny_llama, **ENGINE).generate(prompts, params)
+
+    async def main():
+        async with Cluster(tiny_llama, threshold=8) as c:
+            firsts = []
+
+            async def run(prompt):
+                first = None
+                async for out in c.engine.generate(prompt, params):
+                    first = first or out
+                    last = out
+                firsts.append(first)
+                return last
+
+            got = await asyncio.gather(*(run(p) for p in prompts))
+            return got, firsts
+
+    got, firsts = asyncio.run(main())
+    for g, w in zip(got, want, strict=True):
+        assert g.prompt_logprobs is not None and w.prompt_logprobs is not None
+        assert g.prompt_logprobs[0] is None
+        assert [
+            None if d is None else [(t, lp.logprob, lp.rank) for t, lp in d.items()]
+            for d in g.prompt_logprobs
+        ] == [
+            None if d is None else [(t, lp.logprob, lp.rank) for t, lp in d.items()]
+            for d in w.prompt_logprobs
+        ]
+        assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
+    assert all(f.prompt_logprobs is not None for f in firsts)  # in the very first output
+
+
+def test_priority_reaches_the_prefill_and_decode_schedulers(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[str, int]] = []
+    add_request, add_remote = LLMEngine.add_request, LLMEngine.add_remote_request
+
+    def recording_add(self, prompt, params=None, request_id=None, priority=0, prefill_only=False,
+                      **kw):  # fmt: skip
+        seen.append(("prefill" if prefill_only else "local", priority))
+        return add_request(self, prompt, params, request_id, priority, prefill_only, **kw)
+
+    def recording_remote(self, ids, params, request_id, num_replayed=0, priority=0):
+        seen.append(("remote", priority))
+        return add_remote(self, ids, params, request_id, num_replayed, priority)
+
+    monkeypatch.setattr(LLMEngine, "add_request", recording_add)
+    monkeypatch.setattr(LLMEngine, "add_remote_request", recording_remote)
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    async def main():
+        engine = dict(ENGINE, scheduling_policy="priority")
+        async with Cluster(tiny_llama, threshold=8, engine=engine) as c:
+            assert c.engine.scheduling_policy == "priority"
+            for prompt, priority in zip(prompts_of([30, 4]), (7, -3), strict=True):
+                async for _ in c.engine.generate(prompt, params, priority=priority):
+                    pass
+
+    asyncio.run(main())
+    # 30 tokens: prefilled on the prefill worker, decoded on the decode worker; 4: all local.
+    assert sorted(seen) == sorted([("prefill", 7), ("remote", 7), ("local", -3)])
