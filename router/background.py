@@ -93,7 +93,7 @@ class BackgroundService:
         if body.session_id is not None:
             turn = await ctx.sessions.begin_turn(body.session_id, api_key)
         messages = new_messages if turn is None else [*turn.history, *new_messages]
-        tools = tool_fields(body)
+        tools = tool_fields(body, ctx.chat_options)
         reply_start = None
         try:
             if tools is None:

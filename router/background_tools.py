@@ -21,10 +21,12 @@ from router.openai_responses import DeltaMessage
 _FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
-def tool_fields(body: ChatCompletionRequest) -> dict[str, Any] | None:
-    """What a background request stores to rebuild its tool plan; None without tools."""
+def tool_fields(body: ChatCompletionRequest, options: ChatOptions) -> dict[str, Any] | None:
+    """What a background request stores to rebuild its chat plan: its tool fields, none
+    (`{}`) for a plain request on a server with a reasoning parser (the thinking still goes
+    to `reasoning_content`), or None: the reply is plain text."""
     if not body.tools or body.tool_choice == "none":
-        return None
+        return {} if options.reasoning_parser is not None else None
     return body.model_dump(mode="json", include=set(_FIELDS), exclude_none=True)
 
 

@@ -187,11 +187,15 @@ class ReplyStream:
         return reason
 
     def whole(self, text: str) -> tuple[Piece, str | None, list[ToolCall]]:
-        """A whole reply: (all pieces merged, content, tool calls)."""
+        """A whole reply: (all pieces merged, content, tool calls). Content is None when the
+        reply is only tool calls, or only thinking (cut by max_tokens: no answer yet)."""
         first = self.feed(text)
         last = self.finish()
         content, calls = collect([first, last])
-        return first.then(last), content, calls
+        piece = first.then(last)
+        if piece.reasoning and not content:
+            content = None
+        return piece, content, calls
 
 
 def render_chat(

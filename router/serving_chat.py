@@ -132,8 +132,6 @@ class ChatCompletionHandler:
         for c in final.outputs:
             reply = plan.new_reply()
             piece, content, tool_calls = reply.whole(c.text)
-            if piece.reasoning and not content:
-                content = None  # only thinking (cut by max_tokens): no answer yet
             message = ChatResponseMessage(
                 content=content, reasoning_content=piece.reasoning or None, tool_calls=tool_calls
             )

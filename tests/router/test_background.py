@@ -24,12 +24,15 @@ from tests.waiting import wait_for
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def serve(engine: AsyncEngine, db: Path, lease_s: float = 10.0) -> LiveServer:
+def serve(
+    engine: AsyncEngine, db: Path, lease_s: float = 10.0, chat_options: Any = None
+) -> LiveServer:
     queue = SqliteWorkQueue(db, lease_s=lease_s)
     store = SqliteSessionStore(db)
+    extra = {} if chat_options is None else {"chat_options": chat_options}
     app = build_app(
         engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, session_store=store,
-        lifespan=closing(queue, store),
+        lifespan=closing(queue, store), **extra,
     )  # fmt: skip
     return LiveServer(app).start()
 

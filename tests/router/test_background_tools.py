@@ -74,3 +74,36 @@ def test_background_tool_calls_agree_everywhere(rest_engine: AsyncEngine, tmp_pa
         }  # fmt: skip
     finally:
         live.stop()
+
+
+def test_background_reply_splits_thinking_with_a_reasoning_parser(
+    rest_engine: AsyncEngine, tmp_path: Path, monkeypatch
+) -> None:
+    """Without tools too, a server with `--reasoning-parser` puts a background reply's thinking
+    in `reasoning_content`, in the result and in the events stream, as it does for the same
+    request in the foreground (before, the background reply kept it all in `content`)."""
+    from router.openai_chat import ChatOptions
+    from tests.router.test_reasoning import QWEN3_TEMPLATE
+
+    tokenizer = rest_engine.engine.tokenizer
+    monkeypatch.setattr(tokenizer, "chat_template", QWEN3_TEMPLATE)  # it opens <think>
+    monkeypatch.setattr(tokenizer, "_template", None)
+    live = serve(
+        rest_engine, tmp_path / "duet.db", chat_options=ChatOptions(reasoning_parser="qwen3")
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
+        kwargs: dict[str, Any] = dict(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+                                      max_tokens=12)  # fmt: skip
+        foreground = client.chat.completions.create(**kwargs).choices[0].message
+        assert foreground.reasoning_content and foreground.content is None
+        queued = client.chat.completions.create(**kwargs, extra_body={"background": True})
+        message = wait_completed(client, queued.id).choices[0].message
+        assert (message.reasoning_content, message.content) == (foreground.reasoning_content, None)
+        deltas = [c["delta"] for c in _chunks(live.url, queued.id, 0)]
+        assert (
+            "".join(d.get("reasoning_content") or "" for d in deltas) == message.reasoning_content
+        )
+        assert not any(d.get("content") for d in deltas)
+    finally:
+        live.stop()
