@@ -51,12 +51,12 @@ class Sampler:
             logits[row, stops] = float("-inf")
 
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _argmax(logits)
         else:
             token_ids = _draw(_probs(logits, batch), batch.uniform)
             if batch.any_greedy:
                 assert batch.greedy is not None
-                token_ids = torch.where(batch.greedy, logits.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, _argmax(logits), token_ids)
 
         n = batch.num_rows
         num_want = len(batch.logprob_ks)
@@ -83,6 +83,14 @@ class Sampler:
         return SamplerOutput(tokens, out_logprobs, token_ids)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens [N]: `logits.argmax(dim=-1)`, vectorised in C++ on the CPU."""
+    kernels = _kernels(logits)
+    if kernels is not None and logits.is_contiguous():
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Inverse CDF per row: the first token whose cumulative probability (fp64, so u * total
     never rounds up to the total) exceeds `uniform` [N] times the row's total."""
@@ -95,9 +103,9 @@ def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
-def _kernels(probs: torch.Tensor) -> Any | None:
-    """The CPU kernel module for fp32 CPU probabilities, else None (the torch path)."""
-    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+def _kernels(x: torch.Tensor) -> Any | None:
+    """The CPU kernel module for fp32 CPU logits or probabilities, else None (torch)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return load_cpu_kernels()
 

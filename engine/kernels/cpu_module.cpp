@@ -51,5 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "set needs ([rows, 1]; 0 where top_p >= 1)");
   m.def("sample_inverse_cdf", &duet::sample_inverse_cdf,
         "Per row: the first token whose cumulative probability (double) exceeds u * total");
+  m.def("argmax_rows", &duet::argmax_rows,
+        "torch.argmax(logits, -1) of float32 [rows, vocab]: first maximal index, NaN the max");
   m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
 }

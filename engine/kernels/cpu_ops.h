@@ -35,5 +35,8 @@ void copy_rows(at::Tensor dst, at::Tensor dst_rows, at::Tensor src, at::Tensor s
 // inverse-CDF draw [rows] int64 (cumulative sum in double, first token above u * total).
 at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p);
 at::Tensor sample_inverse_cdf(at::Tensor probs, at::Tensor uniform);
+// torch.argmax(logits, dim=-1) of contiguous float32 [rows, vocab]: the first maximal index,
+// a NaN counting as the maximum.
+at::Tensor argmax_rows(at::Tensor logits);
 
 }  // namespace duet

@@ -5,6 +5,9 @@
 //   the whole row (values and indices) and takes a cumulative sum; here the largest 256 are
 //   selected and sorted first, and only a row whose set reaches past them has the rest
 //   sorted, by a radix sort of the values alone: linear time either way.
+// - argmax_rows: greedy decoding's argmax, torch's semantics (the first maximal index; a NaN
+//   counts as the maximum), in one vectorised pass per row: torch's CPU argmax over the last
+//   dim walked [64, 49152] at about 1.2 elements per ns on one thread.
 // - sample_inverse_cdf: the first token whose cumulative probability exceeds u * total, with
 //   the cumulative sum in double in token order, as torch's cumsum + searchsorted compute it,
 //   without materialising the [rows, vocab] double tensor.
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "cpu_simd.h"
 
 namespace duet {
 namespace {
@@ -109,6 +113,71 @@ at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p) {
     for (int64_t r = begin; r < end; ++r) {
       dst[r] = row_threshold(src + r * vocab, vocab, p[r], work, keys, spare);
     }
+  });
+  return out;
+}
+
+namespace {
+
+int64_t row_argmax(const float* row, int64_t vocab) {
+  using F = Vec<kLanes>::F;
+  using I = Vec<kLanes>::I;
+  F best = splat<kLanes>(-__builtin_inff());
+  I where{};
+  I lane{};
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  I unordered{};
+  int64_t i = 0;
+  // Per lane: the largest value so far and its first index (strictly greater replaces).
+  for (; i + kLanes <= vocab; i += kLanes) {
+    const F x = load_f32<kLanes>(row + i);
+    const I greater = x > best;
+    best = greater ? x : best;
+    where = greater ? lane + static_cast<int32_t>(i) : where;
+    unordered |= (x != x);
+  }
+  bool nan = false;
+  for (int l = 0; l < kLanes; ++l) nan = nan || unordered[l] != 0;
+  float top = -__builtin_inff();
+  int64_t index = -1;  // none yet (a row shorter than a vector)
+  if (i > 0) {  // lanes that never rose above -inf hold index 0: right for an all -inf row
+    top = best[0];
+    index = where[0];
+    for (int l = 1; l < kLanes; ++l) {
+      if (best[l] > top || (best[l] == top && where[l] < index)) {
+        top = best[l];
+        index = where[l];
+      }
+    }
+  }
+  for (; i < vocab; ++i) {  // the tail comes after every lane's index
+    nan = nan || row[i] != row[i];
+    if (row[i] > top || index < 0) {
+      top = row[i];
+      index = i;
+    }
+  }
+  if (nan) {  // torch: a NaN is the maximum
+    for (int64_t j = 0; j < vocab; ++j) {
+      if (row[j] != row[j]) return j;
+    }
+  }
+  return index < 0 ? 0 : index;  // every value -inf: the first
+}
+
+}  // namespace
+
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous 2-D float32 CPU tensor with columns");
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* src = logits.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * vocab, vocab);
   });
   return out;
 }

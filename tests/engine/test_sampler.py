@@ -235,3 +235,23 @@ def test_top_p_at_one_keeps_every_token_alone_or_beside_top_p_rows():
     out = _top_p(probs, torch.tensor([[1.0], [0.5]]))
     assert torch.equal(out[0], probs[0])
     assert int((out[1] > 0).sum()) < int((probs[1] > 0).sum())
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 100, 49152])
+def test_cpu_argmax_kernel_is_torch_argmax(vocab):
+    """First maximal index on ties, a NaN as the maximum, all -inf rows, rows shorter than a
+    vector and the vocabulary's size."""
+    from engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here"
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(8, vocab, generator=gen)
+    rows[1] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties
+    rows[2] = float("-inf")
+    rows[3, vocab // 2] = float("nan")
+    rows[4, vocab - 1] = 1e9  # the maximum in the tail
+    rows[5] = 0.0
+    rows[5, vocab // 3 :] = float("-inf")
+    rows[6] = torch.finfo(torch.float32).min
+    assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1))
