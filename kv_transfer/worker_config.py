@@ -1,0 +1,50 @@
+"""`KVWorkerConfig`: what a prefill and a decode worker share about moving KV, on top of the
+engine's configuration: the backend, the bound on a transfer, and what a GPU pool sized from
+free memory leaves room for (staging buffers, NCCL communicators)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.errors import InvalidInputError
+from kv_transfer.factory import check_backend_name
+from kv_transfer.staging import transfer_reservations
+
+
+@dataclass
+class KVWorkerConfig(EngineConfig):
+    kv_backend: str = "auto"
+    """KV transfer backend: auto (tcp for CPU caches, torch_dist for GPU caches), tcp (CPU,
+    straight between the caches), torch_dist (gloo or NCCL), or local (same process)."""
+    kv_transfer_timeout_s: float = 30.0
+    """Bound on one transfer's network operations (handshake, send, receive); on a decode
+    worker also how long unclaimed KV is kept."""
+    kv_staged_requests: int = 2
+    """On a GPU with the pool sized from free memory: whole `max_model_len`-token requests
+    whose KV transfer staging buffers the pool leaves room for (the staging pool keeps two
+    idle buffers; more concurrent long transfers need more)."""
+    kv_nccl_peers: int = 4
+    """On a GPU with the pool sized from free memory: NCCL communicators (one per peer
+    worker a torch_dist channel joins) the pool leaves room for."""
+
+    def device_reservations(self, block_bytes: int, max_model_len: int) -> dict[str, int]:
+        return transfer_reservations(
+            self.kv_backend, block_bytes, self.block_size, max_model_len,
+            self.kv_staged_requests, self.kv_nccl_peers,
+        )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_staged_requests", "kv_nccl_peers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(name, f"must be an integer >= 0; got {value!r}")
+        try:
+            check_backend_name(self.kv_backend)
+        except ValueError as e:
+            raise InvalidInputError("kv_backend", str(e).removeprefix("kv_backend: ")) from None
+        if self.kv_transfer_timeout_s <= 0:
+            raise InvalidInputError(
+                "kv_transfer_timeout_s", f"must be > 0; got {self.kv_transfer_timeout_s}"
+            )
