@@ -8,12 +8,10 @@ import time
 import uuid
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from cluster_auth import ClusterSecret, load_cluster_secret
-from cluster_auth.grpc_auth import AuthInterceptor
-from cluster_auth.tls import add_internal_port
+from cluster_auth import ClusterSecret
+from cluster_auth.internal_server import start_internal_server
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from engine import InvalidInputError, SamplingParams
 from kv_transfer import TransferStatus
@@ -114,17 +112,9 @@ async def start_prefill_server(
     `secret` (default: this process's cluster secret; health checks stay open). Returns the
     started server and port. `tracer`: for traced calls' spans (default: from
     `DUET_OTLP_ENDPOINT`, telemetry/otel.py; unset: no tracing)."""
-    auth = AuthInterceptor(secret or load_cluster_secret(), "prefill worker gRPC")
-    server = grpc.aio.server(interceptors=[auth])
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillServicer(worker, tracer or worker_tracer("duet-prefill-worker")), server
-    )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = add_internal_port(server, f"{host}:{port}")  # TLS when configured (tls.py)
-    if bound == 0:
-        raise OSError(f"prefill worker: cannot bind gRPC on {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    servicer = PrefillServicer(worker, tracer or worker_tracer("duet-prefill-worker"))
+    return await start_internal_server(
+        "prefill worker", SERVICE_NAME,
+        lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server),
+        host, port, secret,
+    )  # fmt: skip
