@@ -1,0 +1,230 @@
+// Weight-only int8 linear for the CPU: y = x @ (q * scale).T with q int8 and one fp32 scale per
+// output channel and group of G input columns (G = K: per channel; 32: GGUF Q8_0; 16: Q6_K).
+// A module of its own (engine/quant/cpu_linear.py builds it through engine/kernels/cpu.py).
+//
+// Layout, packed at load (cpu_linear.pack_int8): q as [N / 16, K, 16] (each 16 output channels'
+// column k is 16 contiguous bytes, so a block streams contiguously), scales as [N / 16, K / G,
+// 16]; N padded to a multiple of 16 with zero rows.
+//
+// Per output element the reduction is one fp32 lane: for each group, acc = fma(w_k, x_k, acc)
+// over k in order, then total = fma(acc, scale, total) in group order. Nothing in that order
+// depends on the number of rows, on how rows or channels are blocked, or on the thread count,
+// so a row's result is bit-identical whatever batch it is in (deterministic mode relies on it).
+//
+// Register blocking: kCols blocks of 16 channels and kRows rows per tile; every int8 weight
+// vector converted to fp32 feeds kRows FMAs. GCC's vector extensions (cpu_simd.h) give the
+// AVX-512 code (one zmm per 16 channels), AVX2 (two ymm), or SSE / scalar code from one source.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+// Bindings only: torch/extension.h would also parse the whole C++ frontend.
+#include <torch/python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_simd.h"
+
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
+
+namespace duet {
+namespace {
+
+constexpr int kBlock = 16;  // output channels per packed block
+using F = Vec<kBlock>::F;
+typedef int8_t I8 __attribute__((vector_size(kBlock)));
+// Tiles: AVX-512 has 32 vector registers (kRows * kCols accumulators + kCols weights + 1);
+// at 8 or 4 lanes a 16-channel vector takes 2 or 4 registers out of 16.
+constexpr int kCols = kLanes >= 16 ? 4 : 2;
+constexpr int kRows = kLanes >= 16 ? 6 : (kLanes >= 8 ? 2 : 1);
+
+// 16 int8 weights as fp32 (exact).
+// GCC scalarises the generic int8 -> int32 conversion, hence the intrinsics (sign extensions).
+inline F load_weights(const int8_t* p) {
+  using I = Vec<kBlock>::I;
+  I wide;
+#if defined(__AVX512F__)
+  if constexpr (kLanes >= 16) {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&wide, &v, sizeof(wide));
+    return __builtin_convertvector(wide, F);
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes >= 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i halves[2] = {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+    std::memcpy(&wide, halves, sizeof(wide));
+    return __builtin_convertvector(wide, F);
+  }
+#endif
+#if defined(__SSE4_1__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i quarters[4] = {_mm_cvtepi8_epi32(v), _mm_cvtepi8_epi32(_mm_srli_si128(v, 4)),
+                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 8)),
+                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 12))};
+  std::memcpy(&wide, quarters, sizeof(wide));
+#else
+  I8 v;
+  std::memcpy(&v, p, sizeof(v));
+  wide = __builtin_convertvector(v, I);
+#endif
+  return __builtin_convertvector(wide, F);
+}
+
+inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar add first
+  return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+struct Args {
+  const int8_t* q;    // [NB, K, 16]
+  const float* s;     // [NB, K / G, 16]
+  const float* x;     // [M, K] fp32
+  int64_t m, k, g, n;
+};
+
+// total[r][c] for rows r0 .. r0 + R, channel blocks b0 .. b0 + C, written to res (R x C*16).
+template <int C, int R>
+void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
+  const int64_t K = a.k, G = a.g, groups = K / G;
+  const int8_t* q = a.q + b0 * K * kBlock;
+  const float* s = a.s + b0 * groups * kBlock;
+  const float* x = a.x + r0 * K;
+  F total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = F{};
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    F acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = F{};
+    for (int64_t k = gi * G, end = k + G; k < end; ++k) {
+      F w[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        w[c] = load_weights(q + (c * K + k) * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const F xv = broadcast(x[r * K + k]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] += w[c] * xv;  // one FMA (-ffp-contract=fast)
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const F sv = load_f32<kBlock>(s + (c * groups + gi) * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] += acc[r][c] * sv;
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) store_f32<kBlock>(res + (r * kCols + c) * kBlock, total[r][c]);
+}
+
+template <int C, int R>
+void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tail<C, R - 1>(a, b0, r0, rows, res);
+  }
+  tile<C, R>(a, b0, r0, res);
+}
+
+// All rows of channel blocks b0 .. b0 + C, written (+ nothing else) into out rows.
+template <typename E, int C>
+void columns(const Args& a, int64_t b0, typename E::raw* out) {
+  alignas(64) float res[kRows * kCols * kBlock];
+  for (int64_t r0 = 0; r0 < a.m; r0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, a.m - r0);
+    if (rows == kRows) {
+      tile<C, kRows>(a, b0, r0, res);
+    } else {
+      rows_tail<C, kRows - 1>(a, b0, r0, rows, res);
+    }
+    const int64_t n0 = b0 * kBlock, n1 = std::min<int64_t>(a.n, n0 + C * kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      typename E::raw* o = out + (r0 + r) * a.n;
+      const float* v = res + r * kCols * kBlock;
+      for (int64_t n = n0; n < n1; ++n) o[n] = E::store1(v[n - n0]);
+    }
+  }
+}
+
+template <typename E>
+void run(const Args& a, int64_t blocks, typename E::raw* out) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int64_t b = begin;
+    for (; b + kCols <= end; b += kCols) columns<E, kCols>(a, b, out);
+    switch (end - b) {  // kCols is 2 or 4
+      case 3: columns<E, (kCols > 3 ? 3 : 1)>(a, b, out); break;
+      case 2: columns<E, 2>(a, b, out); break;
+      case 1: columns<E, 1>(a, b, out); break;
+      default: break;
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] fp32 or bf16 (rows contiguous); q [N padded / 16, K, 16] int8; scale [N padded / 16,
+// K / G, 16] fp32; returns [M, n] of x's dtype.
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU [rows, K] tensor with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 3 &&
+                  q.size(2) == kBlock && q.size(1) == x.size(1),
+              "q must be contiguous int8 [N / 16, K, 16] with x's K");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 &&
+                  scale.size(0) == q.size(0) && scale.size(2) == kBlock && scale.size(1) > 0 &&
+                  q.size(1) % scale.size(1) == 0,
+              "scale must be contiguous float32 [N / 16, K / G, 16] matching q");
+  TORCH_CHECK(n > 0 && n <= q.size(0) * kBlock && n > (q.size(0) - 1) * kBlock,
+              "n must lie in the last block of q's rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  // Activations as fp32 once (exact for bf16), rows contiguous.
+  std::vector<float> xf;
+  const float* xp;
+  if (x.scalar_type() == at::kFloat && x.stride(0) == k) {
+    xp = x.data_ptr<float>();
+  } else {
+    xf.resize(m * k);
+    for (int64_t r = 0; r < m; ++r) {
+      if (x.scalar_type() == at::kFloat) {
+        const float* src = x.data_ptr<float>() + r * x.stride(0);
+        std::copy(src, src + k, xf.data() + r * k);
+      } else {
+        const uint16_t* src = static_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
+        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
+      }
+    }
+    xp = xf.data();
+  }
+  const Args a{q.data_ptr<int8_t>(), scale.data_ptr<float>(), xp, m, k, k / scale.size(1), n};
+  if (x.scalar_type() == at::kFloat) {
+    run<F32>(a, q.size(0), out.data_ptr<float>());
+  } else {
+    run<BF16>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+}  // namespace duet
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &duet::int8_linear,
+        "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
+  m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+}

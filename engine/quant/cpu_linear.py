@@ -1,0 +1,76 @@
+"""duet's own weight-only int8 linear for the CPU (engine/kernels/quant_linear_cpu.cpp): int8
+weights with an fp32 scale per output channel and group of columns (per channel, GGUF Q8_0's
+32, Q6_K's 16), fp32 or bf16 activations, AVX-512 / AVX2 / scalar from one source.
+
+Its weights are packed at load as [N / 16, K, 16] (16 output channels' column k contiguous),
+scales as [N / 16, K / G, 16], N padded to a multiple of 16. A row's result does not depend on
+how many rows share the call (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 16
+"""Output channels per packed block."""
+
+SOURCES = ("quant_linear_cpu.cpp",)
+CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
+
+
+@functools.cache
+def load_quant_kernels() -> Any | None:
+    """The compiled module, or None when CPU kernels are off (`DUET_CPU_KERNELS=0`) or cannot
+    be built (then torch's kernels or dequantizing serve int8)."""
+    if not cpu_kernels_enabled():
+        return None
+    try:
+        return build_quant_kernels()
+    except Exception as e:  # any build failure: fall back to the torch paths
+        logger.warning("quantized CPU kernels unavailable (%s); using torch's", e)
+        return None
+
+
+def build_quant_kernels(defines: tuple[str, ...] = ()) -> Any:
+    """Compile (or load the cached build of) the module; `defines` as `build_cpu_kernels`'s."""
+    return build_cpu_kernels(defines, module="duet_quant_linear", sources=SOURCES, cflags=CFLAGS)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ([N, K] int8) and scale ([N, K / G] fp32) in the kernel's layout: ([N' / 16, K, 16],
+    [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales."""
+    n, k = q.shape
+    pad = -n % BLOCK
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    blocks = (n + pad) // BLOCK
+    packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+    return packed, scales
+
+
+def unpack_int8(
+    packed: torch.Tensor, scales: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int8`: (q [n, K], scale [n, K / G])."""
+    blocks, k, _ = packed.shape
+    q = packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n]
+    scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
+    return q, scale
+
+
+def int8_linear(
+    kernels: Any, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x ([M, K], fp32 or bf16, rows contiguous) @ (q * scale).T -> [M, n] of x's dtype."""
+    out: torch.Tensor = kernels.int8_linear(x, packed, scales, n)
+    return out
