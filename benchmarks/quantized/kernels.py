@@ -4,8 +4,8 @@
     nice python -m benchmarks.quantized.kernels [--rows 1,4,16,32,64] [--threads N]
 
 Per SmolLM2 projection shape (N x K) and row count: dense bf16 (oneDNN packed, what a bf16 model
-runs), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp; per channel and in groups of 32
-as GGUF Q8_0), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), Q8_0 as two
+runs), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp: fp32 FMAs, and vdpbf16ps on
+AVX512-BF16; per channel and in groups of 32 as GGUF Q8_0), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), Q8_0 as two
 int4 planes, and dequantize-then-multiply. The fastest of `--repeat` calls, in microseconds.
 """
 
@@ -61,8 +61,14 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
     if kernels is not None:
         pc, sc = pack_int8(q8.q, q8.scale)
         pg, sg = pack_int8(g_q, g_scale)
-        out["duet int8"] = lambda: int8_linear(kernels, x, pc, sc, n)
-        out["duet int8 g32"] = lambda: int8_linear(kernels, x, pg, sg, n)
+        out["duet int8 fma"] = lambda: int8_linear(kernels, x, pc, sc, n)
+        if kernels.bf16_dot():
+            pd, sd = pack_int8(q8.q, q8.scale, pairs=True)
+            pgd, sgd = pack_int8(g_q, g_scale, pairs=True)
+            out["duet int8 dot"] = lambda: int8_linear(kernels, x, pd, sd, n)
+            out["duet int8 g32 dot"] = lambda: int8_linear(kernels, x, pgd, sgd, n)
+        else:
+            out["duet int8 g32 fma"] = lambda: int8_linear(kernels, x, pg, sg, n)
     return out
 
 

@@ -81,11 +81,18 @@ inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar ad
   return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = kLanes >= 16;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 struct Args {
-  const int8_t* q;    // [NB, K, 16]
-  const float* s;     // [NB, K / G, 16]
-  const float* x;     // [M, K] fp32
-  int64_t m, k, g, n;
+  const int8_t* q;     // [NB, K, 16], or [NB, K / 2, 16, 2] for the bf16 dot
+  const float* s;      // [NB, K / G, 16]
+  const float* x;      // [M, K] fp32 (not for the bf16 dot)
+  const uint16_t* xb;  // [M, K] bf16 rows xs apart (the bf16 dot)
+  int64_t xs, m, k, g, n;
 };
 
 // total[r][c] for rows r0 .. r0 + R, channel blocks b0 .. b0 + C, written to res (R x C*16).
@@ -128,77 +135,162 @@ void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) store_f32<kBlock>(res + (r * kCols + c) * kBlock, total[r][c]);
+    for (int c = 0; c < C; ++c) store_f32<kBlock>(res + (r * C + c) * kBlock, total[r][c]);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 activations with AVX512-BF16: the weights of k and k + 1 sit side by side per channel
+// ([NB, K / 2, 16, 2]), turn into bf16 exactly (|q| <= 127 needs 7 bits), and vdpbf16ps adds
+// both products (exact in fp32) to the channel's lane: 32 multiply-adds per instruction, twice
+// the fp32 FMA's. The order per output element is again fixed by k alone.
 template <int C, int R>
-void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_tail<C, R - 1>(a, b0, r0, rows, res);
+void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res) {
+  const int64_t K = a.k, G = a.g, groups = K / G;
+  const int8_t* q = a.q + b0 * K * kBlock;
+  const float* s = a.s + b0 * groups * kBlock;
+  const uint16_t* x = a.xb + r0 * a.xs;
+  __m512 total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
+      __m512bh w[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const int8_t* p = q + (c * K + k) * kBlock;  // channels 0-7's pairs, then 8-15's
+        const __m512 lo = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        const __m512 hi = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        w[c] = _mm512_cvtne2ps_pbh(hi, lo);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * a.xs + k, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const __m512 sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
+    }
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(res + (r * C + c) * kBlock, total[r][c]);
+}
+#endif
+
+template <int C, int R, bool kDot>
+void tile_of(const Args& a, int64_t b0, int64_t r0, float* res) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDot) return tile_dot<C, R>(a, b0, r0, res);
+#endif
   tile<C, R>(a, b0, r0, res);
 }
 
+template <int C, int R, bool kDot>
+void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tail<C, R - 1, kDot>(a, b0, r0, rows, res);
+  }
+  tile_of<C, R, kDot>(a, b0, r0, res);
+}
+
 // All rows of channel blocks b0 .. b0 + C, written (+ nothing else) into out rows.
-template <typename E, int C>
+template <typename E, int C, int RB, bool kDot>
 void columns(const Args& a, int64_t b0, typename E::raw* out) {
-  alignas(64) float res[kRows * kCols * kBlock];
-  for (int64_t r0 = 0; r0 < a.m; r0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, a.m - r0);
-    if (rows == kRows) {
-      tile<C, kRows>(a, b0, r0, res);
+  alignas(64) float res[RB * C * kBlock];
+  for (int64_t r0 = 0; r0 < a.m; r0 += RB) {
+    const int64_t rows = std::min<int64_t>(RB, a.m - r0);
+    if (rows == RB) {
+      tile_of<C, RB, kDot>(a, b0, r0, res);
     } else {
-      rows_tail<C, kRows - 1>(a, b0, r0, rows, res);
+      rows_tail<C, RB - 1, kDot>(a, b0, r0, rows, res);
     }
     const int64_t n0 = b0 * kBlock, n1 = std::min<int64_t>(a.n, n0 + C * kBlock);
     for (int64_t r = 0; r < rows; ++r) {
       typename E::raw* o = out + (r0 + r) * a.n;
-      const float* v = res + r * kCols * kBlock;
+      const float* v = res + r * C * kBlock;
       for (int64_t n = n0; n < n1; ++n) o[n] = E::store1(v[n - n0]);
     }
   }
 }
 
-template <typename E>
-void run(const Args& a, int64_t blocks, typename E::raw* out) {
+// Channel blocks in tiles of CB blocks x RB rows (and the remainders).
+template <typename E, int CB, int RB, bool kDot>
+void run_tiles(const Args& a, int64_t blocks, typename E::raw* out) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     int64_t b = begin;
-    for (; b + kCols <= end; b += kCols) columns<E, kCols>(a, b, out);
-    switch (end - b) {  // kCols is 2 or 4
-      case 3: columns<E, (kCols > 3 ? 3 : 1)>(a, b, out); break;
-      case 2: columns<E, 2>(a, b, out); break;
-      case 1: columns<E, 1>(a, b, out); break;
+    for (; b + CB <= end; b += CB) columns<E, CB, RB, kDot>(a, b, out);
+    switch (end - b) {  // CB is 2 or 4
+      case 3: columns<E, (CB > 3 ? 3 : 1), RB, kDot>(a, b, out); break;
+      case 2: columns<E, 2, RB, kDot>(a, b, out); break;
+      case 1: columns<E, 1, RB, kDot>(a, b, out); break;
       default: break;
     }
   });
 }
 
+template <typename E, bool kDot = false>
+void run(const Args& a, int64_t blocks, typename E::raw* out) {
+  // NOTE: tiles of 2 blocks x 12 rows for the bf16 dot (fewer weight conversions per product)
+  // measured slower than 4 x 6 at 16-128 rows (1.3-1.4x the 4 x 6 time).
+  run_tiles<E, kCols, kRows, kDot>(a, blocks, out);
+}
+
 }  // namespace
 
-// x [M, K] fp32 or bf16 (rows contiguous); q [N padded / 16, K, 16] int8; scale [N padded / 16,
-// K / G, 16] fp32; returns [M, n] of x's dtype.
+// x [M, K] fp32 or bf16 (rows contiguous); q [N' / 16, K, 16] int8, or [N' / 16, K / 2, 16, 2]
+// (bf16 x, `bf16_dot()` builds only); scale [N' / 16, K / G, 16] fp32; returns [M, n] of x's
+// dtype, N' = n rounded up to 16.
 at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU [rows, K] tensor with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "x must be float32 or bfloat16");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() == 3 &&
-                  q.size(2) == kBlock && q.size(1) == x.size(1),
-              "q must be contiguous int8 [N / 16, K, 16] with x's K");
+  const bool dot = q.dim() == 4;
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() &&
+                  (dot ? q.size(1) * 2 == k && q.size(2) == kBlock && q.size(3) == 2
+                       : q.dim() == 3 && q.size(1) == k && q.size(2) == kBlock),
+              "q must be contiguous int8 [N / 16, K, 16] or [N / 16, K / 2, 16, 2] with x's K");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 &&
                   scale.size(0) == q.size(0) && scale.size(2) == kBlock && scale.size(1) > 0 &&
-                  q.size(1) % scale.size(1) == 0,
+                  k % scale.size(1) == 0,
               "scale must be contiguous float32 [N / 16, K / G, 16] matching q");
   TORCH_CHECK(n > 0 && n <= q.size(0) * kBlock && n > (q.size(0) - 1) * kBlock,
               "n must lie in the last block of q's rows");
-  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(!dot || (kBf16Dot && x.scalar_type() == at::kBFloat16 && (k / scale.size(1)) % 2 == 0),
+              "q in pairs [N / 16, K / 2, 16, 2] needs bfloat16 x, even groups and an "
+              "AVX512-BF16 build (bf16_dot())");
+  const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0) return out;
+  Args a{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, nullptr, x.stride(0), m, k,
+         k / scale.size(1), n};
+  if (dot) {
+    a.xb = static_cast<const uint16_t*>(x.data_ptr());
+    run<BF16, kBf16Dot>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
   // Activations as fp32 once (exact for bf16), rows contiguous.
   std::vector<float> xf;
-  const float* xp;
   if (x.scalar_type() == at::kFloat && x.stride(0) == k) {
-    xp = x.data_ptr<float>();
+    a.x = x.data_ptr<float>();
   } else {
     xf.resize(m * k);
     for (int64_t r = 0; r < m; ++r) {
@@ -210,9 +302,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
         for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
       }
     }
-    xp = xf.data();
+    a.x = xf.data();
   }
-  const Args a{q.data_ptr<int8_t>(), scale.data_ptr<float>(), xp, m, k, k / scale.size(1), n};
   if (x.scalar_type() == at::kFloat) {
     run<F32>(a, q.size(0), out.data_ptr<float>());
   } else {
@@ -227,4 +318,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &duet::int8_linear,
         "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+  m.def("bf16_dot", [] { return duet::kBf16Dot; },
+        "Whether bf16 activations take weights in pairs [N / 16, K / 2, 16, 2] (AVX512-BF16)");
 }

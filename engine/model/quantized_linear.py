@@ -3,8 +3,8 @@
 Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/quantization.md):
 
 - int8 (per output channel or per group: GGUF Q8_0, Q6_K) on the CPU, fp32 or bf16: duet's own
-  kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.4-2.7x faster
-  than `aten._weight_int8pack_mm` at 1-64 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
+  kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.4-2.3x faster
+  than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
 - int4, bf16 on the CPU: `aten._weight_int4pack_mm_for_cpu` (weights in its layout,
   `pack_int4`). At one row it matches oneDNN's packed bf16 product on a weight that fits in
@@ -31,7 +31,13 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from engine.quant.config import QuantizationConfig
-from engine.quant.cpu_linear import int8_linear, load_quant_kernels, pack_int8, unpack_int8
+from engine.quant.cpu_linear import (
+    int8_linear,
+    load_quant_kernels,
+    pack_int8,
+    unpack_int8,
+    uses_pairs,
+)
 from engine.quant.formats import (
     INT4_BLOCK_N,
     Int4Weight,
@@ -48,8 +54,9 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16
 """Most rows torch's int8/int4 kernels take outside deterministic mode; more are dequantized
 and multiplied densely (the crossover measured above lies between 16 and 64 rows)."""
-INT8_KERNEL_MAX_ROWS = 32
-"""The same for duet's int8 kernel (docs/quantization.md: measured per SmolLM2 shape)."""
+INT8_KERNEL_MAX_ROWS = {True: 128, False: 32}
+"""The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
+FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
 
 Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
@@ -168,8 +175,9 @@ class QuantizedLinear(nn.Module):
             if kernels is not None and dtype in (torch.float32, torch.bfloat16):
                 # duet's kernel: fp32 scales, the weights as the format holds them
                 self.int8_kernels, self.use_kernel = kernels, True
-                self.kernel_max_rows = INT8_KERNEL_MAX_ROWS
-                self.q, self.scale = pack_int8(weight.q, weight.scale)
+                pairs = uses_pairs(kernels, dtype, weight.group_size)
+                self.kernel_max_rows = INT8_KERNEL_MAX_ROWS[pairs]
+                self.q, self.scale = pack_int8(weight.q, weight.scale, pairs)
                 return
             self.use_kernel = per_channel and on_cpu_bf16
             self.q = weight.q.to(device)

@@ -44,16 +44,28 @@ def build_quant_kernels(defines: tuple[str, ...] = ()) -> Any:
     return build_cpu_kernels(defines, module="duet_quant_linear", sources=SOURCES, cflags=CFLAGS)
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def uses_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the kernel takes this layer's weights in pairs of columns: bf16 activations on an
+    AVX512-BF16 build (vdpbf16ps, twice the multiply-adds of fp32 FMAs), even groups."""
+    return dtype == torch.bfloat16 and bool(kernels.bf16_dot()) and group_size % 2 == 0
+
+
+def pack_int8(
+    q: torch.Tensor, scale: torch.Tensor, pairs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q ([N, K] int8) and scale ([N, K / G] fp32) in the kernel's layout: ([N' / 16, K, 16],
-    [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales."""
+    [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales. `pairs`:
+    q as [N' / 16, K / 2, 16, 2] instead (columns 2j and 2j + 1 side by side per channel)."""
     n, k = q.shape
     pad = -n % BLOCK
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
     blocks = (n + pad) // BLOCK
-    packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    if pairs:
+        packed = q.view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
     scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
     return packed, scales
 
@@ -62,8 +74,11 @@ def unpack_int8(
     packed: torch.Tensor, scales: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `pack_int8`: (q [n, K], scale [n, K / G])."""
-    blocks, k, _ = packed.shape
-    q = packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n]
+    blocks = packed.shape[0]
+    if packed.dim() == 4:  # pairs
+        q = packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
+    else:
+        q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     return q, scale
 

@@ -16,8 +16,11 @@ from engine.quant.cpu_linear import (
 )
 
 K = 576
-CASES = [(192, K), (100, K // 32), (77, K // 16)]  # per channel, Q8_0's groups, Q6_K's
+CASES = [(192, 1), (100, K // 32), (77, K // 16)]  # groups: per channel, Q8_0, Q6_K
 CASE_IDS = ["per-channel", "groups-of-32", "groups-of-16-padded"]
+# (activations, weights in column pairs: the AVX512-BF16 dot)
+VARIANTS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+VARIANT_IDS = ["fp32", "bf16-fma", "bf16-dot"]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +43,15 @@ def reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype) -> None:
+@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
+def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs: bool) -> None:
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
     q, scale = weights(n, groups)
-    packed, scales = pack_int8(q, scale)
-    assert packed.shape == (-(-n // 16), K, 16) and scales.shape == (-(-n // 16), groups, 16)
+    packed, scales = pack_int8(q, scale, pairs)
+    blocks = -(-n // 16)
+    assert packed.shape == ((blocks, K // 2, 16, 2) if pairs else (blocks, K, 16))
+    assert scales.shape == (blocks, groups, 16)
     unpacked_q, unpacked_scale = unpack_int8(packed, scales, n)
     assert torch.equal(unpacked_q, q) and torch.equal(unpacked_scale, scale)
     w = reference(q, scale)
@@ -61,12 +68,14 @@ def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype) -> No
 
 
 @pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_the_batch(kernels, n: int, groups: int, dtype) -> None:
+@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
+def test_rows_do_not_depend_on_the_batch(kernels, n: int, groups: int, dtype, pairs) -> None:
     """Bit for bit: each of 64 rows alone, the first 7 together, all 64 (row tiles of 6 and
     their tails, every channel-block grouping), and 2 threads against 1."""
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
     q, scale = weights(n, groups)
-    packed, scales = pack_int8(q, scale)
+    packed, scales = pack_int8(q, scale, pairs)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(2)).to(dtype)
     batch = int8_linear(kernels, x, packed, scales, n)
     alone = torch.cat([int8_linear(kernels, x[i : i + 1], packed, scales, n) for i in range(64)])
@@ -102,6 +111,10 @@ def test_bad_operands_are_refused_with_the_operand_named(kernels) -> None:
         int8_linear(kernels, x.half(), packed, scales, 32)
     with pytest.raises(RuntimeError, match="n must lie in the last block"):
         int8_linear(kernels, x, packed, scales, 33)
+    pairs, _ = pack_int8(q, scale, pairs=True)
+    if kernels.bf16_dot():  # column pairs take bf16 activations only
+        with pytest.raises(RuntimeError, match="needs bfloat16 x"):
+            int8_linear(kernels, x, pairs, scales, 32)
 
 
 @pytest.mark.slow
