@@ -5,7 +5,7 @@
 
 Per SmolLM2 projection shape (N x K) and row count: dense bf16 (oneDNN packed, what a bf16 model
 runs), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp: fp32 FMAs, and vdpbf16ps on
-AVX512-BF16; per channel and in groups of 32 as GGUF Q8_0), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), Q8_0 as two
+AVX512-BF16; per channel and in groups of 32 as GGUF Q8_0; int4 in groups of 32, AVX512-BF16), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), Q8_0 as two
 int4 planes, and dequantize-then-multiply. The fastest of `--repeat` calls, in microseconds.
 """
 
@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quant.cpu_linear import int8_linear, load_quant_kernels, pack_int8
+from engine.quant.cpu_linear import int4_linear, int8_linear, load_quant_kernels, pack_int8
+from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
 from engine.quant.formats import pack_int4, quantize_int4, quantize_int8
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (192, 576), (960, 576), (3072, 576), (49152, 576)]
@@ -67,6 +68,8 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
             pgd, sgd = pack_int8(g_q, g_scale, pairs=True)
             out["duet int8 dot"] = lambda: int8_linear(kernels, x, pd, sd, n)
             out["duet int8 g32 dot"] = lambda: int8_linear(kernels, x, pgd, sgd, n)
+            nib, sz = pack_int4_pairs(q4.q, q4.scale, q4.offset)
+            out["duet int4 g32 dot"] = lambda: int4_linear(kernels, x, nib, sz, n)
         else:
             out["duet int8 g32 fma"] = lambda: int8_linear(kernels, x, pg, sg, n)
     return out

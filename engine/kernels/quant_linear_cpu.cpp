@@ -93,6 +93,7 @@ struct Args {
   const float* x;      // [M, K] fp32 (not for the bf16 dot)
   const uint16_t* xb;  // [M, K] bf16 rows xs apart (the bf16 dot)
   int64_t xs, m, k, g, n;
+  const float* xsum = nullptr;  // int4: [M, K / G], each row's sum over each group
 };
 
 // total[r][c] for rows r0 .. r0 + R, channel blocks b0 .. b0 + C, written to res (R x C*16).
@@ -139,15 +140,26 @@ void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
 }
 
 #if defined(__AVX512BF16__)
+inline __m512 bf16_to_f32(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // bf16 activations with AVX512-BF16: the weights of k and k + 1 sit side by side per channel
 // ([NB, K / 2, 16, 2]), turn into bf16 exactly (|q| <= 127 needs 7 bits), and vdpbf16ps adds
 // both products (exact in fp32) to the channel's lane: 32 multiply-adds per instruction, twice
 // the fp32 FMA's. The order per output element is again fixed by k alone.
-template <int C, int R>
+//
+// int4 (kInt4): q as nibbles [NB, K / 2, 16] (byte i of a column pair: value i low, i + 16
+// high), w = q * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets, so per group
+// total += scale * sum(q x) + offset * sum(x) (the row's group sums, `xsum`).
+template <int C, int R, bool kInt4>
 void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res) {
   const int64_t K = a.k, G = a.g, groups = K / G;
-  const int8_t* q = a.q + b0 * K * kBlock;
+  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;  // weight bytes per column
+  const int8_t* q = a.q + b0 * K * kQBytes;
   const float* s = a.s + b0 * groups * kBlock;
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
   const uint16_t* x = a.xb + r0 * a.xs;
   __m512 total[R][C];
 #pragma GCC unroll 8
@@ -164,11 +176,20 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res) {
       __m512bh w[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
-        const int8_t* p = q + (c * K + k) * kBlock;  // channels 0-7's pairs, then 8-15's
-        const __m512 lo = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-        const __m512 hi = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        const int8_t* p = q + (c * K + k) * kQBytes;  // channels 0-7's pairs, then 8-15's
+        __m512 lo, hi;
+        if constexpr (kInt4) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+          const __m128i mask = _mm_set1_epi8(0x0F);
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+        } else {
+          lo = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+          hi = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+        }
         w[c] = _mm512_cvtne2ps_pbh(hi, lo);
       }
 #pragma GCC unroll 8
@@ -182,9 +203,20 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res) {
     }
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m512 sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+      if constexpr (kInt4) {
+        const uint16_t* p = sz + (c * groups + gi) * 2 * kBlock;
+        const __m512 sv = bf16_to_f32(p), ov = bf16_to_f32(p + kBlock);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
+        for (int r = 0; r < R; ++r) {
+          total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
+          const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * groups + gi]);
+          total[r][c] = _mm512_fmadd_ps(xs, ov, total[r][c]);
+        }
+      } else {
+        const __m512 sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -194,15 +226,15 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res) {
 }
 #endif
 
-template <int C, int R, bool kDot>
+template <int C, int R, int kDot>
 void tile_of(const Args& a, int64_t b0, int64_t r0, float* res) {
 #if defined(__AVX512BF16__)
-  if constexpr (kDot) return tile_dot<C, R>(a, b0, r0, res);
+  if constexpr (kDot != 0) return tile_dot<C, R, kDot == 2>(a, b0, r0, res);
 #endif
   tile<C, R>(a, b0, r0, res);
 }
 
-template <int C, int R, bool kDot>
+template <int C, int R, int kDot>
 void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res) {
   if constexpr (R > 1) {
     if (rows < R) return rows_tail<C, R - 1, kDot>(a, b0, r0, rows, res);
@@ -211,7 +243,7 @@ void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res) 
 }
 
 // All rows of channel blocks b0 .. b0 + C, written (+ nothing else) into out rows.
-template <typename E, int C, int RB, bool kDot>
+template <typename E, int C, int RB, int kDot>
 void columns(const Args& a, int64_t b0, typename E::raw* out) {
   alignas(64) float res[RB * C * kBlock];
   for (int64_t r0 = 0; r0 < a.m; r0 += RB) {
@@ -231,7 +263,7 @@ void columns(const Args& a, int64_t b0, typename E::raw* out) {
 }
 
 // Channel blocks in tiles of CB blocks x RB rows (and the remainders).
-template <typename E, int CB, int RB, bool kDot>
+template <typename E, int CB, int RB, int kDot>
 void run_tiles(const Args& a, int64_t blocks, typename E::raw* out) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     int64_t b = begin;
@@ -245,7 +277,7 @@ void run_tiles(const Args& a, int64_t blocks, typename E::raw* out) {
   });
 }
 
-template <typename E, bool kDot = false>
+template <typename E, int kDot = 0>
 void run(const Args& a, int64_t blocks, typename E::raw* out) {
   // NOTE: tiles of 2 blocks x 12 rows for the bf16 dot (fewer weight conversions per product)
   // measured slower than 4 x 6 at 16-128 rows (1.3-1.4x the 4 x 6 time).
@@ -312,12 +344,48 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
   return out;
 }
 
+// x [M, K] bf16 (rows contiguous) @ (q * scale + offset).T with q4 [N' / 16, K / 2, 16] uint8
+// nibbles and sz [N' / 16, K / G, 2, 16] bf16 scales and offsets (AVX512-BF16 builds only).
+at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n) {
+  TORCH_CHECK(kBf16Dot, "int4_linear needs an AVX512-BF16 build (bf16_dot())");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be a CPU bfloat16 [rows, K] tensor with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(q4.scalar_type() == at::kByte && q4.is_contiguous() && q4.dim() == 3 &&
+                  q4.size(1) * 2 == k && q4.size(2) == kBlock,
+              "q4 must be contiguous uint8 [N / 16, K / 2, 16] with x's K");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
+                  sz.size(0) == q4.size(0) && sz.size(1) > 0 && k % sz.size(1) == 0 &&
+                  (k / sz.size(1)) % 2 == 0 && sz.size(2) == 2 && sz.size(3) == kBlock,
+              "sz must be contiguous bfloat16 [N / 16, K / G, 2, 16] matching q4, G even");
+  TORCH_CHECK(n > 0 && n <= q4.size(0) * kBlock && n > (q4.size(0) - 1) * kBlock,
+              "n must lie in the last block of q4's rows");
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  const int64_t groups = sz.size(1), g = k / groups;
+  std::vector<float> xsum(m * groups);  // in k order per group: the same for any batch
+  const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      float sum = 0.f;
+      for (int64_t i = gi * g; i < (gi + 1) * g; ++i) sum += BF16::load1(xb + r * x.stride(0) + i);
+      xsum[r * groups + gi] = sum;
+    }
+  Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
+         nullptr, xb, x.stride(0), m, k, g, n, xsum.data()};
+  run<BF16, kBf16Dot ? 2 : 0>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
 }  // namespace duet
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &duet::int8_linear,
         "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+  m.def("int4_linear", &duet::int4_linear,
+        "x @ (q * scale + offset).T for int4 nibbles [N / 16, K / 2, 16], bf16 [N / 16, K / G, 2, 16]");
   m.def("bf16_dot", [] { return duet::kBf16Dot; },
         "Whether bf16 activations take weights in pairs [N / 16, K / 2, 16, 2] (AVX512-BF16)");
 }

@@ -6,8 +6,9 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.4-2.3x faster
   than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
-- int4, bf16 on the CPU: `aten._weight_int4pack_mm_for_cpu` (weights in its layout,
-  `pack_int4`). At one row it matches oneDNN's packed bf16 product on a weight that fits in
+- int4, bf16 on an AVX512-BF16 CPU: duet's int4 kernel (the int8 kernel's bf16 dot on nibbles),
+  1.1-1.6x faster than torch's up to `INT4_KERNEL_MAX_ROWS`. Elsewhere in bf16:
+  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At one row it matches oneDNN's packed bf16 product on a weight that fits in
   cache, and reads 4x fewer bytes; from 16 rows it is 2-3x slower than a dense bf16 GEMM, so
   above `kernel_max_rows` the weight is dequantized for the call and multiplied densely.
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
@@ -32,12 +33,15 @@ from engine.errors import ModelLoadError
 from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from engine.quant.config import QuantizationConfig
 from engine.quant.cpu_linear import (
+    int4_linear,
     int8_linear,
     load_quant_kernels,
     pack_int8,
     unpack_int8,
     uses_pairs,
 )
+from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
+from engine.quant.cpu_linear import unpack_int4 as unpack_int4_pairs
 from engine.quant.formats import (
     INT4_BLOCK_N,
     Int4Weight,
@@ -57,6 +61,8 @@ and multiplied densely (the crossover measured above lies between 16 and 64 rows
 INT8_KERNEL_MAX_ROWS = {True: 128, False: 32}
 """The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
 FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
+INT4_KERNEL_MAX_ROWS = 64
+"""The same for duet's int4 kernel (AVX512-BF16, bf16 activations)."""
 
 Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
@@ -88,7 +94,7 @@ class QuantizedLinear(nn.Module):
         self.use_kernel = False
         self.use_triton = False
         self._padded_rows = out_features
-        self.int8_kernels: Any = None  # duet's int8 kernel module when it serves this layer
+        self.duet_kernels: Any = None  # duet's kernel module when it serves this layer
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -162,7 +168,7 @@ class QuantizedLinear(nn.Module):
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero"):
             self.register_buffer(name, None, persistent=False)
-        self.int8_kernels = None
+        self.duet_kernels = None
         self.use_triton = device.type == "cuda" if triton is None else triton
         if self.use_triton:
             self._set_triton_weight(weight, dtype, device)
@@ -174,7 +180,7 @@ class QuantizedLinear(nn.Module):
             kernels = load_quant_kernels() if device.type == "cpu" else None
             if kernels is not None and dtype in (torch.float32, torch.bfloat16):
                 # duet's kernel: fp32 scales, the weights as the format holds them
-                self.int8_kernels, self.use_kernel = kernels, True
+                self.duet_kernels, self.use_kernel = kernels, True
                 pairs = uses_pairs(kernels, dtype, weight.group_size)
                 self.kernel_max_rows = INT8_KERNEL_MAX_ROWS[pairs]
                 self.q, self.scale = pack_int8(weight.q, weight.scale, pairs)
@@ -186,7 +192,12 @@ class QuantizedLinear(nn.Module):
             return
         self.kind, self.symmetric = "int4", weight.symmetric
         self.use_kernel = on_cpu_bf16
-        if self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
+        kernels = load_quant_kernels() if on_cpu_bf16 else None
+        if kernels is not None and uses_pairs(kernels, dtype, weight.group_size):
+            # duet's int4 kernel: bf16 scales and offsets, as torch's kernel holds them
+            self.duet_kernels, self.kernel_max_rows = kernels, INT4_KERNEL_MAX_ROWS
+            self.packed, self.scales_zeros = pack_int4_pairs(weight.q, weight.scale, weight.offset)
+        elif self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
             zero = torch.zeros_like(weight.scale)
             if weight.offset is not None:
                 zero = weight.offset + 8 * weight.scale
@@ -252,12 +263,15 @@ class QuantizedLinear(nn.Module):
             return out if self.bias is None else out + self.bias
         if not (
             self.use_kernel
-            and (rows.dtype == torch.bfloat16 or self.int8_kernels is not None)
+            and (rows.dtype == torch.bfloat16 or self.duet_kernels is not None)
             and rows.shape[0] <= self.kernel_max_rows
         ):
             return F.linear(rows, self.dequantize(rows.dtype), self.bias)
-        if self.int8_kernels is not None:
-            out = int8_linear(self.int8_kernels, rows, self.q, self.scale, self.out_features)
+        if self.duet_kernels is not None and self.kind == "int4":
+            n = self.out_features
+            out = int4_linear(self.duet_kernels, rows, self.packed, self.scales_zeros, n)
+        elif self.duet_kernels is not None:
+            out = int8_linear(self.duet_kernels, rows, self.q, self.scale, self.out_features)
         elif self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
         else:
@@ -275,7 +289,7 @@ class QuantizedLinear(nn.Module):
         n, k = self.out_features, self.in_features
         if self.kind.startswith("int8"):
             q, scale = self.q, self.scale
-            if self.int8_kernels is not None:
+            if self.duet_kernels is not None:
                 q, scale = unpack_int8(q, scale, n)
             groups = q.reshape(n, -1, self.group_size).to(scale.dtype)
             scale = scale.reshape(n, -1, 1)
@@ -285,6 +299,10 @@ class QuantizedLinear(nn.Module):
             groups = q.to(self.scale.dtype).view(n, -1, self.group_size)
             w = groups * self.scale[..., None] + self.zero[..., None]
             return w.view(n, k).to(dtype)
+        if self.duet_kernels is not None:
+            q, scale, offset = unpack_int4_pairs(self.packed, self.scales_zeros, n)
+            groups = q.float().view(n, -1, self.group_size)
+            return (groups * scale[..., None] + offset[..., None]).view(n, k).to(dtype)
         q = unpack_int4(self.packed)[:n]
         if self.use_kernel:
             sz = self.scales_zeros[:, :n].transpose(0, 1).float()  # [N, K / G, 2]

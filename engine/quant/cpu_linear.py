@@ -89,3 +89,48 @@ def int8_linear(
     """x ([M, K], fp32 or bf16, rows contiguous) @ (q * scale).T -> [M, n] of x's dtype."""
     out: torch.Tensor = kernels.int8_linear(x, packed, scales, n)
     return out
+
+
+def pack_int4(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 (q [N, K] in [0, 15], w = q * scale + offset, offset None: -8 * scale) in the int4
+    kernel's layout: nibbles [N' / 16, K / 2, 16] (per column pair, byte i holds value i of its
+    32 (channel i // 2, column i % 2) low and value i + 16 high) and bf16 scales and offsets
+    [N' / 16, K / G, 2, 16]. Padded rows are zero."""
+    n, k = q.shape
+    scale_bf16 = scale.to(torch.bfloat16)
+    if offset is None:  # exact: -8 times a bf16
+        offset = -8 * scale_bf16.float()
+    pad = -n % BLOCK
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale_bf16 = torch.cat([scale_bf16, scale_bf16.new_zeros(pad, scale.shape[1])])
+        offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+    blocks = (n + pad) // BLOCK
+    values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    values = values.reshape(blocks, k // 2, 2 * BLOCK)
+    nibbles = (values[..., :BLOCK] | (values[..., BLOCK:] << 4)).contiguous()
+    sz = torch.stack([scale_bf16, offset.to(torch.bfloat16)], dim=-1)  # [N', K / G, 2]
+    sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
+    return nibbles, sz
+
+
+def unpack_int4(
+    nibbles: torch.Tensor, sz: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4`: (q [n, K] uint8, scale [n, K / G], offset [n, K / G]) with
+    the bf16 scales and offsets as fp32."""
+    blocks, pairs, _ = nibbles.shape
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N' / 16, K / 2, 32]
+    q = values.view(blocks, pairs, BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)
+    sz = sz.permute(0, 3, 1, 2).reshape(blocks * BLOCK, -1, 2).float()
+    return q[:n], sz[:n, :, 0], sz[:n, :, 1]
+
+
+def int4_linear(
+    kernels: Any, x: torch.Tensor, nibbles: torch.Tensor, sz: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x ([M, K] bf16, rows contiguous) @ (q * scale + offset).T -> [M, n] bf16."""
+    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n)
+    return out

@@ -9,11 +9,15 @@ import torch.nn.functional as F
 
 from engine.quant.cpu_linear import (
     build_quant_kernels,
+    int4_linear,
     int8_linear,
     load_quant_kernels,
+    pack_int4,
     pack_int8,
+    unpack_int4,
     unpack_int8,
 )
+from engine.quant.formats import quantize_int4
 
 K = 576
 CASES = [(192, 1), (100, K // 32), (77, K // 16)]  # groups: per channel, Q8_0, Q6_K
@@ -133,3 +137,32 @@ def test_other_simd_widths_give_the_same_bits(kernels, lanes: int) -> None:
             x = torch.randn(9, K).to(dtype)
             assert torch.equal(int8_linear(other, x, packed, scales, n),
                                int8_linear(kernels, x, packed, scales, n))  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "group_size", "symmetric"), [(88, 32, False), (64, 64, True)])
+def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
+    kernels, n: int, group_size: int, symmetric: bool
+) -> None:
+    if not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the int4 kernel is not built")
+    gen = torch.Generator().manual_seed(4)
+    q4 = quantize_int4(torch.randn(n, K, generator=gen) * 0.05, group_size, symmetric)
+    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset)
+    assert nibbles.shape == (-(-n // 16), K // 2, 16) and sz.dtype == torch.bfloat16
+    q, scale, offset = unpack_int4(nibbles, sz, n)
+    assert torch.equal(q, q4.q)
+    assert torch.equal(scale, q4.scale.to(torch.bfloat16).float())  # bf16 scales, as torch's
+    w = (q.float().view(n, -1, group_size) * scale[..., None] + offset[..., None]).view(n, K)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        out = int4_linear(kernels, x, nibbles, sz, n)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        expected = F.linear(x.float(), w)
+        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=2e-3)
+    x = torch.randn(64, K, generator=gen).to(torch.bfloat16)
+    batch = int4_linear(kernels, x, nibbles, sz, n)
+    alone = torch.cat([int4_linear(kernels, x[i : i + 1], nibbles, sz, n) for i in range(64)])
+    assert torch.equal(batch, alone)
+    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n), alone[:7])
+    with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
+        int4_linear(kernels, x.float(), nibbles, sz, n)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError, ModelLoadError
+from engine.model import quantized_linear
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.row_invariant import MIN_ROWS, Linear, probe
 from engine.quant.config import QuantizationConfig
@@ -38,13 +39,22 @@ def layer(config: QuantizationConfig, dtype: torch.dtype, n: int = 192, bias: bo
     return quantize_linear(weight, b, config, dtype), weight
 
 
+@pytest.fixture(params=["duet", "torch"])
+def backend(request, monkeypatch) -> str:
+    """duet's kernels (engine/quant/cpu_linear.py), or torch's where they cannot be built."""
+    if request.param == "torch":
+        monkeypatch.setattr(quantized_linear, "load_quant_kernels", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("kernel_max_rows", [1 << 62, 16], ids=["kernel", "dequantize-above-16"])
 def test_bf16_equals_dequantized_reference(
-    config: QuantizationConfig, kernel_max_rows: int
+    config: QuantizationConfig, kernel_max_rows: int, backend: str
 ) -> None:
     linear, _ = layer(config, torch.bfloat16, bias=True)
     assert linear.use_kernel is (config.method == "int4" or config.method == "int8")
+    assert (linear.duet_kernels is not None) is (backend == "duet")
     linear.kernel_max_rows = kernel_max_rows
     reference = linear.dequantize(torch.float32)  # [N, K]
     gen = torch.Generator().manual_seed(1)
@@ -74,7 +84,7 @@ def test_fp32_is_the_dense_product_of_the_dequantized_weight(config: Quantizatio
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig) -> None:
+def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig, backend: str) -> None:
     linear, _ = layer(config, torch.bfloat16)
     linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
     assert probe(linear, K, torch.bfloat16)  # rows 1..600, each alone and in every batch
@@ -105,13 +115,16 @@ def test_kernel_layout_equals_torch_pack_and_unpacks() -> None:
     assert torch.equal(unpack_int4(packed), q.to(torch.uint8))
 
 
-def test_rows_off_the_kernel_block_are_padded() -> None:
+def test_rows_off_the_kernel_block_are_padded(backend: str) -> None:
     config = QuantizationConfig("int4", 32)
-    linear, _ = layer(config, torch.bfloat16, n=96)  # the kernel packs 64 rows per block
-    assert linear.packed.shape == (128, K // 2)
+    linear, _ = layer(config, torch.bfloat16, n=88)
+    if backend == "torch":  # blocks of 64 rows
+        assert linear.packed.shape == (128, K // 2)
+    else:  # blocks of 16 rows, column pairs
+        assert linear.packed.shape == (6, K // 2, 16)
     x = torch.randn(3, K).to(torch.bfloat16)
     out = linear(x)
-    assert out.shape == (3, 96)
+    assert out.shape == (3, 88)
     expected = F.linear(x.float(), linear.dequantize(torch.float32))
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
 
