@@ -1,7 +1,8 @@
 """CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
 paged decode and prefill attention (paged_decode_cpu.cpp, paged_prefill_cpu.cpp), the Llama block's elementwise ops
 (elementwise_cpu.cpp) and row copies by index for moving KV blocks (copy_cpu.cpp), bound in
-cpu_module.cpp.
+cpu_module.cpp. `build_cpu_kernels` also builds the quantized linears' own module
+(quant_linear_cpu.cpp, engine/quant/cpu_linear.py).
 
 When the build is impossible (no compiler) the engine keeps the torch paths, which compute the
 same thing; `DUET_CPU_KERNELS=0` forces them.
