@@ -61,7 +61,7 @@ and multiplied densely (the crossover measured above lies between 16 and 64 rows
 INT8_KERNEL_MAX_ROWS = {True: 128, False: 32}
 """The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
 FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
-INT4_KERNEL_MAX_ROWS = 64
+INT4_KERNEL_MAX_ROWS = 128
 """The same for duet's int4 kernel (AVX512-BF16, bf16 activations)."""
 
 Part = QuantizedWeight | torch.Tensor
