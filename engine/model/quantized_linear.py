@@ -3,17 +3,17 @@
 Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/quantization.md):
 
 - int8 (per output channel or per group: GGUF Q8_0, Q6_K) on the CPU, fp32 or bf16: duet's own
-  kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.4-2.3x faster
+  kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.3-4x faster
   than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
 - int4, bf16 on an AVX512-BF16 CPU: duet's int4 kernel (the int8 kernel's bf16 dot on nibbles),
-  1.1-1.6x faster than torch's up to `INT4_KERNEL_MAX_ROWS`. Elsewhere in bf16:
-  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At one row it matches oneDNN's packed bf16 product on a weight that fits in
-  cache, and reads 4x fewer bytes; from 16 rows it is 2-3x slower than a dense bf16 GEMM, so
-  above `kernel_max_rows` the weight is dequantized for the call and multiplied densely.
+  1.1-2.2x faster than torch's at 1-256 rows. Elsewhere in bf16:
+  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`), which from 16 rows is
+  2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16) the weight is dequantized
+  for the call and multiplied densely.
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
   whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
-  Both kernels compute each row on its own (probed like every linear, `row_invariant.check_model`).
+  Every kernel computes each row on its own (probed like every linear, `row_invariant.check_model`).
 - int4, fp32 on the CPU: torch's kernel is scalar there (10-40x slower than the dense fp32
   GEMM): dequantize, then the dense product. Memory shrinks; speed does not.
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
@@ -58,10 +58,10 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_ROWS = 16
 """Most rows torch's int8/int4 kernels take outside deterministic mode; more are dequantized
 and multiplied densely (the crossover measured above lies between 16 and 64 rows)."""
-INT8_KERNEL_MAX_ROWS = {True: 128, False: 32}
+INT8_KERNEL_MAX_ROWS = {True: 256, False: 32}
 """The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
 FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
-INT4_KERNEL_MAX_ROWS = 128
+INT4_KERNEL_MAX_ROWS = 256
 """The same for duet's int4 kernel (AVX512-BF16, bf16 activations)."""
 
 Part = QuantizedWeight | torch.Tensor
