@@ -151,23 +151,28 @@ inline __m512 bf16_to_f32(const uint16_t* p) {
 // the fp32 FMA's. The order per output element is again fixed by k alone.
 //
 // int4 (kInt4): q as nibbles [NB, K / 2, 16] (byte i of a column pair: value i low, i + 16
-// high), w = q * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets, so per group
-// total += scale * sum(q x) + offset * sum(x) (the row's group sums, `xsum`).
+// high), w = q * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets. The dot runs
+// on 128 + q (see convert_pair), so per group, with the row's group sums `xsum`:
+// total += scale * (acc - 128 * sum(x)) + offset * sum(x).
+// int8: q as bf16 (exact) through fp32. int4: 128 + q, whose bf16 bits are 0x4300 | q (an
+// exponent of 2^7 and q as the mantissa: exact), so no conversion at all; the tile subtracts
+// 128 times the row's group sum of x again.
 template <bool kInt4>
 inline __m512bh convert_pair(const int8_t* p) {  // channels 0-7's pairs, then 8-15's
-  __m512 lo, hi;
   if constexpr (kInt4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i exponent = _mm256_set1_epi16(0x4300);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), exponent);
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), exponent);
+    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   } else {
-    lo = _mm512_cvtepi32_ps(
+    const __m512 lo = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    hi = _mm512_cvtepi32_ps(
+    const __m512 hi = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
   }
-  return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
 // `pre`: when not null, the C blocks' weights already converted ([C][K / 2] vectors, see
@@ -213,8 +218,9 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
         const __m512 sv = bf16_to_f32(p), ov = bf16_to_f32(p + kBlock);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
           const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * groups + gi]);
+          const __m512 qx = _mm512_fmadd_ps(xs, _mm512_set1_ps(-128.f), acc[r][c]);  // sum(q x)
+          total[r][c] = _mm512_fmadd_ps(qx, sv, total[r][c]);
           total[r][c] = _mm512_fmadd_ps(xs, ov, total[r][c]);
         }
       } else {
