@@ -7,7 +7,7 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
 - int4, bf16 on an AVX512-BF16 CPU: duet's int4 kernel (the int8 kernel's bf16 dot on nibbles),
-  1.1-2.2x faster than torch's at 1-256 rows. Elsewhere in bf16:
+  1.7-2.2x faster than torch's at 1-256 rows. Elsewhere in bf16:
   `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`), which from 16 rows is
   2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16) the weight is dequantized
   for the call and multiplied densely.
