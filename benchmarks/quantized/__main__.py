@@ -25,6 +25,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated formats")
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
     parser.add_argument("--accuracy", action="store_true", help="mean NLL instead of speed")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="quantize the LM head too (llama.cpp's Q8_0/Q4_1 files do)")  # fmt: skip
     parser.add_argument("--window", type=int, default=1024, help="accuracy: tokens per window")
     parser.add_argument("--max-text-tokens", type=int, default=None, help="accuracy: cut the text")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -50,8 +52,8 @@ def main() -> None:
                                  "model": args.model or "embedded SmolLM2-135M-Instruct Q4_1",
                                  "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     if args.accuracy:
-        rows = [mean_nll(args.model, m, args.group_size, args.window, args.max_text_tokens)
-                for m in methods]  # fmt: skip
+        rows = [mean_nll(args.model, m, args.group_size, args.window, args.max_text_tokens,
+                         args.quantize_lm_head) for m in methods]  # fmt: skip
         base = next((r["mean_nll"] for r in rows if r["method"] == "bf16"), None)
         print(f"{'format':8} {'mean NLL':>9} {'vs bf16':>8} {'weights MiB':>12}  tokens")
         for row in rows:
@@ -71,7 +73,8 @@ def main() -> None:
             print("llama-cpp-python is not importable: no llama.cpp baseline "
                   "(see benchmarks/quantized/llama_cpp.py to install it)")  # fmt: skip
         results = run_speed(args.model, methods, args.group_size, files, args.prompt_tokens,
-                            args.new_tokens, args.batch, args.rounds, args.threads)  # fmt: skip
+                            args.new_tokens, args.batch, args.rounds, args.threads,
+                            lm_head=args.quantize_lm_head)  # fmt: skip
         print(f"{'system':18} {'1-stream tok/s':>15} {'batch tok/s':>12} {'weights MiB':>12}")
         for r in results:
             s = r.summary()

@@ -42,8 +42,9 @@ def window_nll(model: LlamaForCausalLM, ids: torch.Tensor, dtype: torch.dtype) -
 
 
 def mean_nll(model_name: str | None, method: str, group_size: int, window: int,
-             max_tokens: int | None) -> dict[str, float | int | str]:  # fmt: skip
-    config = EngineConfig.from_kwargs(model=model_name, **engine_kwargs(method, group_size))
+             max_tokens: int | None, lm_head: bool = False) -> dict[str, float | int | str]:  # fmt: skip
+    kwargs = engine_kwargs(method, group_size, lm_head)
+    config = EngineConfig.from_kwargs(model=model_name, **kwargs)
     loaded = load_model(
         config.model, torch.bfloat16, torch.device("cpu"), progress=False,
         quantization=config.quantization_config(), deterministic=False,

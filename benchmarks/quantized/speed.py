@@ -51,12 +51,14 @@ def run_speed(
     rounds: int,
     threads: int | None,
     log: Callable[[str], None] = print,
+    lm_head: bool = False,
 ) -> list[SpeedResult]:
     engines: dict[str, LLM] = {}
     results: dict[str, SpeedResult] = {}
     for method in methods:
         llm = LLM(model, load_progress=False, num_threads=threads, max_num_seqs=max(batch, 1),
-                  enable_prefix_caching=False, **engine_kwargs(method, group_size))  # fmt: skip
+                  enable_prefix_caching=False,
+                  **engine_kwargs(method, group_size, lm_head))  # fmt: skip
         engines[f"duet-{method}"] = llm
         results[f"duet-{method}"] = SpeedResult(f"duet-{method}", llm.engine.weight_bytes)
         log(f"loaded duet-{method}: {llm.engine.weight_bytes / 2**20:.1f} MiB of weights")

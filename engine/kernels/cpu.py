@@ -1,7 +1,9 @@
 """CPU kernels in C++, compiled on first use with torch's cpp_extension (needs g++ and ninja):
 paged decode and prefill attention (paged_decode_cpu.cpp, paged_prefill_cpu.cpp), the Llama block's elementwise ops
 (elementwise_cpu.cpp), row copies by index for moving KV blocks (copy_cpu.cpp) and the
-sampler's top-p threshold and inverse-CDF draw (sampling_cpu.cpp), bound in cpu_module.cpp.
+sampler's argmax, top-p threshold and inverse-CDF draw (sampling_cpu.cpp), bound in
+cpu_module.cpp. `build_cpu_kernels` also builds the quantized linears' own module
+(quant_linear_cpu.cpp, engine/quant/cpu_linear.py).
 
 When the build is impossible (no compiler) the engine keeps the torch paths, which compute the
 same thing; `DUET_CPU_KERNELS=0` forces them.
@@ -64,9 +66,17 @@ def load_cpu_kernels() -> Any | None:
         return None
 
 
-def build_cpu_kernels(defines: tuple[str, ...] = ()) -> Any:
+def build_cpu_kernels(
+    defines: tuple[str, ...] = (),
+    module: str = "duet_cpu_kernels",
+    sources: tuple[str, ...] | None = None,
+    cflags: tuple[str, ...] = (),
+) -> Any:
     """Compile (or load the cached build of) the module. `defines` (e.g. "DUET_SIMD_LANES=16")
-    make a separate build, for tests of other SIMD widths. Raises when the build fails."""
+    make a separate build, for tests of other SIMD widths. `module`, `sources` (file names in
+    this directory) and `cflags`: another extension built the same way (the quantized linears',
+    engine/quant/cpu_linear.py). Raises when the build fails."""
+    paths = _SOURCES if sources is None else [os.path.join(_DIR, s) for s in sources]
     from torch.utils.cpp_extension import is_ninja_available, load
 
     if not is_ninja_available():
@@ -77,12 +87,13 @@ def build_cpu_kernels(defines: tuple[str, ...] = ()) -> Any:
     # Keyed on the sources' directory too: torch rebuilds a name whose build arguments (the
     # source paths) changed, so two checkouts sharing one name rebuilt it over each other,
     # rewriting a .so that other processes had mapped (SIGBUS) and racing for its lock.
-    digest = hashlib.sha1(repr((defines, _DIR)).encode())
-    for path in _SOURCES + _HEADERS:
+    key = (defines, _DIR) if not cflags else (defines, cflags, _DIR)  # the old key: no rebuild
+    digest = hashlib.sha1(repr(key).encode())
+    for path in paths + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())
     # -march=native code must never run on another CPU: key the build on the CPU's flags too.
-    name = f"duet_cpu_kernels_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
+    name = f"{module}_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
     build_dir = _build_directory(name)
     with _exclusive(os.path.join(build_dir, "duet-build.flock"), BUILD_TIMEOUT_S):
         # torch's own lock file, if present now, was left by a build that was killed (we hold
@@ -93,8 +104,14 @@ def build_cpu_kernels(defines: tuple[str, ...] = ()) -> Any:
             os.remove(stale)
         return load(
             name=name,
-            sources=_SOURCES,
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *(f"-D{d}" for d in defines)],
+            sources=paths,
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                *cflags,
+                *(f"-D{d}" for d in defines),
+            ],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
             verbose=False,

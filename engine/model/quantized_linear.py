@@ -2,26 +2,28 @@
 
 Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/quantization.md):
 
-- bf16 on the CPU, int8 per output channel: `aten._weight_int8pack_mm`; int4:
-  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`). At one row they
-  match oneDNN's packed bf16 product on a weight that fits in cache, and read 2-4x fewer bytes;
-  from 64 rows they are 2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16)
-  the weight is dequantized for the call and multiplied densely.
+- int8 (per output channel or per group: GGUF Q8_0, Q6_K) on the CPU, fp32 or bf16: duet's own
+  kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.3-4x faster
+  than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
+  dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
+- int4, bf16 on an AVX512-BF16 CPU: duet's int4 kernel (the int8 kernel's bf16 dot on nibbles),
+  1.7-2.2x faster than torch's at 1-256 rows. Elsewhere in bf16:
+  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`), which from 16 rows is
+  2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16) the weight is dequantized
+  for the call and multiplied densely.
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
   whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
-  Both kernels compute each row on its own (probed like every linear, `row_invariant.check_model`).
-- fp32 on the CPU: torch's kernels are scalar there (10-40x slower than the dense fp32 GEMM):
-  dequantize, then the dense product. Memory shrinks; speed does not.
+  Every kernel computes each row on its own (probed like every linear, `row_invariant.check_model`).
+- int4, fp32 on the CPU: torch's kernel is scalar there (10-40x slower than the dense fp32
+  GEMM): dequantize, then the dense product. Memory shrinks; speed does not.
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
   checked in Triton's interpreter only, not yet run on a GPU.
-- int8 with groups: no torch kernel takes per-group int8 scales. GGUF Q8_0 (groups of 32) runs
-  as two int4 planes through the int4 kernel (`_set_split_int8`); Q6_K's groups of 16 are
-  below that kernel's smallest, so those layers dequantize.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,16 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from engine.quant.config import QuantizationConfig
+from engine.quant.cpu_linear import (
+    int4_linear,
+    int8_linear,
+    load_quant_kernels,
+    pack_int8,
+    unpack_int8,
+    uses_pairs,
+)
+from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
+from engine.quant.cpu_linear import unpack_int4 as unpack_int4_pairs
 from engine.quant.formats import (
     INT4_BLOCK_N,
     Int4Weight,
@@ -44,13 +56,16 @@ from engine.quant.formats import (
 logger = logging.getLogger(__name__)
 
 KERNEL_MAX_ROWS = 16
-"""Most rows the int8/int4 kernels take outside deterministic mode; more are dequantized and
-multiplied densely (the crossover measured above lies between 16 and 64 rows)."""
+"""Most rows torch's int8/int4 kernels take outside deterministic mode; more are dequantized
+and multiplied densely (the crossover measured above lies between 16 and 64 rows)."""
+INT8_KERNEL_MAX_ROWS = {True: 256, False: 32}
+"""The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
+FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
+INT4_KERNEL_MAX_ROWS = 256
+"""The same for duet's int4 kernel (AVX512-BF16, bf16 activations)."""
 
 Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
-INT4_KERNEL_GROUPS = (32, 64, 128, 256)
-"""Group sizes torch's CPU int4 kernel takes."""
 
 
 class QuantizedLinear(nn.Module):
@@ -73,12 +88,13 @@ class QuantizedLinear(nn.Module):
         self.config = config
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._parts: dict[int, Part] = {}
-        self.kind = ""  # "int8", "int8-split", "int8-grouped" or "int4" once finalized
+        self.kind = ""  # "int8", "int8-grouped" or "int4" once finalized
         self.group_size = in_features
         self.symmetric = True
         self.use_kernel = False
         self.use_triton = False
         self._padded_rows = out_features
+        self.duet_kernels: Any = None  # duet's kernel module when it serves this layer
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -150,9 +166,9 @@ class QuantizedLinear(nn.Module):
         n, k = weight.shape
         self.group_size = weight.group_size
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
-        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero", "packed_lo",
-                     "scales_zeros_lo"):  # fmt: skip
+        for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero"):
             self.register_buffer(name, None, persistent=False)
+        self.duet_kernels = None
         self.use_triton = device.type == "cuda" if triton is None else triton
         if self.use_triton:
             self._set_triton_weight(weight, dtype, device)
@@ -160,10 +176,15 @@ class QuantizedLinear(nn.Module):
         self._padded_rows = -(-n // INT4_BLOCK_N) * INT4_BLOCK_N
         if isinstance(weight, Int8Weight):
             per_channel = weight.group_size == k
-            if not per_channel and on_cpu_bf16 and weight.group_size in INT4_KERNEL_GROUPS:
-                self._set_split_int8(weight, dtype, device)
-                return
             self.kind = "int8" if per_channel else "int8-grouped"
+            kernels = load_quant_kernels() if device.type == "cpu" else None
+            if kernels is not None and dtype in (torch.float32, torch.bfloat16):
+                # duet's kernel: fp32 scales, the weights as the format holds them
+                self.duet_kernels, self.use_kernel = kernels, True
+                pairs = uses_pairs(kernels, dtype, weight.group_size)
+                self.kernel_max_rows = INT8_KERNEL_MAX_ROWS[pairs]
+                self.q, self.scale = pack_int8(weight.q, weight.scale, pairs)
+                return
             self.use_kernel = per_channel and on_cpu_bf16
             self.q = weight.q.to(device)
             scale = weight.scale.squeeze(1) if per_channel else weight.scale
@@ -171,7 +192,12 @@ class QuantizedLinear(nn.Module):
             return
         self.kind, self.symmetric = "int4", weight.symmetric
         self.use_kernel = on_cpu_bf16
-        if self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
+        kernels = load_quant_kernels() if on_cpu_bf16 else None
+        if kernels is not None and uses_pairs(kernels, dtype, weight.group_size):
+            # duet's int4 kernel: bf16 scales and offsets, as torch's kernel holds them
+            self.duet_kernels, self.kernel_max_rows = kernels, INT4_KERNEL_MAX_ROWS
+            self.packed, self.scales_zeros = pack_int4_pairs(weight.q, weight.scale, weight.offset)
+        elif self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
             zero = torch.zeros_like(weight.scale)
             if weight.offset is not None:
                 zero = weight.offset + 8 * weight.scale
@@ -206,21 +232,6 @@ class QuantizedLinear(nn.Module):
         packed = pack_int4(q).to(device)
         return packed, scales_zeros.transpose(0, 1).contiguous().to(device, dtype)
 
-    def _set_split_int8(self, weight: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
-        """int8 with per-group scales (GGUF Q8_0) as two int4 planes for torch's int4 kernel:
-        q + 128 = 16 h + l, so q s = (h - 8) (16 s) + [(l - 8) s + 8 s]; the same bytes as int8
-        and two kernel calls instead of dequantizing the whole weight every step."""
-        self.kind, self.use_kernel = "int8-split", True
-        unsigned = weight.q.to(torch.int16) + 128  # [N, K] in [0, 255]
-        high, low = unsigned >> 4, unsigned & 0x0F
-        scale = weight.scale
-        self.packed, self.scales_zeros = self._int4_kernel_operands(
-            high, 16 * scale, torch.zeros_like(scale), dtype, device
-        )
-        self.packed_lo, self.scales_zeros_lo = self._int4_kernel_operands(
-            low, scale, 8 * scale, dtype, device
-        )
-
     def _set_triton_weight(
         self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     ) -> None:
@@ -252,18 +263,21 @@ class QuantizedLinear(nn.Module):
             return out if self.bias is None else out + self.bias
         if not (
             self.use_kernel
-            and rows.dtype == torch.bfloat16
+            and (rows.dtype == torch.bfloat16 or self.duet_kernels is not None)
             and rows.shape[0] <= self.kernel_max_rows
         ):
             return F.linear(rows, self.dequantize(rows.dtype), self.bias)
-        if self.kind == "int8":
+        if self.duet_kernels is not None and self.kind == "int4":
+            n = self.out_features
+            out = int4_linear(self.duet_kernels, rows, self.packed, self.scales_zeros, n)
+        elif self.duet_kernels is not None:
+            out = int8_linear(self.duet_kernels, rows, self.q, self.scale, self.out_features)
+        elif self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
         else:
             rows = rows.contiguous()
             int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             out = int4_mm(rows, self.packed, self.group_size, self.scales_zeros)
-            if self.kind == "int8-split":
-                out += int4_mm(rows, self.packed_lo, self.group_size, self.scales_zeros_lo)
             if self._padded_rows != self.out_features:
                 out = out[:, : self.out_features].contiguous()
         if self.bias is not None:
@@ -273,21 +287,22 @@ class QuantizedLinear(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as the dense [N, K] matrix the kernels stand for."""
         n, k = self.out_features, self.in_features
-        if self.kind == "int8-split":
-            high, low = unpack_int4(self.packed)[:n], unpack_int4(self.packed_lo)[:n]
-            q = high.to(torch.int16) * 16 + low - 128
-            scale = self.scales_zeros_lo[:, :n, 0].transpose(0, 1).float()  # [N, K / G]
-            groups = q.float().view(n, -1, self.group_size)
-            return (groups * scale[..., None]).view(n, k).to(dtype)
         if self.kind.startswith("int8"):
-            groups = self.q.view(n, -1, self.group_size).to(self.scale.dtype)
-            scale = self.scale.view(n, -1, 1)
+            q, scale = self.q, self.scale
+            if self.duet_kernels is not None:
+                q, scale = unpack_int8(q, scale, n)
+            groups = q.reshape(n, -1, self.group_size).to(scale.dtype)
+            scale = scale.reshape(n, -1, 1)
             return (groups * scale).view(n, k).to(dtype)
         if self.use_triton:  # row layout: column 2j low nibble, 2j + 1 high
             q = torch.stack([self.packed & 0x0F, self.packed >> 4], dim=-1).view(n, k)
             groups = q.to(self.scale.dtype).view(n, -1, self.group_size)
             w = groups * self.scale[..., None] + self.zero[..., None]
             return w.view(n, k).to(dtype)
+        if self.duet_kernels is not None:
+            q, scale, offset = unpack_int4_pairs(self.packed, self.scales_zeros, n)
+            groups = q.float().view(n, -1, self.group_size)
+            return (groups * scale[..., None] + offset[..., None]).view(n, k).to(dtype)
         q = unpack_int4(self.packed)[:n]
         if self.use_kernel:
             sz = self.scales_zeros[:, :n].transpose(0, 1).float()  # [N, K / G, 2]

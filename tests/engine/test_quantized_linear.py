@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError, ModelLoadError
+from engine.model import quantized_linear
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.row_invariant import MIN_ROWS, Linear, probe
 from engine.quant.config import QuantizationConfig
@@ -38,13 +39,22 @@ def layer(config: QuantizationConfig, dtype: torch.dtype, n: int = 192, bias: bo
     return quantize_linear(weight, b, config, dtype), weight
 
 
+@pytest.fixture(params=["duet", "torch"])
+def backend(request, monkeypatch) -> str:
+    """duet's kernels (engine/quant/cpu_linear.py), or torch's where they cannot be built."""
+    if request.param == "torch":
+        monkeypatch.setattr(quantized_linear, "load_quant_kernels", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("kernel_max_rows", [1 << 62, 16], ids=["kernel", "dequantize-above-16"])
 def test_bf16_equals_dequantized_reference(
-    config: QuantizationConfig, kernel_max_rows: int
+    config: QuantizationConfig, kernel_max_rows: int, backend: str
 ) -> None:
     linear, _ = layer(config, torch.bfloat16, bias=True)
     assert linear.use_kernel is (config.method == "int4" or config.method == "int8")
+    assert (linear.duet_kernels is not None) is (backend == "duet")
     linear.kernel_max_rows = kernel_max_rows
     reference = linear.dequantize(torch.float32)  # [N, K]
     gen = torch.Generator().manual_seed(1)
@@ -60,16 +70,21 @@ def test_bf16_equals_dequantized_reference(
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_fp32_is_the_dense_product_of_the_dequantized_weight(config: QuantizationConfig) -> None:
     linear, _ = layer(config, torch.float32)
-    assert not linear.use_kernel  # torch's int kernels are scalar in fp32: dequantize instead
+    # int8: duet's kernel; int4: torch's kernel is scalar in fp32, so dequantize instead
+    assert linear.use_kernel is (config.method == "int8")
     linear.min_rows = 1
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 7, 64, 2048):
         x = torch.randn(rows, K, generator=gen)
-        assert torch.equal(linear(x), F.linear(x, linear.dequantize(torch.float32)))
+        expected = F.linear(x, linear.dequantize(torch.float32))
+        if config.method == "int8":  # fp32 sums in another order: a few ulps
+            torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(linear(x), expected)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig) -> None:
+def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig, backend: str) -> None:
     linear, _ = layer(config, torch.bfloat16)
     linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
     assert probe(linear, K, torch.bfloat16)  # rows 1..600, each alone and in every batch
@@ -100,13 +115,16 @@ def test_kernel_layout_equals_torch_pack_and_unpacks() -> None:
     assert torch.equal(unpack_int4(packed), q.to(torch.uint8))
 
 
-def test_rows_off_the_kernel_block_are_padded() -> None:
+def test_rows_off_the_kernel_block_are_padded(backend: str) -> None:
     config = QuantizationConfig("int4", 32)
-    linear, _ = layer(config, torch.bfloat16, n=96)  # the kernel packs 64 rows per block
-    assert linear.packed.shape == (128, K // 2)
+    linear, _ = layer(config, torch.bfloat16, n=88)
+    if backend == "torch":  # blocks of 64 rows
+        assert linear.packed.shape == (128, K // 2)
+    else:  # blocks of 16 rows, column pairs
+        assert linear.packed.shape == (6, K // 2, 16)
     x = torch.randn(3, K).to(torch.bfloat16)
     out = linear(x)
-    assert out.shape == (3, 96)
+    assert out.shape == (3, 88)
     expected = F.linear(x.float(), linear.dequantize(torch.float32))
     torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
 
@@ -114,7 +132,7 @@ def test_rows_off_the_kernel_block_are_padded() -> None:
 def test_storage_bytes() -> None:
     n = 192
     int8, _ = layer(QuantizationConfig("int8"), torch.bfloat16, n=n)
-    assert int8.weight_bytes() == n * K + n * 2  # int8 + a bf16 scale per row
+    assert int8.weight_bytes() == n * K + n * 4  # int8 + an fp32 scale per row
     int4, _ = layer(QuantizationConfig("int4", 32), torch.bfloat16, n=n)
     assert int4.weight_bytes() == n * K // 2 + n * (K // 32) * 2 * 2  # nibbles + bf16 scale, zero
     assert int4.weight_bytes() / (n * K * 2) == pytest.approx(0.3125)
@@ -172,25 +190,21 @@ def grouped_int8(n: int, group_size: int) -> Int8Weight:
     return Int8Weight(q.view(n, K), scale, group_size)
 
 
-@pytest.mark.parametrize(("group_size", "kind"), [(32, "int8-split"), (16, "int8-grouped")])
-def test_grouped_int8_equals_dequantized_reference(group_size: int, kind: str) -> None:
-    exact = grouped_int8(96, group_size)  # 96 rows: padded to the kernel's blocks of 64
-    linear = QuantizedLinear(K, 96, False, QuantizationConfig("gguf"))
+@pytest.mark.parametrize("group_size", [32, 16])  # GGUF Q8_0, Q6_K
+def test_grouped_int8_equals_dequantized_reference(group_size: int) -> None:
+    exact = grouped_int8(100, group_size)  # 100 rows: padded to the kernel's blocks of 16
+    linear = QuantizedLinear(K, 100, False, QuantizationConfig("gguf"))
     linear.set_weight(exact, torch.bfloat16, torch.device("cpu"))
     linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
-    assert linear.kind == kind and linear.use_kernel is (kind == "int8-split")
-    if kind == "int8-split":  # q s with s rounded to bf16, as the kernel holds it
-        bf16_scale = exact.scale.to(torch.bfloat16).float().repeat_interleave(group_size, dim=1)
-        assert torch.equal(linear.dequantize(torch.float32), exact.q.float() * bf16_scale)
-    else:  # fp32 scales, dequantized exactly as the format
-        assert torch.equal(linear.dequantize(torch.float32), exact.dequantize())
+    assert linear.kind == "int8-grouped" and linear.use_kernel
+    # fp32 scales, dequantized exactly as the format
+    assert torch.equal(linear.dequantize(torch.float32), exact.dequantize())
     gen = torch.Generator().manual_seed(3)
     for rows in (1, 7, 64, 2048):
         x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
         out = linear(x)
         expected = F.linear(x.float(), exact.dequantize())
-        assert out.shape == (rows, 96)
+        assert out.shape == (rows, 100)
         torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
     assert probe(linear, K, torch.bfloat16)
-    if kind == "int8-split":  # two nibble planes (rows padded to 128), two scale-zero pairs
-        assert linear.weight_bytes() == 128 * K + 2 * (K // group_size) * 128 * 2 * 2
+    assert linear.weight_bytes() == 112 * K + 112 * (K // group_size) * 4  # padded to 7 x 16

@@ -79,7 +79,17 @@ def test_fp32_quantized_model_is_the_model_of_its_dequantized_weights(
                 setattr(parent, name, dense.requires_grad_(False))
                 swapped += 1
     assert swapped == 2 * 4
-    assert [_result(o) for o in llm.generate(prompts, PARAMS)] == quantized
+    dense_results = [_result(o) for o in llm.generate(prompts, PARAMS)]
+    if quantization == "int4":  # dequantized, then the dense product: the same bits
+        assert dense_results == quantized
+        return
+    # int8: duet's kernel sums in another order than the dense GEMM: a few fp32 ulps
+    for (tokens, lps), (dense_tokens, dense_lps) in zip(quantized, dense_results, strict=True):
+        assert tokens == dense_tokens
+        for (lp, top), (dense_lp, dense_top) in zip(lps, dense_lps, strict=True):
+            assert lp == pytest.approx(dense_lp, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in dense_top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in dense_top], abs=1e-4)
 
 
 def test_weight_bytes_at_load(smollm2_shaped_path: str) -> None:

@@ -44,6 +44,10 @@ def test_methods() -> None:
         "dtype": "bfloat16", "quantization": "int4", "quantization_group_size": 64,
     }  # fmt: skip
     assert engine_kwargs("gguf", 64) == {"dtype": "bfloat16", "quantization": "gguf"}
+    assert engine_kwargs("int8", 64, lm_head=True) == {
+        "dtype": "bfloat16", "quantization": "int8", "quantize_lm_head": True,
+    }  # fmt: skip
+    assert engine_kwargs("bf16", 64, lm_head=True) == {"dtype": "bfloat16"}
     assert applicable("gguf", None) and applicable("gguf", "m.gguf")
     assert not applicable("gguf", "/models/hf-dir") and applicable("int8", "/models/hf-dir")
     with pytest.raises(ValueError, match="method must be one of bf16, int8, int4, gguf"):

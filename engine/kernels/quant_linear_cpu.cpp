@@ -1,0 +1,435 @@
+// Weight-only int8 linear for the CPU: y = x @ (q * scale).T with q int8 and one fp32 scale per
+// output channel and group of G input columns (G = K: per channel; 32: GGUF Q8_0; 16: Q6_K).
+// A module of its own (engine/quant/cpu_linear.py builds it through engine/kernels/cpu.py).
+//
+// Layout, packed at load (cpu_linear.pack_int8): q as [N / 16, K, 16] (each 16 output channels'
+// column k is 16 contiguous bytes, so a block streams contiguously), scales as [N / 16, K / G,
+// 16]; N padded to a multiple of 16 with zero rows.
+//
+// Per output element the reduction is one fp32 lane: for each group, acc = fma(w_k, x_k, acc)
+// over k in order, then total = fma(acc, scale, total) in group order. Nothing in that order
+// depends on the number of rows, on how rows or channels are blocked, or on the thread count,
+// so a row's result is bit-identical whatever batch it is in (deterministic mode relies on it).
+//
+// Register blocking: kCols blocks of 16 channels and kRows rows per tile; every int8 weight
+// vector converted to fp32 feeds kRows FMAs. GCC's vector extensions (cpu_simd.h) give the
+// AVX-512 code (one zmm per 16 channels), AVX2 (two ymm), or SSE / scalar code from one source.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+// Bindings only: torch/extension.h would also parse the whole C++ frontend.
+#include <torch/python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_simd.h"
+
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
+
+namespace duet {
+namespace {
+
+constexpr int kBlock = 16;  // output channels per packed block
+using F = Vec<kBlock>::F;
+typedef int8_t I8 __attribute__((vector_size(kBlock)));
+// Tiles: AVX-512 has 32 vector registers (kRows * kCols accumulators + kCols weights + 1);
+// at 8 or 4 lanes a 16-channel vector takes 2 or 4 registers out of 16.
+constexpr int kCols = kLanes >= 16 ? 4 : 2;
+constexpr int kRows = kLanes >= 16 ? 6 : (kLanes >= 8 ? 2 : 1);
+
+// 16 int8 weights as fp32 (exact).
+// GCC scalarises the generic int8 -> int32 conversion, hence the intrinsics (sign extensions).
+inline F load_weights(const int8_t* p) {
+  using I = Vec<kBlock>::I;
+  I wide;
+#if defined(__AVX512F__)
+  if constexpr (kLanes >= 16) {
+    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&wide, &v, sizeof(wide));
+    return __builtin_convertvector(wide, F);
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes >= 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i halves[2] = {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+    std::memcpy(&wide, halves, sizeof(wide));
+    return __builtin_convertvector(wide, F);
+  }
+#endif
+#if defined(__SSE4_1__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i quarters[4] = {_mm_cvtepi8_epi32(v), _mm_cvtepi8_epi32(_mm_srli_si128(v, 4)),
+                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 8)),
+                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 12))};
+  std::memcpy(&wide, quarters, sizeof(wide));
+#else
+  I8 v;
+  std::memcpy(&v, p, sizeof(v));
+  wide = __builtin_convertvector(v, I);
+#endif
+  return __builtin_convertvector(wide, F);
+}
+
+inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar add first
+  return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = kLanes >= 16;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+struct Args {
+  const int8_t* q;     // [NB, K, 16], or [NB, K / 2, 16, 2] for the bf16 dot
+  const float* s;      // [NB, K / G, 16]
+  const float* x;      // [M, K] fp32 (not for the bf16 dot)
+  const uint16_t* xb;  // [M, K] bf16 rows xs apart (the bf16 dot)
+  int64_t xs, m, k, g, n;
+  const float* xsum = nullptr;  // int4: [M, K / G], each row's sum over each group
+};
+
+// total[r][c] for rows r0 .. r0 + R, channel blocks b0 .. b0 + C, written to res (R x C*16).
+template <int C, int R>
+void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
+  const int64_t K = a.k, G = a.g, groups = K / G;
+  const int8_t* q = a.q + b0 * K * kBlock;
+  const float* s = a.s + b0 * groups * kBlock;
+  const float* x = a.x + r0 * K;
+  F total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = F{};
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    F acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = F{};
+    for (int64_t k = gi * G, end = k + G; k < end; ++k) {
+      F w[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        w[c] = load_weights(q + (c * K + k) * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const F xv = broadcast(x[r * K + k]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] += w[c] * xv;  // one FMA (-ffp-contract=fast)
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const F sv = load_f32<kBlock>(s + (c * groups + gi) * kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) total[r][c] += acc[r][c] * sv;
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) store_f32<kBlock>(res + (r * C + c) * kBlock, total[r][c]);
+}
+
+#if defined(__AVX512BF16__)
+inline __m512 bf16_to_f32(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// bf16 activations with AVX512-BF16: the weights of k and k + 1 sit side by side per channel
+// ([NB, K / 2, 16, 2]), turn into bf16 exactly (|q| <= 127 needs 7 bits), and vdpbf16ps adds
+// both products (exact in fp32) to the channel's lane: 32 multiply-adds per instruction, twice
+// the fp32 FMA's. The order per output element is again fixed by k alone.
+//
+// int4 (kInt4): q as nibbles [NB, K / 2, 16] (byte i of a column pair: value i low, i + 16
+// high), w = q * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets. The dot runs
+// on 128 + q (see convert_pair), so per group, with the row's group sums `xsum`:
+// total += scale * (acc - 128 * sum(x)) + offset * sum(x).
+// int8: q as bf16 (exact) through fp32. int4: 128 + q, whose bf16 bits are 0x4300 | q (an
+// exponent of 2^7 and q as the mantissa: exact), so no conversion at all; the tile subtracts
+// 128 times the row's group sum of x again.
+template <bool kInt4>
+inline __m512bh convert_pair(const int8_t* p) {  // channels 0-7's pairs, then 8-15's
+  if constexpr (kInt4) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i exponent = _mm256_set1_epi16(0x4300);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), exponent);
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), exponent);
+    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  } else {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+// `pre`: when not null, the C blocks' weights already converted ([C][K / 2] vectors, see
+// `columns`), so row tiles after the first do not convert them again. Same values either way.
+template <int C, int R, bool kInt4>
+void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh* pre) {
+  const int64_t K = a.k, G = a.g, groups = K / G;
+  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;  // weight bytes per column
+  const int8_t* q = a.q + b0 * K * kQBytes;
+  const float* s = a.s + b0 * groups * kBlock;
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
+  const uint16_t* x = a.xb + r0 * a.xs;
+  __m512 total[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
+      __m512bh w[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        w[c] = pre != nullptr ? pre[c * (K / 2) + k / 2]
+                              : convert_pair<kInt4>(q + (c * K + k) * kQBytes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * a.xs + k, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kInt4) {
+        const uint16_t* p = sz + (c * groups + gi) * 2 * kBlock;
+        const __m512 sv = bf16_to_f32(p), ov = bf16_to_f32(p + kBlock);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * groups + gi]);
+          const __m512 qx = _mm512_fmadd_ps(xs, _mm512_set1_ps(-128.f), acc[r][c]);  // sum(q x)
+          total[r][c] = _mm512_fmadd_ps(qx, sv, total[r][c]);
+          total[r][c] = _mm512_fmadd_ps(xs, ov, total[r][c]);
+        }
+      } else {
+        const __m512 sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(res + (r * C + c) * kBlock, total[r][c]);
+}
+#endif
+
+template <int C, int R, int kDot>
+void tile_of(const Args& a, int64_t b0, int64_t r0, float* res, const void* pre) {
+#if defined(__AVX512BF16__)
+  if constexpr (kDot != 0)
+    return tile_dot<C, R, kDot == 2>(a, b0, r0, res, static_cast<const __m512bh*>(pre));
+#endif
+  tile<C, R>(a, b0, r0, res);
+}
+
+template <int C, int R, int kDot>
+void rows_tail(const Args& a, int64_t b0, int64_t r0, int64_t rows, float* res,
+               const void* pre) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tail<C, R - 1, kDot>(a, b0, r0, rows, res, pre);
+  }
+  tile_of<C, R, kDot>(a, b0, r0, res, pre);
+}
+
+// All rows of channel blocks b0 .. b0 + C, written (+ nothing else) into out rows.
+template <typename E, int C, int RB, int kDot>
+void columns(const Args& a, int64_t b0, typename E::raw* out) {
+  alignas(64) float res[RB * C * kBlock];
+  // The bf16 dot over more than one row tile: convert the C blocks' weights to bf16 once (C x K
+  // x 32 bytes, in L2) instead of once per tile, which cost about a third of the time.
+  const void* pre = nullptr;
+#if defined(__AVX512BF16__)
+  std::vector<__m512bh> converted;
+  if constexpr (kDot != 0) {
+    if (a.m > RB) {
+      const int64_t pairs = a.k / 2;
+      constexpr int kQBytes = kDot == 2 ? kBlock / 2 : kBlock;
+      converted.resize(C * pairs);
+      for (int c = 0; c < C; ++c)
+        for (int64_t j = 0; j < pairs; ++j)
+          converted[c * pairs + j] =
+              convert_pair<kDot == 2>(a.q + ((b0 + c) * a.k + 2 * j) * kQBytes);
+      pre = converted.data();
+    }
+  }
+#endif
+  for (int64_t r0 = 0; r0 < a.m; r0 += RB) {
+    const int64_t rows = std::min<int64_t>(RB, a.m - r0);
+    if (rows == RB) {
+      tile_of<C, RB, kDot>(a, b0, r0, res, pre);
+    } else {
+      rows_tail<C, RB - 1, kDot>(a, b0, r0, rows, res, pre);
+    }
+    const int64_t n0 = b0 * kBlock, n1 = std::min<int64_t>(a.n, n0 + C * kBlock);
+    for (int64_t r = 0; r < rows; ++r) {
+      typename E::raw* o = out + (r0 + r) * a.n;
+      const float* v = res + r * C * kBlock;
+      for (int64_t n = n0; n < n1; ++n) o[n] = E::store1(v[n - n0]);
+    }
+  }
+}
+
+// Channel blocks in tiles of CB blocks x RB rows (and the remainders).
+template <typename E, int CB, int RB, int kDot>
+void run_tiles(const Args& a, int64_t blocks, typename E::raw* out) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int64_t b = begin;
+    for (; b + CB <= end; b += CB) columns<E, CB, RB, kDot>(a, b, out);
+    switch (end - b) {  // CB is 2 or 4
+      case 3: columns<E, (CB > 3 ? 3 : 1), RB, kDot>(a, b, out); break;
+      case 2: columns<E, 2, RB, kDot>(a, b, out); break;
+      case 1: columns<E, 1, RB, kDot>(a, b, out); break;
+      default: break;
+    }
+  });
+}
+
+template <typename E, int kDot = 0>
+void run(const Args& a, int64_t blocks, typename E::raw* out) {
+  // NOTE: tiles of 2 blocks x 12 rows for the bf16 dot (fewer weight conversions per product)
+  // measured slower than 4 x 6 at 16-128 rows (1.3-1.4x the 4 x 6 time).
+  run_tiles<E, kCols, kRows, kDot>(a, blocks, out);
+}
+
+}  // namespace
+
+// x [M, K] fp32 or bf16 (rows contiguous); q [N' / 16, K, 16] int8, or [N' / 16, K / 2, 16, 2]
+// (bf16 x, `bf16_dot()` builds only); scale [N' / 16, K / G, 16] fp32; returns [M, n] of x's
+// dtype, N' = n rounded up to 16.
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU [rows, K] tensor with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "x must be float32 or bfloat16");
+  const bool dot = q.dim() == 4;
+  const int64_t k = x.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() &&
+                  (dot ? q.size(1) * 2 == k && q.size(2) == kBlock && q.size(3) == 2
+                       : q.dim() == 3 && q.size(1) == k && q.size(2) == kBlock),
+              "q must be contiguous int8 [N / 16, K, 16] or [N / 16, K / 2, 16, 2] with x's K");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 &&
+                  scale.size(0) == q.size(0) && scale.size(2) == kBlock && scale.size(1) > 0 &&
+                  k % scale.size(1) == 0,
+              "scale must be contiguous float32 [N / 16, K / G, 16] matching q");
+  TORCH_CHECK(n > 0 && n <= q.size(0) * kBlock && n > (q.size(0) - 1) * kBlock,
+              "n must lie in the last block of q's rows");
+  TORCH_CHECK(!dot || (kBf16Dot && x.scalar_type() == at::kBFloat16 && (k / scale.size(1)) % 2 == 0),
+              "q in pairs [N / 16, K / 2, 16, 2] needs bfloat16 x, even groups and an "
+              "AVX512-BF16 build (bf16_dot())");
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  Args a{q.data_ptr<int8_t>(), scale.data_ptr<float>(), nullptr, nullptr, x.stride(0), m, k,
+         k / scale.size(1), n};
+  if (dot) {
+    a.xb = static_cast<const uint16_t*>(x.data_ptr());
+    run<BF16, kBf16Dot>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+  // Activations as fp32 once (exact for bf16), rows contiguous.
+  std::vector<float> xf;
+  if (x.scalar_type() == at::kFloat && x.stride(0) == k) {
+    a.x = x.data_ptr<float>();
+  } else {
+    xf.resize(m * k);
+    for (int64_t r = 0; r < m; ++r) {
+      if (x.scalar_type() == at::kFloat) {
+        const float* src = x.data_ptr<float>() + r * x.stride(0);
+        std::copy(src, src + k, xf.data() + r * k);
+      } else {
+        const uint16_t* src = static_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
+        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
+      }
+    }
+    a.x = xf.data();
+  }
+  if (x.scalar_type() == at::kFloat) {
+    run<F32>(a, q.size(0), out.data_ptr<float>());
+  } else {
+    run<BF16>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+// x [M, K] bf16 (rows contiguous) @ (q * scale + offset).T with q4 [N' / 16, K / 2, 16] uint8
+// nibbles and sz [N' / 16, K / G, 2, 16] bf16 scales and offsets (AVX512-BF16 builds only).
+at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n) {
+  TORCH_CHECK(kBf16Dot, "int4_linear needs an AVX512-BF16 build (bf16_dot())");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  x.scalar_type() == at::kBFloat16,
+              "x must be a CPU bfloat16 [rows, K] tensor with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(q4.scalar_type() == at::kByte && q4.is_contiguous() && q4.dim() == 3 &&
+                  q4.size(1) * 2 == k && q4.size(2) == kBlock,
+              "q4 must be contiguous uint8 [N / 16, K / 2, 16] with x's K");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
+                  sz.size(0) == q4.size(0) && sz.size(1) > 0 && k % sz.size(1) == 0 &&
+                  (k / sz.size(1)) % 2 == 0 && sz.size(2) == 2 && sz.size(3) == kBlock,
+              "sz must be contiguous bfloat16 [N / 16, K / G, 2, 16] matching q4, G even");
+  TORCH_CHECK(n > 0 && n <= q4.size(0) * kBlock && n > (q4.size(0) - 1) * kBlock,
+              "n must lie in the last block of q4's rows");
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return out;
+  const int64_t groups = sz.size(1), g = k / groups;
+  // Each row's group sums, in one fixed order per group size (16 lanes, then halving; or k
+  // order): the same for any batch. Vectorised: a scalar chain of K adds per row took as long
+  // as the product itself on a 192 x 576 layer.
+  std::vector<float> xsum(m * groups);
+  const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const uint16_t* row = xb + r * xs + gi * g;
+        float sum = 0.f;
+        if (g % kBlock == 0) {
+          F acc = F{};
+          for (int64_t i = 0; i < g; i += kBlock) acc += BF16::load<kBlock>(row + i);
+          sum = hsum<kBlock>(acc);
+        } else {
+          for (int64_t i = 0; i < g; ++i) sum += BF16::load1(row + i);
+        }
+        xsum[r * groups + gi] = sum;
+      }
+  });
+  Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
+         nullptr, xb, x.stride(0), m, k, g, n, xsum.data()};
+  run<BF16, kBf16Dot ? 2 : 0>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+}  // namespace duet
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &duet::int8_linear,
+        "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
+  m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+  m.def("int4_linear", &duet::int4_linear,
+        "x @ (q * scale + offset).T for int4 nibbles [N / 16, K / 2, 16], bf16 [N / 16, K / G, 2, 16]");
+  m.def("bf16_dot", [] { return duet::kBf16Dot; },
+        "Whether bf16 activations take weights in pairs [N / 16, K / 2, 16, 2] (AVX512-BF16)");
+}

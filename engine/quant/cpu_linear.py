@@ -1,0 +1,136 @@
+"""duet's own weight-only int8 linear for the CPU (engine/kernels/quant_linear_cpu.cpp): int8
+weights with an fp32 scale per output channel and group of columns (per channel, GGUF Q8_0's
+32, Q6_K's 16), fp32 or bf16 activations, AVX-512 / AVX2 / scalar from one source.
+
+Its weights are packed at load as [N / 16, K, 16] (16 output channels' column k contiguous),
+scales as [N / 16, K / G, 16], N padded to a multiple of 16. A row's result does not depend on
+how many rows share the call (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 16
+"""Output channels per packed block."""
+
+SOURCES = ("quant_linear_cpu.cpp",)
+CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
+
+
+@functools.cache
+def load_quant_kernels() -> Any | None:
+    """The compiled module, or None when CPU kernels are off (`DUET_CPU_KERNELS=0`) or cannot
+    be built (then torch's kernels or dequantizing serve int8)."""
+    if not cpu_kernels_enabled():
+        return None
+    try:
+        return build_quant_kernels()
+    except Exception as e:  # any build failure: fall back to the torch paths
+        logger.warning("quantized CPU kernels unavailable (%s); using torch's", e)
+        return None
+
+
+def build_quant_kernels(defines: tuple[str, ...] = ()) -> Any:
+    """Compile (or load the cached build of) the module; `defines` as `build_cpu_kernels`'s."""
+    return build_cpu_kernels(defines, module="duet_quant_linear", sources=SOURCES, cflags=CFLAGS)
+
+
+def uses_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the kernel takes this layer's weights in pairs of columns: bf16 activations on an
+    AVX512-BF16 build (vdpbf16ps, twice the multiply-adds of fp32 FMAs), even groups."""
+    return dtype == torch.bfloat16 and bool(kernels.bf16_dot()) and group_size % 2 == 0
+
+
+def pack_int8(
+    q: torch.Tensor, scale: torch.Tensor, pairs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ([N, K] int8) and scale ([N, K / G] fp32) in the kernel's layout: ([N' / 16, K, 16],
+    [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales. `pairs`:
+    q as [N' / 16, K / 2, 16, 2] instead (columns 2j and 2j + 1 side by side per channel)."""
+    n, k = q.shape
+    pad = -n % BLOCK
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    blocks = (n + pad) // BLOCK
+    if pairs:
+        packed = q.view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
+    scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+    return packed, scales
+
+
+def unpack_int8(
+    packed: torch.Tensor, scales: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int8`: (q [n, K], scale [n, K / G])."""
+    blocks = packed.shape[0]
+    if packed.dim() == 4:  # pairs
+        q = packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
+    else:
+        q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
+    scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
+    return q, scale
+
+
+def int8_linear(
+    kernels: Any, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x ([M, K], fp32 or bf16, rows contiguous) @ (q * scale).T -> [M, n] of x's dtype."""
+    out: torch.Tensor = kernels.int8_linear(x, packed, scales, n)
+    return out
+
+
+def pack_int4(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 (q [N, K] in [0, 15], w = q * scale + offset, offset None: -8 * scale) in the int4
+    kernel's layout: nibbles [N' / 16, K / 2, 16] (per column pair, byte i holds value i of its
+    32 (channel i // 2, column i % 2) low and value i + 16 high) and bf16 scales and offsets
+    [N' / 16, K / G, 2, 16]. Padded rows are zero."""
+    n, k = q.shape
+    scale_bf16 = scale.to(torch.bfloat16)
+    if offset is None:  # exact: -8 times a bf16
+        offset = -8 * scale_bf16.float()
+    pad = -n % BLOCK
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale_bf16 = torch.cat([scale_bf16, scale_bf16.new_zeros(pad, scale.shape[1])])
+        offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+    blocks = (n + pad) // BLOCK
+    values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    values = values.reshape(blocks, k // 2, 2 * BLOCK)
+    nibbles = (values[..., :BLOCK] | (values[..., BLOCK:] << 4)).contiguous()
+    sz = torch.stack([scale_bf16, offset.to(torch.bfloat16)], dim=-1)  # [N', K / G, 2]
+    sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
+    return nibbles, sz
+
+
+def unpack_int4(
+    nibbles: torch.Tensor, sz: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4`: (q [n, K] uint8, scale [n, K / G], offset [n, K / G]) with
+    the bf16 scales and offsets as fp32."""
+    blocks, pairs, _ = nibbles.shape
+    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N' / 16, K / 2, 32]
+    q = values.view(blocks, pairs, BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)
+    sz = sz.permute(0, 3, 1, 2).reshape(blocks * BLOCK, -1, 2).float()
+    return q[:n], sz[:n, :, 0], sz[:n, :, 1]
+
+
+def int4_linear(
+    kernels: Any, x: torch.Tensor, nibbles: torch.Tensor, sz: torch.Tensor, n: int
+) -> torch.Tensor:
+    """x ([M, K] bf16, rows contiguous) @ (q * scale + offset).T -> [M, n] bf16."""
+    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n)
+    return out

@@ -1,0 +1,168 @@
+"""duet's int8 CPU kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py):
+the dequantized reference within dtype tolerance, and a row's bits independent of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.quant.cpu_linear import (
+    build_quant_kernels,
+    int4_linear,
+    int8_linear,
+    load_quant_kernels,
+    pack_int4,
+    pack_int8,
+    unpack_int4,
+    unpack_int8,
+)
+from engine.quant.formats import quantize_int4
+
+K = 576
+CASES = [(192, 1), (100, K // 32), (77, K // 16)]  # groups: per channel, Q8_0, Q6_K
+CASE_IDS = ["per-channel", "groups-of-32", "groups-of-16-padded"]
+# (activations, weights in column pairs: the AVX512-BF16 dot)
+VARIANTS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+VARIANT_IDS = ["fp32", "bf16-fma", "bf16-dot"]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_quant_kernels()
+    assert module is not None, "the int8 kernel must build here (g++ and ninja are dependencies)"
+    return module
+
+
+def weights(n: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randint(-127, 128, (n, K), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, groups, generator=gen) * 1e-3 + 1e-4
+    return q, scale
+
+
+def reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, groups = scale.shape
+    return (q.float().view(n, groups, -1) * scale[..., None]).view(n, K)
+
+
+@pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
+def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs: bool) -> None:
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
+    q, scale = weights(n, groups)
+    packed, scales = pack_int8(q, scale, pairs)
+    blocks = -(-n // 16)
+    assert packed.shape == ((blocks, K // 2, 16, 2) if pairs else (blocks, K, 16))
+    assert scales.shape == (blocks, groups, 16)
+    unpacked_q, unpacked_scale = unpack_int8(packed, scales, n)
+    assert torch.equal(unpacked_q, q) and torch.equal(unpacked_scale, scale)
+    w = reference(q, scale)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(dtype)
+        out = int8_linear(kernels, x, packed, scales, n)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        expected = F.linear(x.float(), w)
+        if dtype == torch.float32:  # fp32 sums in another order
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        else:  # one bf16 rounding of the fp32 result
+            torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
+def test_rows_do_not_depend_on_the_batch(kernels, n: int, groups: int, dtype, pairs) -> None:
+    """Bit for bit: each of 64 rows alone, the first 7 together, all 64 (row tiles of 6 and
+    their tails, every channel-block grouping), and 2 threads against 1."""
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
+    q, scale = weights(n, groups)
+    packed, scales = pack_int8(q, scale, pairs)
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(2)).to(dtype)
+    batch = int8_linear(kernels, x, packed, scales, n)
+    alone = torch.cat([int8_linear(kernels, x[i : i + 1], packed, scales, n) for i in range(64)])
+    assert torch.equal(batch, alone)
+    assert torch.equal(int8_linear(kernels, x[:7], packed, scales, n), alone[:7])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(int8_linear(kernels, x, packed, scales, n), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_strided_rows_and_zero_rows(kernels) -> None:
+    q, scale = weights(48, 1)
+    packed, scales = pack_int8(q, scale)
+    wide = torch.randn(5, 2 * K)
+    x = wide[:, :K]  # rows with a stride of 2K
+    assert torch.equal(int8_linear(kernels, x, packed, scales, 48),
+                       int8_linear(kernels, x.contiguous(), packed, scales, 48))  # fmt: skip
+    assert int8_linear(kernels, torch.empty(0, K), packed, scales, 48).shape == (0, 48)
+
+
+def test_bad_operands_are_refused_with_the_operand_named(kernels) -> None:
+    q, scale = weights(32, 1)
+    packed, scales = pack_int8(q, scale)
+    x = torch.randn(2, K)
+    with pytest.raises(RuntimeError, match="q must be contiguous int8"):
+        int8_linear(kernels, torch.randn(2, K + 1), packed, scales, 32)
+    with pytest.raises(RuntimeError, match="scale must be contiguous float32"):
+        int8_linear(kernels, x, packed, scales.to(torch.bfloat16), 32)
+    with pytest.raises(RuntimeError, match="x must be float32 or bfloat16"):
+        int8_linear(kernels, x.half(), packed, scales, 32)
+    with pytest.raises(RuntimeError, match="n must lie in the last block"):
+        int8_linear(kernels, x, packed, scales, 33)
+    pairs, _ = pack_int8(q, scale, pairs=True)
+    if kernels.bf16_dot():  # column pairs take bf16 activations only
+        with pytest.raises(RuntimeError, match="needs bfloat16 x"):
+            int8_linear(kernels, x, pairs, scales, 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_other_simd_widths_give_the_same_bits(kernels, lanes: int) -> None:
+    """The AVX2 (8 lanes) and SSE/scalar (4) builds: the same reduction order, so the same bits
+    as the native build (other tiles; FMA in every build here)."""
+    if kernels.simd_lanes() == lanes:
+        pytest.skip(f"the native build has {lanes} lanes: the other tests run it")
+    other = build_quant_kernels((f"DUET_SIMD_LANES={lanes}",))
+    assert other.simd_lanes() == lanes
+    for n, groups in CASES:
+        q, scale = weights(n, groups)
+        packed, scales = pack_int8(q, scale)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(9, K).to(dtype)
+            assert torch.equal(int8_linear(other, x, packed, scales, n),
+                               int8_linear(kernels, x, packed, scales, n))  # fmt: skip
+
+
+@pytest.mark.parametrize(("n", "group_size", "symmetric"), [(88, 32, False), (64, 64, True)])
+def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
+    kernels, n: int, group_size: int, symmetric: bool
+) -> None:
+    if not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the int4 kernel is not built")
+    gen = torch.Generator().manual_seed(4)
+    q4 = quantize_int4(torch.randn(n, K, generator=gen) * 0.05, group_size, symmetric)
+    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset)
+    assert nibbles.shape == (-(-n // 16), K // 2, 16) and sz.dtype == torch.bfloat16
+    q, scale, offset = unpack_int4(nibbles, sz, n)
+    assert torch.equal(q, q4.q)
+    assert torch.equal(scale, q4.scale.to(torch.bfloat16).float())  # bf16 scales, as torch's
+    w = (q.float().view(n, -1, group_size) * scale[..., None] + offset[..., None]).view(n, K)
+    for rows in (1, 7, 64, 2048):
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        out = int4_linear(kernels, x, nibbles, sz, n)
+        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        expected = F.linear(x.float(), w)
+        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=2e-3)
+    x = torch.randn(64, K, generator=gen).to(torch.bfloat16)
+    batch = int4_linear(kernels, x, nibbles, sz, n)
+    alone = torch.cat([int4_linear(kernels, x[i : i + 1], nibbles, sz, n) for i in range(64)])
+    assert torch.equal(batch, alone)
+    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n), alone[:7])
+    with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
+        int4_linear(kernels, x.float(), nibbles, sz, n)
