@@ -36,6 +36,10 @@ class SpeculativeConfig:
     """adaptive: accepted / proposed (a moving average per request) below which it backs off."""
     max_backoff_steps: int = 64
     """adaptive: longest pause, in decode steps, between probes of a backed-off request."""
+    disable_by_batch_size: int | None = None
+    """No proposals in a step after which more than this many requests decode (vLLM's key):
+    a verification row costs about a decode token, so at large batches speculation stops
+    paying. None: 4 on a CPU (measured: docs/speculative_decoding.md), no limit on a GPU."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,6 +53,8 @@ class SpeculativeConfig:
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < 1:
             _fail("min_acceptance_rate", f"must be a number in [0, 1); got {rate!r}")
         _check_int("max_backoff_steps", self.max_backoff_steps, 1, 1 << 20)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, 1 << 20)
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 _fail("model", "is required with method draft_model (the draft model's path)")

@@ -15,7 +15,7 @@ from tests.decode_worker.test_remote_decode import (
 )
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # fmt: skip
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, list(range(20, 60)), [42] * 20,
            [(i * 37) % 500 + 3 for i in range(70)]]  # fmt: skip
 

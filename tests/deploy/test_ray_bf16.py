@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 ENGINE = dict(dtype="bfloat16", block_size=8, num_kv_blocks=256, max_num_seqs=16)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}  # fmt: skip
+         "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

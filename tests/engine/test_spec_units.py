@@ -3,6 +3,8 @@ verification rule, the rejection sampler's distribution, the adaptive back-off."
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,37 @@ def test_proposals_are_capped_by_max_tokens_and_context():
         [1, 1, 1, 1],
         [],
     ]
+
+
+def _target_on(device: str) -> TargetInfo:
+    return dataclasses.replace(_target_info(max_model_len=1000), device=torch.device(device))
+
+
+@pytest.mark.parametrize(
+    ("limit", "device", "num_decoding", "proposes"),
+    [
+        (None, "cpu", 4, True),  # the CPU default: up to 4 decoding requests speculate
+        (None, "cpu", 5, False),
+        (None, "meta", 64, True),  # no default limit off the CPU
+        (2, "cpu", 2, True),
+        (2, "cpu", 3, False),
+        (16, "cpu", 16, True),
+    ],
+)
+def test_no_proposals_above_disable_by_batch_size(limit, device, num_decoding, proposes):
+    config = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=limit)
+    spec = Speculator(config, _target_on(device))
+    spec.proposer = _Fixed(config, spec.proposer.target)
+    requests = [_decoding(f"r{i}") for i in range(num_decoding)]
+    prefilling = _decoding("p")  # a prefill chunk beside them does not count
+    prefilling.num_computed_tokens = 0
+    spec.propose([*requests, prefilling])
+    expected = [1, 1] if proposes else []
+    assert [r.spec_token_ids for r in requests] == [expected] * num_decoding
+    assert prefilling.spec_token_ids == []
+    assert spec.stats.num_draft_tokens == 0  # counted at verification, not at proposal
+
+
+def test_disable_by_batch_size_is_checked():
+    with pytest.raises(InvalidInputError, match="'disable_by_batch_size' must be an integer"):
+        EngineConfig(speculative_config={"method": "ngram", "disable_by_batch_size": 0})

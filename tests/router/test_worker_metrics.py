@@ -21,7 +21,7 @@ from tests.router.test_observability_metrics import samples, value
 from tests.waiting import wait_for_async
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3}  # fmt: skip
+        "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # fmt: skip
 
 
 def test_a_disaggregated_router_exports_its_decode_workers_spec_decode_counters(
