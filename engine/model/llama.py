@@ -21,6 +21,7 @@ from engine.attention import GatherWorkspace, paged_attention, store_kv
 from engine.attention_metadata import AttentionMetadata
 from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
+from engine.model.dense_cpu_linear import use_dense_kernel
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.rotary import RotaryEmbedding
@@ -264,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and tied_dense and can_pack(self.embed_tokens.weight):
             self.tied_head = PackedLinear.from_weight(self.embed_tokens.weight)
             count += 1
-        return count
+        # bf16 without native bf16: duet's kernel for what oneDNN would emulate.
+        return count + use_dense_kernel(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors (this rank's shard of each) into the fused parameters.

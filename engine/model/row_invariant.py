@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +66,17 @@ def linear_rows(
 
 
 def product(
-    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant_gemm: bool
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    invariant_gemm: bool,
+    cpu_kernel: Any = None,
 ) -> torch.Tensor:
-    """F.linear, or on CUDA with `invariant_gemm` the batch-invariant Triton product
-    (engine/kernels/triton_matmul.py; cuBLAS is not batch-invariant)."""
+    """F.linear; on CUDA with `invariant_gemm` the batch-invariant Triton product
+    (engine/kernels/triton_matmul.py; cuBLAS is not batch-invariant); with `cpu_kernel`
+    (engine/model/dense_cpu_linear.py) duet's own, one reduction order per element."""
+    if cpu_kernel is not None and rows.device.type == "cpu":
+        return cpu_kernel.dense_linear(rows, weight, bias)
     if invariant_gemm and rows.device.type == "cuda":
         from engine.kernels.triton_matmul import invariant_linear
 
@@ -82,12 +90,14 @@ class Linear(nn.Linear):
 
     min_rows: int = MIN_ROWS
     invariant_gemm: bool = False
+    cpu_kernel: Any = None
+    """duet's dense CPU kernel module, where `dense_cpu_linear` set it (None: F.linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return product(rows, self.weight, self.bias, self.invariant_gemm)
+        return product(rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel)
 
 
 class TiedLinear(nn.Module):
@@ -96,6 +106,7 @@ class TiedLinear(nn.Module):
 
     min_rows: int = MIN_ROWS
     invariant_gemm: bool = False
+    cpu_kernel: Any = None
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -104,7 +115,10 @@ class TiedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(
-            x, lambda rows: product(rows, self.weight_ref[0], None, self.invariant_gemm),
+            x,
+            lambda rows: product(
+                rows, self.weight_ref[0], None, self.invariant_gemm, self.cpu_kernel
+            ),
             self.min_rows,
         )  # fmt: skip
 
@@ -138,6 +152,8 @@ class LinearInvariance:
 
     min_rows: dict[tuple[int, int], int] = field(default_factory=dict)
     failed: list[tuple[int, int]] = field(default_factory=list)
+    num_on_kernel: int = 0
+    """Layers moved to duet's dense kernel because their vendor product probed variant."""
 
     @property
     def ok(self) -> bool:
@@ -162,6 +178,9 @@ def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
             if probe(layers[0], in_features, dtype):
                 chosen = rows
                 break
+        if chosen is None and _use_kernel(layers, in_features, dtype):
+            chosen = 1
+            result.num_on_kernel += len(layers)
         if chosen is None:
             result.failed.append((out_features, in_features))
         for layer in layers:
@@ -174,6 +193,28 @@ def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
             result.failed, MIN_ROWS_CANDIDATES,
         )  # fmt: skip
     return result
+
+
+def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -> bool:
+    """Move `layers` (one shape whose vendor product probed variant at every padding) to duet's
+    dense kernel, which is row-invariant by construction; probed again. False: left as they
+    were (not a plain dense layer, no kernel, or, unexpectedly, still variant)."""
+    from engine.model.dense_cpu_linear import layer_weight, set_dense_kernel
+
+    if getattr(layers[0], "cpu_kernel", None) is not None:
+        return False  # already on it
+    if any(layer_weight(m) is None for m in layers) or not set_dense_kernel(layers):
+        return False
+    setattr(layers[0], "min_rows", 1)  # noqa: B010
+    if probe(layers[0], in_features, dtype):
+        logger.info(
+            "%d linear layers of %d inputs on duet's kernel: the vendor GEMM is not "
+            "batch-invariant for them here", len(layers), in_features,
+        )  # fmt: skip
+        return True
+    for layer in layers:
+        setattr(layer, "cpu_kernel", None)  # noqa: B010
+    return False
 
 
 def set_min_rows(model: nn.Module, rows: int) -> None:

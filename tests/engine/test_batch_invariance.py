@@ -14,6 +14,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model import row_invariant
+from engine.model.dense_cpu_linear import use_dense_kernel
 from tests.conftest import SMOLLM2_SHAPES
 
 DTYPES = ["bfloat16", "float32"]
@@ -77,7 +78,16 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     layer = row_invariant.Linear(1536, 576, bias=False).to(dt)  # SmolLM2's down_proj
+    model = torch.nn.Sequential(layer)
+    use_dense_kernel(model)  # bf16 without native bf16: duet's kernel from the start
+    invariance = row_invariant.check_model(model, dt)
+    # Padded vendor GEMM where that is invariant (AVX512-BF16 EPYC, bf16 and fp32), duet's kernel
+    # where it is not (MKL's fp32 on a 2-thread Xeon: no padding helps).
+    assert invariance.ok and invariance.failed == []
     assert row_invariant.probe(layer, 1536, dt)
+    on_kernel = layer.cpu_kernel is not None
+    assert invariance.num_on_kernel == (1 if on_kernel and dt == torch.float32 else 0)
+    assert layer.min_rows == 1 if on_kernel else layer.min_rows in (1, 8, 16)
 
 
 def test_opting_out_runs_products_on_the_batch_rows_only(model_path):

@@ -47,6 +47,15 @@ def backend(request, monkeypatch) -> str:
     return request.param
 
 
+def duet_serves(config: QuantizationConfig, backend: str) -> bool:
+    """Whether duet's kernels serve a bf16 layer of `config` here: int8 on any build, int4 only
+    on an AVX512-BF16 build (elsewhere torch's int4 kernel does)."""
+    kernels = quantized_linear.load_quant_kernels()
+    if backend != "duet" or kernels is None:
+        return False
+    return config.method == "int8" or bool(kernels.bf16_dot())
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("kernel_max_rows", [1 << 62, 16], ids=["kernel", "dequantize-above-16"])
 def test_bf16_equals_dequantized_reference(
@@ -54,7 +63,7 @@ def test_bf16_equals_dequantized_reference(
 ) -> None:
     linear, _ = layer(config, torch.bfloat16, bias=True)
     assert linear.use_kernel is (config.method == "int4" or config.method == "int8")
-    assert (linear.duet_kernels is not None) is (backend == "duet")
+    assert (linear.duet_kernels is not None) is duet_serves(config, backend)
     linear.kernel_max_rows = kernel_max_rows
     reference = linear.dequantize(torch.float32)  # [N, K]
     gen = torch.Generator().manual_seed(1)
@@ -118,7 +127,7 @@ def test_kernel_layout_equals_torch_pack_and_unpacks() -> None:
 def test_rows_off_the_kernel_block_are_padded(backend: str) -> None:
     config = QuantizationConfig("int4", 32)
     linear, _ = layer(config, torch.bfloat16, n=88)
-    if backend == "torch":  # blocks of 64 rows
+    if not duet_serves(config, backend):  # torch's kernel: blocks of 64 rows
         assert linear.packed.shape == (128, K // 2)
     else:  # blocks of 16 rows, column pairs
         assert linear.packed.shape == (6, K // 2, 16)

@@ -18,6 +18,7 @@ import torch
 from engine.attention import GatherWorkspace, paged_attention
 from engine.attention_metadata import AttentionMetadata
 from tests.engine.triton_cases import (
+    BF16_TOL,
     DEVICE,
     FP32_TOL,
     make_case,
@@ -115,6 +116,48 @@ def test_decode_is_bitwise_the_prefill_row(prompt, whole, position, batch):
         torch.tensor([blocks], **I32), torch.zeros(1, **I32), HEAD_DIM**-0.5, splits, partition,
     )  # fmt: skip
     assert torch.equal(out[0], whole[position])
+
+
+def decode_row(prompt, position: int, batch: int) -> torch.Tensor:
+    """The deterministic decode launch's output for the query at `position`, launched as for
+    `batch` requests on a 132-SM H100 (1: a program per partition, then the fold)."""
+    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+
+    cache, query, blocks = prompt
+    kv_heads, head_dim = cache.shape[3], cache.shape[4]
+    splits, partition = choose_splits(batch, kv_heads, position + 1, 132, True)
+    q = query[position : position + 1].contiguous()
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        out, q, cache, torch.arange(2, **I32), torch.tensor([position + 1], **I32),
+        torch.tensor([blocks], **I32), torch.zeros(1, **I32), head_dim**-0.5, splits, partition,
+    )  # fmt: skip
+    return out[0]
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the compiled bf16 test below covers CUDA")
+def test_bf16_emulated_chunks_prefix_hit_and_decode_are_bitwise_the_whole_prefill():
+    """bf16 in the interpreter, through the kernels' emulation of a 16-bit dot (operands,
+    probabilities included, rounded to bf16 and multiplied exactly in fp32;
+    `triton_operands.dot_dtype`): chunks of 61, a 320-token prefix hit, and the decode at the
+    last position split by partition and folded (a batch of 1) and in one walk (300) all give
+    the whole prefill's rows bitwise, and the prefill stays close to the fp32 reference."""
+    (cache, query, _, _), block_ids = make_case(
+        [LENGTH], [LENGTH], HEADS, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16, seed=5
+    )
+    prompt = (cache, query, block_ids[0])
+    whole = prefill_chunks(prompt, [(0, LENGTH)])
+    assert whole.dtype == torch.bfloat16 and not whole.isnan().any()
+    assert torch.equal(chunked(prompt, 61, first=448), whole[448:])
+    assert torch.equal(chunked(prompt, LENGTH, first=320), whole[320:])
+    for batch in (1, 300):
+        assert torch.equal(decode_row(prompt, LENGTH - 1, batch), whole[-1]), batch
+    meta = AttentionMetadata.build([LENGTH], [LENGTH], [block_ids[0]], BLOCK, DEVICE)
+    slots = torch.as_tensor(meta.slot_mapping, device=DEVICE)
+    f32 = cache.float()
+    k, v = (f32[i].flatten(0, 1)[slots] for i in (0, 1))
+    ref = paged_attention(query.float(), k, v, f32, meta, HEAD_DIM**-0.5, GatherWorkspace())
+    torch.testing.assert_close(whole.float(), ref, **BF16_TOL)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,92 @@
+"""duet's own dense CPU linear with one reduction order per output element
+(engine/kernels/dense_linear_cpu.cpp): fp32 or bf16, the weight in torch's own [N, K] layout
+(nothing is repacked or copied).
+
+Two uses:
+- bf16 on a CPU without native bf16 (AVX-512 or AVX2 without AVX512-BF16 or AMX): torch's bf16
+  `F.linear` goes to oneDNN's emulation there, which is neither batch-invariant (it splits the
+  K reduction by the row and thread counts, so no padding helps) nor fast past one row, so
+  every dense product takes the kernel (`use_dense_kernel`, at load).
+- Deterministic mode, any dtype: a weight shape that the vendor GEMM does not compute
+  row-invariantly at any padding `row_invariant.check_model` tries (MKL's fp32 down_proj on an
+  Intel Xeon, K = 1536, at 2 threads) takes the kernel instead of being reported.
+On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import cpu_has_native_bf16
+from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
+
+logger = logging.getLogger(__name__)
+
+SOURCES = ("dense_linear_cpu.cpp",)
+CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def load_dense_kernel() -> Any | None:
+    """The compiled module, or None when CPU kernels are off (`DUET_CPU_KERNELS=0`) or cannot be
+    built (then `F.linear` serves, and the engine's probe reports what that gives)."""
+    if not cpu_kernels_enabled():
+        return None
+    try:
+        return build_dense_kernel()
+    except Exception as e:  # any build failure: fall back to torch
+        logger.warning("dense CPU linear kernel unavailable (%s); using F.linear", e)
+        return None
+
+
+def build_dense_kernel(defines: tuple[str, ...] = ()) -> Any:
+    """Compile (or load the cached build of) the module; `defines` as `build_cpu_kernels`'s."""
+    return build_cpu_kernels(defines, module="duet_dense_linear", sources=SOURCES, cflags=CFLAGS)
+
+
+def layer_weight(module: nn.Module) -> torch.Tensor | None:
+    """The plain [N, K] weight of a dense layer the kernel can serve (`row_invariant.Linear`,
+    `TiedLinear`) on the CPU in fp32 or bf16, else None."""
+    from engine.model.row_invariant import Linear, TiedLinear
+
+    if isinstance(module, Linear):
+        weight = module.weight
+    elif isinstance(module, TiedLinear):
+        weight = module.weight_ref[0]
+    else:
+        return None
+    if weight.device.type != "cpu" or weight.dtype not in DTYPES or not weight.is_contiguous():
+        return None
+    return weight
+
+
+def set_dense_kernel(layers: list[nn.Module]) -> bool:
+    """Route `layers` (each with a `layer_weight`) through the kernel; False (nothing set) when
+    it cannot be built."""
+    kernel = load_dense_kernel()
+    if kernel is None:
+        return False
+    for layer in layers:
+        layer.cpu_kernel = kernel
+    return True
+
+
+def use_dense_kernel(model: nn.Module) -> int:
+    """bf16 on a CPU without native bf16: every dense product under `model` on the kernel.
+    Returns how many layers that is (0 elsewhere, or when it cannot build)."""
+    if cpu_has_native_bf16():
+        return 0
+    layers = [
+        m for m in model.modules()
+        if (w := layer_weight(m)) is not None and w.dtype == torch.bfloat16
+    ]  # fmt: skip
+    if not layers or not set_dense_kernel(layers):
+        return 0
+    logger.info("%d bf16 linear layers on duet's CPU kernel (no native bf16 here)", len(layers))
+    return len(layers)

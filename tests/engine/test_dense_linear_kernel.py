@@ -1,0 +1,86 @@
+"""duet's dense CPU linear (engine/kernels/dense_linear_cpu.cpp): close to F.linear, and a row's
+bits do not depend on the batch, the row's place in it, the rows' stride or the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import dense_cpu_linear, row_invariant
+from engine.model.dense_cpu_linear import load_dense_kernel, use_dense_kernel
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(960, 576, True), (576, 1536, False), (37, 70, True)]  # SmolLM2's; K off the lanes
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = load_dense_kernel()
+    assert module is not None, "the dense kernel did not build"
+    return module
+
+
+def _case(out: int, inp: int, bias: bool, dtype: torch.dtype, rows: int = 300):
+    g = torch.Generator().manual_seed(out * inp)
+    w = torch.randn(out, inp, generator=g).to(dtype)
+    b = torch.randn(out, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, inp, generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("out", "inp", "bias"), SHAPES)
+def test_close_to_f_linear_and_rows_alone_equal_rows_in_a_batch(kernel, dtype, out, inp, bias):
+    x, w, b = _case(out, inp, bias, dtype)
+    y = kernel.dense_linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (300, out)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = 4e-3 if dtype == torch.bfloat16 else 1e-6  # one bf16 rounding at the end
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
+    for m in (1, 7, 64, 299):
+        assert torch.equal(kernel.dense_linear(x[:m], w, b), y[:m]), m
+    for i in (0, 5, 77, 299):
+        assert torch.equal(kernel.dense_linear(x[i : i + 1], w, b)[0], y[i]), i
+    assert torch.equal(kernel.dense_linear(x[::3], w, b), y[::3])  # rows a stride apart
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_does_not_change_a_bit(kernel, dtype):
+    x, w, b = _case(576, 1536, True, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.dense_linear(x, w, b)
+        torch.set_num_threads(2)
+        two = kernel.dense_linear(x, w, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_operands_are_refused(kernel):
+    x, w, _ = _case(16, 32, False, torch.float32)
+    with pytest.raises(RuntimeError, match="w must be a contiguous CPU"):
+        kernel.dense_linear(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="x's dtype and K"):
+        kernel.dense_linear(x[:, :16], w)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernel.dense_linear(x, w, torch.zeros(3))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel.dense_linear(x.double(), w.double())
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_bf16_layers_take_the_kernel_only_without_native_bf16(monkeypatch, native_bf16):
+    monkeypatch.setattr(dense_cpu_linear, "cpu_has_native_bf16", lambda: native_bf16)
+    model = torch.nn.Sequential(
+        row_invariant.Linear(64, 32).bfloat16(), row_invariant.Linear(32, 64), torch.nn.ReLU()
+    )
+    assert use_dense_kernel(model) == (0 if native_bf16 else 1)
+    assert (model[0].cpu_kernel is None) is native_bf16
+    assert model[1].cpu_kernel is None  # fp32: the vendor GEMM unless its probe fails
+    if not native_bf16:
+        x = torch.randn(5, 64).bfloat16()
+        want = load_dense_kernel().dense_linear(x, model[0].weight, model[0].bias)
+        assert torch.equal(model[0](x), want)
