@@ -52,6 +52,8 @@ class TransferResult:
     error: str | None = None
     retryable: bool = False  # FAILED because of a timeout or a peer that went away
     meta: dict[str, Any] | None = None  # the sender's metadata, on the receiver's DONE
+    num_chunks: int = 0  # the sender's: messages of whole layers it sent (kv_transfer/chunks.py)
+    link_gbps: float | None = None  # the sender's: its link to the receiver, as probed; None: not
 
 
 class KVSender(ABC):
@@ -105,6 +107,12 @@ class KVSender(ABC):
     def poll(self) -> list[TransferResult]:
         """Transfers that ended since the last call; the caller may free or reuse their blocks.
         Never blocks."""
+
+    def link_gbps(self, dest: str) -> float | None:
+        """The rate of the link to receiver `dest` in GB/s, as this sender's probe measured it
+        (kv_transfer/link_probe.py); None until measured, or when this backend does not probe.
+        Never blocks."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release channels and stop the backend's threads."""

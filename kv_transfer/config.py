@@ -28,6 +28,10 @@ class SenderConfig:
     """The cluster secret a network backend proves to each receiver (and asks it to prove)
     before its first frame. None: no proof, for in-process use and tests only; every worker
     passes its cluster's."""
+    measure_link: bool = False
+    """Probe the link to each receiver once, in the background when the first channel to it
+    opens (kv_transfer/link_probe.py), and report its rate with every transfer's result
+    (`TransferResult.link_gbps`). Backends that cannot probe ignore it (docs/kv_transfer.md)."""
 
     def __post_init__(self) -> None:
         if not self.name:

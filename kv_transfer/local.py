@@ -80,7 +80,8 @@ class LocalKVSender(KVSender):
         check_compatible(self.layout, receiver.layout)
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
         blocks = gather_blocks(self.kv_caches, ids)
-        self._outbox.open(request_id, dest, released=True)  # copied: the blocks are free
+        self._outbox.open(request_id, dest, released=True, dest=dest)  # copied: blocks are free
+        self._outbox.sent_chunk(request_id)  # all layers in one copy
         receiver.deliver(
             request_id,
             Arrival(

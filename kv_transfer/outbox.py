@@ -14,6 +14,10 @@ transfer that is released but not acknowledged within `ack_timeout_s` is FAILED 
 by `poll`, whatever the peer does. A transfer that never opened (its receiver unreachable) is
 reported as is (`report`).
 
+Each outcome goes out with the chunks the backend sent (`sent_chunk`) and the rate of the link
+to its receiver when a probe measured it (`set_link_gbps`, kv_transfer/link_probe.py); the
+probe asks `activity` whether any transfer is open, and whether one opened while it ran.
+
 Thread-safety: every method may be called from any thread; none blocks beyond a short lock.
 The engine thread calls `poll`; backend threads decide outcomes and release blocks.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kv_transfer.base import TransferResult, TransferStatus
@@ -33,6 +37,8 @@ class Outgoing:
     """The sender's record of one transfer until `poll` reports it."""
 
     channel: Any  # the backend's channel it goes over (None where there is none)
+    dest: str = ""  # the receiver's address
+    num_chunks: int = 0  # messages of whole layers sent so far
     outcome: TransferResult | None = None
     released: bool = False  # the backend no longer reads the blocks
     lease_deadline: float = float("inf")  # acknowledged by then, or FAILED
@@ -44,16 +50,33 @@ class Outbox:
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
         self._results: list[TransferResult] = []
+        self._num_opened = 0
+        self._link_gbps: dict[str, float] = {}  # receiver address -> its link's probed rate
 
     # -- the sender's calls (any thread) ---------------------------------------------------------
 
-    def open(self, request_id: str, channel: Any = None, released: bool = False) -> None:
-        """A transfer starts (`released`: the backend has copied the blocks already, and the
-        lease starts now)."""
+    def open(
+        self, request_id: str, channel: Any = None, released: bool = False, dest: str = ""
+    ) -> None:
+        """A transfer to receiver `dest` starts (`released`: the backend has copied the blocks
+        already, and the lease starts now)."""
         with self._lock:
-            self._transfers[request_id] = Outgoing(channel)
+            self._transfers[request_id] = Outgoing(channel, dest)
+            self._num_opened += 1
         if released:
             self.release(request_id)
+
+    def sent_chunk(self, request_id: str) -> None:
+        """One more message of whole layers of the transfer went out."""
+        with self._lock:
+            transfer = self._transfers.get(request_id)
+            if transfer is not None:
+                transfer.num_chunks += 1
+
+    def set_link_gbps(self, dest: str, gbps: float) -> None:
+        """The probed rate of the link to `dest`, reported with every later outcome for it."""
+        with self._lock:
+            self._link_gbps[dest] = gbps
 
     def release(self, request_id: str) -> None:
         """The backend no longer reads the transfer's blocks; the lease (re)starts now."""
@@ -127,6 +150,15 @@ class Outbox:
             transfer = self._transfers.get(request_id)
             return None if transfer is None else transfer.channel
 
+    def link_gbps(self, dest: str) -> float | None:
+        with self._lock:
+            return self._link_gbps.get(dest)
+
+    def activity(self) -> tuple[int, int]:
+        """(transfers open now, transfers opened since this outbox was made)."""
+        with self._lock:
+            return len(self._transfers), self._num_opened
+
     # -- the engine thread -----------------------------------------------------------------------
 
     def poll(self) -> list[TransferResult]:
@@ -144,7 +176,13 @@ class Outbox:
                         request_id, TransferStatus.FAILED, "no acknowledgement", retryable=True
                     )
                 if transfer.outcome is not None and transfer.released:
-                    self._results.append(transfer.outcome)
+                    self._results.append(
+                        replace(
+                            transfer.outcome,
+                            num_chunks=transfer.num_chunks,
+                            link_gbps=self._link_gbps.get(transfer.dest),
+                        )
+                    )
                     del self._transfers[request_id]
             out, self._results = self._results, []
         return out

@@ -74,6 +74,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prompt_logprobs=prompt_logprobs_to_wire(
                 result.prompt_logprobs or [], request.prompt_token_ids
             ),
+            num_transfer_chunks=result.num_transfer_chunks,
+            link_gbps=result.link_gbps,
         )
 
     async def GetLoad(

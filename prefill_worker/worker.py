@@ -78,6 +78,8 @@ class PrefillResult:
     transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
     queued_s: float = 0.0  # from its arrival to the start of the first step computing it
     prompt_logprobs: list[PromptLogprob | None] | None = None  # when the request asked
+    num_transfer_chunks: int = 0  # messages of whole layers, rank 0's (every rank sends as many)
+    link_gbps: float = 0.0  # rank 0's link to the decode worker, as probed; 0: not measured
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,7 @@ class PrefillRole(EngineRole):
             timeout_s=config.kv_transfer_timeout_s,
             ack_timeout_s=config.kv_lease_s,
             secret=load_cluster_secret(),
+            measure_link=tp.rank == 0,  # the rank whose results reach the router
         )
         self.sender = worker.sender = create_sender(
             worker.kv_backend, caches, worker.layout, settings, **worker.sender_options
@@ -353,6 +356,8 @@ class PrefillRole(EngineRole):
             time.monotonic() - shipped_s if shipped_s is not None else 0.0,
             self._queued_s.get(result.request_id, 0.0),
             done.prompt_logprobs if done else None,
+            result.num_chunks,
+            result.link_gbps or 0.0,
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

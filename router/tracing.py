@@ -3,13 +3,13 @@
 One trace per request: a `duet.request` span at the router (arrival to last token) and, in
 disaggregated mode, for each attempt that went through a prefill worker, `duet.prefill`
 (prefill call sent to prefill done), `duet.kv_transfer` (prefill done to the decode side's
-acknowledgement, with the bytes and the achieved bandwidth) and `duet.decode` (KV in place to
-the attempt's last token), in that order. The router builds these child spans when the
-request ends, from the prefill worker's answer (its transfer time and bytes, worker.proto) and
-its own clock. The `duet.request` span starts at arrival and its context goes to the workers in
-the metadata of the request's calls (`trace_metadata`), so workers that trace
-(`DUET_OTLP_ENDPOINT`, telemetry/otel.py) add their own spans under it
-(telemetry/worker_spans.py).
+acknowledgement, with the bytes, chunks, the achieved bandwidth and its fraction of the probed
+link rate) and `duet.decode` (KV in place to the attempt's last token), in that order. The
+router builds these child spans when the request ends, from the prefill worker's answer (its
+transfer time, bytes, chunks and link rate, worker.proto) and its own clock. The
+`duet.request` span starts at arrival and its context goes to the workers in the metadata of
+the request's calls (`trace_metadata`), so workers that trace (`DUET_OTLP_ENDPOINT`,
+telemetry/otel.py) add their own spans under it (telemetry/worker_spans.py).
 
 Off (no `--otlp-endpoint`, no provider given): `RequestTracing.begin` returns None and nothing
 else runs: no spans, no context, no exporter.
@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from engine import RequestOutput
 from telemetry.otel import otlp_tracer_provider, trace_metadata
+from telemetry.transfer_attributes import kv_transfer_attributes
 
 __all__ = ["REQUEST_TRACE", "AttemptTiming", "RequestTrace", "RequestTracing",
            "otlp_tracer_provider", "request_trace_metadata", "traced_outputs"]  # fmt: skip
@@ -54,6 +55,8 @@ class AttemptTiming:
     num_bytes: int = 0
     transfer_s: float = 0.0
     num_cached_tokens: int = 0
+    num_chunks: int = 0
+    link_gbps: float = 0.0  # 0: not measured
 
 
 @dataclass
@@ -115,12 +118,11 @@ class RequestTracing:
                         "duet.cached_tokens": a.num_cached_tokens},
         )  # fmt: skip
         prefill.end(end_time=prefilled_ns)
-        gbps = a.num_bytes / a.transfer_s / 1e9 if a.transfer_s > 0 else 0.0
         transfer = self._tracer.start_span(
             "duet.kv_transfer", context=parent, start_time=prefilled_ns,
-            attributes={**common, "duet.kv_transfer.bytes": a.num_bytes,
-                        "duet.kv_transfer.duration_s": a.transfer_s,
-                        "duet.kv_transfer.gbps": gbps,
+            attributes={**common,
+                        **kv_transfer_attributes(a.num_bytes, a.transfer_s, a.num_chunks,
+                                                 a.link_gbps),
                         "duet.kv_transfer.status": a.status or "unknown",
                         "duet.kv_transfer.reason": a.reason,
                         "duet.kv_transfer.source": a.prefill_worker,

@@ -123,8 +123,10 @@ class TransferLog:
         finished, else from `error`, the exception ending the attempt (None: it succeeded)."""
         self.num_in_flight -= 1
         num_bytes, duration_s, reason, num_cached = 0, 0.0, "", 0
+        num_chunks, link_gbps = 0, 0.0
         if call.done() and not call.cancelled() and call.exception() is None:
             outcome = call.result()
+            num_chunks, link_gbps = outcome.num_transfer_chunks, outcome.link_gbps
             status = outcome.status.value
             num_bytes, duration_s = outcome.num_transfer_bytes, outcome.transfer_s
             num_cached = outcome.num_cached_tokens
@@ -155,6 +157,7 @@ class TransferLog:
             timing.end_ns = time.time_ns()
             timing.status, timing.reason = status, reason
             timing.num_bytes, timing.transfer_s = num_bytes, duration_s
+            timing.num_chunks, timing.link_gbps = num_chunks, link_gbps
             timing.num_cached_tokens = num_cached
         return record
 

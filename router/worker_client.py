@@ -41,6 +41,8 @@ class PrefillOutcome:
     num_transfer_bytes: int = 0
     transfer_s: float = 0.0
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    num_transfer_chunks: int = 0
+    link_gbps: float = 0.0  # 0: not measured (worker.proto)
 
 
 class PrefillClient:
@@ -84,6 +86,8 @@ class PrefillClient:
             response.num_transfer_bytes,
             response.transfer_s,
             prompt_logprobs_from_wire(response.prompt_logprobs),
+            response.num_transfer_chunks,
+            response.link_gbps,
         )
 
     async def load(self, since_event: int = 0, timeout_s: float = 2.0) -> worker_pb2.PrefillLoad:

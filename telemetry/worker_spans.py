@@ -3,10 +3,11 @@
 
 Prefill worker, one `Prefill` call: `duet.prefill_worker` (call received to answered), with
 `.queue` (received to the first step that computed the prompt), `.compute` (to the prefill's
-end) and `.kv_send` (to the decode side's acknowledgement, with the bytes). Decode worker, one
-`DecodeRemote` or `Generate`: `duet.decode_worker` (call received to the request's end), with
-`.kv_wait` (to the first output, which comes with the KV; `.prefill` for `Generate`, which
-prefills there) and `.decode` (first output to last). Times are the worker's wall clock.
+end) and `.kv_send` (to the decode side's acknowledgement, with the transfer's attributes,
+telemetry/transfer_attributes.py). Decode worker, one `DecodeRemote` or `Generate`:
+`duet.decode_worker` (call received to the request's end), with `.kv_wait` (to the first
+output, which comes with the KV; `.prefill` for `Generate`, which prefills there) and `.decode`
+(first output to last). Times are the worker's wall clock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from opentelemetry.context import Context
 
 from engine.outputs import RequestOutput
 from kv_transfer import TransferStatus
+from telemetry.transfer_attributes import kv_transfer_attributes
 
 
 class PrefillAnswer(Protocol):
@@ -40,6 +42,10 @@ class PrefillAnswer(Protocol):
     def transfer_s(self) -> float: ...
     @property
     def queued_s(self) -> float: ...
+    @property
+    def num_transfer_chunks(self) -> int: ...
+    @property
+    def link_gbps(self) -> float: ...
 
 
 def record_prefill(
@@ -67,8 +73,8 @@ def record_prefill(
         ("duet.prefill_worker.queue", received_ns, computed_ns, {}),
         ("duet.prefill_worker.compute", computed_ns, sent_ns, {}),
         ("duet.prefill_worker.kv_send", sent_ns, end_ns,
-         {"duet.kv_transfer.bytes": result.num_transfer_bytes,
-          "duet.kv_transfer.duration_s": result.transfer_s}),
+         kv_transfer_attributes(result.num_transfer_bytes, result.transfer_s,
+                                result.num_transfer_chunks, result.link_gbps)),
     ):  # fmt: skip
         tracer.start_span(
             name, context=inside, start_time=start, attributes={**attrs, **extra}

@@ -29,7 +29,10 @@ connection; a `kv` frame's payload follows its header, striped over the connecti
   [j * nbytes // stripes, ...), the last one to the end) goes over connection j;
 - `{"type": "meta", "request_id", "meta"}`: a layer-wise transfer's trailer (the first token);
 - `{"type": "cancel", "request_id", "error"}`: the sender gave the transfer up;
-- receiver to sender: `{"type": "ack", "request_id"}` once every byte is in the blocks.
+- receiver to sender: `{"type": "ack", "request_id"}` once every byte is in the blocks;
+- `{"type": "ping", "nbytes", "stripes"}` + `nbytes` bytes striped as a `kv` frame's payload: a
+  link probe (`probe.py`, on a channel of its own), read and dropped; the receiver answers
+  `{"type": "pong", "nbytes"}` once all are in.
 
 Where the data lands: an expected request (its `expect` came before its `xfer`) whose shard
 holds all the receiver's heads is received straight into its reserved blocks. Anything else (a
@@ -44,8 +47,9 @@ if it stalls: every connection of the channel), and `poll` does not time a reque
 a write; after either, anything still on the wire for the request is read and dropped.
 
 Files: `framing.py` (frames, socket settings), `stripes.py` (a channel's connections),
-`config.py` (`TcpSenderConfig`, `TcpReceiverConfig`), `sender.py`, `receiver.py`; the sender's
-outcome bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's `inbox.py`.
+`config.py` (`TcpSenderConfig`, `TcpReceiverConfig`), `sender.py`, `receiver.py`, `probe.py`
+(the link probe); the sender's outcome bookkeeping is the shared `kv_transfer/outbox.py`, the
+receiver's `inbox.py`.
 
 Timeouts: every socket operation gives up after `timeout_s` without progress; the receiver
 gives up on a request at its `expect` deadline; the sender reports FAILED (retryable) when no

@@ -23,6 +23,7 @@ from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, recei
 from kv_transfer.staging import StagingLease, StagingPool
 from kv_transfer.tcp.config import TcpReceiverConfig, check_caches
 from kv_transfer.tcp.framing import TICK_S, configure, frame, kv_rows, read_frame, wait_readable
+from kv_transfer.tcp.probe import MAX_PROBE_BYTES
 from kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,13 @@ class TcpKVReceiver(InboxKVReceiver):
             self.fail(request_id, f"the sender gave up: {header['error']}")
             if incoming.lease is not None:
                 incoming.lease.release()
+        elif kind == "ping":  # a link probe (probe.py): read the burst, drop it, answer
+            nbytes, stripes = header["nbytes"], header["stripes"]
+            if not 0 <= nbytes <= MAX_PROBE_BYTES or not 1 <= stripes <= len(channel.stripes.socks):
+                raise ConnectionError(f"ping of {nbytes} bytes over {stripes} stripes")
+            if nbytes:
+                self._drain(channel, nbytes, stripes)
+            channel.reply({"type": "pong", "nbytes": nbytes})
         else:
             raise ConnectionError(f"unknown frame {kind!r}")
 

@@ -18,6 +18,7 @@ from kv_transfer.base import KVSender, TransferResult, TransferStatus
 from kv_transfer.chunks import layer_chunks
 from kv_transfer.config import SenderConfig
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from kv_transfer.link_probe import LinkProber
 from kv_transfer.outbox import Outbox
 from kv_transfer.tcp.config import TcpSenderConfig, check_caches
 from kv_transfer.tcp.framing import (
@@ -29,6 +30,7 @@ from kv_transfer.tcp.framing import (
     split_address,
     take_frames,
 )
+from kv_transfer.tcp.probe import TcpProbe
 from kv_transfer.tcp.stripes import Stripes
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,10 @@ class TcpKVSender(KVSender):
         self._outbox = Outbox(config.ack_timeout_s)
         self._streaming: list[tuple[SendChannel, Job]] = []  # begun (engine thread)
         self._trailers: dict[str, Job] = {}  # begun, waiting for `finish`
+        self._prober = (
+            LinkProber(TcpProbe(lambda dest: self._dial(dest)[0]), self._outbox, self.name,
+                       self.timeout_s) if config.measure_link else None
+        )  # fmt: skip
 
     def connect(self, dest: str) -> SendChannel:
         """Open (or reuse) the channel to receiver `dest`; raises HandshakeError on mismatch."""
@@ -105,6 +111,19 @@ class TcpKVSender(KVSender):
             self._read_acks(channel)  # a connection the receiver closed is replaced here
             if channel.broken is None:
                 return channel
+        stripes, peer = self._dial(dest)
+        channel = SendChannel(dest, stripes, peer)
+        channel.thread = threading.Thread(
+            target=self._send_loop, args=(channel,), name=f"kv-tcp-send-{self.name}", daemon=True
+        )
+        channel.thread.start()
+        with self._lock:
+            self._channels[dest] = channel
+        return channel
+
+    def _dial(self, dest: str) -> tuple[Stripes, KVLayout]:
+        """A channel's connections to `dest`, authenticated and handshaken; the receiver's
+        layout."""
         sock = socket.create_connection(split_address(dest), timeout=self.timeout_s)
         stripes = Stripes(sock, f"kv-tcp-stripe-{self.name}")
         try:
@@ -127,14 +146,7 @@ class TcpKVSender(KVSender):
         except BaseException:
             stripes.close()
             raise
-        channel = SendChannel(dest, stripes, peer)
-        channel.thread = threading.Thread(
-            target=self._send_loop, args=(channel,), name=f"kv-tcp-send-{self.name}", daemon=True
-        )
-        channel.thread.start()
-        with self._lock:
-            self._channels[dest] = channel
-        return channel
+        return stripes, peer
 
     def _authenticate(self, sock: socket.socket, dest: str) -> None:
         if self.config.secret is not None:
@@ -219,7 +231,9 @@ class TcpKVSender(KVSender):
             else [(0, num_layers)]
         )
         job = Job(request_id, kv_rows(ids, num_blocks), len(block_ids), chunks, meta, trailer)
-        self._outbox.open(request_id, channel)
+        self._outbox.open(request_id, channel, dest=dest)
+        if self._prober is not None:
+            self._prober.start(dest)  # the first transfer there, or a retry: off this thread
         return channel, job
 
     # -- the channel's send thread -------------------------------------------------------------
@@ -294,6 +308,7 @@ class TcpKVSender(KVSender):
             }
             iov = sockio.row_iovecs(layers, job.rows)
             channel.stripes.move(iov, send=True, stripes=stripes, head=frame(header))
+            self._outbox.sent_chunk(job.request_id)
         for job in live:
             if job.request_id in dropped:
                 continue
@@ -358,7 +373,12 @@ class TcpKVSender(KVSender):
             for request_id in self._outbox.undecided(channel):
                 self._outbox.fail(request_id, error)
 
+    def link_gbps(self, dest: str) -> float | None:
+        return self._outbox.link_gbps(dest)
+
     def close(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
         for _, job in self._streaming:  # a pass that never ended: let the send thread go
             job.abandon()
         for job in self._trailers.values():

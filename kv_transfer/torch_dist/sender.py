@@ -250,7 +250,7 @@ class TorchDistKVSender(KVSender):
             meta,
             trailer,
         )
-        self._outbox.open(request_id, channel, released=True)
+        self._outbox.open(request_id, channel, released=True, dest=dest)
         self._acks.watch(channel)
         return job
 
@@ -306,6 +306,7 @@ class TorchDistKVSender(KVSender):
                     raise RuntimeError("gathering the blocks failed")
                 start, end = job.chunks[k]
                 channel.link.send(job.blocks[start:end], job.tags[k], after=job.events[k])
+                self._outbox.sent_chunk(job.request_id)
                 if k == len(job.chunks) - 1:
                     job.sent = channel.link.record()
                 channel.progress_s = time.monotonic()

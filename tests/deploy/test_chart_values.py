@@ -6,7 +6,7 @@ from __future__ import annotations
 import helm_python as helm
 import pytest
 
-from tests.deploy.chart_render import CHART_DIR, render
+from tests.deploy.chart_render import CHART_DIR, container, env_values, render
 
 
 @pytest.mark.parametrize(
@@ -29,6 +29,9 @@ from tests.deploy.chart_render import CHART_DIR, render
             {"securityContext": {"allowPrivilegeEscalation": True}},
             "at '/securityContext/allowPrivilegeEscalation'",
         ),
+        ({"tracing": {"otlpEndpoint": "collector"}}, "at '/tracing/otlpEndpoint'"),
+        ({"tracing": {"otlpEndpoint": "grpc://collector:4317"}}, "at '/tracing/otlpEndpoint'"),
+        ({"tracing": {"endpoint": "collector:4317"}}, "additional properties 'endpoint'"),
     ],
 )
 def test_bad_values_fail_with_the_schema_message(chart, overrides, message):
@@ -37,6 +40,32 @@ def test_bad_values_fail_with_the_schema_message(chart, overrides, message):
     assert message in str(e.value)
     report = helm.lint(CHART_DIR, overrides, strict=True)
     assert any(message in m["error"] for m in report["messages"] if m["severity"] == 3)
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["otel-collector.observability:4317", "https://otlp.example.com", "[fd00::7]:4317"]
+)
+def test_tracing_endpoint_reaches_every_router_and_worker(chart, default, endpoint):
+    """`tracing.otlpEndpoint` is the head's `--otlp-endpoint`: every router actor gets it in
+    its RouterConfig, and the Ray launcher puts it in every worker actor's environment (so no
+    worker pod needs it in its own)."""
+    from cli.main import build_parser
+    from deploy.ray_cluster import ClusterSpec
+    from router.server import RouterConfig
+    from telemetry.otel import OTLP_ENDPOINT_ENV
+
+    rendered = render(chart, {"tracing": {"otlpEndpoint": endpoint}})
+    args = container(rendered.pod_specs()["duet-head"], "head")["args"]
+    assert [a for a in args if a.startswith("--otlp")] == [f"--otlp-endpoint={endpoint}"]
+    parsed = build_parser().parse_args(args[1:])
+    assert parsed.otlp_endpoint == endpoint
+    spec = ClusterSpec(router=RouterConfig(otlp_endpoint=parsed.otlp_endpoint))
+    assert spec.worker_runtime_env() == {"env_vars": {OTLP_ENDPOINT_ENV: endpoint}}
+    for name, pod in rendered.pod_specs().items():
+        assert OTLP_ENDPOINT_ENV not in dict(env_values(pod)), name
+    # Not set (the default): no flag, nothing traced.
+    default_args = container(default.pod_specs()["duet-head"], "head")["args"]
+    assert not [a for a in default_args if a.startswith("--otlp")]
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,9 @@ def test_transfer_is_bit_exact_and_acknowledged(receiver, backend):
     [done] = wait_for(recv.poll, 20, "recv.poll")
     assert done.status == TransferStatus.DONE
     [acked] = wait_for(sender.poll, 20, "sender.poll")
-    assert acked.status == TransferStatus.DONE
+    # 3 layers of 3 blocks (3 KiB a layer) make one message, under `chunks.CHUNK_MIN_BYTES`;
+    # no link rate: the probe is off unless the sender measures (`measure_link`)
+    assert (acked.status, acked.num_chunks, acked.link_gbps) == (TransferStatus.DONE, 1, None)
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
     if backend == "tcp":  # the channel's connections: the sender's default of two
@@ -107,9 +109,9 @@ def test_layerwise_layers_land_while_later_layers_compute(receiver, backend, mon
     ]
     acked = wait_for(sender.poll, 20, "sender.poll")
     acked += [] if len(acked) == 2 else wait_for(sender.poll, 20, "sender.poll")
-    assert sorted((r.request_id, r.status) for r in acked) == [
-        ("a", TransferStatus.DONE),
-        ("b", TransferStatus.DONE),
+    assert sorted((r.request_id, r.status, r.num_chunks) for r in acked) == [
+        ("a", TransferStatus.DONE, 3),  # a message per layer
+        ("b", TransferStatus.DONE, 3),
     ]
     # The channel is still in step for a whole-request send.
     recv.expect("c", [0], timeout_s=10)

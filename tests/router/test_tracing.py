@@ -1,8 +1,8 @@
 """Per-request traces: a disaggregated request exported over OTLP to an in-process collector
 is one trace with router, prefill, KV-transfer and decode spans, in order, the transfer's
-bytes on its span, and the prefill and decode workers' own spans under the router's request
-span (the trace context travels in the gRPC metadata); without a provider nothing is
-traced."""
+bytes, chunks and achieved rate as a fraction of the probed link rate on its span, and the
+prefill and decode workers' own spans under the router's request span (the trace context
+travels in the gRPC metadata); without a provider nothing is traced."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from kv_transfer import chunks
 from router.tracing import REQUEST_TRACE, RequestTracing, otlp_tracer_provider
 from telemetry.otel import OTLP_ENDPOINT_ENV, worker_tracer_provider
 from tests.router.cluster_server import ClusterServer
@@ -24,6 +25,7 @@ from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for
 
 BLOCK_BYTES = 2 * 2 * 8 * 2 * 16 * 4  # K and V x layers x block x kv heads x head dim x fp32
+NUM_LAYERS = 2
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -39,6 +41,11 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                 for scope in resource.scope_spans:
                     self.spans.extend(scope.spans)
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def take(self) -> list[Span]:
+        with self._lock:
+            spans, self.spans = self.spans, []
+        return spans
 
 
 @pytest.fixture
@@ -72,9 +79,11 @@ def test_a_disaggregated_request_is_one_trace_in_order(
     spans, port = collector
     endpoint = f"127.0.0.1:{port}"
     monkeypatch.setenv(OTLP_ENDPOINT_ENV, endpoint)  # what the cluster launcher sets
+    monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # layer-wise: one message per layer
     provider = otlp_tracer_provider(endpoint)
     server = ClusterServer(tiny_llama, app_args={"tracer_provider": provider}, threshold=0).start()
-    try:
+
+    def request_spans() -> list[Span]:
         with openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as client:
             reply = client.completions.create(
                 model=MODEL_NAME, prompt=list(range(3, 43)), max_tokens=5,
@@ -85,16 +94,30 @@ def test_a_disaggregated_request_is_one_trace_in_order(
         for service in ("duet-prefill-worker", "duet-decode-worker"):
             worker_tracer_provider(endpoint, service).force_flush(10_000)
         wait_for(lambda: len(spans.spans) >= 11, 10, "the request's spans at the collector")
+        return spans.take()
+
+    try:
+        # The first transfer to the decode worker starts the prefill worker's link probe,
+        # which runs once that transfer has ended: its spans have no link rate.
+        first = {s.name: _attributes(s) for s in request_spans()}
+        for name in ("duet.kv_transfer", "duet.prefill_worker.kv_send"):
+            assert first[name]["duet.kv_transfer.chunks"] == NUM_LAYERS
+            assert "duet.kv_transfer.link_gbps" not in first[name]
+            assert "duet.kv_transfer.link_fraction" not in first[name]
+        assert server.cluster is not None
+        sender, decode = server.cluster.prefill[0].sender, server.cluster.decode[0]
+        link_gbps = wait_for(lambda: sender.link_gbps(decode.kv_address), 20, "the link probe")
+        collected = request_spans()
     finally:
         server.stop()
         provider.shutdown()
 
-    by_name = {s.name: s for s in spans.spans}
+    by_name = {s.name: s for s in collected}
     assert sorted(by_name) == sorted(ROUTER_SPANS + PREFILL_SPANS + DECODE_SPANS)
-    assert len(spans.spans) == 11
+    assert len(collected) == 11
     got = [by_name[n] for n in ROUTER_SPANS]
     root, prefill, transfer, decode = got
-    assert {s.trace_id for s in spans.spans} == {root.trace_id}
+    assert {s.trace_id for s in collected} == {root.trace_id}
     assert root.parent_span_id == b""
     assert [s.parent_span_id for s in got[1:]] == [root.span_id] * 3
     # In order, each within the request: prefill, then the transfer, then decode.
@@ -108,7 +131,12 @@ def test_a_disaggregated_request_is_one_trace_in_order(
     assert attrs["duet.kv_transfer.status"] == "done"
     assert attrs["duet.kv_transfer.source"] == "p0"
     assert attrs["duet.kv_transfer.destination"] == "d0"
-    assert float(attrs["duet.kv_transfer.gbps"]) > 0  # type: ignore[arg-type]
+    gbps = attrs["duet.kv_transfer.gbps"]
+    assert isinstance(gbps, float) and gbps > 0
+    # A message per layer, and the achieved rate as a fraction of the probed link's.
+    assert attrs["duet.kv_transfer.chunks"] == NUM_LAYERS
+    assert attrs["duet.kv_transfer.link_gbps"] == link_gbps > 0
+    assert attrs["duet.kv_transfer.link_fraction"] == gbps / link_gbps
     root_attrs = _attributes(root)
     assert (root_attrs["duet.prompt_tokens"], root_attrs["duet.generated_tokens"]) == (40, 5)
     assert _attributes(prefill)["duet.worker"] == "p0"
@@ -131,6 +159,11 @@ def test_a_disaggregated_request_is_one_trace_in_order(
         assert _attributes(top)["duet.request_id"] == _attributes(prefill)["duet.transfer_id"]
     kv_send = _attributes(by_name["duet.prefill_worker.kv_send"])
     assert kv_send["duet.kv_transfer.bytes"] == 5 * BLOCK_BYTES
+    assert kv_send["duet.kv_transfer.chunks"] == NUM_LAYERS
+    assert kv_send["duet.kv_transfer.link_gbps"] == link_gbps
+    send_gbps = kv_send["duet.kv_transfer.gbps"]
+    assert isinstance(send_gbps, float) and send_gbps > 0
+    assert kv_send["duet.kv_transfer.link_fraction"] == send_gbps / link_gbps
     decode_top = _attributes(by_name["duet.decode_worker"])
     assert (decode_top["duet.generated_tokens"], decode_top["duet.finish_reason"]) == (5, "length")
     # The queue ends where the engine step that computed the prompt began (after the add).

@@ -35,7 +35,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params_json: _Optional[str] = ..., kv_destination: _Optional[str] = ..., num_replayed: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s", "prompt_logprobs")
+    __slots__ = ("outcome", "error", "retryable", "first_token", "num_cached_tokens", "num_transfer_bytes", "transfer_s", "prompt_logprobs", "num_transfer_chunks", "link_gbps")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class PrefillResponse(_message.Message):
     NUM_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRANSFER_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
     outcome: TransferOutcome
     error: str
     retryable: bool
@@ -52,7 +54,9 @@ class PrefillResponse(_message.Message):
     num_transfer_bytes: int
     transfer_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[WorkerTokenLogprobs]
-    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ...) -> None: ...
+    num_transfer_chunks: int
+    link_gbps: float
+    def __init__(self, outcome: _Optional[_Union[TransferOutcome, str]] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., num_transfer_chunks: _Optional[int] = ..., link_gbps: _Optional[float] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ("since_event",)
