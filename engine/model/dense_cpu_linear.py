@@ -52,14 +52,13 @@ def build_dense_kernel(defines: tuple[str, ...] = ()) -> Any:
 
 def layer_weight(module: nn.Module) -> torch.Tensor | None:
     """The plain [N, K] weight of a dense layer the kernel can serve (`row_invariant.Linear`,
-    `TiedLinear`) on the CPU in fp32 or bf16, else None."""
-    from engine.model.row_invariant import Linear, TiedLinear
-
-    if isinstance(module, Linear):
-        weight = module.weight
-    elif isinstance(module, TiedLinear):
-        weight = module.weight_ref[0]
-    else:
+    `TiedLinear`: the layers with a `cpu_kernel` slot) on the CPU in fp32 or bf16, else None."""
+    if not hasattr(module, "cpu_kernel"):
+        return None
+    weight = getattr(module, "weight", None)
+    if weight is None:  # TiedLinear: the embedding's table, held outside its parameters
+        weight = getattr(module, "weight_ref", [None])[0]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
     if weight.device.type != "cpu" or weight.dtype not in DTYPES or not weight.is_contiguous():
         return None
