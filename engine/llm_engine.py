@@ -69,7 +69,7 @@ class LLMEngine:
             config.hf_overrides,
             config.load_progress and tp.rank == 0,
             tp,
-            config.deterministic,
+            config.resolve_deterministic(self.device),
             config.quantization_config(),
         )
         self.model_name = loaded.name
@@ -101,7 +101,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            deterministic=config.deterministic,
+            deterministic=config.resolve_deterministic(self.device),
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         target = TargetInfo(

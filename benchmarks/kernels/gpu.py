@@ -66,6 +66,7 @@ class Settings:
         self.iters = 3 if smoke else 20
         self.copy_bytes = (16 if smoke else 1024) << 20
         self.matmul_n = 512 if smoke else 8192
+        self.deterministic = False  # --deterministic
 
 
 def timed(
@@ -126,6 +127,14 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
     duet = duet.to_empty(device=s.device).to(s.dtype)
     duet.rotary.rebuild(s.device)
     duet.load_weights(hf.state_dict().items())
+    if s.deterministic and s.device.type == "cuda":  # what the loader sets (engine/loader.py)
+        from engine.model import row_invariant
+        from engine.model.llama import RMSNorm
+
+        row_invariant.use_invariant_gemm(duet)
+        for module in duet.modules():
+            if isinstance(module, RMSNorm):
+                module.invariant = True
     return hf, duet.eval()
 
 
@@ -143,7 +152,9 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
     ]
     graphs = None
     if s.device.type == "cuda":
-        graphs = DecodeGraphs(duet, caches, max(s.batches), ctx + bs, bs)
+        graphs = DecodeGraphs(
+            duet, caches, max(s.batches), ctx + bs, bs, deterministic=s.deterministic
+        )
     itemsize = torch.empty((), dtype=s.dtype).element_size()
     weight_bytes = sum(p.numel() for p in duet.parameters()) * itemsize
     if not cfg.tie_word_embeddings:  # the embedding is looked up, not read whole
@@ -162,6 +173,7 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
         meta = AttentionMetadata.build(
             [1] * batch, seq_lens, block_ids, bs, s.device,
             triton_num_kv_heads=duet.num_kv_heads if use_triton else None,
+            deterministic=s.deterministic,
         )  # fmt: skip
         ids = torch.from_numpy(ids_np).to(s.device)
         pos = torch.from_numpy(pos_np).to(s.device)
@@ -204,6 +216,7 @@ def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
         meta = AttentionMetadata.build(
             [n], [n], [list(range(nb))], BLOCK_SIZE, s.device,
             triton_num_kv_heads=duet.num_kv_heads if s.device.type == "cuda" else None,
+            deterministic=s.deterministic,
         )  # fmt: skip
         ids = torch.randint(0, cfg.vocab_size, (n,), device=s.device)
         pos = torch.arange(n, device=s.device)
@@ -299,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on CPU: checks the script only"
     )
+    parser.add_argument(
+        "--deterministic", action="store_true",
+        help="duet in deterministic mode: Triton matmuls and norms, one attention order",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in ("llama8b", "smollm2")]
@@ -313,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         names = ["tiny"]
     s = Settings(args.smoke)
+    s.deterministic = args.deterministic
     import triton
 
     stats = measure_device(s)
@@ -322,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dtype": str(s.dtype).removeprefix("torch."),
+        "deterministic": s.deterministic,
         **stats,
         "models": {name: bench_model(name, s, stats) for name in names},
     }

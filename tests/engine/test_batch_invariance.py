@@ -2,9 +2,10 @@
 else is in the batch, on how its prompt is chunked, or on a prefix-cache hit, in bf16 as in
 fp32: bitwise, not within a tolerance.
 
-The models are random but have SmolLM2's layer shapes (hidden 576, MLP 1536, 9 query and 3 KV
-heads of 64): the linear kernels' choice of code path depends on the shapes, and the tiny
-test models' shapes happen to hide the differences these tests are for."""
+The models are random, of every supported architecture, with SmolLM2's layer shapes (hidden
+576, MLP 1536, 9 query and 3 KV heads of 64): the linear kernels' choice of code path depends
+on the shapes, and the tiny test models' shapes happen to hide the differences these tests are
+for."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from tests.conftest import SMOLLM2_SHAPES
 DTYPES = ["bfloat16", "float32"]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen2", "mistral", "llama3", "smollm2"])
 def model_path(request, tiny_model_factory) -> str:
+    """Every supported architecture: Llama 2, Qwen3 (q/k norms), Qwen2 (q/k/v biases), Mistral,
+    Llama 3 (its rope scaling), SmolLM2 (a tied LM head)."""
     return tiny_model_factory(request.param, **SMOLLM2_SHAPES)
 
 
@@ -41,6 +44,7 @@ def _result(out) -> tuple[list[int], list]:
 
 
 def _llm(path: str, dtype: str, **kw) -> LLM:
+    kw.setdefault("deterministic", True)  # the CPU's default; CUDA's is off (too costly there)
     return LLM(path, dtype=dtype, load_progress=False, num_kv_blocks=800, **kw)
 
 

@@ -6,11 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import reports_deterministic
+from engine.config import EngineConfig, reports_deterministic
+from engine.errors import InvalidInputError
 from engine.model.llama import RMSNorm
 from engine.model.row_invariant import Linear, TiedLinear
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("value", "on_cpu", "on_cuda"),
+    [(None, True, False), (True, True, True), (False, False, False)],
+)
+def test_deterministic_is_on_by_default_on_the_cpu_only(value, on_cpu, on_cuda):
+    """Unset: on for the CPU, off on CUDA, where it measured 1.7x prefill time (H100)."""
+    config = EngineConfig(deterministic=value)
+    assert config.resolve_deterministic(CPU) is on_cpu
+    assert config.resolve_deterministic(CUDA) is on_cuda
+
+
+def test_deterministic_must_be_a_bool_or_unset():
+    with pytest.raises(InvalidInputError, match="must be true, false or unset; got 'yes'"):
+        EngineConfig(deterministic="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ def _ngram(k: int) -> dict:
 
 
 def _llm(model: str, dtype: str, spec: dict | None = None, **kwargs) -> LLM:
+    kwargs.setdefault("deterministic", True)  # bf16 equality needs it on CUDA too
     return LLM(
         model, dtype=dtype, load_progress=False, max_num_batched_tokens=64,
         speculative_config=spec, **kwargs,
