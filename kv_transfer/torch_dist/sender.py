@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +18,6 @@ import torch.distributed as dist
 from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
 from engine.device import bind_thread
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.blocks import gather_blocks
 from kv_transfer.chunks import layer_chunks
 from kv_transfer.config import SenderConfig
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -34,64 +32,12 @@ from kv_transfer.torch_dist.channel import (
     meta_key,
 )
 from kv_transfer.torch_dist.config import TorchDistSenderConfig
-from kv_transfer.torch_dist.link import LinkError, LinkEvent, link_kind, open_link
+from kv_transfer.torch_dist.link import LinkError, link_kind, open_link
+from kv_transfer.torch_dist.send_job import SendJob
 
 logger = logging.getLogger(__name__)
 
 REAP_S = 0.001  # the send thread's pause between looks at sends in flight
-
-
-@dataclass
-class SendJob:
-    request_id: str
-    channel: Channel
-    block_ids: torch.Tensor  # [n] long, on the caches' device
-    blocks: torch.Tensor  # [L, 2, n, BS, h, D], a staging buffer being filled
-    chunks: list[tuple[int, int]]  # [start, end) layers per message
-    tags: list[int]
-    meta: dict[str, Any] | None
-    trailer: bool  # layer-wise: the metadata follows under a store key (`finish`)
-    gathered: list[threading.Event] = field(default_factory=list)  # per chunk: in `blocks`
-    events: list[Any] = field(default_factory=list)  # per chunk: its CUDA event, on CUDA
-    gather_failed: bool = False
-    sent: LinkEvent | None = None  # recorded after its last chunk was posted
-    done: bool = False  # the send thread saw `sent` complete
-    error: str | None = None
-
-    def __post_init__(self) -> None:
-        self.gathered = [threading.Event() for _ in self.chunks]
-        self.events = [None] * len(self.chunks)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "shape": list(self.blocks.shape),
-            "chunks": [[s, e, t] for (s, e), t in zip(self.chunks, self.tags, strict=True)],
-            "meta": self.meta,
-            "trailer": self.trailer,
-        }
-
-    def gather(self, kv_caches: list[torch.Tensor], start: int, end: int) -> None:
-        """Gather layers [start, end) (the caller's thread); mark the chunks they complete."""
-        try:
-            gather_blocks(kv_caches[start:end], self.block_ids, out=self.blocks[start:end])
-        except BaseException:
-            self.fail_gather()
-            raise
-        for k, (_, chunk_end) in enumerate(self.chunks):
-            if start < chunk_end <= end:
-                if self.blocks.is_cuda:
-                    self.events[k] = torch.cuda.Event()
-                    self.events[k].record()
-                self.gathered[k].set()
-
-    def fail_gather(self) -> None:
-        self.gather_failed = True
-        for gathered in self.gathered:
-            gathered.set()
-
-    def wait_gathered(self, timeout_s: float) -> bool:
-        return all(e.wait(timeout_s) for e in self.gathered) and not self.gather_failed
 
 
 class TorchDistKVSender(KVSender):
