@@ -4,7 +4,7 @@ JSON from this router's own state, behind the API key like every data route.
 In disaggregated mode: each prefill group and decode worker as the router's `WorkerPool` sees
 it (health, load, KV-cache occupancy, the prefill workers' prefix-cache hit rate on the
 prompts this router sent them), the queues, the recent KV transfers with their achieved
-bandwidth. In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py)
+bandwidth and, once probed, their link's rate (`link_gbps`, None before). In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py)
 and the planner's last decisions (`planner`: None while no planner reported any; a planner
 reports them with `POST /v1/planner/decisions`, router/planner_log.py).
 """
@@ -97,6 +97,7 @@ def snapshot(ctx: ServingContext) -> dict[str, Any]:
             "request_id": r.request_id, "prefill": r.prefill_worker, "decode": r.decode_worker,
             "status": r.status, "reason": r.reason, "bytes": r.num_bytes,
             "duration_ms": r.duration_s * 1000, "gbps": r.gbps, "finished_at": r.finished_at,
+            "link_gbps": r.link_gbps or None,
         }
         for r in reversed(recent[-NUM_RECENT_TRANSFERS:])
     ]  # fmt: skip

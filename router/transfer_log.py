@@ -3,8 +3,11 @@
 The router learns each transfer's outcome from the prefill worker's answer to `Prefill` (its
 status, the request's KV bytes over every TP rank, and the time from the end of the prefill
 to the decode side's acknowledgement), or, when the attempt failed first (a decode worker
-lost mid-transfer), from the attempt's error. Request migrations (retries on another worker)
-are counted by cause. Everything is read at scrape time by `TransferCollector`; recording
+lost mid-transfer), from the attempt's error, and, once the prefill worker's sender has probed
+its link to that decode worker (docs/kv_transfer.md), that link's rate: the latest per
+(prefill worker, decode worker) is a gauge, and each completed transfer's achieved rate as a
+fraction of it a histogram. Request migrations (retries on another worker) are counted by
+cause. Everything is read at scrape time by `TransferCollector`; recording
 happens on the router's event loop.
 """
 
@@ -33,6 +36,9 @@ DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
                       10.0, 30.0, 60.0)  # fmt: skip
 BANDWIDTH_BUCKETS_GBPS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,
                           200.0, 400.0)  # fmt: skip
+LINK_FRACTION_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0,
+                         1.5, 2.0, 4.0)  # fmt: skip
+"""Above 1 with TP > 1: the link is rank 0's, the bytes every rank's (docs/observability.md)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class TransferRecord:
     duration_s: float
     finished_at: float
     """Wall-clock time (seconds since the epoch)."""
+    link_gbps: float = 0.0
+    """The probed rate of the link the transfer went over, GB/s (0: not measured)."""
 
     @property
     def gbps(self) -> float:
@@ -57,6 +65,13 @@ class TransferRecord:
         if self.status != "done" or self.duration_s <= 0:
             return 0.0
         return self.num_bytes / self.duration_s / 1e9
+
+    @property
+    def link_fraction(self) -> float | None:
+        """Achieved bandwidth over the link's probed rate (None: not done, or not measured)."""
+        if self.status != "done" or self.duration_s <= 0 or self.link_gbps <= 0:
+            return None
+        return self.gbps / self.link_gbps
 
 
 @dataclass
@@ -84,6 +99,10 @@ class TransferLog:
         self.duration_sum_s = 0.0
         self.bandwidth_counts = [0] * (len(BANDWIDTH_BUCKETS_GBPS) + 1)
         self.bandwidth_sum_gbps = 0.0
+        # (prefill worker, decode worker) -> the latest probed rate of its link
+        self.link_gbps: dict[tuple[str, str], float] = {}
+        self.link_fraction_counts = [0] * (len(LINK_FRACTION_BUCKETS) + 1)
+        self.link_fraction_sum = 0.0
         # per prefill worker, over the prompts it prefilled: (tokens looked up, tokens hit)
         self.prefix_tokens: dict[str, list[int]] = {}
 
@@ -149,7 +168,7 @@ class TransferLog:
             status = "cancelled"
         record = TransferRecord(
             handle.request_id, handle.prefill_worker, handle.decode_worker, status, reason,
-            num_bytes, duration_s, time.time(),
+            num_bytes, duration_s, time.time(), link_gbps,
         )  # fmt: skip
         self._count(record)
         timing = handle.timing
@@ -168,6 +187,8 @@ class TransferLog:
     def _count(self, record: TransferRecord) -> None:
         self.recent.append(record)
         self.num_transfers[record.status] += 1
+        if record.link_gbps > 0:
+            self.link_gbps[(record.prefill_worker, record.decode_worker)] = record.link_gbps
         if record.status == "failed":
             self.num_failures[record.reason] += 1
         if record.status != "done":
@@ -179,6 +200,10 @@ class TransferLog:
         if record.duration_s > 0:
             self.bandwidth_sum_gbps += record.gbps
             self.bandwidth_counts[_bucket(BANDWIDTH_BUCKETS_GBPS, record.gbps)] += 1
+        fraction = record.link_fraction
+        if fraction is not None:
+            self.link_fraction_sum += fraction
+            self.link_fraction_counts[_bucket(LINK_FRACTION_BUCKETS, fraction)] += 1
 
 
 def _bucket(bounds: tuple[float, ...], value: float) -> int:
@@ -206,7 +231,8 @@ def _attempt_reason(message: str) -> str:
 
 
 class TransferCollector(Collector):
-    """`duet:kv_transfer_*` and `duet:request_migrations` from a `TransferLog`."""
+    """`duet:kv_transfer_*`, `duet:kv_link_bandwidth_gbps` and `duet:request_migrations` from
+    a `TransferLog`."""
 
     def __init__(self, log: TransferLog, model_name: str) -> None:
         self._log = log
@@ -257,6 +283,20 @@ class TransferCollector(Collector):
             "duet:kv_transfer_bandwidth_gbps",
             "Achieved bandwidth of completed KV transfers (GB/s).",
             labels, BANDWIDTH_BUCKETS_GBPS, log.bandwidth_counts, log.bandwidth_sum_gbps,
+        )  # fmt: skip
+        link = GaugeMetricFamily(
+            "duet:kv_link_bandwidth_gbps",
+            "The rate of the KV link from a prefill worker to a decode worker as the sender's "
+            "probe measured it (GB/s; the latest reported).",
+            labels=["model_name", "source", "destination"],
+        )
+        for (source, destination), gbps in sorted(log.link_gbps.items()):
+            link.add_metric([*labels, source, destination], gbps)
+        yield link
+        yield _histogram(
+            "duet:kv_transfer_link_fraction",
+            "Achieved bandwidth of completed KV transfers over their link's probed rate.",
+            labels, LINK_FRACTION_BUCKETS, log.link_fraction_counts, log.link_fraction_sum,
         )  # fmt: skip
 
 

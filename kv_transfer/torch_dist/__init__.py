@@ -36,11 +36,13 @@ scatter queued out of it ran. (Not exercised in CI: no GPU there; the emulation 
 code path on CPU.)
 
 Files: `channel.py` (store keys, handshake checks, the header's order), `link.py` (the link
-kinds, their events, abort), `landing.py` (gloo works waited for on a thread), `nccl_emu.py`,
-`config.py` (`TorchDistSenderConfig`, `TorchDistReceiverConfig`), `sender.py`, `acks.py` (the
-sender's threads that read the acknowledgements), `receiver.py`, `relay.py` (the receiver's
-thread that writes them and reads trailers): no `poll` makes a store round trip. The sender's
-outcome bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's `inbox.py`.
+kinds, their events and marks, abort), `landing.py` (gloo works waited for on a thread),
+`nccl_emu.py`, `config.py` (`TorchDistSenderConfig`, `TorchDistReceiverConfig`), `sender.py`
+(and `send_job.py`, a transfer on its way out), `acks.py` (the sender's threads that read the
+acknowledgements), `probe.py` (the link probe), `receiver.py`, `relay.py` (the receiver's
+thread that writes the acknowledgements and reads trailers): no `poll` makes a store round
+trip. The sender's outcome bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's
+`inbox.py`.
 
 Timeouts (a lost peer raises nothing under NCCL): every operation of a channel is bounded by
 `timeout_s` without progress, on both sides. On expiry the side aborts the channel's link and

@@ -32,6 +32,7 @@ class Channel:
     link: PairLink
     peer_layout: KVLayout
     tags: itertools.count[int]
+    probes: bool = False  # the receiver takes link probes (probe.py; it said so at the handshake)
     progress_s: float = 0.0  # send thread: when an operation was last posted or completed
     failed: bool = False  # send thread: aborted; never used again
 

@@ -4,11 +4,14 @@ A gloo send or receive completes only inside `Work.wait()` (`is_completed()` sta
 then, and a `wait` that times out closes the pair), so a thread per link waits its works in
 issue order and counts them; a `LandingEvent` covers every operation posted before it and is
 queried from any thread without blocking, as a CUDA event recorded after NCCL operations is.
+A `WallMark` notes the wall time at which the works posted before it landed (the link probe
+times its bursts with them, as CUDA events time them on a GPU).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +52,12 @@ class WorkLanding:
         """An event that completes once every work posted so far has landed."""
         with self._cond:
             return LandingEvent(self, self._num_posted)
+
+    def mark(self) -> WallMark:
+        """A mark stamped when every work posted so far has landed (by this thread)."""
+        mark = WallMark()
+        self.post(_NO_WORK, mark.stamp)
+        return mark
 
     def hold(self) -> None:
         with self._cond:
@@ -130,3 +139,29 @@ class LandingEvent:
 
     def wait(self, timeout_s: float) -> bool:
         return self._landing.wait(self._seq, timeout_s)
+
+
+class WallMark:
+    """When the works posted before it landed (`WorkLanding.mark`); `seconds_since` once an
+    event recorded after both marks completed."""
+
+    def __init__(self) -> None:
+        self.at_s: float | None = None
+
+    def stamp(self) -> None:
+        self.at_s = time.monotonic()
+
+    def seconds_since(self, earlier: object) -> float:
+        assert isinstance(earlier, WallMark)
+        assert self.at_s is not None and earlier.at_s is not None, "a mark has not landed"
+        return self.at_s - earlier.at_s
+
+
+class _NoWork:
+    """What a mark waits for: nothing (it lands once the works before it did)."""
+
+    def wait(self) -> None:
+        pass
+
+
+_NO_WORK = _NoWork()

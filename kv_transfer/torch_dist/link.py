@@ -27,7 +27,7 @@ import torch.distributed as dist
 from kv_transfer.torch_dist.landing import LinkError, WorkLanding
 from kv_transfer.torch_dist.nccl_emu import EmulatedNcclGroup
 
-__all__ = ["LinkError", "LinkEvent", "PairLink", "link_kind", "open_link"]
+__all__ = ["LinkError", "LinkEvent", "LinkMark", "PairLink", "link_kind", "open_link"]
 
 WATCHDOG_FACTOR = 4
 """NCCL's (and the emulation's) own operation timeout is this many transfer timeouts: the
@@ -45,6 +45,16 @@ class LinkEvent(Protocol):
 
     def wait(self, timeout_s: float) -> bool:
         """`query`, waiting up to `timeout_s` for it to be True."""
+        ...
+
+
+class LinkMark(Protocol):
+    """A point in a link's operations, timed as the device times them: a CUDA event on the
+    link's stream (NCCL), the wall time at which the operations before it landed (CPU)."""
+
+    def seconds_since(self, earlier: LinkMark) -> float:
+        """Time from `earlier` (a mark of the same link, made before) to this one; valid once
+        an event recorded after both completed."""
         ...
 
 
@@ -67,6 +77,10 @@ class PairLink(ABC):
     @abstractmethod
     def record(self) -> LinkEvent:
         """An event covering every operation posted so far."""
+
+    @abstractmethod
+    def mark(self) -> LinkMark:
+        """A mark after every operation posted so far (the link probe's clock)."""
 
     @abstractmethod
     def abort(self) -> None:
@@ -107,6 +121,9 @@ class GlooLink(PairLink):
 
     def record(self) -> LinkEvent:
         return self._landing.event()
+
+    def mark(self) -> LinkMark:
+        return self._landing.mark()
 
     def abort(self) -> None:
         self._landing.close()
@@ -154,6 +171,14 @@ class NcclLink(PairLink):
         cuda_event.record(self._stream)
         return CudaEvent(cuda_event)
 
+    def mark(self) -> LinkMark:
+        if self._stream is None:
+            wall: LinkMark = self._group.mark()
+            return wall
+        cuda_event = torch.cuda.Event(enable_timing=True)
+        cuda_event.record(self._stream)
+        return CudaMark(cuda_event)
+
     def abort(self) -> None:
         self._group.abort()
 
@@ -188,6 +213,15 @@ class CudaEvent:
                 return False
             time.sleep(EVENT_POLL_S)
         return True
+
+
+class CudaMark:
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def seconds_since(self, earlier: LinkMark) -> float:
+        assert isinstance(earlier, CudaMark)
+        return float(earlier._event.elapsed_time(self._event)) / 1000.0
 
 
 def link_kind(device: torch.device, emulate_nccl: bool) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.torch_dist.landing import LandingEvent, WorkLanding
+from kv_transfer.torch_dist.landing import LandingEvent, WallMark, WorkLanding
 
 ENV = "DUET_KV_EMULATE_NCCL"
 
@@ -100,6 +100,11 @@ class EmulatedNcclGroup:
     def record_event(self) -> LandingEvent:
         """`torch.cuda.Event().record(stream)` after `wait` of every work so far."""
         return self._landing.event()
+
+    def mark(self) -> WallMark:
+        """A `torch.cuda.Event(enable_timing=True)` recorded after every work so far: when
+        they landed."""
+        return self._landing.mark()
 
     def hold(self) -> None:
         """Tests: data that comes in does not land (its events stay pending) until `release`."""

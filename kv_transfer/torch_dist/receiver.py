@@ -33,6 +33,7 @@ from kv_transfer.torch_dist.channel import (
 )
 from kv_transfer.torch_dist.config import TorchDistReceiverConfig
 from kv_transfer.torch_dist.link import PairLink, link_kind, open_link
+from kv_transfer.torch_dist.probe import probe_scratch
 from kv_transfer.torch_dist.relay import StoreRelay
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class TorchDistKVReceiver(InboxKVReceiver):
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
             return
-        store.set(f"{cid}/verdict", json.dumps({"layout": self.layout.to_dict(), "proof": proof}))
+        verdict = {"layout": self.layout.to_dict(), "proof": proof, "probes": True}
+        store.set(f"{cid}/verdict", json.dumps(verdict))
         link = open_link(
             dist.PrefixStore(cid, store), 1, device, self.timeout_s, self.emulate_nccl, cid
         )
@@ -133,7 +135,11 @@ class TorchDistKVReceiver(InboxKVReceiver):
                     continue  # idle channel
                 if not raw:
                     continue  # close() woke us
-                if not self._receive(cid, store, link, sender, json.loads(raw)):
+                header = json.loads(raw)
+                if "probe" in header:
+                    if not self._drop_probe(cid, link, header["probe"]):
+                        return
+                elif not self._receive(cid, store, link, sender, header):
                     return
         finally:
             link.close()
@@ -215,6 +221,21 @@ class TorchDistKVReceiver(InboxKVReceiver):
                 if arrival.layers_ready < arrival.num_layers:
                     self.fail(request_id, f"sender lost: {e}")
                     lease.release(reusable=False)
+            return False
+        return True
+
+    def _drop_probe(self, cid: str, link: PairLink, probe: dict[str, Any]) -> bool:
+        """Take a link probe's bursts (probe.py) in the channel's order into a scratch buffer
+        and drop them; False when the channel is lost."""
+        try:
+            scratch, tags = probe_scratch(probe, self.kv_caches[0].device)
+            for tag in tags:
+                link.recv(scratch, tag)
+            if not link.record().wait(self.timeout_s):
+                raise TimeoutError(f"no link probe arrived for {self.timeout_s:g}s")
+        except Exception as e:
+            logger.warning("KV channel %s lost in a link probe: %s", cid, e)
+            link.abort()
             return False
         return True
 

@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -19,10 +18,10 @@ import torch.distributed as dist
 from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
 from engine.device import bind_thread
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.blocks import gather_blocks
 from kv_transfer.chunks import layer_chunks
 from kv_transfer.config import SenderConfig
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from kv_transfer.link_probe import LinkProber
 from kv_transfer.outbox import Outbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.torch_dist.acks import AckWatcher
@@ -34,64 +33,13 @@ from kv_transfer.torch_dist.channel import (
     meta_key,
 )
 from kv_transfer.torch_dist.config import TorchDistSenderConfig
-from kv_transfer.torch_dist.link import LinkError, LinkEvent, link_kind, open_link
+from kv_transfer.torch_dist.link import LinkError, link_kind, open_link
+from kv_transfer.torch_dist.probe import ProbeJob, TorchDistProbe, post_probe
+from kv_transfer.torch_dist.send_job import SendJob
 
 logger = logging.getLogger(__name__)
 
 REAP_S = 0.001  # the send thread's pause between looks at sends in flight
-
-
-@dataclass
-class SendJob:
-    request_id: str
-    channel: Channel
-    block_ids: torch.Tensor  # [n] long, on the caches' device
-    blocks: torch.Tensor  # [L, 2, n, BS, h, D], a staging buffer being filled
-    chunks: list[tuple[int, int]]  # [start, end) layers per message
-    tags: list[int]
-    meta: dict[str, Any] | None
-    trailer: bool  # layer-wise: the metadata follows under a store key (`finish`)
-    gathered: list[threading.Event] = field(default_factory=list)  # per chunk: in `blocks`
-    events: list[Any] = field(default_factory=list)  # per chunk: its CUDA event, on CUDA
-    gather_failed: bool = False
-    sent: LinkEvent | None = None  # recorded after its last chunk was posted
-    done: bool = False  # the send thread saw `sent` complete
-    error: str | None = None
-
-    def __post_init__(self) -> None:
-        self.gathered = [threading.Event() for _ in self.chunks]
-        self.events = [None] * len(self.chunks)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "shape": list(self.blocks.shape),
-            "chunks": [[s, e, t] for (s, e), t in zip(self.chunks, self.tags, strict=True)],
-            "meta": self.meta,
-            "trailer": self.trailer,
-        }
-
-    def gather(self, kv_caches: list[torch.Tensor], start: int, end: int) -> None:
-        """Gather layers [start, end) (the caller's thread); mark the chunks they complete."""
-        try:
-            gather_blocks(kv_caches[start:end], self.block_ids, out=self.blocks[start:end])
-        except BaseException:
-            self.fail_gather()
-            raise
-        for k, (_, chunk_end) in enumerate(self.chunks):
-            if start < chunk_end <= end:
-                if self.blocks.is_cuda:
-                    self.events[k] = torch.cuda.Event()
-                    self.events[k].record()
-                self.gathered[k].set()
-
-    def fail_gather(self) -> None:
-        self.gather_failed = True
-        for gathered in self.gathered:
-            gathered.set()
-
-    def wait_gathered(self, timeout_s: float) -> bool:
-        return all(e.wait(timeout_s) for e in self.gathered) and not self.gather_failed
 
 
 class TorchDistKVSender(KVSender):
@@ -117,7 +65,12 @@ class TorchDistKVSender(KVSender):
         self._staging = StagingPool(device)
         self._inflight: list[SendJob] = []  # send thread: posted, not yet known sent
         self._streaming: list[SendJob] = []  # begun, gathered layer by layer (engine thread)
-        self._jobs: queue.Queue[list[SendJob] | None] = queue.Queue()  # sent together
+        self._probing: list[ProbeJob] = []  # send thread: probes posted, not yet known sent
+        self._jobs: queue.Queue[list[SendJob] | ProbeJob | None] = queue.Queue()  # sent together
+        self._prober = (
+            LinkProber(TorchDistProbe(self._open_channel, self._jobs.put, device, self.timeout_s),
+                       self._outbox, self.name, self.timeout_s) if config.measure_link else None
+        )  # fmt: skip
         self._worker = threading.Thread(
             target=self._send_loop, name=f"kv-send-{config.name}", daemon=True
         )
@@ -160,6 +113,7 @@ class TorchDistKVSender(KVSender):
         # blocks (no timeout) and would hold the client's lock under `finish` and the headers.
         ack_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         channel = Channel(cid, store, ack_store, link, peer, itertools.count(1))
+        channel.probes = verdict.get("probes", False) is True
         with self._lock:
             self._channels[dest] = channel
         return channel
@@ -252,7 +206,13 @@ class TorchDistKVSender(KVSender):
         )
         self._outbox.open(request_id, channel, released=True, dest=dest)
         self._acks.watch(channel)
+        if self._prober is not None:
+            self._prober.start(dest)  # the first transfer there, or a retry: off this thread
         return job
+
+    def _open_channel(self, dest: str) -> Channel | None:
+        with self._lock:
+            return self._channels.get(dest)
 
     def _send_loop(self) -> None:
         """Post each batch as it comes; between batches, learn which sends completed (never
@@ -260,12 +220,14 @@ class TorchDistKVSender(KVSender):
         bind_thread(self.kv_caches[0].device)
         while True:
             try:
-                batch = self._jobs.get(timeout=REAP_S if self._inflight else None)
+                batch = self._jobs.get(timeout=REAP_S if self._inflight or self._probing else None)
             except queue.Empty:
                 batch = []
             if batch is None:
                 return
-            if batch:
+            if isinstance(batch, ProbeJob):
+                self._send_probe(batch)
+            elif batch:
                 self._send_batch(batch)
             self._reap()
 
@@ -314,6 +276,21 @@ class TorchDistKVSender(KVSender):
                 self._fail_channel(channel, str(e), [j for j in live if j.channel is channel])
         self._inflight += [job for job in live if not job.channel.failed]
 
+    def _send_probe(self, probe: ProbeJob) -> None:
+        """Post a link probe in the channel's order (probe.py); `measure` waits for it."""
+        channel = probe.channel
+        try:
+            if channel.failed:
+                raise ConnectionError("its KV channel failed")
+            post_probe(probe)
+            channel.progress_s = time.monotonic()
+            self._probing.append(probe)
+        except Exception as e:  # NOTE: as for a chunk: the receiver would now be out of step
+            probe.error = str(e)
+            self._fail_channel(channel, str(e), self._inflight)
+        finally:
+            probe.posted.set()
+
     def _reap(self) -> None:
         """Give back the buffers of sends that completed; fail the channels that made no
         progress within the timeout (or whose link failed)."""
@@ -336,6 +313,23 @@ class TorchDistKVSender(KVSender):
                 why = f"no progress sending KV for {self.timeout_s:g}s"
                 self._fail_channel(channel, why, self._inflight)
         self._inflight = [j for j in self._inflight if not (j.done or j.channel.failed)]
+        probing = []
+        for probe in self._probing:  # a probe the receiver never takes stalls the channel too
+            channel = probe.channel
+            assert probe.sent is not None
+            try:
+                sent = channel.failed or probe.sent.query()
+            except LinkError as e:
+                self._fail_channel(channel, str(e), self._inflight)
+                continue
+            if sent:
+                channel.progress_s = now
+            elif now - channel.progress_s > self.timeout_s:
+                why = f"no progress sending a link probe for {self.timeout_s:g}s"
+                self._fail_channel(channel, why, self._inflight)
+            else:
+                probing.append(probe)
+        self._probing = probing
 
     def _fail_channel(self, channel: Channel, error: str, jobs: list[SendJob]) -> None:
         """Abort `channel`'s link and fail its unsent transfers among `jobs` (retryable)."""
@@ -361,7 +355,12 @@ class TorchDistKVSender(KVSender):
         """What the ack thread found, and expired leases: no store round trip here."""
         return self._outbox.poll()
 
+    def link_gbps(self, dest: str) -> float | None:
+        return self._outbox.link_gbps(dest)
+
     def close(self) -> None:
+        if self._prober is not None:
+            self._prober.close()
         for job in self._streaming:  # a pass that never ended: let the send thread go
             job.fail_gather()
         self._streaming = []

@@ -102,6 +102,7 @@
       [t.request_id], [t.prefill + " \u2192 " + t.decode],
       [t.reason ? t.status + " (" + t.reason + ")" : t.status, t.status === "failed" ? "unhealthy" : "healthy"],
       [bytes(t.bytes)], [num(t.duration_ms, 2)], [t.status === "done" ? num(t.gbps, 3) : "\u2013"],
+      [t.link_gbps ? num(t.link_gbps, 3) : "\u2013"],
     ]);
     planner(d.planner);
     const s = d.series;

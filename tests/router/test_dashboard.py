@@ -67,6 +67,12 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
             assert cells[2] == "done"
             assert cells[3].endswith("KiB")
             assert float(cells[5]) > 0  # GB/s
+            # the link's probed rate: none on the first transfer to each decode worker
+            assert cells[6] == "\u2013" or float(cells[6]) > 0
+        first_to_each = {r.find_elements(By.TAG_NAME, "td")[1].text: r for r in transfers}
+        assert [r.find_elements(By.TAG_NAME, "td")[6].text for r in first_to_each.values()] == [
+            "\u2013"
+        ] * len(first_to_each)
         assert _card(browser, "transfers_in_flight") == "0"
         for plot in ("ttft", "itl", "throughput", "bandwidth"):
             canvas = browser.find_element(By.ID, f"plot-{plot}")

@@ -1,6 +1,8 @@
 """/metrics as tools read it: every metric vLLM's Grafana dashboard queries is exported under
 `--metrics-prefix vllm` with data in it, and the KV-transfer metrics of a disaggregated
-server move when transfers happen and count a failure when a decode worker dies mid-transfer."""
+server move when transfers happen and count a failure when a decode worker dies mid-transfer,
+and the probed link rate (tcp and torch_dist) is a gauge per link with the achieved fraction of
+it a histogram, under both prefixes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from engine import AsyncEngine, SamplingParams
 from prefill_worker.worker import PrefillRole
 from router.api_server import build_app
 from router.metrics import ServingMetrics
+from router.transfer_log import TransferRecord
 from tests.deploy.test_grafana_dashboard import (
     dashboard_metric_names as duet_dashboard_metric_names,
 )
@@ -179,3 +182,54 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
         for suffix in ("", "_total", "_bucket", "_sum", "_count")
     }
     assert sorted(duet_dashboard_metric_names() - exported) == []
+
+
+@pytest.mark.parametrize("kv_backend", ["tcp", "torch_dist"])
+def test_the_probed_link_rate_and_the_fraction_of_it_achieved(
+    tiny_llama: str, kv_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first transfer to the decode worker starts the prefill worker's probe (its result
+    has no rate); the two after it carry the rate: the gauge is the sender's probed value and
+    the histogram counts those two, their fractions summed."""
+    monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")  # torch_dist on CPU as NCCL behaves
+    # NOTE: enough tokens that each reply ends after the prefill worker's answer (a reply that
+    # ends first records its transfer as cancelled).
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[float, list[TransferRecord], str, str]:
+        async with Cluster(tiny_llama, threshold=0, kv_backend=kv_backend) as c:
+            duet, vllm = (
+                ServingMetrics(c.engine, MODEL_NAME),
+                ServingMetrics(c.engine, MODEL_NAME, "vllm"),
+            )
+            settled = lambda: c.engine.transfers.num_in_flight == 0  # noqa: E731
+            sender, decode = c.prefill[0].sender, c.decode[0]
+            for i, prompt in enumerate(prompts_of([40, 50, 60], seed=7)):
+                await c.run(prompt, params)
+                await wait_for_async(settled, 10, "the transfer recorded")
+                if i == 0:  # its result was out before the probe could start
+                    await wait_for_async(
+                        lambda: sender.link_gbps(decode.kv_address), 20, "the link probe"
+                    )
+            link_gbps = sender.link_gbps(decode.kv_address)
+            assert link_gbps is not None
+            return (
+                link_gbps,
+                list(c.engine.transfers.recent),
+                duet.render().decode(),
+                vllm.render().decode(),
+            )
+
+    link_gbps, records, duet_text, vllm_text = asyncio.run(main())
+    assert [r.status for r in records] == ["done"] * 3
+    assert [r.link_gbps for r in records] == [0.0, link_gbps, link_gbps]
+    fractions = [r.gbps / link_gbps for r in records[1:]]
+    for prefix, text in (("duet", duet_text), ("vllm", vllm_text)):
+        found = samples(text)
+        link = value(found, f"{prefix}:kv_link_bandwidth_gbps", source="p0", destination="d0")
+        assert link == link_gbps > 0
+        assert value(found, f"{prefix}:kv_transfer_link_fraction_count") == 2
+        assert value(found, f"{prefix}:kv_transfer_link_fraction_sum") == pytest.approx(
+            sum(fractions), rel=1e-12
+        )
+        assert value(found, f"{prefix}:kv_transfer_bandwidth_gbps_count") == 3
