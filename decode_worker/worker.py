@@ -10,6 +10,12 @@ and its sampling seed continues), and the request joins the running batch at the
 next step. If the KV does not arrive within its wait, or its sender is lost, the reservation
 is freed and the stream ends with `KVTransferError` (retryable).
 
+With a draft model whose prompt KV the prefill worker computes (`speculative_config`'s
+`draft_prefill`), a reservation also takes the draft's blocks for the prompt (its shadow holds
+them) and the KV receiver lands the draft's layers there; the shadow then starts with the
+prompt computed. Without them (a full draft pool, or a prefill worker that sent none) the
+shadow computes the prompt here at the request's first proposal, as without disaggregation.
+
 Threads: the `EngineCore` thread runs the engine and polls the receiver (`DecodeRole`);
 callers use any event loop.
 """
@@ -28,6 +34,7 @@ from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
 from engine.llm_engine import LLMEngine, Prompt
+from engine.spec_decode.draft_model import DraftModelProposer
 from kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
 from kv_transfer.factory import resolve_backend
 
@@ -196,14 +203,23 @@ class DecodeRole(EngineRole):
 
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
+        self.draft: DraftModelProposer | None = None  # whose prompt KV prefill workers send
 
     def start(self) -> None:
-        """The KV receiver, over the engine's caches (built on the engine thread)."""
+        """The KV receiver, over the engine's caches and, when prefill workers compute the
+        draft's prompt KV, the draft's (built on the engine thread)."""
         worker, config = self.worker, self.worker.config
         caches = self.engine.runner.kv_caches
         worker.layout = KVLayout.of_caches(
             config.model or "default", caches, self.engine.arch.num_key_value_heads
         )
+        spec, speculator = config.speculative(), self.engine.speculator
+        draft_caches = None
+        if spec is not None and spec.drafts_on_prefill and speculator is not None:
+            assert isinstance(speculator.proposer, DraftModelProposer) and spec.model
+            self.draft = speculator.proposer
+            draft_caches = self.draft.runner.kv_caches
+            worker.layout = worker.layout.with_draft(spec.model, draft_caches)
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
         settings = ReceiverConfig(
             name=worker.name,
@@ -214,8 +230,9 @@ class DecodeRole(EngineRole):
             secret=load_cluster_secret(),
         )
         self.receiver = worker.receiver = create_receiver(
-            worker.kv_backend, caches, worker.layout, settings, **worker.receiver_options
-        )
+            worker.kv_backend, caches, worker.layout, settings, draft_caches,
+            **worker.receiver_options,
+        )  # fmt: skip
         worker.kv_address = self.receiver.address
         self._update_load()
 
@@ -230,7 +247,12 @@ class DecodeRole(EngineRole):
                 f"prompt tokens ({engine.kv.num_free_blocks} free blocks, "
                 f"{engine.scheduler.num_seq_slots_used}/{engine.config.max_num_seqs} sequences)"
             )
-        self.receiver.expect(cmd.request_id, block_ids, cmd.kv_wait_s)
+        draft_ids = None
+        spec = self.draft.config if self.draft is not None else None
+        if spec is not None and spec.prefills_draft_remotely(len(cmd.prompt_token_ids)):
+            assert self.draft is not None
+            draft_ids = self.draft.reserve_prompt(cmd.request_id, cmd.prompt_token_ids)
+        self.receiver.expect(cmd.request_id, block_ids, cmd.kv_wait_s, draft_ids)
         self.core.publish(
             cmd.request_id, Reservation(cmd.request_id, self.worker.kv_address, len(block_ids))
         )
@@ -243,6 +265,8 @@ class DecodeRole(EngineRole):
         for result in self.receiver.poll():
             request_id = result.request_id
             if result.status == TransferStatus.DONE:
+                if self.draft is not None:
+                    self.draft.prompt_received(request_id, result.draft)
                 out = self._complete(request_id, result.meta or {})
                 if out is not None:
                     self.core.publish(request_id, out)

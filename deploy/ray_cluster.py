@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
+from engine.spec_decode.config import SpeculativeConfig
 from router.cluster_engine import ClusterConfig
 from router.server import RouterConfig
 from telemetry.otel import OTLP_ENDPOINT_ENV
@@ -82,9 +83,12 @@ class ClusterSpec:
         }
         if role == "prefill":
             config["tensor_parallel_size"] = self.prefill_tp
-            # Only decode workers speculate: a prefill-only request never decodes, and a
-            # draft model there would be loaded for nothing (and refuse prefill TP).
-            config.pop("speculative_config", None)
+            # Only decode workers speculate: a prefill-only request never decodes. A prefill
+            # worker loads the draft only to compute its prompt KV (draft_prefill prefill or
+            # auto); then it needs the decode workers' config to ship what they expect.
+            spec = config.get("speculative_config")
+            if spec is not None and not SpeculativeConfig.from_dict(spec).drafts_on_prefill:
+                del config["speculative_config"]
         return config
 
     def worker_runtime_env(self) -> dict[str, Any] | None:

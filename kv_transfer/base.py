@@ -54,11 +54,13 @@ class TransferResult:
     meta: dict[str, Any] | None = None  # the sender's metadata, on the receiver's DONE
     num_chunks: int = 0  # the sender's: messages of whole layers it sent (kv_transfer/chunks.py)
     link_gbps: float | None = None  # the sender's: its link to the receiver, as probed; None: not
+    draft: bool = False  # receiver's DONE: the draft's KV landed in its reserved draft blocks
 
 
 class KVSender(ABC):
-    """Prefill side of a channel. Built by `create_sender` as `cls(kv_caches, layout, config)`
-    with a `config_type` config."""
+    """Prefill side of a channel. Built by `create_sender` as `cls(kv_caches, layout, config,
+    draft_caches)` with a `config_type` config (`draft_caches` when `layout.draft` names a
+    draft model, else None)."""
 
     config_type: ClassVar[type[SenderConfig]] = SenderConfig
     layout: KVLayout
@@ -72,11 +74,15 @@ class KVSender(ABC):
         block_ids: list[int],
         dest: str,
         meta: dict[str, Any] | None = None,
+        draft_block_ids: list[int] | None = None,
     ) -> None:
         """Start shipping the request's blocks to receiver `dest`, with `meta` (small,
         JSON-serialisable: what the receiver needs besides the KV, e.g. the first token).
         Returns without waiting for the transfer (opening a new channel to `dest` may wait up to
-        the sender's `timeout_s`); the blocks may be reused once `poll` reports it ended."""
+        the sender's `timeout_s`); the blocks may be reused once `poll` reports it ended.
+        `draft_block_ids` (a sender built with draft caches): the draft's blocks holding its KV
+        over the same tokens, one per entry of `block_ids`, shipped after the target's layers
+        (`kv_transfer/layers.py`) and held like them."""
 
     # Layer-wise sending (optional): `begin` before the forward pass that computes the
     # request's last prompt tokens, `layer_computed` after each of that pass's layers (its
@@ -84,9 +90,17 @@ class KVSender(ABC):
     # the first token is sampled. A backend that cannot returns False from `begin`, and the
     # caller uses `send` after the pass instead.
 
-    def begin(self, request_id: str, block_ids: list[int], dest: str) -> bool:
+    def begin(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        dest: str,
+        draft_block_ids: list[int] | None = None,
+    ) -> bool:
         """Open a layer-wise transfer of `block_ids` to `dest`; False when this backend only
-        sends whole requests. A failure to reach `dest` is reported by `poll`, like `send`'s."""
+        sends whole requests. A failure to reach `dest` is reported by `poll`, like `send`'s.
+        `draft_block_ids`: as `send`'s; the draft's KV is in them already (it goes out after
+        the target's layers, which `layer_computed` reports)."""
         return False
 
     def layer_computed(self, layer: int) -> None:  # noqa: B027 (optional hook)
@@ -120,7 +134,7 @@ class KVSender(ABC):
 
 class KVReceiver(ABC):
     """Decode side of a channel. Built by `create_receiver` as `cls(kv_caches, layout,
-    config)` with a `config_type` config."""
+    config, draft_caches)` with a `config_type` config."""
 
     config_type: ClassVar[type[ReceiverConfig]] = ReceiverConfig
     layout: KVLayout
@@ -134,11 +148,19 @@ class KVReceiver(ABC):
     # -- scheduler side ------------------------------------------------------------------------
 
     @abstractmethod
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+    def expect(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        timeout_s: float,
+        draft_block_ids: list[int] | None = None,
+    ) -> None:
         """Reserve: the request's KV will be written into `block_ids` (already allocated by the
         caller) when it arrives; a sender with larger tensor parallelism sends one shard per
         rank under the same id, and the transfer is DONE when all have landed. After
-        `timeout_s` without it, the transfer FAILS (retryable)."""
+        `timeout_s` without it, the transfer FAILS (retryable). `draft_block_ids` (a receiver
+        built with draft caches): where the draft's KV goes if the transfer carries it (DONE
+        then says `draft`); the caller owns them as it owns `block_ids`."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:

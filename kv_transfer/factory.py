@@ -75,15 +75,18 @@ def create_sender(
     kv_caches: list[torch.Tensor],
     layout: KVLayout,
     settings: SenderConfig | None = None,
+    draft_caches: list[torch.Tensor] | None = None,
     **options: Any,
 ) -> KVSender:
     """The sender of `backend` ("auto": resolved from `kv_caches`, see `resolve_backend`),
     built with `settings` plus the backend's own `options` (which override a setting of the
-    same name). Raises ValueError naming an option the backend does not take."""
+    same name). Raises ValueError naming an option the backend does not take.
+    `draft_caches`: a draft model's, whose KV transfers may carry (`layout.draft` names it)."""
     backend = resolve_backend(backend, kv_caches)
+    _check_draft(layout, draft_caches)
     cls: type[KVSender] = _load(backend, 0)
     config = build_config(cls.config_type, settings, options, f"the {backend} KV sender")
-    return cls(kv_caches, layout, config)  # type: ignore[call-arg]
+    return cls(kv_caches, layout, config, draft_caches)  # type: ignore[call-arg]
 
 
 def create_receiver(
@@ -91,10 +94,28 @@ def create_receiver(
     kv_caches: list[torch.Tensor],
     layout: KVLayout,
     settings: ReceiverConfig | None = None,
+    draft_caches: list[torch.Tensor] | None = None,
     **options: Any,
 ) -> KVReceiver:
     """The receiver of `backend`, as `create_sender` builds a sender."""
     backend = resolve_backend(backend, kv_caches)
+    _check_draft(layout, draft_caches)
     cls: type[KVReceiver] = _load(backend, 1)
     config = build_config(cls.config_type, settings, options, f"the {backend} KV receiver")
-    return cls(kv_caches, layout, config)  # type: ignore[call-arg]
+    return cls(kv_caches, layout, config, draft_caches)  # type: ignore[call-arg]
+
+
+def _check_draft(layout: KVLayout, draft_caches: list[torch.Tensor] | None) -> None:
+    """`draft_caches` exactly when the layout names a draft, of the shape it names."""
+    if (layout.draft is None) != (draft_caches is None):
+        raise ValueError("draft_caches: given exactly when the layout names a draft model")
+    if draft_caches is not None and layout.draft is not None:
+        _, _, block_size, heads, head_dim = draft_caches[0].shape
+        draft = layout.draft
+        if (len(draft_caches), heads, head_dim, block_size) != (
+            draft.num_layers,
+            draft.num_kv_heads,
+            draft.head_dim,
+            layout.block_size,
+        ):
+            raise ValueError(f"draft_caches: do not match the layout's draft {draft}")

@@ -11,6 +11,10 @@ overlaps the rest of the transfer, and only an expected request's layers are eve
 A layer-wise sender's metadata (the first token) comes after its KV, as a trailer the
 arrival fetches (`fetch_meta`); the request is complete once that is here too.
 
+A transfer may carry the draft model's layers after the target's (`kv_transfer/layers.py`):
+they are written into the draft blocks `expect` reserved, and the result says so (`draft`);
+with no draft blocks reserved they are dropped.
+
 Arrivals for a request nobody expects (yet) wait up to `stale_after_s` (the router may ask
 the decode worker a moment after the prefill worker sent), then are dropped. Arrivals for an
 aborted request are dropped on arrival and never written, so a retry must use a new request id
@@ -29,8 +33,17 @@ import torch
 
 from engine.kernels.cpu import load_cpu_kernels
 from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
-from kv_transfer.blocks import scatter_blocks
+from kv_transfer.layers import PagedLayers, staged_view
 from kv_transfer.layout import KVLayout, receiver_head_slice
+
+
+@dataclass
+class Expected:
+    """A reservation: where a request's KV goes, and until when it may come."""
+
+    block_ids: list[int]
+    deadline: float
+    draft_block_ids: list[int] | None = None  # the draft's blocks, when its KV is to come too
 
 
 @dataclass
@@ -48,6 +61,8 @@ class Arrival:
     """A trailer: `meta` is sent after the KV (layer-wise sending); returns it, or None while
     it has not come (never blocks)."""
     layers_written: int = 0  # engine thread: written into the reserved blocks so far
+    draft_blocks: torch.Tensor | None = None
+    """[Ld, 2, n, BS, hd, Dd]: the draft's layers, transfer layers L.. (None: not carried)."""
 
     def __post_init__(self) -> None:
         if self.layers_ready < 0:
@@ -55,7 +70,13 @@ class Arrival:
 
     @property
     def num_layers(self) -> int:
-        return self.blocks.shape[0]
+        """Transfer layers: the target's, then the draft's."""
+        num_draft = self.draft_blocks.shape[0] if self.draft_blocks is not None else 0
+        return self.blocks.shape[0] + num_draft
+
+    def layers(self, start: int, end: int) -> torch.Tensor:
+        """Transfer layers [start, end), within one group (`staged_view`)."""
+        return staged_view(self.blocks, self.draft_blocks, start, end)
 
     @property
     def written(self) -> bool:
@@ -75,13 +96,21 @@ class Arrival:
 
 class InboxKVReceiver(KVReceiver):
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, stale_after_s: float = 30.0
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        stale_after_s: float = 30.0,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
+        """`draft_caches`: the draft model's, when `layout.draft` names it."""
+        if (layout.draft is None) != (draft_caches is None):
+            raise ValueError("draft_caches: given exactly when the layout names a draft")
         self.kv_caches = kv_caches
+        self.draft_caches = draft_caches
         self.layout = layout
         self.stale_after_s = stale_after_s
         self._lock = threading.Lock()
-        self._expected: dict[str, tuple[list[int], float]] = {}  # id -> (blocks, deadline)
+        self._expected: dict[str, Expected] = {}
         self._inbox: dict[str, list[Arrival]] = {}
         self._failed: dict[str, tuple[str, float]] = {}  # id -> (why it can never arrive, when)
         self._aborted: dict[str, float] = {}  # request id -> when; late shards are dropped
@@ -117,30 +146,41 @@ class InboxKVReceiver(KVReceiver):
 
     # -- engine side -------------------------------------------------------------------------
 
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> None:
+    def expect(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        timeout_s: float,
+        draft_block_ids: list[int] | None = None,
+    ) -> None:
+        if draft_block_ids is not None and self.draft_caches is None:
+            raise ValueError("draft_block_ids: this receiver has no draft caches")
+        draft = list(draft_block_ids) if draft_block_ids is not None else None
         with self._lock:
-            self._expected[request_id] = (list(block_ids), time.monotonic() + timeout_s)
+            self._expected[request_id] = Expected(
+                list(block_ids), time.monotonic() + timeout_s, draft
+            )
 
     def poll(self) -> list[TransferResult]:
         now = time.monotonic()
         with self._lock:
-            for request_id, (block_ids, deadline) in list(self._expected.items()):
+            for request_id, expected in list(self._expected.items()):
                 arrivals = self._inbox.get(request_id, [])
                 for arrival in arrivals:
-                    self._write_ready(block_ids, arrival)
+                    self._write_ready(expected, arrival)
                 if (
                     arrivals
                     and len(arrivals) >= self._num_shards(arrivals[0].layout)
                     and all(a.complete() for a in arrivals)
                 ):
                     del self._inbox[request_id]
-                    result = self._done(request_id, arrivals)
+                    result = self._done(request_id, arrivals, expected)
                 elif self._busy(request_id):
                     continue  # a backend thread is writing its blocks: it ends soon, either way
                 elif request_id in self._failed:
                     why = self._failed.pop(request_id)[0]
                     result = TransferResult(request_id, TransferStatus.FAILED, why, retryable=True)
-                elif now >= deadline:
+                elif now >= expected.deadline:
                     result = TransferResult(
                         request_id,
                         TransferStatus.FAILED,
@@ -170,24 +210,39 @@ class InboxKVReceiver(KVReceiver):
     def _num_shards(self, sender: KVLayout) -> int:
         return max(1, self.layout.heads_per_rank // sender.heads_per_rank)
 
-    def _write_ready(self, block_ids: list[int], arrival: Arrival) -> None:
+    def _write_ready(self, expected: Expected, arrival: Arrival) -> None:
         start, end = arrival.layers_written, arrival.layers_ready
         if start == end:
             return
-        device = self.kv_caches[0].device
-        ids = torch.tensor(block_ids[: arrival.blocks.shape[2]], dtype=torch.long, device=device)
-        heads = receiver_head_slice(arrival.layout, self.layout)
-        blocks = arrival.blocks[start:end].to(device)
-        scatter_blocks(self.kv_caches[start:end], ids, blocks, heads)
+        paged = self._paged(expected, arrival)
+        # Draft layers with no draft blocks reserved (past `paged.num_layers`) are dropped.
+        if start < paged.num_layers:
+            heads = receiver_head_slice(arrival.layout, self.layout)
+            paged.scatter(
+                start, min(end, paged.num_layers), arrival.blocks, arrival.draft_blocks, heads
+            )
         arrival.layers_written = end
 
-    def _done(self, request_id: str, arrivals: list[Arrival]) -> TransferResult:
+    def _paged(self, expected: Expected, arrival: Arrival) -> PagedLayers:
+        """Where the arrival's layers go: the reserved blocks, and the reserved draft blocks
+        when both sides have the draft's layers."""
+        device = self.kv_caches[0].device
+        num_blocks = arrival.blocks.shape[2]
+        ids = torch.tensor(expected.block_ids[:num_blocks], dtype=torch.long, device=device)
+        draft_ids = None
+        if expected.draft_block_ids is not None and arrival.draft_blocks is not None:
+            draft = expected.draft_block_ids[:num_blocks]
+            draft_ids = torch.tensor(draft, dtype=torch.long, device=device)
+        return PagedLayers(self.kv_caches, ids, self.draft_caches, draft_ids)
+
+    def _done(self, request_id: str, arrivals: list[Arrival], expected: Expected) -> TransferResult:
         for arrival in arrivals:
             arrival.acknowledge()
         _discard(arrivals)
         # Every shard carries the same metadata; the lowest rank's is the reference.
         first = min(arrivals, key=lambda a: a.layout.tp_rank)
-        return TransferResult(request_id, TransferStatus.DONE, meta=first.meta)
+        draft = expected.draft_block_ids is not None and first.draft_blocks is not None
+        return TransferResult(request_id, TransferStatus.DONE, meta=first.meta, draft=draft)
 
     def _drop_stale(self, now: float) -> None:
         for request_id, arrivals in list(self._inbox.items()):

@@ -4,22 +4,45 @@ Blocks travel as one tensor per request, `[num_layers, 2, num_blocks, block_size
 so the receiver can scatter them without knowing how the sender stored them. A sender with
 tensor parallelism T ships the heads of its shard (rank r holds KV heads [r*H/T, (r+1)*H/T));
 a receiver with a smaller TP reassembles heads from several senders.
+
+A channel whose layouts name a draft model (`DraftLayout`: speculative decoding whose draft
+KV the prefill worker computes) may carry, after a transfer's target layers, the draft's
+layers over the same number of blocks, `[draft layers, 2, num_blocks, block_size, Hd, Dd]`:
+the draft's own block ids, heads and head size, never sharded (`kv_transfer/layers.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-KV_LAYOUT_VERSION = 3
+KV_LAYOUT_VERSION = 4
 """2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
-the transfers queued together, and layer-wise transfers send their metadata as a trailer."""
+the transfers queued together, and layer-wise transfers send their metadata as a trailer;
+4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`)."""
 
 
 class HandshakeError(RuntimeError):
     """The two sides of a channel disagree on what a block is; nothing is transferred."""
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """A draft model's KV cache: its layers and whole head layout (the target's dtype and
+    block size; a draft is never sharded)."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of_caches(cls, model_id: str, draft_caches: list[torch.Tensor]) -> DraftLayout:
+        _, _, _, num_kv_heads, head_dim = draft_caches[0].shape
+        return cls(model_id, len(draft_caches), num_kv_heads, head_dim)
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,8 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     version: int = KV_LAYOUT_VERSION
+    draft: DraftLayout | None = None
+    """The draft model whose layers this side's transfers may carry (None: target only)."""
 
     @property
     def heads_per_rank(self) -> int:
@@ -48,7 +73,23 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        return cls(**data)
+        draft = data.get("draft")
+        return cls(**{**data, "draft": DraftLayout(**draft) if draft is not None else None})
+
+    def with_draft(self, model_id: str, draft_caches: list[torch.Tensor]) -> KVLayout:
+        """This layout with a draft model's layers (caches of this dtype and block size)."""
+        first = draft_caches[0]
+        if (
+            str(first.dtype).removeprefix("torch.") != self.dtype
+            or first.shape[2] != self.block_size
+        ):
+            raise ValueError(
+                f"draft_caches: {first.dtype} blocks of {first.shape[2]} tokens; the target's "
+                f"are {self.dtype} blocks of {self.block_size}"
+            )
+        if self.tp_size != 1:
+            raise ValueError("draft_caches: a draft's KV travels from unsharded caches only")
+        return dataclasses.replace(self, draft=DraftLayout.of_caches(model_id, draft_caches))
 
     @classmethod
     def of_caches(
@@ -83,6 +124,7 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
         "num_layers",
         "num_kv_heads",
         "head_dim",
+        "draft",
     )
     diffs = [
         f"{name}: sender {getattr(sender, name)!r} != receiver {getattr(receiver, name)!r}"

@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.blocks import gather_blocks
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.inbox import Arrival, InboxKVReceiver
+from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import KVLayout, check_compatible
 from kv_transfer.outbox import Outbox
 
@@ -52,11 +52,16 @@ class LocalKVSender(KVSender):
     config_type: ClassVar[type[SenderConfig]] = LocalSenderConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: LocalSenderConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: LocalSenderConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
         assert config.hub is not None
         self.hub = config.hub
         self.kv_caches = kv_caches
+        self.draft_caches = draft_caches
         self.layout = layout
         self.config = config
         self._outbox = Outbox(config.ack_timeout_s)
@@ -67,6 +72,7 @@ class LocalKVSender(KVSender):
         block_ids: list[int],
         dest: str,
         meta: dict[str, Any] | None = None,
+        draft_block_ids: list[int] | None = None,
     ) -> None:
         with self.hub.lock:
             receiver = self.hub.receivers.get(dest)
@@ -78,10 +84,12 @@ class LocalKVSender(KVSender):
             )
             return
         check_compatible(self.layout, receiver.layout)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
-        blocks = gather_blocks(self.kv_caches, ids)
+        paged = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
+        blocks = _staging(self.kv_caches, len(block_ids))
+        draft = _staging(self.draft_caches, len(block_ids)) if paged.num_draft else None
+        paged.gather(0, paged.num_layers, blocks, draft)
         self._outbox.open(request_id, dest, released=True, dest=dest)  # copied: blocks are free
-        self._outbox.sent_chunk(request_id)  # all layers in one copy
+        self._outbox.sent_chunk(request_id)  # all layers (the draft's too) in one copy
         receiver.deliver(
             request_id,
             Arrival(
@@ -90,6 +98,7 @@ class LocalKVSender(KVSender):
                 meta,
                 lambda: self._outbox.acknowledge(request_id),  # the receiver wrote the blocks
                 time.monotonic(),
+                draft_blocks=draft,
             ),
         )
 
@@ -106,13 +115,25 @@ class LocalKVSender(KVSender):
                 receiver.withdraw(request_id, self.layout)
 
 
+def _staging(caches: list[torch.Tensor] | None, num_blocks: int) -> torch.Tensor:
+    """[L, 2, n, BS, h, D] for `num_blocks` blocks of every layer of `caches`."""
+    assert caches
+    first = caches[0]
+    shape = (len(caches), 2, num_blocks, *first.shape[2:])
+    return torch.empty(shape, dtype=first.dtype, device=first.device)
+
+
 class LocalKVReceiver(InboxKVReceiver):
     config_type: ClassVar[type[ReceiverConfig]] = LocalReceiverConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: LocalReceiverConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: LocalReceiverConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(kv_caches, layout)
+        super().__init__(kv_caches, layout, draft_caches=draft_caches)
         assert config.hub is not None
         self.hub = config.hub
         self.name = config.name

@@ -9,6 +9,7 @@ warm memory; a buffer reused from the pool has its pages already.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,19 @@ class StagingPool:
         if flat is None:
             flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return flat[:nbytes].view(dtype).view(shape)
+
+    def take_parts(
+        self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Contiguous tensors of `shapes`, one after another in one pooled buffer (a transfer's
+        target and draft layers); `give` any of them to return the whole buffer."""
+        sizes = [torch.Size(shape).numel() for shape in shapes]
+        flat = self.take((sum(sizes),), dtype)
+        parts, offset = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            parts.append(flat[offset : offset + size].view(shape))
+            offset += size
+        return parts
 
     def give(self, tensor: torch.Tensor, readers: list[Any] | None = None) -> None:
         """Return a tensor from `take`: its whole buffer becomes idle. `readers`: CUDA events

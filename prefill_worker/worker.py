@@ -29,7 +29,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -45,7 +44,7 @@ from engine.core import (
     ReleaseHeld,
 )
 from engine.llm_engine import LLMEngine, PrefillDone
-from engine.outputs import PromptLogprob, RequestOutput
+from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from kv_transfer import (
     HandshakeError,
@@ -58,50 +57,13 @@ from kv_transfer import (
 )
 from kv_transfer.factory import resolve_backend
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.draft_prefill import DraftPrefill, prefill_engine_config
 from prefill_worker.prefix_index import PrefixCacheIndex
+from prefill_worker.results import PrefillLoad, PrefillResult, kv_meta
+
+__all__ = ["PrefillLoad", "PrefillResult", "PrefillRole", "PrefillWorker", "kv_meta"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """How a request's prefill ended: DONE (KV acknowledged by the decode side), FAILED (with
-    `retryable` when another worker or a retry may succeed) or ABORTED."""
-
-    request_id: str
-    status: TransferStatus
-    error: str | None = None
-    retryable: bool = False
-    first_token: int | None = None
-    num_cached_tokens: int = 0
-    num_transfer_bytes: int = 0  # the request's KV, all TP ranks together
-    transfer_s: float = 0.0  # from the end of its prefill to the decode side's acknowledgement
-    queued_s: float = 0.0  # from its arrival to the start of the first step computing it
-    prompt_logprobs: list[PromptLogprob | None] | None = None  # when the request asked
-    num_transfer_chunks: int = 0  # messages of whole layers, rank 0's (every rank sends as many)
-    link_gbps: float = 0.0  # rank 0's link to the decode worker, as probed; 0: not measured
-
-
-@dataclass(frozen=True)
-class PrefillLoad:
-    """A snapshot for routing, refreshed by the engine thread every iteration."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    num_transferring: int = 0
-    num_queued_tokens: int = 0  # prompt tokens not yet prefilled
-    num_free_blocks: int = 0
-    num_blocks: int = 0
-
-
-def kv_meta(done: PrefillDone) -> dict[str, Any]:
-    """What travels with the KV: everything the decode side needs to continue the request."""
-    return {
-        "first_token": done.first_token,
-        "logprob": done.logprob,
-        "sample_seed": done.sample_seed,
-        "num_cached_tokens": done.num_cached_tokens,
-    }
 
 
 class PrefillWorker:
@@ -130,7 +92,11 @@ class PrefillWorker:
         self.prefix_index = PrefixCacheIndex()
         self.role = PrefillRole(self)
         self.core = EngineCore(
-            lambda: LLMEngine(config, tp), self.role, name=name, tp=tp, control_group=control_group
+            lambda: LLMEngine(prefill_engine_config(config), tp),
+            self.role,
+            name=name,
+            tp=tp,
+            control_group=control_group,
         )
         self.core.wait_ready()
         self.engine = self.core.engine
@@ -216,6 +182,8 @@ class PrefillRole(EngineRole):
         self._queued_s: dict[str, float] = {}  # request id -> arrival to its first step
         self._step_s = 0.0  # when the current step began
         self._block_bytes = 0  # one block's KV over every layer and TP rank
+        self.drafts: DraftPrefill | None = None  # the draft's KV, when shipped from here
+        self._draft_block_bytes = 0
 
     def start(self) -> None:
         """The KV sender over the engine's caches, and the prefix index's event feed (built
@@ -229,6 +197,12 @@ class PrefillRole(EngineRole):
             config.model or "default", caches, engine.arch.num_key_value_heads, tp.world_size,
             tp.rank,
         )  # fmt: skip
+        self.drafts = DraftPrefill.of_engine(engine)
+        draft_caches = None
+        if self.drafts is not None:  # its layers travel after the target's
+            draft_caches = self.drafts.kv_caches
+            worker.layout = worker.layout.with_draft(self.drafts.model_id, draft_caches)
+            self._draft_block_bytes = sum(c.nbytes // c.shape[1] for c in draft_caches)
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
         settings = SenderConfig(
             name=f"{worker.name}-tp{tp.rank}",
@@ -238,8 +212,9 @@ class PrefillRole(EngineRole):
             measure_link=tp.rank == 0,  # the rank whose results reach the router
         )
         self.sender = worker.sender = create_sender(
-            worker.kv_backend, caches, worker.layout, settings, **worker.sender_options
-        )
+            worker.kv_backend, caches, worker.layout, settings, draft_caches,
+            **worker.sender_options,
+        )  # fmt: skip
         engine.kv.pool.record_events = config.enable_prefix_caching
         if config.kv_layerwise:
             engine.prefill_stream = self
@@ -257,6 +232,9 @@ class PrefillRole(EngineRole):
             num_replayed=cmd.num_replayed,
         )
         self._dest[cmd.request_id] = cmd.prefill_dest
+        if self.drafts is not None:
+            assert not isinstance(cmd.prompt, str)  # `prefill` passes token ids
+            self.drafts.add(cmd.request_id, cmd.prompt)
         if self.record_queue_times:
             self._added_s[cmd.request_id] = time.monotonic()
 
@@ -265,6 +243,8 @@ class PrefillRole(EngineRole):
             self._dest.pop(cmd.request_id, None)
             self._added_s.pop(cmd.request_id, None)
             self._queued_s.pop(cmd.request_id, None)
+            if self.drafts is not None:
+                self.drafts.release(cmd.request_id)
             self.core.publish(cmd.request_id, PrefillResult(cmd.request_id, TransferStatus.ABORTED))
         elif cmd.request_id in self._in_flight:
             self.sender.abort(cmd.request_id)  # reported by the next poll
@@ -276,6 +256,8 @@ class PrefillRole(EngineRole):
         self._shipped_s.pop(cmd.request_id, None)
         self._dest.pop(cmd.request_id, None)
         self.engine.release_held(cmd.request_id)
+        if self.drafts is not None:
+            self.drafts.release(cmd.request_id)
         if cmd.result is not None:
             self.core.publish(cmd.request_id, cmd.result)  # after the release: a whole pool
 
@@ -305,10 +287,13 @@ class PrefillRole(EngineRole):
 
     def begin(self, requests: list[tuple[str, list[int]]]) -> Callable[[int], None] | None:
         """`PrefillStream`: open layer-wise transfers for the requests the coming pass
-        completes; the sender ships each layer as the pass writes it."""
+        completes; the sender ships each layer as the pass writes it (the draft's KV, computed
+        first, after them)."""
+        drafts = self.drafts.prefill([r for r, _ in requests]) if self.drafts else {}
         for request_id, block_ids in requests:
+            dest, draft = self._dest[request_id], drafts.get(request_id)
             try:
-                if self.sender.begin(request_id, block_ids, self._dest[request_id]):
+                if self.sender.begin(request_id, block_ids, dest, draft):
                     self._begun.add(request_id)
             except HandshakeError as e:  # `ship` sends it whole, and fails the same way
                 logger.error("KV handshake for %s failed: %s", request_id, e)
@@ -325,7 +310,11 @@ class PrefillRole(EngineRole):
                 self._begun.discard(done.request_id)
                 self.sender.finish(done.request_id, kv_meta(done))
             else:
-                self.sender.send(done.request_id, done.block_ids, dest, kv_meta(done))
+                drafts = self.drafts.prefill([done.request_id]) if self.drafts else {}
+                self.sender.send(
+                    done.request_id, done.block_ids, dest, kv_meta(done),
+                    drafts.get(done.request_id),
+                )  # fmt: skip
         except HandshakeError as e:  # a misconfigured pair: no retry helps
             logger.error("KV handshake for %s failed: %s", done.request_id, e)
             self._finish_transfer(
@@ -345,6 +334,9 @@ class PrefillRole(EngineRole):
             return  # rank 0 decides when every rank releases
         done = self._in_flight.get(result.request_id)
         shipped_s = self._shipped_s.get(result.request_id)
+        num_bytes = len(done.block_ids) * self._block_bytes if done else 0
+        if self.drafts is not None:
+            num_bytes += self.drafts.num_blocks(result.request_id) * self._draft_block_bytes
         outcome = PrefillResult(
             result.request_id,
             result.status,
@@ -352,7 +344,7 @@ class PrefillRole(EngineRole):
             result.retryable,
             done.first_token if done else None,
             done.num_cached_tokens if done else 0,
-            len(done.block_ids) * self._block_bytes if done else 0,
+            num_bytes,
             time.monotonic() - shipped_s if shipped_s is not None else 0.0,
             self._queued_s.get(result.request_id, 0.0),
             done.prompt_logprobs if done else None,

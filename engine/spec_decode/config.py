@@ -12,6 +12,14 @@ from engine.errors import InvalidInputError
 METHODS = ("ngram", "draft_model")
 """Proposal methods this engine knows; EAGLE and MTP heads are future ones."""
 
+DRAFT_PREFILL = ("decode", "prefill", "auto")
+"""Where a disaggregated deployment computes the draft model's KV over a prompt: on the decode
+worker (its shadow catches up with the whole prompt at the first proposal), on the prefill
+worker (alongside the target's, shipped in the same transfer), or by prompt length."""
+
+DEFAULT_DRAFT_PREFILL = "decode"
+DEFAULT_DRAFT_PREFILL_MIN_TOKENS = 256
+
 FIELD = "speculative_config"
 
 
@@ -40,6 +48,13 @@ class SpeculativeConfig:
     """No proposals in a step after which more than this many requests decode (vLLM's key):
     a verification row costs about a decode token, so at large batches speculation stops
     paying. None: 4 on a CPU (measured: docs/speculative_decoding.md), no limit on a GPU."""
+    draft_prefill: str | None = None
+    """draft_model, disaggregated: where the draft's prompt KV is computed (`DRAFT_PREFILL`;
+    None: `DEFAULT_DRAFT_PREFILL`)."""
+    draft_prefill_min_tokens: int | None = None
+    """draft_prefill auto: prompts of at least this many tokens have the draft prefilled on
+    the prefill worker, shorter ones on the decode worker (None:
+    `DEFAULT_DRAFT_PREFILL_MIN_TOKENS`)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -58,8 +73,46 @@ class SpeculativeConfig:
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 _fail("model", "is required with method draft_model (the draft model's path)")
-        elif self.model is not None:
-            _fail("model", f"applies to method draft_model only; got it with {self.method!r}")
+        else:
+            for key in ("model", "draft_prefill", "draft_prefill_min_tokens"):
+                if getattr(self, key) is not None:
+                    _fail(key, f"applies to method draft_model only; got it with {self.method!r}")
+        if self.draft_prefill is not None and self.draft_prefill not in DRAFT_PREFILL:
+            _fail(
+                "draft_prefill",
+                f"must be one of {', '.join(DRAFT_PREFILL)}; got {self.draft_prefill!r}",
+            )
+        if self.draft_prefill_min_tokens is not None:
+            _check_int("draft_prefill_min_tokens", self.draft_prefill_min_tokens, 1, 1 << 24)
+            if self.draft_prefill_mode != "auto":
+                _fail(
+                    "draft_prefill_min_tokens",
+                    f"applies to draft_prefill auto only; got it with {self.draft_prefill_mode!r}",
+                )
+
+    @property
+    def draft_prefill_mode(self) -> str:
+        """`draft_prefill`, or its default."""
+        return self.draft_prefill or DEFAULT_DRAFT_PREFILL
+
+    @property
+    def drafts_on_prefill(self) -> bool:
+        """Whether a prefill worker may compute the draft's prompt KV (draft_model, with
+        draft_prefill prefill or auto): it loads the draft, and the KV channel carries the
+        draft's layers."""
+        return self.method == "draft_model" and self.draft_prefill_mode != "decode"
+
+    def prefills_draft_remotely(self, num_prompt_tokens: int) -> bool:
+        """Whether the prefill worker computes the draft's KV over a prompt of this length
+        (both sides of a transfer decide alike: the prefill worker ships it, the decode
+        worker reserves draft blocks for it)."""
+        mode = self.draft_prefill_mode
+        if self.method != "draft_model" or mode == "decode":
+            return False
+        if mode == "prefill":
+            return True
+        threshold = self.draft_prefill_min_tokens or DEFAULT_DRAFT_PREFILL_MIN_TOKENS
+        return num_prompt_tokens >= threshold
 
     @classmethod
     def from_dict(cls, value: Any) -> Self:

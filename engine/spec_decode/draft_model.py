@@ -8,6 +8,12 @@ shadow is brought back to the longest prefix it shares with the target's tokens:
 (rejected guesses) is recomputed, tokens the target added are computed in one chunk with the
 first guess. Greedy guesses are a point mass, so verification is the same as ngram's.
 
+Disaggregated, the draft's KV over a prompt may come from the prefill worker instead
+(`SpeculativeConfig.draft_prefill`): there `prefill_prompts` computes it beside the target's and
+the blocks travel in the same transfer; on the decode worker `reserve_prompt` gives the
+transfer draft blocks (held by the request's shadow) and `prompt_received` starts the shadow
+with the prompt computed, so its first proposal computes only the tokens after the prompt.
+
 Runs on the engine thread; refuses a draft whose vocabulary differs from the target's, and
 tensor parallelism (the draft is not sharded).
 """
@@ -15,6 +21,7 @@ tensor parallelism (the draft is not sharded).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
@@ -112,6 +119,55 @@ class DraftModelProposer(Proposer):
         if shadow is not None:
             self.kv.free(shadow)
             self.runner.remove_requests([request_id])
+
+    # -- disaggregation: the draft's prompt KV computed on the prefill worker ------------------
+
+    def prefill_prompts(self, prompts: Sequence[tuple[str, Sequence[int]]]) -> dict[str, list[int]]:
+        """Prefill side: compute the draft's KV over each whole prompt (in chunks within the
+        token budget, at most `max_num_seqs` requests a pass) and return each one's blocks in
+        the draft's pool, in prompt order. A prompt the pool cannot hold is left out (the
+        decode worker then computes the draft itself). The blocks stay held until `release`."""
+        shadows = []
+        for request_id, prompt in prompts:
+            shadow = Request(request_id, list(prompt), _GREEDY, max_tokens=1 << 30)
+            if self._allocate(shadow, shadow.num_tokens):
+                self._shadows[request_id] = shadow
+                shadows.append(shadow)
+        budget, max_seqs = self.target.max_num_batched_tokens, self.target.max_num_seqs
+        for first in range(0, len(shadows), max_seqs):
+            group = shadows[first : first + max_seqs]
+            while pending := [s for s in group if s.num_computed_tokens < s.num_tokens]:
+                batch, room = [], budget
+                for shadow in pending:
+                    if room > 0:
+                        num_new = min(shadow.num_tokens - shadow.num_computed_tokens, room)
+                        batch.append((shadow, num_new))
+                        room -= num_new
+                self._run(batch)
+            self.runner.remove_requests([s.request_id for s in group])
+        return {s.request_id: self.kv.get_block_ids(s.request_id) for s in shadows}
+
+    def reserve_prompt(self, request_id: str, prompt: Sequence[int]) -> list[int] | None:
+        """Decode side: blocks of the draft's pool for a prompt whose draft KV a prefill worker
+        sends, held by the request's shadow (freed by `release`); None when the pool cannot
+        hold them (the shadow then catches up here)."""
+        shadow = Request(request_id, list(prompt), _GREEDY, max_tokens=1 << 30)
+        if not self._allocate(shadow, shadow.num_tokens):
+            return None
+        self._shadows[request_id] = shadow
+        return self.kv.get_block_ids(request_id)
+
+    def prompt_received(self, request_id: str, received: bool) -> None:
+        """Decode side: the prompt's transfer ended. `received`: the draft's KV is in the
+        blocks `reserve_prompt` gave (the shadow starts with the prompt computed); otherwise
+        they are freed and the shadow catches up at the first proposal."""
+        shadow = self._shadows.get(request_id)
+        if shadow is None:
+            return
+        if received:
+            shadow.num_computed_tokens = shadow.num_tokens
+        else:
+            self.release(request_id)
 
     def _sync(self, request: Request) -> Request | None:
         """The request's shadow, its tokens the request's and its KV valid up to the prefix

@@ -18,11 +18,12 @@ from cluster_auth.handshake import challenge
 from cluster_auth.refusals import RefusalLog
 from kv_transfer import sockio
 from kv_transfer.config import ReceiverConfig
-from kv_transfer.inbox import Arrival, InboxKVReceiver
+from kv_transfer.inbox import Arrival, Expected, InboxKVReceiver
+from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
 from kv_transfer.staging import StagingLease, StagingPool
 from kv_transfer.tcp.config import TcpReceiverConfig, check_caches
-from kv_transfer.tcp.framing import TICK_S, configure, frame, kv_rows, read_frame, wait_readable
+from kv_transfer.tcp.framing import TICK_S, configure, frame, read_frame, wait_readable
 from kv_transfer.tcp.probe import MAX_PROBE_BYTES
 from kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
 
@@ -38,8 +39,8 @@ class Incoming:
     """A transfer a channel is receiving."""
 
     arrival: Arrival
-    expected: tuple[list[int], float] | None  # the `expect` entry it lands in directly, or None
-    rows: torch.Tensor | None  # direct: rows of the reserved blocks
+    expected: Expected | None  # the `expect` entry it lands in directly, or None
+    layers: PagedLayers | None  # direct: the reserved blocks (draft layers past them: dropped)
     lease: StagingLease | None  # staged: the channel thread's hold on the buffer
     trailer: bool = False  # the metadata follows the KV
     meta: dict[str, Any] | None = None  # the trailer, once it came
@@ -66,12 +67,16 @@ class TcpKVReceiver(InboxKVReceiver):
     config_type: ClassVar[type[ReceiverConfig]] = TcpReceiverConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TcpReceiverConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: TcpReceiverConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
         """Listen on `config.host:port` (0: a free port). `address` is what senders dial:
         `advertise_host` (default `host`) and the bound port."""
-        check_caches(kv_caches)
-        super().__init__(kv_caches, layout, stale_after_s=config.timeout_s)
+        check_caches(kv_caches + (draft_caches or []))
+        super().__init__(kv_caches, layout, config.timeout_s, draft_caches)
         self.config = config
         self.timeout_s = config.timeout_s
         self._staging = StagingPool(kv_caches[0].device)
@@ -180,8 +185,9 @@ class TcpKVReceiver(InboxKVReceiver):
         kind, request_id = header.get("type"), header.get("request_id", "")
         if kind == "xfer":
             channel.incoming[request_id] = self._open(
-                channel, sender, request_id, header["num_blocks"], header["meta"], header["trailer"]
-            )
+                channel, sender, request_id, header["num_blocks"], header["meta"],
+                header["trailer"], bool(header.get("draft")),
+            )  # fmt: skip
             self.deliver(request_id, channel.incoming[request_id].arrival)
         elif kind == "kv":
             start, end, nbytes = header["start"], header["end"], header["nbytes"]
@@ -214,37 +220,44 @@ class TcpKVReceiver(InboxKVReceiver):
         num_blocks: int,
         meta: dict[str, Any] | None,
         trailer: bool,
+        draft: bool = False,
     ) -> Incoming:
         first = self.kv_caches[0]
-        if not 1 <= num_blocks <= first.shape[1]:
-            raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks")
-        shape = (
-            len(self.kv_caches),
-            2,
-            num_blocks,
-            first.shape[2],
-            sender.heads_per_rank,
-            first.shape[4],
-        )
+        if not 1 <= num_blocks <= first.shape[1] or (draft and sender.draft is None):
+            raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks, draft {draft}")
+        shapes = [(len(self.kv_caches), 2, num_blocks, first.shape[2], sender.heads_per_rank,
+                   first.shape[4])]  # fmt: skip
+        if draft:
+            assert sender.draft is not None
+            d = sender.draft
+            shapes.append((d.num_layers, 2, num_blocks, first.shape[2], d.num_kv_heads, d.head_dim))
         with self._lock:
             expected = self._expected.get(request_id)
         direct = (
             expected is not None
-            and len(expected[0]) >= num_blocks
+            and len(expected.block_ids) >= num_blocks
             and receiver_head_slice(sender, self.layout) is None
         )
-        lease = rows = None
+        lease = layers = None
         if direct:
             assert expected is not None
-            blocks = torch.empty(shape, dtype=first.dtype, device="meta")  # nothing staged
-            ids = torch.tensor(expected[0][:num_blocks], dtype=torch.long)
-            rows = kv_rows(ids, first.shape[1])
+            parts = [torch.empty(shape, dtype=first.dtype, device="meta") for shape in shapes]
+            draft_ids = expected.draft_block_ids if draft else None
+            if draft_ids is not None and len(draft_ids) < num_blocks:
+                draft_ids = None  # a reservation too small for it: the draft's KV is dropped
+            layers = PagedLayers.of_ids(
+                self.kv_caches, expected.block_ids[:num_blocks], self.draft_caches,
+                draft_ids[:num_blocks] if draft_ids is not None else None,
+            )  # fmt: skip
         else:
-            blocks = self._staging.take(shape, first.dtype)
-            lease = StagingLease(self._staging, blocks)
-        arrival = Arrival(blocks, sender, meta, lambda: None, time.monotonic(), layers_ready=0)
+            parts = self._staging.take_parts(shapes, first.dtype)
+            lease = StagingLease(self._staging, parts[0])
+        arrival = Arrival(
+            parts[0], sender, meta, lambda: None, time.monotonic(), layers_ready=0,
+            draft_blocks=parts[1] if draft else None,
+        )  # fmt: skip
         arrival.release = lease.release if lease is not None else None
-        incoming = Incoming(arrival, expected if direct else None, rows, lease, trailer)
+        incoming = Incoming(arrival, expected if direct else None, layers, lease, trailer)
 
         def acknowledge() -> None:
             try:
@@ -268,14 +281,17 @@ class TcpKVReceiver(InboxKVReceiver):
     ) -> None:
         incoming = channel.incoming[request_id]
         arrival = incoming.arrival
-        want = (end - start) * arrival.blocks[0].numel() * arrival.blocks.element_size()
+        try:
+            want = arrival.layers(start, end).nbytes
+        except ValueError:  # not within one group
+            want = -1
         if not 0 <= start < end <= arrival.num_layers or nbytes != want:
             raise ConnectionError(
                 f"kv frame of {request_id}: layers [{start}, {end}), {nbytes} bytes"
             )
-        if incoming.rows is None:  # staged: the engine thread scatters it
+        if incoming.layers is None:  # staged: the engine thread scatters it
             assert incoming.lease is not None
-            staging = sockio.buffer_iovecs(arrival.blocks[start:end])
+            staging = sockio.buffer_iovecs(arrival.layers(start, end))
             channel.stripes.move(staging, send=False, stripes=stripes)
             self.progress(arrival, end)
         else:
@@ -288,8 +304,11 @@ class TcpKVReceiver(InboxKVReceiver):
             else:
                 landed = False
                 try:
-                    iov = sockio.row_iovecs(self.kv_caches[start:end], incoming.rows)
-                    channel.stripes.move(iov, send=False, stripes=stripes)
+                    if end <= incoming.layers.num_layers:
+                        iov = incoming.layers.row_iovecs(start, end)
+                        channel.stripes.move(iov, send=False, stripes=stripes)
+                    else:  # draft layers with no draft blocks reserved
+                        self._drain(channel, nbytes, stripes)
                     landed = True
                 finally:
                     with self._written:

@@ -13,10 +13,9 @@ from typing import Any, ClassVar
 import torch
 
 from cluster_auth.handshake import respond
-from kv_transfer import sockio
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.chunks import layer_chunks
 from kv_transfer.config import SenderConfig
+from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.link_probe import LinkProber
 from kv_transfer.outbox import Outbox
@@ -24,7 +23,6 @@ from kv_transfer.tcp.config import TcpSenderConfig, check_caches
 from kv_transfer.tcp.framing import (
     configure,
     frame,
-    kv_rows,
     read_frame,
     readable,
     split_address,
@@ -41,8 +39,7 @@ class Job:
     """One request's transfer, as the channel's send thread works through it."""
 
     request_id: str
-    rows: torch.Tensor  # [2n] long: K rows, then V rows
-    num_blocks: int
+    layers: PagedLayers  # the target's blocks, and the draft's when it carries them
     chunks: list[tuple[int, int]]  # [start, end) layers per `kv` frame
     meta: dict[str, Any] | None
     trailer: bool
@@ -84,12 +81,17 @@ class TcpKVSender(KVSender):
     config_type: ClassVar[type[SenderConfig]] = TcpSenderConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TcpSenderConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: TcpSenderConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
-        check_caches(kv_caches)
+        check_caches(kv_caches + (draft_caches or []))
         self.config = config
         self.stripes = config.stripes
         self.kv_caches = kv_caches
+        self.draft_caches = draft_caches
         self.layout = layout
         self.name = config.name
         self.timeout_s = config.timeout_s
@@ -160,16 +162,25 @@ class TcpKVSender(KVSender):
         block_ids: list[int],
         dest: str,
         meta: dict[str, Any] | None = None,
+        draft_block_ids: list[int] | None = None,
     ) -> None:
-        opened = self._open(request_id, block_ids, dest, meta, trailer=False)
+        opened = self._open(request_id, block_ids, dest, meta, False, draft_block_ids)
         if opened is not None:
             channel, job = opened
-            job.mark_computed(0, len(self.kv_caches))
+            job.mark_computed(0, job.layers.num_layers)
             channel.jobs.put([job])
 
-    def begin(self, request_id: str, block_ids: list[int], dest: str) -> bool:
-        opened = self._open(request_id, block_ids, dest, None, trailer=True)
+    def begin(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        dest: str,
+        draft_block_ids: list[int] | None = None,
+    ) -> bool:
+        opened = self._open(request_id, block_ids, dest, None, True, draft_block_ids)
         if opened is not None:
+            job = opened[1]
+            job.mark_computed(len(self.kv_caches), job.layers.num_layers)  # the draft's: ready
             self._streaming.append(opened)
             self._trailers[request_id] = opened[1]
         return True
@@ -204,13 +215,11 @@ class TcpKVSender(KVSender):
         dest: str,
         meta: dict[str, Any] | None,
         trailer: bool,
+        draft_block_ids: list[int] | None = None,
     ) -> tuple[SendChannel, Job] | None:
         """A transfer for the caller to queue; None when `dest` is unreachable (reported
         FAILED by `poll`)."""
-        num_blocks = self.kv_caches[0].shape[1]
-        bad = [b for b in block_ids if not 0 <= b < num_blocks]
-        if bad:
-            raise ValueError(f"block_ids: {bad[0]} is not in [0, {num_blocks})")
+        layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
         try:
             channel = self.connect(dest)
         except HandshakeError:
@@ -220,17 +229,10 @@ class TcpKVSender(KVSender):
                 TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
             )
             return None
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        num_layers = len(self.kv_caches)
         # Layer-wise: a frame per chunk of layers, each sent once the pass wrote it. Whole: one
-        # frame; between frames both sides stop for a header, and those pauses cost a 256-block
-        # SmolLM2 transfer ~25% of its time as 30 one-layer frames.
-        chunks = (
-            layer_chunks(num_layers, 2 * len(block_ids) * self.kv_caches[0][0, 0].nbytes)
-            if trailer
-            else [(0, num_layers)]
-        )
-        job = Job(request_id, kv_rows(ids, num_blocks), len(block_ids), chunks, meta, trailer)
+        # frame (per group); between frames both sides stop for a header, and those pauses cost
+        # a 256-block SmolLM2 transfer ~25% of its time as 30 one-layer frames.
+        job = Job(request_id, layers, layers.chunks(whole=not trailer), meta, trailer)
         self._outbox.open(request_id, channel, dest=dest)
         if self._prober is not None:
             self._prober.start(dest)  # the first transfer there, or a retry: off this thread
@@ -272,7 +274,8 @@ class TcpKVSender(KVSender):
                     {
                         "type": "xfer",
                         "request_id": job.request_id,
-                        "num_blocks": job.num_blocks,
+                        "num_blocks": job.layers.block_ids.numel(),
+                        "draft": job.layers.num_draft > 0,
                         "meta": job.meta,
                         "trailer": job.trailer,
                     }
@@ -295,8 +298,7 @@ class TcpKVSender(KVSender):
                 dropped.add(job.request_id)
                 continue
             start, end = job.chunks[k]
-            layers = self.kv_caches[start:end]
-            nbytes = len(layers) * job.rows.numel() * layers[0][0, 0].nbytes
+            nbytes = job.layers.nbytes(start, end)
             stripes = channel.stripes.count(nbytes)
             header = {
                 "type": "kv",
@@ -306,7 +308,7 @@ class TcpKVSender(KVSender):
                 "nbytes": nbytes,
                 "stripes": stripes,
             }
-            iov = sockio.row_iovecs(layers, job.rows)
+            iov = job.layers.row_iovecs(start, end)
             channel.stripes.move(iov, send=True, stripes=stripes, head=frame(header))
             self._outbox.sent_chunk(job.request_id)
         for job in live:

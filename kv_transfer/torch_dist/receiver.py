@@ -43,11 +43,15 @@ class TorchDistKVReceiver(InboxKVReceiver):
     config_type: ClassVar[type[ReceiverConfig]] = TorchDistReceiverConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TorchDistReceiverConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: TorchDistReceiverConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
         """Host the store on `config.host:port` (0: a free port). `address` is what senders
         dial: `advertise_host` (default `host`) and the bound port."""
-        super().__init__(kv_caches, layout, stale_after_s=config.timeout_s)
+        super().__init__(kv_caches, layout, config.timeout_s, draft_caches)
         self.config = config
         self.timeout_s = config.timeout_s
         self.emulate_nccl = config.emulate_nccl
@@ -184,16 +188,21 @@ class TorchDistKVReceiver(InboxKVReceiver):
         try:
             for transfer in transfers:
                 request_id = transfer["request_id"]
-                buf = self._staging.take(tuple(transfer["shape"]), self.kv_caches[0].dtype)
-                lease = StagingLease(self._staging, buf)
+                shapes = [tuple(transfer["shape"])]
+                draft_shape = transfer.get("draft_shape")
+                if draft_shape is not None:
+                    shapes.append(tuple(draft_shape))
+                parts = self._staging.take_parts(shapes, self.kv_caches[0].dtype)
+                lease = StagingLease(self._staging, parts[0])
                 arrival = Arrival(
-                    buf,
+                    parts[0],
                     sender,
                     transfer["meta"],
                     functools.partial(self._relay.acknowledge, store, ack_key(cid, request_id)),
                     time.monotonic(),
                     layers_ready=0,
                     release=lease.release,
+                    draft_blocks=parts[1] if draft_shape is not None else None,
                 )
                 if transfer["trailer"]:
                     self._await_trailer(arrival, store, meta_key(cid, request_id))
@@ -204,7 +213,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
             landings = []
             for t, k in sender_order(header):
                 start, end, tag = transfers[t]["chunks"][k]
-                link.recv(posted[t][1].blocks[start:end], tag)
+                link.recv(posted[t][1].layers(start, end), tag)
                 landings.append((t, end, link.record()))
             # Each chunk is reported once its event says it landed; each within the timeout.
             for t, end, event in landings:

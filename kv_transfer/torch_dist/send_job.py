@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.blocks import gather_blocks
+from kv_transfer.layers import PagedLayers, staged_view
 from kv_transfer.torch_dist.channel import Channel
 from kv_transfer.torch_dist.link import LinkEvent
 
@@ -18,9 +18,10 @@ from kv_transfer.torch_dist.link import LinkEvent
 class SendJob:
     request_id: str
     channel: Channel
-    block_ids: torch.Tensor  # [n] long, on the caches' device
+    layers: PagedLayers  # the target's blocks, and the draft's when it carries them
     blocks: torch.Tensor  # [L, 2, n, BS, h, D], a staging buffer being filled
-    chunks: list[tuple[int, int]]  # [start, end) layers per message
+    draft_blocks: torch.Tensor | None  # [Ld, 2, n, BS, hd, Dd], in the same buffer
+    chunks: list[tuple[int, int]]  # [start, end) layers per message (within one group)
     tags: list[int]
     meta: dict[str, Any] | None
     trailer: bool  # layer-wise: the metadata follows under a store key (`finish`)
@@ -39,15 +40,21 @@ class SendJob:
         return {
             "request_id": self.request_id,
             "shape": list(self.blocks.shape),
+            "draft_shape": list(self.draft_blocks.shape) if self.draft_blocks is not None else None,
             "chunks": [[s, e, t] for (s, e), t in zip(self.chunks, self.tags, strict=True)],
             "meta": self.meta,
             "trailer": self.trailer,
         }
 
-    def gather(self, kv_caches: list[torch.Tensor], start: int, end: int) -> None:
+    def chunk(self, k: int) -> torch.Tensor:
+        """Chunk k's staged layers."""
+        start, end = self.chunks[k]
+        return staged_view(self.blocks, self.draft_blocks, start, end)
+
+    def gather(self, start: int, end: int) -> None:
         """Gather layers [start, end) (the caller's thread); mark the chunks they complete."""
         try:
-            gather_blocks(kv_caches[start:end], self.block_ids, out=self.blocks[start:end])
+            self.layers.gather(start, end, self.blocks, self.draft_blocks)
         except BaseException:
             self.fail_gather()
             raise

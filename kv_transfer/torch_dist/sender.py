@@ -18,8 +18,8 @@ import torch.distributed as dist
 from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
 from engine.device import bind_thread
 from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.chunks import layer_chunks
 from kv_transfer.config import SenderConfig
+from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from kv_transfer.link_probe import LinkProber
 from kv_transfer.outbox import Outbox
@@ -46,10 +46,15 @@ class TorchDistKVSender(KVSender):
     config_type: ClassVar[type[SenderConfig]] = TorchDistSenderConfig
 
     def __init__(
-        self, kv_caches: list[torch.Tensor], layout: KVLayout, config: TorchDistSenderConfig
+        self,
+        kv_caches: list[torch.Tensor],
+        layout: KVLayout,
+        config: TorchDistSenderConfig,
+        draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
         self.config = config
         self.kv_caches = kv_caches
+        self.draft_caches = draft_caches
         self.layout = layout
         self.name = config.name
         self.timeout_s = config.timeout_s
@@ -134,16 +139,24 @@ class TorchDistKVSender(KVSender):
         block_ids: list[int],
         dest: str,
         meta: dict[str, Any] | None = None,
+        draft_block_ids: list[int] | None = None,
     ) -> None:
-        job = self._open(request_id, block_ids, dest, meta, trailer=False)
+        job = self._open(request_id, block_ids, dest, meta, False, draft_block_ids)
         if job is not None:  # the header goes out and chunks follow while we gather
             self._jobs.put([job])
-            job.gather(self.kv_caches, 0, len(self.kv_caches))
+            job.gather(0, job.layers.num_layers)
         # the caller may reuse its blocks from here on
 
-    def begin(self, request_id: str, block_ids: list[int], dest: str) -> bool:
-        job = self._open(request_id, block_ids, dest, None, trailer=True)
+    def begin(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        dest: str,
+        draft_block_ids: list[int] | None = None,
+    ) -> bool:
+        job = self._open(request_id, block_ids, dest, None, True, draft_block_ids)
         if job is not None:
+            job.gather(len(self.kv_caches), job.layers.num_layers)  # the draft's: ready now
             self._streaming.append(job)
         return True
 
@@ -154,7 +167,7 @@ class TorchDistKVSender(KVSender):
         if layer == len(self.kv_caches) - 1:
             self._streaming = []
         for job in streaming:
-            job.gather(self.kv_caches, layer, layer + 1)
+            job.gather(layer, layer + 1)
 
     def finish(self, request_id: str, meta: dict[str, Any] | None = None) -> None:
         channel = self._outbox.channel_of(request_id)
@@ -174,6 +187,7 @@ class TorchDistKVSender(KVSender):
         dest: str,
         meta: dict[str, Any] | None,
         trailer: bool,
+        draft_block_ids: list[int] | None = None,
     ) -> SendJob | None:
         """A transfer for the caller to queue and gather; None when `dest` is unreachable
         (reported FAILED by `poll`)."""
@@ -186,19 +200,22 @@ class TorchDistKVSender(KVSender):
                 TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
             )
             return None
+        # NOTE: ids checked here: a chunk that fails to gather would leave the channel out of step
+        layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
         first = self.kv_caches[0]
-        num_blocks = first.shape[1]
-        bad = [b for b in block_ids if not 0 <= b < num_blocks]
-        if bad:  # caught here: a chunk that fails to gather would leave the channel out of step
-            raise ValueError(f"block_ids: {bad[0]} is not in [0, {num_blocks})")
-        shape = (len(self.kv_caches), 2, len(block_ids), *first.shape[2:])
-        blocks = self._staging.take(shape, first.dtype)
-        chunks = layer_chunks(len(self.kv_caches), blocks[0].nbytes)
+        shapes = [(len(self.kv_caches), 2, len(block_ids), *first.shape[2:])]
+        if layers.num_draft:
+            assert self.draft_caches is not None
+            draft = self.draft_caches[0]
+            shapes.append((len(self.draft_caches), 2, len(block_ids), *draft.shape[2:]))
+        parts = self._staging.take_parts(shapes, first.dtype)
+        chunks = layers.chunks()
         job = SendJob(
             request_id,
             channel,
-            torch.tensor(block_ids, dtype=torch.long, device=first.device),
-            blocks,
+            layers,
+            parts[0],
+            parts[1] if layers.num_draft else None,
             chunks,
             [next(channel.tags) for _ in chunks],
             meta,
@@ -266,8 +283,7 @@ class TorchDistKVSender(KVSender):
             try:
                 if not job.gathered[k].wait(self.timeout_s) or job.gather_failed:
                     raise RuntimeError("gathering the blocks failed")
-                start, end = job.chunks[k]
-                channel.link.send(job.blocks[start:end], job.tags[k], after=job.events[k])
+                channel.link.send(job.chunk(k), job.tags[k], after=job.events[k])
                 self._outbox.sent_chunk(job.request_id)
                 if k == len(job.chunks) - 1:
                     job.sent = channel.link.record()

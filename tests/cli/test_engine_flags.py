@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,29 @@ def test_only_decode_workers_get_the_speculative_config() -> None:
     prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
     assert decode.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
     assert prefill.speculative_config is None
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill", "auto"])
+def test_prefill_workers_get_a_draft_they_prefill(
+    where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With draft_prefill prefill or auto the prefill workers load the draft too (to compute its
+    prompt KV), which refuses prefill tensor parallelism naming the key."""
+    draft = {"method": "draft_model", "model": "d", "draft_prefill": where}
+    parser, args = parse(["serve", "--disaggregated", "--speculative-config", json.dumps(draft)])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
+    assert prefill.speculative_config == (None if where == "decode" else draft)
+    parser, args = parse(
+        ["serve", "--disaggregated", "--prefill-tp", "2", "--speculative-config", json.dumps(draft)]
+    )
+    if where == "decode":
+        assert check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+        return
+    with pytest.raises(SystemExit):
+        check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    err = capsys.readouterr().err
+    assert f"--speculative-config: 'draft_prefill' '{where}' prefills the draft on" in err
 
 
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(

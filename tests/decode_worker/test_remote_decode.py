@@ -72,8 +72,8 @@ def spy_begun(prefill):
     begun = []
     begin = prefill.sender.begin
 
-    def spy(request_id, block_ids, dest):
-        streamed = begin(request_id, block_ids, dest)
+    def spy(request_id, block_ids, dest, draft_block_ids=None):
+        streamed = begin(request_id, block_ids, dest, draft_block_ids)
         if streamed:
             begun.append(request_id)
         return streamed

@@ -63,6 +63,10 @@ def test_ngram_lookup(tokens, n_min, n_max, k, expected):
         ({"method": "ngram", "min_acceptance_rate": 1.5}, "'min_acceptance_rate' must be"),
         ({"method": "ngram", "model": "/x"}, "'model' applies to method draft_model only"),
         ({"method": "draft_model"}, "'model' is required with method draft_model"),
+        ({"method": "ngram", "draft_prefill": "prefill"},
+         "'draft_prefill' applies to method draft_model only; got it with 'ngram'"),
+        ({"method": "draft_model", "model": "/x", "draft_prefill": 1},
+         "'draft_prefill' must be one of decode, prefill, auto; got 1"),
         ([1], "must be a JSON object"),
     ],
 )  # fmt: skip
@@ -79,6 +83,21 @@ def test_speculative_config_from_dict():
     ).speculative()
     assert config == SpeculativeConfig("ngram", 4, 2, 3)
     assert EngineConfig().speculative() is None
+
+
+@pytest.mark.parametrize(
+    ("draft_prefill", "min_tokens", "remote"),
+    [(None, None, [False, False]), ("decode", None, [False, False]),
+     ("prefill", None, [True, True]), ("auto", None, [False, True]), ("auto", 100, [True, True])],
+)  # fmt: skip
+def test_where_the_draft_is_prefilled(draft_prefill, min_tokens, remote):
+    """By prompt length (100 and 256 tokens): auto ships it from 256 tokens by default."""
+    config = SpeculativeConfig(
+        "draft_model", model="/x", draft_prefill=draft_prefill, draft_prefill_min_tokens=min_tokens
+    )
+    assert [config.prefills_draft_remotely(n) for n in (100, 256)] == remote
+    assert config.drafts_on_prefill == (draft_prefill in ("prefill", "auto"))
+    assert not SpeculativeConfig("ngram").prefills_draft_remotely(1000)
 
 
 # -- verification --------------------------------------------------------------------------------
