@@ -104,18 +104,11 @@ def test_decode_is_bitwise_the_prefill_row(prompt, whole, position, batch):
     """The deterministic decode launch at a partition's last key, its next partition's first,
     and the prompt's last token; launched as for one request on an H100 (a program per
     partition, then a left fold) and as for a batch of 300 (one program walks them all)."""
-    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+    from engine.kernels.triton_decode import choose_splits
 
-    cache, query, blocks = prompt
     splits, partition = choose_splits(batch, KV_HEADS, position + 1, 132, True)
     assert (splits, partition) == ((position + 256) // 256 if batch == 1 else 1, 256)
-    q = query[position : position + 1].contiguous()
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(
-        out, q, cache, torch.arange(2, **I32), torch.tensor([position + 1], **I32),
-        torch.tensor([blocks], **I32), torch.zeros(1, **I32), HEAD_DIM**-0.5, splits, partition,
-    )  # fmt: skip
-    assert torch.equal(out[0], whole[position])
+    assert torch.equal(decode_row(prompt, position, batch), whole[position])
 
 
 def decode_row(prompt, position: int, batch: int) -> torch.Tensor:
