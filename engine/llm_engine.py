@@ -60,18 +60,12 @@ class LLMEngine:
         if self.device.type == "cpu":
             configure_cpu_runtime()
         self.dtype = config.resolve_dtype(self.device)
+        deterministic = config.resolve_deterministic(self.device)
         start = time.perf_counter()
         loaded = load_model(
-            config.model,
-            self.dtype,
-            self.device,
-            config.tokenizer,
-            config.hf_overrides,
-            config.load_progress and tp.rank == 0,
-            tp,
-            config.resolve_deterministic(self.device),
-            config.quantization_config(),
-        )
+            config.model, self.dtype, self.device, config.tokenizer, config.hf_overrides,
+            config.load_progress and tp.rank == 0, tp, deterministic, config.quantization_config(),
+        )  # fmt: skip
         self.model_name = loaded.name
         self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)
         self.arch = loaded.arch
@@ -80,7 +74,6 @@ class LLMEngine:
             config.max_model_len or loaded.arch.max_position_embeddings,
             loaded.arch.max_position_embeddings,
         )
-        arch = loaded.arch
         use_triton = self.device.type == "cuda" and (
             resolve_attention_backend(config.attention_backend, self.device, self.dtype) == "triton"
         )
@@ -101,7 +94,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            deterministic=config.resolve_deterministic(self.device),
+            deterministic=deterministic,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         target = TargetInfo(
@@ -130,7 +123,8 @@ class LLMEngine:
         self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
-            self.model_name, arch.architecture, str(self.dtype).removeprefix("torch."), self.device,
+            self.model_name, self.arch.architecture, str(self.dtype).removeprefix("torch."),
+            self.device,
             time.perf_counter() - start, self.num_blocks, config.block_size,
         )  # fmt: skip
 

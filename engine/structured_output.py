@@ -341,5 +341,14 @@ def bitmask_words(vocab_size: int) -> int:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the disallowed tokens' logits [N, V] to -inf in place; `bitmask` [N, words] int32 on
-    the logits' device (rows without a grammar hold all ones)."""
+    the logits' device (rows without a grammar hold all ones). fp32 on the CPU: duet's kernel
+    (engine/kernels/sampling_cpu.cpp: whole words at a time, rows in parallel); else
+    xgrammar's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        from engine.kernels.cpu import load_cpu_kernels
+
+        kernels = load_cpu_kernels()
+        if kernels is not None and logits.stride(-1) == 1 and bitmask.is_contiguous():
+            kernels.apply_token_bitmask(logits, bitmask)
+            return
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])

@@ -7,9 +7,14 @@ Each round times the same seeded prompts twice with `engine.LLM.generate`, uncon
 under `SCHEMA` (the order alternates between rounds, so drift of the machine falls on both),
 and reports output tokens/s of each and their ratio; the target is a constrained run at most
 10% slower. The constrained replies are checked against the schema, so a fast run that broke
-the grammar cannot pass for a result. Unconstrained requests use `ignore_eos` with the same
-`max_tokens`, so both sides generate comparable numbers of tokens (the constrained side ends
-where its JSON ends, or at `max_tokens`). The grammar is compiled once before timing (its
+the grammar cannot pass for a result.
+
+Both sides do the same work: a calibration pass (untimed) runs the constrained requests once
+and records how many tokens each row generated (its JSON ends, or `max_tokens` cuts it); the
+unconstrained request of that row then uses `ignore_eos` with exactly that `max_tokens`. So at
+every step both sides decode the same number of rows, and the ratio measures the grammar's
+cost alone, not a batch that shrinks on one side only (seeded sampling keeps each row's length
+the same in every round; the run checks it). The grammar is compiled once before timing (its
 first compile is reported on its own: `compile_s`). Results: benchmarks/results/structured.json.
 """
 
@@ -78,6 +83,11 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, int,
     return wall_s, sum(len(o.outputs[0].token_ids) for o in outs), texts
 
 
+def _row_lengths(llm: Any, prompts: list[list[int]], params: Any) -> list[int]:
+    """How many tokens each prompt's constrained reply has (seeded: the same every round)."""
+    return [len(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
 def run(
     llm: Any,
     batches: list[int],
@@ -104,20 +114,28 @@ def run(
             torch.randint(100, vocab - 100, (prompt_len,), generator=gen).tolist()
             for _ in range(batch)
         ]
-        params = {
-            "free": SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True),
-            "json": SamplingParams(
-                max_tokens=max_tokens, temperature=0.8, seed=1, structured_outputs=spec
-            ),
+        constrained = SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, seed=1, structured_outputs=spec
+        )
+        free = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=1, ignore_eos=True)
+        for sp in (free, constrained):  # warm-up: buffers, kernels, the grammar, both paths
+            _timed(llm, prompts[:1], dataclasses.replace(sp, max_tokens=8))
+        lengths = _row_lengths(llm, prompts, constrained)  # the calibration pass
+        params: dict[str, Any] = {
+            "json": [constrained] * batch,
+            "free": [dataclasses.replace(free, max_tokens=n) for n in lengths],
         }
-        for kind in params:  # warm-up: buffers, kernels, the grammar, both paths
-            _timed(llm, prompts[:1], dataclasses.replace(params[kind], max_tokens=8))
         per_round = []
         for r in range(rounds):
             order = ["free", "json"] if r % 2 == 0 else ["json", "free"]
             measured: dict[str, Any] = {"order": order}
             for kind in order:
                 wall_s, num_tokens, texts = _timed(llm, prompts, params[kind])
+                if num_tokens != sum(lengths):
+                    raise RuntimeError(
+                        f"batch {batch}, {kind}: {num_tokens} tokens, the calibration pass "
+                        f"gave {sum(lengths)}; the two sides would not do the same work"
+                    )
                 measured[kind] = {"wall_s": wall_s, "tokens": num_tokens,
                                   "tok_s": num_tokens / wall_s}  # fmt: skip
                 if kind == "json":
@@ -132,7 +150,7 @@ def run(
             measured["ratio"] = measured["json"]["tok_s"] / measured["free"]["tok_s"]
             per_round.append(measured)
         ratios = [m["ratio"] for m in per_round]
-        cells.append({"batch": batch, "rounds": per_round,
+        cells.append({"batch": batch, "rounds": per_round, "row_tokens": lengths,
                       "median_ratio": statistics.median(ratios)})  # fmt: skip
     return {"compile_s": compile_s, "cells": cells}
 

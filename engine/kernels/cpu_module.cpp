@@ -53,5 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per row: the first token whose cumulative probability (double) exceeds u * total");
   m.def("argmax_rows", &duet::argmax_rows,
         "torch.argmax(logits, -1) of float32 [rows, vocab]: first maximal index, NaN the max");
+  m.def("apply_token_bitmask", &duet::apply_token_bitmask,
+        "logits [rows, vocab] float32 in place: -inf where the int32 bitmask's bit is clear");
   m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
 }

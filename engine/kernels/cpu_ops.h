@@ -38,5 +38,8 @@ at::Tensor sample_inverse_cdf(at::Tensor probs, at::Tensor uniform);
 // torch.argmax(logits, dim=-1) of contiguous float32 [rows, vocab]: the first maximal index,
 // a NaN counting as the maximum.
 at::Tensor argmax_rows(at::Tensor logits);
+// A grammar's token bitmask (int32 [rows, ceil(vocab / 32)], bit set = allowed) applied to
+// float32 logits [rows, vocab] in place: -inf where the bit is clear.
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask);
 
 }  // namespace duet

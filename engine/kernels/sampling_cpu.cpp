@@ -11,6 +11,11 @@
 // - sample_inverse_cdf: the first token whose cumulative probability exceeds u * total, with
 //   the cumulative sum in double in token order, as torch's cumsum + searchsorted compute it,
 //   without materialising the [rows, vocab] double tensor.
+// - apply_token_bitmask: a grammar's bitmask (one bit per token, set = allowed) applied to the
+//   logits in place, -inf where the bit is clear. A word of 32 allowed tokens is skipped and
+//   a word of none is one fill, so a row without a grammar (all ones) costs a scan of its
+//   words; rows run in parallel. xgrammar's own CPU kernel tests every bit on one thread
+//   (about 0.3 ms a 49,152-token row on a 2-core Xeon).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "cpu_ops.h"
@@ -210,6 +216,41 @@ at::Tensor sample_inverse_cdf(at::Tensor probs, at::Tensor uniform) {
     }
   });
   return out;
+}
+
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(bitmask.device().is_cpu() && bitmask.scalar_type() == at::kInt &&
+                  bitmask.dim() == 2 && bitmask.is_contiguous() &&
+                  bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "bitmask must be a contiguous int32 CPU tensor [rows, ceil(vocab / 32)]");
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  const int64_t words = bitmask.size(1);
+  const int64_t row_stride = logits.stride(0);
+  float* base = logits.data_ptr<float>();
+  const uint32_t* masks = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = base + r * row_stride;
+      const uint32_t* mask = masks + r * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t bits = mask[w];
+        if (bits == 0xFFFFFFFFu) continue;
+        const int64_t first = w * 32;
+        const int64_t n = std::min<int64_t>(32, vocab - first);
+        if (bits == 0) {
+          std::fill(row + first, row + first + n, neg_inf);
+          continue;
+        }
+        for (int64_t b = 0; b < n; ++b)
+          if (!((bits >> b) & 1u)) row[first + b] = neg_inf;
+      }
+    }
+  });
 }
 
 }  // namespace duet

@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 import torch
+import xgrammar as xgr
 
 from engine import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
 
@@ -179,6 +180,30 @@ def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
         text = llm.tokenizer.decode(tokens)
         assert "\ufffd" not in text
         jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("vocab", [32, 49152, 1000])
+def test_the_cpu_bitmask_kernel_equals_xgrammars(vocab: int) -> None:
+    """duet's C++ mask (whole words at a time) sets exactly the logits xgrammar's own kernel
+    sets: random words, all-allowed and none-allowed rows, a partial last word, strided rows."""
+    from engine.kernels.cpu import load_cpu_kernels
+    from engine.structured_output import apply_bitmask, bitmask_words
+
+    assert load_cpu_kernels() is not None  # else apply_bitmask is xgrammar's: nothing proven
+    gen = torch.Generator().manual_seed(vocab)
+    words = bitmask_words(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int32)
+    bitmask[1] = -1  # every token allowed (a row without a grammar)
+    bitmask[2] = 0  # none
+    bitmask[3, ::2] = 0
+    wide = torch.randn(5, vocab + 7, generator=gen)
+    ours, theirs = wide[:, :vocab], wide[:, :vocab].contiguous()  # ours: row stride > vocab
+    apply_bitmask(ours, bitmask)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    assert torch.equal(ours, theirs)
+    assert torch.isinf(ours[2]).all() and not torch.isinf(ours[1]).any()
+    allowed = ((bitmask[0, torch.arange(vocab) // 32] >> (torch.arange(vocab) % 32)) & 1) == 1
+    assert torch.equal(~torch.isinf(ours[0]), allowed)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """`python -m benchmarks.structured` on the tiny model with tiny settings: the rounds alternate,
-ratios are what the timings say, and the constrained replies are checked against the schema."""
+ratios are what the timings say, both sides generate the same tokens per row, and the
+constrained replies are checked against the schema."""
 
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ def test_a_tiny_run(tiny_llama: str) -> None:
         assert [r["order"] for r in cell["rounds"]] == [["free", "json"], ["json", "free"]]
         for r in cell["rounds"]:
             assert r["ratio"] == pytest.approx(r["json"]["tok_s"] / r["free"]["tok_s"])
-            assert r["free"]["tokens"] == 40 * cell["batch"]  # ignore_eos: all of max_tokens
+            # Equal work: each free row runs (ignore_eos) exactly as long as its JSON row.
+            assert r["free"]["tokens"] == r["json"]["tokens"] == sum(cell["row_tokens"])
             assert r["json"]["num_valid"] == cell["batch"]  # 40 tokens hold the whole object
+        assert len(cell["row_tokens"]) == cell["batch"]
+        assert all(0 < n < 40 for n in cell["row_tokens"])  # the objects ended, not max_tokens
         assert cell["median_ratio"] == pytest.approx(
             sorted(r["ratio"] for r in cell["rounds"])[0] / 2
             + sorted(r["ratio"] for r in cell["rounds"])[1] / 2
