@@ -117,16 +117,33 @@ struct BF16 {
   }
 };
 
+// The low and the high half of v's lanes, by shuffles: copying them out with memcpy took v's
+// address, and GCC then kept every accumulator that reached a reduction on the stack (the
+// dense kernel's 16 accumulators: a load and a store around each FMA).
+template <int W>
+inline typename Vec<W / 2>::F low_half(typename Vec<W>::F v) {
+  if constexpr (W == 2) return __builtin_shufflevector(v, v, 0);
+  if constexpr (W == 4) return __builtin_shufflevector(v, v, 0, 1);
+  if constexpr (W == 8) return __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  if constexpr (W == 16) return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+template <int W>
+inline typename Vec<W / 2>::F high_half(typename Vec<W>::F v) {
+  if constexpr (W == 2) return __builtin_shufflevector(v, v, 1);
+  if constexpr (W == 4) return __builtin_shufflevector(v, v, 2, 3);
+  if constexpr (W == 8) return __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  if constexpr (W == 16) return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
 // Horizontal reductions by halving: vextractf128 + one operation per step on x86.
 template <int W, typename Op>
 inline float hreduce(typename Vec<W>::F v, Op op) {
+  static_assert(W == 1 || W == 2 || W == 4 || W == 8 || W == 16, "1 to 16 lanes");
   if constexpr (W == 1) {
     return v[0];
   } else {
-    typename Vec<W / 2>::F lo, hi;
-    std::memcpy(&lo, &v, sizeof(lo));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(lo), sizeof(hi));
-    return hreduce<W / 2>(op(lo, hi), op);
+    return hreduce<W / 2>(op(low_half<W>(v), high_half<W>(v)), op);
   }
 }
 

@@ -16,7 +16,11 @@
 //
 // Register blocking: kCols channels x kRows rows per tile; each weight vector feeds kRows FMAs
 // and each activation vector kCols. Threads split the output channels; a tile's weights
-// (kCols x K x 2 bytes) stay in cache while every row tile passes over them.
+// (kCols x K x 2 bytes) stay in cache while every row tile passes over them. Cache blocking:
+// the rows go in blocks of about kBlockBytes of activations, so a block stays in L2 while
+// every channel tile passes over it (unblocked, each channel tile streamed all M rows from L3
+// or memory: 4.8x slower than MKL at 1024 rows of SmolLM2's gate_up on a 2-core Xeon). No
+// blocking changes an element's reduction order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -88,28 +92,35 @@ void rows_tail(const Args<E>& a, int64_t r0, int64_t rows, int64_t n0, typename 
   tile<E, R, C>(a, r0, n0, out);
 }
 
-// Every row of channels n0 .. n0 + C.
+// Rows r_begin .. r_end of channels n0 .. n0 + C.
 template <typename E, int C>
-void columns(const Args<E>& a, int64_t n0, typename E::raw* out) {
-  int64_t r0 = 0;
-  for (; r0 + kRows <= a.m; r0 += kRows) tile<E, kRows, C>(a, r0, n0, out);
-  if (r0 < a.m) rows_tail<E, kRows - 1, C>(a, r0, a.m - r0, n0, out);
+void columns(const Args<E>& a, int64_t r_begin, int64_t r_end, int64_t n0, typename E::raw* out) {
+  int64_t r0 = r_begin;
+  for (; r0 + kRows <= r_end; r0 += kRows) tile<E, kRows, C>(a, r0, n0, out);
+  if (r0 < r_end) rows_tail<E, kRows - 1, C>(a, r0, r_end - r0, n0, out);
 }
+
+constexpr int64_t kBlockBytes = 256 * 1024;  // fp32 activations per row block (half an L2)
 
 template <typename E>
 void run(const Args<E>& a, typename E::raw* o) {
   const int64_t tiles = (a.n + kCols - 1) / kCols;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kCols;
-      switch (std::min<int64_t>(kCols, a.n - n0)) {
-        case 4: columns<E, 4>(a, n0, o); break;
-        case 3: columns<E, 3>(a, n0, o); break;
-        case 2: columns<E, 2>(a, n0, o); break;
-        default: columns<E, 1>(a, n0, o); break;
+  const int64_t fit = kBlockBytes / (a.k * static_cast<int64_t>(sizeof(float)));
+  const int64_t block = std::max<int64_t>(kRows, fit - fit % kRows);
+  for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
+    const int64_t r_end = std::min(a.m, r_begin + block);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kCols;
+        switch (std::min<int64_t>(kCols, a.n - n0)) {
+          case 4: columns<E, 4>(a, r_begin, r_end, n0, o); break;
+          case 3: columns<E, 3>(a, r_begin, r_end, n0, o); break;
+          case 2: columns<E, 2>(a, r_begin, r_end, n0, o); break;
+          default: columns<E, 1>(a, r_begin, r_end, n0, o); break;
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace
