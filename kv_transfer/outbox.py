@@ -11,8 +11,8 @@ happen before that report:
 
 The hold lease (DESIGN.md, "Timeouts and ownership of KV blocks") starts at `release`: a
 transfer that is released but not acknowledged within `ack_timeout_s` is FAILED (retryable)
-by `poll`, whatever the peer does. A transfer that never opened (its receiver unreachable) is
-reported as is (`report`).
+by `poll`, whatever the peer does. A transfer that never opened (its receiver unreachable:
+`reach`) is reported as is (`report`).
 
 Each outcome goes out with the chunks the backend sent (`sent_chunk`) and the rate of the link
 to its receiver when a probe measured it (`set_link_gbps`, kv_transfer/link_probe.py); the
@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from kv_transfer.base import TransferResult, TransferStatus
+from kv_transfer.layout import HandshakeError
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -121,6 +125,20 @@ class Outbox:
         """An outcome for a transfer that never opened: reported by the next `poll` as is."""
         with self._lock:
             self._results.append(result)
+
+    def reach(self, request_id: str, dest: str, connect: Callable[[str], C]) -> C | None:
+        """`connect(dest)`: the channel a new transfer goes over. None when the receiver cannot
+        be reached: the transfer is then reported FAILED, retryable (the router retries
+        elsewhere). A HandshakeError (the receiver refused the handshake) propagates."""
+        try:
+            return connect(dest)
+        except HandshakeError:
+            raise
+        except Exception as e:  # receiver unreachable
+            self.report(
+                TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
+            )
+            return None
 
     # -- questions (any thread) ------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ gateways that read vLLM's names work unmodified (docs/observability.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -167,18 +167,22 @@ class ServingMetrics:
             self._exported.register(RenamedCollector(self.registry, prefix))
         labels = ["model_name"]
         reg = self.registry
-        self.ttft_s = Histogram(
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.ttft_s = histogram(
             "duet:time_to_first_token_seconds", "Time from arrival to the first token.",
-            labels, buckets=TTFT_BUCKETS_S, registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self.itl_s = Histogram(
+            TTFT_BUCKETS_S,
+        )  # fmt: skip
+        self.itl_s = histogram(
             "duet:inter_token_latency_seconds", "Time between successive outputs of a request.",
-            labels, buckets=ITL_BUCKETS_S, registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self.e2e_s = Histogram(
+            ITL_BUCKETS_S,
+        )  # fmt: skip
+        self.e2e_s = histogram(
             "duet:e2e_request_latency_seconds", "Time from arrival to the last token.",
-            labels, buckets=E2E_BUCKETS_S, registry=reg,
-        ).labels(model_name)  # fmt: skip
+            E2E_BUCKETS_S,
+        )  # fmt: skip
         self.num_prompt_tokens = Counter(
             "duet:prompt_tokens", "Prompt tokens of requests that started generating.",
             labels, registry=reg,
@@ -198,29 +202,25 @@ class ServingMetrics:
             ("inference", "Time from admission to the last token."),
         )  # fmt: skip
         self.phase_s = {
-            phase: Histogram(
-                f"duet:request_{phase}_time_seconds", doc, labels,
-                buckets=E2E_BUCKETS_S, registry=reg,
-            ).labels(model_name)
+            phase: histogram(f"duet:request_{phase}_time_seconds", doc, E2E_BUCKETS_S)
             for phase, doc in phases
-        }  # fmt: skip
-        self.request_prompt_tokens = Histogram(
+        }
+        self.request_prompt_tokens = histogram(
             "duet:request_prompt_tokens", "Prompt length of finished requests (tokens).",
-            labels, buckets=TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self.request_generation_tokens = Histogram(
+            TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.request_generation_tokens = histogram(
             "duet:request_generation_tokens", "Tokens generated per finished request.",
-            labels, buckets=TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self.request_max_num_generation_tokens = Histogram(
+            TOKEN_BUCKETS,
+        )  # fmt: skip
+        self.request_max_num_generation_tokens = histogram(
             "duet:request_max_num_generation_tokens",
             "The most tokens any one sample of a finished request generated.",
-            labels, buckets=TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)  # fmt: skip
-        self.request_params_max_tokens = Histogram(
-            "duet:request_params_max_tokens", "The max_tokens requests asked for.",
-            labels, buckets=TOKEN_BUCKETS, registry=reg,
-        ).labels(model_name)  # fmt: skip
+            TOKEN_BUCKETS,
+        )
+        self.request_params_max_tokens = histogram(
+            "duet:request_params_max_tokens", "The max_tokens requests asked for.", TOKEN_BUCKETS
+        )
         self._responses = Counter(
             "duet:http_responses", "HTTP responses by route and status class (2xx, 4xx, 429, 5xx).",
             [*labels, "route", "status"], registry=reg,

@@ -20,17 +20,15 @@ together. A task whose `lease_until` has passed is claimable by anyone.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from session_store.base import SessionStoreUnavailable
+from session_store.sqlite_client import SqliteThread, transaction
 from session_store.sqlite_store import default_sqlite_path
 from session_store.work_queue import (
     DEFAULT_LEASE_S,
@@ -103,9 +101,11 @@ class SqliteWorkQueue(WorkQueue):
         self.busy_timeout_s = busy_timeout_s
         self.op_timeout_s = op_timeout_s
         self._clock = clock
-        self._conn: sqlite3.Connection | None = None
         self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-queue")
+        self._db = SqliteThread(
+            "work queue", self.path, _SCHEMA, busy_timeout_s=busy_timeout_s,
+            op_timeout_s=op_timeout_s, thread_name_prefix="duet-queue",
+        )  # fmt: skip
         self._views: list[SqliteWorkQueue] = []
 
     def queue_named(self, name: str) -> SqliteWorkQueue:
@@ -124,46 +124,8 @@ class SqliteWorkQueue(WorkQueue):
     async def _run(self, op: str, fn: Callable[[sqlite3.Connection], T], write: bool) -> T:
         if self._closed:
             raise RuntimeError("SqliteWorkQueue is closed")
-        body = (lambda conn: self._transaction(conn, fn)) if write else fn
-        future = asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: body(self._connection())
-        )
-        try:
-            return await asyncio.wait_for(future, self.op_timeout_s)
-        except TimeoutError as e:
-            raise SessionStoreUnavailable(
-                f"work queue {op} timed out after {self.op_timeout_s}s ({self.path})"
-            ) from e
-        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
-            raise
-        except (sqlite3.DatabaseError, OSError) as e:
-            raise SessionStoreUnavailable(f"work queue {op} failed ({self.path}): {e}") from e
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            if str(self.path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
-            try:
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")
-                conn.executescript(_SCHEMA)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
-
-    @staticmethod
-    def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
+        body = (lambda conn: transaction(conn, fn)) if write else fn
+        return await self._db.run(op, body)
 
     def _bury(self, conn: sqlite3.Connection, seq: int, reason: str) -> None:
         """Dead-letter the task in row `seq`; its result becomes the dead-letter error."""
@@ -384,11 +346,4 @@ class SqliteWorkQueue(WorkQueue):
         self._closed = True
         for view in self._views:
             await view.close()
-
-        def shutdown() -> None:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, shutdown)
-        self._executor.shutdown(wait=False)
+        await self._db.close()

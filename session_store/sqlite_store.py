@@ -19,7 +19,6 @@ blocks on disk and the connection is never shared between threads.
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import json
 import os
@@ -27,7 +26,6 @@ import sqlite3
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,13 +35,13 @@ from session_store.base import (
     SessionConflict,
     SessionNotFound,
     SessionStore,
-    SessionStoreUnavailable,
     encode_messages,
     encode_metadata,
     hash_api_key,
     resolve_ttl,
     validate_expected_version,
 )
+from session_store.sqlite_client import SqliteThread, transaction
 
 T = TypeVar("T")
 
@@ -117,61 +115,26 @@ class SqliteSessionStore(SessionStore):
         self.sweep_interval_s = sweep_interval_s
         self._clock = clock
         self._last_sweep = float("-inf")
-        self._conn: sqlite3.Connection | None = None
         self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-sqlite")
+        self._db = SqliteThread(
+            "session store", self.path, _SCHEMA, busy_timeout_s=busy_timeout_s,
+            op_timeout_s=op_timeout_s, thread_name_prefix="duet-sqlite", foreign_keys=True,
+        )  # fmt: skip
 
     # --- plumbing: everything below `_run` executes on the store's own thread ---
 
     async def _run(self, op: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:
             raise RuntimeError("SqliteSessionStore is closed")
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self._call, fn)
-        try:
-            # NOTE: a timed-out call keeps running on the thread (threads cannot be cancelled);
-            # its outcome is unknown to the caller, as with any lost reply.
-            return await asyncio.wait_for(future, self.op_timeout_s)
-        except TimeoutError as e:
-            raise SessionStoreUnavailable(
-                f"session store {op} timed out after {self.op_timeout_s}s ({self.path})"
-            ) from e
-        except (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError):
-            raise
-        except (sqlite3.DatabaseError, OSError) as e:
-            raise SessionStoreUnavailable(f"session store {op} failed ({self.path}): {e}") from e
-
-    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return fn(self._connection())
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            if str(self.path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None)
-            try:
-                conn.execute("PRAGMA journal_mode = WAL")
-                # NOTE: WAL + NORMAL survives a process crash; only power loss may drop the
-                # last few commits. FULL would fsync every turn.
-                conn.execute("PRAGMA synchronous = NORMAL")
-                conn.execute("PRAGMA foreign_keys = ON")
-                conn.executescript(_SCHEMA)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
+        return await self._db.run(op, fn)
 
     def _write(self, conn: sqlite3.Connection, body: Callable[[sqlite3.Connection], T]) -> T:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        def swept(conn: sqlite3.Connection) -> T:
             result = body(conn)
             self._maybe_sweep(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
+            return result
+
+        return transaction(conn, swept)
 
     def _maybe_sweep(self, conn: sqlite3.Connection) -> None:
         now = self._clock()
@@ -300,11 +263,4 @@ class SqliteSessionStore(SessionStore):
         if self._closed:
             return
         self._closed = True
-
-        def shutdown() -> None:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-        await asyncio.get_running_loop().run_in_executor(self._executor, shutdown)
-        self._executor.shutdown(wait=False)
+        await self._db.close()

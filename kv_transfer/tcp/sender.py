@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from cluster_auth.handshake import respond
-from kv_transfer.base import KVSender, TransferResult, TransferStatus
+from kv_transfer.base import KVSender, TransferResult
 from kv_transfer.config import SenderConfig
 from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -220,14 +220,8 @@ class TcpKVSender(KVSender):
         """A transfer for the caller to queue; None when `dest` is unreachable (reported
         FAILED by `poll`)."""
         layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
-        try:
-            channel = self.connect(dest)
-        except HandshakeError:
-            raise
-        except Exception as e:  # receiver unreachable: the router retries elsewhere
-            self._outbox.report(
-                TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
-            )
+        channel = self._outbox.reach(request_id, dest, self.connect)
+        if channel is None:
             return None
         # Layer-wise: a frame per chunk of layers, each sent once the pass wrote it. Whole: one
         # frame (per group); between frames both sides stop for a header, and those pauses cost

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
 from engine.device import bind_thread
-from kv_transfer.base import KVSender, TransferResult, TransferStatus
+from kv_transfer.base import KVSender, TransferResult
 from kv_transfer.config import SenderConfig
 from kv_transfer.layers import PagedLayers
 from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -191,14 +191,8 @@ class TorchDistKVSender(KVSender):
     ) -> SendJob | None:
         """A transfer for the caller to queue and gather; None when `dest` is unreachable
         (reported FAILED by `poll`)."""
-        try:
-            channel = self.connect(dest)
-        except HandshakeError:
-            raise
-        except Exception as e:  # receiver unreachable: the router retries elsewhere
-            self._outbox.report(
-                TransferResult(request_id, TransferStatus.FAILED, f"{dest}: {e}", retryable=True)
-            )
+        channel = self._outbox.reach(request_id, dest, self.connect)
+        if channel is None:
             return None
         # NOTE: ids checked here: a chunk that fails to gather would leave the channel out of step
         layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)

@@ -12,11 +12,10 @@ import concurrent.futures
 
 import httpx2 as httpx
 import pytest
-import ray
 
 from engine import LLM, SamplingParams
 from tests.deploy.ray_harness import cluster_spec, running_cluster
-from tests.deploy.test_ray_cluster import busiest_decode, client, metric, prompts_of
+from tests.deploy.test_ray_cluster import client, metric, prompts_of, read_killing_busiest_decode
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -89,17 +88,4 @@ def test_bf16_decode_actor_killed_mid_stream_completes_identically(cluster, aggr
         model="tiny", prompt=prompt, stream=True, extra_body={"ignore_eos": True},
         **_params(i, 120),
     )  # fmt: skip
-    pieces, killed = [], None
-    for chunk in stream:
-        pieces.append(chunk.choices[0].text if chunk.choices else "")
-        if killed is None and len("".join(pieces)) > 5:
-            killed = duet.decodes[busiest_decode(duet)]
-            ray.kill(killed.actor, no_restart=False)
-    assert killed is not None
-    assert "".join(pieces) == want.text
-    wait_for(
-        lambda: metric(url, "duet:num_decode_workers") == 2,
-        240,
-        "the decode worker back",
-        interval_s=0.25,
-    )
+    assert read_killing_busiest_decode(duet, url, stream) == want.text

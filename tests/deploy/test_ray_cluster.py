@@ -127,6 +127,26 @@ def busiest_decode(duet) -> int:
     return max(range(len(loads)), key=loads.__getitem__)
 
 
+def read_killing_busiest_decode(duet, url: str, stream) -> str:
+    """The text of a streamed completion, read to its end; once more than 5 characters came,
+    the decode actor running the most sequences is killed. Returns once Ray restarted it and
+    it rejoined the router's pool."""
+    pieces, killed = [], None
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text if chunk.choices else "")
+        if killed is None and len("".join(pieces)) > 5:
+            killed = duet.decodes[busiest_decode(duet)]
+            ray.kill(killed.actor, no_restart=False)
+    assert killed is not None
+    wait_for(
+        lambda: metric(url, "duet:num_decode_workers") == 2,
+        240,
+        "the decode worker back",
+        interval_s=0.25,
+    )
+    return "".join(pieces)
+
+
 def listening(actor) -> dict[int, str]:
     """The actor process's listening TCP sockets: port -> bound address (gRPC binds an IPv6
     socket to an IPv4-mapped address: `::ffff:127.0.0.1` is loopback only, and shown as such)."""
@@ -168,21 +188,7 @@ def test_decode_actor_killed_mid_stream_completes_identically(cluster, tiny_llam
         model="tiny", prompt=prompt, max_tokens=150, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    pieces, killed = [], None
-    for chunk in stream:
-        pieces.append(chunk.choices[0].text if chunk.choices else "")
-        if killed is None and len("".join(pieces)) > 5:
-            killed = duet.decodes[busiest_decode(duet)]
-            ray.kill(killed.actor, no_restart=False)
-    assert killed is not None
-    assert "".join(pieces) == want.text
-    # Ray restarts the actor; it rejoins the pool.
-    wait_for(
-        lambda: metric(url, "duet:num_decode_workers") == 2,
-        240,
-        "the decode worker back",
-        interval_s=0.25,
-    )
+    assert read_killing_busiest_decode(duet, url, stream) == want.text
 
 
 def test_prefill_rank_killed_requests_retried_and_group_restarted(cluster):

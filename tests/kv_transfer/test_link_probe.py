@@ -7,18 +7,18 @@ transfer."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, chunks, create_receiver, create_sender
+from kv_transfer import TransferStatus, chunks, create_receiver
 from kv_transfer.link_probe import LinkProber
 from kv_transfer.outbox import Outbox
 from kv_transfer.tcp.probe import BURSTS, PROBE_BYTES_PER_STRIPE, TcpProbe
 from kv_transfer.tcp.receiver import TcpKVReceiver
 from tests.kv_transfer.paged import caches, layout
+from tests.kv_transfer.probing import held_calls, layerwise_transfer, probing_sender, transfer
 from tests.waiting import wait_for
 
 BURST_BYTES = 2 * PROBE_BYTES_PER_STRIPE  # over the sender's default 2 stripes
@@ -36,33 +36,10 @@ def receiver():
 def drained(monkeypatch):
     """(nbytes, stripes) of every payload a receiver read and dropped (a probe's bursts), an
     event set at the first, and a gate they wait at while it is clear (up to 10 s)."""
-    calls: list[tuple[int, int]] = []
-    entered, open_ = threading.Event(), threading.Event()
-    open_.set()
-    real = TcpKVReceiver._drain
-
-    def drain(self, channel, nbytes, stripes):  # type: ignore[no-untyped-def]
-        calls.append((nbytes, stripes))
-        entered.set()
-        open_.wait(10)
-        return real(self, channel, nbytes, stripes)
-
-    monkeypatch.setattr(TcpKVReceiver, "_drain", drain)
-    yield calls, entered, open_
-    open_.set()
-
-
-def sender_to(kv, measure_link=True, timeout_s=10.0):  # type: ignore[no-untyped-def]
-    return create_sender("tcp", kv_caches=kv, layout=layout(kv), name="p0",
-                         timeout_s=timeout_s, measure_link=measure_link)  # fmt: skip
-
-
-def transfer(sender, recv, request_id, src_ids, dst_ids):  # type: ignore[no-untyped-def]
-    recv.expect(request_id, dst_ids, timeout_s=10)
-    sender.send(request_id, src_ids, recv.address)
-    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
-    [result] = wait_for(sender.poll, 20, "sender.poll")
-    return result
+    with held_calls(
+        monkeypatch, TcpKVReceiver, "_drain", lambda channel, nbytes, stripes: (nbytes, stripes), 10
+    ) as held:
+        yield held
 
 
 def test_the_probe_runs_once_after_the_first_transfer_and_later_results_carry_it(
@@ -71,7 +48,7 @@ def test_the_probe_runs_once_after_the_first_transfer_and_later_results_carry_it
     recv, _ = receiver
     calls, _, _ = drained
     src = caches()
-    sender = sender_to(src)
+    sender = probing_sender("tcp", src)
     # The first transfer is open from its start to its report: the probe waits for it.
     first = transfer(sender, recv, "r1", [0, 5, 7], [9, 3, 12])
     assert (first.status, first.num_chunks, first.link_gbps) == (TransferStatus.DONE, 1, None)
@@ -80,13 +57,7 @@ def test_the_probe_runs_once_after_the_first_transfer_and_later_results_carry_it
     assert calls == [(BURST_BYTES, 2)] * BURSTS  # its bursts, over both stripes
     # Layer-wise, a message per layer: 3 chunks, and the link's rate with them.
     monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)
-    recv.expect("r2", [1, 2], timeout_s=10)
-    assert sender.begin("r2", [4, 6], recv.address)
-    for layer in range(len(src)):
-        sender.layer_computed(layer)
-    sender.finish("r2", {"first_token": 1})
-    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
-    [second] = wait_for(sender.poll, 20, "sender.poll")
+    second = layerwise_transfer(sender, recv, "r2", [4, 6], [1, 2], len(src))
     assert (second.status, second.num_chunks, second.link_gbps) == (TransferStatus.DONE, 3, gbps)
     assert transfer(sender, recv, "r3", [8], [0]).link_gbps == gbps
     assert len(calls) == BURSTS  # measured once
@@ -102,7 +73,7 @@ def test_the_rate_is_the_bursts_bytes_over_their_time(receiver, monkeypatch):
         return real(self, channel, nbytes, stripes)
 
     monkeypatch.setattr(TcpKVReceiver, "_drain", slow_drain)
-    sender = sender_to(caches(), measure_link=False)
+    sender = probing_sender("tcp", caches(), measure_link=False)
     gbps = TcpProbe(lambda dest: sender._dial(dest)[0]).measure(recv.address)
     # 0.2 s a burst, less a round trip of well under 50 ms (a ping without payload is not
     # slowed); the upper bound on the time is only this busy machine's.
@@ -119,7 +90,7 @@ def test_a_probe_gives_up_on_a_receiver_that_never_answers(receiver, drained, pe
     listener = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
     address = f"127.0.0.1:{listener.getsockname()[1]}" if peer == "silent" else recv.address
     gate.clear()
-    sender = sender_to(caches(), measure_link=False, timeout_s=0.5)
+    sender = probing_sender("tcp", caches(), measure_link=False, timeout_s=0.5)
     outbox = Outbox(ack_timeout_s=1.0)
     prober = LinkProber(TcpProbe(lambda dest: sender._dial(dest)[0]), outbox, "p0", 0.5)
     try:
@@ -144,7 +115,7 @@ def test_a_probe_in_progress_holds_up_no_transfer_and_a_try_it_overlapped_is_red
     calls, entered, gate = drained
     gate.clear()
     src = caches()
-    sender = sender_to(src)
+    sender = probing_sender("tcp", src)
     transfer(sender, recv, "r1", [0], [9])
     wait_for(entered.is_set, 20, "the probe's first burst at the receiver")
     # The probe's burst is stuck at the receiver; a transfer goes through meanwhile, over its
@@ -163,7 +134,7 @@ def test_closing_the_sender_cancels_a_probe_in_progress(receiver, drained):
     recv, _ = receiver
     _, entered, gate = drained
     gate.clear()
-    sender = sender_to(caches())
+    sender = probing_sender("tcp", caches())
     transfer(sender, recv, "r1", [0], [9])
     wait_for(entered.is_set, 20, "the probe's first burst at the receiver")
     start = time.monotonic()

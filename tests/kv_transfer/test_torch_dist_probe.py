@@ -8,19 +8,21 @@ one); `close` cancels it."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, chunks, create_receiver, create_sender
+from kv_transfer import TransferStatus, chunks, create_receiver
 from kv_transfer.torch_dist.link import GlooLink, NcclLink
 from kv_transfer.torch_dist.probe import BURSTS, PROBE_BYTES, TorchDistProbe
 from kv_transfer.torch_dist.receiver import TorchDistKVReceiver
+from tests.kv_transfer import probing
 from tests.kv_transfer.paged import caches, layout
+from tests.kv_transfer.probing import held_calls, probing_sender
 from tests.waiting import wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -36,37 +38,18 @@ def mode(request, monkeypatch):  # type: ignore[no-untyped-def]
 def probes_taken(monkeypatch):  # type: ignore[no-untyped-def]
     """The probes receivers took (their headers), an event set at the first, and a gate they
     wait at (up to 20 s) while it is clear."""
-    calls: list[dict[str, Any]] = []
-    entered, gate = threading.Event(), threading.Event()
-    gate.set()
-    real = TorchDistKVReceiver._drop_probe
-
-    def drop_probe(self, cid, link, probe):  # type: ignore[no-untyped-def]
-        calls.append(probe)
-        entered.set()
-        gate.wait(20)
-        return real(self, cid, link, probe)
-
-    monkeypatch.setattr(TorchDistKVReceiver, "_drop_probe", drop_probe)
-    yield calls, entered, gate
-    gate.set()
+    with held_calls(
+        monkeypatch, TorchDistKVReceiver, "_drop_probe", lambda cid, link, probe: probe, 20
+    ) as held:
+        yield held
 
 
 def receiver_of(dst, timeout_s=10.0):  # type: ignore[no-untyped-def]
     return create_receiver("torch_dist", kv_caches=dst, layout=layout(dst), timeout_s=timeout_s)
 
 
-def sender_of(src, measure_link=True, timeout_s=10.0):  # type: ignore[no-untyped-def]
-    return create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0",
-                         timeout_s=timeout_s, measure_link=measure_link)  # fmt: skip
-
-
-def transfer(sender, recv, request_id, src_ids, dst_ids):  # type: ignore[no-untyped-def]
-    recv.expect(request_id, dst_ids, timeout_s=20)
-    sender.send(request_id, src_ids, recv.address)
-    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
-    [result] = wait_for(sender.poll, 20, "sender.poll")
-    return result
+transfer = functools.partial(probing.transfer, expect_timeout_s=20)
+layerwise_transfer = functools.partial(probing.layerwise_transfer, expect_timeout_s=20)
 
 
 def landed(src, dst, src_ids, dst_ids) -> bool:  # type: ignore[no-untyped-def]
@@ -83,7 +66,7 @@ def test_the_probe_runs_once_over_the_channel_and_later_results_carry_it(
 ):
     calls, _, _ = probes_taken
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst), sender_of(src)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src)
     try:
         first = transfer(sender, recv, "r1", [0, 5, 7], [9, 3, 12])
         assert (first.status, first.num_chunks, first.link_gbps) == (TransferStatus.DONE, 1, None)
@@ -93,13 +76,7 @@ def test_the_probe_runs_once_over_the_channel_and_later_results_carry_it(
         assert probe["nbytes"] == PROBE_BYTES and len(probe["tags"]) == BURSTS
         # Layer-wise, a message per layer: 3 chunks, the rate with them, the bytes in place.
         monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)
-        recv.expect("r2", [1, 2], timeout_s=20)
-        assert sender.begin("r2", [4, 6], recv.address)
-        for layer in range(len(src)):
-            sender.layer_computed(layer)
-        sender.finish("r2", {"first_token": 1})
-        assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
-        [second] = wait_for(sender.poll, 20, "sender.poll")
+        second = layerwise_transfer(sender, recv, "r2", [4, 6], [1, 2], len(src))
         assert (second.status, second.num_chunks, second.link_gbps) == (
             TransferStatus.DONE, 3, gbps,
         )  # fmt: skip
@@ -117,7 +94,7 @@ def test_a_transfer_posted_behind_a_probe_lands_its_own_bytes(mode, probes_taken
     probe's bytes or, their sizes differing, never complete."""
     _, entered, gate = probes_taken
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst), sender_of(src, measure_link=False)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src, measure_link=False)
     try:
         transfer(sender, recv, "r1", [0], [9])  # opens the channel
         gate.clear()
@@ -156,7 +133,7 @@ def test_the_rate_is_the_timed_bursts_bytes_over_their_time(mode, monkeypatch):
 
         monkeypatch.setattr(link_type, "recv", slow_recv)
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst), sender_of(src, measure_link=False)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src, measure_link=False)
     try:
         transfer(sender, recv, "r1", [0], [9])
         gbps = probe_of(sender).measure(recv.address)
@@ -175,7 +152,7 @@ def test_a_probe_gives_up_on_a_receiver_that_never_takes_it(mode, probes_taken):
     _, entered, gate = probes_taken
     gate.clear()
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst, timeout_s=2.0), sender_of(src, timeout_s=1.0)
+    recv, sender = receiver_of(dst, timeout_s=2.0), probing_sender("torch_dist", src, timeout_s=1.0)
     try:
         transfer(sender, recv, "r1", [0], [9])
         old = sender._open_channel(recv.address)
@@ -205,7 +182,7 @@ def test_a_probe_gives_up_on_a_receiver_that_never_takes_it(mode, probes_taken):
 
 def test_a_receiver_that_does_not_take_probes_is_not_probed(mode):
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst), sender_of(src, measure_link=False)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src, measure_link=False)
     try:
         transfer(sender, recv, "r1", [0], [9])
         sender._open_channel(recv.address).probes = False  # as an older receiver's verdict
@@ -221,7 +198,7 @@ def test_closing_the_sender_cancels_a_probe_in_progress(mode, probes_taken):
     _, entered, gate = probes_taken
     gate.clear()
     src, dst = caches(), caches(seed=1)
-    recv, sender = receiver_of(dst), sender_of(src)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src)
     try:
         transfer(sender, recv, "r1", [0], [9])
         wait_for(entered.is_set, 20, "the probe at the receiver")

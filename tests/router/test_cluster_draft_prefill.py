@@ -41,20 +41,7 @@ def test_decode_worker_lost_mid_stream_keeps_speculating_elsewhere(
                     original(request_id, ok)
 
                 proposer.prompt_received = spy
-            streams = [c.engine.generate(p, params) for p in prompts]
-            outs = [[], []]
-            victim = None
-
-            async def drain(i):
-                nonlocal victim
-                async for out in streams[i]:
-                    outs[i].append(out)
-                    if victim is None and len(out.token_ids) >= 5:
-                        victim = max(c.decode, key=lambda w: w.load.num_running)
-                        await c.servers[victim.name].stop(0)
-                        victim.shutdown()
-
-            await asyncio.gather(drain(0), drain(1))
+            outs, victim = await c.stream_losing_a_decode_worker(prompts, params)
             [survivor] = [w for w in c.decode if w is not victim]
             stats = survivor.engine.stats.spec_decode
             draft_kv = survivor.engine.speculator.proposer.kv

@@ -99,6 +99,30 @@ class Cluster:
             last = out
         return last
 
+    async def kill(self, worker):
+        """Stop a worker's gRPC server and its engine, as a crashed process would vanish."""
+        await self.servers[worker.name].stop(0)
+        worker.shutdown()
+
+    async def stream_losing_a_decode_worker(self, prompts, params):
+        """Stream every prompt at once; when one stream has 5 tokens, kill the decode worker
+        serving the most requests right now. Returns each stream's outputs, in prompt order,
+        and the worker killed (None if no stream got that far)."""
+        streams = [self.engine.generate(p, params) for p in prompts]
+        outs = [[] for _ in prompts]
+        victim = None
+
+        async def drain(i):
+            nonlocal victim
+            async for out in streams[i]:
+                outs[i].append(out)
+                if victim is None and len(out.token_ids) >= 5:
+                    victim = max(self.decode, key=lambda w: w.load.num_running)
+                    await self.kill(victim)
+
+        await asyncio.gather(*(drain(i) for i in range(len(prompts))))
+        return outs, victim
+
 
 @pytest.fixture
 def model(tiny_llama):
@@ -262,22 +286,7 @@ def test_decode_worker_lost_mid_stream_continues_elsewhere(request, case, monkey
         async with Cluster(
             model, num_decode=2, threshold=0, kv_backend=kv_backend, engine=engine
         ) as c:
-            streams = [c.engine.generate(p, params) for p in prompts]
-            outs = [[], []]
-            victim = None
-
-            async def drain(i):
-                nonlocal victim
-                async for out in streams[i]:
-                    outs[i].append(out)
-                    if victim is None and len(out.token_ids) >= 5:
-                        # Kill the decode worker serving the most requests right now.
-                        victim = max(c.decode, key=lambda w: w.load.num_running)
-                        await c.servers[victim.name].stop(0)
-                        victim.shutdown()
-
-            await asyncio.gather(drain(0), drain(1))
-            return outs, victim
+            return await c.stream_losing_a_decode_worker(prompts, params)
 
     outs, victim = asyncio.run(main())
     assert victim is not None
@@ -295,9 +304,7 @@ def test_prefill_worker_lost_retries_on_another(model):
 
     async def main():
         async with Cluster(model, num_prefill=2, threshold=0) as c:
-            dead = c.prefill[0]
-            await c.servers[dead.name].stop(0)
-            dead.shutdown()
+            await c.kill(c.prefill[0])
             return await asyncio.gather(*(c.run(p, params) for p in prompts))
 
     got = asyncio.run(main())
@@ -310,8 +317,7 @@ def test_no_decode_worker_fails_fast_retryable(model):
     async def main():
         async with Cluster(model) as c:
             for w in c.decode:
-                await c.servers[w.name].stop(0)
-                w.shutdown()
+                await c.kill(w)
             await wait_for_async(
                 lambda: not c.engine.pool.healthy_decode(), 10, "the router to drop the workers"
             )
@@ -335,9 +341,7 @@ def test_admission_capacity_follows_the_decode_pool(model):
             )
             per_worker = [w.config.max_num_seqs for w in c.decode]
             both = c.engine.max_num_seqs
-            gone = c.decode[1]
-            await c.servers[gone.name].stop(0)
-            gone.shutdown()
+            await c.kill(c.decode[1])
             await wait_for_async(
                 lambda: len(c.engine.pool.healthy_decode()) == 1, 10, "the router to drop d1"
             )

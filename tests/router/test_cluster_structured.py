@@ -67,21 +67,7 @@ def test_decode_worker_lost_mid_json_continues_under_the_grammar(tiny_llama: str
 
     async def main():
         async with Cluster(tiny_llama, num_decode=2, threshold=0) as c:
-            streams = [c.engine.generate(p, params) for p in prompts]
-            outs: list[list] = [[], []]
-            victim = None
-
-            async def drain(i: int) -> None:
-                nonlocal victim
-                async for out in streams[i]:
-                    outs[i].append(out)
-                    if victim is None and len(out.token_ids) >= 5:
-                        victim = max(c.decode, key=lambda w: w.load.num_running)
-                        await c.servers[victim.name].stop(0)
-                        victim.shutdown()
-
-            await asyncio.gather(drain(0), drain(1))
-            return outs, victim
+            return await c.stream_losing_a_decode_worker(prompts, params)
 
     outs, victim = asyncio.run(main())
     assert victim is not None

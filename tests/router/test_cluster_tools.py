@@ -48,20 +48,7 @@ def test_a_tool_call_survives_a_lost_decode_worker_and_thinking_travels(tiny_lla
 
     async def main():
         async with Cluster(tiny_llama, num_decode=2, threshold=0) as c:
-            streams = [c.engine.generate(p, params) for p in prompts]
-            outs: list[list] = [[], []]
-            victim = None
-
-            async def drain(i: int) -> None:
-                nonlocal victim
-                async for out in streams[i]:
-                    outs[i].append(out)
-                    if victim is None and len(out.token_ids) >= 5:
-                        victim = max(c.decode, key=lambda w: w.load.num_running)
-                        await c.servers[victim.name].stop(0)
-                        victim.shutdown()
-
-            await asyncio.gather(drain(0), drain(1))
+            outs, victim = await c.stream_losing_a_decode_worker(prompts, params)
             after = await asyncio.gather(*(c.run(p, thinking) for p in prompts))
             return outs, victim, after
 
