@@ -182,6 +182,23 @@ def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
         jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.parametrize("low, high", [(0, 3), (2, 5), (3, 3), (2, None), (0, None), (1, 200)])
+def test_string_length_bounds_hold_exactly(llm: LLM, low: int, high: int | None) -> None:
+    """minLength/maxLength as duet writes them (nested optionals up to 128, `{m,n}` past it):
+    a string is accepted exactly when its decoded length is within the bounds, an escape or a
+    multi-byte character counting as one."""
+    bounds = {"minLength": low} | ({} if high is None else {"maxLength": high})
+    schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}},
+              "required": ["s"]}  # fmt: skip
+    compiled = llm.engine.grammar_compiler.compile(so(json=schema, whitespace=False))
+    bodies = ["", "a", "ab", "abc", "a\\nb", "\\u00e9x", "\u00e9\u00e9\u00e9\u00e9", "abcde", "abcdef", "x" * 199, "x" * 201]
+    for body in bodies:
+        length = len(json.loads(f'"{body}"'))
+        matcher = xgr.GrammarMatcher(compiled)
+        accepted = matcher.accept_string('{"s": "' + body + '"}') and matcher.is_completed()
+        assert accepted == (low <= length and (high is None or length <= high)), (body, length)
+
+
 @pytest.mark.parametrize("vocab", [32, 49152, 1000])
 def test_the_cpu_bitmask_kernel_equals_xgrammars(vocab: int) -> None:
     """duet's C++ mask (whole words at a time) sets exactly the logits xgrammar's own kernel
