@@ -283,7 +283,9 @@ class SamplingSlots:
         host, dev = self._bitmask_buffers()
         host[:n].fill_(-1)
         for row, grammar, draft in grammars:
-            grammar.fill_bitmask(host, row, draft)
+            if draft:
+                grammar.fill_bitmask(host, row, draft)
+        GrammarState.fill_bitmasks(host, [(row, g) for row, g, draft in grammars if not draft])
         if dev is not host:
             dev[:n].copy_(host[:n], non_blocking=True)
         return dev[:n]

@@ -10,6 +10,7 @@ EBNF) that constrains a request's tokens, enforced with xgrammar (docs/structure
 
 from __future__ import annotations
 
+import functools
 import json as _json
 import re
 import threading
@@ -339,6 +340,19 @@ class GrammarState:
         if draft:
             matcher.rollback(len(draft))
 
+    @staticmethod
+    def fill_bitmasks(bitmask: torch.Tensor, rows: Sequence[tuple[int, GrammarState]]) -> None:
+        """`fill_bitmask` (no draft) of each (row, state), on xgrammar's threads, one per
+        intra-op thread: the engine thread runs no kernels meanwhile. The same bits as one row
+        at a time."""
+        if len(rows) < 2:
+            for row, state in rows:
+                state.fill_bitmask(bitmask, row)
+            return
+        _batch_matcher().batch_fill_next_token_bitmask(
+            [state._matcher for _, state in rows], bitmask, [row for row, _ in rows]
+        )
+
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar allows from here, stopping before a token
         that would end it (a guess past the end could not be verified against a mask). The
@@ -357,6 +371,11 @@ class GrammarState:
         if n:
             matcher.rollback(n)
         return n
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher(max(1, torch.get_num_threads()))
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -191,12 +191,48 @@ def test_string_length_bounds_hold_exactly(llm: LLM, low: int, high: int | None)
     schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}},
               "required": ["s"]}  # fmt: skip
     compiled = llm.engine.grammar_compiler.compile(so(json=schema, whitespace=False))
-    bodies = ["", "a", "ab", "abc", "a\\nb", "\\u00e9x", "\u00e9\u00e9\u00e9\u00e9", "abcde", "abcdef", "x" * 199, "x" * 201]
+    bodies = [
+        "",
+        "a",
+        "ab",
+        "abc",
+        "a\\nb",
+        "\\u00e9x",
+        "\u00e9\u00e9\u00e9\u00e9",
+        "abcde",
+        "abcdef",
+        "x" * 199,
+        "x" * 201,
+    ]
     for body in bodies:
         length = len(json.loads(f'"{body}"'))
         matcher = xgr.GrammarMatcher(compiled)
         accepted = matcher.accept_string('{"s": "' + body + '"}') and matcher.is_completed()
         assert accepted == (low <= length and (high is None or length <= high)), (body, length)
+
+
+def test_rows_filled_together_equal_rows_filled_one_at_a_time(llm: LLM) -> None:
+    """`GrammarState.fill_bitmasks` (xgrammar's threads) writes each row's own mask, exactly."""
+    from engine.structured_output import GrammarState, bitmask_words
+
+    compiler = llm.engine.grammar_compiler
+    params = SamplingParams(n=5, temperature=1.0, seed=11, max_tokens=40,
+                            structured_outputs=so(json=PERSON))  # fmt: skip
+    [out] = llm.generate([PROMPT], params)
+    states = []
+    for i, completion in enumerate(out.outputs):  # each at another point of its object
+        state = compiler.new_state(so(json=PERSON))
+        assert all(map(state.accept, completion.token_ids[: 1 + 6 * i]))
+        states.append(state)
+    together = torch.full((9, bitmask_words(llm.engine.arch.vocab_size)), -1, dtype=torch.int32)
+    alone = together.clone()
+    rows = [(2 * i, state) for i, state in enumerate(states)]
+    GrammarState.fill_bitmasks(together, rows)
+    for row, state in rows:
+        state.fill_bitmask(alone, row)
+    assert torch.equal(together, alone)
+    assert len({tuple(together[row].tolist()) for row, _ in rows}) > 2  # the states differ
+    assert (together[1::2] == -1).all()  # rows without a grammar untouched
 
 
 @pytest.mark.parametrize("vocab", [32, 49152, 1000])
