@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <type_traits>
 
 namespace duet {
@@ -117,23 +118,12 @@ struct BF16 {
   }
 };
 
-// The low and the high half of v's lanes, by shuffles: copying them out with memcpy took v's
+// Lanes From .. From + W / 2 of v, by a shuffle: copying a half out with memcpy took v's
 // address, and GCC then kept every accumulator that reached a reduction on the stack (the
 // dense kernel's 16 accumulators: a load and a store around each FMA).
-template <int W>
-inline typename Vec<W / 2>::F low_half(typename Vec<W>::F v) {
-  if constexpr (W == 2) return __builtin_shufflevector(v, v, 0);
-  if constexpr (W == 4) return __builtin_shufflevector(v, v, 0, 1);
-  if constexpr (W == 8) return __builtin_shufflevector(v, v, 0, 1, 2, 3);
-  if constexpr (W == 16) return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-}
-
-template <int W>
-inline typename Vec<W / 2>::F high_half(typename Vec<W>::F v) {
-  if constexpr (W == 2) return __builtin_shufflevector(v, v, 1);
-  if constexpr (W == 4) return __builtin_shufflevector(v, v, 2, 3);
-  if constexpr (W == 8) return __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  if constexpr (W == 16) return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+template <int W, int From, int... I>
+inline typename Vec<W / 2>::F half_of(typename Vec<W>::F v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, (From + I)...);
 }
 
 // Horizontal reductions by halving: vextractf128 + one operation per step on x86.
@@ -143,7 +133,8 @@ inline float hreduce(typename Vec<W>::F v, Op op) {
   if constexpr (W == 1) {
     return v[0];
   } else {
-    return hreduce<W / 2>(op(low_half<W>(v), high_half<W>(v)), op);
+    constexpr auto half = std::make_integer_sequence<int, W / 2>{};
+    return hreduce<W / 2>(op(half_of<W, 0>(v, half), half_of<W, W / 2>(v, half)), op);
   }
 }
 
