@@ -180,19 +180,15 @@ def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
         if shape is not None:
             groups.setdefault((type(module).__name__, *shape), []).append(module)
     for (_, out_features, in_features), layers in groups.items():
-        chosen = None
-        for rows in MIN_ROWS_CANDIDATES:
-            if rows > 1 and dtype == torch.float32 and _use_kernel(layers, in_features, dtype):
-                chosen = 1  # fp32: duet's kernel, not a padded vendor GEMM (see above)
-                result.num_on_kernel += len(layers)
-                break
-            setattr(layers[0], "min_rows", rows)  # noqa: B010 (nn.Module's attribute typing)
-            if probe(layers[0], in_features, dtype):
-                chosen = rows
-                break
+        # fp32: unpadded, else duet's kernel, before any padded vendor GEMM (see above).
+        kernel_first = dtype == torch.float32
+        first = MIN_ROWS_CANDIDATES[:1] if kernel_first else MIN_ROWS_CANDIDATES
+        chosen = _fewest_rows(layers[0], in_features, dtype, first)
         if chosen is None and _use_kernel(layers, in_features, dtype):
             chosen = 1
             result.num_on_kernel += len(layers)
+        if chosen is None and kernel_first:  # no kernel: padding it is
+            chosen = _fewest_rows(layers[0], in_features, dtype, MIN_ROWS_CANDIDATES[1:])
         if chosen is None:
             result.failed.append((out_features, in_features))
         for layer in layers:
@@ -205,6 +201,17 @@ def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
             result.failed, MIN_ROWS_CANDIDATES,
         )  # fmt: skip
     return result
+
+
+def _fewest_rows(
+    layer: nn.Module, in_features: int, dtype: torch.dtype, candidates: tuple[int, ...]
+) -> int | None:
+    """The first of `candidates` at which `layer`, padded to that many rows, probes invariant."""
+    for rows in candidates:
+        setattr(layer, "min_rows", rows)  # noqa: B010 (nn.Module's attribute typing)
+        if probe(layer, in_features, dtype):
+            return rows
+    return None
 
 
 def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -> bool:
