@@ -121,6 +121,25 @@ def _unpermute_rope_rows(
     return pairs.transpose(1, 2).reshape(weight.shape)
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader, parsing from a plain ndarray view of its memmap: slicing a `np.memmap`
+    runs its Python `__array_finalize__` on every one of the ~250k fields and strings of a
+    49k-token vocabulary (SmolLM2: 5.8 s to open; 1.6 s this way). The parts are the same
+    arrays, still views of the mapped file."""
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(dt.newbyteorder(order))
+
+
 class GGUFModel:
     """A GGUF file opened for loading: config, weights and tokenizer in HF terms.
 
@@ -137,7 +156,7 @@ class GGUFModel:
         if not os.path.isfile(path):
             raise ModelLoadError(f"model: no GGUF file at {path}")
         try:
-            self._reader = gguf.GGUFReader(path, "r")
+            self._reader = _Reader(path, "r")
         except (ValueError, OSError) as e:
             raise ModelLoadError(f"model: {path} is not a readable GGUF file: {e}") from e
         self.path = path

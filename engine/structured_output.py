@@ -11,6 +11,7 @@ EBNF) that constrains a request's tokens, enforced with xgrammar (docs/structure
 from __future__ import annotations
 
 import functools
+import importlib
 import json as _json
 import re
 import threading
@@ -20,12 +21,21 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from engine.errors import InvalidInputError
+from engine.json_strings import strings_as_patterns
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from engine.tokenizer import Tokenizer
+else:
+
+    class _Xgrammar:  # imported on first use: it imports transformers (2 s of every start)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("xgrammar"), name)
+
+    xgr = _Xgrammar()
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 REASONING_STARTS = (None, "thinking", "may_think")
@@ -151,7 +161,7 @@ def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             assert params.json is not None
-            schema = _json.dumps(_strings_as_patterns(_json.loads(params.json)), ensure_ascii=False)
+            schema = _json.dumps(strings_as_patterns(_json.loads(params.json)), ensure_ascii=False)
             return xgr.Grammar.from_json_schema(schema, any_whitespace=params.whitespace)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(
@@ -173,61 +183,6 @@ def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise InvalidInputError(
             f"structured_outputs.{kind}", f"does not compile: {message}"
         ) from None
-
-
-# One JSON string character: a code point other than a quote, backslash, control character or
-# surrogate (written as literal characters: xgrammar's regex reads no \U escape), or an escape,
-# as one flat alternation. Measured on a 2-core Xeon, SmolLM2's vocabulary: with the escapes
-# nested in a group of their own, xgrammar computed each mask inside a string at run time
-# (60-80 ms per token); flat, `C*` takes 0.04 ms.
-_JSON_CHAR = (
-    "([ !#-\\[\\]-\ud7ff\ue000-" + chr(0x10FFFF) + ']|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})'
-)
-
-_MAX_UNROLLED = 128
-"""Longest length bound written out as nested optionals (see `_string_pattern`); past it the
-bound stays `{m,n}`, exact but with masks computed at run time. Unrolling costs compile time,
-about 17 ms per character (1.1 s at 64, 3.5 s at 200), once per schema (compiles are cached)."""
-
-
-def _string_pattern(low: int, high: int | None) -> str:
-    """A JSON string body of `low` to `high` (None: any number of) characters. xgrammar 0.2.8
-    computes every mask of a `{m,n}` repeat at run time (70-80 ms per token inside a string of
-    at most 24 characters), so the bounds are written out: `low` characters, then
-    `C(C(C)?)?)?`-style optionals up to `high`, rules whose masks it precomputes (0.5 ms)."""
-    longest = low if high is None else high
-    if low < 0 or (high is not None and high < low) or longest > _MAX_UNROLLED:
-        return f"^{_JSON_CHAR}{{{low},{'' if high is None else high}}}$"  # xgrammar checks it
-    body = f"{_JSON_CHAR}*" if high is None else ""
-    for _ in range(0 if high is None else high - low):
-        body = f"({_JSON_CHAR}{body})?"
-    for _ in range(low):  # nested too: a flat run of required characters was slow again
-        body = f"({_JSON_CHAR}{body})"
-    return f"^{body}$"
-
-
-def _strings_as_patterns(schema: Any) -> Any:
-    """`schema` with each plain string (no pattern, format, enum or const) written as a pattern
-    over `_JSON_CHAR` that holds its minLength/maxLength (`_string_pattern`).
-
-    NOTE: xgrammar 0.2.8 compiles strings to negated classes that accept surrogate code points
-    (bytes that are not UTF-8, decoded as U+FFFD), and a length-bounded string to
-    `[^"\\\r\n]{m,n}`, which also lets raw control characters through (invalid JSON); its
-    pattern path with a positive class gets both right (tests/engine/test_structured_outputs.py
-    shows the difference)."""
-    if isinstance(schema, list):
-        return [_strings_as_patterns(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: _strings_as_patterns(value) for key, value in schema.items()}
-    if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
-        low, high = out.get("minLength", 0), out.get("maxLength")
-        bool_bound = isinstance(low, bool) or isinstance(high, bool)
-        if isinstance(low, int) and isinstance(high, int | None) and not bool_bound:
-            out.pop("minLength", None)  # else xgrammar names the bad bound
-            out.pop("maxLength", None)
-            out["pattern"] = _string_pattern(low, high)
-    return out
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:

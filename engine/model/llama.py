@@ -195,7 +195,11 @@ class LlamaForCausalLM(nn.Module):
         tp.shard(cfg.intermediate_size, "intermediate_size")
         self.vocab_start, self.vocab_end = tp.shard(cfg.vocab_size, "vocab_size")
         shard_vocab = self.vocab_end - self.vocab_start
-        self.embed_tokens = nn.Embedding(shard_vocab, cfg.hidden_size)
+        # Given its weight, Embedding skips its random init, which on the meta device imports
+        # torch._dynamo (2-4 s of a process's start); the loader fills every weight.
+        self.embed_tokens = nn.Embedding(
+            shard_vocab, cfg.hidden_size, _weight=torch.empty(shard_vocab, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, quant) for _ in range(cfg.num_hidden_layers)
         )

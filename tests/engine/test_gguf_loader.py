@@ -61,6 +61,24 @@ def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> 
         default_model_path()
 
 
+def test_the_reader_parses_what_ggufs_own_reader_parses() -> None:
+    # duet's reader slices a plain view of the memmap (fast); every field, part, type and
+    # tensor must be the one gguf's reader makes, on the 49k-token SmolLM2 file.
+    ours, theirs = gguf_loader._Reader(default_model_path()), gguf.GGUFReader(default_model_path())
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset)
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert ours.data_offset == theirs.data_offset
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
 def test_smollm2_weights_equal_transformers(smol: GGUFModel, hf_model: torch.nn.Module) -> None:
     expected = hf_model.state_dict()
     names = []
