@@ -84,14 +84,18 @@ def build_cpu_kernels(
         os.environ["PATH"] = (
             os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
         )
-    # Keyed on the sources' directory too: torch rebuilds a name whose build arguments (the
-    # source paths) changed, so two checkouts sharing one name rebuilt it over each other,
-    # rewriting a .so that other processes had mapped (SIGBUS) and racing for its lock.
-    key = (defines, _DIR) if not cflags else (defines, cflags, _DIR)  # the old key: no rebuild
+    # Keyed on what is compiled (sources, headers, defines, flags), not on where it lives: every
+    # checkout of the same code shares one build. torch rebuilds a name whose build arguments
+    # (the source paths) change, and a rebuild rewrites a .so that other processes have mapped
+    # (SIGBUS), so the build compiles copies of the sources kept in the build directory, whose
+    # paths are the same for every checkout.
+    key = (defines, cflags)
     digest = hashlib.sha1(repr(key).encode())
+    contents = {}
     for path in paths + _HEADERS:
         with open(path, "rb") as f:
-            digest.update(f.read())
+            contents[os.path.basename(path)] = f.read()
+        digest.update(contents[os.path.basename(path)])
     # -march=native code must never run on another CPU: key the build on the CPU's flags too.
     name = f"{module}_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
     build_dir = _build_directory(name)
@@ -102,9 +106,11 @@ def build_cpu_kernels(
         if os.path.exists(stale):
             logger.warning("removing %s, left by an interrupted kernel build", stale)
             os.remove(stale)
+        sources_dir = os.path.join(build_dir, "src")
+        _write_sources(sources_dir, contents)
         return load(
             name=name,
-            sources=paths,
+            sources=[os.path.join(sources_dir, os.path.basename(p)) for p in paths],
             extra_cflags=[
                 "-O3",
                 "-march=native",
@@ -116,6 +122,22 @@ def build_cpu_kernels(
             build_directory=build_dir,
             verbose=False,
         )
+
+
+def _write_sources(directory: str, contents: dict[str, bytes]) -> None:
+    """The build's copies of its sources and headers. A file already there is left alone (its
+    content is what the build's name hashes; a new mtime would make ninja recompile); each
+    new one is written whole, then renamed into place."""
+    os.makedirs(directory, exist_ok=True)
+    for file_name, data in contents.items():
+        path = os.path.join(directory, file_name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                if f.read() == data:
+                    continue
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
 
 
 def _build_directory(name: str) -> str:

@@ -1,6 +1,8 @@
-"""Building the CPU kernels is safe across processes and checkouts: each checkout gets its own
-build (two checkouts under one name rebuilt it over each other's mapped .so), a lock left by a
-killed build does not hang the next one, and the build lock dies with its holder."""
+"""Building the CPU kernels is safe across processes and checkouts: checkouts of the same code
+share one build, compiled from copies whose paths never change (torch rebuilds a name whose
+source paths change, over a .so other processes have mapped), other code gets another build,
+a lock left by a killed build does not hang the next one, and the build lock dies with its
+holder."""
 
 from __future__ import annotations
 
@@ -34,13 +36,56 @@ def fake_load(monkeypatch, tmp_path):
     return calls
 
 
-def test_each_checkout_builds_under_its_own_name(fake_load, monkeypatch):
+def _checkout(tmp_path, name: str, edit: bytes = b"") -> str:
+    """A copy of engine/kernels' C++ files, as another checkout has them."""
+    there = tmp_path / name
+    there.mkdir()
+    for path in [*cpu._SOURCES, *cpu._HEADERS]:
+        data = open(path, "rb").read()
+        if edit and path.endswith("cpu_simd.h"):
+            data += edit
+        (there / os.path.basename(path)).write_bytes(data)
+    return str(there)
+
+
+def test_checkouts_of_the_same_code_share_one_build_from_fixed_paths(
+    fake_load, monkeypatch, tmp_path
+):
     here = cpu.build_cpu_kernels()
-    monkeypatch.setattr(cpu, "_DIR", "/elsewhere/duet/engine/kernels")
+    copies = tmp_path / here / "src"
+    mtimes = {f.name: f.stat().st_mtime_ns for f in copies.iterdir()}
+    monkeypatch.setattr(cpu, "_DIR", _checkout(tmp_path, "elsewhere"))
+    monkeypatch.setattr(
+        cpu, "_SOURCES", [os.path.join(cpu._DIR, os.path.basename(p)) for p in cpu._SOURCES]
+    )
+    monkeypatch.setattr(
+        cpu, "_HEADERS", [os.path.join(cpu._DIR, os.path.basename(p)) for p in cpu._HEADERS]
+    )
+    there = cpu.build_cpu_kernels()
+    assert here == there
+    first, second = fake_load
+    assert first["sources"] == second["sources"]  # torch sees the same build: no rebuild
+    assert all(s.startswith(str(copies)) for s in first["sources"])
+    # The copies are the checkout's files, untouched by the second build (ninja reads mtimes).
+    assert {f.name: f.stat().st_mtime_ns for f in copies.iterdir()} == mtimes
+    for path in [*cpu._SOURCES, *cpu._HEADERS]:
+        assert (copies / os.path.basename(path)).read_bytes() == open(path, "rb").read()
+
+
+def test_other_code_builds_under_another_name(fake_load, monkeypatch, tmp_path):
+    here = cpu.build_cpu_kernels()
+    monkeypatch.setattr(cpu, "_DIR", _checkout(tmp_path, "edited", b"// another header\n"))
+    monkeypatch.setattr(
+        cpu, "_SOURCES", [os.path.join(cpu._DIR, os.path.basename(p)) for p in cpu._SOURCES]
+    )
+    monkeypatch.setattr(
+        cpu, "_HEADERS", [os.path.join(cpu._DIR, os.path.basename(p)) for p in cpu._HEADERS]
+    )
     there = cpu.build_cpu_kernels()
     assert here != there
-    assert [c["name"] for c in fake_load] == [here, there]
-    assert all(c["build_directory"].endswith(c["name"]) for c in fake_load)
+    header = tmp_path / there / "src" / "cpu_simd.h"
+    assert header.read_bytes().endswith(b"// another header\n")
+    assert cpu.build_cpu_kernels(("DUET_SIMD_LANES=8",)) not in (here, there)
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(fake_load, tmp_path):
