@@ -88,6 +88,25 @@ def test_other_code_builds_under_another_name(fake_load, monkeypatch, tmp_path):
     assert cpu.build_cpu_kernels(("DUET_SIMD_LANES=8",)) not in (here, there)
 
 
+def test_a_finished_build_is_imported_without_asking_ninja_again(fake_load, monkeypatch, tmp_path):
+    imported: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        cpu, "_import_built", lambda name, lib: imported.append((name, lib)) or name
+    )
+    name = cpu.build_cpu_kernels()
+    library = tmp_path / name / f"{name}.so"
+    assert (tmp_path / name / "duet-built").exists()
+    assert cpu.build_cpu_kernels() == name  # no library yet: the build runs again
+    assert len(fake_load) == 2 and not imported
+    library.write_bytes(b"")  # what the build left
+    assert cpu.build_cpu_kernels() == name
+    assert len(fake_load) == 2 and imported == [(name, str(library))]
+    # A build killed before it finished leaves no marker: it is built again.
+    (tmp_path / name / "duet-built").unlink()
+    assert cpu.build_cpu_kernels() == name
+    assert len(fake_load) == 3
+
+
 def test_a_lock_left_by_a_killed_build_is_removed(fake_load, tmp_path):
     name = cpu.build_cpu_kernels()
     stale = tmp_path / name / "lock"
