@@ -70,6 +70,13 @@ PREFILL_ANSWER_GRACE_S = 2.0
 """How long a finished sample waits for its prefill worker's answer before cancelling it."""
 
 
+def _retrieve(call: asyncio.Task[PrefillOutcome]) -> None:
+    """A prefill call's error is the transfer's record (or the attempt's), not a warning
+    that a task's exception was never retrieved."""
+    if not call.cancelled():
+        call.exception()
+
+
 class RetryAttempt(Exception):
     """This attempt failed in a way another attempt may not."""
 
@@ -171,14 +178,16 @@ class AttemptRunner:
         finally:
             prefill.num_sent_tokens = max(0, prefill.num_sent_tokens - uncached)
             error = sys.exc_info()[1]
-            if not prefill_call.done() and error is None:
-                # The sample finished, so its KV arrived: the prefill worker's answer (what
-                # the transfer cost, for the metrics) is due; tokens can overtake it.
-                await asyncio.wait({prefill_call}, timeout=PREFILL_ANSWER_GRACE_S)
-            if not prefill_call.done():
-                prefill_call.cancel()
-            await asyncio.gather(prefill_call, return_exceptions=True)
-            self.transfers.end(transfer, prefill_call, error)
+            try:
+                if not prefill_call.done() and error is None:
+                    # The sample finished, so its KV arrived: the prefill worker's answer (what
+                    # the transfer cost, for the metrics) is due; tokens can overtake it.
+                    await asyncio.wait({prefill_call}, timeout=PREFILL_ANSWER_GRACE_S)
+            finally:  # even when this attempt is cancelled meanwhile: every begin has its end
+                if not prefill_call.done():
+                    prefill_call.cancel()
+                prefill_call.add_done_callback(_retrieve)
+                self.transfers.end(transfer, prefill_call, error)
 
     async def _consume(
         self,

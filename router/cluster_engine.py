@@ -196,6 +196,9 @@ class ClusterEngine:
             for sample in state.samples
         ]
         self._tasks.update(tasks)
+        for task in tasks:
+            task.add_done_callback(self._tasks.discard)
+        finished = False
         try:
             while True:
                 items = [await updates.get()]
@@ -207,14 +210,19 @@ class ClusterEngine:
                 if state.prompt_logprobs is not None and not self.outputs.prompt_logprobs_of(state):
                     continue  # sample 0's prefill answer brings them; nothing goes out before
                 out = self.outputs.make_output(state)
+                finished = out.finished
                 yield out
-                if out.finished:
+                if finished:
                     return
         finally:
-            for task in tasks:
-                task.cancel()
+            # NOTE: a finished request's attempts may still wait (bounded by
+            # PREFILL_ANSWER_GRACE_S, and only when tokens overtook it) for their prefill
+            # worker's answer, which the transfer's metrics and trace record: they end on
+            # their own. A request the client left, or that failed, has its attempts cancelled.
+            if not finished:
+                for task in tasks:
+                    task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._tasks.difference_update(tasks)
 
     # -- one sample ------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -32,15 +32,17 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             return handler
         method = details.method.removeprefix(self._prefix)
 
-        def count(context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
-            self.metrics.count_grpc(method, _code_of(context, error))
+        def count(context: _CountingContext, error: BaseException | None) -> None:
+            if not context.counted:
+                self.metrics.count_grpc(method, _code_of(context.inner, error))
 
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def unary_stream(
-                request: Any, context: grpc.aio.ServicerContext
+                request: Any, servicer_context: grpc.aio.ServicerContext
             ) -> AsyncIterator[Any]:
+                context = _CountingContext(servicer_context, self.metrics, method)
                 error: BaseException | None = None
                 try:
                     responses = inner_stream(request, context)
@@ -62,7 +64,8 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def unary_unary(request: Any, servicer_context: grpc.aio.ServicerContext) -> Any:
+                context = _CountingContext(servicer_context, self.metrics, method)
                 error: BaseException | None = None
                 try:
                     return await inner_unary(request, context)
@@ -76,6 +79,32 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, handler.request_deserializer, handler.response_serializer
             )
         return handler  # duet.v1.Duet has no client-streaming methods
+
+
+class _CountingContext:
+    """The handler's context, counting the call when the handler aborts it: `abort` sends the
+    status before it raises, so a client could see the status before a count made after the
+    handler ends. Everything else is the servicer context's."""
+
+    def __init__(
+        self, inner: grpc.aio.ServicerContext, metrics: ServingMetrics, method: str
+    ) -> None:
+        self.inner = inner
+        self.counted = False
+        self._metrics = metrics
+        self._method = method
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> NoReturn:
+        if not self.counted:
+            self.counted = True
+            self._metrics.count_grpc(self._method, code.name)
+        await self.inner.abort(code, details, trailing_metadata)
+        raise AssertionError("unreachable: abort raises")  # for the type checker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _code_of(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:

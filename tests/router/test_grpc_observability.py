@@ -4,6 +4,7 @@ each request that reaches the engine traced as one `duet.request` span, like RES
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -14,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from duet.v1 import serving_pb2
 from engine import AsyncEngine
+from router.grpc_metrics import GrpcMetricsInterceptor
 from router.metrics import ServingMetrics
 from router.tracing import RequestTracing
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
@@ -74,3 +76,45 @@ def test_calls_are_counted_by_method_and_code_and_traced(
     assert attrs["duet.finish_reason"] == "length"
     assert attrs["duet.model"] == MODEL_NAME
     assert finished[0].parent is None
+
+
+def test_an_aborted_call_is_counted_before_its_status_goes_out(rest_engine: AsyncEngine) -> None:
+    """`abort` sends the status before it raises, and a handler can still be running after it
+    (here it cleans up for half a second): the count is made at the abort, so a client that
+    has seen the status finds it counted."""
+    metrics = ServingMetrics(rest_engine, MODEL_NAME)
+    cleaned_up = asyncio.Event()
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
+        finally:
+            await asyncio.sleep(0.5)
+            cleaned_up.set()
+        return b""
+
+    async def main() -> tuple[grpc.StatusCode, float | None, bool]:
+        server = grpc.aio.server(interceptors=[GrpcMetricsInterceptor(metrics, "test.Svc")])
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(
+                "test.Svc", {"Find": grpc.unary_unary_rpc_method_handler(handler)}
+            )]
+        )  # fmt: skip
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as denied:
+                    await channel.unary_unary("/test.Svc/Find")(b"", timeout=10)
+                return (
+                    denied.value.code(),
+                    _count(metrics, "Find", "NOT_FOUND"),
+                    (cleaned_up.is_set()),
+                )
+        finally:
+            await server.stop(2)
+
+    code, counted, handler_done = asyncio.run(main())
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert not handler_done  # the client saw the status while the handler still ran
+    assert counted == 1

@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx2
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import AsyncEngine, SamplingParams
-from prefill_worker.worker import PrefillRole
+from prefill_worker.worker import PrefillRole, PrefillWorker
 from router.api_server import build_app
 from router.metrics import ServingMetrics
 from router.transfer_log import TransferRecord
@@ -182,6 +183,43 @@ def test_kv_transfer_metrics_move_and_count_a_lost_decode_worker(
         for suffix in ("", "_total", "_bucket", "_sum", "_count")
     }
     assert sorted(duet_dashboard_metric_names() - exported) == []
+
+
+def test_a_prefill_answer_that_comes_after_the_reply_still_records_its_transfer(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply's last token can reach the router before the prefill worker's answer (what
+    the transfer cost). The finished request leaves its attempt to wait for that answer (up
+    to `PREFILL_ANSWER_GRACE_S`), so the transfer is recorded done, not cancelled, and is no
+    longer counted in flight. (Once the reply's end cancelled that wait, and the transfer
+    could stay in flight forever.)"""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prefill = PrefillWorker.prefill
+    answered: list[float] = []
+
+    async def late_prefill(self: PrefillWorker, *args: object, **kwargs: object) -> object:
+        result = await prefill(self, *args, **kwargs)  # type: ignore[arg-type]
+        await asyncio.sleep(0.5)  # the decode worker's 2 tokens go out meanwhile
+        answered.append(time.monotonic())
+        return result
+
+    monkeypatch.setattr(PrefillWorker, "prefill", late_prefill)
+
+    async def main() -> tuple[float, list[TransferRecord]]:
+        async with Cluster(tiny_llama, threshold=0) as c:
+            replied, outs = 0.0, []
+            async for out in c.engine.generate(prompts_of([40], seed=7)[0], params):
+                replied = time.monotonic()
+                outs.append(out)
+            assert outs[-1].finished and len(outs[-1].token_ids) == 2
+            settled = lambda: c.engine.transfers.num_in_flight == 0  # noqa: E731
+            await wait_for_async(settled, 10, "the transfer recorded")
+            return replied, list(c.engine.transfers.recent)
+
+    replied, records = asyncio.run(main())
+    assert len(answered) == 1 and answered[0] > replied  # the answer did come after the reply
+    assert [(r.status, r.reason) for r in records] == [("done", "")]
+    assert records[0].num_bytes > 0
 
 
 @pytest.mark.parametrize("kv_backend", ["tcp", "torch_dist"])
