@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json as _json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.errors import InvalidInputError
-from engine.json_strings import strings_as_patterns
+from engine.json_strings import bounded_string_rules, strings_as_patterns
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -36,6 +37,8 @@ else:
             return getattr(importlib.import_module("xgrammar"), name)
 
     xgr = _Xgrammar()
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 REASONING_STARTS = (None, "thinking", "may_think")
@@ -161,8 +164,7 @@ def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             assert params.json is not None
-            schema = _json.dumps(strings_as_patterns(_json.loads(params.json)), ensure_ascii=False)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=params.whitespace)
+            return _json_schema_grammar(_json.loads(params.json), params.whitespace)
         if kind == "json_object":
             return xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=params.whitespace
@@ -183,6 +185,22 @@ def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise InvalidInputError(
             f"structured_outputs.{kind}", f"does not compile: {message}"
         ) from None
+
+
+def _json_schema_grammar(schema: Any, whitespace: bool) -> xgr.Grammar:
+    """xgrammar's grammar of `schema`, its strings rewritten (engine/json_strings.py): plain
+    strings as patterns, length-bounded ones as rules that hold their closing quote."""
+    marks: dict[str, tuple[int, int]] = {}
+    text = _json.dumps(strings_as_patterns(schema, marks), ensure_ascii=False)
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=whitespace)
+    if not marks:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(bounded_string_rules(str(grammar), marks))
+    except ValueError as e:  # xgrammar printed another shape: the patterns are exact too
+        logger.warning("bounded strings kept as patterns (slower masks): %s", e)
+        text = _json.dumps(strings_as_patterns(schema), ensure_ascii=False)
+        return xgr.Grammar.from_json_schema(text, any_whitespace=whitespace)
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:

@@ -211,6 +211,64 @@ def test_string_length_bounds_hold_exactly(llm: LLM, low: int, high: int | None)
         assert accepted == (low <= length and (high is None or length <= high)), (body, length)
 
 
+BOUNDED = {
+    "type": "object",
+    "$defs": {"label": {"type": "string", "minLength": 1, "maxLength": 4}},
+    "properties": {
+        "a": {"type": "string", "maxLength": 5},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                 "minItems": 1, "maxItems": 3},
+        "either": {"anyOf": [{"type": "string", "minLength": 2, "maxLength": 2},
+                             {"type": "integer"}]},
+        "x": {"$ref": "#/$defs/label"},
+        "y": {"$ref": "#/$defs/label"},
+        "free": {"type": "string"},
+    },
+    "required": ["a", "tags", "either", "x", "y", "free"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("whitespace", [False, True])
+def test_bounded_strings_as_rules_give_the_patterns_masks(llm: LLM, whitespace: bool) -> None:
+    """Length-bounded strings written as rules that hold their closing quote
+    (`bounded_string_rules`, fast masks) allow exactly the tokens their patterns allow
+    (`string_pattern`, the slow masks), at every step of random walks over allowed tokens:
+    top level, in an array, in anyOf, a $ref used twice, with and without free whitespace."""
+    import random
+
+    from engine.json_strings import strings_as_patterns
+    from engine.structured_output import bitmask_words, tokenizer_info
+
+    compiler = llm.engine.grammar_compiler
+    spec = so(json=BOUNDED, whitespace=whitespace)
+    fast = compiler.compile(spec)
+    assert "_dq" in str(fast.grammar)  # the rules, not the fallback to patterns
+    text = json.dumps(strings_as_patterns(json.loads(spec.json or "")))  # keys as it sorts them
+    vocab = llm.engine.arch.vocab_size
+    slow = xgr.GrammarCompiler(tokenizer_info(llm.tokenizer, vocab)).compile_grammar(
+        xgr.Grammar.from_json_schema(text, any_whitespace=whitespace)
+    )
+    words = bitmask_words(vocab)
+    rng = random.Random(3)
+    num_steps = 0
+    for _ in range(30):
+        matchers = [xgr.GrammarMatcher(fast), xgr.GrammarMatcher(slow)]
+        for _ in range(60):
+            masks = [torch.zeros((1, words), dtype=torch.int32) for _ in matchers]
+            for matcher, mask in zip(matchers, masks, strict=True):
+                matcher.fill_next_token_bitmask(mask, 0)
+            assert torch.equal(masks[0], masks[1])
+            num_steps += 1
+            bits = [(w >> b) & 1 for w in masks[0][0].tolist() for b in range(32)]
+            allowed = [t for t, bit in enumerate(bits[:vocab]) if bit]
+            token = rng.choice(allowed)
+            assert all(m.accept_token(token) for m in matchers)
+            if matchers[0].is_terminated():
+                break
+    assert num_steps > 600
+
+
 def test_rows_filled_together_equal_rows_filled_one_at_a_time(llm: LLM) -> None:
     """`GrammarState.fill_bitmasks` (xgrammar's threads) writes each row's own mask, exactly."""
     from engine.structured_output import GrammarState, bitmask_words
