@@ -71,6 +71,9 @@ class StepInputs:
         ]
 
 
+_MAX_CACHED_VIEWS = 4096
+
+
 class _Staging:
     """A host buffer (pinned on CUDA) and its device mirror, handed out front to back each
     step and copied in one transfer: every step's inputs go to the device together."""
@@ -79,13 +82,36 @@ class _Staging:
         self.host, self.dev = host, dev
         self._host_np = host.numpy()
         self.used = 0
+        # (start, end) -> the views `take` hands out: steps of one shape take the same spans,
+        # and slicing a tensor costs microseconds (made once; bounded, cleared when full).
+        self._views: dict[tuple[int, ...], tuple[np.ndarray, torch.Tensor]] = {}
 
     def take(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
         start, self.used = self.used, self.used + n
+        views = self._views.get((start, self.used))
+        if views is not None:
+            return views
         if self.used > self.host.shape[0]:
             raise RuntimeError(f"step inputs overflow the staging buffer ({self.used} > "
                                f"{self.host.shape[0]})")  # fmt: skip
-        return self._host_np[start : self.used], self.dev[start : self.used]
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()
+        views = self._views[start, self.used] = (
+            self._host_np[start : self.used],
+            self.dev[start : self.used],
+        )
+        return views
+
+    def take_table(self, rows: int, width: int) -> tuple[np.ndarray, torch.Tensor]:
+        """`take(rows * width)` as [rows, width] views."""
+        start, end = self.used, self.used + rows * width
+        views = self._views.get((start, -end, width))  # another key than take's
+        if views is not None:
+            self.used = end
+            return views
+        host, dev = self.take(rows * width)
+        views = self._views[start, -end, width] = (host.reshape(rows, width), dev.view(rows, width))
+        return views
 
     def copy(self) -> None:
         if self.dev is not self.host and self.used:
@@ -141,7 +167,8 @@ class InputBatch:
         self._seq_lens = self._host((s,), torch.int64).numpy()
         self._query_start = self._host((s + 1,), torch.int64).numpy()
         self._slots = self._host((s,), torch.int64).numpy()
-        self._rows = self._host((2, s), torch.int64).numpy()
+        empty = self._staging.dev[:0]
+        self._empty = (empty, empty.view(0, 1))  # the tables of a step without decodes/prefills
 
     # -- buffers (the allocation hook) ---------------------------------------------------------
 
@@ -295,17 +322,16 @@ class InputBatch:
 
     def _kernel_tables(self, num_reqs: int) -> KernelTables:
         query_lens, seq_lens = self._query_lens[:num_reqs], self._seq_lens[:num_reqs]
+        starts = self._query_start[:num_reqs]
         bs, staging = self.block_size, self._staging
-        num_decode = num_prefill = 0
-        decode_rows, prefill_rows = self._rows[0], self._rows[1]
-        for i in range(num_reqs):
-            if query_lens[i] == 1:
-                decode_rows[num_decode] = i
-                num_decode += 1
-            else:
-                prefill_rows[num_prefill] = i
-                num_prefill += 1
-        dec, pre = decode_rows[:num_decode], prefill_rows[:num_prefill]
+        is_decode = query_lens == 1
+        num_decode = int(np.count_nonzero(is_decode))
+        if num_decode == num_reqs:  # all decodes (the common step): no gathers by row
+            dec, pre = self._arange[:num_reqs], self._arange[:0]
+        elif num_decode == 0:
+            dec, pre = self._arange[:0], self._arange[:num_reqs]
+        else:
+            dec, pre = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
 
         def stage(values: np.ndarray) -> torch.Tensor:
             host, dev = staging.take(values.shape[0])
@@ -313,22 +339,31 @@ class InputBatch:
             return dev
 
         def tables(rows: np.ndarray) -> torch.Tensor:
-            width = max(1, -(-int(seq_lens[rows].max()) // bs)) if rows.size else 1
-            host, dev = staging.take(rows.size * width)
-            np.take(
-                self.block_table[:, :width], self._slots[rows], axis=0,
-                out=host.reshape(rows.size, width),
-            )  # fmt: skip
-            return dev.view(rows.size, width)
+            every = rows.size == num_reqs  # then rows is 0..num_reqs-1
+            longest = int((seq_lens if every else seq_lens[rows]).max())
+            width = max(1, -(-longest // bs))
+            host, dev = staging.take_table(rows.size, width)
+            slots = self._slots[:num_reqs] if every else self._slots[rows]
+            np.take(self.block_table[:, :width], slots, axis=0, out=host)
+            return dev
 
-        return KernelTables(
-            decode_rows=dec,
-            decode_token_indices=stage(self._query_start[dec]),
-            decode_seq_lens=stage(seq_lens[dec]),
-            decode_tables=tables(dec),
-            prefill_rows=pre,
-            prefill_query_start=stage(self._query_start[pre]),
-            prefill_query_lens=stage(query_lens[pre]),
-            prefill_seq_lens=stage(seq_lens[pre]),
-            prefill_tables=tables(pre),
-        )
+        empty, empty_table = self._empty
+        if dec.size:
+            all_rows = dec.size == num_reqs
+            decode = (
+                stage(starts if all_rows else starts[dec]),
+                stage(seq_lens if all_rows else seq_lens[dec]),
+                tables(dec),
+            )
+        else:
+            decode = (empty, empty, empty_table)
+        if pre.size:
+            prefill = (
+                stage(starts[pre]),
+                stage(query_lens[pre]),
+                stage(seq_lens[pre]),
+                tables(pre),
+            )
+        else:
+            prefill = (empty, empty, empty, empty_table)
+        return KernelTables(dec, *decode, pre, *prefill)

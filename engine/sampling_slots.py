@@ -97,6 +97,8 @@ class SamplingSlots:
         self._floats_np = self._floats_host.numpy()
         self._ints_np = self._ints_host.numpy()
         self._ones = buffer((rows,), torch.int32, device)
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}  # views of n rows (`_views_of`)
+        self._want_views = [self._ints_dev[_WANT, :w] for w in range(rows + 1)]
         self._ones.fill_(1)
         self.counts: torch.Tensor | None = None  # made when the first penalized request joins
         self.prompt_mask: torch.Tensor | None = None
@@ -182,16 +184,6 @@ class SamplingSlots:
         n = len(requests)
         idx = slots
         floats, ints = self._floats_np, self._ints_np
-        for row, src in (
-            (_TEMPERATURE, self._temperature),
-            (_TOP_P, self._top_p),
-            (_MIN_P, self._min_p),
-            (_PRESENCE, self._presence),
-            (_FREQUENCY, self._frequency),
-            (_REPETITION, self._repetition),
-        ):
-            np.take(src, idx, out=floats[row, :n])
-        np.take(self._top_k, idx, out=ints[_TOP_K, :n])
         ints[_SLOT, :n] = idx
         all_greedy = True
         any_greedy = False
@@ -229,35 +221,58 @@ class SamplingSlots:
                 ints[_WANT, len(logprob_ks)] = row
                 logprob_ks.append(params.logprobs)
                 logprob_rows.append(row)
-        asked = ints[_TOP_K, :n]
-        asked = asked[asked < self.vocab_size]
-        max_top_k = int(asked.max()) if asked.size else 0
+        # NOTE: an all-greedy batch without penalties reads none of the per-row parameters
+        # (the sampler takes the argmax), so their gathers are skipped: they stay stale.
+        max_top_k, any_top_p, any_min_p = 0, False, False
+        if not all_greedy or any_penalties:
+            for row, src in (
+                (_TEMPERATURE, self._temperature),
+                (_TOP_P, self._top_p),
+                (_MIN_P, self._min_p),
+                (_PRESENCE, self._presence),
+                (_FREQUENCY, self._frequency),
+                (_REPETITION, self._repetition),
+            ):
+                np.take(src, idx, out=floats[row, :n])
+            np.take(self._top_k, idx, out=ints[_TOP_K, :n])
+        if not all_greedy:
+            asked = ints[_TOP_K, :n]
+            asked = asked[asked < self.vocab_size]
+            max_top_k = int(asked.max()) if asked.size else 0
+            any_top_p = bool((floats[_TOP_P, :n] < 1.0).any())
+            any_min_p = bool((floats[_MIN_P, :n] > 0.0).any())
         bitmask = self._fill_bitmask(n, grammars) if grammars else None
         if self._floats_dev is not self._floats_host:
             self._floats_dev.copy_(self._floats_host, non_blocking=True)
             self._ints_dev.copy_(self._ints_host, non_blocking=True)
-        f, i = self._floats_dev, self._ints_dev
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = self._views_of(n)
+        (
+            temperature, top_p, min_p, top_k, greedy, uniform_, presence, frequency, repetition,
+            slot_ids,
+        ) = views  # fmt: skip
         return SamplingBatch(
             num_rows=n,
-            temperature=f[_TEMPERATURE, :n],
-            top_p=f[_TOP_P, :n],
-            min_p=f[_MIN_P, :n],
-            top_k=i[_TOP_K, :n],
-            greedy=None if all_greedy else i[_GREEDY, :n].bool(),
-            uniform=f[_UNIFORM, :n],
-            presence=f[_PRESENCE, :n],
-            frequency=f[_FREQUENCY, :n],
-            repetition=f[_REPETITION, :n],
-            slots=i[_SLOT, :n],
+            temperature=temperature,
+            top_p=top_p,
+            min_p=min_p,
+            top_k=top_k,
+            greedy=None if all_greedy else greedy.bool(),
+            uniform=uniform_,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            slots=slot_ids,
             all_greedy=all_greedy,
             any_greedy=any_greedy,
             any_top_k=max_top_k > 0,
             max_top_k=max_top_k,
-            any_top_p=bool((floats[_TOP_P, :n] < 1.0).any()),
-            any_min_p=bool((floats[_MIN_P, :n] > 0.0).any()),
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
             any_penalties=any_penalties,
             stop_masks=stop_masks,
-            logprob_rows=i[_WANT, : len(logprob_ks)],
+            logprob_rows=self._want_views[len(logprob_ks)],
             logprob_ks=logprob_ks,
             logprob_host_rows=logprob_rows,
             counts=self.counts if any_penalties else None,
@@ -267,6 +282,15 @@ class SamplingSlots:
             if any_penalties and draft_counts
             else None,
         )
+
+    def _views_of(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The first `n` rows of each device buffer row, made once per `n`."""
+        f, i = self._floats_dev, self._ints_dev
+        return (
+            f[_TEMPERATURE, :n], f[_TOP_P, :n], f[_MIN_P, :n], i[_TOP_K, :n], i[_GREEDY, :n],
+            f[_UNIFORM, :n], f[_PRESENCE, :n], f[_FREQUENCY, :n], f[_REPETITION, :n],
+            i[_SLOT, :n],
+        )  # fmt: skip
 
     def _draft_counts(self, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.tensor([r for r, _ in pairs], dtype=torch.long, device=self.device)

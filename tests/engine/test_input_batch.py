@@ -113,3 +113,54 @@ def test_block_table_rows_follow_the_allocator(engine):
     assert checked > 30
     engine.step()  # the last finished requests leave at the next step
     assert batch.num_active == 0  # every finished request gave its slot back
+
+
+def test_kernel_tables_are_each_steps_own(tiny_llama):
+    """The C++ kernels' view of every step (decodes and prefill chunks apart, each with its
+    block tables) equals one computed from the step's own requests, whatever shapes came
+    before: the staging views are reused across steps of one shape, never their contents."""
+    engine = LLMEngine(
+        EngineConfig(model=tiny_llama, dtype="float32", load_progress=False,
+                     max_num_batched_tokens=64, max_num_seqs=8)
+    )  # fmt: skip
+    batch = engine.runner.input_batch
+    assert batch.split_tables
+    prepare = batch.prepare
+    kinds = set()
+
+    def checked(scheduled, kv, spec=None):
+        step = prepare(scheduled, kv, spec)
+        kt = step.kernel_tables
+        lens = [n for _, n in scheduled]
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        pre = [i for i, n in enumerate(lens) if n != 1]
+        kinds.add((bool(dec), bool(pre)))
+        starts = np.cumsum([0, *lens])
+        seq = [r.num_computed_tokens + n for r, n in scheduled]
+        for rows, got_tables, got_seq in (
+            (dec, kt.decode_tables, kt.decode_seq_lens),
+            (pre, kt.prefill_tables, kt.prefill_seq_lens),
+        ):
+            assert got_seq.tolist() == [seq[i] for i in rows]
+            if not rows:
+                assert got_tables.numel() == 0
+                continue
+            width = -(-max(seq[i] for i in rows) // batch.block_size)
+            for k, i in enumerate(rows):
+                blocks = kv.get_block_ids(scheduled[i][0].request_id)[:width]
+                assert got_tables[k, : len(blocks)].tolist() == blocks
+        assert kt.decode_rows.tolist() == dec and kt.prefill_rows.tolist() == pre
+        assert kt.decode_token_indices.tolist() == [int(starts[i]) for i in dec]
+        assert kt.prefill_query_start.tolist() == [int(starts[i]) for i in pre]
+        assert kt.prefill_query_lens.tolist() == [lens[i] for i in pre]
+        return step
+
+    batch.prepare = checked
+    gen = torch.Generator().manual_seed(1)
+    for wave in range(3):  # decodes alone, long prompts in chunks alone, and both together
+        for length in (5, 120, 9, 70)[: 2 + wave]:
+            prompt = torch.randint(3, engine.arch.vocab_size, (length,), generator=gen).tolist()
+            engine.add_request(prompt, _mixed_params(length))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert kinds == {(True, False), (False, True), (True, True)}
