@@ -72,6 +72,8 @@ class StepInputs:
 
 
 _MAX_CACHED_VIEWS = 4096
+_FEW_TOKENS = 8
+"""Up to this many tokens a step's slot mapping is computed without numpy."""
 
 
 class _Staging:
@@ -284,16 +286,21 @@ class InputBatch:
                 num_logits += 1 + (len(spec) if spec else 0)
             t = stop
 
-        # slot_mapping = table[row, pos // bs] * bs + pos % bs, vectorized over the step.
+        # slot_mapping = table[row, pos // bs] * bs + pos % bs: vectorized over the step, or
+        # for a few tokens one by one (each numpy call costs microseconds of its own).
         slot_mapping, slot_mapping_dev = staging.take(t)
-        flat = self._scratch[:t]
-        np.floor_divide(positions, bs, out=flat)
-        np.multiply(rows[:t], self.max_blocks, out=rows[:t])
-        np.add(flat, rows[:t], out=flat)
-        np.take(table.reshape(-1), flat, out=slot_mapping)
-        np.multiply(slot_mapping, bs, out=slot_mapping)
-        np.remainder(positions, bs, out=flat)
-        np.add(slot_mapping, flat, out=slot_mapping)
+        if t <= _FEW_TOKENS:
+            for k, (row, pos) in enumerate(zip(rows[:t].tolist(), positions.tolist(), strict=True)):
+                slot_mapping[k] = int(table[row, pos // bs]) * bs + pos % bs
+        else:
+            flat = self._scratch[:t]
+            np.floor_divide(positions, bs, out=flat)
+            np.multiply(rows[:t], self.max_blocks, out=rows[:t])
+            np.add(flat, rows[:t], out=flat)
+            np.take(table.reshape(-1), flat, out=slot_mapping)
+            np.multiply(slot_mapping, bs, out=slot_mapping)
+            np.remainder(positions, bs, out=flat)
+            np.add(slot_mapping, flat, out=slot_mapping)
 
         logits, logits_dev = staging.take(num_logits)
         j = 0

@@ -117,8 +117,9 @@ def test_block_table_rows_follow_the_allocator(engine):
 
 def test_kernel_tables_are_each_steps_own(tiny_llama):
     """The C++ kernels' view of every step (decodes and prefill chunks apart, each with its
-    block tables) equals one computed from the step's own requests, whatever shapes came
-    before: the staging views are reused across steps of one shape, never their contents."""
+    block tables) and its tokens' KV slots equal those computed from the step's own requests,
+    whatever shapes came before: the staging views are reused across steps of one shape, never
+    their contents."""
     engine = LLMEngine(
         EngineConfig(model=tiny_llama, dtype="float32", load_progress=False,
                      max_num_batched_tokens=64, max_num_seqs=8)
@@ -150,6 +151,15 @@ def test_kernel_tables_are_each_steps_own(tiny_llama):
                 blocks = kv.get_block_ids(scheduled[i][0].request_id)[:width]
                 assert got_tables[k, : len(blocks)].tolist() == blocks
         assert kt.decode_rows.tolist() == dec and kt.prefill_rows.tolist() == pre
+        # Each token's KV slot: numpy over the step, or one by one for a few tokens.
+        want_slots = []
+        for request, n in scheduled:
+            blocks = kv.get_block_ids(request.request_id)
+            for pos in range(request.num_computed_tokens, request.num_computed_tokens + n):
+                want_slots.append(blocks[pos // batch.block_size] * batch.block_size
+                                  + pos % batch.block_size)  # fmt: skip
+        assert step.slot_mapping.tolist() == want_slots
+        kinds.add(("few tokens", len(want_slots) <= 8))
         assert kt.decode_token_indices.tolist() == [int(starts[i]) for i in dec]
         assert kt.prefill_query_start.tolist() == [int(starts[i]) for i in pre]
         assert kt.prefill_query_lens.tolist() == [lens[i] for i in pre]
@@ -163,4 +173,5 @@ def test_kernel_tables_are_each_steps_own(tiny_llama):
             engine.add_request(prompt, _mixed_params(length))
         while engine.has_unfinished_requests():
             engine.step()
-    assert kinds == {(True, False), (False, True), (True, True)}
+    assert kinds == {(True, False), (False, True), (True, True), ("few tokens", True),
+                     ("few tokens", False)}  # fmt: skip
