@@ -72,6 +72,7 @@ class StepInputs:
 
 
 _MAX_CACHED_VIEWS = 4096
+"""Most views `_Staging` keeps per kind (spans, tables); it forgets them all past this."""
 _FEW_TOKENS = 8
 """Up to this many tokens a step's slot mapping is computed without numpy."""
 
@@ -86,7 +87,9 @@ class _Staging:
         self.used = 0
         # (start, end) -> the views `take` hands out: steps of one shape take the same spans,
         # and slicing a tensor costs microseconds (made once; bounded, cleared when full).
-        self._views: dict[tuple[int, ...], tuple[np.ndarray, torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor]] = {}
+        # (start, rows, width) -> the [rows, width] views `take_table` hands out.
+        self._tables: dict[tuple[int, int, int], tuple[np.ndarray, torch.Tensor]] = {}
 
     def take(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
         start, self.used = self.used, self.used + n
@@ -106,13 +109,15 @@ class _Staging:
 
     def take_table(self, rows: int, width: int) -> tuple[np.ndarray, torch.Tensor]:
         """`take(rows * width)` as [rows, width] views."""
-        start, end = self.used, self.used + rows * width
-        views = self._views.get((start, -end, width))  # another key than take's
+        key = (self.used, rows, width)
+        views = self._tables.get(key)
         if views is not None:
-            self.used = end
+            self.used += rows * width
             return views
         host, dev = self.take(rows * width)
-        views = self._views[start, -end, width] = (host.reshape(rows, width), dev.view(rows, width))
+        if len(self._tables) >= _MAX_CACHED_VIEWS:
+            self._tables.clear()
+        views = self._tables[key] = (host.reshape(rows, width), dev.view(rows, width))
         return views
 
     def copy(self) -> None:

@@ -33,8 +33,7 @@ class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         method = details.method.removeprefix(self._prefix)
 
         def count(context: _CountingContext, error: BaseException | None) -> None:
-            if not context.counted:
-                self.metrics.count_grpc(method, _code_of(context.inner, error))
+            context.count(_code_of(context.inner, error))
 
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
@@ -94,12 +93,16 @@ class _CountingContext:
         self._metrics = metrics
         self._method = method
 
+    def count(self, code: str) -> None:
+        """Count the call with its final status code, once."""
+        if not self.counted:
+            self.counted = True
+            self._metrics.count_grpc(self._method, code)
+
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
     ) -> NoReturn:
-        if not self.counted:
-            self.counted = True
-            self._metrics.count_grpc(self._method, code.name)
+        self.count(code.name)
         await self.inner.abort(code, details, trailing_metadata)
         raise AssertionError("unreachable: abort raises")  # for the type checker
 
