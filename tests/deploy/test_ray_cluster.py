@@ -104,7 +104,19 @@ def test_prefix_routing_reuses_the_cache(cluster):
 
 
 def actor_env(actor, name: str) -> str:
-    return ray.get(actor.__ray_call__.remote(lambda self: os.environ.get(name, "")), timeout=30)
+    """An environment variable of the actor's process. Ray can still call an actor restarted
+    by an earlier kill "temporarily unavailable" after it rejoined the router's pool: the
+    call is retried for up to 30 s then."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return ray.get(
+                actor.__ray_call__.remote(lambda self: os.environ.get(name, "")), timeout=30
+            )
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
 
 
 def decode_load(duet, d, signer: CallSigner | None = None) -> worker_pb2.DecodeLoad:
