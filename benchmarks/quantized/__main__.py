@@ -14,7 +14,7 @@ import torch
 from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
 from benchmarks.quantized.accuracy import mean_nll
 from benchmarks.quantized.llama_cpp import llama_cpp_available
-from benchmarks.quantized.methods import METHODS, applicable
+from benchmarks.quantized.methods import DTYPES, METHODS, applicable
 from benchmarks.quantized.speed import ratios, run_speed
 from engine.gguf_loader import default_model_path
 
@@ -24,6 +24,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model path (default: embedded SmolLM2)")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated formats")
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                        help="speed: activation dtype (float32 where the CPU lacks native bf16)")  # fmt: skip
     parser.add_argument("--accuracy", action="store_true", help="mean NLL instead of speed")
     parser.add_argument("--quantize-lm-head", action="store_true",
                         help="quantize the LM head too (llama.cpp's Q8_0/Q4_1 files do)")  # fmt: skip
@@ -74,7 +76,7 @@ def main() -> None:
                   "(see benchmarks/quantized/llama_cpp.py to install it)")  # fmt: skip
         results = run_speed(args.model, methods, args.group_size, files, args.prompt_tokens,
                             args.new_tokens, args.batch, args.rounds, args.threads,
-                            lm_head=args.quantize_lm_head)  # fmt: skip
+                            lm_head=args.quantize_lm_head, dtype=args.dtype)  # fmt: skip
         print(f"{'system':18} {'1-stream tok/s':>15} {'batch tok/s':>12} {'weights MiB':>12}")
         for r in results:
             s = r.summary()

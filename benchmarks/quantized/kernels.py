@@ -72,6 +72,8 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
             out["duet int4 g32 dot"] = lambda: int4_linear(kernels, x, nib, sz, n)
         else:
             out["duet int8 g32 fma"] = lambda: int8_linear(kernels, x, pg, sg, n)
+        nf, szf = pack_int4_pairs(q4.q, q4.scale, q4.offset, pairs=False)
+        out["duet int4 g32 fma"] = lambda: int4_linear(kernels, x, nf, szf, n, False)
     return out
 
 

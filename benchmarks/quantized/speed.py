@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from benchmarks.quantized.llama_cpp import LlamaCppRunner
-from benchmarks.quantized.methods import engine_kwargs
+from benchmarks.quantized.methods import engine_kwargs, label
 from engine import LLM, SamplingParams
 
 
@@ -52,16 +52,18 @@ def run_speed(
     threads: int | None,
     log: Callable[[str], None] = print,
     lm_head: bool = False,
+    dtype: str = "bfloat16",
 ) -> list[SpeedResult]:
     engines: dict[str, LLM] = {}
     results: dict[str, SpeedResult] = {}
     for method in methods:
         llm = LLM(model, load_progress=False, num_threads=threads, max_num_seqs=max(batch, 1),
                   enable_prefix_caching=False,
-                  **engine_kwargs(method, group_size, lm_head))  # fmt: skip
-        engines[f"duet-{method}"] = llm
-        results[f"duet-{method}"] = SpeedResult(f"duet-{method}", llm.engine.weight_bytes)
-        log(f"loaded duet-{method}: {llm.engine.weight_bytes / 2**20:.1f} MiB of weights")
+                  **engine_kwargs(method, group_size, lm_head, dtype))  # fmt: skip
+        name = label(method, dtype)
+        engines[name] = llm
+        results[name] = SpeedResult(name, llm.engine.weight_bytes)
+        log(f"loaded {name}: {llm.engine.weight_bytes / 2**20:.1f} MiB of weights")
     runners = {
         f"llama.cpp-{q}": LlamaCppRunner(path, threads) for q, path in llama_cpp_files.items()
     }
@@ -97,16 +99,17 @@ def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
 
 
 def ratios(results: list[SpeedResult]) -> dict[str, float]:
-    """Median-over-rounds ratios: each duet format against bf16, and int4/int8 against the
-    llama.cpp GGUF of the matching type."""
+    """Median-over-rounds ratios: each duet format against full precision (bf16 or fp32), and
+    int4/int8 against the llama.cpp GGUF of the matching type."""
     by_name = {r.system: r.summary() for r in results}
     out: dict[str, float] = {}
-    base = by_name.get("duet-bf16")
+    dense = next((n for n in ("duet-bf16", "duet-fp32") if n in by_name), None)
     for name, summary in by_name.items():
-        if base is not None and name.startswith("duet-") and name != "duet-bf16":
+        if dense is not None and name.startswith("duet-") and name != dense:
+            base = by_name[dense]
             for key in ("single_stream_median", "batch_median"):
                 if summary[key] and base[key]:
-                    out[f"{name}/duet-bf16 {key}"] = summary[key] / base[key]
+                    out[f"{name}/{dense} {key}"] = summary[key] / base[key]
     for duet, llama in (("duet-int4", "llama.cpp-Q4_1"), ("duet-gguf", "llama.cpp-Q4_1"),
                         ("duet-int8", "llama.cpp-Q8_0")):  # fmt: skip
         if duet in by_name and llama in by_name:

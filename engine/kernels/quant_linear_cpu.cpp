@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -75,6 +76,40 @@ inline F load_weights(const int8_t* p) {
   wide = __builtin_convertvector(v, I);
 #endif
   return __builtin_convertvector(wide, F);
+}
+
+// 16 bytes zero-extended to 16 int32 lanes (int4 nibble pairs: low nibble column k, high k + 1).
+inline Vec<kBlock>::I load_bytes(const uint8_t* p) {
+  using I = Vec<kBlock>::I;
+  I wide;
+#if defined(__AVX512F__)
+  if constexpr (kLanes >= 16) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&wide, &v, sizeof(wide));
+    return wide;
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes >= 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i halves[2] = {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+    std::memcpy(&wide, halves, sizeof(wide));
+    return wide;
+  }
+#endif
+#if defined(__SSE4_1__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i quarters[4] = {_mm_cvtepu8_epi32(v), _mm_cvtepu8_epi32(_mm_srli_si128(v, 4)),
+                               _mm_cvtepu8_epi32(_mm_srli_si128(v, 8)),
+                               _mm_cvtepu8_epi32(_mm_srli_si128(v, 12))};
+  std::memcpy(&wide, quarters, sizeof(wide));
+  return wide;
+#else
+  typedef uint8_t U8 __attribute__((vector_size(kBlock)));
+  U8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return __builtin_convertvector(v, I);
+#endif
 }
 
 inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar add first
@@ -137,6 +172,64 @@ void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) store_f32<kBlock>(res + (r * C + c) * kBlock, total[r][c]);
+}
+
+// int4 with fp32 FMAs (fp32 activations, or bf16 ones without AVX512-BF16): q4 as nibbles
+// [NB, K / 2, 16], byte c of column pair j holding channel c's column 2j (low nibble) and 2j + 1
+// (high), bf16 (or, kF32Scales, fp32: GGUF's exact values) scales and offsets [NB, K / G, 2,
+// 16]. Per group, acc = sum(q x) over k in order
+// (q in 0 .. 15, exact in fp32), then total = fma(acc, scale, total), total = fma(sum(x),
+// offset, total): w = q * scale + offset. The totals stay in `res` (L1) between groups, so the
+// R x C accumulators and the converted weights fit the registers.
+template <int C, int R, bool kF32Scales>
+void tile4(const Args& a, int64_t b0, int64_t r0, float* res) {
+  const int64_t K = a.k, G = a.g, groups = K / G;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(a.q) + b0 * (K / 2) * kBlock;
+  using S = std::conditional_t<kF32Scales, F32, BF16>;
+  const typename S::raw* sz =
+      reinterpret_cast<const typename S::raw*>(a.s) + b0 * groups * 2 * kBlock;
+  const float* x = a.x + r0 * K;
+  using I = Vec<kBlock>::I;
+  const I low = I{} + 0x0F;
+  std::memset(res, 0, sizeof(float) * R * C * kBlock);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    F acc[R][C];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) acc[r][c] = F{};
+    for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
+      const uint8_t* col = q + (k / 2) * kBlock;
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        F w[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const I bytes = load_bytes(col + c * (K / 2) * kBlock);
+          w[c] = __builtin_convertvector(half == 0 ? (bytes & low) : (bytes >> 4), F);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const F xv = broadcast(x[r * K + k + half]);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) acc[r][c] += w[c] * xv;  // one FMA (-ffp-contract=fast)
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const typename S::raw* p = sz + (c * groups + gi) * 2 * kBlock;
+      const F sv = S::template load<kBlock>(p), ov = S::template load<kBlock>(p + kBlock);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        float* t = res + (r * C + c) * kBlock;
+        F total = load_f32<kBlock>(t);
+        total += acc[r][c] * sv;
+        total += broadcast(a.xsum[(r0 + r) * groups + gi]) * ov;
+        store_f32<kBlock>(t, total);
+      }
+    }
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -237,13 +330,20 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 }
 #endif
 
+// kDot: 0 int8 fp32 FMAs, 1 int8 bf16 dot, 2 int4 bf16 dot, kInt4Fma int4 fp32 FMAs with bf16
+// scales, kInt4FmaF32 with fp32 scales.
+constexpr int kInt4Fma = 3, kInt4FmaF32 = 4;
+
 template <int C, int R, int kDot>
 void tile_of(const Args& a, int64_t b0, int64_t r0, float* res, const void* pre) {
 #if defined(__AVX512BF16__)
-  if constexpr (kDot != 0)
+  if constexpr (kDot == 1 || kDot == 2)
     return tile_dot<C, R, kDot == 2>(a, b0, r0, res, static_cast<const __m512bh*>(pre));
 #endif
-  tile<C, R>(a, b0, r0, res);
+  if constexpr (kDot == kInt4Fma || kDot == kInt4FmaF32)
+    tile4<C, R, kDot == kInt4FmaF32>(a, b0, r0, res);
+  else
+    tile<C, R>(a, b0, r0, res);
 }
 
 template <int C, int R, int kDot>
@@ -264,7 +364,7 @@ void columns(const Args& a, int64_t b0, typename E::raw* out) {
   const void* pre = nullptr;
 #if defined(__AVX512BF16__)
   std::vector<__m512bh> converted;
-  if constexpr (kDot != 0) {
+  if constexpr (kDot == 1 || kDot == 2) {
     if (a.m > RB) {
       const int64_t pairs = a.k / 2;
       constexpr int kQBytes = kDot == 2 ? kBlock / 2 : kBlock;
@@ -315,6 +415,23 @@ void run(const Args& a, int64_t blocks, typename E::raw* out) {
   run_tiles<E, kCols, kRows, kDot>(a, blocks, out);
 }
 
+// x's rows as contiguous fp32 (exact for bf16): x itself when it already is, else `xf`.
+const float* fp32_rows(const at::Tensor& x, std::vector<float>& xf) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (x.scalar_type() == at::kFloat && x.stride(0) == k) return x.data_ptr<float>();
+  xf.resize(m * k);
+  for (int64_t r = 0; r < m; ++r) {
+    if (x.scalar_type() == at::kFloat) {
+      const float* src = x.data_ptr<float>() + r * x.stride(0);
+      std::copy(src, src + k, xf.data() + r * k);
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
+    }
+  }
+  return xf.data();
+}
+
 }  // namespace
 
 // x [M, K] fp32 or bf16 (rows contiguous); q [N' / 16, K, 16] int8, or [N' / 16, K / 2, 16, 2]
@@ -350,23 +467,8 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
     run<BF16, kBf16Dot>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
     return out;
   }
-  // Activations as fp32 once (exact for bf16), rows contiguous.
   std::vector<float> xf;
-  if (x.scalar_type() == at::kFloat && x.stride(0) == k) {
-    a.x = x.data_ptr<float>();
-  } else {
-    xf.resize(m * k);
-    for (int64_t r = 0; r < m; ++r) {
-      if (x.scalar_type() == at::kFloat) {
-        const float* src = x.data_ptr<float>() + r * x.stride(0);
-        std::copy(src, src + k, xf.data() + r * k);
-      } else {
-        const uint16_t* src = static_cast<const uint16_t*>(x.data_ptr()) + r * x.stride(0);
-        for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
-      }
-    }
-    a.x = xf.data();
-  }
+  a.x = fp32_rows(x, xf);
   if (x.scalar_type() == at::kFloat) {
     run<F32>(a, q.size(0), out.data_ptr<float>());
   } else {
@@ -375,50 +477,72 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
   return out;
 }
 
-// x [M, K] bf16 (rows contiguous) @ (q * scale + offset).T with q4 [N' / 16, K / 2, 16] uint8
-// nibbles and sz [N' / 16, K / G, 2, 16] bf16 scales and offsets (AVX512-BF16 builds only).
-at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n) {
-  TORCH_CHECK(kBf16Dot, "int4_linear needs an AVX512-BF16 build (bf16_dot())");
+// x [M, K] (rows contiguous) @ (q * scale + offset).T with q4 [N' / 16, K / 2, 16] uint8 nibbles
+// and sz [N' / 16, K / G, 2, 16] scales and offsets, bf16 (or fp32 for the FMA layout). `pairs`: the bf16 dot's layout (bf16
+// x, AVX512-BF16 builds only; byte i of a column pair holds value i of its 32 (channel i // 2,
+// column i % 2) low and value i + 16 high); else the FMA layout (fp32 or bf16 x, any build;
+// byte c holds channel c's columns 2j low and 2j + 1 high).
+at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bool pairs) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  x.scalar_type() == at::kBFloat16,
-              "x must be a CPU bfloat16 [rows, K] tensor with contiguous rows");
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
+  TORCH_CHECK(!pairs || (kBf16Dot && x.scalar_type() == at::kBFloat16),
+              "q4 in column pairs needs bfloat16 x and an AVX512-BF16 build (bf16_dot())");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(q4.scalar_type() == at::kByte && q4.is_contiguous() && q4.dim() == 3 &&
                   q4.size(1) * 2 == k && q4.size(2) == kBlock,
               "q4 must be contiguous uint8 [N / 16, K / 2, 16] with x's K");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.dim() == 4 &&
-                  sz.size(0) == q4.size(0) && sz.size(1) > 0 && k % sz.size(1) == 0 &&
-                  (k / sz.size(1)) % 2 == 0 && sz.size(2) == 2 && sz.size(3) == kBlock,
-              "sz must be contiguous bfloat16 [N / 16, K / G, 2, 16] matching q4, G even");
+  const bool f32_scales = sz.scalar_type() == at::kFloat;
+  TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (f32_scales && !pairs)) &&
+                  sz.is_contiguous() && sz.dim() == 4 && sz.size(0) == q4.size(0) &&
+                  sz.size(1) > 0 && k % sz.size(1) == 0 && (k / sz.size(1)) % 2 == 0 &&
+                  sz.size(2) == 2 && sz.size(3) == kBlock,
+              "sz must be contiguous bfloat16 (or, without pairs, float32) [N / 16, K / G, 2, 16] "
+              "matching q4, G even");
   TORCH_CHECK(n > 0 && n <= q4.size(0) * kBlock && n > (q4.size(0) - 1) * kBlock,
               "n must lie in the last block of q4's rows");
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0) return out;
   const int64_t groups = sz.size(1), g = k / groups;
+  // The FMA path reads fp32 rows; the bf16 dot reads x as it is.
+  std::vector<float> xf;
+  const float* rows = pairs ? nullptr : fp32_rows(x, xf);
+  const int64_t xs = pairs ? x.stride(0) : k;
+  const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
   // Each row's group sums, in one fixed order per group size (16 lanes, then halving; or k
   // order): the same for any batch. Vectorised: a scalar chain of K adds per row took as long
   // as the product itself on a 192 x 576 layer.
   std::vector<float> xsum(m * groups);
-  const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
-  const int64_t xs = x.stride(0);
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const uint16_t* row = xb + r * xs + gi * g;
+        const int64_t at = r * xs + gi * g;
         float sum = 0.f;
         if (g % kBlock == 0) {
           F acc = F{};
-          for (int64_t i = 0; i < g; i += kBlock) acc += BF16::load<kBlock>(row + i);
+          for (int64_t i = 0; i < g; i += kBlock)
+            acc += rows ? load_f32<kBlock>(rows + at + i) : BF16::load<kBlock>(xb + at + i);
           sum = hsum<kBlock>(acc);
         } else {
-          for (int64_t i = 0; i < g; ++i) sum += BF16::load1(row + i);
+          for (int64_t i = 0; i < g; ++i) sum += rows ? rows[at + i] : BF16::load1(xb + at + i);
         }
         xsum[r * groups + gi] = sum;
       }
   });
   Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
-         nullptr, xb, x.stride(0), m, k, g, n, xsum.data()};
-  run<BF16, kBf16Dot ? 2 : 0>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+         rows, xb, xs, m, k, g, n, xsum.data()};
+  if (pairs) {
+    run<BF16, kBf16Dot ? 2 : 0>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  } else if (x.scalar_type() == at::kFloat) {
+    if (f32_scales)
+      run<F32, kInt4FmaF32>(a, q4.size(0), out.data_ptr<float>());
+    else
+      run<F32, kInt4Fma>(a, q4.size(0), out.data_ptr<float>());
+  } else if (f32_scales) {
+    run<BF16, kInt4FmaF32>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    run<BF16, kInt4Fma>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+  }
   return out;
 }
 
@@ -429,7 +553,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
   m.def("int4_linear", &duet::int4_linear,
-        "x @ (q * scale + offset).T for int4 nibbles [N / 16, K / 2, 16], bf16 [N / 16, K / G, 2, 16]");
+        "x @ (q * scale + offset).T for int4 nibbles [N / 16, K / 2, 16] (pairs: the bf16 dot's "
+        "layout), scales and offsets [N / 16, K / G, 2, 16] (bf16; fp32 without pairs)");
   m.def("bf16_dot", [] { return duet::kBf16Dot; },
         "Whether bf16 activations take weights in pairs [N / 16, K / 2, 16, 2] (AVX512-BF16)");
 }

@@ -61,8 +61,8 @@ and multiplied densely (the crossover measured above lies between 16 and 64 rows
 INT8_KERNEL_MAX_ROWS = {True: 256, False: 32}
 """The same for duet's int8 kernel, by whether it runs the bf16 dot (AVX512-BF16; else fp32
 FMAs): from there dequantizing and multiplying densely is as fast (docs/quantization.md)."""
-INT4_KERNEL_MAX_ROWS = 256
-"""The same for duet's int4 kernel (AVX512-BF16, bf16 activations)."""
+INT4_KERNEL_MAX_ROWS = {True: 256, False: 32}
+"""The same for duet's int4 kernel, by whether it runs the bf16 dot (else fp32 FMAs)."""
 
 Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
@@ -93,6 +93,7 @@ class QuantizedLinear(nn.Module):
         self.symmetric = True
         self.use_kernel = False
         self.use_triton = False
+        self.pairs = False  # duet's kernels: weights in the bf16 dot's column pairs
         self._padded_rows = out_features
         self.duet_kernels: Any = None  # duet's kernel module when it serves this layer
 
@@ -168,7 +169,7 @@ class QuantizedLinear(nn.Module):
         on_cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
         for name in ("q", "scale", "packed", "scales_zeros", "offset", "zero"):
             self.register_buffer(name, None, persistent=False)
-        self.duet_kernels = None
+        self.duet_kernels, self.pairs = None, False
         self.use_triton = device.type == "cuda" if triton is None else triton
         if self.use_triton:
             self._set_triton_weight(weight, dtype, device)
@@ -181,9 +182,9 @@ class QuantizedLinear(nn.Module):
             if kernels is not None and dtype in (torch.float32, torch.bfloat16):
                 # duet's kernel: fp32 scales, the weights as the format holds them
                 self.duet_kernels, self.use_kernel = kernels, True
-                pairs = uses_pairs(kernels, dtype, weight.group_size)
-                self.kernel_max_rows = INT8_KERNEL_MAX_ROWS[pairs]
-                self.q, self.scale = pack_int8(weight.q, weight.scale, pairs)
+                self.pairs = uses_pairs(kernels, dtype, weight.group_size)
+                self.kernel_max_rows = INT8_KERNEL_MAX_ROWS[self.pairs]
+                self.q, self.scale = pack_int8(weight.q, weight.scale, self.pairs)
                 return
             self.use_kernel = per_channel and on_cpu_bf16
             self.q = weight.q.to(device)
@@ -191,13 +192,21 @@ class QuantizedLinear(nn.Module):
             self.scale = scale.to(device, dtype if self.use_kernel else torch.float32)
             return
         self.kind, self.symmetric = "int4", weight.symmetric
-        self.use_kernel = on_cpu_bf16
-        kernels = load_quant_kernels() if on_cpu_bf16 else None
-        if kernels is not None and uses_pairs(kernels, dtype, weight.group_size):
+        kernels = load_quant_kernels() if device.type == "cpu" else None
+        if kernels is not None and dtype in (torch.float32, torch.bfloat16):
             # duet's int4 kernel: bf16 scales and offsets, as torch's kernel holds them
-            self.duet_kernels, self.kernel_max_rows = kernels, INT4_KERNEL_MAX_ROWS
-            self.packed, self.scales_zeros = pack_int4_pairs(weight.q, weight.scale, weight.offset)
-        elif self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
+            self.duet_kernels, self.use_kernel = kernels, True
+            self.pairs = uses_pairs(kernels, dtype, weight.group_size)
+            self.kernel_max_rows = INT4_KERNEL_MAX_ROWS[self.pairs]
+            # A GGUF file's scales stay exact with fp32 FMAs (the bf16 dot takes bf16 ones).
+            exact = self.config.method == "gguf" and not self.pairs
+            self.packed, self.scales_zeros = pack_int4_pairs(
+                weight.q, weight.scale, weight.offset, self.pairs,
+                torch.float32 if exact else torch.bfloat16,
+            )  # fmt: skip
+            return
+        self.use_kernel = on_cpu_bf16
+        if self.use_kernel:  # the kernel's w = (q - 8) * scale + zero, zero per group
             zero = torch.zeros_like(weight.scale)
             if weight.offset is not None:
                 zero = weight.offset + 8 * weight.scale
@@ -269,7 +278,9 @@ class QuantizedLinear(nn.Module):
             return F.linear(rows, self.dequantize(rows.dtype), self.bias)
         if self.duet_kernels is not None and self.kind == "int4":
             n = self.out_features
-            out = int4_linear(self.duet_kernels, rows, self.packed, self.scales_zeros, n)
+            out = int4_linear(
+                self.duet_kernels, rows, self.packed, self.scales_zeros, n, self.pairs
+            )
         elif self.duet_kernels is not None:
             out = int8_linear(self.duet_kernels, rows, self.q, self.scale, self.out_features)
         elif self.kind == "int8":
@@ -300,7 +311,7 @@ class QuantizedLinear(nn.Module):
             w = groups * self.scale[..., None] + self.zero[..., None]
             return w.view(n, k).to(dtype)
         if self.duet_kernels is not None:
-            q, scale, offset = unpack_int4_pairs(self.packed, self.scales_zeros, n)
+            q, scale, offset = unpack_int4_pairs(self.packed, self.scales_zeros, n, self.pairs)
             groups = q.float().view(n, -1, self.group_size)
             return (groups * scale[..., None] + offset[..., None]).view(n, k).to(dtype)
         q = unpack_int4(self.packed)[:n]

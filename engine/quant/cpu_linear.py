@@ -1,6 +1,7 @@
-"""duet's own weight-only int8 linear for the CPU (engine/kernels/quant_linear_cpu.cpp): int8
-weights with an fp32 scale per output channel and group of columns (per channel, GGUF Q8_0's
-32, Q6_K's 16), fp32 or bf16 activations, AVX-512 / AVX2 / scalar from one source.
+"""duet's own weight-only int8 and int4 linears for the CPU (engine/kernels/quant_linear_cpu.cpp):
+int8 weights with an fp32 scale per output channel and group of columns (per channel, GGUF
+Q8_0's 32, Q6_K's 16), int4 with a bf16 scale and offset per group, fp32 or bf16 activations,
+AVX-512 / AVX2 / scalar from one source (and the AVX512-BF16 dot for bf16).
 
 Its weights are packed at load as [N / 16, K, 16] (16 output channels' column k contiguous),
 scales as [N / 16, K / G, 16], N padded to a multiple of 16. A row's result does not depend on
@@ -92,14 +93,20 @@ def int8_linear(
 
 
 def pack_int4(
-    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    pairs: bool = True,
+    scale_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 (q [N, K] in [0, 15], w = q * scale + offset, offset None: -8 * scale) in the int4
-    kernel's layout: nibbles [N' / 16, K / 2, 16] (per column pair, byte i holds value i of its
-    32 (channel i // 2, column i % 2) low and value i + 16 high) and bf16 scales and offsets
-    [N' / 16, K / G, 2, 16]. Padded rows are zero."""
+    kernel's layout: nibbles [N' / 16, K / 2, 16] and scales and offsets [N' / 16, K / G, 2, 16]
+    of `scale_dtype` (bf16, as torch's int4 kernel holds them; or, without `pairs`, fp32: a GGUF
+    file's exact values). `pairs` (the bf16 dot): per column pair, byte i holds value i of its
+    32 (channel i // 2, column i % 2) low and value i + 16 high; else (fp32 FMAs) byte c holds
+    channel c's columns 2j (low) and 2j + 1 (high). Padded rows are zero."""
     n, k = q.shape
-    scale_bf16 = scale.to(torch.bfloat16)
+    scale_bf16 = scale.to(scale_dtype)
     if offset is None:  # exact: -8 times a bf16
         offset = -8 * scale_bf16.float()
     pad = -n % BLOCK
@@ -108,29 +115,42 @@ def pack_int4(
         scale_bf16 = torch.cat([scale_bf16, scale_bf16.new_zeros(pad, scale.shape[1])])
         offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
     blocks = (n + pad) // BLOCK
-    values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
-    values = values.reshape(blocks, k // 2, 2 * BLOCK)
-    nibbles = (values[..., :BLOCK] | (values[..., BLOCK:] << 4)).contiguous()
-    sz = torch.stack([scale_bf16, offset.to(torch.bfloat16)], dim=-1)  # [N', K / G, 2]
+    values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
+    if pairs:
+        values = values.permute(0, 2, 1, 3).reshape(blocks, k // 2, 2 * BLOCK)
+        nibbles = (values[..., :BLOCK] | (values[..., BLOCK:] << 4)).contiguous()
+    else:
+        nibbles = (values[..., 0] | (values[..., 1] << 4)).transpose(1, 2).contiguous()
+    sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
     sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
     return nibbles, sz
 
 
 def unpack_int4(
-    nibbles: torch.Tensor, sz: torch.Tensor, n: int
+    nibbles: torch.Tensor, sz: torch.Tensor, n: int, pairs: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack_int4`: (q [n, K] uint8, scale [n, K / G], offset [n, K / G]) with
-    the bf16 scales and offsets as fp32."""
-    blocks, pairs, _ = nibbles.shape
-    values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N' / 16, K / 2, 32]
-    q = values.view(blocks, pairs, BLOCK, 2).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)
+    the scales and offsets as fp32."""
+    blocks, num_pairs, _ = nibbles.shape
+    if pairs:
+        values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N' / 16, K / 2, 32]
+        values = values.view(blocks, num_pairs, BLOCK, 2).permute(0, 2, 1, 3)
+    else:
+        values = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).transpose(1, 2)
+    q = values.reshape(blocks * BLOCK, -1)
     sz = sz.permute(0, 3, 1, 2).reshape(blocks * BLOCK, -1, 2).float()
     return q[:n], sz[:n, :, 0], sz[:n, :, 1]
 
 
 def int4_linear(
-    kernels: Any, x: torch.Tensor, nibbles: torch.Tensor, sz: torch.Tensor, n: int
+    kernels: Any,
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    sz: torch.Tensor,
+    n: int,
+    pairs: bool = True,
 ) -> torch.Tensor:
-    """x ([M, K] bf16, rows contiguous) @ (q * scale + offset).T -> [M, n] bf16."""
-    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n)
+    """x ([M, K], rows contiguous; bf16 for `pairs`, else fp32 or bf16) @ (q * scale +
+    offset).T -> [M, n] of x's dtype."""
+    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n, pairs)
     return out

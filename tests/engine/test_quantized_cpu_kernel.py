@@ -137,32 +137,97 @@ def test_other_simd_widths_give_the_same_bits(kernels, lanes: int) -> None:
             x = torch.randn(9, K).to(dtype)
             assert torch.equal(int8_linear(other, x, packed, scales, n),
                                int8_linear(kernels, x, packed, scales, n))  # fmt: skip
+    q4 = quantize_int4(torch.randn(88, K) * 0.05, 32, False)
+    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset, pairs=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(9, K).to(dtype)
+        assert torch.equal(int4_linear(other, x, nibbles, sz, 88, False),
+                           int4_linear(kernels, x, nibbles, sz, 88, False))  # fmt: skip
+
+
+INT4_VARIANTS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
 
 
 @pytest.mark.parametrize(("n", "group_size", "symmetric"), [(88, 32, False), (64, 64, True)])
+@pytest.mark.parametrize(("dtype", "pairs"), INT4_VARIANTS, ids=VARIANT_IDS)
 def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
-    kernels, n: int, group_size: int, symmetric: bool
+    kernels, n: int, group_size: int, symmetric: bool, dtype: torch.dtype, pairs: bool
 ) -> None:
-    if not kernels.bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16: the int4 kernel is not built")
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: no column-pair (bf16 dot) build")
     gen = torch.Generator().manual_seed(4)
     q4 = quantize_int4(torch.randn(n, K, generator=gen) * 0.05, group_size, symmetric)
-    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset)
+    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset, pairs)
     assert nibbles.shape == (-(-n // 16), K // 2, 16) and sz.dtype == torch.bfloat16
-    q, scale, offset = unpack_int4(nibbles, sz, n)
+    q, scale, offset = unpack_int4(nibbles, sz, n, pairs)
     assert torch.equal(q, q4.q)
     assert torch.equal(scale, q4.scale.to(torch.bfloat16).float())  # bf16 scales, as torch's
     w = (q.float().view(n, -1, group_size) * scale[..., None] + offset[..., None]).view(n, K)
+    tolerance = (
+        dict(rtol=2**-8, atol=2e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    )
     for rows in (1, 7, 64, 2048):
-        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
-        out = int4_linear(kernels, x, nibbles, sz, n)
-        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+        x = torch.randn(rows, K, generator=gen).to(dtype)
+        out = int4_linear(kernels, x, nibbles, sz, n, pairs)
+        assert out.shape == (rows, n) and out.dtype == dtype
         expected = F.linear(x.float(), w)
-        torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=2e-3)
-    x = torch.randn(64, K, generator=gen).to(torch.bfloat16)
-    batch = int4_linear(kernels, x, nibbles, sz, n)
-    alone = torch.cat([int4_linear(kernels, x[i : i + 1], nibbles, sz, n) for i in range(64)])
+        torch.testing.assert_close(out.float(), expected, **tolerance)
+    x = torch.randn(64, K, generator=gen).to(dtype)
+    batch = int4_linear(kernels, x, nibbles, sz, n, pairs)
+    alone = torch.cat(
+        [int4_linear(kernels, x[i : i + 1], nibbles, sz, n, pairs) for i in range(64)]
+    )
     assert torch.equal(batch, alone)
-    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n), alone[:7])
-    with pytest.raises(RuntimeError, match="x must be a CPU bfloat16"):
-        int4_linear(kernels, x.float(), nibbles, sz, n)
+    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n, pairs), alone[:7])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(int4_linear(kernels, x, nibbles, sz, n, pairs), batch)
+    finally:
+        torch.set_num_threads(threads)
+    if pairs:
+        with pytest.raises(RuntimeError, match="needs bfloat16 x"):
+            int4_linear(kernels, x.float(), nibbles, sz, n, pairs)
+
+
+def test_int4_layouts_are_each_others_transpose() -> None:
+    """The same weights in both layouts: the FMA layout's byte c of pair j is channel c's
+    columns 2j and 2j + 1; the bf16 dot's interleaves the pair's 32 values."""
+    q = torch.arange(32 * 4).remainder(16).view(32, 4).to(torch.uint8)  # channel c: its values
+    scale = torch.ones(32, 1)
+    fma, fma_sz = pack_int4(q, scale, None, pairs=False)
+    dot, dot_sz = pack_int4(q, scale, None, pairs=True)
+    assert fma[0, 1, 3].item() == q[3, 2] | (q[3, 3] << 4)  # channel 3, columns 2 and 3
+    assert dot[0, 1, 3].item() == q[1, 3] | (q[9, 3] << 4)  # values 3 and 19 of pair 1
+    assert torch.equal(fma_sz, dot_sz)
+    assert torch.equal(unpack_int4(fma, fma_sz, 32, pairs=False)[0], q)
+    assert torch.equal(unpack_int4(dot, dot_sz, 32, pairs=True)[0], q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fma"])
+def test_int4_fp32_scales_keep_a_files_values(kernels, dtype: torch.dtype) -> None:
+    """GGUF scales (fp16 d times a 6-bit scale for Q4_K) need more bits than bf16: the FMA
+    layout takes them in fp32, exactly, and the bf16 dot's layout refuses them."""
+    gen = torch.Generator().manual_seed(5)
+    n, group_size = 40, 32
+    q = torch.randint(0, 16, (n, K), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, K // group_size, generator=gen) * 1e-2).half().float() * 37
+    offset = -(torch.rand(n, K // group_size, generator=gen) * 1e-2).half().float() * 11
+    assert not torch.equal(scale.to(torch.bfloat16).float(), scale)
+    nibbles, sz = pack_int4(q, scale, offset, pairs=False, scale_dtype=torch.float32)
+    q_back, scale_back, offset_back = unpack_int4(nibbles, sz, n, pairs=False)
+    assert torch.equal(q_back, q) and torch.equal(scale_back, scale)
+    assert torch.equal(offset_back, offset)
+    w = (q.float().view(n, -1, group_size) * scale[..., None] + offset[..., None]).view(n, K)
+    x = torch.randn(33, K, generator=gen).to(dtype)
+    out = int4_linear(kernels, x, nibbles, sz, n, False)
+    expected = F.linear(x.float(), w)
+    # q x scale + sum(x) offset instead of sum(w x): fp32 rounding relative to the largest sums
+    atol = float(expected.abs().max()) * (2**-8 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=atol)
+    alone = torch.cat(
+        [int4_linear(kernels, x[i : i + 1], nibbles, sz, n, False) for i in range(33)]
+    )
+    assert torch.equal(out, alone)
+    with pytest.raises(RuntimeError, match=r"column pairs needs|float32\) \[N / 16"):
+        int4_linear(kernels, x.to(torch.bfloat16), nibbles, sz, n, True)

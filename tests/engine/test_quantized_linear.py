@@ -48,12 +48,10 @@ def backend(request, monkeypatch) -> str:
 
 
 def duet_serves(config: QuantizationConfig, backend: str) -> bool:
-    """Whether duet's kernels serve a bf16 layer of `config` here: int8 on any build, int4 only
-    on an AVX512-BF16 build (elsewhere torch's int4 kernel does)."""
-    kernels = quantized_linear.load_quant_kernels()
-    if backend != "duet" or kernels is None:
-        return False
-    return config.method == "int8" or bool(kernels.bf16_dot())
+    """Whether duet's kernels serve a CPU layer of `config` here: int8 and int4 on any build
+    (fp32 FMAs, or the bf16 dot on AVX512-BF16), unless they cannot be built."""
+    del config  # every format
+    return backend == "duet" and quantized_linear.load_quant_kernels() is not None
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
@@ -77,16 +75,18 @@ def test_bf16_equals_dequantized_reference(
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_fp32_is_the_dense_product_of_the_dequantized_weight(config: QuantizationConfig) -> None:
+def test_fp32_is_the_dense_product_of_the_dequantized_weight(
+    config: QuantizationConfig, backend: str
+) -> None:
     linear, _ = layer(config, torch.float32)
-    # int8: duet's kernel; int4: torch's kernel is scalar in fp32, so dequantize instead
-    assert linear.use_kernel is (config.method == "int8")
+    # duet's kernels; without them dequantize (torch's int4 kernel is scalar in fp32)
+    assert linear.use_kernel is duet_serves(config, backend)
     linear.min_rows = 1
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 7, 64, 2048):
         x = torch.randn(rows, K, generator=gen)
         expected = F.linear(x, linear.dequantize(torch.float32))
-        if config.method == "int8":  # fp32 sums in another order: a few ulps
+        if linear.use_kernel:  # fp32 sums in another order: a few ulps
             torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(linear(x), expected)

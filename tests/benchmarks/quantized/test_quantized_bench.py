@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.quantized.accuracy import window_nll
-from benchmarks.quantized.methods import applicable, engine_kwargs
+from benchmarks.quantized.methods import applicable, engine_kwargs, label
 from benchmarks.quantized.speed import SpeedResult, ratios
 from engine import LLM, SamplingParams
 
@@ -36,6 +36,8 @@ def test_ratios_pair_formats_with_bf16_and_llama_cpp() -> None:
         "duet-int4/duet-bf16 batch_median": 0.9,
         "duet-int4/llama.cpp-Q4_1 single_stream_median": 1.1,
     }
+    fp32 = [SpeedResult("duet-fp32", 100, [10.0], []), SpeedResult("duet-int8", 50, [15.0], [])]
+    assert ratios(fp32) == {"duet-int8/duet-fp32 single_stream_median": 1.5}
 
 
 def test_methods() -> None:
@@ -52,3 +54,11 @@ def test_methods() -> None:
     assert not applicable("gguf", "/models/hf-dir") and applicable("int8", "/models/hf-dir")
     with pytest.raises(ValueError, match="method must be one of bf16, int8, int4, gguf"):
         engine_kwargs("int2", 32)
+    assert engine_kwargs("int8", 32, dtype="float32") == {
+        "dtype": "float32",
+        "quantization": "int8",
+    }
+    assert (label("bf16", "float32"), label("bf16", "bfloat16")) == ("duet-fp32", "duet-bf16")
+    assert label("int4", "float32") == "duet-int4"
+    with pytest.raises(ValueError, match="dtype must be one of bfloat16, float32"):
+        engine_kwargs("int8", 32, dtype="float16")
