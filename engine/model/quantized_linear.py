@@ -6,16 +6,15 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.3-4x faster
   than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
-- int4, bf16 on an AVX512-BF16 CPU: duet's int4 kernel (the int8 kernel's bf16 dot on nibbles),
-  1.7-2.2x faster than torch's at 1-256 rows. Elsewhere in bf16:
-  `aten._weight_int4pack_mm_for_cpu` (weights in its layout, `pack_int4`), which from 16 rows is
-  2-3x slower than a dense bf16 GEMM, so above `kernel_max_rows` (16) the weight is dequantized
-  for the call and multiplied densely.
+- int4 on the CPU, fp32 or bf16: duet's int4 kernel. With bf16 on an AVX512-BF16 CPU it runs the
+  int8 kernel's bf16 dot on nibbles, 1.7-2.2x faster than `aten._weight_int4pack_mm_for_cpu`
+  at 1-256 rows; elsewhere fp32 FMAs on nibbles (on a 2-core Xeon without AVX512-BF16, 0.6-0.8x
+  torch's int4 time at 1 row in bf16; torch's is scalar in fp32). Above `kernel_max_rows`
+  (256 with the dot, 32 with FMAs) the weight is dequantized for the call. Without a compiler:
+  torch's int4 kernel in bf16 (up to 16 rows), else dequantize.
 - Deterministic mode keeps one product at every row count (a token's bits must not depend on
   whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
   Every kernel computes each row on its own (probed like every linear, `row_invariant.check_model`).
-- int4, fp32 on the CPU: torch's kernel is scalar there (10-40x slower than the dense fp32
-  GEMM): dequantize, then the dense product. Memory shrinks; speed does not.
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
   checked in Triton's interpreter only, not yet run on a GPU.
 """

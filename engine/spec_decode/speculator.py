@@ -3,11 +3,18 @@ proposer for the next tokens of the requests that will decode (each capped so no
 past `max_tokens` or the context), backs off per request while guesses keep failing, and
 counts what was proposed and accepted (`SpecDecodeStats`, exported by `/metrics`).
 
-Adaptive back-off: a request whose moving acceptance rate (accepted / proposed, halved weight
-per verification) drops below `min_acceptance_rate` proposes nothing for a pause of 1, 2, 4,
-... up to `max_backoff_steps` decode steps, then probes once; a probe that pays resets the
-pause. A guess that fails costs a verification row per proposed token, so on a workload where
-nothing matches speculation decays to a probe every `max_backoff_steps` steps.
+Adaptive (`adaptive`, on by default), per request:
+- Lookahead: a request proposes up to its own k, between 1 and `num_speculative_tokens`. It
+  starts at the maximum; a verification that accepts every guess doubles it, one that rejects a
+  guess sets it to the accepted run plus one (at least 2). Copying runs grow to the maximum,
+  while scattered guesses cost a row or two each. Simulated on the benchmark's recorded greedy
+  outputs (docs/speculative_decoding.md), this matches a fixed k where verification rows are
+  cheap and beats it where they are not.
+- Back-off: a request whose moving acceptance rate (accepted / proposed, halved weight per
+  verification) drops below `min_acceptance_rate` proposes nothing for a pause of 1, 2, 4, ...
+  up to `max_backoff_steps` decode steps, then probes once; a probe that pays resets the pause.
+  A guess that fails costs a verification row per proposed token, so on a workload where
+  nothing matches speculation decays to a probe every `max_backoff_steps` steps.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class SpecDecodeStats:
 
 @dataclass
 class _Backoff:
+    k: int  # most guesses the request's next proposal may hold
     rate: float | None = None  # moving acceptance rate
     pause: int = 0  # length of the current (or last) pause, steps
     skip: int = 0  # steps left in the pause
@@ -69,7 +77,6 @@ class Speculator:
         compute), for the scheduler's next step."""
         chosen: list[Request] = []
         caps: list[int] = []
-        k = self.config.num_speculative_tokens
         num_decoding = 0
         for request in requests:
             request.spec_token_ids = []
@@ -83,7 +90,7 @@ class Speculator:
             # A step turns k guesses into up to k + 1 tokens: stop short of max_tokens and
             # keep every guessed position inside the context.
             cap = min(
-                k,
+                self.lookahead(request.request_id),
                 request.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens - 1,
             )
@@ -126,7 +133,12 @@ class Speculator:
             s.num_accepted_tokens_per_pos[pos] += 1
         if not self.config.adaptive:
             return
-        state = self._backoff.setdefault(request_id, _Backoff())
+        k_max = self.config.num_speculative_tokens
+        state = self._backoff.setdefault(request_id, _Backoff(k_max))
+        if num_accepted == num_proposed:
+            state.k = min(k_max, 2 * state.k)
+        else:
+            state.k = min(k_max, max(2, num_accepted + 1))
         rate = num_accepted / num_proposed
         state.rate = rate if state.rate is None else (state.rate + rate) / 2
         if state.rate < self.config.min_acceptance_rate:
@@ -136,6 +148,11 @@ class Speculator:
             s.num_backoffs += 1
         else:
             state.pause = 0
+
+    def lookahead(self, request_id: str) -> int:
+        """Most guesses the request's next proposal may hold."""
+        state = self._backoff.get(request_id)
+        return self.config.num_speculative_tokens if state is None else state.k
 
     def release(self, request_id: str) -> None:
         """The request left the engine."""

@@ -241,6 +241,27 @@ def test_backoff_pauses_double_and_reset_on_a_good_probe():
     assert spec.stats.num_accepted_tokens_per_pos == [1, 1]
 
 
+def test_lookahead_grows_on_full_runs_and_shrinks_to_the_accepted_run():
+    config = SpeculativeConfig(num_speculative_tokens=8)
+    spec = Speculator(config, _target_info(max_model_len=1000))
+    spec.proposer = _Fixed(config, spec.proposer.target)
+    r = _decoding("a")
+    sizes = []
+    for accepted in (3, None, None, 0, None, 1):  # None: every guess accepted
+        spec.propose([r])
+        sizes.append(len(r.spec_token_ids))
+        spec.observe("a", sizes[-1], sizes[-1] if accepted is None else accepted)
+    spec.propose([r])
+    sizes.append(len(r.spec_token_ids))
+    # 3 kept of 8: the run plus one; all kept: double, up to 8; none kept: 2 at least
+    assert sizes == [8, 4, 8, 8, 2, 4, 2]
+    fixed = SpeculativeConfig(num_speculative_tokens=8, adaptive=False)
+    spec = Speculator(fixed, _target_info(max_model_len=1000))
+    spec.proposer = _Fixed(fixed, spec.proposer.target)
+    spec.observe("a", 8, 1)
+    assert spec.lookahead("a") == 8
+
+
 def test_proposals_are_capped_by_max_tokens_and_context():
     config = SpeculativeConfig(num_speculative_tokens=5)
     spec = Speculator(config, _target_info(max_model_len=8))
