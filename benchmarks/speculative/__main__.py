@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--speculative-config",
         default='{"method": "ngram", '
-        '"num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+        '"num_speculative_tokens": 16, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
