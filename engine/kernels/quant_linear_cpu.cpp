@@ -38,79 +38,58 @@ namespace {
 
 constexpr int kBlock = 16;  // output channels per packed block
 using F = Vec<kBlock>::F;
-typedef int8_t I8 __attribute__((vector_size(kBlock)));
 // Tiles: AVX-512 has 32 vector registers (kRows * kCols accumulators + kCols weights + 1);
 // at 8 or 4 lanes a 16-channel vector takes 2 or 4 registers out of 16.
 constexpr int kCols = kLanes >= 16 ? 4 : 2;
 constexpr int kRows = kLanes >= 16 ? 6 : (kLanes >= 8 ? 2 : 1);
 
-// 16 int8 weights as fp32 (exact).
-// GCC scalarises the generic int8 -> int32 conversion, hence the intrinsics (sign extensions).
-inline F load_weights(const int8_t* p) {
+// 16 bytes widened to 16 int32 lanes: sign-extended (int8 weights) or zero-extended (int4
+// nibble pairs: low nibble column k, high k + 1).
+// GCC scalarises the generic int8 -> int32 conversion, hence the intrinsics.
+template <bool kSigned>
+inline Vec<kBlock>::I widen(const void* p) {
   using I = Vec<kBlock>::I;
   I wide;
+#if defined(__SSE4_1__)  // implied by AVX2 and AVX-512
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+#endif
 #if defined(__AVX512F__)
   if constexpr (kLanes >= 16) {
-    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    std::memcpy(&wide, &v, sizeof(wide));
-    return __builtin_convertvector(wide, F);
+    const __m512i w = kSigned ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    std::memcpy(&wide, &w, sizeof(wide));
+    return wide;
   }
 #endif
 #if defined(__AVX2__)
   if constexpr (kLanes >= 8) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i halves[2] = {_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))};
+    const __m128i hi = _mm_srli_si128(v, 8);
+    const __m256i halves[2] = {kSigned ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v),
+                               kSigned ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi)};
     std::memcpy(&wide, halves, sizeof(wide));
-    return __builtin_convertvector(wide, F);
+    return wide;
   }
 #endif
 #if defined(__SSE4_1__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i quarters[4] = {_mm_cvtepi8_epi32(v), _mm_cvtepi8_epi32(_mm_srli_si128(v, 4)),
-                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 8)),
-                               _mm_cvtepi8_epi32(_mm_srli_si128(v, 12))};
+  __m128i quarters[4];
+  const __m128i parts[4] = {v, _mm_srli_si128(v, 4), _mm_srli_si128(v, 8), _mm_srli_si128(v, 12)};
+  for (int i = 0; i < 4; ++i)
+    quarters[i] = kSigned ? _mm_cvtepi8_epi32(parts[i]) : _mm_cvtepu8_epi32(parts[i]);
   std::memcpy(&wide, quarters, sizeof(wide));
 #else
-  I8 v;
-  std::memcpy(&v, p, sizeof(v));
-  wide = __builtin_convertvector(v, I);
+  typedef std::conditional_t<kSigned, int8_t, uint8_t> B;
+  typedef B Bytes __attribute__((vector_size(kBlock)));
+  Bytes b;
+  std::memcpy(&b, p, sizeof(b));
+  wide = __builtin_convertvector(b, I);
 #endif
-  return __builtin_convertvector(wide, F);
+  return wide;
 }
 
-// 16 bytes zero-extended to 16 int32 lanes (int4 nibble pairs: low nibble column k, high k + 1).
-inline Vec<kBlock>::I load_bytes(const uint8_t* p) {
-  using I = Vec<kBlock>::I;
-  I wide;
-#if defined(__AVX512F__)
-  if constexpr (kLanes >= 16) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    std::memcpy(&wide, &v, sizeof(wide));
-    return wide;
-  }
-#endif
-#if defined(__AVX2__)
-  if constexpr (kLanes >= 8) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i halves[2] = {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
-    std::memcpy(&wide, halves, sizeof(wide));
-    return wide;
-  }
-#endif
-#if defined(__SSE4_1__)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i quarters[4] = {_mm_cvtepu8_epi32(v), _mm_cvtepu8_epi32(_mm_srli_si128(v, 4)),
-                               _mm_cvtepu8_epi32(_mm_srli_si128(v, 8)),
-                               _mm_cvtepu8_epi32(_mm_srli_si128(v, 12))};
-  std::memcpy(&wide, quarters, sizeof(wide));
-  return wide;
-#else
-  typedef uint8_t U8 __attribute__((vector_size(kBlock)));
-  U8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return __builtin_convertvector(v, I);
-#endif
-}
+// 16 int8 weights as fp32 (exact).
+inline F load_weights(const int8_t* p) { return __builtin_convertvector(widen<true>(p), F); }
+
+// 16 bytes zero-extended to 16 int32 lanes.
+inline Vec<kBlock>::I load_bytes(const uint8_t* p) { return widen<false>(p); }
 
 inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar add first
   return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
