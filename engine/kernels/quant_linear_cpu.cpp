@@ -95,6 +95,14 @@ inline F broadcast(float x) {  // not F{} + x, which GCC computes as a scalar ad
   return F{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
+// The first N accumulators of a tile (R x C, rows contiguous) set to zero. A pointer, not an
+// array reference: the tail templates instantiate tiles of 0 rows.
+template <int N>
+inline void zero(F* acc) {
+#pragma GCC unroll 48
+  for (int i = 0; i < N; ++i) acc[i] = F{};
+}
+
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = kLanes >= 16;
 #else
@@ -118,16 +126,10 @@ void tile(const Args& a, int64_t b0, int64_t r0, float* res) {
   const float* s = a.s + b0 * groups * kBlock;
   const float* x = a.x + r0 * K;
   F total[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) total[r][c] = F{};
+  zero<R * C>(*total);
   for (int64_t gi = 0; gi < groups; ++gi) {
     F acc[R][C];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[r][c] = F{};
+    zero<R * C>(*acc);
     for (int64_t k = gi * G, end = k + G; k < end; ++k) {
       F w[C];
 #pragma GCC unroll 8
@@ -173,10 +175,7 @@ void tile4(const Args& a, int64_t b0, int64_t r0, float* res) {
   std::memset(res, 0, sizeof(float) * R * C * kBlock);
   for (int64_t gi = 0; gi < groups; ++gi) {
     F acc[R][C];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[r][c] = F{};
+    zero<R * C>(*acc);
     for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
       const uint8_t* col = q + (k / 2) * kBlock;
 #pragma GCC unroll 2
