@@ -150,8 +150,12 @@ def read_killing_busiest_decode(duet, url: str, stream) -> str:
             killed = duet.decodes[busiest_decode(duet)]
             ray.kill(killed.actor, no_restart=False)
     assert killed is not None
+    # Back in the router's pool, and in the cluster's own view (its reconcile loop sets the
+    # restarted worker's address; the next test's `busiest_decode` dials it).
     wait_for(
-        lambda: metric(url, "duet:num_decode_workers") == 2,
+        lambda: (
+            metric(url, "duet:num_decode_workers") == 2 and all(d.address for d in duet.decodes)
+        ),
         240,
         "the decode worker back",
         interval_s=0.25,
