@@ -4,7 +4,7 @@ past `max_tokens` or the context), backs off per request while guesses keep fail
 counts what was proposed and accepted (`SpecDecodeStats`, exported by `/metrics`).
 
 Adaptive (`adaptive`, on by default), per request:
-- Lookahead: a request proposes up to its own k, between 1 and `num_speculative_tokens`. It
+- Lookahead: a request proposes up to its own k, from min(2, `num_speculative_tokens`) up to it. It
   starts at the maximum; a verification that accepts every guess doubles it, one that rejects a
   guess sets it to the accepted run plus one (at least 2). Copying runs grow to the maximum,
   while scattered guesses cost a row or two each. Simulated on the benchmark's recorded greedy
