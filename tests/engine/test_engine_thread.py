@@ -44,4 +44,7 @@ def test_engine_built_on_its_thread_steps_without_sleeping():
     two_pools = _switches_per_step("built-on-main-thread")
     # Built where it runs (AsyncEngine.from_config, the workers): the only pool spins.
     one_pool = _switches_per_step("built-on-engine-thread")
-    assert two_pools >= 10 and one_pool <= 2, (two_pools, one_pool)
+    # The one-pool count is not zero: a step hands its outputs to the event loop, and the GIL
+    # handoff with the loop's thread is a voluntary switch or two, more on a busy machine (CI
+    # saw 4 against 109). The mechanism is the difference of an order of magnitude.
+    assert two_pools >= 10 and one_pool * 10 <= two_pools, (two_pools, one_pool)
