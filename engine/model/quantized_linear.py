@@ -12,9 +12,8 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   torch's int4 time at 1 row in bf16; torch's is scalar in fp32). Above `kernel_max_rows`
   (256 with the dot, 32 with FMAs) the weight is dequantized for the call. Without a compiler:
   torch's int4 kernel in bf16 (up to 16 rows), else dequantize.
-- Deterministic mode keeps one product at every row count (a token's bits must not depend on
-  whether it is a decode row or in a prefill chunk, docs/determinism.md): the kernel always.
-  Every kernel computes each row on its own (probed like every linear, `row_invariant.check_model`).
+- Deterministic mode keeps one product at every row count (docs/determinism.md): the kernel
+  always. Every kernel computes each row on its own (probed, `row_invariant.check_model`).
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
   checked in Triton's interpreter only, not yet run on a GPU.
 """
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.model.concat_linear import ConcatLinear
 from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from engine.quant.config import QuantizationConfig
 from engine.quant.cpu_linear import (
@@ -45,10 +45,12 @@ from engine.quant.formats import (
     INT4_BLOCK_N,
     Int4Weight,
     Int8Weight,
+    Part,
     QuantizedWeight,
     pack_int4,
     quantize_int4,
     quantize_int8,
+    runs_of_one_format,
     unpack_int4,
 )
 
@@ -63,7 +65,6 @@ FMAs): from there dequantizing and multiplying densely is as fast (docs/quantiza
 INT4_KERNEL_MAX_ROWS = {True: 256, False: 32}
 """The same for duet's int4 kernel, by whether it runs the bf16 dot (else fp32 FMAs)."""
 
-Part = QuantizedWeight | torch.Tensor
 _WARNED_K: set[int] = set()
 
 
@@ -71,8 +72,7 @@ class QuantizedLinear(nn.Module):
     """`y = x @ W.T (+ b)` with W held as int8 or int4.
 
     Built empty with its shape; the loader hands it its weight in row ranges (`load_part`: a
-    fused q|k|v gets three), then `finalize` builds the kernel layout, or returns a dense
-    `nn.Linear` to use instead when the parts cannot share one format (a GGUF mixing types).
+    fused q|k|v gets three), then `finalize` builds the kernel layout (or a replacement).
     """
 
     min_rows: int = MIN_ROWS
@@ -82,9 +82,7 @@ class QuantizedLinear(nn.Module):
         self, in_features: int, out_features: int, bias: bool, config: QuantizationConfig
     ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.out_features = out_features
-        self.config = config
+        self.in_features, self.out_features, self.config = in_features, out_features, config
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._parts: dict[int, Part] = {}
         self.kind = ""  # "int8", "int8-grouped" or "int4" once finalized
@@ -121,7 +119,9 @@ class QuantizedLinear(nn.Module):
         return quantize_int4(weight, group_size, self.config.symmetric)
 
     def finalize(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """Assemble the parts; returns self, or a dense `nn.Linear` replacing it."""
+        """Assemble the parts; returns self, or the layer replacing it: a dense `Linear` when
+        the checkpoint holds the weight unquantized, a `ConcatLinear` when its parts mix
+        formats."""
         parts = [self._parts[k] for k in sorted(self._parts)]
         self._parts = {}
         num_rows = sum(p.shape[0] for p in parts)
@@ -130,20 +130,34 @@ class QuantizedLinear(nn.Module):
                 f"a {self.out_features}x{self.in_features} layer's checkpoint tensors hold "
                 f"{num_rows} of its {self.out_features} rows"
             )
+        runs = runs_of_one_format(parts)
         first = parts[0]
-        if isinstance(first, torch.Tensor) or not all(first.same_kind(p) for p in parts):
+        if len(runs) == 1 and isinstance(first, torch.Tensor):
             return self._dense(parts, dtype, device)
-        weight = type(first).cat_rows(parts)  # type: ignore[arg-type]
-        self.set_weight(weight, dtype, device)
-        return self
+        if len(runs) == 1 and not isinstance(first, torch.Tensor):
+            self.set_weight(type(first).cat_rows(parts), dtype, device)  # type: ignore[arg-type]
+            return self
+        # A GGUF mixing formats in one fused layer (Q4_K_M: Q4_K q, k with a Q6_K v): a layer
+        # per run of one format, each kept in its format (engine/model/concat_linear.py).
+        kinds = [type(run[0]).__name__.removesuffix("Weight") for run in runs]
+        logger.info(
+            "a %dx%d layer mixes weight formats: kept as %d layers side by side (%s)",
+            self.out_features, self.in_features, len(runs), " | ".join(kinds),
+        )  # fmt: skip
+        layers, row = [], 0
+        for run in runs:
+            rows = sum(p.shape[0] for p in run)
+            layer = QuantizedLinear(self.in_features, rows, self.bias is not None, self.config)
+            if self.bias is not None:
+                bias = self.bias.detach()[row : row + rows].clone()
+                layer.bias = nn.Parameter(bias, requires_grad=False)
+            for part in run:
+                layer.load_part(row, part)
+                row += part.shape[0]
+            layers.append(layer.finalize(dtype, device))
+        return ConcatLinear(layers, self.in_features, self.out_features)
 
     def _dense(self, parts: list[Part], dtype: torch.dtype, device: torch.device) -> Linear:
-        kinds = sorted({type(p).__name__ for p in parts})
-        if any(not isinstance(p, torch.Tensor) for p in parts):
-            logger.info(
-                "a %dx%d layer mixes weight formats (%s): dequantized to %s",
-                self.out_features, self.in_features, ", ".join(kinds), dtype,
-            )  # fmt: skip
         full = torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
         # NOTE: row_invariant.Linear, not nn.Linear: the load-time probe must see it.
         linear = Linear(self.in_features, self.out_features, bias=self.bias is not None)

@@ -126,6 +126,8 @@ class Int4Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+Part = QuantizedWeight | torch.Tensor
+"""A checkpoint's rows of a layer: quantized, or dense."""
 
 
 def _group_range(start: int, length: int, group_size: int) -> tuple[int, int]:
@@ -191,3 +193,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     blocks = packed.view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)
     rows = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N / 64, K, 64]
     return rows.transpose(1, 2).reshape(n, k)
+
+
+def runs_of_one_format(parts: list[Part]) -> list[list[Part]]:
+    """`parts` (in row order) cut into runs that one layer can hold: dense parts together,
+    quantized parts of the same format (kind, group size, symmetry) together."""
+    runs: list[list[Part]] = []
+    for part in parts:
+        last = runs[-1][-1] if runs else None
+        if last is not None and (
+            isinstance(last, torch.Tensor)
+            if isinstance(part, torch.Tensor)
+            else not isinstance(last, torch.Tensor) and last.same_kind(part)
+        ):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs

@@ -9,11 +9,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidInputError
 from engine.gguf_loader import default_model_path, load_gguf
 from engine.loader import load_model
+from engine.model.concat_linear import ConcatLinear
 from engine.model.quantized_linear import QuantizedLinear
 from engine.quant.config import QuantizationConfig
 from engine.quant.formats import Int4Weight, Int8Weight
@@ -81,7 +83,7 @@ def test_embedded_smollm2_tensors_repack_bit_exactly() -> None:
 
 def quantized_types(hf_name: str) -> Q:
     """Every linear of a tiny GGUF quantized, with the types SmolLM2 and Q4_0 files use; layer
-    1's q|k|v mixes Q4_1 with Q8_0 (a fused layer that must fall back to dense)."""
+    1's q|k|v mixes Q4_1 with Q8_0 (a fused layer whose parts keep their own formats)."""
     if "layers.1.self_attn.v_proj" in hf_name or "embed_tokens" in hf_name:
         return Q.Q8_0
     if "o_proj" in hf_name:
@@ -108,8 +110,13 @@ def test_gguf_quantization_keeps_the_files_weights(tmp_path: Path) -> None:
         for ours, parts in fused.items():
             module = layer.get_submodule(ours)
             expected = torch.cat([dense[f"model.layers.{i}.{p}.weight"] for p in parts])
-            if i == 1 and ours == "self_attn.qkv_proj":  # Q4_1 q, k with a Q8_0 v: dense
-                assert not isinstance(module, QuantizedLinear)
+            if i == 1 and ours == "self_attn.qkv_proj":  # Q4_1 q, k with a Q8_0 v: each kept
+                assert isinstance(module, ConcatLinear)
+                qk, v = module.layers
+                assert isinstance(qk, QuantizedLinear) and qk.kind == "int4"
+                assert isinstance(v, QuantizedLinear) and v.kind == "int8-grouped"
+                ours_w = torch.cat([qk.dequantize(torch.float32), v.dequantize(torch.float32)])
+                assert torch.equal(ours_w, expected)
                 continue
             assert isinstance(module, QuantizedLinear), (i, ours)
             assert module.kind == "int4"
@@ -139,3 +146,41 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama: str) -> None:
         load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
                    quantization=QuantizationConfig("gguf"))  # fmt: skip
     assert error.value.field == "quantization"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_q4_k_m_style_fused_layer_keeps_q4_k_and_q6_k(dtype: torch.dtype) -> None:
+    """A Q4_K_M file's q|k|v: Q4_K q and k, a Q6_K v (with a qwen2-style bias). Each run of one
+    format stays quantized in its own layer, the weights are the file's bit for bit, and each
+    output row is computed on its own (alone equals in a batch, bitwise)."""
+    cols = 512
+    q, k = (
+        repack(random_blocks(Q.Q4_K, 64, cols, 1), Q.Q4_K),
+        repack(random_blocks(Q.Q4_K, 32, cols, 2), Q.Q4_K),
+    )
+    v = repack(random_blocks(Q.Q6_K, 32, cols, 3), Q.Q6_K)
+    slot = QuantizedLinear(cols, 128, True, QuantizationConfig("gguf"))
+    assert slot.bias is not None
+    with torch.no_grad():
+        slot.bias.copy_(torch.randn(128))
+    for offset, part in ((0, q), (64, k), (96, v)):
+        slot.load_part(offset, part)
+    layer = slot.finalize(dtype, torch.device("cpu"))
+    assert isinstance(layer, ConcatLinear)
+    qk, v_layer = layer.layers
+    assert isinstance(qk, QuantizedLinear) and (qk.kind, qk.out_features) == ("int4", 96)
+    assert isinstance(v_layer, QuantizedLinear) and v_layer.kind == "int8-grouped"
+    assert v_layer.group_size == 16
+    full = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    if dtype == torch.float32:  # the fp32 path keeps the file's scales exactly
+        ours = torch.cat([qk.dequantize(torch.float32), v_layer.dequantize(torch.float32)])
+        assert torch.equal(ours, full)
+    x = (torch.randn(5, cols) * 0.1).to(dtype)
+    out = layer(x)
+    assert out.shape == (5, 128) and out.dtype == dtype
+    expected = F.linear(x.float(), full, slot.bias)
+    scale = expected.abs().max().item()
+    assert (out.float() - expected).abs().max().item() <= scale * (
+        1e-5 if dtype == torch.float32 else 2e-2
+    )
+    assert torch.equal(layer(x[2:3]), out[2:3])

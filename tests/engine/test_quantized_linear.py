@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from engine.config import EngineConfig
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.model import quantized_linear
+from engine.model.concat_linear import ConcatLinear
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.row_invariant import MIN_ROWS, Linear, probe
 from engine.quant.config import QuantizationConfig
@@ -154,17 +155,30 @@ def test_group_size_falls_back_to_one_that_divides_the_input() -> None:
     assert linear.group_size == 64  # 576 = 4.5 x 128
 
 
-def test_mixed_parts_become_a_dense_layer() -> None:
+def test_mixed_parts_keep_their_formats() -> None:
     config = QuantizationConfig("gguf")
-    slot = QuantizedLinear(K, 96, False, config)
+    slot = QuantizedLinear(K, 96, True, config)
+    assert slot.bias is not None
+    with torch.no_grad():
+        slot.bias.copy_(torch.randn(96))
     dense = torch.randn(32, K)
     q4 = quantize_int4(torch.randn(64, K), 32, symmetric=False)
     slot.load_part(0, q4)
     slot.load_part(64, dense)
     result = slot.finalize(torch.float32, torch.device("cpu"))
-    # a batch-invariant dense layer, which the load-time probe sees (it has `min_rows`)
-    assert isinstance(result, Linear) and result.min_rows == MIN_ROWS
-    assert torch.equal(result.weight, torch.cat([q4.dequantize(), dense]))
+    # the int4 rows stay int4; the dense rows become a batch-invariant dense layer, which the
+    # load-time probe sees (it has `min_rows`)
+    assert isinstance(result, ConcatLinear)
+    quantized, rest = result.layers
+    assert isinstance(quantized, QuantizedLinear) and quantized.kind == "int4"
+    assert isinstance(rest, Linear) and rest.min_rows == MIN_ROWS
+    assert torch.equal(quantized.dequantize(torch.float32), q4.dequantize())
+    assert torch.equal(rest.weight, dense)
+    assert quantized.bias is not None and rest.bias is not None
+    assert torch.equal(torch.cat([quantized.bias, rest.bias]), slot.bias)
+    x = torch.randn(3, K)
+    expected = F.linear(x, torch.cat([q4.dequantize(), dense]), slot.bias)
+    torch.testing.assert_close(result(x), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_narrowing_off_a_group_is_refused() -> None:
