@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", default="vllm,duet", help="comma list, vllm first")
     p.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-bench/bin/python")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
+    p.add_argument(
+        "--duet-args", default="", help="extra `duet serve` flags, e.g. '--no-deterministic'"
+    )
     p.add_argument("--port", type=int, default=18431)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks/results/serve_vs_vllm.json")
     return p.parse_args(argv)
@@ -61,7 +65,8 @@ def server_command(system: str, model: Path, args: argparse.Namespace) -> list[s
         "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
     ]  # fmt: skip
     if system == "duet":
-        return [sys.executable, "-m", "cli", "serve", "--model", str(model), *common]
+        extra = shlex.split(args.duet_args)
+        return [sys.executable, "-m", "cli", "serve", "--model", str(model), *common, *extra]
     cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", str(model), *common, "--disable-uvicorn-access-log"]
     return cmd + (["--enforce-eager"] if args.enforce_eager else [])

@@ -10,6 +10,8 @@ Two uses:
 - Deterministic mode, any dtype: a weight shape that the vendor GEMM does not compute
   row-invariantly at any padding `row_invariant.check_model` tries (MKL's fp32 down_proj on an
   Intel Xeon, K = 1536, at 2 threads) takes the kernel instead of being reported.
+- Outside deterministic mode, fp32: products of up to `FP32_KERNEL_MAX_ROWS` rows (decode
+  batches) take the kernel, larger ones (prefill chunks) MKL (`use_dense_kernel_for_few_rows`).
 On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py).
 """
 
@@ -30,6 +32,12 @@ logger = logging.getLogger(__name__)
 SOURCES = ("dense_linear_cpu.cpp",)
 CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
 DTYPES = (torch.float32, torch.bfloat16)
+FP32_KERNEL_MAX_ROWS = 48
+"""Most rows an fp32 product takes the kernel for outside deterministic mode. Measured with
+torch 2.13 on a 2-core Intel Xeon (AVX-512, no AVX512-BF16), SmolLM2's shapes, kernel time over
+MKL's (`F.linear`): 0.55-0.93 at 1 row, 0.19-0.55 at 10, 0.27-0.30 at 16, 0.41-0.53 at 32,
+0.58-0.63 at 48 (MKL's own path below 64 rows is slow: 48 rows cost it more than 64), 0.98-1.26
+at 63, 1.17-1.40 at 64 and 1.5-2.1 from 96 to 2,048 rows. Not measured on AMD CPUs."""
 
 
 @functools.cache
@@ -88,4 +96,24 @@ def use_dense_kernel(model: nn.Module) -> int:
     if not layers or not set_dense_kernel(layers):
         return 0
     logger.info("%d bf16 linear layers on duet's CPU kernel (no native bf16 here)", len(layers))
+    return len(layers)
+
+
+def use_dense_kernel_for_few_rows(model: nn.Module) -> int:
+    """Outside deterministic mode: every fp32 dense product under `model` of up to
+    `FP32_KERNEL_MAX_ROWS` rows on the kernel (MKL above). Returns how many layers."""
+    layers = [
+        m for m in model.modules()
+        if (w := layer_weight(m)) is not None and w.dtype == torch.float32
+        and m.cpu_kernel is None
+    ]  # fmt: skip
+    if not layers or not set_dense_kernel(layers):
+        return 0
+    for layer in layers:
+        setattr(layer, "cpu_kernel_max_rows", FP32_KERNEL_MAX_ROWS)  # noqa: B010  # an nn.Module
+    logger.info(
+        "%d fp32 linear layers on duet's CPU kernel up to %d rows",
+        len(layers),
+        FP32_KERNEL_MAX_ROWS,
+    )
     return len(layers)

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 MIN_ROWS = 16
 """Fewest rows a CPU matrix product runs on, unless `check_model` found fewer enough."""
 
+ALL_ROWS = 1 << 62
+"""`cpu_kernel_max_rows` of a layer whose every product takes duet's kernel."""
+
 MIN_ROWS_CANDIDATES = (1, 8, 16)
 """What `check_model` tries per weight shape, fewest rows first: padding costs single-stream
 time (8 rows: about 11% of a bf16 SmolLM2 decode step on one AVX512-BF16 EPYC core), so a
@@ -71,11 +74,13 @@ def product(
     bias: torch.Tensor | None,
     invariant_gemm: bool,
     cpu_kernel: Any = None,
+    cpu_kernel_max_rows: int = ALL_ROWS,
 ) -> torch.Tensor:
     """F.linear; on CUDA with `invariant_gemm` the batch-invariant Triton product
     (engine/kernels/triton_matmul.py; cuBLAS is not batch-invariant); with `cpu_kernel`
-    (engine/model/dense_cpu_linear.py) duet's own, one reduction order per element."""
-    if cpu_kernel is not None and rows.device.type == "cpu":
+    (engine/model/dense_cpu_linear.py) duet's own, one reduction order per element, on up to
+    `cpu_kernel_max_rows` rows."""
+    if cpu_kernel is not None and rows.device.type == "cpu" and len(rows) <= cpu_kernel_max_rows:
         return cpu_kernel.dense_linear(rows, weight, bias)
     if invariant_gemm and rows.device.type == "cuda":
         from engine.kernels.triton_matmul import invariant_linear
@@ -92,12 +97,17 @@ class Linear(nn.Linear):
     invariant_gemm: bool = False
     cpu_kernel: Any = None
     """duet's dense CPU kernel module, where `dense_cpu_linear` set it (None: F.linear)."""
+    cpu_kernel_max_rows: int = ALL_ROWS
+    """Most rows the kernel takes; more go to F.linear (outside deterministic mode only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return product(rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel)
+        return product(
+            rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel,
+            self.cpu_kernel_max_rows,
+        )  # fmt: skip
 
 
 class TiedLinear(nn.Module):
@@ -107,6 +117,7 @@ class TiedLinear(nn.Module):
     min_rows: int = MIN_ROWS
     invariant_gemm: bool = False
     cpu_kernel: Any = None
+    cpu_kernel_max_rows: int = ALL_ROWS
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -114,12 +125,12 @@ class TiedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(
-            x,
-            lambda rows: product(
-                rows, self.weight_ref[0], None, self.invariant_gemm, self.cpu_kernel
-            ),
-            self.min_rows,
+        return linear_rows(x, self._product, self.min_rows)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return product(
+            rows, self.weight_ref[0], None, self.invariant_gemm, self.cpu_kernel,
+            self.cpu_kernel_max_rows,
         )  # fmt: skip
 
 

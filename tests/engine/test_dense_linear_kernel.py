@@ -8,7 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import dense_cpu_linear, row_invariant
-from engine.model.dense_cpu_linear import load_dense_kernel, use_dense_kernel
+from engine.model.dense_cpu_linear import (
+    load_dense_kernel,
+    use_dense_kernel,
+    use_dense_kernel_for_few_rows,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(960, 576, True), (576, 1536, False), (37, 70, True)]  # SmolLM2's; K off the lanes
@@ -84,3 +88,50 @@ def test_bf16_layers_take_the_kernel_only_without_native_bf16(monkeypatch, nativ
         x = torch.randn(5, 64).bfloat16()
         want = load_dense_kernel().dense_linear(x, model[0].weight, model[0].bias)
         assert torch.equal(model[0](x), want)
+
+
+class _Recorder:
+    """Stands in for the kernel module: records the rows of each call."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def dense_linear(self, x, w, b):
+        self.rows.append(x.shape[0])
+        return F.linear(x, w, b)
+
+
+def test_fp32_layers_take_the_kernel_up_to_the_row_limit_outside_deterministic_mode(
+    monkeypatch,
+):
+    recorder = _Recorder()
+    monkeypatch.setattr(dense_cpu_linear, "load_dense_kernel", lambda: recorder)
+    model = torch.nn.Sequential(
+        row_invariant.Linear(64, 32), row_invariant.Linear(32, 64).bfloat16(), torch.nn.ReLU()
+    )
+    model[0].min_rows = 1
+    assert use_dense_kernel_for_few_rows(model) == 1  # the fp32 layer only
+    assert model[0].cpu_kernel is recorder and model[1].cpu_kernel is None
+    limit = dense_cpu_linear.FP32_KERNEL_MAX_ROWS
+    assert model[0].cpu_kernel_max_rows == limit
+    for rows in (1, limit, limit + 1, 300):
+        model[0](torch.randn(rows, 64))
+    assert recorder.rows == [1, limit]  # more rows: MKL (F.linear)
+    # A layer already on the kernel (bf16 without native bf16, a probe that failed) keeps it
+    # at every row count.
+    assert use_dense_kernel_for_few_rows(model) == 0
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_loader_limits_the_kernel_only_outside_deterministic_mode(tiny_llama, deterministic):
+    from engine.loader import load_model
+
+    loaded = load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
+                        deterministic=deterministic)  # fmt: skip
+    linears = [m for m in loaded.model.modules() if isinstance(m, row_invariant.Linear)]
+    assert linears
+    if deterministic:
+        assert all(m.cpu_kernel_max_rows == row_invariant.ALL_ROWS for m in linears)
+    else:
+        assert all(m.cpu_kernel is not None for m in linears)
+        assert all(m.cpu_kernel_max_rows == dense_cpu_linear.FP32_KERNEL_MAX_ROWS for m in linears)
