@@ -2,7 +2,7 @@
 (engine/kernels/dense_linear_cpu.cpp): fp32 or bf16, the weight in torch's own [N, K] layout
 (nothing is repacked or copied).
 
-Two uses:
+Three uses:
 - bf16 on a CPU without native bf16 (AVX-512 or AVX2 without AVX512-BF16 or AMX): torch's bf16
   `F.linear` goes to oneDNN's emulation there, which is neither batch-invariant (it splits the
   K reduction by the row and thread counts, so no padding helps) nor fast past one row, so
