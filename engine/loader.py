@@ -179,8 +179,7 @@ def load_model(
         invariant = _use_invariant_cuda_kernels(net) and quantization is None
     else:
         row_invariant.set_min_rows(net, 1)
-        if device.type == "cpu" and cpu_kernels_enabled():
-            use_dense_kernel_for_few_rows(net)  # decode batches: faster than MKL's below 64 rows
+        use_dense_kernel_for_few_rows(net)  # CPU fp32 decode batches: faster than MKL's
         invariant = False
     num_bytes = log_weight_bytes(net, name, quantization)
     return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes)

@@ -89,10 +89,7 @@ def use_dense_kernel(model: nn.Module) -> int:
     Returns how many layers that is (0 elsewhere, or when it cannot build)."""
     if cpu_has_native_bf16():
         return 0
-    layers = [
-        m for m in model.modules()
-        if (w := layer_weight(m)) is not None and w.dtype == torch.bfloat16
-    ]  # fmt: skip
+    layers = _layers_of(model, torch.bfloat16)
     if not layers or not set_dense_kernel(layers):
         return 0
     logger.info("%d bf16 linear layers on duet's CPU kernel (no native bf16 here)", len(layers))
@@ -102,11 +99,7 @@ def use_dense_kernel(model: nn.Module) -> int:
 def use_dense_kernel_for_few_rows(model: nn.Module) -> int:
     """Outside deterministic mode: every fp32 dense product under `model` of up to
     `FP32_KERNEL_MAX_ROWS` rows on the kernel (MKL above). Returns how many layers."""
-    layers = [
-        m for m in model.modules()
-        if (w := layer_weight(m)) is not None and w.dtype == torch.float32
-        and m.cpu_kernel is None
-    ]  # fmt: skip
+    layers = [m for m in _layers_of(model, torch.float32) if m.cpu_kernel is None]
     if not layers or not set_dense_kernel(layers):
         return 0
     for layer in layers:
@@ -117,3 +110,8 @@ def use_dense_kernel_for_few_rows(model: nn.Module) -> int:
         FP32_KERNEL_MAX_ROWS,
     )
     return len(layers)
+
+
+def _layers_of(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    """The layers under `model` the kernel can serve whose weight is `dtype`."""
+    return [m for m in model.modules() if (w := layer_weight(m)) is not None and w.dtype == dtype]

@@ -132,9 +132,9 @@ class QuantizedLinear(nn.Module):
             )
         runs = runs_of_one_format(parts)
         first = parts[0]
-        if len(runs) == 1 and isinstance(first, torch.Tensor):
-            return self._dense(parts, dtype, device)
-        if len(runs) == 1 and not isinstance(first, torch.Tensor):
+        if len(runs) == 1:
+            if isinstance(first, torch.Tensor):
+                return self._dense(parts, dtype, device)
             self.set_weight(type(first).cat_rows(parts), dtype, device)  # type: ignore[arg-type]
             return self
         # A GGUF mixing formats in one fused layer (Q4_K_M: Q4_K q, k with a Q6_K v): a layer

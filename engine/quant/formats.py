@@ -200,13 +200,14 @@ def runs_of_one_format(parts: list[Part]) -> list[list[Part]]:
     quantized parts of the same format (kind, group size, symmetry) together."""
     runs: list[list[Part]] = []
     for part in parts:
-        last = runs[-1][-1] if runs else None
-        if last is not None and (
-            isinstance(last, torch.Tensor)
-            if isinstance(part, torch.Tensor)
-            else not isinstance(last, torch.Tensor) and last.same_kind(part)
-        ):
+        if runs and _same_format(runs[-1][-1], part):
             runs[-1].append(part)
         else:
             runs.append([part])
     return runs
+
+
+def _same_format(a: Part, b: Part) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return a.same_kind(b)
