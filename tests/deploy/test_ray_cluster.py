@@ -125,7 +125,11 @@ def decode_load(duet, d, signer: CallSigner | None = None) -> worker_pb2.DecodeL
     if signer is None:
         path = actor_env(d.actor, "DUET_CLUSTER_SECRET_FILE")
         signer = CallSigner(load_cluster_secret({"DUET_CLUSTER_SECRET_FILE": path}))
-    with grpc.insecure_channel(d.address) as channel:
+    # The cluster refreshes each address on every reconcile pass, from the actor's own report:
+    # a pass that could not reach the actor (a restart, a busy machine) leaves None until the
+    # next one. CI saw None here after the previous test had seen the address set.
+    address = wait_for(lambda: d.address, 60, "the decode worker's address", interval_s=0.25)
+    with grpc.insecure_channel(address) as channel:
         return worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(
             worker_pb2.LoadRequest(),
             timeout=5,
