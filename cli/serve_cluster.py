@@ -241,8 +241,8 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         secret_file = start_local_ray(spec)  # a new secret; Ray detects this machine's GPUs
     if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
         spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
-    stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The handler raises: one that set an Event could deadlock inside that Event's own lock.
+    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = DuetCluster(spec)
     try:
         cluster.start(args.startup_timeout)
@@ -253,16 +253,26 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
                 spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
                 spec.prefill_tp, len(cluster.decodes),
             )  # fmt: skip
-        cluster.run(stop)
+        cluster.run(threading.Event())
+    except _Stopped:
+        pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # a second signal during shutdown acts as it did before
         logger.info("stopping the cluster")
         cluster.shutdown()
         ray.shutdown()
         if secret_file is not None:
             remove_secret_file(secret_file)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     return 0
+
+
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM, raised in the main thread."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped()
 
 
 def _with_gpus(spec: Any, gpus: float) -> Any:

@@ -173,17 +173,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         PoolTargets(args.prefill_deployment, args.decode_deployment),
         dry_run=args.dry_run,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    if args.health_port:
-        # Three intervals plus the worst-case time of the calls inside one step.
-        max_age_s = 3 * args.interval_s + 4 * args.scrape_timeout_s + 30
-        serve_health(controller, args.health_port, max_age_s)
-    logging.getLogger("duet.planner").info(
-        "planning %s/%s and %s/%s%s",
-        args.namespace, args.prefill_deployment, args.namespace, args.decode_deployment,
-        " (dry run)" if args.dry_run else "",
-    )  # fmt: skip
-    controller.run(args.interval_s, stop)
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _raise_stopped)
+        if args.health_port:
+            # Three intervals plus the worst-case time of the calls inside one step.
+            max_age_s = 3 * args.interval_s + 4 * args.scrape_timeout_s + 30
+            serve_health(controller, args.health_port, max_age_s)
+        logging.getLogger("duet.planner").info(
+            "planning %s/%s and %s/%s%s",
+            args.namespace, args.prefill_deployment, args.namespace, args.decode_deployment,
+            " (dry run)" if args.dry_run else "",
+        )  # fmt: skip
+        controller.run(args.interval_s, threading.Event())
+    except _Stopped:
+        logging.getLogger("duet.planner").info("stopped")
     return 0
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT, raised in the main thread. A handler that set a `threading.Event`
+    could deadlock: it runs between the main thread's bytecodes, possibly while that thread
+    holds the same Event's lock inside `Event.wait`."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped()

@@ -8,12 +8,20 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from deploy.planner.cli import _apply_env, build_parser, config_from_args, main
+from deploy.planner.cli import (
+    _apply_env,
+    _raise_stopped,
+    _Stopped,
+    build_parser,
+    config_from_args,
+    main,
+)
 from deploy.planner.config import PlannerConfig, PoolConfig
 from deploy.planner.controller import Controller, PoolTargets, RouterScraper
 from deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
@@ -241,4 +249,25 @@ def test_duet_planner_process_scales_and_reports_health(kube, tmp_path: Path):
     )  # fmt: skip
     assert patch.authorization == f"Bearer {TOKEN}"
     assert "decode: scaling 3 -> 4 (occupancy 0.99 > 0.75)" in out
+    assert out.rstrip().endswith("INFO duet.planner: stopped")
     assert server.auth_headers and set(server.auth_headers) == {f"Bearer {API_KEY}"}
+
+
+def test_a_stop_signal_inside_a_step_ends_the_loop(kube, monkeypatch):
+    """The CLI's handler raises in the main thread (setting an Event from a handler can
+    deadlock on that Event's lock); the loop, which outlives a step's errors, lets it out."""
+    controller = _controller(kube, dry_run=True, clock=_Clock())
+    steps = []
+
+    def step():
+        steps.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(controller, "step", step)
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        with pytest.raises(_Stopped):
+            controller.run(0.01, threading.Event())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert steps == [1]
