@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import statistics
 import sys
+
+import torch
 
 from engine import SamplingParams
 from engine.async_engine import AsyncEngine
@@ -49,8 +52,11 @@ def main() -> None:
     else:  # built here, on the main thread, then stepped on the engine thread
         engine = AsyncEngine(LLMEngine(config), probe)
     asyncio.run(stream(engine))
+    threads = len(os.listdir("/proc/self/task"))  # OpenMP pools' workers included
     engine.shutdown()
-    print(json.dumps({"median_switches_per_step": statistics.median(probe.per_step[5:])}))
+    median = statistics.median(probe.per_step[5:])
+    pool = torch.get_num_threads()
+    print(json.dumps({"median_switches_per_step": median, "threads": threads, "pool": pool}))
 
 
 if __name__ == "__main__":

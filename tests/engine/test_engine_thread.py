@@ -24,7 +24,7 @@ PROBE = Path(__file__).with_name("openmp_probe.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _switches_per_step(mode: str) -> float:
+def _probe(mode: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(PROBE), mode],
         cwd=ROOT,
@@ -34,17 +34,20 @@ def _switches_per_step(mode: str) -> float:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["median_switches_per_step"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_engine_built_on_its_thread_steps_without_sleeping():
     # The mechanism is real here: an engine built on another thread makes its thread sleep
     # within steps (this is what a server did before the fix).
-    two_pools = _switches_per_step("built-on-main-thread")
+    two = _probe("built-on-main-thread")
     # Built where it runs (AsyncEngine.from_config, the workers): the only pool spins.
-    one_pool = _switches_per_step("built-on-engine-thread")
-    # The one-pool count is not zero: a step hands its outputs to the event loop, and the GIL
-    # handoff with the loop's thread is a voluntary switch or two, more on a busy machine (CI
-    # saw 4 against 109). The mechanism is the difference of an order of magnitude.
-    assert two_pools >= 10 and one_pool * 10 <= two_pools, (two_pools, one_pool)
+    one = _probe("built-on-engine-thread")
+    # The structure, exactly: a second pool is (pool size - 1) more worker threads.
+    assert two["threads"] == one["threads"] + one["pool"] - 1, (two, one)
+    # The symptom. The one-pool count is not zero: a step hands its outputs to the event loop,
+    # and the GIL handoff with the loop's thread is a voluntary switch or two, more on a busy
+    # machine. Seen: 0 against 91 here, 4 against 109 and 4 against 35 in loaded runs.
+    two_pools, one_pool = two["median_switches_per_step"], one["median_switches_per_step"]
+    assert two_pools >= 10 and one_pool * 4 <= two_pools, (two_pools, one_pool)
