@@ -14,7 +14,7 @@ from tqdm import tqdm
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.kernels.cpu import cpu_kernels_enabled
 from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
-from engine.model.dense_cpu_linear import use_dense_kernel_for_few_rows
+from engine.model.dense_cpu_linear import use_dense_kernel_fp32
 from engine.model.quantized_linear import log_weight_bytes, set_kernel_max_rows
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant.config import QuantizationConfig
@@ -179,7 +179,7 @@ def load_model(
         invariant = _use_invariant_cuda_kernels(net) and quantization is None
     else:
         row_invariant.set_min_rows(net, 1)
-        use_dense_kernel_for_few_rows(net)  # CPU fp32 decode batches: faster than MKL's
+        use_dense_kernel_fp32(net)  # CPU fp32: faster than MKL's at most row counts
         invariant = False
     num_bytes = log_weight_bytes(net, name, quantization)
     return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes)

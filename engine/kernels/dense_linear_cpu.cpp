@@ -7,20 +7,21 @@
 // AVX512-BF16): oneDNN's emulated bf16 (LM head and down_proj rows differ alone and in batches
 // of 8 and 16 at 2 threads; its cost grows with every row, the LM head 5 ms at 1 row and 52 ms
 // at 32) and MKL's fp32 down_proj (K = 1536: no padding up to 64 rows). Here each output
-// element is one dot product in one fixed order:
-//   acc (kLanes fp32 lanes) += w[k:k+L] * x[k:k+L] for k in order (one FMA per lane),
-//   s = the lanes' sum by halving, then s += w[k] * x[k] for the tail k in order, then + b,
-//   rounded once to bf16 (nearest even),
+// element is chains of FMAs in k order, summed in k order:
+//   acc = 0; for each block of kChain values of k in order: part = 0, part = fma(x[k], w[k],
+//   part) for k in the block in order, acc += part; then acc += b; rounded once to bf16
+//   (nearest even) for bf16 outputs,
 // which depends on nothing but the row and the channel: not on the batch, the blocking or the
 // thread count (deterministic mode relies on it, docs/determinism.md).
 //
-// Register blocking: kCols channels x kRows rows per tile; each weight vector feeds kRows FMAs
-// and each activation vector kCols. Threads split the output channels; a tile's weights
-// (kCols x K x 2 bytes) stay in cache while every row tile passes over them. Cache blocking:
-// the rows go in blocks of about kBlockBytes of activations, so a block stays in L2 while
-// every channel tile passes over it (unblocked, each channel tile streamed all M rows from L3
-// or memory: 4.8x slower than MKL at 1024 rows of SmolLM2's gate_up on a 2-core Xeon). No
-// blocking changes an element's reduction order.
+// The outer-product form of a GEMM (as BLAS micro-kernels are): a tile of kCols vectors of
+// channels is transposed once per call into a [K][kCols x L] panel (bf16 widened to fp32,
+// exact), then every kRows rows of x pass over it, each k step one panel vector load per
+// column vector and one broadcast of x[r][k] per row feeding kRows x kCols FMAs into registers.
+// (The earlier inner-product form, lanes along K and a horizontal sum per element, reloaded
+// its activation vectors from L2 every channel tile: 120-160 GFLOP/s on a 2-core Xeon where
+// MKL gives 250.) Threads split the channel tiles, and the rows too when there are few tiles;
+// no split changes an element's chain.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +33,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_simd.h"
 
 namespace duet {
@@ -39,85 +44,202 @@ namespace {
 
 constexpr int L = kLanes;
 using F = Vec<L>::F;
-// AVX-512: 32 registers (16 accumulators + 4 weights + 1 activation); AVX2: 16.
-constexpr int kCols = 4;
-constexpr int kRows = L >= 16 ? 4 : 2;
+// AVX-512 (32 registers): 6 x 4 accumulators + 4 panel vectors + 1 broadcast; AVX2 (16): 6 x 2.
+constexpr int kRows = 6;
+constexpr int kCols = L >= 16 ? 4 : 2;
+constexpr int kTile = kCols * L;  // channels per panel
+// Each chain runs over at most kChain values of k, and the chains' sums add up in k order: a
+// chain over all of K = 1,536 was 1.5x the error of lane-wise sums (1.45e-6 of the largest
+// output against fp64), these are within 1e-6.
+constexpr int64_t kChain = 128;
+
+
+// v[t] := column t of the L x L block whose rows are v[0 .. L - 1].
+template <int W>
+inline void transpose(typename Vec<W>::F* v) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = reinterpret_cast<__m512>(v[i]);
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + m]: column 4j + m of rows 4i .. 4i + 3 in lane j
+      r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+      r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; ++m) {
+      const __m512 u0 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+      const __m512 u1 = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+      const __m512 u2 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+      const __m512 u3 = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+      v[m] = reinterpret_cast<typename Vec<W>::F>(_mm512_shuffle_f32x4(u0, u2, 0x88));
+      v[4 + m] = reinterpret_cast<typename Vec<W>::F>(_mm512_shuffle_f32x4(u1, u3, 0x88));
+      v[8 + m] = reinterpret_cast<typename Vec<W>::F>(_mm512_shuffle_f32x4(u0, u2, 0xdd));
+      v[12 + m] = reinterpret_cast<typename Vec<W>::F>(_mm512_shuffle_f32x4(u1, u3, 0xdd));
+    }
+    return;
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (W == 8) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = reinterpret_cast<__m256>(v[i]);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+      r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; ++m) {
+      v[m] = reinterpret_cast<typename Vec<W>::F>(_mm256_permute2f128_ps(r[m], r[4 + m], 0x20));
+      v[4 + m] = reinterpret_cast<typename Vec<W>::F>(_mm256_permute2f128_ps(r[m], r[4 + m], 0x31));
+    }
+    return;
+  }
+#endif
+  float a[W][W];
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) a[j][i] = v[i][j];
+  for (int i = 0; i < W; ++i) v[i] = load_f32<W>(a[i]);
+}
+
+// *p in every lane, as a load (splat's `{} + x` costs an add and a port-5 shuffle on x86: a
+// quarter of the FMA slots at 6 rows x 4 vectors).
+template <int W>
+inline typename Vec<W>::F broadcast(const float* p) {
+#if defined(__AVX512F__)
+  if constexpr (W == 16) return reinterpret_cast<typename Vec<W>::F>(_mm512_set1_ps(*p));
+#endif
+#if defined(__AVX__)
+  if constexpr (W == 8) return reinterpret_cast<typename Vec<W>::F>(_mm256_broadcast_ss(p));
+#endif
+  return splat<W>(*p);
+}
+
+// The panel of channels n0 .. n0 + kTile: panel[k][c] = w[n0 + c][k] (channels past N: zero).
+template <typename E>
+void pack_tile(const typename E::raw* w, int64_t n, int64_t K, int64_t n0, typename E::raw* panel) {
+  const int64_t body = K - K % L;
+  for (int v = 0; v < kCols; ++v) {
+    const int64_t c0 = n0 + v * L, rows = std::clamp<int64_t>(n - c0, 0, L);
+    typename E::raw* dst = panel + v * L;
+    for (int64_t k = 0; k < body; k += L) {
+      F blk[L];
+      for (int i = 0; i < L; ++i) blk[i] = i < rows ? E::template load<L>(w + (c0 + i) * K + k) : F{};
+      transpose<L>(blk);
+      for (int t = 0; t < L; ++t) E::template store<L>(dst + (k + t) * kTile, blk[t]);  // exact
+    }
+    for (int64_t k = body; k < K; ++k)
+      for (int i = 0; i < L; ++i)
+        dst[k * kTile + i] = i < rows ? w[(c0 + i) * K + k] : typename E::raw{};
+  }
+}
 
 template <typename E>
 struct Args {
-  const float* x;            // [M, K] fp32 (bf16 activations converted, exact)
-  const typename E::raw* w;  // [N, K]
-  const float* b;            // [N] fp32 or null
+  const float* x;                 // [M, K] fp32 (bf16 activations converted, exact)
+  const typename E::raw* panels;  // [tiles, K, kTile]
+  const float* b;                 // [N] fp32 or null
   int64_t m, k, n;
 };
 
-// out rows r0 .. r0 + R, channels n0 .. n0 + C.
-template <typename E, int R, int C>
-void tile(const Args<E>& a, int64_t r0, int64_t n0, typename E::raw* out) {
-  const int64_t K = a.k, body = K - K % L;
-  const typename E::raw* w = a.w + n0 * K;
+// Rows r0 .. r0 + R of the channels n0 .. n0 + kTile (those below N).
+template <typename E, int R>
+void micro(const Args<E>& a, const typename E::raw* panel, const F* bias, int64_t r0, int64_t n0,
+           typename E::raw* out) {
+  const int64_t K = a.k;
   const float* x = a.x + r0 * K;
-  F acc[R][C];
+  F acc[R][kCols], part[R][kCols];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[r][c] = F{};
-  for (int64_t k = 0; k < body; k += L) {
-    F wv[C];
+    for (int c = 0; c < kCols; ++c) acc[r][c] = F{};
+  for (int64_t k0 = 0; k0 < K; k0 += kChain) {
 #pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) wv[c] = E::template load<L>(w + c * K + k);
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const F xv = load_f32<L>(x + r * K + k);
+      for (int c = 0; c < kCols; ++c) part[r][c] = F{};
+    const int64_t k1 = std::min(K, k0 + kChain);
+    for (int64_t k = k0; k < k1; ++k) {
+      F wv[kCols];
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) acc[r][c] += wv[c] * xv;  // one FMA (-ffp-contract=fast)
+      for (int c = 0; c < kCols; ++c) wv[c] = E::template load<L>(panel + k * kTile + c * L);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const F xb = broadcast<L>(x + r * K + k);
+#pragma GCC unroll 8
+        for (int c = 0; c < kCols; ++c) part[r][c] += xb * wv[c];  // one FMA (-ffp-contract=fast)
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < kCols; ++c) acc[r][c] += part[r][c];
+  }
+  const int64_t valid = std::min<int64_t>(kTile, a.n - n0);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    typename E::raw* o = out + (r0 + r) * a.n + n0;
+#pragma GCC unroll 8
+    for (int c = 0; c < kCols; ++c) {
+      const F v = bias != nullptr ? acc[r][c] + bias[c] : acc[r][c];
+      if ((c + 1) * L <= valid) {
+        E::template store<L>(o + c * L, v);
+      } else {
+        for (int64_t i = c * L; i < valid; ++i) o[i] = E::store1(v[i - c * L]);
+      }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      float s = hsum<L>(acc[r][c]);
-      for (int64_t k = body; k < K; ++k) s += E::load1(w + c * K + k) * x[r * K + k];
-      if (a.b != nullptr) s += a.b[n0 + c];
-      out[(r0 + r) * a.n + n0 + c] = E::store1(s);
-    }
 }
 
-template <typename E, int R, int C>
-void rows_tail(const Args<E>& a, int64_t r0, int64_t rows, int64_t n0, typename E::raw* out) {
+template <typename E, int R>
+void rows_tail(const Args<E>& a, const typename E::raw* panel, const F* bias, int64_t r0,
+               int64_t rows, int64_t n0, typename E::raw* out) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_tail<E, R - 1, C>(a, r0, rows, n0, out);
+    if (rows < R) return rows_tail<E, R - 1>(a, panel, bias, r0, rows, n0, out);
   }
-  tile<E, R, C>(a, r0, n0, out);
+  micro<E, R>(a, panel, bias, r0, n0, out);
 }
 
-// Rows r_begin .. r_end of channels n0 .. n0 + C.
-template <typename E, int C>
-void columns(const Args<E>& a, int64_t r_begin, int64_t r_end, int64_t n0, typename E::raw* out) {
-  int64_t r0 = r_begin;
-  for (; r0 + kRows <= r_end; r0 += kRows) tile<E, kRows, C>(a, r0, n0, out);
-  if (r0 < r_end) rows_tail<E, kRows - 1, C>(a, r0, r_end - r0, n0, out);
-}
-
-constexpr int64_t kBlockBytes = 256 * 1024;  // fp32 activations per row block (half an L2)
+constexpr int64_t kBlockBytes = 256 * 1024;  // fp32 activations per row block (in L2)
 
 template <typename E>
 void run(const Args<E>& a, typename E::raw* o) {
-  const int64_t tiles = (a.n + kCols - 1) / kCols;
+  const int64_t tiles = (a.n + kTile - 1) / kTile;
   const int64_t fit = kBlockBytes / (a.k * static_cast<int64_t>(sizeof(float)));
   const int64_t block = std::max<int64_t>(kRows, fit - fit % kRows);
+  // Few channel tiles: the rows of a block are split too, for the threads to share.
+  const int64_t want = 4 * at::get_num_threads();
   for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
-    const int64_t r_end = std::min(a.m, r_begin + block);
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = t * kCols;
-        switch (std::min<int64_t>(kCols, a.n - n0)) {
-          case 4: columns<E, 4>(a, r_begin, r_end, n0, o); break;
-          case 3: columns<E, 3>(a, r_begin, r_end, n0, o); break;
-          case 2: columns<E, 2>(a, r_begin, r_end, n0, o); break;
-          default: columns<E, 1>(a, r_begin, r_end, n0, o); break;
+    const int64_t rows = std::min(a.m - r_begin, block);
+    const int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1,
+                                              (rows + 4 * kRows - 1) / (4 * kRows));
+    const int64_t part_rows = (rows + parts - 1) / parts;
+    at::parallel_for(0, tiles * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t tile = item / parts, part = item % parts, n0 = tile * kTile;
+        const typename E::raw* panel = a.panels + tile * a.k * kTile;
+        F bias[kCols];
+        if (a.b != nullptr) {
+          for (int c = 0; c < kCols; ++c)
+            for (int i = 0; i < L; ++i) {
+              const int64_t ch = n0 + c * L + i;
+              bias[c][i] = ch < a.n ? a.b[ch] : 0.0f;
+            }
         }
+        const F* bp = a.b != nullptr ? bias : nullptr;
+        const int64_t r_end = std::min(r_begin + rows, r_begin + (part + 1) * part_rows);
+        int64_t r0 = r_begin + part * part_rows;
+        for (; r0 + kRows <= r_end; r0 += kRows) micro<E, kRows>(a, panel, bp, r0, n0, o);
+        if (r0 < r_end) rows_tail<E, kRows - 1>(a, panel, bp, r0, r_end - r0, n0, o);
       }
     });
   }
@@ -125,17 +247,41 @@ void run(const Args<E>& a, typename E::raw* o) {
 
 }  // namespace
 
-// x [M, K] with contiguous rows and w [N, K] contiguous, both fp32 or both bf16; bias [N] (any
-// float dtype) or None; returns [M, N] of x's dtype.
-at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+// w [N, K] contiguous, fp32 or bf16 -> its panels [ceil(N / kTile), K, kTile], same dtype.
+at::Tensor pack_dense(at::Tensor w) {
+  const auto dtype = w.scalar_type();
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "w must be a contiguous CPU float32 or bfloat16 [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1), tiles = (n + kTile - 1) / kTile;
+  at::Tensor panels = at::empty({tiles, k, kTile}, w.options());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (dtype == at::kFloat) {
+        pack_tile<F32>(w.data_ptr<float>(), n, k, t * kTile, panels.data_ptr<float>() + t * k * kTile);
+      } else {
+        const auto* src = static_cast<const uint16_t*>(w.data_ptr());
+        auto* dst = static_cast<uint16_t*>(panels.data_ptr()) + t * k * kTile;
+        pack_tile<BF16>(src, n, k, t * kTile, dst);
+      }
+    }
+  });
+  return panels;
+}
+
+// x [M, K] with contiguous rows and the panels of an [N, K] weight (`pack_dense`), both fp32 or
+// both bf16; bias [N] (any float dtype) or None; returns [M, N] of x's dtype.
+at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
+                               c10::optional<at::Tensor> bias) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
               "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
-                  w.scalar_type() == dtype && w.size(1) == x.size(1),
-              "w must be a contiguous CPU [N, K] tensor of x's dtype and K");
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 3 && panels.is_contiguous() &&
+                  panels.scalar_type() == dtype && panels.size(1) == x.size(1) &&
+                  panels.size(2) == kTile && panels.size(0) == (n + kTile - 1) / kTile,
+              "panels must be pack_dense's [ceil(N / tile), K, tile] of x's dtype and K");
+  const int64_t m = x.size(0), k = x.size(1);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "bias must be [N]");
@@ -146,7 +292,7 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
     at::Tensor xc = x.stride(0) == k ? x : x.contiguous();
-    run<F32>({xc.data_ptr<float>(), w.data_ptr<float>(), bp, m, k, n}, out.data_ptr<float>());
+    run<F32>({xc.data_ptr<float>(), panels.data_ptr<float>(), bp, m, k, n}, out.data_ptr<float>());
     return out;
   }
   // bf16 activations as fp32 once (exact), rows contiguous.
@@ -156,9 +302,17 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bi
     const uint16_t* src = xb + r * x.stride(0);
     for (int64_t i = 0; i < k; ++i) xf[r * k + i] = BF16::load1(src + i);
   }
-  run<BF16>({xf.data(), static_cast<const uint16_t*>(w.data_ptr()), bp, m, k, n},
+  run<BF16>({xf.data(), static_cast<const uint16_t*>(panels.data_ptr()), bp, m, k, n},
             static_cast<uint16_t*>(out.data_ptr()));
   return out;
+}
+
+// The same product from the plain weight, packing it first (tests; probes of one call).
+at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  w.scalar_type() == x.scalar_type() && w.size(1) == x.size(1),
+              "w must be a contiguous CPU [N, K] tensor of x's dtype and K");
+  return dense_linear_packed(x, pack_dense(w), w.size(0), bias);
 }
 
 }  // namespace duet
@@ -167,5 +321,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &duet::dense_linear,
         "x @ w.T (+ bias), x [M, K] and w [N, K] both fp32 or both bf16, one order per element",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+  m.def("pack_dense", &duet::pack_dense, "w [N, K] -> its panels for dense_linear_packed",
+        pybind11::arg("w"));
+  m.def("dense_linear_packed", &duet::dense_linear_packed,
+        "x @ w.T (+ bias) from w's panels (pack_dense) and N", pybind11::arg("x"),
+        pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernel's vectors");
 }

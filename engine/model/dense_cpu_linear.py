@@ -1,6 +1,7 @@
 """duet's own dense CPU linear with one reduction order per output element
-(engine/kernels/dense_linear_cpu.cpp): fp32 or bf16, the weight in torch's own [N, K] layout
-(nothing is repacked or copied).
+(engine/kernels/dense_linear_cpu.cpp): fp32 or bf16. A layer on it holds its weight as the
+kernel's panels (packed once here, `pack_dense`) instead of the plain [N, K] matrix, so memory
+does not grow, except for a tied LM head (the embedding keeps the plain table).
 
 Three uses:
 - bf16 on a CPU without native bf16 (AVX-512 or AVX2 without AVX512-BF16 or AMX): torch's bf16
@@ -10,8 +11,11 @@ Three uses:
 - Deterministic mode, any dtype: a weight shape that the vendor GEMM does not compute
   row-invariantly at any padding `row_invariant.check_model` tries (MKL's fp32 down_proj on an
   Intel Xeon, K = 1536, at 2 threads) takes the kernel instead of being reported.
-- Outside deterministic mode, fp32: products of up to `FP32_KERNEL_MAX_ROWS` rows (decode
-  batches) take the kernel, larger ones (prefill chunks) MKL (`use_dense_kernel_for_few_rows`).
+- Outside deterministic mode, fp32: every dense product (`use_dense_kernel_fp32`). Measured
+  with torch 2.13 on a 2-core Intel Xeon (AVX-512, no AVX512-BF16), SmolLM2's shapes, 2
+  threads, MKL's time (`F.linear`) over the kernel's: 1.0-1.7 at 1 row, 1.9-7.7 at 8, 2.7-3.2
+  at 32, 1.3-1.5 at 64, 0.95-1.1 at 256 and 0.9-1.1 at 2,048 (MKL's own path below 64 rows is
+  slow). Not measured on AMD CPUs, where fp32 takes oneDNN's packed layers instead.
 On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py).
 """
 
@@ -32,12 +36,6 @@ logger = logging.getLogger(__name__)
 SOURCES = ("dense_linear_cpu.cpp",)
 CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
 DTYPES = (torch.float32, torch.bfloat16)
-FP32_KERNEL_MAX_ROWS = 48
-"""Most rows an fp32 product takes the kernel for outside deterministic mode. Measured with
-torch 2.13 on a 2-core Intel Xeon (AVX-512, no AVX512-BF16), SmolLM2's shapes, kernel time over
-MKL's (`F.linear`): 0.55-0.93 at 1 row, 0.19-0.55 at 10, 0.27-0.30 at 16, 0.41-0.53 at 32,
-0.58-0.63 at 48 (MKL's own path below 64 rows is slow: 48 rows cost it more than 64), 0.98-1.26
-at 63, 1.17-1.40 at 64 and 1.5-2.1 from 96 to 2,048 rows. Not measured on AMD CPUs."""
 
 
 @functools.cache
@@ -61,8 +59,8 @@ def build_dense_kernel(defines: tuple[str, ...] = ()) -> Any:
 def layer_weight(module: nn.Module) -> torch.Tensor | None:
     """The plain [N, K] weight of a dense layer the kernel can serve (`row_invariant.Linear`,
     `TiedLinear`: the layers with a `cpu_kernel` slot) on the CPU in fp32 or bf16, else None."""
-    if not hasattr(module, "cpu_kernel"):
-        return None
+    if not hasattr(module, "cpu_kernel") or module.cpu_kernel is not None:
+        return None  # not a kernel slot, or on the kernel already (its weight is panels)
     weight = getattr(module, "weight", None)
     if weight is None:  # TiedLinear: the embedding's table, held outside its parameters
         weight = getattr(module, "weight_ref", [None])[0]
@@ -74,12 +72,19 @@ def layer_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 def set_dense_kernel(layers: list[nn.Module]) -> bool:
-    """Route `layers` (each with a `layer_weight`) through the kernel; False (nothing set) when
-    it cannot be built."""
+    """Route `layers` (each with a `layer_weight`) through the kernel, their weights replaced by
+    its panels (a tied head's are a copy); False (nothing set) when it cannot be built."""
     kernel = load_dense_kernel()
     if kernel is None:
         return False
     for layer in layers:
+        weight = layer_weight(layer)
+        assert weight is not None
+        panels = kernel.pack_dense(weight)
+        if isinstance(layer, nn.Linear):
+            layer.weight = nn.Parameter(panels, requires_grad=False)
+        else:
+            layer.cpu_kernel_panels = panels
         layer.cpu_kernel = kernel
     return True
 
@@ -96,19 +101,13 @@ def use_dense_kernel(model: nn.Module) -> int:
     return len(layers)
 
 
-def use_dense_kernel_for_few_rows(model: nn.Module) -> int:
-    """Outside deterministic mode: every fp32 dense product under `model` of up to
-    `FP32_KERNEL_MAX_ROWS` rows on the kernel (MKL above). Returns how many layers."""
-    layers = [m for m in _layers_of(model, torch.float32) if m.cpu_kernel is None]
+def use_dense_kernel_fp32(model: nn.Module) -> int:
+    """Outside deterministic mode: every fp32 dense product under `model` on the kernel (faster
+    than MKL up to a few hundred rows, even above). Returns how many layers."""
+    layers = _layers_of(model, torch.float32)
     if not layers or not set_dense_kernel(layers):
         return 0
-    for layer in layers:
-        setattr(layer, "cpu_kernel_max_rows", FP32_KERNEL_MAX_ROWS)  # noqa: B010  # an nn.Module
-    logger.info(
-        "%d fp32 linear layers on duet's CPU kernel up to %d rows",
-        len(layers),
-        FP32_KERNEL_MAX_ROWS,
-    )
+    logger.info("%d fp32 linear layers on duet's CPU kernel", len(layers))
     return len(layers)
 
 

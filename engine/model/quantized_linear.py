@@ -379,6 +379,8 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             tensors += list(module.buffers(recurse=False))
         elif isinstance(getattr(module, "packed", None), torch.Tensor):
             tensors.append(module.packed)  # type: ignore[arg-type]  # PackedLinear's oneDNN copy
+        elif isinstance(getattr(module, "cpu_kernel_panels", None), torch.Tensor):
+            tensors.append(module.cpu_kernel_panels)  # type: ignore[arg-type]  # a tied head's
         for t in tensors:
             if id(t) not in seen:
                 seen.add(id(t))

@@ -31,9 +31,6 @@ logger = logging.getLogger(__name__)
 MIN_ROWS = 16
 """Fewest rows a CPU matrix product runs on, unless `check_model` found fewer enough."""
 
-ALL_ROWS = 1 << 62
-"""`cpu_kernel_max_rows` of a layer whose every product takes duet's kernel."""
-
 MIN_ROWS_CANDIDATES = (1, 8, 16)
 """What `check_model` tries per weight shape, fewest rows first: padding costs single-stream
 time (8 rows: about 11% of a bf16 SmolLM2 decode step on one AVX512-BF16 EPYC core), so a
@@ -74,14 +71,14 @@ def product(
     bias: torch.Tensor | None,
     invariant_gemm: bool,
     cpu_kernel: Any = None,
-    cpu_kernel_max_rows: int = ALL_ROWS,
+    out_features: int = 0,
 ) -> torch.Tensor:
     """F.linear; on CUDA with `invariant_gemm` the batch-invariant Triton product
     (engine/kernels/triton_matmul.py; cuBLAS is not batch-invariant); with `cpu_kernel`
-    (engine/model/dense_cpu_linear.py) duet's own, one reduction order per element, on up to
-    `cpu_kernel_max_rows` rows."""
-    if cpu_kernel is not None and rows.device.type == "cpu" and len(rows) <= cpu_kernel_max_rows:
-        return cpu_kernel.dense_linear(rows, weight, bias)
+    (engine/model/dense_cpu_linear.py) duet's own, one reduction order per element, and then
+    `weight` is the kernel's panels of the [out_features, K] weight."""
+    if cpu_kernel is not None:
+        return cpu_kernel.dense_linear_packed(rows, weight, out_features, bias)
     if invariant_gemm and rows.device.type == "cuda":
         from engine.kernels.triton_matmul import invariant_linear
 
@@ -96,18 +93,16 @@ class Linear(nn.Linear):
     min_rows: int = MIN_ROWS
     invariant_gemm: bool = False
     cpu_kernel: Any = None
-    """duet's dense CPU kernel module, where `dense_cpu_linear` set it (None: F.linear)."""
-    cpu_kernel_max_rows: int = ALL_ROWS
-    """Most rows the kernel takes; more go to F.linear (outside deterministic mode only)."""
+    """duet's dense CPU kernel module, where `dense_cpu_linear` set it (None: F.linear); then
+    `weight` holds the kernel's panels of the weight instead of the plain [N, K] matrix."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         return product(
-            rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel,
-            self.cpu_kernel_max_rows,
-        )  # fmt: skip
+            rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel, self.out_features
+        )
 
 
 class TiedLinear(nn.Module):
@@ -117,7 +112,8 @@ class TiedLinear(nn.Module):
     min_rows: int = MIN_ROWS
     invariant_gemm: bool = False
     cpu_kernel: Any = None
-    cpu_kernel_max_rows: int = ALL_ROWS
+    cpu_kernel_panels: torch.Tensor | None = None
+    """With `cpu_kernel`: the kernel's panels of the table, a copy (the embedding keeps it)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -128,10 +124,9 @@ class TiedLinear(nn.Module):
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return product(
-            rows, self.weight_ref[0], None, self.invariant_gemm, self.cpu_kernel,
-            self.cpu_kernel_max_rows,
-        )  # fmt: skip
+        weight = self.weight_ref[0] if self.cpu_kernel is None else self.cpu_kernel_panels
+        assert weight is not None
+        return product(rows, weight, None, self.invariant_gemm, self.cpu_kernel, self.out_features)
 
 
 def use_invariant_gemm(model: nn.Module) -> int:
@@ -227,8 +222,8 @@ def _fewest_rows(
 
 def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -> bool:
     """Move `layers` (one shape whose vendor product probed variant at every padding) to duet's
-    dense kernel, which is row-invariant by construction; probed again. False: left as they
-    were (not a plain dense layer, no kernel, or, unexpectedly, still variant)."""
+    dense kernel, which is row-invariant by construction; probed again. False: not a plain
+    dense layer or no kernel (left as they were), or, unexpectedly, still variant."""
     from engine.model.dense_cpu_linear import layer_weight, set_dense_kernel
 
     if getattr(layers[0], "cpu_kernel", None) is not None:
@@ -236,15 +231,13 @@ def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -
     if any(layer_weight(m) is None for m in layers) or not set_dense_kernel(layers):
         return False
     setattr(layers[0], "min_rows", 1)  # noqa: B010
-    if probe(layers[0], in_features, dtype):
-        logger.info(
-            "%d linear layers of %d inputs on duet's kernel: the vendor GEMM is not "
-            "batch-invariant for them here", len(layers), in_features,
-        )  # fmt: skip
-        return True
-    for layer in layers:
-        setattr(layer, "cpu_kernel", None)  # noqa: B010
-    return False
+    logger.info(
+        "%d linear layers of %d inputs on duet's kernel: the vendor GEMM is not "
+        "batch-invariant for them here", len(layers), in_features,
+    )  # fmt: skip
+    # The layers now hold the kernel's panels only: they stay on it even if (unexpectedly)
+    # this probe fails, which then reports them.
+    return probe(layers[0], in_features, dtype)
 
 
 def set_min_rows(model: nn.Module, rows: int) -> None:

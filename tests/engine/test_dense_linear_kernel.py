@@ -11,7 +11,7 @@ from engine.model import dense_cpu_linear, row_invariant
 from engine.model.dense_cpu_linear import (
     load_dense_kernel,
     use_dense_kernel,
-    use_dense_kernel_for_few_rows,
+    use_dense_kernel_fp32,
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,57 +81,53 @@ def test_bf16_layers_take_the_kernel_only_without_native_bf16(monkeypatch, nativ
     model = torch.nn.Sequential(
         row_invariant.Linear(64, 32).bfloat16(), row_invariant.Linear(32, 64), torch.nn.ReLU()
     )
+    plain = model[0].weight.detach().clone()
     assert use_dense_kernel(model) == (0 if native_bf16 else 1)
     assert (model[0].cpu_kernel is None) is native_bf16
     assert model[1].cpu_kernel is None  # fp32: the vendor GEMM unless its probe fails
     if not native_bf16:
+        kernel = load_dense_kernel()
+        assert torch.equal(model[0].weight, kernel.pack_dense(plain))  # panels replace it
         x = torch.randn(5, 64).bfloat16()
-        want = load_dense_kernel().dense_linear(x, model[0].weight, model[0].bias)
-        assert torch.equal(model[0](x), want)
+        assert torch.equal(model[0](x), kernel.dense_linear(x, plain, model[0].bias))
 
 
-class _Recorder:
-    """Stands in for the kernel module: records the rows of each call."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []
-
-    def dense_linear(self, x, w, b):
-        self.rows.append(x.shape[0])
-        return F.linear(x, w, b)
-
-
-def test_fp32_layers_take_the_kernel_up_to_the_row_limit_outside_deterministic_mode(
-    monkeypatch,
-):
-    recorder = _Recorder()
-    monkeypatch.setattr(dense_cpu_linear, "load_dense_kernel", lambda: recorder)
+def test_fp32_layers_take_the_kernel_outside_deterministic_mode(kernel):
     model = torch.nn.Sequential(
         row_invariant.Linear(64, 32), row_invariant.Linear(32, 64).bfloat16(), torch.nn.ReLU()
     )
     model[0].min_rows = 1
-    assert use_dense_kernel_for_few_rows(model) == 1  # the fp32 layer only
-    assert model[0].cpu_kernel is recorder and model[1].cpu_kernel is None
-    limit = dense_cpu_linear.FP32_KERNEL_MAX_ROWS
-    assert model[0].cpu_kernel_max_rows == limit
-    for rows in (1, limit, limit + 1, 300):
-        model[0](torch.randn(rows, 64))
-    assert recorder.rows == [1, limit]  # more rows: MKL (F.linear)
-    # A layer already on the kernel (bf16 without native bf16, a probe that failed) keeps it
-    # at every row count.
-    assert use_dense_kernel_for_few_rows(model) == 0
+    plain = model[0].weight.detach().clone()
+    assert use_dense_kernel_fp32(model) == 1  # the fp32 layer only
+    assert model[0].cpu_kernel is kernel and model[1].cpu_kernel is None
+    assert torch.equal(model[0].weight, kernel.pack_dense(plain))
+    for rows in (1, 48, 300):
+        x = torch.randn(rows, 64)
+        assert torch.equal(model[0](x), kernel.dense_linear(x, plain, model[0].bias))
+    assert use_dense_kernel_fp32(model) == 0  # on it already: not packed twice
+
+
+def test_a_tied_head_gets_panels_of_its_own_and_the_table_stays(kernel):
+    table = torch.randn(100, 64)
+    head = row_invariant.TiedLinear(table)
+    assert use_dense_kernel_fp32(torch.nn.Sequential(head)) == 1
+    assert head.weight_ref[0] is table and head.cpu_kernel_panels is not None
+    x = torch.randn(3, 64)
+    assert torch.equal(head(x), kernel.dense_linear(x, table))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_the_loader_limits_the_kernel_only_outside_deterministic_mode(tiny_llama, deterministic):
+def test_the_loader_puts_fp32_layers_on_the_kernel(tiny_llama, deterministic):
     from engine.loader import load_model
 
     loaded = load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
                         deterministic=deterministic)  # fmt: skip
     linears = [m for m in loaded.model.modules() if isinstance(m, row_invariant.Linear)]
     assert linears
-    if deterministic:
-        assert all(m.cpu_kernel_max_rows == row_invariant.ALL_ROWS for m in linears)
-    else:
-        assert all(m.cpu_kernel is not None for m in linears)
-        assert all(m.cpu_kernel_max_rows == dense_cpu_linear.FP32_KERNEL_MAX_ROWS for m in linears)
+    # Deterministic: the shapes MKL does not compute row-invariantly (all of them on an Intel
+    # Xeon); otherwise: every one. A layer on the kernel holds panels, not the [N, K] weight.
+    on_kernel = [m for m in linears if m.cpu_kernel is not None]
+    assert all(m.weight.dim() == 3 for m in on_kernel)
+    assert all(m.weight.dim() == 2 for m in linears if m.cpu_kernel is None)
+    if not deterministic:
+        assert on_kernel == linears
