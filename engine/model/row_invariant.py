@@ -176,8 +176,8 @@ def check_model(model: nn.Module, dtype: torch.dtype) -> LinearInvariance:
     instead of being padded. Measured on a 2-core Intel Xeon (AVX-512, no AVX512-BF16), per
     call, MKL padded to 16 rows against the kernel: SmolLM2's gate|up 2.26 vs 0.84 ms at 1-16
     rows, down_proj 1.02 vs 0.30 ms, the LM head 34.1 vs 13.3 ms at 16 rows (7.5 vs 7.3 at 1);
-    from 64 rows up MKL is faster (1.1-2x at 64-1024 rows), so prefill gives back some of what
-    decode gains. bf16 keeps the vendor's padding: oneDNN's packed bf16 on native-bf16 CPUs
+    unpadded MKL is slower than the kernel up to a few hundred rows and at most 1.25x faster
+    at 2,048 (its outer-product form, engine/kernels/dense_linear_cpu.cpp). bf16 keeps the vendor's padding: oneDNN's packed bf16 on native-bf16 CPUs
     (AMX) is far faster than the kernel's fp32 FMAs past a few rows."""
     result = LinearInvariance()
     groups: dict[tuple[str, int, int], list[nn.Module]] = {}

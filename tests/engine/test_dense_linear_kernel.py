@@ -131,3 +131,23 @@ def test_the_loader_puts_fp32_layers_on_the_kernel(tiny_llama, deterministic):
     assert all(m.weight.dim() == 2 for m in linears if m.cpu_kernel is None)
     if not deterministic:
         assert on_kernel == linears
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lanes", [8, 4])
+def test_other_vector_widths_build_and_keep_the_order(kernel, lanes):
+    """The AVX2 (8 lanes: its own transpose) and 4-lane (the portable transpose) builds: close
+    to F.linear, rows alone equal rows in a batch."""
+    if kernel.simd_lanes() == lanes:
+        pytest.skip(f"the native build has {lanes} lanes: the other tests run it")
+    other = dense_cpu_linear.build_dense_kernel((f"DUET_SIMD_LANES={lanes}",))
+    assert other.simd_lanes() == lanes
+    for dtype in DTYPES:
+        x, w, b = _case(37, 70, True, dtype, rows=50)
+        y = other.dense_linear(x, w, b)
+        ref = F.linear(x.double(), w.double(), b.double())
+        tol = 4e-3 if dtype == torch.bfloat16 else 1e-6
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < tol
+        for i in (0, 13, 49):
+            assert torch.equal(other.dense_linear(x[i : i + 1], w, b)[0], y[i]), i
+        assert torch.equal(other.dense_linear_packed(x, other.pack_dense(w), 37, b), y)
