@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import threading
 from typing import TYPE_CHECKING, Any
 
 from cli.engine_flags import fail_on_field
@@ -241,8 +239,9 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         secret_file = start_local_ray(spec)  # a new secret; Ray detects this machine's GPUs
     if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
         spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
-    # The handler raises: one that set an Event could deadlock inside that Event's own lock.
-    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    from deploy.stop_signal import StopSignal
+
+    stop = StopSignal()  # a handler that only sets a flag (deploy/stop_signal.py says why)
     cluster = DuetCluster(spec)
     try:
         cluster.start(args.startup_timeout)
@@ -253,26 +252,15 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
                 spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
                 spec.prefill_tp, len(cluster.decodes),
             )  # fmt: skip
-        cluster.run(threading.Event())
-    except _Stopped:
-        pass
+        cluster.run(stop)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)  # a second signal during shutdown acts as it did before
+        stop.restore()  # a second signal during shutdown acts as it did before
         logger.info("stopping the cluster")
         cluster.shutdown()
         ray.shutdown()
         if secret_file is not None:
             remove_secret_file(secret_file)
     return 0
-
-
-class _Stopped(BaseException):
-    """SIGINT or SIGTERM, raised in the main thread."""
-
-
-def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped()
 
 
 def _with_gpus(spec: Any, gpus: float) -> Any:

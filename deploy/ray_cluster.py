@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
+from deploy.stop_signal import Stopper
 from engine.spec_decode.config import SpeculativeConfig
 from router.cluster_engine import ClusterConfig
 from router.server import RouterConfig
@@ -164,7 +165,7 @@ class DuetCluster:
             and all(g.address for g in self.groups)
         )
 
-    def run(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+    def run(self, stop: Stopper, interval_s: float = 1.0) -> None:
         while not stop.wait(interval_s):
             try:
                 self.reconcile()

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 
 from deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
+from deploy.stop_signal import StopSignal
 
 ENV_PREFIX = "DUET_PLANNER_"
 
@@ -173,9 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         PoolTargets(args.prefill_deployment, args.decode_deployment),
         dry_run=args.dry_run,
     )
+    stop = StopSignal()  # a handler that only sets a flag (deploy/stop_signal.py says why)
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _raise_stopped)
         if args.health_port:
             # Three intervals plus the worst-case time of the calls inside one step.
             max_age_s = 3 * args.interval_s + 4 * args.scrape_timeout_s + 30
@@ -185,17 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.namespace, args.prefill_deployment, args.namespace, args.decode_deployment,
             " (dry run)" if args.dry_run else "",
         )  # fmt: skip
-        controller.run(args.interval_s, threading.Event())
-    except _Stopped:
-        logging.getLogger("duet.planner").info("stopped")
+        controller.run(args.interval_s, stop)
+    finally:
+        stop.restore()
+    logging.getLogger("duet.planner").info("stopped")
     return 0
-
-
-class _Stopped(BaseException):
-    """SIGTERM or SIGINT, raised in the main thread. A handler that set a `threading.Event`
-    could deadlock: it runs between the main thread's bytecodes, possibly while that thread
-    holds the same Event's lock inside `Event.wait`."""
-
-
-def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped()

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from deploy.planner.kube import DeploymentScaler
 from deploy.planner.metrics import MetricsError, RouterScrape, interval_signals, parse_scrape
 from deploy.planner.policy import POOLS, Decision, PoolSizes, ScalingPolicy
+from deploy.stop_signal import Stopper
 
 log = logging.getLogger("duet.planner")
 
@@ -152,7 +153,7 @@ class Controller:
         self.last_step_s = self.clock()
         return decision
 
-    def run(self, interval_s: float, stop: threading.Event) -> None:
+    def run(self, interval_s: float, stop: Stopper) -> None:
         while not stop.is_set():
             started = self.clock()
             try:
