@@ -47,11 +47,6 @@ class StopSignal:
     def is_set(self) -> bool:
         return self._set
 
-    def set(self) -> None:
-        """Stop without a signal (a test, or the program itself)."""
-        self._set = True
-        os.write(self._write, b"\0")
-
     def wait(self, timeout: float | None = None) -> bool:
         """Until a stop signal or `timeout` seconds; True when stopped."""
         if not self._set:

@@ -14,10 +14,11 @@
 // which depends on nothing but the row and the channel: not on the batch, the blocking or the
 // thread count (deterministic mode relies on it, docs/determinism.md).
 //
-// The outer-product form of a GEMM (as BLAS micro-kernels are): a tile of kCols vectors of
-// channels is transposed once per call into a [K][kCols x L] panel (bf16 widened to fp32,
-// exact), then every kRows rows of x pass over it, each k step one panel vector load per
-// column vector and one broadcast of x[r][k] per row feeding kRows x kCols FMAs into registers.
+// The outer-product form of a GEMM (as BLAS micro-kernels are): `pack_dense` transposes the
+// weight once (at load) into panels of kCols vectors of channels, [K][kCols x L] each, in the
+// weight's dtype; every kRows rows of x pass over a panel, each k step one panel vector load
+// (bf16 widened to fp32, exact) per column vector and one broadcast of x[r][k] per row feeding
+// kRows x kCols FMAs into registers.
 // (The earlier inner-product form, lanes along K and a horizontal sum per element, reloaded
 // its activation vectors from L2 every channel tile: 120-160 GFLOP/s on a 2-core Xeon where
 // MKL gives 250.) Threads split the channel tiles, and the rows too when there are few tiles;
@@ -44,7 +45,8 @@ namespace {
 
 constexpr int L = kLanes;
 using F = Vec<L>::F;
-// AVX-512 (32 registers): 6 x 4 accumulators + 4 panel vectors + 1 broadcast; AVX2 (16): 6 x 2.
+// AVX-512 (32 registers): 6 x 4 chain accumulators + 4 panel vectors + 1 broadcast; AVX2 (16):
+// 6 x 2. The running totals, touched once per chain, may live on the stack.
 constexpr int kRows = 6;
 constexpr int kCols = L >= 16 ? 4 : 2;
 constexpr int kTile = kCols * L;  // channels per panel
@@ -52,7 +54,6 @@ constexpr int kTile = kCols * L;  // channels per panel
 // chain over all of K = 1,536 was 1.5x the error of lane-wise sums (1.45e-6 of the largest
 // output against fp64), these are within 1e-6.
 constexpr int64_t kChain = 128;
-
 
 // v[t] := column t of the L x L block whose rows are v[0 .. L - 1].
 template <int W>

@@ -226,8 +226,7 @@ def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -
     dense layer or no kernel (left as they were), or, unexpectedly, still variant."""
     from engine.model.dense_cpu_linear import layer_weight, set_dense_kernel
 
-    if getattr(layers[0], "cpu_kernel", None) is not None:
-        return False  # already on it
+    # layer_weight is None for a layer already on the kernel (its weight is panels).
     if any(layer_weight(m) is None for m in layers) or not set_dense_kernel(layers):
         return False
     setattr(layers[0], "min_rows", 1)  # noqa: B010
