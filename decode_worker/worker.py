@@ -34,6 +34,7 @@ from engine import RequestOutput, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
 from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import EngineOutput
 from engine.spec_decode.draft_model import DraftModelProposer
 from kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
 from kv_transfer.factory import resolve_backend
@@ -181,7 +182,8 @@ class DecodeWorker:
             self.core.close_stream(request_id, finished=True)
             raise first
         assert isinstance(first, Reservation)
-        return RemoteDecode(self, first, self.core.iterate(request_id, out_queue))
+        assembler = self.engine.new_assembler(request_id, None, ids, params)
+        return RemoteDecode(self, first, self.core.iterate(request_id, out_queue, assembler))
 
     async def generate_remote(
         self,
@@ -271,14 +273,14 @@ class DecodeRole(EngineRole):
                 if out is not None:
                     self.core.publish(request_id, out)
             elif result.status == TransferStatus.FAILED:
-                self.engine.abort_request(request_id)
+                self.engine.abort(request_id)
                 self.core.publish(
                     request_id,
                     KVTransferError(f"KV of {request_id} did not arrive: {result.error}"),
                 )
         self._update_load()
 
-    def _complete(self, request_id: str, meta: dict[str, Any]) -> RequestOutput | None:
+    def _complete(self, request_id: str, meta: dict[str, Any]) -> EngineOutput | None:
         logprob = meta.get("logprob")
         seed = meta.get("sample_seed")
         return self.engine.complete_remote(

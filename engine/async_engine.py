@@ -116,13 +116,14 @@ class AsyncEngine:
             # Compile a new grammar on a worker thread; the engine thread then hits the cache.
             await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
         request_id, out_queue = self.core.open_stream(request_id)
+        assembler = self.engine.new_assembler(request_id, text, ids, params)
         self.core.submit(
             AddRequest(
                 request_id, ids, params, priority, prompt_text=text, num_replayed=num_replayed
             )
         )
         # aclosing: leaving this generator must run iterate's abort at once, not at GC time.
-        async with aclosing(self.core.iterate(request_id, out_queue)) as outputs:
+        async with aclosing(self.core.iterate(request_id, out_queue, assembler)) as outputs:
             async for out in outputs:
                 yield out
 

@@ -34,6 +34,17 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class FinishStopped:
+    """A stop string ended sample `index` of the request after its first `num_tokens` output
+    tokens (found where its text is made, off the engine thread): drop the tokens the engine
+    made after them and finish the sample as stopped. A no-op once it finished anyway."""
+
+    request_id: str
+    index: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class ReserveRemote:
     """Decode side: reserve blocks for a prompt whose KV a prefill worker sends."""
 
@@ -59,4 +70,4 @@ class Stop:
     """End the loop; streams still open end with `EngineDeadError`."""
 
 
-EngineCommand = AddRequest | AbortRequest | ReserveRemote | ReleaseHeld | Stop
+EngineCommand = AddRequest | AbortRequest | FinishStopped | ReserveRemote | ReleaseHeld | Stop

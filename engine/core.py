@@ -7,10 +7,13 @@ The core owns:
   submit;
 - for tensor parallelism, the broadcast of each iteration's commands from rank 0 to the other
   ranks, so that every rank's scheduler makes the same decisions and the collectives line up;
-- the step loop: apply commands, `role.before_step`, `engine.step()`, `role.after_step`;
+- the step loop: apply commands, `role.before_step`, `engine.step_outputs()`,
+  `role.after_step`;
 - per-request result streams, flushed once per iteration: all of an iteration's results for
   the requests of one event loop travel in one hand-off (`call_soon_threadsafe`), not one per
-  request per token.
+  request per token. Results are raw `EngineOutput`s (token ids): each stream's reader makes
+  the text and matches stop strings (`OutputAssembler`, in `iterate`), off the engine thread,
+  and sends a `FinishStopped` back when a stop string ends a sample.
 
 What differs between roles lives in an `EngineRole` (hooks the core calls on its thread).
 """
@@ -31,23 +34,27 @@ from engine.commands import (
     AbortRequest,
     AddRequest,
     EngineCommand,
+    FinishStopped,
     ReleaseHeld,
     ReserveRemote,
     Stop,
 )
 from engine.device import bind_thread
+from engine.engine_role import EngineDeadError, EngineRole
 from engine.errors import InvalidInputError
 from engine.llm_engine import LLMEngine
+from engine.output_processor import OutputAssembler
 from engine.outputs import RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 
-__all__ = [  # the commands live in engine.commands; importable from here with the core
+__all__ = [  # the commands (engine.commands) and the role (engine.engine_role) with the core
     "AbortRequest",
     "AddRequest",
     "EngineCommand",
     "EngineCore",
     "EngineDeadError",
     "EngineRole",
+    "FinishStopped",
     "ReleaseHeld",
     "ReserveRemote",
     "Stop",
@@ -61,76 +68,6 @@ IO_POLL_S = 0.001
 """Wait between iterations while only I/O (remote KV, transfers) is pending."""
 STARTUP_TIMEOUT_S = 1800.0
 """Longest wait for an engine built on the core's thread (model load, KV pool) to be ready."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped; in-flight and new requests fail (retryable elsewhere)."""
-
-
-# -- roles ----------------------------------------------------------------------------------
-
-
-class EngineRole:
-    """What one kind of worker does around the core's step loop. This base is the aggregated
-    engine: requests are generated here and each step's outputs go to their streams.
-
-    Invariants: every hook runs on the engine thread, between steps, and must not block
-    (poll, never wait). A hook reports to callers only through `core.publish`. An exception
-    raised by `add` or `reserve` is the caller's (published to its stream); one raised by any
-    other hook stops the loop, and every open stream ends with `EngineDeadError`.
-    """
-
-    core: EngineCore
-
-    def attach(self, core: EngineCore) -> None:
-        """Called once by the core before its thread starts."""
-        self.core = core
-
-    def start(self) -> None:
-        """Called once on the engine thread, once the engine exists and before the first
-        iteration: build what needs the engine (KV connectors). An exception fails start-up."""
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.core.engine
-
-    def add(self, cmd: AddRequest) -> None:
-        if cmd.prefill_dest is not None:
-            raise InvalidInputError("prefill_dest", "this engine runs no prefill-only requests")
-        self.engine.add_request(
-            cmd.prompt,
-            cmd.params,
-            cmd.request_id,
-            cmd.priority,
-            prompt_text=cmd.prompt_text,
-            num_replayed=cmd.num_replayed,
-        )
-
-    def abort(self, cmd: AbortRequest) -> None:
-        out = self.engine.abort_request(cmd.request_id)
-        if out is not None:
-            self.core.publish(cmd.request_id, out)
-
-    def reserve(self, cmd: ReserveRemote) -> None:
-        raise InvalidInputError("request_id", "this engine takes no remote-KV reservations")
-
-    def release(self, cmd: ReleaseHeld) -> None:
-        raise InvalidInputError("request_id", "this engine holds no prefilled blocks")
-
-    def before_step(self) -> None:
-        """Take in what arrived from outside the engine (e.g. remote KV)."""
-
-    def after_step(self, outputs: list[RequestOutput]) -> None:
-        """Deliver a step's outputs (and start whatever they trigger)."""
-        for out in outputs:
-            self.core.publish(out.request_id, out)
-
-    def has_io_in_flight(self) -> bool:
-        """True while the role waits on I/O the loop must poll for soon (transfers)."""
-        return False
-
-    def on_exit(self) -> None:
-        """The loop ended (stop or failure): release what the role holds."""
 
 
 # -- the core -------------------------------------------------------------------------------
@@ -171,6 +108,7 @@ class EngineCore:
         self._build: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
             self.engine = engine
+            engine.assemble_outputs = False  # the streams' readers assemble (see `iterate`)
         else:
             self._build = engine
         self._ready = threading.Event()
@@ -251,18 +189,23 @@ class EngineCore:
             self._commands.put(AbortRequest(request_id))
 
     async def iterate(
-        self, request_id: str, out_queue: asyncio.Queue[Any]
+        self, request_id: str, out_queue: asyncio.Queue[Any], assembler: OutputAssembler
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until one is finished; exceptions published for it are
-        raised. Leaving early aborts the request."""
+        """Yield the request's outputs, assembled from its `EngineOutput`s on the caller's
+        thread, until one is finished; exceptions published for it are raised. A stop string
+        the assembler finds ends its sample in the engine (`FinishStopped`). Leaving early
+        aborts the request."""
         finished = False
         try:
             while True:
                 item = await out_queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
+                out = assembler.add(item)
+                for index, num_tokens in assembler.take_stops():
+                    self._commands.put(FinishStopped(request_id, index, num_tokens))
+                finished = out.finished
+                yield out
                 if finished:
                     return
         finally:
@@ -282,6 +225,7 @@ class EngineCore:
         try:
             if self._build is not None:
                 self.engine = self._build()
+                self.engine.assemble_outputs = False  # the streams' readers assemble
             bind_thread(self.engine.device)  # per thread: an engine built elsewhere too
             self.role.start()
         except BaseException as e:  # start-up failed: `wait_ready` raises it
@@ -304,7 +248,7 @@ class EngineCore:
                 if not self._apply(commands):
                     break
                 self.role.before_step()
-                outputs = self.engine.step()
+                outputs = self.engine.step_outputs()
                 self.role.after_step(outputs)
                 self._flush()
         except BaseException as e:  # any failure must reach every waiting caller
@@ -359,6 +303,8 @@ class EngineCore:
                 return False
             if isinstance(cmd, AbortRequest):
                 role.abort(cmd)
+            elif isinstance(cmd, FinishStopped):
+                role.finish_stopped(cmd)
             elif isinstance(cmd, ReleaseHeld):
                 role.release(cmd)
             else:

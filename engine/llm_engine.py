@@ -18,14 +18,15 @@ from engine.errors import InvalidInputError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_sizing import size_kv_pool
 from engine.loader import load_model
-from engine.model_runner import ModelRunner, TokenLogprob, resolve_attention_backend
-from engine.output_processor import OutputProcessor, RequestState
-from engine.outputs import PromptLogprob, RequestOutput
+from engine.model_runner import ModelRunner, resolve_attention_backend
+from engine.output_processor import OfflineOutputs, OutputAssembler
+from engine.outputs import EngineOutput, PromptLogprob, RequestOutput
 from engine.parallel import SINGLE, TensorParallel
 from engine.prefill_handoff import PrefillDone, PrefillStream
 from engine.random import SeedSource
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.request_checks import Prompt, check_lengths, tokenize_prompt
+from engine.request_state import RequestState, RequestTable
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposer import TargetInfo
@@ -110,17 +111,18 @@ class LLMEngine:
         )  # fmt: skip
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
         (docs/determinism.md; `engine.config.reports_deterministic`)."""
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._states: dict[str, RequestState] = {}
-        # engine request id -> (state, index)
-        self._sample_of: dict[str, tuple[RequestState, int]] = {}
+        self.assemble_outputs = True
+        """Whether `add_request` gives each request an `OutputAssembler` for `step` (text and
+        stop strings on this thread). An `EngineCore` turns it off: its readers assemble the
+        raw `step_outputs` off the engine thread."""
+        self._offline = OfflineOutputs(self.tokenizer)
+        self.stats = EngineStats()
+        self.requests = RequestTable(self.scheduler, self.kv, self.stats, self.speculator)
         self._ids = itertools.count()
-        self._prefilled: list[PrefillDone] = []
         self._seeds = SeedSource(config.seed)
         self.prefill_stream: PrefillStream | None = None
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         """Structured-output grammars for this tokenizer, cached (thread-safe)."""
-        self.stats = EngineStats()
         logger.info(
             "loaded %s (%s, %s on %s) in %.1fs; KV pool %d blocks x %d tokens",
             self.model_name, self.arch.architecture, str(self.dtype).removeprefix("torch."),
@@ -156,22 +158,23 @@ class LLMEngine:
         text, ids = self.tokenize_prompt(prompt)
         text = prompt_text if prompt_text is not None else text
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._states:
+        if request_id in self.requests:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")
         if prefill_only and params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a prefill-only request; got {params.n}")
         max_tokens = self.check_lengths(len(ids), params)
-        state = self.outputs.new_state(request_id, text, ids, params.prompt_logprobs)
+        state = RequestState.new(request_id, text, ids, params.prompt_logprobs)
         for index in range(params.n):
             sub_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = self._new_request(
                 sub_id, ids, params, max_tokens, priority, index, num_replayed
             )
             request.prefill_only = prefill_only
-            state.samples.append(self.outputs.new_sample(index, request))
-            self._sample_of[sub_id] = (state, index)
+            state.add_sample(request)
             self.scheduler.add_request(request)
-        self._states[request_id] = state
+        self.requests.add(state)
+        if self.assemble_outputs and not prefill_only:
+            self._offline.open(request_id, text, ids, params)
         self.stats.num_prompt_tokens += len(ids) * params.n
         return request_id
 
@@ -202,7 +205,7 @@ class LLMEngine:
 
     def take_prefilled(self) -> list[PrefillDone]:
         """`prefill_only` requests that reached their first token since the last call."""
-        out, self._prefilled = self._prefilled, []
+        out, self.requests.prefilled = self.requests.prefilled, []
         return out
 
     def release_held(self, request_id: str) -> bool:
@@ -222,7 +225,7 @@ class LLMEngine:
         no free sequence slot or too few free blocks (nothing is queued then). Raises
         `InvalidInputError` for bad input, like `add_request`."""
         _, ids = self.tokenize_prompt(prompt_token_ids)
-        if request_id in self._states:
+        if request_id in self.requests:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")
         if params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a disaggregated request; got {params.n}")
@@ -231,10 +234,11 @@ class LLMEngine:
         block_ids = self.scheduler.add_remote_request(request)
         if block_ids is None:
             return None
-        state = self.outputs.new_state(request_id, None, ids, params.prompt_logprobs)
-        state.samples.append(self.outputs.new_sample(0, request))
-        self._sample_of[request_id] = (state, 0)
-        self._states[request_id] = state
+        state = RequestState.new(request_id, None, ids, params.prompt_logprobs)
+        state.add_sample(request)
+        self.requests.add(state)
+        if self.assemble_outputs:
+            self._offline.open(request_id, None, ids, params)
         self.stats.num_prompt_tokens += len(ids)
         return block_ids
 
@@ -246,24 +250,29 @@ class LLMEngine:
         sample_seed: int | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: Sequence[PromptLogprob | None] | None = None,
-    ) -> RequestOutput | None:
+    ) -> EngineOutput | None:
         """The KV of a request from `add_remote_request` is in its blocks: take the prefill
         worker's first token (and prompt logprobs) as if computed here, and run the request
-        from the next step. Returns its first output; None when no longer waiting (aborted)."""
-        entry = self._sample_of.get(request_id)
+        from the next step. Returns its first (raw) output; None when no longer waiting."""
+        entry = self.requests.sample_of(request_id)
         if entry is None:
             return None
         if prompt_logprobs is not None:
-            self.outputs.add_prompt_logprobs(entry[0], 0, prompt_logprobs)
+            entry[0].add_prompt_logprobs(0, prompt_logprobs)
         request = entry[0].samples[entry[1]].request
         if sample_seed is not None:
             request.sample_seed = sample_seed
         request.num_cached_tokens = num_cached_tokens
         if self.scheduler.complete_remote(request_id, first_token) is None:
             return None
-        changed: dict[str, RequestState] = {}
-        self._on_tokens(request, 1, [logprob] if logprob is not None else None, changed)
-        return self._emit(changed)[0]
+        self.requests.on_tokens(request, 1, [logprob] if logprob is not None else None)
+        return self.requests.take_outputs()[0]
+
+    def new_assembler(
+        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams
+    ) -> OutputAssembler:
+        """What turns the request's raw outputs into `RequestOutput`s (see `step_outputs`)."""
+        return OutputAssembler(self.tokenizer, request_id, prompt, ids, params)
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
         """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit."""
@@ -272,19 +281,20 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final (aborted) output."""
-        state = self._states.pop(request_id, None)
-        if state is None:
-            return None
-        for sample in state.samples:
-            self.scheduler.abort_request(sample.request.request_id)
-            self._sample_of.pop(sample.request.request_id, None)
-            if self.speculator is not None:
-                self.speculator.release(sample.request.request_id)
-            if sample.finish_reason is None:
-                self.outputs.finish(sample, "abort")
+        return self._offline.abort(self.abort(request_id))
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """`abort_request`, returning the raw final output (None when not running)."""
+        out = self.requests.abort(request_id)
         # no step may follow: the gauges must not keep the aborted request
         self.stats.refresh(self.scheduler, self.kv, self.speculator)
-        return self.outputs.make_output(state)
+        return out
+
+    def finish_stopped(self, request_id: str, index: int, num_tokens: int) -> None:
+        """A stop string ended sample `index` after `num_tokens` output tokens (found by its
+        `OutputAssembler`): drop the later tokens and finish it. No-op once it finished."""
+        self.requests.finish_stopped(request_id, index, num_tokens)
+        self.stats.refresh(self.scheduler, self.kv, self.speculator)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -295,12 +305,18 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._states)
+        return len(self.requests)
 
     # -- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step and forward pass. Returns outputs of requests that changed."""
+        """Run one scheduler step and forward pass. Returns outputs of requests that changed
+        (assembled here: text, stop strings; a stop string ends its sample before the next
+        step)."""
+        return self._offline.assemble(self.step_outputs(), self.finish_stopped)
+
+    def step_outputs(self) -> list[EngineOutput]:
+        """`step`, returning raw outputs (token ids, no text) for the caller to assemble."""
         sched = self.scheduler.schedule()
         self.runner.remove_requests(self.scheduler.take_left_running())
         self.runner.trim_requests(self.scheduler.take_trimmed())
@@ -321,76 +337,14 @@ class LLMEngine:
         self.stats.observe_step(sched.num_batched_tokens)
         if self.speculator is not None:
             self.speculator.verified(sched.spec_token_ids, result.sampled)
-        changed: dict[str, RequestState] = {}
         for request_id, (first, entries) in result.prompt_logprobs.items():
-            entry = self._sample_of.get(request_id)
-            if entry is not None:
-                self.outputs.add_prompt_logprobs(entry[0], first, entries)
+            self.requests.add_prompt_logprobs(request_id, first, entries)
         for request, num_new in updated:
-            logprobs = result.logprobs.get(request.request_id)
-            self._on_tokens(request, num_new, logprobs, changed)
+            self.requests.on_tokens(request, num_new, result.logprobs.get(request.request_id))
         if self.speculator is not None:
             self.speculator.propose(r for r, _ in updated if not r.is_finished)
-        outputs = self._emit(changed)
+        outputs = self.requests.take_outputs()
         self.stats.refresh(self.scheduler, self.kv, self.speculator)
-        return outputs
-
-    def _on_tokens(
-        self,
-        request: Request,
-        num_new: int,
-        logprobs: list[TokenLogprob] | None,
-        changed: dict[str, RequestState],
-    ) -> None:
-        """Fold the request's `num_new` newest tokens into its user-facing state; a stop
-        string ends it at the token that completed it (the tokens after are dropped)."""
-        entry = self._sample_of.get(request.request_id)
-        if entry is None:
-            return
-        state, index = entry
-        self.stats.num_generated_tokens += num_new
-        if request.status == RequestStatus.FINISHED_REMOTE:
-            self._prefilled.append(
-                PrefillDone(
-                    request.request_id,
-                    self.kv.get_block_ids(request.request_id),
-                    request.output_token_ids[-1],
-                    logprobs[0] if logprobs else None,
-                    request.sample_seed,
-                    max(0, request.num_cached_tokens),
-                    state.prompt_logprobs,
-                )
-            )
-            self._sample_of.pop(request.request_id, None)
-            self._states.pop(state.request_id, None)
-            return
-        sample = state.samples[index]
-        first = request.num_output_tokens - num_new
-        hit_stop = False
-        for i in range(num_new):
-            token = request.output_token_ids[first + i]
-            logprob = logprobs[i] if logprobs is not None and i < len(logprobs) else None
-            hit_stop = self.outputs.process_token(sample, token, logprob)
-            if hit_stop:
-                self.stats.num_generated_tokens -= num_new - 1 - i
-                request.truncate_output(first + i + 1)
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-                break
-        if request.is_finished:
-            reason = "stop" if hit_stop else request.status.finish_reason
-            assert reason is not None
-            self.outputs.finish(sample, reason)
-            self._sample_of.pop(request.request_id, None)
-            if self.speculator is not None:
-                self.speculator.release(request.request_id)
-        changed[state.request_id] = state
-
-    def _emit(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = []
-        for request_id, state in changed.items():
-            outputs.append(self.outputs.make_output(state))
-            if state.finished:
-                self._states.pop(request_id, None)
         return outputs
 
     def encode_chat(self, messages: list[Message]) -> list[int]:

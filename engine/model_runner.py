@@ -18,7 +18,7 @@ from engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from engine.kernels.triton_runtime import triton_unusable_reason
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import LlamaForCausalLM
-from engine.outputs import PromptLogprob
+from engine.outputs import PromptLogprob, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
@@ -49,8 +49,6 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
         return "cpu"
     return "torch"
 
-
-TokenLogprob = tuple[float, list[tuple[int, float]]]  # (sampled token's, top [(id, logprob)])
 
 # Prompt positions whose logits are materialized at once ([rows, vocab] fp32), bounding the
 # memory prompt logprobs take whatever the chunk size.

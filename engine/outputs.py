@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 """A prompt token's logprob, its rank (1 + how many tokens were more likely) and the top
 alternatives [(token id, logprob)], as the model runner computes them."""
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+"""A sampled token's logprob and the top alternatives [(token id, logprob)], as the model
+runner computes them."""
 
 
 @dataclass
@@ -76,3 +79,31 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[TokenLogprobs] | None:
         return self.outputs[0].logprobs
+
+
+# -- what leaves the engine thread ----------------------------------------------------------
+
+
+@dataclass
+class SampleDelta:
+    """One sample's tokens since the engine's previous output for its request: ids only (no
+    text; `engine.output_processor.OutputAssembler` makes the text off the engine thread)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None  # one per token, when the request asked
+    finish_reason: str | None = None  # stop (a stop token or EOS) | length | abort
+    stop_reason: int | None = None  # the stop token that ended it
+
+
+@dataclass
+class EngineOutput:
+    """One step's news of one request, as the engine thread hands it on: every sample's new
+    token ids, raw logprobs and engine-side finish (length, stop tokens, abort). Stop strings
+    are matched by whoever detokenizes; a hit comes back as `engine.commands.FinishStopped`."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool = False  # every sample finished engine-side
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PromptLogprob | None] | None = None  # once, when all are computed

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.outputs import PromptLogprob
+from engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,19 @@ class PrefillDone:
     prompt_logprobs: list[PromptLogprob | None] | None = None
     """With `SamplingParams.prompt_logprobs`: one entry per prompt token (the first None),
     as `ModelRunner` computes them: (logprob, rank, top [(id, logprob)])."""
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        block_ids: list[int],
+        logprob: tuple[float, list[tuple[int, float]]] | None,
+        prompt_logprobs: list[PromptLogprob | None] | None,
+    ) -> PrefillDone:
+        """The hand-off of a request that just reached its first token."""
+        first, seed = request.output_token_ids[-1], request.sample_seed
+        cached = max(0, request.num_cached_tokens)
+        return cls(request.request_id, block_ids, first, logprob, seed, cached, prompt_logprobs)
 
 
 class PrefillStream(Protocol):

@@ -44,7 +44,7 @@ from engine.core import (
     ReleaseHeld,
 )
 from engine.llm_engine import LLMEngine, PrefillDone
-from engine.outputs import RequestOutput
+from engine.outputs import EngineOutput
 from engine.parallel import SINGLE, TensorParallel
 from kv_transfer import (
     HandshakeError,
@@ -239,7 +239,7 @@ class PrefillRole(EngineRole):
             self._added_s[cmd.request_id] = time.monotonic()
 
     def abort(self, cmd: AbortRequest) -> None:
-        if self.engine.abort_request(cmd.request_id) is not None:
+        if self.engine.abort(cmd.request_id) is not None:
             self._dest.pop(cmd.request_id, None)
             self._added_s.pop(cmd.request_id, None)
             self._queued_s.pop(cmd.request_id, None)
@@ -264,7 +264,7 @@ class PrefillRole(EngineRole):
     def before_step(self) -> None:
         self._step_s = time.monotonic()
 
-    def after_step(self, outputs: list[RequestOutput]) -> None:
+    def after_step(self, outputs: list[EngineOutput]) -> None:
         if self._added_s:  # the queue time of requests this step started (for their traces)
             waiting = {r.request_id for r in self.engine.scheduler.waiting}
             for request_id in [r for r in self._added_s if r not in waiting]:

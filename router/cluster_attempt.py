@@ -17,7 +17,9 @@ from engine import InvalidInputError
 from engine.async_engine import EngineDeadError
 from engine.config import SCHEDULING_POLICIES
 from engine.llm_engine import EngineStats
-from engine.output_processor import OutputProcessor, RequestState, SampleState
+from engine.output_processor import OutputAssembler
+from engine.outputs import SampleDelta, TokenLogprob
+from engine.request import Request
 from kv_transfer import TransferStatus
 from router.decode_client import DecodeStream
 from router.transfer_log import TransferLog
@@ -81,6 +83,21 @@ class RetryAttempt(Exception):
     """This attempt failed in a way another attempt may not."""
 
 
+@dataclass
+class ClusterSample:
+    """One of a request's `n` samples as the router runs it: the engine `Request` that holds
+    its budget and the tokens streamed so far (a lost decode worker's successor continues
+    from them), and the request's `OutputAssembler`, which makes the text."""
+
+    index: int
+    request: Request
+    assembler: OutputAssembler
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.assembler.samples[self.index].finish_reason
+
+
 class AttemptRunner:
     """Runs attempts for `ClusterEngine` over its pool, its output processor and its stats."""
 
@@ -88,28 +105,25 @@ class AttemptRunner:
         self,
         config: ClusterConfig,
         pool: WorkerPool,
-        outputs: OutputProcessor,
         stats: EngineStats,
         transfers: TransferLog,
     ) -> None:
         self.config = config
         self.pool = pool
-        self.outputs = outputs
         self._stats = stats
         self.transfers = transfers
 
     async def run(
         self,
-        sample: SampleState,
+        sample: ClusterSample,
         prompt_ids: list[int],
         decode: DecodeState,
         attempt: int,
         deadline: float,
         updates: asyncio.Queue[BaseException | None],
-        state: RequestState,
     ) -> None:
-        """`state`: the sample's request, which takes the prompt logprobs (computed by the
-        prefill worker, with its answer) when the sample asked for them."""
+        """The sample's assembler takes the prompt logprobs (computed by the prefill worker,
+        with its answer) when the sample asked for them."""
         request = sample.request
         ids = prompt_ids + request.output_token_ids  # after a lost decode worker: continue
         emitted = request.num_output_tokens
@@ -122,7 +136,7 @@ class AttemptRunner:
             # A continuation's prompt logprobs were out before its first token.
             prompt_logprobs=None if emitted else request.sampling_params.prompt_logprobs,
         )
-        prompt_state = state if params.prompt_logprobs is not None else None
+        prompt_state = sample.assembler if params.prompt_logprobs is not None else None
         timeout = deadline - time.monotonic()
         if timeout <= 0:
             raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
@@ -191,12 +205,12 @@ class AttemptRunner:
 
     async def _consume(
         self,
-        sample: SampleState,
+        sample: ClusterSample,
         stream: DecodeStream,
         decode: DecodeState,
         prefill: tuple[PrefillState, asyncio.Task[PrefillOutcome]] | None,
         updates: asyncio.Queue[BaseException | None],
-        prompt_state: RequestState | None = None,
+        prompt_state: OutputAssembler | None = None,
     ) -> None:
         """Stream the attempt's tokens into the sample until it finishes. A prefill that
         fails first cancels the stream (the KV will never come). With `prompt_state`, the
@@ -212,7 +226,7 @@ class AttemptRunner:
             if entries is None:
                 stream.cancel()
                 raise RetryAttempt(f"prefill worker {prefill[0].name} sent no prompt logprobs")
-            self.outputs.add_prompt_logprobs(prompt_state, 0, entries)
+            prompt_state.set_prompt_logprobs(entries)
         reader = asyncio.create_task(self._read(sample, stream, updates))
         try:
             if prefill is not None:
@@ -241,7 +255,7 @@ class AttemptRunner:
 
     async def _read(
         self,
-        sample: SampleState,
+        sample: ClusterSample,
         stream: DecodeStream,
         updates: asyncio.Queue[BaseException | None],
     ) -> bool:
@@ -254,30 +268,29 @@ class AttemptRunner:
                 return True
         return False
 
-    def _apply(self, sample: SampleState, delta: worker_pb2.OutputDelta) -> bool:
+    def _apply(self, sample: ClusterSample, delta: worker_pb2.OutputDelta) -> bool:
         """Fold a worker's delta into the sample; True when anything changed."""
         request = sample.request
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = delta.num_cached_tokens
             self._stats.prefix_cache_hits += delta.num_cached_tokens
-        changed = False
-        for i, token in enumerate(delta.token_ids):
-            lp = delta.logprobs[i] if i < len(delta.logprobs) else None
-            logprob = (
-                (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) if lp else None
-            )
+        if not delta.token_ids and not delta.finish_reason:
+            return False
+        stop_token = None
+        if delta.finish_reason and delta.WhichOneof("stop_reason") == "stop_token_id":
+            request.stop_reason = stop_token = delta.stop_token_id
+        logprobs: list[TokenLogprob | None] = [
+            (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in delta.logprobs
+        ]
+        tokens = sample.assembler.samples[sample.index].token_ids
+        before = len(tokens)
+        finish = delta.finish_reason or None
+        ids = list(delta.token_ids)
+        sample.assembler.add_sample(SampleDelta(sample.index, ids, logprobs, finish, stop_token))
+        for token in tokens[before:]:  # up to a stop string's last token
             request.append_output_token(token)
-            self._stats.num_generated_tokens += 1
-            changed = True
-            if self.outputs.process_token(sample, token, logprob):
-                self.outputs.finish(sample, "stop")
-                return True
-        if delta.finish_reason:
-            if delta.WhichOneof("stop_reason") == "stop_token_id":
-                request.stop_reason = delta.stop_token_id
-            self.outputs.finish(sample, delta.finish_reason)
-            changed = True
-        return changed
+        self._stats.num_generated_tokens += len(tokens) - before
+        return True
 
     def _prefill_problem(
         self, state: PrefillState, call: asyncio.Task[PrefillOutcome]

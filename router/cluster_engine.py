@@ -7,7 +7,7 @@ otherwise reserve blocks on the decode worker, have the chosen prefill worker co
 and ship it there, and stream the tokens back from the decode worker.
 
 The router detokenizes: workers send token ids (and logprobs); the engine's own
-`OutputProcessor` turns them into text, applies stop strings (then cancels the worker's
+`OutputAssembler` turns them into text, applies stop strings (then cancels the worker's
 stream) and builds the `RequestOutput`s, so outputs read exactly as in aggregated mode.
 
 Failures never lose an accepted request silently. A prefill worker that fails or dies, a KV
@@ -36,10 +36,10 @@ from engine import RequestOutput, SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
 from engine.loader import open_model
-from engine.output_processor import OutputProcessor, RequestState, SampleState
+from engine.output_processor import OutputAssembler
 from engine.request import Request
 from engine.tokenizer import Message, Tokenizer
-from router.cluster_attempt import AttemptRunner, ClusterConfig, RetryAttempt
+from router.cluster_attempt import AttemptRunner, ClusterConfig, ClusterSample, RetryAttempt
 from router.transfer_log import TransferLog
 from router.worker_pool import ClusterStats, WorkerPool
 
@@ -64,16 +64,13 @@ class ClusterEngine:
         limit = source.arch.max_position_embeddings
         self._max_model_len = min(max_model_len or limit, limit)
         self.pool = WorkerPool(self.config.poll_interval_s)
-        self.outputs = OutputProcessor(self._tokenizer)
         self._ids = itertools.count()
         self._instance = uuid.uuid4().hex[:12]  # unique per router: ids never collide
         self._stopped = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._stats = EngineStats()
         self.transfers = TransferLog()  # /metrics and the dashboard read it
-        self._attempt = AttemptRunner(
-            self.config, self.pool, self.outputs, self._stats, self.transfers
-        )
+        self._attempt = AttemptRunner(self.config, self.pool, self._stats, self.transfers)
 
     # -- EngineClient ----------------------------------------------------------------------------
 
@@ -174,7 +171,8 @@ class ClusterEngine:
         # an id another request (of another tenant, or another router) uses on the workers.
         internal_id = f"{self._instance}-{next(self._ids)}"
         request_id = request_id or internal_id
-        state = self.outputs.new_state(request_id, text, ids, params.prompt_logprobs)
+        assembler = OutputAssembler(self._tokenizer, request_id, text, ids, params)
+        samples: list[ClusterSample] = []
         for index in range(params.n):
             sample_params = params
             if params.n > 1:  # one sample computes the prompt logprobs for all
@@ -186,14 +184,14 @@ class ClusterEngine:
             sub_id = internal_id if params.n == 1 else f"{internal_id}#{index}"
             eos = self._tokenizer.eos_token_ids
             request = Request(sub_id, ids, sample_params, max_tokens, eos, priority)
-            state.samples.append(self.outputs.new_sample(index, request))
+            samples.append(ClusterSample(index, request, assembler))
         self._stats.num_prompt_tokens += len(ids) * params.n
         updates: asyncio.Queue[BaseException | None] = asyncio.Queue()
         tasks = [
             asyncio.create_task(
-                self._run_sample(sample, ids, updates, state), name=sample.request.request_id
+                self._run_sample(sample, ids, updates), name=sample.request.request_id
             )
-            for sample in state.samples
+            for sample in samples
         ]
         self._tasks.update(tasks)
         for task in tasks:
@@ -207,9 +205,10 @@ class ClusterEngine:
                 for item in items:
                     if isinstance(item, BaseException):
                         raise item
-                if state.prompt_logprobs is not None and not self.outputs.prompt_logprobs_of(state):
+                if params.prompt_logprobs is not None and assembler.prompt_logprobs is None:
                     continue  # sample 0's prefill answer brings them; nothing goes out before
-                out = self.outputs.make_output(state)
+                assembler.num_cached_tokens = max(0, samples[0].request.num_cached_tokens)
+                out = assembler.output()
                 finished = out.finished
                 yield out
                 if finished:
@@ -228,13 +227,12 @@ class ClusterEngine:
 
     async def _run_sample(
         self,
-        sample: SampleState,
+        sample: ClusterSample,
         prompt_ids: list[int],
         updates: asyncio.Queue[BaseException | None],
-        state: RequestState,
     ) -> None:
         try:
-            await self._attempts(sample, prompt_ids, updates, state)
+            await self._attempts(sample, prompt_ids, updates)
         except asyncio.CancelledError:
             if self._stopped:
                 updates.put_nowait(EngineDeadError("the router shut down"))
@@ -244,10 +242,9 @@ class ClusterEngine:
 
     async def _attempts(
         self,
-        sample: SampleState,
+        sample: ClusterSample,
         prompt_ids: list[int],
         updates: asyncio.Queue[BaseException | None],
-        state: RequestState,
     ) -> None:
         request = sample.request
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -257,9 +254,7 @@ class ClusterEngine:
             if decode is None:
                 raise EngineDeadError("no decode worker is available; retry later")
             try:
-                await self._attempt.run(
-                    sample, prompt_ids, decode, attempt, deadline, updates, state
-                )
+                await self._attempt.run(sample, prompt_ids, decode, attempt, deadline, updates)
                 return
             except RetryAttempt as e:
                 last_error = str(e)

@@ -1,6 +1,10 @@
-"""Engine overhead per step: the wall time of `LLMEngine.step()` outside the model's forward
-pass and LM head (scheduling, input preparation, sampling, output processing), at decode
-batches of 1 and 64, greedy and sampled, for this tree and an earlier commit in one run.
+"""Engine overhead per step: the wall time of the engine thread's step outside the model's
+forward pass and LM head (scheduling, input preparation, sampling, output bookkeeping), at
+decode batches of 1 and 64, greedy and sampled, for this tree and an earlier commit in one run.
+
+The engine thread's step is `LLMEngine.step_outputs()` in a tree that has it (what an
+`EngineCore` runs: token ids out, the text made by each stream's reader on another thread) and
+`LLMEngine.step()` in one before it (text and stop strings on the engine thread).
 
     python -m benchmarks.offline.step_overhead                        # vs the commit issue 17 began at
     python -m benchmarks.offline.step_overhead --before f24a3dc --rounds 3 --dtype bfloat16
@@ -46,6 +50,8 @@ def measure(
     from engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype=dtype, load_progress=False, max_num_seqs=max(batch, 1)))
+    step = getattr(engine, "step_outputs", engine.step)
+    engine.assemble_outputs = False  # as under an EngineCore (an older tree ignores it)
     model = engine.runner.model
     in_model = [0.0]
 
@@ -76,12 +82,12 @@ def measure(
     # Prefill every prompt first: the measured steps are pure decode steps of `batch` rows.
     sched = engine.scheduler
     while any(r.num_output_tokens == 0 for r in [*sched.waiting, *sched.running]):
-        engine.step()
+        step()
     step_ms, model_ms = [], []
     for i in range(warmup + steps):
         in_model[0] = 0.0
         start = now()
-        engine.step()
+        step()
         elapsed = now() - start
         if i >= warmup:
             step_ms.append(elapsed * 1e3)

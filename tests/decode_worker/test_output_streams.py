@@ -74,7 +74,7 @@ def blocks_free(worker) -> bool:
 def test_one_message_per_step_for_all_requests(worker, tiny_llama, monkeypatch):
     steps: list[list[str]] = []  # per engine step: the requests it produced output for
     batches: list[list[str]] = []  # per message sent: the requests it carried
-    real_step = worker.engine.step
+    real_step = worker.engine.step_outputs
     all_added = threading.Event()
 
     def step():
@@ -84,7 +84,7 @@ def test_one_message_per_step_for_all_requests(worker, tiny_llama, monkeypatch):
             steps.append([o.request_id for o in outputs])
         return outputs
 
-    monkeypatch.setattr(worker.engine, "step", step)
+    monkeypatch.setattr(worker.engine, "step_outputs", step)
     real_batches = output_streams.OutputStream.batches
 
     async def recorded(self):
