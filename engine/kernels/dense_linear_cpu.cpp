@@ -218,11 +218,16 @@ void run(const Args<E>& a, typename E::raw* o) {
   const int64_t fit = kBlockBytes / (a.k * static_cast<int64_t>(sizeof(float)));
   const int64_t block = std::max<int64_t>(kRows, fit - fit % kRows);
   // Few channel tiles: the rows of a block are split too, for the threads to share.
-  const int64_t want = 4 * at::get_num_threads();
+  const int64_t threads = at::get_num_threads(), want = 4 * threads;
   for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
     const int64_t rows = std::min(a.m - r_begin, block);
-    const int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1,
-                                              (rows + 4 * kRows - 1) / (4 * kRows));
+    const int64_t most = (rows + 4 * kRows - 1) / (4 * kRows);
+    int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1, most);
+    // parallel_for hands each thread one contiguous run of items: a count that is not a
+    // multiple of the threads leaves one thread a whole item more (SmolLM2's 15 tiles of
+    // q/k/v on 2 threads: 8 against 7). Split the rows further while the rows allow: 3-7%
+    // faster at 32 to 2,048 rows where the tiles are odd (2-core Xeon).
+    while (parts < most && (tiles * parts) % threads != 0) ++parts;
     const int64_t part_rows = (rows + parts - 1) / parts;
     at::parallel_for(0, tiles * parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
