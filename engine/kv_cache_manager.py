@@ -25,6 +25,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # how many of each request's first blocks were offered to the prefix cache already
+        self._num_offered: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
 
     @property
@@ -89,16 +91,21 @@ class KVCacheManager:
         return new_blocks
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+        """Register the request's full, computed blocks in the prefix cache: those that became
+        full since the last call (a decode step mostly has none, and hashes nothing)."""
         if not self.enable_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
+        offered = self._num_offered.get(request.request_id, 0)
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        if num_full <= offered:
+            return
         hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
         num_full = min(num_full, len(request.block_hashes), len(blocks))
-        self.pool.cache_full_blocks(blocks, request.block_hashes, 0, num_full)
+        self.pool.cache_full_blocks(blocks, request.block_hashes, offered, num_full)
+        self._num_offered[request.request_id] = max(offered, num_full)
 
     def trim(self, request: Request, num_tokens: int) -> int:
         """Give back the request's blocks past those `num_tokens` tokens need (slots a step
@@ -110,12 +117,15 @@ class KVCacheManager:
             return 0
         tail = blocks[keep:]
         del blocks[keep:]
+        if self._num_offered.get(request.request_id, 0) > keep:  # never: cached blocks stay
+            self._num_offered[request.request_id] = keep
         self.pool.free_blocks(reversed(tail))
         return len(tail)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so its prefix stays cached longest."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_offered.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 

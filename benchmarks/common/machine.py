@@ -3,8 +3,11 @@ and the commit of the code it measured."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +50,24 @@ def git_commit(*paths: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("-dirty" if status.strip() else "")) or None
+
+
+def write_record(
+    out: Path,
+    benchmark: str,
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    code: tuple[str, ...] = ("engine", "router"),
+) -> None:
+    """The result JSON: the benchmark's name and flags, the machine and the commit of `code`,
+    when it ran, and `results`."""
+    record = {
+        "benchmark": benchmark,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {**cpu_info(), "git_commit": git_commit(*code)},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
+from benchmarks.common.machine import REPO_ROOT, write_record
 from benchmarks.offline.smollm2_hf import export_hf_dir
 from benchmarks.serve.vs_vllm import bench, wait_until_up
 
@@ -212,16 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}: {results[path]}", flush=True)
     results["serve"] = run_serve(args, model)
     print(table(results))
-    record = {
-        "benchmark": "serve_engine_paths",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {**cpu_info(), "git_commit": git_commit("engine", "router", "cli")},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, "serve_engine_paths", args, results, ("engine", "router", "cli"))
     return 0
 
 

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
+from benchmarks.common.machine import REPO_ROOT, write_record
 from benchmarks.offline.smollm2_hf import export_hf_dir
 
 START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at start-up
@@ -187,16 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if system == "vllm":
             half_rate = results[system]["half_load"]["rate"]
     print(table(results))
-    record = {
-        "benchmark": "serve_vs_vllm",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {**cpu_info(), "git_commit": git_commit("engine", "router", "decode_worker")},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "results": results,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    write_record(args.out, "serve_vs_vllm", args, results, ("engine", "router", "decode_worker"))
     return 0
 
 

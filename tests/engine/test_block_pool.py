@@ -177,3 +177,33 @@ def test_disabled_prefix_caching_never_hits():
     kv.free(a)
     assert kv.get_computed_blocks(make_request("b", [1, 2, 3])) == ([], 0)
     assert kv.pool.num_cached_blocks == 0
+
+
+def test_cache_blocks_offers_only_blocks_that_became_full(monkeypatch):
+    """A decode step offers the prefix cache nothing until a block fills, then that block
+    alone; freeing (preemption) starts the count again."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("r", list(range(10)))
+    kv.allocate_slots(request, 10)
+    offered: list[tuple[int, int]] = []
+    real = kv.pool.cache_full_blocks
+
+    def spy(blocks, hashes, start, end):
+        offered.append((start, end))
+        return real(blocks, hashes, start, end)
+
+    monkeypatch.setattr(kv.pool, "cache_full_blocks", spy)
+    kv.cache_blocks(request, 10)  # blocks 0 and 1 are full
+    request.append_output_token(10)
+    kv.allocate_slots(request, 1)
+    kv.cache_blocks(request, 11)  # block 2 is not full yet: nothing to offer
+    request.append_output_token(11)
+    kv.allocate_slots(request, 1)
+    kv.cache_blocks(request, 12)
+    assert offered == [(0, 2), (2, 3)]
+    assert [b.block_hash is not None for b in kv.req_to_blocks["r"]] == [True, True, True]
+    kv.free(request)
+    again = make_request("r", list(range(12)))
+    kv.allocate_slots(again, 12)
+    kv.cache_blocks(again, 12)
+    assert offered[-1] == (0, 3)
