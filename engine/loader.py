@@ -15,7 +15,8 @@ from engine.errors import InvalidInputError, ModelLoadError
 from engine.kernels.cpu import cpu_kernels_enabled
 from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from engine.model.dense_cpu_linear import use_dense_kernel_fp32
-from engine.model.quantized_linear import log_weight_bytes, set_kernel_max_rows
+from engine.model.quantized_linear import set_kernel_max_rows
+from engine.model.weight_bytes import log_weight_bytes
 from engine.parallel import SINGLE, TensorParallel
 from engine.quant.config import QuantizationConfig
 from engine.quant.formats import QuantizedWeight

@@ -10,8 +10,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loader import load_model
-from engine.model.quantized_linear import QuantizedLinear, weight_bytes
+from engine.model.quantized_linear import QuantizedLinear
 from engine.model.row_invariant import Linear
+from engine.model.weight_bytes import weight_bytes
 from engine.parallel import TensorParallel
 from engine.quant.config import QuantizationConfig
 from engine.quant.cpu_linear import load_quant_kernels
