@@ -203,7 +203,7 @@ class EngineCore:
                     raise item
                 out = assembler.add(item)
                 for index, num_tokens in assembler.take_stops():
-                    self._commands.put(FinishStopped(request_id, index, num_tokens))
+                    self.submit(FinishStopped(request_id, index, num_tokens))
                 finished = out.finished
                 yield out
                 if finished:

@@ -115,7 +115,7 @@ class LLMEngine:
         """Whether `add_request` gives each request an `OutputAssembler` for `step` (text and
         stop strings on this thread). An `EngineCore` turns it off: its readers assemble the
         raw `step_outputs` off the engine thread."""
-        self._offline = OfflineOutputs(self.tokenizer)
+        self._offline = OfflineOutputs()
         self.stats = EngineStats()
         self.requests = RequestTable(self.scheduler, self.kv, self.stats, self.speculator)
         self._ids = itertools.count()
@@ -174,7 +174,7 @@ class LLMEngine:
             self.scheduler.add_request(request)
         self.requests.add(state)
         if self.assemble_outputs and not prefill_only:
-            self._offline.open(request_id, text, ids, params)
+            self._offline.open(self.new_assembler(request_id, text, ids, params))
         self.stats.num_prompt_tokens += len(ids) * params.n
         return request_id
 
@@ -238,7 +238,7 @@ class LLMEngine:
         state.add_sample(request)
         self.requests.add(state)
         if self.assemble_outputs:
-            self._offline.open(request_id, None, ids, params)
+            self._offline.open(self.new_assembler(request_id, None, ids, params))
         self.stats.num_prompt_tokens += len(ids)
         return block_ids
 

@@ -197,16 +197,11 @@ class OfflineOutputs:
     """The assemblers of `LLMEngine.step`, which makes its outputs on its own thread: a stop
     string found in a step ends its sample (`finish_stopped`) before the next step."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self) -> None:
         self._assemblers: dict[str, OutputAssembler] = {}
 
-    def open(
-        self, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams
-    ) -> None:
-        self._assemblers[request_id] = OutputAssembler(
-            self.tokenizer, request_id, prompt, ids, params
-        )
+    def open(self, assembler: OutputAssembler) -> None:
+        self._assemblers[assembler.request_id] = assembler
 
     def assemble(
         self, raw: list[EngineOutput], finish_stopped: Callable[[str, int, int], None]

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.common.machine import REPO_ROOT, write_record
 from benchmarks.offline.smollm2_hf import export_hf_dir
-from benchmarks.serve.vs_vllm import bench, wait_until_up
+from benchmarks.serve.vs_vllm import bench, running_server
 
 PATHS = ("offline", "engine_thread", "serve")
 
@@ -136,34 +135,20 @@ def _thread_cpu_s(pid: int) -> dict[int, float]:
 
 def run_serve(args: argparse.Namespace, model: Path) -> dict:
     url = f"http://127.0.0.1:{args.port}"
-    cmd = [
-        sys.executable, "-m", "cli", "serve", "--model", str(model), "--port", str(args.port),
-        "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len",
-        "2048", "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    bench_args = argparse.Namespace(input_len=args.input_len, output_len=args.output_len)
-    with tempfile.TemporaryDirectory(prefix="duet-engine-paths-") as tmp:
-        log = Path(tmp) / "server.log"
-        with log.open("w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        try:
-            wait_until_up(proc, url, log)
-            before = _thread_cpu_s(proc.pid)
-            children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            window = time.monotonic()
-            summary = bench(url, model, bench_args, Path(tmp) / "sat.json",
-                            "--rate", "inf", "--num-requests", str(args.num_requests))  # fmt: skip
-            after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
-            after = _thread_cpu_s(proc.pid)
-            window = time.monotonic() - window
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+    # `duet serve` as benchmarks.serve.vs_vllm starts it (same flags and environment)
+    serve_args = argparse.Namespace(**vars(args), duet_args="")
+    with (
+        tempfile.TemporaryDirectory(prefix="duet-engine-paths-") as tmp,
+        running_server("duet", model, serve_args, Path(tmp)) as (proc, _),
+    ):
+        before = _thread_cpu_s(proc.pid)
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        window = time.monotonic()
+        summary = bench(url, model, args, Path(tmp) / "sat.json",
+                        "--rate", "inf", "--num-requests", str(args.num_requests))  # fmt: skip
+        after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        after = _thread_cpu_s(proc.pid)
+        window = time.monotonic() - window
     used = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     main_s = used.pop(proc.pid, 0.0)
     client_s = (after_children.ru_utime + after_children.ru_stime) - (

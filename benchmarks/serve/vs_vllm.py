@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.common.machine import REPO_ROOT, write_record
@@ -115,35 +117,47 @@ def bench(url: str, model: Path, args: argparse.Namespace, out: Path, *flags: st
     return summary
 
 
+@contextmanager
+def running_server(
+    system: str, model: Path, args: argparse.Namespace, tmp: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """`system`'s server (`server_command`, `server_env`, its log in `tmp`), once it answers:
+    (the process, seconds it took to come up). Stopped (SIGINT, then killed) on leaving."""
+    log = tmp / "server.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            server_command(system, model, args),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=server_env(system, args),
+            cwd=REPO_ROOT,
+        )
+    try:
+        start_s = wait_until_up(proc, f"http://127.0.0.1:{args.port}", log)
+        print(f"{system}: up in {start_s:.0f}s", flush=True)
+        yield proc, start_s
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+
+
 def run_system(system: str, model: Path, args: argparse.Namespace, half_rate: float | None):
     url = f"http://127.0.0.1:{args.port}"
-    with tempfile.TemporaryDirectory(prefix=f"duet-vs-{system}-") as tmp:
-        log = Path(tmp) / "server.log"
-        with log.open("w") as sink:
-            proc = subprocess.Popen(
-                server_command(system, model, args),
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                env=server_env(system, args),
-                cwd=REPO_ROOT,
-            )
-        try:
-            start_s = wait_until_up(proc, url, log)
-            print(f"{system}: up in {start_s:.0f}s", flush=True)
-            one = bench(url, model, args, Path(tmp) / "one.json", "--rate", "inf",
-                        "--num-requests", str(args.one_stream_requests), "--max-concurrency", "1")  # fmt: skip
-            sat = bench(url, model, args, Path(tmp) / "sat.json", "--rate", "inf",
-                        "--num-requests", str(args.saturation_requests))  # fmt: skip
-            rate = half_rate if half_rate is not None else sat["request_throughput"] / 2
-            half = bench(url, model, args, Path(tmp) / "half.json", "--rate", f"{rate:.4f}",
-                         "--num-requests", str(args.half_load_requests))  # fmt: skip
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+    with (
+        tempfile.TemporaryDirectory(prefix=f"duet-vs-{system}-") as tmp,
+        running_server(system, model, args, Path(tmp)) as (_, start_s),
+    ):
+        one = bench(url, model, args, Path(tmp) / "one.json", "--rate", "inf",
+                    "--num-requests", str(args.one_stream_requests), "--max-concurrency", "1")  # fmt: skip
+        sat = bench(url, model, args, Path(tmp) / "sat.json", "--rate", "inf",
+                    "--num-requests", str(args.saturation_requests))  # fmt: skip
+        rate = half_rate if half_rate is not None else sat["request_throughput"] / 2
+        half = bench(url, model, args, Path(tmp) / "half.json", "--rate", f"{rate:.4f}",
+                     "--num-requests", str(args.half_load_requests))  # fmt: skip
     return {"start_s": start_s, "one_stream": one, "saturation": sat,
             "half_load": {**half, "rate": rate}}  # fmt: skip
 
