@@ -5,8 +5,9 @@
 
 Per SmolLM2 projection shape (N x K) and row count: dense bf16 (oneDNN packed, what a bf16 model
 runs), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp: fp32 FMAs, and vdpbf16ps on
-AVX512-BF16; per channel and in groups of 32 as GGUF Q8_0; int4 in groups of 32, AVX512-BF16), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), Q8_0 as two
-int4 planes, and dequantize-then-multiply. The fastest of `--repeat` calls, in microseconds.
+AVX512-BF16, AMX tiles where the CPU has AMX; per channel and in groups of 32 as GGUF Q8_0; int4
+in groups of 32), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), and
+dequantize-then-multiply. The fastest of `--repeat` calls, in microseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import torch.nn.functional as F
 from engine.quant.cpu_linear import int4_linear, int8_linear, load_quant_kernels, pack_int8
 from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
 from engine.quant.formats import pack_int4, quantize_int4, quantize_int8
+
+NO_AMX = 1 << 62
+"""amx_min_rows that keeps a call on the bf16 dot."""
 
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (192, 576), (960, 576), (3072, 576), (49152, 576)]
 """(N, K): o, gate|up halves, down, k|v, q|k|v, gate|up, the tied LM head."""
@@ -66,10 +70,14 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
         if kernels.bf16_dot():
             pd, sd = pack_int8(q8.q, q8.scale, pairs=True)
             pgd, sgd = pack_int8(g_q, g_scale, pairs=True)
-            out["duet int8 dot"] = lambda: int8_linear(kernels, x, pd, sd, n)
-            out["duet int8 g32 dot"] = lambda: int8_linear(kernels, x, pgd, sgd, n)
+            out["duet int8 dot"] = lambda: int8_linear(kernels, x, pd, sd, n, NO_AMX)
+            out["duet int8 g32 dot"] = lambda: int8_linear(kernels, x, pgd, sgd, n, NO_AMX)
             nib, sz = pack_int4_pairs(q4.q, q4.scale, q4.offset)
-            out["duet int4 g32 dot"] = lambda: int4_linear(kernels, x, nib, sz, n)
+            out["duet int4 g32 dot"] = lambda: int4_linear(kernels, x, nib, sz, n, True, NO_AMX)
+            if kernels.amx():  # the same operands through AMX tiles
+                out["duet int8 amx"] = lambda: int8_linear(kernels, x, pd, sd, n, 1)
+                out["duet int8 g32 amx"] = lambda: int8_linear(kernels, x, pgd, sgd, n, 1)
+                out["duet int4 g32 amx"] = lambda: int4_linear(kernels, x, nib, sz, n, True, 1)
         else:
             out["duet int8 g32 fma"] = lambda: int8_linear(kernels, x, pg, sg, n)
         nf, szf = pack_int4_pairs(q4.q, q4.scale, q4.offset, pairs=False)

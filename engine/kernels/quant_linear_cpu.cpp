@@ -32,6 +32,10 @@
 #if defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace duet {
 namespace {
@@ -308,6 +312,177 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// AMX (Sapphire Rapids and later): the same bf16 pairs, multiplied by tiles. A tile product
+// (_tile_dpbf16ps) takes 16 rows of x's 32 columns and 16 channels' converted weights (one
+// column pair per tile row: exactly the bf16 dot's `converted` vectors, 64 bytes each) into a
+// 16 x 16 fp32 tile: 8,192 multiply-adds per instruction against vdpbf16ps's 32. Per group the
+// sums are stored and combined with the scales (and int4's offsets) in fp32 as the bf16 dot
+// does. A row's result depends only on that row (tile rows are independent; a partial row tile
+// is zero-padded), and every row count of a layer takes this path, so batching still changes
+// no bits. Groups must be a multiple of 32 columns (one tile's depth): every int8 and int4
+// format but Q6_K's 16.
+constexpr bool kAmxBuild = true;
+
+bool amx_permitted() {  // Linux hands a process AMX's tile state only on request
+  constexpr long kReqXcompPerm = 0x1023, kXFeatureXTileData = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXFeatureXTileData) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums (row tile i, block j in tile 2i + j); 4-5: x's row tiles; 6-7: weights.
+// Row tile 0 holds rows0 rows of x and of the sums, row tile 1 rows1 (1 to 16 each): a batch
+// of at most 32 rows reads only its own rows.
+inline void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// One group's sums for RT row tiles x CT channel blocks into acc ([RT * 16][CT * 16] fp32):
+// x at the group's first column (row stride xs elements), w at the group's first column pair
+// of block 0 (block stride ws elements), `steps` tile products of 32 columns.
+// `q` (the first row tile only): the blocks' raw weights at the group's first column (block
+// stride qs bytes), converted into w step by step, so the conversions overlap the tile products.
+template <int RT, int CT, bool kInt4>
+inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, int64_t steps,
+                      const int8_t* q, int64_t qs, float* acc) {
+  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
+  _tile_zero(0);
+  if constexpr (CT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (q != nullptr) {
+      for (int c = 0; c < CT; ++c) {
+        __m512bh* dst = reinterpret_cast<__m512bh*>(w + c * ws + s * 512);
+        const int8_t* src = q + c * qs + s * 32 * kQBytes;
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) dst[j] = convert_pair<kInt4>(src + 2 * j * kQBytes);
+      }
+    }
+    _tile_loadd(4, x + s * 32, xs * 2);
+    if constexpr (RT > 1) _tile_loadd(5, x + 16 * xs + s * 32, xs * 2);
+    _tile_loadd(6, w + s * 512, 64);
+    if constexpr (CT > 1) _tile_loadd(7, w + ws + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t stride = CT * kBlock * 4;  // bytes per acc row
+  _tile_stored(0, acc, stride);
+  if constexpr (CT > 1) _tile_stored(1, acc + kBlock, stride);
+  if constexpr (RT > 1) _tile_stored(2, acc + 16 * CT * kBlock, stride);
+  if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * kBlock + kBlock, stride);
+}
+
+// All rows of channel blocks b0 .. b0 + CT through the tiles, 32 rows at a time.
+template <typename E, int CT, bool kInt4>
+void columns_amx(const Args& a, int64_t b0, typename E::raw* out) {
+  const int64_t K = a.k, G = a.g, groups = K / G, pairs = K / 2;
+  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
+  thread_local std::vector<__m512bh> converted;
+  converted.resize(CT * pairs);
+  uint16_t* w = reinterpret_cast<uint16_t*>(converted.data());
+  const int8_t* q = a.q + b0 * K * kQBytes;
+  const float* s = a.s + b0 * groups * kBlock;
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
+  constexpr int kCols = CT * kBlock;
+  alignas(64) float acc[32 * kCols];
+  alignas(64) float total[32 * kCols];
+  for (int64_t r0 = 0; r0 < a.m; r0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, a.m - r0);
+    const int rt = rows > 16 ? 2 : 1;
+    const uint16_t* x = a.xb + r0 * a.xs;  // over 32 rows: padded to a multiple of 16
+    const int64_t xs = a.xs;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int8_t* raw = r0 == 0 ? q + gi * G * kQBytes : nullptr;
+      if (rt == 2)
+        amx_group<2, CT, kInt4>(x + gi * G, xs, w + gi * G * 16, pairs * 32, G / 32, raw,
+                                K * kQBytes, acc);
+      else
+        amx_group<1, CT, kInt4>(x + gi * G, xs, w + gi * G * 16, pairs * 32, G / 32, raw,
+                                K * kQBytes, acc);
+      for (int c = 0; c < CT; ++c) {
+        __m512 sv, ov;
+        if constexpr (kInt4) {
+          const uint16_t* p = sz + (c * groups + gi) * 2 * kBlock;
+          sv = bf16_to_f32(p);
+          ov = bf16_to_f32(p + kBlock);
+        } else {
+          sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = r * kCols + c * kBlock;
+          const __m512 sum = _mm512_load_ps(acc + at);
+          const __m512 before = gi == 0 ? _mm512_setzero_ps() : _mm512_load_ps(total + at);
+          __m512 t;
+          if constexpr (kInt4) {
+            const __m512 xsum = _mm512_set1_ps(a.xsum[(r0 + r) * groups + gi]);
+            const __m512 qx = _mm512_fmadd_ps(xsum, _mm512_set1_ps(-128.f), sum);  // sum(q x)
+            t = _mm512_fmadd_ps(xsum, ov, _mm512_fmadd_ps(qx, sv, before));
+          } else {
+            t = _mm512_fmadd_ps(sum, sv, before);
+          }
+          _mm512_store_ps(total + at, t);
+        }
+      }
+    }
+    const int64_t n0 = b0 * kBlock, n1 = std::min<int64_t>(a.n, n0 + kCols);
+    for (int64_t r = 0; r < rows; ++r) {
+      typename E::raw* o = out + (r0 + r) * a.n;
+      const float* v = total + r * kCols;
+      for (int64_t n = n0; n < n1; ++n) o[n] = E::store1(v[n - n0]);
+    }
+  }
+}
+
+// Channel blocks two at a time (and a last one), each thread's run under its own tile
+// configuration, released at the end for the next user of the tiles (oneDNN configures its own).
+// Up to 32 rows the tiles hold exactly x's rows; over 32, a partial last row tile reads x from
+// a copy whose rows run on to a multiple of 16 with zeros.
+template <typename E, bool kInt4>
+void run_amx(const Args& args, int64_t blocks, typename E::raw* out) {
+  Args a = args;
+  std::vector<uint16_t> padded;
+  const int rows0 = a.m <= 32 ? static_cast<int>(std::min<int64_t>(a.m, 16)) : 16;
+  const int rows1 = a.m <= 32 ? static_cast<int>(std::max<int64_t>(a.m - 16, 1)) : 16;
+  if (a.m > 32 && a.m % 16 != 0) {
+    const int64_t k = a.k;
+    padded.assign((a.m + 15) / 16 * 16 * k, 0);
+    for (int64_t r = 0; r < a.m; ++r)
+      std::memcpy(padded.data() + r * k, a.xb + r * a.xs, k * sizeof(uint16_t));
+    a.xb = padded.data();
+    a.xs = k;
+  }
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles(rows0, rows1);
+    int64_t b = begin;
+    for (; b + 2 <= end; b += 2) columns_amx<E, 2, kInt4>(a, b, out);
+    if (b < end) columns_amx<E, 1, kInt4>(a, b, out);
+    _tile_release();
+  });
+}
+#else
+constexpr bool kAmxBuild = false;
+inline bool amx_permitted() { return false; }
+#endif
+
+// Whether bf16 activations with groups of g columns can go through the tiles.
+inline bool use_amx(int64_t g) { return kAmxBuild && g % 32 == 0 && amx_permitted(); }
+
 // kDot: 0 int8 fp32 FMAs, 1 int8 bf16 dot, 2 int4 bf16 dot, kInt4Fma int4 fp32 FMAs with bf16
 // scales, kInt4FmaF32 with fp32 scales.
 constexpr int kInt4Fma = 3, kInt4FmaF32 = 4;
@@ -414,8 +589,10 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& xf) {
 
 // x [M, K] fp32 or bf16 (rows contiguous); q [N' / 16, K, 16] int8, or [N' / 16, K / 2, 16, 2]
 // (bf16 x, `bf16_dot()` builds only); scale [N' / 16, K / G, 16] fp32; returns [M, n] of x's
-// dtype, N' = n rounded up to 16.
-at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) {
+// dtype, N' = n rounded up to 16. Pairs take the AMX tiles (where `amx()`, groups of 32k) when
+// x has at least amx_min_rows rows, else the bf16 dot.
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n,
+                       int64_t amx_min_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU [rows, K] tensor with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -442,6 +619,12 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
          k / scale.size(1), n};
   if (dot) {
     a.xb = static_cast<const uint16_t*>(x.data_ptr());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (m >= amx_min_rows && use_amx(a.g)) {
+      run_amx<BF16, false>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
+      return out;
+    }
+#endif
     run<BF16, kBf16Dot>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
     return out;
   }
@@ -459,8 +642,9 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n) 
 // and sz [N' / 16, K / G, 2, 16] scales and offsets, bf16 (or fp32 for the FMA layout). `pairs`: the bf16 dot's layout (bf16
 // x, AVX512-BF16 builds only; byte i of a column pair holds value i of its 32 (channel i // 2,
 // column i % 2) low and value i + 16 high); else the FMA layout (fp32 or bf16 x, any build;
-// byte c holds channel c's columns 2j low and 2j + 1 high).
-at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bool pairs) {
+// byte c holds channel c's columns 2j low and 2j + 1 high). AMX as int8_linear's.
+at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bool pairs,
+                       int64_t amx_min_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
@@ -510,6 +694,12 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
   Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
          rows, xb, xs, m, k, g, n, xsum.data()};
   if (pairs) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (m >= amx_min_rows && use_amx(g)) {
+      run_amx<BF16, true>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
+      return out;
+    }
+#endif
     run<BF16, kBf16Dot ? 2 : 0>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
   } else if (x.scalar_type() == at::kFloat) {
     if (f32_scales)
@@ -528,11 +718,18 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &duet::int8_linear,
-        "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]");
+        "x @ (q * scale).T for int8 q packed [N / 16, K, 16], fp32 scales [N / 16, K / G, 16]; "
+        "AMX tiles (where amx()) from amx_min_rows rows",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("n"), py::arg("amx_min_rows") = 1);
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
   m.def("int4_linear", &duet::int4_linear,
         "x @ (q * scale + offset).T for int4 nibbles [N / 16, K / 2, 16] (pairs: the bf16 dot's "
-        "layout), scales and offsets [N / 16, K / G, 2, 16] (bf16; fp32 without pairs)");
+        "layout), scales and offsets [N / 16, K / G, 2, 16] (bf16; fp32 without pairs); AMX "
+        "tiles (pairs, where amx()) from amx_min_rows rows",
+        py::arg("x"), py::arg("q4"), py::arg("sz"), py::arg("n"), py::arg("pairs"),
+        py::arg("amx_min_rows") = 1);
+  m.def("amx", [] { return duet::kAmxBuild && duet::amx_permitted(); },
+        "Whether bf16 pairs can go through AMX tiles (groups of a multiple of 32 columns)");
   m.def("bf16_dot", [] { return duet::kBf16Dot; },
         "Whether bf16 activations take weights in pairs [N / 16, K / 2, 16, 2] (AVX512-BF16)");
 }

@@ -1,7 +1,7 @@
 """duet's own weight-only int8 and int4 linears for the CPU (engine/kernels/quant_linear_cpu.cpp):
 int8 weights with an fp32 scale per output channel and group of columns (per channel, GGUF
 Q8_0's 32, Q6_K's 16), int4 with a bf16 scale and offset per group, fp32 or bf16 activations,
-AVX-512 / AVX2 / scalar from one source (and the AVX512-BF16 dot for bf16).
+AVX-512 / AVX2 / scalar from one source (and for bf16 the AVX512-BF16 dot, or AMX tiles).
 
 Its weights are packed at load as [N / 16, K, 16] (16 output channels' column k contiguous),
 scales as [N / 16, K / G, 16], N padded to a multiple of 16. A row's result does not depend on
@@ -51,6 +51,12 @@ def uses_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
     return dtype == torch.bfloat16 and bool(kernels.bf16_dot()) and group_size % 2 == 0
 
 
+def uses_amx(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
+    """Whether this layer's pairs go through AMX tiles (Sapphire Rapids and later, bf16, groups
+    of a multiple of 32 columns: every format but Q6_K's 16)."""
+    return uses_pairs(kernels, dtype, group_size) and bool(kernels.amx()) and group_size % 32 == 0
+
+
 def pack_int8(
     q: torch.Tensor, scale: torch.Tensor, pairs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +91,16 @@ def unpack_int8(
 
 
 def int8_linear(
-    kernels: Any, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int
+    kernels: Any,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    amx_min_rows: int = 1,
 ) -> torch.Tensor:
-    """x ([M, K], fp32 or bf16, rows contiguous) @ (q * scale).T -> [M, n] of x's dtype."""
-    out: torch.Tensor = kernels.int8_linear(x, packed, scales, n)
+    """x ([M, K], fp32 or bf16, rows contiguous) @ (q * scale).T -> [M, n] of x's dtype. Pairs
+    on an AMX CPU (`uses_amx`) take the tiles from `amx_min_rows` rows, the bf16 dot below."""
+    out: torch.Tensor = kernels.int8_linear(x, packed, scales, n, amx_min_rows)
     return out
 
 
@@ -149,8 +161,9 @@ def int4_linear(
     sz: torch.Tensor,
     n: int,
     pairs: bool = True,
+    amx_min_rows: int = 1,
 ) -> torch.Tensor:
     """x ([M, K], rows contiguous; bf16 for `pairs`, else fp32 or bf16) @ (q * scale +
-    offset).T -> [M, n] of x's dtype."""
-    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n, pairs)
+    offset).T -> [M, n] of x's dtype. AMX as `int8_linear`'s."""
+    out: torch.Tensor = kernels.int4_linear(x, nibbles, sz, n, pairs, amx_min_rows)
     return out

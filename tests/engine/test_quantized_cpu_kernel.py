@@ -20,11 +20,24 @@ from engine.quant.cpu_linear import (
 from engine.quant.formats import quantize_int4
 
 K = 576
+NO_AMX = 1 << 62  # amx_min_rows that keeps every call off the AMX tiles
 CASES = [(192, 1), (100, K // 32), (77, K // 16)]  # groups: per channel, Q8_0, Q6_K
 CASE_IDS = ["per-channel", "groups-of-32", "groups-of-16-padded"]
-# (activations, weights in column pairs: the AVX512-BF16 dot)
-VARIANTS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-VARIANT_IDS = ["fp32", "bf16-fma", "bf16-dot"]
+# (activations, weights in column pairs: the AVX512-BF16 dot, or AMX tiles from 1 row)
+VARIANTS = [
+    (torch.float32, False, NO_AMX),
+    (torch.bfloat16, False, NO_AMX),
+    (torch.bfloat16, True, NO_AMX),
+    (torch.bfloat16, True, 1),
+]
+VARIANT_IDS = ["fp32", "bf16-fma", "bf16-dot", "bf16-amx"]
+
+
+def skip_unbuilt(kernels, pairs: bool, amx_min_rows: int) -> None:
+    if pairs and not kernels.bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
+    if amx_min_rows != NO_AMX and not kernels.amx():
+        pytest.skip("this CPU has no AMX: the tile path is not built")
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +60,9 @@ def reference(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
-@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
-def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs: bool) -> None:
-    if pairs and not kernels.bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
+@pytest.mark.parametrize(("dtype", "pairs", "amx"), VARIANTS, ids=VARIANT_IDS)
+def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs, amx) -> None:
+    skip_unbuilt(kernels, pairs, amx)
     q, scale = weights(n, groups)
     packed, scales = pack_int8(q, scale, pairs)
     blocks = -(-n // 16)
@@ -60,9 +72,9 @@ def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs
     assert torch.equal(unpacked_q, q) and torch.equal(unpacked_scale, scale)
     w = reference(q, scale)
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 7, 64, 2048):
+    for rows in (1, 7, 40, 64, 2048):  # 40: a padded row tile after two full ones
         x = torch.randn(rows, K, generator=gen).to(dtype)
-        out = int8_linear(kernels, x, packed, scales, n)
+        out = int8_linear(kernels, x, packed, scales, n, amx)
         assert out.shape == (rows, n) and out.dtype == dtype
         expected = F.linear(x.float(), w)
         if dtype == torch.float32:  # fp32 sums in another order
@@ -72,25 +84,42 @@ def test_equals_dequantized_reference(kernels, n: int, groups: int, dtype, pairs
 
 
 @pytest.mark.parametrize(("n", "groups"), CASES, ids=CASE_IDS)
-@pytest.mark.parametrize(("dtype", "pairs"), VARIANTS, ids=VARIANT_IDS)
-def test_rows_do_not_depend_on_the_batch(kernels, n: int, groups: int, dtype, pairs) -> None:
-    """Bit for bit: each of 64 rows alone, the first 7 together, all 64 (row tiles of 6 and
-    their tails, every channel-block grouping), and 2 threads against 1."""
-    if pairs and not kernels.bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16: the bf16 dot is not built")
+@pytest.mark.parametrize(("dtype", "pairs", "amx"), VARIANTS, ids=VARIANT_IDS)
+def test_rows_do_not_depend_on_the_batch(kernels, n: int, groups: int, dtype, pairs, amx) -> None:
+    """Bit for bit: each of 64 rows alone, the first 7 together, all 64 (row tiles of 6, or
+    of 16 zero-padded for AMX, and their tails, every channel-block grouping), and 2 threads
+    against 1."""
+    skip_unbuilt(kernels, pairs, amx)
     q, scale = weights(n, groups)
     packed, scales = pack_int8(q, scale, pairs)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(2)).to(dtype)
-    batch = int8_linear(kernels, x, packed, scales, n)
-    alone = torch.cat([int8_linear(kernels, x[i : i + 1], packed, scales, n) for i in range(64)])
+    batch = int8_linear(kernels, x, packed, scales, n, amx)
+    alone = torch.cat(
+        [int8_linear(kernels, x[i : i + 1], packed, scales, n, amx) for i in range(64)]
+    )
     assert torch.equal(batch, alone)
-    assert torch.equal(int8_linear(kernels, x[:7], packed, scales, n), alone[:7])
+    assert torch.equal(int8_linear(kernels, x[:7], packed, scales, n, amx), alone[:7])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(int8_linear(kernels, x, packed, scales, n), batch)
+        assert torch.equal(int8_linear(kernels, x, packed, scales, n, amx), batch)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_amx_is_built_where_the_cpu_has_it(kernels) -> None:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    assert bool(kernels.amx()) is has_amx
+    # groups of 16 (Q6_K) are not a tile's depth: they keep the bf16 dot, which gives the same
+    # bits for any amx_min_rows
+    q, scale = weights(48, K // 16)
+    if kernels.bf16_dot():
+        packed, scales = pack_int8(q, scale, pairs=True)
+        x = torch.randn(5, K).to(torch.bfloat16)
+        assert torch.equal(int8_linear(kernels, x, packed, scales, 48, 1),
+                           int8_linear(kernels, x, packed, scales, 48, NO_AMX))  # fmt: skip
 
 
 def test_strided_rows_and_zero_rows(kernels) -> None:
@@ -145,16 +174,12 @@ def test_other_simd_widths_give_the_same_bits(kernels, lanes: int) -> None:
                            int4_linear(kernels, x, nibbles, sz, 88, False))  # fmt: skip
 
 
-INT4_VARIANTS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-
-
 @pytest.mark.parametrize(("n", "group_size", "symmetric"), [(88, 32, False), (64, 64, True)])
-@pytest.mark.parametrize(("dtype", "pairs"), INT4_VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize(("dtype", "pairs", "amx"), VARIANTS, ids=VARIANT_IDS)
 def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
-    kernels, n: int, group_size: int, symmetric: bool, dtype: torch.dtype, pairs: bool
+    kernels, n: int, group_size: int, symmetric: bool, dtype: torch.dtype, pairs: bool, amx: int
 ) -> None:
-    if pairs and not kernels.bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16: no column-pair (bf16 dot) build")
+    skip_unbuilt(kernels, pairs, amx)
     gen = torch.Generator().manual_seed(4)
     q4 = quantize_int4(torch.randn(n, K, generator=gen) * 0.05, group_size, symmetric)
     nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset, pairs)
@@ -168,26 +193,26 @@ def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
     )
     for rows in (1, 7, 64, 2048):
         x = torch.randn(rows, K, generator=gen).to(dtype)
-        out = int4_linear(kernels, x, nibbles, sz, n, pairs)
+        out = int4_linear(kernels, x, nibbles, sz, n, pairs, amx)
         assert out.shape == (rows, n) and out.dtype == dtype
         expected = F.linear(x.float(), w)
         torch.testing.assert_close(out.float(), expected, **tolerance)
     x = torch.randn(64, K, generator=gen).to(dtype)
-    batch = int4_linear(kernels, x, nibbles, sz, n, pairs)
+    batch = int4_linear(kernels, x, nibbles, sz, n, pairs, amx)
     alone = torch.cat(
-        [int4_linear(kernels, x[i : i + 1], nibbles, sz, n, pairs) for i in range(64)]
+        [int4_linear(kernels, x[i : i + 1], nibbles, sz, n, pairs, amx) for i in range(64)]
     )
     assert torch.equal(batch, alone)
-    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n, pairs), alone[:7])
+    assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n, pairs, amx), alone[:7])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(int4_linear(kernels, x, nibbles, sz, n, pairs), batch)
+        assert torch.equal(int4_linear(kernels, x, nibbles, sz, n, pairs, amx), batch)
     finally:
         torch.set_num_threads(threads)
     if pairs:
         with pytest.raises(RuntimeError, match="needs bfloat16 x"):
-            int4_linear(kernels, x.float(), nibbles, sz, n, pairs)
+            int4_linear(kernels, x.float(), nibbles, sz, n, pairs, amx)
 
 
 def test_int4_layouts_are_each_others_transpose() -> None:

@@ -94,9 +94,38 @@ def test_fp32_is_the_dense_product_of_the_dequantized_weight(
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_amx_layers_take_the_tiles_from_amx_min_rows(config: QuantizationConfig) -> None:
+    """On an AMX CPU a bf16 layer's pairs go through the tiles: outside deterministic mode from
+    `AMX_MIN_ROWS` rows (the bf16 dot below, faster at one row), in it from one row; either
+    way within a bf16 rounding of the dequantized reference."""
+    kernels = quantized_linear.load_quant_kernels()
+    assert kernels is not None
+    linear, _ = layer(config, torch.bfloat16)
+    assert linear.amx is bool(kernels.amx() and kernels.bf16_dot())
+    if not linear.amx:
+        pytest.skip("this CPU has no AMX")
+    assert linear.kernel_max_rows == quantized_linear.UNLIMITED  # tiles beat dequantizing
+    assert linear.amx_min_rows == quantized_linear.AMX_MIN_ROWS
+    reference = linear.dequantize(torch.float32)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    fast = torch.cat([linear(x[:1]), linear(x[1:3]), linear(x[3:])])
+    quantized_linear.set_kernel_max_rows(linear, None)
+    assert linear.amx_min_rows == 1
+    tiles = linear(x)
+    assert torch.equal(tiles[3:], fast[3:])  # 37 rows took the tiles both times
+    assert torch.equal(torch.cat([linear(x[:1]), linear(x[1:3])]), tiles[:3])
+    expected = F.linear(x.float(), reference)
+    for out in (fast, tiles):
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
+    quantized_linear.set_kernel_max_rows(linear, 16)
+    assert (linear.kernel_max_rows, linear.amx_min_rows) == (16, quantized_linear.AMX_MIN_ROWS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
 def test_kernel_rows_do_not_depend_on_the_batch(config: QuantizationConfig, backend: str) -> None:
     linear, _ = layer(config, torch.bfloat16)
-    linear.kernel_max_rows, linear.min_rows = 1 << 62, 1
+    quantized_linear.set_kernel_max_rows(linear, None)  # deterministic mode's one product
+    linear.min_rows = 1
     assert probe(linear, K, torch.bfloat16)  # rows 1..600, each alone and in every batch
     x = torch.randn(64, K).to(torch.bfloat16)
     alone = torch.cat([linear(x[i : i + 1]) for i in range(64)])
