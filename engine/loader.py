@@ -14,7 +14,7 @@ from tqdm import tqdm
 from engine.errors import InvalidInputError, ModelLoadError
 from engine.kernels.cpu import cpu_kernels_enabled
 from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
-from engine.model.dense_cpu_linear import use_dense_kernel_fp32
+from engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
 from engine.model.quantized_linear import set_kernel_max_rows
 from engine.model.weight_bytes import log_weight_bytes
 from engine.parallel import SINGLE, TensorParallel
@@ -169,6 +169,8 @@ def load_model(
     _check_complete(net, loaded)
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
+        if deterministic:
+            use_dense_kernel_amx(net)  # bf16 with AMX: duet's tiles, invariant (0 elsewhere)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     if deterministic and device.type == "cpu":
         set_kernel_max_rows(net, None)  # one product at every row count

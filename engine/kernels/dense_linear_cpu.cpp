@@ -23,6 +23,10 @@
 // its activation vectors from L2 every channel tile: 120-160 GFLOP/s on a 2-core Xeon where
 // MKL gives 250.) Threads split the channel tiles, and the rows too when there are few tiles;
 // no split changes an element's chain.
+//
+// bf16 on a CPU with AMX takes AMX tiles instead (below, `pack_dense` then packs column pairs),
+// also one fixed order per element: on a 2-core AMX Xeon oneDNN's packed bf16 was not
+// batch-invariant at any padding for some of SmolLM2's shapes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,12 +36,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"
 #include "cpu_simd.h"
 
 namespace duet {
@@ -251,14 +257,129 @@ void run(const Args<E>& a, typename E::raw* o) {
   }
 }
 
+
+#if defined(DUET_AMX)
+// bf16 on a CPU with AMX: `_tile_dpbf16ps` (amx_tiles.h) instead of fp32 FMAs. The weight is
+// packed as column pairs, [ceil(N / 16), K / 2, 16, 2] (channel c's columns 2j and 2j + 1 side
+// by side at pair j: 16 consecutive pairs of a block are one weight tile), and each output
+// element is the tile products' fp32 sums over K in 32-column steps, in order, then + bias,
+// rounded once to bf16. A tile's rows are independent, so the sums of a row depend on nothing
+// but the row and the channel: batch-invariant by construction, as the FMA form, and every
+// row count of a layer takes this path. Needs K a multiple of 32 (one tile's depth).
+constexpr int kPairBlock = 16;
+
+bool amx_dense(int64_t k) { return k % 32 == 0 && amx_permitted(); }
+
+at::Tensor pack_pairs(const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + kPairBlock - 1) / kPairBlock;
+  at::Tensor packed = at::empty({blocks, k / 2, kPairBlock, 2}, w.options());
+  const uint32_t* src = static_cast<const uint32_t*>(w.data_ptr());  // pairs of bf16
+  uint32_t* dst = static_cast<uint32_t*>(packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t j = 0; j < k / 2; ++j)
+        for (int c = 0; c < kPairBlock; ++c) {
+          const int64_t ch = b * kPairBlock + c;
+          dst[(b * (k / 2) + j) * kPairBlock + c] = ch < n ? src[ch * (k / 2) + j] : 0u;
+        }
+  });
+  return packed;
+}
+
+// Sums of RT row tiles x CT channel blocks over K into acc ([RT * 16][CT * 16] fp32): x at
+// column 0 (row stride xs elements), w at block 0's first pair (block stride ws elements).
+template <int RT, int CT>
+inline void tiles(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, int64_t steps,
+                  float* acc) {
+  _tile_zero(0);
+  if constexpr (CT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, x + s * 32, xs * 2);
+    if constexpr (RT > 1) _tile_loadd(5, x + 16 * xs + s * 32, xs * 2);
+    _tile_loadd(6, w + s * 512, 64);
+    if constexpr (CT > 1) _tile_loadd(7, w + ws + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  constexpr int64_t stride = CT * kPairBlock * 4;  // bytes per acc row
+  _tile_stored(0, acc, stride);
+  if constexpr (CT > 1) _tile_stored(1, acc + kPairBlock, stride);
+  if constexpr (RT > 1) _tile_stored(2, acc + 16 * CT * kPairBlock, stride);
+  if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * kPairBlock + kPairBlock, stride);
+}
+
+struct AmxArgs {
+  const uint16_t* x;  // [M, K] bf16, rows xs apart
+  const uint16_t* w;  // pack_pairs
+  const float* b;     // [N] or null
+  int64_t xs, m, k, n;
+};
+
+// Rows r0 .. r0 + rows (at most 32) of channel blocks b0 .. b0 + CT.
+template <int CT>
+void chunk_amx(const AmxArgs& a, int64_t b0, int64_t r0, int64_t rows, uint16_t* out) {
+  constexpr int kCols = CT * kPairBlock;
+  alignas(64) float acc[32 * kCols];
+  const int64_t ws = (a.k / 2) * kPairBlock * 2;  // elements per block
+  const uint16_t* x = a.x + r0 * a.xs;
+  if (rows > 16)
+    tiles<2, CT>(x, a.xs, a.w + b0 * ws, ws, a.k / 32, acc);
+  else
+    tiles<1, CT>(x, a.xs, a.w + b0 * ws, ws, a.k / 32, acc);
+  const int64_t n0 = b0 * kPairBlock, n1 = std::min<int64_t>(a.n, n0 + kCols);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* o = out + (r0 + r) * a.n;
+    const float* v = acc + r * kCols;
+    for (int64_t ch = n0; ch < n1; ++ch)
+      o[ch] = BF16::store1(a.b != nullptr ? v[ch - n0] + a.b[ch] : v[ch - n0]);
+  }
+}
+
+// Each thread's channel blocks in groups of kGroup (their weights stay in L2) swept by chunks
+// of 32 rows (x's chunk stays in L1 across the group), the tiles configured for each chunk's
+// rows (a last partial chunk reads only its own rows).
+constexpr int64_t kGroup = 16;
+
+void run_amx(const AmxArgs& a, int64_t blocks, uint16_t* out) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int configured = -1;
+    for (int64_t g0 = begin; g0 < end; g0 += kGroup) {
+      const int64_t g1 = std::min(end, g0 + kGroup);
+      for (int64_t r0 = 0; r0 < a.m; r0 += 32) {
+        const int64_t rows = std::min<int64_t>(32, a.m - r0);
+        if (rows != configured) {
+          int rows0, rows1;
+          tile_rows(rows, &rows0, &rows1);
+          configure_tiles(rows0, rows1);
+          configured = static_cast<int>(rows);
+        }
+        int64_t b = g0;
+        for (; b + 2 <= g1; b += 2) chunk_amx<2>(a, b, r0, rows, out);
+        if (b < g1) chunk_amx<1>(a, b, r0, rows, out);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+bool amx_dense(int64_t) { return false; }
+#endif
 }  // namespace
 
-// w [N, K] contiguous, fp32 or bf16 -> its panels [ceil(N / kTile), K, kTile], same dtype.
+// w [N, K] contiguous, fp32 or bf16 -> its panels [ceil(N / kTile), K, kTile], same dtype; bf16
+// with AMX (K a multiple of 32): column pairs [ceil(N / 16), K / 2, 16, 2] for the tiles.
 at::Tensor pack_dense(at::Tensor w) {
   const auto dtype = w.scalar_type();
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
               "w must be a contiguous CPU float32 or bfloat16 [N, K] tensor");
+#if defined(DUET_AMX)
+  if (dtype == at::kBFloat16 && amx_dense(w.size(1))) return pack_pairs(w);
+#endif
   const int64_t n = w.size(0), k = w.size(1), tiles = (n + kTile - 1) / kTile;
   at::Tensor panels = at::empty({tiles, k, kTile}, w.options());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -283,10 +404,15 @@ at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
               "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
-  TORCH_CHECK(panels.device().is_cpu() && panels.dim() == 3 && panels.is_contiguous() &&
-                  panels.scalar_type() == dtype && panels.size(1) == x.size(1) &&
-                  panels.size(2) == kTile && panels.size(0) == (n + kTile - 1) / kTile,
-              "panels must be pack_dense's [ceil(N / tile), K, tile] of x's dtype and K");
+  const bool pairs = panels.dim() == 4;
+  TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == dtype &&
+                  (pairs ? dtype == at::kBFloat16 && amx_dense(x.size(1)) &&
+                               panels.size(1) * 2 == x.size(1) && panels.size(2) == 16 &&
+                               panels.size(3) == 2 && panels.size(0) == (n + 15) / 16
+                         : panels.dim() == 3 && panels.size(1) == x.size(1) &&
+                               panels.size(2) == kTile && panels.size(0) == (n + kTile - 1) / kTile),
+              "panels must be pack_dense's [ceil(N / tile), K, tile] (or, bf16 with AMX, "
+              "[ceil(N / 16), K / 2, 16, 2]) of x's dtype and K");
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -296,6 +422,14 @@ at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0 || n == 0) return out;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(DUET_AMX)
+  if (pairs) {
+    run_amx({static_cast<const uint16_t*>(x.data_ptr()), static_cast<const uint16_t*>(panels.data_ptr()),
+             bp, x.stride(0), m, k, n},
+            panels.size(0), static_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+#endif
   if (dtype == at::kFloat) {
     at::Tensor xc = x.stride(0) == k ? x : x.contiguous();
     run<F32>({xc.data_ptr<float>(), panels.data_ptr<float>(), bp, m, k, n}, out.data_ptr<float>());
@@ -333,4 +467,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias) from w's panels (pack_dense) and N", pybind11::arg("x"),
         pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernel's vectors");
+  m.def("amx", [] { return duet::kAmxBuild && duet::amx_permitted(); },
+        "Whether bf16 weights (K a multiple of 32) are packed for AMX tiles");
 }

@@ -27,15 +27,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "cpu_simd.h"
 
 #if defined(__SSE4_1__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+
 
 namespace duet {
 namespace {
@@ -312,44 +310,17 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(DUET_AMX)
 // AMX (Sapphire Rapids and later): the same bf16 pairs, multiplied by tiles. A tile product
 // (_tile_dpbf16ps) takes 16 rows of x's 32 columns and 16 channels' converted weights (one
 // column pair per tile row: exactly the bf16 dot's `converted` vectors, 64 bytes each) into a
 // 16 x 16 fp32 tile: 8,192 multiply-adds per instruction against vdpbf16ps's 32. Per group the
 // sums are stored and combined with the scales (and int4's offsets) in fp32 as the bf16 dot
-// does. A row's result depends only on that row (tile rows are independent; a partial row tile
-// is zero-padded), and every row count of a layer takes this path, so batching still changes
-// no bits. Groups must be a multiple of 32 columns (one tile's depth): every int8 and int4
-// format but Q6_K's 16.
-constexpr bool kAmxBuild = true;
-
-bool amx_permitted() {  // Linux hands a process AMX's tile state only on request
-  constexpr long kReqXcompPerm = 0x1023, kXFeatureXTileData = 18;
-  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXFeatureXTileData) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: sums (row tile i, block j in tile 2i + j); 4-5: x's row tiles; 6-7: weights.
-// Row tile 0 holds rows0 rows of x and of the sums, row tile 1 rows1 (1 to 16 each): a batch
-// of at most 32 rows reads only its own rows.
-inline void configure_tiles(int rows0, int rows1) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
-  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
-  cfg.rows[6] = cfg.rows[7] = 16;
-  _tile_loadconfig(&cfg);
-}
-
+// does (tiles: amx_tiles.h). A row's result depends only on that row (tile rows are
+// independent; a partial row tile is zero-padded), and in deterministic mode every row count of
+// a layer takes this path, so batching changes no bits. Groups must be a multiple of 32 columns
+// (one tile's depth): every int8 and int4 format but Q6_K's 16.
+//
 // One group's sums for RT row tiles x CT channel blocks into acc ([RT * 16][CT * 16] fp32):
 // x at the group's first column (row stride xs elements), w at the group's first column pair
 // of block 0 (block stride ws elements), `steps` tile products of 32 columns.
@@ -457,8 +428,8 @@ template <typename E, bool kInt4>
 void run_amx(const Args& args, int64_t blocks, typename E::raw* out) {
   Args a = args;
   std::vector<uint16_t> padded;
-  const int rows0 = a.m <= 32 ? static_cast<int>(std::min<int64_t>(a.m, 16)) : 16;
-  const int rows1 = a.m <= 32 ? static_cast<int>(std::max<int64_t>(a.m - 16, 1)) : 16;
+  int rows0, rows1;
+  tile_rows(a.m, &rows0, &rows1);
   if (a.m > 32 && a.m % 16 != 0) {
     const int64_t k = a.k;
     padded.assign((a.m + 15) / 16 * 16 * k, 0);
@@ -475,9 +446,6 @@ void run_amx(const Args& args, int64_t blocks, typename E::raw* out) {
     _tile_release();
   });
 }
-#else
-constexpr bool kAmxBuild = false;
-inline bool amx_permitted() { return false; }
 #endif
 
 // Whether bf16 activations with groups of g columns can go through the tiles.
@@ -619,7 +587,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n,
          k / scale.size(1), n};
   if (dot) {
     a.xb = static_cast<const uint16_t*>(x.data_ptr());
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(DUET_AMX)
     if (m >= amx_min_rows && use_amx(a.g)) {
       run_amx<BF16, false>(a, q.size(0), static_cast<uint16_t*>(out.data_ptr()));
       return out;
@@ -694,7 +662,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
   Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
          rows, xb, xs, m, k, g, n, xsum.data()};
   if (pairs) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(DUET_AMX)
     if (m >= amx_min_rows && use_amx(g)) {
       run_amx<BF16, true>(a, q4.size(0), static_cast<uint16_t*>(out.data_ptr()));
       return out;

@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
         """Reorder projection weights once into oneDNN's layout where that pays (engine/model/
         packed_linear.py); a tied LM head gets a packed copy. Returns the layers packed."""
         count = pack_linears(self)
-        tied_dense = isinstance(self.tied_head, TiedLinear)
+        head = self.tied_head
+        tied_dense = isinstance(head, TiedLinear) and head.cpu_kernel is None
         if self.lm_head is None and tied_dense and can_pack(self.embed_tokens.weight):
             self.tied_head = PackedLinear.from_weight(self.embed_tokens.weight)
             count += 1

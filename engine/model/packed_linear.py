@@ -102,6 +102,8 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or not can_pack(child.weight):
                 continue
+            if getattr(child, "cpu_kernel", None) is not None:  # on duet's dense kernel already
+                continue
             try:
                 packed = PackedLinear.from_weight(child.weight, child.bias)
             except RuntimeError as e:  # an unusual build of torch: keep the plain layers

@@ -11,6 +11,7 @@ from engine.model import dense_cpu_linear, row_invariant
 from engine.model.dense_cpu_linear import (
     load_dense_kernel,
     use_dense_kernel,
+    use_dense_kernel_amx,
     use_dense_kernel_fp32,
 )
 
@@ -47,6 +48,50 @@ def test_close_to_f_linear_and_rows_alone_equal_rows_in_a_batch(kernel, dtype, o
     for i in (0, 5, 77, 299):
         assert torch.equal(kernel.dense_linear(x[i : i + 1], w, b)[0], y[i]), i
     assert torch.equal(kernel.dense_linear(x[::3], w, b), y[::3])  # rows a stride apart
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+def test_bf16_weights_pack_as_tile_pairs_exactly_where_the_cpu_has_amx(kernel):
+    assert bool(kernel.amx()) is _cpu_has_amx()
+    w = torch.randn(40, 64).bfloat16()  # 3 blocks of 16 channels, the last padded
+    packed = kernel.pack_dense(w)
+    assert kernel.pack_dense(w.float()).dim() == 3  # fp32: FMA panels everywhere
+    assert kernel.pack_dense(torch.randn(40, 70).bfloat16()).dim() == 3  # K off the tiles
+    if not kernel.amx():
+        assert packed.dim() == 3
+        return
+    padded = torch.cat([w, w.new_zeros(8, 64)])
+    pairs = padded.view(3, 16, 32, 2).permute(0, 2, 1, 3)  # [block, pair, channel, column]
+    assert packed.shape == (3, 32, 16, 2) and torch.equal(packed, pairs)
+    x = torch.randn(33, 64).bfloat16()  # a full 32-row chunk and a chunk of one
+    b = torch.randn(40)
+    y = kernel.dense_linear_packed(x, packed, 40, b)
+    ref = F.linear(x.double(), w.double(), b.double())
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 4e-3
+    assert torch.equal(kernel.dense_linear_packed(x[32:], packed, 40, b), y[32:])
+    with pytest.raises(RuntimeError, match="panels must be pack_dense's"):
+        kernel.dense_linear_packed(x.float(), packed, 40, None)  # tile pairs take bf16 only
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_bf16_layers_take_the_amx_tiles(kernel, tiny_llama, deterministic):
+    from engine.loader import load_model
+    from engine.model.packed_linear import PackedLinear, packing_supported
+
+    model = load_model(tiny_llama, torch.bfloat16, torch.device("cpu"), progress=False,
+                       deterministic=deterministic).model  # fmt: skip
+    gate_up = model.layers[0].mlp.gate_up_proj
+    if deterministic and kernel.amx():  # duet's tiles: invariant, faster than oneDNN's to 64 rows
+        assert gate_up.cpu_kernel is kernel and gate_up.weight.dim() == 4
+        assert model.tied_head is None or model.tied_head.cpu_kernel is kernel
+        assert use_dense_kernel_amx(model) == 0  # nothing left to move
+    else:
+        assert isinstance(gate_up, PackedLinear) is packing_supported(torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

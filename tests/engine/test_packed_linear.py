@@ -85,7 +85,8 @@ def test_pack_linears_swaps_the_layers_this_cpu_packs(fp32_packing, choice):
 def test_packed_bf16_model_matches_the_plain_one(tiny_llama, monkeypatch):
     prompts = [[5, 6, 7, 8, 9], list(range(3, 40))]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
-    packed = LLM(tiny_llama, dtype="bfloat16", load_progress=False)
+    # deterministic mode on an AMX CPU takes duet's tiles instead (test_dense_linear_kernel.py)
+    packed = LLM(tiny_llama, dtype="bfloat16", load_progress=False, deterministic=False)
     layers = packed.engine.runner.model.layers
     assert isinstance(layers[0].mlp.gate_up_proj, PackedLinear)
     got = packed.generate(prompts, params)
@@ -123,7 +124,8 @@ def test_models_pack_exactly_where_the_cpu_supports_it(tiny_llama):
     """On a CPU without native bf16 (AVX2-only, say) a bf16 model keeps plain layers and runs;
     an fp32 model is packed only where that pays (AMD CPUs, by default)."""
     for dtype in (torch.bfloat16, torch.float32):
-        llm = LLM(tiny_llama, dtype=str(dtype).removeprefix("torch."), load_progress=False)
+        name = str(dtype).removeprefix("torch.")
+        llm = LLM(tiny_llama, dtype=name, load_progress=False, deterministic=False)
         layer = llm.engine.runner.model.layers[0].mlp.gate_up_proj
         assert isinstance(layer, PackedLinear) is packing_supported(dtype)
         assert isinstance(layer, nn.Linear) is not packing_supported(dtype)

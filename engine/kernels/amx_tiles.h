@@ -1,0 +1,63 @@
+// AMX tiles (Sapphire Rapids and later: amx_tile, amx_bf16) for duet's CPU kernels: whether a
+// build has them, the process's permission to use them, and the tile configuration the bf16
+// products share (engine/kernels/quant_linear_cpu.cpp, dense_linear_cpu.cpp).
+//
+// Tiles 0-3 hold fp32 sums (row tile i, channel block j in tile 2i + j: 16 x 16), 4-5 rows of x
+// (16 x 32 bf16), 6-7 weights as column pairs of 16 channels (16 pairs x 16 channels x 2 bf16,
+// 64 bytes per pair: the layout `_tile_dpbf16ps` reads). A tile's rows are independent, so a
+// row's sums never depend on the other rows sharing its tile.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define DUET_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace duet {
+
+constexpr bool kAmxBuild = true;
+
+// Linux hands a process AMX's tile state only on request (once; every thread then has it).
+inline bool amx_permitted() {
+  constexpr long kReqXcompPerm = 0x1023, kXFeatureXTileData = 18;
+  static const bool ok = syscall(SYS_arch_prctl, kReqXcompPerm, kXFeatureXTileData) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Row tile 0 holds rows0 rows of x and of the sums, row tile 1 rows1 (1 to 16 each): a batch of
+// at most 32 rows reads only its own rows. Each thread configures before its tile products and
+// calls _tile_release() after, as oneDNN does around its own AMX kernels.
+inline void configure_tiles(int rows0, int rows1) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// The (rows0, rows1) of a call on m rows: exact up to 32 rows, else full tiles (the caller pads
+// a partial last row tile).
+inline void tile_rows(int64_t m, int* rows0, int* rows1) {
+  *rows0 = m <= 32 ? static_cast<int>(m < 16 ? m : 16) : 16;
+  *rows1 = m <= 32 ? static_cast<int>(m > 16 ? m - 16 : 1) : 16;
+}
+
+}  // namespace duet
+#else
+namespace duet {
+constexpr bool kAmxBuild = false;
+inline bool amx_permitted() { return false; }
+}  // namespace duet
+#endif
