@@ -82,7 +82,7 @@ class EngineConfig:
     quantization_symmetric: bool = False
     """int4: symmetric groups (a scale each) instead of asymmetric (a scale and an offset)."""
     quantize_lm_head: bool = False
-    """Quantize the LM head as well as the projections."""
+    """Quantize the LM head as well as the projections (a tied embedding table with it)."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     """Values that replace fields of the model's config.json (e.g. to shrink max_position_embeddings)."""
     speculative_config: dict[str, Any] | None = None

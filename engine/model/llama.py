@@ -23,6 +23,7 @@ from engine.kernels.cpu import kernels_for
 from engine.model.arch import ModelArchConfig
 from engine.model.dense_cpu_linear import use_dense_kernel
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
+from engine.model.quantized_embedding import can_gather_rows, gather_rows
 from engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from engine.model.rotary import RotaryEmbedding
 from engine.model.row_invariant import Linear, TiedLinear
@@ -215,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.workspace = GatherWorkspace()
         self.tied_head: nn.Module | None = None  # set by load_weights, packed by pack_for_cpu
+        self.embedding_in_head = False
+        """Whether lookups read the quantized tied head (`embed_tokens` then holds no rows)."""
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -246,12 +249,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:
-            return self.embed_tokens(input_ids)
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
-        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        hidden = self._lookup(local.masked_fill(outside, 0))
         hidden.masked_fill_(outside[:, None], 0.0)
         return self.tp.all_reduce(hidden)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embedding_in_head:  # the quantized tied head is the table
+            assert isinstance(self.tied_head, QuantizedLinear)
+            return gather_rows(self.tied_head, ids, self.embed_tokens.weight.dtype)
+        return self.embed_tokens(ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -330,6 +339,13 @@ class LlamaForCausalLM(nn.Module):
         self._finalize_quantized()
         if self.lm_head is None:  # the head is the embedding table, as loaded
             self.tied_head = self._tied_head(quantized_embedding)
+            head = self.tied_head
+            if isinstance(head, QuantizedLinear) and can_gather_rows(head):
+                # one quantized table for both (engine/model/quantized_embedding.py)
+                table = self.embed_tokens.weight
+                empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
+                self.embed_tokens.weight = nn.Parameter(empty, requires_grad=False)
+                self.embedding_in_head = True
         return loaded
 
     def _finalize_quantized(self) -> None:

@@ -1,0 +1,58 @@
+"""A tied embedding read from its quantized LM head: one int8 or int4 table serves both.
+
+A model whose LM head is its embedding table (SmolLM2) and whose head is quantized
+(`quantize_lm_head`, or a GGUF head kept quantized) looks its tokens up in the head's own
+quantized weight, as llama.cpp does with `token_embd`, instead of also keeping the table in
+full precision. `gather_rows(head, ids, dtype)` gives exactly `head.dequantize(dtype)[ids]`
+(the same elementwise operations on the gathered rows) without dequantizing the other rows: the
+row of channel n sits in block n // 16, lane n % 16 of the kernels' layouts
+(engine/quant/cpu_linear.py), or at row n of the Triton layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.quantized_linear import QuantizedLinear
+from engine.quant.cpu_linear import BLOCK
+
+
+def can_gather_rows(head: QuantizedLinear) -> bool:
+    """Whether `head`'s layout can give single rows: duet's CPU kernels' and the Triton ones
+    (not torch's opaque int4 packing, used only where duet's kernels cannot be built)."""
+    return head.duet_kernels is not None or head.use_triton or head.kind.startswith("int8")
+
+
+def gather_rows(head: QuantizedLinear, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` ([T], in [0, out_features)) of `head`'s dense weight, [T, in_features] of
+    `dtype`: the embeddings of tokens `ids`."""
+    ids = ids.long()
+    t, k, g = ids.shape[0], head.in_features, head.group_size
+    if head.kind.startswith("int8"):
+        if head.duet_kernels is not None:  # [N / 16, K, 16] or pairs [N / 16, K / 2, 16, 2]
+            block, lane = ids // BLOCK, ids % BLOCK
+            q, scale = head.q[block, :, lane], head.scale[block, :, lane]
+        else:
+            q, scale = head.q[ids], head.scale[ids]
+        groups = q.reshape(t, -1, g).to(scale.dtype)
+        return (groups * scale.reshape(t, -1, 1)).view(t, k).to(dtype)
+    if head.use_triton:  # rows: column 2j low nibble, 2j + 1 high
+        packed = head.packed[ids]
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(t, k)
+        groups = q.to(head.scale.dtype).view(t, -1, g)
+        w = groups * head.scale[ids][..., None] + head.zero[ids][..., None]
+        return w.view(t, k).to(dtype)
+    if head.duet_kernels is None:
+        raise ValueError("this int4 layout (torch's packing) cannot give single rows")
+    block, lane = ids // BLOCK, ids % BLOCK
+    if head.pairs:  # byte i of a column pair: value i low, i + 16 high; value 2c + col
+        first = (2 * lane) % BLOCK
+        shift = torch.where(lane >= BLOCK // 2, 4, 0)[:, None]
+        low, high = head.packed[block, :, first], head.packed[block, :, first + 1]
+        q = torch.stack([(low >> shift) & 0x0F, (high >> shift) & 0x0F], dim=-1)
+    else:  # byte c: channel c's column 2j low, 2j + 1 high
+        byte = head.packed[block, :, lane]
+        q = torch.stack([byte & 0x0F, byte >> 4], dim=-1)
+    sz = head.scales_zeros[block, :, :, lane].float()  # [T, K / G, 2]
+    groups = q.float().view(t, -1, g)
+    return (groups * sz[..., 0, None] + sz[..., 1, None]).view(t, k).to(dtype)

@@ -1,0 +1,83 @@
+"""A tied embedding read from its quantized LM head (engine/model/quantized_embedding.py): the
+rows equal the dequantized head's, bit for bit, in every layout, and a tied model with a
+quantized head keeps one table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.loader import load_model
+from engine.model import quantized_linear
+from engine.model.quantized_embedding import can_gather_rows, gather_rows
+from engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from engine.model.weight_bytes import weight_bytes
+from engine.quant.config import QuantizationConfig
+from engine.quant.formats import quantize_int4, quantize_int8
+from tests.conftest import SMOLLM2_SHAPES
+
+CPU = torch.device("cpu")
+K = 576
+N = 200  # 12 full blocks of 16 channels and a padded one
+CONFIGS = [
+    QuantizationConfig("int8"),
+    QuantizationConfig("int4", 32, symmetric=False),
+    QuantizationConfig("int4", 64, symmetric=True),
+]
+IDS = ["int8", "int4-g32-asym", "int4-g64-sym"]
+TOKENS = torch.tensor([0, 1, 7, 8, 15, 16, 17, 31, 100, 199, 7, 0])  # every lane half, repeats
+
+
+def head(config: QuantizationConfig, dtype: torch.dtype, layout: str) -> QuantizedLinear:
+    weight = torch.randn(N, K, generator=torch.Generator().manual_seed(0)) * 0.05
+    if layout == "torch":  # where duet's kernels cannot be built
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quantized_linear, "load_quant_kernels", lambda: None)
+            return quantize_linear(weight, None, config, dtype)
+    if layout == "triton":  # the CUDA layout (rows of nibbles or int8), built on the CPU
+        layer = QuantizedLinear(K, N, False, config)
+        if config.method == "int8":
+            rounded = quantize_int8(weight)
+        else:
+            rounded = quantize_int4(weight, config.group_size, config.symmetric)
+        layer.set_weight(rounded, dtype, CPU, triton=True)
+        return layer
+    layer = quantize_linear(weight, None, config, dtype)
+    return layer
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["duet", "triton", "torch"])
+def test_rows_are_the_dequantized_heads_rows(config, dtype, layout: str) -> None:
+    layer = head(config, dtype, layout)
+    if not can_gather_rows(layer):
+        assert layout == "torch" and config.method == "int4"  # torch's opaque int4 packing
+        with pytest.raises(ValueError, match="cannot give single rows"):
+            gather_rows(layer, TOKENS, dtype)
+        return
+    rows = gather_rows(layer, TOKENS, dtype)
+    assert rows.shape == (len(TOKENS), K) and rows.dtype == dtype
+    assert torch.equal(rows, layer.dequantize(dtype)[TOKENS])
+
+
+def test_a_tied_model_with_a_quantized_head_keeps_one_table(tiny_model_factory) -> None:
+    path = tiny_model_factory("llama", tie_word_embeddings=True, **SMOLLM2_SHAPES)
+    config = QuantizationConfig("int4", 32, lm_head=True)
+    dense_head = load_model(path, torch.bfloat16, CPU, progress=False, deterministic=False,
+                            quantization=QuantizationConfig("int4", 32)).model  # fmt: skip
+    quantized = load_model(path, torch.bfloat16, CPU, progress=False, deterministic=False,
+                           quantization=config).model  # fmt: skip
+    assert not dense_head.embedding_in_head and quantized.embedding_in_head
+    table = dense_head.embed_tokens.weight
+    assert quantized.embed_tokens.weight.shape == (0, table.shape[1])
+    assert isinstance(quantized.tied_head, QuantizedLinear)
+    # the table's bf16 bytes are gone (and the dense head's packed copy of it, if any): the
+    # quantized head stands for both
+    head_copy = sum(t.nbytes for t in [*dense_head.tied_head.parameters(),
+                                       *dense_head.tied_head.buffers()])  # fmt: skip
+    saved = weight_bytes(dense_head)[0] - weight_bytes(quantized)[0]
+    assert saved == table.numel() * 2 + head_copy - quantized.tied_head.weight_bytes()
+    ids = torch.tensor([3, 1, 4, 1, 5, 511])
+    expected = quantized.tied_head.dequantize(torch.bfloat16)[ids]
+    assert torch.equal(quantized._embed(ids), expected)
