@@ -54,6 +54,44 @@ inline void tile_rows(int64_t m, int* rows0, int* rows1) {
   *rows1 = m <= 32 ? static_cast<int>(m > 16 ? m - 16 : 1) : 16;
 }
 
+// The sums of RT row tiles x CT channel blocks (tiles 0-3) set to zero.
+template <int RT, int CT>
+inline void zero_sums() {
+  _tile_zero(0);
+  if constexpr (CT > 1) _tile_zero(1);
+  if constexpr (RT > 1) _tile_zero(2);
+  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
+}
+
+// One step of 32 columns: x's RT row tiles at their column (row stride xs elements) times CT
+// blocks' weight tiles (w: block 0's 16 pairs, 64 bytes each; block stride ws elements), added
+// to the sums. Each load comes just before its first product.
+template <int RT, int CT>
+inline void tile_step(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws) {
+  _tile_loadd(4, x, xs * 2);
+  _tile_loadd(6, w, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (CT > 1) {
+    _tile_loadd(7, w + ws, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  if constexpr (RT > 1) {
+    _tile_loadd(5, x + 16 * xs, xs * 2);
+    _tile_dpbf16ps(2, 5, 6);
+  }
+  if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
+}
+
+// The sums into acc, [RT * 16][CT * 16] fp32 rows.
+template <int RT, int CT>
+inline void store_sums(float* acc) {
+  constexpr int64_t kStride = CT * 16 * 4;  // bytes per acc row
+  _tile_stored(0, acc, kStride);
+  if constexpr (CT > 1) _tile_stored(1, acc + 16, kStride);
+  if constexpr (RT > 1) _tile_stored(2, acc + 16 * CT * 16, kStride);
+  if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * 16 + 16, kStride);
+}
+
 }  // namespace duet
 #else
 namespace duet {

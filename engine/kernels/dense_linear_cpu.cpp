@@ -291,29 +291,9 @@ at::Tensor pack_pairs(const at::Tensor& w) {
 template <int RT, int CT>
 inline void tiles(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, int64_t steps,
                   float* acc) {
-  _tile_zero(0);
-  if constexpr (CT > 1) _tile_zero(1);
-  if constexpr (RT > 1) _tile_zero(2);
-  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {  // each load just before its first product
-    _tile_loadd(4, x + s * 32, xs * 2);
-    _tile_loadd(6, w + s * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (CT > 1) {
-      _tile_loadd(7, w + ws + s * 512, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (RT > 1) {
-      _tile_loadd(5, x + 16 * xs + s * 32, xs * 2);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
-  }
-  constexpr int64_t stride = CT * kPairBlock * 4;  // bytes per acc row
-  _tile_stored(0, acc, stride);
-  if constexpr (CT > 1) _tile_stored(1, acc + kPairBlock, stride);
-  if constexpr (RT > 1) _tile_stored(2, acc + 16 * CT * kPairBlock, stride);
-  if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * kPairBlock + kPairBlock, stride);
+  zero_sums<RT, CT>();
+  for (int64_t s = 0; s < steps; ++s) tile_step<RT, CT>(x + s * 32, xs, w + s * 512, ws);
+  store_sums<RT, CT>(acc);
 }
 
 struct AmxArgs {

@@ -330,10 +330,7 @@ template <int RT, int CT, bool kInt4>
 inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, int64_t steps,
                       const int8_t* q, int64_t qs, float* acc) {
   constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
-  _tile_zero(0);
-  if constexpr (CT > 1) _tile_zero(1);
-  if constexpr (RT > 1) _tile_zero(2);
-  if constexpr (RT > 1 && CT > 1) _tile_zero(3);
+  zero_sums<RT, CT>();
   for (int64_t s = 0; s < steps; ++s) {
     if (q != nullptr) {
       for (int c = 0; c < CT; ++c) {
@@ -343,20 +340,9 @@ inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, in
         for (int j = 0; j < 16; ++j) dst[j] = convert_pair<kInt4>(src + 2 * j * kQBytes);
       }
     }
-    _tile_loadd(4, x + s * 32, xs * 2);
-    if constexpr (RT > 1) _tile_loadd(5, x + 16 * xs + s * 32, xs * 2);
-    _tile_loadd(6, w + s * 512, 64);
-    if constexpr (CT > 1) _tile_loadd(7, w + ws + s * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
-    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
+    tile_step<RT, CT>(x + s * 32, xs, w + s * 512, ws);
   }
-  constexpr int64_t stride = CT * kBlock * 4;  // bytes per acc row
-  _tile_stored(0, acc, stride);
-  if constexpr (CT > 1) _tile_stored(1, acc + kBlock, stride);
-  if constexpr (RT > 1) _tile_stored(2, acc + 16 * CT * kBlock, stride);
-  if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * kBlock + kBlock, stride);
+  store_sums<RT, CT>(acc);
 }
 
 // All rows of channel blocks b0 .. b0 + CT through the tiles, 32 rows at a time.
