@@ -35,23 +35,22 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Row tile 0 holds rows0 rows of x and of the sums, row tile 1 rows1 (1 to 16 each): a batch of
-// at most 32 rows reads only its own rows. Each thread configures before its tile products and
-// calls _tile_release() after, as oneDNN does around its own AMX kernels.
-inline void configure_tiles(int rows0, int rows1) {
+// The tiles for a chunk of `rows` (1 to 32) rows of x: row tile 0 holds min(rows, 16) rows of x
+// and of the sums, row tile 1 the rest, so a chunk reads and computes only its own rows.
+// `configured` is the chunk size the calling thread's tiles hold now (-1: none); the
+// configuration is loaded only when that changes. Each thread calls _tile_release() after its
+// products, as oneDNN does around its own AMX kernels.
+inline void configure_tiles(int64_t rows, int* configured) {
+  if (rows == *configured) return;
+  const int rows0 = static_cast<int>(rows < 16 ? rows : 16);
+  const int rows1 = static_cast<int>(rows > 16 ? rows - 16 : 1);
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
   cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
   cfg.rows[6] = cfg.rows[7] = 16;
   _tile_loadconfig(&cfg);
-}
-
-// The (rows0, rows1) of a call on m rows: exact up to 32 rows, else full tiles (the caller pads
-// a partial last row tile).
-inline void tile_rows(int64_t m, int* rows0, int* rows1) {
-  *rows0 = m <= 32 ? static_cast<int>(m < 16 ? m : 16) : 16;
-  *rows1 = m <= 32 ? static_cast<int>(m > 16 ? m - 16 : 1) : 16;
+  *configured = static_cast<int>(rows);
 }
 
 // The sums of RT row tiles x CT channel blocks (tiles 0-3) set to zero.

@@ -36,7 +36,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -257,7 +256,6 @@ void run(const Args<E>& a, typename E::raw* o) {
   }
 }
 
-
 #if defined(DUET_AMX)
 // bf16 on a CPU with AMX: `_tile_dpbf16ps` (amx_tiles.h) instead of fp32 FMAs. The weight is
 // packed as column pairs, [ceil(N / 16), K / 2, 16, 2] (channel c's columns 2j and 2j + 1 side
@@ -335,12 +333,7 @@ void run_amx(const AmxArgs& a, int64_t blocks, uint16_t* out) {
       const int64_t g1 = std::min(end, g0 + kGroup);
       for (int64_t r0 = 0; r0 < a.m; r0 += 32) {
         const int64_t rows = std::min<int64_t>(32, a.m - r0);
-        if (rows != configured) {
-          int rows0, rows1;
-          tile_rows(rows, &rows0, &rows1);
-          configure_tiles(rows0, rows1);
-          configured = static_cast<int>(rows);
-        }
+        configure_tiles(rows, &configured);
         int64_t b = g0;
         for (; b + 2 <= g1; b += 2) chunk_amx<2>(a, b, r0, rows, out);
         if (b < g1) chunk_amx<1>(a, b, r0, rows, out);

@@ -34,7 +34,6 @@
 #include <immintrin.h>
 #endif
 
-
 namespace duet {
 namespace {
 
@@ -317,7 +316,7 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 // 16 x 16 fp32 tile: 8,192 multiply-adds per instruction against vdpbf16ps's 32. Per group the
 // sums are stored and combined with the scales (and int4's offsets) in fp32 as the bf16 dot
 // does (tiles: amx_tiles.h). A row's result depends only on that row (tile rows are
-// independent; a partial row tile is zero-padded), and in deterministic mode every row count of
+// independent; a partial chunk's tiles hold only its rows), and in deterministic mode every row count of
 // a layer takes this path, so batching changes no bits. Groups must be a multiple of 32 columns
 // (one tile's depth): every int8 and int4 format but Q6_K's 16.
 //
@@ -345,9 +344,10 @@ inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, in
   store_sums<RT, CT>(acc);
 }
 
-// All rows of channel blocks b0 .. b0 + CT through the tiles, 32 rows at a time.
+// All rows of channel blocks b0 .. b0 + CT through the tiles, 32 rows at a time (`configured`:
+// see configure_tiles).
 template <typename E, int CT, bool kInt4>
-void columns_amx(const Args& a, int64_t b0, typename E::raw* out) {
+void columns_amx(const Args& a, int64_t b0, typename E::raw* out, int* configured) {
   const int64_t K = a.k, G = a.g, groups = K / G, pairs = K / 2;
   constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
   thread_local std::vector<__m512bh> converted;
@@ -362,7 +362,8 @@ void columns_amx(const Args& a, int64_t b0, typename E::raw* out) {
   for (int64_t r0 = 0; r0 < a.m; r0 += 32) {
     const int64_t rows = std::min<int64_t>(32, a.m - r0);
     const int rt = rows > 16 ? 2 : 1;
-    const uint16_t* x = a.xb + r0 * a.xs;  // over 32 rows: padded to a multiple of 16
+    configure_tiles(rows, configured);
+    const uint16_t* x = a.xb + r0 * a.xs;
     const int64_t xs = a.xs;
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int8_t* raw = r0 == 0 ? q + gi * G * kQBytes : nullptr;
@@ -406,29 +407,15 @@ void columns_amx(const Args& a, int64_t b0, typename E::raw* out) {
   }
 }
 
-// Channel blocks two at a time (and a last one), each thread's run under its own tile
-// configuration, released at the end for the next user of the tiles (oneDNN configures its own).
-// Up to 32 rows the tiles hold exactly x's rows; over 32, a partial last row tile reads x from
-// a copy whose rows run on to a multiple of 16 with zeros.
+// Channel blocks two at a time (and a last one), the tiles released at the end of each thread's
+// run for the next user of the tiles (oneDNN configures its own).
 template <typename E, bool kInt4>
-void run_amx(const Args& args, int64_t blocks, typename E::raw* out) {
-  Args a = args;
-  std::vector<uint16_t> padded;
-  int rows0, rows1;
-  tile_rows(a.m, &rows0, &rows1);
-  if (a.m > 32 && a.m % 16 != 0) {
-    const int64_t k = a.k;
-    padded.assign((a.m + 15) / 16 * 16 * k, 0);
-    for (int64_t r = 0; r < a.m; ++r)
-      std::memcpy(padded.data() + r * k, a.xb + r * a.xs, k * sizeof(uint16_t));
-    a.xb = padded.data();
-    a.xs = k;
-  }
+void run_amx(const Args& a, int64_t blocks, typename E::raw* out) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles(rows0, rows1);
+    int configured = -1;
     int64_t b = begin;
-    for (; b + 2 <= end; b += 2) columns_amx<E, 2, kInt4>(a, b, out);
-    if (b < end) columns_amx<E, 1, kInt4>(a, b, out);
+    for (; b + 2 <= end; b += 2) columns_amx<E, 2, kInt4>(a, b, out, &configured);
+    if (b < end) columns_amx<E, 1, kInt4>(a, b, out, &configured);
     _tile_release();
   });
 }

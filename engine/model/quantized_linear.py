@@ -16,7 +16,8 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   converted pairs, at every row count from `AMX_MIN_ROWS` (the dot below), 4-9x the dot's speed
   at 32-256 rows and faster than dequantizing into oneDNN's bf16 matmul.
 - Deterministic mode keeps one product at every row count (docs/determinism.md): the kernel
-  always, and on AMX the tiles from one row. Every kernel computes each row on its own (probed, `row_invariant.check_model`).
+  always, and on AMX the tiles from one row. Every kernel computes each row on its own (probed,
+  `row_invariant.check_model`).
 - CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
   checked in Triton's interpreter only, not yet run on a GPU.
 """
