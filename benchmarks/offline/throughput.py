@@ -27,6 +27,10 @@ Setup (from the repository root):
 Without .venv-bench the vLLM baseline is skipped with a note. Results go to
 benchmarks/results/offline_throughput.json (see benchmarks/README.md).
 
+`--prompt-len LO,HI` and `--output-len LO,HI` change the lengths, e.g. a prefill-only run
+(`--prompt-len 256,512 --output-len 1,1`) or a decode-heavy one (`--prompt-len 16,32
+--output-len 200,256`), to see which phase a ratio comes from.
+
 `--paired-rounds N` measures differently: for each dtype and vLLM mode, duet and that vLLM
 engine both stay loaded and their timed calls alternate for N rounds (`benchmarks/offline/paired.py`),
 and the ratio is taken within each round, so the machine's drift over the run cancels out.
@@ -86,12 +90,31 @@ def _comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def _length_range(value: str) -> tuple[int, int]:
+    parts = value.split(",")
+    try:
+        lo, hi = (int(v) for v in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected LO,HI (two integers)") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{value!r}: need 1 <= LO <= HI")
+    return lo, hi
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--prompt-len", type=_length_range, default=None, metavar="LO,HI",
+        help="prompt lengths uniform in LO..HI (default 16,512; --quick 16,64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--output-len", type=_length_range, default=None, metavar="LO,HI",
+        help="output lengths uniform in LO..HI (default 16,256; --quick 8,32)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="both", help="duet and vLLM dtypes")
     p.add_argument(
@@ -253,7 +276,11 @@ def run_quietly(
 
 def build_workloads(args: argparse.Namespace, model_dir: Path) -> tuple[Workload, Workload]:
     """The measured workload and a short warm-up one (another seed, so no shared prefixes)."""
-    lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
+    lengths = dict(QUICK_LENGTHS if args.quick else FULL_LENGTHS)
+    if args.prompt_len is not None:
+        lengths["prompt_len"] = args.prompt_len
+    if args.output_len is not None:
+        lengths["output_len"] = args.output_len
     vocab, special = vocab_size(model_dir), special_token_ids(model_dir)
     workload = make_workload(args.num_prompts, args.seed, vocab, special, **lengths)
     warmup = make_workload(2, args.seed + 1_000_003, vocab, special, (32, 32), (8, 8))

@@ -51,3 +51,20 @@ def test_paired_rounds_flag():
     assert parse_args(["--paired-rounds", "3"]).out.name == "offline_throughput_paired.json"
     with pytest.raises(SystemExit):
         parse_args(["--paired-rounds", "-1"])
+
+
+def test_length_flags_shape_the_workload(tmp_path):
+    from benchmarks.offline.throughput import build_workloads
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"vocab_size": 300}')
+    (model_dir / "tokenizer.json").write_text('{"added_tokens": [{"id": 0, "special": true}]}')
+    args = parse_args(["--prompt-len", "20,30", "--output-len", "1,1", "--num-prompts", "5"])
+    assert (args.prompt_len, args.output_len) == ((20, 30), (1, 1))
+    workload, _ = build_workloads(args, model_dir)
+    assert all(20 <= len(p) <= 30 for p in workload.prompts) and workload.max_tokens == [1] * 5
+    assert parse_args([]).prompt_len is None  # the documented default lengths
+    for bad in ("5", "9,3", "0,4", "a,b"):
+        with pytest.raises(SystemExit):
+            parse_args(["--prompt-len", bad])
