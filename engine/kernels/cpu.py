@@ -67,6 +67,17 @@ def load_cpu_kernels() -> Any | None:
         return None
 
 
+_COMMON_CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    # a * b + c as one FMA in every module alike: shared inline code (vexp in cpu_simd.h) must
+    # give the same bits in each (the dense kernel's fused silu equals the elementwise one),
+    # whatever the compiler's default (GCC 12 contracts even under -std=c++20; others may not).
+    "-ffp-contract=fast",
+)
+
+
 def build_cpu_kernels(
     defines: tuple[str, ...] = (),
     module: str = "duet_cpu_kernels",
@@ -90,7 +101,7 @@ def build_cpu_kernels(
     # (the source paths) change, and a rebuild rewrites a .so that other processes have mapped
     # (SIGBUS), so the build compiles copies of the sources kept in the build directory, whose
     # paths are the same for every checkout.
-    key = (defines, cflags)
+    key = (defines, _COMMON_CFLAGS, cflags)
     digest = hashlib.sha1(repr(key).encode())
     contents = {}
     for path in paths + _HEADERS:
@@ -124,9 +135,7 @@ def build_cpu_kernels(
             name=name,
             sources=[os.path.join(sources_dir, os.path.basename(p)) for p in paths],
             extra_cflags=[
-                "-O3",
-                "-march=native",
-                "-fopenmp",
+                *_COMMON_CFLAGS,
                 *cflags,
                 *(f"-D{d}" for d in defines),
             ],

@@ -185,25 +185,9 @@ inline typename Vec<4>::F hsum4(typename Vec<W>::F a0, typename Vec<W>::F a1,
   return fold_to4<W>(hadd<W>(hadd<W>(a0, a1), hadd<W>(a2, a3)));
 }
 
-// A product rounded on its own: the compiler cannot fuse it with the add that follows (an FMA)
-// even under -ffp-contract=fast, so code built into modules with and without contraction (the
-// dense linear kernel's fused silu, elementwise_cpu.cpp's) computes the same bits.
-template <typename T>
-inline T unfused(T v) {
-#if defined(__x86_64__) || defined(__i386__)
-  if constexpr (sizeof(T) >= 16) {
-    asm("" : "+v"(v));  // stays in its vector register
-    return v;
-  }
-#endif
-  asm("" : "+m"(v));  // scalar lanes (odd head sizes), other ISAs: through memory
-  return v;
-}
-
 // exp(x), Cephes' expf polynomial after reduction by ln 2: within 2 ulp of std::exp on
 // [-87, 88]. Inputs are clamped to that range, so exp(-inf) gives ~1e-38 instead of 0 (no
-// softmax sum, which is >= 1, can tell) and large inputs give 1.7e38 instead of inf. Every
-// product is rounded before its add (`unfused`), whatever the module's contraction flags.
+// softmax sum, which is >= 1, can tell) and large inputs give 1.7e38 instead of inf.
 template <int W>
 inline typename Vec<W>::F vexp(typename Vec<W>::F x) {
   using F = typename Vec<W>::F;
@@ -212,15 +196,15 @@ inline typename Vec<W>::F vexp(typename Vec<W>::F x) {
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const F magic = splat<W>(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const F n = (unfused(x * 1.44269504088896341f) + magic) - magic;
-  const F r = x - unfused(n * 0.693359375f) + unfused(n * 2.12194440e-4f);
+  const F n = (x * 1.44269504088896341f + magic) - magic;
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
   F p = splat<W>(1.9875691500e-4f);
-  p = unfused(p * r) + 1.3981999507e-3f;
-  p = unfused(p * r) + 8.3334519073e-3f;
-  p = unfused(p * r) + 4.1665795894e-2f;
-  p = unfused(p * r) + 1.6666665459e-1f;
-  p = unfused(p * r) + 5.0000001201e-1f;
-  p = unfused(p * r * r) + r + 1.0f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
   const I pow2 = (__builtin_convertvector(n, I) + 127) << 23;
   return p * reinterpret_cast<F>(pow2);
 }

@@ -35,7 +35,6 @@ from engine.model.row_invariant import Linear
 logger = logging.getLogger(__name__)
 
 SOURCES = ("dense_linear_cpu.cpp",)
-CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -54,7 +53,7 @@ def load_dense_kernel() -> Any | None:
 
 def build_dense_kernel(defines: tuple[str, ...] = ()) -> Any:
     """Compile (or load the cached build of) the module; `defines` as `build_cpu_kernels`'s."""
-    return build_cpu_kernels(defines, module="duet_dense_linear", sources=SOURCES, cflags=CFLAGS)
+    return build_cpu_kernels(defines, module="duet_dense_linear", sources=SOURCES)
 
 
 def layer_weight(module: nn.Module) -> torch.Tensor | None:

@@ -24,7 +24,6 @@ BLOCK = 16
 """Output channels per packed block."""
 
 SOURCES = ("quant_linear_cpu.cpp",)
-CFLAGS = ("-ffp-contract=fast",)  # acc += w * x as one FMA (ISO C++ mode turns contraction off)
 
 
 @functools.cache
@@ -42,7 +41,7 @@ def load_quant_kernels() -> Any | None:
 
 def build_quant_kernels(defines: tuple[str, ...] = ()) -> Any:
     """Compile (or load the cached build of) the module; `defines` as `build_cpu_kernels`'s."""
-    return build_cpu_kernels(defines, module="duet_quant_linear", sources=SOURCES, cflags=CFLAGS)
+    return build_cpu_kernels(defines, module="duet_quant_linear", sources=SOURCES)
 
 
 def uses_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
