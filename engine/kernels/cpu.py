@@ -71,9 +71,9 @@ _COMMON_CFLAGS = (
     "-O3",
     "-march=native",
     "-fopenmp",
-    # a * b + c as one FMA in every module alike: shared inline code (vexp in cpu_simd.h) must
-    # give the same bits in each (the dense kernel's fused silu equals the elementwise one),
-    # whatever the compiler's default (GCC 12 contracts even under -std=c++20; others may not).
+    # a * b + c as one FMA (the kernels' products, acc += w * x) in every module alike, so the
+    # inline code they share (cpu_simd.h) gives the same bits in each, whatever the compiler's
+    # default: GCC 12 contracts even under -std=c++20, other compilers or modes may not.
     "-ffp-contract=fast",
 )
 

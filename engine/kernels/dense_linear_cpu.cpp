@@ -342,46 +342,6 @@ void run_amx(const AmxArgs& a, int64_t blocks, uint16_t* out) {
     _tile_release();
   });
 }
-
-// silu(gate) * up of a gate|up projection (the gate's N / 2 channels, then the up's) in one
-// pass: channel block b of the gate and block b + N / 32 of the up share a chunk (CT = 2, the
-// block stride spanning the half), and the epilogue rounds both to bf16 as the plain product
-// does, then applies silu_and_mul's arithmetic (elementwise_cpu.cpp: the same vexp, divide and
-// roundings), so the result is bit-identical to silu_and_mul(dense_linear_packed(x)) while
-// [M, N] never reaches memory. out: [M, N / 2].
-void chunk_amx_silu(const AmxArgs& a, int64_t b, int64_t r0, int64_t rows, uint16_t* out) {
-  constexpr int kCols = 2 * kPairBlock;
-  alignas(64) float acc[32 * kCols];
-  const int64_t ws = (a.k / 2) * kPairBlock * 2, half = a.n / 2;
-  const int64_t span = (half / kPairBlock) * ws;  // gate block b -> up block b + N / 32
-  const uint16_t* x = a.x + r0 * a.xs;
-  if (rows > 16)
-    tiles<2, 2>(x, a.xs, a.w + b * ws, span, a.k / 32, acc);
-  else
-    tiles<1, 2>(x, a.xs, a.w + b * ws, span, a.k / 32, acc);
-  using F = Vec<kPairBlock>::F;
-  for (int64_t r = 0; r < rows; ++r) {
-    const F gate = BF16::round<kPairBlock>(*reinterpret_cast<const F*>(acc + r * kCols));
-    const F up = BF16::round<kPairBlock>(*reinterpret_cast<const F*>(acc + r * kCols + 16));
-    const F silu = BF16::round<kPairBlock>(gate / (1.f + vexp<kPairBlock>(-gate)));
-    BF16::store<kPairBlock>(out + (r0 + r) * half + b * kPairBlock, silu * up);
-  }
-}
-
-void run_amx_silu(const AmxArgs& a, uint16_t* out) {
-  at::parallel_for(0, a.n / 2 / kPairBlock, 1, [&](int64_t begin, int64_t end) {
-    int configured = -1;
-    for (int64_t g0 = begin; g0 < end; g0 += kGroup / 2) {
-      const int64_t g1 = std::min(end, g0 + kGroup / 2);
-      for (int64_t r0 = 0; r0 < a.m; r0 += 32) {
-        const int64_t rows = std::min<int64_t>(32, a.m - r0);
-        configure_tiles(rows, &configured);
-        for (int64_t b = g0; b < g1; ++b) chunk_amx_silu(a, b, r0, rows, out);
-      }
-    }
-    _tile_release();
-  });
-}
 #else
 bool amx_dense(int64_t) { return false; }
 #endif
@@ -411,14 +371,6 @@ at::Tensor pack_dense(at::Tensor w) {
     }
   });
   return panels;
-}
-
-// Whether dense_silu_and_mul_packed takes these panels: bf16 AMX column pairs of N channels,
-// N a multiple of 32 (the gate's and the up's blocks pair up).
-bool fuses_silu(at::ScalarType dtype, const at::Tensor& panels, int64_t n) {
-  return dtype == at::kBFloat16 && panels.dim() == 4 && panels.is_contiguous() &&
-         panels.scalar_type() == dtype && panels.size(0) * 16 == n && n % 32 == 0 &&
-         amx_dense(panels.size(1) * 2);
 }
 
 // x [M, K] with contiguous rows and the panels of an [N, K] weight (`pack_dense`), both fp32 or
@@ -472,28 +424,6 @@ at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
   return out;
 }
 
-// silu(gate) * up of a gate|up projection from its AMX column pairs: x [M, K] bf16, panels
-// pack_dense's [N / 16, K / 2, 16, 2] of the [N, K] weight (gate rows then up rows, N a multiple
-// of 32); returns [M, N / 2], bit-identical to the cpu kernels' silu_and_mul of
-// dense_linear_packed(x, panels, N).
-at::Tensor dense_silu_and_mul_packed(at::Tensor x, at::Tensor panels, int64_t n) {
-  TORCH_CHECK(fuses_silu(x.scalar_type(), panels, n),
-              "dense_silu_and_mul_packed takes bf16 AMX column pairs [N / 16, K / 2, 16, 2] "
-              "with N a multiple of 32 (see fuses_silu)");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  x.size(1) == panels.size(1) * 2,
-              "x must be a CPU bfloat16 [rows, K] tensor with contiguous rows and the panels' K");
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n / 2}, x.options().memory_format(at::MemoryFormat::Contiguous));
-#if defined(DUET_AMX)
-  if (m > 0)
-    run_amx_silu({static_cast<const uint16_t*>(x.data_ptr()),
-                  static_cast<const uint16_t*>(panels.data_ptr()), nullptr, x.stride(0), m, k, n},
-                 static_cast<uint16_t*>(out.data_ptr()));
-#endif
-  return out;
-}
-
 // The same product from the plain weight, packing it first (tests; probes of one call).
 at::Tensor dense_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
@@ -513,15 +443,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear_packed", &duet::dense_linear_packed,
         "x @ w.T (+ bias) from w's panels (pack_dense) and N", pybind11::arg("x"),
         pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
-  m.def("dense_silu_and_mul_packed", &duet::dense_silu_and_mul_packed,
-        "silu(gate) * up of a gate|up projection (gate rows then up rows) from its AMX panels",
-        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("n"));
-  m.def("fuses_silu",
-        [](const at::Tensor& panels, int64_t n) {
-          return duet::fuses_silu(panels.scalar_type(), panels, n);
-        },
-        "Whether dense_silu_and_mul_packed takes these panels of n channels",
-        pybind11::arg("panels"), pybind11::arg("n"));
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernel's vectors");
   m.def("amx", [] { return duet::kAmxBuild && duet::amx_permitted(); },
         "Whether bf16 weights (K a multiple of 32) are packed for AMX tiles");

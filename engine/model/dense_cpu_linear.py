@@ -30,7 +30,6 @@ from torch import nn
 
 from engine.config import cpu_has_native_bf16
 from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
-from engine.model.row_invariant import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +82,6 @@ def set_dense_kernel(layers: list[nn.Module]) -> bool:
         panels = kernel.pack_dense(weight)
         if isinstance(layer, nn.Linear):
             layer.weight = nn.Parameter(panels, requires_grad=False)
-            if isinstance(layer, Linear):
-                layer.fuses_silu = bool(kernel.fuses_silu(panels, layer.out_features))
         else:
             layer.cpu_kernel_panels = panels
         layer.cpu_kernel = kernel

@@ -139,17 +139,13 @@ class MLP(nn.Module):
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = None
-        if isinstance(self.gate_up_proj, Linear):  # fused into the product where it can be
-            act = self.gate_up_proj.silu_and_mul(x)
-        if act is None:
-            gate_up = self.gate_up_proj(x)  # [T, 2 I]
-            kernels = kernels_for(gate_up)
-            if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
-                act = kernels.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.split(self.intermediate_size, dim=-1)
-                act = F.silu(gate) * up
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        kernels = kernels_for(gate_up)
+        if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
+            act = kernels.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
         return self.tp.all_reduce(self.down_proj(act))
 
 

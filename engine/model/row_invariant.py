@@ -95,8 +95,6 @@ class Linear(nn.Linear):
     cpu_kernel: Any = None
     """duet's dense CPU kernel module, where `dense_cpu_linear` set it (None: F.linear); then
     `weight` holds the kernel's panels of the weight instead of the plain [N, K] matrix."""
-    fuses_silu: bool = False
-    """Whether the kernel's panels take `silu_and_mul` (set with `cpu_kernel`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_rows(x, self._product, self.min_rows)
@@ -104,18 +102,6 @@ class Linear(nn.Linear):
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         return product(
             rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel, self.out_features
-        )
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """For a gate|up projection (gate rows, then up rows; no bias): silu(gate) * up in one
-        pass where the kernel fuses it (bf16 AMX column pairs, `fuses_silu`), bit-identical to
-        the product followed by the elementwise silu_and_mul; None elsewhere."""
-        kernel = self.cpu_kernel
-        if kernel is None or not self.fuses_silu or self.bias is not None:
-            return None
-        n = self.out_features
-        return linear_rows(
-            x, lambda rows: kernel.dense_silu_and_mul_packed(rows, self.weight, n), self.min_rows
         )
 
 

@@ -78,46 +78,6 @@ def test_bf16_weights_pack_as_tile_pairs_exactly_where_the_cpu_has_amx(kernel):
         kernel.dense_linear_packed(x.float(), packed, 40, None)  # tile pairs take bf16 only
 
 
-def test_gate_up_with_silu_fused_equals_the_product_then_silu_and_mul_bit_for_bit(kernel):
-    from engine.kernels.cpu import load_cpu_kernels
-
-    elementwise = load_cpu_kernels()
-    assert elementwise is not None
-    g = torch.Generator().manual_seed(7)
-    w = (torch.randn(3072, 576, generator=g) * 0.2).bfloat16()  # SmolLM2's gate|up
-    packed = kernel.pack_dense(w)
-    assert bool(kernel.fuses_silu(packed, 3072)) is bool(kernel.amx())
-    assert not kernel.fuses_silu(kernel.pack_dense(w[:3056]), 3056)  # halves off the blocks
-    assert not kernel.fuses_silu(kernel.pack_dense(w.float()), 3072)  # fp32 panels
-    if not kernel.amx():
-        with pytest.raises(RuntimeError, match="dense_silu_and_mul_packed takes bf16 AMX"):
-            kernel.dense_silu_and_mul_packed(torch.randn(2, 576).bfloat16(), packed, 3072)
-        return
-    for rows in (1, 3, 16, 17, 33, 64, 300):
-        x = (torch.randn(rows, 576, generator=g) * 2).bfloat16()
-        two_passes = elementwise.silu_and_mul(kernel.dense_linear_packed(x, packed, 3072, None))
-        fused = kernel.dense_silu_and_mul_packed(x, packed, 3072)
-        assert fused.shape == (rows, 1536)
-        assert torch.equal(fused.view(torch.int16), two_passes.contiguous().view(torch.int16))
-    with pytest.raises(RuntimeError, match="panels' K"):
-        kernel.dense_silu_and_mul_packed(torch.randn(2, 64).bfloat16(), packed, 3072)
-
-
-def test_the_mlp_takes_the_fused_silu_exactly_where_the_kernel_has_it(kernel, tiny_llama):
-    from engine.loader import load_model
-
-    model = load_model(tiny_llama, torch.bfloat16, torch.device("cpu"), progress=False,
-                       deterministic=True).model  # fmt: skip
-    mlp = model.layers[0].mlp
-    assert mlp.gate_up_proj.fuses_silu is bool(kernel.amx())
-    x = torch.randn(5, mlp.gate_up_proj.in_features).bfloat16()
-    fused = mlp(x)
-    assert (mlp.gate_up_proj.silu_and_mul(x) is not None) is bool(kernel.amx())
-    mlp.gate_up_proj.fuses_silu = False  # the product, then the elementwise pass
-    assert mlp.gate_up_proj.silu_and_mul(x) is None
-    assert torch.equal(mlp(x), fused)
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_deterministic_bf16_layers_take_the_amx_tiles(kernel, tiny_llama, deterministic):
     from engine.loader import load_model
