@@ -19,10 +19,6 @@ def llm(tiny_llama: str) -> LLM:
     return LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=512)
 
 
-def so(**kwargs) -> StructuredOutputsParams:
-    return StructuredOutputsParams(**kwargs)
-
-
 def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
     """Random walks over every allowed token: xgrammar 0.2.8's own string rules let raw control
     characters through (about a third of these walks were invalid JSON) and surrogate code
@@ -34,7 +30,7 @@ def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
     compiler = llm.engine.grammar_compiler
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2,
               "maxLength": 6}}, "required": ["s"]}  # fmt: skip
-    spec = so(json=schema)
+    spec = StructuredOutputsParams(json=schema)
     rng = random.Random(0)
     bitmask = torch.zeros((1, bitmask_words(512)), dtype=torch.int32)
     for _ in range(100):
@@ -59,7 +55,9 @@ def test_string_length_bounds_hold_exactly(llm: LLM, low: int, high: int | None)
     bounds = {"minLength": low} | ({} if high is None else {"maxLength": high})
     schema = {"type": "object", "properties": {"s": {"type": "string", **bounds}},
               "required": ["s"]}  # fmt: skip
-    compiled = llm.engine.grammar_compiler.compile(so(json=schema, whitespace=False))
+    compiled = llm.engine.grammar_compiler.compile(
+        StructuredOutputsParams(json=schema, whitespace=False)
+    )
     bodies = [
         "",
         "a",
@@ -110,7 +108,7 @@ def test_bounded_strings_as_rules_give_the_patterns_masks(llm: LLM, whitespace: 
     from engine.structured_output import bitmask_words, tokenizer_info
 
     compiler = llm.engine.grammar_compiler
-    spec = so(json=BOUNDED, whitespace=whitespace)
+    spec = StructuredOutputsParams(json=BOUNDED, whitespace=whitespace)
     fast = compiler.compile(spec)
     assert "_dq" in str(fast.grammar)  # the rules, not the fallback to patterns
     text = json.dumps(strings_as_patterns(json.loads(spec.json or "")))  # keys as it sorts them
