@@ -252,7 +252,9 @@ class InputBatch:
         ids, ids_dev = staging.take(num_tokens)
         positions, positions_dev = staging.take(num_tokens)
         sample_rows: list[int] = []
+        logits_spans: list[tuple[int, int]] = []  # (end row, rows) of each sampling request
         num_logits = 0
+        longest = 0
         t = 0
         query_start[0] = 0
         for i, (request, num_new) in enumerate(scheduled):
@@ -288,7 +290,10 @@ class InputBatch:
             query_start[i + 1] = stop
             if end == request.num_tokens:
                 sample_rows.append(i)
-                num_logits += 1 + (len(spec) if spec else 0)
+                n = 1 + (len(spec) if spec else 0)
+                logits_spans.append((stop, n))
+                num_logits += n
+            longest = max(longest, start + num_new)
             t = stop
 
         # slot_mapping = table[row, pos // bs] * bs + pos % bs: vectorized over the step, or
@@ -309,12 +314,13 @@ class InputBatch:
 
         logits, logits_dev = staging.take(num_logits)
         j = 0
-        for i in sample_rows:
-            spec = spec_token_ids.get(scheduled[i][0].request_id) if spec_token_ids else None
-            n = 1 + len(spec) if spec else 1
-            logits[j : j + n] = self._arange[:n] + (query_start[i + 1] - n)
+        for stop, n in logits_spans:  # a request's last n rows (Python ints: no numpy scalars)
+            if n == 1:
+                logits[j] = stop - 1
+            else:
+                logits[j : j + n] = self._arange[:n] + (stop - n)
             j += n
-        kernel_tables = self._kernel_tables(num_reqs) if self.split_tables else None
+        kernel_tables = self._kernel_tables(num_reqs, longest) if self.split_tables else None
         staging.copy()
         return StepInputs(
             num_reqs=num_reqs,
@@ -332,7 +338,7 @@ class InputBatch:
             host_inputs=(ids, positions, slot_mapping),
         )
 
-    def _kernel_tables(self, num_reqs: int) -> KernelTables:
+    def _kernel_tables(self, num_reqs: int, longest_seq: int) -> KernelTables:
         query_lens, seq_lens = self._query_lens[:num_reqs], self._seq_lens[:num_reqs]
         starts = self._query_start[:num_reqs]
         bs, staging = self.block_size, self._staging
@@ -352,7 +358,7 @@ class InputBatch:
 
         def tables(rows: np.ndarray) -> torch.Tensor:
             every = rows.size == num_reqs  # then rows is 0..num_reqs-1
-            longest = int((seq_lens if every else seq_lens[rows]).max())
+            longest = longest_seq if every else int(seq_lens[rows].max())
             width = max(1, -(-longest // bs))
             host, dev = staging.take_table(rows.size, width)
             slots = self._slots[:num_reqs] if every else self._slots[rows]

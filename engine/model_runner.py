@@ -135,7 +135,6 @@ class ModelRunner:
         for request_id, n in num_blocks.items():
             self.input_batch.trim(request_id, n)
 
-    @torch.inference_mode()
     def execute(
         self,
         out: SchedulerOutput,
@@ -143,6 +142,17 @@ class ModelRunner:
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         """`on_layer`: see `LlamaForCausalLM.forward` (never with a CUDA graph)."""
+        # torch's own guard: `@torch.inference_mode()` builds and enters a Python context
+        # object per call, a measurable share of a batch-1 step's host work.
+        with torch._C._InferenceMode(True):
+            return self._execute(out, kv, on_layer)
+
+    def _execute(
+        self,
+        out: SchedulerOutput,
+        kv: KVCacheManager,
+        on_layer: Callable[[int], None] | None,
+    ) -> StepResult:
         batch = self.input_batch
         step = batch.prepare(out.scheduled, kv, out.spec_token_ids)
         graphs = self.decode_graphs
@@ -173,7 +183,10 @@ class ModelRunner:
         # Only requests whose computed tokens reach their last token sample this step.
         if not step.sample_rows:
             return StepResult({}, {}, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[step.logits_indices])  # [N, vocab]
+        # Every row a logits row (all decodes): the indices are 0..N-1 in order, no gather.
+        every_row = step.logits_indices.shape[0] == hidden.shape[0]
+        last = hidden if every_row else hidden[step.logits_indices]
+        logits = self.model.compute_logits(last)  # [N, vocab]
         to_sample = [out.scheduled[i][0] for i in step.sample_rows]
         spec = out.spec_token_ids
         drafts = [spec.get(r.request_id, []) for r in to_sample] if spec else None
