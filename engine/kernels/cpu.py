@@ -82,12 +82,11 @@ def build_cpu_kernels(
     defines: tuple[str, ...] = (),
     module: str = "duet_cpu_kernels",
     sources: tuple[str, ...] | None = None,
-    cflags: tuple[str, ...] = (),
 ) -> Any:
     """Compile (or load the cached build of) the module. `defines` (e.g. "DUET_SIMD_LANES=16")
-    make a separate build, for tests of other SIMD widths. `module`, `sources` (file names in
-    this directory) and `cflags`: another extension built the same way (the quantized linears',
-    engine/quant/cpu_linear.py). Raises when the build fails."""
+    make a separate build, for tests of other SIMD widths. `module` and `sources` (file names in
+    this directory): another extension built the same way, with the same flags (the quantized
+    linears', engine/quant/cpu_linear.py). Raises when the build fails."""
     paths = _SOURCES if sources is None else [os.path.join(_DIR, s) for s in sources]
     from torch.utils.cpp_extension import is_ninja_available, load
 
@@ -101,7 +100,7 @@ def build_cpu_kernels(
     # (the source paths) change, and a rebuild rewrites a .so that other processes have mapped
     # (SIGBUS), so the build compiles copies of the sources kept in the build directory, whose
     # paths are the same for every checkout.
-    key = (defines, _COMMON_CFLAGS, cflags)
+    key = (defines, _COMMON_CFLAGS)
     digest = hashlib.sha1(repr(key).encode())
     contents = {}
     for path in paths + _HEADERS:
@@ -136,7 +135,6 @@ def build_cpu_kernels(
             sources=[os.path.join(sources_dir, os.path.basename(p)) for p in paths],
             extra_cflags=[
                 *_COMMON_CFLAGS,
-                *cflags,
                 *(f"-D{d}" for d in defines),
             ],
             extra_ldflags=["-fopenmp"],
