@@ -18,8 +18,8 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
 - Deterministic mode keeps one product at every row count (docs/determinism.md): the kernel
   always, and on AMX the tiles from one row. Every kernel computes each row on its own (probed,
   `row_invariant.check_model`).
-- CUDA: the Triton W8A16 / W4A16 kernels (engine/quant/triton_linear.py), at every row count;
-  checked in Triton's interpreter only, not yet run on a GPU.
+- CUDA: the Triton W8A16 / W4A16 kernel (engine/quant/triton_linear.py) up to 128 rows, the
+  weight dequantized for cuBLAS above; run on an H200 (docs/quantization.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -294,10 +294,8 @@ class QuantizedLinear(nn.Module):
             from engine.quant.triton_linear import w4a16_linear, w8a16_linear
 
             if self.kind == "int4":
-                out = w4a16_linear(rows, self.packed, self.scale, self.zero)
-            else:
-                out = w8a16_linear(rows, self.q, self.scale)
-            return out if self.bias is None else out + self.bias
+                return w4a16_linear(rows, self.packed, self.scale, self.zero, self.bias)
+            return w8a16_linear(rows, self.q, self.scale, self.bias)
         if not (
             self.use_kernel
             and (rows.dtype == torch.bfloat16 or self.duet_kernels is not None)

@@ -179,9 +179,10 @@ def test_split_count_out_of_range_is_refused(num_splits):
 def test_every_shipped_variant_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))  # and packages beside
     proc = subprocess.run(
         [sys.executable, os.path.join(root, "tests/engine/triton_sm90_compile.py")],
-        capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": root}, cwd=root,
+        capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": path}, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout)
