@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         "processes on a shared machine)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quantization", default=None, choices=["int8", "int4", "gguf"],
+        help="both trees load quantized weights (the LM head too), as `LLM(quantization=...)`",
+    )  # fmt: skip
     p.add_argument("--idle-wait-s", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         "clock": args.clock,
         "threads": args.threads,
         "num_prompts": args.num_prompts,
+        "quantization": args.quantization,
         "machine": cpu_info(),
         "results": {},
     }
@@ -184,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                     kv_cache_memory_bytes=4 << 30,
                     max_model_len=1024,
                     seed=args.seed,
+                    **(
+                        {"quantization": args.quantization, "quantize_lm_head": True}
+                        if args.quantization
+                        else {}
+                    ),
                 ),
                 "workloads": workloads,
             }
