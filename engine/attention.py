@@ -15,8 +15,9 @@ def write_kv_cache(
     """Store new K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    dtype = kv_cache.dtype  # no `.to` when it would be a no-op: two calls a layer at batch 1
+    flat[0].index_copy_(0, slot_mapping, key if key.dtype == dtype else key.to(dtype))
+    flat[1].index_copy_(0, slot_mapping, value if value.dtype == dtype else value.to(dtype))
 
 
 def store_kv(
