@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
+        qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         q, k = ctx.rotary(ctx.positions, q, k)
         store_kv(kv_cache, k, v, ctx.meta)
         out = paged_attention(q, k, v, kv_cache, ctx.meta, self.scale, ctx.workspace)  # [T, H, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return self.tp.all_reduce(self.o_proj.forward(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -139,14 +139,14 @@ class MLP(nn.Module):
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        gate_up = self.gate_up_proj.forward(x)  # [T, 2 I]
         kernels = kernels_for(gate_up)
         if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
             act = kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(act))
+        return self.tp.all_reduce(self.down_proj.forward(act))
 
 
 class DecoderLayer(nn.Module):
@@ -173,9 +173,9 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, kv_cache, ctx)
+        hidden = self.self_attn.forward(hidden, kv_cache, ctx)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -240,7 +240,9 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._embed(input_ids)  # [T, hidden]
         residual: torch.Tensor | None = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            hidden, residual = layer(hidden, residual, kv_cache, ctx)
+            # NOTE: `.forward`, not `__call__`: nn.Module's call path (hook checks) costs a few
+            # microseconds per call, 240 calls a decode step; the engine registers no hooks.
+            hidden, residual = layer.forward(hidden, residual, kv_cache, ctx)
             if on_layer is not None:
                 on_layer(i)
         if residual is None:
