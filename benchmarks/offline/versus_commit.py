@@ -1,15 +1,21 @@
 """duet against an earlier commit of itself, in paired rounds: what a change costs or gains.
 
-    python -m benchmarks.offline.versus_commit --before 2df11e9 --dtype both --rounds 3
+    python -m benchmarks.offline.versus_commit --before 2df11e9 --dtype both --rounds 4
 
 Each tree (this one, and the earlier commit exported with `git archive`) runs in its own
 process with its own `LLM` loaded once, on the embedded SmolLM2-135M-Instruct exported to an HF
 directory (as `benchmarks.offline.throughput` loads it). Each round times, on each tree, in
-alternating order (this tree first in even rounds): the offline workload of
+alternating order: the offline workload of
 `benchmarks.offline.throughput` (64 prompts, prompts 16-512 tokens, outputs 16-256, greedy) and
-one stream (a 64-token prompt, 128 new tokens). Both prefix caches are emptied before every
-timed call, and the machine is waited on to be idle before each. The ratio after/before is
-taken within each round; the medians go to benchmarks/results/versus_commit.json.
+one stream (a 64-token prompt, 128 new tokens). Each round spawns both workers afresh, in
+alternating order, and the order the trees run in alternates every two rounds, so every
+(spawn order, run order) pair occurs equally in a multiple of four rounds: a worker spawned
+first ran 7-14% slower than one spawned second on the AMX Xeon VM, whatever tree it held (this
+tree against itself: 0.86x with one spawn order, 1.07x with the other; hence `--rounds` must be
+even). Both prefix caches are emptied before every timed call, and the machine is waited on to
+be idle before each. The ratio after/before is
+taken within each round; their median and geometric mean (in which opposite spawn-order biases
+cancel) go to benchmarks/results/versus_commit.json.
 
 The worker half (`--worker`) imports nothing but `engine` (the tree under test) and the
 standard library, so any commit with today's `engine.LLM` API can be measured.
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         p.error("--before: required (the earlier commit)")
-    if args.rounds < 1:
-        p.error(f"--rounds: must be >= 1; got {args.rounds}")
+    if args.rounds < 2 or args.rounds % 2:
+        p.error(f"--rounds: must be even and >= 2 (spawn order alternates); got {args.rounds}")
     from benchmarks.common.cpu_usage import wait_for_idle
     from benchmarks.common.machine import cpu_info
     from benchmarks.offline.smollm2_hf import export_hf_dir
@@ -199,19 +205,27 @@ def main(argv: list[str] | None = None) -> int:
             }
             spec_path = Path(tmp) / f"spec-{dtype}.json"
             spec_path.write_text(json.dumps(spec))
-            trees = [Tree("after", REPO_ROOT, spec_path), Tree("before", Path(tmp), spec_path)]
-            print(f"{dtype}: deterministic before={trees[1].ready.get('deterministic')} "
-                  f"after={trees[0].ready.get('deterministic')}", flush=True)  # fmt: skip
             rounds: dict[str, list[dict[str, float]]] = {"offline": [], "single": []}
-            try:
-                for r in range(args.rounds):
+            for r in range(args.rounds):
+                # Fresh workers every round, spawned in alternating order: on the AMX Xeon VM the
+                # worker spawned first ran 7-14% slower than the one spawned second, whichever
+                # tree it held (this tree against itself: 0.86x one way, 1.07x the other).
+                roots = [("after", REPO_ROOT), ("before", Path(tmp))]
+                trees = []
+                try:
+                    for name, root in roots if r % 2 == 0 else roots[::-1]:
+                        trees.append(Tree(name, root, spec_path))
+                    if r == 0:
+                        ready = {t.name: t.ready.get("deterministic") for t in trees}
+                        print(f"{dtype}: deterministic before={ready['before']} "
+                              f"after={ready['after']}", flush=True)  # fmt: skip
                     for name, load in workloads.items():
                         if name == "warmup":
                             continue
                         num_tokens = sum(load["max_tokens"])
                         walls: dict[str, float] = {}
                         outputs: dict[str, list[list[int]]] = {}
-                        for tree in trees if r % 2 == 0 else trees[::-1]:
+                        for tree in trees if r % 4 < 2 else trees[::-1]:
                             wait_for_idle(args.idle_wait_s)
                             answer = tree.run(name)
                             walls[tree.name] = answer[f"{args.clock}_s"]
@@ -222,21 +236,23 @@ def main(argv: list[str] | None = None) -> int:
                         rounds[name].append(cell)
                         print(f"round {r} {dtype} {name:8s} " + " ".join(
                             f"{k}={v:.3f}" for k, v in cell.items()), flush=True)  # fmt: skip
-            finally:
-                for tree in trees:
-                    tree.close()
+                finally:
+                    for tree in trees:
+                        tree.close()
             report["results"][dtype] = {
                 name: {"rounds": cells,
                        "median_ratio": statistics.median(c["ratio"] for c in cells),
+                       "geomean_ratio": statistics.geometric_mean(c["ratio"] for c in cells),
                        "median_after_tok_s": statistics.median(c["after_tok_s"] for c in cells),
                        "median_before_tok_s": statistics.median(c["before_tok_s"] for c in cells)}
                 for name, cells in rounds.items()
             }  # fmt: skip
-    print("\ndtype      workload  before tok/s  after tok/s  after/before (median of rounds)")
+    print("\ndtype      workload  before tok/s  after tok/s  after/before: median, geomean")
     for dtype, res in report["results"].items():
         for name, r in res.items():
             print(f"{dtype:<10} {name:<9} {r['median_before_tok_s']:12.1f} "
-                  f"{r['median_after_tok_s']:12.1f}  {r['median_ratio']:.3f}")  # fmt: skip
+                  f"{r['median_after_tok_s']:12.1f}  {r['median_ratio']:.3f}, "
+                  f"{r['geomean_ratio']:.3f}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
