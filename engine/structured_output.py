@@ -180,8 +180,12 @@ def _build_output_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
             )
         assert params.grammar is not None
         return xgr.Grammar.from_ebnf(params.grammar)
-    except RuntimeError as e:
-        message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0]).strip()
+    except (RuntimeError, UnicodeDecodeError) as e:
+        # xgrammar decodes its C++ message as UTF-8: where it quotes a byte cut from a
+        # non-ASCII grammar (Unexpected character: \xc3), decoding fails and that
+        # UnicodeDecodeError carries the message's bytes.
+        text = e.object.decode("utf-8", "replace") if isinstance(e, UnicodeDecodeError) else str(e)
+        message = _XGR_PREFIX.sub("", (text.strip().splitlines() or [""])[0]).strip()
         raise InvalidInputError(
             f"structured_outputs.{kind}", f"does not compile: {message}"
         ) from None

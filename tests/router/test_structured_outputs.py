@@ -126,6 +126,9 @@ def test_a_reply_cut_by_max_tokens_reports_length(client: openai.OpenAI) -> None
          "structured_outputs.regex"),
         ("/v1/completions", {"structured_outputs": {"grammar": "root ::= nope"}},
          "structured_outputs.grammar"),
+        # a non-ASCII grammar: xgrammar's message held half a UTF-8 character (was a 500)
+        ("/v1/completions", {"structured_outputs": {"grammar": "\u00c1\u0093?"}},
+         "structured_outputs.grammar"),
         ("/v1/completions", {"structured_outputs": {"json": "{oops"}}, "structured_outputs.json"),
         ("/v1/completions", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
         ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}},
