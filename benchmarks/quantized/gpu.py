@@ -51,11 +51,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     if fmt == "int8":
         return quantize_int8(weight)
     if fmt == "int8-g32":
-        n, k = weight.shape
-        groups = weight.float().view(n, -1, 32)
-        scale = groups.abs().amax(-1) / 127
-        q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return Int8Weight(q.view(n, k), scale, 32)
+        return quantize_int8(weight, 32)
     return quantize_int4(weight, int(fmt.removeprefix("int4-g")), False)
 
 

@@ -54,9 +54,8 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
     sz = torch.stack([q4.scale, q4.offset + 8 * q4.scale], -1)  # type: ignore[operator]
     sz = torch.cat([sz, sz.new_zeros(pad, *sz.shape[1:])]) if pad else sz
     p4, sz4 = pack_int4(q4q), sz.transpose(0, 1).contiguous().to(torch.bfloat16)
-    groups = w.view(n, -1, 32)
-    g_scale = groups.abs().amax(-1) / 127
-    g_q = torch.round(groups / g_scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    q8g = quantize_int8(w, 32)
+    g_q, g_scale = q8g.q, q8g.scale
     out: dict[str, Callable[[], object]] = {
         "bf16 oneDNN": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "torch int8pack": lambda: torch.ops.aten._weight_int8pack_mm(x, q8.q, bf16_scale),

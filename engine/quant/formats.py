@@ -140,13 +140,17 @@ def _group_range(start: int, length: int, group_size: int) -> tuple[int, int]:
     return start // group_size, (start + length) // group_size
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Round to nearest, one symmetric scale per output channel (q in [-127, 127])."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8Weight:
+    """Round to nearest, one symmetric scale per output channel, or per group of `group_size`
+    columns as GGUF Q8_0 (32) holds them (q in [-127, 127])."""
     w = weight.detach().float()  # [N, K]
-    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    n, k = w.shape
+    group = k if group_size is None else group_size
+    groups = w.view(n, k // group, group)
+    scale = groups.abs().amax(dim=-1) / 127  # [N, K / G]
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q, scale, w.shape[1])
+    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q.view(n, k), scale, group)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int, symmetric: bool) -> Int4Weight:

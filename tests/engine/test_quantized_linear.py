@@ -236,10 +236,7 @@ def test_config_errors_name_the_field() -> None:
 def grouped_int8(n: int, group_size: int) -> Int8Weight:
     """int8 with a scale per group of columns, as GGUF Q8_0 (32) and Q6_K (16) repack."""
     weight = torch.randn(n, K, generator=torch.Generator().manual_seed(2)) * 0.05
-    groups = weight.view(n, -1, group_size)
-    scale = groups.abs().amax(-1) / 127
-    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.view(n, K), scale, group_size)
+    return quantize_int8(weight, group_size)
 
 
 @pytest.mark.parametrize("group_size", [32, 16])  # GGUF Q8_0, Q6_K

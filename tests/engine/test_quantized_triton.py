@@ -44,13 +44,7 @@ CONFIG_IDS = ["shipped", "split2", "split4", "tile32x64"]
 
 
 def int8_weight(n: int, k: int, group_size: int, gen: torch.Generator) -> Int8Weight:
-    weight = torch.randn(n, k, generator=gen)
-    if group_size == k:
-        return quantize_int8(weight)
-    groups = weight.view(n, -1, group_size)  # per-group scales, as GGUF Q8_0 gives
-    scale = groups.abs().amax(-1) / 127
-    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.view(n, k), scale, group_size)
+    return quantize_int8(torch.randn(n, k, generator=gen), group_size)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -267,7 +261,7 @@ def test_llama8b_shapes_in_bf16_on_gpu(layer: str) -> None:
     weight = torch.randn(n, k, generator=gen, device=DEVICE) * 0.02
     formats = {
         "int8": quantize_int8(weight),
-        "int8-g32": int8_weight_like(weight, 32),
+        "int8-g32": quantize_int8(weight, 32),
         "int4-g32": quantize_int4(weight, 32, False),
         "int4-g128-sym": quantize_int4(weight, 128, True),
     }
@@ -285,11 +279,3 @@ def test_llama8b_shapes_in_bf16_on_gpu(layer: str) -> None:
             scale = float(expected.abs().max())
             torch.testing.assert_close(out.float(), expected, rtol=0, atol=scale / 64,
                                        msg=lambda m, r=rows, f=name: f"{f} at {r} rows: {m}")  # fmt: skip
-
-
-def int8_weight_like(weight: torch.Tensor, group_size: int) -> Int8Weight:
-    n, k = weight.shape
-    groups = weight.float().view(n, -1, group_size)
-    scale = groups.abs().amax(-1) / 127
-    q = torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.view(n, k), scale, group_size)
