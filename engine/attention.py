@@ -7,6 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata, KernelBatch
+from engine.kernels.cpu import (
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_supports,
+)
 
 
 def write_kv_cache(
@@ -77,8 +82,6 @@ def paged_attention(
         query = query.contiguous()  # the kernels' layout (a view of qkv is strided): one copy
 
     if meta.decode_batch is not None:
-        from engine.kernels.cpu import paged_decode_attention
-
         d = meta.decode_batch
         paged_decode_attention(
             out,
@@ -111,8 +114,6 @@ def paged_attention(
 
     p = meta.prefill_batch
     if p is not None:
-        from engine.kernels.cpu import paged_prefill_attention, prefill_kernel_supports
-
         if prefill_kernel_supports(head_dim):
             paged_prefill_attention(
                 out,

@@ -152,7 +152,8 @@ class InputBatch:
         # Tokens of one step: the budget, plus one per request (the scheduler never exceeds
         # the budget; the margin keeps a bad budget from writing out of bounds).
         t = max_num_batched_tokens + s
-        self.block_table = self._host((s, self.max_blocks), torch.int64).numpy()
+        self._block_table_host = self._host((s, self.max_blocks), torch.int64)
+        self.block_table = self._block_table_host.numpy()
         self._num_blocks = [0] * s  # block ids written per row
         self._slot_of: dict[str, int] = {}
         self._free_slots = list(range(s - 1, -1, -1))
@@ -171,11 +172,22 @@ class InputBatch:
         self._scratch = self._host((t,), torch.int64).numpy()
         self._arange = np.arange(t, dtype=np.int64)
         self._query_lens = self._host((s,), torch.int64).numpy()
-        self._seq_lens = self._host((s,), torch.int64).numpy()
+        self._seq_lens_host = self._host((s,), torch.int64)
+        self._seq_lens = self._seq_lens_host.numpy()
         self._query_start = self._host((s + 1,), torch.int64).numpy()
         self._slots = self._host((s,), torch.int64).numpy()
         empty = self._staging.dev[:0]
         self._empty = (empty, empty.view(0, 1))  # the tables of a step without decodes/prefills
+        # 0..s-1 on the device: an all-decode step's token indices (views cached per size).
+        self._arange_dev = torch.from_numpy(self._arange[:s])
+        if device.type != "cpu":
+            self._arange_dev = self._buffer((s,), torch.int64, device)
+            self._arange_dev.copy_(torch.arange(s))
+        self._decode_indices: dict[int, torch.Tensor] = {}
+        # On the CPU an all-decode step's tables are views of the batch's own arrays (no copy):
+        # n -> seq_lens[:n], (first slot, n) -> block_table[first : first + n].
+        self._seq_len_views: dict[int, torch.Tensor] = {}
+        self._table_views: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- buffers (the allocation hook) ---------------------------------------------------------
 
@@ -254,6 +266,10 @@ class InputBatch:
         sample_rows: list[int] = []
         logits_spans: list[tuple[int, int]] = []  # (end row, rows) of each sampling request
         num_logits = 0
+        num_decode = 0
+        # Whether the requests' slots are consecutive (first, first + 1, ...) in step order.
+        first_slot = -1
+        consecutive = True
         longest = 0
         t = 0
         query_start[0] = 0
@@ -261,6 +277,10 @@ class InputBatch:
             slot = self._slot_of.get(request.request_id)
             if slot is None:
                 slot = self._join(request)
+            if i == 0:
+                first_slot = slot
+            elif slot != first_slot + i:
+                consecutive = False
             blocks = kv.req_to_blocks[request.request_id]
             written = self._num_blocks[slot]
             if len(blocks) > written:  # the request grew: append its new blocks
@@ -275,6 +295,7 @@ class InputBatch:
                 ids[t] = request.all_token_ids[start]
                 positions[t] = start
                 rows[t] = slot
+                num_decode += 1
             else:
                 if spec:
                     ids[t : stop - len(spec)] = request.all_token_ids[start:]
@@ -320,7 +341,11 @@ class InputBatch:
             else:
                 logits[j : j + n] = self._arange[:n] + (stop - n)
             j += n
-        kernel_tables = self._kernel_tables(num_reqs, longest) if self.split_tables else None
+        kernel_tables = (
+            self._kernel_tables(num_reqs, num_decode, longest, first_slot if consecutive else -1)
+            if self.split_tables
+            else None
+        )
         staging.copy()
         return StepInputs(
             num_reqs=num_reqs,
@@ -338,17 +363,35 @@ class InputBatch:
             host_inputs=(ids, positions, slot_mapping),
         )
 
-    def _kernel_tables(self, num_reqs: int, longest_seq: int) -> KernelTables:
+    def _kernel_tables(
+        self, num_reqs: int, num_decode: int, longest_seq: int, first_slot: int
+    ) -> KernelTables:
+        """`num_decode`: the requests with one query token this step; `first_slot`: the first
+        request's slot when the requests hold consecutive slots in step order, else -1."""
         query_lens, seq_lens = self._query_lens[:num_reqs], self._seq_lens[:num_reqs]
         starts = self._query_start[:num_reqs]
         bs, staging = self.block_size, self._staging
-        is_decode = query_lens == 1
-        num_decode = int(np.count_nonzero(is_decode))
+        empty, empty_table = self._empty
         if num_decode == num_reqs:  # all decodes (the common step): no gathers by row
-            dec, pre = self._arange[:num_reqs], self._arange[:0]
-        elif num_decode == 0:
+            # Request i's one token is row i: the token indices are 0..B-1, made once.
+            indices = self._decode_indices.get(num_reqs)
+            if indices is None:
+                indices = self._decode_indices[num_reqs] = self._arange_dev[:num_reqs]
+            if first_slot >= 0 and staging.dev is staging.host:
+                return self._decode_views(num_reqs, indices, first_slot)
+            host, seq_dev = staging.take(num_reqs)
+            host[:] = seq_lens
+            width = max(1, -(-longest_seq // bs))
+            table, table_dev = staging.take_table(num_reqs, width)
+            np.take(self.block_table[:, :width], self._slots[:num_reqs], axis=0, out=table)
+            return KernelTables(
+                self._arange[:num_reqs], indices, seq_dev, table_dev,
+                self._arange[:0], empty, empty, empty, empty_table,
+            )  # fmt: skip
+        if num_decode == 0:
             dec, pre = self._arange[:0], self._arange[:num_reqs]
         else:
+            is_decode = query_lens == 1
             dec, pre = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
 
         def stage(values: np.ndarray) -> torch.Tensor:
@@ -365,14 +408,8 @@ class InputBatch:
             np.take(self.block_table[:, :width], slots, axis=0, out=host)
             return dev
 
-        empty, empty_table = self._empty
         if dec.size:
-            all_rows = dec.size == num_reqs
-            decode = (
-                stage(starts if all_rows else starts[dec]),
-                stage(seq_lens if all_rows else seq_lens[dec]),
-                tables(dec),
-            )
+            decode = (stage(starts[dec]), stage(seq_lens[dec]), tables(dec))
         else:
             decode = (empty, empty, empty_table)
         if pre.size:
@@ -385,3 +422,21 @@ class InputBatch:
         else:
             prefill = (empty, empty, empty, empty_table)
         return KernelTables(dec, *decode, pre, *prefill)
+
+    def _decode_views(self, n: int, indices: torch.Tensor, first: int) -> KernelTables:
+        """An all-decode step on the CPU whose requests hold slots first..first + n - 1: the
+        kernel reads their lengths and block tables in place. Each table row is the slot's full
+        row (the kernel reads the blocks its length covers; the rest of a row is never read)."""
+        seq_lens = self._seq_len_views.get(n)
+        if seq_lens is None:
+            seq_lens = self._seq_len_views[n] = self._seq_lens_host[:n]
+        tables = self._table_views.get((first, n))
+        if tables is None:
+            if len(self._table_views) >= _MAX_CACHED_VIEWS:
+                self._table_views.clear()
+            tables = self._table_views[first, n] = self._block_table_host[first : first + n]
+        empty, empty_table = self._empty
+        return KernelTables(
+            self._arange[:n], indices, seq_lens, tables,
+            self._arange[:0], empty, empty, empty, empty_table,
+        )  # fmt: skip

@@ -177,7 +177,10 @@ class ModelRunner:
                 self.prefill_kernel,
                 self.deterministic,
             )
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, on_layer)
+            # `.forward`: nn.Module's call path checks for hooks the engine never registers.
+            hidden = self.model.forward(
+                step.input_ids, step.positions, self.kv_caches, meta, on_layer
+            )
 
         prompt_logprobs = self._prompt_logprobs(out, step.query_start, hidden)
         # Only requests whose computed tokens reach their last token sample this step.
@@ -187,10 +190,15 @@ class ModelRunner:
         every_row = step.logits_indices.shape[0] == hidden.shape[0]
         last = hidden if every_row else hidden[step.logits_indices]
         logits = self.model.compute_logits(last)  # [N, vocab]
-        to_sample = [out.scheduled[i][0] for i in step.sample_rows]
+        if len(step.sample_rows) == step.num_reqs:  # every request samples (rows 0..B-1)
+            to_sample = [r for r, _ in out.scheduled]
+            sample_slots = step.slots
+        else:
+            to_sample = [out.scheduled[i][0] for i in step.sample_rows]
+            sample_slots = step.slots[step.sample_rows]
         spec = out.spec_token_ids
         drafts = [spec.get(r.request_id, []) for r in to_sample] if spec else None
-        sampling = batch.sampling.prepare(to_sample, step.slots[step.sample_rows], drafts)
+        sampling = batch.sampling.prepare(to_sample, sample_slots, drafts)
         result: SamplerOutput = self.sampler(logits, sampling, batch.to_host)
         if drafts is None:
             batch.sampling.record(sampling, result.token_tensor)

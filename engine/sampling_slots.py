@@ -85,6 +85,10 @@ class SamplingSlots:
         self._repetition = np.ones(num_slots)
         self._seed = [0] * num_slots
         self._penalized = [False] * num_slots
+        # Slots whose request only takes the argmax (greedy; no penalties, min_tokens, logprobs
+        # or grammar): a step of only such rows reads no per-row parameter (`_plain_batch`).
+        self._plain = [False] * num_slots
+        self._plain_batches: dict[int, SamplingBatch] = {}
         self._floats_host = buffer((_NUM_FLOAT_ROWS, rows), torch.float64, cpu)
         self._ints_host = buffer((_NUM_INT_ROWS, rows), torch.int64, cpu)
         on_cpu = device.type == "cpu"
@@ -120,6 +124,13 @@ class SamplingSlots:
         self._repetition[slot] = p.repetition_penalty
         self._seed[slot] = request.sample_seed
         self._penalized[slot] = p.needs_penalties
+        self._plain[slot] = (
+            greedy
+            and not p.needs_penalties
+            and p.min_tokens == 0
+            and p.logprobs is None
+            and request.grammar is None
+        )
         if p.needs_penalties:
             counts, mask = self._penalty_buffers()
             vocab = self.vocab_size
@@ -164,6 +175,13 @@ class SamplingSlots:
         samples d + 1 rows, the target's distribution after its last token and after each
         proposed one: row j is drawn as the token at position `num_tokens + j` would be with
         the proposed tokens before it taken (its uniform, min_tokens and penalty counts)."""
+        if drafts is None:
+            plain = self._plain
+            for slot in slots.tolist():
+                if not plain[slot]:
+                    break
+            else:
+                return self._plain_batch(len(requests), slots)
         offsets: list[int] | None = None
         drafts_of: dict[int, Sequence[int]] | None = None  # first row -> proposed tokens
         draft_counts: list[tuple[int, int]] = []
@@ -282,6 +300,50 @@ class SamplingSlots:
             if any_penalties and draft_counts
             else None,
         )
+
+    def _plain_batch(self, n: int, slots: np.ndarray) -> SamplingBatch:
+        """`prepare` of n plain rows (see `_plain`): the sampler takes the argmax and reads no
+        per-row parameter, so the batch is the same every step of n rows (made once per n).
+        Only the slot ids are written, when token counts exist (`record` reads them)."""
+        if self.counts is not None:
+            self._ints_np[_SLOT, :n] = slots
+            if self._ints_dev is not self._ints_host:
+                self._ints_dev.copy_(self._ints_host, non_blocking=True)
+        batch = self._plain_batches.get(n)
+        if batch is None:
+            views = self._views.get(n)
+            if views is None:
+                views = self._views[n] = self._views_of(n)
+            temperature, top_p, min_p, top_k, _, uniform_, presence, frequency, repetition, ids = (
+                views
+            )
+            batch = self._plain_batches[n] = SamplingBatch(
+                num_rows=n,
+                temperature=temperature,
+                top_p=top_p,
+                min_p=min_p,
+                top_k=top_k,
+                greedy=None,
+                uniform=uniform_,
+                presence=presence,
+                frequency=frequency,
+                repetition=repetition,
+                slots=ids,
+                all_greedy=True,
+                any_greedy=True,
+                any_top_k=False,
+                max_top_k=0,
+                any_top_p=False,
+                any_min_p=False,
+                any_penalties=False,
+                stop_masks=[],
+                logprob_rows=self._want_views[0],
+                logprob_ks=[],
+                logprob_host_rows=[],
+                counts=None,
+                prompt_mask=None,
+            )
+        return batch
 
     def _views_of(self, n: int) -> tuple[torch.Tensor, ...]:
         """The first `n` rows of each device buffer row, made once per `n`."""

@@ -50,8 +50,11 @@ BUILD_TIMEOUT_S = 1800.0  # another process building the same kernels: wait at m
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.cache
 def cpu_kernels_enabled() -> bool:
-    """False when `DUET_CPU_KERNELS=0` asks for the plain torch paths everywhere."""
+    """False when `DUET_CPU_KERNELS=0` asks for the plain torch paths everywhere. Read once per
+    process (the model asks before each of its ops, and reading `os.environ` costs Python
+    calls); `cpu_kernels_enabled.cache_clear()` rereads it."""
     return os.environ.get("DUET_CPU_KERNELS", "1") != "0"
 
 

@@ -125,17 +125,28 @@ at::Tensor top_p_threshold(at::Tensor probs, at::Tensor top_p) {
 
 namespace {
 
-int64_t row_argmax(const float* row, int64_t vocab) {
+// The argmax of row[begin, end): the largest value, its first index, and the first NaN's
+// index (-1 when none). Every value -inf gives (-inf, begin).
+struct ArgmaxPart {
+  float top;
+  int64_t index;
+  int64_t first_nan;
+};
+
+ArgmaxPart argmax_range(const float* row, int64_t begin, int64_t end) {
   using F = Vec<kLanes>::F;
   using I = Vec<kLanes>::I;
   F best = splat<kLanes>(-__builtin_inff());
   I where{};
   I lane{};
-  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  for (int l = 0; l < kLanes; ++l) {
+    lane[l] = l;
+    where[l] = static_cast<int32_t>(begin);
+  }
   I unordered{};
-  int64_t i = 0;
+  int64_t i = begin;
   // Per lane: the largest value so far and its first index (strictly greater replaces).
-  for (; i + kLanes <= vocab; i += kLanes) {
+  for (; i + kLanes <= end; i += kLanes) {
     const F x = load_f32<kLanes>(row + i);
     const I greater = x > best;
     best = greater ? x : best;
@@ -145,8 +156,8 @@ int64_t row_argmax(const float* row, int64_t vocab) {
   bool nan = false;
   for (int l = 0; l < kLanes; ++l) nan = nan || unordered[l] != 0;
   float top = -__builtin_inff();
-  int64_t index = -1;  // none yet (a row shorter than a vector)
-  if (i > 0) {  // lanes that never rose above -inf hold index 0: right for an all -inf row
+  int64_t index = -1;  // none yet (a range shorter than a vector)
+  if (i > begin) {  // lanes that never rose above -inf hold `begin`: right for all -inf
     top = best[0];
     index = where[0];
     for (int l = 1; l < kLanes; ++l) {
@@ -156,20 +167,36 @@ int64_t row_argmax(const float* row, int64_t vocab) {
       }
     }
   }
-  for (; i < vocab; ++i) {  // the tail comes after every lane's index
+  for (; i < end; ++i) {  // the tail comes after every lane's index
     nan = nan || row[i] != row[i];
     if (row[i] > top || index < 0) {
       top = row[i];
       index = i;
     }
   }
-  if (nan) {  // torch: a NaN is the maximum
-    for (int64_t j = 0; j < vocab; ++j) {
-      if (row[j] != row[j]) return j;
+  int64_t first_nan = -1;
+  if (nan) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (row[j] != row[j]) {
+        first_nan = j;
+        break;
+      }
     }
   }
-  return index < 0 ? 0 : index;  // every value -inf: the first
+  return {top, index < 0 ? begin : index, first_nan};
 }
+
+// torch's argmax of one row: the first NaN if any (a NaN is the maximum), else the first
+// maximal index.
+int64_t row_argmax(const float* row, int64_t vocab) {
+  const ArgmaxPart part = argmax_range(row, 0, vocab);
+  return part.first_nan >= 0 ? part.first_nan : part.index;
+}
+
+// Columns per part when fewer rows than threads split a row (each part a multiple of the
+// vector width). A row written by a multi-threaded LM head lies in several cores' caches, and
+// each thread reads its share.
+constexpr int64_t kArgmaxPartColumns = 8192;
 
 }  // namespace
 
@@ -182,6 +209,30 @@ at::Tensor argmax_rows(at::Tensor logits) {
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* src = logits.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::min<int64_t>(threads, vocab / kArgmaxPartColumns);
+  if (rows < threads && parts > 1 && !at::in_parallel_region()) {
+    // Split each row into `parts` column ranges, then combine in column order: the first NaN,
+    // else the largest value with the earliest index (a later part must be strictly greater).
+    const int64_t width = (vocab / parts + kLanes - 1) / kLanes * kLanes;
+    std::vector<ArgmaxPart> found(rows * parts);
+    at::parallel_for(0, rows * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) {
+        const int64_t r = k / parts, c = (k % parts) * width;
+        found[k] = argmax_range(src + r * vocab, std::min(c, vocab), std::min(c + width, vocab));
+      }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      ArgmaxPart best = found[r * parts];
+      for (int64_t q = 1; q < parts; ++q) {
+        const ArgmaxPart& next = found[r * parts + q];
+        if (best.first_nan >= 0) break;
+        if (next.first_nan >= 0 || next.top > best.top) best = next;
+      }
+      dst[r] = best.first_nan >= 0 ? best.first_nan : best.index;
+    }
+    return out;
+  }
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * vocab, vocab);
   });

@@ -10,6 +10,8 @@
 
   const pct = (v) => (v === null || v === undefined ? "\u2013" : (100 * v).toFixed(1) + "%");
   const num = (v, d) => (v === null || v === undefined ? "\u2013" : Number(v).toFixed(d || 0));
+  // Rates to three significant digits: a slow transfer (a busy host) is 0.000512 GB/s, not 0.000.
+  const rate = (v) => (v === null || v === undefined ? "\u2013" : Number(v).toPrecision(3));
 
   function bytes(n) {
     const units = ["B", "KiB", "MiB", "GiB"];
@@ -101,8 +103,8 @@
     rows("transfers", d.transfers, (t) => [
       [t.request_id], [t.prefill + " \u2192 " + t.decode],
       [t.reason ? t.status + " (" + t.reason + ")" : t.status, t.status === "failed" ? "unhealthy" : "healthy"],
-      [bytes(t.bytes)], [num(t.duration_ms, 2)], [t.status === "done" ? num(t.gbps, 3) : "\u2013"],
-      [t.link_gbps ? num(t.link_gbps, 3) : "\u2013"],
+      [bytes(t.bytes)], [num(t.duration_ms, 2)], [t.status === "done" ? rate(t.gbps) : "\u2013"],
+      [t.link_gbps ? rate(t.link_gbps) : "\u2013"],
     ]);
     planner(d.planner);
     const s = d.series;

@@ -61,12 +61,12 @@ def layers(net):
 
 @pytest.mark.parametrize("arch", ["smollm2", "qwen3"])  # tied head; q/k norms
 def test_loader_routes_every_product_and_norm_to_triton_on_cuda(
-    tiny_model_factory, monkeypatch, arch
+    tiny_model_factory, monkeypatch, cpu_kernels_off, arch
 ):
     from engine.kernels import triton_runtime
     from engine.loader import _use_invariant_cuda_kernels, load_model
 
-    monkeypatch.setenv("DUET_CPU_KERNELS", "0")  # the layers a CUDA model has (none packed)
+    # cpu_kernels_off: the layers a CUDA model has (none packed)
     loaded = load_model(
         tiny_model_factory(arch), torch.float32, CPU, progress=False, deterministic=False
     )

@@ -151,6 +151,11 @@ def test_kernel_tables_are_each_steps_own(tiny_llama):
                 blocks = kv.get_block_ids(scheduled[i][0].request_id)[:width]
                 assert got_tables[k, : len(blocks)].tolist() == blocks
         assert kt.decode_rows.tolist() == dec and kt.prefill_rows.tolist() == pre
+        if dec and not pre:  # on the CPU, consecutive slots' rows are read in place
+            in_place = kt.decode_tables.shape[1] == batch.max_blocks
+            slots = [batch.slot_of(r.request_id) for r, _ in scheduled]
+            assert in_place == (slots == list(range(slots[0], slots[0] + len(slots))))
+            kinds.add(("tables in place", in_place))
         # Each token's KV slot: numpy over the step, or one by one for a few tokens.
         want_slots = []
         for request, n in scheduled:
@@ -174,4 +179,5 @@ def test_kernel_tables_are_each_steps_own(tiny_llama):
         while engine.has_unfinished_requests():
             engine.step()
     assert kinds == {(True, False), (False, True), (True, True), ("few tokens", True),
-                     ("few tokens", False)}  # fmt: skip
+                     ("few tokens", False), ("tables in place", True),
+                     ("tables in place", False)}  # fmt: skip

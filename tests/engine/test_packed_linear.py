@@ -82,7 +82,7 @@ def test_pack_linears_swaps_the_layers_this_cpu_packs(fp32_packing, choice):
 
 
 @needs_bf16_packing
-def test_packed_bf16_model_matches_the_plain_one(tiny_llama, monkeypatch):
+def test_packed_bf16_model_matches_the_plain_one(tiny_llama, request):
     prompts = [[5, 6, 7, 8, 9], list(range(3, 40))]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
     # deterministic mode on an AMX CPU takes duet's tiles instead (test_dense_linear_kernel.py)
@@ -90,7 +90,7 @@ def test_packed_bf16_model_matches_the_plain_one(tiny_llama, monkeypatch):
     layers = packed.engine.runner.model.layers
     assert isinstance(layers[0].mlp.gate_up_proj, PackedLinear)
     got = packed.generate(prompts, params)
-    monkeypatch.setenv("DUET_CPU_KERNELS", "0")
+    request.getfixturevalue("cpu_kernels_off")
     plain = LLM(tiny_llama, dtype="bfloat16", load_progress=False, attention_backend="torch")
     assert isinstance(plain.engine.runner.model.layers[0].mlp.gate_up_proj, nn.Linear)
     want = plain.generate(prompts, params)

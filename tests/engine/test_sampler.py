@@ -255,3 +255,35 @@ def test_cpu_argmax_kernel_is_torch_argmax(vocab):
     rows[5, vocab // 3 :] = float("-inf")
     rows[6] = torch.finfo(torch.float32).min
     assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [16384, 49152, 50000])
+def test_cpu_argmax_kernel_splits_few_rows_by_columns(vocab):
+    """Fewer rows than threads: each row's columns are split between threads and the parts
+    combined; ties across parts keep the first index, a NaN anywhere wins at its first place,
+    -inf parts lose to finite ones."""
+    from engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    assert kernels is not None, "the CPU kernels must build here"
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # parts = min(threads, vocab // 8192) > 1 on any machine
+    try:
+        gen = torch.Generator().manual_seed(vocab)
+        cases = [torch.randn(vocab, generator=gen) for _ in range(9)]
+        cases[1][vocab - 3] = 50.0  # the maximum in the last part
+        cases[2][:] = 1.0  # all tied: the first
+        cases[3][vocab // 2 + 5] = float("nan")  # a NaN in a later part only
+        cases[4][vocab - 1] = float("nan")
+        cases[4][7] = float("nan")  # NaNs in the first and last parts: the first
+        cases[5][:] = float("-inf")
+        cases[6][: vocab // 2] = float("-inf")  # the first half -inf
+        cases[7][3], cases[7][vocab - 20] = 60.0, 60.0  # tied maxima in two parts
+        cases[8][vocab // 4] = float("inf")
+        for row in cases:
+            one = row[None].contiguous()
+            assert kernels.argmax_rows(one).tolist() == one.argmax(dim=-1).tolist()
+        two = torch.stack(cases[:2])  # two rows, still fewer than the threads
+        assert torch.equal(kernels.argmax_rows(two), two.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(before)
