@@ -66,7 +66,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = kernels_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
         if kernels is not None:
-            return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.rms_norm(x, self._parameters["weight"], self.eps)
         return self._norm(x)
 
     def add_and_norm(
@@ -76,7 +76,7 @@ class RMSNorm(nn.Module):
         CPU kernel path x and residual are overwritten with them (no allocation)."""
         kernels = kernels_for(x) if x.dim() == 2 else None
         if kernels is not None and x.is_contiguous() and residual.is_contiguous():
-            kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            kernels.fused_add_rms_norm(x, residual, self._parameters["weight"], self.eps)
             return x, residual
         residual = residual + x
         return self._norm(residual), residual
@@ -115,17 +115,18 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj.forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
+        parts = self._modules  # see DecoderLayer.forward
+        qkv = parts["qkv_proj"].forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rotary(ctx.positions, q, k)
+        q, k = ctx.rotary.forward(ctx.positions, q, k)
         store_kv(kv_cache, k, v, ctx.meta)
         out = paged_attention(q, k, v, kv_cache, ctx.meta, self.scale, ctx.workspace)  # [T, H, D]
-        return self.tp.all_reduce(self.o_proj.forward(out.reshape(num_tokens, self.q_size)))
+        return self.tp.all_reduce(parts["o_proj"].forward(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -139,14 +140,15 @@ class MLP(nn.Module):
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)  # [T, 2 I]
+        parts = self._modules  # see DecoderLayer.forward
+        gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
         kernels = kernels_for(gate_up)
         if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
             act = kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj.forward(act))
+        return self.tp.all_reduce(parts["down_proj"].forward(act))
 
 
 class DecoderLayer(nn.Module):
@@ -168,14 +170,18 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next layer (or the
         final norm) adds the two, fused with its norm. `residual` is None for the first layer."""
+        # NOTE: submodules (and parameters) are read from `_modules` (`_parameters`), the
+        # dicts nn.Module keeps them in: `self.mlp` goes through nn.Module.__getattr__, a
+        # Python call, and a batch-1 decode step made about 600 such calls.
+        parts = self._modules
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = parts["input_layernorm"].forward(hidden)
         else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn.forward(hidden, kv_cache, ctx)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp.forward(hidden), residual
+            hidden, residual = parts["input_layernorm"].add_and_norm(hidden, residual)
+        hidden = parts["self_attn"].forward(hidden, kv_cache, ctx)
+        hidden, residual = parts["post_attention_layernorm"].add_and_norm(hidden, residual)
+        return parts["mlp"].forward(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -91,7 +91,10 @@ class PackedLinear(nn.Module):
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        buffers = self._buffers  # `self.packed` is a Python call (nn.Module.__getattr__)
+        return torch.ops.mkldnn._linear_pointwise(
+            rows, buffers["packed"], buffers["bias"], "none", [], ""
+        )
 
 
 def pack_linears(model: nn.Module) -> int:

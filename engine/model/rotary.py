@@ -74,7 +74,8 @@ class RotaryEmbedding(torch.nn.Module):
         # q: [T, H, D], k: [T, Hkv, D], positions: [T]
         kernels = kernels_for(q)
         if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            kernels.rotary_embedding(positions, q, k, self.cos, self.sin)
+            # the buffers from their dict: `self.cos` is a Python call (nn.Module.__getattr__)
+            kernels.rotary_embedding(positions, q, k, self._buffers["cos"], self._buffers["sin"])
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)

@@ -102,9 +102,12 @@ class Linear(nn.Linear):
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        # the parameters from their dict: `self.weight` is a Python call (nn.Module.__getattr__)
+        params = self._parameters
         return product(
-            rows, self.weight, self.bias, self.invariant_gemm, self.cpu_kernel, self.out_features
-        )
+            rows, params["weight"], params["bias"], self.invariant_gemm, self.cpu_kernel,
+            self.out_features,
+        )  # fmt: skip
 
 
 class TiedLinear(nn.Module):
