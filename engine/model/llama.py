@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        parts = self._modules  # see DecoderLayer.forward
+        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         qkv = parts["qkv_proj"].forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -140,7 +141,7 @@ class MLP(nn.Module):
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._modules  # see DecoderLayer.forward
+        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
         kernels = kernels_for(gate_up)
         if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
@@ -173,7 +174,7 @@ class DecoderLayer(nn.Module):
         # NOTE: submodules (and parameters) are read from `_modules` (`_parameters`), the
         # dicts nn.Module keeps them in: `self.mlp` goes through nn.Module.__getattr__, a
         # Python call, and a batch-1 decode step made about 600 such calls.
-        parts = self._modules
+        parts: dict[str, Any] = self._modules
         if residual is None:
             residual = hidden
             hidden = parts["input_layernorm"].forward(hidden)

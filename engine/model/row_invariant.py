@@ -103,7 +103,7 @@ class Linear(nn.Linear):
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         # the parameters from their dict: `self.weight` is a Python call (nn.Module.__getattr__)
-        params = self._parameters
+        params: dict[str, Any] = self._parameters
         return product(
             rows, params["weight"], params["bias"], self.invariant_gemm, self.cpu_kernel,
             self.out_features,
