@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.attention_metadata import AttentionMetadata, KernelBatch
 from engine.kernels.cpu import (
+    kernels_for,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_kernel_supports,
@@ -18,9 +19,15 @@ def write_kv_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store new K/V at their slots. kv_cache: [2, num_blocks, block_size, Hkv, D]; key/value: [T, Hkv, D]."""
+    dtype = kv_cache.dtype
+    if key.dtype == dtype and value.dtype == dtype:
+        kernels = kernels_for(kv_cache)
+        if kernels is not None:  # one memcpy per row; index_copy_ ran at ~4 GB/s in prefill
+            kernels.write_kv(kv_cache, key, value, slot_mapping)
+            return
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    dtype = kv_cache.dtype  # no `.to` when it would be a no-op: two calls a layer at batch 1
+    # no `.to` when it would be a no-op: two calls a layer at batch 1
     flat[0].index_copy_(0, slot_mapping, key if key.dtype == dtype else key.to(dtype))
     flat[1].index_copy_(0, slot_mapping, value if value.dtype == dtype else value.to(dtype))
 

@@ -46,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Rotate query [T, H, D] and key [T, Hkv, D] in place (rotate-half layout)");
   m.def("copy_rows", &duet::copy_rows,
         "dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors with contiguous rows (memcpy each)");
+  m.def("write_kv", &duet::write_kv,
+        "Store key/value [T, Hkv, D] at cache slots slot_mapping [T] of kv_cache "
+        "[2, num_blocks, block_size, Hkv, D] (memcpy each token's row)");
   m.def("top_p_threshold", &duet::top_p_threshold,
         "Per row of probs [rows, vocab] float32: the probability of the last token its top-p "
         "set needs ([rows, 1]; 0 where top_p >= 1)");

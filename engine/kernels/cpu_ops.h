@@ -29,6 +29,10 @@ at::Tensor silu_and_mul(at::Tensor gate_up);
 // dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors of one dtype and row length, one memcpy
 // per row (copy_cpu.cpp). Indices are bounds-checked.
 void copy_rows(at::Tensor dst, at::Tensor dst_rows, at::Tensor src, at::Tensor src_rows);
+// kv_cache[0] slot slot_mapping[i] = key[i], kv_cache[1] slot slot_mapping[i] = value[i]:
+// kv_cache [2, num_blocks, block_size, Hkv, D] contiguous; key/value [T, Hkv, D] with each
+// token's Hkv * D values contiguous (views of the q|k|v projection); one memcpy per row.
+void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor slot_mapping);
 
 // The sampler's full-vocabulary walks (sampling_cpu.cpp), bitwise equal to engine/sampler.py's
 // torch path: each row's top-p threshold [rows, 1] (0 where top_p >= 1), and each row's
