@@ -83,10 +83,12 @@ def paged_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
+    # [T, H, D] contiguous: a view of q|k|v is strided, and is not dense, so empty_like packs
     out = torch.empty_like(query)
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    if meta.decode_batch is not None or meta.prefill_batch is not None:
-        query = query.contiguous()  # the kernels' layout (a view of qkv is strided): one copy
+    key_cache, value_cache = kv_cache.unbind(0)
+    # NOTE: the CPU kernels read the query where it is (a view of q|k|v: each token's heads
+    # contiguous, tokens at the projection's stride), with no copy.
+    on_kernels = meta.decode_batch is not None or meta.prefill_batch is not None
 
     if meta.decode_batch is not None:
         d = meta.decode_batch
@@ -135,6 +137,8 @@ def paged_attention(
             )
             return out
 
+    if on_kernels and meta.prefill_indices:
+        query = query.contiguous()  # the torch path beside the kernels, as it has always read
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, s_len = end - start, meta.seq_lens[i]

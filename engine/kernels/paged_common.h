@@ -10,7 +10,15 @@
 
 namespace duet {
 
-// out/query [T, H, D] of one dtype, contiguous; caches [NB, BS, Hkv, D] alike, Hkv dividing H.
+// Whether query [T, H, D] has the layout the kernels read: each token's H * D values contiguous,
+// tokens at any stride (a view of the q|k|v projection is). Otherwise the caller packs it.
+inline bool query_rows_contiguous(const at::Tensor& query) {
+  return query.dim() == 3 && query.stride(2) == 1 &&
+         (query.size(1) == 1 || query.stride(1) == query.size(2));
+}
+
+// out [T, H, D] contiguous and query alike (each token's row contiguous, see
+// query_rows_contiguous), one dtype; caches [NB, BS, Hkv, D] alike, Hkv dividing H.
 inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& query,
                                        const at::Tensor& key_cache,
                                        const at::Tensor& value_cache) {
@@ -19,7 +27,8 @@ inline void check_paged_attention_args(const at::Tensor& out, const at::Tensor& 
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "query and cache dtypes differ");
   TORCH_CHECK(out.scalar_type() == query.scalar_type() && out.sizes() == query.sizes(), "bad out");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query and out must be contiguous");
+  TORCH_CHECK(query_rows_contiguous(query) && out.is_contiguous(),
+              "query rows and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "key and value caches differ in shape");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
@@ -43,6 +52,7 @@ inline void check_block_row(const int64_t* tables, int64_t b, int64_t max_blocks
 struct PagedArgs {
   int64_t H, Hkv, G, D, BS, max_blocks;
   int64_t row, block;  // element strides between tokens in a block, and between blocks
+  int64_t q_row;       // element stride between query tokens
   const void *q, *kc, *vc;
   void* o;
   const int64_t* tables;
@@ -60,6 +70,7 @@ inline void fill_paged_args(PagedArgs& a, const at::Tensor& out, const at::Tenso
   a.BS = key_cache.size(1);
   a.max_blocks = block_tables.size(1);
   a.row = a.Hkv * a.D;
+  a.q_row = query.stride(0);
   a.block = a.BS * a.row;
   a.q = query.data_ptr();
   a.kc = key_cache.data_ptr();

@@ -169,7 +169,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   // Score rows: BS keys, rounded up to whole quads, and room for a run's full vector.
   const int64_t begin = it.begin, end = it.end, BSpad = (BS + 3) / 4 * 4 + W;
   const int nd = ND > 0 ? ND : static_cast<int>(D / W);
-  const raw* q = static_cast<const raw*>(P.q) + P.rows[it.b] * H * D;
+  const raw* q = static_cast<const raw*>(P.q) + P.rows[it.b] * P.q_row;
   const raw* kc = static_cast<const raw*>(P.kc);
   const raw* vc = static_cast<const raw*>(P.vc);
   const int64_t* table = P.tables + it.b * P.max_blocks;
@@ -388,6 +388,7 @@ void dispatch(Problem& P, const int64_t* lens, int64_t B) {
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
                             at::Tensor token_indices, double scale) {
+  if (!query_rows_contiguous(query)) query = query.contiguous();
   check_paged_attention_args(out, query, key_cache, value_cache);
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&

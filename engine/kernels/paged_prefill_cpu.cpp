@@ -98,7 +98,7 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
     const int64_t j = it.j0 + rr / G, h = it.kvh * G + rr % G;
     pos[r] = ctx + j;
     const int64_t t = P.q_start[it.req] + j;
-    const raw* qrow = static_cast<const raw*>(P.q) + (t * H + h) * D;
+    const raw* qrow = static_cast<const raw*>(P.q) + t * P.q_row + h * D;
     orow[r] = static_cast<raw*>(P.o) + (t * H + h) * D;
     for (int i = 0; i < ND; ++i)
       store_f32<W>(qf + r * D + i * W, load_vec<E, W, ND>(qrow, i) * P.scale);
@@ -286,6 +286,7 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
                              at::Tensor value_cache, at::Tensor block_tables,
                              at::Tensor seq_lens, at::Tensor query_start, at::Tensor query_lens,
                              double scale) {
+  if (!query_rows_contiguous(query)) query = query.contiguous();
   check_paged_attention_args(out, query, key_cache, value_cache);
   TORCH_CHECK(prefill_head_dim_supported(query.size(2)), "head_dim ", query.size(2),
               " unsupported: a multiple of ", kLanes, " times 1, 2, 4, 8 or 16");

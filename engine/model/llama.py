@@ -105,6 +105,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        self.qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = make_linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, quant
         )
@@ -118,7 +119,8 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         qkv = parts["qkv_proj"].forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # split_with_sizes: Tensor.split is a Python wrapper around it
+        q, k, v = qkv.split_with_sizes(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -296,3 +296,34 @@ def test_other_simd_widths_match_reference(kernels, lanes):
         gate, up = gate_up.split(1536, dim=-1)
         want = F.silu(gate) * up
         torch.testing.assert_close(wide.silu_and_mul(gate_up), want, **close(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_read_a_strided_query_in_place(kernels, dtype):
+    """The model hands the kernels q as a view of the q|k|v projection (each token's heads
+    contiguous, tokens at the projection's stride): the same bits as the packed query, and a
+    query in another layout (heads strided) is packed by the kernel."""
+    shape = (9, 3, 64, 16)
+    h, hkv, d, _ = shape
+    query, kc, vc, tables, lens, rows = random_decode_batch(shape, dtype, LENGTHS[:8])
+    fused = torch.randn(query.shape[0], (h + 2 * hkv) * d).to(dtype)
+    fused[:, : h * d] = query.reshape(query.shape[0], -1)
+    view = fused[:, : h * d].view(query.shape[0], h, d)
+    assert not view.is_contiguous()
+    swapped = query.transpose(0, 1).contiguous().transpose(0, 1)  # heads outermost
+    outs = []
+    for q in (query, view, swapped):
+        out = torch.zeros_like(query)
+        kernels.paged_decode_attention(out, q, kc, vc, tables, lens, rows, 0.125)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+    batch = random_prefill_batch(shape, dtype, PREFILL_REQUESTS[:6])
+    query = batch[0]
+    fused = torch.randn(query.shape[0], (h + 2 * hkv) * d).to(dtype)
+    fused[:, : h * d] = query.reshape(query.shape[0], -1)
+    view = fused[:, : h * d].view(query.shape[0], h, d)
+    want, got = torch.zeros_like(query), torch.zeros_like(query)
+    kernels.paged_prefill_attention(want, query, *batch[1:], 0.25)
+    kernels.paged_prefill_attention(got, view, *batch[1:], 0.25)
+    assert torch.equal(got, want)
