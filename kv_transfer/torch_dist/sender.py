@@ -85,7 +85,9 @@ class TorchDistKVSender(KVSender):
         """Open (or reuse) the channel to receiver `dest`; raises HandshakeError on mismatch."""
         with self._lock:
             channel = self._channels.get(dest)
-        if channel is not None:
+        # NOTE: a failed channel is never reused, even in the moment before `_fail_channel`
+        # takes it out (a send then would fail with it: seen as a flaky retry test).
+        if channel is not None and not channel.failed:
             return channel
         host, port = dest.rsplit(":", 1)
         timeout = as_timedelta(self.timeout_s)
@@ -346,13 +348,13 @@ class TorchDistKVSender(KVSender):
         if not channel.failed:
             channel.failed = True
             logger.warning("KV channel %s failed: %s", channel.cid, error)
-            channel.link.abort()
             # NOTE: never reuse this channel (the next send opens a new one), nor the buffers
-            # of its unsent transfers.
+            # of its unsent transfers. Out of the table before the abort, which can take a while.
             with self._lock:
                 for dest, open_channel in list(self._channels.items()):
                     if open_channel is channel:
                         del self._channels[dest]
+            channel.link.abort()
         for job in jobs:
             if job.channel is channel and not job.done and job.error is None:
                 job.error = error

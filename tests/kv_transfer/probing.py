@@ -26,7 +26,8 @@ def transfer(sender, recv, request_id, src_ids, dst_ids, expect_timeout_s=10.0):
     """One transfer that both sides report DONE; returns the sender's result."""
     recv.expect(request_id, dst_ids, timeout_s=expect_timeout_s)
     sender.send(request_id, src_ids, recv.address)
-    assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
+    got = wait_for(recv.poll, 20, "recv.poll")
+    assert [r.status for r in got] == [TransferStatus.DONE], (got, sender.poll())
     [result] = wait_for(sender.poll, 20, "sender.poll")
     return result
 

@@ -250,3 +250,21 @@ def test_on_cuda_the_bursts_are_timed_by_events_on_the_links_stream() -> None:
     assert len(job.marks) == BURSTS and all(isinstance(m, CudaMark) for m in job.marks)
     assert job.sent is not None and job.sent.wait(10)
     assert job.gbps() > PROBE_BYTES / 0.01 / 1e9  # a device copy, not the 50 ms first burst
+
+
+def test_a_failed_channel_is_not_reused_before_it_leaves_the_table(mode):
+    """`connect` in the moment between a channel's failure and its removal from the table (the
+    link's abort runs between them) opens a new channel instead of handing out the dead one."""
+    src, dst = caches(), caches(seed=1)
+    recv, sender = receiver_of(dst), probing_sender("torch_dist", src, measure_link=False)
+    try:
+        transfer(sender, recv, "r1", [0], [9])
+        old = sender._open_channel(recv.address)
+        old.failed = True  # as `_fail_channel` sets it first
+        fresh = sender.connect(recv.address)
+        assert fresh is not old and not fresh.failed
+        assert transfer(sender, recv, "r2", [1], [2]).status == TransferStatus.DONE
+        assert landed(src, dst, [0, 1], [9, 2])
+    finally:
+        sender.close()
+        recv.close()
