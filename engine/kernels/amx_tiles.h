@@ -35,6 +35,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Loads a configuration. GCC's _tile_loadconfig tells the compiler it reads only the first 8
+// bytes of the configuration, which then may store the rest after the instruction (a tile
+// configuration of stack garbage, seen as a SIGSEGV in the attention kernels): this asm
+// names the whole struct as its input.
+inline void load_tile_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
 // The tiles for a chunk of `rows` (1 to 32) rows of x: row tile 0 holds min(rows, 16) rows of x
 // and of the sums, row tile 1 the rest, so a chunk reads and computes only its own rows.
 // `configured` is the chunk size the calling thread's tiles hold now (-1: none); the
@@ -49,7 +57,7 @@ inline void configure_tiles(int64_t rows, int* configured) {
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = rows0;
   cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = rows1;
   cfg.rows[6] = cfg.rows[7] = 16;
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
   *configured = static_cast<int>(rows);
 }
 

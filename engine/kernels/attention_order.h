@@ -2,6 +2,7 @@
 // paged_prefill_cpu.cpp) follow for a query row, so that a token's attention output has the
 // same bits whichever kernel computes it, in a batch of any size, in a prefill chunk starting
 // anywhere, after a prefix-cache hit or cold (deterministic inference: docs/determinism.md).
+// bf16 on CPUs with AMX tiles takes the AMX order of attention_amx.h instead, in both kernels.
 //
 // For a query row q (fp32, already multiplied by the scale) at position pos, over keys
 // 0..pos:

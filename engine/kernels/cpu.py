@@ -43,7 +43,14 @@ _SOURCES = [
 ]
 _HEADERS = [
     os.path.join(_DIR, name)
-    for name in ("amx_tiles.h", "attention_order.h", "cpu_ops.h", "cpu_simd.h", "paged_common.h")
+    for name in (
+        "amx_tiles.h",
+        "attention_amx.h",
+        "attention_order.h",
+        "cpu_ops.h",
+        "cpu_simd.h",
+        "paged_common.h",
+    )
 ]
 BUILD_TIMEOUT_S = 1800.0  # another process building the same kernels: wait at most this
 # float32 and bfloat16 only: the kernels' element formats.

@@ -4,11 +4,13 @@
 // Bindings only: torch/extension.h would also parse the whole C++ frontend (~15 s more).
 #include <torch/python.h>
 
+#include <optional>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
+#include "attention_amx.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
 
@@ -33,6 +35,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flush_denormals_on_all_threads", &flush_denormals_on_all_threads,
         "Set FTZ/DAZ on every intra-op worker thread; returns the number of tasks run");
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernels' vectors");
+  m.def(
+      "attention_amx",
+      [](std::optional<bool> wanted) {
+        if (wanted.has_value()) duet::attention_amx_wanted.store(*wanted);
+        return duet::attention_amx_wanted.load();
+      },
+      pybind11::arg("wanted") = pybind11::none(),
+      "Whether bf16 paged attention may take the AMX order (attention_amx.h) where the CPU has "
+      "AMX; sets it first when `wanted` is given");
+  m.def("attention_amx_used", &duet::use_amx_attention,
+        "Whether bf16 paged attention takes the AMX order for (head_dim, block_size) now");
   m.def("paged_decode_attention", &duet::paged_decode_attention,
         "Paged decode attention over a block-table KV cache (CPU), written into out in place");
   m.def("paged_prefill_attention", &duet::paged_prefill_attention,

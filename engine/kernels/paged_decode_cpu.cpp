@@ -31,11 +31,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
+#include "attention_amx.h"
 #include "attention_order.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
@@ -54,7 +57,9 @@ struct Item {
 
 struct Problem : PagedArgs {
   const int64_t* rows;  // the query row of each sequence
+  const int64_t* lens;  // each sequence's length
   float* partials;      // per slot: H maxima, H sums, H x D unnormalised outputs
+  bool amx;             // the AMX order (attention_amx.h): accumulators in row order
 };
 
 // Lines part, part + parts, ... of a row: spreads a row's prefetches over `parts` calls.
@@ -295,6 +300,116 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   }
 }
 
+
+#if defined(DUET_AMX)
+// One item in the AMX order (attention_amx.h): each KV head's G query rows (16 at a time) go
+// through the item's runs of 16 keys; the keys are read by the tiles from the cache, each
+// run's values paired once for all of a head's rows.
+template <int D>
+struct AmxScratch {
+  std::vector<std::unique_ptr<AmxRows<D>>> groups;  // KV head kvh's row groups, in order
+  std::vector<uint16_t> vpairs;
+};
+
+template <int D>
+void attend_amx(const Problem& P, const Item& it, AmxScratch<D>& s, int* configured) {
+  const int64_t G = P.G, H = P.H, BS = P.BS, row = P.row, block = P.block;
+  const int64_t per_head = (G + 15) / 16, num_groups = P.Hkv * per_head;
+  while (static_cast<int64_t>(s.groups.size()) < num_groups)
+    s.groups.push_back(std::make_unique<AmxRows<D>>());
+  s.vpairs.resize(kAmxRunKeys * D);
+  const uint16_t* q = static_cast<const uint16_t*>(P.q) + P.rows[it.b] * P.q_row;
+  const uint16_t* kc = static_cast<const uint16_t*>(P.kc);
+  const uint16_t* vc = static_cast<const uint16_t*>(P.vc);
+  const int64_t* table = P.tables + it.b * P.max_blocks;
+  const int64_t len = P.lens[it.b];
+  auto group_of = [&](int64_t kvh, int64_t c, int* n) {
+    *n = static_cast<int>(std::min<int64_t>(16, G - c * 16));
+    return s.groups[kvh * per_head + c].get();
+  };
+  for (int64_t kvh = 0; kvh < P.Hkv; ++kvh) {
+    for (int64_t c = 0; c < per_head; ++c) {
+      int n;
+      AmxRows<D>* g = group_of(kvh, c, &n);
+      const uint16_t* qr[16];
+      int64_t pos[16];
+      for (int r = 0; r < n; ++r) {
+        qr[r] = q + (kvh * G + c * 16 + r) * D;
+        pos[r] = len - 1;
+      }
+      g->begin(qr, pos, n, P.scale);
+    }
+  }
+  int64_t slot = it.slot;
+  auto end_partition = [&]() {  // into the item's next slot, rows in order
+    float* part = P.partials + slot * H * (D + 2);
+    for (int64_t kvh = 0; kvh < P.Hkv; ++kvh)
+      for (int64_t c = 0; c < per_head; ++c) {
+        int n;
+        AmxRows<D>* g = group_of(kvh, c, &n);
+        for (int r = 0; r < n; ++r) {
+          const int64_t h = kvh * G + c * 16 + r;
+          part[h] = g->max_of(r);
+          part[H + h] = g->sum_of(r);
+          std::copy(g->o[r], g->o[r] + D, part + 2 * H + h * D);
+        }
+        g->start_partition();
+      }
+    ++slot;
+  };
+  const int64_t part_tokens = partition_tokens(BS);
+  const int64_t j0 = it.begin / BS, j1 = (it.end + BS - 1) / BS;
+  for (int64_t j = j0; j < j1; ++j) {
+    if (j + kFarBlocks < j1) prefetch_block_l2(kc, vc, table[j + kFarBlocks] * block, BS * row);
+    const int64_t t1 = std::min(it.end, (j + 1) * BS);
+    for (int64_t k0 = std::max(it.begin, j * BS); k0 < t1; k0 += kAmxRunKeys) {
+      if (k0 > it.begin && k0 % part_tokens == 0) end_partition();
+      const int64_t offset = table[j] * block + (k0 - j * BS) * row;
+      for (int64_t kvh = 0; kvh < P.Hkv; ++kvh) {
+        pair_values<D>(vc + offset + kvh * D, row, t1 - k0, s.vpairs.data());
+        for (int64_t c = 0; c < per_head; ++c) {
+          int n;
+          AmxRows<D>* g = group_of(kvh, c, &n);
+          configure_attention_tiles(n, configured);
+          g->run(k0, kc + offset + kvh * D, row, s.vpairs.data());
+        }
+      }
+    }
+  }
+  if (it.slot >= 0) {  // the sequence has several partitions: they are merged afterwards
+    end_partition();
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(P.o) + P.rows[it.b] * H * D;
+  for (int64_t kvh = 0; kvh < P.Hkv; ++kvh)
+    for (int64_t c = 0; c < per_head; ++c) {
+      int n;
+      AmxRows<D>* g = group_of(kvh, c, &n);
+      for (int r = 0; r < n; ++r) {
+        const int64_t h = kvh * G + c * 16 + r;
+        const float inv = 1.f / g->sum_of(r);
+        for (int d = 0; d < D; d += 16)
+          BF16::store<16>(o + h * D + d, load_f32<16>(g->o[r] + d) * inv);
+      }
+    }
+}
+
+template <int D>
+void run_items_amx(const Problem& P, const std::vector<Item>& items) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
+                   [&](int64_t, int64_t) {
+                     _mm_setcsr(_mm_getcsr() | 0x8040);
+                     AmxScratch<D> scratch;
+                     int configured = -1;
+                     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+                       attend_amx<D>(P, items[i], scratch, &configured);
+                     _tile_release();
+                   });
+}
+#endif
+
 // A sequence's partitions, folded in position order (attention_order.h; element by element,
 // so in the accumulators' lane order) and normalised into row order.
 template <typename E, int W, int ND>
@@ -312,7 +427,7 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
     }
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < D; ++d)
-      o[h * D + d] = E::store1(acc[widened_index<E, W, ND>(d)] * inv);
+      o[h * D + d] = E::store1(acc[P.amx ? d : widened_index<E, W, ND>(d)] * inv);
   }
 }
 
@@ -355,6 +470,22 @@ void run(Problem& P, const int64_t* lens, int64_t B) {
   });
   std::vector<float> partials(num_slots * P.H * (P.D + 2));
   P.partials = partials.data();
+#if defined(DUET_AMX)
+  if constexpr (std::is_same_v<E, BF16>) {
+    P.amx = use_amx_attention(P.D, P.BS);
+    if (P.amx) {
+      switch (P.D) {
+        case 32: run_items_amx<32>(P, items); break;
+        case 64: run_items_amx<64>(P, items); break;
+        case 128: run_items_amx<128>(P, items); break;
+        case 256: run_items_amx<256>(P, items); break;
+        default: TORCH_CHECK(false, "unreachable: AMX attention head_dim ", P.D);
+      }
+      for (const Split& sp : splits) merge<E, W, ND>(P, sp.b, sp.first_slot, sp.num_slots);
+      return;
+    }
+  }
+#endif
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
@@ -402,6 +533,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   fill_paged_args(P, out, query, key_cache, value_cache, block_tables, scale);
   P.rows = token_indices.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  P.lens = lens;
   // Every block a sequence reads must exist: a bad table would read outside the cache.
   const int64_t num_blocks = key_cache.size(0);
   for (int64_t b = 0; b < B; ++b) {

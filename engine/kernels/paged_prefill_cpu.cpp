@@ -31,11 +31,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
+#include "attention_amx.h"
 #include "attention_order.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
@@ -237,6 +240,91 @@ void attend_item(const Problem& P, const Item& it, Scratch& s) {
   for (int64_t r0 = 0; r0 < rows; r0 += R) attend_rows<E, W, ND, R>(P, it, r0, rows, kp, vf, b);
 }
 
+
+#if defined(DUET_AMX)
+// The item in the AMX order (attention_amx.h): the values the tile can see are paired once
+// into a panel; keys are read by the tiles straight from the cache; rows go 16 at a time.
+template <int D>
+void attend_item_amx(const Problem& P, const Item& it, std::vector<uint16_t>& panel,
+                     AmxRows<D>& g, std::vector<float>& merged, int* configured) {
+  const int64_t ctx = P.seq_lens[it.req] - P.q_lens[it.req];
+  const int64_t keys = ctx + it.j1;
+  const int64_t runs = (keys + kAmxRunKeys - 1) / kAmxRunKeys;
+  const int64_t part = partition_tokens(P.BS);
+  const uint16_t* kc = static_cast<const uint16_t*>(P.kc);
+  const uint16_t* vc = static_cast<const uint16_t*>(P.vc);
+  const int64_t* table = P.tables + it.req * P.max_blocks;
+  panel.resize(runs * kAmxRunKeys * D);
+  auto cache_row = [&](int64_t t) { return table[t / P.BS] * P.block + (t % P.BS) * P.row + it.kvh * D; };
+  for (int64_t r = 0; r < runs; ++r) {
+    const int64_t k0 = r * kAmxRunKeys;
+    pair_values<D>(vc + cache_row(k0), P.row, keys - k0, panel.data() + r * kAmxRunKeys * D);
+  }
+  merged.resize(16 * (D + 2));
+  float* M = merged.data();
+  float* L = M + 16;
+  float* O = L + 16;
+  const int64_t rows = (it.j1 - it.j0) * P.G;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, rows - r0));
+    const uint16_t* q[16];
+    int64_t pos[16];
+    int64_t last_pos = 0;
+    for (int r = 0; r < n; ++r) {
+      const int64_t j = it.j0 + (r0 + r) / P.G, h = it.kvh * P.G + (r0 + r) % P.G;
+      pos[r] = ctx + j;
+      last_pos = std::max(last_pos, pos[r]);
+      q[r] = static_cast<const uint16_t*>(P.q) + (P.q_start[it.req] + j) * P.q_row + h * D;
+    }
+    configure_attention_tiles(n, configured);
+    g.begin(q, pos, n, P.scale);
+    bool first = true;
+    auto end_partition = [&]() {
+      for (int r = 0; r < n; ++r) {
+        if (first) {
+          M[r] = g.max_of(r);
+          L[r] = g.sum_of(r);
+          std::copy(g.o[r], g.o[r] + D, O + r * D);
+        } else {
+          fold_partition(M[r], L[r], O + r * D, g.max_of(r), g.sum_of(r), g.o[r], D);
+        }
+      }
+      first = false;
+      g.start_partition();
+    };
+    for (int64_t k0 = 0; k0 <= last_pos; k0 += kAmxRunKeys) {
+      if (k0 > 0 && k0 % part == 0) end_partition();
+      g.run(k0, kc + cache_row(k0), P.row, panel.data() + (k0 / kAmxRunKeys) * kAmxRunKeys * D);
+    }
+    end_partition();
+    for (int r = 0; r < n; ++r) {
+      const int64_t j = it.j0 + (r0 + r) / P.G, h = it.kvh * P.G + (r0 + r) % P.G;
+      uint16_t* orow = static_cast<uint16_t*>(P.o) + ((P.q_start[it.req] + j) * P.H + h) * D;
+      const float inv = 1.f / L[r];
+      for (int d = 0; d < D; d += 16)
+        BF16::store<16>(orow + d, load_f32<16>(O + r * D + d) * inv);
+    }
+  }
+}
+
+template <int D>
+void run_amx(const Problem& P, const std::vector<Item>& items) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,
+                   [&](int64_t, int64_t) {
+                     _mm_setcsr(_mm_getcsr() | 0x8040);
+                     std::vector<uint16_t> panel;
+                     std::vector<float> merged;
+                     auto g = std::make_unique<AmxRows<D>>();
+                     int configured = -1;
+                     for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1))
+                       attend_item_amx<D>(P, items[i], panel, *g, merged, &configured);
+                     _tile_release();
+                   });
+}
+#endif
+
 template <typename E, int W, int ND>
 void run(const Problem& P, int64_t B) {
   std::vector<Item> items;
@@ -249,6 +337,19 @@ void run(const Problem& P, int64_t B) {
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
+#if defined(DUET_AMX)
+  if constexpr (std::is_same_v<E, BF16>) {
+    if (use_amx_attention(P.D, P.BS)) {
+      switch (P.D) {
+        case 32: return run_amx<32>(P, items);
+        case 64: return run_amx<64>(P, items);
+        case 128: return run_amx<128>(P, items);
+        case 256: return run_amx<256>(P, items);
+        default: break;
+      }
+    }
+  }
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1,

@@ -23,3 +23,15 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["fma", "amx"])
+def attention_order(request, kernels):
+    """bf16 paged attention in each order the CPU can run: the FMA order (attention_order.h)
+    everywhere, the AMX order (attention_amx.h) where the CPU has AMX tiles. Restores the
+    default (AMX where available) afterwards."""
+    if request.param == "amx" and not kernels.attention_amx_used(64, 16):
+        pytest.skip("this CPU has no AMX tiles: bf16 attention runs the FMA order only")
+    kernels.attention_amx(request.param == "amx")
+    yield request.param
+    kernels.attention_amx(True)

@@ -1,6 +1,8 @@
 """The CPU attention kernels follow one order of arithmetic per query row
-(engine/kernels/attention_order.h): a token's output has the same bits from the decode and the
-prefill kernel, alone or in a batch, at any thread count, in a chunk starting anywhere."""
+(engine/kernels/attention_order.h; for bf16 on CPUs with AMX tiles, attention_amx.h): a token's
+output has the same bits from the decode and the prefill kernel, alone or in a batch, at any
+thread count, in a chunk starting anywhere. Each test runs in both orders where the CPU has
+both."""
 
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ def _decode(module, batch, which, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
-def test_decode_is_the_same_alone_in_a_batch_and_at_any_thread_count(kernels, shape, dtype):
+def test_decode_is_the_same_alone_in_a_batch_and_at_any_thread_count(
+    kernels, attention_order, shape, dtype
+):
     batch = random_decode_batch(shape, dtype, LENGTHS)
     scale = shape[2] ** -0.5
     before = torch.get_num_threads()
@@ -44,7 +48,9 @@ def test_decode_is_the_same_alone_in_a_batch_and_at_any_thread_count(kernels, sh
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
-def test_prefill_rows_equal_decode_at_their_position_whatever_the_chunk(kernels, shape, dtype):
+def test_prefill_rows_equal_decode_at_their_position_whatever_the_chunk(
+    kernels, attention_order, shape, dtype
+):
     """Each of a sequence's last tokens, computed as a decode step (one row, its position's
     length) and as a row of prefill chunks that start at different positions: one result."""
     if not kernels.prefill_head_dim_supported(shape[2]):
@@ -55,7 +61,9 @@ def test_prefill_rows_equal_decode_at_their_position_whatever_the_chunk(kernels,
     g = torch.Generator().manual_seed(5)
     q = torch.randn(length, shape[0], shape[2], generator=g).to(dtype)
     table = tables[:1]
-    for chunk_start in (0, 100, 257, 290):  # a chunk of the last tokens, from chunk_start
+    # A chunk of the last tokens, from chunk_start; the last one token alone (G rows: the AMX
+    # order's softmax a row at a time, as in decode, where 16-row tiles take it a key at a time).
+    for chunk_start in (0, 100, 257, 290, 299):
         n = length - chunk_start
         out = torch.zeros_like(q)
         kernels.paged_prefill_attention(
@@ -69,3 +77,23 @@ def test_prefill_rows_equal_decode_at_their_position_whatever_the_chunk(kernels,
                 torch.tensor([pos]), scale,
             )  # fmt: skip
             assert torch.equal(out[pos], dec[pos]), (chunk_start, pos)
+
+
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+
+
+def test_bf16_attention_takes_the_amx_order_exactly_where_the_cpu_and_shape_allow(kernels):
+    has_amx = _cpu_has_amx() and kernels.simd_lanes() == 16
+    assert kernels.attention_amx_used(64, 16) is has_amx  # SmolLM2
+    assert kernels.attention_amx_used(128, 32) is has_amx  # Llama-8B, 32-token blocks
+    assert kernels.attention_amx_used(48, 16) is False  # head_dim not a multiple of 32
+    assert kernels.attention_amx_used(64, 7) is False  # blocks not a multiple of 16 keys
+    assert kernels.attention_amx_used(512, 16) is False  # over 256 dims
+    try:
+        assert kernels.attention_amx(False) is False
+        assert kernels.attention_amx_used(64, 16) is False
+    finally:
+        kernels.attention_amx(True)

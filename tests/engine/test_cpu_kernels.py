@@ -75,7 +75,7 @@ def random_decode_batch(shape, dtype, lens, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
-def test_decode_matches_reference(kernels, threads, shape, dtype):
+def test_decode_matches_reference(kernels, attention_order, threads, shape, dtype):
     query, key_cache, value_cache, tables, lens, rows = random_decode_batch(shape, dtype, LENGTHS)
     scale = shape[2] ** -0.5
     out = torch.full_like(query, 7.0)
@@ -208,7 +208,7 @@ PREFILL_SHAPES = [s for s in SHAPES if s[2] in (16, 64, 128, 256)]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=lambda s: "H{}-Hkv{}-D{}-BS{}".format(*s))
-def test_prefill_matches_reference(kernels, threads, shape, dtype):
+def test_prefill_matches_reference(kernels, attention_order, threads, shape, dtype):
     batch = random_prefill_batch(shape, dtype, PREFILL_REQUESTS)
     query, key_cache, value_cache, tables, lens, starts, query_lens = batch
     assert kernels.prefill_head_dim_supported(shape[2])
@@ -299,7 +299,7 @@ def test_other_simd_widths_match_reference(kernels, lanes):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernels_read_a_strided_query_in_place(kernels, dtype):
+def test_kernels_read_a_strided_query_in_place(kernels, attention_order, dtype):
     """The model hands the kernels q as a view of the q|k|v projection (each token's heads
     contiguous, tokens at the projection's stride): the same bits as the packed query, and a
     query in another layout (heads strided) is packed by the kernel."""
