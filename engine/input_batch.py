@@ -144,6 +144,10 @@ class InputBatch:
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.device = device
+        if split_tables and device.type != "cpu":
+            raise ValueError(
+                f"split_tables: the C++ CPU kernels' tables need device cpu, not {device}"
+            )
         self.split_tables = split_tables
         self.max_blocks = -(-max_model_len // block_size)
         self.num_buffers_allocated = 0
@@ -178,11 +182,9 @@ class InputBatch:
         self._slots = self._host((s,), torch.int64).numpy()
         empty = self._staging.dev[:0]
         self._empty = (empty, empty.view(0, 1))  # the tables of a step without decodes/prefills
-        # 0..s-1 on the device: an all-decode step's token indices (views cached per size).
-        self._arange_dev = torch.from_numpy(self._arange[:s])
-        if device.type != "cpu":
-            self._arange_dev = self._buffer((s,), torch.int64, device)
-            self._arange_dev.copy_(torch.arange(s))
+        # 0..s-1: an all-decode step's token indices (views cached per size). The kernel
+        # tables are read by the C++ CPU kernels only, so they live on the host.
+        self._arange_tensor = torch.from_numpy(self._arange[:s])
         self._decode_indices: dict[int, torch.Tensor] = {}
         # On the CPU an all-decode step's tables are views of the batch's own arrays (no copy):
         # n -> seq_lens[:n], (first slot, n) -> block_table[first : first + n].
@@ -376,8 +378,8 @@ class InputBatch:
             # Request i's one token is row i: the token indices are 0..B-1, made once.
             indices = self._decode_indices.get(num_reqs)
             if indices is None:
-                indices = self._decode_indices[num_reqs] = self._arange_dev[:num_reqs]
-            if first_slot >= 0 and staging.dev is staging.host:
+                indices = self._decode_indices[num_reqs] = self._arange_tensor[:num_reqs]
+            if first_slot >= 0:
                 return self._decode_views(num_reqs, indices, first_slot)
             host, seq_dev = staging.take(num_reqs)
             host[:] = seq_lens

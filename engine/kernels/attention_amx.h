@@ -57,13 +57,15 @@ inline bool use_amx_attention(int64_t head_dim, int64_t block_size) {
 
 // Tiles (literal numbers: the tile intrinsics are macros that paste their argument): scores
 // [16 keys x n rows], keys [16 x 32 dims], q^T [16 dim pairs x n rows], p [n rows x 16 keys],
-// values [8 key pairs x 16 dims x 2], o [n rows x 16 dims].
+// values [8 key pairs x 16 dims x 2], o [n rows x 16 dims]; a second score tile and a second o tile.
 #define DUET_TS 0
 #define DUET_TK 1
 #define DUET_TQ 2
 #define DUET_TP 3
 #define DUET_TV 4
 #define DUET_TO 5
+#define DUET_TS2 6
+#define DUET_TO2 7
 
 // Loads the tile shapes for groups of n rows (1..16) unless *configured already is n.
 inline void configure_attention_tiles(int n, int* configured) {
@@ -81,6 +83,10 @@ inline void configure_attention_tiles(int n, int* configured) {
   cfg.colsb[DUET_TV] = 64;
   cfg.rows[DUET_TO] = static_cast<uint8_t>(n);
   cfg.colsb[DUET_TO] = 64;
+  cfg.rows[DUET_TO2] = static_cast<uint8_t>(n);
+  cfg.colsb[DUET_TO2] = 64;
+  cfg.rows[DUET_TS2] = 16;
+  cfg.colsb[DUET_TS2] = static_cast<uint16_t>(n * 4);
   load_tile_config(cfg);
   *configured = n;
 }
@@ -185,24 +191,53 @@ struct AmxRows {
   // Keys k0 .. k0 + 15 (k0 a multiple of 16): key rows at k (row stride ks elements), their
   // values as pair_values made them.
   void run(int64_t k0, const uint16_t* k, int64_t ks, const uint16_t* vpairs) {
-    _tile_zero(DUET_TS);
+    scores(k, ks, 0);
+    finish(k0, 0, vpairs);
+  }
+
+  // The two halves of a run, so that a caller can start the next run's scores (the tiles work
+  // on them while the vector units take this run's softmax): q.k of the run's keys into score
+  // tile `buffer` (0 or 1), then, for keys k0.., the softmax and p.v from that buffer.
+  void scores(const uint16_t* k, int64_t ks, int buffer) {
+    if (buffer == 0) {
+      _tile_zero(DUET_TS);
+    } else {
+      _tile_zero(DUET_TS2);
+    }
     for (int c = 0; c < kChunks; ++c) {
       _tile_loadd(DUET_TK, k + c * 32, ks * 2);
       _tile_loadd(DUET_TQ, &qt[c][0][0], 64);
-      _tile_dpbf16ps(DUET_TS, DUET_TK, DUET_TQ);
+      if (buffer == 0) {
+        _tile_dpbf16ps(DUET_TS, DUET_TK, DUET_TQ);
+      } else {
+        _tile_dpbf16ps(DUET_TS2, DUET_TK, DUET_TQ);
+      }
     }
-    _tile_stored(DUET_TS, &s[0][0], 64);
+  }
+
+  void finish(int64_t k0, int buffer, const uint16_t* vpairs) {
+    if (buffer == 0) {
+      _tile_stored(DUET_TS, &s[0][0], 64);
+    } else {
+      _tile_stored(DUET_TS2, &s[0][0], 64);
+    }
     if (n <= kFewRows) {
       softmax_by_row(k0);
     } else {
       softmax_by_key(k0);
     }
+    // o += p . v, 16 dims at a time, in two output tiles taken in turn so that one tile's
+    // product runs while the other is stored and reloaded.
     _tile_loadd(DUET_TP, &p[0][0], 32);
-    for (int d = 0; d < D; d += 16) {
+    for (int d = 0; d < D; d += 32) {
       _tile_loadd(DUET_TO, &o[0][d], D * 4);
       _tile_loadd(DUET_TV, vpairs + 2 * d, 2 * D * 2);
       _tile_dpbf16ps(DUET_TO, DUET_TP, DUET_TV);
+      _tile_loadd(DUET_TO2, &o[0][d + 16], D * 4);
+      _tile_loadd(DUET_TV, vpairs + 2 * d + 32, 2 * D * 2);
+      _tile_dpbf16ps(DUET_TO2, DUET_TP, DUET_TV);
       _tile_stored(DUET_TO, &o[0][d], D * 4);
+      _tile_stored(DUET_TO2, &o[0][d + 16], D * 4);
     }
   }
 

@@ -317,7 +317,7 @@ void attend_amx(const Problem& P, const Item& it, AmxScratch<D>& s, int* configu
   const int64_t per_head = (G + 15) / 16, num_groups = P.Hkv * per_head;
   while (static_cast<int64_t>(s.groups.size()) < num_groups)
     s.groups.push_back(std::make_unique<AmxRows<D>>());
-  s.vpairs.resize(kAmxRunKeys * D);
+  s.vpairs.resize(2 * P.Hkv * kAmxRunKeys * D);
   const uint16_t* q = static_cast<const uint16_t*>(P.q) + P.rows[it.b] * P.q_row;
   const uint16_t* kc = static_cast<const uint16_t*>(P.kc);
   const uint16_t* vc = static_cast<const uint16_t*>(P.vc);
@@ -357,25 +357,53 @@ void attend_amx(const Problem& P, const Item& it, AmxScratch<D>& s, int* configu
       }
     ++slot;
   };
+  // With one row group per KV head (G <= 16: one tile shape), each group's scores are started
+  // before the previous group's softmax (two score tiles, values paired per run parity).
+  const bool pipelined = per_head == 1;
+  struct Pending {
+    AmxRows<D>* g = nullptr;
+    int64_t k0 = 0;
+    const uint16_t* vpairs = nullptr;
+    int buffer = 0;
+  } pending;
+  int next_buffer = 0;
+  auto flush = [&]() {
+    if (pending.g != nullptr) pending.g->finish(pending.k0, pending.buffer, pending.vpairs);
+    pending.g = nullptr;
+  };
   const int64_t part_tokens = partition_tokens(BS);
   const int64_t j0 = it.begin / BS, j1 = (it.end + BS - 1) / BS;
+  int64_t parity = 0;
   for (int64_t j = j0; j < j1; ++j) {
     if (j + kFarBlocks < j1) prefetch_block_l2(kc, vc, table[j + kFarBlocks] * block, BS * row);
     const int64_t t1 = std::min(it.end, (j + 1) * BS);
-    for (int64_t k0 = std::max(it.begin, j * BS); k0 < t1; k0 += kAmxRunKeys) {
-      if (k0 > it.begin && k0 % part_tokens == 0) end_partition();
+    for (int64_t k0 = std::max(it.begin, j * BS); k0 < t1; k0 += kAmxRunKeys, parity ^= 1) {
+      if (k0 > it.begin && k0 % part_tokens == 0) {
+        flush();
+        end_partition();
+      }
       const int64_t offset = table[j] * block + (k0 - j * BS) * row;
       for (int64_t kvh = 0; kvh < P.Hkv; ++kvh) {
-        pair_values<D>(vc + offset + kvh * D, row, t1 - k0, s.vpairs.data());
+        uint16_t* vp = s.vpairs.data() + (parity * P.Hkv + kvh) * kAmxRunKeys * D;
+        pair_values<D>(vc + offset + kvh * D, row, t1 - k0, vp);
         for (int64_t c = 0; c < per_head; ++c) {
           int n;
           AmxRows<D>* g = group_of(kvh, c, &n);
-          configure_attention_tiles(n, configured);
-          g->run(k0, kc + offset + kvh * D, row, s.vpairs.data());
+          if (!pipelined) {
+            configure_attention_tiles(n, configured);
+            g->run(k0, kc + offset + kvh * D, row, vp);
+            continue;
+          }
+          configure_attention_tiles(n, configured);  // one shape: loads only once per thread
+          g->scores(kc + offset + kvh * D, row, next_buffer);
+          flush();
+          pending = {g, k0, vp, next_buffer};
+          next_buffer ^= 1;
         }
       }
     }
   }
+  flush();
   if (it.slot >= 0) {  // the sequence has several partitions: they are merged afterwards
     end_partition();
     return;

@@ -292,9 +292,14 @@ void attend_item_amx(const Problem& P, const Item& it, std::vector<uint16_t>& pa
       first = false;
       g.start_partition();
     };
-    for (int64_t k0 = 0; k0 <= last_pos; k0 += kAmxRunKeys) {
+    // Each run's scores are started before the previous run's softmax (two score tiles).
+    const int64_t num_runs = last_pos / kAmxRunKeys + 1;
+    g.scores(kc + cache_row(0), P.row, 0);
+    for (int64_t i = 0; i < num_runs; ++i) {
+      const int64_t k0 = i * kAmxRunKeys;
       if (k0 > 0 && k0 % part == 0) end_partition();
-      g.run(k0, kc + cache_row(k0), P.row, panel.data() + (k0 / kAmxRunKeys) * kAmxRunKeys * D);
+      if (i + 1 < num_runs) g.scores(kc + cache_row(k0 + kAmxRunKeys), P.row, (i + 1) & 1);
+      g.finish(k0, i & 1, panel.data() + i * kAmxRunKeys * D);
     }
     end_partition();
     for (int r = 0; r < n; ++r) {

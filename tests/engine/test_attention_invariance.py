@@ -12,8 +12,9 @@ import torch
 from tests.engine.test_cpu_kernels import random_decode_batch
 
 # (heads, KV heads, head_dim, block size): SmolLM2, Llama-8B, a block size off the vector
-# width (runs of one key), a block wider than the vector (two runs per block).
-SHAPES = [(9, 3, 64, 16), (32, 8, 128, 16), (4, 2, 16, 7), (6, 2, 32, 32)]
+# width (runs of one key), a block wider than the vector (two runs per block), 20 query heads
+# per KV head (the AMX order's rows in two tiles of 16 and 4).
+SHAPES = [(9, 3, 64, 16), (32, 8, 128, 16), (4, 2, 16, 7), (6, 2, 32, 32), (40, 2, 64, 16)]
 LENGTHS = [700, 37, 300, 1200, 5, 257, 256, 513, 129]  # one and several partitions
 DTYPES = [torch.float32, torch.bfloat16]
 
