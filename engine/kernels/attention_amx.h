@@ -38,8 +38,11 @@ inline std::atomic<bool> attention_amx_wanted{true};
 
 constexpr int64_t kAmxRunKeys = 16;
 
+// The head sizes the AMX kernels are built for (the prefill kernel's too), and blocks of whole
+// runs.
 inline bool amx_attention_shape(int64_t head_dim, int64_t block_size) {
-  return head_dim % 32 == 0 && head_dim >= 32 && head_dim <= 256 && block_size % kAmxRunKeys == 0;
+  const bool built = head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+  return built && block_size % kAmxRunKeys == 0;
 }
 
 }  // namespace duet

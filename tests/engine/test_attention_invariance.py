@@ -91,6 +91,7 @@ def test_bf16_attention_takes_the_amx_order_exactly_where_the_cpu_and_shape_allo
     assert kernels.attention_amx_used(64, 16) is has_amx  # SmolLM2
     assert kernels.attention_amx_used(128, 32) is has_amx  # Llama-8B, 32-token blocks
     assert kernels.attention_amx_used(48, 16) is False  # head_dim not a multiple of 32
+    assert kernels.attention_amx_used(96, 16) is False  # nor 32, 64, 128 or 256
     assert kernels.attention_amx_used(64, 7) is False  # blocks not a multiple of 16 keys
     assert kernels.attention_amx_used(512, 16) is False  # over 256 dims
     try:
