@@ -327,34 +327,35 @@ void attend_amx(const Problem& P, const Item& it, AmxScratch<D>& s, int* configu
     *n = static_cast<int>(std::min<int64_t>(16, G - c * 16));
     return s.groups[kvh * per_head + c].get();
   };
-  for (int64_t kvh = 0; kvh < P.Hkv; ++kvh) {
-    for (int64_t c = 0; c < per_head; ++c) {
-      int n;
-      AmxRows<D>* g = group_of(kvh, c, &n);
-      const uint16_t* qr[16];
-      int64_t pos[16];
-      for (int r = 0; r < n; ++r) {
-        qr[r] = q + (kvh * G + c * 16 + r) * D;
-        pos[r] = len - 1;
-      }
-      g->begin(qr, pos, n, P.scale);
-    }
-  }
-  int64_t slot = it.slot;
-  auto end_partition = [&]() {  // into the item's next slot, rows in order
-    float* part = P.partials + slot * H * (D + 2);
+  // f(group, rows, first head) for each row group of the item's KV heads, in head order.
+  auto each_group = [&](auto&& f) {
     for (int64_t kvh = 0; kvh < P.Hkv; ++kvh)
       for (int64_t c = 0; c < per_head; ++c) {
         int n;
         AmxRows<D>* g = group_of(kvh, c, &n);
-        for (int r = 0; r < n; ++r) {
-          const int64_t h = kvh * G + c * 16 + r;
-          part[h] = g->max_of(r);
-          part[H + h] = g->sum_of(r);
-          std::copy(g->o[r], g->o[r] + D, part + 2 * H + h * D);
-        }
-        g->start_partition();
+        f(*g, n, kvh * G + c * 16);
       }
+  };
+  each_group([&](AmxRows<D>& g, int n, int64_t h0) {
+    const uint16_t* qr[16];
+    int64_t pos[16];
+    for (int r = 0; r < n; ++r) {
+      qr[r] = q + (h0 + r) * D;
+      pos[r] = len - 1;
+    }
+    g.begin(qr, pos, n, P.scale);
+  });
+  int64_t slot = it.slot;
+  auto end_partition = [&]() {  // into the item's next slot, rows in order
+    float* part = P.partials + slot * H * (D + 2);
+    each_group([&](AmxRows<D>& g, int n, int64_t h0) {
+      for (int r = 0; r < n; ++r) {
+        part[h0 + r] = g.max_of(r);
+        part[H + h0 + r] = g.sum_of(r);
+        std::copy(g.o[r], g.o[r] + D, part + 2 * H + (h0 + r) * D);
+      }
+      g.start_partition();
+    });
     ++slot;
   };
   // With one row group per KV head (G <= 16: one tile shape), each group's scores are started
@@ -409,17 +410,13 @@ void attend_amx(const Problem& P, const Item& it, AmxScratch<D>& s, int* configu
     return;
   }
   uint16_t* o = static_cast<uint16_t*>(P.o) + P.rows[it.b] * H * D;
-  for (int64_t kvh = 0; kvh < P.Hkv; ++kvh)
-    for (int64_t c = 0; c < per_head; ++c) {
-      int n;
-      AmxRows<D>* g = group_of(kvh, c, &n);
-      for (int r = 0; r < n; ++r) {
-        const int64_t h = kvh * G + c * 16 + r;
-        const float inv = 1.f / g->sum_of(r);
-        for (int d = 0; d < D; d += 16)
-          BF16::store<16>(o + h * D + d, load_f32<16>(g->o[r] + d) * inv);
-      }
+  each_group([&](AmxRows<D>& g, int n, int64_t h0) {
+    for (int r = 0; r < n; ++r) {
+      const float inv = 1.f / g.sum_of(r);
+      for (int d = 0; d < D; d += 16)
+        BF16::store<16>(o + (h0 + r) * D + d, load_f32<16>(g.o[r] + d) * inv);
     }
+  });
 }
 
 template <int D>
