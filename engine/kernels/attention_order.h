@@ -140,4 +140,17 @@ inline void fold_partition(float& M, float& L, float* O, float m, float l, const
   M = mx;
 }
 
+// A row's partition into its running result: the first partition (first) initialises
+// (M, L, O) by copy, each later one is folded in (fold_partition).
+inline void take_partition(bool first, float& M, float& L, float* O, float m, float l,
+                           const float* acc, int64_t D) {
+  if (first) {
+    M = m;
+    L = l;
+    std::copy(acc, acc + D, O);
+  } else {
+    fold_partition(M, L, O, m, l, acc, D);
+  }
+}
+
 }  // namespace duet

@@ -444,11 +444,10 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   typename E::raw* o = static_cast<typename E::raw*>(P.o) + P.rows[b] * H * D;
   std::vector<float> acc(D);
   for (int64_t h = 0; h < H; ++h) {
-    float mx = parts[h], sum = parts[H + h];
-    std::copy(parts + 2 * H + h * D, parts + 2 * H + (h + 1) * D, acc.begin());
-    for (int64_t c = 1; c < num_slots; ++c) {
+    float mx, sum;
+    for (int64_t c = 0; c < num_slots; ++c) {
       const float* part = parts + c * slot_size;
-      fold_partition(mx, sum, acc.data(), part[h], part[H + h], part + 2 * H + h * D, D);
+      take_partition(c == 0, mx, sum, acc.data(), part[h], part[H + h], part + 2 * H + h * D, D);
     }
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < D; ++d)

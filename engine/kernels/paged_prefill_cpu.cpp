@@ -116,13 +116,7 @@ void attend_rows(const Problem& P, const Item& it, int64_t r0, int64_t rows, con
   bool first_partition = true;
   auto end_partition = [&]() {  // fold the partition into the merged result, start the next
     for (int r = 0; r < R; ++r) {
-      if (first_partition) {
-        M[r] = m[r];
-        Lm[r] = l[r];
-        std::copy(ob + r * D, ob + (r + 1) * D, b.om + r * D);
-      } else {
-        fold_partition(M[r], Lm[r], b.om + r * D, m[r], l[r], ob + r * D, D);
-      }
+      take_partition(first_partition, M[r], Lm[r], b.om + r * D, m[r], l[r], ob + r * D, D);
       m[r] = -INFINITY;
       l[r] = 0.f;
     }
@@ -268,27 +262,23 @@ void attend_item_amx(const Problem& P, const Item& it, std::vector<uint16_t>& pa
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, rows - r0));
     const uint16_t* q[16];
+    uint16_t* out[16];
     int64_t pos[16];
     int64_t last_pos = 0;
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < n; ++r) {  // row r: token j's head h
       const int64_t j = it.j0 + (r0 + r) / P.G, h = it.kvh * P.G + (r0 + r) % P.G;
+      const int64_t t = P.q_start[it.req] + j;
       pos[r] = ctx + j;
       last_pos = std::max(last_pos, pos[r]);
-      q[r] = static_cast<const uint16_t*>(P.q) + (P.q_start[it.req] + j) * P.q_row + h * D;
+      q[r] = static_cast<const uint16_t*>(P.q) + t * P.q_row + h * D;
+      out[r] = static_cast<uint16_t*>(P.o) + (t * P.H + h) * D;
     }
     configure_attention_tiles(n, configured);
     g.begin(q, pos, n, P.scale);
     bool first = true;
     auto end_partition = [&]() {
-      for (int r = 0; r < n; ++r) {
-        if (first) {
-          M[r] = g.max_of(r);
-          L[r] = g.sum_of(r);
-          std::copy(g.o[r], g.o[r] + D, O + r * D);
-        } else {
-          fold_partition(M[r], L[r], O + r * D, g.max_of(r), g.sum_of(r), g.o[r], D);
-        }
-      }
+      for (int r = 0; r < n; ++r)
+        take_partition(first, M[r], L[r], O + r * D, g.max_of(r), g.sum_of(r), g.o[r], D);
       first = false;
       g.start_partition();
     };
@@ -303,11 +293,9 @@ void attend_item_amx(const Problem& P, const Item& it, std::vector<uint16_t>& pa
     }
     end_partition();
     for (int r = 0; r < n; ++r) {
-      const int64_t j = it.j0 + (r0 + r) / P.G, h = it.kvh * P.G + (r0 + r) % P.G;
-      uint16_t* orow = static_cast<uint16_t*>(P.o) + ((P.q_start[it.req] + j) * P.H + h) * D;
       const float inv = 1.f / L[r];
       for (int d = 0; d < D; d += 16)
-        BF16::store<16>(orow + d, load_f32<16>(O + r * D + d) * inv);
+        BF16::store<16>(out[r] + d, load_f32<16>(O + r * D + d) * inv);
     }
   }
 }
