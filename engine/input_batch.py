@@ -22,25 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kernel_tables import KernelTableBuilder, KernelTables
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_slots import SamplingSlots
-
-
-@dataclass
-class KernelTables:
-    """The C++ CPU kernels' view of a step (see `attention.DecodeBatch`, `PrefillBatch`):
-    decodes (one query token) and prefills (several) apart, each with its block tables."""
-
-    decode_rows: np.ndarray  # [Bd] indices into the step
-    decode_token_indices: torch.Tensor  # [Bd] long
-    decode_seq_lens: torch.Tensor  # [Bd] long
-    decode_tables: torch.Tensor  # [Bd, w] long
-    prefill_rows: np.ndarray  # [Bp]
-    prefill_query_start: torch.Tensor  # [Bp] long
-    prefill_query_lens: torch.Tensor  # [Bp] long
-    prefill_seq_lens: torch.Tensor  # [Bp] long
-    prefill_tables: torch.Tensor  # [Bp, w] long
+from engine.staging import StagingBuffer
 
 
 @dataclass
@@ -71,60 +57,8 @@ class StepInputs:
         ]
 
 
-_MAX_CACHED_VIEWS = 4096
-"""Most views `_Staging` keeps per kind (spans, tables); it forgets them all past this."""
 _FEW_TOKENS = 8
 """Up to this many tokens a step's slot mapping is computed without numpy."""
-
-
-class _Staging:
-    """A host buffer (pinned on CUDA) and its device mirror, handed out front to back each
-    step and copied in one transfer: every step's inputs go to the device together."""
-
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor) -> None:
-        self.host, self.dev = host, dev
-        self._host_np = host.numpy()
-        self.used = 0
-        # (start, end) -> the views `take` hands out: steps of one shape take the same spans,
-        # and slicing a tensor costs microseconds (made once; bounded, cleared when full).
-        self._views: dict[tuple[int, int], tuple[np.ndarray, torch.Tensor]] = {}
-        # (start, rows, width) -> the [rows, width] views `take_table` hands out.
-        self._tables: dict[tuple[int, int, int], tuple[np.ndarray, torch.Tensor]] = {}
-
-    def take(self, n: int) -> tuple[np.ndarray, torch.Tensor]:
-        start, self.used = self.used, self.used + n
-        views = self._views.get((start, self.used))
-        if views is not None:
-            return views
-        if self.used > self.host.shape[0]:
-            raise RuntimeError(f"step inputs overflow the staging buffer ({self.used} > "
-                               f"{self.host.shape[0]})")  # fmt: skip
-        if len(self._views) >= _MAX_CACHED_VIEWS:
-            self._views.clear()
-        views = self._views[start, self.used] = (
-            self._host_np[start : self.used],
-            self.dev[start : self.used],
-        )
-        return views
-
-    def take_table(self, rows: int, width: int) -> tuple[np.ndarray, torch.Tensor]:
-        """`take(rows * width)` as [rows, width] views."""
-        key = (self.used, rows, width)
-        views = self._tables.get(key)
-        if views is not None:
-            self.used += rows * width
-            return views
-        host, dev = self.take(rows * width)
-        if len(self._tables) >= _MAX_CACHED_VIEWS:
-            self._tables.clear()
-        views = self._tables[key] = (host.reshape(rows, width), dev.view(rows, width))
-        return views
-
-    def copy(self) -> None:
-        if self.dev is not self.host and self.used:
-            # Pinned source + non_blocking: the copy overlaps the host's work, no sync.
-            self.dev[: self.used].copy_(self.host[: self.used], non_blocking=True)
-        self.used = 0
 
 
 class InputBatch:
@@ -170,7 +104,7 @@ class InputBatch:
             size += 5 * s + 2 * s * self.max_blocks
         host = self._host((size,), torch.int64)
         dev = host if device.type == "cpu" else self._buffer((size,), torch.int64, device)
-        self._staging = _Staging(host, dev)
+        self._staging = StagingBuffer(host, dev)
         # Host-only scratch, reused every step.
         self._token_rows = self._host((t,), torch.int64).numpy()
         self._scratch = self._host((t,), torch.int64).numpy()
@@ -180,16 +114,20 @@ class InputBatch:
         self._seq_lens = self._seq_lens_host.numpy()
         self._query_start = self._host((s + 1,), torch.int64).numpy()
         self._slots = self._host((s,), torch.int64).numpy()
-        empty = self._staging.dev[:0]
-        self._empty = (empty, empty.view(0, 1))  # the tables of a step without decodes/prefills
-        # 0..s-1: an all-decode step's token indices (views cached per size). The kernel
-        # tables are read by the C++ CPU kernels only, so they live on the host.
-        self._arange_tensor = torch.from_numpy(self._arange[:s])
-        self._decode_indices: dict[int, torch.Tensor] = {}
-        # On the CPU an all-decode step's tables are views of the batch's own arrays (no copy):
-        # n -> seq_lens[:n], (first slot, n) -> block_table[first : first + n].
-        self._seq_len_views: dict[int, torch.Tensor] = {}
-        self._table_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._kernel_tables = (
+            KernelTableBuilder(
+                staging=self._staging,
+                block_table=self._block_table_host,
+                slots=self._slots,
+                query_lens=self._query_lens,
+                seq_lens=self._seq_lens_host,
+                query_start=self._query_start,
+                arange=self._arange,
+                block_size=block_size,
+            )
+            if split_tables
+            else None
+        )
 
     # -- buffers (the allocation hook) ---------------------------------------------------------
 
@@ -344,8 +282,10 @@ class InputBatch:
                 logits[j : j + n] = self._arange[:n] + (stop - n)
             j += n
         kernel_tables = (
-            self._kernel_tables(num_reqs, num_decode, longest, first_slot if consecutive else -1)
-            if self.split_tables
+            self._kernel_tables.build(
+                num_reqs, num_decode, longest, first_slot if consecutive else -1
+            )
+            if self._kernel_tables is not None
             else None
         )
         staging.copy()
@@ -364,81 +304,3 @@ class InputBatch:
             kernel_tables=kernel_tables,
             host_inputs=(ids, positions, slot_mapping),
         )
-
-    def _kernel_tables(
-        self, num_reqs: int, num_decode: int, longest_seq: int, first_slot: int
-    ) -> KernelTables:
-        """`num_decode`: the requests with one query token this step; `first_slot`: the first
-        request's slot when the requests hold consecutive slots in step order, else -1."""
-        query_lens, seq_lens = self._query_lens[:num_reqs], self._seq_lens[:num_reqs]
-        starts = self._query_start[:num_reqs]
-        bs, staging = self.block_size, self._staging
-        empty, empty_table = self._empty
-        if num_decode == num_reqs:  # all decodes (the common step): no gathers by row
-            # Request i's one token is row i: the token indices are 0..B-1, made once.
-            indices = self._decode_indices.get(num_reqs)
-            if indices is None:
-                indices = self._decode_indices[num_reqs] = self._arange_tensor[:num_reqs]
-            if first_slot >= 0:
-                return self._decode_views(num_reqs, indices, first_slot)
-            host, seq_dev = staging.take(num_reqs)
-            host[:] = seq_lens
-            width = max(1, -(-longest_seq // bs))
-            table, table_dev = staging.take_table(num_reqs, width)
-            np.take(self.block_table[:, :width], self._slots[:num_reqs], axis=0, out=table)
-            return KernelTables(
-                self._arange[:num_reqs], indices, seq_dev, table_dev,
-                self._arange[:0], empty, empty, empty, empty_table,
-            )  # fmt: skip
-        if num_decode == 0:
-            dec, pre = self._arange[:0], self._arange[:num_reqs]
-        else:
-            is_decode = query_lens == 1
-            dec, pre = np.flatnonzero(is_decode), np.flatnonzero(~is_decode)
-
-        def stage(values: np.ndarray) -> torch.Tensor:
-            host, dev = staging.take(values.shape[0])
-            host[:] = values
-            return dev
-
-        def tables(rows: np.ndarray) -> torch.Tensor:
-            every = rows.size == num_reqs  # then rows is 0..num_reqs-1
-            longest = longest_seq if every else int(seq_lens[rows].max())
-            width = max(1, -(-longest // bs))
-            host, dev = staging.take_table(rows.size, width)
-            slots = self._slots[:num_reqs] if every else self._slots[rows]
-            np.take(self.block_table[:, :width], slots, axis=0, out=host)
-            return dev
-
-        if dec.size:
-            decode = (stage(starts[dec]), stage(seq_lens[dec]), tables(dec))
-        else:
-            decode = (empty, empty, empty_table)
-        if pre.size:
-            prefill = (
-                stage(starts[pre]),
-                stage(query_lens[pre]),
-                stage(seq_lens[pre]),
-                tables(pre),
-            )
-        else:
-            prefill = (empty, empty, empty, empty_table)
-        return KernelTables(dec, *decode, pre, *prefill)
-
-    def _decode_views(self, n: int, indices: torch.Tensor, first: int) -> KernelTables:
-        """An all-decode step on the CPU whose requests hold slots first..first + n - 1: the
-        kernel reads their lengths and block tables in place. Each table row is the slot's full
-        row (the kernel reads the blocks its length covers; the rest of a row is never read)."""
-        seq_lens = self._seq_len_views.get(n)
-        if seq_lens is None:
-            seq_lens = self._seq_len_views[n] = self._seq_lens_host[:n]
-        tables = self._table_views.get((first, n))
-        if tables is None:
-            if len(self._table_views) >= _MAX_CACHED_VIEWS:
-                self._table_views.clear()
-            tables = self._table_views[first, n] = self._block_table_host[first : first + n]
-        empty, empty_table = self._empty
-        return KernelTables(
-            self._arange[:n], indices, seq_lens, tables,
-            self._arange[:0], empty, empty, empty, empty_table,
-        )  # fmt: skip

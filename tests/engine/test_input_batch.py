@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from engine import SamplingParams, StructuredOutputsParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.staging import StagingBuffer
 
 # Tensor methods that make the host wait for the device (or read device memory).
 _SYNCS = {
@@ -181,3 +182,25 @@ def test_kernel_tables_are_each_steps_own(tiny_llama):
     assert kinds == {(True, False), (False, True), (True, True), ("few tokens", True),
                      ("few tokens", False), ("tables in place", True),
                      ("tables in place", False)}  # fmt: skip
+
+
+def test_staging_buffer_hands_out_spans_front_to_back():
+    """Spans follow each other, a step of the same shape gets the same views, a table is a
+    [rows, width] view of its span, `copy` starts the next step at the front, and a step that
+    takes more than the buffer holds fails with both sizes named."""
+    host = torch.zeros(10, dtype=torch.int64)
+    staging = StagingBuffer(host, host)
+    a, _ = staging.take(3)
+    table, table_dev = staging.take_table(2, 2)
+    staged = staging.stage(np.array([7, 8], dtype=np.int64))
+    a[:] = [1, 2, 3]
+    table[:] = [[4, 5], [6, 9]]
+    assert host.tolist() == [1, 2, 3, 4, 5, 6, 9, 7, 8, 0]
+    assert table_dev.shape == (2, 2) and staged.tolist() == [7, 8]
+    staging.copy()
+    assert staging.used == 0
+    again, _ = staging.take(3)
+    assert again is a  # the same span's views, made once
+    assert staging.take_table(2, 2)[0] is table
+    with pytest.raises(RuntimeError, match=r"overflow the staging buffer \(12 > 10\)"):
+        staging.take(5)
