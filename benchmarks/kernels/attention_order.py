@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.common.timing import ms_per_call
 
 SHAPE = (9, 3, 64, 16)  # query heads, KV heads, head_dim, block size
 SCALE = 64**-0.5
@@ -70,14 +71,6 @@ def decode_case(kernels: Any, lens: list[int]) -> Callable[[], None]:
     return call
 
 
-def best_ms(call: Callable[[], None], reps: int) -> float:
-    call()
-    start = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - start) / reps * 1e3
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -106,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
             for r in range(args.rounds):
                 for order in ("fma", "amx") if r % 2 == 0 else ("amx", "fma"):
                     kernels.attention_amx(order == "amx")
-                    times[order].append(best_ms(call, reps))
+                    times[order].append(ms_per_call(call, reps))
             fma, amx = min(times["fma"]), min(times["amx"])
             results[name] = {"fma_ms": fma, "amx_ms": amx, "amx_over_fma": amx / fma}
             print(f"{name}: FMA order {fma:.3f} ms, AMX order {amx:.3f} ms, ratio {amx / fma:.2f}")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common.timing import ms_per_call
 
 SHAPES = {  # name: (N, K), SmolLM2-135M
     "qkv": (960, 576),
@@ -31,14 +31,6 @@ SHAPES = {  # name: (N, K), SmolLM2-135M
     "gate_up": (3072, 576),
     "down": (576, 1536),
 }
-
-
-def ms_per_call(call: Callable[[], object], reps: int) -> float:
-    call()
-    start = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - start) / reps * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
