@@ -16,7 +16,9 @@ from engine.model.dense_cpu_linear import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16]
-SHAPES = [(960, 576, True), (576, 1536, False), (37, 70, True)]  # SmolLM2's; K off the lanes
+# SmolLM2's; K off the lanes; on AMX tiles, K in uneven parts (11 steps of 32: 6 + 5) and more
+# channel blocks than a thread's group (69 blocks, the last of a group alone)
+SHAPES = [(960, 576, True), (576, 1536, False), (37, 70, True), (1100, 352, True)]
 
 
 @pytest.fixture(scope="module")
