@@ -82,7 +82,6 @@ class InputBatch:
             raise ValueError(
                 f"split_tables: the C++ CPU kernels' tables need device cpu, not {device}"
             )
-        self.split_tables = split_tables
         self.max_blocks = -(-max_model_len // block_size)
         self.num_buffers_allocated = 0
         self.num_host_syncs = 0
@@ -101,7 +100,7 @@ class InputBatch:
 
         size = 4 * t + s  # ids, positions, slot mapping, logits rows (at most one per token)
         if split_tables:
-            size += 5 * s + 2 * s * self.max_blocks
+            size += KernelTableBuilder.staging_size(s, self.max_blocks)
         host = self._host((size,), torch.int64)
         dev = host if device.type == "cpu" else self._buffer((size,), torch.int64, device)
         self._staging = StagingBuffer(host, dev)
@@ -128,6 +127,11 @@ class InputBatch:
             if split_tables
             else None
         )
+
+    @property
+    def split_tables(self) -> bool:
+        """Whether each step is also laid out for the C++ CPU kernels (`KernelTables`)."""
+        return self._kernel_tables is not None
 
     # -- buffers (the allocation hook) ---------------------------------------------------------
 

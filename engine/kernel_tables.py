@@ -71,6 +71,14 @@ class KernelTableBuilder:
         self._seq_len_views: dict[int, torch.Tensor] = {}
         self._table_views: dict[tuple[int, int], torch.Tensor] = {}
 
+    @staticmethod
+    def staging_size(max_num_seqs: int, max_blocks: int) -> int:
+        """Elements of the staging buffer one step's tables can take: at most five per-request
+        vectors (decode starts and lengths; prefill starts, query lengths and lengths) and two
+        block tables, each bounded by every request's full row (their rows together never
+        exceed the requests, so this leaves room)."""
+        return 5 * max_num_seqs + 2 * max_num_seqs * max_blocks
+
     def build(
         self, num_reqs: int, num_decode: int, longest_seq: int, first_slot: int
     ) -> KernelTables:

@@ -99,6 +99,17 @@ inline void store_sums(float* acc) {
   if constexpr (RT > 1 && CT > 1) _tile_stored(3, acc + 16 * CT * 16 + 16, kStride);
 }
 
+// The sums in acc (store_sums' layout) back into tiles 0-3, to go on adding to them: fp32 out
+// and back exactly, so a product's sums do not depend on where its K steps were split.
+template <int RT, int CT>
+inline void load_sums(const float* acc) {
+  constexpr int64_t kStride = CT * 16 * 4;  // bytes per acc row
+  _tile_loadd(0, acc, kStride);
+  if constexpr (CT > 1) _tile_loadd(1, acc + 16, kStride);
+  if constexpr (RT > 1) _tile_loadd(2, acc + 16 * CT * 16, kStride);
+  if constexpr (RT > 1 && CT > 1) _tile_loadd(3, acc + 16 * CT * 16 + 16, kStride);
+}
+
 }  // namespace duet
 #else
 namespace duet {

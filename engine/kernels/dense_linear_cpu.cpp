@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX__)
@@ -291,20 +292,10 @@ struct AmxArgs {
   int64_t xs, m, k, n;
 };
 
-// The sums in acc ([RT * 16][CT * 16] fp32) back into tiles 0-3, to go on adding to them.
-template <int RT, int CT>
-inline void load_sums(const float* acc) {
-  constexpr int64_t kStride = CT * 16 * 4;  // bytes per acc row
-  _tile_loadd(0, acc, kStride);
-  if constexpr (CT > 1) _tile_loadd(1, acc + 16, kStride);
-  if constexpr (RT > 1) _tile_loadd(2, acc + 16 * CT * 16, kStride);
-  if constexpr (RT > 1 && CT > 1) _tile_loadd(3, acc + 16 * CT * 16 + 16, kStride);
-}
-
 // K steps s0 .. s1 (32 columns each) of RT row tiles x CT channel blocks added to the sums in
 // acc (which start from zero at s0 = 0): x at column 0 (row stride xs elements), w at block 0's
-// first pair (block stride ws elements). The fp32 sums leave the tiles and come back exactly,
-// so a product's sums are the same whatever the K steps are split into.
+// first pair (block stride ws elements). The sums leave the tiles and come back exactly
+// (load_sums), so a product's sums are the same whatever the K steps are split into.
 template <int RT, int CT>
 inline void tiles(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ws, int64_t s0,
                   int64_t s1, float* acc) {
@@ -355,6 +346,15 @@ void write_out(const AmxArgs& a, int64_t b0, int64_t r0, int64_t rows, const flo
 constexpr int64_t kGroup = 32;
 constexpr int64_t kKSteps = 9;
 
+// f(b, CT) for blocks g0 .. g1 taken two at a time (CT an integral_constant: 2, and 1 for a last
+// block alone).
+template <typename F>
+inline void each_pair(int64_t g0, int64_t g1, F&& f) {
+  int64_t b = g0;
+  for (; b + 2 <= g1; b += 2) f(b, std::integral_constant<int, 2>{});
+  if (b < g1) f(b, std::integral_constant<int, 1>{});
+}
+
 void run_amx(const AmxArgs& a, int64_t blocks, uint16_t* out) {
   const int64_t steps = a.k / 32;
   // Under 16 rows x is a few KiB, in L1 anyway: K in one part (no sums to keep in between).
@@ -370,13 +370,13 @@ void run_amx(const AmxArgs& a, int64_t blocks, uint16_t* out) {
         configure_tiles(rows, &configured);
         for (int64_t s0 = 0; s0 < steps; s0 += part_steps) {
           const int64_t s1 = std::min(steps, s0 + part_steps);
-          int64_t b = g0;
-          for (; b + 2 <= g1; b += 2) chunk_part<2>(a, b, r0, rows, s0, s1, acc[(b - g0) / 2]);
-          if (b < g1) chunk_part<1>(a, b, r0, rows, s0, s1, acc[(b - g0) / 2]);
+          each_pair(g0, g1, [&](int64_t b, auto ct) {
+            chunk_part<decltype(ct)::value>(a, b, r0, rows, s0, s1, acc[(b - g0) / 2]);
+          });
         }
-        int64_t b = g0;
-        for (; b + 2 <= g1; b += 2) write_out<2>(a, b, r0, rows, acc[(b - g0) / 2], out);
-        if (b < g1) write_out<1>(a, b, r0, rows, acc[(b - g0) / 2], out);
+        each_pair(g0, g1, [&](int64_t b, auto ct) {
+          write_out<decltype(ct)::value>(a, b, r0, rows, acc[(b - g0) / 2], out);
+        });
       }
     }
     _tile_release();
