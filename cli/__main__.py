@@ -1,9 +1,9 @@
-"""`python -m cli ...` is `duet ...`."""
+"""`python -m duet.cli ...` is `duet ...`."""
 
 from __future__ import annotations
 
 import sys
 
-from cli.main import main
+from duet.cli.main import main
 
 sys.exit(main())

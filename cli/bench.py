@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loadgen.args import add_arguments
+from duet.loadgen.args import add_arguments
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,6 +23,6 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadgen.benchmark import run_from_args
+    from duet.loadgen.benchmark import run_from_args
 
     return run_from_args(args)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from cli.engine_flags import add_engine_flags, build_config
-from cli.sampling_flags import add_sampling_flags, sampling_params
+from duet.cli.engine_flags import add_engine_flags, build_config
+from duet.cli.sampling_flags import add_sampling_flags, sampling_params
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,7 +22,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine import AsyncEngine
+    from duet.engine import AsyncEngine
 
     parser = args.command_parser
     params = sampling_params(parser, args)

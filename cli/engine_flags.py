@@ -23,9 +23,15 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, NoReturn
 
-from engine.config import ATTENTION_BACKENDS, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
-from engine.errors import InvalidInputError
-from engine.quant.config import QUANTIZATIONS
+from duet.engine.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
+from duet.engine.errors import InvalidInputError
+from duet.engine.quant.config import QUANTIZATIONS
 
 # Option strings where the field's name is not what vLLM users type (the first one is the
 # canonical spelling, used in error messages).

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from cli.engine_flags import add_engine_flags, build_config
-from cli.sampling_flags import add_sampling_flags, sampling_params
+from duet.cli.engine_flags import add_engine_flags, build_config
+from duet.cli.sampling_flags import add_sampling_flags, sampling_params
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import LLM
+    from duet.engine import LLM
 
     parser = args.command_parser
     params = sampling_params(parser, args)  # everything is checked before the (slow) load

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from cli import bench, chat, generate, serve, tokenizer
+from duet.cli import bench, chat, generate, serve, tokenizer
 
 SUBCOMMANDS = (generate, chat, serve, bench, tokenizer)
 
@@ -29,8 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from cluster_auth import MissingSecretError
-    from engine import InvalidInputError, ModelLoadError
+    from duet.cluster_auth import MissingSecretError
+    from duet.engine import InvalidInputError, ModelLoadError
 
     try:
         return int(args.run(args))

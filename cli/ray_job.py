@@ -1,4 +1,4 @@
-"""`ray job submit ... -- python -m cli.ray_job [duet serve flags]`: the entry point of a Ray
+"""`ray job submit ... -- python -m duet.cli.ray_job [duet serve flags]`: the entry point of a Ray
 job that serves duet in disaggregated mode on the cluster the job runs in.
 
 It takes `duet serve`'s flags; `--disaggregated` is implied and `--ray-address` defaults to
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from cli.main import main as duet_main
+from duet.cli.main import main as duet_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.errors import InvalidInputError
-from engine.sampling_params import SamplingParams
+from duet.engine.errors import InvalidInputError
+from duet.engine.sampling_params import SamplingParams
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k")
 

@@ -10,12 +10,12 @@ import math
 import signal
 from typing import TYPE_CHECKING
 
-from cli.engine_flags import add_engine_flags, build_config, given_engine_flags
-from cli.serve_cluster import add_cluster_arguments
-from engine.config import EngineConfig
+from duet.cli.engine_flags import add_engine_flags, build_config, given_engine_flags
+from duet.cli.serve_cluster import add_cluster_arguments
+from duet.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from router.server import RouterConfig
+    from duet.router.server import RouterConfig
 
 
 class ServeConfigError(ValueError):
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(parser, args)
     router = _router_config(args, _read_api_keys(args))
     if args.disaggregated:
-        from cli.serve_cluster import check_worker_configs, serve_disaggregated
+        from duet.cli.serve_cluster import check_worker_configs, serve_disaggregated
 
         engine = given_engine_flags(args)
         try:
@@ -206,9 +206,9 @@ def _read_api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfig:
-    from router.admission import DEFAULT_MAX_QUEUE_WAIT_S
-    from router.server import RouterConfig
-    from session_store import RateLimits, open_session_store
+    from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S
+    from duet.router.server import RouterConfig
+    from duet.session_store import RateLimits, open_session_store
 
     rates = (("--rate-limit-rpm", args.rate_limit_rpm), ("--rate-limit-tpm", args.rate_limit_tpm))
     for flag, value in rates:
@@ -247,9 +247,9 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
 
 def _serve_here(args: argparse.Namespace, router: RouterConfig, config: EngineConfig) -> int:
     """One engine in this process behind the REST and gRPC servers, until Ctrl-C or SIGTERM."""
-    from engine import AsyncEngine
-    from engine.heap import freeze_startup_heap
-    from router.server import RouterServer, bind_rest_socket, check_grpc_port
+    from duet.engine import AsyncEngine
+    from duet.engine.heap import freeze_startup_heap
+    from duet.router.server import RouterServer, bind_rest_socket, check_grpc_port
 
     try:
         check_grpc_port(router.host, router.grpc_port)

@@ -1,4 +1,4 @@
-"""`duet serve --disaggregated` and `python -m cli.ray_job`: the cluster options, and
+"""`duet serve --disaggregated` and `python -m duet.cli.ray_job`: the cluster options, and
 running a `DuetCluster` until Ctrl-C / SIGTERM (or the Ray job is stopped).
 
 The engine flags (cli/engine_flags.py) reach every worker: each prefill rank builds a
@@ -12,12 +12,12 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from cli.engine_flags import fail_on_field
-from engine.config import EngineConfig
-from engine.errors import InvalidInputError
+from duet.cli.engine_flags import fail_on_field
+from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from router.server import RouterConfig
+    from duet.router.server import RouterConfig
 
 logger = logging.getLogger("duet.serve")
 
@@ -99,9 +99,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
     """The ClusterSpec of the flags; `ValueError` names a bad flag. `engine` holds the
     EngineConfig fields the command line set."""
-    from deploy.ray_cluster import ClusterSpec
-    from prefill_worker.config import PrefillWorkerConfig
-    from router.cluster_engine import ClusterConfig
+    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.prefill_worker.config import PrefillWorkerConfig
+    from duet.router.cluster_engine import ClusterConfig
 
     if "tensor_parallel_size" in engine:
         raise ValueError(
@@ -142,7 +142,7 @@ def internal_tls(args: argparse.Namespace) -> dict[str, str]:
     """The environment that turns mTLS on in a local cluster's processes (cluster_auth/tls.py)
     from the --internal-tls-* flags: all three or none, readable files, one machine only.
     `ValueError` names the flag."""
-    from cluster_auth.tls import ENV_CA, ENV_CERT, ENV_KEY
+    from duet.cluster_auth.tls import ENV_CA, ENV_CERT, ENV_KEY
 
     flags = {"cert": ENV_CERT, "key": ENV_KEY, "ca": ENV_CA}
     given = {n: getattr(args, f"internal_tls_{n}", None) for n in flags}
@@ -170,8 +170,8 @@ def check_worker_configs(
     """The ClusterSpec of the flags, once the configs its workers will build from it are
     valid: a refused engine value exits through `parser.error` naming its flag, here rather
     than in a worker actor after Ray has started."""
-    from decode_worker.config import DecodeWorkerConfig
-    from prefill_worker.config import PrefillWorkerConfig
+    from duet.decode_worker.config import DecodeWorkerConfig
+    from duet.prefill_worker.config import PrefillWorkerConfig
 
     spec = build_spec(args, router, engine)
     check_gpu_placement(args, spec)
@@ -223,11 +223,11 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     """Start (or join) Ray, bring `spec`'s cluster up and supervise it until told to stop."""
     import ray
 
-    from cluster_auth import load_cluster_secret
-    from cluster_auth.secret import remove_secret_file
-    from deploy.local_ray import start_local_ray
-    from deploy.ray_cluster import NAMESPACE, DuetCluster
-    from engine.loader import open_model
+    from duet.cluster_auth import load_cluster_secret
+    from duet.cluster_auth.secret import remove_secret_file
+    from duet.deploy.local_ray import start_local_ray
+    from duet.deploy.ray_cluster import NAMESPACE, DuetCluster
+    from duet.engine.loader import open_model
 
     open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
     secret_file = None
@@ -239,7 +239,7 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         secret_file = start_local_ray(spec)  # a new secret; Ray detects this machine's GPUs
     if args.gpus_per_worker is None and ray.cluster_resources().get("GPU", 0) > 0:
         spec = _with_gpus(spec, 1.0)  # one GPU per prefill rank and decode worker
-    from deploy.stop_signal import StopSignal
+    from duet.deploy.stop_signal import StopSignal
 
     stop = StopSignal()  # a handler that only sets a flag (deploy/stop_signal.py says why)
     cluster = DuetCluster(spec)

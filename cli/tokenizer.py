@@ -28,7 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.tokenizer_export import save_tokenizer
+    from duet.engine.tokenizer_export import save_tokenizer
 
     try:
         print(save_tokenizer(args.model, args.out_dir))

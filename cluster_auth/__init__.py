@@ -2,7 +2,7 @@
 credentials derived from it (`grpc_auth`), and the challenge-response that opens a KV channel
 (`handshake`). docs/security.md has the threat model."""
 
-from cluster_auth.secret import (
+from duet.cluster_auth.secret import (
     ENV_SECRET,
     ENV_SECRET_FILE,
     ClusterSecret,

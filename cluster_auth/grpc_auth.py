@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from cluster_auth.refusals import RefusalLog
-from cluster_auth.secret import ClusterSecret
+from duet.cluster_auth.refusals import RefusalLog
+from duet.cluster_auth.secret import ClusterSecret
 
 METADATA_KEY = "x-duet-auth"
 VERSION = "v1"

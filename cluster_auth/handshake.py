@@ -17,7 +17,7 @@ import hmac
 import os
 import socket
 
-from cluster_auth.secret import ClusterSecret
+from duet.cluster_auth.secret import ClusterSecret
 
 MAGIC = b"DUETKV\x01\x00"
 NONCE_BYTES = 32

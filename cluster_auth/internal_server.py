@@ -8,9 +8,9 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster_auth.grpc_auth import AuthInterceptor
-from cluster_auth.secret import ClusterSecret, load_cluster_secret
-from cluster_auth.tls import add_internal_port
+from duet.cluster_auth.grpc_auth import AuthInterceptor
+from duet.cluster_auth.secret import ClusterSecret, load_cluster_secret
+from duet.cluster_auth.tls import add_internal_port
 
 
 async def start_internal_server(

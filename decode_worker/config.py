@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidInputError
-from kv_transfer.worker_config import KVWorkerConfig
+from duet.engine.errors import InvalidInputError
+from duet.kv_transfer.worker_config import KVWorkerConfig
 
 
 @dataclass

@@ -17,9 +17,9 @@ from contextlib import aclosing
 
 import grpc
 
-from decode_worker.wire import to_delta
+from duet.decode_worker.wire import to_delta
+from duet.engine.outputs import RequestOutput
 from duet.v1 import worker_pb2
-from engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

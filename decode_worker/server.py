@@ -16,17 +16,17 @@ from typing import NoReturn
 import grpc
 from opentelemetry import trace
 
-from cluster_auth import ClusterSecret
-from cluster_auth.internal_server import start_internal_server
-from decode_worker.output_streams import OutputStream, OutputStreams
-from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
+from duet.cluster_auth import ClusterSecret
+from duet.cluster_auth.internal_server import start_internal_server
+from duet.decode_worker.output_streams import OutputStream, OutputStreams
+from duet.decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
+from duet.engine import InvalidInputError, SamplingParams
+from duet.engine.async_engine import EngineDeadError
+from duet.engine.outputs import RequestOutput
+from duet.telemetry.otel import remote_parent, worker_tracer
+from duet.telemetry.worker_spans import TracedOutputs
+from duet.telemetry.worker_stats import worker_stats
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import InvalidInputError, SamplingParams
-from engine.async_engine import EngineDeadError
-from engine.outputs import RequestOutput
-from telemetry.otel import remote_parent, worker_tracer
-from telemetry.worker_spans import TracedOutputs
-from telemetry.worker_stats import worker_stats
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 

@@ -3,8 +3,8 @@ from a decode worker to the router, and folded back into cumulative outputs ther
 
 from __future__ import annotations
 
+from duet.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 from duet.v1 import worker_pb2
-from engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
 
 
 def to_delta(out: RequestOutput) -> worker_pb2.OutputDelta:

@@ -28,16 +28,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from cluster_auth import load_cluster_secret
-from decode_worker.config import DecodeWorkerConfig
-from engine import RequestOutput, SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import EngineOutput
-from engine.spec_decode.draft_model import DraftModelProposer
-from kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
-from kv_transfer.factory import resolve_backend
+from duet.cluster_auth import load_cluster_secret
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.engine import RequestOutput, SamplingParams
+from duet.engine.async_engine import AsyncEngine
+from duet.engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
+from duet.engine.llm_engine import LLMEngine, Prompt
+from duet.engine.outputs import EngineOutput
+from duet.engine.spec_decode.draft_model import DraftModelProposer
+from duet.kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
+from duet.kv_transfer.factory import resolve_backend
 
 
 class NoCapacityError(RuntimeError):

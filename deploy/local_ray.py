@@ -8,8 +8,8 @@ from pathlib import Path
 
 import ray
 
-from cluster_auth import ENV_SECRET_FILE, ClusterSecret, write_secret_file
-from deploy.ray_cluster import NAMESPACE, ClusterSpec
+from duet.cluster_auth import ENV_SECRET_FILE, ClusterSecret, write_secret_file
+from duet.deploy.ray_cluster import NAMESPACE, ClusterSpec
 
 FORWARDED_ENV = (
     "DUET_KV_EMULATE_NCCL",

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from engine.heap import freeze_startup_heap
+from duet.engine.heap import freeze_startup_heap
 
 T = TypeVar("T")
 
@@ -76,9 +76,9 @@ class PrefillRankActor:
         return f"tcp://{self.host}:{_free_port(self.host)}"
 
     def start(self, init_method: str | None) -> str | None:
-        from prefill_worker.config import PrefillWorkerConfig
-        from prefill_worker.launch import start_prefill_rank
-        from prefill_worker.server import start_prefill_server
+        from duet.prefill_worker.config import PrefillWorkerConfig
+        from duet.prefill_worker.launch import start_prefill_rank
+        from duet.prefill_worker.server import start_prefill_server
 
         config = PrefillWorkerConfig.from_kwargs(**self.config)
         self.worker = start_prefill_rank(config, self.rank, init_method, self.name)
@@ -105,9 +105,9 @@ class DecodeActor:
     `bind_host()` and advertise this node's address."""
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
-        from decode_worker.config import DecodeWorkerConfig
-        from decode_worker.server import start_decode_server
-        from decode_worker.worker import DecodeWorker
+        from duet.decode_worker.config import DecodeWorkerConfig
+        from duet.decode_worker.server import start_decode_server
+        from duet.decode_worker.worker import DecodeWorker
 
         self.incarnation = uuid.uuid4().hex
         host = advertise_host()
@@ -141,8 +141,8 @@ class RouterActor:
         tokenizer: str | None,
         max_model_len: int | None,
     ) -> None:
-        from router.cluster_engine import ClusterEngine
-        from router.server import RouterServer, bind_rest_socket
+        from duet.router.cluster_engine import ClusterEngine
+        from duet.router.server import RouterServer, bind_rest_socket
 
         self.incarnation = uuid.uuid4().hex
         self.engine = ClusterEngine(model, cluster_config, tokenizer, max_model_len)

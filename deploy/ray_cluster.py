@@ -28,12 +28,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
-from deploy.stop_signal import Stopper
-from engine.spec_decode.config import SpeculativeConfig
-from router.cluster_engine import ClusterConfig
-from router.server import RouterConfig
-from telemetry.otel import OTLP_ENDPOINT_ENV
+from duet.deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
+from duet.deploy.stop_signal import Stopper
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.router.cluster_engine import ClusterConfig
+from duet.router.server import RouterConfig
+from duet.telemetry.otel import OTLP_ENDPOINT_ENV
 
 logger = logging.getLogger("duet.cluster")
 

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.core import AbortRequest, AddRequest, EngineCore, EngineDeadError, EngineRole
-from engine.llm_engine import EngineStats, LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Message, Tokenizer
+from duet.engine.config import EngineConfig
+from duet.engine.core import AbortRequest, AddRequest, EngineCore, EngineDeadError, EngineRole
+from duet.engine.llm_engine import EngineStats, LLMEngine, Prompt
+from duet.engine.outputs import RequestOutput
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.tokenizer import Message, Tokenizer
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention_metadata import AttentionMetadata, KernelBatch
-from engine.kernels.cpu import (
+from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
+from duet.engine.kernels.cpu import (
     kernels_for,
     paged_decode_attention,
     paged_prefill_attention,
@@ -38,7 +38,7 @@ def store_kv(
     """Write this step's K/V to their slots: one Triton kernel on that backend, else
     `write_kv_cache`."""
     if meta.kernel_batch is not None:
-        from engine.kernels.triton_cache import write_kv_cache as triton_write_kv_cache
+        from duet.engine.kernels.triton_cache import write_kv_cache as triton_write_kv_cache
 
         triton_write_kv_cache(kv_cache, key, value, meta.slot_mapping)
     else:
@@ -177,8 +177,8 @@ def _triton_attention(
 ) -> torch.Tensor:
     """Decodes through the split-K decode kernel, the rest through the prefill kernel; both
     read K/V from the cache, where `store_kv` has put this step's."""
-    from engine.kernels.triton_decode import paged_decode_attention
-    from engine.kernels.triton_prefill import paged_prefill_attention
+    from duet.engine.kernels.triton_decode import paged_decode_attention
+    from duet.engine.kernels.triton_prefill import paged_prefill_attention
 
     if query.stride(-1) != 1:
         query = query.contiguous()

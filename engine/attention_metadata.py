@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from engine.input_batch import StepInputs
+    from duet.engine.input_batch import StepInputs
 
 # Decode requests are grouped by length so that padding every group to its longest member
 # wastes at most this fraction of the gathered KV.
@@ -79,7 +79,7 @@ class KernelBatch:
         device: torch.device,
         deterministic: bool = False,
     ) -> KernelBatch:
-        from engine.kernels.triton_decode import choose_splits, device_num_sms
+        from duet.engine.kernels.triton_decode import choose_splits, device_num_sms
 
         num_reqs = len(seq_lens)
         width = max(1, max(len(b) for b in block_ids))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.llm_engine import Prompt
-from engine.sampling_params import SamplingParams
+from duet.engine.llm_engine import Prompt
+from duet.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from typing import Any, Self
 
 import torch
 
-from engine.device import resolve_device
-from engine.errors import InvalidInputError
-from engine.quant.config import QuantizationConfig
-from engine.spec_decode.config import SpeculativeConfig
+from duet.engine.device import resolve_device
+from duet.engine.errors import InvalidInputError
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.commands import (
+from duet.engine.commands import (
     AbortRequest,
     AddRequest,
     EngineCommand,
@@ -39,13 +39,13 @@ from engine.commands import (
     ReserveRemote,
     Stop,
 )
-from engine.device import bind_thread
-from engine.engine_role import EngineDeadError, EngineRole
-from engine.errors import InvalidInputError
-from engine.llm_engine import LLMEngine
-from engine.output_processor import OutputAssembler
-from engine.outputs import RequestOutput
-from engine.parallel import SINGLE, TensorParallel
+from duet.engine.device import bind_thread
+from duet.engine.engine_role import EngineDeadError, EngineRole
+from duet.engine.errors import InvalidInputError
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.output_processor import OutputAssembler
+from duet.engine.outputs import RequestOutput
+from duet.engine.parallel import SINGLE, TensorParallel
 
 __all__ = [  # the commands (engine.commands) and the role (engine.engine_role) with the core
     "AbortRequest",

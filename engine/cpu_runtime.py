@@ -35,7 +35,7 @@ def configure_cpu_runtime() -> None:
         return
     _configured = True
     torch.set_flush_denormal(True)
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is not None:  # the intra-op worker threads too (torch's call covers this one)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention_metadata import AttentionMetadata, KernelBatch
+from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -46,7 +46,7 @@ class DecodeGraphs:
         block_size: int,
         deterministic: bool = False,
     ) -> None:
-        from engine.kernels.triton_decode import choose_splits, device_num_sms
+        from duet.engine.kernels.triton_decode import choose_splits, device_num_sms
 
         cache = kv_caches[0]
         device = cache.device

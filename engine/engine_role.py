@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.commands import (
+from duet.engine.commands import (
     AbortRequest,
     AddRequest,
     EngineCommand,
@@ -13,9 +13,9 @@ from engine.commands import (
     ReleaseHeld,
     ReserveRemote,
 )
-from engine.errors import InvalidInputError
-from engine.llm_engine import LLMEngine
-from engine.outputs import EngineOutput
+from duet.engine.errors import InvalidInputError
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.outputs import EngineOutput
 
 
 class RoleHost(Protocol):

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from engine.errors import ModelLoadError
-from engine.gguf_tokenizer import GGUFTokenizer
-from engine.quant.formats import QuantizedWeight
-from engine.quant.gguf_repack import REPACKED_TYPES, repack
+from duet.engine.errors import ModelLoadError
+from duet.engine.gguf_tokenizer import GGUFTokenizer
+from duet.engine.quant.formats import QuantizedWeight
+from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
 
 logger = logging.getLogger(__name__)
 

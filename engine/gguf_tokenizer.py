@@ -23,7 +23,7 @@ from tokenizers import (
     processors,
 )
 
-from engine.errors import ModelLoadError
+from duet.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.kernel_tables import KernelTableBuilder, KernelTables
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_slots import SamplingSlots
-from engine.staging import StagingBuffer
+from duet.engine.kernel_tables import KernelTableBuilder, KernelTables
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.request import Request
+from duet.engine.sampling_slots import SamplingSlots
+from duet.engine.staging import StagingBuffer
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.staging import MAX_CACHED_VIEWS, StagingBuffer
+from duet.engine.staging import MAX_CACHED_VIEWS, StagingBuffer
 
 
 @dataclass

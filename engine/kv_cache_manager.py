@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_pool import BlockPool, KVCacheBlock, hash_request_blocks
-from engine.request import Request
+from duet.engine.block_pool import BlockPool, KVCacheBlock, hash_request_blocks
+from duet.engine.request import Request
 
 
 @dataclass

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.errors import InvalidInputError
-from engine.parallel import TensorParallel
+from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.errors import InvalidInputError
+from duet.engine.parallel import TensorParallel
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.model import LlamaForCausalLM
+    from duet.engine.config import EngineConfig
+    from duet.engine.model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

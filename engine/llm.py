@@ -7,12 +7,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
-from engine.parallel import TensorParallel
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Message, Tokenizer
+from duet.engine.config import EngineConfig
+from duet.engine.llm_engine import LLMEngine, Prompt
+from duet.engine.outputs import RequestOutput
+from duet.engine.parallel import TensorParallel
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.tokenizer import Message, Tokenizer
 
 
 class LLM:

@@ -11,29 +11,29 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import EngineConfig, reports_deterministic
-from engine.cpu_runtime import configure_cpu_runtime
-from engine.device import bind_thread
-from engine.errors import InvalidInputError
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_sizing import size_kv_pool
-from engine.loader import load_model
-from engine.model_runner import ModelRunner, resolve_attention_backend
-from engine.output_processor import OfflineOutputs, OutputAssembler
-from engine.outputs import EngineOutput, PromptLogprob, RequestOutput
-from engine.parallel import SINGLE, TensorParallel
-from engine.prefill_handoff import PrefillDone, PrefillStream
-from engine.random import SeedSource
-from engine.request import Request
-from engine.request_checks import Prompt, check_lengths, tokenize_prompt
-from engine.request_state import RequestState, RequestTable
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.spec_decode.proposer import TargetInfo
-from engine.spec_decode.speculator import Speculator
-from engine.stats import EngineStats
-from engine.structured_output import GrammarCompiler
-from engine.tokenizer import Message
+from duet.engine.config import EngineConfig, reports_deterministic
+from duet.engine.cpu_runtime import configure_cpu_runtime
+from duet.engine.device import bind_thread
+from duet.engine.errors import InvalidInputError
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.kv_sizing import size_kv_pool
+from duet.engine.loader import load_model
+from duet.engine.model_runner import ModelRunner, resolve_attention_backend
+from duet.engine.output_processor import OfflineOutputs, OutputAssembler
+from duet.engine.outputs import EngineOutput, PromptLogprob, RequestOutput
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.prefill_handoff import PrefillDone, PrefillStream
+from duet.engine.random import SeedSource
+from duet.engine.request import Request
+from duet.engine.request_checks import Prompt, check_lengths, tokenize_prompt
+from duet.engine.request_state import RequestState, RequestTable
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.scheduler import Scheduler
+from duet.engine.spec_decode.proposer import TargetInfo
+from duet.engine.spec_decode.speculator import Speculator
+from duet.engine.stats import EngineStats
+from duet.engine.structured_output import GrammarCompiler
+from duet.engine.tokenizer import Message
 
 __all__ = ["EngineStats", "LLMEngine", "PrefillDone", "PrefillStream", "Prompt",  # re-exported
            "check_lengths", "tokenize_prompt"]  # fmt: skip

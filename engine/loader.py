@@ -11,16 +11,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from engine.errors import InvalidInputError, ModelLoadError
-from engine.kernels.cpu import cpu_kernels_enabled
-from engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
-from engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
-from engine.model.quantized_linear import set_kernel_max_rows
-from engine.model.weight_bytes import log_weight_bytes
-from engine.parallel import SINGLE, TensorParallel
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import QuantizedWeight
-from engine.tokenizer import Tokenizer
+from duet.engine.errors import InvalidInputError, ModelLoadError
+from duet.engine.kernels.cpu import cpu_kernels_enabled
+from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
+from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
+from duet.engine.model.quantized_linear import set_kernel_max_rows
+from duet.engine.model.weight_bytes import log_weight_bytes
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import QuantizedWeight
+from duet.engine.tokenizer import Tokenizer
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
@@ -38,7 +38,7 @@ class LoadedModel:
 def resolve_model_path(model: str | None) -> str:
     """The local path for `model`: the embedded default when None, a download for a hub id."""
     if model is None:
-        from engine.gguf_loader import default_model_path
+        from duet.engine.gguf_loader import default_model_path
 
         return default_model_path()
     if os.path.exists(model):
@@ -82,7 +82,7 @@ def open_model(
     path = resolve_model_path(model)
     name = model or "SmolLM2-135M-Instruct"
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from engine.gguf_loader import load_gguf
+        from duet.engine.gguf_loader import load_gguf
 
         gguf = load_gguf(path)
         hf_config = {**gguf.hf_config, **(hf_overrides or {})}
@@ -191,8 +191,8 @@ def load_model(
 def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
     """Batch-invariant Triton matmuls and RMSNorms for `net` on CUDA; False (and nothing set)
     where Triton cannot run."""
-    from engine.kernels.triton_runtime import triton_unusable_reason
-    from engine.model.llama import RMSNorm
+    from duet.engine.kernels.triton_runtime import triton_unusable_reason
+    from duet.engine.model.llama import RMSNorm
 
     if triton_unusable_reason(torch.device("cuda")) is not None:
         return False

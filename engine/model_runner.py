@@ -10,19 +10,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention_metadata import AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs
-from engine.errors import InvalidInputError
-from engine.input_batch import InputBatch
-from engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
-from engine.kernels.triton_runtime import triton_unusable_reason
-from engine.kv_cache_manager import KVCacheManager
-from engine.model import LlamaForCausalLM
-from engine.outputs import PromptLogprob, TokenLogprob
-from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import SchedulerOutput
-from engine.spec_decode.verify import accept_point_mass
+from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.cuda_graphs import DecodeGraphs
+from duet.engine.errors import InvalidInputError
+from duet.engine.input_batch import InputBatch
+from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
+from duet.engine.kernels.triton_runtime import triton_unusable_reason
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.model import LlamaForCausalLM
+from duet.engine.outputs import PromptLogprob, TokenLogprob
+from duet.engine.request import Request
+from duet.engine.sampler import Sampler, SamplerOutput
+from duet.engine.scheduler import SchedulerOutput
+from duet.engine.spec_decode.verify import accept_point_mass
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.outputs import (
+from duet.engine.outputs import (
     CompletionOutput,
     EngineOutput,
     Logprob,
@@ -24,8 +24,8 @@ from engine.outputs import (
     TokenLogprob,
     TokenLogprobs,
 )
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

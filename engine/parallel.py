@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.errors import InvalidInputError
+from duet.engine.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.outputs import PromptLogprob
-from engine.request import Request
+from duet.engine.outputs import PromptLogprob
+from duet.engine.request import Request
 
 
 @dataclass(frozen=True)

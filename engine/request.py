@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarState
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.IntEnum):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.errors import InvalidInputError
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from duet.engine.errors import InvalidInputError
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 

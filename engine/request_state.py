@@ -13,15 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import EngineOutput, PromptLogprob, SampleDelta, TokenLogprob
-from engine.prefill_handoff import PrefillDone
-from engine.request import Request, RequestStatus
+from duet.engine.outputs import EngineOutput, PromptLogprob, SampleDelta, TokenLogprob
+from duet.engine.prefill_handoff import PrefillDone
+from duet.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.scheduler import Scheduler
-    from engine.spec_decode.speculator import Speculator
-    from engine.stats import EngineStats
+    from duet.engine.kv_cache_manager import KVCacheManager
+    from duet.engine.scheduler import Scheduler
+    from duet.engine.spec_decode.speculator import Speculator
+    from duet.engine.stats import EngineStats
 
 
 @dataclass

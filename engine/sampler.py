@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels
-from engine.sampling_slots import SamplingBatch
-from engine.structured_output import apply_bitmask
+from duet.engine.kernels.cpu import load_cpu_kernels
+from duet.engine.sampling_slots import SamplingBatch
+from duet.engine.structured_output import apply_bitmask
 
 ToHost = Callable[[torch.Tensor], list]
 

@@ -6,8 +6,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidInputError
-from engine.structured_output import StructuredOutputsParams
+from duet.engine.errors import InvalidInputError
+from duet.engine.structured_output import StructuredOutputsParams
 
 
 @dataclass

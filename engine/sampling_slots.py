@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.random import uniform
-from engine.request import Request
-from engine.structured_output import GrammarState, bitmask_words
+from duet.engine.random import uniform
+from duet.engine.request import Request
+from duet.engine.structured_output import GrammarState, bitmask_words
 
 BufferFn = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 

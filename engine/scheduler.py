@@ -25,9 +25,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from duet.engine.config import EngineConfig
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.spec_decode.speculator import SpecDecodeStats
+from duet.engine.spec_decode.speculator import SpecDecodeStats
 
 if TYPE_CHECKING:
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.scheduler import Scheduler
-    from engine.spec_decode.speculator import Speculator
+    from duet.engine.kv_cache_manager import KVCacheManager
+    from duet.engine.scheduler import Scheduler
+    from duet.engine.spec_decode.speculator import Speculator
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

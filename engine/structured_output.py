@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.errors import InvalidInputError
-from engine.json_strings import bounded_string_rules, strings_as_patterns
+from duet.engine.errors import InvalidInputError
+from duet.engine.json_strings import bounded_string_rules, strings_as_patterns
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-    from engine.tokenizer import Tokenizer
+    from duet.engine.tokenizer import Tokenizer
 else:
 
     class _Xgrammar:  # imported on first use: it imports transformers (2 s of every start)
@@ -368,7 +368,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     (engine/kernels/sampling_cpu.cpp: whole words at a time, rows in parallel); else
     xgrammar's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        from engine.kernels.cpu import load_cpu_kernels
+        from duet.engine.kernels.cpu import load_cpu_kernels
 
         kernels = load_cpu_kernels()
         if kernels is not None and logits.stride(-1) == 1 and bitmask.is_contiguous():

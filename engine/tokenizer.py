@@ -12,7 +12,7 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
-from engine.errors import InvalidInputError, ModelLoadError
+from duet.engine.errors import InvalidInputError, ModelLoadError
 
 Message = dict[str, Any]
 

@@ -28,7 +28,7 @@ _HF_TOKENIZER_FILES = (
 
 
 def _model_path(model: str | None) -> str:
-    from engine.loader import resolve_model_path
+    from duet.engine.loader import resolve_model_path
 
     return resolve_model_path(model)
 
@@ -38,7 +38,7 @@ def open_tokenizer(model: str | None) -> tokenizers.Tokenizer:
     file, or None for the embedded default), without loading weights.
 
     Raises `engine.ModelLoadError` naming the path when there is none."""
-    from engine import ModelLoadError
+    from duet.engine import ModelLoadError
 
     path = _model_path(model)
     if os.path.isdir(path):
@@ -46,7 +46,7 @@ def open_tokenizer(model: str | None) -> tokenizers.Tokenizer:
         if not os.path.isfile(tok_file):
             raise ModelLoadError(f"no tokenizer.json in {path}")
         return tokenizers.Tokenizer.from_file(tok_file)
-    from engine.gguf_loader import load_gguf
+    from duet.engine.gguf_loader import load_gguf
 
     return load_gguf(path).tokenizer()
 
@@ -58,7 +58,7 @@ def save_tokenizer(model: str | None, out_dir: str | Path) -> Path:
     path = _model_path(model)
     out.mkdir(parents=True, exist_ok=True)
     if os.path.isdir(path):
-        from engine import ModelLoadError
+        from duet.engine import ModelLoadError
 
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ModelLoadError(f"no tokenizer.json in {path}")
@@ -72,7 +72,7 @@ def save_tokenizer(model: str | None, out_dir: str | Path) -> Path:
 
 
 def _save_gguf_tokenizer(path: str, out: Path) -> None:
-    from engine.gguf_loader import load_gguf
+    from duet.engine.gguf_loader import load_gguf
 
     gguf = load_gguf(path)
     tok = gguf.tokenizer()

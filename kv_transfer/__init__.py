@@ -2,11 +2,16 @@
 sender/receiver backends registered by name (`tcp`, `torch_dist`, `local`), each built from
 the generic `SenderConfig` / `ReceiverConfig` plus its own options (see docs/kv_transfer.md)."""
 
-from kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
-from kv_transfer.blocks import gather_blocks, scatter_blocks
-from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.factory import available_backends, create_receiver, create_sender, register_backend
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.base import KVReceiver, KVSender, TransferResult, TransferStatus
+from duet.kv_transfer.blocks import gather_blocks, scatter_blocks
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig
+from duet.kv_transfer.factory import (
+    available_backends,
+    create_receiver,
+    create_sender,
+    register_backend,
+)
+from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 
 __all__ = [
     "HandshakeError",

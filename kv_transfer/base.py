@@ -35,8 +35,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.layout import KVLayout
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig
+from duet.kv_transfer.layout import KVLayout
 
 
 class TransferStatus(enum.Enum):

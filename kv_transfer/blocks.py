@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels
+from duet.engine.kernels.cpu import load_cpu_kernels
 
 
 def gather_blocks(

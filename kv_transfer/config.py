@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cluster_auth import ClusterSecret
+from duet.cluster_auth import ClusterSecret
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KVReceiver, KVSender
-from kv_transfer.config import ReceiverConfig, SenderConfig, build_config
-from kv_transfer.layout import KVLayout
+from duet.kv_transfer.base import KVReceiver, KVSender
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig, build_config
+from duet.kv_transfer.layout import KVLayout
 
 # name -> (module, sender class, receiver class)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
-    "local": ("kv_transfer.local", "LocalKVSender", "LocalKVReceiver"),
-    "torch_dist": ("kv_transfer.torch_dist", "TorchDistKVSender", "TorchDistKVReceiver"),
-    "tcp": ("kv_transfer.tcp", "TcpKVSender", "TcpKVReceiver"),
+    "local": ("duet.kv_transfer.local", "LocalKVSender", "LocalKVReceiver"),
+    "torch_dist": ("duet.kv_transfer.torch_dist", "TorchDistKVSender", "TorchDistKVReceiver"),
+    "tcp": ("duet.kv_transfer.tcp", "TcpKVSender", "TcpKVReceiver"),
 }
 
 
@@ -35,7 +35,7 @@ def resolve_backend(name: str, kv_caches: list[Any]) -> str:
     if name != AUTO:
         _check_name(name)
         return name
-    from kv_transfer import sockio
+    from duet.kv_transfer import sockio
 
     on_cpu = bool(kv_caches) and all(
         c.device.type == "cpu" and c.is_contiguous() for c in kv_caches

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels
-from kv_transfer.base import KVReceiver, TransferResult, TransferStatus
-from kv_transfer.layers import PagedLayers, staged_view
-from kv_transfer.layout import KVLayout, receiver_head_slice
+from duet.engine.kernels.cpu import load_cpu_kernels
+from duet.kv_transfer.base import KVReceiver, TransferResult, TransferStatus
+from duet.kv_transfer.layers import PagedLayers, staged_view
+from duet.kv_transfer.layout import KVLayout, receiver_head_slice
 
 
 @dataclass

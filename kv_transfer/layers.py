@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import sockio
-from kv_transfer.blocks import gather_blocks, scatter_blocks
-from kv_transfer.chunks import layer_chunks
+from duet.kv_transfer import sockio
+from duet.kv_transfer.blocks import gather_blocks, scatter_blocks
+from duet.kv_transfer.chunks import layer_chunks
 
 
 def layer_groups(num_target: int, num_draft: int) -> list[tuple[int, int]]:

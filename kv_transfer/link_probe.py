@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Protocol
 
-from kv_transfer.outbox import Outbox
+from duet.kv_transfer.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 

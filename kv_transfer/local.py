@@ -10,12 +10,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from kv_transfer.base import KVSender, TransferResult, TransferStatus
-from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.inbox import Arrival, InboxKVReceiver
-from kv_transfer.layers import PagedLayers
-from kv_transfer.layout import KVLayout, check_compatible
-from kv_transfer.outbox import Outbox
+from duet.kv_transfer.base import KVSender, TransferResult, TransferStatus
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig
+from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
+from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layout import KVLayout, check_compatible
+from duet.kv_transfer.outbox import Outbox
 
 
 @dataclass

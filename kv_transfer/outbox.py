@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from kv_transfer.base import TransferResult, TransferStatus
-from kv_transfer.layout import HandshakeError
+from duet.kv_transfer.base import TransferResult, TransferStatus
+from duet.kv_transfer.layout import HandshakeError
 
 C = TypeVar("C")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
-from engine.errors import InvalidInputError
-from kv_transfer.factory import check_backend_name
-from kv_transfer.staging import transfer_reservations
+from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError
+from duet.kv_transfer.factory import check_backend_name
+from duet.kv_transfer.staging import transfer_reservations
 
 
 @dataclass

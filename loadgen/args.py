@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loadgen.workload import DIST_HELP, LengthDist, parse_rates
+from duet.loadgen.workload import DIST_HELP, LengthDist, parse_rates
 
 
 def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

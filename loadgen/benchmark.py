@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import httpx2
 
-    from loadgen.client import Endpoint, RequestResult
+    from duet.loadgen.client import Endpoint, RequestResult
 
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
 SERVER_CHECK_TIMEOUT_S = 10.0
@@ -66,10 +66,10 @@ async def _run(args: argparse.Namespace) -> int:
         _require("matplotlib", "the plot (or pass --no-plot)")
     import httpx2
 
-    from loadgen.batch_load import BatchLoadError, batch_lines, stop_batch, submit_batch
-    from loadgen.client import Endpoint
-    from loadgen.metrics import SLO, format_table, summarize
-    from loadgen.workload import allowed_token_ids, arrival_offsets, build_workload
+    from duet.loadgen.batch_load import BatchLoadError, batch_lines, stop_batch, submit_batch
+    from duet.loadgen.client import Endpoint
+    from duet.loadgen.metrics import SLO, format_table, summarize
+    from duet.loadgen.workload import allowed_token_ids, arrival_offsets, build_workload
 
     if args.endpoint == "chat" and args.prompt_format == "ids":
         raise BenchError("--prompt-format ids: chat messages are text; use --endpoint completions")
@@ -143,8 +143,8 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _open_tokenizer(path: str | None) -> Any:
-    from engine import ModelLoadError
-    from engine.tokenizer_export import open_tokenizer
+    from duet.engine import ModelLoadError
+    from duet.engine.tokenizer_export import open_tokenizer
 
     try:
         return open_tokenizer(path)
@@ -202,7 +202,7 @@ async def _warm_up(
 ) -> None:
     """Requests before the timed runs (first-use kernel builds, allocator growth); the first
     failure stops the benchmark with the server's message, e.g. a prompt over the context."""
-    from loadgen.client import RequestResult, send_request
+    from duet.loadgen.client import RequestResult, send_request
 
     specs, prompts = workload
     for i in range(min(num, len(specs))):
@@ -225,7 +225,7 @@ async def _run_rate(
     arrivals), or, with `max_concurrency`, once fewer than that many are in flight (as
     vLLM's `bench serve --max-concurrency`; latencies count from the actual send). Every
     request is bounded by `timeout_s`, so this ends."""
-    from loadgen.client import RequestResult, send_request
+    from duet.loadgen.client import RequestResult, send_request
 
     start = time.perf_counter()
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -299,14 +299,14 @@ def _write_outputs(
         json_path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {json_path}")
     if not args.no_plot:
-        from loadgen.plot import plot_results
+        from duet.loadgen.plot import plot_results
 
         plot_path = args.plot or (json_path.with_suffix(".png") if result else Path(f"{stem}.png"))
         print(f"wrote {plot_results(plotted, plot_path)}")
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from loadgen.metrics import format_table
+    from duet.loadgen.metrics import format_table
 
     loaded = []
     for path in args.compare:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.client import RequestResult
+from duet.loadgen.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")

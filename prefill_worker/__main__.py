@@ -1,4 +1,4 @@
-"""`python -m prefill_worker`: one rank of a prefill worker group as a process. Rank 0 serves
+"""`python -m duet.prefill_worker`: one rank of a prefill worker group as a process. Rank 0 serves
 gRPC and prints `DUET_READY <host:port>` once it does; other ranks follow rank 0."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import json
 import logging
 import signal
 
-from engine.heap import freeze_startup_heap
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.launch import start_prefill_rank
-from prefill_worker.server import start_prefill_server
-from prefill_worker.worker import PrefillWorker
+from duet.engine.heap import freeze_startup_heap
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.launch import start_prefill_rank
+from duet.prefill_worker.server import start_prefill_server
+from duet.prefill_worker.worker import PrefillWorker
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m prefill_worker")
+    parser = argparse.ArgumentParser(prog="python -m duet.prefill_worker")
     parser.add_argument("--config", default="{}", help="PrefillWorkerConfig fields as JSON")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (rank 0); 0: a free one")

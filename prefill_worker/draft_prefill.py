@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.draft_model import DraftModelProposer
-from prefill_worker.config import PrefillWorkerConfig
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.spec_decode.draft_model import DraftModelProposer
+from duet.prefill_worker.config import PrefillWorkerConfig
 
 
 def prefill_engine_config(config: PrefillWorkerConfig) -> PrefillWorkerConfig:

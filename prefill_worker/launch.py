@@ -1,5 +1,5 @@
 """Starting a prefill worker rank in a process: the tensor-parallel group, the engine, and (on
-rank 0) the gRPC service. Used by `python -m prefill_worker` and by the Ray actors."""
+rank 0) the gRPC service. Used by `python -m duet.prefill_worker` and by the Ray actors."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.device import bind_thread
-from engine.parallel import SINGLE, TensorParallel
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.worker import PrefillWorker
+from duet.engine.device import bind_thread
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.worker import PrefillWorker
 
 
 def init_tensor_parallel(

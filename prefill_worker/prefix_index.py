@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_pool import BlockHash
+from duet.engine.block_pool import BlockHash
 
 
 @dataclass(frozen=True)

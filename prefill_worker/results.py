@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.llm_engine import PrefillDone
-from engine.outputs import PromptLogprob
-from kv_transfer import TransferStatus
+from duet.engine.llm_engine import PrefillDone
+from duet.engine.outputs import PromptLogprob
+from duet.kv_transfer import TransferStatus
 
 
 @dataclass(frozen=True)

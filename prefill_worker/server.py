@@ -10,16 +10,16 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from cluster_auth import ClusterSecret
-from cluster_auth.internal_server import start_internal_server
+from duet.cluster_auth import ClusterSecret
+from duet.cluster_auth.internal_server import start_internal_server
+from duet.engine import InvalidInputError, SamplingParams
+from duet.kv_transfer import TransferStatus
+from duet.prefill_worker.wire import prompt_logprobs_to_wire
+from duet.prefill_worker.worker import PrefillWorker
+from duet.telemetry.otel import remote_parent, worker_tracer
+from duet.telemetry.worker_spans import record_prefill
+from duet.telemetry.worker_stats import worker_stats
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import InvalidInputError, SamplingParams
-from kv_transfer import TransferStatus
-from prefill_worker.wire import prompt_logprobs_to_wire
-from prefill_worker.worker import PrefillWorker
-from telemetry.otel import remote_parent, worker_tracer
-from telemetry.worker_spans import record_prefill
-from telemetry.worker_stats import worker_stats
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from duet.engine.outputs import PromptLogprob
 from duet.v1 import worker_pb2
-from engine.outputs import PromptLogprob
 
 
 def prompt_logprobs_to_wire(

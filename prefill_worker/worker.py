@@ -33,9 +33,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cluster_auth import load_cluster_secret
-from engine import SamplingParams
-from engine.core import (
+from duet.cluster_auth import load_cluster_secret
+from duet.engine import SamplingParams
+from duet.engine.core import (
     AbortRequest,
     AddRequest,
     EngineCore,
@@ -43,10 +43,10 @@ from engine.core import (
     EngineRole,
     ReleaseHeld,
 )
-from engine.llm_engine import LLMEngine, PrefillDone
-from engine.outputs import EngineOutput
-from engine.parallel import SINGLE, TensorParallel
-from kv_transfer import (
+from duet.engine.llm_engine import LLMEngine, PrefillDone
+from duet.engine.outputs import EngineOutput
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.kv_transfer import (
     HandshakeError,
     KVLayout,
     KVSender,
@@ -55,11 +55,11 @@ from kv_transfer import (
     TransferStatus,
     create_sender,
 )
-from kv_transfer.factory import resolve_backend
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.draft_prefill import DraftPrefill, prefill_engine_config
-from prefill_worker.prefix_index import PrefixCacheIndex
-from prefill_worker.results import PrefillLoad, PrefillResult, kv_meta
+from duet.kv_transfer.factory import resolve_backend
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.draft_prefill import DraftPrefill, prefill_engine_config
+from duet.prefill_worker.prefix_index import PrefixCacheIndex
+from duet.prefill_worker.results import PrefillLoad, PrefillResult, kv_meta
 
 __all__ = ["PrefillLoad", "PrefillResult", "PrefillRole", "PrefillWorker", "kv_meta"]
 

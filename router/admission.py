@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from router.errors import OverloadedError
+from duet.router.errors import OverloadedError
 
 DEFAULT_MAX_QUEUE_WAIT_S = 300.0
 """Default longest estimated wait in the queue: half of the OpenAI SDKs' 600 s request timeout,

@@ -20,34 +20,34 @@ from fastapi.responses import JSONResponse
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.admission import AdmissionController
-from router.auth import OPEN_PATHS, APIKeyChecker, APIKeyMiddleware, caller_api_key
-from router.background import KIND as BACKGROUND_KIND
-from router.background import BackgroundService, install_background_routes
-from router.batch_routes import install_batch_routes
-from router.batch_runner import BatchPriority, BatchRunner
-from router.batches import BatchService
-from router.dashboard import install_dashboard_routes
-from router.engine_client import EngineClient
-from router.errors import EngineUnavailableError, install_exception_handlers
-from router.http_metrics import HTTPStatusMiddleware
-from router.openai_chat import ChatOptions
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.openai_responses import (
+from duet.router.admission import AdmissionController
+from duet.router.auth import OPEN_PATHS, APIKeyChecker, APIKeyMiddleware, caller_api_key
+from duet.router.background import KIND as BACKGROUND_KIND
+from duet.router.background import BackgroundService, install_background_routes
+from duet.router.batch_routes import install_batch_routes
+from duet.router.batch_runner import BatchPriority, BatchRunner
+from duet.router.batches import BatchService
+from duet.router.dashboard import install_dashboard_routes
+from duet.router.engine_client import EngineClient
+from duet.router.errors import EngineUnavailableError, install_exception_handlers
+from duet.router.http_metrics import HTTPStatusMiddleware
+from duet.router.openai_chat import ChatOptions
+from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.openai_responses import (
     ChatCompletionResponse,
     CompletionResponse,
     ModelCard,
     ModelList,
 )
-from router.openai_tokenize import install_tokenize_routes
-from router.openapi import error_responses, install_openapi
-from router.queue_worker import QueueWorker
-from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
-from router.serving_chat import ChatCompletionHandler
-from router.serving_completion import CompletionHandler
-from router.serving_context import ServingContext
-from router.sessions import SessionManager
-from router.sessions_protocol import (
+from duet.router.openai_tokenize import install_tokenize_routes
+from duet.router.openapi import error_responses, install_openapi
+from duet.router.queue_worker import QueueWorker
+from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from duet.router.serving_chat import ChatCompletionHandler
+from duet.router.serving_completion import CompletionHandler
+from duet.router.serving_context import ServingContext
+from duet.router.sessions import SessionManager
+from duet.router.sessions_protocol import (
     SessionCreateRequest,
     SessionDeleted,
     SessionList,
@@ -55,9 +55,9 @@ from router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
-from router.tracing import RequestTracing
-from router.web_ui import install_web_ui, open_paths
-from session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
+from duet.router.tracing import RequestTracing
+from duet.router.web_ui import install_web_ui, open_paths
+from duet.session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
 
 
 def build_app(

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import AuthenticationError
+from duet.router.errors import AuthenticationError
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 """Probes that answer without a key (Kubernetes liveness and readiness checks carry none)."""

@@ -32,17 +32,17 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from engine import InvalidInputError
-from engine.tokenizer import IncrementalDetokenizer
-from router.admission import AdmissionTicket
-from router.auth import caller_api_key
-from router.background_tools import event_delta, rebuild_plan, replay, tool_fields
-from router.batch_runner import wait_out_overload
-from router.batches import NotFoundError, queue_errors
-from router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
-from router.openai_chat import ChatPlan, assistant_message
-from router.openai_protocol import ChatCompletionRequest
-from router.openai_responses import (
+from duet.engine import InvalidInputError
+from duet.engine.tokenizer import IncrementalDetokenizer
+from duet.router.admission import AdmissionTicket
+from duet.router.auth import caller_api_key
+from duet.router.background_tools import event_delta, rebuild_plan, replay, tool_fields
+from duet.router.batch_runner import wait_out_overload
+from duet.router.batches import NotFoundError, queue_errors
+from duet.router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
+from duet.router.openai_chat import ChatPlan, assistant_message
+from duet.router.openai_protocol import ChatCompletionRequest
+from duet.router.openai_responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -51,12 +51,12 @@ from router.openai_responses import (
     DeltaMessage,
     Usage,
 )
-from router.openapi import error_responses
-from router.queue_worker import RetryTask
-from router.serving_context import ServingContext
-from router.sessions import SessionTurn
-from router.sse import DONE, EventStreamResponse
-from session_store import Delivery, SessionStoreUnavailable, Task, WorkQueue, hash_api_key
+from duet.router.openapi import error_responses
+from duet.router.queue_worker import RetryTask
+from duet.router.serving_context import ServingContext
+from duet.router.sessions import SessionTurn
+from duet.router.sse import DONE, EventStreamResponse
+from duet.session_store import Delivery, SessionStoreUnavailable, Task, WorkQueue, hash_api_key
 
 KIND = "background.chat"
 MAX_STREAM_S = 600.0

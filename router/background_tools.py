@@ -13,10 +13,10 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from engine.tokenizer import Tokenizer
-from router.openai_chat import ChatOptions, ChatPlan, ReplyStream
-from router.openai_protocol import ChatCompletionRequest
-from router.openai_responses import DeltaMessage
+from duet.engine.tokenizer import Tokenizer
+from duet.router.openai_chat import ChatOptions, ChatPlan, ReplyStream
+from duet.router.openai_protocol import ChatCompletionRequest
+from duet.router.openai_responses import DeltaMessage
 
 _FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 

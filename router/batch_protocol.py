@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from router.errors import format_loc
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.errors import format_loc
+from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 BATCH_ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,

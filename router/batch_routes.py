@@ -10,11 +10,11 @@ from email.policy import HTTP
 
 from fastapi import FastAPI, Request, Response
 
-from router.auth import caller_api_key
-from router.batch_protocol import Batch, BatchCreateRequest, BatchList, FileObject
-from router.batches import BatchService
-from router.errors import BadRequestError
-from router.openapi import error_responses
+from duet.router.auth import caller_api_key
+from duet.router.batch_protocol import Batch, BatchCreateRequest, BatchList, FileObject
+from duet.router.batches import BatchService
+from duet.router.errors import BadRequestError
+from duet.router.openapi import error_responses
 
 _MULTIPART_SLACK_BYTES = 64 * 1024
 """Room for the multipart framing and the other form fields around the file."""

@@ -25,17 +25,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from router.admission import AdmissionController
-from router.batches import BatchService
-from router.errors import OpenAIError, OverloadedError
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.queue_worker import RetryTask, TaskRunner
-from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
-from router.serving_chat import ChatCompletionHandler
-from router.serving_completion import CompletionHandler
-from router.serving_context import ServingContext
-from router.sessions import SessionManager
-from session_store import Delivery
+from duet.router.admission import AdmissionController
+from duet.router.batches import BatchService
+from duet.router.errors import OpenAIError, OverloadedError
+from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.queue_worker import RetryTask, TaskRunner
+from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from duet.router.serving_chat import ChatCompletionHandler
+from duet.router.serving_completion import CompletionHandler
+from duet.router.serving_context import ServingContext
+from duet.router.sessions import SessionManager
+from duet.session_store import Delivery
 
 T = TypeVar("T")
 CANCEL_CHECK_S = 1.0

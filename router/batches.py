@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from router.batch_protocol import (
+from duet.router.batch_protocol import (
     BATCH_ENDPOINTS,
     COMPLETION_WINDOWS,
     Batch,
@@ -32,8 +32,8 @@ from router.batch_protocol import (
     FileObject,
     parse_batch_file,
 )
-from router.errors import BadRequestError, OpenAIError, SessionStoreUnavailableError
-from session_store import SessionStoreUnavailable, Task, WorkQueue, hash_api_key
+from duet.router.errors import BadRequestError, OpenAIError, SessionStoreUnavailableError
+from duet.session_store import SessionStoreUnavailable, Task, WorkQueue, hash_api_key
 
 logger = logging.getLogger(__name__)
 

@@ -12,19 +12,19 @@ from dataclasses import dataclass
 
 import grpc
 
+from duet.engine import InvalidInputError
+from duet.engine.async_engine import EngineDeadError
+from duet.engine.config import SCHEDULING_POLICIES
+from duet.engine.llm_engine import EngineStats
+from duet.engine.output_processor import OutputAssembler
+from duet.engine.outputs import SampleDelta, TokenLogprob
+from duet.engine.request import Request
+from duet.kv_transfer import TransferStatus
+from duet.router.decode_client import DecodeStream
+from duet.router.transfer_log import TransferLog
+from duet.router.worker_client import PrefillOutcome
+from duet.router.worker_pool import DecodeState, PrefillState, WorkerPool
 from duet.v1 import worker_pb2
-from engine import InvalidInputError
-from engine.async_engine import EngineDeadError
-from engine.config import SCHEDULING_POLICIES
-from engine.llm_engine import EngineStats
-from engine.output_processor import OutputAssembler
-from engine.outputs import SampleDelta, TokenLogprob
-from engine.request import Request
-from kv_transfer import TransferStatus
-from router.decode_client import DecodeStream
-from router.transfer_log import TransferLog
-from router.worker_client import PrefillOutcome
-from router.worker_pool import DecodeState, PrefillState, WorkerPool
 
 
 @dataclass(frozen=True)

@@ -32,16 +32,16 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
-from engine import RequestOutput, SamplingParams
-from engine.async_engine import EngineDeadError
-from engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
-from engine.loader import open_model
-from engine.output_processor import OutputAssembler
-from engine.request import Request
-from engine.tokenizer import Message, Tokenizer
-from router.cluster_attempt import AttemptRunner, ClusterConfig, ClusterSample, RetryAttempt
-from router.transfer_log import TransferLog
-from router.worker_pool import ClusterStats, WorkerPool
+from duet.engine import RequestOutput, SamplingParams
+from duet.engine.async_engine import EngineDeadError
+from duet.engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
+from duet.engine.loader import open_model
+from duet.engine.output_processor import OutputAssembler
+from duet.engine.request import Request
+from duet.engine.tokenizer import Message, Tokenizer
+from duet.router.cluster_attempt import AttemptRunner, ClusterConfig, ClusterSample, RetryAttempt
+from duet.router.transfer_log import TransferLog
+from duet.router.worker_pool import ClusterStats, WorkerPool
 
 __all__ = ["ClusterConfig", "ClusterEngine"]
 

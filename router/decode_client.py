@@ -19,13 +19,13 @@ from typing import Any
 
 import grpc
 
-from cluster_auth import ClusterSecret, load_cluster_secret
-from cluster_auth.grpc_auth import CallSigner
-from cluster_auth.tls import internal_channel
+from duet.cluster_auth import ClusterSecret, load_cluster_secret
+from duet.cluster_auth.grpc_auth import CallSigner
+from duet.cluster_auth.tls import internal_channel
+from duet.engine import SamplingParams
+from duet.router.tracing import request_trace_metadata
+from duet.router.worker_client import CHANNEL_OPTIONS
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import SamplingParams
-from router.tracing import request_trace_metadata
-from router.worker_client import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine import RequestOutput, SamplingParams
-from engine.llm_engine import EngineStats, Prompt
-from engine.tokenizer import Message, Tokenizer
+from duet.engine import RequestOutput, SamplingParams
+from duet.engine.llm_engine import EngineStats, Prompt
+from duet.engine.tokenizer import Message, Tokenizer
 
 
 class EngineClient(Protocol):

@@ -15,9 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import InvalidInputError
-from engine.async_engine import EngineDeadError
-from router.openai_responses import ErrorInfo, ErrorResponse
+from duet.engine import InvalidInputError
+from duet.engine.async_engine import EngineDeadError
+from duet.router.openai_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

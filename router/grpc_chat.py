@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from duet.router.errors import BadRequestError, format_loc
+from duet.router.openai_protocol import ChatCompletionRequest
+from duet.router.tool_stream import Piece
 from duet.v1 import serving_pb2
-from router.errors import BadRequestError, format_loc
-from router.openai_protocol import ChatCompletionRequest
-from router.tool_stream import Piece
 
 
 def _json(field: str, text: str) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from duet.engine import Logprob
 from duet.v1 import serving_pb2
-from engine import Logprob
 
 
 def _one_logprob(x: Any) -> serving_pb2.TokenLogprob:

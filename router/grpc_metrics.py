@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from router.metrics import ServingMetrics
+from duet.router.metrics import ServingMetrics
 
 
 class GrpcMetricsInterceptor(grpc.aio.ServerInterceptor):

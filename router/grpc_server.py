@@ -23,29 +23,29 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
-from engine.async_engine import EngineDeadError
-from router.admission import AdmissionController
-from router.auth import APIKeyChecker
-from router.engine_client import EngineClient
-from router.errors import (
+from duet.engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
+from duet.engine.async_engine import EngineDeadError
+from duet.router.admission import AdmissionController
+from duet.router.auth import APIKeyChecker
+from duet.router.engine_client import EngineClient
+from duet.router.errors import (
     AuthenticationError,
     BadRequestError,
     ModelNotFoundError,
     OpenAIError,
 )
-from router.grpc_chat import chat_body, piece_fields
-from router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
-from router.grpc_metrics import GrpcMetricsInterceptor
-from router.metrics import ServingMetrics
-from router.openai_chat import ChatOptions, ChatPlan, reply_message
-from router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
-from router.serving_context import check_priority
-from router.sessions import SessionManager, SessionTurn
-from router.tool_stream import Piece
-from router.tracing import RequestTracing, traced_outputs
-from session_store import RateLimiter, RateLimits, SessionStore
+from duet.router.grpc_chat import chat_body, piece_fields
+from duet.router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
+from duet.router.grpc_metrics import GrpcMetricsInterceptor
+from duet.router.metrics import ServingMetrics
+from duet.router.openai_chat import ChatOptions, ChatPlan, reply_message
+from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from duet.router.serving_context import check_priority
+from duet.router.sessions import SessionManager, SessionTurn
+from duet.router.tool_stream import Piece
+from duet.router.tracing import RequestTracing, traced_outputs
+from duet.session_store import RateLimiter, RateLimits, SessionStore
+from duet.v1 import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.metrics import ServingMetrics
+from duet.router.metrics import ServingMetrics
 
 
 class HTTPStatusMiddleware:

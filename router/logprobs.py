@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine import Logprob, TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router.openai_responses import (
+from duet.engine import Logprob, TokenLogprobs
+from duet.engine.tokenizer import Tokenizer
+from duet.router.openai_responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,

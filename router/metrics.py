@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import RequestOutput, SamplingParams
-from router.engine_client import EngineClient
-from router.live_window import LiveWindow
-from router.transfer_log import TransferCollector
-from router.worker_metrics import (
+from duet.engine import RequestOutput, SamplingParams
+from duet.router.engine_client import EngineClient
+from duet.router.live_window import LiveWindow
+from duet.router.transfer_log import TransferCollector
+from duet.router.worker_metrics import (
     WorkerStatsCollector,
     iteration_tokens_histogram,
     spec_decode_metrics,

@@ -15,14 +15,14 @@ from typing import Any
 
 import jinja2
 
-from engine import InvalidInputError, SamplingParams
-from engine.tokenizer import Message, Tokenizer
-from router.openai_protocol import ChatCompletionRequest
-from router.openai_tools import ToolCall, ToolPlan, mistral_call_id, openai_call_id, plan_tools
-from router.reasoning_parsers import PARSERS as REASONING_PARSERS
-from router.reasoning_parsers import ReasoningStream, ReplyStart, reply_start
-from router.tool_parsers import ToolCallParser, infer_parser, parser_for
-from router.tool_stream import Piece, ToolCallStream, collect, stream_for
+from duet.engine import InvalidInputError, SamplingParams
+from duet.engine.tokenizer import Message, Tokenizer
+from duet.router.openai_protocol import ChatCompletionRequest
+from duet.router.openai_tools import ToolCall, ToolPlan, mistral_call_id, openai_call_id, plan_tools
+from duet.router.reasoning_parsers import PARSERS as REASONING_PARSERS
+from duet.router.reasoning_parsers import ReasoningStream, ReplyStart, reply_start
+from duet.router.tool_parsers import ToolCallParser, infer_parser, parser_for
+from duet.router.tool_stream import Piece, ToolCallStream, collect, stream_for
 
 # Template variables a request sets through its own fields, never through chat_template_kwargs.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(

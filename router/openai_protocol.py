@@ -22,11 +22,11 @@ from pydantic import (
     model_validator,
 )
 
-from engine import SamplingParams
-from router import structured_protocol
-from router.openai_fields import UnsupportedChatFields, warn_unknown_fields
-from router.openai_tools import ChatTool, ToolCall, ToolChoice
-from router.structured_protocol import ResponseFormat
+from duet.engine import SamplingParams
+from duet.router import structured_protocol
+from duet.router.openai_fields import UnsupportedChatFields, warn_unknown_fields
+from duet.router.openai_tools import ChatTool, ToolCall, ToolChoice
+from duet.router.structured_protocol import ResponseFormat
 
 MAX_N = 128
 """Most completions per prompt (OpenAI's limit)."""

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_serializer
 
-from router.openai_tools import DeltaToolCall, ToolCall
+from duet.router.openai_tools import DeltaToolCall, ToolCall
 
 
 class PromptTokensDetails(BaseModel):

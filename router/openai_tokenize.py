@@ -9,12 +9,12 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from engine import InvalidInputError
-from router.errors import BadRequestError, format_loc
-from router.openai_chat import ChatPlan
-from router.openai_protocol import ChatCompletionRequest, OpenAIModel
-from router.openapi import error_responses
-from router.serving_context import ServingContext
+from duet.engine import InvalidInputError
+from duet.router.errors import BadRequestError, format_loc
+from duet.router.openai_chat import ChatPlan
+from duet.router.openai_protocol import ChatCompletionRequest, OpenAIModel
+from duet.router.openapi import error_responses
+from duet.router.serving_context import ServingContext
 
 
 class TokenizeRequest(OpenAIModel):

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import InvalidInputError, StructuredOutputsParams
-from router.openai_fields import warn_unknown_fields
+from duet.engine import InvalidInputError, StructuredOutputsParams
+from duet.router.openai_fields import warn_unknown_fields
 
 ToolMode = Literal["none", "auto", "required", "named"]
 

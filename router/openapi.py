@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from router.openai_responses import ErrorResponse
+from duet.router.openai_responses import ErrorResponse
 
 _DESCRIPTIONS = {
     400: "Invalid request: the message and `param` name the field",

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from session_store import Delivery, SessionStoreUnavailable, WorkQueue
+from duet.session_store import Delivery, SessionStoreUnavailable, WorkQueue
 
 logger = logging.getLogger(__name__)
 

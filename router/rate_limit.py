@@ -18,8 +18,8 @@ import math
 import time
 from collections.abc import Callable
 
-from router.errors import RateLimitError
-from session_store import RateLimiter, RateLimits, SessionStoreUnavailable
+from duet.router.errors import RateLimitError
+from duet.session_store import RateLimiter, RateLimits, SessionStoreUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -23,15 +23,15 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
-from router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
-from router.api_server import build_app
-from router.engine_client import EngineClient
-from router.grpc_server import SERVICE_NAME, start_grpc_server
-from router.metrics import METRICS_PREFIXES
-from router.openai_chat import ChatOptions
-from router.rate_limit import NO_RATE_LIMITS
-from router.tracing import otlp_tracer_provider
-from session_store import (
+from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
+from duet.router.api_server import build_app
+from duet.router.engine_client import EngineClient
+from duet.router.grpc_server import SERVICE_NAME, start_grpc_server
+from duet.router.metrics import METRICS_PREFIXES
+from duet.router.openai_chat import ChatOptions
+from duet.router.rate_limit import NO_RATE_LIMITS
+from duet.router.tracing import otlp_tracer_provider
+from duet.session_store import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     RateLimits,

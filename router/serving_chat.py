@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request, Response
 
-from engine import CompletionOutput, InvalidInputError, RequestOutput
-from router.auth import caller_api_key
-from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
-from router.errors import BadRequestError, as_openai_error
-from router.logprobs import chat_logprobs, prompt_logprobs
-from router.openai_chat import ChatPlan, assistant_message, reply_message
-from router.openai_protocol import ChatCompletionRequest
-from router.openai_responses import (
+from duet.engine import CompletionOutput, InvalidInputError, RequestOutput
+from duet.router.auth import caller_api_key
+from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
+from duet.router.errors import BadRequestError, as_openai_error
+from duet.router.logprobs import chat_logprobs, prompt_logprobs
+from duet.router.openai_chat import ChatPlan, assistant_message, reply_message
+from duet.router.openai_protocol import ChatCompletionRequest
+from duet.router.openai_responses import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -33,13 +33,13 @@ from router.openai_responses import (
     PromptLogprobs,
     Usage,
 )
-from router.serving_context import ServingContext, final_output
-from router.sessions import SessionTurn
-from router.sse import DONE, EventStreamResponse, sse_error, sse_event
-from router.tool_stream import Piece
+from duet.router.serving_context import ServingContext, final_output
+from duet.router.sessions import SessionTurn
+from duet.router.sse import DONE, EventStreamResponse, sse_error, sse_event
+from duet.router.tool_stream import Piece
 
 if TYPE_CHECKING:
-    from router.background import BackgroundService
+    from duet.router.background import BackgroundService
 
 
 class ChatCompletionHandler:

@@ -11,22 +11,22 @@ from contextlib import aclosing
 
 from fastapi import Request, Response
 
-from engine import CompletionOutput, InvalidInputError, RequestOutput
-from router.auth import caller_api_key
-from router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
-from router.errors import BadRequestError, as_openai_error
-from router.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
-from router.openai_protocol import CompletionRequest
-from router.openai_responses import (
+from duet.engine import CompletionOutput, InvalidInputError, RequestOutput
+from duet.router.auth import caller_api_key
+from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
+from duet.router.errors import BadRequestError, as_openai_error
+from duet.router.logprobs import completion_logprobs, echo_logprobs, join_logprobs, prompt_logprobs
+from duet.router.openai_protocol import CompletionRequest
+from duet.router.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     PromptLogprobs,
     Usage,
 )
-from router.serving_context import ServingContext
-from router.sse import DONE, EventStreamResponse, sse_error, sse_event
-from router.stream_merge import merge_streams
+from duet.router.serving_context import ServingContext
+from duet.router.sse import DONE, EventStreamResponse, sse_error, sse_event
+from duet.router.stream_merge import merge_streams
 
 
 class CompletionHandler:

@@ -13,16 +13,16 @@ from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from typing import cast
 
-from engine import InvalidInputError, RequestOutput, SamplingParams
-from router.admission import AdmissionController, AdmissionTicket
-from router.engine_client import EngineClient
-from router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
-from router.logprobs import TokenTexts
-from router.metrics import ServingMetrics
-from router.openai_chat import ChatOptions
-from router.rate_limit import RequestRateLimiter
-from router.sessions import SessionManager
-from router.tracing import REQUEST_TRACE, RequestTracing
+from duet.engine import InvalidInputError, RequestOutput, SamplingParams
+from duet.router.admission import AdmissionController, AdmissionTicket
+from duet.router.engine_client import EngineClient
+from duet.router.errors import BadRequestError, EngineUnavailableError, ModelNotFoundError
+from duet.router.logprobs import TokenTexts
+from duet.router.metrics import ServingMetrics
+from duet.router.openai_chat import ChatOptions
+from duet.router.rate_limit import RequestRateLimiter
+from duet.router.sessions import SessionManager
+from duet.router.tracing import REQUEST_TRACE, RequestTracing
 
 
 class ServingContext:

@@ -20,13 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import (
+from duet.router.errors import (
     SessionConflictError,
     SessionNotFoundError,
     SessionsDisabledError,
     SessionStoreUnavailableError,
 )
-from session_store import (
+from duet.session_store import (
     Session,
     SessionConflict,
     SessionNotFound,

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from router.openai_protocol import OpenAIModel
-from session_store import Session
+from duet.router.openai_protocol import OpenAIModel
+from duet.session_store import Session
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router.errors import as_openai_error
+from duet.router.errors import as_openai_error
 
 DONE = "data: [DONE]\n\n"
 

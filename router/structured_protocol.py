@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import InvalidInputError, StructuredOutputsParams
+from duet.engine import InvalidInputError, StructuredOutputsParams
 
 
 class _Body(BaseModel):

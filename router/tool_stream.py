@@ -16,8 +16,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.openai_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, ToolPlan
-from router.tool_parsers import ParsedCall, ToolCallParser
+from duet.router.openai_tools import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    ToolPlan,
+)
+from duet.router.tool_parsers import ParsedCall, ToolCallParser
 
 
 @dataclass

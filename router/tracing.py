@@ -26,9 +26,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from engine import RequestOutput
-from telemetry.otel import otlp_tracer_provider, trace_metadata
-from telemetry.transfer_attributes import kv_transfer_attributes
+from duet.engine import RequestOutput
+from duet.telemetry.otel import otlp_tracer_provider, trace_metadata
+from duet.telemetry.transfer_attributes import kv_transfer_attributes
 
 __all__ = ["REQUEST_TRACE", "AttemptTiming", "RequestTrace", "RequestTracing",
            "otlp_tracer_provider", "request_trace_metadata", "traced_outputs"]  # fmt: skip

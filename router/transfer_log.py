@@ -28,9 +28,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from kv_transfer import TransferStatus
-from router.tracing import REQUEST_TRACE, AttemptTiming
-from router.worker_client import PrefillOutcome
+from duet.kv_transfer import TransferStatus
+from duet.router.tracing import REQUEST_TRACE, AttemptTiming
+from duet.router.worker_client import PrefillOutcome
 
 DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                       10.0, 30.0, 60.0)  # fmt: skip

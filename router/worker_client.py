@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster_auth import ClusterSecret, load_cluster_secret
-from cluster_auth.grpc_auth import CallSigner
-from cluster_auth.tls import internal_channel
+from duet.cluster_auth import ClusterSecret, load_cluster_secret
+from duet.cluster_auth.grpc_auth import CallSigner
+from duet.cluster_auth.tls import internal_channel
+from duet.engine import SamplingParams
+from duet.engine.outputs import PromptLogprob
+from duet.kv_transfer import TransferStatus
+from duet.prefill_worker.wire import prompt_logprobs_from_wire
+from duet.router.tracing import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import SamplingParams
-from engine.outputs import PromptLogprob
-from kv_transfer import TransferStatus
-from prefill_worker.wire import prompt_logprobs_from_wire
-from router.tracing import request_trace_metadata
 
 _STATUSES = {
     worker_pb2.TRANSFER_OUTCOME_DONE: TransferStatus.DONE,

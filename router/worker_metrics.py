@@ -16,10 +16,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from duet.engine.spec_decode.speculator import SpecDecodeStats
+from duet.engine.stats import ITERATION_TOKEN_BUCKETS
+from duet.router.worker_pool import WorkerPool
 from duet.v1 import worker_pb2
-from engine.spec_decode.speculator import SpecDecodeStats
-from engine.stats import ITERATION_TOKEN_BUCKETS
-from router.worker_pool import WorkerPool
 
 
 class WorkerStatsCollector(Collector):

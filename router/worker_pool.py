@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from duet.engine.block_pool import BlockHash, hash_request_blocks
+from duet.router.decode_client import DecodeClient
+from duet.router.worker_client import PrefillClient
 from duet.v1 import worker_pb2
-from engine.block_pool import BlockHash, hash_request_blocks
-from router.decode_client import DecodeClient
-from router.worker_client import PrefillClient
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from session_store.base import (
+from duet.session_store.base import (
     DEFAULT_SESSION_TTL_S,
     RateDecision,
     RateLimiter,
@@ -33,13 +33,13 @@ from session_store.base import (
     SessionStoreUnavailable,
     hash_api_key,
 )
-from session_store.redis_queue import RedisWorkQueue
-from session_store.redis_rate_limiter import RedisRateLimiter
-from session_store.redis_store import RedisSessionStore
-from session_store.sqlite_queue import SqliteWorkQueue
-from session_store.sqlite_store import SqliteSessionStore, default_sqlite_path
-from session_store.token_bucket import InProcessRateLimiter
-from session_store.work_queue import (
+from duet.session_store.redis_queue import RedisWorkQueue
+from duet.session_store.redis_rate_limiter import RedisRateLimiter
+from duet.session_store.redis_store import RedisSessionStore
+from duet.session_store.sqlite_queue import SqliteWorkQueue
+from duet.session_store.sqlite_store import SqliteSessionStore, default_sqlite_path
+from duet.session_store.token_bucket import InProcessRateLimiter
+from duet.session_store.work_queue import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,

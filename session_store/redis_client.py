@@ -17,7 +17,7 @@ import redis.exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-from session_store.base import SessionStoreUnavailable
+from duet.session_store.base import SessionStoreUnavailable
 
 T = TypeVar("T")
 

@@ -31,8 +31,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from session_store.redis_client import RedisGuard, connect_redis
-from session_store.work_queue import (
+from duet.session_store.redis_client import RedisGuard, connect_redis
+from duet.session_store.work_queue import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,

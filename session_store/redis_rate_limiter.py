@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from session_store.base import RateDecision, RateLimiter, RateLimits, hash_api_key, validate_acquire
-from session_store.redis_client import RedisGuard, connect_redis
+from duet.session_store.base import (
+    RateDecision,
+    RateLimiter,
+    RateLimits,
+    hash_api_key,
+    validate_acquire,
+)
+from duet.session_store.redis_client import RedisGuard, connect_redis
 
 # KEYS: bucket hash. ARGV: request cost, requests/min ('' = unlimited), token cost, tokens/min.
 # Returns {1, '0'} when taken, {0, retry_after_s} when refused (nothing taken).

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from session_store.base import (
+from duet.session_store.base import (
     DEFAULT_SESSION_TTL_S,
     Session,
     SessionConflict,
@@ -44,7 +44,7 @@ from session_store.base import (
     resolve_ttl,
     validate_expected_version,
 )
-from session_store.redis_client import RedisGuard, connect_redis
+from duet.session_store.redis_client import RedisGuard, connect_redis
 
 # Shared by the write scripts: server time, and keeping the by-key index in step.
 _LUA_PRELUDE = """

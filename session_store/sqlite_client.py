@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-from session_store.base import SessionStoreUnavailable
+from duet.session_store.base import SessionStoreUnavailable
 
 T = TypeVar("T")
 

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from session_store.sqlite_client import SqliteThread, transaction
-from session_store.sqlite_store import default_sqlite_path
-from session_store.work_queue import (
+from duet.session_store.sqlite_client import SqliteThread, transaction
+from duet.session_store.sqlite_store import default_sqlite_path
+from duet.session_store.work_queue import (
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,

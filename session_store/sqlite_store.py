@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from session_store.base import (
+from duet.session_store.base import (
     DEFAULT_SESSION_TTL_S,
     Session,
     SessionConflict,
@@ -41,7 +41,7 @@ from session_store.base import (
     resolve_ttl,
     validate_expected_version,
 )
-from session_store.sqlite_client import SqliteThread, transaction
+from duet.session_store.sqlite_client import SqliteThread, transaction
 
 T = TypeVar("T")
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from session_store.base import (
+from duet.session_store.base import (
     RateDecision,
     RateLimiter,
     RateLimits,

@@ -20,9 +20,9 @@ from typing import Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine.outputs import RequestOutput
-from kv_transfer import TransferStatus
-from telemetry.transfer_attributes import kv_transfer_attributes
+from duet.engine.outputs import RequestOutput
+from duet.kv_transfer import TransferStatus
+from duet.telemetry.transfer_attributes import kv_transfer_attributes
 
 
 class PrefillAnswer(Protocol):

@@ -3,8 +3,8 @@ router's /metrics: tokens per engine step and speculative decoding's counters.""
 
 from __future__ import annotations
 
+from duet.engine.stats import EngineStats
 from duet.v1 import worker_pb2
-from engine.stats import EngineStats
 
 
 def worker_stats(stats: EngineStats) -> worker_pb2.WorkerStats:

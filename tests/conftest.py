@@ -111,7 +111,7 @@ def build_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
 def cpu_kernels_off(monkeypatch):
     """`DUET_CPU_KERNELS=0` for one test: the plain torch paths (the setting is read once per
     process, so the cache is cleared on the way in and out)."""
-    from engine.kernels.cpu import cpu_kernels_enabled
+    from duet.engine.kernels.cpu import cpu_kernels_enabled
 
     monkeypatch.setenv("DUET_CPU_KERNELS", "0")
     cpu_kernels_enabled.cache_clear()

@@ -1,32 +1,42 @@
-"""The import layout: which top-level package may import which, read from the source with `ast`
-(lazy imports inside functions count too: they are dependencies all the same).
+"""The import layout: which package may import which, read from the source with `ast` (lazy
+imports inside functions count too: they are dependencies all the same).
 
+- Everything installs under the one `duet` namespace: duet/ links each product folder.
+- No module imports a product folder by its bare name (`engine.x`): that would load a second
+  copy of the module beside `duet.engine.x`.
 - The product (what pyproject installs) never imports `benchmarks/`.
-- Imports between top-level packages form no cycle.
+- Imports between the product's packages form no cycle.
 - Inside `engine/` no module imports itself back through others.
-- Every package under a product folder is in pyproject's package list (else it is not installed).
+- Every package under a product folder is found by pyproject's package discovery.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from setuptools import find_namespace_packages
+
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
-PACKAGE_DIR: dict[str, str] = SETUPTOOLS.get("package-dir", {})  # {"duet": "proto/duet"}
-INSTALLED: list[str] = SETUPTOOLS["packages"]
-PRODUCT = sorted({name.split(".")[0] for name in INSTALLED})
+FIND = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+NAMESPACE = ROOT / "duet"
 NOT_PRODUCT = ("benchmarks", "tests")
 
 
+def product_links() -> dict[str, Path]:
+    """duet/'s links: package name under `duet` -> the folder it links to."""
+    return {p.name: p.resolve() for p in sorted(NAMESPACE.iterdir()) if p.is_symlink()}
+
+
 def top_level_packages() -> dict[str, Path]:
-    """Every importable top-level package of the repository: name -> folder."""
-    found = {p.parent.name: p.parent for p in ROOT.glob("*/__init__.py")}
-    found.update({name: ROOT / folder for name, folder in PACKAGE_DIR.items()})
+    """Every importable package of the repository by the name code imports it with:
+    `duet.<folder>` for the product, the bare name for benchmarks/ and tests/."""
+    found = {f"duet.{name}": folder for name, folder in product_links().items()}
+    found.update({name: ROOT / name for name in NOT_PRODUCT})
     return found
 
 
@@ -95,23 +105,29 @@ MODULES = {
 }
 
 
+def package_of(module: str) -> str:
+    """The package of `module` as the graph counts them: duet.engine, duet.v1, benchmarks."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "duet" else parts[0]
+
+
 def package_graph() -> dict[str, set[str]]:
-    """Top-level package -> the other top-level packages its modules import."""
+    """Package -> the other packages its modules import."""
     graph: dict[str, set[str]] = {package: set() for package in PACKAGES if package != "tests"}
     for module, path in MODULES.items():
-        here = module.split(".")[0]
+        here = package_of(module)
         for name in imported_names(path, module):
-            there = name.split(".")[0]
+            there = package_of(name)
             if there in graph and there != here:
                 graph[here].add(there)
     return graph
 
 
 def module_graph(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same top-level package it imports."""
+    """Module -> the modules of the same package it imports."""
     graph: dict[str, set[str]] = {}
     for module, path in MODULES.items():
-        if module.split(".")[0] == package:
+        if package_of(module) == package:
             names = imported_names(path, module)
             graph[module] = {n for n in names if n in MODULES and n != module}
     return graph
@@ -120,26 +136,56 @@ def module_graph(package: str) -> dict[str, set[str]]:
 def test_the_graph_sees_the_known_edges():
     """Guards the parser: an empty graph would pass every check below."""
     graph = package_graph()
-    assert {"engine", "kv_transfer"} <= graph["prefill_worker"]
-    assert "engine" in graph["cli"]
-    assert "duet" in graph["router"]
-    assert "engine.kernels.triton_runtime" in module_graph("engine")["engine.model_runner"]
+    assert {"duet.engine", "duet.kv_transfer"} <= graph["duet.prefill_worker"]
+    assert "duet.engine" in graph["duet.cli"]
+    assert "duet.v1" in graph["duet.router"]
+    runner = module_graph("duet.engine")["duet.engine.model_runner"]
+    assert "duet.engine.kernels.triton_runtime" in runner
+
+
+def test_the_namespace_links_every_product_folder():
+    """duet/ holds its __init__.py and one relative link per product folder, each a package at
+    the repository root (the generated gRPC modules: proto/duet/v1)."""
+    links = {p.name: os.readlink(p) for p in NAMESPACE.iterdir() if p.is_symlink()}
+    assert all(target == f"../{name}" for name, target in links.items() if name != "v1")
+    assert links["v1"] == "../proto/duet/v1"
+    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - set(NOT_PRODUCT) - {"duet"}
+    assert sorted(folders ^ (set(links) - {"v1"})) == []
+    others = sorted(p.name for p in NAMESPACE.iterdir() if not p.is_symlink())
+    assert others in (["__init__.py"], ["__init__.py", "__pycache__"])
+
+
+def test_no_module_imports_a_product_folder_by_its_bare_name():
+    bare = {name for name in product_links()}
+    offenders = sorted(
+        f"{module}: {name}"
+        for module, path in MODULES.items()
+        for name in imported_names(path, module)
+        if name.split(".")[0] in bare
+    )
+    for test in sorted((ROOT / "tests").rglob("*.py")):
+        module = "tests." + ".".join(test.relative_to(ROOT / "tests").with_suffix("").parts)
+        offenders += [
+            f"{module}: {name}"
+            for name in sorted(imported_names(test, module))
+            if name.split(".")[0] in bare
+        ]
+    assert offenders == []
 
 
 def test_the_product_never_imports_benchmarks():
     graph = package_graph()
-    assert "benchmarks" not in PRODUCT
-    offenders = sorted(p for p in PRODUCT if "benchmarks" in graph[p])
+    offenders = sorted(p for p in graph if p.startswith("duet.") and "benchmarks" in graph[p])
     assert offenders == [], f"product packages importing benchmarks/: {offenders}"
 
 
-def test_top_level_packages_import_no_cycle():
+def test_product_packages_import_no_cycle():
     cycle = find_cycle(package_graph())
-    assert cycle is None, "import cycle between top-level packages: " + " -> ".join(cycle or [])
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
 
 
 def test_engine_modules_import_no_cycle():
-    cycle = find_cycle(module_graph("engine"))
+    cycle = find_cycle(module_graph("duet.engine"))
     assert cycle is None, "import cycle inside engine/: " + " -> ".join(cycle or [])
 
 
@@ -149,14 +195,14 @@ def test_find_cycle_reports_the_cycle():
 
 
 def test_every_product_package_is_installed():
-    """A folder with an __init__.py under a product package, missing from pyproject's list,
-    would be left out of the wheel (and the Docker image) without any error."""
-    expected = set()
-    for package in PRODUCT:
-        folder = PACKAGES[package]
-        for init in folder.rglob("__init__.py"):
-            rel = init.parent.relative_to(folder).parts
-            expected.add(".".join([package, *rel]))
-    assert sorted(expected - set(INSTALLED)) == []
-    assert sorted(set(INSTALLED) - expected) == []
-    assert sorted(p for p in PACKAGES if p not in (*PRODUCT, *NOT_PRODUCT)) == []
+    """Every folder holding Python under a product folder is a package pyproject's discovery
+    finds (else the wheel and the Docker image would leave it out without an error)."""
+    expected = {"duet"}
+    for name, folder in product_links().items():
+        for source in folder.rglob("*.py"):
+            rel = source.parent.relative_to(folder).parts
+            expected.add(".".join(["duet", name, *rel]))
+    found = set(
+        find_namespace_packages(str(ROOT), include=FIND["include"], exclude=FIND["exclude"])
+    )
+    assert sorted(expected - found) == []

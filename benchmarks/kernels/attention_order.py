@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    from engine.kernels.cpu import build_cpu_kernels
+    from duet.engine.kernels.cpu import build_cpu_kernels
 
     kernels = build_cpu_kernels()
     if not kernels.attention_amx_used(SHAPE[2], SHAPE[3]):

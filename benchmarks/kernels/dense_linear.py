@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    from engine.model.dense_cpu_linear import load_dense_kernel
-    from engine.model.packed_linear import packing_supported
+    from duet.engine.model.dense_cpu_linear import load_dense_kernel
+    from duet.engine.model.packed_linear import packing_supported
 
     dtype = getattr(torch, args.dtype)
     kernel = load_dense_kernel()

@@ -113,8 +113,8 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
     """HF model with random weights, and duet's model holding a copy of the same weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.model import LlamaForCausalLM
-    from engine.model.arch import ModelArchConfig
+    from duet.engine.model import LlamaForCausalLM
+    from duet.engine.model.arch import ModelArchConfig
 
     spec = dict(spec)
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -128,8 +128,8 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
     duet.rotary.rebuild(s.device)
     duet.load_weights(hf.state_dict().items())
     if s.deterministic and s.device.type == "cuda":  # what the loader sets (engine/loader.py)
-        from engine.model import row_invariant
-        from engine.model.llama import RMSNorm
+        from duet.engine.model import row_invariant
+        from duet.engine.model.llama import RMSNorm
 
         row_invariant.use_invariant_gemm(duet)
         for module in duet.modules():
@@ -139,8 +139,8 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
 
 
 def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
-    from engine.attention_metadata import AttentionMetadata
-    from engine.cuda_graphs import DecodeGraphs
+    from duet.engine.attention_metadata import AttentionMetadata
+    from duet.engine.cuda_graphs import DecodeGraphs
 
     cfg = duet.config
     ctx, bs = s.context, BLOCK_SIZE
@@ -199,7 +199,7 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
 
 
 def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
-    from engine.attention_metadata import AttentionMetadata
+    from duet.engine.attention_metadata import AttentionMetadata
 
     cfg = duet.config
     rows = []

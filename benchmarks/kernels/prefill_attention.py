@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    from engine.cpu_runtime import configure_cpu_runtime
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.cpu_runtime import configure_cpu_runtime
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.prefill_head_dim_supported(args.head_dim):

@@ -41,7 +41,7 @@ from benchmarks.kv.transfer_measure import (
     pool_problem,
 )
 from benchmarks.kv.transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
-from kv_transfer.tcp.stripes import MAX_STRIPES
+from duet.kv_transfer.tcp.stripes import MAX_STRIPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"

@@ -20,7 +20,7 @@ from benchmarks.kv.transfer_peers import (
     run_sender,
     spec_dict,
 )
-from engine.block_pool import BlockPool, KVCacheBlock
+from duet.engine.block_pool import BlockPool, KVCacheBlock
 
 NOISY_OTHER_CORES = 0.2
 CHURN_STEPS = 3000

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.cpu_runtime import keep_freed_memory
+from duet.engine.cpu_runtime import keep_freed_memory
 
 POLL_INTERVAL_S = 0.001  # what the decode and prefill workers wait between polls of KV
 STARTUP_TIMEOUT_S = 120.0
@@ -144,7 +144,7 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
         _setup(config)
         import torch.distributed as dist
 
-        from kv_transfer import KVLayout, TransferResult, TransferStatus, create_receiver
+        from duet.kv_transfer import KVLayout, TransferResult, TransferStatus, create_receiver
 
         caches = _make_caches(config, fill=False)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
@@ -216,7 +216,7 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
         _setup(config)
         import torch.distributed as dist
 
-        from kv_transfer import KVLayout, TransferResult, TransferStatus, create_sender
+        from duet.kv_transfer import KVLayout, TransferResult, TransferStatus, create_sender
 
         caches = _make_caches(config, fill=True)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)

@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     if kernels is None or not kernels.attention_amx_used(64, 16):

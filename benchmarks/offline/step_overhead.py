@@ -45,9 +45,9 @@ def measure(
 
     now = time.thread_time if clock == "cpu" else time.perf_counter
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from duet.engine.config import EngineConfig
+    from duet.engine.llm_engine import LLMEngine
+    from duet.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype=dtype, load_progress=False, max_num_seqs=max(batch, 1)))
     step = getattr(engine, "step_outputs", engine.step)

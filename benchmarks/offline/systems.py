@@ -93,7 +93,7 @@ def run_duet(workload: Workload, dtype: str, cfg: RunConfig) -> SystemResult:
 
 def load_duet(dtype: str, cfg: RunConfig) -> tuple[Any, float, float]:
     """duet's `LLM`, loaded and warmed up: (llm, load seconds, warm-up seconds)."""
-    from engine import LLM
+    from duet.engine import LLM
 
     start = time.perf_counter()
     llm = LLM(
@@ -132,7 +132,7 @@ def time_duet(
 
 
 def _duet_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    from engine import SamplingParams
+    from duet.engine import SamplingParams
 
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in max_tokens]
     return [out.token_ids for out in llm.generate(prompts, params)]

@@ -42,7 +42,7 @@ SINGLE_PROMPT_LEN, SINGLE_NEW_TOKENS = 64, 128
 def worker(spec_path: str) -> None:
     """Load the LLM the spec describes, then answer `run <workload>` lines on stdin with one
     JSON line each ({"wall_s", "token_ids"}); `quit` ends it."""
-    from engine import LLM, SamplingParams
+    from duet.engine import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(spec["model_dir"], load_progress=False, **spec["engine"])

@@ -16,7 +16,7 @@ from benchmarks.quantized.accuracy import mean_nll
 from benchmarks.quantized.llama_cpp import llama_cpp_available
 from benchmarks.quantized.methods import DTYPES, METHODS, applicable
 from benchmarks.quantized.speed import ratios, run_speed
-from engine.gguf_loader import default_model_path
+from duet.engine.gguf_loader import default_model_path
 
 
 def parse_args() -> argparse.Namespace:

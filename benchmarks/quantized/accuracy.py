@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.quantized.methods import engine_kwargs
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.model import LlamaForCausalLM
+from duet.engine.attention import AttentionMetadata
+from duet.engine.config import EngineConfig
+from duet.engine.loader import load_model
+from duet.engine.model import LlamaForCausalLM
 
 TEXT_PATH = Path(__file__).with_name("public_domain_text.txt")
 BLOCK_SIZE = 16

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels import gpu as dense_bench
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import Int8Weight, QuantizedWeight, quantize_int4, quantize_int8
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import Int8Weight, QuantizedWeight, quantize_int4, quantize_int8
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 SMOKE_LAYERS = {"o": (64, 128)}
@@ -60,7 +60,7 @@ def product(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """(x -> x @ w.T on the Triton kernel, the bytes it reads of the weight and its scales);
     each call holds its own copy of the weight's tensors."""
-    from engine.quant.triton_linear import pack_int4_rows, w4a16_linear, w8a16_linear
+    from duet.engine.quant.triton_linear import pack_int4_rows, w4a16_linear, w8a16_linear
 
     if isinstance(w, Int8Weight):
         q, scale = w.q.clone(), w.scale.to(dtype)
@@ -143,7 +143,7 @@ def kernel_table(
 
 
 def sweep_configs(rows: int, smoke: bool) -> Iterator[Any]:
-    from engine.quant.triton_linear import LaunchConfig
+    from duet.engine.quant.triton_linear import LaunchConfig
 
     if smoke:
         yield from (LaunchConfig(16, 16, 32, s) for s in (1, 2))
@@ -163,7 +163,7 @@ def sweep(
     """Best tile configuration per (layer, rows, format) against the shipped one, timed as
     `per_call_ms`; stops adding cases after `budget_s` seconds (the result says what it
     covered)."""
-    from engine.quant.triton_linear import _sm_count, launch_config
+    from duet.engine.quant.triton_linear import _sm_count, launch_config
 
     start, out = time.monotonic(), []
     gen = torch.Generator(device=device).manual_seed(1)
@@ -204,7 +204,7 @@ def sweep(
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step reads of the weights: every parameter and quantized buffer, less
     the embedding table when the head has its own weight (a lookup reads a few rows)."""
-    from engine.model.quantized_linear import QuantizedLinear
+    from duet.engine.model.quantized_linear import QuantizedLinear
 
     total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
     for name, p in model.named_parameters():
@@ -219,8 +219,8 @@ def build_model(spec: dict[str, Any], quant: QuantizationConfig | None, s: Any) 
     checkpoint with `--quantization`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.model import LlamaForCausalLM
-    from engine.model.arch import ModelArchConfig
+    from duet.engine.model import LlamaForCausalLM
+    from duet.engine.model.arch import ModelArchConfig
 
     spec = dict(spec)
     hf_config = AutoConfig.for_model(spec.pop("model_type"), **spec)

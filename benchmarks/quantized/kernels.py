@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.quant.cpu_linear import int4_linear, int8_linear, load_quant_kernels, pack_int8
-from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
-from engine.quant.formats import pack_int4, quantize_int4, quantize_int8
+from duet.engine.quant.cpu_linear import int4_linear, int8_linear, load_quant_kernels, pack_int8
+from duet.engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
+from duet.engine.quant.formats import pack_int4, quantize_int4, quantize_int8
 
 NO_AMX = 1 << 62
 """amx_min_rows that keeps a call on the bf16 dot."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks.quantized.llama_cpp import LlamaCppRunner
 from benchmarks.quantized.methods import engine_kwargs, label
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 
 
 @dataclass

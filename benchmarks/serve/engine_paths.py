@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _engine_config(args: argparse.Namespace, model: Path):  # -> EngineConfig
-    from engine.config import EngineConfig
+    from duet.engine.config import EngineConfig
 
     return EngineConfig(
         model=str(model), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -74,14 +74,14 @@ def _prompts(args: argparse.Namespace, seed: int) -> list[list[int]]:
 
 def run_in_process(args: argparse.Namespace, model: Path) -> dict:
     """Path 1 or 2 in this process: warm up on two short requests, then time the workload."""
-    from engine.sampling_params import SamplingParams
+    from duet.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = _prompts(args, seed=1 if args.path == "offline" else 2)
     warm_prompts = _prompts(args, seed=3)[:2]
     if args.path == "offline":
-        from engine.llm_engine import LLMEngine
+        from duet.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(_engine_config(args, model))
 
@@ -98,7 +98,7 @@ def run_in_process(args: argparse.Namespace, model: Path) -> dict:
         tokens = generate(prompts, params, "r")
         return {"output_tokens": tokens, "seconds": time.perf_counter() - start}
 
-    from engine.async_engine import AsyncEngine
+    from duet.engine.async_engine import AsyncEngine
 
     async def main() -> dict:
         engine = AsyncEngine.from_config(_engine_config(args, model))

@@ -68,7 +68,7 @@ def server_command(system: str, model: Path, args: argparse.Namespace) -> list[s
     ]  # fmt: skip
     if system == "duet":
         extra = shlex.split(args.duet_args)
-        return [sys.executable, "-m", "cli", "serve", "--model", str(model), *common, *extra]
+        return [sys.executable, "-m", "duet.cli", "serve", "--model", str(model), *common, *extra]
     cmd = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", str(model), *common, "--disable-uvicorn-access-log"]
     return cmd + (["--enforce-eager"] if args.enforce_eager else [])
@@ -103,7 +103,7 @@ def wait_until_up(proc: subprocess.Popen[bytes], url: str, log: Path) -> float:
 def bench(url: str, model: Path, args: argparse.Namespace, out: Path, *flags: str) -> dict:
     """One `duet bench serve` run; its summary."""
     cmd = [
-        sys.executable, "-m", "cli", "bench", "serve", "--url", url, "--tokenizer", str(model),
+        sys.executable, "-m", "duet.cli", "bench", "serve", "--url", url, "--tokenizer", str(model),
         "--input-len-dist", f"fixed:{args.input_len}",
         "--output-len-dist", f"fixed:{args.output_len}",
         "--num-warmup", "2", "--request-timeout-s", "900", "--no-plot",

@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
 from benchmarks.speculative.workload import WORKLOADS, prompts
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results" / "speculative.json"
 

@@ -46,11 +46,11 @@ import torch
 
 from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
 from benchmarks.kv.transfer import int_list
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.worker import DecodeWorker
-from engine import SamplingParams
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.worker import PrefillWorker
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.decode_worker.worker import DecodeWorker
+from duet.engine import SamplingParams
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.worker import PrefillWorker
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/speculative_disaggregated.json"
 CHOICES = ("decode", "prefill")

@@ -100,7 +100,7 @@ def run(
     finished within max_tokens)."""
     import torch
 
-    from engine import SamplingParams, StructuredOutputsParams
+    from duet.engine import SamplingParams, StructuredOutputsParams
 
     spec = StructuredOutputsParams(json=schema)  # type: ignore[arg-type]  # serialized
     start = time.perf_counter()
@@ -157,7 +157,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from engine import LLM
+    from duet.engine import LLM
 
     kwargs: dict[str, Any] = {"dtype": args.dtype, "load_progress": False,
                               "max_num_seqs": max(args.batches)}  # fmt: skip

@@ -9,9 +9,9 @@ within a GPU budget, by patching the pool Deployments' scale subresources.
 
 from __future__ import annotations
 
-from deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
-from deploy.planner.metrics import Histogram, LoadSignals, interval_signals, parse_scrape
-from deploy.planner.policy import Decision, PoolSizes, ScalingPolicy
+from duet.deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
+from duet.deploy.planner.metrics import Histogram, LoadSignals, interval_signals, parse_scrape
+from duet.deploy.planner.policy import Decision, PoolSizes, ScalingPolicy
 
 __all__ = [
     "Decision",

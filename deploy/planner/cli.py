@@ -1,4 +1,4 @@
-"""`duet-planner` (or `python -m deploy.planner`): flags, each also settable through the
+"""`duet-planner` (or `python -m duet.deploy.planner`): flags, each also settable through the
 environment as DUET_PLANNER_<FLAG> (e.g. DUET_PLANNER_GPU_BUDGET=16); a flag wins."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
-from deploy.stop_signal import StopSignal
+from duet.deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
+from duet.deploy.stop_signal import StopSignal
 
 ENV_PREFIX = "DUET_PLANNER_"
 
@@ -147,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"duet-planner: error: {e}", file=sys.stderr)
         return 2
 
-    from deploy.planner.controller import Controller, PoolTargets, RouterScraper, serve_health
-    from deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
-    from deploy.planner.policy import ScalingPolicy
+    from duet.deploy.planner.controller import Controller, PoolTargets, RouterScraper, serve_health
+    from duet.deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
+    from duet.deploy.planner.policy import ScalingPolicy
 
     token = None
     if args.kube_token_file:

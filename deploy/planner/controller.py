@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from deploy.planner.kube import DeploymentScaler
-from deploy.planner.metrics import MetricsError, RouterScrape, interval_signals, parse_scrape
-from deploy.planner.policy import POOLS, Decision, PoolSizes, ScalingPolicy
-from deploy.stop_signal import Stopper
+from duet.deploy.planner.kube import DeploymentScaler
+from duet.deploy.planner.metrics import MetricsError, RouterScrape, interval_signals, parse_scrape
+from duet.deploy.planner.policy import POOLS, Decision, PoolSizes, ScalingPolicy
+from duet.deploy.stop_signal import Stopper
 
 log = logging.getLogger("duet.planner")
 

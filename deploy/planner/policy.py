@@ -25,8 +25,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from deploy.planner.config import PlannerConfig, PoolConfig
-from deploy.planner.metrics import LoadSignals
+from duet.deploy.planner.config import PlannerConfig, PoolConfig
+from duet.deploy.planner.metrics import LoadSignals
 
 POOLS = ("prefill", "decode")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.config import cpuinfo_field
+from duet.engine.config import cpuinfo_field
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from engine.kernels.triton_attention_order import PARTITION
-from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
-from engine.kernels.triton_prefill import ordered_decode_attention
+from duet.engine.kernels.triton_attention_order import PARTITION
+from duet.engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
+from duet.engine.kernels.triton_prefill import ordered_decode_attention
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_operands import dot_dtype, operand_dtype
+from duet.engine.kernels.triton_operands import dot_dtype, operand_dtype
 
 # Arguments whose value changes with the batch: M must not compile a variant per batch size.
 _RUNTIME_INTS = ["M"]

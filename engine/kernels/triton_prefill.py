@@ -22,14 +22,14 @@ import triton
 import triton.language as tl
 from triton import next_power_of_2
 
-from engine.kernels.triton_attention_order import (
+from duet.engine.kernels.triton_attention_order import (
     PARTITION,
     fold_partition,
     normalise,
     online_step,
     tile_scores,
 )
-from engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
+from duet.engine.kernels.triton_operands import check_cache_layout, dot_dtype, operand_dtype
 
 _LOG2E = 1.4426950408889634
 # Step-to-step variation Triton would otherwise compile a variant for (see triton_decode).

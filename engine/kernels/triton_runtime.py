@@ -35,7 +35,7 @@ def triton_mode() -> str:
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    from engine.kernels import triton_cache, triton_decode, triton_prefill
+    from duet.engine.kernels import triton_cache, triton_decode, triton_prefill
 
     kernels = (
         tl.cdiv,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import ModelLoadError
+from duet.engine.errors import ModelLoadError
 
 # HF architecture name -> the features it switches on.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.config import cpu_has_native_bf16
-from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
+from duet.engine.config import cpu_has_native_bf16
+from duet.engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -18,19 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import GatherWorkspace, paged_attention, store_kv
-from engine.attention_metadata import AttentionMetadata
-from engine.kernels.cpu import kernels_for
-from engine.model.arch import ModelArchConfig
-from engine.model.dense_cpu_linear import use_dense_kernel
-from engine.model.packed_linear import PackedLinear, can_pack, pack_linears
-from engine.model.quantized_embedding import can_gather_rows, gather_rows
-from engine.model.quantized_linear import QuantizedLinear, quantize_linear
-from engine.model.rotary import RotaryEmbedding
-from engine.model.row_invariant import Linear, TiedLinear
-from engine.parallel import SINGLE, TensorParallel
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import QuantizedWeight
+from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
+from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.kernels.cpu import kernels_for
+from duet.engine.model.arch import ModelArchConfig
+from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
+from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
+from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from duet.engine.model.rotary import RotaryEmbedding
+from duet.engine.model.row_invariant import Linear, TiedLinear
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import QuantizedWeight
 
 
 def make_linear(
@@ -84,7 +84,7 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant and x.is_cuda:
-            from engine.kernels.triton_norm import rms_norm
+            from duet.engine.kernels.triton_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and scale in the input dtype, as HF does.

@@ -27,8 +27,8 @@ import os
 import torch
 from torch import nn
 
-from engine.config import cpu_has_native_bf16, cpu_vendor
-from engine.model.row_invariant import MIN_ROWS, linear_rows
+from duet.engine.config import cpu_has_native_bf16, cpu_vendor
+from duet.engine.model.row_invariant import MIN_ROWS, linear_rows
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.quantized_linear import QuantizedLinear
-from engine.quant.cpu_linear import BLOCK
+from duet.engine.model.quantized_linear import QuantizedLinear
+from duet.engine.quant.cpu_linear import BLOCK
 
 
 def can_gather_rows(head: QuantizedLinear) -> bool:

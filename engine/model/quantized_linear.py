@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ModelLoadError
-from engine.model.concat_linear import ConcatLinear
-from engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
-from engine.quant.config import QuantizationConfig
-from engine.quant.cpu_linear import (
+from duet.engine.errors import ModelLoadError
+from duet.engine.model.concat_linear import ConcatLinear
+from duet.engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.cpu_linear import (
     int4_linear,
     int8_linear,
     load_quant_kernels,
@@ -44,9 +44,9 @@ from engine.quant.cpu_linear import (
     uses_amx,
     uses_pairs,
 )
-from engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
-from engine.quant.cpu_linear import unpack_int4 as unpack_int4_pairs
-from engine.quant.formats import (
+from duet.engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
+from duet.engine.quant.cpu_linear import unpack_int4 as unpack_int4_pairs
+from duet.engine.quant.formats import (
     INT4_BLOCK_N,
     Int4Weight,
     Int8Weight,
@@ -272,7 +272,7 @@ class QuantizedLinear(nn.Module):
     def _set_triton_weight(
         self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device
     ) -> None:
-        from engine.quant.triton_linear import pack_int4_rows
+        from duet.engine.quant.triton_linear import pack_int4_rows
 
         self.use_kernel = False
         if isinstance(weight, Int8Weight):
@@ -291,7 +291,7 @@ class QuantizedLinear(nn.Module):
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from engine.quant.triton_linear import w4a16_linear, w8a16_linear
+            from duet.engine.quant.triton_linear import w4a16_linear, w8a16_linear
 
             if self.kind == "int4":
                 return w4a16_linear(rows, self.packed, self.scale, self.zero, self.bias)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu import kernels_for
+from duet.engine.kernels.cpu import kernels_for
 
 
 def rope_inv_freq(

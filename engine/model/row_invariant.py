@@ -82,7 +82,7 @@ def product(
     if cpu_kernel is not None:
         return cpu_kernel.dense_linear_packed(rows, weight, out_features, bias)
     if invariant_gemm and rows.device.type == "cuda":
-        from engine.kernels.triton_matmul import invariant_linear
+        from duet.engine.kernels.triton_matmul import invariant_linear
 
         return invariant_linear(rows, weight, bias)
     return F.linear(rows, weight, bias)
@@ -229,7 +229,7 @@ def _use_kernel(layers: list[nn.Module], in_features: int, dtype: torch.dtype) -
     """Move `layers` (one shape whose vendor product probed variant at every padding) to duet's
     dense kernel, which is row-invariant by construction; probed again. False: not a plain
     dense layer or no kernel (left as they were), or, unexpectedly, still variant."""
-    from engine.model.dense_cpu_linear import layer_weight, set_dense_kernel
+    from duet.engine.model.dense_cpu_linear import layer_weight, set_dense_kernel
 
     # layer_weight is None for a layer already on the kernel (its weight is panels).
     if any(layer_weight(m) is None for m in layers) or not set_dense_kernel(layers):

@@ -8,8 +8,8 @@ import logging
 import torch
 from torch import nn
 
-from engine.model.quantized_linear import QuantizedLinear
-from engine.quant.config import QuantizationConfig
+from duet.engine.model.quantized_linear import QuantizedLinear
+from duet.engine.quant.config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 

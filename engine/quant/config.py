@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidInputError
+from duet.engine.errors import InvalidInputError
 
 QUANTIZATIONS = ("int8", "int4", "gguf")
 """int8: per output channel; int4: per group of columns; gguf: keep a GGUF file's own Q8_0,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
+from duet.engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ModelLoadError
+from duet.engine.errors import ModelLoadError
 
 
 @dataclass

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import torch
 
-from engine.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
+from duet.engine.quant.formats import Int4Weight, Int8Weight, QuantizedWeight
 
 Q = gguf.GGMLQuantizationType
 REPACKED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K})

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, NoReturn, Self
 
-from engine.errors import InvalidInputError
+from duet.engine.errors import InvalidInputError
 
 METHODS = ("ngram", "draft_model")
 """Proposal methods this engine knows; EAGLE and MTP heads are future ones."""

@@ -23,15 +23,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.errors import InvalidInputError
-from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from engine.spec_decode.config import FIELD, SpeculativeConfig
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
+from duet.engine.errors import InvalidInputError
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.loader import load_model
+from duet.engine.model_runner import ModelRunner
+from duet.engine.request import Request
+from duet.engine.sampling_params import SamplingParams
+from duet.engine.scheduler import SchedulerOutput
+from duet.engine.spec_decode.config import FIELD, SpeculativeConfig
+from duet.engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
 
 logger = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib
 
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposer, TargetInfo
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.spec_decode.proposer import Proposer, TargetInfo
 
 _PROPOSERS: dict[str, tuple[str, str]] = {
-    "ngram": ("engine.spec_decode.ngram", "NgramProposer"),
-    "draft_model": ("engine.spec_decode.draft_model", "DraftModelProposer"),
+    "ngram": ("duet.engine.spec_decode.ngram", "NgramProposer"),
+    "draft_model": ("duet.engine.spec_decode.draft_model", "DraftModelProposer"),
 }
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
 
 
 def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
-from engine.spec_decode.config import SpeculativeConfig
-from engine.tokenizer import Tokenizer
+from duet.engine.request import Request
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.tokenizer import Tokenizer
 
 
 @dataclass

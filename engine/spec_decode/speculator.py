@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.factory import create_proposer
-from engine.spec_decode.proposer import ProposeContext, TargetInfo
+from duet.engine.request import Request
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.spec_decode.factory import create_proposer
+from duet.engine.spec_decode.proposer import ProposeContext, TargetInfo
 
 CPU_BATCH_LIMIT = 4
 """`disable_by_batch_size` on a CPU when unset: on a 2-core EPYC (SmolLM2, bf16, ngram k=4)

@@ -57,8 +57,8 @@ acknowledgement comes within `ack_timeout_s` of its last byte, or when the conne
 A broken connection is never reused; the next send to that receiver opens a new channel.
 """
 
-from kv_transfer.tcp.config import TcpReceiverConfig, TcpSenderConfig
-from kv_transfer.tcp.receiver import TcpKVReceiver
-from kv_transfer.tcp.sender import TcpKVSender
+from duet.kv_transfer.tcp.config import TcpReceiverConfig, TcpSenderConfig
+from duet.kv_transfer.tcp.receiver import TcpKVReceiver
+from duet.kv_transfer.tcp.sender import TcpKVSender
 
 __all__ = ["TcpKVReceiver", "TcpKVSender", "TcpReceiverConfig", "TcpSenderConfig"]

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer import sockio
-from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.tcp.stripes import MAX_STRIPES
+from duet.kv_transfer import sockio
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig
+from duet.kv_transfer.tcp.stripes import MAX_STRIPES
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer import sockio
+from duet.kv_transfer import sockio
 
 LENGTH = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 20

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from kv_transfer import sockio
-from kv_transfer.tcp.framing import frame, read_frame
-from kv_transfer.tcp.stripes import MAX_STRIPES, STRIPE_MIN_BYTES, Stripes
+from duet.kv_transfer import sockio
+from duet.kv_transfer.tcp.framing import frame, read_frame
+from duet.kv_transfer.tcp.stripes import MAX_STRIPES, STRIPE_MIN_BYTES, Stripes
 
 PROBE_BYTES_PER_STRIPE = STRIPE_MIN_BYTES
 MAX_PROBE_BYTES = MAX_STRIPES * PROBE_BYTES_PER_STRIPE  # what a receiver reads for one ping

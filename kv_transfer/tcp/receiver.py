@@ -14,18 +14,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from cluster_auth.handshake import challenge
-from cluster_auth.refusals import RefusalLog
-from kv_transfer import sockio
-from kv_transfer.config import ReceiverConfig
-from kv_transfer.inbox import Arrival, Expected, InboxKVReceiver
-from kv_transfer.layers import PagedLayers
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
-from kv_transfer.staging import StagingLease, StagingPool
-from kv_transfer.tcp.config import TcpReceiverConfig, check_caches
-from kv_transfer.tcp.framing import TICK_S, configure, frame, read_frame, wait_readable
-from kv_transfer.tcp.probe import MAX_PROBE_BYTES
-from kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
+from duet.cluster_auth.handshake import challenge
+from duet.cluster_auth.refusals import RefusalLog
+from duet.kv_transfer import sockio
+from duet.kv_transfer.config import ReceiverConfig
+from duet.kv_transfer.inbox import Arrival, Expected, InboxKVReceiver
+from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.staging import StagingLease, StagingPool
+from duet.kv_transfer.tcp.config import TcpReceiverConfig, check_caches
+from duet.kv_transfer.tcp.framing import TICK_S, configure, frame, read_frame, wait_readable
+from duet.kv_transfer.tcp.probe import MAX_PROBE_BYTES
+from duet.kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
 
 logger = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from cluster_auth.handshake import respond
-from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.config import SenderConfig
-from kv_transfer.layers import PagedLayers
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
-from kv_transfer.link_probe import LinkProber
-from kv_transfer.outbox import Outbox
-from kv_transfer.tcp.config import TcpSenderConfig, check_caches
-from kv_transfer.tcp.framing import (
+from duet.cluster_auth.handshake import respond
+from duet.kv_transfer.base import KVSender, TransferResult
+from duet.kv_transfer.config import SenderConfig
+from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.link_probe import LinkProber
+from duet.kv_transfer.outbox import Outbox
+from duet.kv_transfer.tcp.config import TcpSenderConfig, check_caches
+from duet.kv_transfer.tcp.framing import (
     configure,
     frame,
     read_frame,
@@ -28,8 +28,8 @@ from kv_transfer.tcp.framing import (
     split_address,
     take_frames,
 )
-from kv_transfer.tcp.probe import TcpProbe
-from kv_transfer.tcp.stripes import Stripes
+from duet.kv_transfer.tcp.probe import TcpProbe
+from duet.kv_transfer.tcp.stripes import Stripes
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kv_transfer import sockio
-from kv_transfer.tcp.framing import shutdown
+from duet.kv_transfer import sockio
+from duet.kv_transfer.tcp.framing import shutdown
 
 MAX_STRIPES = 16
 STRIPE_MIN_BYTES = 4 << 20

@@ -54,9 +54,9 @@ acknowledgement comes within `ack_timeout_s`. A failed channel is never reused; 
 to that receiver opens a new one.
 """
 
-from kv_transfer.torch_dist.config import TorchDistReceiverConfig, TorchDistSenderConfig
-from kv_transfer.torch_dist.receiver import TorchDistKVReceiver
-from kv_transfer.torch_dist.sender import TorchDistKVSender
+from duet.kv_transfer.torch_dist.config import TorchDistReceiverConfig, TorchDistSenderConfig
+from duet.kv_transfer.torch_dist.receiver import TorchDistKVReceiver
+from duet.kv_transfer.torch_dist.sender import TorchDistKVSender
 
 __all__ = [
     "TorchDistKVReceiver",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 
-from kv_transfer.outbox import Outbox
-from kv_transfer.torch_dist.channel import Channel, ack_key
+from duet.kv_transfer.outbox import Outbox
+from duet.kv_transfer.torch_dist.channel import Channel, ack_key
 
 ACK_POLL_S = 0.005
 """Pause between passes over a channel's open transfers. NOTE: the engine thread used to look

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer.layout import HandshakeError, KVLayout
-from kv_transfer.torch_dist.link import PairLink
+from duet.kv_transfer.layout import HandshakeError, KVLayout
+from duet.kv_transfer.torch_dist.link import PairLink
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.torch_dist.nccl_emu import emulate_nccl_from_env
+from duet.kv_transfer.config import ReceiverConfig, SenderConfig
+from duet.kv_transfer.torch_dist.nccl_emu import emulate_nccl_from_env
 
 
 @dataclass(frozen=True)

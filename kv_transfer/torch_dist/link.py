@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from kv_transfer.torch_dist.landing import LinkError, WorkLanding
-from kv_transfer.torch_dist.nccl_emu import EmulatedNcclGroup
+from duet.kv_transfer.torch_dist.landing import LinkError, WorkLanding
+from duet.kv_transfer.torch_dist.nccl_emu import EmulatedNcclGroup
 
 __all__ = ["LinkError", "LinkEvent", "LinkMark", "PairLink", "link_kind", "open_link"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.torch_dist.landing import LandingEvent, WallMark, WorkLanding
+from duet.kv_transfer.torch_dist.landing import LandingEvent, WallMark, WorkLanding
 
 ENV = "DUET_KV_EMULATE_NCCL"
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from kv_transfer.torch_dist.channel import Channel
-from kv_transfer.torch_dist.link import LinkEvent, LinkMark
+from duet.kv_transfer.torch_dist.channel import Channel
+from duet.kv_transfer.torch_dist.link import LinkEvent, LinkMark
 
 PROBE_BYTES = 4 << 20  # one burst
 BURSTS = 5  # the first is not timed

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from cluster_auth.handshake import check_store_proof, store_challenge, store_proof
-from cluster_auth.refusals import RefusalLog
-from engine.device import bind_thread
-from kv_transfer.config import ReceiverConfig
-from kv_transfer.inbox import Arrival, InboxKVReceiver
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
-from kv_transfer.staging import StagingLease, StagingPool
-from kv_transfer.torch_dist.channel import (
+from duet.cluster_auth.handshake import check_store_proof, store_challenge, store_proof
+from duet.cluster_auth.refusals import RefusalLog
+from duet.engine.device import bind_thread
+from duet.kv_transfer.config import ReceiverConfig
+from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
+from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.staging import StagingLease, StagingPool
+from duet.kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
     IDLE_POP_S,
     ack_key,
@@ -31,10 +31,10 @@ from kv_transfer.torch_dist.channel import (
     meta_key,
     sender_order,
 )
-from kv_transfer.torch_dist.config import TorchDistReceiverConfig
-from kv_transfer.torch_dist.link import PairLink, link_kind, open_link
-from kv_transfer.torch_dist.probe import probe_scratch
-from kv_transfer.torch_dist.relay import StoreRelay
+from duet.kv_transfer.torch_dist.config import TorchDistReceiverConfig
+from duet.kv_transfer.torch_dist.link import PairLink, link_kind, open_link
+from duet.kv_transfer.torch_dist.probe import probe_scratch
+from duet.kv_transfer.torch_dist.relay import StoreRelay
 
 logger = logging.getLogger(__name__)
 

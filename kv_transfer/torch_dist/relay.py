@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kv_transfer.torch_dist.channel import fetch_json
+from duet.kv_transfer.torch_dist.channel import fetch_json
 
 logger = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from kv_transfer.layers import PagedLayers, staged_view
-from kv_transfer.torch_dist.channel import Channel
-from kv_transfer.torch_dist.link import LinkEvent
+from duet.kv_transfer.layers import PagedLayers, staged_view
+from duet.kv_transfer.torch_dist.channel import Channel
+from duet.kv_transfer.torch_dist.link import LinkEvent
 
 
 @dataclass

@@ -15,27 +15,27 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
-from engine.device import bind_thread
-from kv_transfer.base import KVSender, TransferResult
-from kv_transfer.config import SenderConfig
-from kv_transfer.layers import PagedLayers
-from kv_transfer.layout import HandshakeError, KVLayout, check_compatible
-from kv_transfer.link_probe import LinkProber
-from kv_transfer.outbox import Outbox
-from kv_transfer.staging import StagingPool
-from kv_transfer.torch_dist.acks import AckWatcher
-from kv_transfer.torch_dist.channel import (
+from duet.cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
+from duet.engine.device import bind_thread
+from duet.kv_transfer.base import KVSender, TransferResult
+from duet.kv_transfer.config import SenderConfig
+from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.link_probe import LinkProber
+from duet.kv_transfer.outbox import Outbox
+from duet.kv_transfer.staging import StagingPool
+from duet.kv_transfer.torch_dist.acks import AckWatcher
+from duet.kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
     Channel,
     as_timedelta,
     check_emulation,
     meta_key,
 )
-from kv_transfer.torch_dist.config import TorchDistSenderConfig
-from kv_transfer.torch_dist.link import LinkError, link_kind, open_link
-from kv_transfer.torch_dist.probe import ProbeJob, TorchDistProbe, post_probe
-from kv_transfer.torch_dist.send_job import SendJob
+from duet.kv_transfer.torch_dist.config import TorchDistSenderConfig
+from duet.kv_transfer.torch_dist.link import LinkError, link_kind, open_link
+from duet.kv_transfer.torch_dist.probe import ProbeJob, TorchDistProbe, post_probe
+from duet.kv_transfer.torch_dist.send_job import SendJob
 
 logger = logging.getLogger(__name__)
 

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from cli.engine_flags import (
+from duet.cli.engine_flags import (
     build_config,
     field_docs,
     flag_names,
     given_engine_flags,
     parse_bytes,
 )
-from cli.main import build_parser, main
-from cli.serve_cluster import check_worker_configs
-from decode_worker.config import DecodeWorkerConfig
-from engine.config import EngineConfig
-from prefill_worker.config import PrefillWorkerConfig
-from router.server import RouterConfig
+from duet.cli.main import build_parser, main
+from duet.cli.serve_cluster import check_worker_configs
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.engine.config import EngineConfig
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.router.server import RouterConfig
 
 COMMANDS = ("serve", "generate", "chat")
 FIELDS = [f.name for f in dataclasses.fields(EngineConfig)]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cli.engine_flags import given_engine_flags
-from cli.main import main
-from cli.serve_cluster import check_worker_configs
-from router.server import RouterConfig
+from duet.cli.engine_flags import given_engine_flags
+from duet.cli.main import main
+from duet.cli.serve_cluster import check_worker_configs
+from duet.router.server import RouterConfig
 from tests.cli.test_engine_flags import parse
 
 

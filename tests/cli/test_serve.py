@@ -18,7 +18,7 @@ import httpx2
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.main import build_parser, main
+from duet.cli.main import build_parser, main
 from duet.v1 import serving_pb2, serving_pb2_grpc
 from tests.net import free_port
 from tests.waiting import wait_for
@@ -38,8 +38,8 @@ def test_serve_flags_parse() -> None:
 
 
 def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) -> None:
-    from cli.serve import _router_config
-    from router.server import RouterConfig
+    from duet.cli.serve import _router_config
+    from duet.router.server import RouterConfig
 
     store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
     args = build_parser().parse_args(["serve", *store])
@@ -134,7 +134,7 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
         f.write(f"# accepted keys\n\n{key}\n")
     port = free_port()
     cmd = [
-        sys.executable, "-m", "cli", "serve", "--model", tiny_llama, "--dtype", "float32",
+        sys.executable, "-m", "duet.cli", "serve", "--model", tiny_llama, "--dtype", "float32",
         "--port", str(port), "--grpc-port", "0", "--api-key-file", key_file,
         "--served-model-name", "tiny", "--shutdown-timeout", "0",
         "--session-store", f"sqlite:///{os.path.join(tmp_path, 'sessions.db')}",

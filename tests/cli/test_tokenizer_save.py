@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
-from engine.gguf_loader import default_model_path, load_gguf
-from engine.tokenizer import Tokenizer
+from duet.cli.main import main
+from duet.engine.gguf_loader import default_model_path, load_gguf
+from duet.engine.tokenizer import Tokenizer
 from tests.conftest import TINY_TEXT
 
 TEXTS = [

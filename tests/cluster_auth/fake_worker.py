@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.stats import EngineStats
+from duet.engine.stats import EngineStats
 
 
 class FakeWorker:

@@ -13,13 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster_auth import ClusterSecret
-from cluster_auth.grpc_auth import CallSigner
-from decode_worker.server import start_decode_server
+from duet.cluster_auth import ClusterSecret
+from duet.cluster_auth.grpc_auth import CallSigner
+from duet.decode_worker.server import start_decode_server
+from duet.prefill_worker.server import start_prefill_server
+from duet.router.decode_client import DecodeClient
+from duet.router.worker_client import PrefillClient
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from prefill_worker.server import start_prefill_server
-from router.decode_client import DecodeClient
-from router.worker_client import PrefillClient
 from tests.cluster_auth.fake_worker import FakeWorker
 from tests.waiting import wait_for_async
 

@@ -7,9 +7,14 @@ import os
 
 import pytest
 
-from cli.main import main as duet_main
-from cluster_auth import ClusterSecret, MissingSecretError, load_cluster_secret, write_secret_file
-from cluster_auth.secret import remove_secret_file
+from duet.cli.main import main as duet_main
+from duet.cluster_auth import (
+    ClusterSecret,
+    MissingSecretError,
+    load_cluster_secret,
+    write_secret_file,
+)
+from duet.cluster_auth.secret import remove_secret_file
 
 A, B = "a" * 40, "b" * 40
 

@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from cluster_auth import ClusterSecret
-from cluster_auth.tls import SERVER_NAME, load_internal_tls
-from decode_worker.server import start_decode_server
-from router.decode_client import DecodeClient
+from duet.cluster_auth import ClusterSecret
+from duet.cluster_auth.tls import SERVER_NAME, load_internal_tls
+from duet.decode_worker.server import start_decode_server
+from duet.router.decode_client import DecodeClient
 from tests.cluster_auth.fake_worker import FakeWorker
 
 SECRET = ClusterSecret("tls-" + "e" * 40)
@@ -116,8 +116,8 @@ def test_partial_tls_settings_are_refused_by_name(tmp_path):
 
 
 def test_the_serve_flags_turn_tls_on_for_a_local_cluster_only(tmp_path):
-    from cli.main import build_parser
-    from cli.serve_cluster import internal_tls
+    from duet.cli.main import build_parser
+    from duet.cli.serve_cluster import internal_tls
 
     env = write_pki(tmp_path, "flags")
     files = [

@@ -12,15 +12,15 @@ from collections import Counter
 import grpc
 import pytest
 
-from cluster_auth import ClusterSecret
-from decode_worker import output_streams
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.server import DecodeServicer
-from decode_worker.worker import DecodeWorker
+from duet.cluster_auth import ClusterSecret
+from duet.decode_worker import output_streams
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.decode_worker.server import DecodeServicer
+from duet.decode_worker.worker import DecodeWorker
+from duet.engine import LLM, SamplingParams
+from duet.kv_transfer.local import LocalHub
+from duet.router.decode_client import DecodeClient
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import LLM, SamplingParams
-from kv_transfer.local import LocalHub
-from router.decode_client import DecodeClient
 from tests.waiting import wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -10,13 +10,13 @@ import os
 import pytest
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
-from engine import LLM, SamplingParams
-from kv_transfer import TransferStatus, chunks
-from kv_transfer.local import LocalHub
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.worker import PrefillWorker
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
+from duet.engine import LLM, SamplingParams
+from duet.kv_transfer import TransferStatus, chunks
+from duet.kv_transfer.local import LocalHub
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.worker import PrefillWorker
 from tests.waiting import wait_for, wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

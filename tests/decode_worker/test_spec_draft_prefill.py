@@ -11,11 +11,11 @@ import asyncio
 import pytest
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from engine import LLM, SamplingParams
-from engine.errors import InvalidInputError
-from engine.spec_decode.draft_model import DraftModelProposer
-from kv_transfer.layout import DraftLayout
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.engine import LLM, SamplingParams
+from duet.engine.errors import InvalidInputError
+from duet.engine.spec_decode.draft_model import DraftModelProposer
+from duet.kv_transfer.layout import DraftLayout
 from tests.decode_worker.test_remote_decode import ENGINE, disaggregated, start_workers
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 10, list(range(20, 60)), [42] * 20,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.decode_worker.test_remote_decode import (
     ENGINE,
     assert_pools_whole,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.config import DecodeWorkerConfig
-from deploy.ray_cluster import ClusterSpec
-from engine.errors import InvalidInputError
-from prefill_worker.config import PrefillWorkerConfig
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.deploy.ray_cluster import ClusterSpec
+from duet.engine.errors import InvalidInputError
+from duet.prefill_worker.config import PrefillWorkerConfig
 
 
 @pytest.mark.parametrize("config", [PrefillWorkerConfig, DecodeWorkerConfig])

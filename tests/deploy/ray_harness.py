@@ -26,9 +26,9 @@ def cluster_spec(
     """A `ClusterSpec` serving `model` as "tiny" (local prefill up to 8 tokens, 16 sequences
     per decode worker); `spec` adds or overrides ClusterSpec fields (prefill_tp, kv_backend,
     gpus_per_worker)."""
-    from deploy.ray_cluster import ClusterSpec
-    from router.cluster_engine import ClusterConfig
-    from router.server import RouterConfig
+    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.router.cluster_engine import ClusterConfig
+    from duet.router.server import RouterConfig
 
     return ClusterSpec(
         model=model,
@@ -49,9 +49,9 @@ def cluster_spec(
 def running_cluster(spec: Any) -> Iterator[tuple[Any, str]]:
     """Start Ray and the cluster (600 s at most), yield (DuetCluster, router URL); shut both
     down and remove the cluster secret afterwards (checked gone)."""
-    from cluster_auth.secret import remove_secret_file
-    from deploy.local_ray import start_local_ray
-    from deploy.ray_cluster import DuetCluster
+    from duet.cluster_auth.secret import remove_secret_file
+    from duet.deploy.local_ray import start_local_ray
+    from duet.deploy.ray_cluster import DuetCluster
 
     secret_file = start_local_ray(spec)
     duet = DuetCluster(spec)

@@ -166,7 +166,7 @@ def test_head_runs_ray_head_then_duet_serve(prod):
 def test_head_args_parse_with_duets_own_cli(values, request):
     """The chart's `duet serve` flags are ones the CLI has (a renamed flag fails here, not in
     a crash-looping pod)."""
-    from cli.main import build_parser
+    from duet.cli.main import build_parser
 
     rendered: Rendered = request.getfixturevalue(values)
     args = container(rendered.get("Deployment", "duet-head")["spec"]["template"]["spec"], "head")[

@@ -49,10 +49,10 @@ def test_tracing_endpoint_reaches_every_router_and_worker(chart, default, endpoi
     """`tracing.otlpEndpoint` is the head's `--otlp-endpoint`: every router actor gets it in
     its RouterConfig, and the Ray launcher puts it in every worker actor's environment (so no
     worker pod needs it in its own)."""
-    from cli.main import build_parser
-    from deploy.ray_cluster import ClusterSpec
-    from router.server import RouterConfig
-    from telemetry.otel import OTLP_ENDPOINT_ENV
+    from duet.cli.main import build_parser
+    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.router.server import RouterConfig
+    from duet.telemetry.otel import OTLP_ENDPOINT_ENV
 
     rendered = render(chart, {"tracing": {"otlpEndpoint": endpoint}})
     args = container(rendered.pod_specs()["duet-head"], "head")["args"]

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.deploy.ray_harness import cluster_spec, running_cluster
 
 pytestmark = [

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from deploy.planner.cli import _apply_env, build_parser, config_from_args, main
-from deploy.planner.config import PlannerConfig, PoolConfig
-from deploy.planner.controller import Controller, PoolTargets, RouterScraper
-from deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
-from deploy.planner.policy import ScalingPolicy
-from deploy.stop_signal import StopSignal
+from duet.deploy.planner.cli import _apply_env, build_parser, config_from_args, main
+from duet.deploy.planner.config import PlannerConfig, PoolConfig
+from duet.deploy.planner.controller import Controller, PoolTargets, RouterScraper
+from duet.deploy.planner.kube import DeploymentScaler, RouterEndpoints, api_client
+from duet.deploy.planner.policy import ScalingPolicy
+from duet.deploy.stop_signal import StopSignal
 from tests.deploy.fake_kube_api import FakeKubeAPI, Recorded, endpoint_slice
 from tests.deploy.router_metrics import MetricsServer, RouterMetrics
 from tests.net import free_port
@@ -211,7 +211,7 @@ def test_duet_planner_process_scales_and_reports_health(kube, tmp_path: Path):
             [
                 sys.executable,
                 "-m",
-                "deploy.planner",
+                "duet.deploy.planner",
                 f"--kube-api={kube.url}",
                 f"--kube-token-file={token_file}",
                 f"--api-key-file={keys_file}",

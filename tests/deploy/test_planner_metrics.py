@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import Histogram as PromHistogram
 
-from deploy.planner.metrics import (
+from duet.deploy.planner.metrics import (
     TPOT,
     TTFT,
     Histogram,

@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
-from deploy.planner.metrics import LoadSignals
-from deploy.planner.policy import PoolSizes, ScalingPolicy
+from duet.deploy.planner.config import PlannerConfig, PlannerConfigError, PoolConfig
+from duet.deploy.planner.metrics import LoadSignals
+from duet.deploy.planner.policy import PoolSizes, ScalingPolicy
 
 # Prefill pods cost 2 GPUs, decode pods 1; 10 GPUs in all.
 CONFIG = PlannerConfig(

@@ -13,7 +13,7 @@ import concurrent.futures
 import httpx2 as httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.deploy.ray_harness import cluster_spec, running_cluster
 from tests.deploy.test_ray_cluster import client, metric, prompts_of, read_killing_busiest_decode
 from tests.waiting import wait_for

@@ -19,10 +19,10 @@ import pytest
 import ray
 import torch
 
-from cluster_auth import load_cluster_secret
-from cluster_auth.grpc_auth import CallSigner
+from duet.cluster_auth import load_cluster_secret
+from duet.cluster_auth.grpc_auth import CallSigner
+from duet.engine import LLM, SamplingParams
 from duet.v1 import worker_pb2, worker_pb2_grpc
-from engine import LLM, SamplingParams
 from tests.deploy.ray_harness import cluster_spec, running_cluster
 from tests.waiting import wait_for
 

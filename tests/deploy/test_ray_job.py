@@ -102,7 +102,7 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
         )  # fmt: skip
         assert denied.returncode != 0
         run([RAY, "job", "submit", "--address", dashboard, "--no-wait", "--submission-id", job_id,
-             "--", sys.executable, "-m", "cli.ray_job", "--model", tiny_llama,
+             "--", sys.executable, "-m", "duet.cli.ray_job", "--model", tiny_llama,
              "--dtype", "float32", "--prefill-tp", "2", "--served-model-name", "tiny",
              "--port", str(rest), "--grpc-port", str(grpc_port),
              "--session-store", f"sqlite:///{tmp_path}/sessions.db"], env)  # fmt: skip

@@ -13,12 +13,12 @@ import sys
 
 import torch
 
-from engine import SamplingParams
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.core import EngineRole
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from duet.engine import SamplingParams
+from duet.engine.async_engine import AsyncEngine
+from duet.engine.config import EngineConfig
+from duet.engine.core import EngineRole
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.outputs import RequestOutput
 
 
 class SwitchProbe(EngineRole):

@@ -14,13 +14,13 @@ import torch
 import triton
 from triton.compiler import ASTSource
 
-from engine.quant.triton_linear import (
+from duet.engine.quant.triton_linear import (
     _dequantize_kernel,
     _split_k_sum_kernel,
     _wq_kernel,
     kernel_constexprs,
 )
-from engine.quant.triton_linear import launch_config as choose
+from duet.engine.quant.triton_linear import launch_config as choose
 from tests.engine.triton_sm90_compile import TARGET, ptxas_usage
 
 ACTIVATIONS = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from engine import (
+from duet.engine import (
     LLM,
     AsyncEngine,
     EngineConfig,
@@ -16,7 +16,7 @@ from engine import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from engine.structured_output import GrammarCompiler
+from duet.engine.structured_output import GrammarCompiler
 from tests.waiting import wait_for_async
 
 
@@ -81,7 +81,7 @@ def test_bad_input_raises_before_queueing(engine):
 
 
 def test_requests_after_shutdown_fail_fast(tiny_llama):
-    from engine.async_engine import EngineDeadError
+    from duet.engine.async_engine import EngineDeadError
 
     eng = AsyncEngine.from_config(
         EngineConfig(model=tiny_llama, dtype="float32", load_progress=False)

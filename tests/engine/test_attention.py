@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import GatherWorkspace, paged_attention, write_kv_cache
-from engine.attention_metadata import AttentionMetadata
-from engine.kernels.cpu import load_cpu_kernels
+from duet.engine.attention import GatherWorkspace, paged_attention, write_kv_cache
+from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.kernels.cpu import load_cpu_kernels
 
 
 def reference(query, kv_cache, query_lens, seq_lens, block_ids, scale):

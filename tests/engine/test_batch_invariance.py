@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.model import row_invariant
-from engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine import LLM, SamplingParams
+from duet.engine.model import row_invariant
+from duet.engine.model.dense_cpu_linear import use_dense_kernel
 from tests.conftest import SMOLLM2_SHAPES
 
 DTYPES = ["bfloat16", "float32"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from duet.engine.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from duet.engine.kv_cache_manager import KVCacheManager
+from duet.engine.request import Request
+from duet.engine.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

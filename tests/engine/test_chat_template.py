@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine import InvalidInputError
-from engine.tokenizer import Tokenizer
+from duet.engine import InvalidInputError
+from duet.engine.tokenizer import Tokenizer
 
 # Qwen2.5-Instruct's tool-calling template, shortened (its system-prompt wording aside).
 QWEN_TOOLS = (

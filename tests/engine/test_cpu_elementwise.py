@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine.kernels.cpu import kernels_for
-from engine.model import llama, rotary
-from engine.model.rotary import RotaryEmbedding, _rotate
+from duet.engine import LLM, SamplingParams
+from duet.engine.kernels.cpu import kernels_for
+from duet.engine.model import llama, rotary
+from duet.engine.model.rotary import RotaryEmbedding, _rotate
 
 
 def hf_rms_norm(x, weight, eps):

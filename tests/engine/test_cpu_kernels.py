@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu import build_cpu_kernels
+from duet.engine.kernels.cpu import build_cpu_kernels
 from tests.engine.test_cpu_elementwise import close, hf_rms_norm
 
 # Lengths around block boundaries (block sizes below are 1, 3, 4, 5, 7 and 16), plus long

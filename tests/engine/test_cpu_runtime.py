@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from engine.cpu_runtime import keep_freed_memory
+from duet.engine.cpu_runtime import keep_freed_memory
 
 
 def _minor_faults() -> int:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.gguf_loader import default_model_path, load_gguf
-from engine.tokenizer import IncrementalDetokenizer
+from duet.engine import LLM, SamplingParams
+from duet.engine.gguf_loader import default_model_path, load_gguf
+from duet.engine.tokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig, reports_deterministic
-from engine.errors import InvalidInputError
-from engine.model.llama import RMSNorm
-from engine.model.row_invariant import Linear, TiedLinear
+from duet.engine.config import EngineConfig, reports_deterministic
+from duet.engine.errors import InvalidInputError
+from duet.engine.model.llama import RMSNorm
+from duet.engine.model.row_invariant import Linear, TiedLinear
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -63,8 +63,8 @@ def layers(net):
 def test_loader_routes_every_product_and_norm_to_triton_on_cuda(
     tiny_model_factory, monkeypatch, cpu_kernels_off, arch
 ):
-    from engine.kernels import triton_runtime
-    from engine.loader import _use_invariant_cuda_kernels, load_model
+    from duet.engine.kernels import triton_runtime
+    from duet.engine.loader import _use_invariant_cuda_kernels, load_model
 
     # cpu_kernels_off: the layers a CUDA model has (none packed)
     loaded = load_model(

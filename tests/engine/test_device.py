@@ -12,16 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.device import bind_thread, resolve_device
-from engine.llm_engine import LLMEngine
-from engine.parallel import TensorParallel
-from kv_transfer import create_receiver, create_sender
-from kv_transfer.torch_dist import receiver as td_receiver
-from kv_transfer.torch_dist import sender as td_sender
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.launch import init_tensor_parallel
+from duet.engine.config import EngineConfig
+from duet.engine.core import EngineCore
+from duet.engine.device import bind_thread, resolve_device
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.parallel import TensorParallel
+from duet.kv_transfer import create_receiver, create_sender
+from duet.kv_transfer.torch_dist import receiver as td_receiver
+from duet.kv_transfer.torch_dist import sender as td_sender
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.launch import init_tensor_parallel
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -76,7 +76,7 @@ def test_bind_thread_sets_the_device_in_the_calling_thread(fake_cuda: FakeCuda) 
 def test_tp_rank_1_runs_on_cuda_1_in_the_launch_and_engine_threads(
     fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`python -m prefill_worker --tp-rank 1` on a 2-GPU host: the launching thread (NCCL's
+    """`python -m duet.prefill_worker --tp-rank 1` on a 2-GPU host: the launching thread (NCCL's
     set-up) and the engine thread that builds and runs the engine both use cuda:1."""
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: None)
@@ -93,7 +93,7 @@ def test_tp_rank_1_runs_on_cuda_1_in_the_launch_and_engine_threads(
         loads.append((threading.current_thread().name, device, torch.cuda.current_device()))
         raise Stop
 
-    monkeypatch.setattr("engine.llm_engine.load_model", load_model)
+    monkeypatch.setattr("duet.engine.llm_engine.load_model", load_model)
     tp = TensorParallel(1, 2, None)
     core = EngineCore(lambda: LLMEngine(config, tp), name="p0-rank1", tp=tp)
     with pytest.raises(Stop):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gguf_loader
-from engine.errors import ModelLoadError
-from engine.gguf_loader import GGUFModel, default_model_path, load_gguf
+from duet.engine import gguf_loader
+from duet.engine.errors import ModelLoadError
+from duet.engine.gguf_loader import GGUFModel, default_model_path, load_gguf
 from tests.engine.gguf_files import (
     FFN,
     HEAD_DIM,

@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidInputError
-from engine.gguf_loader import default_model_path, load_gguf
-from engine.loader import load_model
-from engine.model.concat_linear import ConcatLinear
-from engine.model.quantized_linear import QuantizedLinear
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import Int4Weight, Int8Weight
-from engine.quant.gguf_repack import REPACKED_TYPES, repack
+from duet.engine import LLM, SamplingParams
+from duet.engine.errors import InvalidInputError
+from duet.engine.gguf_loader import default_model_path, load_gguf
+from duet.engine.loader import load_model
+from duet.engine.model.concat_linear import ConcatLinear
+from duet.engine.model.quantized_linear import QuantizedLinear
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import Int4Weight, Int8Weight
+from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
 from tests.engine.gguf_files import Q, write_tiny_gguf
 
 # ggml type -> (duet format, group size, symmetric)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import pre_tokenizers
 
-from engine.gguf_loader import GGUFModel, default_model_path, load_gguf
+from duet.engine.gguf_loader import GGUFModel, default_model_path, load_gguf
 from tests.engine.gguf_files import add_sentencepiece_vocab, write_tiny_gguf
 
 # Varied text; the chat markers must stay whole special tokens.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from engine.heap import freeze_startup_heap
+from duet.engine.heap import freeze_startup_heap
 
 
 def test_freeze_moves_the_startup_heap_out_of_the_collectors_reach():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "smollm2"]
 PROMPT_LENS = [5, 17, 33, 64, 100, 130, 7, 48, 250, 1]

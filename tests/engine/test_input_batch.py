@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine import SamplingParams, StructuredOutputsParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.staging import StagingBuffer
+from duet.engine import SamplingParams, StructuredOutputsParams
+from duet.engine.config import EngineConfig
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.staging import StagingBuffer
 
 # Tensor methods that make the host wait for the device (or read device memory).
 _SYNCS = {

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.utils.cpp_extension
 
-from engine.kernels import cpu
+from duet.engine.kernels import cpu
 
 
 @pytest.fixture

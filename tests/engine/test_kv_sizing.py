@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from engine import kv_sizing
-from engine.config import EngineConfig
-from engine.errors import InvalidInputError
-from engine.kv_sizing import (
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.engine import kv_sizing
+from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError
+from duet.engine.kv_sizing import (
     INT32_MAX,
     GpuMemory,
     graph_pool_bytes,
@@ -22,9 +22,9 @@ from engine.kv_sizing import (
     plan_gpu_kv_blocks,
     size_kv_pool,
 )
-from engine.parallel import SINGLE
-from kv_transfer.staging import NCCL_COMM_BYTES
-from prefill_worker.config import PrefillWorkerConfig
+from duet.engine.parallel import SINGLE
+from duet.kv_transfer.staging import NCCL_COMM_BYTES
+from duet.prefill_worker.config import PrefillWorkerConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -121,7 +121,7 @@ def test_tiny_model_on_a_huge_gpu_is_clamped_to_32_bit_offsets(
     model = fake_model(2, 2, 16, 4)  # 2 layers, 2 KV heads of 16: 8 KiB a block in fp32
     limit = max_addressable_blocks(16, 2, 16)
     assert limit == INT32_MAX // (2 * 16 * 2 * 16)
-    with caplog.at_level(logging.WARNING, logger="engine.kv_sizing"):
+    with caplog.at_level(logging.WARNING, logger="duet.engine.kv_sizing"):
         num_blocks = size_kv_pool(
             EngineConfig(), model, CUDA, torch.float32, SINGLE, 2048, True
         )  # 72 GiB - 2 MiB: 9436928 blocks

@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.output_processor import OutputAssembler
-from engine.outputs import EngineOutput, SampleDelta
-from engine.tokenizer import Tokenizer
+from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.output_processor import OutputAssembler
+from duet.engine.outputs import EngineOutput, SampleDelta
+from duet.engine.tokenizer import Tokenizer
 from tests.waiting import wait_for_async
 
 PROMPT = "The quick brown fox"

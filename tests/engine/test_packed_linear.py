@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import LLM, SamplingParams
-from engine.model.packed_linear import PackedLinear, can_pack, pack_linears, packing_supported
+from duet.engine import LLM, SamplingParams
+from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears, packing_supported
 
 needs_bf16_packing = pytest.mark.skipif(
     not packing_supported(torch.bfloat16),

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.errors import InvalidInputError
+from duet.engine import LLM, SamplingParams
+from duet.engine.errors import InvalidInputError
 from tests.conftest import SMOLLM2_SHAPES
 
 K = 3

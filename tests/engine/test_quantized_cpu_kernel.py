@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quant.cpu_linear import (
+from duet.engine.quant.cpu_linear import (
     build_quant_kernels,
     int4_linear,
     int8_linear,
@@ -17,7 +17,7 @@ from engine.quant.cpu_linear import (
     unpack_int4,
     unpack_int8,
 )
-from engine.quant.formats import quantize_int4
+from duet.engine.quant.formats import quantize_int4
 
 K = 576
 NO_AMX = 1 << 62  # amx_min_rows that keeps every call off the AMX tiles

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.loader import load_model
-from engine.model import quantized_linear
-from engine.model.quantized_embedding import can_gather_rows, gather_rows
-from engine.model.quantized_linear import QuantizedLinear, quantize_linear
-from engine.model.weight_bytes import weight_bytes
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import quantize_int4, quantize_int8
+from duet.engine.loader import load_model
+from duet.engine.model import quantized_linear
+from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
+from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from duet.engine.model.weight_bytes import weight_bytes
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import quantize_int4, quantize_int8
 from tests.conftest import SMOLLM2_SHAPES
 
 CPU = torch.device("cpu")

@@ -7,14 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import EngineConfig
-from engine.errors import InvalidInputError, ModelLoadError
-from engine.model import quantized_linear
-from engine.model.concat_linear import ConcatLinear
-from engine.model.quantized_linear import QuantizedLinear, quantize_linear
-from engine.model.row_invariant import MIN_ROWS, Linear, probe
-from engine.quant.config import QuantizationConfig
-from engine.quant.formats import (
+from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError, ModelLoadError
+from duet.engine.model import quantized_linear
+from duet.engine.model.concat_linear import ConcatLinear
+from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from duet.engine.model.row_invariant import MIN_ROWS, Linear, probe
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.formats import (
     Int4Weight,
     Int8Weight,
     pack_int4,

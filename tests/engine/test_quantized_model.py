@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader import load_model
-from engine.model.quantized_linear import QuantizedLinear
-from engine.model.row_invariant import Linear
-from engine.model.weight_bytes import weight_bytes
-from engine.parallel import TensorParallel
-from engine.quant.config import QuantizationConfig
-from engine.quant.cpu_linear import load_quant_kernels
+from duet.engine import LLM, SamplingParams
+from duet.engine.loader import load_model
+from duet.engine.model.quantized_linear import QuantizedLinear
+from duet.engine.model.row_invariant import Linear
+from duet.engine.model.weight_bytes import weight_bytes
+from duet.engine.parallel import TensorParallel
+from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.cpu_linear import load_quant_kernels
 from tests.conftest import SMOLLM2_SHAPES
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)

@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quant.formats import Int8Weight, quantize_int4, quantize_int8
+from duet.engine.quant.formats import Int8Weight, quantize_int4, quantize_int8
 from tests.engine.triton_cases import DEVICE, ON_CUDA
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("triton ships wheels for Linux x86_64 only", allow_module_level=True)
 
-from engine.quant.triton_linear import LaunchConfig  # after the skip: needs triton
+from duet.engine.quant.triton_linear import LaunchConfig  # after the skip: needs triton
 
 DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
 
@@ -54,7 +54,7 @@ def int8_weight(n: int, k: int, group_size: int, gen: torch.Generator) -> Int8We
 def test_w8a16_equals_dequantized(
     dtype: torch.dtype, group_size: int, rows: int, config: LaunchConfig | None
 ) -> None:
-    from engine.quant.triton_linear import w8a16_linear
+    from duet.engine.quant.triton_linear import w8a16_linear
 
     gen = torch.Generator().manual_seed(rows)
     q8 = int8_weight(80, 128, group_size, gen)  # N off the 32-wide tiles on purpose
@@ -70,7 +70,7 @@ def test_w8a16_equals_dequantized(
 
 def test_w8a16_k_off_the_step() -> None:
     """K = 96 per channel: the last 64-wide step is half past K, masked."""
-    from engine.quant.triton_linear import w8a16_linear
+    from duet.engine.quant.triton_linear import w8a16_linear
 
     gen = torch.Generator().manual_seed(3)
     q8 = int8_weight(48, 96, 96, gen)
@@ -88,7 +88,7 @@ def test_w8a16_k_off_the_step() -> None:
 def test_w4a16_equals_dequantized(
     dtype: torch.dtype, symmetric: bool, rows: int, config: LaunchConfig | None
 ) -> None:
-    from engine.quant.triton_linear import pack_int4_rows, w4a16_linear
+    from duet.engine.quant.triton_linear import pack_int4_rows, w4a16_linear
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(80, 128, generator=gen)
@@ -107,7 +107,7 @@ def test_w4a16_equals_dequantized(
 def test_w4a16_per_channel_zero_uses_the_whole_row_sum() -> None:
     """One group per row (group = K): the zero multiplies the sum of all of x's columns, applied
     after the last step (and after split-K's partial sums)."""
-    from engine.quant.triton_linear import pack_int4_rows, w4a16_linear
+    from duet.engine.quant.triton_linear import pack_int4_rows, w4a16_linear
 
     gen = torch.Generator().manual_seed(4)
     q4 = quantize_int4(torch.randn(48, 128, generator=gen), 128, False)
@@ -124,7 +124,7 @@ def test_w4a16_per_channel_zero_uses_the_whole_row_sum() -> None:
 def test_split_k_follows_the_grid_and_k() -> None:
     """Decode splits K until the grid has a program per SM (and never below 4 steps a split);
     a wide layer fills the grid without it; fp32 takes the small tiles."""
-    from engine.quant.triton_linear import launch_config
+    from duet.engine.quant.triton_linear import launch_config
 
     bf16 = torch.bfloat16
     decode = launch_config(1, 4096, 4096, False, bf16, 132)
@@ -145,7 +145,7 @@ def test_prefill_rows_multiply_the_dequantized_weight(int4: bool, monkeypatch) -
     """Over DEQUANTIZE_ABOVE_ROWS rows the wrappers dequantize the weight (one kernel: the
     format's values in the activations' dtype) and multiply with F.linear; up to it, the fused
     kernel runs."""
-    from engine.quant import triton_linear as tlin
+    from duet.engine.quant import triton_linear as tlin
 
     gen = torch.Generator().manual_seed(5)
     weight, bias = torch.randn(80, 128, generator=gen), torch.randn(80, generator=gen)
@@ -184,7 +184,7 @@ def test_prefill_rows_multiply_the_dequantized_weight(int4: bool, monkeypatch) -
 
 
 def test_bad_group_is_refused() -> None:
-    from engine.quant.triton_linear import w8a16_linear
+    from duet.engine.quant.triton_linear import w8a16_linear
 
     x = torch.randn(2, 96, device=DEVICE)
     q = torch.zeros(16, 96, dtype=torch.int8, device=DEVICE)
@@ -193,7 +193,7 @@ def test_bad_group_is_refused() -> None:
 
 
 def test_int4_row_layout_packs_pairs() -> None:
-    from engine.quant.triton_linear import pack_int4_rows
+    from duet.engine.quant.triton_linear import pack_int4_rows
 
     q = torch.tensor([[1, 2, 15, 0], [7, 8, 3, 12]])
     assert pack_int4_rows(q).tolist() == [[0x21, 0x0F], [0x87, 0xC3]]
@@ -201,8 +201,8 @@ def test_int4_row_layout_packs_pairs() -> None:
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_linear_runs_the_triton_kernels(method: str) -> None:
-    from engine.model.quantized_linear import QuantizedLinear
-    from engine.quant.config import QuantizationConfig
+    from duet.engine.model.quantized_linear import QuantizedLinear
+    from duet.engine.quant.config import QuantizationConfig
 
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
@@ -254,7 +254,7 @@ def test_llama8b_shapes_in_bf16_on_gpu(layer: str) -> None:
     """Compiled, bf16, the shipped configurations at 1, 16, 64, 300 and 2,048 rows (decode
     split-K, the 64-row tiles, then the dequantized weight with cuBLAS): int8 per channel, int8 in groups of
     32 (GGUF Q8_0), int4 in groups of 32 and 128, against the dequantized weight in fp32."""
-    from engine.quant.triton_linear import pack_int4_rows, w4a16_linear, w8a16_linear
+    from duet.engine.quant.triton_linear import pack_int4_rows, w4a16_linear, w8a16_linear
 
     n, k = LLAMA8B[layer]
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.random import SeedSource, uniform
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_slots import SamplingSlots
+from duet.engine import SamplingParams
+from duet.engine.config import EngineConfig
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.random import SeedSource, uniform
+from duet.engine.request import Request
+from duet.engine.sampler import Sampler
+from duet.engine.sampling_slots import SamplingSlots
 
 
 class RecordDevices(TorchFunctionMode):
@@ -162,7 +162,7 @@ def _drain(engine: LLMEngine) -> dict[str, list[int]]:
 def test_top_p_from_candidates_equals_the_full_sort():
     """The CPU path looks at the 512 likeliest tokens first and sorts only the rows whose set
     reaches past them: either way the kept set is the exact one."""
-    from engine.sampler import _top_p
+    from duet.engine.sampler import _top_p
 
     gen = torch.Generator().manual_seed(3)
     vocab = 5000
@@ -204,7 +204,7 @@ def test_cpu_sampling_kernels_give_the_torch_paths_bits(vocab):
     """The C++ top-p threshold (selecting a chunk at a time) and inverse-CDF draw (no fp64
     [N, V] tensor) against the full sort and cumsum + searchsorted: the same bits for flat,
     peaked, zero-padded, tied and one-hot rows, at every p (1.0 keeps everything)."""
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here"
@@ -229,7 +229,7 @@ def test_cpu_sampling_kernels_give_the_torch_paths_bits(vocab):
 def test_top_p_at_one_keeps_every_token_alone_or_beside_top_p_rows():
     """A row with top_p = 1 keeps its tail even when a neighbour's top-p makes the batch take
     the top-p path (the rounding of its cumulative sum once dropped the smallest tokens)."""
-    from engine.sampler import _top_p
+    from duet.engine.sampler import _top_p
 
     probs = _rows_of_every_kind(5000)[:2]
     out = _top_p(probs, torch.tensor([[1.0], [0.5]]))
@@ -241,7 +241,7 @@ def test_top_p_at_one_keeps_every_token_alone_or_beside_top_p_rows():
 def test_cpu_argmax_kernel_is_torch_argmax(vocab):
     """First maximal index on ties, a NaN as the maximum, all -inf rows, rows shorter than a
     vector and the vocabulary's size."""
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here"
@@ -262,7 +262,7 @@ def test_cpu_argmax_kernel_splits_few_rows_by_columns(vocab):
     """Fewer rows than threads: each row's columns are split between threads and the parts
     combined; ties across parts keep the first index, a NaN anywhere wins at its first place,
     -inf parts lose to finite ones."""
-    from engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.kernels.cpu import load_cpu_kernels
 
     kernels = load_cpu_kernels()
     assert kernels is not None, "the CPU kernels must build here"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

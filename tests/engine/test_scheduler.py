@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.request import RequestStatus
+from duet.engine import EngineConfig, LLMEngine, SamplingParams
+from duet.engine.request import RequestStatus
 
 
 def make_engine(model: str, **kwargs) -> LLMEngine:

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.block_pool import hash_request_blocks
-from engine.errors import InvalidInputError
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from duet.engine import LLM, SamplingParams
+from duet.engine.block_pool import hash_request_blocks
+from duet.engine.errors import InvalidInputError
+from duet.engine.llm_engine import LLMEngine
+from duet.engine.outputs import RequestOutput
 
 # A repetitive prompt the tiny llama answers with a run of one token (proposals accepted), one
 # it answers without repeats (proposals rejected), repeated patterns, and long prompts that
@@ -240,7 +240,7 @@ def test_grammar_requests_speculate_with_vetted_guesses(tiny_llama, dtype):
     sampling rows than sequence slots), guesses accepted, and the grammar's output valid."""
     import re
 
-    from engine.structured_output import StructuredOutputsParams
+    from duet.engine.structured_output import StructuredOutputsParams
 
     regex = r"[a-c]{2,5}-\d{1,3}"
     repeat = r"(ab|ba|c){8,30}"

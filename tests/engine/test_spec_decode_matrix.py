@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.outputs import RequestOutput
+from duet.engine import LLM, SamplingParams
+from duet.engine.outputs import RequestOutput
 from tests.engine.test_spec_decode import PROMPTS
 
 # 32 prompts: the end-to-end tests' 8 (repeats accepted, no repeats rejected, long prompts

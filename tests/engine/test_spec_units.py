@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.errors import InvalidInputError
-from engine.random import uniform
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_slots import SamplingSlots
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import ngram_lookup
-from engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
-from engine.spec_decode.speculator import Speculator
-from engine.spec_decode.verify import accept_point_mass, rejection_sample
+from duet.engine import SamplingParams
+from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError
+from duet.engine.random import uniform
+from duet.engine.request import Request
+from duet.engine.sampler import Sampler
+from duet.engine.sampling_slots import SamplingSlots
+from duet.engine.spec_decode.config import SpeculativeConfig
+from duet.engine.spec_decode.ngram import ngram_lookup
+from duet.engine.spec_decode.proposer import Proposal, ProposeContext, Proposer, TargetInfo
+from duet.engine.spec_decode.speculator import Speculator
+from duet.engine.spec_decode.verify import accept_point_mass, rejection_sample
 
 # -- ngram --------------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
+from duet.engine import LLM, InvalidInputError, SamplingParams, StructuredOutputsParams
 
 PERSON = {
     "type": "object",
@@ -158,7 +158,7 @@ def test_a_replayed_output_resumes_the_grammar(llm: LLM) -> None:
 
 def test_rows_filled_together_equal_rows_filled_one_at_a_time(llm: LLM) -> None:
     """`GrammarState.fill_bitmasks` (xgrammar's threads) writes each row's own mask, exactly."""
-    from engine.structured_output import GrammarState, bitmask_words
+    from duet.engine.structured_output import GrammarState, bitmask_words
 
     compiler = llm.engine.grammar_compiler
     params = SamplingParams(n=5, temperature=1.0, seed=11, max_tokens=40,
@@ -184,8 +184,8 @@ def test_rows_filled_together_equal_rows_filled_one_at_a_time(llm: LLM) -> None:
 def test_the_cpu_bitmask_kernel_equals_xgrammars(vocab: int) -> None:
     """duet's C++ mask (whole words at a time) sets exactly the logits xgrammar's own kernel
     sets: random words, all-allowed and none-allowed rows, a partial last word, strided rows."""
-    from engine.kernels.cpu import load_cpu_kernels
-    from engine.structured_output import apply_bitmask, bitmask_words
+    from duet.engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.structured_output import apply_bitmask, bitmask_words
 
     assert load_cpu_kernels() is not None  # else apply_bitmask is xgrammar's: nothing proven
     gen = torch.Generator().manual_seed(vocab)
@@ -233,7 +233,7 @@ def test_the_mask_is_applied_on_the_gpu(tiny_llama: str) -> None:
 
 
 def _allowed(compiler: object, state: object) -> set[int]:
-    from engine.structured_output import bitmask_words
+    from duet.engine.structured_output import bitmask_words
 
     vocab = compiler.vocab_size  # type: ignore[attr-defined]
     bitmask = torch.zeros((1, bitmask_words(vocab)), dtype=torch.int32)
@@ -267,7 +267,7 @@ def test_proposed_tokens_are_vetted_and_masked_without_moving_the_state(llm: LLM
     """Speculation: `valid_prefix` keeps the guesses the grammar allows (never one that ends
     it), and `fill_bitmask` with a draft writes, row by row, exactly the masks of a state that
     took each guess in turn; the state itself is where it was."""
-    from engine.structured_output import bitmask_words
+    from duet.engine.structured_output import bitmask_words
 
     compiler = llm.engine.grammar_compiler
     tok = llm.tokenizer

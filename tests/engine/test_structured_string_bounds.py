@@ -11,7 +11,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from engine import LLM, StructuredOutputsParams
+from duet.engine import LLM, StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_length_bounded_strings_stay_valid_json(llm: LLM) -> None:
     points (bytes that are not UTF-8: U+FFFD in the text, and too long a string)."""
     import random
 
-    from engine.structured_output import apply_bitmask, bitmask_words
+    from duet.engine.structured_output import apply_bitmask, bitmask_words
 
     compiler = llm.engine.grammar_compiler
     schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2,
@@ -104,8 +104,8 @@ def test_bounded_strings_as_rules_give_the_patterns_masks(llm: LLM, whitespace: 
     top level, in an array, in anyOf, a $ref used twice, with and without free whitespace."""
     import random
 
-    from engine.json_strings import strings_as_patterns
-    from engine.structured_output import bitmask_words, tokenizer_info
+    from duet.engine.json_strings import strings_as_patterns
+    from duet.engine.structured_output import bitmask_words, tokenizer_info
 
     compiler = llm.engine.grammar_compiler
     spec = StructuredOutputsParams(json=BOUNDED, whitespace=whitespace)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, InvalidInputError, SamplingParams
+from duet.engine import LLM, InvalidInputError, SamplingParams
 from tests.conftest import SMOLLM2_SHAPES
 from tests.net import free_port
 

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from engine.attention import GatherWorkspace, paged_attention
-from engine.attention_metadata import AttentionMetadata
+from duet.engine.attention import GatherWorkspace, paged_attention
+from duet.engine.attention_metadata import AttentionMetadata
 from tests.engine.triton_cases import (
     BF16_TOL,
     DEVICE,
@@ -48,7 +48,7 @@ def prompt():
 def prefill_chunks(prompt, bounds: list[tuple[int, int]]) -> torch.Tensor:
     """Rows [start, end) of the prompt for each (start, end) in `bounds`, each chunk its own
     request of one prefill launch that has the chunk's first `start` tokens cached."""
-    from engine.kernels.triton_prefill import paged_prefill_attention
+    from duet.engine.kernels.triton_prefill import paged_prefill_attention
 
     cache, query, blocks = prompt
     q = torch.cat([query[a:b] for a, b in bounds]).contiguous()
@@ -104,7 +104,7 @@ def test_decode_is_bitwise_the_prefill_row(prompt, whole, position, batch):
     """The deterministic decode launch at a partition's last key, its next partition's first,
     and the prompt's last token; launched as for one request on an H100 (a program per
     partition, then a left fold) and as for a batch of 300 (one program walks them all)."""
-    from engine.kernels.triton_decode import choose_splits
+    from duet.engine.kernels.triton_decode import choose_splits
 
     splits, partition = choose_splits(batch, KV_HEADS, position + 1, 132, True)
     assert (splits, partition) == ((position + 256) // 256 if batch == 1 else 1, 256)
@@ -114,7 +114,7 @@ def test_decode_is_bitwise_the_prefill_row(prompt, whole, position, batch):
 def decode_row(prompt, position: int, batch: int) -> torch.Tensor:
     """The deterministic decode launch's output for the query at `position`, launched as for
     `batch` requests on a 132-SM H100 (1: a program per partition, then the fold)."""
-    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+    from duet.engine.kernels.triton_decode import choose_splits, paged_decode_attention
 
     cache, query, blocks = prompt
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
@@ -158,7 +158,7 @@ def test_bf16_emulated_chunks_prefix_hit_and_decode_are_bitwise_the_whole_prefil
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 128)])  # SmolLM2, Llama-8B
 def test_bf16_on_gpu_decode_chunks_and_prefix_hits_are_bitwise_the_whole_prefill(shape):
     """Compiled in bf16 (the tiles and warps a GPU runs, `make gpu-check`)."""
-    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+    from duet.engine.kernels.triton_decode import choose_splits, paged_decode_attention
 
     heads, kv_heads, head_dim = shape
     (cache, query, _, _), block_ids = make_case(

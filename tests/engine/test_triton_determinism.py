@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from engine.attention import GatherWorkspace, paged_attention
-from engine.attention_metadata import AttentionMetadata
+from duet.engine.attention import GatherWorkspace, paged_attention
+from duet.engine.attention_metadata import AttentionMetadata
 from tests.engine.triton_cases import (
     DEVICE,
     FP32_TOL,
@@ -33,7 +33,7 @@ I32 = dict(dtype=torch.int32, device=DEVICE)
 
 def decode_rows(cache, query, block_ids, seq_lens, rows, deterministic):
     """The decode kernel over the requests `rows` of one cache, launched as on an H100."""
-    from engine.kernels.triton_decode import choose_splits, paged_decode_attention
+    from duet.engine.kernels.triton_decode import choose_splits, paged_decode_attention
 
     lens = [seq_lens[i] for i in rows]
     width = max(len(block_ids[i]) for i in rows)
@@ -102,7 +102,7 @@ def test_the_engine_passes_deterministic_to_the_triton_metadata(case):
 
 
 def test_deterministic_decode_splits_by_partition_only_where_the_gpu_would_idle():
-    from engine.kernels.triton_decode import MAX_PARTITION_SPLITS, choose_splits
+    from duet.engine.kernels.triton_decode import MAX_PARTITION_SPLITS, choose_splits
 
     assert choose_splits(1, 8, 700, H100_SMS, True) == (3, 256)  # 8 programs: by partition
     assert choose_splits(33, 8, 700, H100_SMS, True) == (1, 256)  # 264: one walk each

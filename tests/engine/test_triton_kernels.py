@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention import GatherWorkspace, paged_attention, write_kv_cache
-from engine.attention_metadata import AttentionMetadata
-from engine.kernels.triton_runtime import triton_unusable_reason
+from duet.engine import LLM, SamplingParams
+from duet.engine.attention import GatherWorkspace, paged_attention, write_kv_cache
+from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from tests.engine.triton_cases import (
     BF16_TOL,
     DEVICE,
@@ -39,7 +39,7 @@ def test_triton_runs_here():
 
 
 def test_write_kv_cache_by_slot_skips_negative_slots():
-    from engine.kernels.triton_cache import write_kv_cache as triton_write_kv_cache
+    from duet.engine.kernels.triton_cache import write_kv_cache as triton_write_kv_cache
 
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 6, 4, 2, 24, generator=g).to(DEVICE)
@@ -68,7 +68,7 @@ def test_decode_split_k_matches_reference(num_splits):
 
 def test_decode_row_with_empty_context_is_zero():
     # A padded CUDA-graph row carries seq_len 0: every split is empty and the merge gives 0.
-    from engine.kernels.triton_decode import paged_decode_attention
+    from duet.engine.kernels.triton_decode import paged_decode_attention
 
     (cache, q, _, _), block_ids = make_case([1, 1], [40, 1], 4, 2, 16, 4, torch.float32)
     i32 = dict(dtype=torch.int32, device=DEVICE)
@@ -125,7 +125,7 @@ def test_kernel_batch_tensors():
 
 
 def test_choose_num_splits():
-    from engine.kernels.triton_decode import choose_num_splits
+    from duet.engine.kernels.triton_decode import choose_num_splits
 
     # 132 SMs (H100 SXM): one sequence x 8 KV heads wants 33 splits; capped by length and 16
     assert choose_num_splits(1, 8, 1024, 132) == 4
@@ -139,7 +139,7 @@ def test_every_split_count_and_batch_reuses_one_compiled_kernel(monkeypatch):
     """A server compiles each kernel once: the split count (1 to 16, re-chosen every step), the
     batch's size (which moves the int32 views inside KernelBatch's packed buffer) and the
     block table's width change nothing Triton specialises on."""
-    from engine.kernels import triton_decode, triton_prefill
+    from duet.engine.kernels import triton_decode, triton_prefill
 
     batches = [  # (query_lens, seq_lens): decodes alone, one long, a mixed batch, one token
         ([1] * 3, [5, 40, 300]),
@@ -164,7 +164,7 @@ def test_every_split_count_and_batch_reuses_one_compiled_kernel(monkeypatch):
 
 @pytest.mark.parametrize("num_splits", [0, 17])
 def test_split_count_out_of_range_is_refused(num_splits):
-    from engine.kernels.triton_decode import paged_decode_attention
+    from duet.engine.kernels.triton_decode import paged_decode_attention
 
     (cache, q, _, _), _ = make_case([1], [4], 2, 2, 16, 4, torch.float32)
     i32 = dict(dtype=torch.int32, device=DEVICE)
@@ -253,7 +253,7 @@ class TestOnCuda:
         assert tokens[False] == tokens[True]
 
     def test_kv_pool_sized_from_free_memory(self, tiny_model_factory):
-        from engine.kv_sizing import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
+        from duet.engine.kv_sizing import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
 
         llm = LLM(
             tiny_model_factory("llama"), dtype="bfloat16", device="cuda", num_kv_blocks=4,

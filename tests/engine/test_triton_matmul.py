@@ -29,7 +29,7 @@ def operands(dtype: torch.dtype, bias: bool):
 
 
 def check_rows_invariant(dtype: torch.dtype, bias: bool, tol: dict[str, float]) -> None:
-    from engine.kernels.triton_matmul import invariant_linear
+    from duet.engine.kernels.triton_matmul import invariant_linear
 
     x, w, b = operands(dtype, bias)
     full = invariant_linear(x, w, b)
@@ -53,7 +53,7 @@ def test_each_row_is_bitwise_the_same_at_any_batch_size_bf16_on_gpu():
 
 
 def test_bad_shapes_are_refused():
-    from engine.kernels.triton_matmul import invariant_linear
+    from duet.engine.kernels.triton_matmul import invariant_linear
 
     x, w, _ = operands(torch.float32, False)
     with pytest.raises(ValueError, match="x must be"):
@@ -63,8 +63,8 @@ def test_bad_shapes_are_refused():
 
 
 def test_rms_norm_rows_are_bitwise_the_same_at_any_batch_size():
-    from engine.kernels.triton_norm import rms_norm
-    from engine.model.llama import RMSNorm
+    from duet.engine.kernels.triton_norm import rms_norm
+    from duet.engine.model.llama import RMSNorm
 
     g = torch.Generator(device=DEVICE).manual_seed(1)
     x = torch.randn(300, K, generator=g, device=DEVICE)

@@ -36,8 +36,8 @@ SMOLLM2 = (9, 3, 64)
 def gpu_tiles(monkeypatch):
     """The launch configurations a GPU gets, in the interpreter too (only the `tl.dot` type
     stays the interpreter's)."""
-    from engine.kernels import triton_decode, triton_prefill
-    from engine.kernels.triton_operands import dot_dtype
+    from duet.engine.kernels import triton_decode, triton_prefill
+    from duet.engine.kernels.triton_operands import dot_dtype
 
     cuda = torch.device("cuda")
     for module, name in ((triton_decode, "decode_launch_config"), (triton_prefill, "prefill_launch_config")):  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, EngineConfig, InvalidInputError, ModelLoadError, SamplingParams
+from duet.engine import LLM, EngineConfig, InvalidInputError, ModelLoadError, SamplingParams
 
 
 @pytest.mark.parametrize(

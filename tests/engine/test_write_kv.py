@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import write_kv_cache
-from engine.kernels.cpu import load_cpu_kernels
+from duet.engine.attention import write_kv_cache
+from duet.engine.kernels.cpu import load_cpu_kernels
 
 
 def _reference(kv_cache, key, value, slots):

@@ -15,8 +15,8 @@ import sys
 
 import torch.distributed as dist
 
-from engine import LLM, SamplingParams
-from engine.parallel import TensorParallel
+from duet.engine import LLM, SamplingParams
+from duet.engine.parallel import TensorParallel
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import GatherWorkspace, paged_attention, store_kv, write_kv_cache
-from engine.attention_metadata import AttentionMetadata
+from duet.engine.attention import GatherWorkspace, paged_attention, store_kv, write_kv_cache
+from duet.engine.attention_metadata import AttentionMetadata
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
@@ -33,9 +33,9 @@ def triton_interpreter(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     import triton.language  # noqa: F401
 
-    import engine.kernels.triton_cache
-    import engine.kernels.triton_decode
-    import engine.kernels.triton_prefill  # noqa: F401
+    import duet.engine.kernels.triton_cache
+    import duet.engine.kernels.triton_decode
+    import duet.engine.kernels.triton_prefill  # noqa: F401
 
 
 def make_case(query_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed=0):

@@ -25,16 +25,16 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from engine.kernels.triton_cache import _write_kv_kernel
-from engine.kernels.triton_decode import (
+from duet.engine.kernels.triton_cache import _write_kv_kernel
+from duet.engine.kernels.triton_decode import (
     _decode_kernel,
     _merge_kernel,
     decode_launch_config,
     merge_launch_config,
 )
-from engine.kernels.triton_matmul import _matmul_kernel, matmul_config
-from engine.kernels.triton_norm import _rms_norm_kernel
-from engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
+from duet.engine.kernels.triton_matmul import _matmul_kernel, matmul_config
+from duet.engine.kernels.triton_norm import _rms_norm_kernel
+from duet.engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
 
 CUDA = torch.device("cuda")  # only its type is read: nothing touches a device
 TARGET = GPUTarget("cuda", 90, 32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer import KVLayout
+from duet.kv_transfer import KVLayout
 
 
 def caches(heads=4, num_blocks=16, seed=0, dtype=torch.float32):

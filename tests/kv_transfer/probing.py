@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kv_transfer import TransferStatus, create_sender
+from duet.kv_transfer import TransferStatus, create_sender
 from tests.kv_transfer.paged import layout
 from tests.waiting import wait_for
 

@@ -13,9 +13,9 @@ import threading
 
 import torch
 
-from cluster_auth import ClusterSecret
-from cluster_auth.handshake import MAGIC
-from kv_transfer import TransferStatus, create_receiver, create_sender
+from duet.cluster_auth import ClusterSecret
+from duet.cluster_auth.handshake import MAGIC
+from duet.kv_transfer import TransferStatus, create_receiver, create_sender
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 

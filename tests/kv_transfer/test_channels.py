@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
+from duet.kv_transfer import (
     HandshakeError,
     TransferStatus,
     chunks,
     create_receiver,
     create_sender,
 )
-from kv_transfer.tcp import stripes
+from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -215,7 +215,7 @@ SENDER_SCRIPT = """
 import sys
 import os, sys, time, torch
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-from kv_transfer import KVLayout, create_sender
+from duet.kv_transfer import KVLayout, create_sender
 kv = [torch.zeros(2, 16, 4, 4, 8) for _ in range(3)]
 s = create_sender(sys.argv[2], kv_caches=kv, layout=KVLayout.of_caches("m", kv, 4), name="doomed", timeout_s=10)
 s.connect(sys.argv[1])

@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
-from kv_transfer.layers import PagedLayers, transfer_chunks
-from kv_transfer.local import LocalHub
-from kv_transfer.tcp import stripes
+from duet.kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
+from duet.kv_transfer.layers import PagedLayers, transfer_chunks
+from duet.kv_transfer.local import LocalHub
+from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, draft_caches, draft_layout, layout
 from tests.waiting import wait_for
 

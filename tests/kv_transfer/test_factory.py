@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer import ReceiverConfig, SenderConfig, create_receiver, create_sender
-from kv_transfer.local import LocalHub, LocalKVReceiver
-from kv_transfer.tcp import TcpKVSender, TcpSenderConfig
-from kv_transfer.torch_dist import TorchDistKVReceiver
+from duet.kv_transfer import ReceiverConfig, SenderConfig, create_receiver, create_sender
+from duet.kv_transfer.local import LocalHub, LocalKVReceiver
+from duet.kv_transfer.tcp import TcpKVSender, TcpSenderConfig
+from duet.kv_transfer.torch_dist import TorchDistKVReceiver
 from tests.kv_transfer.paged import caches, layout
 
 

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, chunks, create_receiver
-from kv_transfer.link_probe import LinkProber
-from kv_transfer.outbox import Outbox
-from kv_transfer.tcp.probe import BURSTS, PROBE_BYTES_PER_STRIPE, TcpProbe
-from kv_transfer.tcp.receiver import TcpKVReceiver
+from duet.kv_transfer import TransferStatus, chunks, create_receiver
+from duet.kv_transfer.link_probe import LinkProber
+from duet.kv_transfer.outbox import Outbox
+from duet.kv_transfer.tcp.probe import BURSTS, PROBE_BYTES_PER_STRIPE, TcpProbe
+from duet.kv_transfer.tcp.receiver import TcpKVReceiver
 from tests.kv_transfer.paged import caches, layout
 from tests.kv_transfer.probing import held_calls, layerwise_transfer, probing_sender, transfer
 from tests.waiting import wait_for

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
+from duet.kv_transfer import (
     HandshakeError,
     KVLayout,
     TransferStatus,
@@ -17,8 +17,8 @@ from kv_transfer import (
     gather_blocks,
     scatter_blocks,
 )
-from kv_transfer import blocks as blocks_module
-from kv_transfer.local import LocalHub
+from duet.kv_transfer import blocks as blocks_module
+from duet.kv_transfer.local import LocalHub
 
 
 def caches(num_layers=3, num_blocks=12, block_size=4, heads=4, dim=8, dtype=torch.float32, seed=0):

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv_transfer import TransferResult, TransferStatus, create_receiver, create_sender
-from kv_transfer.local import LocalHub
-from kv_transfer.tcp import stripes
+from duet.kv_transfer import TransferResult, TransferStatus, create_receiver, create_sender
+from duet.kv_transfer.local import LocalHub
+from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, layout
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -31,7 +31,7 @@ TIMEOUT_S = 3.0  # each backend's wait on a silent peer: what a blocking poll wo
 RECEIVER_SCRIPT = """
 import os, sys, time
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-from kv_transfer import create_receiver
+from duet.kv_transfer import create_receiver
 from tests.kv_transfer.paged import caches, layout
 kv = caches(seed=1)
 r = create_receiver(sys.argv[1], kv, layout(kv), timeout_s=30)
@@ -42,7 +42,7 @@ time.sleep(120)  # never polls, so never acknowledges
 SENDER_SCRIPT = """
 import os, sys, time
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-from kv_transfer import create_sender
+from duet.kv_transfer import create_sender
 from tests.kv_transfer.paged import caches, layout
 kv = caches()
 s = create_sender(sys.argv[2], kv, layout(kv), name="silent", timeout_s=30)

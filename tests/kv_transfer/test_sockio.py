@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer import sockio
+from duet.kv_transfer import sockio
 
 
 def connected_pair(buffer_bytes: int | None = None) -> tuple[socket.socket, socket.socket]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kv_transfer import KVLayout, TransferStatus, gather_blocks, scatter_blocks
-from kv_transfer.chunks import CHUNK_MIN_BYTES, layer_chunks
-from kv_transfer.inbox import Arrival, InboxKVReceiver
-from kv_transfer.staging import StagingPool
+from duet.kv_transfer import KVLayout, TransferStatus, gather_blocks, scatter_blocks
+from duet.kv_transfer.chunks import CHUNK_MIN_BYTES, layer_chunks
+from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
+from duet.kv_transfer.staging import StagingPool
 
 CPU = torch.device("cpu")
 

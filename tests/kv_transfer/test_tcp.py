@@ -17,10 +17,10 @@ import time
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, create_receiver, create_sender
-from kv_transfer.factory import resolve_backend
-from kv_transfer.tcp import receiver as tcp_receiver
-from kv_transfer.tcp.stripes import MAX_STRIPES
+from duet.kv_transfer import TransferStatus, create_receiver, create_sender
+from duet.kv_transfer.factory import resolve_backend
+from duet.kv_transfer.tcp import receiver as tcp_receiver
+from duet.kv_transfer.tcp.stripes import MAX_STRIPES
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 

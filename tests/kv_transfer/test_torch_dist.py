@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
-from kv_transfer.torch_dist.channel import sender_order
+from duet.kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
+from duet.kv_transfer.torch_dist.channel import sender_order
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -184,7 +184,7 @@ def test_a_chunk_is_reported_only_once_its_event_completed(mode, monkeypatch):
 DOOMED_SENDER = """
 import os, sys, time
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-from kv_transfer import chunks, create_sender
+from duet.kv_transfer import chunks, create_sender
 from tests.kv_transfer.paged import caches, layout
 chunks.CHUNK_MIN_BYTES = 1  # one message per layer
 kv = caches()
@@ -247,7 +247,7 @@ def test_a_sender_killed_mid_transfer_fails_its_channel_within_the_timeout(mode,
 DOOMED_RECEIVER = """
 import os, sys, time
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-from kv_transfer import create_receiver
+from duet.kv_transfer import create_receiver
 from tests.kv_transfer.paged import caches, layout
 kv = caches(seed=1)
 r = create_receiver("torch_dist", kv, layout(kv), timeout_s=30)

@@ -16,10 +16,10 @@ import time
 import pytest
 import torch
 
-from kv_transfer import TransferStatus, chunks, create_receiver
-from kv_transfer.torch_dist.link import GlooLink, NcclLink
-from kv_transfer.torch_dist.probe import BURSTS, PROBE_BYTES, TorchDistProbe
-from kv_transfer.torch_dist.receiver import TorchDistKVReceiver
+from duet.kv_transfer import TransferStatus, chunks, create_receiver
+from duet.kv_transfer.torch_dist.link import GlooLink, NcclLink
+from duet.kv_transfer.torch_dist.probe import BURSTS, PROBE_BYTES, TorchDistProbe
+from duet.kv_transfer.torch_dist.receiver import TorchDistKVReceiver
 from tests.kv_transfer import probing
 from tests.kv_transfer.paged import caches, layout
 from tests.kv_transfer.probing import held_calls, probing_sender
@@ -219,9 +219,9 @@ def test_on_cuda_the_bursts_are_timed_by_events_on_the_links_stream() -> None:
     the rate is of the others, and posting never blocks the host."""
     import itertools
 
-    from kv_transfer.torch_dist.channel import Channel
-    from kv_transfer.torch_dist.link import CudaMark
-    from kv_transfer.torch_dist.probe import ProbeJob, post_probe
+    from duet.kv_transfer.torch_dist.channel import Channel
+    from duet.kv_transfer.torch_dist.link import CudaMark
+    from duet.kv_transfer.torch_dist.probe import ProbeJob, post_probe
 
     class CopyGroup:
         def __init__(self) -> None:

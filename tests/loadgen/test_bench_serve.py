@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser, main
-from engine import AsyncEngine
-from loadgen.client import RequestResult, SSEDecoder
-from loadgen.metrics import LATENCIES, SLO, summarize
-from loadgen.workload import LengthDist, arrival_offsets, build_workload, unit_gaps
-from router.api_server import build_app
+from duet.cli.main import build_parser, main
+from duet.engine import AsyncEngine
+from duet.loadgen.client import RequestResult, SSEDecoder
+from duet.loadgen.metrics import LATENCIES, SLO, summarize
+from duet.loadgen.workload import LengthDist, arrival_offsets, build_workload, unit_gaps
+from duet.router.api_server import build_app
 from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_engine
 

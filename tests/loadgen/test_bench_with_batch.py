@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import main
-from engine import AsyncEngine
-from router.api_server import build_app
-from session_store import SqliteWorkQueue
+from duet.cli.main import main
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.session_store import SqliteWorkQueue
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_engine
 
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from router.api_server import build_app
+from duet.router.api_server import build_app
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.router.test_cluster_engine import Cluster
 

@@ -10,8 +10,8 @@ import httpx2
 import openai
 import pytest
 
-from engine import LLM, AsyncEngine
-from router.api_server import build_app
+from duet.engine import LLM, AsyncEngine
+from duet.router.api_server import build_app
 from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, NUM_KV_BLOCKS, LiveServer, make_engine
 from tests.session_store.conftest import RedisServer

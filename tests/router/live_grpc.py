@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
+from duet.engine import AsyncEngine
+from duet.router.grpc_server import start_grpc_server
 from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import AsyncEngine
-from router.grpc_server import start_grpc_server
 from tests.router.rest_server import MODEL_NAME, Closable
 
 

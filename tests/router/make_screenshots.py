@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 from selenium.webdriver.common.by import By
 
-from session_store import SqliteSessionStore
+from duet.session_store import SqliteSessionStore
 from tests.browser import chromium
 from tests.conftest import build_tiny_model
 from tests.router.cluster_server import ClusterServer

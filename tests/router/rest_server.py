@@ -15,7 +15,7 @@ import httpx2
 import uvicorn
 from fastapi import FastAPI
 
-from engine import AsyncEngine, EngineConfig
+from duet.engine import AsyncEngine, EngineConfig
 from tests.waiting import wait_for
 
 MODEL_NAME = "tiny-llama"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.admission import AdmissionController
-from router.errors import OverloadedError
+from duet.router.admission import AdmissionController
+from duet.router.errors import OverloadedError
 
 
 def test_admits_up_to_capacity_then_refuses_with_retry_after() -> None:

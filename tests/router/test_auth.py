@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.auth import APIKeyChecker
-from router.errors import AuthenticationError
+from duet.router.auth import APIKeyChecker
+from duet.router.errors import AuthenticationError
 
 
 def test_accepts_any_configured_key() -> None:

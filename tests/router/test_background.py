@@ -15,9 +15,9 @@ import httpx2
 import openai
 import pytest
 
-from engine import AsyncEngine
-from router.api_server import build_app
-from session_store import SqliteSessionStore, SqliteWorkQueue, Task, hash_api_key
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.session_store import SqliteSessionStore, SqliteWorkQueue, Task, hash_api_key
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.waiting import wait_for
 

@@ -12,7 +12,7 @@ import httpx2
 import jsonschema
 import openai
 
-from engine import AsyncEngine
+from duet.engine import AsyncEngine
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.router.test_background import AUTH, serve, wait_completed
 from tests.router.test_tool_calling import MESSAGES, SCHEMAS, TOOLS
@@ -82,7 +82,7 @@ def test_background_reply_splits_thinking_with_a_reasoning_parser(
     """Without tools too, a server with `--reasoning-parser` puts a background reply's thinking
     in `reasoning_content`, in the result and in the events stream, as it does for the same
     request in the foreground (before, the background reply kept it all in `content`)."""
-    from router.openai_chat import ChatOptions
+    from duet.router.openai_chat import ChatOptions
     from tests.router.test_reasoning import QWEN3_TEMPLATE
 
     tokenizer = rest_engine.engine.tokenizer

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from router.admission import AdmissionController
-from router.batch_runner import BatchPriority, wait_out_overload
-from router.errors import OverloadedError
+from duet.router.admission import AdmissionController
+from duet.router.batch_runner import BatchPriority, wait_out_overload
+from duet.router.errors import OverloadedError
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,10 @@ import openai
 import pytest
 from openai.types import Batch
 
-from engine import AsyncEngine
-from router.api_server import build_app
-from router.batch_runner import BatchPriority
-from session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.router.batch_runner import BatchPriority
+from duet.session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
 from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.session_store.conftest import RedisServer

@@ -7,7 +7,7 @@ import httpx2
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.router.rest_server import API_KEY, MODEL_NAME
 
 MESSAGES = [

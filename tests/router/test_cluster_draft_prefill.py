@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 

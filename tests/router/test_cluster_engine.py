@@ -10,15 +10,15 @@ import os
 import pytest
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.server import start_decode_server
-from decode_worker.worker import DecodeWorker
-from engine import LLM, SamplingParams
-from kv_transfer import chunks
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.server import start_prefill_server
-from prefill_worker.worker import PrefillWorker
-from router.cluster_engine import ClusterConfig, ClusterEngine
+from duet.decode_worker.config import DecodeWorkerConfig
+from duet.decode_worker.server import start_decode_server
+from duet.decode_worker.worker import DecodeWorker
+from duet.engine import LLM, SamplingParams
+from duet.kv_transfer import chunks
+from duet.prefill_worker.config import PrefillWorkerConfig
+from duet.prefill_worker.server import start_prefill_server
+from duet.prefill_worker.worker import PrefillWorker
+from duet.router.cluster_engine import ClusterConfig, ClusterEngine
 from tests.waiting import wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -312,7 +312,7 @@ def test_prefill_worker_lost_retries_on_another(model):
 
 
 def test_no_decode_worker_fails_fast_retryable(model):
-    from engine.async_engine import EngineDeadError
+    from duet.engine.async_engine import EngineDeadError
 
     async def main():
         async with Cluster(model) as c:

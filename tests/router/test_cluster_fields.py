@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from duet.engine import LLM, SamplingParams
+from duet.engine.llm_engine import LLMEngine
 from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 

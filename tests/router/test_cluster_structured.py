@@ -12,7 +12,7 @@ import re
 
 import jsonschema
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from duet.engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 SCHEMA = {

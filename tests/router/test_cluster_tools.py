@@ -11,8 +11,8 @@ import json
 
 import jsonschema
 
-from engine import LLM, SamplingParams
-from router.openai_tools import ChatTool, plan_tools
+from duet.engine import LLM, SamplingParams
+from duet.router.openai_tools import ChatTool, plan_tools
 from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 WEATHER = {

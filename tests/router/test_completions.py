@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 from tests.router.rest_server import MODEL_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from engine import AsyncEngine, EngineConfig
-from router.api_server import build_app
+from duet.engine import AsyncEngine, EngineConfig
+from duet.router.api_server import build_app
 from tests.router.rest_server import LiveServer
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ import re
 import httpx2
 import openai
 
-from engine import AsyncEngine
-from router.api_server import build_app
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
 from tests.router.rest_server import API_KEY, MODEL_NAME
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from engine import AsyncEngine
+from duet.engine import AsyncEngine
 from tests.router.rest_server import API_KEY, MODEL_NAME
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -115,7 +115,7 @@ def test_echo_with_logprobs_scores_the_prompt(
 ) -> None:
     """OpenAI's echo + logprobs (the log-likelihood requests of evaluation harnesses): the
     echoed prompt tokens carry logprobs (the first null), then the generated ones'."""
-    from engine import SamplingParams
+    from duet.engine import SamplingParams
 
     ids = rest_engine.tokenizer.encode("The quick brown fox", add_special_tokens=False)
     kwargs: Any = dict(model=MODEL_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=2)
@@ -144,7 +144,7 @@ def test_echo_with_logprobs_scores_the_prompt(
 def test_prompt_logprobs_on_completions_and_chat(
     client: openai.OpenAI, http: httpx2.Client, reference_llm: Any
 ) -> None:
-    from engine import SamplingParams
+    from duet.engine import SamplingParams
 
     body: Any = dict(model=MODEL_NAME, prompt="hello world again", max_tokens=1,
                      temperature=0, prompt_logprobs=1)  # fmt: skip

@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from duet.router.grpc_server import start_grpc_server
 from duet.v1 import serving_pb2, serving_pb2_grpc
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from router.grpc_server import start_grpc_server
 from tests.waiting import wait_for
 
 API_KEY = "test-key-123"

@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from duet.engine import AsyncEngine
+from duet.router.grpc_metrics import GrpcMetricsInterceptor
+from duet.router.metrics import ServingMetrics
+from duet.router.tracing import RequestTracing
 from duet.v1 import serving_pb2
-from engine import AsyncEngine
-from router.grpc_metrics import GrpcMetricsInterceptor
-from router.metrics import ServingMetrics
-from router.tracing import RequestTracing
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
 from tests.router.rest_server import API_KEY, MODEL_NAME
 

@@ -11,9 +11,9 @@ import grpc
 import httpx2
 import pytest
 
-from engine import AsyncEngine
-from router.api_server import build_app
-from session_store import SqliteSessionStore
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.session_store import SqliteSessionStore
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 

@@ -3,7 +3,7 @@ transfer bandwidth per bin, gaps where a bin saw nothing."""
 
 from __future__ import annotations
 
-from router.live_window import BIN_S, WINDOW_S, LiveWindow
+from duet.router.live_window import BIN_S, WINDOW_S, LiveWindow
 
 
 def test_series_bins_percentiles_and_bandwidth() -> None:

@@ -18,11 +18,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import AsyncEngine, SamplingParams
-from prefill_worker.worker import PrefillRole, PrefillWorker
-from router.api_server import build_app
-from router.metrics import ServingMetrics
-from router.transfer_log import TransferRecord
+from duet.engine import AsyncEngine, SamplingParams
+from duet.prefill_worker.worker import PrefillRole, PrefillWorker
+from duet.router.api_server import build_app
+from duet.router.metrics import ServingMetrics
+from duet.router.transfer_log import TransferRecord
 from tests.deploy.test_grafana_dashboard import (
     dashboard_metric_names as duet_dashboard_metric_names,
 )

@@ -72,7 +72,7 @@ def test_the_openai_client_sees_the_400(client: openai.OpenAI) -> None:
 def test_fields_that_are_not_openais_are_ignored_with_a_warning(
     http: httpx2.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="router.openai_fields"):
+    with caplog.at_level(logging.WARNING, logger="duet.router.openai_fields"):
         r = _chat(http, a_field_from_the_future=1)
         completion = http.post(
             "/v1/completions",
@@ -80,6 +80,8 @@ def test_fields_that_are_not_openais_are_ignored_with_a_warning(
             headers=AUTH,
         )
     assert (r.status_code, completion.status_code) == (200, 200)
-    warnings = [rec.getMessage() for rec in caplog.records if rec.name == "router.openai_fields"]
+    warnings = [
+        rec.getMessage() for rec in caplog.records if rec.name == "duet.router.openai_fields"
+    ]
     assert any("ChatCompletionRequest" in m and "a_field_from_the_future" in m for m in warnings)
     assert any("CompletionRequest" in m and "not_a_field" in m for m in warnings)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from router.errors import format_loc
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.errors import format_loc
+from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

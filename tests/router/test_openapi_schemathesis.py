@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode, checks
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from router.api_server import build_app
-from session_store import SqliteSessionStore
+from duet.router.api_server import build_app
+from duet.session_store import SqliteSessionStore
 from tests.router.rest_server import MODEL_NAME, LiveServer, closing, make_engine
 
 

@@ -11,8 +11,8 @@ import httpx2
 import openai
 import pytest
 
-from engine import AsyncEngine
-from router.api_server import build_app
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
 from tests.router.rest_server import MODEL_NAME, LiveServer, make_engine, wait_until_idle
 
 MESSAGES = [{"role": "user", "content": "tell me a long story"}]

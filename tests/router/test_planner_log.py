@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import httpx2
 import pytest
 
-from deploy.planner.controller import Controller, DecisionRecord, PoolTargets, RouterScraper
-from deploy.planner.policy import Decision, PoolSizes
-from engine import AsyncEngine
-from router.api_server import build_app
-from router.planner_log import PlannerDecision, PlannerLog
+from duet.deploy.planner.controller import Controller, DecisionRecord, PoolTargets, RouterScraper
+from duet.deploy.planner.policy import Decision, PoolSizes
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.router.planner_log import PlannerDecision, PlannerLog
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

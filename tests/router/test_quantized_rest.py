@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.model.quantized_linear import QuantizedLinear
-from router.api_server import build_app
+from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from duet.engine.model.quantized_linear import QuantizedLinear
+from duet.router.api_server import build_app
 from tests.router.rest_server import LiveServer
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ import openai
 import pytest
 import uvicorn
 
-from router.api_server import build_app
-from session_store import SqliteWorkQueue
+from duet.router.api_server import build_app
+from duet.session_store import SqliteWorkQueue
 from tests.router.rest_server import closing
 from tests.router.test_cluster_engine import Cluster
 

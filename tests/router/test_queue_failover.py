@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from session_store import RedisWorkQueue, Task
+from duet.session_store import RedisWorkQueue, Task
 from tests.net import free_port
 from tests.session_store.conftest import RedisServer
 from tests.waiting import wait_for
@@ -29,7 +29,7 @@ from tests.waiting import wait_for
 _DOOMED_CONSUMER = textwrap.dedent(
     """
     import asyncio, sys
-    from session_store import RedisWorkQueue
+    from duet.session_store import RedisWorkQueue
 
     async def main() -> None:
         queue = RedisWorkQueue.from_url(sys.argv[1], key_prefix=sys.argv[2], lease_s=0.5)
@@ -92,7 +92,7 @@ class Router:
     def __init__(self, model: str, redis_url: str, log: Path) -> None:
         self.port = free_port()
         cmd = [
-            sys.executable, "-m", "cli", "serve", "--model", model, "--dtype", "float32",
+            sys.executable, "-m", "duet.cli", "serve", "--model", model, "--dtype", "float32",
             "--port", str(self.port), "--grpc-port", "0", "--served-model-name", "tiny",
             "--session-store", redis_url, "--queue-lease", "1", "--max-num-seqs", "4",
             "--num-kv-blocks", "256", "--shutdown-timeout", "0",

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from router.queue_worker import QueueWorker, RetryTask
-from session_store import Delivery, SqliteWorkQueue, Task
+from duet.router.queue_worker import QueueWorker, RetryTask
+from duet.session_store import Delivery, SqliteWorkQueue, Task
 
 
 async def wait_results(queue: SqliteWorkQueue, task_ids: list[str]) -> list[dict[str, Any]]:

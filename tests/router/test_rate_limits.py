@@ -12,12 +12,11 @@ import grpc
 import openai
 import pytest
 
-from duet.v1 import serving_pb2
-from engine import AsyncEngine
-from router.api_server import build_app
-from router.errors import RateLimitError
-from router.rate_limit import ANONYMOUS_KEY, RequestRateLimiter
-from session_store import (
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.router.errors import RateLimitError
+from duet.router.rate_limit import ANONYMOUS_KEY, RequestRateLimiter
+from duet.session_store import (
     InProcessRateLimiter,
     RateDecision,
     RateLimiter,
@@ -25,6 +24,7 @@ from session_store import (
     RedisRateLimiter,
     SessionStoreUnavailable,
 )
+from duet.v1 import serving_pb2
 from tests.router.live_grpc import LiveGrpcServer
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.session_store.conftest import RedisServer

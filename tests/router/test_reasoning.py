@@ -11,9 +11,9 @@ from typing import Any
 import openai
 import pytest
 
-from engine import AsyncEngine
-from router.api_server import build_app
-from router.openai_chat import ChatOptions
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.router.openai_chat import ChatOptions
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Think, then answer."}]

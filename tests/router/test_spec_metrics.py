@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.spec_decode.speculator import SpecDecodeStats
-from engine.stats import EngineStats
-from router.metrics import EngineStatsCollector
+from duet.engine.spec_decode.speculator import SpecDecodeStats
+from duet.engine.stats import EngineStats
+from duet.router.metrics import EngineStatsCollector
 
 
 def _render(stats: EngineStats) -> str:

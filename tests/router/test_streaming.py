@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from engine import AsyncEngine
+from duet.engine import AsyncEngine
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -13,9 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine import AsyncEngine
-from router.openai_chat import ChatOptions, ChatPlan
-from router.openai_protocol import ChatCompletionRequest
+from duet.engine import AsyncEngine
+from duet.router.openai_chat import ChatOptions, ChatPlan
+from duet.router.openai_protocol import ChatCompletionRequest
 from tests.router.rest_server import API_KEY, MODEL_NAME
 
 WEATHER = {

@@ -8,17 +8,17 @@ from collections.abc import Callable
 
 import pytest
 
-from router.openai_chat import ChatOptions
-from router.reasoning_parsers import ReasoningStream, reply_start
-from router.tool_parsers import (
+from duet.router.openai_chat import ChatOptions
+from duet.router.reasoning_parsers import ReasoningStream, reply_start
+from duet.router.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     ToolCallParser,
     infer_parser,
 )
-from router.tool_stream import ParsedCallsStream as Parsed
-from router.tool_stream import (
+from duet.router.tool_stream import ParsedCallsStream as Parsed
+from duet.router.tool_stream import (
     Piece,
     RequiredCallsStream,
     ToolCallStream,
@@ -118,7 +118,7 @@ def test_the_default_parser_comes_from_the_chat_template() -> None:
         ChatOptions(tool_call_parser="x")
     with pytest.raises(ValueError, match="reasoning_parser: unknown 'r1'"):
         ChatOptions(reasoning_parser="r1")
-    from router.server import RouterConfig
+    from duet.router.server import RouterConfig
 
     with pytest.raises(ValueError, match=r"^--tool-call-parser: unknown tool-call parser 'x'"):
         RouterConfig(tool_call_parser="x")

@@ -13,9 +13,9 @@ import httpx2
 import openai
 import pytest
 
-from engine import AsyncEngine
-from router.api_server import build_app
-from session_store import SqliteSessionStore
+from duet.engine import AsyncEngine
+from duet.router.api_server import build_app
+from duet.session_store import SqliteSessionStore
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
 from tests.router.test_tool_calling import HERMES_TEMPLATE, MESSAGES, TOOLS, _streamed_calls
 

@@ -17,9 +17,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from kv_transfer import chunks
-from router.tracing import REQUEST_TRACE, RequestTracing, otlp_tracer_provider
-from telemetry.otel import OTLP_ENDPOINT_ENV, worker_tracer_provider
+from duet.kv_transfer import chunks
+from duet.router.tracing import REQUEST_TRACE, RequestTracing, otlp_tracer_provider
+from duet.telemetry.otel import OTLP_ENDPOINT_ENV, worker_tracer_provider
 from tests.router.cluster_server import ClusterServer
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for
@@ -182,8 +182,8 @@ def test_without_a_provider_nothing_is_traced() -> None:
 
 
 def test_the_ray_launcher_gives_workers_the_routers_collector() -> None:
-    from deploy.ray_cluster import ClusterSpec
-    from router.server import RouterConfig
+    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.router.server import RouterConfig
 
     traced = ClusterSpec(router=RouterConfig(otlp_endpoint="collector:4317"))
     assert traced.worker_runtime_env() == {"env_vars": {OTLP_ENDPOINT_ENV: "collector:4317"}}

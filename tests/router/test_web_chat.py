@@ -15,9 +15,9 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from engine import AsyncEngine, RequestOutput
-from router.api_server import build_app
-from session_store import SqliteSessionStore
+from duet.engine import AsyncEngine, RequestOutput
+from duet.router.api_server import build_app
+from duet.session_store import SqliteSessionStore
 from tests.browser import chromium
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, wait_until_idle
 from tests.waiting import wait_for

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from duet.engine import SamplingParams
+from duet.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
+from duet.router.metrics import EngineStatsCollector, ServingMetrics
+from duet.router.worker_metrics import sum_spec_decode
 from duet.v1 import worker_pb2
-from engine import SamplingParams
-from engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
-from router.metrics import EngineStatsCollector, ServingMetrics
-from router.worker_metrics import sum_spec_decode
 from tests.router.rest_server import MODEL_NAME
 from tests.router.test_cluster_engine import ENGINE, Cluster
 from tests.router.test_observability_metrics import samples, value

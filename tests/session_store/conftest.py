@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 import redis
 
-from session_store import (
+from duet.session_store import (
     InProcessRateLimiter,
     RateLimiter,
     RedisRateLimiter,

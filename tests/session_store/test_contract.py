@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from session_store import (
+from duet.session_store import (
     SessionConflict,
     SessionNotFound,
     SessionStore,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from session_store import (
+from duet.session_store import (
     InProcessRateLimiter,
     RedisRateLimiter,
     RedisSessionStore,

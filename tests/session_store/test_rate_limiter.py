@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from session_store import InProcessRateLimiter, RateLimiter, RateLimits
+from duet.session_store import InProcessRateLimiter, RateLimiter, RateLimits
 
 pytestmark = pytest.mark.timeout(60)
 

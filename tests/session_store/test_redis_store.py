@@ -11,7 +11,7 @@ import uuid
 import pytest
 import redis
 
-from session_store import (
+from duet.session_store import (
     RateLimits,
     RedisRateLimiter,
     RedisSessionStore,

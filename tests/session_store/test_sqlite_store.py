@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from session_store import (
+from duet.session_store import (
     SessionNotFound,
     SessionStoreUnavailable,
     SqliteSessionStore,

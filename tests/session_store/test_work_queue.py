@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from session_store import (
+from duet.session_store import (
     Delivery,
     RedisWorkQueue,
     SqliteWorkQueue,

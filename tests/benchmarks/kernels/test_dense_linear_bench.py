@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from benchmarks.kernels import dense_linear
-from engine.model.dense_cpu_linear import load_dense_kernel
-from engine.model.packed_linear import packing_supported
+from duet.engine.model.dense_cpu_linear import load_dense_kernel
+from duet.engine.model.packed_linear import packing_supported
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -9,7 +9,7 @@ import torch
 from benchmarks.quantized.accuracy import window_nll
 from benchmarks.quantized.methods import applicable, engine_kwargs, label
 from benchmarks.quantized.speed import SpeedResult, ratios
-from engine import LLM, SamplingParams
+from duet.engine import LLM, SamplingParams
 
 
 def test_window_nll_is_the_engines_negative_logprobs(tiny_llama: str) -> None:

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from benchmarks.structured.throughput import SCHEMA, parse_args, run
-from engine import LLM
+from duet.engine import LLM
 
 SMALL = {
     "type": "object",
