@@ -137,3 +137,51 @@ def test_module_docstrings_cite_only_files_that_exist():
                 if not exists_in_repository(cited, source)
             ]
     assert offenders == []
+
+
+def product_members() -> tuple[dict[str, set[str]], set[str]]:
+    """Every product class -> the names defined on it (methods, class attributes, `self.x`
+    assignments), and every function and method name."""
+    classes: dict[str, set[str]] = {}
+    functions: set[str] = set()
+    for folder in product_folders():
+        for source in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    functions.add(node.name)
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                members = classes.setdefault(node.name, set())
+                for item in ast.walk(node):
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        members.add(item.name)
+                    elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store):
+                        members.add(item.id)
+                    elif (
+                        isinstance(item, ast.Attribute)
+                        and isinstance(item.ctx, ast.Store)
+                        and isinstance(item.value, ast.Name)
+                        and item.value.id == "self"
+                    ):
+                        members.add(item.attr)
+    return classes, functions
+
+
+def test_architecture_names_only_code_that_exists():
+    """`Class.member` of a product class and private `_names` in docs/ARCHITECTURE.md name
+    code that exists (a rename leaves no stale reference behind)."""
+    classes, functions = product_members()
+    text = ARCHITECTURE.read_text()
+    stale = sorted(
+        {
+            f"{cls}.{member}"
+            for cls, member in re.findall(r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z_0-9]*)`", text)
+            if cls in classes and member not in classes[cls]
+        }
+        | {
+            name
+            for name in re.findall(r"`(_[a-z][a-z_0-9]*)(?:\(\))?`", text)
+            if name not in functions and not any(name in m for m in classes.values())
+        }
+    )
+    assert stale == []
