@@ -347,6 +347,12 @@ class NixlKVReceiver(KVReceiver):
         if len(block_ids) < len(shard.block_ids):
             self._fail(request_id, pending, "more blocks offered than reserved")
             return
+        waiting = shard.layers_ready < shard.num_layers or not shard.has_meta
+        if waiting and shard.layers_done >= shard.layers_ready and not open_at(shard.window_end):
+            # NOTE: a sender renews its window with every layer it announces: one silent for a
+            # whole window with layers (or the trailer) still to come is dead or stopped.
+            self._fail(request_id, pending, "the sender went silent mid-transfer")
+            return
         if shard.mode == "push":
             if shard.dest_window_end == 0:
                 shard.dest_window_end = self.window.end()
