@@ -67,6 +67,14 @@ def peer(script: str, *args: str) -> Iterator[tuple[subprocess.Popen[str], str]]
         proc.wait(10)
 
 
+def heard(receiver, request_id: str) -> bool:
+    """The receiver holds a sender's offer of `request_id` with layer 0 computed (a message a
+    sender killed right after sending it may never have delivered)."""
+    with receiver._lock:
+        pending = receiver._pending.get(request_id)
+        return pending is not None and any(s.layers_ready >= 1 for s in pending.shards.values())
+
+
 def collect(poll, count: int, timeout_s: float = 20) -> list:
     """`count` results from `poll`, in the order reported."""
     results: list = []
@@ -164,6 +172,7 @@ def test_a_sender_killed_mid_transfer_fails_only_its_request(mode):
         recv.expect("r1", [9, 3, 12], timeout_s=60)
         with peer(SENDER_SCRIPT, recv.address, "2", mode) as (proc, line):
             assert line == "offered"
+            wait_for(lambda: heard(recv, "r1"), 10, "the offer of layer 0 received")
             start = time.monotonic()
             proc.kill()
             proc.wait(10)
@@ -191,6 +200,7 @@ def test_a_stopped_sender_fails_its_request_within_the_timeout():
         recv.expect("r1", [9, 3, 12], timeout_s=60)
         with peer(SENDER_SCRIPT, recv.address, "2", "pull") as (proc, line):
             assert line == "offered"
+            wait_for(lambda: heard(recv, "r1"), 10, "the offer of layer 0 received")
             os.kill(proc.pid, signal.SIGSTOP)
             start = time.monotonic()
             [result] = collect(recv.poll, 1)
