@@ -74,10 +74,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a decode worker waits for a request's KV",
     )  # fmt: skip
     g.add_argument(
-        "--kv-backend", choices=("auto", "tcp", "torch_dist"), default="auto",
+        "--kv-backend", choices=("auto", "tcp", "torch_dist", "nixl"), default="auto",
         help="how KV blocks move from prefill to decode workers: tcp (CPU caches, straight "
-        "between the caches), torch_dist (gloo on CPU, NCCL on GPU); auto: tcp on CPU, "
-        "torch_dist on GPU",
+        "between the caches), torch_dist (gloo on CPU, NCCL on GPU), nixl (cache to cache over "
+        "UCX: RDMA, CUDA IPC, shared memory; DUET_KV_NIXL_MODE=push to write instead of read); "
+        "auto: tcp on CPU, torch_dist on GPU",
     )  # fmt: skip
     g.add_argument(
         "--gpus-per-worker", type=float, default=None,
@@ -189,8 +190,9 @@ def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
     refuses two ranks of one communicator on one device. `ValueError` names the flags."""
     import torch
 
-    if spec.engine.get("device", "auto") == "cpu" or spec.kv_backend == "tcp":
-        return  # CPU caches: KV moves over tcp or gloo
+    if spec.engine.get("device", "auto") == "cpu" or spec.kv_backend in ("tcp", "nixl"):
+        return  # CPU caches: KV moves over tcp or gloo; nixl moves it between two processes
+        # on one GPU too (UCX's CUDA IPC)
     if not torch.cuda.is_available():
         return
     ways_out = (

@@ -125,8 +125,9 @@ def transfer_reservations(
     transfer with caches on CUDA: staging buffers for `num_staged_requests` requests of
     `max_model_len` tokens (each side stages a whole request, in its own layout; the pool keeps
     two idle buffers, so budget at least two) and `num_nccl_peers` NCCL communicators
-    (torch_dist, the backend for CUDA caches; "local" moves blocks without either)."""
-    if kv_backend == "local":
+    (torch_dist, the backend for CUDA caches; "local" and "nixl" move blocks cache to cache,
+    without either)."""
+    if kv_backend in ("local", "nixl"):
         return {}
     blocks_per_request = -(-max_model_len // block_size)
     return {

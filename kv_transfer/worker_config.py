@@ -16,7 +16,8 @@ from duet.kv_transfer.staging import transfer_reservations
 class KVWorkerConfig(EngineConfig):
     kv_backend: str = "auto"
     """KV transfer backend: auto (tcp for CPU caches, torch_dist for GPU caches), tcp (CPU,
-    straight between the caches), torch_dist (gloo or NCCL), or local (same process)."""
+    straight between the caches), torch_dist (gloo or NCCL), nixl (cache to cache over UCX,
+    CPU or GPU), or local (same process)."""
     kv_transfer_timeout_s: float = 30.0
     """Bound on one transfer's network operations (handshake, send, receive); on a decode
     worker also how long unclaimed KV is kept."""
