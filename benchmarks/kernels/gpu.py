@@ -124,7 +124,7 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
     arch = ModelArchConfig.from_hf_config(hf_config.to_dict())
     with torch.device("meta"):
         duet = LlamaForCausalLM(arch)
-    duet = duet.to_empty(device=s.device).to(s.dtype)
+    duet = duet.to(s.dtype).to_empty(device=s.device)  # cast on meta: no fp32 copy
     duet.rotary.rebuild(s.device)
     duet.load_weights(hf.state_dict().items())
     if s.deterministic and s.device.type == "cuda":  # what the loader sets (engine/loader.py)
