@@ -7,6 +7,7 @@ disaggregated step over tcp and the NCCL probe over NCCL's emulation, all on the
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -78,6 +79,22 @@ def test_junit_outcomes_and_summary():
 def test_device_slug():
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
     assert gpu_check.device_slug("???") == "gpu"
+
+
+def test_the_gpu_test_list_is_every_file_with_a_gpu_test():
+    root = Path(__file__).resolve().parents[2]
+    mark = re.compile(r"^\s*(@pytest\.mark\.gpu$|pytest\.mark\.gpu,)", re.MULTILINE)
+    marked = {
+        str(path.relative_to(root))
+        for path in (root / "tests").rglob("test_*.py")
+        if mark.search(path.read_text())
+    }
+    assert set(gpu_check.GPU_TEST_FILES) == marked
+    files, left_out = gpu_check.gpu_test_files(quick=False, num_gpus=1)
+    assert gpu_check.DISAGGREGATED_TEST not in files and len(files) == len(marked) - 1
+    assert left_out == {gpu_check.DISAGGREGATED_TEST: "needs two GPUs (found 1): NCCL refuses "
+                        "two ranks on one device"}  # fmt: skip
+    assert gpu_check.gpu_test_files(quick=True, num_gpus=1) == (list(gpu_check.QUICK_TESTS), {})
 
 
 def test_budgets_fit_eight_and_four_minutes():
