@@ -95,12 +95,18 @@ def decode_bytes_per_step(config: dict[str, Any], context: int, dtype: torch.dty
 def copy_bandwidth_gbs(device: torch.device, num_bytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth (read + write bytes), as benchmarks.kernels.gpu
     measures it: the roofline's denominator."""
+    seconds = _copy_seconds(device, num_bytes)  # its buffers are gone once it returns
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the server this step starts sizes its KV pool from free memory
+    return 2 * num_bytes / seconds / 1e9
+
+
+def _copy_seconds(device: torch.device, num_bytes: int) -> float:
     from benchmarks.kernels.gpu import timed
 
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), device, iters=10)
-    return 2 * num_bytes / seconds / 1e9
+    return timed(lambda: dst.copy_(src), device, iters=10)
 
 
 START_UP_PATTERNS = {
