@@ -99,9 +99,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str, Any]) -> Any:
     """The ClusterSpec of the flags; `ValueError` names a bad flag. `engine` holds the
     EngineConfig fields the command line set."""
+    from duet.cluster.config import ClusterConfig
     from duet.deploy.ray_cluster import ClusterSpec
     from duet.prefill_worker.config import PrefillWorkerConfig
-    from duet.router.cluster_engine import ClusterConfig
 
     if "tensor_parallel_size" in engine:
         raise ValueError(

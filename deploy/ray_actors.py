@@ -136,12 +136,12 @@ class RouterActor:
         self,
         model: str | None,
         router_config: Any,  # router.server.RouterConfig
-        cluster_config: Any,  # router.cluster_engine.ClusterConfig
+        cluster_config: Any,  # duet.cluster.config.ClusterConfig
         served_model_name: str | None,
         tokenizer: str | None,
         max_model_len: int | None,
     ) -> None:
-        from duet.router.cluster_engine import ClusterEngine
+        from duet.cluster.engine import ClusterEngine
         from duet.router.server import RouterServer, bind_rest_socket
 
         self.incarnation = uuid.uuid4().hex

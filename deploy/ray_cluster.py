@@ -28,10 +28,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from duet.cluster.config import ClusterConfig
 from duet.deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
 from duet.deploy.stop_signal import Stopper
 from duet.engine.spec_decode.config import SpeculativeConfig
-from duet.router.cluster_engine import ClusterConfig
 from duet.router.server import RouterConfig
 from duet.telemetry.otel import OTLP_ENDPOINT_ENV
 

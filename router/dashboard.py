@@ -16,10 +16,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from duet.cluster.transfer_log import TransferLog
+from duet.cluster.worker_pool import WorkerPool
 from duet.router.planner_log import PlannerDecision, PlannerLog
 from duet.router.serving_context import ServingContext
-from duet.router.transfer_log import TransferLog
-from duet.router.worker_pool import WorkerPool
 
 NUM_RECENT_TRANSFERS = 25
 

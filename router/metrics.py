@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from duet.engine import RequestOutput, SamplingParams
 from duet.router.engine_client import EngineClient
 from duet.router.live_window import LiveWindow
-from duet.router.transfer_log import TransferCollector
+from duet.router.transfer_metrics import TransferCollector
 from duet.router.worker_metrics import (
     WorkerStatsCollector,
     iteration_tokens_histogram,

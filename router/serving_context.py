@@ -22,7 +22,8 @@ from duet.router.metrics import ServingMetrics
 from duet.router.openai_chat import ChatOptions
 from duet.router.rate_limit import RequestRateLimiter
 from duet.router.sessions import SessionManager
-from duet.router.tracing import REQUEST_TRACE, RequestTracing
+from duet.router.tracing import RequestTracing
+from duet.telemetry.request_trace import REQUEST_TRACE
 
 
 class ServingContext:

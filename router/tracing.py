@@ -8,7 +8,7 @@ link rate) and `duet.decode` (KV in place to the attempt's last token), in that 
 router builds these child spans when the request ends, from the prefill worker's answer (its
 transfer time, bytes, chunks and link rate, worker.proto) and its own clock. The
 `duet.request` span starts at arrival and its context goes to the workers in the metadata of
-the request's calls (`trace_metadata`), so workers that trace (`DUET_OTLP_ENDPOINT`,
+the request's calls (telemetry/request_trace.py), so workers that trace (`DUET_OTLP_ENDPOINT`,
 telemetry/otel.py) add their own spans under it (telemetry/worker_spans.py).
 
 Off (no `--otlp-endpoint`, no provider given): `RequestTracing.begin` returns None and nothing
@@ -20,58 +20,16 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import trace
 
 from duet.engine import RequestOutput
-from duet.telemetry.otel import otlp_tracer_provider, trace_metadata
+from duet.telemetry.otel import otlp_tracer_provider
+from duet.telemetry.request_trace import REQUEST_TRACE, AttemptTiming, RequestTrace
 from duet.telemetry.transfer_attributes import kv_transfer_attributes
 
-__all__ = ["REQUEST_TRACE", "AttemptTiming", "RequestTrace", "RequestTracing",
-           "otlp_tracer_provider", "request_trace_metadata", "traced_outputs"]  # fmt: skip
-
-REQUEST_TRACE: ContextVar[RequestTrace | None] = ContextVar("duet_request_trace", default=None)
-"""The trace of the request whose engine tasks run in this context (set by the router around
-the start of `EngineClient.generate`, so the cluster engine's tasks inherit it)."""
-
-
-@dataclass
-class AttemptTiming:
-    """One attempt's way through a prefill worker, a KV transfer and a decode worker (wall
-    clock, ns since the epoch)."""
-
-    transfer_id: str
-    prefill_worker: str
-    decode_worker: str
-    num_prompt_tokens: int
-    call_ns: int
-    answer_ns: int | None = None
-    end_ns: int | None = None
-    status: str = ""
-    reason: str = ""
-    num_bytes: int = 0
-    transfer_s: float = 0.0
-    num_cached_tokens: int = 0
-    num_chunks: int = 0
-    link_gbps: float = 0.0  # 0: not measured
-
-
-@dataclass
-class RequestTrace:
-    arrival_ns: int
-    root: trace.Span
-    """`duet.request`, open from arrival until `RequestTracing.finish`."""
-    attempts: list[AttemptTiming] = field(default_factory=list)
-
-
-def request_trace_metadata() -> tuple[tuple[str, str], ...]:
-    """gRPC metadata for a worker call made for the traced request of this context (its
-    `duet.request` span's context); empty when the request is not traced."""
-    traced = REQUEST_TRACE.get()
-    return trace_metadata(traced.root) if traced is not None else ()
+__all__ = ["RequestTracing", "otlp_tracer_provider", "traced_outputs"]
 
 
 class RequestTracing:

@@ -16,9 +16,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from duet.cluster.worker_pool import WorkerPool
 from duet.engine.spec_decode.speculator import SpecDecodeStats
 from duet.engine.stats import ITERATION_TOKEN_BUCKETS
-from duet.router.worker_pool import WorkerPool
 from duet.v1 import worker_pb2
 
 

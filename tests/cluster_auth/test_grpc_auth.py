@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from duet.cluster.decode_client import DecodeClient
+from duet.cluster.prefill_client import PrefillClient
 from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.decode_worker.server import start_decode_server
 from duet.prefill_worker.server import start_prefill_server
-from duet.router.decode_client import DecodeClient
-from duet.router.worker_client import PrefillClient
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from tests.cluster_auth.fake_worker import FakeWorker
 from tests.waiting import wait_for_async

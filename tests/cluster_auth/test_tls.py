@@ -15,10 +15,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from duet.cluster.decode_client import DecodeClient
 from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.tls import SERVER_NAME, load_internal_tls
 from duet.decode_worker.server import start_decode_server
-from duet.router.decode_client import DecodeClient
 from tests.cluster_auth.fake_worker import FakeWorker
 
 SECRET = ClusterSecret("tls-" + "e" * 40)

@@ -12,6 +12,7 @@ from collections import Counter
 import grpc
 import pytest
 
+from duet.cluster.decode_client import DecodeClient
 from duet.cluster_auth import ClusterSecret
 from duet.decode_worker import output_streams
 from duet.decode_worker.config import DecodeWorkerConfig
@@ -19,7 +20,6 @@ from duet.decode_worker.server import DecodeServicer
 from duet.decode_worker.worker import DecodeWorker
 from duet.engine import LLM, SamplingParams
 from duet.kv_transfer.local import LocalHub
-from duet.router.decode_client import DecodeClient
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from tests.waiting import wait_for_async
 

@@ -26,8 +26,8 @@ def cluster_spec(
     """A `ClusterSpec` serving `model` as "tiny" (local prefill up to 8 tokens, 16 sequences
     per decode worker); `spec` adds or overrides ClusterSpec fields (prefill_tp, kv_backend,
     gpus_per_worker)."""
+    from duet.cluster.config import ClusterConfig
     from duet.deploy.ray_cluster import ClusterSpec
-    from duet.router.cluster_engine import ClusterConfig
     from duet.router.server import RouterConfig
 
     return ClusterSpec(

@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
+from duet.cluster.prefill_client import PrefillClient
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.decode_worker.worker import DecodeWorker
 from duet.engine import LLM, SamplingParams
 from duet.engine.block_pool import hash_request_blocks
 from duet.kv_transfer import TransferStatus
-from duet.router.worker_client import PrefillClient
 from tests.net import free_port
 
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)

@@ -1,5 +1,5 @@
 """A disaggregated server for tests that drive it from the outside (a browser, HTTP): the
-`Cluster` of tests/router/test_cluster_engine.py (real prefill and decode workers, gRPC on
+`Cluster` of tests/cluster/test_cluster_engine.py (real prefill and decode workers, gRPC on
 loopback, no Ray) and `build_app` over its ClusterEngine, served by uvicorn, all on one event
 loop in a background thread."""
 
@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import uvicorn
 
 from duet.router.api_server import build_app
+from tests.cluster.test_cluster_engine import Cluster
 from tests.router.rest_server import API_KEY, MODEL_NAME
-from tests.router.test_cluster_engine import Cluster
 
 T = TypeVar("T")
 

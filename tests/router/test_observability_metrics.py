@@ -18,16 +18,16 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from duet.cluster.transfer_log import TransferRecord
 from duet.engine import AsyncEngine, SamplingParams
 from duet.prefill_worker.worker import PrefillRole, PrefillWorker
 from duet.router.api_server import build_app
 from duet.router.metrics import ServingMetrics
-from duet.router.transfer_log import TransferRecord
+from tests.cluster.test_cluster_engine import Cluster, prompts_of
 from tests.deploy.test_grafana_dashboard import (
     dashboard_metric_names as duet_dashboard_metric_names,
 )
 from tests.router.rest_server import MODEL_NAME, NUM_KV_BLOCKS, LiveServer
-from tests.router.test_cluster_engine import Cluster, prompts_of
 from tests.waiting import wait_for_async
 
 DASHBOARD = Path(__file__).parent.parent / "data" / "vllm_grafana_dashboard_queries.json"

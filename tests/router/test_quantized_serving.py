@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from duet.engine import LLM, SamplingParams
-from tests.router.test_cluster_engine import ENGINE, Cluster, _logprobs, prompts_of
+from tests.cluster.test_cluster_engine import ENGINE, Cluster, _logprobs, prompts_of
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

@@ -15,8 +15,8 @@ import uvicorn
 
 from duet.router.api_server import build_app
 from duet.session_store import SqliteWorkQueue
+from tests.cluster.test_cluster_engine import Cluster
 from tests.router.rest_server import closing
-from tests.router.test_cluster_engine import Cluster
 
 
 @pytest.mark.slow

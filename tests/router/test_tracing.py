@@ -18,8 +18,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from duet.kv_transfer import chunks
-from duet.router.tracing import REQUEST_TRACE, RequestTracing, otlp_tracer_provider
+from duet.router.tracing import RequestTracing, otlp_tracer_provider
 from duet.telemetry.otel import OTLP_ENDPOINT_ENV, worker_tracer_provider
+from duet.telemetry.request_trace import REQUEST_TRACE
 from tests.router.cluster_server import ClusterServer
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for

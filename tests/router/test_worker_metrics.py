@@ -15,8 +15,8 @@ from duet.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from duet.router.metrics import EngineStatsCollector, ServingMetrics
 from duet.router.worker_metrics import sum_spec_decode
 from duet.v1 import worker_pb2
+from tests.cluster.test_cluster_engine import ENGINE, Cluster
 from tests.router.rest_server import MODEL_NAME
-from tests.router.test_cluster_engine import ENGINE, Cluster
 from tests.router.test_observability_metrics import samples, value
 from tests.waiting import wait_for_async
 

@@ -1,6 +1,6 @@
 """One attempt of one sample on the cluster: a decode worker, and a prefill group unless the
 decode worker prefills it itself; its tokens streamed into the sample. What makes an attempt
-fail in a way another may not raises `RetryAttempt` (cluster_engine.py tries again)."""
+fail in a way another may not raises `RetryAttempt` (engine.py tries again)."""
 
 from __future__ import annotations
 
@@ -12,61 +12,19 @@ from dataclasses import dataclass
 
 import grpc
 
+from duet.cluster.config import ClusterConfig
+from duet.cluster.decode_client import DecodeStream
+from duet.cluster.prefill_client import PrefillOutcome
+from duet.cluster.transfer_log import TransferLog
+from duet.cluster.worker_pool import DecodeState, PrefillState, WorkerPool
 from duet.engine import InvalidInputError
 from duet.engine.async_engine import EngineDeadError
-from duet.engine.config import SCHEDULING_POLICIES
 from duet.engine.llm_engine import EngineStats
 from duet.engine.output_processor import OutputAssembler
 from duet.engine.outputs import SampleDelta, TokenLogprob
 from duet.engine.request import Request
 from duet.kv_transfer import TransferStatus
-from duet.router.decode_client import DecodeStream
-from duet.router.transfer_log import TransferLog
-from duet.router.worker_client import PrefillOutcome
-from duet.router.worker_pool import DecodeState, PrefillState, WorkerPool
 from duet.v1 import worker_pb2
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """How the router runs requests on the worker pools."""
-
-    local_prefill_threshold: int = 32
-    """Prompts with at most this many uncached tokens prefill on their decode worker."""
-    request_timeout_s: float = 600.0
-    """Longest a request may take, retries included."""
-    kv_wait_s: float = 90.0
-    """How long a decode worker waits for a request's KV (must exceed the prefill lease)."""
-    max_attempts: int = 4
-    """Attempts per sample before it fails."""
-    max_num_seqs_per_decode_worker: int = 128
-    """Admission capacity per decode worker (their `max_num_seqs`)."""
-    num_decode_workers: int = 1
-    """Decode workers expected (admission capacity before the first load reports)."""
-    poll_interval_s: float = 0.5
-    """How often each worker's load and health are polled."""
-    scheduling_policy: str = "fcfs"
-    """The workers' (their `EngineConfig.scheduling_policy`): with `priority`, a request's
-    priority reaches the prefill and decode workers' schedulers; with fcfs it is refused."""
-
-    def __post_init__(self) -> None:
-        if self.local_prefill_threshold < 0:
-            raise ValueError(
-                f"--local-prefill-threshold: must be >= 0; got {self.local_prefill_threshold}"
-            )
-        if not self.request_timeout_s > self.kv_wait_s > 0:
-            raise ValueError(
-                f"--request-timeout ({self.request_timeout_s}) must exceed --kv-wait "
-                f"({self.kv_wait_s}), which must be > 0"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"--scheduling-policy: must be one of {', '.join(SCHEDULING_POLICIES)}; "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts: must be >= 1; got {self.max_attempts}")
-
 
 PREFILL_ANSWER_GRACE_S = 2.0
 """How long a finished sample waits for its prefill worker's answer before cancelling it."""

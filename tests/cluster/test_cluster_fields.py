@@ -11,7 +11,7 @@ import pytest
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.llm_engine import LLMEngine
-from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
+from tests.cluster.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 
 def test_disaggregated_prompt_logprobs_equal_aggregated(tiny_llama: str) -> None:

@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from duet.cluster.config import ClusterConfig
+from duet.cluster.engine import ClusterEngine
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.decode_worker.server import start_decode_server
 from duet.decode_worker.worker import DecodeWorker
@@ -18,7 +20,6 @@ from duet.kv_transfer import chunks
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.server import start_prefill_server
 from duet.prefill_worker.worker import PrefillWorker
-from duet.router.cluster_engine import ClusterConfig, ClusterEngine
 from tests.waiting import wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

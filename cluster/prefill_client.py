@@ -13,7 +13,7 @@ from duet.engine import SamplingParams
 from duet.engine.outputs import PromptLogprob
 from duet.kv_transfer import TransferStatus
 from duet.prefill_worker.wire import prompt_logprobs_from_wire
-from duet.router.tracing import request_trace_metadata
+from duet.telemetry.request_trace import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
 
 _STATUSES = {

@@ -13,7 +13,7 @@ import re
 import jsonschema
 
 from duet.engine import LLM, SamplingParams, StructuredOutputsParams
-from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
+from tests.cluster.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 SCHEMA = {
     "type": "object",

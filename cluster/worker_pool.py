@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from duet.cluster.decode_client import DecodeClient
+from duet.cluster.prefill_client import PrefillClient
 from duet.engine.block_pool import BlockHash, hash_request_blocks
-from duet.router.decode_client import DecodeClient
-from duet.router.worker_client import PrefillClient
 from duet.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,10 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
+from duet.cluster.attempt import AttemptRunner, ClusterSample, RetryAttempt
+from duet.cluster.config import ClusterConfig
+from duet.cluster.transfer_log import TransferLog
+from duet.cluster.worker_pool import ClusterStats, WorkerPool
 from duet.engine import RequestOutput, SamplingParams
 from duet.engine.async_engine import EngineDeadError
 from duet.engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
@@ -39,11 +43,8 @@ from duet.engine.loader import open_model
 from duet.engine.output_processor import OutputAssembler
 from duet.engine.request import Request
 from duet.engine.tokenizer import Message, Tokenizer
-from duet.router.cluster_attempt import AttemptRunner, ClusterConfig, ClusterSample, RetryAttempt
-from duet.router.transfer_log import TransferLog
-from duet.router.worker_pool import ClusterStats, WorkerPool
 
-__all__ = ["ClusterConfig", "ClusterEngine"]
+__all__ = ["ClusterEngine"]
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from duet.engine import LLM, SamplingParams
-from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
+from tests.cluster.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 
 @pytest.mark.parametrize("where", ["prefill", "decode"])

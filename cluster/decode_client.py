@@ -19,12 +19,12 @@ from typing import Any
 
 import grpc
 
+from duet.cluster.prefill_client import CHANNEL_OPTIONS
 from duet.cluster_auth import ClusterSecret, load_cluster_secret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.cluster_auth.tls import internal_channel
 from duet.engine import SamplingParams
-from duet.router.tracing import request_trace_metadata
-from duet.router.worker_client import CHANNEL_OPTIONS
+from duet.telemetry.request_trace import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)

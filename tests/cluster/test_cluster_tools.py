@@ -13,7 +13,7 @@ import jsonschema
 
 from duet.engine import LLM, SamplingParams
 from duet.router.openai_tools import ChatTool, plan_tools
-from tests.router.test_cluster_engine import ENGINE, Cluster, prompts_of
+from tests.cluster.test_cluster_engine import ENGINE, Cluster, prompts_of
 
 WEATHER = {
     "type": "object",
