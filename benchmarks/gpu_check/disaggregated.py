@@ -1,8 +1,9 @@
 """`make gpu-check`'s one-device disaggregated step: a prefill worker and a decode worker as
 plain processes (`python -m duet.prefill_worker`, `python -m duet.decode_worker`; no Ray) on
 the same device, KV between them over the KV backend named by the check's `--kv-backend`, the
-router's `ClusterEngine` in this process sending every prompt through the prefill worker;
-greedy tokens of 16 prompts against the aggregated engine's on the same dummy weights.
+control plane's `ClusterEngine` (cluster/engine.py) in this process sending every prompt
+through the prefill worker; greedy tokens of 16 prompts against the aggregated engine's on the
+same dummy weights.
 
 Which backend can move KV between two processes' caches on one GPU: not `torch_dist` (NCCL
 refuses two ranks of one communicator on one device), not `tcp` (CPU caches only), not
@@ -117,7 +118,8 @@ async def _through_workers(
     timeout_s: float,
 ) -> tuple[list[list[int]], dict[str, int]]:
     """Every prompt through the router's cluster engine, prefilled remotely (threshold 0)."""
-    from duet.router.cluster_engine import ClusterConfig, ClusterEngine
+    from duet.cluster.config import ClusterConfig
+    from duet.cluster.engine import ClusterEngine
 
     cluster = ClusterEngine(
         str(model), ClusterConfig(local_prefill_threshold=0, poll_interval_s=0.05)
