@@ -67,13 +67,18 @@ GPU_TEST_FILES = (
     "tests/engine/test_triton_kernels.py",
     "tests/engine/test_triton_matmul.py",
     "tests/engine/test_triton_real_shapes.py",
+    "tests/kv_transfer/test_nixl_gpu.py",
     "tests/kv_transfer/test_torch_dist_probe.py",
     "tests/deploy/test_gpu_disaggregated.py",
+    "tests/deploy/test_gpu_nixl.py",
 )
 """Every test file with a `gpu`-marked test (a test checks the list): named, not found by
 collecting all of tests/, whose other modules import what a GPU machine need not carry (Ray,
 Helm's SDK, Selenium)."""
 DISAGGREGATED_TEST = "tests/deploy/test_gpu_disaggregated.py"
+RAY_TESTS = (DISAGGREGATED_TEST, "tests/deploy/test_gpu_nixl.py")
+"""GPU tests that start a local Ray cluster (and drive it with the openai client): the
+air-gapped runbook does not carry Ray, so these run only where it is installed."""
 QUICK_TESTS = ("tests/engine/test_loader.py", "tests/engine/test_triton_kernels.py")
 NCCL_PROBE_TIMEOUT_S = 3.0
 """The transfer timeout the probe's links run under (their watchdog: 4x)."""
@@ -125,16 +130,16 @@ def gpu_test_files(quick: bool, num_gpus: int) -> tuple[list[str], dict[str, str
     """The test files to run and those left out, each with its reason."""
     files = list(QUICK_TESTS if quick else GPU_TEST_FILES)
     left_out: dict[str, str] = {}
-    if DISAGGREGATED_TEST in files:
-        missing = [
-            m for m in ("ray", "helm_python", "openai") if importlib.util.find_spec(m) is None
-        ]
-        if num_gpus < 2:
-            left_out[DISAGGREGATED_TEST] = (
+    missing = [m for m in ("ray", "helm_python", "openai") if importlib.util.find_spec(m) is None]
+    for test in RAY_TESTS:
+        if test not in files:
+            continue
+        if test == DISAGGREGATED_TEST and num_gpus < 2:
+            left_out[test] = (
                 f"needs two GPUs (found {num_gpus}): NCCL refuses two ranks on one device"
             )
         elif missing:
-            left_out[DISAGGREGATED_TEST] = f"needs {', '.join(missing)}, not installed here"
+            left_out[test] = f"needs {', '.join(missing)}, not installed here"
     return [f for f in files if f not in left_out], left_out
 
 

@@ -5,11 +5,11 @@ control plane's `ClusterEngine` (cluster/engine.py) in this process sending ever
 through the prefill worker; greedy tokens of 16 prompts against the aggregated engine's on the
 same dummy weights.
 
-Which backend can move KV between two processes' caches on one GPU: not `torch_dist` (NCCL
-refuses two ranks of one communicator on one device), not `tcp` (CPU caches only), not
-`local` (one process). The NIXL backend (`kv_transfer/nixl/`, CUDA IPC over UCX) is being
-built for that; until it is registered the step reports itself skipped with that reason. On
-the CPU the same step runs over `tcp` (the tests)."""
+Which backend can move KV between two processes' caches on one GPU: `nixl` (kv_transfer/nixl/,
+UCX's CUDA IPC), the default; not `torch_dist` (NCCL refuses two ranks of one communicator on
+one device), not `tcp` (CPU caches only), not `local` (one process). Where a backend cannot run
+(or is not installed) the step reports itself skipped with the reason. On the CPU the same
+step runs over `tcp` and `nixl` (the tests)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from benchmarks.gpu_check.processes import Child, StepTimeout
 
 DEFAULT_BACKEND = "nixl"
 ONE_DEVICE_NOTE = (
-    "no backend in this tree moves CUDA KV between two processes on one device: torch_dist's "
-    "NCCL refuses two ranks of one communicator on one GPU, tcp takes CPU caches only, local "
-    "is in-process; the NIXL backend (kv_transfer/nixl/, CUDA IPC over UCX) is meant for it"
+    "only the nixl backend (kv_transfer/nixl/, UCX's CUDA IPC) moves CUDA KV between two "
+    "processes on one device: torch_dist's NCCL refuses two ranks of one communicator on one "
+    "GPU, tcp takes CPU caches only, local is in-process"
 )
 
 

@@ -91,9 +91,11 @@ def test_the_gpu_test_list_is_every_file_with_a_gpu_test():
     }
     assert set(gpu_check.GPU_TEST_FILES) == marked
     files, left_out = gpu_check.gpu_test_files(quick=False, num_gpus=1)
+    # Ray is installed here (make install), so only the two-GPU test is left out.
     assert gpu_check.DISAGGREGATED_TEST not in files and len(files) == len(marked) - 1
     assert left_out == {gpu_check.DISAGGREGATED_TEST: "needs two GPUs (found 1): NCCL refuses "
                         "two ranks on one device"}  # fmt: skip
+    assert "tests/deploy/test_gpu_nixl.py" in files
     assert gpu_check.gpu_test_files(quick=True, num_gpus=1) == (list(gpu_check.QUICK_TESTS), {})
 
 
@@ -177,12 +179,13 @@ def test_start_up_facts_from_the_serve_log():
 
 def test_disaggregated_step_needs_a_backend_that_pairs_processes_on_one_gpu(tmp_path: Path):
     cuda = torch.device("cuda", 0)
-    assert "kv backend 'nixl' is not registered here" in (backend_unavailable("nixl", cuda) or "")
+    assert backend_unavailable("nixl", cuda) is None  # the nixl extra: make install has it
     for name in ("torch_dist", "tcp"):
         assert "cannot pair two processes on one GPU" in (backend_unavailable(name, cuda) or "")
     assert backend_unavailable("tcp", CPU) is None
-    report = run_disaggregated(tmp_path, {"device": "cuda"}, "nixl", tmp_path, time.monotonic())
-    assert report["outcome"] == "skipped" and "NIXL backend" in report["detail"]
+    report = run_disaggregated(tmp_path, {"device": "cuda"}, "no_such", tmp_path, time.monotonic())
+    assert report["outcome"] == "skipped"
+    assert "kv backend 'no_such' is not registered here" in report["detail"]
 
 
 @pytest.mark.slow
@@ -204,13 +207,15 @@ def test_serving_step_on_a_tiny_dummy_model_on_the_cpu(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_disaggregated_step_over_tcp_on_the_cpu(tmp_path: Path):
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
+    """The step as the GPU runs it (nixl is its default there), on CPU caches."""
     model = write_dummy_model(tmp_path / "model", TINY)
     engine = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512}
-    report = run_disaggregated(model, engine, "tcp", tmp_path, time.monotonic() + 240)
+    report = run_disaggregated(model, engine, backend, tmp_path, time.monotonic() + 240)
     assert report["outcome"] == "passed", report
     assert (report["num_prompts"], report["num_equal"]) == (16, 16)
-    assert report["transfers"] == {"done": 16}  # every prompt's KV went over tcp
+    assert report["transfers"] == {"done": 16}  # every prompt's KV went over the backend
     assert report["worker_exit_codes"] == {"prefill": 0, "decode": 0}
 
 
