@@ -70,6 +70,7 @@ class LLMEngine:
         )  # fmt: skip
         self.model_name = loaded.name
         self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)
+        self.checkpoint_bytes_read = loaded.checkpoint_bytes_read  # this rank's slices only
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(
