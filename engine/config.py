@@ -64,7 +64,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """fcfs, or priority (lower `priority` value runs first, ties by arrival)."""
     tensor_parallel_size: int = 1
-    """Ranks one model is sharded across."""
+    """Ranks one model is sharded across, 1 to the model's query heads (docs/parallelism.md): an
+    engine started here runs rank 0 and starts the others as child processes."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0

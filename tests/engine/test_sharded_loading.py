@@ -43,11 +43,6 @@ def _check_ranks(source, world: int, full: dict[str, torch.Tensor]) -> list[int]
     return reads
 
 
-@pytest.fixture(scope="module")
-def smollm2_shaped(tiny_model_factory) -> str:
-    return tiny_model_factory("smollm2", **SMOLLM2_SHAPES)
-
-
 def _norm_bytes(full: dict[str, torch.Tensor]) -> int:
     return sum(t.nbytes for n, t in full.items() if n.endswith("norm.weight"))
 
@@ -69,7 +64,8 @@ def test_safetensors_ranks_read_the_checkpoint_once_between_them(
     assert total == sum(t.nbytes for t in full.values())
     reads = _check_ranks(source, world, full)
     norms = _norm_bytes(full)
-    # Only the norms are whole on every rank; at TP 4 > 3 KV heads, KV head 0 is on two.
+    # SmolLM2's shapes (conftest), untied: only the norms are whole on every rank; at TP 4
+    # > 3 KV heads, KV head 0 is on two.
     replicated_kv = _kv_bytes(full, source.arch) if world == 4 else 0
     assert sum(reads) == total + (world - 1) * norms + replicated_kv
     if world == 3:  # 3 KV groups over 3 ranks: 1/N each, but for 512 / 3 embedding rows

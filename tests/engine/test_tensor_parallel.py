@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from duet.engine import LLM, InvalidInputError, SamplingParams
+from duet.engine.config import EngineConfig
+from duet.engine.llm_engine import LLMEngine
 from tests.conftest import SMOLLM2_SHAPES
 from tests.net import free_port
 
@@ -154,6 +156,8 @@ def test_tp2_over_nccl_matches_tp1_on_cuda(tiny_llama, tmp_path):
 
 
 def test_tp_size_without_group_is_refused(tiny_llama):
+    """An engine built directly needs its group (LLM and AsyncEngine.from_config start one)."""
+    config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, load_progress=False)
     with pytest.raises(InvalidInputError) as info:
-        LLM(tiny_llama, tensor_parallel_size=2, load_progress=False)
+        LLMEngine(config)
     assert info.value.field == "tensor_parallel_size"
