@@ -197,7 +197,7 @@ def size_kv_pool(
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, tp.enabled)
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

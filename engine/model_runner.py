@@ -85,8 +85,8 @@ class ModelRunner:
         `enforce_eager=False` (the engine's default; True here for runners built directly,
         such as a draft model's) captures CUDA graphs for decode batches of up to
         `max_num_seqs` requests and `max_model_len` tokens (default: the model's context)
-        where they apply (`uses_decode_graphs`: CUDA, the Triton backend, no tensor
-        parallelism). Elsewhere it changes nothing.
+        where they apply (`uses_decode_graphs`: CUDA, the Triton backend; per rank with
+        tensor parallelism). Elsewhere it changes nothing.
         `deterministic`: the Triton decode kernel splits each request by its own length
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
@@ -121,7 +121,7 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if uses_decode_graphs(enforce_eager, device, self.use_triton, model.tp.enabled):
+        if uses_decode_graphs(enforce_eager, device, self.use_triton):
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
