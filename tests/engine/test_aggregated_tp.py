@@ -108,3 +108,29 @@ def test_a_lost_follower_fails_the_next_step(tiny_llama: str) -> None:
     with pytest.raises(RuntimeError):
         llm.generate([[5, 6, 7]], _greedy(4))
     llm.shutdown()
+
+
+def test_bf16_tp2_is_deterministic_run_to_run_and_batch_invariant(smollm2_shaped: str) -> None:
+    """docs/determinism.md at one layout: two TP=2 engines in bf16 (fresh ranks each) give the
+    same tokens and logprobs bit for bit, and a request alone equals it among others."""
+    g = torch.Generator().manual_seed(11)
+    others = [
+        torch.randint(3, 500, (int(n),), generator=g).tolist()
+        for n in torch.randint(2, 90, (7,), generator=g)
+    ]
+    request = torch.randint(3, 500, (300,), generator=g).tolist()  # two attention partitions
+    kwargs = dict(dtype="bfloat16", load_progress=False, num_kv_blocks=256,
+                  tensor_parallel_size=2)  # fmt: skip
+    runs = []
+    for _ in range(2):
+        llm = LLM(smollm2_shaped, **kwargs)
+        try:
+            assert llm.engine.deterministic
+            alone = llm.generate([request], _greedy(12))[0]
+            batched = llm.generate([*others[:3], request, *others[3:]], _greedy(12))
+        finally:
+            llm.shutdown()
+        assert batched[3].outputs[0].token_ids == alone.outputs[0].token_ids
+        assert batched[3].outputs[0].logprobs == alone.outputs[0].logprobs
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in batched])
+    assert runs[0] == runs[1]
