@@ -43,9 +43,10 @@ class EngineConfig:
     """On CUDA, when `num_kv_blocks` is None: fraction of the GPU's memory for weights,
     activations and the KV pool, which gets what a warm-up forward leaves."""
     enforce_eager: bool = False
-    """Run every step eagerly. False: on CUDA with the Triton kernels and one rank, decode-only
-    steps replay CUDA graphs captured at start-up per padded batch size (their pool counted in
-    the KV budget); the CPU, tensor parallelism and the torch backend run eagerly either way."""
+    """Run every step eagerly. False: on CUDA with the Triton kernels, decode-only steps replay
+    CUDA graphs captured at start-up per padded batch size (per rank with tensor parallelism,
+    the all-reduces inside; their pool counted in the KV budget); the CPU and the torch
+    backend run eagerly either way."""
     max_num_batched_tokens: int = 2048
     """Token budget of one scheduler step (prefill chunks + decodes)."""
     max_num_seqs: int = 128
@@ -64,7 +65,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """fcfs, or priority (lower `priority` value runs first, ties by arrival)."""
     tensor_parallel_size: int = 1
-    """Ranks one model is sharded across."""
+    """Ranks one model is sharded across, 1 to the model's query heads (docs/parallelism.md): an
+    engine started here runs rank 0 and starts the others as child processes."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0

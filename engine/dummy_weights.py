@@ -4,10 +4,12 @@ without one.
 
 The weights flow through `LlamaForCausalLM.load_weights` as a checkpoint's would, under HF's
 names and full shapes, so tensor-parallel sharding and load-time quantization apply unchanged.
-Each tensor is made on the device in the model's dtype from a generator seeded by its name:
-the same config gives the same weights in every process, at any tensor-parallel size (a rank
-narrows the full tensor, as it narrows a checkpoint's), which lets an aggregated engine and
-disaggregated workers be compared token for token.
+Each element is a function of the tensor's name and the element's index in the full tensor
+(a counter-based hash, as `engine.random` draws tokens), computed on the device in the model's
+dtype: the same config gives the same weights in every process, and a tensor-parallel rank
+makes only its own slice of each tensor, the same values the full tensor has there. So an
+aggregated engine, disaggregated workers and every TP layout can be compared token for token,
+and no rank spends time or memory on the other ranks' shards.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from collections.abc import Iterator
 import torch
 
 from duet.engine.model import ModelArchConfig
+from duet.engine.parallel import TensorSlice
 from duet.engine.tokenizer import Tokenizer
+from duet.engine.weight_files import SelectSlice
 
 INIT_STD = 0.02
 """Standard deviation of the random matrices (HF's default `initializer_range`): with the
@@ -26,6 +30,10 @@ RMSNorms at 1 the activations stay in range, and distinct logits keep greedy cho
 SEED = 0x5EED
 """Fixed, so that every process makes the same weights (not `EngineConfig.seed`, which seeds
 sampling and would change the model with it)."""
+_CHUNK_ELEMENTS = 1 << 22
+"""Elements hashed at once: bounds the int64 temporaries (~100 MiB) whatever the tensor."""
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 DUMMY_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
@@ -66,23 +74,83 @@ def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]
 
 
 def dummy_weights(
-    arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    select: SelectSlice | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`(HF name, tensor)` for every weight of `arch`, one at a time, made on `device` in
-    `dtype`: norms 1, biases 0, matrices normal(0, INIT_STD) from a generator seeded by the
-    name (see the module's docstring). The caller drops each once placed, so at most one is
-    alive beside the model."""
+    `dtype`: norms 1, biases 0, matrices normal(0, INIT_STD) seeded by the name (see the
+    module's docstring). `select`: the slice of each tensor to make (a tensor-parallel rank's;
+    None: whole). The caller drops each once placed, so at most one is alive beside the
+    model."""
     for name, shape in hf_weight_shapes(arch):
-        tensor = torch.empty(shape, dtype=dtype, device=device)
+        part = select(name, shape) if select is not None else None
+        out_shape = list(shape)
+        if part is not None:
+            out_shape[part.dim] = part.end - part.start
+        tensor = torch.empty(out_shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         elif name.endswith(".bias"):
             tensor.zero_()
         else:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(SEED ^ zlib.crc32(name.encode()))
-            tensor.normal_(0.0, INIT_STD, generator=generator)
+            _fill_normal(tensor, shape, part, SEED ^ zlib.crc32(name.encode()))
         yield name, tensor
+
+
+def _fill_normal(
+    out: torch.Tensor, shape: tuple[int, ...], part: TensorSlice | None, seed: int
+) -> None:
+    """Fill `out` (the slice `part` of a tensor of `shape`) with normal(0, INIT_STD) values,
+    element i of the full tensor from splitmix64(seed, i) by Box-Muller, a chunk of rows at
+    a time."""
+    rows, cols = shape[0], (shape[1] if len(shape) > 1 else 1)
+    r0, r1, c0, c1 = 0, rows, 0, cols
+    if part is not None and part.dim == 0:
+        r0, r1 = part.start, part.end
+    elif part is not None:
+        c0, c1 = part.start, part.end
+    flat = out.view(r1 - r0, c1 - c0)
+    device = out.device
+    col_index = torch.arange(c0, c1, dtype=torch.int64, device=device)
+    base = _signed(_mix64_int((seed + _GOLDEN) & _MASK64))
+    step = max(1, _CHUNK_ELEMENTS // max(1, c1 - c0))
+    for lo in range(r0, r1, step):
+        hi = min(r1, lo + step)
+        row_index = torch.arange(lo, hi, dtype=torch.int64, device=device)
+        index = row_index[:, None] * cols + col_index[None, :]  # [rows, cols] in the full tensor
+        z = _mix64(index * _signed(_GOLDEN) + base)
+        u1 = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) / (1 << 24)  # (0, 1)
+        u2 = (((z >> 16) & 0xFFFFFF).to(torch.float32) + 0.5) / (1 << 24)
+        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * torch.pi) * u2)
+        flat[lo - r0 : hi - r0].copy_(normal * INIT_STD)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as the int64 torch stores it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _mix64_int(z: int) -> int:
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's `>>` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    return z ^ _shr(z, 31)
 
 
 def byte_level_tokenizer(vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:

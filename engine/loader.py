@@ -23,7 +23,7 @@ from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.tokenizer import Tokenizer
-from duet.engine.weight_files import count_tensors, iter_tensors
+from duet.engine.weight_files import ReadStats, SelectSlice, count_tensors, iter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class LoadedModel:
     name: str  # what users call it (served model id)
     linears_batch_invariant: bool = False  # each row's bits independent of the batch (probed)
     weight_bytes: int = 0  # parameters and quantized weights this rank holds (tied head once)
+    checkpoint_bytes_read: int = 0  # of the checkpoint, by this rank (its slices only)
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -61,6 +62,12 @@ def resolve_model_path(model: str | None) -> str:
         ) from e
 
 
+WeightSource = Callable[[SelectSlice | None, ReadStats | None], Iterator[tuple[str, torch.Tensor]]]
+QuantizedWeightSource = Callable[
+    [SelectSlice | None, ReadStats | None], Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
+]
+
+
 @dataclass
 class ModelSource:
     """A model's architecture, tokenizer and name, and its weights not yet read."""
@@ -69,11 +76,12 @@ class ModelSource:
     tokenizer: Tokenizer
     name: str
     rope_freqs: torch.Tensor | None
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    weights: WeightSource
+    """(select, stats) -> every weight, each cut to `select(name, shape)` where that is not
+    None (a tensor-parallel rank's slice: only it is read), the bytes read counted in
+    `stats`."""
     count_tensors: Callable[[], int]
-    quantized_weights: Callable[[], Iterator[tuple[str, torch.Tensor | QuantizedWeight]]] | None = (
-        None
-    )
+    quantized_weights: QuantizedWeightSource | None = None
     """GGUF only: the weights with the file's quantized tensors kept quantized (repacked)."""
 
 
@@ -133,7 +141,7 @@ def open_model(
             tokenizer,
             name,
             None,
-            lambda: iter_tensors(_safetensors_files(path)),
+            lambda select, stats: iter_tensors(_safetensors_files(path), select, stats),
             lambda: count_tensors(_safetensors_files(path)),
         )
     raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
@@ -157,18 +165,21 @@ def load_model(
     weights made on the device (engine/dummy_weights.py)."""
     source = open_model(model, tokenizer_path, hf_overrides, load_format)
     arch, name = source.arch, source.name
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
+    # Each rank reads (or, dummy, makes) only the slices it holds.
+    select = net.weight_slice if tp.enabled else None
+    stats = ReadStats()
     if quantization is not None and quantization.method == "gguf":
         if source.quantized_weights is None or load_format == "dummy":
             raise InvalidInputError(
                 "quantization", "gguf keeps a GGUF file's quantized tensors; this model is not one"
             )
-        weights: Iterator[tuple[str, Any]] = source.quantized_weights()
+        weights: Iterator[tuple[str, Any]] = source.quantized_weights(select, stats)
     elif load_format == "dummy":
-        weights = dummy_weights(arch, dtype, device)
+        weights = dummy_weights(arch, dtype, device, select)
     else:
-        weights = source.weights()
-    with torch.device("meta"):
-        net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
+        weights = source.weights(select, stats)
     # Built on meta so no time goes into random init, and cast there, so that the parameters
     # are allocated once, in `dtype` (casting after `to_empty` held the whole model in fp32
     # beside its cast). The rope tables (fp32) are then made for real.
@@ -204,7 +215,7 @@ def load_model(
         use_dense_kernel_fp32(net)  # CPU fp32: faster than MKL's at most row counts
         invariant = False
     num_bytes = log_weight_bytes(net, name, quantization)
-    return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes)
+    return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes, stats.num_bytes)
 
 
 def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
@@ -287,7 +298,9 @@ def _open_dummy(
         tokenizer = byte_level_tokenizer(arch.vocab_size, arch.eos_token_ids)
     shapes = hf_weight_shapes(arch)
 
-    def no_checkpoint() -> Iterator[tuple[str, torch.Tensor]]:
+    def no_checkpoint(
+        select: SelectSlice | None, stats: ReadStats | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError("load_format dummy reads no checkpoint; its weights are made")
 
     name = os.path.basename(os.path.normpath(path))

@@ -19,12 +19,24 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from duet.engine.errors import ModelLoadError
+from duet.engine.parallel import TensorSlice
+
+SelectSlice = Callable[[str, tuple[int, ...]], TensorSlice | None]
+"""(tensor name, full shape) -> the part of it to read (None: all of it)."""
+
+
+@dataclass
+class ReadStats:
+    """Checkpoint bytes a loader read from disk (what a tensor-parallel rank's test counts)."""
+
+    num_bytes: int = 0
+
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -106,32 +118,67 @@ def count_tensors(files: list[str]) -> int:
     return sum(len(read_header(f)) for f in files)
 
 
-def iter_tensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    files: list[str], select: SelectSlice | None = None, stats: ReadStats | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """`(name, tensor)` for every tensor of `files`, each a fresh CPU tensor read from disk
-    that nothing else references (the caller drops it once placed)."""
+    that nothing else references (the caller drops it once placed). `select`: the part of
+    each tensor to read (a tensor-parallel rank's rows or columns; only those bytes are read,
+    so N ranks read the checkpoint once between them); `stats` counts the bytes read."""
     for path in files:
         entries = read_header(path)
         with io.FileIO(path, "r") as f:
             for entry in entries:
-                yield entry.name, _read(f, path, entry)
+                part = select(entry.name, entry.shape) if select is not None else None
+                tensor = _read(f, path, entry, part)
+                if stats is not None:
+                    stats.num_bytes += tensor.nbytes
+                yield entry.name, tensor
 
 
-def _read(f: io.FileIO, path: str, entry: TensorEntry) -> torch.Tensor:
-    if entry.num_bytes == 0:
-        return torch.empty(entry.shape, dtype=entry.dtype)
+def _read(f: io.FileIO, path: str, entry: TensorEntry, part: TensorSlice | None) -> torch.Tensor:
+    shape = list(entry.shape)
+    if part is not None:
+        if not 0 <= part.start <= part.end <= shape[part.dim]:
+            raise ModelLoadError(
+                f"{path}: tensor {entry.name!r} {shape} has no [{part.start}, {part.end}) along "
+                f"dimension {part.dim}"
+            )
+        shape[part.dim] = part.end - part.start
+    numel = 1
+    for x in shape:
+        numel *= x
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    num_bytes = numel * itemsize
+    if num_bytes == 0:
+        return torch.empty(shape, dtype=entry.dtype)
     # NOTE: an anonymous mapping of its own, not torch's allocator: the CPU engine tells glibc
     # to keep freed memory in its heap (engine/cpu_runtime.py), where buffers of a hundred
     # sizes left holes that kept ~15% of the model resident after loading; a mapping is
     # returned to the system as soon as the tensor that holds it is dropped.
-    region = mmap.mmap(-1, entry.num_bytes)
+    region = mmap.mmap(-1, num_bytes)
     buf = torch.frombuffer(region, dtype=torch.uint8)
     view = memoryview(region)
-    f.seek(entry.begin)
+    # Byte runs to read: the whole tensor, a block of rows, or one run per row (columns).
+    outer = 1
+    for x in entry.shape[: part.dim if part is not None else 0]:
+        outer *= x
+    inner_bytes = num_bytes // outer  # what each outer index contributes
+    stride = entry.num_bytes // outer  # its bytes in the file
+    skip = 0 if part is None else inner_bytes // (part.end - part.start) * part.start
+    for i in range(outer):
+        _read_into(
+            f, path, entry, entry.begin + i * stride + skip, view[i * inner_bytes :][:inner_bytes]
+        )
+    # NOTE: safetensors data is little-endian, as every CPU torch runs on here is.
+    return buf.view(entry.dtype).reshape(shape)
+
+
+def _read_into(f: io.FileIO, path: str, entry: TensorEntry, offset: int, view: memoryview) -> None:
+    f.seek(offset)
     done = 0
-    while done < entry.num_bytes:
+    while done < len(view):
         n = f.readinto(view[done:])
         if not n:
             raise ModelLoadError(f"{path}: ends inside tensor {entry.name!r}")
         done += n
-    # NOTE: safetensors data is little-endian, as every CPU torch runs on here is.
-    return buf.view(entry.dtype).reshape(entry.shape)

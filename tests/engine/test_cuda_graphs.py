@@ -76,11 +76,10 @@ def test_buckets_and_padded_sizes() -> None:
 
 def test_graphs_by_default_on_cuda_only() -> None:
     assert EngineConfig().enforce_eager is False
-    assert uses_decode_graphs(False, CUDA, use_triton=True, tp_enabled=False)
-    assert not uses_decode_graphs(True, CUDA, use_triton=True, tp_enabled=False)  # opt-out
-    assert not uses_decode_graphs(False, CPU, use_triton=True, tp_enabled=False)  # CPU: eager
-    assert not uses_decode_graphs(False, CUDA, use_triton=False, tp_enabled=False)  # torch path
-    assert not uses_decode_graphs(False, CUDA, use_triton=True, tp_enabled=True)  # TP
+    assert uses_decode_graphs(False, CUDA, use_triton=True)  # at any TP size: per rank
+    assert not uses_decode_graphs(True, CUDA, use_triton=True)  # opt-out
+    assert not uses_decode_graphs(False, CPU, use_triton=True)  # CPU: eager
+    assert not uses_decode_graphs(False, CUDA, use_triton=False)  # torch path
 
 
 def test_cpu_engine_runs_eagerly_by_default(tiny_llama: str) -> None:
@@ -163,3 +162,25 @@ def test_steps_with_a_prefill_chunk_run_eagerly(tiny_llama: str, faked_cuda: Eag
         ([1], True), ([1], True), ([1], True), ([1], True),  # the long one alone: bucket 1
     ]  # fmt: skip
     assert graphs.num_replays == 7
+
+
+def test_tp2_ranks_replay_the_same_graphs_and_give_eager_tokens(
+    tiny_llama: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two gloo ranks capture their graphs with the all-reduces inside (the stand-in capture,
+    tp_rank.py's DUET_TEST_EAGER_GRAPHS): the same buckets, the same replayed steps on both,
+    and TP=1's eager tokens."""
+    from tests.engine.test_tensor_parallel import _run_ranks
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 30)]
+    engine = {k: v for k, v in ENGINE.items() if k not in ("load_progress", "device")}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    want = [o.token_ids for o in LLM(tiny_llama, **ENGINE, enforce_eager=True).generate(
+        prompts, params)]  # fmt: skip
+    monkeypatch.setenv("DUET_TEST_EAGER_GRAPHS", "1")
+    ranks = _run_ranks(tiny_llama, tmp_path, prompts, engine=engine)
+    for r in ranks:
+        assert r["tokens"] == want
+        assert r["graph_buckets"] == [1, 2, 4]
+        # step 1 prefills the three prompts; the other 15 decode all three (bucket 4)
+        assert r["graph_replays"] == 15

@@ -22,7 +22,7 @@ from duet.engine.kv_sizing import (
     plan_gpu_kv_blocks,
     size_kv_pool,
 )
-from duet.engine.parallel import SINGLE
+from duet.engine.parallel import SINGLE, head_shard
 from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 from duet.prefill_worker.config import PrefillWorkerConfig
 
@@ -44,7 +44,8 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
     config = SimpleNamespace(
         num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads
     )
-    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE)
+    heads = head_shard(num_heads, num_kv_heads, 1, 0)
+    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads)
 
 
 @pytest.fixture

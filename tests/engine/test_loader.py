@@ -201,7 +201,7 @@ def test_dummy_model_uses_the_folders_tokenizer(tiny_llama: str) -> None:
     source = open_model(tiny_llama, load_format="dummy")
     assert source.tokenizer.encode("hello") == open_model(tiny_llama).tokenizer.encode("hello")
     with pytest.raises(ModelLoadError, match="reads no checkpoint"):
-        source.weights()
+        source.weights(None, None)
     dummy = load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
                        load_format="dummy")  # fmt: skip
     real = load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False)
