@@ -103,6 +103,8 @@ class RouterConfig:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag}: must be in [0, 65535]; got {port}")
+        if self.port == self.grpc_port != 0:  # else the second server fails after the model loads
+            raise ValueError(f"--grpc-port: must differ from --port (both {self.port})")
         if not self.max_queue_wait_s > 0:
             raise ValueError(f"--max-queue-wait: must be > 0; got {self.max_queue_wait_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
