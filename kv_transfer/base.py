@@ -19,7 +19,7 @@ Invariants:
   landed into the reserved blocks, and write a small acknowledgement into a socket's buffer.
 - Every transfer the sender opened is reported exactly once by the sender's `poll`; every
   `expect` exactly once by the receiver's `poll`.
-- Ownership (DESIGN.md, "Timeouts and ownership of KV blocks"): the sender keeps its blocks
+- Ownership (docs/ARCHITECTURE.md, "KV block ownership"): the sender keeps its blocks
   until `poll` reports the transfer DONE (the receiver acknowledged) or FAILED/ABORTED, and no
   backend thread reads them after that report; the receiver owns the blocks it reserved from
   `expect` until its `poll` reports the outcome, and frees them on failure or abort. After the

@@ -9,7 +9,7 @@ happen before that report:
 - the backend has let go of the blocks (`release`: no thread of it reads them any more), so
   the caller never frees blocks under a send.
 
-The hold lease (DESIGN.md, "Timeouts and ownership of KV blocks") starts at `release`: a
+The hold lease (docs/ARCHITECTURE.md, "KV block ownership") starts at `release`: a
 transfer that is released but not acknowledged within `ack_timeout_s` is FAILED (retryable)
 by `poll`, whatever the peer does. A transfer that never opened (its receiver unreachable:
 `reach`) is reported as is (`report`).
