@@ -52,11 +52,12 @@ from duet.cluster.prefill_client import PrefillOutcome
 from duet.cluster.sample import ClusterSample
 from duet.cluster.transfer_log import TransferHandle, TransferLog
 from duet.cluster.worker_pool import DecodeState, PrefillState, WorkerPool
-from duet.engine import InvalidInputError, SamplingParams
+from duet.engine import InvalidInputError
 from duet.engine.async_engine import EngineDeadError
 from duet.engine.llm_engine import EngineStats
 from duet.kv_transfer import TransferStatus
 from duet.v1 import worker_pb2
+from duet.wire.sampling import sampling_to_proto
 
 PREFILL_ANSWER_GRACE_S = 2.0
 """How long a finished sample waits for its prefill worker's answer before cancelling it."""
@@ -124,7 +125,8 @@ class AttemptRunner:
         )
         route = Route(decode, None if local or pick is None else pick[0], uncached)
         transfer_id = f"{request.request_id}@{attempt}"
-        await Attempt(self, sample, route, transfer_id, ids, params, deadline, updates).run()
+        wire = sampling_to_proto(params)  # InvalidInputError here: the request's, no retry
+        await Attempt(self, sample, route, transfer_id, ids, wire, deadline, updates).run()
 
     def settle(self, failure: Failure, worker: PrefillState | DecodeState) -> Exception:
         """What ends the attempt for `failure` on `worker`, once its outcome's mark on the
@@ -152,7 +154,7 @@ class Attempt:
         route: Route,
         transfer_id: str,
         prompt_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         deadline: float,
         updates: asyncio.Queue[BaseException | None],
     ) -> None:
@@ -175,7 +177,7 @@ class Attempt:
         self._transfer: TransferHandle | None = None
         self._accounting = ExitStack()
         self._held: list[worker_pb2.OutputDelta] | None = (
-            [] if params.prompt_logprobs is not None else None
+            [] if params.HasField("prompt_logprobs") else None
         )
         """Deltas waiting for the prompt logprobs (None: nothing waits for them)."""
 

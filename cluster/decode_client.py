@@ -23,7 +23,6 @@ from duet.cluster.prefill_client import CHANNEL_OPTIONS
 from duet.cluster_auth import ClusterSecret, load_cluster_secret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.cluster_auth.tls import internal_channel
-from duet.engine import SamplingParams
 from duet.telemetry.request_trace import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
 
@@ -172,7 +171,7 @@ class DecodeClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         kv_wait_s: float,
         timeout_s: float,
         num_replayed: int = 0,
@@ -189,7 +188,7 @@ class DecodeClient:
                 worker_pb2.DecodeRemoteRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
-                    sampling_params_json=params.to_json(),
+                    sampling=params,
                     kv_wait_s=kv_wait_s,
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
@@ -210,7 +209,7 @@ class DecodeClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         timeout_s: float,
         num_replayed: int = 0,
         priority: int = 0,
@@ -224,7 +223,7 @@ class DecodeClient:
                 worker_pb2.LocalGenerateRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
-                    sampling_params_json=params.to_json(),
+                    sampling=params,
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
                     priority=priority,

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from duet.engine.llm_engine import EngineStats
 from duet.engine.output_processor import OutputAssembler
-from duet.engine.outputs import SampleDelta, TokenLogprob
 from duet.engine.request import Request
 from duet.v1 import worker_pb2
+from duet.wire.deltas import sample_delta_of
 
 
 @dataclass
@@ -34,17 +34,12 @@ class ClusterSample:
             stats.prefix_cache_hits += delta.num_cached_tokens
         if not delta.token_ids and not delta.finish_reason:
             return False
-        stop_token = None
-        if delta.finish_reason and delta.WhichOneof("stop_reason") == "stop_token_id":
-            request.stop_reason = stop_token = delta.stop_token_id
-        logprobs: list[TokenLogprob | None] = [
-            (lp.sampled.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in delta.logprobs
-        ]
+        step = sample_delta_of(delta, self.index)
+        if step.stop_reason is not None:
+            request.stop_reason = step.stop_reason
         tokens = self.assembler.samples[self.index].token_ids
         before = len(tokens)
-        finish = delta.finish_reason or None
-        ids = list(delta.token_ids)
-        self.assembler.add_sample(SampleDelta(self.index, ids, logprobs, finish, stop_token))
+        self.assembler.add_sample(step)
         for token in tokens[before:]:  # up to a stop string's last token
             request.append_output_token(token)
         stats.num_generated_tokens += len(tokens) - before

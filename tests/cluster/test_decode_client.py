@@ -12,6 +12,7 @@ from duet.cluster.decode_client import DecodeClient
 from duet.cluster_auth import ClusterSecret
 from duet.engine import SamplingParams
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.sampling import sampling_to_proto
 from tests.waiting import wait_for_async
 
 SECRET = ClusterSecret("reserve-" + "d" * 40)
@@ -62,7 +63,8 @@ def run(servicer, scenario):
 
 
 def _reserve(client: DecodeClient, timeout_s: float = 60.0):
-    return client.reserve("r1@1", [1, 2, 3], SamplingParams(max_tokens=2), 30.0, timeout_s)
+    params = sampling_to_proto(SamplingParams(max_tokens=2))
+    return client.reserve("r1@1", [1, 2, 3], params, 30.0, timeout_s)
 
 
 @pytest.mark.parametrize("how", ["cancelled", "deadline"])
