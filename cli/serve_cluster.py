@@ -12,7 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from duet.cli.engine_flags import fail_on_field
+from duet.cli.engine_flags import fail_on_field, parse_bytes
 from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
 
@@ -74,10 +74,17 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="how long a decode worker waits for a request's KV",
     )  # fmt: skip
     g.add_argument(
-        "--kv-backend", choices=("auto", "tcp", "torch_dist"), default="auto",
+        "--kv-backend", choices=("auto", "tcp", "torch_dist", "nixl"), default="auto",
         help="how KV blocks move from prefill to decode workers: tcp (CPU caches, straight "
-        "between the caches), torch_dist (gloo on CPU, NCCL on GPU); auto: tcp on CPU, "
-        "torch_dist on GPU",
+        "between the caches), torch_dist (gloo on CPU, NCCL on GPU), nixl (cache to cache over "
+        "UCX: RDMA, CUDA IPC, shared memory; DUET_KV_NIXL_MODE=push to write instead of read); "
+        "auto: tcp on CPU, torch_dist on GPU",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-staging-memory", type=parse_bytes, default=None, metavar="BYTES",
+        help="the staging pool each prefill rank and decode worker streams torch_dist and tcp "
+        "transfers through (e.g. 256MiB, the default): a transfer of any length uses at most "
+        "this much; on a GPU the KV pool leaves room for it",
     )  # fmt: skip
     g.add_argument(
         "--gpus-per-worker", type=float, default=None,
@@ -135,6 +142,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         served_model_name=args.served_model_name,
         gpus_per_worker=args.gpus_per_worker or 0.0,
         kv_backend=args.kv_backend,
+        kv_staging_bytes=args.kv_staging_memory,
     )
 
 
@@ -179,6 +187,8 @@ def check_worker_configs(
         try:
             config_cls.from_kwargs(**spec.worker_config(role))
         except InvalidInputError as e:
+            if e.field == "kv_staging_bytes":  # a worker config's field, not an engine flag
+                parser.error(f"--kv-staging-memory: {e.message}")
             fail_on_field(parser, e)
     return spec
 
@@ -189,8 +199,9 @@ def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
     refuses two ranks of one communicator on one device. `ValueError` names the flags."""
     import torch
 
-    if spec.engine.get("device", "auto") == "cpu" or spec.kv_backend == "tcp":
-        return  # CPU caches: KV moves over tcp or gloo
+    if spec.engine.get("device", "auto") == "cpu" or spec.kv_backend in ("tcp", "nixl"):
+        return  # CPU caches: KV moves over tcp or gloo; nixl moves it between two processes
+        # on one GPU too (UCX's CUDA IPC)
     if not torch.cuda.is_available():
         return
     ways_out = (

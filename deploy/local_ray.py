@@ -13,13 +13,14 @@ from duet.deploy.ray_cluster import NAMESPACE, ClusterSpec
 
 FORWARDED_ENV = (
     "DUET_KV_EMULATE_NCCL",
+    "DUET_KV_NIXL_MODE",
     "DUET_BIND_HOST",
     "DUET_INTERNAL_TLS_CERT",
     "DUET_INTERNAL_TLS_KEY",
     "DUET_INTERNAL_TLS_CA",
 )
 """Read by every worker process: the KV transfer's NCCL emulation (both sides of a channel
-must agree, or its handshake refuses it), where workers listen (deploy/ray_actors.py) and the
+must agree, or its handshake refuses it), the nixl backend's pull or push mode, where workers listen (deploy/ray_actors.py) and the
 internal plane's mTLS files (cluster_auth/tls.py)."""
 
 

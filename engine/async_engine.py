@@ -17,8 +17,10 @@ from duet.engine.config import EngineConfig
 from duet.engine.core import AbortRequest, AddRequest, EngineCore, EngineDeadError, EngineRole
 from duet.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
+from duet.engine.parallel import SINGLE
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.tokenizer import Message, Tokenizer
+from duet.engine.tp_group import TPGroup, rank_config
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -29,19 +31,35 @@ class AsyncEngine:
         engine: LLMEngine | Callable[[], LLMEngine],
         role: EngineRole | None = None,
         name: str = "engine",
+        group: TPGroup | None = None,
     ) -> None:
         """`engine`: the engine, or (in serving processes, see `EngineCore`) a function that
         builds it on the engine thread; returns once it is built. `role`: what runs around
-        each step (default: aggregated generation)."""
-        self.core = EngineCore(engine, role, name=name)
-        self.core.wait_ready()
+        each step (default: aggregated generation). `group`: the tensor-parallel ranks this
+        process leads as rank 0 (`TPGroup.start`), stopped with the engine."""
+        self.group = group
+        tp = group.tp if group is not None else SINGLE
+        control = group.control_group if group is not None else None
+        self.core = EngineCore(engine, role, name=name, tp=tp, control_group=control)
+        try:
+            self.core.wait_ready()
+        except BaseException:
+            if group is not None:
+                group.close(timeout_s=0.0)  # the followers cannot finish loading
+            raise
         self.engine = self.core.engine
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None, **kwargs: Any) -> AsyncEngine:
-        """An engine built on its own thread (the only thread that runs its CPU kernels)."""
-        config = config or EngineConfig.from_kwargs(**kwargs)
-        return cls(lambda: LLMEngine(config))
+        """An engine built on its own thread (the only thread that runs its CPU kernels).
+        With `tensor_parallel_size` N > 1 this process is rank 0 and ranks 1..N-1 start as
+        child processes (engine/tp_group.py)."""
+        given = config or EngineConfig.from_kwargs(**kwargs)
+        if given.tensor_parallel_size == 1:
+            return cls(lambda: LLMEngine(given))
+        ranked = rank_config(given)
+        group = TPGroup.start(ranked)
+        return cls(lambda: LLMEngine(ranked, group.tp), group=group)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -131,5 +149,8 @@ class AsyncEngine:
         self.core.submit(AbortRequest(request_id))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread; in-flight streams end with `EngineDeadError`."""
+        """Stop the engine thread (and the follower ranks); in-flight streams end with
+        `EngineDeadError`."""
         self.core.shutdown(timeout_s)
+        if self.group is not None:
+            self.group.close()

@@ -32,8 +32,10 @@ from tokenizers import Tokenizer
 
 from duet.engine.errors import ModelLoadError
 from duet.engine.gguf_tokenizer import GGUFTokenizer
+from duet.engine.parallel import TensorSlice
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
+from duet.engine.weight_files import ReadStats, SelectSlice
 
 logger = logging.getLogger(__name__)
 
@@ -304,28 +306,37 @@ class GGUFModel:
             "(only dense Llama/Qwen2/Qwen3 decoder weights are supported)"
         )
 
-    def _dequantize(self, tensor: gguf.ReaderTensor) -> torch.Tensor:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    def _dequantize(
+        self, tensor: gguf.ReaderTensor, data: np.ndarray | None = None
+    ) -> torch.Tensor:
+        array = gguf.quants.dequantize(
+            tensor.data if data is None else np.ascontiguousarray(data), tensor.tensor_type
+        )
         # NOTE: copy: for F32 this is a view of the read-only mmap.
         return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        self, select: SelectSlice | None = None, stats: ReadStats | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, fp32 tensor)` for every weight, one at a time, in file order.
 
         Shapes are HF's: [out_features, in_features] for linears. For GGUF arch "llama" the q/k
-        rows are put back in HF's rotate_half order (see `_unpermute_rope_rows`).
-        """
-        for name, weight in self._weights(keep_quantized=False):
+        rows are put back in HF's rotate_half order (see `_unpermute_rope_rows`). `select`,
+        `stats`: as `engine.weight_files.iter_tensors` (`_slice_data` says which slices are
+        read alone)."""
+        for name, weight in self._weights(False, select, stats):
             assert isinstance(weight, torch.Tensor)
             yield name, weight
 
-    def quantized_weights(self) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    def quantized_weights(
+        self, select: SelectSlice | None = None, stats: ReadStats | None = None
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """As `weights()`, but a 2-D Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensor comes repacked into a duet
         format (engine/quant/gguf_repack.py); other types are dequantized (logged once each)."""
-        return self._weights(keep_quantized=True)
+        return self._weights(True, select, stats)
 
     def _weights(
-        self, keep_quantized: bool
+        self, keep_quantized: bool, select: SelectSlice | None, stats: ReadStats | None
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         num_heads = self.hf_config["num_attention_heads"]
         num_kv_heads = self.hf_config["num_key_value_heads"]
@@ -334,20 +345,25 @@ class GGUFModel:
             hf_name = self._hf_names[gguf_name]
             if hf_name is None:
                 continue
+            shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # HF order
+            part = select(hf_name, shape) if select is not None else None
+            data = _slice_data(tensor, part)
+            if stats is not None:
+                stats.num_bytes += data.nbytes
             weight: torch.Tensor | QuantizedWeight
             qtype = tensor.tensor_type
             if keep_quantized and len(tensor.shape) == 2 and qtype in REPACKED_TYPES:
-                weight = repack(tensor.data, qtype)
+                weight = repack(np.ascontiguousarray(data), qtype)
             else:
                 if keep_quantized and qtype.name not in dequantized and len(tensor.shape) == 2:
                     dequantized.add(qtype.name)
                     logger.info("GGUF type %s is not kept quantized: dequantized", qtype.name)
-                weight = self._dequantize(tensor)
-            if self.architecture == "llama":
-                if ".self_attn.q_proj." in hf_name:
-                    weight = _unpermute_rope_rows(weight, num_heads)
-                elif ".self_attn.k_proj." in hf_name:
-                    weight = _unpermute_rope_rows(weight, num_kv_heads)
+                weight = self._dequantize(tensor, data)
+            is_q, is_k = ".self_attn.q_proj." in hf_name, ".self_attn.k_proj." in hf_name
+            if self.architecture == "llama" and (is_q or is_k):
+                # A rank's rows are whole heads, each permuted within itself.
+                head_rows = shape[0] // (num_heads if is_q else num_kv_heads)
+                weight = _unpermute_rope_rows(weight, weight.shape[0] // head_rows)
             yield hf_name, weight
 
     # -- tokenizer ----------------------------------------------------------------------------
@@ -357,6 +373,25 @@ class GGUFModel:
         see `engine.gguf_tokenizer.GGUFTokenizer.build`."""
         bos, eos = (self.bos_token, self.bos_token_id), (self.eos_token, self.eos_token_id)
         return GGUFTokenizer(self._field, self._tokens, bos, eos).build()
+
+
+def _slice_data(tensor: gguf.ReaderTensor, part: TensorSlice | None) -> np.ndarray:
+    """The part of the mapped tensor a rank reads: its rows (always contiguous, whole blocks),
+    or its columns where they start and end on quantization blocks (every row's run of
+    blocks); otherwise the whole tensor, which `load_weights` narrows."""
+    data: np.ndarray = tensor.data
+    if part is None:
+        return data
+    if part.dim == 0:
+        return data[part.start : part.end]
+    if data.ndim != 2:
+        return data
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if data.dtype != np.uint8:  # F32, F16, ...: one element per column
+        return data[:, part.start : part.end]
+    if part.start % block or part.end % block:
+        return data
+    return data[:, part.start // block * type_size : part.end // block * type_size]
 
 
 def load_gguf(path: str) -> GGUFModel:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.cuda_graphs import uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.parallel import TensorParallel
 
@@ -122,7 +123,7 @@ def measure_gpu_memory(
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         positions = torch.arange(num_tokens, device=device) % cfg.max_position_embeddings
         hidden = model(ids, positions, caches, meta)
-        model.compute_logits(hidden)
+        model.logits_on_first_rank(hidden)  # rank 0 also holds the gathered logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - warm_cache_bytes
     del caches, hidden, meta
@@ -158,7 +159,7 @@ def num_kv_blocks_for_gpu_memory(
     )
     reserve = dict(reserved or {})
     if graph_max_num_seqs > 0:
-        num_heads = cfg.num_attention_heads // model.tp.world_size
+        num_heads = model.heads.num_heads
         reserve["cuda_graphs"] = graph_pool_bytes(
             memory, graph_max_num_seqs, num_heads, cfg.head_dim
         )
@@ -196,7 +197,7 @@ def size_kv_pool(
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        graphs = not config.enforce_eager and use_triton and not tp.enabled
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

@@ -2,27 +2,49 @@
 
 from __future__ import annotations
 
+import subprocess
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm import tqdm
 
+from duet.engine.commands import AbortRequest, AddRequest, FinishStopped
 from duet.engine.config import EngineConfig
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import TensorParallel
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.tokenizer import Message, Tokenizer
+from duet.engine.tp_group import TPGroup, TPLeader, rank_config
 
 
 class LLM:
-    """`LLM(model=None, **config)`: config keys are `EngineConfig` fields; unknown keys raise."""
+    """`LLM(model=None, **config)`: config keys are `EngineConfig` fields; unknown keys raise.
+
+    With `tensor_parallel_size` N > 1 and no `tp`, this process is rank 0 and ranks 1..N-1
+    start as child processes that follow it (engine/tp_group.py); `shutdown()` (or the end of
+    the process) stops them. `tp`: this rank's group, when the caller runs every rank itself
+    (each rank then generates the same prompts)."""
 
     def __init__(
         self, model: str | None = None, *, tp: TensorParallel | None = None, **config: Any
     ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **config)
-        self.engine = LLMEngine(self.config, tp)
+        self._leader: TPLeader | None = None
+        if tp is None and self.config.tensor_parallel_size > 1:
+            self.config = rank_config(self.config)
+            group = TPGroup.start(self.config)
+            self._leader = TPLeader(group)
+            tp = group.tp
+        try:
+            self.engine = LLMEngine(self.config, tp)
+        except BaseException:
+            if self._leader is not None:
+                self._leader.group.close(timeout_s=0.0)  # the followers cannot finish loading
+            raise
+        if self._leader is not None:
+            weakref.finalize(self, self._leader.stop)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -44,14 +66,39 @@ class LLM:
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True)):
-                ids.append(
-                    self.engine.add_request(prompt, sp, priority=priority[i] if priority else 0)
-                )
+                ids.append(self._add(prompt, sp, priority[i] if priority else 0))
         except Exception:
             for request_id in ids:
                 self.engine.abort_request(request_id)
+                if self._leader is not None:
+                    self._leader.record(AbortRequest(request_id))
             raise
         return self._run(ids, use_tqdm)
+
+    @property
+    def follower_processes(self) -> list[subprocess.Popen[bytes]]:
+        """The child processes of ranks 1..N-1 (none at one rank, or with a given `tp`)."""
+        return self._leader.group.followers if self._leader is not None else []
+
+    def shutdown(self) -> None:
+        """Stop the follower ranks of a tensor-parallel engine (nothing at one rank).
+        Idempotent; the engine takes no further requests."""
+        if self._leader is not None:
+            self._leader.stop()
+
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+        if self._leader is None:
+            return self.engine.add_request(prompt, params, priority=priority)
+        # The followers apply the same request (token ids, id and all) before the next step.
+        text, ids = self.engine.tokenize_prompt(prompt)
+        request_id = self.engine.add_request(ids, params, priority=priority, prompt_text=text)
+        self._leader.record(AddRequest(request_id, ids, params, priority, prompt_text=text))
+        return request_id
+
+    def _finish_stopped(self, request_id: str, index: int, num_tokens: int) -> None:
+        self.engine.finish_stopped(request_id, index, num_tokens)
+        if self._leader is not None:
+            self._leader.record(FinishStopped(request_id, index, num_tokens))
 
     def chat(
         self,
@@ -72,7 +119,9 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            if self._leader is not None:
+                self._leader.sync()
+            for out in self.engine.step(self._finish_stopped):
                 if out.finished:
                     final[out.request_id] = out
                     bar.update(1)

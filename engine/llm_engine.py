@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ class LLMEngine:
             raise InvalidInputError(
                 "tensor_parallel_size",
                 f"is {config.tensor_parallel_size} but the engine was given a group of "
-                f"{tp.world_size} rank(s); start tensor-parallel engines through a prefill worker",
+                f"{tp.world_size} rank(s); LLM(...) and AsyncEngine.from_config start the ranks",
             )
         self.tp = tp
         if config.num_threads:
@@ -66,9 +66,11 @@ class LLMEngine:
         loaded = load_model(
             config.model, self.dtype, self.device, config.tokenizer, config.hf_overrides,
             config.load_progress and tp.rank == 0, tp, deterministic, config.quantization_config(),
+            config.load_format,
         )  # fmt: skip
         self.model_name = loaded.name
         self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)
+        self.checkpoint_bytes_read = loaded.checkpoint_bytes_read  # this rank's slices only
         self.arch = loaded.arch
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(
@@ -309,11 +311,13 @@ class LLMEngine:
 
     # -- stepping --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, finish_stopped: Callable[[str, int, int], None] | None = None
+    ) -> list[RequestOutput]:
         """Run one scheduler step and forward pass. Returns outputs of requests that changed
         (assembled here: text, stop strings; a stop string ends its sample before the next
-        step)."""
-        return self._offline.assemble(self.step_outputs(), self.finish_stopped)
+        step, through `finish_stopped`, by default `self.finish_stopped`)."""
+        return self._offline.assemble(self.step_outputs(), finish_stopped or self.finish_stopped)
 
     def step_outputs(self) -> list[EngineOutput]:
         """`step`, returning raw outputs (token ids, no text) for the caller to assemble."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.cuda_graphs import DecodeGraphs
+from duet.engine.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.input_batch import InputBatch
 from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
@@ -82,9 +82,11 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
     ) -> None:
         """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
-        `enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
-        requests and `max_model_len` tokens (default: the model's context) where they apply:
-        CUDA, the Triton backend, no tensor parallelism. Elsewhere it changes nothing.
+        `enforce_eager=False` (the engine's default; True here for runners built directly,
+        such as a draft model's) captures CUDA graphs for decode batches of up to
+        `max_num_seqs` requests and `max_model_len` tokens (default: the model's context)
+        where they apply (`uses_decode_graphs`: CUDA, the Triton backend; per rank with
+        tensor parallelism). Elsewhere it changes nothing.
         `deterministic`: the Triton decode kernel splits each request by its own length
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
@@ -119,10 +121,16 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if not enforce_eager and device.type == "cuda" and self.use_triton and not model.tp.enabled:
-            self.decode_graphs = DecodeGraphs(
+        if uses_decode_graphs(enforce_eager, device, self.use_triton):
+            graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
+            logger.info(
+                "CUDA graphs: decode batches of %s requests captured in %.1f s; graph pool "
+                "%.2f GiB",
+                ",".join(map(str, graphs.buckets)), graphs.capture_s, graphs.pool_bytes / 2**30,
+            )  # fmt: skip
+            self.decode_graphs = graphs
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Requests that left the running set give back their input-batch slots."""
@@ -189,7 +197,7 @@ class ModelRunner:
         # Every row a logits row (all decodes): the indices are 0..N-1 in order, no gather.
         every_row = step.logits_indices.shape[0] == hidden.shape[0]
         last = hidden if every_row else hidden[step.logits_indices]
-        logits = self.model.compute_logits(last)  # [N, vocab]
+        logits = self.model.logits_on_first_rank(last)  # [N, vocab]; None on TP followers
         if len(step.sample_rows) == step.num_reqs:  # every request samples (rows 0..B-1)
             to_sample = [r for r, _ in out.scheduled]
             sample_slots = step.slots
@@ -199,7 +207,13 @@ class ModelRunner:
         spec = out.spec_token_ids
         drafts = [spec.get(r.request_id, []) for r in to_sample] if spec else None
         sampling = batch.sampling.prepare(to_sample, sample_slots, drafts)
-        result: SamplerOutput = self.sampler(logits, sampling, batch.to_host)
+        # Tensor parallelism: rank 0 samples and broadcasts its one host transfer (tokens,
+        # logprobs), so every rank's scheduler sees the same tokens without the logits.
+        result: SamplerOutput
+        if logits is None:
+            result = self.sampler.follow(sampling, self._receive)
+        else:
+            result = self.sampler(logits, sampling, self._to_host)
         if drafts is None:
             batch.sampling.record(sampling, result.token_tensor)
             sampled = {r.request_id: [t] for r, t in zip(to_sample, result.token_ids, strict=True)}
@@ -219,6 +233,18 @@ class ModelRunner:
                 logprobs[r.request_id] = [lp for lp in lps if lp is not None]
             row += len(draft) + 1
         return StepResult(sampled, logprobs, prompt_logprobs)
+
+    def _to_host(self, tensor: torch.Tensor) -> list:
+        """The step's host transfer on the sampling rank; with tensor parallelism the other
+        ranks receive the same values (`_receive`)."""
+        self.model.tp.broadcast_from_first(tensor)
+        return self.input_batch.to_host(tensor)
+
+    def _receive(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
+        """A tensor-parallel follower's side of `_to_host`: rank 0's `numel` values."""
+        buffer = torch.empty(numel, dtype=dtype, device=self.device)
+        self.model.tp.broadcast_from_first(buffer)
+        return buffer, self.input_batch.to_host(buffer)
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor
@@ -248,13 +274,17 @@ class ModelRunner:
         for lo in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
             idx = torch.from_numpy(rows[lo : lo + _PROMPT_LOGPROB_ROWS]).to(self.device)
             target = torch.from_numpy(targets[lo : lo + _PROMPT_LOGPROB_ROWS]).to(self.device)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[idx]), dim=-1)  # [R, V]
+            logits = self.model.logits_on_first_rank(hidden[idx])  # [R, V]; None: a follower
+            if logits is None:
+                host += self._receive(len(idx) * width, torch.float64)[1]
+                continue
+            lp = torch.log_softmax(logits, dim=-1)
             chosen = lp.gather(1, target[:, None])  # [R, 1]
             parts = [chosen.double(), ((lp > chosen).sum(dim=-1, keepdim=True) + 1).double()]
             if k:
                 values, ids = lp.topk(k, dim=-1)  # [R, k]
                 parts += [ids.double(), values.double()]
-            host += self.input_batch.to_host(torch.cat(parts, dim=1).flatten())
+            host += self._to_host(torch.cat(parts, dim=1).flatten())
         result: dict[str, tuple[int, list[PromptLogprob]]] = {}
         base = 0
         for request, start, end, _ in spans:

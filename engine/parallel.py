@@ -5,6 +5,16 @@ Layout (Megatron style): q/k/v and gate/up are column-parallel (a rank holds its
 slice of the intermediate size), o_proj and down_proj are row-parallel (partial sums,
 all-reduced), the embedding and LM head are vocab-parallel. Each rank keeps only the KV heads of
 its shard in its cache.
+
+Heads are split by KV group (`head_shard`), so that every rank's query heads map onto its own
+KV heads by one group size, which is what the attention kernels assume:
+- TP <= KV heads: each rank holds whole groups, as evenly as they divide (SmolLM2's 3 KV heads
+  at TP=2: one group on rank 0, two on rank 1);
+- TP > KV heads: each rank holds part of one group's query heads and that group's KV head,
+  which is replicated on every rank that shares the group (Llama-3-8B's 8 KV heads at TP=16).
+Any TP size from 1 to the number of query heads is possible; the intermediate size and the
+vocabulary split as evenly as they divide (`split`), so no size has to be a multiple of TP.
+The layout is docs/parallelism.md's; `kv_head_range` is what the KV hand-off reads.
 """
 
 from __future__ import annotations
@@ -17,6 +27,78 @@ import torch.distributed as dist
 from duet.engine.errors import InvalidInputError
 
 
+def check_tp_size(world_size: int, num_heads: int, field: str = "tensor_parallel_size") -> None:
+    """Raise `InvalidInputError` naming `field` unless 1 <= world_size <= num_heads (every rank
+    needs at least one query head)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidInputError(field, f"must be an integer >= 1; got {world_size!r}")
+    if world_size > num_heads:
+        raise InvalidInputError(
+            field,
+            f"must be between 1 and the model's num_attention_heads ({num_heads}); "
+            f"got {world_size}",
+        )
+
+
+def split(total: int, parts: int, index: int, align: int = 1) -> tuple[int, int]:
+    """[start, end) of part `index` of `total` split into `parts` contiguous pieces as evenly
+    as whole units of `align` allow (sizes differ by at most one unit)."""
+    if total % align:
+        align = 1
+    units = total // align
+    return index * units // parts * align, (index + 1) * units // parts * align
+
+
+def kv_head_range(num_kv_heads: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the model's KV heads that `rank` of `world_size` caches (see the module
+    docstring: whole groups, or one replicated head when world_size > num_kv_heads)."""
+    start = rank * num_kv_heads // world_size
+    return start, max((rank + 1) * num_kv_heads // world_size, start + 1)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's attention heads: query heads [q_start, q_end), KV heads [kv_start, kv_end);
+    local query head i reads local KV head i // (query heads / KV heads of this rank)."""
+
+    q_start: int
+    q_end: int
+    kv_start: int
+    kv_end: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+
+def head_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> HeadShard:
+    """The heads `rank` holds (see the module docstring); `check_tp_size` first."""
+    check_tp_size(world_size, num_heads)
+    group = num_heads // num_kv_heads  # query heads per KV head
+    kv_start, kv_end = kv_head_range(num_kv_heads, world_size, rank)
+    if world_size <= num_kv_heads:
+        return HeadShard(kv_start * group, kv_end * group, kv_start, kv_end)
+    # The ranks that share KV head `kv_start` split its group's query heads between them.
+    first = -(-kv_start * world_size // num_kv_heads)  # ceil(kv * N / K)
+    last = -(-(kv_start + 1) * world_size // num_kv_heads)
+    lo, hi = split(group, last - first, rank - first)
+    return HeadShard(kv_start * group + lo, kv_start * group + hi, kv_start, kv_end)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a checkpoint tensor one rank reads: [start, end) along `dim` (0: rows,
+    the output features of a linear; 1: columns, its input features)."""
+
+    dim: int
+    start: int
+    end: int
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
@@ -27,15 +109,12 @@ class TensorParallel:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def shard(self, total: int, name: str) -> tuple[int, int]:
-        """[start, end) of this rank's equal share of `total` rows."""
-        if total % self.world_size:
-            raise InvalidInputError(
-                "tensor_parallel_size",
-                f"{name}={total} is not divisible by tensor_parallel_size={self.world_size}",
-            )
-        size = total // self.world_size
-        return self.rank * size, (self.rank + 1) * size
+    def split(self, total: int, align: int = 1) -> tuple[int, int]:
+        """[start, end) of this rank's share of `total` (`split`)."""
+        return split(total, self.world_size, self.rank, align)
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        return head_shard(num_heads, num_kv_heads, self.world_size, self.rank)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled:
@@ -51,13 +130,27 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's `x` along the last dimension (rank order)."""
+    def gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Every rank's `x` ([N, sizes[rank]]) concatenated along the last dimension, in rank
+        order, on rank 0 only (None elsewhere): the LM head's logits go to the rank that
+        samples, not to every rank. Shards are padded to the largest for the collective."""
         if not self.enabled:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        width = max(sizes)
+        if x.shape[-1] < width:
+            x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, group=self.group, group_dst=0)
+        if parts is None:
+            return None
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
+
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place; the others pass a buffer of its shape)."""
+        if self.enabled:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
 
 
 SINGLE = TensorParallel()

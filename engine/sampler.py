@@ -61,6 +61,8 @@ class Sampler:
         n = batch.num_rows
         num_want = len(batch.logprob_ks)
         if not num_want:
+            # long: followers of a tensor-parallel group receive this tensor (`follow`)
+            token_ids = token_ids.long()
             return SamplerOutput(to_host(token_ids), [None] * n, token_ids)
         want = batch.logprob_rows
         lp = torch.log_softmax(raw.index_select(0, want).float(), dim=-1)  # [W, V]
@@ -71,16 +73,42 @@ class Sampler:
             values, ids = lp.topk(k, dim=-1)  # [W, k]
             parts += [ids.double().flatten(), values.double().flatten()]
         host = to_host(torch.cat(parts))  # the one sync: tokens and logprobs together
-        tokens = [int(t) for t in host[:n]]
-        out_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
-        top_ids = host[n + num_want : n + num_want + num_want * k]
-        top_values = host[n + num_want + num_want * k :]
-        for j, row_k in enumerate(batch.logprob_ks):
-            row = batch.logprob_host_rows[j]
-            base = j * k
-            top = [(int(top_ids[base + m]), top_values[base + m]) for m in range(row_k)]
-            out_logprobs[row] = (host[n + j], top)
-        return SamplerOutput(tokens, out_logprobs, token_ids)
+        return _unpack(host, batch, token_ids)
+
+    def follow(self, batch: SamplingBatch, receive: Receive) -> SamplerOutput:
+        """What `__call__` returns on the rank that sampled, for a tensor-parallel rank that
+        holds no logits: `receive(numel, dtype)` gets the sampling rank's one host transfer
+        (the tensor it handed `to_host`, broadcast) as (the device tensor, its host list)."""
+        n = batch.num_rows
+        num_want = len(batch.logprob_ks)
+        if not num_want:
+            token_ids, host = receive(n, torch.int64)
+            return SamplerOutput([int(t) for t in host], [None] * n, token_ids)
+        k = max(batch.logprob_ks)
+        packed, host = receive(n + num_want + 2 * num_want * k, torch.float64)
+        return _unpack(host, batch, packed[:n].long())
+
+
+Receive = Callable[[int, torch.dtype], tuple[torch.Tensor, list]]
+"""(numel, dtype) -> (a device tensor of the sampling rank's values, the same as a list)."""
+
+
+def _unpack(host: list, batch: SamplingBatch, token_ids: torch.Tensor) -> SamplerOutput:
+    """A `SamplerOutput` from the packed host values: the N tokens, then the W chosen
+    logprobs, then W x k top ids and W x k top logprobs (k: the largest asked)."""
+    n = batch.num_rows
+    num_want = len(batch.logprob_ks)
+    k = max(batch.logprob_ks)
+    tokens = [int(t) for t in host[:n]]
+    out_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
+    top_ids = host[n + num_want : n + num_want + num_want * k]
+    top_values = host[n + num_want + num_want * k :]
+    for j, row_k in enumerate(batch.logprob_ks):
+        row = batch.logprob_host_rows[j]
+        base = j * k
+        top = [(int(top_ids[base + m]), top_values[base + m]) for m in range(row_k)]
+        out_logprobs[row] = (host[n + j], top)
+    return SamplerOutput(tokens, out_logprobs, token_ids)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
     "local": ("duet.kv_transfer.local", "LocalKVSender", "LocalKVReceiver"),
     "torch_dist": ("duet.kv_transfer.torch_dist", "TorchDistKVSender", "TorchDistKVReceiver"),
     "tcp": ("duet.kv_transfer.tcp", "TcpKVSender", "TcpKVReceiver"),
+    "nixl": ("duet.kv_transfer.nixl", "NixlKVSender", "NixlKVReceiver"),
 }
 
 

@@ -4,8 +4,8 @@ RMSNorm), SmolLM2 (tied embeddings).
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
 parallelism each rank holds its shard (see engine/parallel.py) and the shards meet in one
-all-reduce after o_proj, one after down_proj, one after the embedding, and an all-gather of
-the logits.
+all-reduce after o_proj, one after down_proj, one after the embedding, and a gather of the
+logits to rank 0, the rank that samples.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
 from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.errors import InvalidInputError
 from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
@@ -28,7 +29,7 @@ from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from duet.engine.model.rotary import RotaryEmbedding
 from duet.engine.model.row_invariant import Linear, TiedLinear
-from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
 
@@ -100,8 +101,9 @@ class Attention(nn.Module):
         super().__init__()
         self.tp = tp
         self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_attention_heads // tp.world_size
-        self.num_kv_heads = cfg.num_key_value_heads // tp.world_size
+        heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -138,7 +140,8 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.intermediate_size = cfg.intermediate_size // tp.world_size
+        start, end = mlp_shard(cfg.intermediate_size, tp)
+        self.intermediate_size = end - start
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, quant)
         self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
 
@@ -187,6 +190,23 @@ class DecoderLayer(nn.Module):
         return parts["mlp"].forward(hidden), residual
 
 
+def mlp_shard(intermediate_size: int, tp: TensorParallel) -> tuple[int, int]:
+    """This rank's [start, end) of the intermediate size: even where it divides, else in
+    whole units of the largest power of two up to 128 that leaves every rank some (so
+    quantization groups of up to that many input columns of down_proj stay whole)."""
+    n = tp.world_size
+    for exact in (True, False):
+        for align in (128, 64, 32, 16, 8, 4, 2, 1):
+            units = intermediate_size // align
+            if intermediate_size % align or units < n or (exact and units % n):
+                continue
+            return tp.split(intermediate_size, align)
+    raise InvalidInputError(
+        "tensor_parallel_size",
+        f"must be at most the model's intermediate_size ({intermediate_size}); got {n}",
+    )
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
@@ -200,10 +220,14 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.quant = quant
         # Checked up front so a bad tensor_parallel_size fails with a clear message.
-        tp.shard(cfg.num_attention_heads, "num_attention_heads")
-        tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
-        tp.shard(cfg.intermediate_size, "intermediate_size")
-        self.vocab_start, self.vocab_end = tp.shard(cfg.vocab_size, "vocab_size")
+        self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
+        self.vocab_sizes = [
+            end - start
+            for start, end in (
+                split(cfg.vocab_size, tp.world_size, r) for r in range(tp.world_size)
+            )
+        ]  # every rank's share of the LM head's rows, for the gather
         shard_vocab = self.vocab_end - self.vocab_start
         # Given its weight, Embedding skips its random init, which on the meta device imports
         # torch._dynamo (2-4 s of a process's start); the loader fills every weight.
@@ -233,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_kv_heads(self) -> int:
         """KV heads this rank caches."""
-        return self.config.num_key_value_heads // self.tp.world_size
+        return self.heads.num_kv_heads
 
     def forward(
         self,
@@ -273,13 +297,23 @@ class LlamaForCausalLM(nn.Module):
             return gather_rows(self.tied_head, ids, self.embed_tokens.weight.dtype)
         return self.embed_tokens(ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits_on_first_rank(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The full logits ([N, vocab] fp32) on TP rank 0, None on the others: each rank
+        computes its vocabulary shard and rank 0, the one that samples, gathers them (every
+        rank of the group must call this at the same point)."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
             assert self.tied_head is not None  # set by load_weights
             logits = self.tied_head(hidden)
-        return self.tp.all_gather_last_dim(logits.float())  # [N, vocab]
+        return self.tp.gather_last_dim(logits.float(), self.vocab_sizes)  # [N, vocab]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The full logits ([N, vocab] fp32) of a single rank or TP rank 0."""
+        logits = self.logits_on_first_rank(hidden)
+        if logits is None:
+            raise RuntimeError("only tensor-parallel rank 0 holds the full logits")
+        return logits
 
     def pack_for_cpu(self) -> int:
         """Reorder projection weights once into oneDNN's layout where that pays (engine/model/
@@ -293,18 +327,30 @@ class LlamaForCausalLM(nn.Module):
         # bf16 without native bf16: duet's kernel for what oneDNN would emulate.
         return count + use_dense_kernel(self)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors (this rank's shard of each) into the fused parameters.
-        Returns the names it loaded."""
-        cfg, tp = self.config, self.tp
-        head_dim = cfg.head_dim
-        q_rows = [x * head_dim for x in tp.shard(cfg.num_attention_heads, "num_attention_heads")]
-        kv_rows = [x * head_dim for x in tp.shard(cfg.num_key_value_heads, "num_key_value_heads")]
-        mlp_rows = list(tp.shard(cfg.intermediate_size, "intermediate_size"))
-        vocab_rows = [self.vocab_start, self.vocab_end]
-        q, kv, inter = q_rows[1] - q_rows[0], kv_rows[1] - kv_rows[0], mlp_rows[1] - mlp_rows[0]
-        # HF module suffix -> (our module, row offset in the fused weight, shard rows, shard dim)
-        layout: dict[str, tuple[str, int, list[int] | None, int]] = {
+    def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
+        """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
+        None for a tensor every rank holds whole (norms, and everything at one rank)."""
+        if not self.tp.enabled:
+            return None
+        target = name.removeprefix("model.")
+        for hf, (_, _, rows, dim) in self._shard_layout().items():
+            if target == f"{hf}.weight" or f".{hf}." in f".{target}":
+                if dim == 1 and len(shape) < 2:
+                    return None  # a row-parallel layer's bias is whole on every rank
+                return TensorSlice(dim, rows[0], rows[1])
+        return None
+
+    def _shard_layout(self) -> dict[str, tuple[str, int, tuple[int, int], int]]:
+        """HF module suffix -> (our module, row offset in the fused weight, this rank's
+        [start, end) of the HF tensor, the dimension it is split along)."""
+        cfg, d = self.config, self.config.head_dim
+        h = self.heads
+        q_rows = (h.q_start * d, h.q_end * d)
+        kv_rows = (h.kv_start * d, h.kv_end * d)
+        mlp_rows = mlp_shard(cfg.intermediate_size, self.tp)
+        vocab_rows = (self.vocab_start, self.vocab_end)
+        q, kv, inter = h.num_heads * d, h.num_kv_heads * d, mlp_rows[1] - mlp_rows[0]
+        return {
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows, 0),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv_rows, 0),
             "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv_rows, 0),
@@ -315,6 +361,13 @@ class LlamaForCausalLM(nn.Module):
             "embed_tokens": ("embed_tokens", 0, vocab_rows, 0),
             "lm_head": ("lm_head", 0, vocab_rows, 0),
         }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the fused parameters: whole tensors, of which each rank
+        keeps its shard, or tensors already cut to `weight_slice` (sharded loading). Returns
+        the names it loaded."""
+        cfg, tp = self.config, self.tp
+        layout = self._shard_layout()
         params = dict(self.named_parameters())
         slots = {
             f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)
@@ -335,8 +388,9 @@ class LlamaForCausalLM(nn.Module):
             param, slot = params.get(target), slots.get(target)
             if param is None and slot is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            if rows is not None and tp.enabled and (dim == 0 or len(tensor.shape) == 2):
-                tensor = tensor.narrow(dim, rows[0], rows[1] - rows[0])
+            cut = rows is not None and tp.enabled and (dim == 0 or len(tensor.shape) == 2)
+            if cut and rows is not None and tensor.shape[dim] != rows[1] - rows[0]:
+                tensor = tensor.narrow(dim, rows[0], rows[1] - rows[0])  # a whole tensor
             if slot is not None:
                 slot.load_part(offset, tensor)
             else:

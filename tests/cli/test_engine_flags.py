@@ -76,13 +76,13 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     argv = [
         command, "--model", "/models/m", "--tokenizer", "/models/t", "--dtype", "float32",
         "--device", "cpu", "--block-size", "32", "--num-kv-blocks", "100",
-        "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--no-enforce-eager",
+        "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--enforce-eager",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
         "--no-enable-prefix-caching", "--no-deterministic", "--scheduling-policy", "priority",
         "-tp", "2",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
-        "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
-        "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
+        "--no-load-progress", "--load-format", "dummy",
+        "--hf-overrides", '{"rope_theta": 10000.0}', "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
         "--quantize-lm-head",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     ]  # fmt: skip
@@ -90,10 +90,10 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     expected = dict(
         model="/models/m", tokenizer="/models/t", dtype="float32", device="cpu", block_size=32,
         num_kv_blocks=100, kv_cache_memory_bytes=4 * 2**30, gpu_memory_utilization=0.5,
-        enforce_eager=False, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
+        enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
         tensor_parallel_size=2,
-        num_threads=1, seed=7, attention_backend="torch", load_progress=False,
+        num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",
         hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
         quantization_symmetric=True, quantize_lm_head=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
@@ -155,6 +155,7 @@ def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
         ),
         (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
         (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
+        (["serve", "--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
     ],
 )
@@ -183,6 +184,23 @@ def test_disaggregated_workers_get_the_engine_flags() -> None:
         assert config.load_progress is False  # workers load quietly unless asked
     assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
     assert spec.cluster.max_num_seqs_per_decode_worker == 7
+
+
+def test_disaggregated_workers_get_the_staging_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    parser, args = parse(["serve", "--disaggregated", "--kv-staging-memory", "64MiB"])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    for role, config_cls in (("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)):
+        assert config_cls.from_kwargs(**spec.worker_config(role)).kv_staging_bytes == 64 << 20
+    parser, args = parse(["serve", "--disaggregated"])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    assert "kv_staging_bytes" not in spec.worker_config("decode")  # the config's default
+    parser, args = parse(["serve", "--disaggregated", "--kv-staging-memory", "512KiB"])
+    with pytest.raises(SystemExit) as exc:
+        check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    assert exc.value.code == 2
+    assert (
+        "--kv-staging-memory: must be in [1048576, 1099511627776] bytes" in capsys.readouterr().err
+    )
 
 
 def test_only_decode_workers_get_the_speculative_config() -> None:

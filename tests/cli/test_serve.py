@@ -202,3 +202,93 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
     frozen = re.search(r"froze (\d+) start-up objects", err)  # the serving process's heap
     assert frozen is not None and int(frozen[1]) > 10_000, err
     assert key not in err + out
+
+
+def test_serve_dummy_weights_from_a_config_alone_answers(tmp_path: Path) -> None:
+    """`--load-format dummy` with a folder holding only config.json: random weights, the
+    byte-level tokenizer (one token per byte), a completion of exactly max_tokens tokens."""
+    from openai import OpenAI
+
+    model = tmp_path / "config-only"
+    model.mkdir()
+    config = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "duet.cli", "serve", "--model", str(model), "--load-format",
+        "dummy", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--grpc-port",
+        "0", "--num-kv-blocks", "64", "--no-ui",
+        "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log = _LogReader(proc)
+    try:
+        log.wait_for(r"gRPC API \(duet\.v1\.Duet\) on", proc, 60)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=30)
+        assert [m.id for m in client.models.list().data] == ["config-only"]
+        reply = client.completions.create(
+            model="config-only", prompt="héllo", max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert reply.usage is not None
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 6)
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = log.text(timeout_s=5)
+    assert "using a byte-level tokenizer of 512 ids" in err
+    assert proc.returncode == 0, err
+
+
+def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path) -> None:
+    """`duet serve --tensor-parallel-size 2`: the server process is rank 0, rank 1 a child
+    process; a greedy completion equals the offline engine's at one rank (dummy weights are
+    the same at every TP size), and SIGTERM stops both ranks."""
+    from openai import OpenAI
+
+    from duet.engine import LLM, SamplingParams
+
+    model = tmp_path / "config-only"
+    model.mkdir()
+    config = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    kwargs = dict(load_format="dummy", dtype="float32", num_kv_blocks=64, load_progress=False)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = LLM(str(model), **kwargs).generate(["héllo"], greedy)[0].outputs[0].text
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "duet.cli", "serve", "--model", str(model), "--load-format",
+        "dummy", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--grpc-port",
+        "0", "--num-kv-blocks", "64", "--no-ui", "--tensor-parallel-size", "2",
+        "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log = _LogReader(proc)
+    try:
+        log.wait_for(r"gRPC API \(duet\.v1\.Duet\) on", proc, 120)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=30)
+        reply = client.completions.create(
+            model="config-only", prompt="héllo", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert reply.choices[0].text == expected
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = log.text(timeout_s=5)
+    assert proc.returncode == 0, err
+    assert "engine stopped" in err
+    assert "did not stop; killing it" not in err  # rank 1 left on rank 0's Stop

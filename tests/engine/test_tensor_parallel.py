@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from duet.engine import LLM, InvalidInputError, SamplingParams
+from duet.engine.config import EngineConfig
+from duet.engine.llm_engine import LLMEngine
 from tests.conftest import SMOLLM2_SHAPES
 from tests.net import free_port
 
@@ -98,8 +100,8 @@ def test_tp2_bf16_request_alone_equals_it_in_a_batch(tiny_model_factory, tmp_pat
     """Deterministic inference at one TP size (docs/determinism.md): at TP=2 in bf16, a request
     alone and the same request among 15 random others give the same tokens and logprobs, bit
     for bit, on both ranks (TP=2 need not equal TP=1). SmolLM2's hidden and MLP sizes (the
-    tiny model's hide the linear kernels' row-count paths, test_batch_invariance.py), with 6
-    query and 2 KV heads (9 and 3 do not split over 2 ranks)."""
+    tiny model's hide the linear kernels' row-count paths, test_batch_invariance.py) and its 9
+    query and 3 KV heads: one KV group on rank 0, two on rank 1 (engine/parallel.py)."""
     g = torch.Generator().manual_seed(7)
     others = [
         torch.randint(3, 500, (int(n),), generator=g).tolist()
@@ -107,8 +109,7 @@ def test_tp2_bf16_request_alone_equals_it_in_a_batch(tiny_model_factory, tmp_pat
     ]
     request = torch.randint(3, 500, (300,), generator=g).tolist()  # two attention partitions
     batches = {"batches": [[request], [*others[:9], request, *others[9:]]]}
-    shapes = {**SMOLLM2_SHAPES, "num_attention_heads": 6, "num_key_value_heads": 2}
-    model = tiny_model_factory("smollm2", **shapes)
+    model = tiny_model_factory("smollm2", **SMOLLM2_SHAPES)
     ranks = _run_ranks(model, tmp_path, batches, engine={"dtype": "bfloat16"})
     for r in ranks:
         alone, batched = r["batches"]
@@ -116,6 +117,7 @@ def test_tp2_bf16_request_alone_equals_it_in_a_batch(tiny_model_factory, tmp_pat
         assert batched["tokens"][9] == alone["tokens"][0]
         assert batched["logprobs"][9] == alone["logprobs"][0]
     assert ranks[0]["batches"] == ranks[1]["batches"]
+    assert [r["kv_heads"] for r in ranks] == [1, 2]
 
 
 def test_tp2_int4_matches_tp1_int4(tiny_llama, tmp_path):
@@ -154,6 +156,8 @@ def test_tp2_over_nccl_matches_tp1_on_cuda(tiny_llama, tmp_path):
 
 
 def test_tp_size_without_group_is_refused(tiny_llama):
+    """An engine built directly needs its group (LLM and AsyncEngine.from_config start one)."""
+    config = EngineConfig(model=tiny_llama, tensor_parallel_size=2, load_progress=False)
     with pytest.raises(InvalidInputError) as info:
-        LLM(tiny_llama, tensor_parallel_size=2, load_progress=False)
+        LLMEngine(config)
     assert info.value.field == "tensor_parallel_size"

@@ -2,7 +2,8 @@
 python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES [BACKEND DEVICE
 [ENGINE_JSON]] (BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs;
 ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}' or '{"dtype": "bfloat16"}'
-(float32 by default)). PROMPTS_JSON: a list of prompts, generated as one batch; or
+(float32 by default)); DUET_TEST_EAGER_GRAPHS=1 in the environment captures decode graphs
+through test_cuda_graphs.py's CPU stand-in. PROMPTS_JSON: a list of prompts, generated as one batch; or
 {"batches": [[prompt, ...], ...]}, generated one batch after another, each batch's results in
 the output's "batches"."""
 
@@ -30,6 +31,15 @@ def main() -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     tp = TensorParallel(rank, world, dist.group.WORLD)
+    if os.environ.get("DUET_TEST_EAGER_GRAPHS"):  # test_cuda_graphs.py: graphs as on CUDA
+        import functools
+
+        from duet.engine import model_runner
+        from duet.engine.cuda_graphs import DecodeGraphs
+        from tests.engine.test_cuda_graphs import EagerReplay
+
+        model_runner.uses_decode_graphs = lambda eager, *args: not eager  # type: ignore[assignment]
+        model_runner.DecodeGraphs = functools.partial(DecodeGraphs, capture=EagerReplay())  # type: ignore[misc]
     with open(prompts_file) as f:
         prompts = json.load(f)
     llm = LLM(
@@ -45,8 +55,11 @@ def main() -> None:
             "tokens": [o.token_ids for o in outs],
             "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
         })  # fmt: skip
+    graphs = llm.engine.runner.decode_graphs
     result = {
         **results[0],
+        "graph_buckets": graphs.buckets if graphs is not None else None,
+        "graph_replays": graphs.num_replays if graphs is not None else None,
         "batches": results,
         "kv_heads": llm.engine.runner.kv_caches[0].shape[3],
         "num_blocks": llm.engine.num_blocks,

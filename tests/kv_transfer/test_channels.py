@@ -25,7 +25,7 @@ from tests.waiting import wait_for
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-BACKENDS = ["torch_dist", "torch_dist-nccl-emulated", "tcp", "tcp-striped"]
+BACKENDS = ["torch_dist", "torch_dist-nccl-emulated", "tcp", "tcp-striped", "nixl", "nixl-push"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -36,6 +36,9 @@ def backend(request, monkeypatch):
     if request.param == "torch_dist-nccl-emulated":  # peer processes inherit the environment
         monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
         return "torch_dist"
+    if request.param == "nixl-push":  # the sender writes into the receiver's blocks
+        monkeypatch.setenv("DUET_KV_NIXL_MODE", "push")
+        return "nixl"
     return request.param
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from duet.kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
-from duet.kv_transfer.layers import PagedLayers, transfer_chunks
+from duet.kv_transfer.chunks import plan_pieces
+from duet.kv_transfer.layers import PagedLayers
 from duet.kv_transfer.local import LocalHub
 from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, draft_caches, draft_layout, layout
@@ -21,7 +22,10 @@ from tests.waiting import wait_for
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-@pytest.fixture(params=["local", "torch_dist", "torch_dist-nccl-emulated", "tcp", "tcp-striped"])
+@pytest.fixture(
+    params=["local", "torch_dist", "torch_dist-nccl-emulated", "tcp", "tcp-striped", "nixl",
+            "nixl-push"]
+)  # fmt: skip
 def backend(request, monkeypatch):
     if request.param == "tcp-striped":
         monkeypatch.setattr(stripes, "STRIPE_MIN_BYTES", 1)
@@ -29,6 +33,9 @@ def backend(request, monkeypatch):
     if request.param == "torch_dist-nccl-emulated":
         monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
         return "torch_dist"
+    if request.param == "nixl-push":
+        monkeypatch.setenv("DUET_KV_NIXL_MODE", "push")
+        return "nixl"
     return request.param
 
 
@@ -60,8 +67,14 @@ def done(receiver):
 
 def sent_chunks(backend, layers):
     """The messages a whole-request `send` of target and draft layers makes: local copies all
-    at once, tcp sends a frame per group, torch_dist chunks each group."""
-    return {"local": 1, "tcp": 2}.get(backend) or len(layers.chunks())
+    at once, tcp sends a frame per group, torch_dist chunks each group; nixl offers every layer
+    at once (pull: one offer the receiver reads; push: one write of both groups)."""
+    return {"local": 1, "tcp": 2, "nixl": 1}.get(backend) or len(layers.shape.pieces(1 << 30))
+
+
+def offered(receiver, request_id):
+    """The receiver holds what came for `request_id` before it was expected."""
+    return request_id in getattr(receiver, "_inbox", getattr(receiver, "_pending", {}))
 
 
 def test_draft_layers_land_in_the_reserved_draft_blocks(pair, backend):
@@ -77,7 +90,8 @@ def test_draft_layers_land_in_the_reserved_draft_blocks(pair, backend):
     [sent] = wait_for(sender.poll, 20, "the ack")
     layers = PagedLayers.of_ids(src, [0, 5, 7], src_draft, [2, 8, 1])
     assert (sent.status, sent.num_chunks) == (TransferStatus.DONE, sent_chunks(backend, layers))
-    assert backend == "local" or sent.num_chunks >= 2  # the draft's layers: chunks of their own
+    if backend not in ("local", "nixl"):  # the draft's layers: chunks of their own
+        assert sent.num_chunks >= 2
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
     for s, d in zip(src_draft, dst_draft, strict=True):
@@ -106,7 +120,7 @@ def test_draft_layers_nobody_reserved_are_dropped(pair):
 def test_draft_layers_sent_before_expect_are_staged_then_written(pair, backend):
     sender, recv, (src, src_draft), (dst, dst_draft) = pair
     sender.send("early", [1, 2], recv.address, draft_block_ids=[3, 4])
-    wait_for(lambda: "early" in recv._inbox, 20, "the staged arrival")
+    wait_for(lambda: offered(recv, "early"), 20, "the staged arrival (nixl: the offer)")
     recv.expect("early", [6, 7], 10, draft_block_ids=[10, 11])
     assert done(recv).draft
     assert all(torch.equal(d[:, [6, 7]], s[:, [1, 2]]) for s, d in zip(src, dst, strict=True))
@@ -185,8 +199,14 @@ def test_layout_and_ids_are_checked():
     assert type(layout(src).from_dict(layout_dict).draft).__name__ == "DraftLayout"
 
 
-def test_chunks_never_span_the_target_and_the_draft(monkeypatch):
+def test_pieces_never_span_the_target_and_the_draft(monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 100)
-    assert transfer_chunks(3, 60, 2, 30) == [(0, 2), (2, 3), (3, 5)]
-    assert transfer_chunks(3, 60, 2, 30, whole=True) == [(0, 3), (3, 5)]
-    assert transfer_chunks(3, 60) == [(0, 2), (2, 3)]
+    groups = [(0, 3, 30), (3, 5, 15)]  # 2 blocks: layers of 60 and 30 bytes
+    assert plan_pieces(groups, 2, 1 << 20) == [(0, 2, 0, 2), (2, 3, 0, 2), (3, 5, 0, 2)]
+    assert plan_pieces(groups, 2, 1 << 20, whole=True) == [(0, 3, 0, 2), (3, 5, 0, 2)]
+    assert plan_pieces(groups[:1], 2, 1 << 20) == [(0, 2, 0, 2), (2, 3, 0, 2)]
+    # a piece of at most 30 bytes: a target layer in two, the draft a layer at a time
+    assert plan_pieces(groups, 2, 30, whole=True) == [
+        (0, 1, 0, 1), (0, 1, 1, 2), (1, 2, 0, 1), (1, 2, 1, 2), (2, 3, 0, 1), (2, 3, 1, 2),
+        (3, 4, 0, 2), (4, 5, 0, 2),
+    ]  # fmt: skip

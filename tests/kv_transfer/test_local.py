@@ -182,6 +182,7 @@ def test_unknown_destination_and_backend():
     [result] = sender.poll()
     assert result.status == TransferStatus.FAILED and result.retryable and "nowhere" in result.error
     with pytest.raises(
-        ValueError, match="kv_backend: unknown 'rdma'; available: auto, local, tcp, torch_dist"
+        ValueError,
+        match="kv_backend: unknown 'rdma'; available: auto, local, nixl, tcp, torch_dist",
     ):
         create_sender("rdma", kv_caches=sender.kv_caches, layout=sender.layout)

@@ -23,7 +23,8 @@ from tests.kv_transfer.paged import caches, layout
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-BACKENDS = ["local", "tcp", "tcp-striped", "torch_dist", "torch_dist-nccl-emulated"]
+BACKENDS = ["local", "tcp", "tcp-striped", "torch_dist", "torch_dist-nccl-emulated", "nixl",
+            "nixl-push"]  # fmt: skip
 POLL_BOUND_S = 0.05
 LEASE_S = 1.0  # the sender's ack_timeout_s, and the receiver's expect timeout
 TIMEOUT_S = 3.0  # each backend's wait on a silent peer: what a blocking poll would take
@@ -60,6 +61,9 @@ def backend(request, monkeypatch):
     if request.param == "torch_dist-nccl-emulated":  # peer processes inherit the environment
         monkeypatch.setenv("DUET_KV_EMULATE_NCCL", "1")
         return "torch_dist"
+    if request.param == "nixl-push":
+        monkeypatch.setenv("DUET_KV_NIXL_MODE", "push")
+        return "nixl"
     return request.param
 
 

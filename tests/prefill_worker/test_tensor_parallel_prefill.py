@@ -26,10 +26,11 @@ from tests.net import free_port
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
 
 
-@pytest.fixture(scope="module", params=["torch_dist", "tcp"])
+@pytest.fixture(scope="module", params=["torch_dist", "tcp", "nixl"])
 def prefill_group(request, tiny_model_factory):
     """Two ranks of one group; `tcp` lands each rank's head shard in a staging buffer the decode
-    worker scatters, torch_dist every transfer."""
+    worker scatters, torch_dist every transfer; nixl reads each rank's heads straight into
+    their slice of the reserved blocks (a descriptor per token)."""
     model = tiny_model_factory("llama")
     configs = [
         json.dumps({"model": model, **ENGINE, "tensor_parallel_size": 2,

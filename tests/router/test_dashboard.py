@@ -57,22 +57,19 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         wait_for(lambda: _names(browser, "decode") == ["d0", "d1"], 15, "the decode workers")
         assert _names(browser, "prefill") == ["p0"]
         for table in ("prefill", "decode"):
-            states = [r.find_elements(By.TAG_NAME, "td")[1].text for r in _rows(browser, table)]
+            states = [cells[1] for cells in _cells(browser, table)]
             assert states == ["healthy"] * len(states)
-        transfers = _rows(browser, "transfers")
+        transfers = _cells(browser, "transfers")
         assert len(transfers) == NUM_REQUESTS + 1  # and the chat's
-        for row in transfers:
-            cells = [td.text for td in row.find_elements(By.TAG_NAME, "td")]
+        for cells in transfers:
             assert cells[1] in ("p0 → d0", "p0 → d1")
             assert cells[2] == "done"
             assert cells[3].endswith("KiB")
             assert float(cells[5]) > 0  # GB/s
             # the link's probed rate: none on the first transfer to each decode worker
             assert cells[6] == "\u2013" or float(cells[6]) > 0
-        first_to_each = {r.find_elements(By.TAG_NAME, "td")[1].text: r for r in transfers}
-        assert [r.find_elements(By.TAG_NAME, "td")[6].text for r in first_to_each.values()] == [
-            "\u2013"
-        ] * len(first_to_each)
+        first_to_each = {cells[1]: cells for cells in transfers}
+        assert [cells[6] for cells in first_to_each.values()] == ["\u2013"] * len(first_to_each)
         assert _card(browser, "transfers_in_flight") == "0"
         for plot in ("ttft", "itl", "throughput", "bandwidth"):
             canvas = browser.find_element(By.ID, f"plot-{plot}")
@@ -93,10 +90,9 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         controller = planner(cluster_server.url)
         controller.step()
         controller.step()
-        wait_for(lambda: len(_rows(browser, "planner-decisions")) == 2, 10, "the decisions")
+        wait_for(lambda: len(_cells(browser, "planner-decisions")) == 2, 10, "the decisions")
         assert not browser.find_element(By.ID, "no-planner").is_displayed()
-        newest = [td.text for td in _rows(browser, "planner-decisions")[0].find_elements(
-            By.TAG_NAME, "td")]  # fmt: skip
+        newest = _cells(browser, "planner-decisions")[0]
         assert newest[1:] == ["2 → 4", "2", "prefill: step 2; decode: on target"]
         assert "dry run" not in browser.find_element(By.ID, "planner-updated").text
 
@@ -117,13 +113,27 @@ def _check_the_chat_streams(browser: WebDriver, url: str) -> None:
              "the reply through prefill, transfer and decode")  # fmt: skip
 
 
-def _rows(browser: WebDriver, table: str) -> list:
-    return browser.find_elements(By.CSS_SELECTOR, f"#{table} tbody tr")
+# NOTE: the page redraws its tables every refresh, so elements found in one call may be gone
+# by the next ("stale element reference"): each read takes the whole table in one script.
+def _cells(browser: WebDriver, table: str) -> list[list[str]]:
+    """The text of each cell of each row of `table`, as one snapshot."""
+    return browser.execute_script(
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map(r => [...r.cells].map(c => c.innerText.trim()));",
+        f"#{table} tbody tr",
+    )
 
 
 def _names(browser: WebDriver, table: str) -> list[str]:
-    return [r.get_attribute("data-name") for r in _rows(browser, table)]
+    """Each row's `data-name`, as one snapshot."""
+    return browser.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(r => r.dataset.name);",
+        f"#{table} tbody tr",
+    )
 
 
 def _card(browser: WebDriver, key: str) -> str:
-    return browser.find_element(By.CSS_SELECTOR, f'.card[data-key="{key}"] .value').text
+    return browser.execute_script(
+        "return document.querySelector(arguments[0]).innerText.trim();",
+        f'.card[data-key="{key}"] .value',
+    )

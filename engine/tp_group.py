@@ -1,0 +1,196 @@
+"""A tensor-parallel engine on one machine: rank 0 in the calling process, ranks 1..N-1 as
+child processes (`python -m duet.engine.tp_follower`) that follow it.
+
+Every rank runs the same `LLMEngine` and schedules from the same inputs: rank 0 broadcasts the
+commands of each iteration (an `EngineCore` with a group does this; `TPLeader` does it for
+the offline `LLM`, which steps on the caller's thread), samples, and broadcasts the step's
+tokens (docs/parallelism.md). A follower is an `EngineCore` with the default role that takes
+no commands of its own; it ends when rank 0 broadcasts `Stop`, and fails (its collectives
+break) when rank 0's process dies.
+
+The rendezvous is a `TCPStore` that rank 0 binds to a free loopback port and hands to its
+children on their command line; NCCL on CUDA (one device per rank) with a gloo group beside
+it for the command broadcast, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from duet.engine.commands import EngineCommand, Stop
+from duet.engine.config import EngineConfig
+from duet.engine.device import bind_thread
+from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
+
+logger = logging.getLogger(__name__)
+
+GROUP_TIMEOUT_S = 600.0
+"""Longest a collective (and the rendezvous) waits: a slow rank's model load or prefill step
+is within it; a dead rank's peers fail at once on the broken connection instead."""
+STOP_TIMEOUT_S = 30.0
+"""How long `close` waits for the followers to exit after `Stop` before killing them."""
+
+
+def init_tensor_parallel(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    init_method: str | None = None,
+    store: dist.Store | None = None,
+    timeout_s: float = GROUP_TIMEOUT_S,
+) -> tuple[TensorParallel, dist.ProcessGroup | None]:
+    """Join this group's ranks (its own world: one engine per process group) through
+    `init_method` (a tcp:// URL) or `store`. Returns the TP group (NCCL on CUDA, gloo on
+    CPU) and a gloo group for the command broadcast (the TP group itself on CPU)."""
+    if world_size == 1:
+        return SINGLE, None
+    if init_method is not None and init_method.startswith(("tcp://127.", "tcp://localhost")):
+        # gloo would otherwise bind the interface of the host's name, which may not route.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if store is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a loopback store: one machine
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    bind_thread(device)  # NCCL's set-up runs on this thread; the engine thread binds its own
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    group = dist.group.WORLD
+    control = dist.new_group(backend="gloo") if backend == "nccl" else group
+    return TensorParallel(rank, world_size, group), control
+
+
+def rank_config(config: EngineConfig) -> EngineConfig:
+    """`config` as each rank runs it: on the CPU, without a thread count, the cores shared out
+    between the ranks (N ranks each using every core would make them wait on each other's
+    OpenMP pools at every collective)."""
+    if config.num_threads or config.resolve_device().type != "cpu":
+        return config
+    threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return dataclasses.replace(config, num_threads=threads)
+
+
+def check_layout(config: EngineConfig) -> None:
+    """Raise `InvalidInputError` naming `tensor_parallel_size` when the model cannot be split
+    over that many ranks (more ranks than query heads, or than 1-column MLP shares)."""
+    from duet.engine.loader import open_model
+    from duet.engine.model.llama import mlp_shard
+
+    arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
+    check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
+    mlp_shard(arch.intermediate_size, TensorParallel(0, config.tensor_parallel_size))
+
+
+class TPGroup:
+    """Rank 0's handle on a tensor-parallel engine's ranks on this machine: `start` launches
+    the followers and joins the group; `close` stops them. Not thread-safe (the thread that
+    builds the engine owns it)."""
+
+    def __init__(
+        self,
+        tp: TensorParallel,
+        control_group: dist.ProcessGroup | None,
+        followers: list[subprocess.Popen[bytes]],
+    ) -> None:
+        self.tp = tp
+        self.control_group = control_group
+        self.followers = followers
+
+    @classmethod
+    def start(cls, config: EngineConfig, timeout_s: float = GROUP_TIMEOUT_S) -> TPGroup:
+        """Launch ranks 1..N-1 of `config` (already `rank_config`'d) as child processes and
+        join the group as rank 0 on this thread. Raises `RuntimeError` when a follower exits
+        before the group is complete."""
+        world = config.tensor_parallel_size
+        if world == 1:
+            return cls(SINGLE, None, [])
+        check_layout(config)  # before any process starts
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+        fields = json.dumps(dataclasses.asdict(config))
+        command = [sys.executable, "-m", "duet.engine.tp_follower", "--config", fields]
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+        followers = [
+            subprocess.Popen(
+                [*command, "--rank", str(rank), "--store-port", str(store.port)], env=env
+            )
+            for rank in range(1, world)
+        ]
+        try:
+            tp, control = init_tensor_parallel(
+                0, world, config.resolve_device(0), store=store, timeout_s=timeout_s
+            )
+        except BaseException:
+            _end(followers, 0.0)
+            raise
+        return cls(tp, control, followers)
+
+    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """After rank 0's engine broadcast `Stop` (or died): wait for the followers, killing
+        any still running after `timeout_s`, and leave the group."""
+        _end(self.followers, timeout_s)
+        if self.tp.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _end(followers: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    for proc in followers:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("tensor-parallel rank (pid %d) did not stop; killing it", proc.pid)
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+class TPLeader:
+    """Rank 0's command broadcast for an engine stepped on the caller's thread (the offline
+    `LLM`): every iteration, `sync` sends what rank 0 applied since the last one, so the
+    followers' `EngineCore` loops apply the same commands before the same step."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self._pending: list[EngineCommand] = []
+        self._stopped = False
+
+    def record(self, cmd: EngineCommand) -> None:
+        """`cmd` was applied on rank 0; the followers apply it before their next step."""
+        self._pending.append(cmd)
+
+    def sync(self) -> None:
+        """One iteration's broadcast (call before each step)."""
+        if self._stopped and self._pending[-1:] != [Stop()]:
+            raise RuntimeError("the tensor-parallel group was shut down")
+        box: list[object] = [list(self._pending)]
+        self._pending.clear()
+        dist.broadcast_object_list(box, group=self.group.control_group, group_src=0)
+
+    def stop(self) -> None:
+        """End the followers' loops and the group. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._pending.append(Stop())
+        try:
+            self.sync()
+        except RuntimeError as e:  # a follower is gone: the others fail on their own
+            logger.warning("tensor-parallel group: could not send Stop (%s)", e)
+        finally:
+            self.group.close()
