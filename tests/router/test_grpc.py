@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from duet.router.front_door import FrontDoor, RouterOptions
 from duet.router.grpc_server import start_grpc_server
 from duet.v1 import serving_pb2, serving_pb2_grpc
 from tests.waiting import wait_for
@@ -35,9 +36,8 @@ class ServerThread:
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            self.server, self.port = self.loop.run_until_complete(
-                start_grpc_server(self.engine, "tiny", port=0, api_keys=[API_KEY])
-            )
+            front = FrontDoor.compose(self.engine, "tiny", RouterOptions(api_keys=[API_KEY]))
+            self.server, self.port = self.loop.run_until_complete(start_grpc_server(front, port=0))
             started.set()
             self.loop.run_forever()
 
