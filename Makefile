@@ -51,8 +51,10 @@ bench: $(STAMP)
 bench-kv: $(STAMP)
 	$(PY) -m benchmarks.kv.transfer $(BENCH_KV_ARGS)
 
-# On a machine with NVIDIA GPUs: the gpu-marked tests, the disaggregated NCCL run and the GPU
-# benchmark, one JSON report under benchmarks/results/ (docs/gpu.md). Without CUDA it exits 2.
+# On a machine with NVIDIA GPUs, in under 8 minutes (GPU_CHECK_ARGS=--quick: 4): the gpu-marked
+# tests, the GPU benchmark, duet serve under duet bench serve, one-GPU disaggregation and the
+# NCCL peer-loss probe; one JSON report under benchmarks/results/ (docs/gpu.md). Without CUDA it
+# exits 2.
 gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 

@@ -27,6 +27,7 @@ from duet.engine.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    LOAD_FORMATS,
     SCHEDULING_POLICIES,
     EngineConfig,
 )
@@ -45,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
     "quantization": QUANTIZATIONS,
+    "load_format": LOAD_FORMATS,
 }
 METAVARS = {"model": "PATH|ID", "tokenizer": "PATH", "kv_cache_memory_bytes": "BYTES"}
 

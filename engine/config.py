@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -41,9 +42,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     """On CUDA, when `num_kv_blocks` is None: fraction of the GPU's memory for weights,
     activations and the KV pool, which gets what a warm-up forward leaves."""
-    enforce_eager: bool = True
-    """Run decode eagerly. False replays CUDA graphs (CUDA + Triton backend only); opt-in until
-    the graph path has been verified on a GPU."""
+    enforce_eager: bool = False
+    """Run every step eagerly. False: on CUDA with the Triton kernels and one rank, decode-only
+    steps replay CUDA graphs captured at start-up per padded batch size (their pool counted in
+    the KV budget); the CPU, tensor parallelism and the torch backend run eagerly either way."""
     max_num_batched_tokens: int = 2048
     """Token budget of one scheduler step (prefill chunks + decodes)."""
     max_num_seqs: int = 128
@@ -73,6 +75,10 @@ class EngineConfig:
     TRITON_INTERPRET=1, for tests), or torch (the reference path)."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
+    load_format: str = "auto"
+    """auto: the checkpoint's weights (safetensors or GGUF); dummy: random weights made on the
+    device from `model`'s config.json alone (a folder with one; no checkpoint needed), for
+    benchmarks. Without a tokenizer.json there, a byte-level tokenizer (docs/engine.md)."""
     quantization: str | None = None
     """Weight-only quantization at load: int8 (per output channel), int4 (groups of
     `quantization_group_size`) or gguf (a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors).
@@ -124,6 +130,11 @@ class EngineConfig:
             raise InvalidInputError(
                 "attention_backend",
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise InvalidInputError(
+                "load_format",
+                f"must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}",
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise InvalidInputError(

@@ -58,3 +58,17 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("mallopt unavailable; large allocations will page-fault each step")
     return ok
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the system now (glibc `malloc_trim(0)`, which also
+    releases whole free pages inside the heap, not only at its top). For load time, when a
+    weight freed as its replacement is built would otherwise stay resident beside it under
+    `keep_freed_memory`. A no-op without glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -9,13 +9,18 @@ factor of each bucket is chosen for `max_model_len`, since the grid cannot chang
 each request then uses as many of those splits as its own length fills (triton_decode), and
 every bucket's graph replays the same compiled kernels.
 
-GPU only, with the Triton backend and no tensor parallelism; nothing here runs on the CPU.
+On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, one rank);
+`enforce_eager=True` turns it off. Steps with a prefill chunk or a speculative query (more than
+one token for a request) run eagerly. The capture itself goes through a `GraphCapture`, so
+that the CPU tests run all of this bookkeeping with a stand-in whose "replay" calls the
+captured function (the Triton kernels under the interpreter), CUDA being absent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,11 +28,74 @@ import torch
 from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
 
 
+def uses_decode_graphs(
+    enforce_eager: bool, device: torch.device, use_triton: bool, tp_enabled: bool
+) -> bool:
+    """Whether an engine captures decode graphs: unless `enforce_eager`, on CUDA with the Triton
+    attention kernels (the graphs' metadata is theirs) and one rank (a collective inside a
+    graph would need NCCL's graph support, not verified). The KV budget reserves the graphs'
+    pool exactly when this is True (`kv_sizing.size_kv_pool`)."""
+    return not enforce_eager and device.type == "cuda" and use_triton and not tp_enabled
+
+
 def decode_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (which is always included)."""
     buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     buckets += list(range(16, max_num_seqs, 16))
     return sorted({*buckets, max_num_seqs})
+
+
+def padded_batch_size(buckets: Sequence[int], num_reqs: int) -> int:
+    """The bucket a decode step of `num_reqs` requests replays: the smallest that holds them."""
+    for bucket in buckets:
+        if bucket >= num_reqs:
+            return bucket
+    raise ValueError(f"num_reqs: {num_reqs} is more than the largest bucket {buckets[-1]}")
+
+
+class ReplayableGraph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphCapture(Protocol):
+    """How `DecodeGraphs` captures and synchronizes; `CudaGraphCapture` on a GPU."""
+
+    pin_memory: bool
+    """Whether host staging buffers are pinned (CUDA: so copies from them are asynchronous)."""
+
+    def capture(self, forward: Callable[[], None], pool: Any) -> tuple[ReplayableGraph, Any]:
+        """Capture `forward` into a graph sharing the memory `pool` (None: a new one); returns
+        the graph and its pool."""
+        ...
+
+    def synchronize(self, device: torch.device) -> None: ...
+
+    def event(self) -> Any:
+        """An event with `record()` and `synchronize()` (orders the staging copies)."""
+        ...
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        """Memory the device's allocator holds (the graphs' pool is the growth across capture)."""
+        ...
+
+
+class CudaGraphCapture:
+    pin_memory = True
+
+    def capture(self, forward: Callable[[], None], pool: Any) -> tuple[ReplayableGraph, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            forward()
+        return graph, graph.pool()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        return int(torch.cuda.memory_reserved(device))
 
 
 class DecodeGraphs:
@@ -45,11 +113,16 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         deterministic: bool = False,
+        capture: GraphCapture | None = None,
     ) -> None:
+        """`capture`: `CudaGraphCapture()` unless given (tests pass a stand-in on the CPU)."""
         from duet.engine.kernels.triton_decode import choose_splits, device_num_sms
 
+        capture = capture or CudaGraphCapture()
+        started = time.perf_counter()
         cache = kv_caches[0]
         device = cache.device
+        reserved_before = capture.reserved_bytes(device)
         self.block_size = block_size
         self.buckets = decode_buckets(max_num_seqs)
         max_bs = self.buckets[-1]
@@ -68,10 +141,13 @@ class DecodeGraphs:
             max_bs, model.config.hidden_size, dtype=cache.dtype, device=device
         )
         # Pinned staging: rows input_ids, positions, slots; then seq_lens + block table.
-        self._host_i64 = torch.zeros(3, max_bs, dtype=torch.int64).pin_memory()
-        self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32).pin_memory()
-        self._copied = torch.cuda.Event()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._host_i64 = torch.zeros(3, max_bs, dtype=torch.int64)
+        self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32)
+        if capture.pin_memory:
+            self._host_i64 = self._host_i64.pin_memory()
+            self._host_i32 = self._host_i32.pin_memory()
+        self._copied = capture.event()
+        self.graphs: dict[int, ReplayableGraph] = {}
         self.num_splits: dict[int, int] = {}  # bucket -> split count its graph replays
         self.split_partition = 0  # deterministic inference: each request's split unit
 
@@ -91,13 +167,16 @@ class DecodeGraphs:
                 self.hidden[:bs] = model(ids, pos, kv_caches, meta)
 
             forward()  # compiles the Triton kernels and warms the allocator outside the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                forward()
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
+            capture.synchronize(device)
+            self.graphs[bs], pool = capture.capture(forward, pool)
+        capture.synchronize(device)
+        self.capture_s = time.perf_counter() - started
+        """Seconds the capture took (every bucket's warm-up forward and capture)."""
+        self.pool_bytes = max(0, capture.reserved_bytes(device) - reserved_before)
+        """What the allocator reserved across the capture: the graphs' private pool plus
+        what the warm-up forwards left cached (an upper bound on the pool)."""
+        self.num_replays = 0
+        """Steps that replayed a graph (the runner's other steps ran eagerly)."""
 
     @property
     def max_batch_size(self) -> int:
@@ -121,7 +200,8 @@ class DecodeGraphs:
         """Replay the decode graph for these n requests; returns hidden states [n, hidden] (a
         view of a static buffer, valid until the next `run`)."""
         n = len(seq_lens)
-        bs = next(b for b in self.buckets if b >= n)
+        bs = padded_batch_size(self.buckets, n)
+        self.num_replays += 1
         width = max(len(b) for b in block_ids)
         self._copied.synchronize()  # the previous step's copies have left the staging buffers
         h64 = self._host_i64.numpy()

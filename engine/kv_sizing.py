@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.cuda_graphs import uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.parallel import TensorParallel
 
@@ -196,7 +197,7 @@ def size_kv_pool(
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        graphs = not config.enforce_eager and use_triton and not tp.enabled
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, tp.enabled)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

@@ -66,6 +66,7 @@ class LLMEngine:
         loaded = load_model(
             config.model, self.dtype, self.device, config.tokenizer, config.hf_overrides,
             config.load_progress and tp.rank == 0, tp, deterministic, config.quantization_config(),
+            config.load_format,
         )  # fmt: skip
         self.model_name = loaded.name
         self.weight_bytes = loaded.weight_bytes  # what this rank holds (docs/quantization.md)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from duet.engine.dummy_weights import byte_level_tokenizer, dummy_weights, hf_weight_shapes
 from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
@@ -21,6 +23,9 @@ from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.tokenizer import Tokenizer
+from duet.engine.weight_files import count_tensors, iter_tensors
+
+logger = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
@@ -76,9 +81,13 @@ def open_model(
     model: str | None,
     tokenizer_path: str | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    load_format: str = "auto",
 ) -> ModelSource:
     """Read what describes `model` (config, tokenizer) without reading its weights: enough
-    for a router to tokenize and validate requests."""
+    for a router to tokenize and validate requests. `load_format="dummy"`: a folder with
+    config.json is enough (see `_open_dummy`)."""
+    if load_format == "dummy":
+        return _open_dummy(model, tokenizer_path, hf_overrides)
     path = resolve_model_path(model)
     name = model or "SmolLM2-135M-Instruct"
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -124,8 +133,8 @@ def open_model(
             tokenizer,
             name,
             None,
-            lambda: _iter_safetensors(_safetensors_files(path)),
-            lambda: _count_safetensors(_safetensors_files(path)),
+            lambda: iter_tensors(_safetensors_files(path)),
+            lambda: count_tensors(_safetensors_files(path)),
         )
     raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
 
@@ -140,20 +149,30 @@ def load_model(
     tp: TensorParallel = SINGLE,
     deterministic: bool = True,
     quantization: QuantizationConfig | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    source = open_model(model, tokenizer_path, hf_overrides)
+    """The model on `device` in `dtype`, its weights read, cast and placed one tensor at a
+    time: the memory it takes while loading is the weights plus the largest tensor (and, on
+    the host, nothing for a GPU model but that one tensor). `load_format="dummy"`: random
+    weights made on the device (engine/dummy_weights.py)."""
+    source = open_model(model, tokenizer_path, hf_overrides, load_format)
     arch, name = source.arch, source.name
-    weights: Iterator[tuple[str, Any]] = source.weights()
     if quantization is not None and quantization.method == "gguf":
-        if source.quantized_weights is None:
+        if source.quantized_weights is None or load_format == "dummy":
             raise InvalidInputError(
                 "quantization", "gguf keeps a GGUF file's quantized tensors; this model is not one"
             )
-        weights = source.quantized_weights()
+        weights: Iterator[tuple[str, Any]] = source.quantized_weights()
+    elif load_format == "dummy":
+        weights = dummy_weights(arch, dtype, device)
+    else:
+        weights = source.weights()
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
-    # Built on meta so no time goes into random init; the rope tables are then made for real.
-    net = net.to_empty(device=device).to(dtype)
+    # Built on meta so no time goes into random init, and cast there, so that the parameters
+    # are allocated once, in `dtype` (casting after `to_empty` held the whole model in fp32
+    # beside its cast). The rope tables (fp32) are then made for real.
+    net = net.to(dtype).to_empty(device=device)
     net.rotary.rebuild(device)
     if progress:
         weights = iter(
@@ -243,20 +262,33 @@ def _safetensors_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def _count_safetensors(files: list[str]) -> int:
-    from safetensors import safe_open
+def _open_dummy(
+    model: str | None, tokenizer_path: str | None, hf_overrides: dict[str, Any] | None
+) -> ModelSource:
+    """A model of random weights: `model` is a folder with a config.json (weights, if any, are
+    not read) or a config.json itself. The tokenizer: `tokenizer_path`, else the folder's
+    tokenizer.json, else a byte-level one covering the vocabulary (logged)."""
+    if model is None:
+        raise InvalidInputError("load_format", "dummy needs --model: a folder with a config.json")
+    path = os.path.dirname(model) if os.path.basename(model) == "config.json" else model
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"load_format dummy: no config.json in {path!r}")
+    arch = ModelArchConfig.from_hf_config(
+        {**_read_json(os.path.join(path, "config.json")), **(hf_overrides or {})}
+    )
+    tok_dir = tokenizer_path or path
+    if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+        tokenizer = Tokenizer.from_dir(tok_dir, arch.eos_token_ids)
+    else:
+        logger.info(
+            "load_format dummy: no tokenizer.json in %s; using a byte-level tokenizer of %d ids",
+            tok_dir, arch.vocab_size,
+        )  # fmt: skip
+        tokenizer = byte_level_tokenizer(arch.vocab_size, arch.eos_token_ids)
+    shapes = hf_weight_shapes(arch)
 
-    total = 0
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            total += len(list(f.keys()))
-    return total
+    def no_checkpoint() -> Iterator[tuple[str, torch.Tensor]]:
+        raise ModelLoadError("load_format dummy reads no checkpoint; its weights are made")
 
-
-def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+    name = os.path.basename(os.path.normpath(path))
+    return ModelSource(arch, tokenizer, name, None, no_checkpoint, lambda: len(shapes))

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.cuda_graphs import DecodeGraphs
+from duet.engine.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.input_batch import InputBatch
 from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
@@ -82,9 +82,11 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
     ) -> None:
         """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
-        `enforce_eager=False` captures CUDA graphs for decode batches of up to `max_num_seqs`
-        requests and `max_model_len` tokens (default: the model's context) where they apply:
-        CUDA, the Triton backend, no tensor parallelism. Elsewhere it changes nothing.
+        `enforce_eager=False` (the engine's default; True here for runners built directly,
+        such as a draft model's) captures CUDA graphs for decode batches of up to
+        `max_num_seqs` requests and `max_model_len` tokens (default: the model's context)
+        where they apply (`uses_decode_graphs`: CUDA, the Triton backend, no tensor
+        parallelism). Elsewhere it changes nothing.
         `deterministic`: the Triton decode kernel splits each request by its own length
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
@@ -119,10 +121,16 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if not enforce_eager and device.type == "cuda" and self.use_triton and not model.tp.enabled:
-            self.decode_graphs = DecodeGraphs(
+        if uses_decode_graphs(enforce_eager, device, self.use_triton, model.tp.enabled):
+            graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
+            logger.info(
+                "CUDA graphs: decode batches of %s requests captured in %.1f s; graph pool "
+                "%.2f GiB",
+                ",".join(map(str, graphs.buckets)), graphs.capture_s, graphs.pool_bytes / 2**30,
+            )  # fmt: skip
+            self.decode_graphs = graphs
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Requests that left the running set give back their input-batch slots."""

@@ -10,6 +10,9 @@ from duet.kv_transfer.worker_config import KVWorkerConfig
 
 @dataclass
 class PrefillWorkerConfig(KVWorkerConfig):
+    enforce_eager: bool = True
+    """A prefill worker runs no decode step (its requests end at their first token), so it
+    captures no CUDA graphs and reserves no memory for them."""
     kv_lease_s: float = 60.0
     """How long sent blocks stay held waiting for the decode side's acknowledgement; must
     exceed `kv_transfer_timeout_s` and stay below the decode side's wait for KV."""

@@ -56,7 +56,7 @@ BLOCK_SIZE = 16
 
 
 class Settings:
-    def __init__(self, smoke: bool) -> None:
+    def __init__(self, smoke: bool, quick: bool = False) -> None:
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
         self.batches = [1, 4] if smoke else [1, 8, 32, 64, 128]
@@ -67,6 +67,8 @@ class Settings:
         self.copy_bytes = (16 if smoke else 1024) << 20
         self.matmul_n = 512 if smoke else 8192
         self.deterministic = False  # --deterministic
+        if quick and not smoke:  # --quick (make gpu-check --quick): the shapes the issue targets
+            self.batches, self.prefill_lens, self.iters, self.hf_steps = [1, 64], [2048], 10, 8
 
 
 def timed(
@@ -124,7 +126,7 @@ def build_models(spec: dict[str, Any], s: Settings) -> tuple[Any, Any]:
     arch = ModelArchConfig.from_hf_config(hf_config.to_dict())
     with torch.device("meta"):
         duet = LlamaForCausalLM(arch)
-    duet = duet.to_empty(device=s.device).to(s.dtype)
+    duet = duet.to(s.dtype).to_empty(device=s.device)  # cast on meta: no fp32 copy
     duet.rotary.rebuild(s.device)
     duet.load_weights(hf.state_dict().items())
     if s.deterministic and s.device.type == "cuda":  # what the loader sets (engine/loader.py)
@@ -313,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny shapes on CPU: checks the script only"
     )
     parser.add_argument(
+        "--quick", action="store_true",
+        help="decode batches 1 and 64, one 2048-token prefill, fewer iterations",
+    )  # fmt: skip
+    parser.add_argument(
         "--deterministic", action="store_true",
         help="duet in deterministic mode: Triton matmuls and norms, one attention order",
     )  # fmt: skip
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke:
         names = ["tiny"]
-    s = Settings(args.smoke)
+    s = Settings(args.smoke, args.quick)
     s.deterministic = args.deterministic
     import triton
 

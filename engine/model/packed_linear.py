@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from duet.engine.config import cpu_has_native_bf16, cpu_vendor
+from duet.engine.cpu_runtime import release_freed_memory
 from duet.engine.model.row_invariant import MIN_ROWS, linear_rows
 
 logger = logging.getLogger(__name__)
@@ -100,18 +101,30 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable `nn.Linear` under `model` by a `PackedLinear`; returns how many.
     Any failure leaves the remaining layers as they are (the plain path computes the same)."""
+    # NOTE: (parent, name) pairs, not the layers: a list of the layers (or of `modules()`)
+    # would keep every plain weight alive until the last is packed, doubling the model's
+    # memory at load time. This way each plain weight is freed as its packed copy replaces it.
+    targets = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+        and can_pack(child.weight)
+        and getattr(child, "cpu_kernel", None) is None  # not on duet's dense kernel already
+    ]
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear) or not can_pack(child.weight):
-                continue
-            if getattr(child, "cpu_kernel", None) is not None:  # on duet's dense kernel already
-                continue
-            try:
-                packed = PackedLinear.from_weight(child.weight, child.bias)
-            except RuntimeError as e:  # an unusual build of torch: keep the plain layers
-                logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
-                return count
-            setattr(parent, name, packed)
-            count += 1
+    for parent, name in targets:
+        child = getattr(parent, name)
+        try:
+            packed = PackedLinear.from_weight(child.weight, child.bias)
+        except RuntimeError as e:  # an unusual build of torch: keep the plain layers
+            logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
+            return count
+        del child
+        setattr(parent, name, packed)
+        # The CPU engine keeps freed memory in the heap (engine/cpu_runtime.py); the packed
+        # copies rarely fit the plain weights' holes, so without this the heap held up to
+        # ~15% of a 1B model's weights twice once packing finished.
+        release_freed_memory()
+        count += 1
     return count

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import time
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
@@ -34,6 +35,21 @@ WATCHDOG_FACTOR = 4
 channel's owner aborts a stalled link at one, before NCCL's watchdog (which by default tears
 the whole process down) would."""
 EVENT_POLL_S = 0.0005  # between queries of a CUDA event being waited for
+NCCL_ASYNC_ERROR_HANDLING = "2"
+"""`TORCH_NCCL_ASYNC_ERROR_HANDLING` for the KV links' NCCL groups: 2 is PyTorch's CleanUpOnly
+(on a timed-out operation its watchdog aborts the communicator and fails the work, but leaves
+the process up). PyTorch's default tears the process down, which would take a worker's every
+other request and channel with one lost peer; duet aborts a stalled channel itself at one
+transfer timeout (the watchdog's is `WATCHDOG_FACTOR` of them). Chosen from PyTorch's
+documentation; `make gpu-check`'s NCCL probe measures both settings on a GPU."""
+
+
+def set_nccl_error_handling() -> None:
+    """Set `TORCH_NCCL_ASYNC_ERROR_HANDLING` to `NCCL_ASYNC_ERROR_HANDLING` unless the operator
+    set it. PyTorch reads it when a process group is built, so the KV links built after this
+    get it; the tensor-parallel group, built earlier at start-up, keeps the default (a rank
+    that lost its group is of no use and is better torn down and restarted)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ASYNC_ERROR_HANDLING)
 
 
 class LinkEvent(Protocol):

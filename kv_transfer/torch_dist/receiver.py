@@ -35,7 +35,13 @@ from duet.kv_transfer.torch_dist.channel import (
     sender_order,
 )
 from duet.kv_transfer.torch_dist.config import TorchDistReceiverConfig
-from duet.kv_transfer.torch_dist.link import LinkEvent, PairLink, link_kind, open_link
+from duet.kv_transfer.torch_dist.link import (
+    LinkEvent,
+    PairLink,
+    link_kind,
+    open_link,
+    set_nccl_error_handling,
+)
 from duet.kv_transfer.torch_dist.probe import probe_scratch
 from duet.kv_transfer.torch_dist.relay import StoreRelay
 
@@ -55,6 +61,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         """Host the store on `config.host:port` (0: a free port). `address` is what senders
         dial: `advertise_host` (default `host`) and the bound port."""
         super().__init__(kv_caches, layout, config.timeout_s, draft_caches)
+        set_nccl_error_handling()  # before any link's NCCL group is built
         self.config = config
         self.timeout_s = config.timeout_s
         self.emulate_nccl = config.emulate_nccl

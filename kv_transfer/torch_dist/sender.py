@@ -33,7 +33,12 @@ from duet.kv_transfer.torch_dist.channel import (
     meta_key,
 )
 from duet.kv_transfer.torch_dist.config import TorchDistSenderConfig
-from duet.kv_transfer.torch_dist.link import LinkError, link_kind, open_link
+from duet.kv_transfer.torch_dist.link import (
+    LinkError,
+    link_kind,
+    open_link,
+    set_nccl_error_handling,
+)
 from duet.kv_transfer.torch_dist.probe import ProbeJob, TorchDistProbe, post_probe
 from duet.kv_transfer.torch_dist.send_job import Posted, SendJob
 
@@ -52,6 +57,7 @@ class TorchDistKVSender(KVSender):
         config: TorchDistSenderConfig,
         draft_caches: list[torch.Tensor] | None = None,
     ) -> None:
+        set_nccl_error_handling()  # before any link's NCCL group is built
         self.config = config
         self.kv_caches = kv_caches
         self.draft_caches = draft_caches

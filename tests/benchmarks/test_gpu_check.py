@@ -1,18 +1,41 @@
-"""`make gpu-check` (benchmarks.gpu_check): without CUDA it refuses with "no CUDA device" and a
-non-zero exit, writing nothing; pytest's junit report is read into exact outcomes."""
+"""`make gpu-check` (benchmarks.gpu_check) on the CPU: without CUDA it refuses with "no CUDA
+device" and exit 2, writing nothing; every piece that can run here does: pytest's junit read
+into exact outcomes, the report and its verdict, the time budgets, the roofline arithmetic,
+the start-up log's facts, and (slow) the serving step against a tiny dummy model, the
+disaggregated step over tcp and the NCCL probe over NCCL's emulation, all on the CPU."""
 
 from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks import gpu_check
+from benchmarks.gpu_check.disaggregated import backend_unavailable, run_disaggregated
+from benchmarks.gpu_check.nccl_probe import run_probe
+from benchmarks.gpu_check.processes import free_port
+from benchmarks.gpu_check.serving import (
+    LLAMA_8B,
+    TINY,
+    ServeSettings,
+    decode_bytes_per_step,
+    run_serving,
+    start_up_facts,
+    write_dummy_model,
+)
+
+CPU = torch.device("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_without_cuda_refuses_with_a_clear_message(capsys, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--quick"]])
+def test_without_cuda_refuses_with_a_clear_message(capsys, tmp_path, flags):
     out = tmp_path / "report.json"
-    assert gpu_check.main(["--out", str(out)]) == 2
+    assert gpu_check.main(["--out", str(out), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("gpu-check: no CUDA device: torch ")
     assert "nothing was run" in err
@@ -56,3 +79,166 @@ def test_junit_outcomes_and_summary():
 def test_device_slug():
     assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
     assert gpu_check.device_slug("???") == "gpu"
+
+
+def test_the_gpu_test_list_is_every_file_with_a_gpu_test():
+    root = Path(__file__).resolve().parents[2]
+    mark = re.compile(r"^\s*(@pytest\.mark\.gpu$|pytest\.mark\.gpu,)", re.MULTILINE)
+    marked = {
+        str(path.relative_to(root))
+        for path in (root / "tests").rglob("test_*.py")
+        if mark.search(path.read_text())
+    }
+    assert set(gpu_check.GPU_TEST_FILES) == marked
+    files, left_out = gpu_check.gpu_test_files(quick=False, num_gpus=1)
+    # Ray is installed here (make install), so only the two-GPU test is left out.
+    assert gpu_check.DISAGGREGATED_TEST not in files and len(files) == len(marked) - 1
+    assert left_out == {gpu_check.DISAGGREGATED_TEST: "needs two GPUs (found 1): NCCL refuses "
+                        "two ranks on one device"}  # fmt: skip
+    assert "tests/deploy/test_gpu_nixl.py" in files
+    assert gpu_check.gpu_test_files(quick=True, num_gpus=1) == (list(gpu_check.QUICK_TESTS), {})
+
+
+def test_budgets_fit_eight_and_four_minutes():
+    assert set(gpu_check.BUDGETS_S) == set(gpu_check.QUICK_BUDGETS_S) == set(gpu_check.STEPS)
+    assert sum(gpu_check.budgets(False).values()) + gpu_check.START_UP_S <= gpu_check.TOTAL_S
+    assert sum(gpu_check.budgets(True).values()) + gpu_check.START_UP_S <= gpu_check.QUICK_TOTAL_S
+    assert (gpu_check.TOTAL_S, gpu_check.QUICK_TOTAL_S) == (480, 240)
+
+
+def test_verdict_and_report():
+    passed = {"ok": True}
+    skipped = {"outcome": "skipped", "detail": "kv backend 'nixl' is not registered"}
+    assert gpu_check.check_ok({"tests": passed, "disaggregated": skipped})
+    assert not gpu_check.check_ok({"tests": passed, "serve": {"ok": False}})
+    assert not gpu_check.check_ok({"disaggregated": {"ok": True, "outcome": "failed"}})
+    assert not gpu_check.check_ok({"kernels": {"ok": False, "outcome": "timed_out"}})
+    report = gpu_check.assemble_report(["NVIDIA H200"], True, {"tests": passed}, 12.34)
+    assert (report["device"], report["quick"], report["ok"], report["elapsed_s"]) == (
+        "NVIDIA H200",
+        True,
+        True,
+        12.3,
+    )
+    assert report["budgets_s"] == gpu_check.QUICK_BUDGETS_S and report["steps"] == {"tests": passed}
+    json.dumps(report)  # one JSON document
+
+
+def test_a_failing_step_is_recorded_and_the_check_goes_on():
+    def broken() -> dict:
+        raise RuntimeError("no such model")
+
+    report = gpu_check.run_step("serve", broken, 5)
+    assert (report["ok"], report["outcome"], report["budget_s"]) == (False, "error", 5)
+    assert report["detail"] == "RuntimeError: no such model"
+
+
+def test_roofline_summary_of_the_kernel_benchmark():
+    results = {
+        "copy_bandwidth_gbs": 4000.0, "matmul_tflops": 750.0,
+        "models": {"llama8b": {
+            "decode": [{"batch": 1, "roofline_fraction": 0.5, "graph_ms": 8.0},
+                       {"batch": 64, "roofline_fraction": 0.6, "graph_ms": 12.0}],
+            "prefill": [{"tokens": 2048, "peak_fraction": 0.55}],
+        }},
+    }  # fmt: skip
+    assert gpu_check.roofline_summary(results) == {
+        "decode_roofline_fraction": {"1": 0.5, "64": 0.6},
+        "decode_graph_ms": {"1": 8.0, "64": 12.0},
+        "prefill_peak_fraction": {"2048": 0.55},
+        "copy_bandwidth_gbs": 4000.0,
+        "matmul_tflops": 750.0,
+    }
+    assert gpu_check.roofline_summary(None) is None
+
+
+def test_decode_roofline_bytes_of_llama_8b():
+    # Every weight but the embedding (7,504,924,672 parameters) and 576 tokens of KV (32 layers
+    # x K and V x 8 heads x 128), in bf16.
+    assert (
+        decode_bytes_per_step(LLAMA_8B, 576, torch.bfloat16)
+        == (7_504_924_672 + 576 * 32 * 2 * 8 * 128) * 2
+    )
+
+
+def test_start_up_facts_from_the_serve_log():
+    log = (
+        "INFO duet.engine.kv_sizing: GPU memory: 139.80 GiB total, weights 14.96, activations "
+        "1.20, others 0.50, cuda_graphs 0.31; KV pool 50000 blocks\n"
+        "INFO duet.engine.model_runner: CUDA graphs: decode batches of 1,2,4,8,16,32,48,64 "
+        "requests captured in 6.3 s; graph pool 0.42 GiB\n"
+        "INFO duet.engine.llm_engine: loaded model (LlamaForCausalLM, bfloat16 on cuda:0) in "
+        "21.5s; KV pool 50000 blocks x 16 tokens\n"
+    )
+    assert start_up_facts(log) == {
+        "load_s": 21.5, "kv_blocks": 50000.0, "graph_capture_s": 6.3, "graph_pool_gib": 0.42,
+        "graph_pool_reserved_gib": 0.31,
+    }  # fmt: skip
+    assert start_up_facts("")["graph_capture_s"] is None
+
+
+def test_disaggregated_step_needs_a_backend_that_pairs_processes_on_one_gpu(tmp_path: Path):
+    cuda = torch.device("cuda", 0)
+    assert backend_unavailable("nixl", cuda) is None  # the nixl extra: make install has it
+    for name in ("torch_dist", "tcp"):
+        assert "cannot pair two processes on one GPU" in (backend_unavailable(name, cuda) or "")
+    assert backend_unavailable("tcp", CPU) is None
+    report = run_disaggregated(tmp_path, {"device": "cuda"}, "no_such", tmp_path, time.monotonic())
+    assert report["outcome"] == "skipped"
+    assert "kv backend 'no_such' is not registered here" in report["detail"]
+
+
+@pytest.mark.slow
+def test_serving_step_on_a_tiny_dummy_model_on_the_cpu(tmp_path: Path):
+    settings = ServeSettings.cpu_smoke()
+    report = run_serving(settings, tmp_path, time.monotonic() + 240, free_port(), CPU)
+    assert report["ok"] and report["server_exit_code"] == 0
+    levels = report["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 4]
+    assert [(lv["completed"], lv["failed"]) for lv in levels] == [(2, 0), (4, 0)]
+    for lv in levels:
+        assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["output_tok_s"] > 0
+    start = report["start_up"]
+    assert start["kv_blocks"] == 128 and start["load_s"] is not None
+    assert start["graph_capture_s"] is None  # the CPU captures no graphs
+    one = report["one_stream"]
+    assert one["mean_context"] == 16 + 3
+    assert one["roofline_fraction"] == pytest.approx(one["roofline_step_ms"] / one["itl_ms_p50"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
+    """The step as the GPU runs it (nixl is its default there), on CPU caches."""
+    model = write_dummy_model(tmp_path / "model", TINY)
+    engine = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512}
+    report = run_disaggregated(model, engine, backend, tmp_path, time.monotonic() + 240)
+    assert report["outcome"] == "passed", report
+    assert (report["num_prompts"], report["num_equal"]) == (16, 16)
+    assert report["transfers"] == {"done": 16}  # every prompt's KV went over the backend
+    assert report["worker_exit_codes"] == {"prefill": 0, "decode": 0}
+
+
+@pytest.mark.slow
+def test_nccl_probe_over_the_emulation_on_the_cpu(tmp_path: Path):
+    """NCCL's emulation on gloo: what the probe records (the GPU's answers are the check's)."""
+    report = run_probe(tmp_path, time.monotonic() + 120, 2.0, emulate=True, chunk_bytes=1 << 20,
+                       handlings=("default",))  # fmt: skip
+    assert (report["link"], report["num_gpus"], report["chunk_bytes"]) == (
+        "nccl-emulated (gloo)",
+        0,
+        1 << 20,
+    )
+    cases = {(c["case"], c["handling"]): c for c in report["cases"]}
+    assert sorted(cases) == [("dies", "default"), ("never_joins", "default")]
+    for handling in ("default",):
+        lone = cases[("never_joins", handling)]
+        # gloo waits for its peer while the link opens: the open is what stalls.
+        assert lone["result"]["open"]["returned"] is False
+        assert lone["returned_within_timeout"] is False and lone["survived_watchdog"]
+        dies = cases[("dies", handling)]
+        assert dies["peer"] == "PEER_FIRST_CHUNK True"
+        assert dies["result"]["chunk0"]["completed"] is True
+        assert dies["result"]["chunk1"]["completed"] is False  # its peer is gone
+        assert dies["returned_within_timeout"] is True and dies["abort_returned"] is True
+        assert dies["survived_watchdog"] and dies["exit_code"] == 0

@@ -76,13 +76,13 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     argv = [
         command, "--model", "/models/m", "--tokenizer", "/models/t", "--dtype", "float32",
         "--device", "cpu", "--block-size", "32", "--num-kv-blocks", "100",
-        "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--no-enforce-eager",
+        "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--enforce-eager",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
         "--no-enable-prefix-caching", "--no-deterministic", "--scheduling-policy", "priority",
         "-tp", "2",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
-        "--no-load-progress", "--hf-overrides", '{"rope_theta": 10000.0}',
-        "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
+        "--no-load-progress", "--load-format", "dummy",
+        "--hf-overrides", '{"rope_theta": 10000.0}', "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
         "--quantize-lm-head",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
     ]  # fmt: skip
@@ -90,10 +90,10 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     expected = dict(
         model="/models/m", tokenizer="/models/t", dtype="float32", device="cpu", block_size=32,
         num_kv_blocks=100, kv_cache_memory_bytes=4 * 2**30, gpu_memory_utilization=0.5,
-        enforce_eager=False, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
+        enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
         tensor_parallel_size=2,
-        num_threads=1, seed=7, attention_backend="torch", load_progress=False,
+        num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",
         hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
         quantization_symmetric=True, quantize_lm_head=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
@@ -155,6 +155,7 @@ def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
         ),
         (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
         (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
+        (["serve", "--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
     ],
 )

@@ -202,3 +202,46 @@ def test_serve_logs_where_it_listens_and_stops_cleanly_on_a_signal(
     frozen = re.search(r"froze (\d+) start-up objects", err)  # the serving process's heap
     assert frozen is not None and int(frozen[1]) > 10_000, err
     assert key not in err + out
+
+
+def test_serve_dummy_weights_from_a_config_alone_answers(tmp_path: Path) -> None:
+    """`--load-format dummy` with a folder holding only config.json: random weights, the
+    byte-level tokenizer (one token per byte), a completion of exactly max_tokens tokens."""
+    from openai import OpenAI
+
+    model = tmp_path / "config-only"
+    model.mkdir()
+    config = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
+                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    (model / "config.json").write_text(json.dumps(config))
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "duet.cli", "serve", "--model", str(model), "--load-format",
+        "dummy", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--grpc-port",
+        "0", "--num-kv-blocks", "64", "--no-ui",
+        "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log = _LogReader(proc)
+    try:
+        log.wait_for(r"gRPC API \(duet\.v1\.Duet\) on", proc, 60)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=30)
+        assert [m.id for m in client.models.list().data] == ["config-only"]
+        reply = client.completions.create(
+            model="config-only", prompt="héllo", max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert reply.usage is not None
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (6, 6)
+        assert reply.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    err = log.text(timeout_s=5)
+    assert "using a byte-level tokenizer of 512 ids" in err
+    assert proc.returncode == 0, err

@@ -101,11 +101,28 @@ def test_graph_pool_estimate() -> None:
     assert graph_pool_bytes(memory, 256, 32, 128) == 256 * MIB + 256 * 32 * 16 * 130 * 4
 
 
+def test_graph_pool_is_in_the_budget_by_default_on_cuda(measured) -> None:
+    """Graphs are on by default on CUDA with the Triton kernels and one rank, and the budget
+    leaves their pool out exactly then."""
+    model = fake_model(32, 8, 128, 32)
+    eager = (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
+    graph_bytes = graph_pool_bytes(H100, 128, 32, 128)  # default max_num_seqs 128
+    assert graph_bytes == 128 * MIB + 128 * 32 * 16 * 130 * 4
+    with_graphs = (int(80 * GIB * 0.9) - 18 * GIB - graph_bytes) // LLAMA_8B_BLOCK
+    args = (CUDA, torch.bfloat16, SINGLE, 32768)
+    assert size_kv_pool(EngineConfig(), model, *args, True) == with_graphs
+    assert size_kv_pool(EngineConfig(enforce_eager=True), model, *args, True) == eager
+    assert size_kv_pool(EngineConfig(), model, *args, False) == eager  # torch attention: eager
+
+
 def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> None:
     model = fake_model(32, 8, 128, 32)
-    plain = size_kv_pool(EngineConfig(), model, CUDA, torch.bfloat16, SINGLE, 32768, True)
+    plain = size_kv_pool(
+        EngineConfig(enforce_eager=True), model, CUDA, torch.bfloat16, SINGLE, 32768, True
+    )
     assert plain == (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
     worker = PrefillWorkerConfig()
+    assert worker.enforce_eager  # a prefill worker decodes nothing: no graphs
     staging_and_nccl = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # whatever the context
     assert size_kv_pool(worker, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
         plain - staging_and_nccl // LLAMA_8B_BLOCK
@@ -127,7 +144,7 @@ def test_tiny_model_on_a_huge_gpu_is_clamped_to_32_bit_offsets(
     assert limit == INT32_MAX // (2 * 16 * 2 * 16)
     with caplog.at_level(logging.WARNING, logger="duet.engine.kv_sizing"):
         num_blocks = size_kv_pool(
-            EngineConfig(), model, CUDA, torch.float32, SINGLE, 2048, True
+            EngineConfig(enforce_eager=True), model, CUDA, torch.float32, SINGLE, 2048, True
         )  # 72 GiB - 2 MiB: 9436928 blocks
     assert num_blocks == limit
     assert 2 * num_blocks * 16 * 2 * 16 <= INT32_MAX < 2 * (num_blocks + 1) * 16 * 2 * 16

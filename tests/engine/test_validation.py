@@ -45,6 +45,7 @@ def test_unknown_config_key():
         (dict(dtype="int8"), "dtype"),
         (dict(block_size=0), "block_size"),
         (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(load_format="pt"), "load_format"),
     ],
 )
 def test_bad_config_values(kwargs, field):

@@ -306,3 +306,16 @@ def test_a_receiver_that_stops_reading_fails_only_its_sends(mode):
         proc.kill()
         sender.close()
         live.close()
+
+
+def test_kv_links_keep_the_process_up_on_an_nccl_timeout(monkeypatch) -> None:
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (abort the communicator, keep the process) unless the
+    operator chose; set by every torch_dist sender and receiver before its links exist."""
+    from duet.kv_transfer.torch_dist.link import set_nccl_error_handling
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    set_nccl_error_handling()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    set_nccl_error_handling()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"

@@ -1,0 +1,165 @@
+"""CUDA-graph decode's bookkeeping on the CPU: the padded batch sizes, when graphs are used at
+all (on by default on CUDA, never on the CPU), which steps replay them, the start-up log, and
+the same tokens as eager steps. CUDA is stood in for by a capture whose replay calls the
+captured forward, so the static buffers, padding rows and metadata run for real (the Triton
+kernels under the interpreter). The KV budget's share for the graphs: test_kv_sizing.py."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from duet.engine import LLM, EngineConfig, SamplingParams, model_runner
+from duet.engine.cuda_graphs import (
+    DecodeGraphs,
+    decode_buckets,
+    padded_batch_size,
+    uses_decode_graphs,
+)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+ENGINE = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=4,
+              num_kv_blocks=96, max_num_seqs=4, max_model_len=128, load_progress=False)  # fmt: skip
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+class EagerReplay:
+    """A stand-in for `CudaGraphCapture` on the CPU: capturing records the forward, replaying
+    calls it (over the same static buffers a real graph would read)."""
+
+    pin_memory = False
+
+    def __init__(self) -> None:
+        self.num_captures = 0
+
+    class _Graph:
+        def __init__(self, forward: Callable[[], None]) -> None:
+            self.replay = forward
+
+    class _Event:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    def capture(self, forward: Callable[[], None], pool: Any) -> tuple[Any, Any]:
+        self.num_captures += 1
+        return self._Graph(forward), pool
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+    def event(self) -> Any:
+        return self._Event()
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        return 3 << 20 if self.num_captures else 0  # as if the capture reserved 3 MiB
+
+
+def test_buckets_and_padded_sizes() -> None:
+    assert decode_buckets(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert decode_buckets(4) == [1, 2, 4]
+    assert decode_buckets(1) == [1]
+    buckets = decode_buckets(20)
+    sizes = [padded_batch_size(buckets, n) for n in range(1, 21)]
+    assert sizes == [1, 2, 4, 4, 8, 8, 8, 8] + [16] * 8 + [20] * 4
+    with pytest.raises(ValueError, match="num_reqs: 21 is more than the largest bucket 20"):
+        padded_batch_size(buckets, 21)
+
+
+def test_graphs_by_default_on_cuda_only() -> None:
+    assert EngineConfig().enforce_eager is False
+    assert uses_decode_graphs(False, CUDA, use_triton=True, tp_enabled=False)
+    assert not uses_decode_graphs(True, CUDA, use_triton=True, tp_enabled=False)  # opt-out
+    assert not uses_decode_graphs(False, CPU, use_triton=True, tp_enabled=False)  # CPU: eager
+    assert not uses_decode_graphs(False, CUDA, use_triton=False, tp_enabled=False)  # torch path
+    assert not uses_decode_graphs(False, CUDA, use_triton=True, tp_enabled=True)  # TP
+
+
+def test_cpu_engine_runs_eagerly_by_default(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, **ENGINE)
+    assert llm.engine.config.enforce_eager is False
+    assert llm.engine.runner.decode_graphs is None
+
+
+@pytest.fixture
+def faked_cuda(monkeypatch: pytest.MonkeyPatch) -> EagerReplay:
+    """The runner captures graphs as on CUDA (unless `enforce_eager`), through `EagerReplay`."""
+    capture = EagerReplay()
+    monkeypatch.setattr(model_runner, "uses_decode_graphs", lambda eager, *args: not eager)
+    monkeypatch.setattr(
+        model_runner, "DecodeGraphs", functools.partial(DecodeGraphs, capture=capture)
+    )
+    return capture
+
+
+def test_decode_steps_replay_padded_graphs_and_give_eager_tokens(
+    tiny_llama: str, faked_cuda: EagerReplay, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 30)]
+    want = [o.token_ids for o in LLM(tiny_llama, **ENGINE, enforce_eager=True).generate(
+        prompts, GREEDY)]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="duet.engine.model_runner"):
+        llm = LLM(tiny_llama, **ENGINE)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None
+    assert graphs.buckets == [1, 2, 4] and faked_cuda.num_captures == 3
+    assert graphs.pool_bytes == 3 << 20 and graphs.capture_s > 0
+    assert "CUDA graphs: decode batches of 1,2,4 requests captured in" in caplog.text
+    assert "graph pool 0.00 GiB" in caplog.text
+
+    replays: list[tuple[int, int]] = []  # (requests, bucket) of each replayed step
+    run = graphs.run
+
+    def spy(*args: Any) -> torch.Tensor:
+        hidden = run(*args)
+        replays.append((hidden.shape[0], padded_batch_size(graphs.buckets, hidden.shape[0])))
+        return hidden
+
+    graphs.run = spy  # type: ignore[method-assign]
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == want
+    # Step 1 prefills all three prompts (eager); steps 2-6 decode all three: bucket 4, row 3
+    # padding (slot -1, length 0).
+    assert replays == [(3, 4)] * 5
+    assert graphs.num_replays == 5
+
+
+def test_steps_with_a_prefill_chunk_run_eagerly(tiny_llama: str, faked_cuda: EagerReplay) -> None:
+    """A 30-token prompt prefilled in chunks of an 8-token budget beside a decoding request:
+    the steps that carry a chunk run eagerly, exactly the decode-only steps replay."""
+    engine = dict(ENGINE, max_num_batched_tokens=8)
+    prompts = [[5, 6, 7], list(range(3, 33))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_llama, **engine, enforce_eager=True).generate(
+        prompts, params)]  # fmt: skip
+    llm = LLM(tiny_llama, **engine)
+    runner, graphs = llm.engine.runner, llm.engine.runner.decode_graphs
+    assert graphs is not None
+    steps: list[tuple[list[int], bool]] = []  # (tokens per request, replayed) of each step
+    execute = runner.execute
+
+    def record_step(out: Any, *args: Any) -> Any:
+        before = graphs.num_replays
+        result = execute(out, *args)
+        steps.append(([n for _, n in out.scheduled], graphs.num_replays > before))
+        return result
+
+    runner.execute = record_step  # type: ignore[method-assign]
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert steps == [
+        ([3, 5], False),  # both prefills start; the short one samples
+        ([1, 7], False), ([1, 7], False), ([1, 7], False),  # a decode beside a chunk: eager
+        ([1, 4], False),  # the last chunk: the long prompt samples its first token
+        ([1, 1], True), ([1, 1], True), ([1, 1], True),  # decode-only: bucket 2
+        ([1], True), ([1], True), ([1], True), ([1], True),  # the long one alone: bucket 1
+    ]  # fmt: skip
+    assert graphs.num_replays == 7
