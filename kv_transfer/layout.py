@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
-KV_LAYOUT_VERSION = 4
+KV_LAYOUT_VERSION = 5
 """2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
 the transfers queued together, and layer-wise transfers send their metadata as a trailer;
-4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`)."""
+4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`);
+5: torch_dist and tcp cut a transfer into pieces no larger than the receiver's
+`max_piece_bytes`, said in its handshake verdict (`kv_transfer/chunks.py`)."""
 
 
 class HandshakeError(RuntimeError):
@@ -116,8 +118,13 @@ class KVLayout:
 def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
     """Raise `HandshakeError` naming every field the two sides disagree on. TP sizes may
     differ (heads are reassembled), everything else must match."""
+    if sender.version != receiver.version:
+        # NOTE: alone, since the other fields of another version may not mean the same.
+        raise HandshakeError(
+            f"KV layout version: sender {sender.version} != receiver {receiver.version}; "
+            "prefill and decode workers of different duet releases cannot exchange KV"
+        )
     fields = (
-        "version",
         "model_id",
         "dtype",
         "block_size",

@@ -1,8 +1,8 @@
-"""KV-transfer throughput: duet's `torch_dist` and `tcp` backends against the raw gloo limit,
-on loopback.
+"""KV-transfer throughput: duet's `torch_dist`, `tcp` and `nixl` backends against the raw
+limits of gloo and of NIXL, on loopback.
 
     python -m benchmarks.kv.transfer                     # all layouts, 1/16/256 blocks, 10 reps
-    python -m benchmarks.kv.transfer --layouts smollm2-135m-bf16 --reps 5 --backends tcp
+    python -m benchmarks.kv.transfer --layouts smollm2-135m-bf16 --reps 5 --backends tcp,nixl
 
 A receiver (decode side) and a sender (prefill side) run in two spawned processes, each with
 its own paged cache, as the workers do. Per layout, backend and block count, rep by rep and
@@ -15,9 +15,14 @@ which goes first (so that the shared machine's noise hits both alike):
 - raw: `dist.send` / `dist.recv` of one contiguous tensor of the same byte size between the
   same two processes (a 2-rank gloo world), buffers allocated and touched beforehand: the
   limit of the transport.
+- raw NIXL (where NIXL is installed; `--no-raw-nixl` leaves it out): a NIXL WRITE over UCX of
+  one contiguous registered buffer of the same bytes, from the sender's start to the
+  receiver seeing its notification (`raw_nixl.py`): the limit of what the `nixl` backend
+  rides on (on one host's CPUs: UCX's CMA, one kernel copy).
 
-The ratio is raw time / duet time (= duet bytes/s over raw bytes/s); the issue's target is
->= 0.8 at 256 blocks. Every rep records how many cores other processes used meanwhile, and a
+The ratio is raw time / duet time (= duet bytes/s over raw bytes/s); the targets at 256
+blocks: torch_dist and tcp >= 0.8 of the gloo send; nixl >= 0.8 of the raw NIXL write, and
+faster than tcp in the same run (the `nixl` rows pull, `nixl-push` rows push). Every rep records how many cores other processes used meanwhile, and a
 checked rep (the first and the last) verifies that the receiver's blocks hold the sender's
 data. Results: a table on stdout and benchmarks/results/kv_transfer.json.
 """
@@ -34,20 +39,23 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.machine import cpu_info, git_commit
+from benchmarks.kv.raw_nixl import nixl_installed
 from benchmarks.kv.transfer_measure import (
     NOISY_OTHER_CORES,
     default_pool_blocks,
     measure_layout,
     pool_problem,
 )
-from benchmarks.kv.transfer_peers import LAYOUTS, POLL_INTERVAL_S, LayoutSpec
+from benchmarks.kv.transfer_peers import BACKENDS, LAYOUTS, POLL_INTERVAL_S, LayoutSpec
+from duet.cli.engine_flags import parse_bytes
+from duet.kv_transfer.staging import check_staging_bytes
 from duet.kv_transfer.tcp.stripes import MAX_STRIPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "benchmarks/results/kv_transfer.json"
 TARGET_RATIO = 0.8
 TARGET_BLOCKS = 256
-BACKENDS = ("torch_dist", "tcp")
+DEFAULT_BACKENDS = ("torch_dist", "tcp", "nixl")
 
 
 def _mem_available_bytes() -> int | None:
@@ -61,30 +69,59 @@ def _mem_available_bytes() -> int | None:
 
 
 def memory_needed_bytes(spec: LayoutSpec, block_counts: list[int], pool: int) -> int:
-    """Both pools, plus per side up to two staging buffers (kept for reuse) and the raw one."""
-    return 2 * pool * spec.block_bytes + 6 * max(block_counts) * spec.block_bytes
+    """Both pools, plus per side up to two staging buffers (kept for reuse) and the raw gloo
+    and NIXL ones."""
+    return 2 * pool * spec.block_bytes + 8 * max(block_counts) * spec.block_bytes
 
 
 def format_table(layouts: list[dict[str, Any]]) -> str:
     head = (
         f"{'layout':<18} {'backend':<10} {'blocks':>6} {'MB':>8} {'raw GB/s':>9} {'done GB/s':>10} "
-        f"{'ratio':>6} {'ack GB/s':>9} {'ratio':>6} {'send() ms':>9} {'CPU ms duet/raw':>15} "
-        f"{'load':>5} {'others':>6}"
+        f"{'ratio':>6} {'ack GB/s':>9} {'ratio':>6} {'nixl GB/s':>9} {'ratio':>6} {'msgs':>5} "
+        f"{'send() ms':>9} {'CPU ms duet/raw':>15} {'load':>5} {'others':>6}"
     )
     lines = [head, "-" * len(head)]
     for layout in layouts:
         for r in layout["results"]:
+            nixl = (
+                f"{r['raw_nixl_gbps']:>9.2f} {r['ratio_done_nixl']:>6.2f}"
+                if r["raw_nixl_gbps"] is not None
+                else f"{'-':>9} {'-':>6}"
+            )
             lines.append(
                 f"{layout['layout']['name']:<18} {layout['backend']:<10} {r['num_blocks']:>6} "
                 f"{r['bytes'] / 1e6:>8.2f} "
                 f"{r['raw_gbps']:>9.2f} {r['duet_done_gbps']:>10.2f} {r['ratio_done']:>6.2f} "
-                f"{r['duet_ack_gbps']:>9.2f} {r['ratio_ack']:>6.2f} "
+                f"{r['duet_ack_gbps']:>9.2f} {r['ratio_ack']:>6.2f} {nixl} {r['chunks']:>5g} "
                 f"{r['send_call_s']['median'] * 1e3:>9.1f} "
                 f"{r['duet_cpu_s'] * 1e3:>7.1f}/{r['raw_cpu_s'] * 1e3:<7.1f} "
                 f"{r['load_avg_before'][0]:>5.2f} "
                 f"{r['other_cores_median']:>6.2f}{' busy' if r['busy'] else ''}"
             )
     return "\n".join(lines)
+
+
+def check_targets(layouts: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per measured `layout/backend` at `TARGET_BLOCKS`: whether it met its target. torch_dist
+    and tcp: done ratio >= `TARGET_RATIO` against the gloo send; nixl (either mode): against
+    the raw NIXL write (not met without one), and more done GB/s than tcp's on the same layout
+    where tcp was measured."""
+    at_target = {
+        (layout["layout"]["name"], layout["backend"]): r
+        for layout in layouts
+        for r in layout["results"]
+        if r["num_blocks"] == TARGET_BLOCKS
+    }
+    met = {}
+    for (name, backend), r in at_target.items():
+        if not backend.startswith("nixl"):
+            met[f"{name}/{backend}"] = r["ratio_done"] >= TARGET_RATIO
+            continue
+        ratio = r["ratio_done_nixl"]
+        tcp = at_target.get((name, "tcp"))
+        faster = tcp is None or r["duet_done_gbps"] > tcp["duet_done_gbps"]
+        met[f"{name}/{backend}"] = ratio is not None and ratio >= TARGET_RATIO and faster
+    return met
 
 
 def int_list(minimum: int, what: str) -> Callable[[str], list[int]]:
@@ -124,7 +161,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--layouts", type=_layout_names, default=list(LAYOUTS), help="comma list")
     p.add_argument(
-        "--backends", type=_backend_names, default=list(BACKENDS), help="comma list of duet's"
+        "--backends",
+        type=_backend_names,
+        default=None,
+        help=f"comma list of {', '.join(BACKENDS)} (nixl-push: nixl writing instead of "
+        f"reading; default: {','.join(DEFAULT_BACKENDS)}, nixl where NIXL is installed)",
+    )
+    p.add_argument(
+        "--raw-nixl",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the raw NIXL write beside every backend (default: where NIXL is installed)",
+    )
+    p.add_argument(
+        "--kv-staging-memory",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="both sides' staging pool (torch_dist, tcp; default: the workers' 256 MiB)",
     )
     p.add_argument("--blocks", type=int_list(1, "block count"), default=[1, 16, TARGET_BLOCKS])
     p.add_argument("--reps", type=int, default=10, help="timed reps per size (after warm-up)")
@@ -165,6 +219,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.tcp_stripes <= MAX_STRIPES:
         p.error(f"--tcp-stripes: must be in [1, {MAX_STRIPES}]")
+    installed = nixl_installed()
+    if args.backends is None:
+        args.backends = [b for b in DEFAULT_BACKENDS if installed or not b.startswith("nixl")]
+    needs_nixl = [b for b in args.backends if b.startswith("nixl")]
+    if (needs_nixl or args.raw_nixl) and not installed:
+        what = f"--backends {','.join(needs_nixl)}" if needs_nixl else "--raw-nixl"
+        p.error(f"{what}: needs NIXL (pip install nixl-cu12, or make install)")
+    if args.raw_nixl is None:
+        args.raw_nixl = installed
+    if args.kv_staging_memory is not None:
+        try:
+            check_staging_bytes("--kv-staging-memory", args.kv_staging_memory)
+        except ValueError as e:
+            p.error(str(e))
     for name in ("reps", "warmup", "pool_blocks", "threads"):
         value = getattr(args, name)
         if value is not None and value < (1 if name != "warmup" else 0):
@@ -209,21 +277,20 @@ def main(argv: list[str] | None = None) -> int:
                     backend=backend,
                     block_order=args.block_order,
                     tcp_stripes=args.tcp_stripes,
+                    raw_nixl=args.raw_nixl,
+                    staging_bytes=args.kv_staging_memory,
                 )
             )
     print()
     print(format_table(layouts))
-    target = {
-        f"{layout['layout']['name']}/{layout['backend']}": r["ratio_done"] >= TARGET_RATIO
-        for layout in layouts
-        for r in layout["results"]
-        if r["num_blocks"] == TARGET_BLOCKS
-    }
+    target = check_targets(layouts)
     busy = any(r["busy"] for layout in layouts for r in layout["results"])
     print(
         f"\nratio = raw time / duet time (medians); done: blocks written at the receiver, ack: "
-        f"the sender saw the acknowledgement. Target: done ratio >= {TARGET_RATIO} at "
-        f"{TARGET_BLOCKS} blocks: {target or 'not measured'}"
+        f"the sender saw the acknowledgement; nixl: against the raw NIXL write; msgs: the "
+        f"sender's messages per transfer. Targets at {TARGET_BLOCKS} blocks: done ratio >= "
+        f"{TARGET_RATIO} (nixl: against the NIXL write, and faster than tcp): "
+        f"{target or 'not measured'}"
     )
     if busy:
         print(
@@ -246,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
             "timeout_s": args.timeout_s,
             "seed": args.seed,
             "block_order": args.block_order,
+            "raw_nixl": args.raw_nixl,
+            "kv_staging_bytes": args.kv_staging_memory,
         },
         "target": {"ratio": TARGET_RATIO, "num_blocks": TARGET_BLOCKS, "met": target},
         "busy": busy,

@@ -1,5 +1,6 @@
 """The measuring half of `benchmarks.kv.transfer`: spawns the receiver and sender peers of one
-layout and drives them, rep by rep, through duet transfers and raw sends of the same size."""
+layout and drives them, rep by rep, through duet transfers and raw sends of the same size (a
+gloo send, and a NIXL write where the peers have a NIXL baseline)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class _Peers:
             self.send_conn, child = ctx.Pipe()
             sender = ctx.Process(
                 target=run_sender,
-                args=(child, config, info["address"], info["raw_port"]),
+                args=(child, config, info["address"], info["raw_port"], info["raw_nixl"]),
                 daemon=True,
             )
             self.procs.append(sender)
@@ -111,13 +112,21 @@ class _Peers:
             "own_cores": usage["own_cores"],
             "other_cores": usage["other_cores"],
             "checked": check,
+            "chunks": sent["chunks"],
         }
 
-    def raw(self) -> dict[str, Any]:
+    def raw(self, nbytes: int, via: str = "gloo") -> dict[str, Any]:
+        """One raw transfer of `nbytes` (the size `raw_buffers` made, for gloo): a gloo send,
+        or (`via="nixl"`) a NIXL write of one contiguous buffer."""
         self.tag += 1
-        self.ask(self.recv_conn, "raw", self.tag)
-        before = CpuSnapshot.take(0.0)
-        sent = self.ask(self.send_conn, "raw", self.tag)
+        if via == "nixl":
+            self.ask(self.recv_conn, "raw_nixl", self.tag)
+            before = CpuSnapshot.take(0.0)
+            sent = self.ask(self.send_conn, "raw_nixl", nbytes, self.tag)
+        else:
+            self.ask(self.recv_conn, "raw", self.tag)
+            before = CpuSnapshot.take(0.0)
+            sent = self.ask(self.send_conn, "raw", self.tag)
         done = _reply(self.recv_conn, self.config.timeout_s + 30)
         wall_s = done["done_s"] - sent["start_s"]
         own_s = sent["cpu_s"] + done["cpu_s"]
@@ -207,28 +216,37 @@ def block_tables(
 def measure_blocks(
     peers: _Peers, num_blocks: int, reps: int, warmup: int, seed: int, order: str = "random"
 ) -> dict[str, Any]:
-    """`warmup` + `reps` interleaved duet and raw transfers of `num_blocks` blocks."""
+    """`warmup` + `reps` interleaved duet and raw transfers of `num_blocks` blocks: each rep
+    one of each kind, the order rotating from rep to rep (so the machine's noise and any
+    after-effect of one kind on the next hit every kind alike)."""
     spec, pool = peers.config.spec, peers.config.num_blocks
     nbytes = num_blocks * spec.block_bytes
     peers.raw_buffers(nbytes)
     src_ids, dst_ids = block_tables(pool, num_blocks, seed, order)
-    duet_reps, raw_reps = [], []
+    kinds = ["duet", "raw"] + (["raw_nixl"] if peers.config.raw_nixl_bytes else [])
+    taken: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     total = warmup + reps
     for rep in range(total):
         check = rep == 0 or rep == total - 1
-        duet_first = rep % 2 == 0
-        if not duet_first:
-            raw = peers.raw()
-        duet = peers.duet(f"n{num_blocks}-rep{rep}", src_ids, dst_ids, check)
-        if duet_first:
-            raw = peers.raw()
-        if rep >= warmup:
-            duet_reps.append(duet)
-            raw_reps.append(raw)
+        shift = rep % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            if kind == "duet":
+                result = peers.duet(f"n{num_blocks}-rep{rep}", src_ids, dst_ids, check)
+            else:
+                result = peers.raw(nbytes, "nixl" if kind == "raw_nixl" else "gloo")
+            if rep >= warmup:
+                taken[kind].append(result)
+    duet_reps, raw_reps, nixl_reps = taken["duet"], taken["raw"], taken.get("raw_nixl", [])
     done = _stats([r["done_s"] for r in duet_reps])
     ack = _stats([r["ack_s"] for r in duet_reps])
     raw_s = _stats([r["s"] for r in raw_reps])
-    other = [r["other_cores"] for r in duet_reps + raw_reps]
+    nixl_s = _stats([r["s"] for r in nixl_reps]) if nixl_reps else None
+    other = [r["other_cores"] for r in duet_reps + raw_reps + nixl_reps]
+    reps_out: list[dict[str, Any]] = [
+        {"duet": d, "raw": r} for d, r in zip(duet_reps, raw_reps, strict=True)
+    ]
+    for rep_out, nixl in zip(reps_out, nixl_reps, strict=False):
+        rep_out["raw_nixl"] = nixl
     return {
         "num_blocks": num_blocks,
         "bytes": nbytes,
@@ -241,14 +259,20 @@ def measure_blocks(
         "raw_gbps": nbytes / raw_s["median"] / 1e9,
         "ratio_done": raw_s["median"] / done["median"],
         "ratio_ack": raw_s["median"] / ack["median"],
+        # the raw NIXL write of one contiguous buffer (None without NIXL)
+        "raw_nixl_s": nixl_s,
+        "raw_nixl_gbps": nbytes / nixl_s["median"] / 1e9 if nixl_s else None,
+        "ratio_done_nixl": nixl_s["median"] / done["median"] if nixl_s else None,
+        "chunks": statistics.median(r["chunks"] for r in duet_reps),
         # CPU seconds of both processes per transfer: on a 2-core machine, the extra copies
         # (gather, scatter) compete with the transport for the same cores
         "duet_cpu_s": statistics.median(r["cpu_s"] for r in duet_reps),
         "raw_cpu_s": statistics.median(r["cpu_s"] for r in raw_reps),
+        "raw_nixl_cpu_s": statistics.median(r["cpu_s"] for r in nixl_reps) if nixl_reps else None,
         "other_cores_median": statistics.median(other),
         "other_cores_max": max(other),
         "busy": statistics.median(other) > NOISY_OTHER_CORES,
-        "reps": [{"duet": d, "raw": r} for d, r in zip(duet_reps, raw_reps, strict=True)],
+        "reps": reps_out,
     }
 
 
@@ -268,17 +292,21 @@ def measure_layout(
     backend: str = "torch_dist",
     block_order: str = "random",
     tcp_stripes: int = 2,
+    raw_nixl: bool = False,
+    staging_bytes: int | None = None,
     log: Any = None,
 ) -> dict[str, Any]:
-    """Spawn the two peers for `spec` and `backend` and measure each block count; the
-    layout's JSON."""
+    """Spawn the two peers for `spec` and `backend` and measure each block count, against a
+    gloo send and, `raw_nixl`, a NIXL write of the same bytes; the layout's JSON."""
     log = log or functools.partial(print, flush=True)
     pool = pool_blocks or default_pool_blocks(block_counts, block_order)
     if problem := pool_problem(pool, block_counts, block_order):
         raise ValueError(problem)  # before any peer starts
+    raw_nixl_bytes = max(block_counts) * spec.block_bytes if raw_nixl else 0
     config = PeerConfig(
-        spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend, tcp_stripes
-    )
+        spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend, tcp_stripes,
+        raw_nixl_bytes, staging_bytes,
+    )  # fmt: skip
     results = []
     peers = _Peers(config)
     try:
@@ -299,5 +327,6 @@ def measure_layout(
         "backend": backend,
         "block_order": block_order,
         "pool_blocks": pool,
+        "staging_bytes": staging_bytes,
         "results": results,
     }

@@ -1,7 +1,9 @@
 """The two processes of the KV-transfer benchmark: a receiver (decode side) and a sender
 (prefill side), each with its own paged cache, its endpoint of the measured backend
-(`torch_dist` or `tcp`) and one rank of a raw 2-rank gloo world for the baseline. `benchmarks.kv.transfer` drives them over pipes, one
-command at a time, so every timestamp below is taken inside the peer that does the work.
+(`torch_dist`, `tcp`, `nixl` or `nixl-push`), one rank of a raw 2-rank gloo world for the
+gloo baseline and, where NIXL is installed, a raw NIXL agent for the NIXL baseline
+(`raw_nixl.py`). `benchmarks.kv.transfer` drives them over pipes, one command at a time, so
+every timestamp below is taken inside the peer that does the work.
 
 Timestamps are `time.monotonic()`, CLOCK_MONOTONIC on Linux: one clock for every process on
 the machine, so the sender's start and the receiver's end of one transfer can be subtracted.
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.kv.raw_nixl import RawNixl, raw_nixl_info
 from duet.engine.cpu_runtime import keep_freed_memory
 
 POLL_INTERVAL_S = 0.001  # what the decode and prefill workers wait between polls of KV
@@ -61,8 +64,30 @@ class PeerConfig:
     poll_interval_s: float = POLL_INTERVAL_S
     engine_malloc: bool = False  # the glibc settings CPU workers run with (engine/cpu_runtime.py)
     num_threads: int = 1  # torch threads per peer (gather and scatter)
-    backend: str = "torch_dist"  # the duet KV backend measured
+    backend: str = "torch_dist"  # the duet KV backend measured (BACKENDS)
     tcp_stripes: int = 2  # connections per tcp channel (TcpKVSender's `stripes`)
+    raw_nixl_bytes: int = 0  # each side's raw NIXL buffer (the largest transfer); 0: no baseline
+    staging_bytes: int | None = None  # both sides' staging pool (None: the backend's default)
+
+    @property
+    def backend_name(self) -> str:
+        """The backend's registered name (`nixl-push` is `nixl` in push mode)."""
+        return "nixl" if self.backend == "nixl-push" else self.backend
+
+    def options(self, side: str) -> dict[str, Any]:
+        """The backend's options on `side` ("sender" or "receiver") beyond the settings."""
+        options: dict[str, Any] = {}
+        if self.staging_bytes is not None:
+            options["staging_bytes"] = self.staging_bytes
+        if side == "sender" and self.backend == "tcp":
+            options["stripes"] = self.tcp_stripes
+        if side == "sender" and self.backend_name == "nixl":
+            options["mode"] = "push" if self.backend == "nixl-push" else "pull"
+        return options
+
+
+BACKENDS = ("torch_dist", "tcp", "nixl", "nixl-push")
+"""What the benchmark measures: duet's backends, and nixl in push mode (`nixl` pulls)."""
 
 
 def block_value(layer: int, kv: int, block: torch.Tensor) -> torch.Tensor:
@@ -149,8 +174,13 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
         caches = _make_caches(config, fill=False)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
         receiver: Any = create_receiver(
-            config.backend, kv_caches=caches, layout=layout, timeout_s=config.timeout_s
+            config.backend_name,
+            kv_caches=caches,
+            layout=layout,
+            timeout_s=config.timeout_s,
+            **config.options("receiver"),
         )
+        raw_nixl = RawNixl("recv", config.raw_nixl_bytes) if config.raw_nixl_bytes else None
         raw_store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -158,7 +188,8 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=config.timeout_s),
         )
-        conn.send(("ok", {"address": receiver.address, "raw_port": raw_store.port}))
+        info = {"address": receiver.address, "raw_port": raw_store.port}
+        conn.send(("ok", {**info, "raw_nixl": raw_nixl_info(raw_nixl)}))
         _raw_world(1, raw_store.port, config.timeout_s)
         conn.send(("ok", None))
     except Exception:
@@ -200,6 +231,14 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
             work.wait()
             done_s = time.monotonic()
             conn.send(("ok", {"done_s": done_s, "cpu_s": _cpu_s() - cpu0}))
+        elif op == "raw_nixl":
+            (tag,) = args
+            assert raw_nixl is not None
+            cpu0 = _cpu_s()
+            conn.send(("ok", "armed"))
+            raw_nixl.wait(tag, config.timeout_s)
+            done_s = time.monotonic()
+            conn.send(("ok", {"done_s": done_s, "cpu_s": _cpu_s() - cpu0}))
         else:
             raise ValueError(f"unknown command {op!r}")
 
@@ -207,11 +246,19 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
         _serve(conn, "receiver", handle)
     finally:
         receiver.close()
+        if raw_nixl is not None:
+            raw_nixl.close()
 
 
-def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int) -> None:
-    """Prefill side: the backend's sender (its channel opened before any timing) and rank 0
-    of the raw world."""
+def run_sender(
+    conn: Connection,
+    config: PeerConfig,
+    address: str,
+    raw_port: int,
+    raw_nixl_peer: dict[str, Any] | None = None,
+) -> None:
+    """Prefill side: the backend's sender (its channel opened before any timing), rank 0 of
+    the raw world and, given the receiver's `raw_nixl_info`, the raw NIXL writer."""
     try:
         _setup(config)
         import torch.distributed as dist
@@ -220,18 +267,21 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
 
         caches = _make_caches(config, fill=True)
         layout = KVLayout.of_caches(config.spec.name, caches, config.spec.num_kv_heads)
-        striping = {"stripes": config.tcp_stripes} if config.backend == "tcp" else {}
         sender: Any = create_sender(
-            config.backend,
+            config.backend_name,
             kv_caches=caches,
             layout=layout,
             name="bench",
             timeout_s=config.timeout_s,
             ack_timeout_s=config.timeout_s,
-            **striping,
+            **config.options("sender"),
         )
         sender.connect(address)  # the handshake is a one-off per pair of workers: not timed
         _raw_world(0, raw_port, config.timeout_s)
+        raw_nixl = None
+        if raw_nixl_peer is not None:
+            raw_nixl = RawNixl("send", config.raw_nixl_bytes)
+            raw_nixl.connect(raw_nixl_peer["metadata"], raw_nixl_peer["address"])
         conn.send(("ok", None))
     except Exception:
         conn.send(("error", f"sender: {traceback.format_exc()}"))
@@ -259,12 +309,19 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
             if [r.status for r in results] != [TransferStatus.DONE]:
                 raise RuntimeError(f"transfer {request_id}: {results or 'no ack'}")
             reply = {"start_s": start_s, "returned_s": returned_s, "acked_s": acked_s}
-            conn.send(("ok", {**reply, "cpu_s": _cpu_s() - cpu0}))
+            conn.send(("ok", {**reply, "cpu_s": _cpu_s() - cpu0, "chunks": results[0].num_chunks}))
         elif op == "raw":
             (tag,) = args
             cpu0 = _cpu_s()
             start_s = time.monotonic()
             dist.send(raw_buf[0], dst=1, tag=tag)
+            conn.send(("ok", {"start_s": start_s, "cpu_s": _cpu_s() - cpu0}))
+        elif op == "raw_nixl":
+            nbytes, tag = args
+            assert raw_nixl is not None
+            cpu0 = _cpu_s()
+            start_s = time.monotonic()
+            raw_nixl.write(nbytes, tag, config.timeout_s)
             conn.send(("ok", {"start_s": start_s, "cpu_s": _cpu_s() - cpu0}))
         else:
             raise ValueError(f"unknown command {op!r}")
@@ -273,6 +330,8 @@ def run_sender(conn: Connection, config: PeerConfig, address: str, raw_port: int
         _serve(conn, "sender", handle)
     finally:
         sender.close()
+        if raw_nixl is not None:
+            raw_nixl.close()
 
 
 def spec_dict(spec: LayoutSpec) -> dict[str, Any]:

@@ -47,7 +47,8 @@ code path on CPU.)
 Files: `channel.py` (store keys, handshake checks, the header's order), `link.py` (the link
 kinds, their events and marks, abort), `landing.py` (gloo works waited for on a thread),
 `nccl_emu.py`, `config.py` (`TorchDistSenderConfig`, `TorchDistReceiverConfig`), `sender.py`
-(and `send_job.py`, a transfer on its way out), `acks.py` (the sender's threads that read the
+(the calls; `dial.py`, the handshake; `send_thread.py`, the thread that posts and reaps;
+`send_job.py`, a transfer on its way out), `acks.py` (the sender's threads that read the
 acknowledgements), `probe.py` (the link probe), `receiver.py`, `relay.py` (the receiver's
 thread that writes the acknowledgements and reads trailers): no `poll` makes a store round
 trip. The sender's outcome bookkeeping is the shared `kv_transfer/outbox.py`, the receiver's

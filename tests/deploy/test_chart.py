@@ -142,7 +142,8 @@ def test_head_runs_ray_head_then_duet_serve(prod):
     assert c["args"] == [
         "duet", "serve", "--disaggregated", "--ray-address=127.0.0.1:6379", "--host=0.0.0.0",
         "--port=8000", "--grpc-port=50051", "--model=/models/Llama-3.1-70B-Instruct",
-        "--served-model-name=llama-3.1-70b", "--prefill-tp=4", "--prefill-workers=auto",
+        "--served-model-name=llama-3.1-70b", "--prefill-tp=4", "--kv-backend=auto",
+        "--prefill-workers=auto",
         "--decode-workers=auto", "--router-replicas=3",
         "--session-store=$(DUET_SESSION_STORE_URL)",
         "--api-key-file=/etc/duet/api-keys/api-keys.txt",

@@ -20,7 +20,7 @@ from duet.engine.parallel import TensorParallel
 from duet.engine.tp_group import init_tensor_parallel
 from duet.kv_transfer import create_receiver, create_sender
 from duet.kv_transfer.torch_dist import receiver as td_receiver
-from duet.kv_transfer.torch_dist import sender as td_sender
+from duet.kv_transfer.torch_dist import send_thread as td_send_thread
 from duet.prefill_worker.config import PrefillWorkerConfig
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
@@ -110,7 +110,7 @@ def test_kv_transfer_threads_bind_the_caches_device(monkeypatch: pytest.MonkeyPa
     def record(device: torch.device) -> None:
         bound.append((threading.current_thread().name, device))
 
-    monkeypatch.setattr(td_sender, "bind_thread", record)
+    monkeypatch.setattr(td_send_thread, "bind_thread", record)
     monkeypatch.setattr(td_receiver, "bind_thread", record)
     dst, src = caches(seed=1), caches()
     recv = create_receiver("torch_dist", kv_caches=dst, layout=layout(dst), timeout_s=10)

@@ -4,6 +4,7 @@ mid-transfer."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from duet.kv_transfer import (
     create_receiver,
     create_sender,
 )
+from duet.kv_transfer.layout import KV_LAYOUT_VERSION
 from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
@@ -181,6 +183,37 @@ def test_handshake_mismatch_refused_on_both_sides(receiver, backend):
     with pytest.raises(HandshakeError, match="dtype: sender 'bfloat16' != receiver 'float32'"):
         sender.send("r1", [0], recv.address)
     sender.close()
+
+
+@pytest.mark.parametrize("old_side", ["sender", "receiver"])
+def test_a_peer_of_another_layout_version_is_refused_naming_both(backend, old_side):
+    """A worker of the release before pieces (layout version 4) and one of this release
+    refuse each other at the handshake, whichever side is older, naming both versions;
+    the newer side then serves a peer of its own version as before."""
+    old = KV_LAYOUT_VERSION - 1
+    dst, src = caches(seed=1), caches()
+    recv_layout, send_layout = layout(dst), layout(src)
+    if old_side == "receiver":
+        recv_layout = dataclasses.replace(recv_layout, version=old)
+    else:
+        send_layout = dataclasses.replace(send_layout, version=old)
+    recv = create_receiver(backend, kv_caches=dst, layout=recv_layout, timeout_s=10)
+    sender = create_sender(backend, kv_caches=src, layout=send_layout, name="p0", timeout_s=10)
+    versions = (old, KV_LAYOUT_VERSION) if old_side == "sender" else (KV_LAYOUT_VERSION, old)
+    expected = f"KV layout version: sender {versions[0]} != receiver {versions[1]}; "
+    with pytest.raises(HandshakeError, match=expected) as info:
+        sender.send("r1", [0], recv.address)
+    assert "different duet releases" in str(info.value)
+    assert recv.poll() == [] and sender.poll() == []
+    sender.close()
+    if old_side == "sender":  # the receiver takes a sender of its own version next
+        same = create_sender(backend, kv_caches=src, layout=layout(src), name="p1", timeout_s=10)
+        recv.expect("r2", [3], timeout_s=10)
+        same.send("r2", [2], recv.address)
+        assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
+        assert all(torch.equal(d[:, 3], s[:, 2]) for s, d in zip(src, dst, strict=True))
+        same.close()
+    recv.close()
 
 
 def test_abort_drops_late_data(receiver, backend):

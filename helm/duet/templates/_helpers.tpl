@@ -248,3 +248,26 @@ affinity:
 {{- define "duet.podAnnotations" -}}
 {{- with .Values.podAnnotations }}{{ toYaml . }}{{ end }}
 {{- end }}
+
+{{/*
+UCX's and NCCL's environment on the prefill and decode pods (kvTransfer.ucx, kvTransfer.nccl):
+only what is set, so the libraries choose the rest. Ray's worker processes inherit it from the
+pod's raylet, so every worker actor on the pod sees it.
+*/}}
+{{- define "duet.kvTransferEnv" -}}
+{{- $kv := .Values.kvTransfer }}
+{{- $vars := list
+  (list "UCX_TLS" $kv.ucx.tls)
+  (list "UCX_NET_DEVICES" $kv.ucx.netDevices)
+  (list "UCX_IB_GID_INDEX" $kv.ucx.ibGidIndex)
+  (list "NCCL_IB_HCA" $kv.nccl.ibHca)
+  (list "NCCL_SOCKET_IFNAME" $kv.nccl.socketIfname)
+  (list "NCCL_IB_GID_INDEX" $kv.nccl.ibGidIndex) }}
+{{- range $vars }}
+{{- $value := index . 1 }}
+{{- if not (or (eq $value nil) (eq (toString $value) "")) }}
+- name: {{ index . 0 }}
+  value: {{ toString $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}

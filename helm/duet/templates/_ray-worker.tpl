@@ -21,6 +21,26 @@ router pods. Called with a dict:
 {{- $_ := set $resources "limits" $limits }}
 {{- $_ := set $resources "requests" $requests }}
 {{- end }}
+{{- $kvWorker := has .component (list "prefill" "decode") }}
+{{- $rdma := and $kvWorker $root.Values.kvTransfer.rdma.enabled }}
+{{- if $rdma }}
+{{- $limits := get $resources "limits" | default dict }}
+{{- $requests := get $resources "requests" | default dict }}
+{{- $_ := set $limits $root.Values.kvTransfer.rdma.resourceName (int $root.Values.kvTransfer.rdma.count) }}
+{{- $_ := set $requests $root.Values.kvTransfer.rdma.resourceName (int $root.Values.kvTransfer.rdma.count) }}
+{{- $_ := set $resources "limits" $limits }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
+{{- $securityContext := deepCopy $root.Values.securityContext }}
+{{- if and $rdma $root.Values.kvTransfer.rdma.ipcLock }}
+{{- $capabilities := get $securityContext "capabilities" | default dict }}
+{{- $_ := set $capabilities "add" (list "IPC_LOCK") }}
+{{- $_ := set $securityContext "capabilities" $capabilities }}
+{{- end }}
+{{- $annotations := include "duet.podAnnotations" $root | fromYaml | default dict }}
+{{- if $rdma }}
+{{- $annotations = merge (deepCopy ($root.Values.kvTransfer.rdma.podAnnotations | default dict)) $annotations }}
+{{- end }}
 {{- $rayResources := dict .component (ternary $gpus 1 (gt $gpus 0)) }}
 apiVersion: apps/v1
 kind: Deployment
@@ -43,9 +63,9 @@ spec:
         {{- with $root.Values.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- with (include "duet.podAnnotations" $root) }}
+      {{- with $annotations }}
       annotations:
-        {{- . | trim | nindent 8 }}
+        {{- toYaml . | nindent 8 }}
       {{- end }}
     spec:
       {{- include "duet.podCommon" $root | nindent 6 }}
@@ -58,7 +78,7 @@ spec:
           image: {{ include "duet.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           securityContext:
-            {{- toYaml $root.Values.securityContext | nindent 12 }}
+            {{- toYaml $securityContext | nindent 12 }}
           command:
             - ray
           args:
@@ -71,6 +91,9 @@ spec:
             - --block
           env:
             {{- include "duet.env" $root | nindent 12 }}
+            {{- if $kvWorker }}
+            {{- include "duet.kvTransferEnv" $root | nindent 12 }}
+            {{- end }}
           ports:
             - name: raylet
               containerPort: 8076
