@@ -7,8 +7,9 @@ check under 8 minutes on one H200, `--quick` under 4):
 
 1. `tests`: the `gpu`-marked tests (`pytest -m gpu`; `--quick`: the loader's and the Triton
    kernels'), each outcome with the reason of every skip;
-2. `kernels`: `benchmarks.kernels.gpu` at Llama-3.1-8B shapes: decode step time against the
-   HBM roofline, prefill against the matmul peak, HF transformers as the baseline;
+2. `kernels`: `benchmarks.kernels.gpu --quick` at Llama-3.1-8B shapes (decode batches 1 and
+   64, a 2,048-token prefill): decode step time against the HBM roofline, prefill against
+   the matmul peak, HF transformers as the baseline (the whole sweep is that module's own);
 3. `serve`: `duet serve` with a Llama-3.1-8B-shaped model of dummy weights, driven by
    `duet bench serve` at 1, 16 and 64 concurrent streams of 512 prompt and 128 output tokens
    (`--quick`: 1 and 16): TTFT and ITL p50/p99, output tok/s, the one-stream ITL against the
@@ -17,7 +18,8 @@ check under 8 minutes on one H200, `--quick` under 4):
    `--kv-backend`, 16 prompts' greedy tokens against the aggregated engine's
    (disaggregated.py);
 5. `nccl_probe`: a torch_dist link whose peer never joins or dies after the first chunk,
-   under PyTorch's and duet's TORCH_NCCL_ASYNC_ERROR_HANDLING (nccl_probe.py).
+   under PyTorch's and duet's TORCH_NCCL_ASYNC_ERROR_HANDLING (nccl_probe.py): findings,
+   reported as `recorded`, never a failure.
 
 The report, `benchmarks/results/gpu_check_<device>.json` by default, holds every step's
 findings. Exits 0 only when no test failed, the benchmark ran, every serving request completed,
@@ -47,10 +49,13 @@ from benchmarks.gpu_check.processes import ROOT, StepTimeout, child_env, free_po
 
 STEPS = ("tests", "kernels", "serve", "disaggregated", "nccl_probe")
 BUDGETS_S: dict[str, int] = {
-    "tests": 130, "kernels": 90, "serve": 120, "disaggregated": 60, "nccl_probe": 45,
+    "tests": 160, "kernels": 75, "serve": 90, "disaggregated": 60, "nccl_probe": 45,
 }  # fmt: skip
+"""From the first whole run on an H200 (2026-11-28): the tests took 124 s once NIXL's passed,
+the kernels' quick shapes with HF's baseline 48 s, serving 48 s, the disaggregated step 33 s,
+the probe 27 s."""
 QUICK_BUDGETS_S: dict[str, int] = {
-    "tests": 40, "kernels": 40, "serve": 65, "disaggregated": 35, "nccl_probe": 40,
+    "tests": 40, "kernels": 60, "serve": 55, "disaggregated": 35, "nccl_probe": 30,
 }  # fmt: skip
 START_UP_S = 15
 """The check's own start (Python, torch, CUDA) and the report, outside every step's budget."""
@@ -158,10 +163,20 @@ def run_gpu_tests(workdir: Path, deadline: float, quick: bool) -> dict[str, Any]
 
 
 def run_kernel_benchmark(workdir: Path, deadline: float, quick: bool) -> dict[str, Any]:
+    """`benchmarks.kernels.gpu` at Llama-3.1-8B shapes, at its `--quick` shapes in either mode
+    (decode batches 1 and 64, one 2,048-token prefill: the whole sweep with HF's baseline
+    outlasts the step's 90 s, as on the first H200 run). Cut off in HF's baseline, duet's rows
+    are still reported (`partial`)."""
     out = workdir / "kernels.json"
-    args = ["-m", "benchmarks.kernels.gpu", "--models", "llama8b", "--out", str(out)]
-    args += ["--quick"] if quick else []
-    code = run_bounded(args, deadline, workdir / "kernels.log", child_env())
+    args = ["-m", "benchmarks.kernels.gpu", "--models", "llama8b", "--out", str(out), "--quick"]
+    try:
+        code = run_bounded(args, deadline, workdir / "kernels.log", child_env())
+    except StepTimeout as e:
+        if not out.exists():
+            raise
+        results = json.loads(out.read_text())
+        return {"ok": False, "outcome": "timed_out", "partial": True, "detail": str(e)[-1500:],
+                "results": results, "summary": roofline_summary(results)}  # fmt: skip
     results = json.loads(out.read_text()) if out.exists() else None
     return {"ok": code == 0 and results is not None, "exit_code": code, "results": results,
             "summary": roofline_summary(results)}  # fmt: skip
@@ -237,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or ROOT / "benchmarks/results" / f"gpu_check_{device_slug(names[0])}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    outcome = {k: v.get("outcome", "ok" if v.get("ok") else "failed") for k, v in steps.items()}
+    outcome = {
+        k: v.get("outcome", "ok" if v.get("ok", True) else "failed") for k, v in steps.items()
+    }
     print(f"gpu-check: {'OK' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f} s: "
           f"{outcome}; report {out}")  # fmt: skip
     return 0 if report["ok"] else 1

@@ -206,6 +206,7 @@ def run_probe(
         if run.peer is not None:
             run.peer.stop()
     return {
+        "outcome": "recorded",
         "timeout_s": timeout_s,
         "chunk_bytes": chunk_bytes,
         "link": "nccl-emulated (gloo)" if emulate else "nccl",

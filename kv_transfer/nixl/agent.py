@@ -52,6 +52,12 @@ def load_nixl() -> Any:
             module = importlib.import_module(name)
         except ImportError:
             continue
+        # NOTE: UCX's memory-type cache learns of CUDA allocations from hooks it installs when
+        # its first context starts; a KV cache allocated before that (every worker's: the
+        # engine sizes its pool first) is then taken for host memory, and NIXL refuses to
+        # register it ("VRAM memory is detected as host by UCX", NIXL_ERR_BACKEND; seen on an
+        # H200 with nixl-cu12 1.5.1, openucx/ucx#2755). Without the cache UCX asks the driver.
+        os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # NOTE: NIXL logs INFO lines (an agent made, a backend loaded) to stdout, which a
             # worker's parent may read as its protocol; only its warnings, unless asked.

@@ -265,3 +265,18 @@ def test_join_leave_and_a_receiver_that_restarts():
     finally:
         second.close()
         recv.close()
+
+
+@pytest.mark.parametrize("operator", [None, "y"])
+def test_ucx_memtype_cache_is_off_unless_the_operator_set_it(monkeypatch, operator):
+    """On an H200 UCX's memory-type cache took a KV cache allocated before its first context
+    for host memory and NIXL refused it (NIXL_ERR_BACKEND): load_nixl turns the cache off
+    before any agent exists, and leaves an operator's own setting alone."""
+    from duet.kv_transfer.nixl.agent import load_nixl
+
+    if operator is None:
+        monkeypatch.delenv("UCX_MEMTYPE_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("UCX_MEMTYPE_CACHE", operator)
+    load_nixl()
+    assert os.environ["UCX_MEMTYPE_CACHE"] == (operator or "n")

@@ -37,3 +37,22 @@ def test_unknown_model_is_refused():
     with pytest.raises(SystemExit) as exc:
         gpu.main(["--models", "llama8b,gpt5"])
     assert exc.value.code == 2
+
+
+def test_cut_off_in_hf_baseline_keeps_duets_rows(tmp_path, monkeypatch):
+    """The first whole gpu-check on an H200 lost every duet number when its time ran out inside
+    HF's baseline: duet's rows are on disk before HF runs."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what gpu-check's deadline sends (SIGINT)
+
+    monkeypatch.setattr(gpu, "hf_bench", interrupted)
+    out = tmp_path / "gpu.json"
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--smoke", "--out", str(out)])
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert tiny["hf_baseline"] == "not measured (yet)"
+    assert [d["batch"] for d in tiny["decode"]] == [1, 4]
+    assert all(d["roofline_fraction"] > 0 and "hf_step_ms" not in d for d in tiny["decode"])
+    [prefill] = tiny["prefill"]
+    assert prefill["tokens"] == 64 and prefill["peak_fraction"] > 0 and "hf_ms" not in prefill
