@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+# pytest-xdist workers for `make test`: one per core, at most 4 (each holds models and clusters).
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: install serve test lint typecheck bench bench-kv gpu-check proto clean
 
@@ -25,7 +27,7 @@ test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal -m 'not sweep'
 
 # tests/session_store runs a real redis-server (CI runs as root; elsewhere install it yourself).
 .PHONY: redis-server

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from duet.cli.engine_flags import fail_on_field
+from duet.cli.engine_flags import fail_on_field, parse_bytes
 from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
 
@@ -81,6 +81,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         "auto: tcp on CPU, torch_dist on GPU",
     )  # fmt: skip
     g.add_argument(
+        "--kv-staging-memory", type=parse_bytes, default=None, metavar="BYTES",
+        help="the staging pool each prefill rank and decode worker streams torch_dist and tcp "
+        "transfers through (e.g. 256MiB, the default): a transfer of any length uses at most "
+        "this much; on a GPU the KV pool leaves room for it",
+    )  # fmt: skip
+    g.add_argument(
         "--gpus-per-worker", type=float, default=None,
         help="GPUs per prefill rank and decode worker (default: 1 when the cluster has GPUs)",
     )  # fmt: skip
@@ -136,6 +142,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         served_model_name=args.served_model_name,
         gpus_per_worker=args.gpus_per_worker or 0.0,
         kv_backend=args.kv_backend,
+        kv_staging_bytes=args.kv_staging_memory,
     )
 
 
@@ -180,6 +187,8 @@ def check_worker_configs(
         try:
             config_cls.from_kwargs(**spec.worker_config(role))
         except InvalidInputError as e:
+            if e.field == "kv_staging_bytes":  # a worker config's field, not an engine flag
+                parser.error(f"--kv-staging-memory: {e.message}")
             fail_on_field(parser, e)
     return spec
 

@@ -230,6 +230,7 @@ class DecodeRole(EngineRole):
             port=config.kv_port,
             advertise_host=config.kv_advertise_host,
             secret=load_cluster_secret(),
+            staging_bytes=config.kv_staging_bytes,
         )
         self.receiver = worker.receiver = create_receiver(
             worker.kv_backend, caches, worker.layout, settings, draft_caches,

@@ -60,6 +60,8 @@ class ClusterSpec:
     """GPUs per prefill rank and per decode worker (1 on GPU clusters)."""
     kv_backend: str = "auto"
     """How KV moves from prefill to decode workers (prefill_worker/config.py)."""
+    kv_staging_bytes: int | None = None
+    """The workers' staging pool (kv_transfer/worker_config.py); None: its default."""
 
     def __post_init__(self) -> None:
         for flag, value in (
@@ -82,6 +84,8 @@ class ClusterSpec:
             **self.engine,
             "kv_backend": self.kv_backend,
         }
+        if self.kv_staging_bytes is not None:
+            config["kv_staging_bytes"] = self.kv_staging_bytes
         if role == "prefill":
             config["tensor_parallel_size"] = self.prefill_tp
             # Only decode workers speculate: a prefill-only request never decodes. A prefill

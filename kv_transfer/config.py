@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from duet.cluster_auth import ClusterSecret
+from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, check_staging_bytes
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,15 @@ class SenderConfig:
     """Probe the link to each receiver once, in the background when the first channel to it
     opens (kv_transfer/link_probe.py), and report its rate with every transfer's result
     (`TransferResult.link_gbps`). Backends that cannot probe ignore it (docs/kv_transfer.md)."""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """The staging pool transfers stream through (kv_transfer/staging.py: torch_dist's gathers);
+    backends that move blocks cache to cache ignore it."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name: must not be empty")
         _check_positive(self, "timeout_s", "ack_timeout_s")
+        check_staging_bytes("staging_bytes", self.staging_bytes)
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,15 @@ class ReceiverConfig:
     secret: ClusterSecret | None = field(default=None, repr=False, compare=False)
     """The cluster secret a network backend makes each connecting sender prove (and proves
     back) before reading any frame. None: no proof, for in-process use and tests only."""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    """The staging pool transfers stream through (kv_transfer/staging.py: torch_dist's
+    receives, tcp's for KV nobody expects yet or a head shard); others ignore it."""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name: must not be empty")
         _check_positive(self, "timeout_s")
+        check_staging_bytes("staging_bytes", self.staging_bytes)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not self.host:

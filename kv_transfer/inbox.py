@@ -5,9 +5,12 @@ data can never arrive (`fail`); the engine thread's `poll` matches arrivals with
 `expect`s, scatters arrived layers into their reserved blocks and acknowledges a request once
 all of it is written. A request is complete when every shard it needs has arrived: a sender
 with larger tensor parallelism ships one shard of heads per rank, under the same request id.
-A backend may deliver a shard before its data has landed and report layers as they do
-(`progress`); the engine thread writes each layer once it is ready, so the copy into the cache
-overlaps the rest of the transfer, and only an expected request's layers are ever written.
+A backend may deliver a shard before its data has landed and report each piece (layers, or a
+layer's blocks; kv_transfer/chunks.py) as it lands in a staging slot (`progress`); the engine
+thread writes each piece once it is there and gives its slot back to the pool, so the copy into
+the cache overlaps the rest of the transfer, and only an expected request's pieces are ever
+written. A piece nobody expects holds its slot until the request is expected, dropped or stale.
+A write that raises (out of memory) fails that request (retryable), never the worker.
 A layer-wise sender's metadata (the first token) comes after its KV, as a trailer the
 arrival fetches (`fetch_meta`); the request is complete once that is here too.
 
@@ -23,18 +26,22 @@ aborted request are dropped on arrival and never written, so a retry must use a 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from duet.engine.kernels.cpu import load_cpu_kernels
 from duet.kv_transfer.base import KVReceiver, TransferResult, TransferStatus
-from duet.kv_transfer.layers import PagedLayers, staged_view
+from duet.kv_transfer.chunks import Piece
+from duet.kv_transfer.layers import PagedLayers, TransferShape, piece_cells
 from duet.kv_transfer.layout import KVLayout, receiver_head_slice
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,40 +54,34 @@ class Expected:
 
 
 @dataclass
+class Landed:
+    """A piece of an arrival whose data is in a staging slot, not yet written."""
+
+    piece: Piece
+    data: torch.Tensor  # [end - start, 2, last - first, BS, h, D]
+    release: Callable[[], None] | None = None  # gives the slot back (once written or dropped)
+
+
+@dataclass
 class Arrival:
     """One shard of one request's KV, arriving or arrived, and not yet all written."""
 
-    blocks: torch.Tensor  # [L, 2, n, BS, h, D]; layers [0, layers_ready) hold data
-    layout: KVLayout  # the sender's: which heads the shard holds
+    shape: TransferShape  # the sender's staged layout: which layers and blocks, which heads
+    layout: KVLayout  # the sender's
     meta: dict[str, Any] | None
     acknowledge: Callable[[], None]  # tells the sender its blocks landed
     time_s: float
-    layers_ready: int = -1  # -1: all of them; raised by the backend through `progress`
-    release: Callable[[], None] | None = None  # called once the inbox is done with `blocks`
+    release: Callable[[], None] | None = None  # called once the inbox is done with the arrival
     fetch_meta: Callable[[], dict[str, Any] | None] | None = None
     """A trailer: `meta` is sent after the KV (layer-wise sending); returns it, or None while
     it has not come (never blocks)."""
-    layers_written: int = 0  # engine thread: written into the reserved blocks so far
-    draft_blocks: torch.Tensor | None = None
-    """[Ld, 2, n, BS, hd, Dd]: the draft's layers, transfer layers L.. (None: not carried)."""
-
-    def __post_init__(self) -> None:
-        if self.layers_ready < 0:
-            self.layers_ready = self.num_layers
-
-    @property
-    def num_layers(self) -> int:
-        """Transfer layers: the target's, then the draft's."""
-        num_draft = self.draft_blocks.shape[0] if self.draft_blocks is not None else 0
-        return self.blocks.shape[0] + num_draft
-
-    def layers(self, start: int, end: int) -> torch.Tensor:
-        """Transfer layers [start, end), within one group (`staged_view`)."""
-        return staged_view(self.blocks, self.draft_blocks, start, end)
+    landed: list[Landed] = field(default_factory=list)  # under the inbox's lock
+    num_written: int = 0  # (layer, block) cells written (or dropped) so far
+    discarded: bool = False  # the inbox let go of it: a piece landing now is given back
 
     @property
     def written(self) -> bool:
-        return self.layers_written == self.num_layers
+        return self.num_written == self.shape.num_cells
 
     def complete(self) -> bool:
         """All written, and the metadata is here (fetched now if it is a trailer)."""
@@ -127,11 +128,28 @@ class InboxKVReceiver(KVReceiver):
             else:
                 self._inbox.setdefault(request_id, []).append(arrival)
 
-    def progress(self, arrival: Arrival, layers_ready: int) -> None:
-        """Layers [0, layers_ready) of a delivered arrival's `blocks` hold their data."""
+    def progress(
+        self,
+        arrival: Arrival,
+        piece: Piece,
+        data: torch.Tensor,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """A piece of a delivered arrival landed in `data` (a staging slot the inbox owns from
+        now on: `release` gives it back once written, or at once if the arrival was dropped)."""
         with self._lock:
-            arrival.layers_ready = layers_ready
-            arrival.time_s = time.monotonic()  # staleness counts from the latest data
+            if not arrival.discarded:
+                arrival.landed.append(Landed(piece, data, release))
+                arrival.time_s = time.monotonic()  # staleness counts from the latest data
+                return
+        if release is not None:
+            release()
+
+    def wrote(self, arrival: Arrival, piece: Piece) -> None:
+        """A backend thread wrote a piece straight into the reserved blocks (call under the
+        inbox's lock)."""
+        arrival.num_written += piece_cells(piece)
+        arrival.time_s = time.monotonic()
 
     def fail(self, request_id: str, why: str) -> None:
         with self._lock:
@@ -166,8 +184,14 @@ class InboxKVReceiver(KVReceiver):
         with self._lock:
             for request_id, expected in list(self._expected.items()):
                 arrivals = self._inbox.get(request_id, [])
-                for arrival in arrivals:
-                    self._write_ready(expected, arrival)
+                try:
+                    for arrival in arrivals:
+                        self._write_ready(expected, arrival)
+                except Exception as e:  # e.g. out of memory: that request fails, not the worker
+                    logger.exception("writing the KV of %s failed", request_id)
+                    _discard(self._inbox.pop(request_id))
+                    arrivals = []
+                    self._failed[request_id] = (f"writing its KV failed: {e}", now)
                 if (
                     arrivals
                     and len(arrivals) >= self._num_shards(arrivals[0].layout)
@@ -211,26 +235,29 @@ class InboxKVReceiver(KVReceiver):
         return max(1, self.layout.heads_per_rank // sender.heads_per_rank)
 
     def _write_ready(self, expected: Expected, arrival: Arrival) -> None:
-        start, end = arrival.layers_written, arrival.layers_ready
-        if start == end:
+        """Scatter the pieces that landed into the reserved blocks and give their slots back;
+        draft pieces with no draft blocks reserved are dropped."""
+        if not arrival.landed:
             return
         paged = self._paged(expected, arrival)
-        # Draft layers with no draft blocks reserved (past `paged.num_layers`) are dropped.
-        if start < paged.num_layers:
-            heads = receiver_head_slice(arrival.layout, self.layout)
-            paged.scatter(
-                start, min(end, paged.num_layers), arrival.blocks, arrival.draft_blocks, heads
-            )
-        arrival.layers_written = end
+        heads = receiver_head_slice(arrival.layout, self.layout)
+        while arrival.landed:
+            landed = arrival.landed[0]
+            if landed.piece[0] < paged.num_layers:
+                paged.scatter_piece(landed.piece, landed.data, heads)
+            arrival.landed.pop(0)
+            arrival.num_written += piece_cells(landed.piece)
+            if landed.release is not None:
+                landed.release()
 
     def _paged(self, expected: Expected, arrival: Arrival) -> PagedLayers:
         """Where the arrival's layers go: the reserved blocks, and the reserved draft blocks
         when both sides have the draft's layers."""
         device = self.kv_caches[0].device
-        num_blocks = arrival.blocks.shape[2]
+        num_blocks = arrival.shape.num_blocks
         ids = torch.tensor(expected.block_ids[:num_blocks], dtype=torch.long, device=device)
         draft_ids = None
-        if expected.draft_block_ids is not None and arrival.draft_blocks is not None:
+        if expected.draft_block_ids is not None and arrival.shape.num_draft:
             draft = expected.draft_block_ids[:num_blocks]
             draft_ids = torch.tensor(draft, dtype=torch.long, device=device)
         return PagedLayers(self.kv_caches, ids, self.draft_caches, draft_ids)
@@ -241,7 +268,7 @@ class InboxKVReceiver(KVReceiver):
         _discard(arrivals)
         # Every shard carries the same metadata; the lowest rank's is the reference.
         first = min(arrivals, key=lambda a: a.layout.tp_rank)
-        draft = expected.draft_block_ids is not None and first.draft_blocks is not None
+        draft = expected.draft_block_ids is not None and first.shape.num_draft > 0
         return TransferResult(request_id, TransferStatus.DONE, meta=first.meta, draft=draft)
 
     def _drop_stale(self, now: float) -> None:
@@ -259,7 +286,13 @@ class InboxKVReceiver(KVReceiver):
 
 
 def _discard(arrivals: list[Arrival]) -> None:
-    """The inbox lets go of these arrivals' buffers (each arrival leaves the inbox once)."""
+    """The inbox lets go of these arrivals and their slots (each leaves the inbox once; called
+    under the inbox's lock)."""
     for arrival in arrivals:
+        arrival.discarded = True
+        for landed in arrival.landed:
+            if landed.release is not None:
+                landed.release()
+        arrival.landed = []
         if arrival.release is not None:
             arrival.release()

@@ -3,26 +3,27 @@ draft model (`KVLayout.draft`), optionally the draft's after them, over the same
 blocks but at the draft pool's own block ids, with its own heads and head size.
 
 Transfer layer i < num_target is target layer i; layer num_target + j is draft layer j. The
-layers of one group share a shape, so a transfer is cut into chunks that never span both
-(`layer_groups`, `transfer_chunks`) and each chunk moves as target layers always did: as rows
-of the paged caches (`PagedLayers`: the tcp backend's vectored I/O, gather and scatter), or as
-a slice of one staging tensor per group (`staged_view`: [L, 2, n, BS, h, D] for the target,
-[Ld, 2, n, BS, hd, Dd] for the draft).
+layers of one group share a shape, so a transfer is cut into pieces that never span both
+(`TransferShape.pieces`: whole layers, or a layer's blocks when one layer is larger than a
+piece may be) and each piece moves as target layers always did: as rows of the paged caches
+(`PagedLayers`: the tcp backend's vectored I/O, gather and scatter), or through a slot of the
+staging pool holding `[end - start, 2, blocks, BS, h, D]` (kv_transfer/staging.py).
 
 The draft's KV must be in its caches before the transfer opens (`send` or `begin`): the
-prefill worker computes the draft over the prompt first, so its chunks are ready at once while
+prefill worker computes the draft over the prompt first, so its pieces are ready at once while
 the target's last pass is still writing its layers.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from duet.kv_transfer import sockio
 from duet.kv_transfer.blocks import gather_blocks, scatter_blocks
-from duet.kv_transfer.chunks import layer_chunks
+from duet.kv_transfer.chunks import Piece, plan_pieces
 
 
 def layer_groups(num_target: int, num_draft: int) -> list[tuple[int, int]]:
@@ -30,35 +31,75 @@ def layer_groups(num_target: int, num_draft: int) -> list[tuple[int, int]]:
     return [(0, num_target)] + ([(num_target, num_target + num_draft)] if num_draft else [])
 
 
-def transfer_chunks(
-    num_target: int,
-    target_layer_bytes: int,
-    num_draft: int = 0,
-    draft_layer_bytes: int = 0,
-    whole: bool = False,
-) -> list[tuple[int, int]]:
-    """[start, end) layer ranges of a transfer's messages: `layer_chunks` within each group
-    (or, `whole`, one message per group)."""
-    out = []
-    for (start, end), nbytes in zip(
-        layer_groups(num_target, num_draft), (target_layer_bytes, draft_layer_bytes), strict=False
-    ):
-        ranges = [(0, end - start)] if whole else layer_chunks(end - start, nbytes)
-        out += [(start + s, start + e) for s, e in ranges]
-    return out
+@dataclass(frozen=True)
+class TransferShape:
+    """A transfer's layers as staged: the target's `[num_target, 2, num_blocks, *row]`, then
+    the draft's `[num_draft, 2, num_blocks, *draft_row]` (row: `[BS, h, D]`, in the sending
+    side's heads), and their pieces (`chunks.Piece`). What both sides agree a transfer is."""
+
+    num_target: int
+    num_blocks: int
+    row: tuple[int, ...]
+    element_size: int
+    num_draft: int = 0
+    draft_row: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_target + self.num_draft
+
+    @property
+    def num_cells(self) -> int:
+        """(layer, block) pairs: what every piece of the transfer covers together."""
+        return self.num_layers * self.num_blocks
+
+    def groups(self) -> list[tuple[int, int, int]]:
+        """Each group's [start, end) layers and the bytes of one block's K and V in one layer."""
+        rows = [self.row, self.draft_row]
+        return [
+            (start, end, 2 * math.prod(row) * self.element_size)
+            for (start, end), row in zip(
+                layer_groups(self.num_target, self.num_draft), rows, strict=False
+            )
+        ]
+
+    def pieces(self, max_bytes: int, whole: bool = False) -> list[Piece]:
+        """The transfer's messages (`chunks.plan_pieces`)."""
+        return plan_pieces(self.groups(), self.num_blocks, max_bytes, whole)
+
+    def piece_shape(self, piece: Piece) -> tuple[int, ...]:
+        """`[end - start, 2, last - first, *row]`; ValueError for a piece out of range or
+        spanning both groups (a peer's message that cannot be)."""
+        start, end, first, last = piece
+        in_target = 0 <= start < end <= self.num_target
+        in_draft = self.num_target <= start < end <= self.num_layers
+        if not (in_target or in_draft) or not 0 <= first < last <= self.num_blocks:
+            raise ValueError(f"piece {list(piece)}: not within one group of {self}")
+        return (end - start, 2, last - first, *(self.row if in_target else self.draft_row))
+
+    def piece_nbytes(self, piece: Piece) -> int:
+        return math.prod(self.piece_shape(piece)) * self.element_size
 
 
-def staged_view(
-    blocks: torch.Tensor, draft_blocks: torch.Tensor | None, start: int, end: int
-) -> torch.Tensor:
-    """Transfer layers [start, end) of a staged transfer (target `blocks` [L, ...], then
-    `draft_blocks` [Ld, ...]), as one tensor: the range must lie within one group."""
-    num_target = blocks.shape[0]
-    if end <= num_target:
-        return blocks[start:end]
-    if draft_blocks is None or start < num_target or end > num_target + draft_blocks.shape[0]:
-        raise ValueError(f"layers [{start}, {end}): not within one group of the transfer")
-    return draft_blocks[start - num_target : end - num_target]
+def staged_shape(
+    shape: list[int], draft_shape: list[int] | None, dtype: torch.dtype
+) -> TransferShape:
+    """The `TransferShape` a peer described as `[L, 2, n, *row]` (and the draft's `[Ld, 2, n,
+    *draft_row]`); ValueError for one that cannot be."""
+    num_target, two, num_blocks, *row = (int(d) for d in shape)
+    draft = [int(d) for d in draft_shape] if draft_shape is not None else [0, 2, num_blocks]
+    if two != 2 or draft[1] != 2 or draft[2] != num_blocks or min(shape) < 1:
+        raise ValueError(f"shape {shape}, draft_shape {draft_shape}: not a transfer's")
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return TransferShape(
+        num_target, num_blocks, tuple(row), element_size, draft[0], tuple(draft[3:])
+    )
+
+
+def piece_cells(piece: Piece) -> int:
+    """The (layer, block) pairs a piece covers."""
+    start, end, first, last = piece
+    return (end - start) * (last - first)
 
 
 @dataclass(frozen=True)
@@ -132,55 +173,40 @@ class PagedLayers:
             parts.append((self.draft_caches[lo:hi], self.draft_block_ids))
         return parts
 
-    def layer_bytes(self, layer: int) -> int:
-        """One transfer layer's bytes (K and V of every block)."""
-        [(caches, ids)] = self.split(layer, layer + 1)
-        return 2 * ids.numel() * caches[0][0, 0].nbytes
+    @property
+    def shape(self) -> TransferShape:
+        """This side's staged layout of the transfer."""
+        first = self.caches[0]
+        draft = self.draft_caches[0] if self.num_draft and self.draft_caches else None
+        return TransferShape(
+            self.num_target, self.block_ids.numel(), tuple(first.shape[2:]),
+            first.element_size(), self.num_draft,
+            tuple(draft.shape[2:]) if draft is not None else (),
+        )  # fmt: skip
 
-    def nbytes(self, start: int, end: int) -> int:
-        return sum(self.layer_bytes(layer) for layer in range(start, end))
+    def _piece_part(self, piece: Piece) -> tuple[list[torch.Tensor], torch.Tensor]:
+        start, end, first, last = piece
+        [(caches, ids)] = self.split(start, end)
+        return caches, ids[first:last]
 
-    def chunks(self, whole: bool = False) -> list[tuple[int, int]]:
-        """This transfer's messages (`transfer_chunks`)."""
-        draft_bytes = self.layer_bytes(self.num_target) if self.num_draft else 0
-        return transfer_chunks(
-            self.num_target, self.layer_bytes(0), self.num_draft, draft_bytes, whole
-        )
+    def piece_iovecs(self, piece: Piece) -> torch.Tensor:
+        """iovecs of a piece in its staged order (`sockio.row_iovecs`: each layer's K rows of
+        the piece's blocks, then their V rows), for vectored socket I/O straight from or into
+        the caches."""
+        caches, ids = self._piece_part(piece)
+        rows = torch.cat([ids, ids + caches[0].shape[1]]).cpu()
+        return sockio.row_iovecs(caches, rows)
 
-    def row_iovecs(self, start: int, end: int) -> torch.Tensor:
-        """iovecs of layers [start, end) in transfer order (`sockio.row_iovecs`: each layer's
-        K rows, then its V rows), for vectored socket I/O straight from or into the caches."""
-        parts = []
-        for caches, ids in self.split(start, end):
-            num_blocks = caches[0].shape[1]
-            rows = torch.cat([ids, ids + num_blocks]).cpu()
-            parts.append(sockio.row_iovecs(caches, rows))
-        return sockio.merge_adjacent(torch.cat(parts)) if len(parts) > 1 else parts[0]
+    def gather_piece(self, piece: Piece, out: torch.Tensor) -> None:
+        """Copy a piece out of the caches into `out` (`TransferShape.piece_shape`)."""
+        caches, ids = self._piece_part(piece)
+        gather_blocks(caches, ids, out=out)
 
-    def gather(
-        self, start: int, end: int, blocks: torch.Tensor, draft_blocks: torch.Tensor | None
+    def scatter_piece(
+        self, piece: Piece, data: torch.Tensor, head_range: tuple[int, int] | None = None
     ) -> None:
-        """Copy layers [start, end) into their staging tensors (`staged_view`)."""
-        for group_start, group_end in layer_groups(self.num_target, self.num_draft):
-            lo, hi = max(start, group_start), min(end, group_end)
-            if lo < hi:
-                [(caches, ids)] = self.split(lo, hi)
-                gather_blocks(caches, ids, out=staged_view(blocks, draft_blocks, lo, hi))
-
-    def scatter(
-        self,
-        start: int,
-        end: int,
-        blocks: torch.Tensor,
-        draft_blocks: torch.Tensor | None,
-        head_range: tuple[int, int] | None = None,
-    ) -> None:
-        """Write staged layers [start, end) into the caches; `head_range`: the target's staged
-        blocks hold only those of this side's KV heads (a draft is never sharded)."""
-        for group_start, group_end in layer_groups(self.num_target, self.num_draft):
-            lo, hi = max(start, group_start), min(end, group_end)
-            if lo < hi:
-                [(caches, ids)] = self.split(lo, hi)
-                heads = head_range if group_start == 0 else None
-                staged = staged_view(blocks, draft_blocks, lo, hi).to(caches[0].device)
-                scatter_blocks(caches, ids, staged, heads)
+        """Write a staged piece into the caches; `head_range`: a target piece holds only those
+        of this side's KV heads (a draft is never sharded)."""
+        caches, ids = self._piece_part(piece)
+        heads = head_range if piece[0] < self.num_target else None
+        scatter_blocks(caches, ids, data.to(caches[0].device), heads)

@@ -12,7 +12,7 @@ import torch
 
 from duet.kv_transfer.base import KVSender, TransferResult, TransferStatus
 from duet.kv_transfer.config import ReceiverConfig, SenderConfig
-from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
+from duet.kv_transfer.inbox import Arrival, InboxKVReceiver, Landed
 from duet.kv_transfer.layers import PagedLayers
 from duet.kv_transfer.layout import KVLayout, check_compatible
 from duet.kv_transfer.outbox import Outbox
@@ -85,22 +85,25 @@ class LocalKVSender(KVSender):
             return
         check_compatible(self.layout, receiver.layout)
         paged = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
-        blocks = _staging(self.kv_caches, len(block_ids))
-        draft = _staging(self.draft_caches, len(block_ids)) if paged.num_draft else None
-        paged.gather(0, paged.num_layers, blocks, draft)
+        shape = paged.shape
+        landed = []
+        for start, end, _ in shape.groups():  # a copy of each group, whole
+            piece = (start, end, 0, shape.num_blocks)
+            first = self.kv_caches[0]
+            data = torch.empty(shape.piece_shape(piece), dtype=first.dtype, device=first.device)
+            paged.gather_piece(piece, data)
+            landed.append(Landed(piece, data))
         self._outbox.open(request_id, dest, released=True, dest=dest)  # copied: blocks are free
         self._outbox.sent_chunk(request_id)  # all layers (the draft's too) in one copy
-        receiver.deliver(
-            request_id,
-            Arrival(
-                blocks,
-                self.layout,
-                meta,
-                lambda: self._outbox.acknowledge(request_id),  # the receiver wrote the blocks
-                time.monotonic(),
-                draft_blocks=draft,
-            ),
+        arrival = Arrival(
+            shape,
+            self.layout,
+            meta,
+            lambda: self._outbox.acknowledge(request_id),  # the receiver wrote the blocks
+            time.monotonic(),
+            landed=landed,
         )
+        receiver.deliver(request_id, arrival)
 
     def poll(self) -> list[TransferResult]:
         return self._outbox.poll()
@@ -113,14 +116,6 @@ class LocalKVSender(KVSender):
                 receiver = self.hub.receivers.get(dest)
             if receiver is not None:
                 receiver.withdraw(request_id, self.layout)
-
-
-def _staging(caches: list[torch.Tensor] | None, num_blocks: int) -> torch.Tensor:
-    """[L, 2, n, BS, h, D] for `num_blocks` blocks of every layer of `caches`."""
-    assert caches
-    first = caches[0]
-    shape = (len(caches), 2, num_blocks, *first.shape[2:])
-    return torch.empty(shape, dtype=first.dtype, device=first.device)
 
 
 class LocalKVReceiver(InboxKVReceiver):

@@ -210,6 +210,7 @@ class PrefillRole(EngineRole):
             ack_timeout_s=config.kv_lease_s,
             secret=load_cluster_secret(),
             measure_link=tp.rank == 0,  # the rank whose results reach the router
+            staging_bytes=config.kv_staging_bytes,
         )
         self.sender = worker.sender = create_sender(
             worker.kv_backend, caches, worker.layout, settings, draft_caches,
@@ -297,6 +298,8 @@ class PrefillRole(EngineRole):
                     self._begun.add(request_id)
             except HandshakeError as e:  # `ship` sends it whole, and fails the same way
                 logger.error("KV handshake for %s failed: %s", request_id, e)
+            except Exception:  # e.g. out of memory: `ship` tries it whole, and fails that one
+                logger.exception("opening the KV transfer of %s failed", request_id)
         return self.sender.layer_computed if self._begun else None
 
     def ship(self, done: PrefillDone) -> None:
@@ -319,6 +322,12 @@ class PrefillRole(EngineRole):
             logger.error("KV handshake for %s failed: %s", done.request_id, e)
             self._finish_transfer(
                 TransferResult(done.request_id, TransferStatus.FAILED, str(e), retryable=False)
+            )
+        except Exception as e:  # e.g. out of memory: this transfer fails, never the worker
+            # NOTE: a sender raises only before it opened the transfer (poll never reports it)
+            logger.exception("the KV transfer of %s failed", done.request_id)
+            self._finish_transfer(
+                TransferResult(done.request_id, TransferStatus.FAILED, str(e), retryable=True)
             )
 
     def _poll_sender(self) -> None:

@@ -146,7 +146,7 @@ def gpu_test_files(quick: bool, num_gpus: int) -> tuple[list[str], dict[str, str
 def run_gpu_tests(workdir: Path, deadline: float, quick: bool) -> dict[str, Any]:
     junit = workdir / "junit.xml"
     files, left_out = gpu_test_files(quick, torch.cuda.device_count())
-    args = ["-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+    args = ["-m", "pytest", "-m", "gpu or sweep", "-q", "-rs", "-p", "no:cacheprovider",
             f"--junitxml={junit}", *files]  # fmt: skip
     code = run_bounded(args, deadline, workdir / "pytest.log", child_env())
     outcomes = junit_outcomes(junit.read_text()) if junit.exists() else {}

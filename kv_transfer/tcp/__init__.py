@@ -19,13 +19,16 @@ connection; a `kv` frame's payload follows its header, striped over the connecti
   configs carry the cluster secret: a challenge-response by HMAC both ways; a sender that fails
   it is closed before a byte of KV is read or a block is touched (`TcpKVReceiver.refusals`);
 - handshake: the sender sends `{"layout"}`, the receiver answers `{"verdict": {"layout",
-  "channel"}}` or `{"verdict": {"error"}}` (a mismatch refused on both sides, as in torch_dist);
+  "channel", "max_piece_bytes"}}` (the largest payload its staging pool takes whole) or
+  `{"verdict": {"error"}}` (a mismatch refused on both sides, as in torch_dist);
   each further connection sends `{"attach": channel, "stripe": i}` (i = 1, 2, ... in order) and
   is answered `{"attached": i}`;
 - `{"type": "xfer", "request_id", "num_blocks", "meta", "trailer"}` announces a transfer;
-- `{"type": "kv", "request_id", "start", "end", "nbytes", "stripes"}` + layers [start, end) of
-  it, laid out `[end - start, 2, n, BS, h, D]`, sent as soon as those layers are in the sender's
-  cache (layer-wise: while later layers still compute); share j of `stripes` (bytes
+- `{"type": "kv", "request_id", "piece": [start, end, first, last], "nbytes", "stripes"}` +
+  layers [start, end) of blocks [first, last) of it, laid out `[end - start, 2, last - first,
+  BS, h, D]` (a piece, `kv_transfer/chunks.py`: at most `max_piece_bytes`; a whole-request
+  send is one piece per layer group as far as that allows), sent as soon as those layers are in
+  the sender's cache (layer-wise: while later layers still compute); share j of `stripes` (bytes
   [j * nbytes // stripes, ...), the last one to the end) goes over connection j;
 - `{"type": "meta", "request_id", "meta"}`: a layer-wise transfer's trailer (the first token);
 - `{"type": "cancel", "request_id", "error"}`: the sender gave the transfer up;
@@ -36,8 +39,11 @@ connection; a `kv` frame's payload follows its header, striped over the connecti
 
 Where the data lands: an expected request (its `expect` came before its `xfer`) whose shard
 holds all the receiver's heads is received straight into its reserved blocks. Anything else (a
-request nobody expects yet, a head shard from a sender with larger tensor parallelism) lands in
-a staging buffer that the engine thread scatters, as in torch_dist.
+request nobody expects yet, a head shard from a sender with larger tensor parallelism) lands
+piece by piece in slots of the receiver's bounded staging pool (`kv_transfer/staging.py`),
+which the engine thread scatters and gives back, as in torch_dist; a piece that finds the pool
+full waits for room up to `timeout_s` (the sender's socket waits meanwhile), then the channel
+is lost and its transfers fail (retryable).
 
 Ownership: the sender reads its blocks until its thread has handed their last byte to the
 kernel; `poll` reports a transfer's outcome (DONE, FAILED, ABORTED) only after that, so the

@@ -4,6 +4,7 @@ protocol and where the data lands)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -17,11 +18,12 @@ import torch
 from duet.cluster_auth.handshake import challenge
 from duet.cluster_auth.refusals import RefusalLog
 from duet.kv_transfer import sockio
+from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import ReceiverConfig
 from duet.kv_transfer.inbox import Arrival, Expected, InboxKVReceiver
-from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layers import PagedLayers, TransferShape, piece_cells
 from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
-from duet.kv_transfer.staging import StagingLease, StagingPool
+from duet.kv_transfer.staging import StagingPool
 from duet.kv_transfer.tcp.config import TcpReceiverConfig, check_caches
 from duet.kv_transfer.tcp.framing import TICK_S, configure, frame, read_frame, wait_readable
 from duet.kv_transfer.tcp.probe import MAX_PROBE_BYTES
@@ -29,6 +31,7 @@ from duet.kv_transfer.tcp.stripes import MAX_STRIPES, Stripes
 
 logger = logging.getLogger(__name__)
 
+DRAIN_BYTES = 4 << 20  # the scratch buffer dropped payloads are read into (every channel's)
 ABORT_WAIT_S = 2.0
 """How long `abort` waits for a write into the aborted blocks to end before shutting the
 connection down (a chunk takes milliseconds; only a stalled sender takes longer)."""
@@ -41,9 +44,9 @@ class Incoming:
     arrival: Arrival
     expected: Expected | None  # the `expect` entry it lands in directly, or None
     layers: PagedLayers | None  # direct: the reserved blocks (draft layers past them: dropped)
-    lease: StagingLease | None  # staged: the channel thread's hold on the buffer
     trailer: bool = False  # the metadata follows the KV
     meta: dict[str, Any] | None = None  # the trailer, once it came
+    num_received: int = 0  # (layer, block) cells of the pieces received so far
 
 
 class RecvChannel:
@@ -79,7 +82,8 @@ class TcpKVReceiver(InboxKVReceiver):
         super().__init__(kv_caches, layout, config.timeout_s, draft_caches)
         self.config = config
         self.timeout_s = config.timeout_s
-        self._staging = StagingPool(kv_caches[0].device)
+        self._staging = StagingPool(kv_caches[0].device, config.staging_bytes)
+        self._scratch = torch.empty(DRAIN_BYTES, dtype=torch.uint8)  # what `_drain` drops
         self._writing: dict[str, RecvChannel] = {}  # request id -> channel writing its blocks
         self._written = threading.Condition(self._lock)
         host = config.host
@@ -140,7 +144,12 @@ class TcpKVReceiver(InboxKVReceiver):
                 return
             with self._lock:
                 self._by_token[channel.token] = channel
-            channel.reply({"verdict": {"layout": self.layout.to_dict(), "channel": channel.token}})
+            verdict = {
+                "layout": self.layout.to_dict(),
+                "channel": channel.token,
+                "max_piece_bytes": self._staging.max_piece_bytes,
+            }
+            channel.reply({"verdict": verdict})
             while wait_readable(sock, self._closed, None):
                 self._handle(channel, sender, read_frame(sock))
         except Exception as e:  # the sender went away or broke the protocol
@@ -148,10 +157,8 @@ class TcpKVReceiver(InboxKVReceiver):
                 logger.warning("KV channel lost mid-transfer: %s", e)
             elif not self._closed.is_set():  # a sender that closed between transfers
                 logger.info("KV channel closed: %s", e)
-            for request_id, incoming in channel.incoming.items():
+            for request_id in channel.incoming:
                 self.fail(request_id, f"sender lost: {e}")
-                if incoming.lease is not None:
-                    incoming.lease.release()
             channel.incoming.clear()
         finally:
             if not attached:
@@ -190,18 +197,16 @@ class TcpKVReceiver(InboxKVReceiver):
             )  # fmt: skip
             self.deliver(request_id, channel.incoming[request_id].arrival)
         elif kind == "kv":
-            start, end, nbytes = header["start"], header["end"], header["nbytes"]
-            stripes = header.get("stripes", 1)
+            start, end, first, last = (int(v) for v in header["piece"])
+            nbytes, stripes = header["nbytes"], header.get("stripes", 1)
             if not 1 <= stripes <= min(len(channel.stripes.socks), max(1, nbytes)):
                 raise ConnectionError(f"kv frame of {request_id}: {stripes} stripes")
-            self._receive(channel, request_id, start, end, nbytes, stripes)
+            self._receive(channel, request_id, (start, end, first, last), nbytes, stripes)
         elif kind == "meta":
             channel.incoming.pop(request_id).meta = header["meta"]
         elif kind == "cancel":
-            incoming = channel.incoming.pop(request_id)
+            channel.incoming.pop(request_id)
             self.fail(request_id, f"the sender gave up: {header['error']}")
-            if incoming.lease is not None:
-                incoming.lease.release()
         elif kind == "ping":  # a link probe (probe.py): read the burst, drop it, answer
             nbytes, stripes = header["nbytes"], header["stripes"]
             if not 0 <= nbytes <= MAX_PROBE_BYTES or not 1 <= stripes <= len(channel.stripes.socks):
@@ -225,12 +230,12 @@ class TcpKVReceiver(InboxKVReceiver):
         first = self.kv_caches[0]
         if not 1 <= num_blocks <= first.shape[1] or (draft and sender.draft is None):
             raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks, draft {draft}")
-        shapes = [(len(self.kv_caches), 2, num_blocks, first.shape[2], sender.heads_per_rank,
-                   first.shape[4])]  # fmt: skip
-        if draft:
-            assert sender.draft is not None
-            d = sender.draft
-            shapes.append((d.num_layers, 2, num_blocks, first.shape[2], d.num_kv_heads, d.head_dim))
+        d = sender.draft
+        shape = TransferShape(
+            len(self.kv_caches), num_blocks, (first.shape[2], sender.heads_per_rank,
+            first.shape[4]), first.element_size(), d.num_layers if draft and d else 0,
+            (first.shape[2], d.num_kv_heads, d.head_dim) if draft and d else (),
+        )  # fmt: skip
         with self._lock:
             expected = self._expected.get(request_id)
         direct = (
@@ -238,10 +243,9 @@ class TcpKVReceiver(InboxKVReceiver):
             and len(expected.block_ids) >= num_blocks
             and receiver_head_slice(sender, self.layout) is None
         )
-        lease = layers = None
+        layers = None
         if direct:
             assert expected is not None
-            parts = [torch.empty(shape, dtype=first.dtype, device="meta") for shape in shapes]
             draft_ids = expected.draft_block_ids if draft else None
             if draft_ids is not None and len(draft_ids) < num_blocks:
                 draft_ids = None  # a reservation too small for it: the draft's KV is dropped
@@ -249,15 +253,8 @@ class TcpKVReceiver(InboxKVReceiver):
                 self.kv_caches, expected.block_ids[:num_blocks], self.draft_caches,
                 draft_ids[:num_blocks] if draft_ids is not None else None,
             )  # fmt: skip
-        else:
-            parts = self._staging.take_parts(shapes, first.dtype)
-            lease = StagingLease(self._staging, parts[0])
-        arrival = Arrival(
-            parts[0], sender, meta, lambda: None, time.monotonic(), layers_ready=0,
-            draft_blocks=parts[1] if draft else None,
-        )  # fmt: skip
-        arrival.release = lease.release if lease is not None else None
-        incoming = Incoming(arrival, expected if direct else None, layers, lease, trailer)
+        arrival = Arrival(shape, sender, meta, lambda: None, time.monotonic())
+        incoming = Incoming(arrival, expected if direct else None, layers, trailer)
 
         def acknowledge() -> None:
             try:
@@ -274,26 +271,30 @@ class TcpKVReceiver(InboxKVReceiver):
         self,
         channel: RecvChannel,
         request_id: str,
-        start: int,
-        end: int,
+        piece: Piece,
         nbytes: int,
         stripes: int,
     ) -> None:
         incoming = channel.incoming[request_id]
         arrival = incoming.arrival
         try:
-            want = arrival.layers(start, end).nbytes
-        except ValueError:  # not within one group
+            want = arrival.shape.piece_nbytes(piece)
+        except ValueError:  # out of range, or not within one group
             want = -1
-        if not 0 <= start < end <= arrival.num_layers or nbytes != want:
-            raise ConnectionError(
-                f"kv frame of {request_id}: layers [{start}, {end}), {nbytes} bytes"
-            )
+        if nbytes != want:
+            raise ConnectionError(f"kv frame of {request_id}: piece {list(piece)}, {nbytes} bytes")
         if incoming.layers is None:  # staged: the engine thread scatters it
-            assert incoming.lease is not None
-            staging = sockio.buffer_iovecs(arrival.layers(start, end))
-            channel.stripes.move(staging, send=False, stripes=stripes)
-            self.progress(arrival, end)
+            dtype = self.kv_caches[0].dtype
+            shape = arrival.shape.piece_shape(piece)
+            # NOTE: waits for room while the inbox writes what landed (the sender's socket
+            # send waits meanwhile, both bounded by the timeout)
+            data = self._staging.take(shape, dtype, self.timeout_s, self._closed.is_set)
+            try:
+                channel.stripes.move(sockio.buffer_iovecs(data), send=False, stripes=stripes)
+            except BaseException:
+                self._staging.give(data)  # `move` returned: no share still writes it
+                raise
+            self.progress(arrival, piece, data, functools.partial(self._staging.give, data))
         else:
             with self._lock:
                 writable = self._expected.get(request_id) is incoming.expected
@@ -304,8 +305,8 @@ class TcpKVReceiver(InboxKVReceiver):
             else:
                 landed = False
                 try:
-                    if end <= incoming.layers.num_layers:
-                        iov = incoming.layers.row_iovecs(start, end)
+                    if piece[1] <= incoming.layers.num_layers:
+                        iov = incoming.layers.piece_iovecs(piece)
                         channel.stripes.move(iov, send=False, stripes=stripes)
                     else:  # draft layers with no draft blocks reserved
                         self._drain(channel, nbytes, stripes)
@@ -314,28 +315,20 @@ class TcpKVReceiver(InboxKVReceiver):
                     with self._written:
                         del self._writing[request_id]
                         if landed:
-                            arrival.layers_ready = arrival.layers_written = end
-                            arrival.time_s = time.monotonic()
+                            self.wrote(arrival, piece)
                         self._written.notify_all()
-        if end == arrival.num_layers:
-            if incoming.lease is not None:  # this thread's hold on the buffer
-                incoming.lease.release()
-                incoming.lease = None
-            if not incoming.trailer:
-                channel.incoming.pop(request_id)
+        incoming.num_received += piece_cells(piece)
+        if incoming.num_received >= arrival.shape.num_cells and not incoming.trailer:
+            channel.incoming.pop(request_id)
 
     def _drain(self, channel: RecvChannel, nbytes: int, stripes: int) -> None:
         """Read a payload of `nbytes` and drop it: every iovec points at one scratch buffer
         (stripes may overwrite each other's bytes there; nobody reads them)."""
-        scratch = self._staging.take((min(nbytes, 4 << 20),), torch.uint8)
-        try:
-            size = scratch.numel()
-            iov = torch.tensor([[scratch.data_ptr(), size]], dtype=torch.int64)
-            iov = iov.repeat(-(-nbytes // size), 1)
-            iov[-1, 1] = nbytes - size * (iov.shape[0] - 1)
-            channel.stripes.move(iov, send=False, stripes=stripes)
-        finally:
-            self._staging.give(scratch)
+        size = min(nbytes, DRAIN_BYTES)
+        iov = torch.tensor([[self._scratch.data_ptr(), size]], dtype=torch.int64)
+        iov = iov.repeat(-(-nbytes // size), 1)
+        iov[-1, 1] = nbytes - size * (iov.shape[0] - 1)
+        channel.stripes.move(iov, send=False, stripes=stripes)
 
     def _busy(self, request_id: str) -> bool:
         return request_id in self._writing

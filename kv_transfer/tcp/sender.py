@@ -14,6 +14,7 @@ import torch
 
 from duet.cluster_auth.handshake import respond
 from duet.kv_transfer.base import KVSender, TransferResult
+from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import SenderConfig
 from duet.kv_transfer.layers import PagedLayers
 from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
@@ -40,7 +41,7 @@ class Job:
 
     request_id: str
     layers: PagedLayers  # the target's blocks, and the draft's when it carries them
-    chunks: list[tuple[int, int]]  # [start, end) layers per `kv` frame
+    pieces: list[Piece]  # a `kv` frame each (kv_transfer/chunks.py)
     meta: dict[str, Any] | None
     trailer: bool
     computed: list[threading.Event] = field(default_factory=list)  # per chunk: in the cache
@@ -48,11 +49,11 @@ class Job:
     broken: bool = False  # the pass computing it never completed
 
     def __post_init__(self) -> None:
-        self.computed = [threading.Event() for _ in self.chunks]
+        self.computed = [threading.Event() for _ in self.pieces]
 
     def mark_computed(self, start: int, end: int) -> None:
-        for k, (_, chunk_end) in enumerate(self.chunks):
-            if start < chunk_end <= end:
+        for k, piece in enumerate(self.pieces):
+            if start < piece[1] <= end:
                 self.computed[k].set()
 
     def abandon(self) -> None:
@@ -63,11 +64,12 @@ class Job:
 
 
 class SendChannel:
-    def __init__(self, dest: str, stripes: Stripes, peer: KVLayout) -> None:
+    def __init__(self, dest: str, stripes: Stripes, peer: KVLayout, max_piece_bytes: int) -> None:
         self.dest = dest
         self.stripes = stripes
         self.sock = stripes.socks[0]
         self.peer = peer
+        self.max_piece_bytes = max_piece_bytes  # a frame the receiver can stage whole
         self.jobs: queue.Queue[list[Job] | None] = queue.Queue()
         self.inbound = bytearray()  # acknowledgements read so far
         self.broken: str | None = None
@@ -113,8 +115,8 @@ class TcpKVSender(KVSender):
             self._read_acks(channel)  # a connection the receiver closed is replaced here
             if channel.broken is None:
                 return channel
-        stripes, peer = self._dial(dest)
-        channel = SendChannel(dest, stripes, peer)
+        stripes, peer, max_piece_bytes = self._dial(dest)
+        channel = SendChannel(dest, stripes, peer, max_piece_bytes)
         channel.thread = threading.Thread(
             target=self._send_loop, args=(channel,), name=f"kv-tcp-send-{self.name}", daemon=True
         )
@@ -123,9 +125,9 @@ class TcpKVSender(KVSender):
             self._channels[dest] = channel
         return channel
 
-    def _dial(self, dest: str) -> tuple[Stripes, KVLayout]:
+    def _dial(self, dest: str) -> tuple[Stripes, KVLayout, int]:
         """A channel's connections to `dest`, authenticated and handshaken; the receiver's
-        layout."""
+        layout and the largest piece its staging pool takes."""
         sock = socket.create_connection(split_address(dest), timeout=self.timeout_s)
         stripes = Stripes(sock, f"kv-tcp-stripe-{self.name}")
         try:
@@ -148,7 +150,7 @@ class TcpKVSender(KVSender):
         except BaseException:
             stripes.close()
             raise
-        return stripes, peer
+        return stripes, peer, int(verdict["max_piece_bytes"])
 
     def _authenticate(self, sock: socket.socket, dest: str) -> None:
         if self.config.secret is not None:
@@ -224,9 +226,11 @@ class TcpKVSender(KVSender):
         if channel is None:
             return None
         # Layer-wise: a frame per chunk of layers, each sent once the pass wrote it. Whole: one
-        # frame (per group); between frames both sides stop for a header, and those pauses cost
-        # a 256-block SmolLM2 transfer ~25% of its time as 30 one-layer frames.
-        job = Job(request_id, layers, layers.chunks(whole=not trailer), meta, trailer)
+        # frame per group as far as the receiver can stage it (a frame is one piece); between
+        # frames both sides stop for a header, and those pauses cost a 256-block SmolLM2
+        # transfer ~25% of its time as 30 one-layer frames.
+        pieces = layers.shape.pieces(channel.max_piece_bytes, whole=not trailer)
+        job = Job(request_id, layers, pieces, meta, trailer)
         self._outbox.open(request_id, channel, dest=dest)
         if self._prober is not None:
             self._prober.start(dest)  # the first transfer there, or a retry: off this thread
@@ -278,7 +282,7 @@ class TcpKVSender(KVSender):
             )
         )
         order = sorted(
-            ((end, k, job) for job in live for k, (_, end) in enumerate(job.chunks)),
+            ((piece[1], k, job) for job in live for k, piece in enumerate(job.pieces)),
             key=lambda item: item[0],
         )
         dropped: set[str] = set()
@@ -291,18 +295,17 @@ class TcpKVSender(KVSender):
                 self._cancel(sock, job, why)
                 dropped.add(job.request_id)
                 continue
-            start, end = job.chunks[k]
-            nbytes = job.layers.nbytes(start, end)
+            piece = job.pieces[k]
+            nbytes = job.layers.shape.piece_nbytes(piece)
             stripes = channel.stripes.count(nbytes)
             header = {
                 "type": "kv",
                 "request_id": job.request_id,
-                "start": start,
-                "end": end,
+                "piece": list(piece),
                 "nbytes": nbytes,
                 "stripes": stripes,
             }
-            iov = job.layers.row_iovecs(start, end)
+            iov = job.layers.piece_iovecs(piece)
             channel.stripes.move(iov, send=True, stripes=stripes, head=frame(header))
             self._outbox.sent_chunk(job.request_id)
         for job in live:

@@ -8,16 +8,20 @@ between CUDA caches, gloo between CPU caches, or gloo with NCCL's semantics
 (`nccl_emu.py`, `DUET_KV_EMULATE_NCCL=1`), so no global world is needed and workers can come
 and go.
 
-A transfer stages the request's blocks in one tensor `[L, 2, n, BS, h, D]` and ships it in
-chunks of whole layers, each as soon as its layers are gathered. `send` gathers every layer on
-the caller's thread (its blocks are free to reuse once it returns); layer-wise, `begin` opens
-the transfer before the forward pass that computes the request's last prompt tokens, and
-`layer_computed` gathers each layer right after the pass wrote it, so layer i is on the wire
-while later layers compute; `finish` then publishes the metadata (the first token, sampled
-after the last layer) as a trailer under a store key. A background thread pushes one header per
-channel for the transfers queued together (`{transfers: [{request_id, shape, chunks, meta,
-trailer}], order: [[transfer, chunk], ...]}`) and sends their chunks in layer order across
-requests (a0, b0, a1, ...), the order the header lists.
+A transfer streams through the worker's bounded staging pool (`kv_transfer/staging.py`), one
+piece at a time (`kv_transfer/chunks.py`: whole layers, or a layer's blocks where a layer is
+larger than a quarter of the smaller of the two sides' pools, which the receiver states at the
+handshake). `send` marks every layer computed; layer-wise, `begin` opens the transfer before
+the forward pass that computes the request's last prompt tokens and `layer_computed` marks
+each layer as the pass wrote it, so layer i is on the wire while later layers compute; `finish`
+then publishes the metadata (the first token, sampled after the last layer) as a trailer under
+a store key. A background thread pushes one header per channel for the transfers queued
+together (`{transfers: [{request_id, shape, draft_shape, chunks: [[start, end, first, last,
+tag], ...], meta, trailer}], order: [[transfer, piece], ...]}`), then, for each piece in layer
+order across requests (a0, b0, a1, ...), the order the header lists, takes a slot (waiting,
+while its own sends complete, up to `timeout_s`), gathers the piece from the cache into it and
+posts its send; the slot goes back once the send completed. The blocks are the caller's again
+(once the outcome is reported) when the last piece is gathered.
 
 NCCL matches messages by issue order, not by tag: the receiver's channel thread pops a header
 and posts a receive per chunk in exactly the header's `order`, each followed by an event on
@@ -25,14 +29,19 @@ the link; it reports a chunk landed (`progress`) only once its event completed (
 `wait()` returns before the data is there), and the engine thread's `poll` scatters landed
 layers into the blocks reserved by `expect` (only while still expected: an aborted request's
 late data is dropped, never written), reads a trailer once it is there, and acknowledges
-through the store once all is written. So compute, gather, wire and scatter overlap. Both sides
-stage transfers in buffers reused from a `StagingPool` (fresh ones page-fault on first touch).
+through the store once all is written. So compute, gather, wire and scatter overlap. The
+receiver takes a slot of its own pool for each receive it posts (while the pool is full it hands
+landed pieces to the inbox, whose writes free slots, and waits up to `timeout_s`); the inbox
+gives a piece's slot back once it wrote it. A staging allocation that fails (the pool's arena,
+at first use) fails the sender's batch before its header goes out, or loses the receiver's
+channel: retryable, and the next transfer tries again.
 
-CUDA: a chunk's gather records an event on the compute stream; the link's stream waits for it
-and sends, so NCCL waits for that chunk only. Receives run on the receiver link's own stream
+CUDA: the pass records an event on the compute stream after the layers that complete a piece;
+the send thread's copy stream waits for it and gathers, the link's stream waits for the gather
+and sends, so NCCL waits for that piece only. Receives run on the receiver link's own stream
 and their completion is learned from a CUDA event queried from the host, so the decode step
-never waits for an incoming transfer; a staging buffer is received into again only after the
-scatter queued out of it ran. (Not exercised in CI: no GPU there; the emulation runs the same
+never waits for an incoming transfer; a slot is received into again only after the scatter
+queued out of it ran. (Not exercised in CI: no GPU there; the emulation runs the same
 code path on CPU.)
 
 Files: `channel.py` (store keys, handshake checks, the header's order), `link.py` (the link

@@ -33,6 +33,7 @@ class Channel:
     peer_layout: KVLayout
     tags: itertools.count[int]
     probes: bool = False  # the receiver takes link probes (probe.py; it said so at the handshake)
+    max_piece_bytes: int = 0  # the largest piece both sides' staging pools take
     progress_s: float = 0.0  # send thread: when an operation was last posted or completed
     failed: bool = False  # send thread: aborted; never used again
 

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any, ClassVar
 
 import torch
@@ -17,10 +18,12 @@ import torch.distributed as dist
 from duet.cluster_auth.handshake import check_store_proof, store_challenge, store_proof
 from duet.cluster_auth.refusals import RefusalLog
 from duet.engine.device import bind_thread
+from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import ReceiverConfig
 from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
+from duet.kv_transfer.layers import staged_shape
 from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
-from duet.kv_transfer.staging import StagingLease, StagingPool
+from duet.kv_transfer.staging import StagingPool
 from duet.kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
     IDLE_POP_S,
@@ -33,6 +36,7 @@ from duet.kv_transfer.torch_dist.channel import (
 )
 from duet.kv_transfer.torch_dist.config import TorchDistReceiverConfig
 from duet.kv_transfer.torch_dist.link import (
+    LinkEvent,
     PairLink,
     link_kind,
     open_link,
@@ -62,7 +66,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         self.timeout_s = config.timeout_s
         self.emulate_nccl = config.emulate_nccl
         check_emulation(kv_caches[0].device, config.emulate_nccl)
-        self._staging = StagingPool(kv_caches[0].device)
+        self._staging = StagingPool(kv_caches[0].device, config.staging_bytes)
         self.store = dist.TCPStore(
             config.host,
             config.port,
@@ -128,7 +132,12 @@ class TorchDistKVReceiver(InboxKVReceiver):
             logger.error("refusing KV channel %s: %s", cid, e)
             store.set(f"{cid}/verdict", json.dumps({"error": str(e)}))
             return
-        verdict = {"layout": self.layout.to_dict(), "proof": proof, "probes": True}
+        verdict = {
+            "layout": self.layout.to_dict(),
+            "proof": proof,
+            "probes": True,
+            "max_piece_bytes": self._staging.max_piece_bytes,
+        }
         store.set(f"{cid}/verdict", json.dumps(verdict))
         link = open_link(
             dist.PrefixStore(cid, store), 1, device, self.timeout_s, self.emulate_nccl, cid
@@ -187,57 +196,76 @@ class TorchDistKVReceiver(InboxKVReceiver):
         sender: KVLayout,
         header: dict[str, Any],
     ) -> bool:
-        """Receive the transfers of one header; False when the channel is lost (its link
-        aborted, its unfinished requests failed)."""
+        """Receive the transfers of one header, piece by piece through the staging pool; False
+        when the channel is lost (its link aborted, its unfinished requests failed)."""
         transfers = header["transfers"]
-        posted: list[tuple[str, Arrival, StagingLease]] = []
+        dtype = self.kv_caches[0].dtype
+        posted: list[tuple[str, Arrival]] = []
+        num_landed = [0] * len(transfers)
+        waiting: deque[tuple[int, Piece, torch.Tensor, LinkEvent]] = deque()  # posted receives
+
+        def land(block: bool) -> bool:
+            """Hand the first posted receive to the inbox once its event says it landed (its
+            slot is the inbox's from then on); False when it has not yet (`block`: after
+            `timeout_s`, TimeoutError)."""
+            t, piece, data, event = waiting[0]
+            if not (event.wait(self.timeout_s) if block else event.query()):
+                if block:
+                    raise TimeoutError(f"no KV arrived for {self.timeout_s:g}s")
+                return False
+            waiting.popleft()
+            self.progress(posted[t][1], piece, data, functools.partial(self._give, data))
+            num_landed[t] += 1
+            return True
+
         try:
             for transfer in transfers:
                 request_id = transfer["request_id"]
-                shapes = [tuple(transfer["shape"])]
-                draft_shape = transfer.get("draft_shape")
-                if draft_shape is not None:
-                    shapes.append(tuple(draft_shape))
-                parts = self._staging.take_parts(shapes, self.kv_caches[0].dtype)
-                lease = StagingLease(self._staging, parts[0])
+                shape = staged_shape(transfer["shape"], transfer.get("draft_shape"), dtype)
                 arrival = Arrival(
-                    parts[0],
+                    shape,
                     sender,
                     transfer["meta"],
                     functools.partial(self._relay.acknowledge, store, ack_key(cid, request_id)),
                     time.monotonic(),
-                    layers_ready=0,
-                    release=lease.release,
-                    draft_blocks=parts[1] if draft_shape is not None else None,
                 )
                 if transfer["trailer"]:
                     self._await_trailer(arrival, store, meta_key(cid, request_id))
-                posted.append((request_id, arrival, lease))
+                posted.append((request_id, arrival))
                 self.deliver(request_id, arrival)
             # NOTE: in exactly the sender's order (layer-first across the requests of a pass):
             # NCCL matches messages by issue order, not by tag.
-            landings = []
             for t, k in sender_order(header):
-                start, end, tag = transfers[t]["chunks"][k]
-                link.recv(posted[t][1].layers(start, end), tag)
-                landings.append((t, end, link.record()))
-            # Each chunk is reported once its event says it landed; each within the timeout.
-            for t, end, event in landings:
-                if not event.wait(self.timeout_s):
-                    raise TimeoutError(f"no KV arrived for {self.timeout_s:g}s")
-                _, arrival, lease = posted[t]
-                self.progress(arrival, end)
-                if end == arrival.num_layers:
-                    lease.release()
+                start, end, first, last, tag = transfers[t]["chunks"][k]
+                piece = (start, end, first, last)
+                slot_shape = posted[t][1].shape.piece_shape(piece)
+                # the inbox frees slots as it writes what landed: hand it what has meanwhile
+                data = self._staging.take(
+                    slot_shape, dtype, self.timeout_s, between=lambda: bool(waiting) and land(False)
+                )
+                try:
+                    link.recv(data, tag)
+                except BaseException:
+                    self._staging.give(data)
+                    raise
+                waiting.append((t, piece, data, link.record()))
+            while waiting:  # each within the timeout
+                land(block=True)
         except Exception as e:  # the sender died or stalled mid-transfer: this channel is done
             logger.warning("KV channel %s lost: %s", cid, e)
-            link.abort()  # NOTE: before the leases go: nothing may land in a reused buffer
-            for request_id, arrival, lease in posted:
-                if arrival.layers_ready < arrival.num_layers:
+            link.abort()  # NOTE: before the slots go back: nothing lands after it returns
+            for _, _, data, _ in waiting:
+                self._staging.give(data)
+            for t, (request_id, _) in enumerate(posted):
+                if num_landed[t] < len(transfers[t]["chunks"]):
                     self.fail(request_id, f"sender lost: {e}")
-                    lease.release(reusable=False)
             return False
         return True
+
+    def _give(self, data: torch.Tensor) -> None:
+        """The inbox wrote a piece (or dropped it): its slot back, after the engine thread's
+        queued reads of it on CUDA."""
+        self._staging.give_after_reads(data)
 
     def _drop_probe(self, cid: str, link: PairLink, probe: dict[str, Any]) -> bool:
         """Take a link probe's bursts (probe.py) in the channel's order into a scratch buffer
@@ -257,15 +285,9 @@ class TorchDistKVReceiver(InboxKVReceiver):
     def _await_trailer(self, arrival: Arrival, store: dist.Store, key: str) -> None:
         """The relay's thread fetches the trailer; `poll` only looks at what it found."""
         trailer = self._relay.await_trailer(store, key)
-        release = arrival.release
-        assert release is not None
-
-        def let_go() -> None:  # the inbox is done with the arrival: stop looking
-            release()
-            self._relay.forget(key)
-
         arrival.fetch_meta = lambda: trailer.meta
-        arrival.release = let_go
+        # the inbox is done with the arrival: stop looking
+        arrival.release = functools.partial(self._relay.forget, key)
 
     def close(self) -> None:
         """Stop the accept and channel threads (woken by an empty queue entry) and wait for them:

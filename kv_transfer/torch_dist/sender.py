@@ -1,5 +1,5 @@
-"""`TorchDistKVSender`: gathers a request's blocks into a staging buffer and a thread sends it
-in chunks of whole layers over the channel's group (see the package's docstring)."""
+"""`TorchDistKVSender`: a thread gathers each piece of a request's blocks into a slot of the
+bounded staging pool and sends it over the channel's link (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from duet.kv_transfer.layers import PagedLayers
 from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
 from duet.kv_transfer.link_probe import LinkProber
 from duet.kv_transfer.outbox import Outbox
-from duet.kv_transfer.staging import StagingPool
+from duet.kv_transfer.staging import StagingError, StagingPool
 from duet.kv_transfer.torch_dist.acks import AckWatcher
 from duet.kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
@@ -40,7 +40,7 @@ from duet.kv_transfer.torch_dist.link import (
     set_nccl_error_handling,
 )
 from duet.kv_transfer.torch_dist.probe import ProbeJob, TorchDistProbe, post_probe
-from duet.kv_transfer.torch_dist.send_job import SendJob
+from duet.kv_transfer.torch_dist.send_job import Posted, SendJob
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +68,17 @@ class TorchDistKVSender(KVSender):
         check_emulation(kv_caches[0].device, config.emulate_nccl)
         self._channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
-        # Transfers are released when opened: the blocks are gathered on the caller's thread
-        # (the staging buffer is the send thread's); the lease restarts at `finish`.
+        # A transfer's blocks are released once the send thread gathered its last piece (the
+        # lease starts then, and restarts at `finish`).
         self._outbox = Outbox(config.ack_timeout_s)
         self._acks = AckWatcher(self._outbox, config.name, config.timeout_s)
         device = kv_caches[0].device
-        self._staging = StagingPool(device)
-        self._inflight: list[SendJob] = []  # send thread: posted, not yet known sent
-        self._streaming: list[SendJob] = []  # begun, gathered layer by layer (engine thread)
+        self._staging = StagingPool(device, config.staging_bytes)
+        # CUDA: gathers run on a stream of their own, after the pass's event for their layers
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._inflight: list[Posted] = []  # send thread: pieces posted, not yet known sent
+        self._streaming: list[SendJob] = []  # begun, computed layer by layer (engine thread)
+        self._trailers: dict[str, SendJob] = {}  # begun, waiting for `finish`
         self._probing: list[ProbeJob] = []  # send thread: probes posted, not yet known sent
         self._jobs: queue.Queue[list[SendJob] | ProbeJob | None] = queue.Queue()  # sent together
         self._prober = (
@@ -127,6 +130,8 @@ class TorchDistKVSender(KVSender):
         ack_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         channel = Channel(cid, store, ack_store, link, peer, itertools.count(1))
         channel.probes = verdict.get("probes", False) is True
+        # Pieces fit both sides' pools (the receiver stages each one whole).
+        channel.max_piece_bytes = min(self._staging.max_piece_bytes, verdict["max_piece_bytes"])
         with self._lock:
             self._channels[dest] = channel
         return channel
@@ -150,10 +155,9 @@ class TorchDistKVSender(KVSender):
         draft_block_ids: list[int] | None = None,
     ) -> None:
         job = self._open(request_id, block_ids, dest, meta, False, draft_block_ids)
-        if job is not None:  # the header goes out and chunks follow while we gather
+        if job is not None:  # every layer is in the cache: the send thread gathers as it goes
+            job.mark_computed(0, job.layers.num_layers)
             self._jobs.put([job])
-            job.gather(0, job.layers.num_layers)
-        # the caller may reuse its blocks from here on
 
     def begin(
         self,
@@ -164,29 +168,31 @@ class TorchDistKVSender(KVSender):
     ) -> bool:
         job = self._open(request_id, block_ids, dest, None, True, draft_block_ids)
         if job is not None:
-            job.gather(len(self.kv_caches), job.layers.num_layers)  # the draft's: ready now
+            job.mark_computed(len(self.kv_caches), job.layers.num_layers)  # the draft's: ready
             self._streaming.append(job)
+            self._trailers[request_id] = job
         return True
 
     def layer_computed(self, layer: int) -> None:
         streaming = self._streaming
-        if layer == 0 and streaming:  # one batch: the headers go out before the first chunk
+        if layer == 0 and streaming:  # one batch: the headers go out before the first piece
             self._jobs.put(list(streaming))
         if layer == len(self.kv_caches) - 1:
             self._streaming = []
         for job in streaming:
-            job.gather(layer, layer + 1)
+            job.mark_computed(layer, layer + 1)
 
     def finish(self, request_id: str, meta: dict[str, Any] | None = None) -> None:
+        job = self._trailers.pop(request_id, None)
         channel = self._outbox.channel_of(request_id)
-        if channel is None or self._outbox.decided(request_id):
+        if job is None or channel is None or self._outbox.decided(request_id):
             return  # failed or aborted already: `poll` reports it
         try:
             channel.store.set(meta_key(channel.cid, request_id), json.dumps(meta or {}))
         except Exception as e:  # receiver gone
             self._outbox.fail(request_id, str(e))
             return
-        self._outbox.release(request_id)  # the acknowledgement can only come now
+        job.finished(self._outbox)  # the acknowledgement can only come now
 
     def _open(
         self,
@@ -197,33 +203,19 @@ class TorchDistKVSender(KVSender):
         trailer: bool,
         draft_block_ids: list[int] | None = None,
     ) -> SendJob | None:
-        """A transfer for the caller to queue and gather; None when `dest` is unreachable
-        (reported FAILED by `poll`)."""
+        """A transfer for the caller to queue; None when `dest` is unreachable (reported
+        FAILED by `poll`)."""
         channel = self._outbox.reach(request_id, dest, self.connect)
         if channel is None:
             return None
-        # NOTE: ids checked here: a chunk that fails to gather would leave the channel out of step
+        # NOTE: ids checked here: a piece that fails to gather would leave the channel out of step
         layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
-        first = self.kv_caches[0]
-        shapes = [(len(self.kv_caches), 2, len(block_ids), *first.shape[2:])]
-        if layers.num_draft:
-            assert self.draft_caches is not None
-            draft = self.draft_caches[0]
-            shapes.append((len(self.draft_caches), 2, len(block_ids), *draft.shape[2:]))
-        parts = self._staging.take_parts(shapes, first.dtype)
-        chunks = layers.chunks()
+        pieces = layers.shape.pieces(channel.max_piece_bytes)
         job = SendJob(
-            request_id,
-            channel,
-            layers,
-            parts[0],
-            parts[1] if layers.num_draft else None,
-            chunks,
-            [next(channel.tags) for _ in chunks],
-            meta,
+            request_id, channel, layers, pieces, [next(channel.tags) for _ in pieces], meta,
             trailer,
-        )
-        self._outbox.open(request_id, channel, released=True, dest=dest)
+        )  # fmt: skip
+        self._outbox.open(request_id, channel, dest=dest)
         self._acks.watch(channel)
         if self._prober is not None:
             self._prober.start(dest)  # the first transfer there, or a retry: off this thread
@@ -251,17 +243,26 @@ class TorchDistKVSender(KVSender):
             self._reap()
 
     def _send_batch(self, batch: list[SendJob]) -> None:
+        try:  # NOTE: before any header: a failure here leaves every channel in step
+            self._staging.ensure()
+        except StagingError as e:
+            logger.error("KV transfers %s failed: %s", [j.request_id for j in batch], e)
+            for job in batch:
+                self._outbox.fail(job.request_id, str(e))
+                job.release_blocks(self._outbox)
+            return
         live = []
         for job in batch:
             if job.channel.failed:  # opened just before its channel failed
                 self._outbox.fail(job.request_id, "its KV channel failed")
-            elif not self._outbox.decided(job.request_id):
+                job.release_blocks(self._outbox)
+            elif self._outbox.decided(job.request_id):  # aborted before anything went out
+                job.release_blocks(self._outbox)
+            else:
                 live.append(job)
-            elif job.wait_gathered(self.timeout_s):  # before anything went out
-                self._staging.give(job.blocks)
-        # Chunks go in layer order across requests: each as soon as a forward pass wrote it.
+        # Pieces go in layer order across requests: each as soon as a forward pass wrote it.
         order = sorted(
-            ((end, k, job) for job in live for k, (_, end) in enumerate(job.chunks)),
+            ((piece[1], k, job) for job in live for k, piece in enumerate(job.pieces)),
             key=lambda item: item[0],
         )
         by_channel: dict[str, list[SendJob]] = {}
@@ -280,19 +281,56 @@ class TorchDistKVSender(KVSender):
                 self._fail_channel(channel, str(e), jobs)
         for _, k, job in order:
             channel = job.channel
+            if not channel.failed:
+                try:
+                    self._send_piece(job, k)
+                except Exception as e:  # NOTE: the receiver would now match later pieces wrongly
+                    self._fail_channel(channel, str(e), [j for j in live if j.channel is channel])
+        for job in live:  # gathered every piece, or gave up on the rest
+            if job.channel.failed and job.num_sent < len(job.pieces):  # failed mid-batch (reap)
+                self._outbox.fail(job.request_id, job.error or "its KV channel failed")
+            job.release_blocks(self._outbox)
+
+    def _send_piece(self, job: SendJob, k: int) -> None:
+        """Gather piece k into a staging slot (waiting for room) and post its send."""
+        channel = job.channel
+        if not job.computed[k].wait(self.timeout_s) or job.broken:
+            raise RuntimeError("the forward pass computing the KV never completed")
+        layers = job.layers
+        data = self._take(layers.shape.piece_shape(job.pieces[k]), channel)
+        try:
+            gathered = None
+            if self._copy_stream is not None:
+                with torch.cuda.stream(self._copy_stream):
+                    if job.ready[k] is not None:
+                        self._copy_stream.wait_event(job.ready[k])
+                    layers.gather_piece(job.pieces[k], data)
+                    gathered = job.last_gather = torch.cuda.Event()
+                    gathered.record(self._copy_stream)
+            else:
+                layers.gather_piece(job.pieces[k], data)
+            job.num_gathered += 1
+            if job.num_gathered == len(job.pieces):
+                job.release_blocks(self._outbox)
+            channel.link.send(data, job.tags[k], after=gathered)
+        except BaseException:
+            self._staging.give(data)  # never posted: nothing reads it
+            raise
+        self._inflight.append(Posted(job, data, channel.link.record()))
+        self._outbox.sent_chunk(job.request_id)
+        channel.progress_s = time.monotonic()
+
+    def _take(self, shape: tuple[int, ...], channel: Channel) -> torch.Tensor:
+        """A staging slot for a piece; while the pool is full, the sends in flight complete
+        and give theirs back (this thread reaps them). StagingError after `timeout_s`."""
+
+        def reap() -> bool:
+            self._reap()
             if channel.failed:
-                continue
-            try:
-                if not job.gathered[k].wait(self.timeout_s) or job.gather_failed:
-                    raise RuntimeError("gathering the blocks failed")
-                channel.link.send(job.chunk(k), job.tags[k], after=job.events[k])
-                self._outbox.sent_chunk(job.request_id)
-                if k == len(job.chunks) - 1:
-                    job.sent = channel.link.record()
-                channel.progress_s = time.monotonic()
-            except Exception as e:  # NOTE: the receiver would now match later chunks wrongly
-                self._fail_channel(channel, str(e), [j for j in live if j.channel is channel])
-        self._inflight += [job for job in live if not job.channel.failed]
+                raise ConnectionError("its KV channel failed")
+            return False
+
+        return self._staging.take(shape, self.kv_caches[0].dtype, self.timeout_s, between=reap)
 
     def _send_probe(self, probe: ProbeJob) -> None:
         """Post a link probe in the channel's order (probe.py); `measure` waits for it."""
@@ -305,32 +343,38 @@ class TorchDistKVSender(KVSender):
             self._probing.append(probe)
         except Exception as e:  # NOTE: as for a chunk: the receiver would now be out of step
             probe.error = str(e)
-            self._fail_channel(channel, str(e), self._inflight)
+            self._fail_channel(channel, str(e), [p.job for p in self._inflight])
         finally:
             probe.posted.set()
 
     def _reap(self) -> None:
-        """Give back the buffers of sends that completed; fail the channels that made no
-        progress within the timeout (or whose link failed)."""
+        """Give back the slots of sends that completed; fail the channels that made no
+        progress within the timeout (or whose link failed). A failed channel's slots come
+        back at once: its link is aborted, and a late read of a reused slot only sends garbage
+        to a peer that drops it."""
         now = time.monotonic()
-        for job in self._inflight:
-            channel = job.channel
+        for posted in self._inflight:
+            channel = posted.job.channel
             if channel.failed:
                 continue
-            assert job.sent is not None
             try:
-                sent = job.sent.query()
+                posted.done = posted.sent.query()
             except LinkError as e:
-                self._fail_channel(channel, str(e), self._inflight)
+                self._fail_channel(channel, str(e), [p.job for p in self._inflight])
                 continue
-            if sent:
+            if posted.done:
                 channel.progress_s = now
-                self._staging.give(job.blocks)
-                job.done = True
+                posted.job.num_sent += 1
             elif now - channel.progress_s > self.timeout_s:
                 why = f"no progress sending KV for {self.timeout_s:g}s"
-                self._fail_channel(channel, why, self._inflight)
-        self._inflight = [j for j in self._inflight if not (j.done or j.channel.failed)]
+                self._fail_channel(channel, why, [p.job for p in self._inflight])
+        inflight = []
+        for posted in self._inflight:
+            if posted.done or posted.job.channel.failed:
+                self._staging.give(posted.data)
+            else:
+                inflight.append(posted)
+        self._inflight = inflight
         probing = []
         for probe in self._probing:  # a probe the receiver never takes stalls the channel too
             channel = probe.channel
@@ -338,31 +382,31 @@ class TorchDistKVSender(KVSender):
             try:
                 sent = channel.failed or probe.sent.query()
             except LinkError as e:
-                self._fail_channel(channel, str(e), self._inflight)
+                self._fail_channel(channel, str(e), [p.job for p in self._inflight])
                 continue
             if sent:
                 channel.progress_s = now
             elif now - channel.progress_s > self.timeout_s:
                 why = f"no progress sending a link probe for {self.timeout_s:g}s"
-                self._fail_channel(channel, why, self._inflight)
+                self._fail_channel(channel, why, [p.job for p in self._inflight])
             else:
                 probing.append(probe)
         self._probing = probing
 
     def _fail_channel(self, channel: Channel, error: str, jobs: list[SendJob]) -> None:
-        """Abort `channel`'s link and fail its unsent transfers among `jobs` (retryable)."""
+        """Abort `channel`'s link and fail its unfinished transfers among `jobs` (retryable)."""
         if not channel.failed:
             channel.failed = True
             logger.warning("KV channel %s failed: %s", channel.cid, error)
-            # NOTE: never reuse this channel (the next send opens a new one), nor the buffers
-            # of its unsent transfers. Out of the table before the abort, which can take a while.
+            # NOTE: never reuse this channel (the next send opens a new one). Out of the table
+            # before the abort, which can take a while.
             with self._lock:
                 for dest, open_channel in list(self._channels.items()):
                     if open_channel is channel:
                         del self._channels[dest]
             channel.link.abort()
         for job in jobs:
-            if job.channel is channel and not job.done and job.error is None:
+            if job.channel is channel and job.num_sent < len(job.pieces) and job.error is None:
                 job.error = error
                 self._outbox.fail(job.request_id, error)
 
@@ -380,8 +424,8 @@ class TorchDistKVSender(KVSender):
         if self._prober is not None:
             self._prober.close()
         for job in self._streaming:  # a pass that never ended: let the send thread go
-            job.fail_gather()
-        self._streaming = []
+            job.abandon()
+        self._streaming, self._trailers = [], {}
         self._jobs.put(None)
         self._worker.join(timeout=self.timeout_s)
         self._acks.close()

@@ -186,6 +186,23 @@ def test_disaggregated_workers_get_the_engine_flags() -> None:
     assert spec.cluster.max_num_seqs_per_decode_worker == 7
 
 
+def test_disaggregated_workers_get_the_staging_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    parser, args = parse(["serve", "--disaggregated", "--kv-staging-memory", "64MiB"])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    for role, config_cls in (("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)):
+        assert config_cls.from_kwargs(**spec.worker_config(role)).kv_staging_bytes == 64 << 20
+    parser, args = parse(["serve", "--disaggregated"])
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    assert "kv_staging_bytes" not in spec.worker_config("decode")  # the config's default
+    parser, args = parse(["serve", "--disaggregated", "--kv-staging-memory", "512KiB"])
+    with pytest.raises(SystemExit) as exc:
+        check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    assert exc.value.code == 2
+    assert (
+        "--kv-staging-memory: must be in [1048576, 1099511627776] bytes" in capsys.readouterr().err
+    )
+
+
 def test_only_decode_workers_get_the_speculative_config() -> None:
     config = '{"method": "ngram", "num_speculative_tokens": 2}'
     parser, args = parse(["serve", "--disaggregated", "--speculative-config", config])

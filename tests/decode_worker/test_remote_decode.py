@@ -13,7 +13,7 @@ import torch
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
 from duet.engine import LLM, SamplingParams
-from duet.kv_transfer import TransferStatus, chunks
+from duet.kv_transfer import TransferStatus, chunks, staging
 from duet.kv_transfer.local import LocalHub
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.worker import PrefillWorker
@@ -52,16 +52,25 @@ def emulate_nccl(monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)
 
 
+def small_pieces(monkeypatch):
+    """The smallest staging pool (1 MiB) cut into 4 KiB pieces: a layer of more than two
+    blocks of the tiny model goes as several pieces of its blocks."""
+    monkeypatch.setattr(staging, "PIECES_PER_POOL", 256)
+    return {"kv_staging_bytes": 1 << 20}
+
+
 @pytest.fixture(
-    params=["local", "torch_dist", "torch_dist-whole", "torch_dist-nccl", "tcp", "tcp-whole"]
-)
+    params=["local", "torch_dist", "torch_dist-whole", "torch_dist-nccl", "torch_dist-pieces",
+            "tcp", "tcp-whole", "tcp-pieces"]
+)  # fmt: skip
 def workers(request, tiny_llama, monkeypatch):
     """torch_dist and tcp send layer by layer during the last prefill pass; -whole after it;
-    -nccl under NCCL's semantics."""
+    -nccl under NCCL's semantics; -pieces through a staging pool of 4 KiB pieces."""
     backend, _, mode = request.param.partition("-")
     if mode == "nccl":
         emulate_nccl(monkeypatch)
-    prefill, decode = start_workers(tiny_llama, backend, layerwise=mode != "whole")
+    engine = small_pieces(monkeypatch) if mode == "pieces" else {}
+    prefill, decode = start_workers(tiny_llama, backend, layerwise=mode != "whole", **engine)
     yield prefill, decode
     prefill.shutdown()
     decode.shutdown()
@@ -163,6 +172,47 @@ def test_layerwise_transfer_of_chunked_prefills_equals_aggregated(tiny_llama, ba
         assert [outs[-1].token_ids for _, outs in results] == [o.token_ids for o in want]
         assert sorted(begun) == sorted(f"r{i}" for i in range(8))
         assert max(len(p) for p in prompts) > 48  # some prompts took several passes
+        assert_pools_whole(prefill, decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_failed_staging_allocation_fails_one_request_and_the_workers_serve_the_next(
+    tiny_llama, side, monkeypatch
+):
+    """torch_dist: the first staging allocation fails (out of memory) on one side. That
+    request's transfer FAILS, retryable; the engine threads live on, the next request's
+    tokens equal the aggregated engine's, and every block is back in its pool."""
+    prefill, decode = start_workers(tiny_llama, "torch_dist", kv_transfer_timeout_s=2)
+    pool = (prefill.sender if side == "prefill" else decode.receiver)._staging
+    allocate = pool._allocate
+    calls = []
+
+    def allocate_or_fail():
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return allocate()
+
+    monkeypatch.setattr(pool, "_allocate", allocate_or_fail)
+    prompts = mixed_prompts(2, seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(tiny_llama, **ENGINE).generate(prompts[1:], params)
+
+    async def run():
+        remote = await decode.reserve("first", prompts[0], params, kv_wait_s=30)
+        result = await prefill.prefill("first", prompts[0], params, remote.reservation.kv_address)
+        await remote.aclose()  # the router gives the reservation up and retries elsewhere
+        return result, await disaggregated(prefill, decode, "next", prompts[1], params)
+
+    try:
+        failed, (done, outs) = asyncio.run(run())
+        assert (failed.status, failed.retryable) == (TransferStatus.FAILED, True)
+        assert done.status == TransferStatus.DONE and len(calls) == 2
+        assert outs[-1].token_ids == want[0].token_ids
+        wait_for(lambda: not decode.engine.scheduler.waiting_for_kv, 10, "the reservation released")
         assert_pools_whole(prefill, decode)
     finally:
         prefill.shutdown()

@@ -23,7 +23,7 @@ from duet.engine.kv_sizing import (
     size_kv_pool,
 )
 from duet.engine.parallel import SINGLE, head_shard
-from duet.kv_transfer.staging import NCCL_COMM_BYTES
+from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 from duet.prefill_worker.config import PrefillWorkerConfig
 
 GIB = 1 << 30
@@ -75,21 +75,25 @@ def test_plan_with_no_room_names_every_term() -> None:
         assert term in message
 
 
-def test_worker_configs_reserve_staging_for_whole_requests_and_nccl() -> None:
-    # One 32k-token Llama-8B prompt stages 2048 blocks: 4 GiB on each side.
-    want = {"kv_staging": 2 * 4 * GIB, "nccl": 4 * NCCL_COMM_BYTES}
+def test_worker_configs_reserve_the_staging_pool_and_nccl() -> None:
+    # The pool bounds staging whatever the transfers' lengths: no max_model_len term.
+    want = {"kv_staging": DEFAULT_STAGING_BYTES, "nccl": 4 * NCCL_COMM_BYTES}
     for config_cls in (PrefillWorkerConfig, DecodeWorkerConfig):
         assert config_cls().device_reservations(LLAMA_8B_BLOCK, 32768) == want
+        assert config_cls().device_reservations(LLAMA_8B_BLOCK, 131072) == want
         assert config_cls(kv_backend="local").device_reservations(LLAMA_8B_BLOCK, 32768) == {}
-        three = config_cls(kv_staged_requests=3, kv_nccl_peers=1)
-        assert three.device_reservations(LLAMA_8B_BLOCK, 32768) == {
-            "kv_staging": 12 * GIB,
+        assert config_cls(kv_backend="nixl").device_reservations(LLAMA_8B_BLOCK, 32768) == {}
+        small = config_cls(kv_staging_bytes=64 * MIB, kv_nccl_peers=1)
+        assert small.device_reservations(LLAMA_8B_BLOCK, 32768) == {
+            "kv_staging": 64 * MIB,
             "nccl": NCCL_COMM_BYTES,
         }
     assert EngineConfig().device_reservations(LLAMA_8B_BLOCK, 32768) == {}
-    with pytest.raises(InvalidInputError) as info:
-        PrefillWorkerConfig(kv_staged_requests=-1)
-    assert info.value.field == "kv_staged_requests"
+    for bad in (MIB - 1, 0, 1.5):
+        with pytest.raises(InvalidInputError) as info:
+            PrefillWorkerConfig(kv_staging_bytes=bad)
+        assert info.value.field == "kv_staging_bytes"
+        assert "1 MiB to 1 TiB" in str(info.value) or "integer" in str(info.value)
 
 
 def test_graph_pool_estimate() -> None:
@@ -120,7 +124,7 @@ def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> 
     assert plain == (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
     worker = PrefillWorkerConfig()
     assert worker.enforce_eager  # a prefill worker decodes nothing: no graphs
-    staging_and_nccl = 8 * GIB + 4 * NCCL_COMM_BYTES
+    staging_and_nccl = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # whatever the context
     assert size_kv_pool(worker, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
         plain - staging_and_nccl // LLAMA_8B_BLOCK
     )

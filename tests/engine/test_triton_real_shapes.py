@@ -57,8 +57,21 @@ def check(out, ref, dtype):
         torch.testing.assert_close(out.float(), ref, **BF16_TOL)
 
 
-@pytest.mark.parametrize("num_splits", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+# NOTE: in the interpreter each case costs seconds; `make test` runs one case per kernel path
+# (both dtypes' operand paths, split and unsplit decode) and `make gpu-check` all of them,
+# compiled (the `sweep` marker, docs/development.md).
+SWEEP = pytest.mark.sweep
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_splits"),
+    [
+        pytest.param(torch.bfloat16, 16, id="bf16-16"),
+        pytest.param(torch.float32, 1, id="fp32-1"),
+        pytest.param(torch.bfloat16, 1, id="bf16-1", marks=SWEEP),
+        pytest.param(torch.float32, 16, id="fp32-16", marks=SWEEP),
+    ],
+)
 def test_decode_llama8b_shape(gpu_tiles, dtype, num_splits):
     # one token of context, one block boundary, a split of one tile, and a long context
     out, ref, tri_cache, ref_cache = run_both(
@@ -68,7 +81,10 @@ def test_decode_llama8b_shape(gpu_tiles, dtype, num_splits):
     check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.bfloat16, id="bf16", marks=SWEEP), pytest.param(torch.float32, id="fp32")],
+)
 def test_mixed_batch_smollm2_shape(gpu_tiles, dtype):
     # a fresh prompt over two query tiles, a prefix hit, a chunk mid-prompt, decodes (split 4)
     out, ref, _, _ = run_both(
@@ -77,7 +93,10 @@ def test_mixed_batch_smollm2_shape(gpu_tiles, dtype):
     check(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32", marks=SWEEP)],
+)
 def test_prefill_llama8b_shape(gpu_tiles, dtype):
     # a prompt filling more than one 128-row query tile (32 tokens x 4 heads each) next to a
     # 20-token chunk over 100 cached tokens

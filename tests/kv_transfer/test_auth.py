@@ -67,7 +67,7 @@ def test_a_sender_without_the_secret_is_refused_before_any_block_changes(caplog)
         wait_for(lambda: recv.refusals.num_refused == 2, 10, "both refusals counted")
         assert recv.poll() == []
         assert all(torch.equal(b, c) for b, c in zip(before, dst, strict=True))
-        assert recv._inbox == {} and recv._staging.idle_bytes == 0
+        assert recv._inbox == {} and recv._staging.high_water_bytes == 0  # nothing staged
         # logged once per address, never the secret
         refusals = [r for r in caplog.records if "refused a peer" in r.getMessage()]
         assert len(refusals) == 1 and "127.0.0.1" in refusals[0].getMessage()
@@ -115,7 +115,7 @@ def test_garbage_truncated_and_silent_handshakes_are_closed():
             s.close()
         wait_for(lambda: recv.refusals.num_refused == 3, 10, "three refusals")
         assert all(torch.equal(b, c) for b, c in zip(before, dst, strict=True))
-        assert recv._inbox == {} and recv._staging.idle_bytes == 0
+        assert recv._inbox == {} and recv._staging.high_water_bytes == 0  # nothing staged
         # the reservation is intact: the cluster's sender fills it
         result, [done] = send(src, recv, "r2", [4, 6], SECRET, "prefill")
         assert (result.status, done.status) == (TransferStatus.DONE, TransferStatus.DONE)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from duet.kv_transfer import HandshakeError, TransferStatus, chunks, create_receiver, create_sender
-from duet.kv_transfer.layers import PagedLayers, transfer_chunks
+from duet.kv_transfer.chunks import plan_pieces
+from duet.kv_transfer.layers import PagedLayers
 from duet.kv_transfer.local import LocalHub
 from duet.kv_transfer.tcp import stripes
 from tests.kv_transfer.paged import caches, draft_caches, draft_layout, layout
@@ -68,7 +69,7 @@ def sent_chunks(backend, layers):
     """The messages a whole-request `send` of target and draft layers makes: local copies all
     at once, tcp sends a frame per group, torch_dist chunks each group; nixl offers every layer
     at once (pull: one offer the receiver reads; push: one write of both groups)."""
-    return {"local": 1, "tcp": 2, "nixl": 1}.get(backend) or len(layers.chunks())
+    return {"local": 1, "tcp": 2, "nixl": 1}.get(backend) or len(layers.shape.pieces(1 << 30))
 
 
 def offered(receiver, request_id):
@@ -198,8 +199,14 @@ def test_layout_and_ids_are_checked():
     assert type(layout(src).from_dict(layout_dict).draft).__name__ == "DraftLayout"
 
 
-def test_chunks_never_span_the_target_and_the_draft(monkeypatch):
+def test_pieces_never_span_the_target_and_the_draft(monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 100)
-    assert transfer_chunks(3, 60, 2, 30) == [(0, 2), (2, 3), (3, 5)]
-    assert transfer_chunks(3, 60, 2, 30, whole=True) == [(0, 3), (3, 5)]
-    assert transfer_chunks(3, 60) == [(0, 2), (2, 3)]
+    groups = [(0, 3, 30), (3, 5, 15)]  # 2 blocks: layers of 60 and 30 bytes
+    assert plan_pieces(groups, 2, 1 << 20) == [(0, 2, 0, 2), (2, 3, 0, 2), (3, 5, 0, 2)]
+    assert plan_pieces(groups, 2, 1 << 20, whole=True) == [(0, 3, 0, 2), (3, 5, 0, 2)]
+    assert plan_pieces(groups[:1], 2, 1 << 20) == [(0, 2, 0, 2), (2, 3, 0, 2)]
+    # a piece of at most 30 bytes: a target layer in two, the draft a layer at a time
+    assert plan_pieces(groups, 2, 30, whole=True) == [
+        (0, 1, 0, 1), (0, 1, 1, 2), (1, 2, 0, 1), (1, 2, 1, 2), (2, 3, 0, 1), (2, 3, 1, 2),
+        (3, 4, 0, 2), (4, 5, 0, 2),
+    ]  # fmt: skip

@@ -1,5 +1,5 @@
 """The tcp backend's own behaviour: KV lands straight in the reserved blocks (no staging) when
-expected, in a staging buffer when not; a write in progress holds off abort and timeouts and is
+expected, in a slot of the staging pool when not; a write in progress holds off abort and timeouts and is
 cut off when it stalls; the sender reports a transfer only once its thread let go of the
 blocks; a broken connection fails its transfers retryable and is replaced; `auto` picks it for
 CPU caches. (What every backend does is in test_channels.py.)"""
@@ -47,7 +47,7 @@ def test_expected_kv_lands_in_the_reserved_blocks_without_staging(receiver):
     assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [9, 3, 12]], s[:, [0, 5, 7]])
-    assert recv._staging.idle_bytes == 0  # no buffer was ever taken
+    assert recv._staging.high_water_bytes == 0  # no slot was ever taken
     sender.close()
 
 
@@ -57,16 +57,17 @@ def test_kv_before_expect_is_staged_then_written(receiver):
     sender = create_sender("tcp", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
     sender.send("early", [1, 2], recv.address)
     wait_for(
-        lambda: "early" in recv._inbox and recv._inbox["early"][0].layers_ready == 3,
+        lambda: "early" in recv._inbox and len(recv._inbox["early"][0].landed) == 1,
         10,
-        "all 3 layers of the early transfer staged",
+        "the early transfer staged (one piece: 3 layers of 2 blocks)",
     )
+    assert recv._staging.used_bytes == 3 * 2 * 2 * ROW_BYTES
     assert recv.poll() == []  # nobody expects it yet
     recv.expect("early", [14, 0], timeout_s=10)
     assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[:, [14, 0]], s[:, [1, 2]])
-    assert recv._staging.idle_bytes == 3 * 2 * 2 * ROW_BYTES  # its buffer, back in the pool
+    assert recv._staging.used_bytes == 0  # its slot, back in the pool
     assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
     sender.close()
 
@@ -125,7 +126,7 @@ def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch)
     nbytes = 3 * 4 * ROW_BYTES  # 3 layers of K and V rows of 2 blocks
     # Half of layer 0's K row of block 4, then the sender stalls mid-write.
     fake.frame(
-        {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": nbytes},
+        {"type": "kv", "request_id": "r1", "piece": [0, 3, 0, 2], "nbytes": nbytes},
         b"\x00" * (ROW_BYTES // 2),
     )
     wait_for(lambda: "r1" in recv._writing, 10, "the receiver writing r1")
@@ -150,6 +151,7 @@ def test_abort_waits_out_a_stalled_write_then_cuts_it_off(receiver, monkeypatch)
     "bad",
     [
         {"nbytes": 5},  # not the size of 3 layers of one block
+        {"nbytes": 3 * 2 * ROW_BYTES, "piece": [0, 3, 0, 2]},  # blocks the transfer lacks
         {"nbytes": 3 * 2 * ROW_BYTES, "stripes": 2},  # more stripes than the channel has
     ],
 )
@@ -158,7 +160,7 @@ def test_a_malformed_frame_breaks_the_channel_and_fails_retryable(receiver, bad)
     fake = FakeSender(recv.address, dst)
     recv.expect("r1", [4], timeout_s=10)
     fake.frame({"type": "xfer", "request_id": "r1", "num_blocks": 1, "meta": {}, "trailer": False})
-    fake.frame({"type": "kv", "request_id": "r1", "start": 0, "end": 3, **bad})
+    fake.frame({"type": "kv", "request_id": "r1", "piece": [0, 3, 0, 1], **bad})
     [result] = wait_for(recv.poll, 20, "recv.poll")
     assert result.status == TransferStatus.FAILED and result.retryable
     assert "sender lost" in result.error
@@ -195,7 +197,7 @@ def test_a_striped_payload_lands_and_an_abort_cuts_every_stripe(receiver, monkey
         for c in src
     )
     half = len(payload) // 2
-    header = {"type": "kv", "request_id": "r1", "start": 0, "end": 3, "nbytes": len(payload)}
+    header = {"type": "kv", "request_id": "r1", "piece": [0, 3, 0, 2], "nbytes": len(payload)}
     fake.frame({**header, "stripes": 2}, payload[:half])
     second.sendall(payload[half:])
     assert [r.status for r in wait_for(recv.poll, 20, "recv.poll")] == [TransferStatus.DONE]
@@ -240,12 +242,16 @@ class StalledReceiver:
         conn.sendall(struct.pack("!I", len(body)) + body)
         return hello
 
+    @staticmethod
+    def _verdict(hello: dict) -> dict:
+        return {"verdict": {"layout": hello["layout"], "channel": "c", "max_piece_bytes": 64 << 20}}
+
     def _handshake(self) -> None:
         for index in range(self.stripes):
             conn, _ = self.server.accept()
             self.conns.append(conn)
             if index == 0:
-                self._exchange(conn, lambda h: {"verdict": {"layout": h["layout"], "channel": "c"}})
+                self._exchange(conn, self._verdict)
             else:
                 self._exchange(conn, lambda h: {"attached": h["stripe"]})
 

@@ -32,7 +32,7 @@ def mode(request, monkeypatch):
     return request.param
 
 
-def test_layer_by_layer_chunks_land_bit_exact_through_reused_buffers(mode, monkeypatch):
+def test_layer_by_layer_pieces_land_bit_exact_through_the_staging_pools(mode, monkeypatch):
     dst = caches(seed=1)
     recv = create_receiver("torch_dist", kv_caches=dst, layout=layout(dst), timeout_s=10)
     try:
@@ -45,7 +45,7 @@ def _check_chunks(recv, dst, monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_MIN_BYTES", 1)  # one message per layer
     src = caches()
     sender = create_sender("torch_dist", kv_caches=src, layout=layout(src), name="p0", timeout_s=10)
-    nbytes = 3 * 2 * 3 * 4 * 4 * 8 * 4  # [L, 2, n, BS, H, D] fp32
+    piece_bytes = 2 * 3 * 4 * 4 * 8 * 4  # [1, 2, n, BS, H, D] fp32: one layer of 3 blocks
     for attempt, (src_ids, dst_ids) in enumerate([([0, 5, 7], [9, 3, 12]), ([1, 2], [4, 6])]):
         recv.expect(f"r{attempt}", dst_ids, timeout_s=10)
         sender.send(f"r{attempt}", src_ids, recv.address)
@@ -53,9 +53,10 @@ def _check_chunks(recv, dst, monkeypatch):
         assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(d[:, dst_ids], s[:, src_ids])
-        # Both sides staged the transfers in one buffer, reused the second time.
-        assert wait_for(lambda: sender._staging.idle_bytes, 20, "the send buffer back") == nbytes
-        assert wait_for(lambda: recv._staging.idle_bytes, 20, "the staging buffer back") == nbytes
+        # Both sides staged each layer in a slot of their pool, every one given back after.
+        for pool in (sender._staging, recv._staging):
+            wait_for(lambda pool=pool: pool.used_bytes == 0, 20, "every slot back")
+            assert 0 < pool.high_water_bytes <= 3 * piece_bytes
     sender.close()
 
 
@@ -167,7 +168,7 @@ def test_a_chunk_is_reported_only_once_its_event_completed(mode, monkeypatch):
         deadline = time.monotonic() + 0.5  # the bytes come in meanwhile; their events wait
         while time.monotonic() < deadline:
             assert recv.poll() == []
-            assert arrival.layers_ready == 0
+            assert arrival.landed == [] and arrival.num_written == 0
             assert all(torch.equal(a, b) for a, b in zip(before, dst, strict=True))
             time.sleep(0.01)
         link.release()
