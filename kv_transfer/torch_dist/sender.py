@@ -20,7 +20,7 @@ from duet.engine.device import bind_thread
 from duet.kv_transfer.base import KVSender, TransferResult
 from duet.kv_transfer.config import SenderConfig
 from duet.kv_transfer.layers import PagedLayers
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.layout import HandshakeError, KVLayout, checked_route
 from duet.kv_transfer.link_probe import LinkProber
 from duet.kv_transfer.outbox import Outbox
 from duet.kv_transfer.staging import StagingError, StagingPool
@@ -121,7 +121,7 @@ class TorchDistKVSender(KVSender):
         ):
             raise AuthenticationError(f"KV receiver {dest} did not prove the cluster secret")
         peer = KVLayout.from_dict(verdict["layout"])
-        check_compatible(self.layout, peer)
+        route = checked_route(self.layout, peer)
         link = open_link(
             dist.PrefixStore(cid, store), 0, device, self.timeout_s, self.emulate_nccl, cid
         )
@@ -130,6 +130,7 @@ class TorchDistKVSender(KVSender):
         ack_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
         channel = Channel(cid, store, ack_store, link, peer, itertools.count(1))
         channel.probes = verdict.get("probes", False) is True
+        channel.heads = route.src_slice
         # Pieces fit both sides' pools (the receiver stages each one whole).
         channel.max_piece_bytes = min(self._staging.max_piece_bytes, verdict["max_piece_bytes"])
         with self._lock:
@@ -209,7 +210,9 @@ class TorchDistKVSender(KVSender):
         if channel is None:
             return None
         # NOTE: ids checked here: a piece that fails to gather would leave the channel out of step
-        layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
+        layers = PagedLayers.of_ids(
+            self.kv_caches, block_ids, self.draft_caches, draft_block_ids, channel.heads
+        )
         pieces = layers.shape.pieces(channel.max_piece_bytes)
         job = SendJob(
             request_id, channel, layers, pieces, [next(channel.tags) for _ in pieces], meta,
