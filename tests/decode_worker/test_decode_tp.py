@@ -8,6 +8,7 @@ to another decode worker with nothing lost or repeated."""
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import torch
@@ -87,3 +88,59 @@ def test_prefill_tp_to_decode_tp_equals_aggregated(tiny_llama, want, prefill_tp,
         assert [t for out in o for t in out.outputs[0].delta_token_ids] == w
     # every rank left cleanly: rank 0 on SIGTERM, the others on its Stop
     assert [[p.returncode for p in g.procs] for g in groups] == [[0] * prefill_tp, [0] * decode_tp]
+
+
+def test_a_decode_rank_killed_mid_stream_fails_over_with_nothing_lost(tiny_llama):
+    """Every request streams from a TP=2 decode worker; once each has 4 tokens a second decode
+    worker joins and rank 1 of the first is killed (SIGKILL): rank 0's next collective breaks,
+    its streams end retryable, and the router continues each request on the second worker
+    from the tokens streamed so far: the aggregated engine's tokens, none repeated or lost."""
+    config = {"model": tiny_llama, **ENGINE, "kv_backend": "tcp"}
+    prompts = prompts_of([40, 70, 12, 90], seed=8)
+    params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_llama, **ENGINE).generate(prompts, params)]
+    groups = []
+    try:
+        groups.append(start_group("prefill", config, 1, "p0"))
+        groups.append(start_group("decode", config, 2, "d0"))
+        groups.append(start_group("decode", config, 1, "d1"))
+        victim = groups[1].procs[1]
+
+        async def main():
+            engine = await cluster_engine({"p0": groups[0].address}, {"d0": groups[1].address})
+            outs: list[list] = [[] for _ in prompts]
+            started = asyncio.Event()
+            at_kill: list[int] = []
+
+            async def drain(i):
+                async for out in engine.generate(prompts[i], params):
+                    outs[i].append(out)
+                    if all(o and len(o[-1].token_ids) >= 4 for o in outs):
+                        started.set()
+
+            async def kill_rank_1():
+                await asyncio.wait_for(started.wait(), 60)
+                engine.pool.set_workers(
+                    {"p0": groups[0].address}, {"d0": groups[1].address, "d1": groups[2].address}
+                )
+                await wait_for_async(
+                    lambda: len(engine.pool.healthy_decode()) == 2, 30, "the second decode worker"
+                )
+                victim.send_signal(signal.SIGKILL)
+                at_kill.extend(len(o[-1].token_ids) for o in outs)
+
+            try:
+                await asyncio.gather(kill_rank_1(), *(drain(i) for i in range(len(prompts))))
+                return outs, at_kill
+            finally:
+                await engine.stop()
+
+        outs, at_kill = asyncio.run(main())
+    finally:
+        for group in groups:
+            group.stop()
+    assert victim.returncode == -signal.SIGKILL
+    assert min(at_kill) < 150, at_kill  # a request was still streaming from the lost worker
+    for got, w in zip(outs, want, strict=True):
+        assert got[-1].token_ids == w
+        assert [t for out in got for t in out.outputs[0].delta_token_ids] == w  # none repeated
