@@ -15,6 +15,7 @@ from duet.decode_worker.launch import start_decode_rank
 from duet.decode_worker.server import start_decode_server
 from duet.decode_worker.worker import DecodeWorker
 from duet.engine.heap import freeze_startup_heap
+from duet.engine.tp_group import exit_rank
 
 
 def main() -> None:
@@ -51,3 +52,4 @@ async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # a rank of a group: see exit_rank
