@@ -218,7 +218,7 @@ def test_prefill_workers_get_a_draft_they_prefill(
     where: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With draft_prefill prefill or auto the prefill workers load the draft too (to compute its
-    prompt KV), which refuses prefill tensor parallelism naming the key."""
+    prompt KV), which refuses prefill and decode tensor parallelism naming the key."""
     draft = {"method": "draft_model", "model": "d", "draft_prefill": where}
     parser, args = parse(["serve", "--disaggregated", "--speculative-config", json.dumps(draft)])
     spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
@@ -234,6 +234,14 @@ def test_prefill_workers_get_a_draft_they_prefill(
         check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
     err = capsys.readouterr().err
     assert f"--speculative-config: 'draft_prefill' '{where}' prefills the draft on" in err
+    # and it lands whole on one decode rank
+    parser, args = parse(
+        ["serve", "--disaggregated", "--decode-tp", "2", "--speculative-config", json.dumps(draft)]
+    )
+    with pytest.raises(SystemExit):
+        check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    err = capsys.readouterr().err
+    assert f"--speculative-config: 'draft_prefill' '{where}' sends the draft's prompt KV" in err
 
 
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(

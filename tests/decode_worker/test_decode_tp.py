@@ -16,7 +16,7 @@ import torch
 from duet.cluster.config import ClusterConfig
 from duet.cluster.engine import ClusterEngine
 from duet.engine import LLM, SamplingParams
-from tests.decode_worker.tp_groups import start_group
+from tests.decode_worker.tp_groups import start_groups
 from tests.waiting import wait_for_async
 
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=128)
@@ -56,10 +56,10 @@ async def generate(engine: ClusterEngine, prompt: list[int], params: SamplingPar
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4)])
 def test_prefill_tp_to_decode_tp_equals_aggregated(tiny_llama, want, prefill_tp, decode_tp):
     config = {"model": tiny_llama, **ENGINE, "kv_backend": "tcp"}
-    groups = []
+    groups = start_groups(
+        ("prefill", config, prefill_tp, "p0"), ("decode", config, decode_tp, "d0")
+    )
     try:
-        groups.append(start_group("prefill", config, prefill_tp, "p0"))
-        groups.append(start_group("decode", config, decode_tp, "d0"))
 
         async def main():
             engine = await cluster_engine({"p0": groups[0].address}, {"d0": groups[1].address})
@@ -99,11 +99,10 @@ def test_a_decode_rank_killed_mid_stream_fails_over_with_nothing_lost(tiny_llama
     prompts = prompts_of([40, 70, 12, 90], seed=8)
     params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in LLM(tiny_llama, **ENGINE).generate(prompts, params)]
-    groups = []
+    groups = start_groups(
+        ("prefill", config, 1, "p0"), ("decode", config, 2, "d0"), ("decode", config, 1, "d1")
+    )
     try:
-        groups.append(start_group("prefill", config, 1, "p0"))
-        groups.append(start_group("decode", config, 2, "d0"))
-        groups.append(start_group("decode", config, 1, "d1"))
         victim = groups[1].procs[1]
 
         async def main():

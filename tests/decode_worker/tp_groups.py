@@ -35,41 +35,44 @@ class Group:
                 p.wait(10)
 
 
-def start_group(role: str, config: dict[str, Any], tp: int, name: str) -> Group:
-    """Start the `tp` ranks of a `role` ("prefill" or "decode") worker and wait (bounded by
-    each rank's model load: rank 0 prints its address once every rank joined) for rank 0 to
-    serve. Raises AssertionError with rank 0's output when it exits first."""
+def start_groups(*specs: tuple[str, dict[str, Any], int, str]) -> list[Group]:
+    """Start every (role, config, tp, name) worker's ranks at once (their model loads overlap)
+    and wait for each rank 0 to serve (bounded by the ranks' model load: rank 0 prints its
+    address once every rank joined). Raises AssertionError with rank 0's output when it exits
+    first; every group started is stopped then."""
+    groups = [_launch(*spec) for spec in specs]
+    try:
+        for group in groups:
+            _wait_ready(group)
+    except BaseException:
+        for group in groups:
+            group.stop()
+        raise
+    return groups
+
+
+def _launch(role: str, config: dict[str, Any], tp: int, name: str) -> Group:
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     body = json.dumps({**config, "tensor_parallel_size": tp})
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                f"duet.{role}_worker",
-                "--config",
-                body,
-                "--name",
-                name,
-                "--tp-rank",
-                str(rank),
-                "--tp-init-method",
-                init,
-            ],
-            env=env,
-            stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            text=True,
+            [sys.executable, "-m", f"duet.{role}_worker", "--config", body, "--name", name,
+             "--tp-rank", str(rank), "--tp-init-method", init],
+            env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(tp)
-    ]
-    group = Group(role, procs)
-    assert procs[0].stdout is not None
-    for line in procs[0].stdout:  # ends when rank 0 exits
+    ]  # fmt: skip
+    return Group(role, procs)
+
+
+def _wait_ready(group: Group) -> None:
+    stdout = group.procs[0].stdout
+    assert stdout is not None
+    for line in stdout:  # ends when rank 0 exits
         group.output.append(line)
         if line.startswith("DUET_READY "):
             group.address = line.split()[1]
-            return group
-    group.stop()
-    raise AssertionError(f"{role} rank 0 exited before serving:\n{''.join(group.output)}")
+            return
+    raise AssertionError(f"{group.role} rank 0 exited before serving:\n{''.join(group.output)}")
