@@ -23,7 +23,6 @@ from duet.cluster.prefill_client import CHANNEL_OPTIONS
 from duet.cluster_auth import ClusterSecret, load_cluster_secret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.cluster_auth.tls import internal_channel
-from duet.engine import SamplingParams
 from duet.telemetry.request_trace import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
 
@@ -38,6 +37,15 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+REFUSED = frozenset({
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+})  # fmt: skip
+"""Codes a decode worker answers a start call with before it holds anything for the request
+(decode_worker/server.py): no abort needed."""
 
 
 class _SharedStream:
@@ -163,14 +171,16 @@ class DecodeClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         kv_wait_s: float,
         timeout_s: float,
         num_replayed: int = 0,
         priority: int = 0,
     ) -> DecodeStream:
         """Reserve blocks for a remote prefill. Raises `grpc.aio.AioRpcError`
-        (RESOURCE_EXHAUSTED: no room there) before anything was reserved."""
+        (RESOURCE_EXHAUSTED: no room there) before anything was reserved. A call cancelled
+        or failed otherwise (its deadline) asks the worker to abort: it may have granted the
+        reservation after the router gave up, which would hold its blocks until `kv_wait_s`."""
         deadline = time.monotonic() + timeout_s
         shared, queue = await self._register(request_id, timeout_s)
         try:
@@ -178,7 +188,7 @@ class DecodeClient:
                 worker_pb2.DecodeRemoteRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
-                    sampling_params_json=params.to_json(),
+                    sampling=params,
                     kv_wait_s=kv_wait_s,
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
@@ -190,8 +200,8 @@ class DecodeClient:
                     *request_trace_metadata(),
                 ),
             )
-        except BaseException:
-            shared.forget(request_id)
+        except BaseException as e:
+            self._unstarted(shared, request_id, e)
             raise
         return DecodeStream(self, shared, request_id, queue, deadline, reserved)
 
@@ -199,7 +209,7 @@ class DecodeClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         timeout_s: float,
         num_replayed: int = 0,
         priority: int = 0,
@@ -213,7 +223,7 @@ class DecodeClient:
                 worker_pb2.LocalGenerateRequest(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
-                    sampling_params_json=params.to_json(),
+                    sampling=params,
                     num_replayed=num_replayed,
                     stream_id=shared.stream_id,
                     priority=priority,
@@ -221,8 +231,8 @@ class DecodeClient:
                 timeout=max(0.0, deadline - time.monotonic()),
                 metadata=(*self.signer.metadata(_DECODE + "Generate"), *request_trace_metadata()),
             )
-        except BaseException:
-            shared.forget(request_id)
+        except BaseException as e:
+            self._unstarted(shared, request_id, e)
             raise
         return DecodeStream(self, shared, request_id, queue, deadline, None)
 
@@ -232,6 +242,13 @@ class DecodeClient:
             timeout=timeout_s,
             metadata=self.signer.metadata(_DECODE + "GetLoad"),
         )
+
+    def _unstarted(self, shared: _SharedStream, request_id: str, error: BaseException) -> None:
+        """A start call (`DecodeRemote`, `Generate`) ended without its reply: stop routing the
+        request's outputs and, unless the worker refused it outright, abort it there."""
+        shared.forget(request_id)
+        if not (isinstance(error, grpc.aio.AioRpcError) and error.code() in REFUSED):
+            self.abort_later(shared, request_id)
 
     def abort_later(self, shared: _SharedStream, request_id: str) -> None:
         """Ask the worker to abort a request, without waiting (from `DecodeStream.cancel`)."""

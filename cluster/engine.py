@@ -3,8 +3,8 @@
 A request's samples (`n` of them, seeds `seed + i` as in the engine) each run as an attempt:
 pick a decode worker; if the prompt's uncached part is short (`local_prefill_threshold`) or no
 prefill worker is up, the decode worker prefills it itself (conditional disaggregation);
-otherwise reserve blocks on the decode worker, have the chosen prefill worker compute the KV
-and ship it there, and stream the tokens back from the decode worker.
+otherwise reserve blocks on the decode worker while the chosen prefill worker computes the KV
+and ships it there, and stream the tokens back from the decode worker (attempt.py).
 
 The router detokenizes: workers send token ids (and logprobs); the engine's own
 `OutputAssembler` turns them into text, applies stop strings (then cancels the worker's
@@ -32,8 +32,9 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 
-from duet.cluster.attempt import AttemptRunner, ClusterSample, RetryAttempt
+from duet.cluster.attempt import AttemptRunner, RetryAttempt
 from duet.cluster.config import ClusterConfig
+from duet.cluster.sample import ClusterSample
 from duet.cluster.transfer_log import TransferLog
 from duet.cluster.worker_pool import ClusterStats, WorkerPool
 from duet.engine import RequestOutput, SamplingParams

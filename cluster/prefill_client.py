@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from duet.cluster_auth import ClusterSecret, load_cluster_secret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.cluster_auth.tls import internal_channel
-from duet.engine import SamplingParams
 from duet.engine.outputs import PromptLogprob
 from duet.kv_transfer import TransferStatus
-from duet.prefill_worker.wire import prompt_logprobs_from_wire
 from duet.telemetry.request_trace import request_trace_metadata
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.deltas import prompt_logprobs_from_proto
 
 _STATUSES = {
     worker_pb2.TRANSFER_OUTCOME_DONE: TransferStatus.DONE,
@@ -57,19 +56,20 @@ class PrefillClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: worker_pb2.SamplingParams,
         kv_destination: str,
         timeout_s: float,
         num_replayed: int = 0,
         priority: int = 0,
     ) -> PrefillOutcome:
         """Raises `grpc.aio.AioRpcError` when the worker is unreachable, refuses the input
-        (INVALID_ARGUMENT) or the deadline passes. `num_replayed`: see worker.proto."""
+        (INVALID_ARGUMENT) or the deadline passes. `params`: wire/sampling.py's;
+        `num_replayed`: see worker.proto."""
         response = await self.stub.Prefill(
             worker_pb2.PrefillRequest(
                 request_id=request_id,
                 prompt_token_ids=prompt_token_ids,
-                sampling_params_json=params.to_json(),
+                sampling=params,
                 kv_destination=kv_destination,
                 num_replayed=num_replayed,
                 priority=priority,
@@ -85,7 +85,7 @@ class PrefillClient:
             response.num_cached_tokens,
             response.num_transfer_bytes,
             response.transfer_s,
-            prompt_logprobs_from_wire(response.prompt_logprobs),
+            prompt_logprobs_from_proto(response.prompt_logprobs),
             response.num_transfer_chunks,
             response.link_gbps,
         )

@@ -19,7 +19,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -68,6 +69,8 @@ class DecodeState:
     num_blocks: int = 0
     max_num_seqs: int = 0
     deterministic: bool = False
+    kv_address: str = ""  # where prefill workers send its KV (last report; "": none yet)
+    num_reports: int = 0  # load reports taken in so far
     num_sent: int = 0  # requests sent by this router since the last report
     num_sent_blocks: int = 0
     full_until: float = 0.0  # refused for lack of room: skip until then
@@ -220,6 +223,8 @@ class WorkerPool:
         state.num_blocks = report.num_blocks
         state.max_num_seqs = report.max_num_seqs
         state.deterministic = report.deterministic
+        state.kv_address = report.kv_address
+        state.num_reports += 1
         state.num_sent = state.num_sent_blocks = 0  # the report includes them now
         if report.HasField("stats"):
             self.worker_stats[report.worker_id] = report.stats
@@ -237,11 +242,42 @@ class WorkerPool:
             logger.info("worker %s is healthy", state.name)
         state.healthy, state.failures = True, 0
 
-    def mark_broken(self, state: PrefillState | DecodeState, error: BaseException) -> None:
+    def mark_broken(self, state: PrefillState | DecodeState, reason: str) -> None:
         """A request found the worker unreachable: no new requests until a poll succeeds."""
         if state.healthy:
-            logger.warning("worker %s unreachable: %s", state.name, _reason(error))
+            logger.warning("worker %s unreachable: %s", state.name, reason)
         state.healthy = False
+
+    # -- what this router sent and the workers have not reported yet -------------------------
+
+    @staticmethod
+    @contextmanager
+    def sending_to_decode(state: DecodeState, num_blocks: int) -> Iterator[None]:
+        """Count a request (a sequence slot and `num_blocks`) on `state` while it runs there
+        and no load report includes it: the count comes off when the request ends first, and
+        a report (which counts what the worker holds) resets it."""
+        report = state.num_reports
+        state.num_sent += 1
+        state.num_sent_blocks += num_blocks
+        try:
+            yield
+        finally:
+            if state.num_reports == report:
+                state.num_sent = max(0, state.num_sent - 1)
+                state.num_sent_blocks = max(0, state.num_sent_blocks - num_blocks)
+
+    @staticmethod
+    @contextmanager
+    def sending_to_prefill(state: PrefillState, num_tokens: int) -> Iterator[None]:
+        """Count `num_tokens` uncached prompt tokens in `state`'s queue until its call ends
+        (its reports count only what reached its scheduler; a restarted worker starts over)."""
+        worker_id = state.worker_id
+        state.num_sent_tokens += num_tokens
+        try:
+            yield
+        finally:
+            if state.worker_id == worker_id:
+                state.num_sent_tokens = max(0, state.num_sent_tokens - num_tokens)
 
     # -- routing ---------------------------------------------------------------------------------
 

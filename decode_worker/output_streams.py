@@ -17,8 +17,6 @@ from contextlib import aclosing
 
 import grpc
 
-from duet.decode_worker.wire import to_delta
-from duet.engine.outputs import RequestOutput
 from duet.v1 import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -40,7 +38,7 @@ class OutputStream:
     def start(
         self,
         request_id: str,
-        outputs: AsyncIterable[RequestOutput],
+        outputs: AsyncIterable[worker_pb2.OutputDelta],
         status: StatusOf,
     ) -> None:
         """Forward `outputs` (an async generator, or anything with `aclose`) to this stream
@@ -77,14 +75,12 @@ class OutputStream:
                 yield worker_pb2.OutputBatch(items=items)
 
     async def _pump(
-        self, request_id: str, outputs: AsyncIterable[RequestOutput], status: StatusOf
+        self, request_id: str, outputs: AsyncIterable[worker_pb2.OutputDelta], status: StatusOf
     ) -> None:
         try:
             async with aclosing(outputs):  # type: ignore[type-var]
-                async for out in outputs:
-                    self._push(
-                        worker_pb2.RequestOutputItem(request_id=request_id, output=to_delta(out))
-                    )
+                async for delta in outputs:
+                    self._push(worker_pb2.RequestOutputItem(request_id=request_id, output=delta))
         except asyncio.CancelledError:
             pass  # aborted (the router asked, or its stream ended): nobody to tell
         except Exception as e:
@@ -102,7 +98,9 @@ class OutputStream:
         self._wake.set()
 
 
-def _close_if_never_run(task: asyncio.Task[None], outputs: AsyncIterable[RequestOutput]) -> None:
+def _close_if_never_run(
+    task: asyncio.Task[None], outputs: AsyncIterable[worker_pb2.OutputDelta]
+) -> None:
     """A pump cancelled before its first step never closed its outputs: close them now (the
     request is aborted and its blocks freed)."""
     if task.cancelled():

@@ -20,13 +20,13 @@ from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.internal_server import start_internal_server
 from duet.decode_worker.output_streams import OutputStream, OutputStreams
 from duet.decode_worker.worker import DecodeWorker, KVTransferError, NoCapacityError
-from duet.engine import InvalidInputError, SamplingParams
+from duet.engine import InvalidInputError
 from duet.engine.async_engine import EngineDeadError
-from duet.engine.outputs import RequestOutput
 from duet.telemetry.otel import remote_parent, worker_tracer
 from duet.telemetry.worker_spans import TracedOutputs
 from duet.telemetry.worker_stats import worker_stats
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.sampling import sampling_from_proto
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
@@ -61,8 +61,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         received_ns = time.time_ns()
         stream = await self._stream(request.stream_id, context)
         try:
-            params = SamplingParams.from_json(request.sampling_params_json)
-            remote = await self.worker.reserve(
+            params = sampling_from_proto(request.sampling)
+            remote = await self.worker.reserve_deltas(
                 request.request_id,
                 list(request.prompt_token_ids),
                 params,
@@ -89,22 +89,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         received_ns = time.time_ns()
         stream = await self._stream(request.stream_id, context)
         try:
-            params = SamplingParams.from_json(request.sampling_params_json)
-            if params.n != 1:
-                raise InvalidInputError("n", f"must be 1 on a decode worker; got {params.n}")
-            outputs = self.worker.generate(
-                list(request.prompt_token_ids),
-                params,
-                request.request_id,
-                priority=request.priority,
-                num_replayed=request.num_replayed,
-            )
-            traced = self._traced(outputs, context, request.request_id, "prefill", received_ns)
+            params = sampling_from_proto(request.sampling)
+        except InvalidInputError as e:  # a ValueError too: not the duplicate id below
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        outputs = self.worker.generate_deltas(
+            request.prompt_token_ids,
+            params,
+            request.request_id,
+            priority=request.priority,
+            num_replayed=request.num_replayed,
+        )  # an async generator: what it refuses ends the request on the stream
+        traced = self._traced(outputs, context, request.request_id, "prefill", received_ns)
+        try:
             stream.start(request.request_id, traced, _status)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-        except Exception as e:
-            await _abort(context, e)
         return worker_pb2.Started()
 
     async def Abort(
@@ -117,12 +116,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _traced(
         self,
-        outputs: AsyncIterable[RequestOutput],
+        outputs: AsyncIterable[worker_pb2.OutputDelta],
         context: grpc.aio.ServicerContext,
         request_id: str,
         first_phase: str,
         received_ns: int,
-    ) -> AsyncIterable[RequestOutput]:
+    ) -> AsyncIterable[worker_pb2.OutputDelta]:
         """`outputs`, recording the request's spans when the call carried a trace context."""
         parent = remote_parent(context.invocation_metadata()) if self.tracer else None
         if parent is None or self.tracer is None:

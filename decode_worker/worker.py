@@ -35,7 +35,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
@@ -43,7 +43,7 @@ from duet.cluster_auth import load_cluster_secret
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.engine import RequestOutput, SamplingParams
 from duet.engine.async_engine import AsyncEngine
-from duet.engine.core import AbortRequest, EngineDeadError, EngineRole, ReserveRemote
+from duet.engine.core import AbortRequest, AddRequest, EngineDeadError, EngineRole, ReserveRemote
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -52,6 +52,11 @@ from duet.kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatu
 from duet.kv_transfer.factory import resolve_backend
 from duet.kv_transfer.fanout import join_addresses
 from duet.kv_transfer.rank_agreement import RankAgreement
+from duet.v1 import worker_pb2
+from duet.wire.deltas import delta_of
+from duet.wire.handoff import PrefillHandoff
+
+T = TypeVar("T")
 
 
 class NoCapacityError(RuntimeError):
@@ -81,21 +86,22 @@ class DecodeLoad:
     max_num_seqs: int = 0
 
 
-class RemoteDecode:
-    """A reserved request: iterate its outputs (first token included). Leaving `async with`
-    (or `aclose`) before it finished aborts it and frees its blocks."""
+class RemoteDecode(Generic[T]):
+    """A reserved request: iterate its outputs (first token included): `RequestOutput`s
+    (`DecodeWorker.reserve`) or wire deltas (`reserve_deltas`). Leaving `async with` (or
+    `aclose`) before it finished aborts it and frees its blocks."""
 
     def __init__(
         self,
         worker: DecodeWorker,
         reservation: Reservation,
-        outputs: AsyncGenerator[RequestOutput, None],
+        outputs: AsyncGenerator[T, None],
     ) -> None:
         self.worker = worker
         self.reservation = reservation
         self._outputs = outputs
 
-    def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
+    def __aiter__(self) -> AsyncGenerator[T, None]:
         return self._outputs
 
     async def aclose(self) -> None:
@@ -103,7 +109,7 @@ class RemoteDecode:
         # A stream never iterated has not registered its own cleanup: do it here.
         self.worker.core.close_stream(self.reservation.request_id, finished=False)
 
-    async def __aenter__(self) -> RemoteDecode:
+    async def __aenter__(self) -> RemoteDecode[T]:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -165,6 +171,30 @@ class DecodeWorker:
         """A local request, prefilled and decoded here (see `AsyncEngine.generate`)."""
         return self.client.generate(prompt, params, request_id, priority, num_replayed)
 
+    async def generate_deltas(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        num_replayed: int = 0,
+    ) -> AsyncGenerator[worker_pb2.OutputDelta, None]:
+        """`generate` as the router receives it: each step's token ids and logprobs, never
+        text (the router detokenizes). Bad input raises `InvalidInputError` at the first
+        iteration, before anything is queued."""
+        if self.core.dead is not None:
+            raise EngineDeadError("decode worker is not running") from self.core.dead
+        ids = list(prompt_token_ids)
+        self.engine.tokenize_prompt(ids)  # validates the ids
+        self.engine.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:  # compiled off the engine thread
+            await asyncio.to_thread(self.engine.grammar_compiler.compile, params.structured_outputs)
+        request_id, out_queue = self.core.open_stream(request_id)
+        self.core.submit(AddRequest(request_id, ids, params, priority, num_replayed=num_replayed))
+        async with aclosing(self._deltas(request_id, out_queue)) as deltas:
+            async for delta in deltas:
+                yield delta
+
     def abort(self, request_id: str) -> None:
         self.core.submit(AbortRequest(request_id))
 
@@ -185,13 +215,46 @@ class DecodeWorker:
         kv_wait_s: float | None = None,
         num_replayed: int = 0,
         priority: int = 0,
-    ) -> RemoteDecode:
+    ) -> RemoteDecode[RequestOutput]:
         """Reserve blocks for a prompt whose KV a prefill worker will send to `kv_address`
-        under `request_id`. Raises `NoCapacityError` (nothing reserved), `InvalidInputError`
-        for bad input, `EngineDeadError` when the worker stopped."""
+        under `request_id`; its outputs with their text. Raises `NoCapacityError` (nothing
+        reserved), `InvalidInputError` for bad input, `EngineDeadError` when the worker
+        stopped."""
+        ids = list(prompt_token_ids)
+        reservation, out_queue = await self._reserve(
+            request_id, ids, params, kv_wait_s, num_replayed, priority
+        )
+        request_id = reservation.request_id
+        assembler = self.engine.new_assembler(request_id, None, ids, params)
+        return RemoteDecode(self, reservation, self.core.iterate(request_id, out_queue, assembler))
+
+    async def reserve_deltas(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        kv_wait_s: float | None = None,
+        num_replayed: int = 0,
+        priority: int = 0,
+    ) -> RemoteDecode[worker_pb2.OutputDelta]:
+        """`reserve` as the router receives it: token ids and logprobs, never text."""
+        reservation, out_queue = await self._reserve(
+            request_id, list(prompt_token_ids), params, kv_wait_s, num_replayed, priority
+        )
+        outputs = self._deltas(reservation.request_id, out_queue)
+        return RemoteDecode(self, reservation, outputs)
+
+    async def _reserve(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        kv_wait_s: float | None,
+        num_replayed: int,
+        priority: int,
+    ) -> tuple[Reservation, asyncio.Queue[Any]]:
         if self.core.dead is not None:
             raise EngineDeadError("decode worker is not running") from self.core.dead
-        ids = list(prompt_token_ids)
         self.engine.tokenize_prompt(ids)
         self.engine.check_lengths(len(ids), params)
         if params.structured_outputs is not None:  # compiled off the engine thread
@@ -208,8 +271,26 @@ class DecodeWorker:
             self.core.close_stream(request_id, finished=True)
             raise first
         assert isinstance(first, Reservation)
-        assembler = self.engine.new_assembler(request_id, None, ids, params)
-        return RemoteDecode(self, first, self.core.iterate(request_id, out_queue, assembler))
+        return first, out_queue
+
+    async def _deltas(
+        self, request_id: str, out_queue: asyncio.Queue[Any]
+    ) -> AsyncGenerator[worker_pb2.OutputDelta, None]:
+        """The request's raw outputs as wire deltas until it finished (`EngineCore.iterate`
+        without the assembler: no text, no stop strings, which are the router's); exceptions
+        published for it are raised. Leaving early aborts the request."""
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield delta_of(item)
+                if finished:
+                    return
+        finally:
+            self.core.close_stream(request_id, finished)
 
     async def generate_remote(
         self,
@@ -309,26 +390,29 @@ class DecodeRole(EngineRole):
             if result.status == TransferStatus.DONE:
                 if self.draft is not None:
                     self.draft.prompt_received(request_id, result.draft)
-                out = self._complete(request_id, result.meta or {})
+                try:
+                    handoff = PrefillHandoff.from_meta(result.meta)
+                except ValueError as e:
+                    self._fail(request_id, str(e))
+                    continue
+                out = self._complete(request_id, handoff)
                 if out is not None:
                     self.core.publish(request_id, out)
             elif result.status == TransferStatus.FAILED:
-                self.engine.abort(request_id)
-                self.core.publish(
-                    request_id,
-                    KVTransferError(f"KV of {request_id} did not arrive: {result.error}"),
-                )
+                self._fail(request_id, f"did not arrive: {result.error}")
         self._update_load()
 
-    def _complete(self, request_id: str, meta: dict[str, Any]) -> EngineOutput | None:
-        logprob = meta.get("logprob")
-        seed = meta.get("sample_seed")
+    def _fail(self, request_id: str, why: str) -> None:
+        self.engine.abort(request_id)
+        self.core.publish(request_id, KVTransferError(f"KV of {request_id} {why}"))
+
+    def _complete(self, request_id: str, handoff: PrefillHandoff) -> EngineOutput | None:
         return self.engine.complete_remote(
             request_id,
-            int(meta["first_token"]),
-            (logprob[0], [(t, v) for t, v in logprob[1]]) if logprob is not None else None,
-            int(seed) if seed is not None else None,
-            int(meta.get("num_cached_tokens", 0)),
+            handoff.first_token,
+            handoff.logprob,
+            handoff.sample_seed,
+            handoff.num_cached_tokens,
         )
 
     def _update_load(self) -> None:

@@ -41,7 +41,7 @@ from duet.engine.commands import (
 )
 from duet.engine.device import bind_thread
 from duet.engine.engine_role import EngineDeadError, EngineRole
-from duet.engine.errors import InvalidInputError
+from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.llm_engine import LLMEngine
 from duet.engine.output_processor import OutputAssembler
 from duet.engine.outputs import RequestOutput
@@ -235,7 +235,10 @@ class EngineCore:
             bind_thread(self.engine.device)  # per thread: an engine built elsewhere too
             self.role.start()
         except BaseException as e:  # start-up failed: `wait_ready` raises it
-            logger.exception("%s failed to start", self.name)
+            if isinstance(e, InvalidInputError | ModelLoadError):  # the user's: the caller says it
+                logger.debug("%s failed to start: %s", self.name, e)
+            else:
+                logger.exception("%s failed to start", self.name)
             with self._lock:
                 self._dead = e
             self._ready.set()

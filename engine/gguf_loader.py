@@ -159,8 +159,13 @@ class GGUFModel:
             raise ModelLoadError(f"model: no GGUF file at {path}")
         try:
             self._reader = _Reader(path, "r")
-        except (ValueError, OSError) as e:
-            raise ModelLoadError(f"model: {path} is not a readable GGUF file: {e}") from e
+        # NOTE: gguf's reader indexes into the file as it parses: a truncated or corrupt file
+        # raises IndexError, KeyError or struct errors as well as ValueError.
+        except Exception as e:
+            raise ModelLoadError(
+                f"model: {path} is not a readable GGUF file (truncated or corrupt? "
+                f"{type(e).__name__}: {e})"
+            ) from e
         self.path = path
         self.architecture: str = self._field("general.architecture", "")
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -1,13 +1,11 @@
 """What a prefill yields: `PrefillResult` (how a request's prefill and transfer ended, for the
-router), `PrefillLoad` (the worker's snapshot for routing) and `kv_meta` (what travels with the
-KV so the decode side continues exactly where the prefill side stopped)."""
+router) and `PrefillLoad` (the worker's snapshot for routing). What travels with the KV is
+wire/handoff.py's `PrefillHandoff`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from duet.engine.llm_engine import PrefillDone
 from duet.engine.outputs import PromptLogprob
 from duet.kv_transfer import TransferStatus
 
@@ -41,13 +39,3 @@ class PrefillLoad:
     num_queued_tokens: int = 0  # prompt tokens not yet prefilled
     num_free_blocks: int = 0
     num_blocks: int = 0
-
-
-def kv_meta(done: PrefillDone) -> dict[str, Any]:
-    """What travels with the KV: everything the decode side needs to continue the request."""
-    return {
-        "first_token": done.first_token,
-        "logprob": done.logprob,
-        "sample_seed": done.sample_seed,
-        "num_cached_tokens": done.num_cached_tokens,
-    }

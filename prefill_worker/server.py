@@ -12,14 +12,15 @@ from opentelemetry import trace
 
 from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.internal_server import start_internal_server
-from duet.engine import InvalidInputError, SamplingParams
+from duet.engine import InvalidInputError
 from duet.kv_transfer import TransferStatus
-from duet.prefill_worker.wire import prompt_logprobs_to_wire
 from duet.prefill_worker.worker import PrefillWorker
 from duet.telemetry.otel import remote_parent, worker_tracer
 from duet.telemetry.worker_spans import record_prefill
 from duet.telemetry.worker_stats import worker_stats
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.deltas import prompt_logprobs_to_proto
+from duet.wire.sampling import sampling_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         received_ns = time.time_ns()
         parent = remote_parent(context.invocation_metadata()) if self.tracer else None
         try:
-            params = SamplingParams.from_json(request.sampling_params_json)
+            params = sampling_from_proto(request.sampling)
             result = await self.worker.prefill(
                 request.request_id,
                 list(request.prompt_token_ids),
@@ -71,7 +72,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             num_cached_tokens=result.num_cached_tokens,
             num_transfer_bytes=result.num_transfer_bytes,
             transfer_s=result.transfer_s,
-            prompt_logprobs=prompt_logprobs_to_wire(
+            prompt_logprobs=prompt_logprobs_to_proto(
                 result.prompt_logprobs or [], request.prompt_token_ids
             ),
             num_transfer_chunks=result.num_transfer_chunks,

@@ -63,9 +63,10 @@ from duet.kv_transfer.rank_agreement import RankAgreement
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.draft_prefill import DraftPrefill, prefill_engine_config
 from duet.prefill_worker.prefix_index import PrefixCacheIndex
-from duet.prefill_worker.results import PrefillLoad, PrefillResult, kv_meta
+from duet.prefill_worker.results import PrefillLoad, PrefillResult
+from duet.wire.handoff import PrefillHandoff
 
-__all__ = ["PrefillLoad", "PrefillResult", "PrefillRole", "PrefillWorker", "kv_meta"]
+__all__ = ["PrefillLoad", "PrefillResult", "PrefillRole", "PrefillWorker"]
 
 logger = logging.getLogger(__name__)
 
@@ -325,11 +326,11 @@ class PrefillRole(EngineRole):
         try:
             if done.request_id in self._begun:
                 self._begun.discard(done.request_id)
-                self.sender.finish(done.request_id, kv_meta(done))
+                self.sender.finish(done.request_id, PrefillHandoff.of(done).to_meta())
             else:
                 drafts = self.drafts.prefill([done.request_id]) if self.drafts else {}
                 self.sender.send(
-                    done.request_id, done.block_ids, dest, kv_meta(done),
+                    done.request_id, done.block_ids, dest, PrefillHandoff.of(done).to_meta(),
                     drafts.get(done.request_id),
                 )  # fmt: skip
         except HandshakeError as e:  # a misconfigured pair: no retry helps

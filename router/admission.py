@@ -18,11 +18,17 @@ weighs as many sequences as it asks the engine for (`n` per prompt). Two ways to
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from duet.router.errors import OverloadedError
+
+T = TypeVar("T")
+OVERLOAD_WAIT_S = 60.0
+"""How long a queued task waits for admission before it is given back for a retry."""
 
 DEFAULT_MAX_QUEUE_WAIT_S = 300.0
 """Default longest estimated wait in the queue: half of the OpenAI SDKs' 600 s request timeout,
@@ -168,3 +174,21 @@ class AdmissionController:
             self._finished.popleft()
         while self._saturated and self._saturated[0][1] < t:
             self._saturated.popleft()
+
+
+async def wait_out_overload(
+    attempt: Callable[[], Awaitable[T]], max_wait_s: float = OVERLOAD_WAIT_S
+) -> T:
+    """`attempt()`, retried while admission refuses it (503 overloaded) for up to `max_wait_s`.
+
+    NOTE: a queued task waits here, holding its lease (the worker renews it), rather than
+    being given back: each give-back counts as a delivery, so a burst of interactive traffic
+    would otherwise dead-letter batch lines."""
+    deadline = asyncio.get_running_loop().time() + max_wait_s
+    while True:
+        try:
+            return await attempt()
+        except OverloadedError:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            await asyncio.sleep(0.5)

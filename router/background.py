@@ -5,23 +5,22 @@ from the work queue, and any replica serves its result and its stream.
   at once for bad input), reads the session's history when `session_id` is given, enqueues a
   `background.chat` task and answers `{"id", "object": "chat.completion", "status": "queued",
   "choices": []}`.
-- The runner appends each output's new tokens to the request's event log (one entry per
-  output: token ids, text, finish_reason) as they come. A delivery after a router died reads
-  the log and continues generating from the prompt plus the tokens already logged, with the
-  remaining budget, so the stream has no token missing or repeated. With a session, the turn
-  is appended once when the request completes (a re-run that finds its own turn stored does not
-  append it again).
+- The runner runs the request as a chat turn (router/chat_turn.py) and appends each step of
+  its events to the request's event log as they come. A delivery after a router died reads the
+  log and continues from it (`TurnRequest.resume`), so the stream has no token missing or
+  repeated. With a session, the turn is appended once when the request completes (a re-run
+  that finds its own turn stored does not append it again).
 - `GET /v1/chat/completions/{id}`: the completion with `"status": "completed"` (or `failed`
   with an error, or `queued`/`in_progress` with no choices yet).
 - `GET /v1/chat/completions/{id}/events?offset=N` (or `Last-Event-ID: N-1`): SSE chunks from
-  entry N of the log, each with `id: <offset>`, then `data: [DONE]`; a client whose router died
-  reconnects to any replica with the last offset it saw plus one.
+  entry N of the log (the logged steps, rendered as interactive streams render them), each with
+  `id: <offset>`, then `data: [DONE]`; a client whose router died reconnects to any replica
+  with the last offset it saw plus one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
@@ -32,28 +31,16 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from duet.engine import InvalidInputError
-from duet.engine.tokenizer import IncrementalDetokenizer
-from duet.router.admission import AdmissionTicket
+from duet.router.admission import AdmissionTicket, wait_out_overload
 from duet.router.auth import caller_api_key
-from duet.router.background_tools import event_delta, rebuild_plan, replay, tool_fields
-from duet.router.batch_runner import wait_out_overload
 from duet.router.batches import NotFoundError, queue_errors
-from duet.router.errors import BadRequestError, OpenAIError, SessionConflictError, as_openai_error
-from duet.router.openai_chat import ChatPlan, assistant_message
+from duet.router.chat_events import Final, Finish, step_from_json, step_to_json
+from duet.router.chat_turn import ChatTurns
+from duet.router.errors import BadRequestError, OpenAIError, as_openai_error
+from duet.router.openai_chat_render import ChatCompletionRender
 from duet.router.openai_protocol import ChatCompletionRequest
-from duet.router.openai_responses import (
-    ChatCompletionChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatCompletionStreamChoice,
-    ChatResponseMessage,
-    DeltaMessage,
-    Usage,
-)
 from duet.router.openapi import error_responses
 from duet.router.queue_worker import RetryTask
-from duet.router.serving_context import ServingContext
 from duet.router.sessions import SessionTurn
 from duet.router.sse import DONE, EventStreamResponse
 from duet.session_store import Delivery, SessionStoreUnavailable, Task, WorkQueue, hash_api_key
@@ -65,12 +52,15 @@ _POLL_S = 0.05
 
 
 class BackgroundService:
-    def __init__(self, queue: WorkQueue, ctx: ServingContext) -> None:
+    def __init__(self, queue: WorkQueue, turns: ChatTurns) -> None:
         self.queue = queue
-        self.ctx = ctx
+        self.turns = turns
+
+    @property
+    def model_name(self) -> str:
+        return self.turns.ctx.model_name
 
     async def submit(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
-        ctx = self.ctx
         for field, bad in (
             ("n", body.n != 1),
             ("logprobs", body.logprobs),
@@ -84,41 +74,22 @@ class BackgroundService:
                     param=field,
                 )
         rename = {"prompt": "messages", "max_tokens": body.max_tokens_field}
-        try:
-            params = body.to_sampling_params()
-        except InvalidInputError as e:
-            raise BadRequestError.from_invalid_input(e, rename) from None
-        new_messages = [m.to_template_message() for m in body.messages]
-        turn = None
-        if body.session_id is not None:
-            turn = await ctx.sessions.begin_turn(body.session_id, api_key)
-        messages = new_messages if turn is None else [*turn.history, *new_messages]
-        tools = tool_fields(body, ctx.chat_options)
-        reply_start = None
-        try:
-            if tools is None:
-                prompt_ids = ctx.engine.encode_chat(messages)
-            else:
-                plan = ChatPlan.of(body, ctx.chat_options, ctx.engine.tokenizer)
-                prompt_ids = plan.render(ctx.engine.tokenizer, body, messages)
-                params, reply_start = plan.sampling_params(params), plan.reply_start
-        except InvalidInputError as e:
-            raise BadRequestError.from_invalid_input(e, rename) from None
-        max_tokens = ctx.check_lengths(len(prompt_ids), params, rename)
-        await ctx.rate_limiter.admit(api_key, len(prompt_ids) + max_tokens)
+        plan, params = self.turns.plan(body, rename)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # Validated, rendered and charged as an interactive turn is; it runs later, anywhere.
+        turn = await self.turns.open(body, plan, params, api_key, request_id, rename, live=False)
+        session = turn.request.session
+        history = [] if session is None else session.history
         created = int(time.time())
         payload = {
             "body": body.model_dump(mode="json", exclude_unset=True),
-            "messages": messages,
-            "new_messages": new_messages,
-            "session": None if turn is None else {"id": turn.session_id, "version": turn.version},
+            "messages": [*history, *turn.request.new_messages],
+            "new_messages": turn.request.new_messages,
+            "session": None if session is None else {"id": session.session_id,
+                                                      "version": session.version},
             "created": created,
-            "tools": tools,
-            "reply_start": reply_start,
-        }
-        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created,
-                  "tools": tools, "reply_start": reply_start}  # fmt: skip
+        }  # fmt: skip
+        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created}
         with queue_errors():
             await self.queue.enqueue(
                 [Task(request_id, KIND, payload)], record=("background", request_id, record)
@@ -128,157 +99,67 @@ class BackgroundService:
     def _pending(self, request_id: str, created: int, status: str) -> dict[str, Any]:
         return {
             "id": request_id, "object": "chat.completion", "created": created,
-            "model": self.ctx.model_name, "choices": [], "status": status,
+            "model": self.model_name, "choices": [], "status": status,
         }  # fmt: skip
 
     # --- the runner (any replica's queue worker) ---
 
     async def run(self, delivery: Delivery) -> dict[str, Any]:
-        ctx, p, request_id = self.ctx, delivery.payload, delivery.task_id
+        """Run (or resume) the request; its result, an error result for a 4xx, `RetryTask`
+        for what another delivery may get past (5xx, 429)."""
+        p, request_id = delivery.payload, delivery.task_id
         body = ChatCompletionRequest.model_validate(p["body"])
-        plan = None
-        try:
-            params = body.to_sampling_params()
-            if p.get("tools") is None:
-                prompt_ids = ctx.engine.encode_chat(p["messages"])
-            else:
-                plan = self._plan(p, request_id)
-                prompt_ids = plan.render(ctx.engine.tokenizer, body, p["messages"])
-                params = plan.sampling_params(params)
-            max_tokens = ctx.check_lengths(len(prompt_ids), params, {})
-        except (InvalidInputError, OpenAIError) as e:
-            return _failed(as_openai_error(e, request_id))
-        events = await self._events(request_id)
-        emitted = [t for e in events for t in e["token_ids"]]
-        if not events or events[-1]["finish_reason"] is None:
-            remaining = max_tokens - len(emitted)
-            if remaining > 0:
-                params = dataclasses.replace(
-                    params,
-                    max_tokens=remaining,
-                    min_tokens=max(0, params.min_tokens - len(emitted)),
-                )
-                detok = None
-                if emitted:  # a takeover: continue the text exactly where the log ends
-                    detok = IncrementalDetokenizer(
-                        ctx.engine.tokenizer, prompt_ids, params.skip_special_tokens
-                    )
-                    for token_id in emitted:
-                        detok.add_token(token_id)
-                    detok.text = detok.text[len("".join(e["text"] for e in events)) :]
-                failure = await self._generate(
-                    delivery, prompt_ids + emitted, params, len(events), detok
-                )
-                if failure is not None:
-                    return failure
-            else:
-                await self.queue.append_events(
-                    request_id, len(events), [json.dumps(_event([], "", "length"))]
-                )
-            events = await self._events(request_id)
-        text = "".join(e["text"] for e in events)
-        num_tokens = sum(len(e["token_ids"]) for e in events)
-        message = ChatResponseMessage(content=text)
-        finish_reason = events[-1]["finish_reason"]
-        if plan is not None:  # the calls the events route streamed, under the same ids
-            reply = plan.new_reply()
-            piece, content, calls = reply.whole(text)
-            message = ChatResponseMessage(
-                content=content, reasoning_content=piece.reasoning or None, tool_calls=calls
-            )
-            finish_reason = reply.finish_reason(finish_reason)
-        if p["session"] is not None:
-            m = message
-            try:
-                await self._commit_turn(
-                    p, assistant_message(m.content, m.tool_calls, m.reasoning_content)
-                )
-            except OpenAIError as e:  # 409: another turn was stored first; 503: retry
-                if e.status_code >= 500:
-                    raise RetryTask(f"{e.status_code} {e.message}") from e
-                return _failed(e)
-        response = ChatCompletionResponse(
-            id=request_id,
-            created=p["created"],
-            model=ctx.model_name,
-            choices=[ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)],
-            usage=Usage.of(len(prompt_ids), num_tokens),
+        session = p["session"]
+        turn_of_session = (
+            None if session is None else SessionTurn(session["id"], session["version"], [])
         )
-        return {"response": response.model_dump(mode="json")}
-
-    async def _generate(
-        self,
-        delivery: Delivery,
-        prompt_ids: list[int],
-        params: Any,
-        offset: int,
-        detok: IncrementalDetokenizer | None,
-    ) -> dict[str, Any] | None:
-        """Generate and log each output; an error result for a 4xx, RetryTask for the rest.
-
-        `detok`: after a takeover, a detokenizer replayed over the logged tokens, whose `text`
-        holds what the log lacks (bytes of a character still incomplete, text held back).
-        NOTE: the engine's own text deltas would restart at the continuation's prompt and
-        drop a character split across the takeover."""
-        ctx = self.ctx
-        engine_id = f"{delivery.task_id}-{delivery.num_deliveries}"
-
-        async def admit() -> AdmissionTicket:
-            [ticket] = ctx.admission.admit([1])
-            return ticket
-
+        # A fresh engine request id per delivery: an earlier one may still be ending.
+        engine_id = f"{request_id}-{delivery.num_deliveries}"
         try:
-            ticket = await wait_out_overload(admit)
+            plan, params = self.turns.plan(body, {})
+            logged = [step_from_json(e) for e in await self._log(request_id)]
+            turn = self.turns.rerun(
+                body, plan, params, p["messages"], p["new_messages"], turn_of_session,
+                request_id, engine_id, logged,
+            )  # fmt: skip
         except OpenAIError as e:
-            raise RetryTask(f"{e.status_code} {e.message}") from e
+            return _failed(e)
+        offset, final = len(logged), None
         try:
-            outputs = ctx.generate(prompt_ids, params, engine_id, ticket, time.monotonic())
-            async with aclosing(outputs) as it:  # leaving early aborts the engine request
-                async for out in it:
-                    c = out.outputs[0]
-                    if not c.delta_token_ids and c.finish_reason is None:
-                        continue
-                    text = c.delta_text
-                    if detok is not None:
-                        pending, detok.text = detok.text, ""
-                        text = pending + "".join(detok.add_token(t) for t in c.delta_token_ids)
-                        detok.text = ""
-                    event = _event(list(c.delta_token_ids), text, c.finish_reason)
-                    offset = await self.queue.append_events(
-                        delivery.task_id, offset, [json.dumps(event)]
-                    )
+            ticket = await self._admit() if turn.will_generate else None
+            async with aclosing(turn.steps(ticket, time.monotonic())) as steps:
+                async for step in steps:
+                    final = step.first(Final)
+                    if final is None:
+                        offset = await self.queue.append_events(
+                            request_id, offset, [step_to_json(step)]
+                        )
         except SessionStoreUnavailable:
             raise
-        except Exception as e:
+        except Exception as e:  # 409: another turn was stored first; 5xx, 429: retry
             error = as_openai_error(e, engine_id)
             if error.status_code >= 500 or error.status_code == 429:
                 raise RetryTask(f"{error.status_code} {error.message}") from e
             return _failed(error)
-        finally:
-            ticket.release()
-        return None
+        assert final is not None
+        render = ChatCompletionRender(request_id, self.model_name, self.turns.ctx.token_texts,
+                                      p["created"])  # fmt: skip
+        return {"response": render.response(final).model_dump(mode="json")}
 
-    def _plan(self, stored: dict[str, Any], request_id: str) -> ChatPlan:
-        """The tool plan a request with tools was submitted with (`background_tools`)."""
-        tokenizer = self.ctx.engine.tokenizer
-        options = self.ctx.chat_options
-        return rebuild_plan(stored["tools"], stored["reply_start"], options, tokenizer, request_id)
+    async def _admit(self) -> AdmissionTicket:
+        admission = self.turns.ctx.admission
 
-    async def _commit_turn(self, payload: dict[str, Any], reply: dict[str, Any]) -> None:
-        session = payload["session"]
-        turn = SessionTurn(session["id"], session["version"], [])
+        async def admit() -> AdmissionTicket:
+            [ticket] = admission.admit([1])
+            return ticket
+
         try:
-            await self.ctx.sessions.commit_turn(turn, payload["new_messages"], reply)
-        except SessionConflictError:
-            # A re-run after this turn was stored (before its result was): not again.
-            history = await self.ctx.sessions.store.history(turn.session_id)  # type: ignore[union-attr]
-            mine = [*payload["new_messages"], reply]
-            if history[-len(mine) :] != mine:
-                raise
+            return await wait_out_overload(admit)
+        except OpenAIError as e:
+            raise RetryTask(f"{e.status_code} {e.message}") from e
 
-    async def _events(self, request_id: str, offset: int = 0) -> list[dict[str, Any]]:
-        raw = await self.queue.read_events(request_id, offset, 1 << 30)
-        return [json.loads(e) for e in raw]
+    async def _log(self, request_id: str, offset: int = 0) -> list[str]:
+        return await self.queue.read_events(request_id, offset, 1 << 30)
 
     # --- reading (any replica) ---
 
@@ -316,10 +197,9 @@ class BackgroundService:
     async def _stream(
         self, request_id: str, doc: dict[str, Any], offset: int
     ) -> AsyncGenerator[str, None]:
-        created, reply = doc["created"], None
-        if doc.get("tools") is not None:  # the log's raw text -> content and tool-call deltas
-            reply = self._plan(doc, request_id).new_reply()
-            replay(reply, (await self._events(request_id))[:offset] if offset else [])
+        render = ChatCompletionRender(
+            request_id, self.model_name, self.turns.ctx.token_texts, doc["created"]
+        )
         deadline = time.monotonic() + MAX_STREAM_S
         while time.monotonic() < deadline:
             try:
@@ -329,19 +209,11 @@ class BackgroundService:
                 await asyncio.sleep(0.5)  # Redis restarting: the log is still there after it
                 continue
             for entry in raw:
-                event = json.loads(entry)
-                delta, finish_reason = DeltaMessage(content=event["text"] or None), None
-                if reply is not None:
-                    delta, finish_reason = event_delta(reply, event)
-                choice = ChatCompletionStreamChoice(
-                    index=0, delta=delta, finish_reason=finish_reason or event["finish_reason"]
-                )
-                chunk = ChatCompletionChunk(
-                    id=request_id, created=created, model=self.ctx.model_name, choices=[choice]
-                )
-                yield f"id: {offset}\ndata: {chunk.model_dump_json()}\n\n"
+                step = step_from_json(entry)
+                for chunk in render.chunks(step, keep_empty=True):  # one per entry: n is 1
+                    yield f"id: {offset}\ndata: {chunk.model_dump_json()}\n\n"
                 offset += 1
-                if event["finish_reason"] is not None:
+                if step.first(Finish) is not None:
                     yield DONE
                     return
             if result is not None and "error" in result:
@@ -352,10 +224,6 @@ class BackgroundService:
                 await asyncio.sleep(_POLL_S)
         message = f"stream open for {MAX_STREAM_S:g}s; reconnect with offset={offset}"
         yield f"data: {json.dumps({'error': {'code': 'reconnect', 'message': message}})}\n\n"
-
-
-def _event(token_ids: list[int], text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"token_ids": token_ids, "text": text, "finish_reason": finish_reason}
 
 
 def _failed(error: OpenAIError) -> dict[str, Any]:

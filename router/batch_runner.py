@@ -1,8 +1,8 @@
 """Running one batch line: the same handlers as interactive requests, at a lower priority.
 
-A line runs through `ChatCompletionHandler`/`CompletionHandler`, so validation, length checks
-and the response body are exactly those of `POST /v1/chat/completions` and
-`POST /v1/completions`. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
+A chat line runs as the same chat turn as `POST /v1/chat/completions` (router/chat_turn.py)
+and a completion line through `CompletionHandler`, so validation, length checks and the
+response body are exactly those of `POST /v1/chat/completions` and `POST /v1/completions`. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
 own limits) and sessions (rejected at upload).
 
 Priority: `BatchPriority.free_slots` lets batch lines take engine slots only while interactive
@@ -17,31 +17,28 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import Awaitable, Callable
+import uuid
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import Message
 
-from duet.router.admission import AdmissionController
+from duet.router.admission import AdmissionController, wait_out_overload
 from duet.router.batches import BatchService
-from duet.router.errors import OpenAIError, OverloadedError
+from duet.router.chat_turn import ChatTurns, chat_rename, final_of
+from duet.router.errors import OpenAIError, as_openai_error
+from duet.router.openai_chat_render import ChatCompletionRender
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from duet.router.queue_worker import RetryTask, TaskRunner
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
-from duet.router.serving_chat import ChatCompletionHandler
 from duet.router.serving_completion import CompletionHandler
 from duet.router.serving_context import ServingContext
 from duet.router.sessions import SessionManager
 from duet.session_store import Delivery
 
-T = TypeVar("T")
 CANCEL_CHECK_S = 1.0
 """How stale a line's view of its batch's cancellation may be."""
-OVERLOAD_WAIT_S = 60.0
-"""How long a queued task waits for admission before it is given back for a retry."""
 
 
 @dataclass(frozen=True)
@@ -93,36 +90,21 @@ def _internal_request() -> Request:
     return Request(scope, _never_disconnects)
 
 
-async def wait_out_overload(
-    attempt: Callable[[], Awaitable[T]], max_wait_s: float = OVERLOAD_WAIT_S
-) -> T:
-    """`attempt()`, retried while admission refuses it (503 overloaded) for up to `max_wait_s`.
-
-    NOTE: a queued task waits here, holding its lease (the worker renews it), rather than
-    being given back: each give-back counts as a delivery, so a burst of interactive traffic
-    would otherwise dead-letter batch lines."""
-    deadline = asyncio.get_running_loop().time() + max_wait_s
-    while True:
-        try:
-            return await attempt()
-        except OverloadedError:
-            if asyncio.get_running_loop().time() >= deadline:
-                raise
-            await asyncio.sleep(0.5)
-
-
 class BatchRunner:
-    """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission."""
+    """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission: a
+    chat line as a chat turn (router/chat_turn.py) rendered as `POST /v1/chat/completions`
+    renders a whole reply, a completion line through `CompletionHandler`."""
 
     def __init__(self, ctx: ServingContext, batches: BatchService) -> None:
         batch_ctx = copy.copy(ctx)  # shares the engine, admission and metrics
         batch_ctx.sessions = SessionManager(None)
         batch_ctx.rate_limiter = RequestRateLimiter(None, NO_RATE_LIMITS)
+        self.ctx = batch_ctx
         self.batches = batches
         self._cancelled: dict[str, tuple[float, bool]] = {}
         """batch id -> (when checked, cancelled): one record read per batch per second, not
         per line (a batch record holds every line's custom_id)."""
-        self.chat = ChatCompletionHandler(batch_ctx)
+        self.turns = ChatTurns(batch_ctx)
         self.completions = CompletionHandler(batch_ctx)
 
     @property
@@ -139,13 +121,27 @@ class BatchRunner:
             self._cancelled[batch_id] = checked
         return checked[1]
 
-    async def _run(self, delivery: Delivery) -> Response:
-        payload = delivery.payload
-        if delivery.kind == "batch.chat":
-            chat_body = ChatCompletionRequest.model_validate(payload["body"])
-            return await self.chat.create(chat_body, _internal_request())
-        body = CompletionRequest.model_validate(payload["body"])
-        return await self.completions.create(body, _internal_request())
+    async def _chat(self, body: ChatCompletionRequest) -> tuple[int, dict[str, Any]]:
+        arrival_s = time.monotonic()
+        rename = chat_rename(body)
+        plan, params = self.turns.plan(body, rename)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        turn = await self.turns.open(body, plan, params, None, request_id, rename)
+        [ticket] = self.ctx.admission.admit([turn.n])
+        try:
+            final = await final_of(turn.steps(ticket, arrival_s))
+        except Exception as e:
+            raise as_openai_error(e, request_id, rename) from e
+        finally:
+            ticket.release()
+        render = ChatCompletionRender.of(
+            body, request_id, self.ctx.model_name, self.ctx.token_texts
+        )
+        return 200, json.loads(render.response(final).model_dump_json())
+
+    async def _completion(self, body: CompletionRequest) -> tuple[int, dict[str, Any]]:
+        response = await self.completions.create(body, _internal_request())
+        return response.status_code, json.loads(bytes(response.body))
 
     async def run(self, delivery: Delivery) -> dict[str, Any]:
         payload = delivery.payload
@@ -153,18 +149,16 @@ class BatchRunner:
             message = "the batch was cancelled before this request ran"
             return {"error": {"code": "batch_cancelled", "message": message}}
         try:
-            response = await wait_out_overload(lambda: self._run(delivery))
+            if delivery.kind == "batch.chat":
+                chat = ChatCompletionRequest.model_validate(payload["body"])
+                status, doc = await wait_out_overload(lambda: self._chat(chat))
+            else:
+                body = CompletionRequest.model_validate(payload["body"])
+                status, doc = await wait_out_overload(lambda: self._completion(body))
         except OpenAIError as e:
             if e.status_code >= 500 or e.status_code == 429:
                 raise RetryTask(f"{e.status_code} {e.type}: {e.message}") from e
             return {
                 "response": {"status_code": e.status_code, "request_id": None, "body": e.to_body()}
             }
-        doc = json.loads(bytes(response.body))
-        return {
-            "response": {
-                "status_code": response.status_code,
-                "request_id": doc.get("id"),
-                "body": doc,
-            }
-        }
+        return {"response": {"status_code": status, "request_id": doc.get("id"), "body": doc}}

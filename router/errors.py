@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duet.engine import InvalidInputError
 from duet.engine.async_engine import EngineDeadError
+from duet.router.openai_protocol import LONE_SURROGATE
 from duet.router.openai_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -206,7 +207,9 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
         return BadRequestError(f"request body is not valid JSON: {detail}".rstrip(": "))
     messages = []
     for error in errors:
-        param = format_loc(tuple(error.get("loc", ())))
+        if error.get("type") == LONE_SURROGATE:  # raised where the body starts: name the string
+            error["loc"] = (*error.get("loc", ()), *error.get("ctx", {}).get("path", ()))
+        param = format_loc(tuple(error["loc"]))
         msg = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         if param is None and error.get("type") == "missing":
             msg = "a JSON request body is required"

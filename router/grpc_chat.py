@@ -1,6 +1,7 @@
 """`duet.v1.ChatRequest` -> the REST chat body, so gRPC chat validates, renders and parses
 replies exactly as REST does (tools, tool choice, reasoning, chat-template options;
-docs/tool_calling.md), and reply pieces -> `GenerateResponse` fields."""
+docs/tool_calling.md), and a chat turn's events (router/chat_events.py) -> `GenerateResponse`s
+(`ChatResponses`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from duet.router.chat_events import (
+    ChatStep,
+    Finish,
+    PromptLogprobs,
+    ReasoningDelta,
+    TextDelta,
+    TokenDelta,
+    ToolCallDelta,
+    Usage,
+)
 from duet.router.errors import BadRequestError, format_loc
+from duet.router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from duet.router.openai_protocol import ChatCompletionRequest
-from duet.router.tool_stream import Piece
+from duet.router.openai_tools import DeltaToolCall
 from duet.v1 import serving_pb2
 
 
@@ -81,15 +93,61 @@ def chat_body(request: serving_pb2.ChatRequest) -> ChatCompletionRequest:
         raise BadRequestError(f"{param}: {message}", param=param) from None
 
 
-def piece_fields(piece: Piece) -> dict[str, Any]:
-    """A reply piece as `GenerateResponse` fields (text, reasoning_text, tool_calls)."""
-    calls = [
-        serving_pb2.ToolCallDelta(
-            index=d.index,
-            id=d.id or "",
-            name=(d.function.name if d.function else None) or "",
-            arguments=(d.function.arguments if d.function else None) or "",
-        )
-        for d in piece.tool_calls
-    ]
-    return {"text": piece.content, "reasoning_text": piece.reasoning, "tool_calls": calls}
+class ChatResponses:
+    """One chat turn's events as `GenerateResponse`s: one per choice per step (its token ids,
+    content, thinking, tool-call deltas, logprobs, finish reason; the prompt's logprobs on the
+    first), then the usage."""
+
+    def __init__(self, request_id: str, num_prompt_logprobs: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_logprobs = num_prompt_logprobs
+        self._prompt: PromptLogprobs | None = None
+
+    def of(self, step: ChatStep) -> list[serving_pb2.GenerateResponse]:
+        prompt = step.first(PromptLogprobs)
+        if prompt is not None and prompt.entries is not None:
+            self._prompt = prompt  # on the next response out
+        out = []
+        for index, events in step.by_choice():
+            response = serving_pb2.GenerateResponse(request_id=self.request_id, index=index)
+            for event in events:
+                match event:
+                    case TokenDelta(_, token_ids, _, logprobs):
+                        response.token_ids.extend(token_ids)
+                        response.logprobs.extend(logprobs_to_proto(lp) for lp in logprobs or [])
+                    case TextDelta(_, text):
+                        response.text += text
+                    case ReasoningDelta(_, text):
+                        response.reasoning_text += text
+                    case ToolCallDelta(_, call):
+                        response.tool_calls.append(_tool_call(call))
+                    case Finish(_, reason):
+                        response.finish_reason = reason
+            if self._prompt is not None and self._prompt.entries is not None:
+                response.prompt_logprobs.extend(
+                    prompt_logprobs_to_proto(self._prompt.entries, self.num_prompt_logprobs)
+                )
+                self._prompt = None
+            out.append(response)
+        usage = step.first(Usage)
+        if usage is not None:
+            out.append(
+                serving_pb2.GenerateResponse(
+                    request_id=self.request_id,
+                    usage=serving_pb2.Usage(
+                        prompt_tokens=usage.prompt_tokens,
+                        completion_tokens=usage.completion_tokens,
+                        cached_prompt_tokens=usage.cached_tokens,
+                    ),
+                )
+            )
+        return out
+
+
+def _tool_call(d: DeltaToolCall) -> serving_pb2.ToolCallDelta:
+    return serving_pb2.ToolCallDelta(
+        index=d.index,
+        id=d.id or "",
+        name=(d.function.name if d.function else None) or "",
+        arguments=(d.function.arguments if d.function else None) or "",
+    )

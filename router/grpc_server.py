@@ -25,26 +25,18 @@ from grpc_reflection.v1alpha import reflection
 
 from duet.engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
 from duet.engine.async_engine import EngineDeadError
-from duet.router.admission import AdmissionController
 from duet.router.auth import APIKeyChecker
-from duet.router.engine_client import EngineClient
 from duet.router.errors import (
     AuthenticationError,
-    BadRequestError,
     ModelNotFoundError,
     OpenAIError,
 )
-from duet.router.grpc_chat import chat_body, piece_fields
+from duet.router.front_door import FrontDoor
+from duet.router.grpc_chat import ChatResponses, chat_body
 from duet.router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from duet.router.grpc_metrics import GrpcMetricsInterceptor
-from duet.router.metrics import ServingMetrics
-from duet.router.openai_chat import ChatOptions, ChatPlan, reply_message
-from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from duet.router.serving_context import check_priority
-from duet.router.sessions import SessionManager, SessionTurn
-from duet.router.tool_stream import Piece
-from duet.router.tracing import RequestTracing, traced_outputs
-from duet.session_store import RateLimiter, RateLimits, SessionStore
+from duet.router.tracing import traced_outputs
 from duet.v1 import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -122,54 +114,38 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
 
 
 class DuetServicer(serving_pb2_grpc.DuetServicer):
-    def __init__(
-        self,
-        engine: EngineClient,
-        model_name: str,
-        admission: AdmissionController | None = None,
-        checker: APIKeyChecker | None = None,
-        sessions: SessionManager | None = None,
-        rate_limiter: RequestRateLimiter | None = None,
-        chat_options: ChatOptions | None = None,
-        tracing: RequestTracing | None = None,
-    ) -> None:
-        """`admission`: shared with the REST app of the same server; None: a queue of its own
-        with the default (time-bounded) limit. `chat_options`: the tool-call and reasoning
-        parsers, as REST's. `tracing`: REST's (router/tracing.py); None: no traces."""
-        self.engine = engine
-        self.model_name = model_name
-        self.admission = admission or AdmissionController(lambda: engine.max_num_seqs)
-        self.checker = checker or APIKeyChecker(())
-        self.sessions = sessions or SessionManager(None)
-        self.rate_limiter = rate_limiter or RequestRateLimiter(None, NO_RATE_LIMITS)
-        self.chat_options = chat_options or ChatOptions()
-        self.tracing = tracing or RequestTracing()
+    def __init__(self, front: FrontDoor) -> None:
+        """Over the same services as the REST app of this server (router/front_door.py)."""
+        self.front = front
+        self.ctx = front.ctx
+        self.turns = front.turns
 
     async def ListModels(
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.ListModelsResponse:
         model = serving_pb2.Model(
-            id=self.model_name,
-            max_model_len=self.engine.max_model_len,
+            id=self.ctx.model_name,
+            max_model_len=self.ctx.engine.max_model_len,
             owned_by="duet",
-            deterministic=self.engine.deterministic,
+            deterministic=self.ctx.engine.deterministic,
         )
         return serving_pb2.ListModelsResponse(models=[model])
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        engine = self.ctx.engine
         try:
             self._check_model(request.model)
             params = sampling_params_from_proto(request.sampling)
             if request.WhichOneof("prompt") == "token_ids":
                 prompt_ids = list(request.token_ids.ids)
-                self.engine.tokenize_prompt(prompt_ids)  # validates the ids
+                engine.tokenize_prompt(prompt_ids)  # validates the ids
             else:
-                prompt_ids = self.engine.tokenize_prompt(request.text)[1]
-            check_priority(self.engine, request.priority)
-            stream = self._stream(
-                prompt_ids, params, request.request_id, context, priority=request.priority
+                prompt_ids = engine.tokenize_prompt(request.text)[1]
+            check_priority(engine, request.priority)
+            stream = self._generate(
+                prompt_ids, params, request.request_id, context, request.priority
             )
             async for response in stream:
                 yield response
@@ -179,143 +155,100 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
     async def Chat(
         self, request: serving_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
+        """One chat turn (router/chat_turn.py), as REST's, rendered as `GenerateResponse`s."""
+        arrival_s = time.monotonic()
         try:
             self._check_model(request.model)
             body = chat_body(request)
-            plan = ChatPlan.of(body, self.chat_options, self.engine.tokenizer)
+            plan, _ = self.turns.plan(body, {})
             params = sampling_params_from_proto(request.sampling)
-            check_priority(self.engine, body.priority)
-            new_messages = [m.to_template_message() for m in body.messages]
-            turn = None
-            if request.session_id:
-                if params.n != 1:
-                    raise BadRequestError(
-                        f"n: must be 1 with session_id (a session stores one reply per turn); "
-                        f"got {params.n}",
-                        param="n",
-                    )
-                turn = await self.sessions.begin_turn(request.session_id, self._caller(context))
-            messages = new_messages if turn is None else [*turn.history, *new_messages]
-            prompt_ids = plan.render(self.engine.tokenizer, body, messages)
-            params = plan.sampling_params(params)
-            stream = self._stream(
-                prompt_ids, params, request.request_id, context, turn, new_messages, plan,
-                body.priority,
-            )  # fmt: skip
-            async for response in stream:
-                yield response
+            request_id = request.request_id or uuid.uuid4().hex
+            caller = self._caller(context)
+            turn = await self.turns.open(body, plan, params, caller, request_id, {})
+            [ticket] = self.ctx.admission.admit([turn.n])
+            render = ChatResponses(request_id, params.prompt_logprobs or 0)
+            try:
+                # Closed on any exit (client gone, error), which aborts the engine request.
+                async with aclosing(turn.steps(ticket, arrival_s)) as steps:
+                    async for step in steps:
+                        for response in render.of(step):
+                            yield response
+            finally:
+                ticket.release()
         except Exception as e:
             await _abort(context, e, request.request_id)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
-        return self.checker.authenticate(_authorization(context.invocation_metadata()))
+        return self.front.checker.authenticate(_authorization(context.invocation_metadata()))
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.model_name:
+        if model and model != self.ctx.model_name:
             raise ModelNotFoundError(
-                f"model: {model!r} is not served; available: {self.model_name}", param="model"
+                f"model: {model!r} is not served; available: {self.ctx.model_name}",
+                param="model",
             )
 
-    async def _stream(
+    async def _generate(
         self,
         prompt_ids: list[int],
         params: SamplingParams,
         request_id: str,
         context: grpc.aio.ServicerContext,
-        turn: SessionTurn | None = None,
-        new_messages: Sequence[dict[str, Any]] = (),
-        plan: ChatPlan | None = None,
-        priority: int = 0,
+        priority: int,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        """Admit and run one request. With a session, the sample's last chunk and the usage
-        wait until the turn is stored, so a stream that ends OK always has its turn stored."""
+        """Admit and run one prompt (no chat template, no reply parsing): each sample's new
+        text and tokens, then the usage."""
         arrival_s = time.monotonic()
-        if not self.engine.is_running:
+        engine = self.ctx.engine
+        if not engine.is_running:
             raise EngineDeadError("the engine is not running; retry later")
-        max_tokens = self.engine.check_lengths(len(prompt_ids), params)
+        max_tokens = engine.check_lengths(len(prompt_ids), params)
         num_tokens = len(prompt_ids) + max_tokens * params.n
-        await self.rate_limiter.admit(self._caller(context), num_tokens)
-        [ticket] = self.admission.admit([params.n])
+        await self.ctx.rate_limiter.admit(self._caller(context), num_tokens)
+        [ticket] = self.ctx.admission.admit([params.n])
         try:
-            run = self._run(
-                prompt_ids, params, request_id, turn, new_messages, plan, priority, arrival_s
-            )
-            async for response in run:
-                yield response
+            # Closed on any exit (client gone, error), which aborts the engine request at once.
+            stream = traced_outputs(
+                self.ctx.tracing, arrival_s, self.ctx.model_name,
+                lambda: cast(
+                    AsyncGenerator[RequestOutput, None],
+                    engine.generate(prompt_ids, params, request_id or None, priority),
+                ),
+            )  # fmt: skip
+            sent_logprobs: dict[int, int] = {}
+            sent_prompt = False
+            last = None
+            async with aclosing(stream) as outputs:
+                async for out in outputs:
+                    last = out
+                    for sample in out.outputs:
+                        if not sample.delta_token_ids and not sample.finished:
+                            continue
+                        lps = []
+                        if sample.logprobs is not None:
+                            start = sent_logprobs.get(sample.index, 0)
+                            lps = [logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
+                            sent_logprobs[sample.index] = len(sample.logprobs)
+                        response = serving_pb2.GenerateResponse(
+                            request_id=out.request_id,
+                            index=sample.index,
+                            token_ids=sample.delta_token_ids,
+                            text=sample.delta_text,
+                            finish_reason=sample.finish_reason or "",
+                            logprobs=lps,
+                        )
+                        if out.prompt_logprobs is not None and not sent_prompt:
+                            sent_prompt = True
+                            response.prompt_logprobs.extend(
+                                prompt_logprobs_to_proto(
+                                    out.prompt_logprobs, params.prompt_logprobs or 0
+                                )
+                            )
+                        yield response
         finally:
             ticket.release()
-
-    async def _run(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        turn: SessionTurn | None,
-        new_messages: Sequence[dict[str, Any]],
-        plan: ChatPlan | None,
-        priority: int,
-        arrival_s: float,
-    ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        # Closed on any exit (client gone, error), which aborts the engine request at once.
-        stream = traced_outputs(
-            self.tracing, arrival_s, self.model_name,
-            lambda: cast(
-                AsyncGenerator[RequestOutput, None],
-                self.engine.generate(prompt_ids, params, request_id or None, priority),
-            ),
-        )  # fmt: skip
-        replies = {i: plan.new_reply() for i in range(params.n)} if plan is not None else {}
-        sent_logprobs: dict[int, int] = {}
-        sent_prompt = False
-        held: list[serving_pb2.GenerateResponse] = []
-        pieces: list[Piece] = []  # sample 0's, which a session stores
-        last = None
-        async with aclosing(stream) as outputs:
-            async for out in outputs:
-                last = out
-                for sample in out.outputs:
-                    if not sample.delta_token_ids and not sample.finished:
-                        continue
-                    lps = []
-                    if sample.logprobs is not None:
-                        start = sent_logprobs.get(sample.index, 0)
-                        lps = [logprobs_to_proto(lp) for lp in sample.logprobs[start:]]
-                        sent_logprobs[sample.index] = len(sample.logprobs)
-                    fields: dict[str, Any] = {"text": sample.delta_text}
-                    finish_reason = sample.finish_reason
-                    reply = replies.get(sample.index)
-                    piece = Piece(content=sample.delta_text)
-                    if reply is not None:
-                        piece = reply.feed(sample.delta_text)
-                        if sample.finished:
-                            piece = piece.then(reply.finish())
-                        fields = piece_fields(piece)
-                        finish_reason = reply.finish_reason(finish_reason)
-                    if sample.index == 0:
-                        pieces.append(piece)
-                    if out.prompt_logprobs is not None and not sent_prompt:
-                        sent_prompt = True
-                        fields["prompt_logprobs"] = prompt_logprobs_to_proto(
-                            out.prompt_logprobs, params.prompt_logprobs or 0
-                        )
-                    response = serving_pb2.GenerateResponse(
-                        request_id=out.request_id,
-                        index=sample.index,
-                        token_ids=sample.delta_token_ids,
-                        finish_reason=finish_reason or "",
-                        logprobs=lps,
-                        **fields,
-                    )
-                    if turn is not None and sample.finished:
-                        held.append(response)
-                    else:
-                        yield response
         if last is None:
             return
-        if turn is not None:
-            await self.sessions.commit_turn(turn, list(new_messages), reply_message(pieces))
-        for response in held:
-            yield response
         usage = serving_pb2.Usage(
             prompt_tokens=len(last.prompt_token_ids),
             completion_tokens=sum(len(o.token_ids) for o in last.outputs),
@@ -345,40 +278,18 @@ async def _abort(context: grpc.aio.ServicerContext, error: Exception, request_id
 
 
 async def start_grpc_server(
-    engine: EngineClient,
-    model_name: str,
-    host: str = "127.0.0.1",
-    port: int = 50051,
-    api_keys: Sequence[str] = (),
-    admission: AdmissionController | None = None,
-    session_store: SessionStore | None = None,
-    rate_limiter: RateLimiter | None = None,
-    rate_limits: RateLimits = NO_RATE_LIMITS,
-    chat_options: ChatOptions | None = None,
-    metrics: ServingMetrics | None = None,
-    tracing: RequestTracing | None = None,
+    front: FrontDoor, host: str = "127.0.0.1", port: int = 50051
 ) -> tuple[grpc.aio.Server, int]:
-    """Start serving in the running event loop; returns the server and the bound port (useful
-    with port 0). The caller owns the engine, session store and rate limiter; the store and
-    limiter must belong to this event loop (REST in the same process may share them).
-    `metrics`, `tracing`: the REST app's (`app.state.serving`), to count calls by method and
-    status (router/grpc_metrics.py) and trace requests; None: neither."""
-    checker = APIKeyChecker(api_keys)
-    interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(checker)]
-    if metrics is not None:
-        interceptors.insert(0, GrpcMetricsInterceptor(metrics, SERVICE_NAME))
+    """Serve `front`'s services (shared with the REST app of the same server: admission,
+    sessions, rate limits, metrics, traces) in the running event loop; returns the server and
+    the bound port (useful with port 0). Calls are counted by method and status in the front
+    door's metrics (router/grpc_metrics.py)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        GrpcMetricsInterceptor(front.ctx.metrics, SERVICE_NAME),
+        ApiKeyInterceptor(front.checker),
+    ]
     server = grpc.aio.server(interceptors=interceptors)
-    servicer = DuetServicer(
-        engine,
-        model_name,
-        admission,
-        checker,
-        SessionManager(session_store),
-        RequestRateLimiter(rate_limiter, rate_limits),
-        chat_options,
-        tracing,
-    )
-    serving_pb2_grpc.add_DuetServicer_to_server(servicer, server)
+    serving_pb2_grpc.add_DuetServicer_to_server(DuetServicer(front), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

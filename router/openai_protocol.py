@@ -21,6 +21,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from duet.engine import SamplingParams
 from duet.router import structured_protocol
@@ -35,14 +36,54 @@ MAX_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+LONE_SURROGATE = "lone_surrogate"
+"""The validation error type of a string holding a lone UTF-16 surrogate (router/errors.py
+appends its `ctx["path"]` to the error's location)."""
+
+
+def lone_surrogate_path(value: Any) -> tuple[int | str, ...] | None:
+    """Where under `value` (a parsed JSON value) a string or an object's key holds a lone UTF-16
+    surrogate (JSON's `"\\ud800"` escapes parse to one), or None. No tokenizer, template or
+    store takes those."""
+    if isinstance(value, str):
+        return None if _is_unicode(value) else ()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and not _is_unicode(key):  # named escaped: the error is JSON
+                return (key.encode("utf-8", "backslashreplace").decode("utf-8"),)
+            if (inner := lone_surrogate_path(item)) is not None:
+                return (key, *inner)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if (inner := lone_surrogate_path(item)) is not None:
+                return (index, *inner)
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class OpenAIModel(BaseModel):
-    """Base of every body: unknown request fields are ignored with a warning naming them."""
+    """Base of every body: unknown request fields are ignored with a warning naming them;
+    strings must be valid Unicode."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _warn_unknown_fields(cls, data: Any) -> Any:
+        if (path := lone_surrogate_path(data)) is not None:
+            raise PydanticCustomError(
+                LONE_SURROGATE,
+                "contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape); strings "
+                "must be valid Unicode",
+                {"path": path},
+            )
         warn_unknown_fields(cls, data)
         return data
 

@@ -23,9 +23,10 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
-from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
+from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S
 from duet.router.api_server import build_app
 from duet.router.engine_client import EngineClient
+from duet.router.front_door import FrontDoor, RouterOptions
 from duet.router.grpc_server import SERVICE_NAME, start_grpc_server
 from duet.router.metrics import METRICS_PREFIXES
 from duet.router.openai_chat import ChatOptions
@@ -103,6 +104,8 @@ class RouterConfig:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
                 raise ValueError(f"{flag}: must be in [0, 65535]; got {port}")
+        if self.port == self.grpc_port != 0:  # else the second server fails after the model loads
+            raise ValueError(f"--grpc-port: must differ from --port (both {self.port})")
         if not self.max_queue_wait_s > 0:
             raise ValueError(f"--max-queue-wait: must be > 0; got {self.max_queue_wait_s}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -187,26 +190,23 @@ class RouterServer(uvicorn.Server):
         )
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
-        self.admission = AdmissionController(
-            lambda: engine.max_num_seqs,
-            config.max_queued_requests,
+        options = RouterOptions(
+            api_keys=config.api_keys,
+            max_queued_requests=config.max_queued_requests,
             max_queue_wait_s=config.max_queue_wait_s,
-        )
-        app = build_app(
-            engine,
-            served_model_name,
-            config.api_keys,
-            admission=self.admission,
             session_store=self.session_store,
             rate_limiter=self.rate_limiter,
             rate_limits=config.rate_limits,
-            lifespan=self._lifespan,
             work_queue=self.work_queue,
             chat_options=config.chat_options,
             web_ui=config.web_ui,
             metrics_prefix=config.metrics_prefix,
             tracer_provider=self.tracer_provider,
         )
+        # One front door for REST and gRPC: one admission queue, one session manager, ...
+        self.front = FrontDoor.compose(engine, served_model_name, options)
+        self.admission = self.front.ctx.admission
+        app = build_app(self.front, self._lifespan)
         self.served_model_name = served_model_name
         super().__init__(
             uvicorn.Config(
@@ -229,18 +229,7 @@ class RouterServer(uvicorn.Server):
         try:
             await self.engine.start()
             self.grpc_server, self.grpc_port = await start_grpc_server(
-                self.engine,
-                self.served_model_name,
-                config.host,
-                config.grpc_port,
-                config.api_keys,
-                self.admission,
-                session_store=self.session_store,
-                rate_limiter=self.rate_limiter,
-                rate_limits=config.rate_limits,
-                chat_options=config.chat_options,
-                metrics=app.state.serving.metrics,
-                tracing=app.state.serving.tracing,
+                self.front, config.host, config.grpc_port
             )
         except Exception:
             await self._close_stores()

@@ -120,6 +120,20 @@ class SessionManager:
                 turn.session_id, [*messages, reply], expected_version=turn.version
             )
 
+    async def commit_turn_once(
+        self, turn: SessionTurn, messages: list[dict[str, Any]], reply: dict[str, Any]
+    ) -> None:
+        """`commit_turn` for a request that may run again after a failure (a background request
+        taken over by another replica): a turn it already stored is not stored twice."""
+        try:
+            await self.commit_turn(turn, messages, reply)
+        except SessionConflictError:
+            with _store_errors(turn.session_id):
+                history = await self._store().history(turn.session_id)
+            mine = [*messages, reply]
+            if history[-len(mine) :] != mine:
+                raise
+
     def _store(self) -> SessionStore:
         if self.store is None:
             raise SessionsDisabledError()

@@ -20,9 +20,9 @@ from typing import Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from duet.engine.outputs import RequestOutput
 from duet.kv_transfer import TransferStatus
 from duet.telemetry.transfer_attributes import kv_transfer_attributes
+from duet.v1 import worker_pb2
 
 
 class PrefillAnswer(Protocol):
@@ -88,7 +88,7 @@ class TracedOutputs:
 
     def __init__(
         self,
-        outputs: AsyncIterable[RequestOutput],
+        outputs: AsyncIterable[worker_pb2.OutputDelta],
         tracer: trace.Tracer,
         parent: Context,
         worker: str,
@@ -97,7 +97,7 @@ class TracedOutputs:
         received_ns: int,
     ) -> None:
         self._outputs = outputs
-        self._it: AsyncIterator[RequestOutput] | None = None
+        self._it: AsyncIterator[worker_pb2.OutputDelta] | None = None
         self._tracer = tracer
         self._parent = parent
         self._attrs = {"duet.request_id": request_id, "duet.worker": worker}
@@ -113,7 +113,7 @@ class TracedOutputs:
     def __aiter__(self) -> TracedOutputs:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> worker_pb2.OutputDelta:
         if self._it is None:
             self._it = aiter(self._outputs)
         try:
@@ -130,9 +130,8 @@ class TracedOutputs:
         if self._first_ns is None:
             self._first_ns = now
         self._last_ns = now
-        for c in out.outputs:
-            self._num_tokens += len(c.delta_token_ids)
-            self._finish_reason = c.finish_reason or self._finish_reason
+        self._num_tokens += len(out.token_ids)
+        self._finish_reason = out.finish_reason or self._finish_reason
         return out
 
     async def aclose(self) -> None:

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# NOTE: under pytest-xdist each worker's torch would start an OpenMP pool of a thread per core:
+# N workers x N threads on N cores, whose spin-waits starve one another (seen: a test of 36 s
+# alone at 460 s in an oversubscribed run). Each worker, and every process it starts, gets its
+# share of the cores instead; tests about threads set their counts themselves.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if XDIST_WORKERS:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if XDIST_WORKERS:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch came in earlier
 
 if not torch.cuda.is_available():
     # NOTE: Triton fixes interpreter mode when triton.language is first imported, and other
@@ -154,3 +165,14 @@ paths depend on the shapes, and the tiny models' shapes hide differences that th
 @pytest.fixture(scope="session")
 def smollm2_shaped(tiny_model_factory) -> str:
     return tiny_model_factory("llama", **SMOLLM2_SHAPES)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker that ends without a word is reported only as "crashed": a SIGTERM (the
+    default handler ends the process silently) then prints every thread's stack first."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import faulthandler
+        import signal
+        import sys
+
+        faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)

@@ -60,6 +60,10 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         (["serve", "--api-key-file", "/no/such/file"], "--api-key-file"),
         (["serve", "--max-queued-requests", "-1"], "--max-queued-requests"),
         (["serve", "--grpc-port", "-1"], "--grpc-port"),
+        (
+            ["serve", "--port", "8777", "--grpc-port", "8777"],
+            "--grpc-port: must differ from --port (both 8777)",
+        ),
         (["serve", "--session-store", "mysql://db/x"], "--session-store"),
         (["serve", "--queue-url", "kafka://b:9092"], "--queue-url: unsupported scheme 'kafka'"),
         (["serve", "--queue-lease", "0"], "--queue-lease: must be > 0"),
@@ -87,6 +91,39 @@ def test_group_sizes_the_model_cannot_split_fail_before_ray_starts(
     assert main(["serve", "--disaggregated", "--model", tiny_llama, flag, "5"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: must be between 1 and the model's num_attention_heads (4); got 5" in err
+
+
+def _truncated_gguf(tmp_path: Path, num_bytes: int) -> str:
+    from duet.engine.loader import resolve_model_path
+
+    path = tmp_path / f"cut-{num_bytes}.gguf"
+    with open(resolve_model_path(None), "rb") as whole:
+        path.write_bytes(whole.read(num_bytes))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        ("/no/such/model", "duet: error: model path '/no/such/model' does not exist"),
+        (4, "duet: error: model: {} is not a readable GGUF file (truncated or corrupt? IndexError"),
+        (1 << 20, "duet: error: model: {} is not a readable GGUF file (truncated or corrupt? "),
+    ],
+)
+def test_a_bad_model_exits_2_with_one_line_and_no_traceback(
+    tmp_path: Path, model: str | int, line: str
+) -> None:
+    """What a user sees in the terminal: the one `duet: error:` line naming the model, nothing
+    else (the engine thread used to log the same error with its traceback first)."""
+    path = model if isinstance(model, str) else _truncated_gguf(tmp_path, model)
+    proc = subprocess.run(
+        [sys.executable, "-m", "duet.cli", "serve", "--model", path, "--grpc-port", "0",
+         "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    [printed] = [x for x in proc.stderr.splitlines() if not x.startswith("Loading ")]
+    assert printed.startswith(line.format(path)), proc.stderr
 
 
 def test_unknown_kv_backend_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:

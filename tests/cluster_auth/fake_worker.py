@@ -26,7 +26,7 @@ class FakeWorker:
             since=lambda _: SimpleNamespace(last_event=0, snapshot=False, stored=[], removed=[])
         )
 
-    async def generate(
+    async def generate_deltas(
         self, prompt, params, request_id, num_replayed=0, priority=0
     ):  # issue #25: free inference
         self.calls += 1

@@ -18,8 +18,10 @@ from duet.cluster.prefill_client import PrefillClient
 from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.decode_worker.server import start_decode_server
+from duet.engine import SamplingParams
 from duet.prefill_worker.server import start_prefill_server
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.sampling import sampling_to_proto
 from tests.cluster_auth.fake_worker import FakeWorker
 from tests.waiting import wait_for_async
 
@@ -30,7 +32,7 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 def rpcs(stub_decode, stub_prefill):
     """Every worker RPC, as (name, call(metadata) -> awaitable)."""
-    params = '{"max_tokens": 1}'
+    params = sampling_to_proto(SamplingParams(max_tokens=1))
 
     async def outputs(md):
         call = stub_decode.Outputs(worker_pb2.OutputsRequest(stream_id="s"), metadata=md, timeout=5)
@@ -40,14 +42,14 @@ def rpcs(stub_decode, stub_prefill):
         "DecodeWorker/Outputs": outputs,
         "DecodeWorker/Generate": lambda md: stub_decode.Generate(
             worker_pb2.LocalGenerateRequest(
-                request_id="r", prompt_token_ids=[1], sampling_params_json=params, stream_id="s"
+                request_id="r", prompt_token_ids=[1], sampling=params, stream_id="s"
             ),
             metadata=md,
             timeout=5,
         ),
         "DecodeWorker/DecodeRemote": lambda md: stub_decode.DecodeRemote(
             worker_pb2.DecodeRemoteRequest(
-                request_id="r", prompt_token_ids=[1], sampling_params_json=params, stream_id="s"
+                request_id="r", prompt_token_ids=[1], sampling=params, stream_id="s"
             ),
             metadata=md,
             timeout=5,
@@ -59,9 +61,7 @@ def rpcs(stub_decode, stub_prefill):
             worker_pb2.LoadRequest(), metadata=md, timeout=5
         ),
         "PrefillWorker/Prefill": lambda md: stub_prefill.Prefill(
-            worker_pb2.PrefillRequest(
-                request_id="r", prompt_token_ids=[1], sampling_params_json=params
-            ),
+            worker_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=params),
             metadata=md,
             timeout=5,
         ),

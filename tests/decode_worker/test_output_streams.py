@@ -21,6 +21,7 @@ from duet.decode_worker.worker import DecodeWorker
 from duet.engine import LLM, SamplingParams
 from duet.kv_transfer.local import LocalHub
 from duet.v1 import worker_pb2, worker_pb2_grpc
+from duet.wire.sampling import sampling_to_proto as wire
 from tests.waiting import wait_for_async
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -99,7 +100,8 @@ def test_one_message_per_step_for_all_requests(worker, tiny_llama, monkeypatch):
 
     async def scenario(client, servicer):
         streams = [
-            await client.generate(f"r{i}", p, params, timeout_s=60) for i, p in enumerate(prompts)
+            await client.generate(f"r{i}", p, wire(params), timeout_s=60)
+            for i, p in enumerate(prompts)
         ]
         all_added.set()
         return await asyncio.gather(*(drain(s) for s in streams))
@@ -128,8 +130,8 @@ def test_cancel_aborts_on_the_worker_and_frees_its_blocks(worker):
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
     async def scenario(client, servicer):
-        long = await client.generate("long", [3, 4, 5], params, timeout_s=60)
-        short = await client.generate("short", [6, 7], SamplingParams(max_tokens=3), 60)
+        long = await client.generate("long", [3, 4, 5], wire(params), timeout_s=60)
+        short = await client.generate("short", [6, 7], wire(SamplingParams(max_tokens=3)), 60)
         got = 0
         async for delta in long.deltas():
             got += len(delta.token_ids)
@@ -148,7 +150,9 @@ def test_a_closed_client_stream_aborts_its_requests(worker):
     params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
     async def scenario(client, servicer):
-        streams = [await client.generate(f"c{i}", [3, 4, 5 + i], params, 60) for i in range(3)]
+        streams = [
+            await client.generate(f"c{i}", [3, 4, 5 + i], wire(params), 60) for i in range(3)
+        ]
         for s in streams:  # each is running
             await anext(aiter(s.deltas()))
         await client.close()
@@ -165,20 +169,20 @@ def test_errors_and_deadlines_end_only_their_request(worker):
     too_long = list(range(3, 3 + 2000))  # past the model's context
 
     async def scenario(client, servicer):
-        bad = await client.generate("bad", too_long, SamplingParams(max_tokens=2), 60)
+        bad = await client.generate("bad", too_long, wire(SamplingParams(max_tokens=2)), 60)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await drain(bad)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "prompt" in e.value.details()
         slow = await client.generate(
-            "slow", [3, 4], SamplingParams(max_tokens=1000, ignore_eos=True), timeout_s=0.3
+            "slow", [3, 4], wire(SamplingParams(max_tokens=1000, ignore_eos=True)), timeout_s=0.3
         )
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await drain(slow)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_for_async(lambda: blocks_free(worker), 10, "the late request's blocks")
         # the shared stream is still good for the next request
-        ok = await client.generate("ok", [3, 4], SamplingParams(max_tokens=2), 60)
+        ok = await client.generate("ok", [3, 4], wire(SamplingParams(max_tokens=2)), 60)
         assert len(await drain(ok)) == 2
         # a request naming no open stream is refused
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -186,7 +190,7 @@ def test_errors_and_deadlines_end_only_their_request(worker):
                 worker_pb2.LocalGenerateRequest(
                     request_id="x",
                     prompt_token_ids=[1],
-                    sampling_params_json="{}",
+                    sampling=worker_pb2.SamplingParams(),
                     stream_id="nope",
                 ),
                 metadata=client.signer.metadata("/duet.v1.DecodeWorker/Generate"),
@@ -195,3 +199,28 @@ def test_errors_and_deadlines_end_only_their_request(worker):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
     run(worker, scenario)
+
+
+def test_a_bad_sampling_field_is_refused_naming_it(worker):
+    bad = wire(SamplingParams(max_tokens=2))
+    bad.top_p = 1.5
+
+    async def scenario(client, servicer):
+        await client._register("warm", 5)  # opens the shared stream
+        stream_id = client._shared.stream_id
+        errors = []
+        for method, request in (
+            ("DecodeRemote", worker_pb2.DecodeRemoteRequest(
+                request_id="bad", prompt_token_ids=[3, 4], sampling=bad, stream_id=stream_id)),
+            ("Generate", worker_pb2.LocalGenerateRequest(
+                request_id="bad", prompt_token_ids=[3, 4], sampling=bad, stream_id=stream_id)),
+        ):  # fmt: skip
+            metadata = client.signer.metadata(f"/duet.v1.DecodeWorker/{method}")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await getattr(client.stub, method)(request, metadata=metadata, timeout=5)
+            errors.append((e.value.code(), e.value.details()))
+        return errors
+
+    for code, details in run(worker, scenario):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert details.startswith("top_p: must be in (0, 1]")

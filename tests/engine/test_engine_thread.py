@@ -28,7 +28,8 @@ def _probe(mode: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(PROBE), mode],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # a pool of a thread per core, as in a server (the suite's workers get fewer)
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
         capture_output=True,
         text=True,
         timeout=300,

@@ -18,9 +18,8 @@ from duet.engine import AsyncEngine
 from duet.loadgen.client import RequestResult, SSEDecoder
 from duet.loadgen.metrics import LATENCIES, SLO, summarize
 from duet.loadgen.workload import LengthDist, arrival_offsets, build_workload, unit_gaps
-from duet.router.api_server import build_app
 from tests.net import free_port
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_engine
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app, make_engine
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {
@@ -43,7 +42,7 @@ def engine(tiny_llama: str) -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="module")
 def server(engine: AsyncEngine) -> Iterator[LiveServer]:
-    live = LiveServer(build_app(engine, MODEL_NAME, api_keys=[API_KEY])).start()
+    live = LiveServer(make_app(engine, MODEL_NAME, api_keys=[API_KEY])).start()
     yield live
     live.stop()
 
@@ -185,7 +184,7 @@ def test_requests_over_the_timeout_fail_with_their_error(
 def test_waits_for_a_server_that_is_starting(
     engine: AsyncEngine, tiny_llama: str, tmp_path: Path
 ) -> None:
-    late = LiveServer(build_app(engine, MODEL_NAME))  # its port is bound, not yet listening
+    late = LiveServer(make_app(engine, MODEL_NAME))  # its port is bound, not yet listening
     timer = threading.Timer(1.5, late.start)
     timer.start()
     try:

@@ -12,9 +12,8 @@ import pytest
 
 from duet.cli.main import main
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.session_store import SqliteWorkQueue
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_engine
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def bench(url: str, tiny_llama: str, out: Path, *flags: str) -> int:
 
 def test_a_batch_runs_beside_the_load(engine: AsyncEngine, tiny_llama: str, tmp_path: Path) -> None:
     queue = SqliteWorkQueue(tmp_path / "queue.db")
-    app = build_app(
+    app = make_app(
         engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, lifespan=closing(queue)
     )
     server = LiveServer(app).start()
@@ -55,7 +54,7 @@ def test_a_batch_runs_beside_the_load(engine: AsyncEngine, tiny_llama: str, tmp_
 def test_a_server_without_a_queue_is_a_clear_error(
     engine: AsyncEngine, tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server = LiveServer(build_app(engine, MODEL_NAME, api_keys=[API_KEY])).start()
+    server = LiveServer(make_app(engine, MODEL_NAME, api_keys=[API_KEY])).start()
     try:
         assert bench(server.url, tiny_llama, tmp_path / "x.json", "--with-batch", "3") == 2
         assert "--with-batch: POST /v1/files answered 404" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from duet.decode_worker.worker import DecodeWorker
 from duet.engine import LLM, SamplingParams
 from duet.engine.block_pool import hash_request_blocks
 from duet.kv_transfer import TransferStatus
+from duet.wire.sampling import sampling_to_proto
 from tests.net import free_port
 
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
@@ -90,7 +91,9 @@ async def run_one(client, decode, request_id, prompt, params):
     remote = await decode.reserve(request_id, prompt, params)
     async with remote:
         outcome, outputs = await asyncio.gather(
-            client.prefill(request_id, prompt, params, remote.reservation.kv_address, 60),
+            client.prefill(
+                request_id, prompt, sampling_to_proto(params), remote.reservation.kv_address, 60
+            ),
             collect(remote),
         )
     assert outcome.status == TransferStatus.DONE, outcome

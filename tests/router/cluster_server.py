@@ -1,6 +1,6 @@
 """A disaggregated server for tests that drive it from the outside (a browser, HTTP): the
 `Cluster` of tests/cluster/test_cluster_engine.py (real prefill and decode workers, gRPC on
-loopback, no Ray) and `build_app` over its ClusterEngine, served by uvicorn, all on one event
+loopback, no Ray) and `make_app` (build_app over a front door) over its ClusterEngine, served by uvicorn, all on one event
 loop in a background thread."""
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from duet.router.api_server import build_app
 from tests.cluster.test_cluster_engine import Cluster
-from tests.router.rest_server import API_KEY, MODEL_NAME
+from tests.router.rest_server import API_KEY, MODEL_NAME, make_app
 
 T = TypeVar("T")
 
 
 class ClusterServer:
     def __init__(self, model: str, app_args: dict[str, Any] | None = None, **cluster: Any) -> None:
-        """`app_args`: more `build_app` arguments; `cluster`: `Cluster`'s."""
+        """`app_args`: more `RouterOptions` fields; `cluster`: `Cluster`'s."""
         self._model = model
         self._app_args = app_args or {}
         self._cluster_args = cluster
@@ -58,7 +57,7 @@ class ClusterServer:
         try:
             async with Cluster(self._model, **self._cluster_args) as cluster:
                 self.cluster = cluster
-                self.app = build_app(cluster.engine, MODEL_NAME, api_keys=[API_KEY],
+                self.app = make_app(cluster.engine, MODEL_NAME, api_keys=[API_KEY],
                                      metrics_prefix="vllm", **self._app_args)  # fmt: skip
                 server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
                 serving = asyncio.create_task(server.serve(sockets=[self._sock]))

@@ -11,9 +11,15 @@ import openai
 import pytest
 
 from duet.engine import LLM, AsyncEngine
-from duet.router.api_server import build_app
 from tests.net import free_port
-from tests.router.rest_server import API_KEY, MODEL_NAME, NUM_KV_BLOCKS, LiveServer, make_engine
+from tests.router.rest_server import (
+    API_KEY,
+    MODEL_NAME,
+    NUM_KV_BLOCKS,
+    LiveServer,
+    make_app,
+    make_engine,
+)
 from tests.session_store.conftest import RedisServer
 
 
@@ -26,7 +32,7 @@ def rest_engine(tiny_llama: str) -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="session")
 def rest_server(rest_engine: AsyncEngine) -> Iterator[LiveServer]:
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=[API_KEY])).start()
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY])).start()
     yield live
     live.stop()
 

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from duet.engine import AsyncEngine
+from duet.router.front_door import FrontDoor, RouterOptions
 from duet.router.grpc_server import start_grpc_server
 from duet.v1 import serving_pb2, serving_pb2_grpc
 from tests.router.rest_server import MODEL_NAME, Closable
@@ -25,8 +26,10 @@ class LiveGrpcServer:
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             try:
+                # Composed in this loop: the stores and limiters it is handed belong to it.
+                self.front = FrontDoor.compose(engine, MODEL_NAME, RouterOptions(**kwargs))
                 self.server, self.port = self.loop.run_until_complete(
-                    start_grpc_server(engine, MODEL_NAME, port=0, **kwargs)
+                    start_grpc_server(self.front, port=0)
                 )
             except BaseException as e:
                 failure.append(e)

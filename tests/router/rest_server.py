@@ -9,18 +9,31 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx2
 import uvicorn
 from fastapi import FastAPI
 
 from duet.engine import AsyncEngine, EngineConfig
+from duet.router.api_server import build_app
+from duet.router.engine_client import EngineClient
+from duet.router.front_door import FrontDoor, RouterOptions
 from tests.waiting import wait_for
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
 NUM_KV_BLOCKS = 2048  # 32k tokens: plenty for the tests, far less memory than the default pool
+
+
+def make_app(
+    engine: EngineClient,
+    model_name: str = MODEL_NAME,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    **options: Any,
+) -> FastAPI:
+    """`build_app` over a front door composed from `RouterOptions(**options)`."""
+    return build_app(FrontDoor.compose(engine, model_name, RouterOptions(**options)), lifespan)
 
 
 class LiveServer:

@@ -16,9 +16,10 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
+from duet.router.chat_events import TokenDelta, step_from_json
+from duet.router.chat_turn import ChatTurns
 from duet.session_store import SqliteSessionStore, SqliteWorkQueue, Task, hash_api_key
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.waiting import wait_for
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,7 +31,7 @@ def serve(
     queue = SqliteWorkQueue(db, lease_s=lease_s)
     store = SqliteSessionStore(db)
     extra = {} if chat_options is None else {"chat_options": chat_options}
-    app = build_app(
+    app = make_app(
         engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, session_store=store,
         lifespan=closing(queue, store), **extra,
     )  # fmt: skip
@@ -187,7 +188,8 @@ def test_a_replica_resumes_a_stream_whose_router_died(
     b_worker = b.app.state.background_worker
     try:
         b_worker.free_slots = lambda num_running: 0  # B waits until A has died
-        a.app.state.background.ctx = StallingContext(a.app.state.background.ctx)
+        background = a.app.state.background
+        background.turns = ChatTurns(StallingContext(background.turns.ctx))
         queued = create(a_client, "a long story", 800, background=True)
 
         def some_logged() -> bool:
@@ -292,8 +294,9 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
 
     async def setup() -> int:
         try:
-            events = [json.loads(e) for e in await queue.read_events(first.id, 0, 1000)]
-            held = [i for i, e in enumerate(events) if e["token_ids"] and not e["text"]]
+            events = await queue.read_events(first.id, 0, 1000)
+            tokens = [step_from_json(e).first(TokenDelta) for e in events]
+            held = [i for i, t in enumerate(tokens) if t and t.token_ids and not t.text]
             assert held, "no held-back token in this reply: pick another prompt"
             cut = held[0] + 1
             request_id = "chatcmpl-takeover"
@@ -302,7 +305,7 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
                     "temperature": 0, "ignore_eos": True}  # fmt: skip
             payload = {"body": body, "messages": messages, "new_messages": messages,
                        "session": None, "created": 0}  # fmt: skip
-            await queue.append_events(request_id, 0, [json.dumps(e) for e in events[:cut]])
+            await queue.append_events(request_id, 0, events[:cut])
             record = {"id": request_id, "owner": hash_api_key(API_KEY), "created": 0}
             await queue.queue_named("background").enqueue(
                 [Task(request_id, "background.chat", payload)],

@@ -17,11 +17,10 @@ import pytest
 from openai.types import Batch
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.router.batch_runner import BatchPriority
 from duet.session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
 from tests.net import free_port
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.session_store.conftest import RedisServer
 from tests.waiting import wait_for
 
@@ -29,7 +28,7 @@ from tests.waiting import wait_for
 def serve(
     engine: AsyncEngine, queue: WorkQueue, priority: BatchPriority | None = None
 ) -> LiveServer:
-    app = build_app(
+    app = make_app(
         engine,
         MODEL_NAME,
         api_keys=[API_KEY],

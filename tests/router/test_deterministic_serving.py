@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine, EngineConfig
-from duet.router.api_server import build_app
-from tests.router.rest_server import LiveServer
+from tests.router.rest_server import LiveServer, make_app
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +29,7 @@ def server() -> Iterator[LiveServer]:
     engine = AsyncEngine.from_config(
         EngineConfig(dtype="bfloat16", load_progress=False, kv_cache_memory_bytes=256 << 20)
     )
-    live = LiveServer(build_app(engine, "smollm2")).start(timeout_s=120)
+    live = LiveServer(make_app(engine, "smollm2")).start(timeout_s=120)
     yield live
     live.stop()
     engine.shutdown()

@@ -8,8 +8,7 @@ import httpx2
 import openai
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
-from tests.router.rest_server import API_KEY, MODEL_NAME
+from tests.router.rest_server import API_KEY, MODEL_NAME, make_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 METRIC_NAMES = [
@@ -71,7 +70,7 @@ def test_metrics_after_a_request(client: openai.OpenAI, http: httpx2.Client) -> 
 
 
 def test_apps_sharing_a_process_have_their_own_registries(rest_engine: AsyncEngine) -> None:
-    first = build_app(rest_engine, "a")
-    second = build_app(rest_engine, "b")  # a shared global registry would raise here
+    first = make_app(rest_engine, "a")
+    second = make_app(rest_engine, "b")  # a shared global registry would raise here
     assert first.state.serving.metrics.registry is not second.state.serving.metrics.registry
     assert b'model_name="b"' in second.state.serving.metrics.render()

@@ -168,6 +168,35 @@ def test_malformed_bodies_are_400(http: httpx2.Client) -> None:
     assert r.json()["error"]["param"] == "temperature"
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800x"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", '
+         '"text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}', "messages[0].content[1].text"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+         '"metadata": {"\\ud83d": "x"}}', "metadata.\\ud83d"),
+        ("/v1/completions", '{"prompt": "a\\ud800"}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "\\ud800"]}', "prompt[1]"),
+        ("/tokenize", '{"prompt": "\\ud800x"}', "prompt"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_string(
+    http: httpx2.Client, route: str, body: str, param: str
+) -> None:
+    """JSON's `\\ud800` escape parses to a lone surrogate, which no tokenizer takes (it was a 500:
+    'TextInputSequence must be str')."""
+    body = body[:-1] + f', "model": "{MODEL_NAME}", "max_tokens": 2}}'
+    r = http.post(
+        route, content=body.encode(), headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert "lone UTF-16 surrogate" in error["message"]
+
+
 def test_unknown_route_and_wrong_method_keep_the_error_shape(http: httpx2.Client) -> None:
     r = http.get("/v1/nothing-here", headers=AUTH)
     assert r.status_code == 404

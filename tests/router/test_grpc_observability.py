@@ -16,7 +16,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from duet.engine import AsyncEngine
 from duet.router.grpc_metrics import GrpcMetricsInterceptor
 from duet.router.metrics import ServingMetrics
-from duet.router.tracing import RequestTracing
 from duet.v1 import serving_pb2
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
 from tests.router.rest_server import API_KEY, MODEL_NAME
@@ -28,13 +27,11 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 def observed(
     rest_engine: AsyncEngine,
 ) -> Iterator[tuple[LiveGrpcServer, ServingMetrics, InMemorySpanExporter]]:
-    metrics = ServingMetrics(rest_engine, MODEL_NAME)
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    tracing = RequestTracing(provider.get_tracer("test"))
-    server = LiveGrpcServer(rest_engine, api_keys=[API_KEY], metrics=metrics, tracing=tracing)
-    yield server, metrics, spans
+    server = LiveGrpcServer(rest_engine, api_keys=[API_KEY], tracer_provider=provider)
+    yield server, server.front.ctx.metrics, spans
     server.stop()
     provider.shutdown()
 

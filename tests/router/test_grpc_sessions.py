@@ -12,10 +12,9 @@ import httpx2
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.session_store import SqliteSessionStore
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 
 OTHER_KEY = "sk-other-key"
 KEYS = [API_KEY, OTHER_KEY]
@@ -28,8 +27,12 @@ def servers(
 ) -> Iterator[tuple[LiveServer, LiveGrpcServer]]:
     path = tmp_path_factory.mktemp("grpc-sessions") / "sessions.db"
     rest_store, grpc_store = SqliteSessionStore(path), SqliteSessionStore(path)
-    app = build_app(
-        rest_engine, MODEL_NAME, KEYS, session_store=rest_store, lifespan=closing(rest_store)
+    app = make_app(
+        rest_engine,
+        MODEL_NAME,
+        api_keys=KEYS,
+        session_store=rest_store,
+        lifespan=closing(rest_store),
     )
     rest = LiveServer(app).start()
     grpc_live = LiveGrpcServer(rest_engine, (grpc_store,), api_keys=KEYS, session_store=grpc_store)

@@ -21,13 +21,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from duet.cluster.transfer_log import TransferRecord
 from duet.engine import AsyncEngine, SamplingParams
 from duet.prefill_worker.worker import PrefillRole, PrefillWorker
-from duet.router.api_server import build_app
 from duet.router.metrics import ServingMetrics
 from tests.cluster.test_cluster_engine import Cluster, prompts_of
 from tests.deploy.test_grafana_dashboard import (
     dashboard_metric_names as duet_dashboard_metric_names,
 )
-from tests.router.rest_server import MODEL_NAME, NUM_KV_BLOCKS, LiveServer
+from tests.router.rest_server import MODEL_NAME, NUM_KV_BLOCKS, LiveServer, make_app
 from tests.waiting import wait_for_async
 
 DASHBOARD = Path(__file__).parent.parent / "data" / "vllm_grafana_dashboard_queries.json"
@@ -54,7 +53,7 @@ def dashboard_metric_names() -> set[str]:
 
 
 def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> None:
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, metrics_prefix="vllm")).start()
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, metrics_prefix="vllm")).start()
     try:
         with openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0) as client:
             client.chat.completions.create(
@@ -93,7 +92,7 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
 
 
 def test_responses_are_counted_by_route_and_status(rest_engine: AsyncEngine) -> None:
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
     try:
         keyed = {"Authorization": "Bearer k"}
         assert httpx2.get(f"{live.url}/v1/models", headers=keyed).status_code == 200

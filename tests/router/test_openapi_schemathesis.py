@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode, checks
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from duet.router.api_server import build_app
 from duet.session_store import SqliteSessionStore
-from tests.router.rest_server import MODEL_NAME, LiveServer, closing, make_engine
+from tests.router.rest_server import MODEL_NAME, LiveServer, closing, make_app, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def fuzzed_server(
 ) -> Iterator[LiveServer]:
     engine = make_engine(tiny_llama, max_model_len=64)
     store = SqliteSessionStore(tmp_path_factory.mktemp("fuzz") / "sessions.db")
-    live = LiveServer(build_app(engine, MODEL_NAME, session_store=store, lifespan=closing(store)))
+    live = LiveServer(make_app(engine, MODEL_NAME, session_store=store, lifespan=closing(store)))
     yield live.start()
     live.stop()
     engine.shutdown()

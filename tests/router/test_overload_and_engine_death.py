@@ -12,8 +12,7 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
-from tests.router.rest_server import MODEL_NAME, LiveServer, make_engine, wait_until_idle
+from tests.router.rest_server import MODEL_NAME, LiveServer, make_app, make_engine, wait_until_idle
 
 MESSAGES = [{"role": "user", "content": "tell me a long story"}]
 LONG = {"max_tokens": 900, "ignore_eos": True}  # far longer than any test waits for
@@ -23,7 +22,7 @@ LONG = {"max_tokens": 900, "ignore_eos": True}  # far longer than any test waits
 def small(tiny_llama: str) -> Iterator[tuple[LiveServer, AsyncEngine]]:
     """One running sequence and one queued: a third concurrent sequence is refused."""
     engine = make_engine(tiny_llama, max_num_seqs=1)
-    live = LiveServer(build_app(engine, MODEL_NAME, max_queued_requests=1)).start()
+    live = LiveServer(make_app(engine, MODEL_NAME, max_queued_requests=1)).start()
     yield live, engine
     live.stop()
     engine.shutdown()
@@ -94,7 +93,7 @@ def test_default_admission_queues_a_load_tools_burst(tiny_llama: str) -> None:
     measured drain rate, not a count) takes them all, as vLLM does; a fixed bound of 256
     refused dozens."""
     engine = make_engine(tiny_llama, max_num_seqs=2)
-    live = LiveServer(build_app(engine, MODEL_NAME)).start()
+    live = LiveServer(make_app(engine, MODEL_NAME)).start()
 
     try:
         codes = asyncio.run(_status_codes(live, 300, 120, prompt="burst", max_tokens=1))
@@ -107,7 +106,7 @@ def test_default_admission_queues_a_load_tools_burst(tiny_llama: str) -> None:
 
 def test_engine_death_ends_streams_with_an_error_event(tiny_llama: str) -> None:
     engine = make_engine(tiny_llama)
-    live = LiveServer(build_app(engine, MODEL_NAME)).start()
+    live = LiveServer(make_app(engine, MODEL_NAME)).start()
     try:
         client = _client(live)
         body = {"model": MODEL_NAME, "prompt": "a long story", "stream": True, **LONG}

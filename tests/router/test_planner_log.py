@@ -13,16 +13,15 @@ import pytest
 from duet.deploy.planner.controller import Controller, DecisionRecord, PoolTargets, RouterScraper
 from duet.deploy.planner.policy import Decision, PoolSizes
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.router.planner_log import PlannerDecision, PlannerLog
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture
 def server(rest_engine: AsyncEngine) -> Iterator[LiveServer]:
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=[API_KEY])).start()
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY])).start()
     yield live
     live.stop()
 

@@ -13,8 +13,7 @@ import pytest
 
 from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from duet.engine.model.quantized_linear import QuantizedLinear
-from duet.router.api_server import build_app
-from tests.router.rest_server import LiveServer
+from tests.router.rest_server import LiveServer, make_app
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +37,7 @@ def served(request) -> Iterator[tuple[str, LiveServer, list[str]]]:
     del offline
     engine = AsyncEngine.from_config(EngineConfig(**CONFIG, quantization=quantization))
     assert engine.engine.weight_bytes < 200 << 20  # bf16 holds 310.6 MiB
-    live = LiveServer(build_app(engine, "smollm2")).start(timeout_s=120)
+    live = LiveServer(make_app(engine, "smollm2")).start(timeout_s=120)
     yield quantization, live, expected
     live.stop()
     engine.shutdown()

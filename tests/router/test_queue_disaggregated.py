@@ -13,10 +13,9 @@ import openai
 import pytest
 import uvicorn
 
-from duet.router.api_server import build_app
 from duet.session_store import SqliteWorkQueue
 from tests.cluster.test_cluster_engine import Cluster
-from tests.router.rest_server import closing
+from tests.router.rest_server import closing, make_app
 
 
 @pytest.mark.slow
@@ -35,7 +34,7 @@ def test_batch_and_background_over_prefill_and_decode_workers(
     async def main() -> None:
         async with Cluster(tiny_llama) as cluster:
             queue = SqliteWorkQueue(tmp_path / "queue.db", lease_s=10.0)
-            app = build_app(cluster.engine, "tiny", work_queue=queue, lifespan=closing(queue))
+            app = make_app(cluster.engine, "tiny", work_queue=queue, lifespan=closing(queue))
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.router.errors import RateLimitError
 from duet.router.rate_limit import ANONYMOUS_KEY, RequestRateLimiter
 from duet.session_store import (
@@ -26,7 +25,7 @@ from duet.session_store import (
 )
 from duet.v1 import serving_pb2
 from tests.router.live_grpc import LiveGrpcServer
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.session_store.conftest import RedisServer
 
 OTHER_KEY = "sk-other-key"
@@ -34,7 +33,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def _server(engine: AsyncEngine, limiter: RateLimiter, limits: RateLimits) -> LiveServer:
-    app = build_app(
+    app = make_app(
         engine,
         MODEL_NAME,
         api_keys=[API_KEY, OTHER_KEY],

@@ -12,9 +12,8 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.router.openai_chat import ChatOptions
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Think, then answer."}]
 # Qwen3's way: the generation prompt opens <think>, or closes an empty one without thinking.
@@ -29,7 +28,7 @@ QWEN3_TEMPLATE = (
 @pytest.fixture(scope="module")
 def thinking_client(rest_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
     options = ChatOptions(reasoning_parser="qwen3")
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, [API_KEY], chat_options=options))
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], chat_options=options))
     live.start()
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     yield client

@@ -15,11 +15,10 @@ import httpx2
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.session_store import RedisSessionStore
 from tests.net import free_port
 from tests.router.live_grpc import LiveGrpcServer, chat_request, collect_text
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.session_store.conftest import RedisServer
 from tests.waiting import wait_for
 
@@ -48,7 +47,7 @@ def test_redis_killed_mid_run(rest_engine: AsyncEngine, tmp_path: Path) -> None:
     rest_store = RedisSessionStore.from_url(redis.url)
     grpc_store = RedisSessionStore.from_url(redis.url)  # a second replica's own client
     live = LiveServer(
-        build_app(
+        make_app(
             rest_engine,
             MODEL_NAME,
             api_keys=[API_KEY],

@@ -14,9 +14,8 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.session_store import RedisSessionStore, SessionStore, SqliteSessionStore
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.session_store.conftest import RedisServer
 
 OTHER_KEY = "sk-other-key"
@@ -35,7 +34,7 @@ def live(
     request: pytest.FixtureRequest, rest_engine: AsyncEngine, tmp_path: Path
 ) -> Iterator[LiveServer]:
     store = _store(request.param, tmp_path, request)
-    app = build_app(
+    app = make_app(
         rest_engine,
         MODEL_NAME,
         api_keys=[API_KEY, OTHER_KEY],

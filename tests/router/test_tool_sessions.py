@@ -14,9 +14,8 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.api_server import build_app
 from duet.session_store import SqliteSessionStore
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.router.test_tool_calling import HERMES_TEMPLATE, MESSAGES, TOOLS, _streamed_calls
 
 REQUIRED: dict[str, Any] = dict(
@@ -28,7 +27,7 @@ REQUIRED: dict[str, Any] = dict(
 @pytest.fixture
 def live(rest_engine: AsyncEngine, tmp_path: Path) -> Iterator[LiveServer]:
     store = SqliteSessionStore(tmp_path / "sessions.db")
-    app = build_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], session_store=store,
+    app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], session_store=store,
                     lifespan=closing(store))  # fmt: skip
     server = LiveServer(app).start()
     yield server

@@ -16,10 +16,16 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from duet.engine import AsyncEngine, RequestOutput
-from duet.router.api_server import build_app
 from duet.session_store import SqliteSessionStore
 from tests.browser import chromium
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, wait_until_idle
+from tests.router.rest_server import (
+    API_KEY,
+    MODEL_NAME,
+    LiveServer,
+    closing,
+    make_app,
+    wait_until_idle,
+)
 from tests.waiting import wait_for
 
 OUTPUT_DELAY_S = 0.03
@@ -54,7 +60,7 @@ def sessions_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def chat_server(rest_engine: AsyncEngine, sessions_db: Path) -> Iterator[LiveServer]:
     store = SqliteSessionStore(sessions_db)
-    app = build_app(
+    app = make_app(
         SlowEngine(rest_engine),  # type: ignore[arg-type]
         MODEL_NAME,
         api_keys=[API_KEY],
@@ -248,7 +254,7 @@ window.fetch = (url, opts) => {
 
 
 def test_no_ui_serves_no_pages(rest_engine: AsyncEngine) -> None:
-    live = LiveServer(build_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], web_ui=False))
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], web_ui=False))
     live.start()
     try:
         assert httpx2.get(f"{live.url}/").status_code == 401  # no open page: the key gate

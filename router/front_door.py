@@ -1,0 +1,118 @@
+"""`FrontDoor`: the router's services, composed once by constructor injection and shared by
+its transports (the REST app, router/api_server.py; the gRPC server, router/grpc_server.py):
+one admission queue, one session manager, one rate limiter, one set of chat turns, and with a
+work queue the Batch API and background requests with their queue consumers.
+
+`RouterOptions` is how it serves (`duet serve`'s router flags, router/server.py; tests set the
+parts they need)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S, AdmissionController
+from duet.router.auth import APIKeyChecker
+from duet.router.background import KIND as BACKGROUND_KIND
+from duet.router.background import BackgroundService
+from duet.router.batch_runner import BatchPriority, BatchRunner
+from duet.router.batches import BatchService
+from duet.router.chat_turn import ChatTurns
+from duet.router.engine_client import EngineClient
+from duet.router.openai_chat import ChatOptions
+from duet.router.queue_worker import QueueWorker
+from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from duet.router.serving_chat import ChatCompletionHandler
+from duet.router.serving_completion import CompletionHandler
+from duet.router.serving_context import ServingContext
+from duet.router.sessions import SessionManager
+from duet.router.tracing import RequestTracing
+from duet.session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """How the front door serves. The caller owns the session store, rate limiter and work
+    queue, and closes them after the servers stop."""
+
+    api_keys: Sequence[str] = ()
+    """Keys every route but the probes (and the pages, with `web_ui`) requires; none: open."""
+    max_queued_requests: int | None = None
+    """A fixed admission queue bound; None: the time-bounded default (router/admission.py)."""
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
+    """The time bound of the default queue."""
+    session_store: SessionStore | None = None
+    """Sessions (None: session routes and `session_id` answer 404)."""
+    rate_limiter: RateLimiter | None = None
+    rate_limits: RateLimits = NO_RATE_LIMITS
+    work_queue: WorkQueue | None = None
+    """The Batch API and background requests, and this replica's consumers of their queues."""
+    batch_priority: BatchPriority | None = None
+    """How much of the engine batch lines may take; None: `BatchPriority()`."""
+    chat_options: ChatOptions | None = None
+    """Tool-call and reasoning parsers (router/openai_chat.py); None: inferred, none."""
+    web_ui: bool = True
+    """The chat page at `/` and the cluster dashboard (router/web_ui.py)."""
+    metrics_prefix: str = "duet"
+    """`duet`, or `vllm` to add vLLM's metric names (router/metrics.py)."""
+    tracer_provider: TracerProvider | None = None
+    """Where each request's trace goes (router/tracing.py); None: no tracing."""
+
+
+@dataclass
+class FrontDoor:
+    """The composed services (see the module's docstring)."""
+
+    options: RouterOptions
+    ctx: ServingContext
+    checker: APIKeyChecker
+    turns: ChatTurns
+    chat: ChatCompletionHandler
+    completions: CompletionHandler
+    batches: BatchService | None = None
+    background: BackgroundService | None = None
+    workers: list[QueueWorker] = field(default_factory=list)
+    """The queue consumers the app's lifespan runs: batch lines, then background requests."""
+
+    @classmethod
+    def compose(
+        cls, engine: EngineClient, served_model_name: str, options: RouterOptions
+    ) -> FrontDoor:
+        if not served_model_name:
+            raise ValueError("served_model_name: must not be empty")
+        admission = AdmissionController(
+            lambda: engine.max_num_seqs,
+            options.max_queued_requests,
+            max_queue_wait_s=options.max_queue_wait_s,
+        )
+        tracer = (
+            options.tracer_provider.get_tracer("duet.router") if options.tracer_provider else None
+        )
+        ctx = ServingContext(
+            engine, served_model_name, admission, SessionManager(options.session_store),
+            RequestRateLimiter(options.rate_limiter, options.rate_limits), options.chat_options,
+            options.metrics_prefix, RequestTracing(tracer),
+        )  # fmt: skip
+        turns = ChatTurns(ctx)
+        batches = background = None
+        workers = []
+        if options.work_queue is not None:
+            queue, priority = options.work_queue, options.batch_priority or BatchPriority()
+            batches = BatchService(queue, served_model_name)
+            background = BackgroundService(queue.queue_named("background"), turns)
+            workers = [
+                QueueWorker(queue, BatchRunner(ctx, batches).runners,
+                            lambda num_running: priority.free_slots(admission, num_running)),
+                # Background requests are interactive work that outlives its connection: their
+                # own queue (never behind a batch), taken whenever admission has room.
+                QueueWorker(background.queue, {BACKGROUND_KIND: background.run},
+                            lambda num_running: max(0, admission.max_running - num_running)
+                            if admission.can_admit(1) else 0),
+            ]  # fmt: skip
+        return cls(
+            options, ctx, APIKeyChecker(options.api_keys), turns,
+            ChatCompletionHandler(turns, background), CompletionHandler(ctx),
+            batches, background, workers,
+        )  # fmt: skip
