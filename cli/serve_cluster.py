@@ -3,7 +3,8 @@ running a `DuetCluster` until Ctrl-C / SIGTERM (or the Ray job is stopped).
 
 The engine flags (cli/engine_flags.py) reach every worker: each prefill rank builds a
 `PrefillWorkerConfig` and each decode worker a `DecodeWorkerConfig` (both `EngineConfig`
-subclasses) from them, with `--prefill-tp` as the prefill groups' `tensor_parallel_size`."""
+subclasses) from them, with `--prefill-tp` as the prefill groups' and `--decode-tp` as the
+decode workers' `tensor_parallel_size`."""
 
 from __future__ import annotations
 
@@ -46,7 +47,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill group")
     g.add_argument(
         "--decode-workers", type=_count_or_auto, default=1, metavar="M|auto",
-        help="decode workers; auto: one per unit of the 'decode' resource (default: 1)",
+        help="decode workers; auto: one per --decode-tp units of the 'decode' resource "
+        "(default: 1)",
+    )  # fmt: skip
+    g.add_argument(
+        "--decode-tp", type=int, default=1,
+        help="ranks per decode worker (tensor parallelism; any prefill TP hands KV to any "
+        "decode TP, each decode rank receiving the KV heads it holds)",
     )  # fmt: skip
     g.add_argument(
         "--router-replicas",
@@ -113,7 +120,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
     if "tensor_parallel_size" in engine:
         raise ValueError(
             "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
-            "--prefill-tp ranks and decode workers are not sharded; use --prefill-tp"
+            "--prefill-tp ranks and decode workers across --decode-tp ranks; use those"
         )
     internal_tls(args)  # refused here, naming the flag, before Ray starts
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
@@ -136,6 +143,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         prefill_workers=args.prefill_workers,
         prefill_tp=args.prefill_tp,
         decode_workers=args.decode_workers,
+        decode_tp=args.decode_tp,
         routers=args.routers,
         router=router,
         cluster=cluster,
@@ -219,12 +227,13 @@ def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
         return  # a cluster's GPUs are Ray's to place (one each, from --gpus-per-worker)
     num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
     num_decode = spec.decode_workers if spec.decode_workers is not None else 1
-    needed = num_prefill * spec.prefill_tp + num_decode
+    needed = num_prefill * spec.prefill_tp + num_decode * spec.decode_tp
     have = torch.cuda.device_count()
     if needed > have:
         raise ValueError(
             f"--prefill-workers {num_prefill} x --prefill-tp {spec.prefill_tp} + "
-            f"--decode-workers {num_decode} need {needed} GPUs, one each (NCCL cannot move KV "
+            f"--decode-workers {num_decode} x --decode-tp {spec.decode_tp} need {needed} GPUs, "
+            f"one each (NCCL cannot move KV "
             f"between two processes on one GPU); this machine has {have}: lower them, or "
             f"{ways_out}"
         )
@@ -240,7 +249,8 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     from duet.deploy.ray_cluster import NAMESPACE, DuetCluster
     from duet.engine.loader import open_model
 
-    open_model(spec.model)  # a bad model fails here, clearly, before any actor starts
+    arch = open_model(spec.model).arch  # a bad model fails here, before any actor starts
+    check_group_sizes(spec, arch.num_attention_heads)
     secret_file = None
     if args.ray_address:
         load_cluster_secret()  # a cluster's processes share its secret (Helm: from a Secret)
@@ -259,9 +269,9 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         for r in cluster.routers:
             logger.info(
                 "duet cluster ready: REST http://%s:%s/v1, gRPC %s:%s (%s prefill group(s) of "
-                "TP %d, %d decode worker(s))",
+                "TP %d, %d decode worker(s) of TP %d)",
                 spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
-                spec.prefill_tp, len(cluster.decodes),
+                spec.prefill_tp, len(cluster.decodes), spec.decode_tp,
             )  # fmt: skip
         cluster.run(stop)
     finally:
@@ -272,6 +282,18 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         if secret_file is not None:
             remove_secret_file(secret_file)
     return 0
+
+
+def check_group_sizes(spec: Any, num_heads: int) -> None:
+    """`ValueError` naming --prefill-tp or --decode-tp when the model cannot be split over that
+    many ranks (every rank needs a query head; any prefill TP hands KV to any decode TP)."""
+    from duet.engine.parallel import check_tp_size
+
+    for flag, tp in (("--prefill-tp", spec.prefill_tp), ("--decode-tp", spec.decode_tp)):
+        try:
+            check_tp_size(tp, num_heads, flag)
+        except InvalidInputError as e:
+            raise ValueError(str(e)) from e
 
 
 def _with_gpus(spec: Any, gpus: float) -> Any:

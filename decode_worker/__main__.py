@@ -1,5 +1,6 @@
-"""`python -m duet.decode_worker`: a decode worker as a process, without Ray. Serves gRPC and
-prints `DUET_READY <host:port>` once it does; stops on SIGINT or SIGTERM."""
+"""`python -m duet.decode_worker`: one rank of a decode worker as a process, without Ray. Rank 0
+serves gRPC and prints `DUET_READY <host:port>` once it does, and stops on SIGINT or SIGTERM;
+other ranks follow rank 0 and stop with it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import logging
 import signal
 
 from duet.decode_worker.config import DecodeWorkerConfig
+from duet.decode_worker.launch import start_decode_rank
 from duet.decode_worker.server import start_decode_server
 from duet.decode_worker.worker import DecodeWorker
 from duet.engine.heap import freeze_startup_heap
+from duet.engine.tp_group import exit_rank
 
 
 def main() -> None:
@@ -21,11 +24,17 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one")
     parser.add_argument("--name", default="decode")
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tp-init-method", default=None, help="e.g. tcp://127.0.0.1:29500")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = DecodeWorkerConfig.from_kwargs(**json.loads(args.config))
-    worker = DecodeWorker(config, args.name)
+    worker = start_decode_rank(config, args.tp_rank, args.tp_init_method, args.name)
     freeze_startup_heap()
+    if args.tp_rank != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # stops with rank 0, as prefill ranks do
+        worker.join()
+        return
     asyncio.run(_serve(worker, args.host, args.port))
 
 
@@ -43,3 +52,4 @@ async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # a rank of a group: see exit_rank

@@ -21,6 +21,16 @@ class DecodeWorkerConfig(KVWorkerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        spec = self.speculative()
+        if spec is not None and spec.drafts_on_prefill and self.tensor_parallel_size != 1:
+            # NOTE: the draft's KV lands whole (it is never sharded): one rank to land on
+            raise InvalidInputError(
+                "speculative_config",
+                f"'draft_prefill' {spec.draft_prefill_mode!r} sends the draft's prompt KV to "
+                "decode workers, which must then run without tensor parallelism "
+                f"(tensor_parallel_size 1); got {self.tensor_parallel_size} (use draft_prefill "
+                "decode)",
+            )
         if self.kv_wait_s <= 0:
             raise InvalidInputError("kv_wait_s", f"must be > 0; got {self.kv_wait_s}")
         if not 0 <= self.kv_port <= 65535:

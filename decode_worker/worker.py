@@ -16,6 +16,15 @@ them) and the KV receiver lands the draft's layers there; the shadow then starts
 prompt computed. Without them (a full draft pool, or a prefill worker that sent none) the
 shadow computes the prompt here at the request's first proposal, as without disaggregation.
 
+Tensor parallelism: every rank of a decode worker runs a `DecodeWorker` with an identical
+engine and a KV receiver of its own over its caches; the worker's KV address names them all, in
+rank order (`kv_transfer.fanout.join_addresses`), and each prefill rank sends each decode rank
+the heads it caches. Rank 0 takes the requests; the core broadcasts the commands every rank
+applies (a reservation reserves the same blocks on every rank). A request's KV lands on the
+ranks at different times, but it joins the batch on every rank at the same step: the ranks
+agree on each reservation's outcome (`RankAgreement`, rank 0's first token) before the
+scheduler sees it (docs/parallelism.md).
+
 Threads: the `EngineCore` thread runs the engine and polls the receiver (`DecodeRole`);
 callers use any event loop.
 """
@@ -28,6 +37,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import torch.distributed as dist
+
 from duet.cluster_auth import load_cluster_secret
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.engine import RequestOutput, SamplingParams
@@ -35,9 +46,12 @@ from duet.engine.async_engine import AsyncEngine
 from duet.engine.core import AbortRequest, AddRequest, EngineDeadError, EngineRole, ReserveRemote
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import EngineOutput
+from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.spec_decode.draft_model import DraftModelProposer
 from duet.kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
 from duet.kv_transfer.factory import resolve_backend
+from duet.kv_transfer.fanout import join_addresses
+from duet.kv_transfer.rank_agreement import RankAgreement
 from duet.v1 import worker_pb2
 from duet.wire.deltas import delta_of
 from duet.wire.handoff import PrefillHandoff
@@ -112,12 +126,17 @@ class DecodeWorker:
         config: DecodeWorkerConfig,
         name: str = "decode",
         receiver_options: dict[str, Any] | None = None,
+        tp: TensorParallel = SINGLE,
+        control_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`receiver_options`: the KV backend's own receiver options (the local backend's
         `hub`) or a setting to override (its `name`, the local backend's address; default
-        `name`); one the backend does not take is an error naming it."""
+        `name`); one the backend does not take is an error naming it. `tp`: this rank's
+        group when `config.tensor_parallel_size` > 1 (`decode_worker/launch.py`), with
+        `control_group`, a gloo group over the same ranks (default `tp.group`)."""
         self.config = config
         self.name = name
+        self.tp = tp
         self.receiver_options = dict(receiver_options or {})
         # Set by `DecodeRole.start` on the engine thread (see `EngineCore`'s note).
         self.layout: KVLayout
@@ -125,7 +144,10 @@ class DecodeWorker:
         self.receiver: KVReceiver
         self.kv_address: str
         self.load = DecodeLoad(max_num_seqs=config.max_num_seqs)
-        self.client = AsyncEngine(lambda: LLMEngine(config), DecodeRole(self), name=name)
+        self.client = AsyncEngine(
+            lambda: LLMEngine(config, tp), DecodeRole(self), name=name, tp=tp,
+            control_group=control_group,
+        )  # fmt: skip
         self.core = self.client.core
         self.engine = self.client.engine
 
@@ -177,9 +199,13 @@ class DecodeWorker:
         self.core.submit(AbortRequest(request_id))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop the engine thread (the receiver closes with it); streams end with
-        `EngineDeadError`."""
+        """Stop the engine thread (the receiver closes with it; followers stop with rank 0);
+        streams end with `EngineDeadError`."""
         self.core.shutdown(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Block until the engine thread ends (a follower rank's main thread waits here)."""
+        self.core.join(timeout_s)
 
     async def reserve(
         self,
@@ -287,15 +313,17 @@ class DecodeRole(EngineRole):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
         self.draft: DraftModelProposer | None = None  # whose prompt KV prefill workers send
+        self.agreement = RankAgreement()  # set up in `start`
 
     def start(self) -> None:
         """The KV receiver, over the engine's caches and, when prefill workers compute the
         draft's prompt KV, the draft's (built on the engine thread)."""
-        worker, config = self.worker, self.worker.config
+        worker, config, tp = self.worker, self.worker.config, self.worker.tp
         caches = self.engine.runner.kv_caches
         worker.layout = KVLayout.of_caches(
-            config.model or "default", caches, self.engine.arch.num_key_value_heads
-        )
+            config.model or "default", caches, self.engine.arch.num_key_value_heads,
+            tp.world_size, tp.rank,
+        )  # fmt: skip
         spec, speculator = config.speculative(), self.engine.speculator
         draft_caches = None
         if spec is not None and spec.drafts_on_prefill and speculator is not None:
@@ -305,7 +333,7 @@ class DecodeRole(EngineRole):
             worker.layout = worker.layout.with_draft(spec.model, draft_caches)
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
         settings = ReceiverConfig(
-            name=worker.name,
+            name=f"{worker.name}-tp{tp.rank}" if tp.rank else worker.name,
             timeout_s=config.kv_transfer_timeout_s,
             host=config.kv_host,
             port=config.kv_port,
@@ -318,6 +346,13 @@ class DecodeRole(EngineRole):
             **worker.receiver_options,
         )  # fmt: skip
         worker.kv_address = self.receiver.address
+        if tp.enabled:  # every rank's receiver, in rank order
+            addresses: list[object] = [None] * tp.world_size
+            dist.all_gather_object(addresses, self.receiver.address, group=self.core.control_group)
+            worker.kv_address = join_addresses([str(a) for a in addresses])
+        self.agreement = RankAgreement(
+            tp.rank, tp.world_size, self.core.control_group, share_meta=True
+        )
         self._update_load()
 
     def reserve(self, cmd: ReserveRemote) -> None:
@@ -346,7 +381,11 @@ class DecodeRole(EngineRole):
         super().abort(cmd)
 
     def before_step(self) -> None:
+        """This rank's KV outcomes, then the group's: a reservation's KV joins the batch once
+        every rank has it, on every rank at this same step."""
         for result in self.receiver.poll():
+            self.agreement.record(result)
+        for result in self.agreement.settle(list(self.engine.scheduler.waiting_for_kv)):
             request_id = result.request_id
             if result.status == TransferStatus.DONE:
                 if self.draft is not None:

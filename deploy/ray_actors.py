@@ -1,4 +1,5 @@
-"""The Ray actors that host duet's processes: a prefill worker rank, a decode worker, a router.
+"""The Ray actors that host duet's processes: a prefill worker rank, a decode worker rank, a
+router.
 
 Each actor runs its gRPC (and, for the router, REST) server on an event loop of its own in a
 background thread, so Ray method calls (`info`, `start`, `set_workers`) stay answerable while
@@ -58,9 +59,12 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class PrefillRankActor:
-    """One rank of a prefill group. `start` joins the group (every rank must be started, with
-    the same init method) and, on rank 0, serves `duet.v1.PrefillWorker`."""
+class _RankActor:
+    """One rank of a worker group (a prefill group, or a tensor-parallel decode worker).
+    `start` joins the group (every rank must be started, with the same init method) and, on
+    rank 0, serves the worker's gRPC service."""
+
+    role = ""
 
     def __init__(self, config: dict[str, Any], rank: int, name: str) -> None:
         self.config = config
@@ -76,20 +80,20 @@ class PrefillRankActor:
         return f"tcp://{self.host}:{_free_port(self.host)}"
 
     def start(self, init_method: str | None) -> str | None:
-        from duet.prefill_worker.config import PrefillWorkerConfig
-        from duet.prefill_worker.launch import start_prefill_rank
-        from duet.prefill_worker.server import start_prefill_server
-
-        config = PrefillWorkerConfig.from_kwargs(**self.config)
-        self.worker = start_prefill_rank(config, self.rank, init_method, self.name)
+        self.worker = self._start_rank(init_method)
         if self.rank == 0:
             # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
             self._loop = _LoopThread(f"{self.name}-grpc")
-            server = start_prefill_server(self.worker, bind_host(), 0)
-            self._server, port = self._loop.run(server)
+            self._server, port = self._loop.run(self._serve(bind_host()))
             self.address = f"{self.host}:{port}"
         freeze_startup_heap()
         return self.address
+
+    def _start_rank(self, init_method: str | None) -> Any:
+        raise NotImplementedError
+
+    async def _serve(self, host: str) -> tuple[Any, int]:
+        raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
         return {
@@ -100,32 +104,44 @@ class PrefillRankActor:
         }
 
 
-class DecodeActor:
-    """A decode worker serving `duet.v1.DecodeWorker`; it and its KV receiver listen on
-    `bind_host()` and advertise this node's address."""
+class PrefillRankActor(_RankActor):
+    """One rank of a prefill group; rank 0 serves `duet.v1.PrefillWorker`."""
 
-    def __init__(self, config: dict[str, Any], name: str) -> None:
+    role = "prefill"
+
+    def _start_rank(self, init_method: str | None) -> Any:
+        from duet.prefill_worker.config import PrefillWorkerConfig
+        from duet.prefill_worker.launch import start_prefill_rank
+
+        config = PrefillWorkerConfig.from_kwargs(**self.config)
+        return start_prefill_rank(config, self.rank, init_method, self.name)
+
+    async def _serve(self, host: str) -> tuple[Any, int]:
+        from duet.prefill_worker.server import start_prefill_server
+
+        return await start_prefill_server(self.worker, host, 0)
+
+
+class DecodeRankActor(_RankActor):
+    """One rank of a decode worker (one rank unless `tensor_parallel_size` says more); rank 0
+    serves `duet.v1.DecodeWorker`. Every rank's KV receiver listens on `bind_host()` and
+    advertises this node's address."""
+
+    role = "decode"
+
+    def _start_rank(self, init_method: str | None) -> Any:
         from duet.decode_worker.config import DecodeWorkerConfig
+        from duet.decode_worker.launch import start_decode_rank
+
+        config = {**self.config, "kv_host": bind_host(), "kv_advertise_host": self.host}
+        return start_decode_rank(
+            DecodeWorkerConfig.from_kwargs(**config), self.rank, init_method, self.name
+        )
+
+    async def _serve(self, host: str) -> tuple[Any, int]:
         from duet.decode_worker.server import start_decode_server
-        from duet.decode_worker.worker import DecodeWorker
 
-        self.incarnation = uuid.uuid4().hex
-        host = advertise_host()
-        config = {**config, "kv_host": bind_host(), "kv_advertise_host": host}
-        self.worker = DecodeWorker(DecodeWorkerConfig.from_kwargs(**config), name)
-        # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
-        self._loop = _LoopThread(f"{name}-grpc")
-        self._server, port = self._loop.run(start_decode_server(self.worker, bind_host(), 0))
-        self.address = f"{host}:{port}"
-        freeze_startup_heap()
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "incarnation": self.incarnation,
-            "started": True,
-            "alive": self.worker.is_running,
-            "address": self.address,
-        }
+        return await start_decode_server(self.worker, host, 0)
 
 
 class RouterActor:

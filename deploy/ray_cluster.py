@@ -3,17 +3,18 @@
 Placement, by Ray custom resources (so that on Kubernetes each lands on the right pods):
 - a prefill group is `prefill_tp` `PrefillRankActor`s in a STRICT_PACK placement group, one
   `prefill` resource (and one GPU on GPU clusters) per rank;
-- a decode worker is a `DecodeActor` on one `decode` resource (and GPU);
+- a decode worker is `decode_tp` `DecodeRankActor`s placed the same way, one `decode`
+  resource (and GPU) per rank;
 - a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
 On one machine `deploy.local_ray.start_local_ray` provides exactly the resources asked for.
 
 Keeping it serving (`reconcile`, every second from `run`): Ray restarts dead actors
-(`max_restarts=-1`); a restarted prefill rank breaks its group, so every rank of the group is
-restarted and the group re-formed; workers without a live, started process are left out of the
+(`max_restarts=-1`); a restarted rank breaks its group (a prefill group, or a tensor-parallel
+decode worker), so every rank of the group is restarted and the group re-formed; workers without a live, started process are left out of the
 registry the routers get (`RouterActor.set_workers`), which is re-sent whenever it changes and
 every few seconds (a restarted router starts empty). With `prefill_workers` / `decode_workers`
-None ("auto") the pools follow the cluster's `prefill` / `decode` resources as nodes join and
-leave, which is how the Kubernetes planner scales them.
+None ("auto") the pools follow the cluster's `prefill` / `decode` resources (per `prefill_tp` or `decode_tp` units) as nodes join
+and leave, which is how the Kubernetes planner scales them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from duet.cluster.config import ClusterConfig
-from duet.deploy.ray_actors import DecodeActor, PrefillRankActor, RouterActor
+from duet.deploy.ray_actors import DecodeRankActor, PrefillRankActor, RouterActor
 from duet.deploy.stop_signal import Stopper
 from duet.engine.spec_decode.config import SpeculativeConfig
 from duet.router.server import RouterConfig
@@ -52,6 +53,8 @@ class ClusterSpec:
     prefill_workers: int | None = 1
     prefill_tp: int = 1
     decode_workers: int | None = 1
+    decode_tp: int = 1
+    """Ranks per decode worker (tensor parallelism)."""
     routers: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -72,8 +75,9 @@ class ClusterSpec:
                 raise ValueError(f"{flag}: must be >= 0 or auto; got {value}")
         if self.decode_workers == 0:
             raise ValueError("--decode-workers: at least one decode worker is needed; got 0")
-        if self.prefill_tp < 1:
-            raise ValueError(f"--prefill-tp: must be >= 1; got {self.prefill_tp}")
+        for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ValueError(f"{flag}: must be an integer >= 1; got {tp!r}")
         if self.routers < 1:
             raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
 
@@ -86,8 +90,8 @@ class ClusterSpec:
         }
         if self.kv_staging_bytes is not None:
             config["kv_staging_bytes"] = self.kv_staging_bytes
+        config["tensor_parallel_size"] = self.prefill_tp if role == "prefill" else self.decode_tp
         if role == "prefill":
-            config["tensor_parallel_size"] = self.prefill_tp
             # Only decode workers speculate: a prefill-only request never decodes. A prefill
             # worker loads the draft only to compute its prompt KV (draft_prefill prefill or
             # auto); then it needs the decode workers' config to ship what they expect.
@@ -106,6 +110,9 @@ class ClusterSpec:
 
 @dataclass
 class _Group:
+    """A worker's ranks: a prefill group, or a decode worker (of one rank or more)."""
+
+    role: str  # "prefill" or "decode"
     name: str
     pg: PlacementGroup
     ranks: list[Any]
@@ -114,12 +121,10 @@ class _Group:
     address: str | None = None  # the endpoint while every rank is healthy, else None
     incarnations: list[str] = field(default_factory=list)
 
-
-@dataclass
-class _Decode:
-    name: str
-    actor: Any
-    address: str | None = None
+    @property
+    def actor(self) -> Any:
+        """Rank 0's actor: the one serving the worker's gRPC service."""
+        return self.ranks[0]
 
 
 @dataclass
@@ -135,7 +140,7 @@ class DuetCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.groups: list[_Group] = []
-        self.decodes: list[_Decode] = []
+        self.decodes: list[_Group] = []
         self.routers: list[_Router] = []
         self._counter = 0
         self._published: tuple[dict[str, str], dict[str, str]] | None = None
@@ -182,11 +187,11 @@ class DuetCluster:
                 ray.get(router.actor.stop.remote(), timeout=30)
             except Exception:
                 pass
-        actors = [r.actor for r in self.routers] + [d.actor for d in self.decodes]
-        actors += [a for g in self.groups for a in g.ranks]
+        actors = [r.actor for r in self.routers]
+        actors += [a for g in self.groups + self.decodes for a in g.ranks]
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        for group in self.groups:
+        for group in self.groups + self.decodes:
             remove_placement_group(group.pg)
 
     # -- supervision -------------------------------------------------------------------------
@@ -198,17 +203,14 @@ class DuetCluster:
             infos = self._infos()
             for router in self.routers:
                 self._check_router(router, infos.get(id(router.actor)))
-            for decode in self.decodes:
-                info = infos.get(id(decode.actor))
-                decode.address = info["address"] if info and info["alive"] else None
-            for group in self.groups:
+            for group in self.groups + self.decodes:
                 self._check_group(group, [infos.get(id(a)) for a in group.ranks])
             self._autoscale()
             self._publish()
 
     def _infos(self) -> dict[int, dict[str, Any] | None]:
-        actors = [r.actor for r in self.routers] + [d.actor for d in self.decodes]
-        actors += [a for g in self.groups for a in g.ranks]
+        actors = [r.actor for r in self.routers]
+        actors += [a for g in self.groups + self.decodes for a in g.ranks]
         refs = [a.info.remote() for a in actors]
         ray.wait(refs, num_returns=len(refs), timeout=_INFO_TIMEOUT_S)
         out: dict[int, dict[str, Any] | None] = {}
@@ -243,9 +245,9 @@ class DuetCluster:
                 return
             try:
                 group.endpoint = ray.get(group.starting)[0]
-                logger.info("prefill group %s serving at %s", group.name, group.endpoint)
+                logger.info("%s %s serving at %s", group.role, group.name, group.endpoint)
             except Exception as e:
-                logger.warning("prefill group %s failed to start: %s", group.name, e)
+                logger.warning("%s %s failed to start: %s", group.role, group.name, e)
             group.starting = None
         if any(i is None for i in infos):
             return  # a rank is restarting or unreachable: wait for it
@@ -262,7 +264,7 @@ class DuetCluster:
         if started:
             # A rank came back without its group, or a rank's engine died: the whole group
             # restarts (a torch.distributed group cannot take a new member).
-            logger.warning("prefill group %s is broken: restarting its ranks", group.name)
+            logger.warning("%s %s is broken: restarting its ranks", group.role, group.name)
             for actor in started:
                 ray.kill(actor, no_restart=False)
             return
@@ -283,9 +285,11 @@ class DuetCluster:
         while len(self.decodes) < wanted:
             self.decodes.append(self._new_decode())
         while len(self.decodes) > wanted:
-            victim_d = min(self.decodes, key=lambda d: d.address is not None)
-            self.decodes.remove(victim_d)
-            ray.kill(victim_d.actor, no_restart=True)
+            victim = min(self.decodes, key=lambda d: d.address is not None)
+            self.decodes.remove(victim)
+            for actor in victim.ranks:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(victim.pg)
 
     def _publish(self) -> None:
         registry = (
@@ -313,7 +317,7 @@ class DuetCluster:
     def _wanted_decode(self) -> int:
         if self.spec.decode_workers is not None:
             return self.spec.decode_workers
-        return max(1, int(ray.cluster_resources().get("decode", 0)))
+        return max(1, int(ray.cluster_resources().get("decode", 0) // self.spec.decode_tp))
 
     def _next_name(self, role: str) -> str:
         self._counter += 1
@@ -342,45 +346,35 @@ class DuetCluster:
         )
         return _Router(f"duet-router-{index}", actor)
 
-    def _new_decode(self) -> _Decode:
-        name = self._next_name("decode")
-        actor = (
-            ray.remote(DecodeActor)
-            .options(
-                name=name,
-                namespace=NAMESPACE,
-                resources={"decode": 1},
-                num_cpus=0,
-                num_gpus=self.spec.gpus_per_worker,
-                max_restarts=-1,
-                max_concurrency=4,
-                runtime_env=self.spec.worker_runtime_env(),
-            )
-            .remote(self.spec.worker_config("decode"), name)
-        )
-        return _Decode(name, actor)
+    def _new_decode(self) -> _Group:
+        return self._new_ranks("decode", DecodeRankActor, self.spec.decode_tp)
 
     def _new_group(self) -> _Group:
+        return self._new_ranks("prefill", PrefillRankActor, self.spec.prefill_tp)
+
+    def _new_ranks(self, role: str, actor_cls: type, tp: int) -> _Group:
+        """A worker's `tp` ranks in one STRICT_PACK placement group, one `role` resource (and
+        GPU) each; started by `_check_group` once every rank is up."""
         spec = self.spec
-        name = self._next_name("prefill")
-        bundle: dict[str, float] = {"prefill": 1}
+        name = self._next_name(role)
+        bundle: dict[str, float] = {role: 1}
         if spec.gpus_per_worker:
             bundle["GPU"] = spec.gpus_per_worker
-        pg = placement_group([dict(bundle) for _ in range(spec.prefill_tp)], strategy="STRICT_PACK")
-        ranks = [
-            ray.remote(PrefillRankActor)
+        pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        ranks: list[Any] = [
+            ray.remote(actor_cls)
             .options(
                 name=f"{name}-rank{rank}",
                 namespace=NAMESPACE,
                 num_cpus=0,
                 num_gpus=spec.gpus_per_worker,
-                resources={"prefill": 1},
+                resources={role: 1},
                 max_restarts=-1,
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
                 runtime_env=spec.worker_runtime_env(),
             )
-            .remote(spec.worker_config("prefill"), rank, name)
-            for rank in range(spec.prefill_tp)
+            .remote(spec.worker_config(role), rank, name)
+            for rank in range(tp)
         ]
-        return _Group(name, pg, ranks)
+        return _Group(role, name, pg, ranks)

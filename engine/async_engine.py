@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
+import torch.distributed as dist
+
 from duet.engine.config import EngineConfig
 from duet.engine.core import AbortRequest, AddRequest, EngineCore, EngineDeadError, EngineRole
 from duet.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
-from duet.engine.parallel import SINGLE
+from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.tokenizer import Message, Tokenizer
 from duet.engine.tp_group import TPGroup, rank_config
@@ -32,14 +34,19 @@ class AsyncEngine:
         role: EngineRole | None = None,
         name: str = "engine",
         group: TPGroup | None = None,
+        tp: TensorParallel = SINGLE,
+        control_group: dist.ProcessGroup | None = None,
     ) -> None:
         """`engine`: the engine, or (in serving processes, see `EngineCore`) a function that
         builds it on the engine thread; returns once it is built. `role`: what runs around
         each step (default: aggregated generation). `group`: the tensor-parallel ranks this
-        process leads as rank 0 (`TPGroup.start`), stopped with the engine."""
+        process leads as rank 0 (`TPGroup.start`), stopped with the engine; or `tp` and
+        `control_group`, this rank's place in a group someone else started (a decode worker's
+        ranks, each in its own process)."""
         self.group = group
-        tp = group.tp if group is not None else SINGLE
-        control = group.control_group if group is not None else None
+        if group is not None:
+            tp, control_group = group.tp, group.control_group
+        control = control_group
         self.core = EngineCore(engine, role, name=name, tp=tp, control_group=control)
         try:
             self.core.wait_ready()

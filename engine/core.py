@@ -147,6 +147,12 @@ class EngineCore:
         return self._thread.is_alive() and self._dead is None
 
     @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """The gloo group over the engine's ranks that carries its commands (None: one rank);
+        roles agree on their own inputs over it (kv_transfer/rank_agreement.py)."""
+        return self._control_group
+
+    @property
     def dead(self) -> BaseException | None:
         """Why the loop ended (None while it runs)."""
         return self._dead

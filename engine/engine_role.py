@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch.distributed as dist
+
 from duet.engine.commands import (
     AbortRequest,
     AddRequest,
@@ -28,6 +30,10 @@ class RoleHost(Protocol):
 
     def submit_internal(self, cmd: EngineCommand) -> None:
         """Apply `cmd` at the next iteration (rank 0), broadcast like the rest."""
+
+    @property
+    def control_group(self) -> dist.ProcessGroup | None:
+        """The gloo group over the engine's ranks (None: one rank)."""
 
 
 class EngineDeadError(RuntimeError):

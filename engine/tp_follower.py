@@ -9,9 +9,7 @@ import argparse
 import datetime
 import json
 import logging
-import os
 import signal
-import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from duet.engine.config import EngineConfig
 from duet.engine.core import EngineCore, EngineDeadError
 from duet.engine.llm_engine import LLMEngine
-from duet.engine.tp_group import GROUP_TIMEOUT_S, init_tensor_parallel
+from duet.engine.tp_group import GROUP_TIMEOUT_S, exit_rank, init_tensor_parallel
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,11 +51,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # NOTE: os._exit, not sys.exit: a follower has nothing to tear down once it left the
-    # group, and in 2 of ~15 runs under load the interpreter's teardown aborted ("terminate
-    # called without an active exception": a C++ thread still joinable at exit), turning a
-    # clean stop into SIGABRT.
-    os._exit(code)
+    exit_rank(main())

@@ -156,8 +156,9 @@ class KVReceiver(ABC):
         draft_block_ids: list[int] | None = None,
     ) -> None:
         """Reserve: the request's KV will be written into `block_ids` (already allocated by the
-        caller) when it arrives; a sender with larger tensor parallelism sends one shard per
-        rank under the same id, and the transfer is DONE when all have landed. After
+        caller) when it arrives; each rank of a tensor-parallel sender that holds some of this
+        receiver's heads sends them under the same id (`layout.head_route`), and the
+        transfer is DONE when all have landed. After
         `timeout_s` without it, the transfer FAILS (retryable). `draft_block_ids` (a receiver
         built with draft caches): where the draft's KV goes if the transfer carries it (DONE
         then says `draft`); the caller owns them as it owns `block_ids`."""

@@ -33,7 +33,7 @@ def scatter_blocks(
 ) -> None:
     """Write `blocks` ([L, 2, n, BS, h, D]) into the caches at `block_ids`. With `head_range`
     the blocks hold only KV heads [start, end) of the receiver's heads (a shard from a sender
-    with larger tensor parallelism)."""
+    with another tensor-parallel layout: `layout.head_route`)."""
     if head_range is None and _scatter_rows(kv_caches, block_ids, blocks):
         return
     for layer, cache in enumerate(kv_caches):

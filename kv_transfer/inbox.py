@@ -3,8 +3,9 @@
 A backend's own threads put what arrives into the inbox (`deliver`) or report that a request's
 data can never arrive (`fail`); the engine thread's `poll` matches arrivals with what it
 `expect`s, scatters arrived layers into their reserved blocks and acknowledges a request once
-all of it is written. A request is complete when every shard it needs has arrived: a sender
-with larger tensor parallelism ships one shard of heads per rank, under the same request id.
+all of it is written. A request is complete when every shard it needs has arrived: each rank
+of a tensor-parallel sender whose heads this receiver caches ships its part of them
+(`layout.head_route`), under the same request id.
 A backend may deliver a shard before its data has landed and report each piece (layers, or a
 layer's blocks; kv_transfer/chunks.py) as it lands in a staging slot (`progress`); the engine
 thread writes each piece once it is there and gives its slot back to the pool, so the copy into
@@ -39,7 +40,7 @@ from duet.engine.kernels.cpu import load_cpu_kernels
 from duet.kv_transfer.base import KVReceiver, TransferResult, TransferStatus
 from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.layers import PagedLayers, TransferShape, piece_cells
-from duet.kv_transfer.layout import KVLayout, receiver_head_slice
+from duet.kv_transfer.layout import KVLayout, head_route, num_senders
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class InboxKVReceiver(KVReceiver):
         return False
 
     def _num_shards(self, sender: KVLayout) -> int:
-        return max(1, self.layout.heads_per_rank // sender.heads_per_rank)
+        return num_senders(sender, self.layout)
 
     def _write_ready(self, expected: Expected, arrival: Arrival) -> None:
         """Scatter the pieces that landed into the reserved blocks and give their slots back;
@@ -240,11 +241,10 @@ class InboxKVReceiver(KVReceiver):
         if not arrival.landed:
             return
         paged = self._paged(expected, arrival)
-        heads = receiver_head_slice(arrival.layout, self.layout)
         while arrival.landed:
             landed = arrival.landed[0]
             if landed.piece[0] < paged.num_layers:
-                paged.scatter_piece(landed.piece, landed.data, heads)
+                paged.scatter_piece(landed.piece, landed.data)
             arrival.landed.pop(0)
             arrival.num_written += piece_cells(landed.piece)
             if landed.release is not None:
@@ -260,7 +260,9 @@ class InboxKVReceiver(KVReceiver):
         if expected.draft_block_ids is not None and arrival.shape.num_draft:
             draft = expected.draft_block_ids[:num_blocks]
             draft_ids = torch.tensor(draft, dtype=torch.long, device=device)
-        return PagedLayers(self.kv_caches, ids, self.draft_caches, draft_ids)
+        route = head_route(arrival.layout, self.layout)  # checked at the channel's handshake
+        heads = route.dst_slice if route is not None else None
+        return PagedLayers(self.kv_caches, ids, self.draft_caches, draft_ids, heads)
 
     def _done(self, request_id: str, arrivals: list[Arrival], expected: Expected) -> TransferResult:
         for arrival in arrivals:

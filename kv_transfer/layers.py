@@ -112,6 +112,9 @@ class PagedLayers:
     block_ids: torch.Tensor  # [n] long, on the caches' device
     draft_caches: list[torch.Tensor] | None = None
     draft_block_ids: torch.Tensor | None = None  # [n] long
+    heads: tuple[int, int] | None = None
+    """The target's KV heads [start, end) of this side's that the transfer moves (a route
+    between tensor-parallel ranks, `layout.head_route`); None: all of them."""
 
     def __post_init__(self) -> None:
         if self.draft_block_ids is not None:
@@ -130,9 +133,10 @@ class PagedLayers:
         block_ids: list[int],
         draft_caches: list[torch.Tensor] | None = None,
         draft_block_ids: list[int] | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> PagedLayers:
-        """A transfer's layers from block id lists; ValueError naming the list for an id out of
-        its pool's range (checked before anything is sent)."""
+        """A transfer's layers from block id lists (`heads`: the field's); ValueError naming the
+        list for an id out of its pool's range (checked before anything is sent)."""
         device = kv_caches[0].device
         tensors = []
         for name, caches, ids in (
@@ -148,7 +152,8 @@ class PagedLayers:
             if bad:
                 raise ValueError(f"{name}: {bad[0]} is not in [0, {num_blocks})")
             tensors.append(torch.tensor(ids, dtype=torch.long, device=device))
-        return cls(kv_caches, tensors[0], draft_caches, tensors[1] if len(tensors) > 1 else None)
+        draft = tensors[1] if len(tensors) > 1 else None
+        return cls(kv_caches, tensors[0], draft_caches, draft, heads)
 
     @property
     def num_target(self) -> int:
@@ -163,10 +168,15 @@ class PagedLayers:
         return self.num_target + self.num_draft
 
     def split(self, start: int, end: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """The (caches, block ids) of each group's part of layers [start, end)."""
+        """The (caches, block ids) of each group's part of layers [start, end); the target's
+        caches narrowed to `heads`."""
         parts = []
         if start < self.num_target:
-            parts.append((self.caches[start : min(end, self.num_target)], self.block_ids))
+            caches = self.caches[start : min(end, self.num_target)]
+            if self.heads is not None:
+                lo, hi = self.heads
+                caches = [c[:, :, :, lo:hi] for c in caches]
+            parts.append((caches, self.block_ids))
         if end > self.num_target:
             assert self.draft_caches is not None and self.draft_block_ids is not None
             lo, hi = max(start, self.num_target) - self.num_target, end - self.num_target
@@ -177,9 +187,12 @@ class PagedLayers:
     def shape(self) -> TransferShape:
         """This side's staged layout of the transfer."""
         first = self.caches[0]
+        row = tuple(first.shape[2:])
+        if self.heads is not None:
+            row = (row[0], self.heads[1] - self.heads[0], row[2])
         draft = self.draft_caches[0] if self.num_draft and self.draft_caches else None
         return TransferShape(
-            self.num_target, self.block_ids.numel(), tuple(first.shape[2:]),
+            self.num_target, self.block_ids.numel(), row,
             first.element_size(), self.num_draft,
             tuple(draft.shape[2:]) if draft is not None else (),
         )  # fmt: skip
@@ -191,10 +204,12 @@ class PagedLayers:
 
     def piece_iovecs(self, piece: Piece) -> torch.Tensor:
         """iovecs of a piece in its staged order (`sockio.row_iovecs`: each layer's K rows of
-        the piece's blocks, then their V rows), for vectored socket I/O straight from or into
-        the caches."""
+        the piece's blocks, then their V rows; with `heads`, each row's tokens' slices of
+        them), for vectored socket I/O straight from or into the caches."""
         caches, ids = self._piece_part(piece)
         rows = torch.cat([ids, ids + caches[0].shape[1]]).cpu()
+        if self.heads is not None and piece[0] < self.num_target:
+            return sockio.head_iovecs(self.caches[piece[0] : piece[1]], rows, self.heads)
         return sockio.row_iovecs(caches, rows)
 
     def gather_piece(self, piece: Piece, out: torch.Tensor) -> None:
@@ -202,11 +217,8 @@ class PagedLayers:
         caches, ids = self._piece_part(piece)
         gather_blocks(caches, ids, out=out)
 
-    def scatter_piece(
-        self, piece: Piece, data: torch.Tensor, head_range: tuple[int, int] | None = None
-    ) -> None:
-        """Write a staged piece into the caches; `head_range`: a target piece holds only those
-        of this side's KV heads (a draft is never sharded)."""
-        caches, ids = self._piece_part(piece)
-        heads = head_range if piece[0] < self.num_target else None
-        scatter_blocks(caches, ids, data.to(caches[0].device), heads)
+    def scatter_piece(self, piece: Piece, data: torch.Tensor) -> None:
+        """Write a staged piece into the caches (a target piece into `heads` of them: a draft
+        is never sharded)."""
+        caches, ids = self._piece_part(piece)  # the target's narrowed to `heads`: views
+        scatter_blocks(caches, ids, data.to(caches[0].device))

@@ -1,9 +1,12 @@
 """What a KV transfer carries and the handshake that checks both sides agree on it.
 
-Blocks travel as one tensor per request, `[num_layers, 2, num_blocks, block_size, Hkv, D]`,
-so the receiver can scatter them without knowing how the sender stored them. A sender with
-tensor parallelism T ships the heads of its shard (rank r holds KV heads [r*H/T, (r+1)*H/T));
-a receiver with a smaller TP reassembles heads from several senders.
+Blocks travel as one tensor per request, `[num_layers, 2, num_blocks, block_size, h, D]`,
+so the receiver can scatter them without knowing how the sender stored them. Either side may
+be tensor-parallel with any TP size its model allows: each rank caches the KV heads
+`kv_head_range` gives it (whole KV groups, as evenly as they divide, or one head replicated on
+the ranks that share it; engine/parallel.py). A sender rank ships a receiver rank the heads
+both hold that no lower sender rank holds too (`head_route`): every receiver rank gets each of
+its heads exactly once, from `num_senders` ranks of the sending group, and nothing else.
 
 A channel whose layouts name a draft model (`DraftLayout`: speculative decoding whose draft
 KV the prefill worker computes) may carry, after a transfer's target layers, the draft's
@@ -19,12 +22,16 @@ from typing import Any
 
 import torch
 
-KV_LAYOUT_VERSION = 5
+from duet.engine.parallel import kv_head_range
+
+KV_LAYOUT_VERSION = 6
 """2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
 the transfers queued together, and layer-wise transfers send their metadata as a trailer;
 4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`);
 5: torch_dist and tcp cut a transfer into pieces no larger than the receiver's
-`max_piece_bytes`, said in its handshake verdict (`kv_transfer/chunks.py`)."""
+`max_piece_bytes`, said in its handshake verdict (`kv_transfer/chunks.py`);
+6: a prefill rank ships each decode rank only the KV heads that rank caches (`head_route`),
+and the ranks of a tensor-parallel decode worker settle each transfer together."""
 
 
 class HandshakeError(RuntimeError):
@@ -62,13 +69,23 @@ class KVLayout:
     """The draft model whose layers this side's transfers may carry (None: target only)."""
 
     @property
-    def heads_per_rank(self) -> int:
-        return self.num_kv_heads // self.tp_size
+    def head_range(self) -> tuple[int, int]:
+        """[start, end) of the model's KV heads this side caches (`kv_head_range`)."""
+        return kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
 
     @property
-    def head_range(self) -> tuple[int, int]:
-        """[start, end) of the model's KV heads this side holds."""
-        return self.tp_rank * self.heads_per_rank, (self.tp_rank + 1) * self.heads_per_rank
+    def shipped_range(self) -> tuple[int, int]:
+        """[start, end) of the heads this rank ships: its own, or none when a lower rank
+        caches the same (replicated) head and ships it instead."""
+        start, end = self.head_range
+        below = kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank - 1)
+        if self.tp_rank and below[0] == start:
+            return start, start
+        return start, end
+
+    def rank(self, tp_rank: int) -> KVLayout:
+        """Rank `tp_rank` of this side's group."""
+        return dataclasses.replace(self, tp_rank=tp_rank)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,9 +132,58 @@ class KVLayout:
         )
 
 
+@dataclass(frozen=True)
+class HeadRoute:
+    """The KV heads one sender rank ships to one receiver rank: the model's heads
+    [start, end), at `src` among the sender's cached heads and at `dst` among the receiver's
+    (both [start, end) of the local head axis)."""
+
+    start: int
+    end: int
+    src: tuple[int, int]
+    dst: tuple[int, int]
+    src_whole: bool  # the sender ships every head it caches
+    dst_whole: bool  # they are every head the receiver caches
+
+    @property
+    def num_heads(self) -> int:
+        return self.end - self.start
+
+    @property
+    def src_slice(self) -> tuple[int, int] | None:
+        """The sender's heads to ship, None for all of them."""
+        return None if self.src_whole else self.src
+
+    @property
+    def dst_slice(self) -> tuple[int, int] | None:
+        """Where they land among the receiver's heads, None for all of them."""
+        return None if self.dst_whole else self.dst
+
+
+def head_route(sender: KVLayout, receiver: KVLayout) -> HeadRoute | None:
+    """What `sender` ships `receiver` (both of one model: `check_compatible`), None when
+    nothing: the receiver's heads among those the sender ships (`KVLayout.shipped_range`)."""
+    (s_start, s_end), (r_start, r_end) = sender.head_range, receiver.head_range
+    ship_start, ship_end = sender.shipped_range
+    start, end = max(ship_start, r_start), min(ship_end, r_end)
+    if start >= end:
+        return None
+    return HeadRoute(
+        start, end, (start - s_start, end - s_start), (start - r_start, end - r_start),
+        (start, end) == (s_start, s_end), (start, end) == (r_start, r_end),
+    )  # fmt: skip
+
+
+def num_senders(sender: KVLayout, receiver: KVLayout) -> int:
+    """How many ranks of `sender`'s group ship `receiver` a part of each request's KV."""
+    return sum(head_route(sender.rank(r), receiver) is not None for r in range(sender.tp_size))
+
+
 def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
     """Raise `HandshakeError` naming every field the two sides disagree on. TP sizes may
-    differ (heads are reassembled), everything else must match."""
+    differ (`head_route` maps one onto the other), everything else must match, and the
+    sender rank must hold heads the receiver rank caches: a channel between two ranks
+    with nothing to move is a misrouted request, refused."""
     if sender.version != receiver.version:
         # NOTE: alone, since the other fields of another version may not mean the same.
         raise HandshakeError(
@@ -138,21 +204,24 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
         for name in fields
         if getattr(sender, name) != getattr(receiver, name)
     ]
-    if sender.num_kv_heads % sender.tp_size or receiver.num_kv_heads % receiver.tp_size:
-        diffs.append("num_kv_heads is not divisible by a side's tp_size")
+    for side, layout in (("sender", sender), ("receiver", receiver)):
+        if not 0 <= layout.tp_rank < layout.tp_size:
+            diffs.append(
+                f"{side} tp_rank: must be in [0, tp_size={layout.tp_size}); got {layout.tp_rank}"
+            )
+    if not diffs and head_route(sender, receiver) is None:
+        diffs.append(
+            f"the sender (tp_rank {sender.tp_rank} of {sender.tp_size}, ships KV heads "
+            f"{list(sender.shipped_range)}) has none of the receiver's (tp_rank "
+            f"{receiver.tp_rank} of {receiver.tp_size}, KV heads {list(receiver.head_range)})"
+        )
     if diffs:
         raise HandshakeError("KV layout mismatch; refusing to transfer: " + "; ".join(diffs))
 
 
-def receiver_head_slice(sender: KVLayout, receiver: KVLayout) -> tuple[int, int] | None:
-    """Where a sender's KV heads land among the receiver's heads, as [start, end) in the
-    receiver's cache; None when both hold the same heads. Raises HandshakeError when the
-    sender's heads are not all among the receiver's."""
-    if sender.head_range == receiver.head_range:
-        return None
-    (s_start, s_end), (r_start, r_end) = sender.head_range, receiver.head_range
-    if not (r_start <= s_start and s_end <= r_end):
-        raise HandshakeError(
-            f"sender heads {sender.head_range} are not among receiver heads {receiver.head_range}"
-        )
-    return s_start - r_start, s_end - r_start
+def checked_route(sender: KVLayout, receiver: KVLayout) -> HeadRoute:
+    """`check_compatible`, then the route between the two ranks (never None then)."""
+    check_compatible(sender, receiver)
+    route = head_route(sender, receiver)
+    assert route is not None
+    return route

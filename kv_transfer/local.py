@@ -14,7 +14,7 @@ from duet.kv_transfer.base import KVSender, TransferResult, TransferStatus
 from duet.kv_transfer.config import ReceiverConfig, SenderConfig
 from duet.kv_transfer.inbox import Arrival, InboxKVReceiver, Landed
 from duet.kv_transfer.layers import PagedLayers
-from duet.kv_transfer.layout import KVLayout, check_compatible
+from duet.kv_transfer.layout import KVLayout, checked_route
 from duet.kv_transfer.outbox import Outbox
 
 
@@ -83,8 +83,10 @@ class LocalKVSender(KVSender):
                 )
             )
             return
-        check_compatible(self.layout, receiver.layout)
-        paged = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
+        heads = checked_route(self.layout, receiver.layout).src_slice
+        paged = PagedLayers.of_ids(
+            self.kv_caches, block_ids, self.draft_caches, draft_block_ids, heads
+        )
         shape = paged.shape
         landed = []
         for start, end, _ in shape.groups():  # a copy of each group, whole

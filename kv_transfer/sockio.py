@@ -68,6 +68,43 @@ def row_iovecs(caches: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """iovecs of rows `rows` of each cache, cache by cache: `[len(caches) * len(rows), 2]`.
     A cache is viewed as `[num_rows, row]` (a KV layer `[2, NB, BS, h, D]` has 2 * NB rows: K
     of block b is row b, V is row NB + b); every cache must be contiguous and of one shape."""
+    row_bytes = _check_rows(caches, rows)
+    bases = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    iov = torch.empty((len(caches), rows.numel(), 2), dtype=torch.int64)
+    iov[:, :, 0] = bases[:, None] + rows.to(torch.int64)[None, :] * row_bytes
+    iov[:, :, 1] = row_bytes
+    return merge_adjacent(iov.view(-1, 2))
+
+
+def head_iovecs(
+    caches: list[torch.Tensor], rows: torch.Tensor, heads: tuple[int, int]
+) -> torch.Tensor:
+    """iovecs of KV heads [start, end) of rows `rows` of each KV layer `[2, NB, BS, h, D]`,
+    cache by cache, row by row, token by token: the bytes of `[len(rows), BS, end - start,
+    D]` per cache, as `row_iovecs` gives whole rows (one iovec per token of a row: a head
+    slice is contiguous only within one token)."""
+    first = caches[0]
+    _, _, block_size, num_heads, head_dim = first.shape
+    start, end = heads
+    if not 0 <= start < end <= num_heads:
+        raise ValueError(f"heads: must be within [0, {num_heads}]; got {list(heads)}")
+    row_bytes = _check_rows(caches, rows)
+    head_bytes = head_dim * first.element_size()
+    token = torch.arange(block_size, dtype=torch.int64) * num_heads * head_bytes
+    token += start * head_bytes  # [BS]: where the slice starts in each token
+    bases = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    addr = (
+        bases[:, None, None] + rows.to(torch.int64)[None, :, None] * row_bytes + token[None, None]
+    )
+    iov = torch.empty((addr.numel(), 2), dtype=torch.int64)
+    iov[:, 0] = addr.reshape(-1)
+    iov[:, 1] = (end - start) * head_bytes
+    return merge_adjacent(iov)
+
+
+def _check_rows(caches: list[torch.Tensor], rows: torch.Tensor) -> int:
+    """ValueError unless `rows` are rows of `caches`, contiguous CPU caches of one shape;
+    returns the bytes of a row."""
     first = caches[0]
     row_bytes = first[0, 0].nbytes
     num_rows = first.numel() * first.element_size() // row_bytes
@@ -76,11 +113,7 @@ def row_iovecs(caches: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     for cache in caches:
         if cache.device.type != "cpu" or not cache.is_contiguous() or cache.shape != first.shape:
             raise ValueError("caches: vectored I/O needs contiguous CPU caches of one shape")
-    bases = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
-    iov = torch.empty((len(caches), rows.numel(), 2), dtype=torch.int64)
-    iov[:, :, 0] = bases[:, None] + rows.to(torch.int64)[None, :] * row_bytes
-    iov[:, :, 1] = row_bytes
-    return merge_adjacent(iov.view(-1, 2))
+    return row_bytes
 
 
 def merge_adjacent(iov: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import logging
 import signal
 
 from duet.engine.heap import freeze_startup_heap
+from duet.engine.tp_group import exit_rank
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.launch import start_prefill_rank
 from duet.prefill_worker.server import start_prefill_server
@@ -49,3 +50,4 @@ async def _serve(worker: PrefillWorker, host: str, port: int) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # a rank of a group: see exit_rank

@@ -19,8 +19,10 @@ through the core's typed commands.
 Tensor parallelism: every rank of the group runs a `PrefillWorker` with an identical engine;
 rank 0 takes the requests and the core broadcasts, each iteration, the commands every rank
 applies (add, abort, release), so that every rank's scheduler makes the same decisions and the
-collectives line up. Each rank ships the KV heads of its shard; the decode side reassembles
-them.
+collectives line up. Each rank ships each rank of the decode worker the KV heads it caches
+(`FanOutKVSender`, `layout.head_route`); a request's transfer is over once the ranks agree it
+is (`RankAgreement`: each rank's parts end at their own time), and rank 0 then releases it on
+every rank.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from duet.kv_transfer import (
     create_sender,
 )
 from duet.kv_transfer.factory import resolve_backend
+from duet.kv_transfer.fanout import FanOutKVSender
+from duet.kv_transfer.rank_agreement import RankAgreement
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.draft_prefill import DraftPrefill, prefill_engine_config
 from duet.prefill_worker.prefix_index import PrefixCacheIndex
@@ -185,6 +189,7 @@ class PrefillRole(EngineRole):
         self._block_bytes = 0  # one block's KV over every layer and TP rank
         self.drafts: DraftPrefill | None = None  # the draft's KV, when shipped from here
         self._draft_block_bytes = 0
+        self._agreement = RankAgreement()  # set up in `start`
 
     def start(self) -> None:
         """The KV sender over the engine's caches, and the prefix index's event feed (built
@@ -205,18 +210,27 @@ class PrefillRole(EngineRole):
             worker.layout = worker.layout.with_draft(self.drafts.model_id, draft_caches)
             self._draft_block_bytes = sum(c.nbytes // c.shape[1] for c in draft_caches)
         worker.kv_backend = resolve_backend(config.kv_backend, caches)
-        settings = SenderConfig(
-            name=f"{worker.name}-tp{tp.rank}",
-            timeout_s=config.kv_transfer_timeout_s,
-            ack_timeout_s=config.kv_lease_s,
-            secret=load_cluster_secret(),
-            measure_link=tp.rank == 0,  # the rank whose results reach the router
-            staging_bytes=config.kv_staging_bytes,
-        )
-        self.sender = worker.sender = create_sender(
-            worker.kv_backend, caches, worker.layout, settings, draft_caches,
-            **worker.sender_options,
-        )  # fmt: skip
+        secret = load_cluster_secret()
+
+        def make_sender(index: int) -> KVSender:
+            """The backend sender to rank `index` of decode workers."""
+            suffix = f"-d{index}" if index else ""  # rank 0's name stays the worker's own
+            settings = SenderConfig(
+                name=f"{worker.name}-tp{tp.rank}{suffix}",
+                timeout_s=config.kv_transfer_timeout_s,
+                ack_timeout_s=config.kv_lease_s,
+                secret=secret,
+                measure_link=tp.rank == 0 and index == 0,  # whose results reach the router
+                staging_bytes=config.kv_staging_bytes,
+            )
+            return create_sender(
+                worker.kv_backend, caches, worker.layout, settings, draft_caches,
+                **worker.sender_options,
+            )  # fmt: skip
+
+        self.sender = worker.sender = FanOutKVSender(make_sender, worker.layout)
+        self.sender.sender(0)  # a bad backend option fails the start, not the first request
+        self._agreement = RankAgreement(tp.rank, tp.world_size, self.core.control_group)
         engine.kv.pool.record_events = config.enable_prefix_caching
         if config.kv_layerwise:
             engine.prefill_stream = self
@@ -321,22 +335,25 @@ class PrefillRole(EngineRole):
                 )  # fmt: skip
         except HandshakeError as e:  # a misconfigured pair: no retry helps
             logger.error("KV handshake for %s failed: %s", done.request_id, e)
-            self._finish_transfer(
+            self._agreement.record(
                 TransferResult(done.request_id, TransferStatus.FAILED, str(e), retryable=False)
             )
         except Exception as e:  # e.g. out of memory: this transfer fails, never the worker
             # NOTE: a sender raises only before it opened the transfer (poll never reports it)
             logger.exception("the KV transfer of %s failed", done.request_id)
-            self._finish_transfer(
+            self._agreement.record(
                 TransferResult(done.request_id, TransferStatus.FAILED, str(e), retryable=True)
             )
 
     def _poll_sender(self) -> None:
+        """This rank's outcomes, then the group's (every rank, the same iteration)."""
         for result in self.sender.poll():
             if result.status == TransferStatus.FAILED:
                 logger.warning(
                     "KV transfer of %s failed: %s", result.request_id, result.error
                 )  # fmt: skip
+            self._agreement.record(result)
+        for result in self._agreement.settle(list(self._in_flight)):
             self._finish_transfer(result)
 
     def _finish_transfer(self, result: TransferResult) -> None:

@@ -5,9 +5,9 @@ on one host), never through a staging copy.
 Each side registers its whole KV cache once at start-up (every layer's tensor, K and V; a
 draft model's too), CPU or GPU memory alike (`agent.py`). A transfer is a list of block-to-block
 descriptors over those registrations (`regions.py`): one per K or V row of a block and layer,
-or, where the sender holds a shard of the receiver's heads (larger tensor parallelism on the
-prefill side), one per token of a row into the head slice; runs that continue each other on
-both sides are merged.
+or, where a side holds more KV heads than move between the two ranks (tensor-parallel layouts
+that differ: `layout.head_route`), one per token of a row, over the heads' slice; runs that
+continue each other on both sides are merged.
 
 Membership (`service.py`, proto/duet/v1/kv_agent.proto): the receiver serves `KVAgent` on the
 internal gRPC plane (calls signed with the cluster secret, TLS when configured). A sender's

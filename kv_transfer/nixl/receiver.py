@@ -18,7 +18,7 @@ import torch
 
 from duet.kv_transfer.base import KVReceiver, TransferResult, TransferStatus
 from duet.kv_transfer.config import ReceiverConfig
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.layout import HandshakeError, HeadRoute, KVLayout, checked_route, num_senders
 from duet.kv_transfer.nixl.agent import AgentLoop, Posted
 from duet.kv_transfer.nixl.config import NixlReceiverConfig, check_caches
 from duet.kv_transfer.nixl.regions import Blocks, CacheRegions, layer_descs
@@ -40,7 +40,7 @@ class Peer:
     name: str
     layout: KVLayout
     regions: CacheRegions
-    head_offset: int  # where its heads start among this side's
+    route: HeadRoute  # the heads it moves, and where they go among this side's
 
 
 @dataclass
@@ -147,8 +147,7 @@ class NixlKVReceiver(KVReceiver):
     def _join(self, request: kv_agent_pb2.KVJoin) -> kv_agent_pb2.KVWelcome:
         try:
             sender = KVLayout.from_dict(json.loads(request.layout_json))
-            check_compatible(sender, self.layout)
-            heads = receiver_head_slice(sender, self.layout)
+            route = checked_route(sender, self.layout)
             regions = CacheRegions.from_dict(json.loads(request.regions_json))
         except (HandshakeError, ValueError, KeyError, TypeError) as e:
             logger.error("refusing KV agent %s: %s", request.agent_name, e)
@@ -163,7 +162,7 @@ class NixlKVReceiver(KVReceiver):
         if name != request.agent_name:
             return kv_agent_pb2.KVWelcome(error=f"agent metadata names {name!r}")
         with self._lock:
-            self._peers[name] = Peer(name, sender, regions, heads[0] if heads else 0)
+            self._peers[name] = Peer(name, sender, regions, route)
         logger.info("KV agent %s joined %s", name, self.config.name)
         return kv_agent_pb2.KVWelcome(
             agent_name=self.loop.agent_name,
@@ -396,9 +395,12 @@ class NixlKVReceiver(KVReceiver):
             local = Blocks(
                 self.regions, np.asarray(block_ids[:n], dtype=np.int64),
                 np.asarray(draft_ids[:n], dtype=np.int64) if draft_ids is not None else None,
-                shard.peer.head_offset,
+                shard.peer.route.dst[0], shard.peer.route.num_heads,
             )  # fmt: skip
-            remote = Blocks(shard.peer.regions, shard.block_ids, shard.draft_block_ids)
+            remote = Blocks(
+                shard.peer.regions, shard.block_ids, shard.draft_block_ids,
+                shard.peer.route.src[0], shard.peer.route.num_heads,
+            )  # fmt: skip
 
             def on_end(why: str | None) -> None:
                 self._read_ended(request_id, shard, end, why)
@@ -431,7 +433,7 @@ class NixlKVReceiver(KVReceiver):
 
     def _num_shards(self, pending: Pending) -> int:
         senders = [s.peer.layout for s in pending.shards.values()]
-        return max(1, self.layout.heads_per_rank // senders[0].heads_per_rank) if senders else 1
+        return num_senders(senders[0], self.layout) if senders else 1
 
     def _done(self, request_id: str, pending: Pending) -> None:
         """(Under the lock.) Every shard landed: DONE, and each sender may free its blocks."""

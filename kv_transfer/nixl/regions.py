@@ -5,8 +5,8 @@ other at the join where they are: per layer its base address and number of block
 shape of a block's row. A layer's cache is `[2, NB, BS, h, D]`: row `kv * NB + b` (K rows, then
 V rows) is block b's K or V, `BS * h * D` elements, contiguous. A transfer is then a list of
 (local address, remote address, length) triples, one per row moved, or, where one side holds
-more KV heads than the other (a shard from a sender with larger tensor parallelism), one per
-token of a row: the narrow side's heads are a slice of each of the wide side's token rows.
+KV heads than the transfer moves (tensor-parallel ranks: `layout.head_route`), one per token of
+a row: the moved heads are a slice of each token of that side's rows.
 Runs that continue each other on both sides are merged into one descriptor (fresh pools hand
 out consecutive blocks; each descriptor costs the transport an operation).
 
@@ -92,8 +92,7 @@ class CacheRegions:
 @dataclass(frozen=True)
 class Side:
     """One end of a transfer within one group: its regions, the blocks (one per transferred
-    block, in prompt order) and, on the wide side of a head shard, the first head the narrow
-    side's heads land at."""
+    block, in prompt order) and the first of its heads the transfer moves."""
 
     regions: GroupRegions
     block_ids: np.ndarray  # [n] int64
@@ -101,24 +100,32 @@ class Side:
 
 
 def pair_descs(
-    local: Side, remote: Side, layers: range, devices: tuple[int, int] = (0, 0)
+    local: Side,
+    remote: Side,
+    layers: range,
+    devices: tuple[int, int] = (0, 0),
+    num_heads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(local, remote) descriptor arrays `[N, 3]` (address, length, device id: `devices`, the
-    two sides' `CacheRegions.device_id`) for layers `layers` of the group: the same N on both
+    two sides' `CacheRegions.device_id`) for layers `layers` of the group, moving `num_heads`
+    heads (default: every head of both sides, which then hold as many): the same N on both
     sides, lengths equal pair by pair, adjacent runs merged."""
-    narrow = min(local.regions.heads, remote.regions.heads)
+    moved = num_heads if num_heads is not None else local.regions.heads
+    for side in (local, remote):
+        if not 0 <= side.head_offset <= side.head_offset + moved <= side.regions.heads:
+            raise ValueError(f"heads [{side.head_offset}, +{moved}) of {side.regions.heads}")
     if local.regions.head_bytes != remote.regions.head_bytes:
         raise ValueError("head sizes differ between the two sides")
     if local.block_ids.shape != remote.block_ids.shape:
         raise ValueError("the two sides move different numbers of blocks")
-    sliced = local.regions.heads != remote.regions.heads
-    local_addr = _addresses(local, layers, narrow, sliced)
-    remote_addr = _addresses(remote, layers, narrow, sliced)
-    piece = narrow * local.regions.head_bytes * (1 if sliced else local.regions.block_size)
+    sliced = moved != local.regions.heads or moved != remote.regions.heads
+    local_addr = _addresses(local, layers, sliced)
+    remote_addr = _addresses(remote, layers, sliced)
+    piece = moved * local.regions.head_bytes * (1 if sliced else local.regions.block_size)
     return _merge(local_addr, remote_addr, piece, devices)
 
 
-def _addresses(side: Side, layers: range, narrow: int, sliced: bool) -> np.ndarray:
+def _addresses(side: Side, layers: range, sliced: bool) -> np.ndarray:
     """Start addresses of every piece, in transfer order: per layer its K rows then its V rows,
     and, `sliced`, per row its tokens."""
     g = side.regions
@@ -161,7 +168,8 @@ class Blocks:
     regions: CacheRegions
     block_ids: np.ndarray  # [n] int64
     draft_block_ids: np.ndarray | None = None
-    head_offset: int = 0  # the wide side of a head shard: where the narrow side's heads go
+    head_offset: int = 0  # the first of this side's heads the transfer moves
+    num_heads: int | None = None  # how many (a route's: `layout.head_route`); None: all
 
 
 def layer_descs(
@@ -169,7 +177,9 @@ def layer_descs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Descriptors (`pair_descs`) of transfer layers [start, end): target layers first, then
     the draft's (transfer layer `num_target + j` is draft layer j), each group with its own
-    blocks and head layout (a draft is never sharded)."""
+    blocks and head layout (a draft is never sharded); both sides name the heads moved."""
+    if local.num_heads != remote.num_heads:
+        raise ValueError(f"the sides move {local.num_heads} and {remote.num_heads} heads")
     num_target = len(local.regions.target.bases)
     parts = []
     if start < num_target:
@@ -179,6 +189,7 @@ def layer_descs(
                 Side(remote.regions.target, remote.block_ids, remote.head_offset),
                 range(start, min(end, num_target)),
                 (local.regions.device_id, remote.regions.device_id),
+                local.num_heads,
             )
         )
     if end > num_target:

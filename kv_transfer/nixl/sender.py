@@ -19,7 +19,7 @@ import torch
 from duet.kv_transfer.base import KVSender, TransferResult
 from duet.kv_transfer.config import SenderConfig
 from duet.kv_transfer.layers import PagedLayers
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.layout import HandshakeError, HeadRoute, KVLayout, checked_route
 from duet.kv_transfer.nixl.agent import AgentLoop, Posted
 from duet.kv_transfer.nixl.config import NixlSenderConfig, check_caches
 from duet.kv_transfer.nixl.regions import Blocks, CacheRegions, layer_descs
@@ -42,7 +42,7 @@ class Channel:
     peer: str  # the receiver's agent
     layout: KVLayout
     regions: CacheRegions
-    head_offset: int  # where this side's heads go among the receiver's
+    route: HeadRoute  # the heads this side moves, and where they go among the receiver's
     broken: str | None = None
 
 
@@ -132,8 +132,7 @@ class NixlKVSender(KVSender):
             if welcome.error:
                 raise HandshakeError(f"receiver {dest} refused: {welcome.error}")
             peer_layout = KVLayout.from_dict(json.loads(welcome.layout_json))
-            check_compatible(self.layout, peer_layout)
-            heads = receiver_head_slice(self.layout, peer_layout)
+            route = checked_route(self.layout, peer_layout)
             regions = CacheRegions.from_dict(json.loads(welcome.regions_json))
 
             def add() -> str:
@@ -144,7 +143,7 @@ class NixlKVSender(KVSender):
         except BaseException:
             client.close()
             raise
-        channel = Channel(dest, client, peer, peer_layout, regions, heads[0] if heads else 0)
+        channel = Channel(dest, client, peer, peer_layout, regions, route)
         with self._lock:
             self._channels[dest] = channel
         return channel
@@ -294,7 +293,7 @@ class NixlKVSender(KVSender):
             offer.dest = Blocks(
                 offer.channel.regions, np.asarray(message["blocks"], dtype=np.int64),
                 np.asarray(draft, dtype=np.int64) if draft is not None else None,
-                offer.channel.head_offset,
+                offer.channel.route.dst[0], offer.channel.route.num_heads,
             )  # fmt: skip
             offer.dest_window_end = float(message["window_end"])
         else:
@@ -381,9 +380,11 @@ class NixlKVSender(KVSender):
             return
         start = offer.layers_written
         block_ids, draft_ids = offer.ids()
+        route = offer.channel.route
         local = Blocks(
             self.regions, np.asarray(block_ids, dtype=np.int64),
             np.asarray(draft_ids, dtype=np.int64) if draft_ids is not None else None,
+            route.src[0], route.num_heads,
         )  # fmt: skip
         local_descs, remote_descs = layer_descs(local, dest, start, end)
         # the receiver counts the draft's layers it reserved nothing for as written

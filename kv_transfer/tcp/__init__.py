@@ -39,7 +39,7 @@ connection; a `kv` frame's payload follows its header, striped over the connecti
 
 Where the data lands: an expected request (its `expect` came before its `xfer`) whose shard
 holds all the receiver's heads is received straight into its reserved blocks. Anything else (a
-request nobody expects yet, a head shard from a sender with larger tensor parallelism) lands
+request nobody expects yet, a slice of the receiver's heads: `layout.head_route`) lands
 piece by piece in slots of the receiver's bounded staging pool (`kv_transfer/staging.py`),
 which the engine thread scatters and gives back, as in torch_dist; a piece that finds the pool
 full waits for room up to `timeout_s` (the sender's socket waits meanwhile), then the channel

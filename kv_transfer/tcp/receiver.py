@@ -22,7 +22,7 @@ from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import ReceiverConfig
 from duet.kv_transfer.inbox import Arrival, Expected, InboxKVReceiver
 from duet.kv_transfer.layers import PagedLayers, TransferShape, piece_cells
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.layout import HandshakeError, KVLayout, checked_route
 from duet.kv_transfer.staging import StagingPool
 from duet.kv_transfer.tcp.config import TcpReceiverConfig, check_caches
 from duet.kv_transfer.tcp.framing import TICK_S, configure, frame, read_frame, wait_readable
@@ -136,8 +136,7 @@ class TcpKVReceiver(InboxKVReceiver):
                 return
             sender = KVLayout.from_dict(hello["layout"])
             try:
-                check_compatible(sender, self.layout)
-                receiver_head_slice(sender, self.layout)
+                checked_route(sender, self.layout)
             except HandshakeError as e:
                 logger.error("refusing KV channel from %s: %s", sock.getpeername(), e)
                 channel.reply({"verdict": {"error": str(e)}})
@@ -231,18 +230,15 @@ class TcpKVReceiver(InboxKVReceiver):
         if not 1 <= num_blocks <= first.shape[1] or (draft and sender.draft is None):
             raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks, draft {draft}")
         d = sender.draft
+        route = checked_route(sender, self.layout)  # checked at the handshake already
         shape = TransferShape(
-            len(self.kv_caches), num_blocks, (first.shape[2], sender.heads_per_rank,
+            len(self.kv_caches), num_blocks, (first.shape[2], route.num_heads,
             first.shape[4]), first.element_size(), d.num_layers if draft and d else 0,
             (first.shape[2], d.num_kv_heads, d.head_dim) if draft and d else (),
         )  # fmt: skip
         with self._lock:
             expected = self._expected.get(request_id)
-        direct = (
-            expected is not None
-            and len(expected.block_ids) >= num_blocks
-            and receiver_head_slice(sender, self.layout) is None
-        )
+        direct = expected is not None and len(expected.block_ids) >= num_blocks and route.dst_whole
         layers = None
         if direct:
             assert expected is not None

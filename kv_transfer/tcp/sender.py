@@ -17,7 +17,7 @@ from duet.kv_transfer.base import KVSender, TransferResult
 from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import SenderConfig
 from duet.kv_transfer.layers import PagedLayers
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.layout import HandshakeError, KVLayout, checked_route
 from duet.kv_transfer.link_probe import LinkProber
 from duet.kv_transfer.outbox import Outbox
 from duet.kv_transfer.tcp.config import TcpSenderConfig, check_caches
@@ -64,11 +64,14 @@ class Job:
 
 
 class SendChannel:
-    def __init__(self, dest: str, stripes: Stripes, peer: KVLayout, max_piece_bytes: int) -> None:
+    def __init__(
+        self, dest: str, stripes: Stripes, layout: KVLayout, peer: KVLayout, max_piece_bytes: int
+    ) -> None:
         self.dest = dest
         self.stripes = stripes
         self.sock = stripes.socks[0]
         self.peer = peer
+        self.heads = checked_route(layout, peer).src_slice  # this side's heads it moves
         self.max_piece_bytes = max_piece_bytes  # a frame the receiver can stage whole
         self.jobs: queue.Queue[list[Job] | None] = queue.Queue()
         self.inbound = bytearray()  # acknowledgements read so far
@@ -116,7 +119,7 @@ class TcpKVSender(KVSender):
             if channel.broken is None:
                 return channel
         stripes, peer, max_piece_bytes = self._dial(dest)
-        channel = SendChannel(dest, stripes, peer, max_piece_bytes)
+        channel = SendChannel(dest, stripes, self.layout, peer, max_piece_bytes)
         channel.thread = threading.Thread(
             target=self._send_loop, args=(channel,), name=f"kv-tcp-send-{self.name}", daemon=True
         )
@@ -138,7 +141,7 @@ class TcpKVSender(KVSender):
             if "error" in verdict:
                 raise HandshakeError(f"receiver {dest} refused: {verdict['error']}")
             peer = KVLayout.from_dict(verdict["layout"])
-            check_compatible(self.layout, peer)
+            checked_route(self.layout, peer)
             for index in range(1, self.stripes):  # the channel's other connections
                 extra = socket.create_connection(split_address(dest), timeout=self.timeout_s)
                 stripes.add(extra)
@@ -221,10 +224,13 @@ class TcpKVSender(KVSender):
     ) -> tuple[SendChannel, Job] | None:
         """A transfer for the caller to queue; None when `dest` is unreachable (reported
         FAILED by `poll`)."""
-        layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
+        PagedLayers.of_ids(self.kv_caches, block_ids)  # a bad id: refused before dialling
         channel = self._outbox.reach(request_id, dest, self.connect)
         if channel is None:
             return None
+        layers = PagedLayers.of_ids(
+            self.kv_caches, block_ids, self.draft_caches, draft_block_ids, channel.heads
+        )
         # Layer-wise: a frame per chunk of layers, each sent once the pass wrote it. Whole: one
         # frame per group as far as the receiver can stage it (a frame is one piece); between
         # frames both sides stop for a header, and those pauses cost a 256-block SmolLM2

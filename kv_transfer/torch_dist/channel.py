@@ -34,6 +34,7 @@ class Channel:
     tags: itertools.count[int]
     probes: bool = False  # the receiver takes link probes (probe.py; it said so at the handshake)
     max_piece_bytes: int = 0  # the largest piece both sides' staging pools take
+    heads: tuple[int, int] | None = None  # the sender's KV heads it moves (None: all)
     progress_s: float = 0.0  # send thread: when an operation was last posted or completed
     failed: bool = False  # send thread: aborted; never used again
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from duet.cluster_auth import ClusterSecret
 from duet.cluster_auth.handshake import AuthenticationError, check_store_proof, store_proof
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible
+from duet.kv_transfer.layout import HandshakeError, KVLayout, checked_route
 from duet.kv_transfer.torch_dist.channel import ACCEPT_QUEUE, Channel, as_timedelta
 from duet.kv_transfer.torch_dist.link import link_kind, open_link
 
@@ -55,13 +55,14 @@ def dial(
     ):
         raise AuthenticationError(f"KV receiver {dest} did not prove the cluster secret")
     peer = KVLayout.from_dict(verdict["layout"])
-    check_compatible(layout, peer)
+    route = checked_route(layout, peer)
     link = open_link(dist.PrefixStore(cid, store), 0, device, timeout_s, emulate_nccl, cid)
     # NOTE: a client of its own for the ack thread: a read from a stalled receiver's store
     # blocks (no timeout) and would hold the client's lock under `finish` and the headers.
     ack_store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
     channel = Channel(cid, store, ack_store, link, peer, itertools.count(1))
     channel.probes = verdict.get("probes", False) is True
+    channel.heads = route.src_slice
     # Pieces fit both sides' pools (the receiver stages each one whole).
     channel.max_piece_bytes = min(max_piece_bytes, int(verdict["max_piece_bytes"]))
     return channel

@@ -22,7 +22,7 @@ from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import ReceiverConfig
 from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
 from duet.kv_transfer.layers import staged_shape
-from duet.kv_transfer.layout import HandshakeError, KVLayout, check_compatible, receiver_head_slice
+from duet.kv_transfer.layout import HandshakeError, KVLayout, checked_route
 from duet.kv_transfer.staging import StagingPool
 from duet.kv_transfer.torch_dist.channel import (
     ACCEPT_QUEUE,
@@ -125,8 +125,7 @@ class TorchDistKVReceiver(InboxKVReceiver):
         device = self.kv_caches[0].device
         kind = link_kind(device, self.emulate_nccl)
         try:
-            check_compatible(sender, self.layout)
-            receiver_head_slice(sender, self.layout)
+            checked_route(sender, self.layout)
             check_link(store.get(f"{cid}/link/sender").decode(), kind)
         except HandshakeError as e:
             logger.error("refusing KV channel %s: %s", cid, e)

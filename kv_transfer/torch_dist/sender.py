@@ -154,7 +154,9 @@ class TorchDistKVSender(KVSender):
         if channel is None:
             return None
         # NOTE: ids checked here: a piece that fails to gather would leave the channel out of step
-        layers = PagedLayers.of_ids(self.kv_caches, block_ids, self.draft_caches, draft_block_ids)
+        layers = PagedLayers.of_ids(
+            self.kv_caches, block_ids, self.draft_caches, draft_block_ids, channel.heads
+        )
         pieces = layers.shape.pieces(channel.max_piece_bytes)
         job = SendJob(
             request_id, channel, layers, pieces, [next(channel.tags) for _ in pieces], meta,

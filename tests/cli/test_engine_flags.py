@@ -173,7 +173,7 @@ def test_bad_values_are_argparse_errors_naming_the_flag(
 def test_disaggregated_workers_get_the_engine_flags() -> None:
     parser, args = parse(
         ["serve", "--disaggregated", "--model", "m", "--block-size", "32", "--max-num-seqs", "7",
-         "--no-enable-prefix-caching", "--dtype", "float32", "--prefill-tp", "2"]
+         "--no-enable-prefix-caching", "--dtype", "float32", "--prefill-tp", "2", "--decode-tp", "3"]
     )  # fmt: skip
     spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
     prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
@@ -182,7 +182,7 @@ def test_disaggregated_workers_get_the_engine_flags() -> None:
         assert (config.model, config.block_size, config.max_num_seqs) == ("m", 32, 7)
         assert (config.enable_prefix_caching, config.dtype) == (False, "float32")
         assert config.load_progress is False  # workers load quietly unless asked
-    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 1)
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 3)
     assert spec.cluster.max_num_seqs_per_decode_worker == 7
 
 
@@ -218,7 +218,7 @@ def test_prefill_workers_get_a_draft_they_prefill(
     where: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With draft_prefill prefill or auto the prefill workers load the draft too (to compute its
-    prompt KV), which refuses prefill tensor parallelism naming the key."""
+    prompt KV), which refuses prefill and decode tensor parallelism naming the key."""
     draft = {"method": "draft_model", "model": "d", "draft_prefill": where}
     parser, args = parse(["serve", "--disaggregated", "--speculative-config", json.dumps(draft)])
     spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
@@ -234,6 +234,14 @@ def test_prefill_workers_get_a_draft_they_prefill(
         check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
     err = capsys.readouterr().err
     assert f"--speculative-config: 'draft_prefill' '{where}' prefills the draft on" in err
+    # and it lands whole on one decode rank
+    parser, args = parse(
+        ["serve", "--disaggregated", "--decode-tp", "2", "--speculative-config", json.dumps(draft)]
+    )
+    with pytest.raises(SystemExit):
+        check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    err = capsys.readouterr().err
+    assert f"--speculative-config: 'draft_prefill' '{where}' sends the draft's prompt KV" in err
 
 
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(

@@ -34,7 +34,8 @@ def test_one_gpu_host_is_refused_naming_the_flags(gpus, capsys: pytest.CaptureFi
     gpus(1)
     assert main(["serve", "--disaggregated", "--model", "m"]) == 2
     err = capsys.readouterr().err
-    assert "--prefill-workers 1 x --prefill-tp 1 + --decode-workers 1 need 2 GPUs" in err
+    need = "--prefill-workers 1 x --prefill-tp 1 + --decode-workers 1 x --decode-tp 1 need 2 GPUs"
+    assert need in err
     assert "this machine has 1" in err and "--device cpu" in err and "Traceback" not in err
 
 
@@ -54,6 +55,8 @@ def test_placements_that_give_each_worker_a_gpu_or_keep_kv_on_the_cpu_pass(gpus)
     assert accepted([])
     with pytest.raises(ValueError, match="need 3 GPUs"):
         accepted(["--decode-workers", "2"])
+    with pytest.raises(ValueError, match="x --decode-tp 2 need 3 GPUs"):
+        accepted(["--decode-tp", "2"])  # a rank per GPU
     gpus(1)
     assert accepted(["--device", "cpu"])
     assert accepted(["--ray-address", "auto"])  # Ray places the workers across the cluster

@@ -74,6 +74,7 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         (["serve", "--disaggregated", "--request-timeout", "60"], "--request-timeout"),
         (["serve", "--disaggregated", "--router-replicas", "0"], "--router-replicas"),
         (["serve", "--disaggregated", "--prefill-tp", "0"], "--prefill-tp"),
+        (["serve", "--disaggregated", "--decode-tp", "0"], "--decode-tp: must be an integer >= 1"),
     ],
 )
 def test_bad_serve_flags_fail_before_loading(
@@ -81,6 +82,15 @@ def test_bad_serve_flags_fail_before_loading(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--prefill-tp", "--decode-tp"])
+def test_group_sizes_the_model_cannot_split_fail_before_ray_starts(
+    flag: str, tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--disaggregated", "--model", tiny_llama, flag, "5"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: must be between 1 and the model's num_attention_heads (4); got 5" in err
 
 
 def _truncated_gguf(tmp_path: Path, num_bytes: int) -> str:

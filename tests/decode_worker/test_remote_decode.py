@@ -186,7 +186,8 @@ def test_a_failed_staging_allocation_fails_one_request_and_the_workers_serve_the
     request's transfer FAILS, retryable; the engine threads live on, the next request's
     tokens equal the aggregated engine's, and every block is back in its pool."""
     prefill, decode = start_workers(tiny_llama, "torch_dist", kv_transfer_timeout_s=2)
-    pool = (prefill.sender if side == "prefill" else decode.receiver)._staging
+    sides = {"prefill": prefill.sender.sender(0), "decode": decode.receiver}  # rank 0 of one
+    pool = sides[side]._staging
     allocate = pool._allocate
     calls = []
 

@@ -42,10 +42,16 @@ def test_prefill_lease_must_outlast_a_transfer():
         PrefillWorkerConfig(kv_transfer_timeout_s=30, kv_lease_s=30)
 
 
-def test_cluster_spec_gives_both_roles_its_kv_backend():
-    spec = ClusterSpec(model="m", engine={"dtype": "float32"}, prefill_tp=2, kv_backend="tcp")
+def test_cluster_spec_gives_both_roles_its_kv_backend_and_tp_size():
+    spec = ClusterSpec(
+        model="m", engine={"dtype": "float32"}, prefill_tp=2, decode_tp=3, kv_backend="tcp"
+    )
     assert spec.worker_config("prefill")["kv_backend"] == "tcp"
     assert spec.worker_config("decode") == {
         "model": "m", "load_progress": False, "dtype": "float32", "kv_backend": "tcp",
+        "tensor_parallel_size": 3,
     }  # fmt: skip
     assert spec.worker_config("prefill")["tensor_parallel_size"] == 2
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"--decode-tp: must be an integer >= 1; got {bad!r}"):
+            ClusterSpec(decode_tp=bad)

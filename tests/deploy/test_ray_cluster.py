@@ -1,6 +1,6 @@
 """The disaggregated cluster on a local Ray instance (this process is the driver): two TP=2
-prefill groups, two decode workers and a router actor, driven through the official openai
-client. Same text as the aggregated engine, prefix-aware routing, and the faults the design
+prefill groups, two TP=2 decode workers (each rank an actor, placed as prefill groups are) and a
+router actor, driven through the official openai client. Same text as the aggregated engine, prefix-aware routing, and the faults the design
 promises to survive: a decode actor killed mid-stream, a prefill rank killed, everything
 killed (503 at once, no hang)."""
 
@@ -22,6 +22,7 @@ import torch
 from duet.cluster_auth import load_cluster_secret
 from duet.cluster_auth.grpc_auth import CallSigner
 from duet.engine import LLM, SamplingParams
+from duet.kv_transfer.fanout import split_addresses
 from duet.v1 import worker_pb2, worker_pb2_grpc
 from tests.deploy.ray_harness import cluster_spec, running_cluster
 from tests.waiting import wait_for
@@ -35,7 +36,7 @@ ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=256, max_num_seqs=16)
 def cluster(tiny_llama, tmp_path_factory):
     spec = cluster_spec(
         tiny_llama, tmp_path_factory.mktemp("sessions"), ENGINE,
-        prefill_workers=2, prefill_tp=2, decode_workers=2,
+        prefill_workers=2, prefill_tp=2, decode_workers=2, decode_tp=2,
     )  # fmt: skip
     with running_cluster(spec) as running:
         yield running
@@ -182,10 +183,13 @@ def listening(actor) -> dict[int, str]:
 def test_workers_listen_on_loopback_and_demand_credentials(cluster):
     duet, _ = cluster
     for d in duet.decodes:
-        kv_port = int(decode_load(duet, d).kv_address.rsplit(":", 1)[1])
+        # each rank's KV receiver, in rank order; rank 0 serves gRPC
+        kv_addresses = split_addresses(decode_load(duet, d).kv_address)
+        assert len(kv_addresses) == len(d.ranks) == 2
+        for rank, kv_address in zip(d.ranks, kv_addresses, strict=True):
+            assert listening(rank)[int(kv_address.rsplit(":", 1)[1])] == "127.0.0.1"
         grpc_port = int(d.address.rsplit(":", 1)[1])
-        bound = listening(d.actor)
-        assert (bound[grpc_port], bound[kv_port]) == ("127.0.0.1", "127.0.0.1")
+        assert listening(d.actor)[grpc_port] == "127.0.0.1"
         with grpc.insecure_channel(d.address) as channel, pytest.raises(grpc.RpcError) as info:
             worker_pb2_grpc.DecodeWorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED

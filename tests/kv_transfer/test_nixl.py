@@ -152,12 +152,23 @@ def test_descriptors_merge_runs_and_slice_heads_per_token():
     assert local[:, 1].tolist() == [row, row, row, row]
     # A head shard: the receiver's wide rows take heads [2, 4) of each token, 64 bytes apiece.
     local, remote = pair_descs(
-        Side(wide, np.array([9]), head_offset=2), Side(narrow, np.array([1])), range(1)
-    )
+        Side(wide, np.array([9]), head_offset=2), Side(narrow, np.array([1])), range(1),
+        num_heads=2,
+    )  # fmt: skip
     tokens = np.arange(4)
     assert local[:4, 0].tolist() == ((1 << 20) + 9 * row + tokens * 128 + 2 * 32).tolist()
     assert remote[:4, 0].tolist() == ((3 << 20) + 1 * 256 + tokens * 64).tolist()
     assert set(local[:, 1].tolist()) == {64} and local.shape == (8, 3)  # K and V: 4 tokens each
+    # Both sides sliced (layouts that split heads differently): head 1 of 2 into head 3 of 4.
+    local, remote = pair_descs(
+        Side(wide, np.array([9]), head_offset=3), Side(narrow, np.array([1]), head_offset=1),
+        range(1), num_heads=1,
+    )  # fmt: skip
+    assert local[:4, 0].tolist() == ((1 << 20) + 9 * row + tokens * 128 + 3 * 32).tolist()
+    assert remote[:4, 0].tolist() == ((3 << 20) + 1 * 256 + tokens * 64 + 32).tolist()
+    assert set(local[:, 1].tolist()) == {32}
+    with pytest.raises(ValueError, match=r"heads \[2, \+2\) of 2"):
+        pair_descs(Side(wide, np.array([9])), Side(narrow, np.array([1]), 2), range(1), num_heads=2)
 
 
 @pytest.mark.parametrize("mode", MODES)
