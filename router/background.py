@@ -218,8 +218,7 @@ class BackgroundService:
                     return
             if result is not None and "error" in result:
                 yield f"data: {json.dumps({'error': result['error']})}\n\n"
-                yield DONE
-                return
+                return  # no [DONE] after an error: it would say the reply is whole
             if not raw:
                 await asyncio.sleep(_POLL_S)
         message = f"stream open for {MAX_STREAM_S:g}s; reconnect with offset={offset}"

@@ -6,7 +6,7 @@ Lifecycle:
   log says where each endpoint listens.
 - Stop (Ctrl-C, SIGTERM): both servers stop taking new work at once. In-flight requests get
   `shutdown_timeout_s` to finish; after that the engine is stopped, which ends every remaining
-  request with a retryable error (an SSE error event then `[DONE]` on REST, UNAVAILABLE on
+  request with a retryable error (an SSE error event and no `[DONE]` on REST, UNAVAILABLE on
   gRPC), never a silent cut or a hang. Then the session store and rate limiter close.
 """
 
