@@ -22,7 +22,7 @@ from duet.router.batches import BatchService
 from duet.router.chat_turn import ChatTurns
 from duet.router.engine_client import EngineClient
 from duet.router.openai_chat import ChatOptions
-from duet.router.queue_worker import QueueWorker
+from duet.router.queue_worker import QueueWorker, RetryBackoff
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from duet.router.serving_chat import ChatCompletionHandler
 from duet.router.serving_completion import CompletionHandler
@@ -51,6 +51,9 @@ class RouterOptions:
     """The Batch API and background requests, and this replica's consumers of their queues."""
     batch_priority: BatchPriority | None = None
     """How much of the engine batch lines may take; None: `BatchPriority()`."""
+    queue_backoff: RetryBackoff | None = None
+    """How queued work waits out a passing outage (router/queue_worker.py); None: the
+    default."""
     chat_options: ChatOptions | None = None
     """Tool-call and reasoning parsers (router/openai_chat.py); None: inferred, none."""
     web_ui: bool = True
@@ -104,12 +107,13 @@ class FrontDoor:
             background = BackgroundService(queue.queue_named("background"), turns)
             workers = [
                 QueueWorker(queue, BatchRunner(ctx, batches).runners,
-                            lambda num_running: priority.free_slots(admission, num_running)),
+                            lambda num_running: priority.free_slots(admission, num_running),
+                            backoff=options.queue_backoff),
                 # Background requests are interactive work that outlives its connection: their
                 # own queue (never behind a batch), taken whenever admission has room.
                 QueueWorker(background.queue, {BACKGROUND_KIND: background.run},
                             lambda num_running: max(0, admission.max_running - num_running)
-                            if admission.can_admit(1) else 0),
+                            if admission.can_admit(1) else 0, backoff=options.queue_backoff),
             ]  # fmt: skip
         return cls(
             options, ctx, APIKeyChecker(options.api_keys), turns,
