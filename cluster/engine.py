@@ -143,7 +143,7 @@ class ClusterEngine:
         return self.pool.stats()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt)
+        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt, self._max_model_len)
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self._tokenizer.encode_chat(messages)

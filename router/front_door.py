@@ -21,6 +21,7 @@ from duet.router.batch_runner import BatchPriority, BatchRunner
 from duet.router.batches import BatchService
 from duet.router.chat_turn import ChatTurns
 from duet.router.engine_client import EngineClient
+from duet.router.http_limits import HttpLimits
 from duet.router.openai_chat import ChatOptions
 from duet.router.queue_worker import QueueWorker, RetryBackoff
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
@@ -56,6 +57,9 @@ class RouterOptions:
     default."""
     chat_options: ChatOptions | None = None
     """Tool-call and reasoning parsers (router/openai_chat.py); None: inferred, none."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Bounds on one HTTP client: body size and read timeouts, connections
+    (router/http_limits.py; the connection cap and header deadline are the server's)."""
     web_ui: bool = True
     """The chat page at `/` and the cluster dashboard (router/web_ui.py)."""
     metrics_prefix: str = "duet"
