@@ -120,11 +120,46 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "over OTLP/gRPC to this collector (default: no tracing)",
     )
     _add_queue_flags(parser)
+    _add_http_limit_flags(parser)
     _add_chat_flags(parser)
     add_engine_flags(parser)
     add_cluster_arguments(parser)
     parser.set_defaults(run=run, command_parser=parser)
     return parser
+
+
+def _add_http_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one REST client may cost (router/http_limits.py, docs/serving.md)."""
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="largest REST request body; larger ones get 413 unread (default: 1 MiB + 64 bytes "
+        "per token of the model's context; file uploads have their own 32 MiB limit)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close a connection whose request headers take longer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="answer 408 to a request whose body takes longer after its headers "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="open REST connections at most; more get 503 and are closed (default: %(default)s)",
+    )
 
 
 def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
@@ -238,6 +273,10 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             web_ui=args.web_ui,
             metrics_prefix=args.metrics_prefix,
             otlp_endpoint=args.otlp_endpoint,
+            max_body_bytes=args.max_body_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
         )
         open_session_store(config.session_store_url)  # a bad URL fails here, naming the flag
     except ValueError as e:

@@ -67,7 +67,12 @@ a bound of its own (the calls' and the stream's deadlines); this one is the back
 
 
 class RetryAttempt(Exception):
-    """This attempt failed in a way another attempt may not."""
+    """This attempt failed in a way another attempt may not; `outcome` says how (a worker
+    without room is a reason to wait, not a failure)."""
+
+    def __init__(self, message: str, outcome: Outcome = Outcome.RETRY) -> None:
+        super().__init__(message)
+        self.outcome = outcome
 
 
 class AttemptRunner:
@@ -141,7 +146,7 @@ class AttemptRunner:
             self.pool.mark_broken(worker, failure.message)
         elif outcome is Outcome.WORKER_FULL and isinstance(worker, DecodeState):
             worker.full_until = time.monotonic() + FULL_BACKOFF_S
-        return RetryAttempt(failure.message)
+        return RetryAttempt(failure.message, outcome)
 
 
 class Attempt:

@@ -19,7 +19,8 @@ class ClusterConfig:
     kv_wait_s: float = 90.0
     """How long a decode worker waits for a request's KV (must exceed the prefill lease)."""
     max_attempts: int = 4
-    """Attempts per sample before it fails."""
+    """Failed attempts per sample before it fails (waits for room on a full decode worker
+    are not failures: the request timeout bounds them)."""
     prefill_with_reservation: bool = True
     """Start the prefill call beside the decode worker's reservation (its KV address from its
     load report; KV that lands first waits in its inbox) instead of after the reservation's

@@ -10,13 +10,15 @@ The router detokenizes: workers send token ids (and logprobs); the engine's own
 `OutputAssembler` turns them into text, applies stop strings (then cancels the worker's
 stream) and builds the `RequestOutput`s, so outputs read exactly as in aggregated mode.
 
-Failures never lose an accepted request silently. A prefill worker that fails or dies, a KV
-transfer that fails, or a decode worker without room sends the attempt elsewhere. A decode
+Failures never lose an accepted request silently. A prefill worker that fails or dies, or a
+KV transfer that fails, sends the attempt elsewhere. A decode worker without room is no
+failure: the request waits for room (on any decode worker, backing off up to `ROOM_WAIT_MAX_S`
+between tries), bounded only by its own timeout, and spends none of its attempts meanwhile. A decode
 worker that dies mid-stream is replaced: the new attempt prefills prompt + the tokens already
 streamed, and continues with the remaining budget (greedy output is unchanged; a seeded sample
 continues with a fresh draw sequence, and presence/frequency penalties count the streamed
-tokens as prompt). After `max_attempts`, or with no decode worker at all, the request ends
-with `EngineDeadError` (503 / UNAVAILABLE: retryable).
+tokens as prompt). After `max_attempts` failures, past the request's timeout, or with no decode worker at
+all, the request ends with `EngineDeadError` (503 / UNAVAILABLE: retryable).
 
 Timeouts nest: request (`request_timeout_s`) > decode worker's wait for KV (`kv_wait_s`) >
 prefill worker's lease on sent blocks > one transfer's network operations.
@@ -34,6 +36,7 @@ from collections.abc import AsyncGenerator
 
 from duet.cluster.attempt import AttemptRunner, RetryAttempt
 from duet.cluster.config import ClusterConfig
+from duet.cluster.outcomes import Outcome
 from duet.cluster.sample import ClusterSample
 from duet.cluster.transfer_log import TransferLog
 from duet.cluster.worker_pool import ClusterStats, WorkerPool
@@ -48,6 +51,12 @@ from duet.engine.tokenizer import Message, Tokenizer
 __all__ = ["ClusterEngine"]
 
 logger = logging.getLogger(__name__)
+
+ROOM_WAIT_MIN_S = 0.05
+"""The first wait of a request that found no room on a decode worker; it doubles per try."""
+ROOM_WAIT_MAX_S = 1.0
+"""The longest wait between tries for room: how late a waiting request may notice freed
+blocks. Each try costs the decode worker one refused call."""
 
 
 class ClusterEngine:
@@ -134,7 +143,7 @@ class ClusterEngine:
         return self.pool.stats()
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt)
+        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt, self._max_model_len)
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self._tokenizer.encode_chat(messages)
@@ -251,20 +260,39 @@ class ClusterEngine:
         request = sample.request
         deadline = time.monotonic() + self.config.request_timeout_s
         last_error = "no attempt was made"
-        for attempt in range(1, self.config.max_attempts + 1):
+        num_failed = num_waits = 0
+        # `tries` names each attempt's transfer uniquely; only failures count toward
+        # `max_attempts`, never a wait for room.
+        for tries in itertools.count(1):
             decode = self.pool.pick_decode(len(prompt_ids) + request.num_output_tokens)
             if decode is None:
                 raise EngineDeadError("no decode worker is available; retry later")
             try:
-                await self._attempt.run(sample, prompt_ids, decode, attempt, deadline, updates)
+                await self._attempt.run(sample, prompt_ids, decode, tries, deadline, updates)
                 return
             except RetryAttempt as e:
                 last_error = str(e)
+                if e.outcome is Outcome.WORKER_FULL:
+                    # NOTE: no room is a reason to wait, not a failure: blocks free up as
+                    # other requests finish (after a failover the survivors are full for a
+                    # while). Only the request's own timeout bounds the wait.
+                    wait_s = min(ROOM_WAIT_MAX_S, ROOM_WAIT_MIN_S * 2.0 ** min(num_waits, 30))
+                    if time.monotonic() + wait_s >= deadline:
+                        raise EngineDeadError(
+                            f"request timed out after {self.config.request_timeout_s}s waiting "
+                            f"for room on a decode worker ({last_error})"
+                        ) from None
+                    if num_waits == 0:
+                        logger.info("request %s waits for room: %s", request.request_id, e)
+                    num_waits += 1
+                    await asyncio.sleep(wait_s)
+                    continue
+                num_failed += 1
                 self.transfers.count_migration(last_error)
-                logger.warning("request %s attempt %d: %s", request.request_id, attempt, e)
-            if time.monotonic() >= deadline:
+                logger.warning("request %s attempt %d: %s", request.request_id, tries, e)
+            if num_failed >= self.config.max_attempts or time.monotonic() >= deadline:
                 break
-            await asyncio.sleep(0.05 * attempt)
+            await asyncio.sleep(0.05 * num_failed)
         raise EngineDeadError(
-            f"request {request.request_id} failed after {attempt} attempt(s): {last_error}"
+            f"request {request.request_id} failed after {num_failed} attempt(s): {last_error}"
         )

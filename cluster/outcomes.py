@@ -27,7 +27,9 @@ class Outcome(enum.Enum):
     WORKER_LOST = "worker_lost"
     """The worker is unreachable: it gets no new requests until a poll answers again; retry."""
     WORKER_FULL = "worker_full"
-    """The decode worker has no room: skipped for `FULL_BACKOFF_S`; retry."""
+    """The decode worker has no room: skipped for `FULL_BACKOFF_S`. Not a failure: the request
+    waits for room (backing off, bounded by its own timeout) and tries again without spending
+    one of its attempts."""
     INVALID_INPUT = "invalid_input"
     """The request itself is refused: a 400 / INVALID_ARGUMENT naming the prompt, no retry."""
     TIMED_OUT = "timed_out"

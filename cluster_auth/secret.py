@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import shutil
 import struct
 import tempfile
 from collections.abc import Mapping
@@ -89,10 +90,18 @@ def load_cluster_secret(environ: Mapping[str, str] | None = None) -> ClusterSecr
     )
 
 
+SECRET_DIR_PREFIX = "duet-secret-"
+OWNER_FILE = "owner-pid"
+"""In each secret directory: the process that made it, so the next start can tell a
+directory left by a process that was killed (hard, no clean-up) from one still in use."""
+
+
 def write_secret_file(secret: ClusterSecret, directory: str | None = None) -> Path:
     """Write `secret` to a new file only this user can read, in a new private directory (under
-    `directory`, default the system's temporary one). The caller removes it (`remove_secret_file`)."""
-    folder = Path(tempfile.mkdtemp(prefix="duet-secret-", dir=directory))  # mode 0700
+    `directory`, default the system's temporary one) that names this process as its owner.
+    The caller removes it (`remove_secret_file`)."""
+    folder = Path(tempfile.mkdtemp(prefix=SECRET_DIR_PREFIX, dir=directory))  # mode 0700
+    (folder / OWNER_FILE).write_text(str(os.getpid()))
     path = folder / "cluster-secret"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -101,8 +110,37 @@ def write_secret_file(secret: ClusterSecret, directory: str | None = None) -> Pa
 
 
 def remove_secret_file(path: Path) -> None:
+    """Remove the secret and the private directory `write_secret_file` made for it."""
     path.unlink(missing_ok=True)
+    if path.parent.name.startswith(SECRET_DIR_PREFIX):
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def remove_stale_secret_dirs(directory: str | None = None) -> list[Path]:
+    """Remove this user's secret directories (under `directory`, default the system's
+    temporary one) whose owner process is gone: a `duet serve` killed with SIGKILL never
+    removes its own. A directory without an owner file, or whose owner runs, is left alone.
+    Returns the directories removed."""
+    removed = []
+    for folder in Path(directory or tempfile.gettempdir()).glob(SECRET_DIR_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            owner = int((folder / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if owner == os.getpid() or _is_running(owner):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _is_running(pid: int) -> bool:
     try:
-        path.parent.rmdir()
-    except OSError:
-        pass  # not empty or already gone: leave it
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the pid: running
+        return True
+    return True

@@ -135,7 +135,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt)
+        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt, self.max_model_len)
 
     def add_request(
         self,

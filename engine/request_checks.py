@@ -1,4 +1,5 @@
-"""Checks every entry point applies to a prompt before it becomes a request: tokenizing and
+"""Checks every entry point applies to a prompt before it becomes a request: a text provably
+too long for the context refused before it is tokenized (`check_prompt_chars`), tokenizing and
 validating the ids (`tokenize_prompt`), fitting prompt + output in the context and the KV pool
 (`check_lengths`)."""
 
@@ -13,14 +14,33 @@ from duet.engine.tokenizer import Tokenizer
 Prompt = str | Sequence[int]
 
 
+def check_prompt_chars(
+    tokenizer: Tokenizer, text: str, max_model_len: int, field: str = "prompt"
+) -> None:
+    """Raises `InvalidInputError` naming `field` when `text` has more characters than the
+    context's tokens could hold (no token stands for more than `tokenizer.max_token_chars`):
+    tokenizing a huge text costs seconds and gigabytes, counting its characters nothing."""
+    max_chars = tokenizer.max_token_chars
+    if max_chars is None or len(text) <= max_model_len * max_chars:
+        return
+    raise InvalidInputError(
+        field,
+        f"has {len(text)} characters, so at least {-(-len(text) // max_chars)} tokens (a token "
+        f"is at most {max_chars} characters); the model's context is {max_model_len}",
+    )
+
+
 def tokenize_prompt(
-    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt
+    tokenizer: Tokenizer, vocab_size: int, prompt: Prompt, max_model_len: int | None = None
 ) -> tuple[str | None, list[int]]:
     """(text, token ids) of a prompt given as text or token ids; raises `InvalidInputError`
-    for an empty prompt or ids outside the vocabulary."""
+    for an empty prompt, ids outside the vocabulary, or (given `max_model_len`) a text
+    provably too long for the context, refused before it is tokenized."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidInputError("prompt", "must not be empty")
+        if max_model_len is not None:
+            check_prompt_chars(tokenizer, prompt, max_model_len)
         return prompt, tokenizer.encode(prompt)
     ids = list(prompt)
     if not ids:

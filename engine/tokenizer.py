@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -76,6 +77,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for (the longest vocabulary entry),
+        so `len(text) / max_token_chars` tokens at least; None where the tokenizer may drop
+        or merge characters (a normalizer that composes or strips, a pre-tokenizer that
+        splits on whitespace, unknown-character tokens), so no such bound holds."""
+        return _max_token_chars(self._tok)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
@@ -136,6 +145,44 @@ class Tokenizer:
     def encode_chat(self, messages: list[Message], **kwargs: Any) -> list[int]:
         # The template already holds BOS where the model wants one.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+# What keeps every character of the text in some token: normalizers that only add or
+# substitute characters one for one (or more), pre-tokenizers that split without dropping any.
+_KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"}
+
+
+def _max_token_chars(tok: tokenizers.Tokenizer) -> int | None:
+    spec = json.loads(tok.to_str())
+    model = spec.get("model") or {}
+    pre = spec.get("pre_tokenizer")
+    byte_level = any(p.get("type") == "ByteLevel" for p in _flat(pre))
+    # Every character must have tokens of its own (its bytes), never one shared unknown token.
+    if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+        return None
+    if not all(_keeps_characters(n) for n in _flat(spec.get("normalizer"))):
+        return None
+    if not all(p.get("type") in _KEEPING_PRE_TOKENIZERS for p in _flat(pre)):
+        return None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    return max((len(t) for t in vocab), default=1) or 1
+
+
+def _flat(component: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        parts = component.get("normalizers") or component.get("pretokenizers") or []
+        return [leaf for part in parts for leaf in _flat(part)]
+    return [component]
+
+
+def _keeps_characters(normalizer: dict[str, Any]) -> bool:
+    if normalizer.get("type") == "Replace":  # sentencepiece's " " -> "▁": one for one
+        pattern = (normalizer.get("pattern") or {}).get("String")
+        return pattern is not None and len(normalizer.get("content", "")) >= len(pattern)
+    return normalizer.get("type") in _KEEPING_NORMALIZERS
 
 
 def _check_messages(messages: list[Message]) -> None:

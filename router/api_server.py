@@ -25,6 +25,7 @@ from duet.router.batch_routes import install_batch_routes
 from duet.router.dashboard import install_dashboard_routes
 from duet.router.errors import EngineUnavailableError, install_exception_handlers
 from duet.router.front_door import FrontDoor
+from duet.router.http_limits import BodyLimitMiddleware
 from duet.router.http_metrics import HTTPStatusMiddleware
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from duet.router.openai_responses import (
@@ -78,6 +79,13 @@ def build_app(
     install_openapi(app)
     web_ui = front.options.web_ui
     open_to_all = OPEN_PATHS | (open_paths() if web_ui else set())
+    limits = front.options.http_limits
+    # Inside the key check: a caller without a key never gets as far as its body.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=limits.body_bytes(front.ctx.engine.max_model_len),
+        body_timeout_s=limits.body_timeout_s,
+    )
     app.add_middleware(APIKeyMiddleware, checker=front.checker, open_paths=open_to_all)
     # Outermost (added last), so the key check's 401s are counted too.
     app.add_middleware(HTTPStatusMiddleware, metrics=front.ctx.metrics, routes=app.router.routes)

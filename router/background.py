@@ -21,6 +21,7 @@ from the work queue, and any replica serves its result and its stream.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -55,6 +56,7 @@ class BackgroundService:
     def __init__(self, queue: WorkQueue, turns: ChatTurns) -> None:
         self.queue = queue
         self.turns = turns
+        self._runs = itertools.count()
 
     @property
     def model_name(self) -> str:
@@ -113,8 +115,9 @@ class BackgroundService:
         turn_of_session = (
             None if session is None else SessionTurn(session["id"], session["version"], [])
         )
-        # A fresh engine request id per delivery: an earlier one may still be ending.
-        engine_id = f"{request_id}-{delivery.num_deliveries}"
+        # A fresh engine request id per run (a delivery runs again after an outage): an
+        # earlier one may still be ending.
+        engine_id = f"{request_id}-{delivery.num_deliveries}.{next(self._runs)}"
         try:
             plan, params = self.turns.plan(body, {})
             logged = [step_from_json(e) for e in await self._log(request_id)]
@@ -218,8 +221,7 @@ class BackgroundService:
                     return
             if result is not None and "error" in result:
                 yield f"data: {json.dumps({'error': result['error']})}\n\n"
-                yield DONE
-                return
+                return  # no [DONE] after an error: it would say the reply is whole
             if not raw:
                 await asyncio.sleep(_POLL_S)
         message = f"stream open for {MAX_STREAM_S:g}s; reconnect with offset={offset}"

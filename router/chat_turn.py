@@ -119,7 +119,7 @@ class ChatTurns:
             session = await ctx.sessions.begin_turn(body.session_id, api_key)
         messages = new_messages if session is None else [*session.history, *new_messages]
         try:
-            prompt_ids = plan.render(ctx.engine.tokenizer, body, messages)
+            prompt_ids = plan.render(ctx.engine.tokenizer, body, messages, ctx.engine.max_model_len)
             params = plan.sampling_params(params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
@@ -150,7 +150,9 @@ class ChatTurns:
         `request_id`, so every run (and the stored session turn) names them alike."""
         plan.tools.new_id = stable_call_ids(request_id, plan.parser.name == "mistral")
         try:
-            prompt_ids = plan.render(self.ctx.engine.tokenizer, body, messages)
+            prompt_ids = plan.render(
+                self.ctx.engine.tokenizer, body, messages, self.ctx.engine.max_model_len
+            )
             params = plan.sampling_params(params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, {}) from None

@@ -146,11 +146,16 @@ class OverloadedError(OpenAIError):
 
 
 class EngineUnavailableError(OpenAIError):
-    """The engine stopped (crash or shutdown); another replica may serve the retry."""
+    """The engine stopped (crash or shutdown), or no worker can take the request now; a retry
+    (here, once workers are back, or on another replica) may succeed. Every 503 says when to
+    retry (Retry-After), so clients and proxies back off rather than hammer."""
 
     status_code = 503
     type = "service_unavailable"
     code = "engine_unavailable"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, retry_after_s))})
 
 
 class InternalServerError(OpenAIError):

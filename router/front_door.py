@@ -21,8 +21,9 @@ from duet.router.batch_runner import BatchPriority, BatchRunner
 from duet.router.batches import BatchService
 from duet.router.chat_turn import ChatTurns
 from duet.router.engine_client import EngineClient
+from duet.router.http_limits import HttpLimits
 from duet.router.openai_chat import ChatOptions
-from duet.router.queue_worker import QueueWorker
+from duet.router.queue_worker import QueueWorker, RetryBackoff
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from duet.router.serving_chat import ChatCompletionHandler
 from duet.router.serving_completion import CompletionHandler
@@ -51,8 +52,14 @@ class RouterOptions:
     """The Batch API and background requests, and this replica's consumers of their queues."""
     batch_priority: BatchPriority | None = None
     """How much of the engine batch lines may take; None: `BatchPriority()`."""
+    queue_backoff: RetryBackoff | None = None
+    """How queued work waits out a passing outage (router/queue_worker.py); None: the
+    default."""
     chat_options: ChatOptions | None = None
     """Tool-call and reasoning parsers (router/openai_chat.py); None: inferred, none."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Bounds on one HTTP client: body size and read timeouts, connections
+    (router/http_limits.py; the connection cap and header deadline are the server's)."""
     web_ui: bool = True
     """The chat page at `/` and the cluster dashboard (router/web_ui.py)."""
     metrics_prefix: str = "duet"
@@ -104,12 +111,13 @@ class FrontDoor:
             background = BackgroundService(queue.queue_named("background"), turns)
             workers = [
                 QueueWorker(queue, BatchRunner(ctx, batches).runners,
-                            lambda num_running: priority.free_slots(admission, num_running)),
+                            lambda num_running: priority.free_slots(admission, num_running),
+                            backoff=options.queue_backoff),
                 # Background requests are interactive work that outlives its connection: their
                 # own queue (never behind a batch), taken whenever admission has room.
                 QueueWorker(background.queue, {BACKGROUND_KIND: background.run},
                             lambda num_running: max(0, admission.max_running - num_running)
-                            if admission.can_admit(1) else 0),
+                            if admission.can_admit(1) else 0, backoff=options.queue_backoff),
             ]  # fmt: skip
         return cls(
             options, ctx, APIKeyChecker(options.api_keys), turns,

@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 
 from duet.engine import InvalidInputError, SamplingParams
+from duet.engine.request_checks import check_prompt_chars
 from duet.engine.tokenizer import Message, Tokenizer
 from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.openai_tools import ToolCall, ToolPlan, mistral_call_id, openai_call_id, plan_tools
@@ -125,11 +126,16 @@ class ChatPlan:
         return ReplyStream(stream_for(self.tools, self.parser), reasoning, self.tools.mode)
 
     def render(
-        self, tokenizer: Tokenizer, body: ChatCompletionRequest, messages: list[Message]
+        self,
+        tokenizer: Tokenizer,
+        body: ChatCompletionRequest,
+        messages: list[Message],
+        max_model_len: int | None = None,
     ) -> list[int]:
         """The prompt's token ids (`render_chat`); notes whether the reply starts thinking.
         A template that fails is `InvalidInputError` naming messages, chat_template or
-        chat_template_kwargs."""
+        chat_template_kwargs; so is a rendered prompt provably longer than `max_model_len`
+        tokens, refused before it is tokenized."""
         try:
             text = render_chat(tokenizer, body, messages, self)
         except jinja2.TemplateError as e:
@@ -145,6 +151,8 @@ class ChatPlan:
             raise InvalidInputError(field, f"the chat template failed: {e!r}") from None
         if self.reasoning_parser is not None:
             self.reply_start = reply_start(self.reasoning_parser, text)
+        if max_model_len is not None:
+            check_prompt_chars(tokenizer, text, max_model_len, "messages")
         # The template already holds BOS where the model wants one.
         return tokenizer.encode(text, add_special_tokens=False)
 

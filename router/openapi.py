@@ -19,7 +19,9 @@ _DESCRIPTIONS = {
     400: "Invalid request: the message and `param` name the field",
     401: "Missing or invalid API key",
     404: "Unknown model or session",
+    408: "The request body did not arrive within the server's --body-timeout",
     409: "Another turn on the session was stored first",
+    413: "The request body is larger than the server's --max-body-bytes",
     429: "Rate limited; Retry-After says when to retry",
     503: "Overloaded, engine stopped, or session store unavailable; Retry-After when known",
 }
@@ -54,10 +56,17 @@ def _replace_422(schema: dict[str, Any]) -> None:
         for operation in operations.values():
             responses = operation.get("responses", {})
             if responses.pop("422", None) is not None and "400" not in responses:
-                responses["400"] = {
-                    "description": _DESCRIPTIONS[400],
-                    "content": {"application/json": {"schema": error_ref}},
-                }
+                responses["400"] = _error_entry(400, error_ref)
+            if "requestBody" in operation:  # router/http_limits.py bounds every body
+                for code in (408, 413):
+                    responses.setdefault(str(code), _error_entry(code, error_ref))
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+
+
+def _error_entry(code: int, error_ref: dict[str, str]) -> dict[str, Any]:
+    return {
+        "description": _DESCRIPTIONS[code],
+        "content": {"application/json": {"schema": error_ref}},
+    }

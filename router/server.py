@@ -6,7 +6,7 @@ Lifecycle:
   log says where each endpoint listens.
 - Stop (Ctrl-C, SIGTERM): both servers stop taking new work at once. In-flight requests get
   `shutdown_timeout_s` to finish; after that the engine is stopped, which ends every remaining
-  request with a retryable error (an SSE error event then `[DONE]` on REST, UNAVAILABLE on
+  request with a retryable error (an SSE error event and no `[DONE]` on REST, UNAVAILABLE on
   gRPC), never a silent cut or a hang. Then the session store and rate limiter close.
 """
 
@@ -28,6 +28,7 @@ from duet.router.api_server import build_app
 from duet.router.engine_client import EngineClient
 from duet.router.front_door import FrontDoor, RouterOptions
 from duet.router.grpc_server import SERVICE_NAME, start_grpc_server
+from duet.router.http_limits import HttpLimits, bounded_h11_protocol
 from duet.router.metrics import METRICS_PREFIXES
 from duet.router.openai_chat import ChatOptions
 from duet.router.rate_limit import NO_RATE_LIMITS
@@ -100,6 +101,22 @@ class RouterConfig:
     otlp_endpoint: str | None = None
     """Export each request's trace over OTLP/gRPC to this collector; None: no tracing."""
 
+    # --- what one REST client may cost (router/http_limits.py) ---
+    max_body_bytes: int | None = None
+    """Largest request body (413 beyond); None: sized from the model's context."""
+    header_timeout_s: float = HttpLimits.header_timeout_s
+    """A request's headers must arrive within this long, else the connection is closed."""
+    body_timeout_s: float = HttpLimits.body_timeout_s
+    """A request's body must arrive within this long of its headers, else 408."""
+    max_connections: int = HttpLimits.max_connections
+    """Open REST connections at most; one more gets a 503 and is closed."""
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            self.max_body_bytes, self.header_timeout_s, self.body_timeout_s, self.max_connections
+        )
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--grpc-port", self.grpc_port)):
             if not 0 <= port <= 65535:
@@ -118,6 +135,7 @@ class RouterConfig:
                 f"got {self.metrics_prefix!r}"
             )
         self._check_queue()
+        self.http_limits  # noqa: B018  # validates them, naming the flag
         try:
             self.chat_options  # noqa: B018  # validates the parser names
         except ValueError as e:
@@ -202,6 +220,7 @@ class RouterServer(uvicorn.Server):
             web_ui=config.web_ui,
             metrics_prefix=config.metrics_prefix,
             tracer_provider=self.tracer_provider,
+            http_limits=config.http_limits,
         )
         # One front door for REST and gRPC: one admission queue, one session manager, ...
         self.front = FrontDoor.compose(engine, served_model_name, options)
@@ -213,6 +232,8 @@ class RouterServer(uvicorn.Server):
                 app,
                 log_level="info",
                 lifespan="on",
+                # Header deadline and connection cap: uvicorn has neither (http_limits.py).
+                http=bounded_h11_protocol(config.http_limits),
                 # NOTE: a backstop only: `shutdown` ends in-flight requests after the drain.
                 timeout_graceful_shutdown=int(config.shutdown_timeout_s + _BACKSTOP_S),
             )

@@ -98,4 +98,5 @@ async def _sse(
                     yield event(render.chunk([], usage=final.usage))
     except Exception as e:  # the client gets an error event, never a silent cut
         yield sse_error(e, render.request_id, rename)
+        return  # NOTE: no [DONE]: it would say the reply is whole
     yield DONE

@@ -206,6 +206,7 @@ class CompletionHandler:
                 yield sse_event(payload)
         except Exception as e:  # the client gets an error event, never a silent cut
             yield sse_error(e, request_id)
+            return  # NOTE: no [DONE]: it would say the reply is whole
         yield DONE
 
 

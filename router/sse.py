@@ -1,6 +1,7 @@
 """Server-sent events as OpenAI sends them: `data: {json}\\n\\n` per event, then
-`data: [DONE]\\n\\n`. A failure mid-stream is an error event (then `[DONE]`), never a hang or
-a silently truncated stream."""
+`data: [DONE]\\n\\n`. A failure mid-stream ends the stream with an error event and no
+`[DONE]`: `[DONE]` says the reply is whole, so a client (or proxy) that only looks for it
+never takes a failed stream for a finished one. Never a hang or a silent cut."""
 
 from __future__ import annotations
 

@@ -118,3 +118,42 @@ def test_unsupported_architecture(tiny_model_factory, tmp_path):
     assert "GPTNeoXForCausalLM" in msg
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert name in msg
+
+
+def _tokenizer(normalizer=None, pre_tokenizer=None, byte_fallback=True):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from duet.engine.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "a": 1, "b": 2, "ab": 3, "abab": 4}
+    tok = HFTokenizer(models.BPE(vocab, [("a", "b"), ("ab", "ab")], unk_token="<unk>",
+                                 byte_fallback=byte_fallback))  # fmt: skip
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
+    return Tokenizer(tok)
+
+
+def test_a_character_bound_only_where_every_character_stays_in_a_token():
+    from tokenizers import normalizers, pre_tokenizers
+
+    from duet.engine.request_checks import check_prompt_chars
+
+    keeps = _tokenizer(normalizers.Sequence([normalizers.Prepend("_"),
+                                             normalizers.Replace(" ", "_")]))  # fmt: skip
+    assert keeps.max_token_chars == 5  # "<unk>": the longest entry
+    check_prompt_chars(keeps, "ab" * 50, 20)  # 100 characters: 20 tokens could hold them
+    with pytest.raises(InvalidInputError) as info:
+        check_prompt_chars(keeps, "a" * 101, 20, "messages")
+    assert info.value.field == "messages"
+    assert str(info.value) == (
+        "messages: has 101 characters, so at least 21 tokens (a token is at most 5 "
+        "characters); the model's context is 20"
+    )
+    for dropping in (
+        _tokenizer(normalizers.NFKC()),  # composes characters
+        _tokenizer(normalizers.Strip()),
+        _tokenizer(pre_tokenizer=pre_tokenizers.Whitespace()),  # drops whitespace
+        _tokenizer(byte_fallback=False),  # a run of unknown characters: one token
+    ):
+        assert dropping.max_token_chars is None
+        check_prompt_chars(dropping, "a" * 10_000, 20)  # no bound: tokenizing decides

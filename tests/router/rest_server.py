@@ -39,14 +39,15 @@ def make_app(
 class LiveServer:
     """Runs `app` with uvicorn on 127.0.0.1 (a free port) in a daemon thread until `stop()`."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, http: type[asyncio.Protocol] | str = "auto") -> None:
+        """`http`: uvicorn's HTTP protocol (`duet serve` passes router/http_limits.py's)."""
         self.app = app
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2, http=http
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

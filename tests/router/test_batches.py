@@ -1,14 +1,16 @@
 """The Batch API with the official `openai` client: upload, create, poll to `completed`, read
-the output and error files; cancel; limits; two replicas sharing one Redis queue."""
+the output and error files; cancel; limits; two replicas sharing one Redis queue; a batch that
+waits out a cluster without decode workers."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import json
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,10 @@ import openai
 import pytest
 from openai.types import Batch
 
-from duet.engine import AsyncEngine
+from duet.engine import AsyncEngine, RequestOutput
+from duet.engine.async_engine import EngineDeadError
 from duet.router.batch_runner import BatchPriority
+from duet.router.queue_worker import RetryBackoff
 from duet.session_store import RedisWorkQueue, SqliteWorkQueue, WorkQueue
 from tests.net import free_port
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
@@ -309,3 +313,60 @@ def test_lines_left_when_the_window_ends_expire(
     ]
     worker.free_slots = lambda num_running: 4
     assert batch_client.batches.retrieve(batch.id).status == "expired"  # final
+
+
+class EngineWithoutDecodeWorkers:
+    """`engine` as a cluster's router sees it while its decode workers restart: every request
+    is refused (503, retryable) until `up` is set."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self.up = threading.Event()
+        self.num_refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+        if not self.up.is_set():
+            self.num_refused += 1
+            raise EngineDeadError("no decode worker is available; retry later")
+        async for out in self._engine.generate(*args, **kwargs):
+            yield out
+
+
+def test_a_batch_waits_out_a_cluster_without_decode_workers(
+    rest_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """Ten lines on a queue that allows two deliveries, refused 40 times in all while no
+    decode worker is up: none is dead-lettered; each runs once the workers are back."""
+    engine = EngineWithoutDecodeWorkers(rest_engine)
+    queue = SqliteWorkQueue(tmp_path / "queue.db", lease_s=10.0, max_deliveries=2)
+    app = make_app(
+        engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, lifespan=closing(queue),
+        queue_backoff=RetryBackoff(initial_s=0.02, max_s=0.1),
+    )  # fmt: skip
+    server = LiveServer(app).start()
+    client = client_for(server)
+    try:
+        batch = create_batch(client, input_file(10, 0, bad=False))
+        wait_for(lambda: engine.num_refused >= 40, 60, "40 refusals", 0.02)
+        engine.up.set()
+        done = wait_done(client, batch.id)
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (10, 0)
+        output = read_jsonl(client, done.output_file_id)
+        assert [(o["custom_id"], o["response"]["status_code"]) for o in output] == [
+            (f"c-{i}", 200) for i in range(10)
+        ]
+        assert done.error_file_id is None
+        assert server.app.state.queue_worker.num_retries >= 40
+    finally:
+        client.close()
+        server.stop()
+
+    async def dead() -> list[Any]:
+        async with SqliteWorkQueue(tmp_path / "queue.db") as q:
+            return list(await q.dead_letters())
+
+    assert asyncio.run(dead()) == []

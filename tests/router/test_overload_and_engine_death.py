@@ -126,14 +126,16 @@ def test_engine_death_ends_streams_with_an_error_event(tiny_llama: str) -> None:
             assert info.value.code == "engine_unavailable"
             assert "engine stopped" in info.value.message
             events = [line for line in lines if line]
-        assert events[-1] == "data: [DONE]"
-        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        # The error event ends the stream: no [DONE], which would say the reply is whole.
+        assert "data: [DONE]" not in events
+        error = json.loads(events[-1].removeprefix("data: "))["error"]
         assert error["type"] == "service_unavailable"
         assert error["code"] == "engine_unavailable"
-        # New requests and the probes say the engine is gone.
+        # New requests and the probes say the engine is gone, and when to retry.
         with pytest.raises(openai.InternalServerError) as info_new:
             client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
         assert info_new.value.status_code == 503
+        assert info_new.value.response.headers["retry-after"] == "1"
         assert httpx2.get(f"{live.url}/health").status_code == 503
         assert httpx2.get(f"{live.url}/ready").status_code == 503
     finally:
