@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.meta
 
 from duet.engine import InvalidInputError, SamplingParams
 from duet.engine.tokenizer import Message, Tokenizer
@@ -219,6 +220,19 @@ def render_chat(
         continue_final_message=body.continue_final_message,
         **variables,
     )
+
+
+def template_reads(tokenizer: Tokenizer, variable: str) -> bool:
+    """Whether the model's chat template reads `variable` (e.g. `reasoning_effort`), so a
+    request's value for it changes the prompt."""
+    source = tokenizer.chat_template
+    if not source:
+        return False
+    try:
+        parsed = jinja2.Environment().parse(source)
+    except jinja2.TemplateError:
+        return False
+    return variable in jinja2.meta.find_undeclared_variables(parsed)
 
 
 def assistant_message(

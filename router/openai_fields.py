@@ -68,6 +68,22 @@ class UnsupportedChatFields(BaseModel):
         return value
 
 
+Inert = Callable[[Any], bool]
+"""Whether a field's value asks for nothing (absent, null, empty, or OpenAI's default)."""
+
+IGNORED_FIELDS_HEADER = "duet-ignored-fields"
+"""The response header naming the request's fields duet accepted without honouring them."""
+
+
+def ignored_fields(body: BaseModel, table: dict[str, Inert], where: str) -> list[str]:
+    """The fields of `body` in `table` whose value asks for something duet does not do: logged
+    as a warning, and named by the caller in the `duet-ignored-fields` header."""
+    names = [name for name, inert in table.items() if not inert(getattr(body, name))]
+    if names:
+        logger.warning("%s: ignoring fields duet does not implement: %s", where, names)
+    return names
+
+
 def warn_unknown_fields(model: type[BaseModel], data: Any) -> None:
     """Log, by name, the fields of a request body that `model` does not know (ignored)."""
     if isinstance(data, dict):
