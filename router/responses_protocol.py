@@ -175,7 +175,10 @@ class ResponsesRequest(OpenAIModel):
         elif choice is not None:
             body["tool_choice"] = choice
         fmt = self.text.format if self.text is not None else None
-        if fmt is not None and fmt.type != "text":
+        # NOTE: a required or named tool choice answers with tool calls only, never text, so
+        # the text format has nothing to shape (OpenAI accepts both; chat's grammar takes one).
+        calls_only = choice == "required" or isinstance(choice, NamedFunctionChoice)
+        if fmt is not None and fmt.type != "text" and not calls_only:
             spec = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
             body["response_format"] = {"type": fmt.type, "json_schema": spec}
             if fmt.type == "json_object":
