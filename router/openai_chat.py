@@ -210,6 +210,8 @@ def render_chat(
             raise InvalidInputError(
                 f"chat_template_kwargs.{key}", "is set by the request's own fields"
             )
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
     tools = plan.tools.template_tools()
     if tools is not None:
         variables["tools"] = tools
@@ -222,10 +224,10 @@ def render_chat(
     )
 
 
-def template_reads(tokenizer: Tokenizer, variable: str) -> bool:
-    """Whether the model's chat template reads `variable` (e.g. `reasoning_effort`), so a
-    request's value for it changes the prompt."""
-    source = tokenizer.chat_template
+def template_reads(tokenizer: Tokenizer, variable: str, chat_template: str | None = None) -> bool:
+    """Whether the chat template (the request's own, or the model's) reads `variable` (e.g.
+    `reasoning_effort`), so a request's value for it changes the prompt."""
+    source = chat_template or tokenizer.chat_template
     if not source:
         return False
     try:
