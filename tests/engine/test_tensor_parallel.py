@@ -26,7 +26,10 @@ def _start_ranks(model, tmp_path, prompts, backend, device, engine=None):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # the rank scripts import `tests.*` (a stand-in capture): the repository root on their path
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
     procs = [
         subprocess.Popen(
             [
