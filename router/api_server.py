@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `POST /tokenize`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, the Responses
+API (`/v1/responses`, router/serving_responses.py), `POST /tokenize`,
 `POST /detokenize`, `GET /version`,
 `POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
 (router/batch_routes.py), `GET /health` (liveness: the engine
@@ -38,6 +39,7 @@ from duet.router.openai_tokenize import install_tokenize_routes
 from duet.router.openapi import error_responses, install_openapi
 from duet.router.queue_worker import QueueWorker
 from duet.router.serving_context import ServingContext
+from duet.router.serving_responses import install_responses_routes
 from duet.router.sessions import SessionManager
 from duet.router.sessions_protocol import (
     SessionCreateRequest,
@@ -93,6 +95,7 @@ def build_app(
         install_web_ui(app)
     install_dashboard_routes(app, front.ctx)
     install_openai_routes(app, front)
+    install_responses_routes(app, front.responses)
     install_session_routes(app, front.ctx.sessions)
     install_tokenize_routes(app, front.ctx)
     if front.batches is not None:

@@ -58,7 +58,7 @@ class BadRequestError(OpenAIError):
         cls, error: InvalidInputError, rename: Mapping[str, str] | None = None
     ) -> BadRequestError:
         """The engine's error, with its field renamed to the request's name for it."""
-        param = (rename or {}).get(error.field, error.field)
+        param = error.field if rename is None else rename.get(error.field, error.field)
         return cls(f"{param}: {error.message}", param=param)
 
 

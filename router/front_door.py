@@ -25,9 +25,13 @@ from duet.router.http_limits import HttpLimits
 from duet.router.openai_chat import ChatOptions
 from duet.router.queue_worker import QueueWorker, RetryBackoff
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
+from duet.router.responses_background import KIND as RESPONSES_KIND
+from duet.router.responses_background import ResponsesBackground
+from duet.router.responses_store import StoredResponses
 from duet.router.serving_chat import ChatCompletionHandler
 from duet.router.serving_completion import CompletionHandler
 from duet.router.serving_context import ServingContext
+from duet.router.serving_responses import ResponsesHandler
 from duet.router.sessions import SessionManager
 from duet.router.tracing import RequestTracing
 from duet.session_store import RateLimiter, RateLimits, SessionStore, WorkQueue
@@ -78,6 +82,7 @@ class FrontDoor:
     turns: ChatTurns
     chat: ChatCompletionHandler
     completions: CompletionHandler
+    responses: ResponsesHandler
     batches: BatchService | None = None
     background: BackgroundService | None = None
     workers: list[QueueWorker] = field(default_factory=list)
@@ -103,24 +108,27 @@ class FrontDoor:
             options.metrics_prefix, RequestTracing(tracer),
         )  # fmt: skip
         turns = ChatTurns(ctx)
-        batches = background = None
+        stored = StoredResponses(ctx.sessions)
+        batches = background = responses_background = None
         workers = []
         if options.work_queue is not None:
             queue, priority = options.work_queue, options.batch_priority or BatchPriority()
             batches = BatchService(queue, served_model_name)
             background = BackgroundService(queue.queue_named("background"), turns)
+            responses_background = ResponsesBackground(background.queue, turns, stored)
             workers = [
                 QueueWorker(queue, BatchRunner(ctx, batches).runners,
                             lambda num_running: priority.free_slots(admission, num_running),
                             backoff=options.queue_backoff),
                 # Background requests are interactive work that outlives its connection: their
                 # own queue (never behind a batch), taken whenever admission has room.
-                QueueWorker(background.queue, {BACKGROUND_KIND: background.run},
+                QueueWorker(background.queue, {BACKGROUND_KIND: background.run,
+                                               RESPONSES_KIND: responses_background.run},
                             lambda num_running: max(0, admission.max_running - num_running)
                             if admission.can_admit(1) else 0, backoff=options.queue_backoff),
             ]  # fmt: skip
         return cls(
             options, ctx, APIKeyChecker(options.api_keys), turns,
             ChatCompletionHandler(turns, background), CompletionHandler(ctx),
-            batches, background, workers,
+            ResponsesHandler(turns, stored, responses_background), batches, background, workers,
         )  # fmt: skip

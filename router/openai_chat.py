@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.meta
 
 from duet.engine import InvalidInputError, SamplingParams
 from duet.engine.request_checks import check_prompt_chars
@@ -217,6 +218,8 @@ def render_chat(
             raise InvalidInputError(
                 f"chat_template_kwargs.{key}", "is set by the request's own fields"
             )
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
     tools = plan.tools.template_tools()
     if tools is not None:
         variables["tools"] = tools
@@ -227,6 +230,19 @@ def render_chat(
         continue_final_message=body.continue_final_message,
         **variables,
     )
+
+
+def template_reads(tokenizer: Tokenizer, variable: str, chat_template: str | None = None) -> bool:
+    """Whether the chat template (the request's own, or the model's) reads `variable` (e.g.
+    `reasoning_effort`), so a request's value for it changes the prompt."""
+    source = chat_template or tokenizer.chat_template
+    if not source:
+        return False
+    try:
+        parsed = jinja2.Environment().parse(source)
+    except jinja2.TemplateError:
+        return False
+    return variable in jinja2.meta.find_undeclared_variables(parsed)
 
 
 def assistant_message(

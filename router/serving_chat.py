@@ -21,7 +21,9 @@ from duet.router.chat_events import ChatStep, Final
 from duet.router.chat_turn import ChatTurns, chat_rename, final_of
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.errors import BadRequestError, as_openai_error
+from duet.router.openai_chat import template_reads
 from duet.router.openai_chat_render import ChatCompletionRender
+from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.openai_responses import (
     ChatCompletionChunk,
@@ -43,13 +45,21 @@ class ChatCompletionHandler:
         api_key = caller_api_key(raw)
         rename = chat_rename(body)
         plan, params = self.turns.plan(body, rename)
+        ignored = body.ignored()
+        if body.reasoning_effort is not None and not template_reads(
+            ctx.engine.tokenizer, "reasoning_effort", body.chat_template
+        ):
+            ignored.append("reasoning_effort")
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         if body.background:
             if self.background is None:
                 raise BadRequestError(
                     "background: not available (this server runs without a work queue)",
                     param="background",
                 )
-            return await self.background.submit(body, api_key)
+            queued = await self.background.submit(body, api_key)
+            queued.headers.update(headers)
+            return queued
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         turn = await self.turns.open(body, plan, params, api_key, request_id, rename)
         [ticket] = ctx.admission.admit([turn.n])
@@ -57,7 +67,7 @@ class ChatCompletionHandler:
         render = ChatCompletionRender.of(body, request_id, ctx.model_name, ctx.token_texts)
         if body.stream:
             events = _sse(render, steps, turn.n, body.include_usage, rename)
-            return EventStreamResponse(events, ticket.release)
+            return EventStreamResponse(events, ticket.release, headers)
         try:
             final = await run_until_disconnect(raw, final_of(steps))
         except ClientDisconnected:
@@ -66,7 +76,10 @@ class ChatCompletionHandler:
             raise as_openai_error(e, request_id, rename) from e
         finally:
             ticket.release()
-        return Response(render.response(final).model_dump_json(), media_type="application/json")
+        return Response(
+            render.response(final).model_dump_json(), media_type="application/json",
+            headers=headers,
+        )  # fmt: skip
 
 
 async def _sse(

@@ -66,7 +66,7 @@ class SessionManager:
         self, api_key: str | None, metadata: dict[str, Any] | None, ttl_s: float | None
     ) -> Session:
         store = self._store()
-        with _store_errors(""):
+        with store_errors(""):
             return await store.create(api_key, metadata, ttl_s)
 
     async def get(self, session_id: str, api_key: str | None) -> Session:
@@ -74,7 +74,7 @@ class SessionManager:
         store = self._store()
         if not _SESSION_ID.fullmatch(session_id):
             raise SessionNotFoundError(session_id)
-        with _store_errors(session_id):
+        with store_errors(session_id):
             session = await store.get(session_id)
         if not session.is_owned_by(api_key):
             raise SessionNotFoundError(session_id)
@@ -86,17 +86,17 @@ class SessionManager:
         """The session and its messages, if `api_key` owns it."""
         # NOTE: metadata first, then history: the history is at least as new as the version.
         session = await self.get(session_id, api_key)
-        with _store_errors(session_id):
+        with store_errors(session_id):
             return session, await self._store().history(session.id)
 
     async def list_owned(self, api_key: str | None) -> list[Session]:
         store = self._store()
-        with _store_errors(""):
+        with store_errors(""):
             return await store.list(api_key)
 
     async def delete(self, session_id: str, api_key: str | None) -> None:
         session = await self.get(session_id, api_key)
-        with _store_errors(session_id):
+        with store_errors(session_id):
             if not await self._store().delete(session.id):
                 raise SessionNotFound(session.id)
 
@@ -115,7 +115,7 @@ class SessionManager:
         store = self._store()
         if isinstance(reply, str):
             reply = {"role": "assistant", "content": reply}
-        with _store_errors(turn.session_id):
+        with store_errors(turn.session_id):
             return await store.append_turn(
                 turn.session_id, [*messages, reply], expected_version=turn.version
             )
@@ -128,7 +128,7 @@ class SessionManager:
         try:
             await self.commit_turn(turn, messages, reply)
         except SessionConflictError:
-            with _store_errors(turn.session_id):
+            with store_errors(turn.session_id):
                 history = await self._store().history(turn.session_id)
             mine = [*messages, reply]
             if history[-len(mine) :] != mine:
@@ -141,7 +141,7 @@ class SessionManager:
 
 
 @contextmanager
-def _store_errors(session_id: str) -> Iterator[None]:
+def store_errors(session_id: str) -> Iterator[None]:
     """Store errors as the OpenAI errors clients see (details of outages stay in the log)."""
     try:
         yield

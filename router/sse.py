@@ -36,11 +36,16 @@ class EventStreamResponse(StreamingResponse):
     shutdown) it closes the event generator, which aborts an unfinished engine request now
     rather than at garbage collection, and then calls `on_close`."""
 
-    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        on_close: Callable[[], None],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._events = events
         self._on_close = on_close

@@ -31,6 +31,7 @@ from duet.session_store.base import (
     SessionStore,
     SessionStoreError,
     SessionStoreUnavailable,
+    StoredResponse,
     hash_api_key,
 )
 from duet.session_store.redis_queue import RedisWorkQueue
@@ -69,6 +70,7 @@ __all__ = [
     "SessionStoreUnavailable",
     "SqliteSessionStore",
     "SqliteWorkQueue",
+    "StoredResponse",
     "Task",
     "WorkQueue",
     "check_store_url",

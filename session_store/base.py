@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -90,6 +91,22 @@ class Session:
         return self.api_key_hash == hash_api_key(api_key)
 
 
+@dataclass(frozen=True)
+class StoredResponse:
+    """One stored response of the Responses API (router/serving_responses.py)."""
+
+    id: str
+    api_key_hash: str | None
+    """`hash_api_key` of the owner's key; None when stored without a key."""
+    status: str
+    """The response's status (queued, in_progress, completed, incomplete, failed, cancelled)."""
+    doc: dict[str, Any]
+    """What the router stored: the response object and the conversation it continues."""
+
+    def is_owned_by(self, api_key: str | None) -> bool:
+        return self.api_key_hash == hash_api_key(api_key)
+
+
 class SessionStore(ABC):
     """Conversation state shared by every router replica.
 
@@ -102,6 +119,9 @@ class SessionStore(ABC):
       `SessionStoreUnavailable` within the store's operation timeout, never hangs.
     - Methods are coroutines for one event loop (the one that first used the store); `close`
       is idempotent and no method may be called after it.
+
+    Stored responses (`put_response`, ...) live beside the sessions, by id, with the store's
+    default TTL from their last write; an expired one behaves as deleted.
     """
 
     @abstractmethod
@@ -141,6 +161,30 @@ class SessionStore(ABC):
     @abstractmethod
     async def list(self, api_key: str | None) -> builtins.list[Session]:
         """Live sessions created with `api_key`, oldest first."""
+
+    # --- stored responses (the Responses API's `store` and `previous_response_id`) ---
+
+    @abstractmethod
+    async def put_response(
+        self,
+        response_id: str,
+        api_key_hash: str | None,
+        status: str,
+        doc: dict[str, Any],
+        only_from: Collection[str] | None = None,
+    ) -> bool:
+        """Create or replace one stored response (`doc`, JSON) with its `status`, owned by
+        the key whose `hash_api_key` is `api_key_hash` (a background runner has only that), living the store's default TTL from now. With `only_from`, atomically: only
+        when a response is stored under that id with a status in it (so a cancelled background
+        response is never overwritten as completed); returns whether it wrote."""
+
+    @abstractmethod
+    async def get_response(self, response_id: str) -> StoredResponse | None:
+        """The stored response, or None (never stored, deleted or expired)."""
+
+    @abstractmethod
+    async def delete_response(self, response_id: str) -> bool:
+        """Remove one stored response; False if there was none."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -12,6 +12,8 @@ Key layout (`<prefix>` is `duet` unless configured; ids are 32 hex characters):
                                               (+inf = never). <owner> is sha256(api_key) in
                                               hex, or "anonymous" for sessions with no key
     <prefix>:ratelimit:<sha256(key)>   hash   see `redis_rate_limiter.py`
+    <prefix>:response:<id>             hash   api_key_hash ("" = no key), status, doc (JSON): a
+                                              stored response, with the store's default TTL
 
 Raw API keys are never stored. The session hash and its message list carry the same TTL,
 refreshed by every append; the by-key index drops expired members when written and itself
@@ -28,6 +30,7 @@ from __future__ import annotations
 import builtins
 import json
 import uuid
+from collections.abc import Collection
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -38,6 +41,7 @@ from duet.session_store.base import (
     SessionConflict,
     SessionNotFound,
     SessionStore,
+    StoredResponse,
     encode_messages,
     encode_metadata,
     hash_api_key,
@@ -140,6 +144,26 @@ def _parse_session(session_id: str, fields: dict[str, str]) -> Session:
     )
 
 
+# KEYS: response hash. ARGV: api_key_hash, status, doc, ttl_ms ('' = never expires), the number
+# of statuses it may replace (-1: any, or none stored), those statuses. Returns 1 if it wrote.
+_PUT_RESPONSE = """
+local n = tonumber(ARGV[5])
+if n >= 0 then
+  local current = redis.call('HGET', KEYS[1], 'status')
+  if not current then return 0 end
+  local allowed = false
+  for i = 1, n do
+    if ARGV[5 + i] == current then allowed = true end
+  end
+  if not allowed then return 0 end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'api_key_hash', ARGV[1], 'status', ARGV[2], 'doc', ARGV[3])
+if ARGV[4] ~= '' then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+return 1
+"""
+
+
 class RedisSessionStore(SessionStore):
     """Sessions in Redis; one store object survives Redis restarts (it reconnects per call).
 
@@ -163,6 +187,7 @@ class RedisSessionStore(SessionStore):
         self._create = client.register_script(_CREATE)
         self._append = client.register_script(_APPEND)
         self._delete = client.register_script(_DELETE)
+        self._put_response = client.register_script(_PUT_RESPONSE)
 
     @classmethod
     def from_url(
@@ -284,6 +309,56 @@ class RedisSessionStore(SessionStore):
             return sorted(sessions, key=lambda s: (s.created_at, s.id))
 
         return await self._guard.run("list", read())
+
+    # --- stored responses ---
+
+    def _response_key(self, response_id: str) -> str:
+        return f"{self.key_prefix}:response:{response_id}"
+
+    async def put_response(
+        self,
+        response_id: str,
+        api_key_hash: str | None,
+        status: str,
+        doc: dict[str, Any],
+        only_from: Collection[str] | None = None,
+    ) -> bool:
+        ttl = self.default_ttl_s
+        ttl_ms = "" if ttl is None else str(max(1, round(ttl * 1000)))
+        allowed = [] if only_from is None else sorted(only_from)
+        written = await self._guard.run(
+            "put_response",
+            self._put_response(
+                keys=[self._response_key(response_id)],
+                args=[
+                    api_key_hash or "",
+                    status,
+                    json.dumps(doc),
+                    ttl_ms,
+                    -1 if only_from is None else len(allowed),
+                    *allowed,
+                ],
+            ),
+        )
+        return bool(written)
+
+    async def get_response(self, response_id: str) -> StoredResponse | None:
+        fields = cast(
+            dict[str, str],
+            await self._guard.run(
+                "get_response", self._client.hgetall(self._response_key(response_id))
+            ),
+        )
+        if not fields:
+            return None
+        owner = fields["api_key_hash"] or None
+        return StoredResponse(response_id, owner, fields["status"], json.loads(fields["doc"]))
+
+    async def delete_response(self, response_id: str) -> bool:
+        deleted = await self._guard.run(
+            "delete_response", self._client.delete(self._response_key(response_id))
+        )
+        return bool(deleted)
 
     async def close(self) -> None:
         await self._client.aclose()

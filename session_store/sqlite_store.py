@@ -7,6 +7,8 @@ Schema (PRAGMA user_version = 1):
              num_messages INTEGER)
     messages(session_id TEXT REFERENCES sessions ON DELETE CASCADE, seq INTEGER, body TEXT,
              PRIMARY KEY (session_id, seq))
+    responses(id TEXT PRIMARY KEY, api_key_hash TEXT NULL, status TEXT, doc TEXT (JSON),
+              expires_at REAL NULL)
 
 `seq` runs 0.. per session, so a turn's messages are adjacent by construction. An append is one
 `BEGIN IMMEDIATE` transaction (read version, insert rows, bump version and expiry), which
@@ -25,7 +27,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +37,7 @@ from duet.session_store.base import (
     SessionConflict,
     SessionNotFound,
     SessionStore,
+    StoredResponse,
     encode_messages,
     encode_metadata,
     hash_api_key,
@@ -65,6 +68,14 @@ CREATE TABLE IF NOT EXISTS messages (
     body TEXT NOT NULL,
     PRIMARY KEY (session_id, seq)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    api_key_hash TEXT,
+    status TEXT NOT NULL,
+    doc TEXT NOT NULL,
+    expires_at REAL
+);
+CREATE INDEX IF NOT EXISTS responses_by_expiry ON responses (expires_at);
 PRAGMA user_version = 1;
 """
 
@@ -141,6 +152,7 @@ class SqliteSessionStore(SessionStore):
         if now - self._last_sweep >= self.sweep_interval_s:
             self._last_sweep = now
             conn.execute("DELETE FROM sessions WHERE expires_at <= ?", (now,))
+            conn.execute("DELETE FROM responses WHERE expires_at <= ?", (now,))
 
     # --- the SessionStore API ---
 
@@ -258,6 +270,58 @@ class SqliteSessionStore(SessionStore):
             return [_row_to_session(row) for row in rows]
 
         return await self._run("list", body)
+
+    # --- stored responses ---
+
+    async def put_response(
+        self,
+        response_id: str,
+        api_key_hash: str | None,
+        status: str,
+        doc: dict[str, Any],
+        only_from: Collection[str] | None = None,
+    ) -> bool:
+        doc_json = json.dumps(doc, separators=(",", ":"))
+        key_hash = api_key_hash
+
+        def body(conn: sqlite3.Connection) -> bool:
+            now = self._clock()
+            if only_from is not None:
+                row = conn.execute(
+                    f"SELECT status FROM responses WHERE id = ? AND {_LIVE}", (response_id, now)
+                ).fetchone()
+                if row is None or row[0] not in only_from:
+                    return False
+            expires_at = None if self.default_ttl_s is None else now + self.default_ttl_s
+            conn.execute(
+                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                (response_id, key_hash, status, doc_json, expires_at),
+            )
+            return True
+
+        return await self._run("put_response", lambda conn: self._write(conn, body))
+
+    async def get_response(self, response_id: str) -> StoredResponse | None:
+        def body(conn: sqlite3.Connection) -> StoredResponse | None:
+            row = conn.execute(
+                f"SELECT api_key_hash, status, doc FROM responses WHERE id = ? AND {_LIVE}",
+                (response_id, self._clock()),
+            ).fetchone()
+            if row is None:
+                return None
+            return StoredResponse(response_id, row[0], row[1], json.loads(row[2]))
+
+        return await self._run("get_response", body)
+
+    async def delete_response(self, response_id: str) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            live = conn.execute(
+                f"SELECT 1 FROM responses WHERE id = ? AND {_LIVE}", (response_id, self._clock())
+            ).fetchone()
+            conn.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+            return live is not None
+
+        return await self._run("delete_response", lambda conn: self._write(conn, body))
 
     async def close(self) -> None:
         if self._closed:

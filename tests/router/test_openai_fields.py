@@ -1,5 +1,7 @@
-"""No OpenAI field silently ignored: one duet does not implement is a 400 naming it unless its
-value asks for nothing; a field that is not OpenAI's is ignored with a warning naming it."""
+"""No OpenAI field silently ignored: one duet does not implement is accepted, and named in the
+`duet-ignored-fields` header (and a warning) unless its value asks for nothing;
+`reasoning_effort` reaches chat templates that read it; a field that is not OpenAI's is ignored
+with a warning naming it."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _chat(http: httpx2.Client, **extra) -> httpx2.Response:
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),
-        ("reasoning_effort", "high"),
+        ("reasoning_effort", "high"),  # the tiny model's template does not read it
         ("verbosity", "low"),
         ("web_search_options", {}),
         ("service_tier", "flex"),
@@ -37,14 +39,32 @@ def _chat(http: httpx2.Client, **extra) -> httpx2.Response:
         ("metadata", {"k": "v"}),
     ],
 )
-def test_unimplemented_openai_fields_are_400_naming_them(
-    http: httpx2.Client, field: str, value: object
+def test_unimplemented_openai_fields_are_named_in_the_ignored_fields_header(
+    http: httpx2.Client, field: str, value: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    r = _chat(http, **{field: value})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert (error["param"], error["type"]) == (field, "invalid_request_error")
-    assert error["message"].startswith(f"{field}: is not supported by this server")
+    with caplog.at_level(logging.WARNING, logger="duet.router.openai_fields"):
+        r = _chat(http, **{field: value})
+    assert r.status_code == 200, r.text
+    assert r.headers["duet-ignored-fields"] == field
+    if field != "reasoning_effort":
+        assert f"ignoring fields duet does not implement: ['{field}']" in caplog.text
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(client: openai.OpenAI) -> None:
+    template = (
+        "{{ reasoning_effort or 'none' }}: {% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    lengths = {}
+    for effort in ("low", "xhigh"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=1, reasoning_effort=effort,
+            extra_body={"chat_template": template},
+        )  # fmt: skip
+        assert "duet-ignored-fields" not in raw.headers
+        usage = raw.parse().usage
+        assert usage is not None
+        lengths[effort] = usage.prompt_tokens
+    assert lengths["low"] != lengths["xhigh"]  # the effort is in the prompt
 
 
 def test_values_that_ask_for_nothing_are_accepted(http: httpx2.Client) -> None:
@@ -57,16 +77,15 @@ def test_values_that_ask_for_nothing_are_accepted(http: httpx2.Client) -> None:
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_the_openai_client_sees_the_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
-            model=MODEL_NAME,
-            messages=MESSAGES,
-            max_tokens=2,
-            prediction={"type": "content", "content": "x"},
-        )
-    assert e.value.status_code == 400
-    assert isinstance(e.value.body, dict) and e.value.body["param"] == "prediction"
+def test_the_openai_client_sends_metadata_and_sees_the_header(client: openai.OpenAI) -> None:
+    """What openai-agents' `ModelSettings(metadata=...)` sends: accepted, named, streamed too."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=2, metadata={"run": "1"}, store=True,
+        stream=True,
+    )  # fmt: skip
+    assert raw.headers["duet-ignored-fields"] == "store,metadata"
+    chunks = list(raw.parse())
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
 def test_fields_that_are_not_openais_are_ignored_with_a_warning(

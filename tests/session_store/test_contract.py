@@ -207,3 +207,34 @@ def test_rejects_bad_input(store_factory, run):
         assert (await store.get(session.id)).version == 0
 
     run(store_factory, body)
+
+
+def test_stored_responses_put_get_conditional_replace_delete(store_factory, run):
+    """A stored response by id with its owner; `only_from` writes only over a stored status in
+    it (a cancelled background response is never overwritten as completed)."""
+
+    async def body(store: SessionStore) -> None:
+        doc = {"response": {"id": "resp_1", "status": "queued"}, "messages": [{"role": "user"}]}
+        assert await store.get_response("resp_1") is None
+        owner = hash_api_key("sk-a")
+        assert await store.put_response("resp_1", owner, "done", doc, only_from={"queued"}) is False
+        assert await store.get_response("resp_1") is None  # nothing stored: nothing replaced
+        assert await store.put_response("resp_1", owner, "queued", doc) is True
+        stored = await store.get_response("resp_1")
+        assert stored is not None
+        assert (stored.id, stored.status, stored.doc) == ("resp_1", "queued", doc)
+        assert stored.api_key_hash == hash_api_key("sk-a") and stored.is_owned_by("sk-a")
+        assert not stored.is_owned_by("sk-b") and not stored.is_owned_by(None)
+        assert await store.put_response("resp_1", owner, "cancelled", doc, {"queued"}) is True
+        assert await store.put_response("resp_1", owner, "completed", doc, {"queued"}) is False
+        stored = await store.get_response("resp_1")
+        assert stored is not None and stored.status == "cancelled"
+        await store.put_response("resp_2", None, "completed", {"n": 2})
+        anonymous = await store.get_response("resp_2")
+        assert anonymous is not None and anonymous.is_owned_by(None)
+        assert await store.delete_response("resp_1") is True
+        assert await store.delete_response("resp_1") is False
+        assert await store.get_response("resp_1") is None
+        assert await store.get_response("resp_2") is not None
+
+    run(store_factory, body)

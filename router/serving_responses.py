@@ -1,0 +1,201 @@
+"""The Responses API: `POST /v1/responses` runs one chat turn (router/chat_turn.py) and renders
+its events as a response (router/responses_render.py): one JSON object, or the typed SSE event
+sequence with `stream`. `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}` and
+`POST /v1/responses/{id}/cancel` (background responses) read the stored ones
+(router/responses_store.py).
+
+A stored response is written once its reply ended and before the event (or body) that says
+so goes out, so a client that saw it complete can continue it by `previous_response_id`.
+`"background": true` stores the response `queued` and enqueues it; any replica's queue worker
+runs it (router/responses_background.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from duet.router.auth import caller_api_key
+from duet.router.chat_events import ChatStep, Final
+from duet.router.chat_turn import ChatTurns
+from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
+from duet.router.errors import BadRequestError, as_openai_error
+from duet.router.openai_chat import assistant_message, template_reads
+from duet.router.openai_fields import IGNORED_FIELDS_HEADER
+from duet.router.openapi import error_responses
+from duet.router.responses_background import ResponsesBackground
+from duet.router.responses_protocol import RESPONSES_RENAME, ResponsesRequest
+from duet.router.responses_render import ResponseRender, echo_fields, new_id, token_counter
+from duet.router.responses_store import RUNNING, StoredResponses
+from duet.router.sse import EventStreamResponse
+from duet.session_store import hash_api_key
+
+
+class ResponsesHandler:
+    def __init__(
+        self, turns: ChatTurns, stored: StoredResponses, background: ResponsesBackground | None
+    ) -> None:
+        """`background`: runs `"background": true` responses; None: no work queue."""
+        self.turns = turns
+        self.stored = stored
+        self.background = background
+
+    async def create(self, body: ResponsesRequest, raw: Request) -> Response:
+        arrival_s = time.monotonic()
+        ctx = self.turns.ctx
+        api_key = caller_api_key(raw)
+        ignored = body.ignored()
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        if effort is not None and not template_reads(ctx.engine.tokenizer, "reasoning_effort"):
+            ignored.append("reasoning.effort")
+        store = body.store and self.stored.enabled
+        if body.background and (self.background is None or not store):
+            raise BadRequestError(
+                "background: needs store (true) on a server with a work queue and a session store",
+                param="background",
+            )
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = await self.stored.get(
+                body.previous_response_id, api_key, "previous_response_id"
+            )
+            history = previous.doc["messages"]
+        new_messages = body.input_messages()
+        chat = body.to_chat([*history, *new_messages])
+        plan, params = self.turns.plan(chat, RESPONSES_RENAME)
+        response_id = new_id("resp")
+        echo = echo_fields(body, ctx.model_name, store)
+        render = ResponseRender(response_id, echo, token_counter(ctx.engine.tokenizer))
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
+        conversation = [*history, *new_messages]
+        if body.background:
+            assert self.background is not None
+            # Validated, rendered and charged as an interactive turn is; it runs later, anywhere.
+            await self.turns.open(
+                chat, plan, params, api_key, response_id, RESPONSES_RENAME, live=False
+            )
+            queued = await self.background.submit(chat, render, conversation, hash_api_key(api_key))
+            return JSONResponse(queued, headers=headers)
+        turn = await self.turns.open(chat, plan, params, api_key, response_id, RESPONSES_RENAME)
+        [ticket] = ctx.admission.admit([1])
+        steps = turn.steps(ticket, arrival_s)
+        owner = hash_api_key(api_key) if store else None
+
+        async def save(final: Final) -> None:
+            if store:
+                reply = final.replies[0]
+                message = assistant_message(reply.content, reply.tool_calls, reply.reasoning)
+                await self.stored.put(render.response(), [*conversation, message], owner)
+
+        if body.stream:
+            events = _sse(render, steps, save)
+            return EventStreamResponse(events, ticket.release, headers)
+        try:
+            final = await run_until_disconnect(raw, run_to_end(render, steps))
+            await save(final)
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as e:
+            raise as_openai_error(e, response_id, RESPONSES_RENAME) from e
+        finally:
+            ticket.release()
+        return JSONResponse(render.response(), headers=headers)
+
+    async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
+        stored = await self.stored.get(response_id, caller_api_key(raw), "response_id")
+        return dict(stored.doc["response"])
+
+    async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
+        """A background response still queued or running becomes `cancelled` (its runner
+        stops at its next step); one that already ended is returned as it is."""
+        api_key = caller_api_key(raw)
+        stored = await self.stored.get(response_id, api_key, "response_id")
+        response = dict(stored.doc["response"])
+        if not response.get("background"):
+            raise BadRequestError(
+                "response_id: only background responses can be cancelled", param="response_id"
+            )
+        if stored.status in RUNNING:
+            cancelled = {**response, "status": "cancelled"}
+            if await self.stored.put(cancelled, [], stored.api_key_hash, only_from=RUNNING):
+                return cancelled
+            stored = await self.stored.get(response_id, api_key, "response_id")  # it ended first
+        return dict(stored.doc["response"])
+
+
+async def run_to_end(render: ResponseRender, steps: AsyncGenerator[ChatStep, None]) -> Final:
+    """Feed every step through `render` (the output items a stream would show); the turn's
+    `Final`."""
+    final = None
+    async with aclosing(steps):
+        async for step in steps:
+            render.step(step)
+            final = step.first(Final) or final
+    if final is None:
+        raise RuntimeError("the chat turn ended without its final event")
+    render.closing(final)
+    return final
+
+
+async def _sse(
+    render: ResponseRender, steps: AsyncGenerator[ChatStep, None], save: Any
+) -> AsyncGenerator[str, None]:
+    """The typed events; the response is stored before its terminal event. A failure ends the
+    stream with an `error` event."""
+    try:
+        for event in render.opening():
+            yield _sse_event(event)
+        async with aclosing(steps):
+            async for step in steps:
+                final = step.first(Final)
+                events = render.step(step)
+                if final is not None:
+                    events += render.closing(final)
+                    await save(final)
+                for event in events:
+                    yield _sse_event(event)
+    except Exception as e:  # the client gets an error event, never a silent cut
+        error = as_openai_error(e, render.response_id, RESPONSES_RENAME)
+        body = error.to_body()["error"]
+        code = body["code"] or str(error.status_code)
+        yield _sse_event(render.error_event(code, body["message"], body["param"]))
+
+
+def _sse_event(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+_RESPONSE = {"content": {"application/json": {"schema": {"type": "object"}}}}
+_STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+def install_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
+    """`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`, `POST .../cancel`."""
+
+    @app.post(
+        "/v1/responses",
+        response_model=None,
+        responses={200: {"description": "A response, or its SSE events with stream",
+                         "content": {**_RESPONSE["content"], **_STREAMED["content"]}},
+                   **error_responses(400, 401, 404, 429, 503)},
+    )  # fmt: skip
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await handler.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
+    async def get_response(response_id: str, raw: Request) -> JSONResponse:
+        return JSONResponse(await handler.retrieve(response_id, raw))
+
+    @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
+    async def delete_response(response_id: str, raw: Request) -> JSONResponse:
+        await handler.stored.delete(response_id, caller_api_key(raw))
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=error_responses(400, 401, 404, 503))
+    async def cancel_response(response_id: str, raw: Request) -> JSONResponse:
+        return JSONResponse(await handler.cancel(response_id, raw))

@@ -1,0 +1,280 @@
+"""The Responses API driven by the official openai client: plain, streamed (the exact typed event
+sequence), a function-tool round trip through `previous_response_id`, `text.format`
+json_schema, stored responses (get, delete), background responses and their cancellation. The
+chat-completions endpoint on the same greedy request is the oracle for text and prompt length."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import jsonschema
+import openai
+import pytest
+
+from duet.engine import AsyncEngine
+from duet.session_store import SqliteSessionStore, SqliteWorkQueue
+from tests.router.rest_server import (
+    API_KEY,
+    MODEL_NAME,
+    LiveServer,
+    closing,
+    make_app,
+    wait_until_idle,
+)
+from tests.waiting import wait_for
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOL: Any = {"type": "function", "name": "get_weather", "description": "the weather",
+             "parameters": WEATHER, "strict": True}  # fmt: skip
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"enum": ["a", "b"]}},
+    "required": ["x", "y"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(
+    rest_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    db = tmp_path_factory.mktemp("responses") / "duet.db"
+    queue, store = SqliteWorkQueue(db), SqliteSessionStore(db)
+    app = make_app(
+        rest_engine, MODEL_NAME, api_keys=[API_KEY], work_queue=queue, session_store=store,
+        lifespan=closing(queue, store),
+    )  # fmt: skip
+    live = LiveServer(app).start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def _chat(client: openai.OpenAI, messages: list[Any], max_tokens: int, **extra: Any) -> Any:
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=max_tokens, temperature=0, **extra
+    )
+
+
+def test_plain_response_matches_the_chat_completion_and_is_stored(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL_NAME, input="Tell me a story", instructions="Be brief.",
+        max_output_tokens=6, temperature=0, metadata={"run": "7"},
+    )  # fmt: skip
+    chat = _chat(
+        client,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me a story"},
+        ],
+        6,
+    )
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.model == MODEL_NAME and response.metadata == {"run": "7"}
+    assert response.output_text == chat.choices[0].message.content
+    finished = {"length": "incomplete", "stop": "completed"}[chat.choices[0].finish_reason]
+    assert response.status == finished
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert message.id.startswith("msg_") and message.status == finished
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    assert (response.instructions, response.max_output_tokens, response.store) == (
+        "Be brief.", 6, True,
+    )  # fmt: skip
+    fetched = client.responses.retrieve(response.id)
+    assert fetched.model_dump() == response.model_dump()
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(response.id)
+    assert gone.value.body["param"] == "response_id"
+
+
+def test_streamed_events_are_the_typed_sequence(client: openai.OpenAI) -> None:
+    plain = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=8,
+                                    temperature=0, store=False)  # fmt: skip
+    events = list(client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=8,
+                                          temperature=0, store=False, stream=True))  # fmt: skip
+    types = [e.type for e in events]
+    terminal = {"completed": "response.completed", "incomplete": "response.incomplete"}
+    num_deltas = types.count("response.output_text.delta")
+    assert num_deltas >= 1
+    assert types == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * num_deltas,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        terminal[plain.status or ""],
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    created, last = events[0], events[-1]
+    assert created.response.status == "in_progress" and created.response.output == []
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == plain.output_text
+    done = events[-4]
+    assert done.type == "response.output_text.done" and done.text == text
+    final = last.response
+    assert final.output_text == text and final.id == created.response.id
+    assert final.output[0].id == events[2].item.id
+    assert final.usage == plain.usage
+    with pytest.raises(openai.NotFoundError):  # store=False: nothing kept
+        client.responses.retrieve(final.id)
+
+
+def test_function_tool_round_trip_through_previous_response_id(client: openai.OpenAI) -> None:
+    """A required tool call (the grammar's), its output sent back by `previous_response_id`:
+    the second turn's prompt is the whole conversation, as chat completions renders it."""
+    first = client.responses.create(
+        model=MODEL_NAME, input="Weather in Paris?", tools=[TOOL], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=150, temperature=0,
+    )  # fmt: skip
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert first.status == "completed" and first.tool_choice == "required"
+    second = client.responses.create(
+        model=MODEL_NAME, previous_response_id=first.id, tools=[TOOL], max_output_tokens=5,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        temperature=0,
+    )  # fmt: skip
+    assert second.previous_response_id == first.id
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]  # fmt: skip
+    chat_tools: Any = [{"type": "function", "function": {"name": "get_weather",
+                        "description": "the weather", "parameters": WEATHER}}]  # fmt: skip
+    chat = _chat(client, messages, 5, tools=chat_tools)
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == (chat.choices[0].message.content or "")
+    # The same conversation sent whole, as items (what the Agents SDK does), renders alike.
+    whole = client.responses.create(
+        model=MODEL_NAME, tools=[TOOL], max_output_tokens=5, temperature=0, store=False,
+        input=[{"role": "user", "content": "Weather in Paris?"}, call.model_dump(),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert whole.usage is not None and whole.usage.input_tokens == second.usage.input_tokens
+    assert whole.output_text == second.output_text
+
+
+def test_streamed_function_call_events(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(
+        model=MODEL_NAME, input="Weather?", tools=[TOOL],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=150,
+        temperature=0, stream=True, store=False,
+    ))  # fmt: skip
+    types = [e.type for e in events]
+    num_deltas = types.count("response.function_call_arguments.delta")
+    assert types == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * num_deltas,
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    arguments = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    assert events[-3].arguments == arguments
+    jsonschema.validate(json.loads(arguments), WEATHER)
+    [item] = events[-1].response.output
+    assert item.type == "function_call" and item.arguments == arguments
+
+
+def test_text_format_json_schema(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=MODEL_NAME, input="A point", max_output_tokens=30, store=False, temperature=0,
+        text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(response.output_text), POINT)
+    assert response.status == "completed"  # the grammar ended the reply
+    assert response.text is not None and response.text.format.type == "json_schema"
+    # The SDK's own stream accumulator assembles the same response from the events.
+    with client.responses.stream(
+        model=MODEL_NAME, input="A point", max_output_tokens=30, store=False, temperature=0,
+        text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}},
+    ) as stream:  # fmt: skip
+        assembled = stream.get_final_response()
+    assert assembled.output_text == response.output_text and assembled.status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "temperature": 3}, "temperature"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
+        ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s",
+                                            "schema": {"type": "nope"}}}}, "text.format.schema"),
+        ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+         "tool_choice"),
+        ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+        ({"input": "x", "background": True, "store": False}, "background"),
+        ({"input": "x", "max_output_tokens": 1 << 20}, "max_output_tokens"),
+    ],
+)  # fmt: skip
+def test_bad_requests_name_the_responses_field(
+    server: LiveServer, body: dict[str, Any], param: str
+) -> None:
+    reply = httpx2.post(f"{server.url}/v1/responses", json=body, timeout=30,
+                        headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert reply.status_code in (400, 404), reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param or error["message"].startswith(param), error
+
+
+def test_ignored_fields_are_named_in_a_header(server: LiveServer) -> None:
+    body = {"input": "x", "max_output_tokens": 2, "store": False, "include": ["x.y"],
+            "truncation": "auto", "service_tier": "flex", "user": "u1", "max_tool_calls": 2}  # fmt: skip
+    reply = httpx2.post(f"{server.url}/v1/responses", json=body, timeout=30,
+                        headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert reply.status_code == 200
+    assert reply.headers["duet-ignored-fields"] == "include,truncation,service_tier"
+
+
+def test_background_response_completes_and_a_cancelled_one_stays_cancelled(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    queued = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4,
+                                     temperature=0, background=True)  # fmt: skip
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = wait_for(
+        lambda: (r := client.responses.retrieve(queued.id)).status in ("completed", "incomplete")
+        and r,
+        30, "the background response to finish", 0.05,
+    )  # fmt: skip
+    plain = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4,
+                                    temperature=0, store=False)  # fmt: skip
+    assert done.output_text == plain.output_text and done.usage == plain.usage
+    assert client.responses.cancel(queued.id).status == done.status  # ended: as it is
+    # A long one, cancelled while queued or running, ends cancelled, never completed.
+    long = client.responses.create(model=MODEL_NAME, input="Go on", max_output_tokens=1000,
+                                   temperature=0, background=True)  # fmt: skip
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    wait_until_idle(rest_engine, 30)  # its runner stopped generating (or never started)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    foreground = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as refused:  # only background ones cancel
+        client.responses.cancel(foreground.id)
+    assert refused.value.body["param"] == "response_id"
