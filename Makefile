@@ -8,7 +8,7 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 # pytest-xdist workers for `make test`: one per core, at most 4 (each holds models and clusters).
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
-.PHONY: install serve test lint typecheck bench bench-kv gpu-check proto clean
+.PHONY: install serve test lint typecheck bench bench-kv gpu-check gpu-carry proto clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ bench-kv: $(STAMP)
 # exits 2.
 gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels gpu-check needs that a lent GPU machine's image lacks, in .whl/ (about 43 MB: the
+# device tool carries 64 MiB with the tree; docs/gpu.md).
+gpu-carry: $(STAMP)
+	$(PY) -m benchmarks.gpu_check.carry --dest .whl
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
