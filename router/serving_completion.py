@@ -71,7 +71,7 @@ class CompletionHandler:
 
         if body.stream:
             return EventStreamResponse(
-                self._stream(body, request_id, params.n, streams, echoes), release
+                self._stream(body, request_id, params.n, streams, echoes, prompts), release
             )
         try:
             finals = await run_until_disconnect(raw, _final_outputs(streams))
@@ -157,9 +157,11 @@ class CompletionHandler:
         n: int,
         streams: list[AsyncGenerator[RequestOutput, None]],
         echoes: list[str],
+        prompts: list[list[int]],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
         num_sent_chars: dict[int, int] = {}
         finished: set[int] = set()
         echoed: set[int] = set()
@@ -197,6 +199,11 @@ class CompletionHandler:
                             id=request_id, created=created, model=self.ctx.model_name,
                             choices=[choice],
                         )  # fmt: skip
+                        if body.continuous_usage:  # the usage so far, in every chunk
+                            num_completion = sum(
+                                len(c.token_ids) for o in lasts.values() for c in o.outputs
+                            )
+                            payload.usage = Usage.of(num_prompt_tokens, num_completion)
                         yield sse_event(payload, exclude)
             if body.include_usage and lasts:
                 payload = CompletionResponse(
