@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, the Responses
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (and
+`/v1/models/{id}`), the Responses
 API (`/v1/responses`, router/serving_responses.py), `POST /tokenize`,
 `POST /detokenize`, `GET /version`,
 `POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
@@ -121,7 +122,8 @@ _STREAMED = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
-    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`."""
+    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+    `GET /v1/models/{id}`."""
     ctx = front.ctx
 
     @app.post(
@@ -146,15 +148,23 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await front.completions.create(body, raw)
 
-    @app.get("/v1/models", responses=error_responses(401))
-    async def list_models() -> ModelList:
-        card = ModelCard(
+    def card() -> ModelCard:
+        return ModelCard(
             id=ctx.model_name,
             created=ctx.created,
             max_model_len=ctx.max_model_len,
             deterministic=ctx.engine.deterministic,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", responses=error_responses(401))
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    # `:path`: served names may hold slashes (an HF id such as org/model).
+    @app.get("/v1/models/{model:path}", responses=error_responses(401, 404))
+    async def retrieve_model(model: str) -> ModelCard:
+        ctx.check_model(model)
+        return card()
 
 
 def install_session_routes(app: FastAPI, sessions: SessionManager) -> None:
