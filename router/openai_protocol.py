@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from duet.engine import SamplingParams
+from duet.engine import InvalidInputError, SamplingParams
 from duet.engine.sampling_params import MAX_LOGIT_BIAS
 from duet.router import structured_protocol
 from duet.router.openai_fields import UnsupportedChatFields, warn_unknown_fields
@@ -348,7 +348,9 @@ PromptInput = str | list[int] | list[list[int]] | list[str]
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     """A string, a list of strings, token ids, or a list of token-id lists."""
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
+    """0 (with `echo`): no output, only the prompt (and its logprobs with `logprobs`), what
+    eval harnesses send to score a text."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     """Each choice's text starts with its prompt; with `logprobs`, so do its logprobs (the
@@ -394,14 +396,26 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     @property
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0`: the echoed prompt is the whole reply (no completion tokens)."""
+        return self.max_tokens == 0
+
+    @property
     def echo_logprobs(self) -> bool:
         """Whether the echoed prompt carries logprobs (which needs prompt logprobs)."""
         return self.echo and self.logprobs is not None
 
     def to_sampling_params(self) -> SamplingParams:
+        """Engine parameters. A prompt-only request (`max_tokens: 0`) runs one token, which the
+        reply leaves out: the prompt's logprobs come with the first sample."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo_logprobs:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs or 0)
+        if self.prompt_only and not self.echo:
+            raise InvalidInputError(
+                "max_tokens", "must be >= 1 unless echo is true (0 returns only the prompt)"
+            )
+        max_tokens = 1 if self.prompt_only else self.max_tokens
         return self._sampling_params(
-            self.max_tokens, self.logprobs, self.response_format, prompt_logprobs
+            max_tokens, self.logprobs, self.response_format, prompt_logprobs
         )

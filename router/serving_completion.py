@@ -4,6 +4,7 @@ Choice `i * n + j` is sample `j` of prompt `i`, as in vLLM; usage sums over all 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -75,6 +76,8 @@ class CompletionHandler:
             )
         try:
             finals = await run_until_disconnect(raw, _final_outputs(streams))
+            if body.prompt_only:
+                finals = [_without_completion(out) for out in finals]
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as e:
@@ -169,6 +172,8 @@ class CompletionHandler:
         try:
             async with aclosing(merge_streams(streams)) as merged:
                 async for i, out in merged:
+                    if body.prompt_only:
+                        out = _without_completion(out)
                     lasts[i] = out
                     for c in out.outputs:
                         index = i * n + c.index
@@ -227,6 +232,25 @@ async def _final_outputs(
     if len(finals) != len(streams) or not all(out.finished for out in finals.values()):
         raise RuntimeError("the engine ended a request without a final output")
     return [finals[i] for i in range(len(streams))]
+
+
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """`out` with its samples' tokens left out (`max_tokens: 0`: the prompt is the reply), each
+    finished for `length` once the engine finished it."""
+    outputs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            delta_text="",
+            delta_token_ids=[],
+            finish_reason="length" if c.finish_reason is not None else None,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _usage(finals: Sequence[RequestOutput]) -> Usage:
