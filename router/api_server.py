@@ -52,6 +52,9 @@ from duet.router.sessions_protocol import (
 )
 from duet.router.web_ui import install_web_ui, open_paths
 
+METRICS_PATH = "/metrics"
+"""Prometheus' text; open to callers without a key with `RouterOptions.metrics_open`."""
+
 
 def build_app(
     front: FrontDoor,
@@ -82,6 +85,8 @@ def build_app(
     install_openapi(app)
     web_ui = front.options.web_ui
     open_to_all = OPEN_PATHS | (open_paths() if web_ui else set())
+    if front.options.metrics_open:
+        open_to_all |= {METRICS_PATH}
     limits = front.options.http_limits
     # Inside the key check: a caller without a key never gets as far as its body.
     app.add_middleware(
@@ -212,7 +217,7 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
             return EngineUnavailableError("not ready to serve (no engine or worker)").to_response()
         return JSONResponse({"status": "ready", "model": ctx.model_name})
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
