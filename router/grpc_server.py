@@ -109,6 +109,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
         stop=list(opts.stop),
         stop_token_ids=list(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
+        logit_bias=dict(opts.logit_bias) or None,
         **kwargs,
     )
 

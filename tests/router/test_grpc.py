@@ -300,6 +300,22 @@ def test_reflection_v1_beside_v1alpha(channel):
     assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
+def test_logit_bias_over_grpc(stub):
+    opts = serving_pb2.SamplingOptions(
+        max_tokens=5, temperature=0, ignore_eos=True, logit_bias={17: 100.0}
+    )
+    request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+    _, ids, _, _ = collect(stub.Generate(request, metadata=AUTH, timeout=60))
+    assert ids == {0: [17] * 5}
+    for bias, message in (({512: 1.0}, "[0, 512)"), ({3: 150.0}, "[-100, 100]")):
+        opts = serving_pb2.SamplingOptions(max_tokens=2, logit_bias=bias)
+        request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, metadata=AUTH, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("logit_bias: ") and message in info.value.details()
+
+
 def test_a_request_without_an_id_gets_a_unique_one(stub):
     opts = serving_pb2.SamplingOptions(max_tokens=2, temperature=0)
     ids = set()
