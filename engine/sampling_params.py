@@ -103,7 +103,7 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidInputError("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:
-            self.logit_bias = _check_logit_bias(self.logit_bias)
+            self.logit_bias = _check_logit_bias(self.logit_bias) or None  # {}: no bias
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
 
