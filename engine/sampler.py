@@ -2,7 +2,8 @@
 request's `SamplingParams` (gathered per step by `SamplingSlots`).
 
 Order: penalties, logit_bias, the grammar mask (structured outputs), then temperature, top-k,
-top-p, min-p, then a draw. Logprobs are taken from the raw logits (before any of that), like OpenAI and vLLM, and only for the rows that asked.
+top-p, min-p, then a draw. Logprobs are taken from the raw logits (before any of that), like
+OpenAI and vLLM, and only for the rows that asked.
 
 The draw is inverse-CDF with one counter-based uniform per row (`engine.random`): the token
 a request draws depends only on its own logits, its seed and the token's position, never on

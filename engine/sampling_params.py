@@ -145,11 +145,12 @@ MAX_LOGIT_BIAS = 100.0
 """The largest bias magnitude (OpenAI's range is [-100, 100])."""
 
 
-def _int_keys(bias: dict) -> dict:
-    out: dict = {}
+def _int_keys(bias: dict[object, object]) -> dict[object, object]:
+    """`bias` with its keys read as integers (JSON's are strings)."""
+    out: dict[object, object] = {}
     for key, value in bias.items():
         try:
-            out[int(key)] = value
+            out[int(key)] = value  # type: ignore[call-overload]
         except (TypeError, ValueError):
             raise InvalidInputError(
                 "logit_bias", f"keys must be token ids (integers); got {key!r}"
