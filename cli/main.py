@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
@@ -17,6 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     `command_parser` (the subparser that reports its errors)."""
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "-V",
+        "--version",
+        action="version",
+        version=f"duet {importlib.metadata.version('duet-serve')}",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
         module.add_parser(commands)

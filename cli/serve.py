@@ -113,6 +113,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "Grafana dashboard and gateways that read them (default: %(default)s)",
     )
     parser.add_argument(
+        "--metrics-open",
+        action="store_true",
+        help="serve GET /metrics without an API key (Prometheus scrapers and autoscalers send "
+        "none); every other route still needs one",
+    )
+    parser.add_argument(
         "--otlp-endpoint",
         default=None,
         metavar="HOST:PORT",
@@ -272,6 +278,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             reasoning_parser=args.reasoning_parser,
             web_ui=args.web_ui,
             metrics_prefix=args.metrics_prefix,
+            metrics_open=args.metrics_open,
             otlp_endpoint=args.otlp_endpoint,
             max_body_bytes=args.max_body_bytes,
             header_timeout_s=args.header_timeout,

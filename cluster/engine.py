@@ -42,7 +42,7 @@ from duet.cluster.transfer_log import TransferLog
 from duet.cluster.worker_pool import ClusterStats, WorkerPool
 from duet.engine import RequestOutput, SamplingParams
 from duet.engine.async_engine import EngineDeadError
-from duet.engine.llm_engine import EngineStats, Prompt, check_lengths, tokenize_prompt
+from duet.engine.llm_engine import EngineStats, Prompt, check_lengths, check_vocab, tokenize_prompt
 from duet.engine.loader import open_model
 from duet.engine.output_processor import OutputAssembler
 from duet.engine.request import Request
@@ -151,6 +151,7 @@ class ClusterEngine:
     def check_lengths(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         pools = [s.num_blocks * s.block_size for s in self.pool.healthy_decode() if s.num_blocks]
         capacity = min(pools) if pools else self._max_model_len
+        check_vocab(params, self._vocab_size)
         return check_lengths(num_prompt_tokens, params, self._max_model_len, capacity)
 
     async def start(self) -> None:

@@ -25,7 +25,7 @@ from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.prefill_handoff import PrefillDone, PrefillStream
 from duet.engine.random import SeedSource
 from duet.engine.request import Request
-from duet.engine.request_checks import Prompt, check_lengths, tokenize_prompt
+from duet.engine.request_checks import Prompt, check_lengths, check_vocab, tokenize_prompt
 from duet.engine.request_state import RequestState, RequestTable
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.scheduler import Scheduler
@@ -36,7 +36,7 @@ from duet.engine.structured_output import GrammarCompiler
 from duet.engine.tokenizer import Message
 
 __all__ = ["EngineStats", "LLMEngine", "PrefillDone", "PrefillStream", "Prompt",  # re-exported
-           "check_lengths", "tokenize_prompt"]  # fmt: skip
+           "check_lengths", "check_vocab", "tokenize_prompt"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +277,10 @@ class LLMEngine:
         return OutputAssembler(self.tokenizer, request_id, prompt, ids, params)
 
     def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
-        """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit."""
+        """The request's effective max_tokens; raises `InvalidInputError` when it cannot fit
+        (or its `logit_bias` names a token outside the vocabulary)."""
         capacity = self.num_blocks * self.config.block_size
+        check_vocab(params, self.arch.vocab_size)
         return check_lengths(num_prompt, params, self.max_model_len, capacity)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -1,7 +1,7 @@
 """Checks every entry point applies to a prompt before it becomes a request: a text provably
 too long for the context refused before it is tokenized (`check_prompt_chars`), tokenizing and
 validating the ids (`tokenize_prompt`), fitting prompt + output in the context and the KV pool
-(`check_lengths`)."""
+(`check_lengths`), the ids a request's parameters name being the model's (`check_vocab`)."""
 
 from __future__ import annotations
 
@@ -78,3 +78,14 @@ def check_lengths(
             f"({kv_capacity_tokens} tokens)",
         )
     return max_tokens
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Raises `InvalidInputError` when `logit_bias` names a token id outside the model's
+    vocabulary of `vocab_size` (the sampler indexes its logits by them)."""
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise InvalidInputError(
+            "logit_bias",
+            f"token ids must be in [0, {vocab_size}) (the model's vocabulary); got {bad[0]}",
+        )

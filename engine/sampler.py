@@ -1,8 +1,9 @@
 """`Sampler`: logits -> token ids for the rows that sample this step, honouring each
 request's `SamplingParams` (gathered per step by `SamplingSlots`).
 
-Order: penalties, the grammar mask (structured outputs), then temperature, top-k, top-p, min-p, then a draw. Logprobs are taken from
-the raw logits (before any of that), like OpenAI and vLLM, and only for the rows that asked.
+Order: penalties, logit_bias, the grammar mask (structured outputs), then temperature, top-k,
+top-p, min-p, then a draw. Logprobs are taken from the raw logits (before any of that), like
+OpenAI and vLLM, and only for the rows that asked.
 
 The draw is inverse-CDF with one counter-based uniform per row (`engine.random`): the token
 a request draws depends only on its own logits, its seed and the token's position, never on
@@ -40,10 +41,12 @@ class Sampler:
     ) -> SamplerOutput:
         # logits: [N, V] fp32, one row per sampling request
         raw = logits
-        if batch.any_penalties or batch.stop_masks or batch.bitmask is not None:
+        if batch.any_penalties or batch.stop_masks or batch.biases or batch.bitmask is not None:
             logits = logits.clone()
         if batch.any_penalties:
             _apply_penalties(logits, batch)
+        for row, ids, values in batch.biases:
+            logits[row, ids] += values.to(logits.dtype)  # ids are distinct: one add each
         if batch.bitmask is not None:
             apply_bitmask(logits, batch.bitmask)  # grammars: disallowed tokens to -inf
         for row, stops in batch.stop_masks:

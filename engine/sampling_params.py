@@ -50,6 +50,11 @@ class SamplingParams:
     every prompt position are needed, so every position is computed)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> a value in [-100, 100] added to its logit before sampling (after penalties,
+    before the grammar mask and temperature), as OpenAI's `logit_bias`: -100 all but bans a
+    token, 100 all but forces it. Logprobs stay the model's own. The ids must be in the model's
+    vocabulary (checked where the request is admitted)."""
     structured_outputs: StructuredOutputsParams | None = None
     """A grammar the output must match (JSON schema, JSON object, regex, choice, EBNF); a dict
     is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
@@ -97,6 +102,8 @@ class SamplingParams:
             raise InvalidInputError("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidInputError("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias) or None  # {}: no bias
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
 
@@ -119,6 +126,8 @@ class SamplingParams:
         unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise InvalidInputError(unknown[0], "is not a sampling parameter")
+        if isinstance(data.get("logit_bias"), dict):  # JSON's keys are strings
+            data["logit_bias"] = _int_keys(data["logit_bias"])
         return cls(**data)
 
     @property
@@ -130,6 +139,42 @@ class SamplingParams:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
+
+
+MAX_LOGIT_BIAS = 100.0
+"""The largest bias magnitude (OpenAI's range is [-100, 100])."""
+
+
+def _int_keys(bias: dict[object, object]) -> dict[object, object]:
+    """`bias` with its keys read as integers (JSON's are strings)."""
+    out: dict[object, object] = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise InvalidInputError(
+                "logit_bias", f"keys must be token ids (integers); got {key!r}"
+            ) from None
+    return out
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """`bias` as token id -> float, or `InvalidInputError` naming the bad entry."""
+    if not isinstance(bias, dict):
+        raise InvalidInputError("logit_bias", "must be a map of token ids to numbers")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise InvalidInputError(
+                "logit_bias", f"keys must be token ids (integers >= 0); got {token!r}"
+            )
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidInputError(
+                "logit_bias",
+                f"values must be numbers in [-100, 100]; got {value!r} for token {token}",
+            )
+        out[token] = float(value)
+    return out
 
 
 def _is_number(value: object) -> bool:

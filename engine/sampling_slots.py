@@ -6,7 +6,7 @@ copies it to the device: a step builds no tensor from Python objects."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -55,6 +55,8 @@ class SamplingBatch:
     counts: torch.Tensor | None  # [slots, V] int32 output-token counts (with penalties)
     prompt_mask: torch.Tensor | None  # [slots, V] bool: prompt tokens (with penalties)
     bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 allowed tokens (with grammars)
+    # logit_bias: (row, token ids [B] long, biases [B] fp32), on the logits' device.
+    biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # With speculation and penalties: (rows, token ids) to count on top of the slot's counts,
     # the proposed tokens before each row.
     draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -85,6 +87,8 @@ class SamplingSlots:
         self._repetition = np.ones(num_slots)
         self._seed = [0] * num_slots
         self._penalized = [False] * num_slots
+        # Each slot's logit_bias as device tensors (ids, values), made once when it joins.
+        self._bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
         # Slots whose request only takes the argmax (greedy; no penalties, min_tokens, logprobs
         # or grammar): a step of only such rows reads no per-row parameter (`_plain_batch`).
         self._plain = [False] * num_slots
@@ -124,8 +128,14 @@ class SamplingSlots:
         self._repetition[slot] = p.repetition_penalty
         self._seed[slot] = request.sample_seed
         self._penalized[slot] = p.needs_penalties
+        self._bias[slot] = None
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
+            values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+            self._bias[slot] = ids, values.to(self.device)
         self._plain[slot] = (
             greedy
+            and not p.logit_bias
             and not p.needs_penalties
             and p.min_tokens == 0
             and p.logprobs is None
@@ -210,8 +220,11 @@ class SamplingSlots:
         logprob_ks: list[int] = []
         logprob_rows: list[int] = []
         grammars: list[tuple[int, GrammarState, Sequence[int]]] = []
+        biases: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for row, request in enumerate(requests):
             slot = int(idx[row])
+            if (bias := self._bias[slot]) is not None:
+                biases.append((row, *bias))
             params = request.sampling_params
             ahead = offsets[row] if offsets is not None else 0  # proposed tokens before it
             if not params.greedy:
@@ -296,6 +309,7 @@ class SamplingSlots:
             counts=self.counts if any_penalties else None,
             prompt_mask=self.prompt_mask if any_penalties else None,
             bitmask=bitmask,
+            biases=biases,
             draft_counts=self._draft_counts(draft_counts)
             if any_penalties and draft_counts
             else None,

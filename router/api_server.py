@@ -1,6 +1,7 @@
 """The OpenAI-compatible REST server of aggregated mode (one process, one engine).
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, the Responses
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (and
+`/v1/models/{id}`), the Responses
 API (`/v1/responses`, router/serving_responses.py), `POST /tokenize`,
 `POST /detokenize`, `GET /version`,
 `POST/GET /v1/sessions`, `GET/DELETE /v1/sessions/{id}`, with a work queue the Batch API
@@ -51,6 +52,9 @@ from duet.router.sessions_protocol import (
 )
 from duet.router.web_ui import install_web_ui, open_paths
 
+METRICS_PATH = "/metrics"
+"""Prometheus' text; open to callers without a key with `RouterOptions.metrics_open`."""
+
 
 def build_app(
     front: FrontDoor,
@@ -81,6 +85,8 @@ def build_app(
     install_openapi(app)
     web_ui = front.options.web_ui
     open_to_all = OPEN_PATHS | (open_paths() if web_ui else set())
+    if front.options.metrics_open:
+        open_to_all |= {METRICS_PATH}
     limits = front.options.http_limits
     # Inside the key check: a caller without a key never gets as far as its body.
     app.add_middleware(
@@ -121,7 +127,8 @@ _STREAMED = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
-    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`."""
+    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+    `GET /v1/models/{id}`."""
     ctx = front.ctx
 
     @app.post(
@@ -146,15 +153,23 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await front.completions.create(body, raw)
 
-    @app.get("/v1/models", responses=error_responses(401))
-    async def list_models() -> ModelList:
-        card = ModelCard(
+    def card() -> ModelCard:
+        return ModelCard(
             id=ctx.model_name,
             created=ctx.created,
             max_model_len=ctx.max_model_len,
             deterministic=ctx.engine.deterministic,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", responses=error_responses(401))
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    # `:path`: served names may hold slashes (an HF id such as org/model).
+    @app.get("/v1/models/{model:path}", responses=error_responses(401, 404))
+    async def retrieve_model(model: str) -> ModelCard:
+        ctx.check_model(model)
+        return card()
 
 
 def install_session_routes(app: FastAPI, sessions: SessionManager) -> None:
@@ -202,7 +217,7 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
             return EngineUnavailableError("not ready to serve (no engine or worker)").to_response()
         return JSONResponse({"status": "ready", "model": ctx.model_name})
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -48,6 +48,8 @@ class FileObject(BaseModel):
 class FileList(BaseModel):
     object: Literal["list"] = "list"
     data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
     has_more: bool = False
 
 

@@ -1,4 +1,4 @@
-"""REST routes of the Batch API: `POST/GET /v1/files`, `GET /v1/files/{id}`,
+"""REST routes of the Files and Batch APIs: `POST/GET /v1/files`, `GET/DELETE /v1/files/{id}`,
 `GET /v1/files/{id}/content`, `POST/GET /v1/batches`, `GET /v1/batches/{id}`,
 `POST /v1/batches/{id}/cancel`, in OpenAI's shapes (router/batch_protocol.py)."""
 
@@ -11,8 +11,15 @@ from email.policy import HTTP
 from fastapi import FastAPI, Request, Response
 
 from duet.router.auth import caller_api_key
-from duet.router.batch_protocol import Batch, BatchCreateRequest, BatchList, FileObject
-from duet.router.batches import BatchService
+from duet.router.batch_protocol import (
+    Batch,
+    BatchCreateRequest,
+    BatchList,
+    FileDeleted,
+    FileList,
+    FileObject,
+)
+from duet.router.batches import MAX_FILES_PAGE, BatchService
 from duet.router.errors import BadRequestError
 from duet.router.openapi import error_responses
 
@@ -62,6 +69,20 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     async def create_file(raw: Request) -> FileObject:
         purpose, filename, data = await _read_form(raw, service)
         return await service.create_file(caller_api_key(raw), filename, purpose, data)
+
+    @app.get("/v1/files", responses=error_responses(400, 401, 503))
+    async def list_files(
+        raw: Request,
+        after: str | None = None,
+        limit: int = MAX_FILES_PAGE,
+        order: str = "desc",
+        purpose: str | None = None,
+    ) -> FileList:
+        return await service.list_files(caller_api_key(raw), after, limit, order, purpose)
+
+    @app.delete("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
+    async def delete_file(file_id: str, raw: Request) -> FileDeleted:
+        return await service.delete_file(caller_api_key(raw), file_id)
 
     @app.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
     async def get_file(file_id: str, raw: Request) -> FileObject:

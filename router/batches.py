@@ -29,6 +29,8 @@ from duet.router.batch_protocol import (
     Batch,
     BatchCreateRequest,
     BatchRequestCounts,
+    FileDeleted,
+    FileList,
     FileObject,
     parse_batch_file,
 )
@@ -41,6 +43,8 @@ MAX_BATCH_FILE_BYTES = 32 * 1024 * 1024
 """Largest accepted batch input file."""
 MAX_BATCH_LINES = 10_000
 """Most requests in one batch."""
+MAX_FILES_PAGE = 10_000
+"""Most files in one page of `GET /v1/files` (OpenAI's limit, and its default)."""
 BATCH_KINDS = {"/v1/chat/completions": "batch.chat", "/v1/completions": "batch.completion"}
 _FINAL = ("completed", "cancelled", "failed", "expired")
 
@@ -131,6 +135,60 @@ class BatchService:
         if data is None:
             raise NotFoundError(f"file_id: content of {file_id!r} not found", param="file_id")
         return data
+
+    async def list_files(
+        self,
+        api_key: str | None,
+        after: str | None = None,
+        limit: int = MAX_FILES_PAGE,
+        order: str = "desc",
+        purpose: str | None = None,
+    ) -> FileList:
+        """One page of the key's files (OpenAI's `GET /v1/files`): by creation time (`order`
+        desc, the default, newest first), ties by id, the page after the file `after`, at most
+        `limit`, only those of `purpose` when given."""
+        if not 1 <= limit <= MAX_FILES_PAGE:
+            raise BadRequestError(
+                f"limit: must be in [1, {MAX_FILES_PAGE}]; got {limit}", param="limit"
+            )
+        if order not in ("asc", "desc"):
+            raise BadRequestError(f"order: must be 'asc' or 'desc'; got {order!r}", param="order")
+        with queue_errors():
+            docs = await self.queue.list_records("file")
+        owner = _owner(api_key)
+        mine = sorted(
+            (d for d in docs if d.get("owner") == owner),
+            key=lambda d: (d["created_at"], d["id"]),
+            reverse=order == "desc",
+        )
+        if purpose is not None:
+            mine = [d for d in mine if d["purpose"] == purpose]
+        if after is not None:
+            ids = [d["id"] for d in mine]
+            if after not in ids:
+                raise BadRequestError(
+                    f"after: no file {after[:64]!r} in this list (an id from a previous page)",
+                    param="after",
+                )
+            mine = mine[ids.index(after) + 1 :]
+        page = [FileObject.model_validate(d) for d in mine[:limit]]
+        return FileList(
+            data=page,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
+            has_more=len(mine) > limit,
+        )
+
+    async def delete_file(self, api_key: str | None, file_id: str) -> FileDeleted:
+        """Remove one of the key's files and its bytes (a batch that read it keeps running:
+        its requests were queued when it was created)."""
+        await self.get_file(api_key, file_id)
+        with queue_errors():
+            removed = await self.queue.delete_record("file", file_id)
+            await self.queue.delete_blob(file_id)
+        if not removed:  # deleted meanwhile by another request
+            raise NotFoundError(f"file_id: file {file_id[:64]!r} not found", param="file_id")
+        return FileDeleted(id=file_id)
 
     # --- batches ---
 

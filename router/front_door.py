@@ -68,6 +68,9 @@ class RouterOptions:
     """The chat page at `/` and the cluster dashboard (router/web_ui.py)."""
     metrics_prefix: str = "duet"
     """`duet`, or `vllm` to add vLLM's metric names (router/metrics.py)."""
+    metrics_open: bool = False
+    """`GET /metrics` answers without an API key (what Prometheus scrapers and autoscalers
+    send: none), beside the probes."""
     tracer_provider: TracerProvider | None = None
     """Where each request's trace goes (router/tracing.py); None: no tracing."""
 

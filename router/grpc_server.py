@@ -21,7 +21,6 @@ from typing import Any, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from duet.engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
 from duet.engine.async_engine import EngineDeadError
@@ -35,6 +34,7 @@ from duet.router.front_door import FrontDoor
 from duet.router.grpc_chat import ChatResponses, chat_body
 from duet.router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from duet.router.grpc_metrics import GrpcMetricsInterceptor
+from duet.router.grpc_reflection import enable_reflection
 from duet.router.serving_context import check_priority
 from duet.router.tracing import traced_outputs
 from duet.v1 import serving_pb2, serving_pb2_grpc
@@ -109,6 +109,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
         stop=list(opts.stop),
         stop_token_ids=list(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
+        logit_bias=dict(opts.logit_bias) or None,
         **kwargs,
     )
 
@@ -135,6 +136,8 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         engine = self.ctx.engine
+        # A fresh id when the client sends none: unique across requests, replicas and restarts.
+        request_id = request.request_id or uuid.uuid4().hex
         try:
             self._check_model(request.model)
             params = sampling_params_from_proto(request.sampling)
@@ -144,25 +147,23 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
             else:
                 prompt_ids = engine.tokenize_prompt(request.text)[1]
             check_priority(engine, request.priority)
-            stream = self._generate(
-                prompt_ids, params, request.request_id, context, request.priority
-            )
+            stream = self._generate(prompt_ids, params, request_id, context, request.priority)
             async for response in stream:
                 yield response
         except Exception as e:
-            await _abort(context, e, request.request_id)
+            await _abort(context, e, request_id)
 
     async def Chat(
         self, request: serving_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         """One chat turn (router/chat_turn.py), as REST's, rendered as `GenerateResponse`s."""
         arrival_s = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
         try:
             self._check_model(request.model)
             body = chat_body(request)
             plan, _ = self.turns.plan(body, {})
             params = sampling_params_from_proto(request.sampling)
-            request_id = request.request_id or uuid.uuid4().hex
             caller = self._caller(context)
             turn = await self.turns.open(body, plan, params, caller, request_id, {})
             [ticket] = self.ctx.admission.admit([turn.n])
@@ -176,7 +177,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
             finally:
                 ticket.release()
         except Exception as e:
-            await _abort(context, e, request.request_id)
+            await _abort(context, e, request_id)
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
         return self.front.checker.authenticate(_authorization(context.invocation_metadata()))
@@ -212,7 +213,7 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                 self.ctx.tracing, arrival_s, self.ctx.model_name,
                 lambda: cast(
                     AsyncGenerator[RequestOutput, None],
-                    engine.generate(prompt_ids, params, request_id or None, priority),
+                    engine.generate(prompt_ids, params, request_id, priority),
                 ),
             )  # fmt: skip
             sent_logprobs: dict[int, int] = {}
@@ -292,9 +293,7 @@ async def start_grpc_server(
     serving_pb2_grpc.add_DuetServicer_to_server(DuetServicer(front), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"gRPC: cannot bind {host}:{port}")

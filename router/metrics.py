@@ -70,6 +70,14 @@ class EngineStatsCollector(Collector):
         )  # fmt: skip
         legacy.add_metric(self._labels, float(stats.kv_usage))
         yield legacy
+        # vLLM's LoRA gauge, which the Gateway API inference extension's endpoint picker reads:
+        # no adapters (duet serves none), the value the scrape's time, as vLLM sets it.
+        lora = GaugeMetricFamily(
+            "duet:lora_requests_info", "Running and waiting LoRA adapters (none) and max_lora.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )  # fmt: skip
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
         cache = cache_config(self._engine)
         if cache is not None:
             info = GaugeMetricFamily(
@@ -179,6 +187,19 @@ class ServingMetrics:
             "duet:inter_token_latency_seconds", "Time between successive outputs of a request.",
             ITL_BUCKETS_S,
         )  # fmt: skip
+        # vLLM's older name for the inter-token latency, which its Grafana dashboard plots
+        self.tpot_s = histogram(
+            "duet:time_per_output_token_seconds",
+            "Time between successive outputs of a request (vLLM's older name for the "
+            "inter-token latency).",
+            ITL_BUCKETS_S,
+        )
+        self.request_tpot_s = histogram(
+            "duet:request_time_per_output_token_seconds",
+            "Per finished request: its decode time over its longest sample's tokens after the "
+            "first.",
+            ITL_BUCKETS_S,
+        )
         self.e2e_s = histogram(
             "duet:e2e_request_latency_seconds", "Time from arrival to the last token.",
             E2E_BUCKETS_S,
@@ -299,6 +320,7 @@ class RequestMetrics:
             self._m.num_prompt_tokens.inc(len(out.prompt_token_ids))
         else:
             self._m.itl_s.observe(now - self._last_token_s)
+            self._m.tpot_s.observe(now - self._last_token_s)
             self._m.window.observe_itl(now - self._last_token_s)
         self._last_token_s = now
         self._m.num_generation_tokens.inc(num_new)
@@ -322,3 +344,6 @@ class RequestMetrics:
             m.request_prompt_tokens.observe(len(last.prompt_token_ids))
             m.request_generation_tokens.observe(sum(lengths))
             m.request_max_num_generation_tokens.observe(max(lengths))
+            decode_s = (self._last_token_s or 0.0) - (self._first_token_s or 0.0)
+            if max(lengths) > 1:  # the longest sample's tokens after its first
+                m.request_tpot_s.observe(decode_s / (max(lengths) - 1))

@@ -35,6 +35,9 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
     "service_tier": lambda v: v in (None, "auto", "default"),
     "store": lambda v: v in (None, False),
     "metadata": _empty,
+    "moderation": _absent,
+    "prompt_cache_options": _empty,
+    "prompt_cache_retention": _absent,
 }
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
@@ -57,6 +60,9 @@ class UnsupportedChatFields(BaseModel):
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
     prompt_cache_key: str | None = None
     """Accepted: duet caches prompt prefixes on its own (a hint changes no output)."""
     safety_identifier: str | None = None

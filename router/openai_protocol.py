@@ -2,9 +2,10 @@
 
 Field names follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, skip_special_tokens, return_tokens_as_token_ids,
-structured_outputs) and duet's `session_id`. OpenAI fields duet does not implement are a 400
-unless their value asks for nothing (router/openai_fields.py); fields that are not OpenAI's are
-ignored with a warning naming them, as vLLM does.
+structured_outputs) and duet's `session_id`. OpenAI fields duet does not implement are
+accepted, and named in the `duet-ignored-fields` header when their value asks for something
+(router/openai_fields.py); fields that are not OpenAI's are ignored with a warning naming them,
+as vLLM does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from duet.engine import SamplingParams
+from duet.engine import InvalidInputError, SamplingParams
+from duet.engine.sampling_params import MAX_LOGIT_BIAS
 from duet.router import structured_protocol
 from duet.router.openai_fields import UnsupportedChatFields, warn_unknown_fields
 from duet.router.openai_tools import ChatTool, ToolCall, ToolChoice
@@ -94,6 +96,9 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     """Send a last chunk with token usage (choices empty) before `[DONE]`."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with `include_usage`, every chunk also carries the usage so far (the prompt's
+    tokens and the completion tokens generated up to that chunk)."""
 
 
 class TextContentPart(OpenAIModel):
@@ -185,7 +190,8 @@ class SamplingRequest(OpenAIModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    """Not supported: a non-empty map is a 400 rather than silently ignored."""
+    """Token id (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit
+    before sampling; ids outside the model's vocabulary are a 400."""
     user: str | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
@@ -216,16 +222,32 @@ class SamplingRequest(OpenAIModel):
         except ValidationError:
             raise ValueError("must be a string or a list of strings") from None
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", mode="wrap")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("is not supported by this server")
-        return value
+    def _check_logit_bias(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            bias = handler(value)
+        except ValidationError:
+            raise ValueError("must be a map of token ids to numbers in [-100, 100]") from None
+        for key, number in (bias or {}).items():
+            if not (key.strip().isascii() and key.strip().isdigit()):
+                raise ValueError(f"keys must be token ids (integers >= 0); got {key!r}")
+            if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"values must be in [-100, 100]; got {number!r} for token {key.strip()}"
+                )
+        return bias
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`,
+        which, as in vLLM, needs `include_usage`)."""
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def _sampling_params(
         self,
@@ -255,6 +277,7 @@ class SamplingRequest(OpenAIModel):
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_protocol.params(fmt, self.structured_outputs),
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
 
@@ -325,7 +348,9 @@ PromptInput = str | list[int] | list[list[int]] | list[str]
 class CompletionRequest(SamplingRequest):
     prompt: PromptInput
     """A string, a list of strings, token ids, or a list of token-id lists."""
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
+    """0 (with `echo`): no output, only the prompt (and its logprobs with `logprobs`), what
+    eval harnesses send to score a text."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     """Each choice's text starts with its prompt; with `logprobs`, so do its logprobs (the
@@ -371,14 +396,26 @@ class CompletionRequest(SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
     @property
+    def prompt_only(self) -> bool:
+        """`max_tokens: 0`: the echoed prompt is the whole reply (no completion tokens)."""
+        return self.max_tokens == 0
+
+    @property
     def echo_logprobs(self) -> bool:
         """Whether the echoed prompt carries logprobs (which needs prompt logprobs)."""
         return self.echo and self.logprobs is not None
 
     def to_sampling_params(self) -> SamplingParams:
+        """Engine parameters. A prompt-only request (`max_tokens: 0`) runs one token, which the
+        reply leaves out: the prompt's logprobs come with the first sample."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo_logprobs:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs or 0)
+        if self.prompt_only and not self.echo:
+            raise InvalidInputError(
+                "max_tokens", "must be >= 1 unless echo is true (0 returns only the prompt)"
+            )
+        max_tokens = 1 if self.prompt_only else self.max_tokens
         return self._sampling_params(
-            self.max_tokens, self.logprobs, self.response_format, prompt_logprobs
+            max_tokens, self.logprobs, self.response_format, prompt_logprobs
         )

@@ -14,6 +14,7 @@ Fields duet cannot honour are accepted and named in the `duet-ignored-fields` he
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -23,6 +24,8 @@ from pydantic import Field, ValidationError, field_validator
 from duet.router.errors import BadRequestError, format_loc
 from duet.router.openai_fields import Inert, ignored_fields
 from duet.router.openai_protocol import ChatCompletionRequest, OpenAIModel
+
+logger = logging.getLogger(__name__)
 
 MAX_METADATA_KEYS = 16
 """OpenAI's limits on `metadata`: 16 pairs, keys up to 64 characters, values up to 512."""
@@ -76,6 +79,10 @@ IGNORED: dict[str, Inert] = {
     "stream_options": lambda v: not v,
     "prompt_cache_retention": lambda v: v is None,
     "background_options": lambda v: not v,
+    "prompt_cache_options": lambda v: not v,
+    "moderation": lambda v: v is None,
+    "access_programs": lambda v: not v,
+    "image": lambda v: not v,
 }
 
 
@@ -118,6 +125,10 @@ class ResponsesRequest(OpenAIModel):
     stream_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     background_options: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -141,8 +152,20 @@ class ResponsesRequest(OpenAIModel):
         return value
 
     def ignored(self) -> list[str]:
-        """The fields this request sets that duet does not honour (logged once here)."""
-        return ignored_fields(self, IGNORED, "POST /v1/responses")
+        """The fields this request sets that duet does not honour (logged once here), nested
+        ones by their path (`text.verbosity`: the reply's length is the model's;
+        `reasoning.summary`: no summaries are written)."""
+        names = ignored_fields(self, IGNORED, "POST /v1/responses")
+        nested = {
+            "text.verbosity": self.text is not None and self.text.verbosity is not None,
+            "reasoning.summary": self.reasoning is not None
+            and (self.reasoning.summary or self.reasoning.generate_summary) is not None,
+        }
+        unhonoured = [name for name, asked in nested.items() if asked]
+        if unhonoured:
+            logger.warning("POST /v1/responses: ignoring fields duet does not implement: %s",
+                           unhonoured)  # fmt: skip
+        return names + unhonoured
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages in the templates' shape; a 400 naming `input[i]...`."""

@@ -68,6 +68,9 @@ def echo_fields(body: ResponsesRequest, model: str, stored: bool) -> dict[str, A
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": "disabled",
         "user": body.user,
+        "safety_identifier": body.safety_identifier,
+        "prompt_cache_key": body.prompt_cache_key,
+        "max_tool_calls": body.max_tool_calls,
         "background": body.background,
     }
 

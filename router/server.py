@@ -98,6 +98,8 @@ class RouterConfig:
     """Serve the chat page at `/` and the cluster dashboard at `/dashboard`."""
     metrics_prefix: str = "duet"
     """`duet`: metrics under `duet:` names; `vllm`: also under vLLM's `vllm:` names."""
+    metrics_open: bool = False
+    """`GET /metrics` without an API key (for scrapers that send none)."""
     otlp_endpoint: str | None = None
     """Export each request's trace over OTLP/gRPC to this collector; None: no tracing."""
 
@@ -219,6 +221,7 @@ class RouterServer(uvicorn.Server):
             chat_options=config.chat_options,
             web_ui=config.web_ui,
             metrics_prefix=config.metrics_prefix,
+            metrics_open=config.metrics_open,
             tracer_provider=self.tracer_provider,
             http_limits=config.http_limits,
         )

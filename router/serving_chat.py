@@ -17,7 +17,7 @@ from fastapi import Request, Response
 
 from duet.router.auth import caller_api_key
 from duet.router.background import BackgroundService
-from duet.router.chat_events import ChatStep, Final
+from duet.router.chat_events import ChatStep, Final, TokenDelta
 from duet.router.chat_turn import ChatTurns, chat_rename, final_of
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.errors import BadRequestError, as_openai_error
@@ -29,6 +29,7 @@ from duet.router.openai_responses import (
     ChatCompletionChunk,
     ChatCompletionStreamChoice,
     DeltaMessage,
+    Usage,
 )
 from duet.router.sse import DONE, EventStreamResponse, sse_error, sse_event
 
@@ -66,7 +67,8 @@ class ChatCompletionHandler:
         steps = turn.steps(ticket, arrival_s)
         render = ChatCompletionRender.of(body, request_id, ctx.model_name, ctx.token_texts)
         if body.stream:
-            events = _sse(render, steps, turn.n, body.include_usage, rename)
+            num_prompt = len(turn.request.prompt_ids) if body.continuous_usage else None
+            events = _sse(render, steps, turn.n, body.include_usage, rename, num_prompt)
             return EventStreamResponse(events, ticket.release, headers)
         try:
             final = await run_until_disconnect(raw, final_of(steps))
@@ -88,12 +90,17 @@ async def _sse(
     n: int,
     include_usage: bool,
     rename: dict[str, str],
+    num_prompt_tokens: int | None = None,
 ) -> AsyncGenerator[str, None]:
     """SSE events: each choice's role, then the turn's chunks, the usage (when asked), and
-    [DONE]; an error event instead of whatever a failure left out."""
+    [DONE]; an error event instead of whatever a failure left out. `num_prompt_tokens` given:
+    continuous usage stats, every chunk with the usage so far."""
     exclude = None if include_usage else {"usage"}
+    num_completion = 0
 
     def event(chunk: ChatCompletionChunk) -> str:
+        if num_prompt_tokens is not None and chunk.usage is None:
+            chunk.usage = Usage.of(num_prompt_tokens, num_completion)
         if chunk.prompt_logprobs is None:  # only their own chunk carries them
             return sse_event(chunk, (exclude or set()) | {"prompt_logprobs"})
         return sse_event(chunk, exclude)
@@ -104,6 +111,9 @@ async def _sse(
             yield event(render.chunk([ChatCompletionStreamChoice(index=index, delta=role)]))
         async with aclosing(steps):
             async for step in steps:
+                num_completion += sum(
+                    len(e.token_ids) for e in step.events if isinstance(e, TokenDelta)
+                )
                 for chunk in render.chunks(step):
                     yield event(chunk)
                 final = step.first(Final)

@@ -4,6 +4,7 @@ Choice `i * n + j` is sample `j` of prompt `i`, as in vLLM; usage sums over all 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -71,10 +72,12 @@ class CompletionHandler:
 
         if body.stream:
             return EventStreamResponse(
-                self._stream(body, request_id, params.n, streams, echoes), release
+                self._stream(body, request_id, params.n, streams, echoes, prompts), release
             )
         try:
             finals = await run_until_disconnect(raw, _final_outputs(streams))
+            if body.prompt_only:
+                finals = [_without_completion(out) for out in finals]
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as e:
@@ -157,9 +160,11 @@ class CompletionHandler:
         n: int,
         streams: list[AsyncGenerator[RequestOutput, None]],
         echoes: list[str],
+        prompts: list[list[int]],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         exclude = None if body.include_usage else {"usage"}
+        num_prompt_tokens = sum(len(ids) for ids in prompts)
         num_sent_chars: dict[int, int] = {}
         finished: set[int] = set()
         echoed: set[int] = set()
@@ -167,6 +172,8 @@ class CompletionHandler:
         try:
             async with aclosing(merge_streams(streams)) as merged:
                 async for i, out in merged:
+                    if body.prompt_only:
+                        out = _without_completion(out)
                     lasts[i] = out
                     for c in out.outputs:
                         index = i * n + c.index
@@ -197,6 +204,11 @@ class CompletionHandler:
                             id=request_id, created=created, model=self.ctx.model_name,
                             choices=[choice],
                         )  # fmt: skip
+                        if body.continuous_usage:  # the usage so far, in every chunk
+                            num_completion = sum(
+                                len(c.token_ids) for o in lasts.values() for c in o.outputs
+                            )
+                            payload.usage = Usage.of(num_prompt_tokens, num_completion)
                         yield sse_event(payload, exclude)
             if body.include_usage and lasts:
                 payload = CompletionResponse(
@@ -220,6 +232,25 @@ async def _final_outputs(
     if len(finals) != len(streams) or not all(out.finished for out in finals.values()):
         raise RuntimeError("the engine ended a request without a final output")
     return [finals[i] for i in range(len(streams))]
+
+
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """`out` with its samples' tokens left out (`max_tokens: 0`: the prompt is the reply), each
+    finished for `length` once the engine finished it."""
+    outputs = [
+        dataclasses.replace(
+            c,
+            text="",
+            token_ids=[],
+            logprobs=[] if c.logprobs is not None else None,
+            delta_text="",
+            delta_token_ids=[],
+            finish_reason="length" if c.finish_reason is not None else None,
+            stop_reason=None,
+        )
+        for c in out.outputs
+    ]
+    return dataclasses.replace(out, outputs=outputs)
 
 
 def _usage(finals: Sequence[RequestOutput]) -> Usage:

@@ -19,6 +19,9 @@ STATIC_DIR = Path(__file__).parent / "static"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 """Page path -> its file."""
 
+FAVICON = "/favicon.ico"
+"""Where browsers look for the tab's icon (an SVG, which they take under any name)."""
+
 ASSETS = {
     "markdown.js": "text/javascript",
     "api.js": "text/javascript",
@@ -45,7 +48,7 @@ _HEADERS = {
 
 def open_paths() -> frozenset[str]:
     """The paths the API-key middleware lets through without a key when the pages are on."""
-    return frozenset(PAGES) | {ASSET_PREFIX + name for name in ASSETS}
+    return frozenset(PAGES) | {ASSET_PREFIX + name for name in ASSETS} | {FAVICON}
 
 
 def install_web_ui(app: FastAPI) -> None:
@@ -54,6 +57,7 @@ def install_web_ui(app: FastAPI) -> None:
         _add_file_route(app, path, filename, "text/html; charset=utf-8")
     for name, media_type in ASSETS.items():
         _add_file_route(app, ASSET_PREFIX + name, name, media_type)
+    _add_file_route(app, FAVICON, "favicon.svg", "image/svg+xml")
 
 
 def _add_file_route(app: FastAPI, path: str, filename: str, media_type: str) -> None:

@@ -358,6 +358,12 @@ class RedisWorkQueue(WorkQueue):
         raw = await self._guard.run("list_records", self._client.hvals(self._records_key(kind)))
         return [json.loads(r) for r in raw]
 
+    async def delete_record(self, kind: str, record_id: str) -> bool:
+        removed = await self._guard.run(
+            "delete_record", self._client.hdel(self._records_key(kind), record_id)
+        )
+        return int(removed) > 0
+
     async def put_blob(self, blob_id: str, data: bytes) -> None:
         # NOTE: the client decodes replies as str, so blobs are stored as latin-1 text, which
         # maps every byte to one code point and back.
@@ -368,6 +374,11 @@ class RedisWorkQueue(WorkQueue):
         key = f"{self.key_prefix}:blob:{blob_id}"
         raw = await self._guard.run("get_blob", self._client.get(key))
         return None if raw is None else cast(str, raw).encode("latin-1")
+
+    async def delete_blob(self, blob_id: str) -> None:
+        await self._guard.run(
+            "delete_blob", self._client.delete(f"{self.key_prefix}:blob:{blob_id}")
+        )
 
     async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
         key = f"{self.key_prefix}:events:{stream_id}"

@@ -303,6 +303,15 @@ class SqliteWorkQueue(WorkQueue):
 
         return await self._run("list_records", body, write=False)
 
+    async def delete_record(self, kind: str, record_id: str) -> bool:
+        def body(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, record_id)
+            )
+            return cursor.rowcount > 0
+
+        return await self._run("delete_record", body, write=True)
+
     async def put_blob(self, blob_id: str, data: bytes) -> None:
         def body(conn: sqlite3.Connection) -> None:
             conn.execute("INSERT OR REPLACE INTO queue_blobs VALUES (?, ?)", (blob_id, data))
@@ -315,6 +324,12 @@ class SqliteWorkQueue(WorkQueue):
             return None if row is None else bytes(row[0])
 
         return await self._run("get_blob", body, write=False)
+
+    async def delete_blob(self, blob_id: str) -> None:
+        def body(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM queue_blobs WHERE id = ?", (blob_id,))
+
+        await self._run("delete_blob", body, write=True)
 
     async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
         def body(conn: sqlite3.Connection) -> int:

@@ -150,12 +150,20 @@ class WorkQueue(ABC):
         """Every record of `kind`, in no particular order."""
 
     @abstractmethod
+    async def delete_record(self, kind: str, record_id: str) -> bool:
+        """Remove one record; False when there was none."""
+
+    @abstractmethod
     async def put_blob(self, blob_id: str, data: bytes) -> None:
         """Create or replace one blob (a file's bytes)."""
 
     @abstractmethod
     async def get_blob(self, blob_id: str) -> bytes | None:
         """The blob, or None."""
+
+    @abstractmethod
+    async def delete_blob(self, blob_id: str) -> None:
+        """Remove one blob (nothing when there is none)."""
 
     @abstractmethod
     async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:

@@ -36,6 +36,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
     )
+    if params.logit_bias:
+        message.logit_bias.update(params.logit_bias)
     for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
@@ -85,4 +87,5 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=message.frequency_penalty,
         repetition_penalty=message.repetition_penalty,
         structured_outputs=structured,
+        logit_bias=dict(message.logit_bias) or None,
     )

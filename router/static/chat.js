@@ -1,12 +1,17 @@
 // The chat page: streams replies over POST /v1/chat/completions (SSE), keeps conversations
 // in duet's sessions API (the open one is in the URL's #session=ID, so a reload resumes it),
-// and shows each reply's time to first token and tokens per second.
+// and shows each reply's time to first token and tokens per second. The settings and each
+// stored reply's numbers are kept in this browser's localStorage (never the API key), so a
+// reload finds them again.
 "use strict";
 
 (function () {
   const $ = (id) => document.getElementById(id);
   const api = window.duetApi;
   const md = window.duetMarkdown;
+  const SETTINGS_KEY = "duet.chat.settings";
+  const STATS_PREFIX = "duet.chat.stats."; // + session id: {message index: "TTFT ... tokens"}
+  const SETTING_FIELDS = { "system-prompt": "system", temperature: "temperature", "max-tokens": "max_tokens" };
   const state = {
     model: null,
     sessionsOn: true,
@@ -19,6 +24,42 @@
   function showError(msg) {
     $("error").hidden = !msg;
     $("error").textContent = msg || "";
+  }
+
+  // -- what this browser keeps -------------------------------------------------------------
+
+  function stored(key) {
+    try {
+      return JSON.parse(localStorage.getItem(key) || "null");
+    } catch (e) {
+      return null; // storage off, or an unreadable entry: start from the defaults
+    }
+  }
+
+  function store(key, value) {
+    try {
+      if (value === null) localStorage.removeItem(key);
+      else localStorage.setItem(key, JSON.stringify(value));
+    } catch (e) {} // storage full or off: the page works, it only forgets on reload
+  }
+
+  function restoreSettings() {
+    const saved = stored(SETTINGS_KEY) || {};
+    for (const [id, name] of Object.entries(SETTING_FIELDS)) {
+      if (typeof saved[name] === "string") $(id).value = saved[name];
+    }
+  }
+
+  function saveSettings() {
+    const values = {};
+    for (const [id, name] of Object.entries(SETTING_FIELDS)) values[name] = $(id).value;
+    store(SETTINGS_KEY, values);
+  }
+
+  function keepStats(sessionId, index, text) {
+    const all = stored(STATS_PREFIX + sessionId) || {};
+    all[index] = text;
+    store(STATS_PREFIX + sessionId, all);
   }
 
   function addMessage(role, content) {
@@ -95,9 +136,15 @@
     state.numStored = s.messages.length;
     location.hash = "session=" + id;
     $("messages").replaceChildren();
-    for (const m of s.messages) {
-      if (m.role !== "system") addMessage(m.role, m.content);
-    }
+    const stats = stored(STATS_PREFIX + id) || {};
+    s.messages.forEach((m, i) => {
+      if (m.role === "system") return;
+      const div = addMessage(m.role, m.content);
+      if (m.role === "assistant" && typeof stats[i] === "string") {
+        div.querySelector(".stats").textContent = stats[i];
+      }
+    });
+    closeSidebar();
     showError("");
     await loadSessions();
   }
@@ -109,6 +156,7 @@
       showError("Cannot delete: " + e.message);
       return;
     }
+    store(STATS_PREFIX + id, null);
     if (id === state.sessionId) newChat();
     await loadSessions();
   }
@@ -120,6 +168,7 @@
     state.history = [];
     history.replaceState(null, "", location.pathname);
     $("messages").replaceChildren();
+    closeSidebar();
     showError("");
     loadSessions().catch((e) => showError(e.message));
   }
@@ -172,7 +221,11 @@
     const result = await stream(body, reply);
     reply.classList.remove("streaming");
     if (result.completed) {
-      if (state.sessionsOn) state.numStored += messages.length + 1;
+      if (state.sessionsOn) {
+        // The reply is the session's message after this turn's: its numbers stay with it.
+        keepStats(state.sessionId, state.numStored + messages.length, result.stats);
+        state.numStored += messages.length + 1;
+      }
       else state.history = messages.concat([{ role: "assistant", content: result.text }]);
     }
     if (state.sessionsOn) loadSessions().catch(() => {});
@@ -263,8 +316,9 @@
     }
     parts.push(n + " tokens");
     if (!completed) parts.push("stopped");
-    div.querySelector(".stats").textContent = parts.join(" \u00b7 ");
-    return { completed, text };
+    const stats = parts.join(" \u00b7 ");
+    div.querySelector(".stats").textContent = stats;
+    return { completed, text, stats };
   }
 
   function setBusy(busy) {
@@ -295,12 +349,24 @@
     s.hidden = !s.hidden;
     $("settings-toggle").setAttribute("aria-expanded", String(!s.hidden));
   };
+  for (const id of Object.keys(SETTING_FIELDS)) $(id).addEventListener("input", saveSettings);
+  // Phones: the conversations list slides in over the chat.
+  function closeSidebar() {
+    document.body.classList.remove("sidebar-open");
+    $("sidebar-toggle").setAttribute("aria-expanded", "false");
+  }
+  $("sidebar-toggle").onclick = () => {
+    const open = document.body.classList.toggle("sidebar-open");
+    $("sidebar-toggle").setAttribute("aria-expanded", String(open));
+  };
+  $("messages").addEventListener("click", closeSidebar);
   $("change-key").onclick = () => {
     api.forgetKey();
     start();
   };
 
   async function start() {
+    restoreSettings();
     try {
       const models = await api.json("/v1/models");
       state.model = models.data[0].id;

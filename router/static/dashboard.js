@@ -89,6 +89,12 @@
   }
 
   function render(d) {
+    // Aggregated: one engine, no prefill groups and no KV transfers to show.
+    const aggregated = d.mode === "aggregated";
+    $("prefill-section").hidden = aggregated;
+    $("transfers-section").hidden = aggregated;
+    $("bandwidth-plot").hidden = aggregated;
+    $("decode-title").textContent = aggregated ? "Engine" : "Decode workers";
     $("model").textContent = d.model + " \u00b7 " + d.mode;
     $("updated").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
     cards(d.queues);

@@ -1,16 +1,32 @@
 // Line plots on a <canvas>, no library: several series over shared x values, nulls as gaps,
-// a y axis from 0 to a rounded maximum, a legend. Sets canvas.dataset.points to the number of
-// points drawn (what the browser tests read).
+// a y axis from 0 in even steps of 1, 2 or 5 times a power of ten (0, 5, 10, 15, 20), a
+// legend. Sets canvas.dataset.points to the number of points drawn and canvas.dataset.ticks
+// to the axis labels (what the browser tests read).
 "use strict";
 
 (function () {
   const COLORS = ["#2f6fde", "#e08a00", "#c0392b", "#1e8e3e"];
 
-  function niceMax(v) {
-    if (!(v > 0)) return 1;
-    const p = Math.pow(10, Math.floor(Math.log10(v)));
-    for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
-    return 10 * p;
+  const MAX_STEPS = 4;
+
+  // The y axis for values up to `max`: at most MAX_STEPS steps of a round size (1, 2 or 5
+  // times a power of ten), its labels written with the step's decimals.
+  function axis(max) {
+    if (!(max > 0)) max = 1;
+    const rough = max / MAX_STEPS;
+    const p = Math.pow(10, Math.floor(Math.log10(rough)));
+    let step = 10 * p;
+    for (const m of [1, 2, 5]) {
+      if (m * p >= rough * (1 - 1e-9)) {
+        step = m * p;
+        break;
+      }
+    }
+    const numSteps = Math.max(1, Math.ceil(max / step - 1e-9));
+    const decimals = Math.max(0, -Math.floor(Math.log10(step) + 1e-9));
+    const labels = [];
+    for (let k = 0; k <= numSteps; k++) labels.push((k * step).toFixed(decimals));
+    return { ymax: numSteps * step, step, labels };
   }
 
   // series: [{label, values}] aligned with xs (epoch seconds)
@@ -23,19 +39,20 @@
     ctx.font = "11px system-ui, sans-serif";
     let max = 0;
     for (const s of series) for (const v of s.values) if (v !== null && v > max) max = v;
-    const ymax = niceMax(max);
+    const { ymax, step, labels } = axis(max);
     const x = (i) => left + (xs.length > 1 ? (i / (xs.length - 1)) * (w - left - right) : 0);
     const y = (v) => top + (1 - v / ymax) * (h - top - bottom);
     ctx.strokeStyle = "#e2e2e6";
     ctx.fillStyle = "#6b6b75";
-    for (let k = 0; k <= 4; k++) {
-      const v = (ymax * k) / 4;
+    labels.forEach((label, k) => {
+      const v = k * step;
       ctx.beginPath();
       ctx.moveTo(left, y(v));
       ctx.lineTo(w - right, y(v));
       ctx.stroke();
-      ctx.fillText(v >= 100 ? v.toFixed(0) : v.toPrecision(2), 4, y(v) + 4);
-    }
+      ctx.fillText(label, 4, y(v) + 4);
+    });
+    canvas.dataset.ticks = labels.join(" ");
     ctx.fillText("-5 min", left, h - 4);
     ctx.fillText("now", w - right - 22, h - 4);
     let points = 0;
@@ -61,5 +78,5 @@
     canvas.dataset.points = String(points);
   }
 
-  window.duetPlot = { draw };
+  window.duetPlot = { draw, axis };
 })();

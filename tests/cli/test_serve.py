@@ -45,9 +45,12 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
     args = build_parser().parse_args(["serve", *store])
     config = _router_config(args, [])
     assert (config.web_ui, config.metrics_prefix, config.otlp_endpoint) == (True, "duet", None)
-    argv = ["serve", *store, "--no-ui", "--metrics-prefix", "vllm", "--otlp-endpoint", "h:4317"]
+    assert config.metrics_open is False
+    argv = ["serve", *store, "--no-ui", "--metrics-prefix", "vllm", "--otlp-endpoint", "h:4317",
+            "--metrics-open"]  # fmt: skip
     config = _router_config(build_parser().parse_args(argv), [])
     assert (config.web_ui, config.metrics_prefix, config.otlp_endpoint) == (False, "vllm", "h:4317")
+    assert config.metrics_open is True
     with pytest.raises(ValueError, match="--metrics-prefix: must be one of duet, vllm; got 'x'"):
         RouterConfig(metrics_prefix="x")
 

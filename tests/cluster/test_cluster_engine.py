@@ -15,7 +15,7 @@ from duet.cluster.engine import ClusterEngine
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.decode_worker.server import start_decode_server
 from duet.decode_worker.worker import DecodeWorker
-from duet.engine import LLM, SamplingParams
+from duet.engine import LLM, InvalidInputError, SamplingParams
 from duet.kv_transfer import chunks
 from duet.prefill_worker.config import PrefillWorkerConfig
 from duet.prefill_worker.server import start_prefill_server
@@ -161,6 +161,32 @@ def test_cluster_equals_aggregated(model):
         assert [s.token_ids for s in o.outputs] == [s.token_ids for s in w.outputs]
     assert (stats.num_prefill_workers, stats.num_decode_workers) == (1, 1)
     assert all(free == total for free, total in pools)
+
+
+def test_logit_bias_travels_to_both_workers(model):
+    prompts = prompts_of([40, 60], seed=21)  # past the threshold: prefilled remotely
+    # The first token is the prefill worker's and the rest the decode worker's: both biased.
+    forced = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={7: 100.0})
+    bias = {t: 6.0 for t in range(100, 130)}
+    sampled = SamplingParams(
+        max_tokens=8, temperature=1.0, seed=4, ignore_eos=True, logit_bias=bias
+    )
+    ref = LLM(model, **ENGINE)
+    want = ref.generate(prompts, sampled)
+    assert sum(100 <= t < 130 for o in want for t in o.token_ids) >= 8  # the bias shows
+
+    async def main():
+        async with Cluster(model) as c:
+            got_forced = await c.run(prompts[0], forced)
+            got = await asyncio.gather(*(c.run(p, sampled) for p in prompts))
+            with pytest.raises(InvalidInputError) as info:
+                c.engine.check_lengths(10, SamplingParams(logit_bias={512: 1.0}))
+            return got_forced, got, info.value
+
+    got_forced, got, error = asyncio.run(main())
+    assert got_forced.token_ids == [7] * 6
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert error.field == "logit_bias"
 
 
 def _logprobs(sample):

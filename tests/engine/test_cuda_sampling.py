@@ -48,3 +48,20 @@ def test_seeded_sampling_on_cuda_matches_cpu(tiny_llama):
         llm = LLM(tiny_llama, device=device, attention_backend="torch", **ENGINE)
         tokens[device] = [o.token_ids for o in llm.generate(prompts(), params)]
     assert tokens["cuda"] == tokens["cpu"]
+
+
+def test_logit_bias_on_cuda_forces_tokens_and_matches_cpu(tiny_llama):
+    """The bias is added on the logits' device (the slot's tensors made on join): a forced
+    token on CUDA, and seeded biased draws the same as on the CPU."""
+    forced = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={17: 100.0})
+    biased = [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3 + i, ignore_eos=True,
+                       logit_bias={t: 5.0 for t in range(100, 140)})
+        for i in range(4)
+    ]  # fmt: skip
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(tiny_llama, device=device, attention_backend="torch", **ENGINE)
+        assert llm.generate(prompts()[:1], forced)[0].token_ids == [17] * 6
+        tokens[device] = [o.token_ids for o in llm.generate(prompts(), biased)]
+    assert tokens["cuda"] == tokens["cpu"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -134,6 +136,45 @@ def test_penalties_change_logits_as_specified(llm):
     )[0]
     assert not set(rep.token_ids[:-1]) & set(p)  # prompt tokens are pushed far down
     assert len(set(rep.token_ids)) == len(rep.token_ids)
+
+
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_the_models(llm):
+    p = prompts(1, seed=11)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    base = llm.generate([p], greedy)[0]
+    forced = llm.generate([p], dataclasses.replace(greedy, logit_bias={17: 100.0}))[0]
+    assert forced.token_ids == [17] * 8
+    # The logprobs are the model's own, before the bias: the first is what the model gives
+    # token 17 after the prompt (its prompt logprob when the prompt continues with it).
+    oracle = llm.generate([[*p, 17]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert oracle.prompt_logprobs is not None and forced.outputs[0].logprobs is not None
+    expected = oracle.prompt_logprobs[-1]
+    assert expected is not None
+    first = forced.outputs[0].logprobs[0].sampled
+    assert first.token_id == 17
+    assert first.logprob == pytest.approx(expected[17].logprob, abs=1e-4)
+    assert first.logprob < base.outputs[0].logprobs[0].sampled.logprob  # not the top choice
+    banned = base.token_ids[0]
+    out = llm.generate([p], dataclasses.replace(greedy, logit_bias={banned: -100.0}))[0]
+    assert banned not in out.token_ids
+    assert out.token_ids[0] != base.token_ids[0]
+
+
+def test_logit_bias_sampling_is_deterministic_alone_and_in_a_batch(llm):
+    target = prompts(1, seed=12)[0]
+    bias = {t: 5.0 for t in range(100, 140)}
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, seed=77, ignore_eos=True, logit_bias=bias
+    )
+    alone = llm.generate([target], params)[0].token_ids
+    others = prompts(3, seed=13)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    batch = llm.generate([others[0], target, *others[1:]], [plain, params, plain, plain])
+    assert batch[1].token_ids == alone
+    # The bias holds: 40 of 512 tokens carry e^5 (~148x) the weight, so most draws are theirs.
+    assert sum(100 <= t < 140 for t in alone) >= 12
+    # The unbiased rows of the batch are untouched.
+    assert batch[0].token_ids == llm.generate([others[0]], plain)[0].token_ids
 
 
 def test_blocks_return_to_pool(llm):

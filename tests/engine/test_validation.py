@@ -22,6 +22,17 @@ from duet.engine import LLM, EngineConfig, InvalidInputError, ModelLoadError, Sa
         (dict(repetition_penalty=0.0), "repetition_penalty", "must be > 0; got 0.0"),
         (dict(logprobs=21), "logprobs", "must be an integer in [0, 20]; got 21"),
         (dict(stop=[""]), "stop", "must be non-empty strings"),
+        (
+            dict(logit_bias={5: 100.5}),
+            "logit_bias",
+            "values must be numbers in [-100, 100]; got 100.5 for token 5",
+        ),
+        (
+            dict(logit_bias={-1: 1.0}),
+            "logit_bias",
+            "keys must be token ids (integers >= 0); got -1",
+        ),
+        (dict(logit_bias=[1, 2]), "logit_bias", "must be a map of token ids to numbers"),
     ],
 )
 def test_bad_sampling_params(kwargs, field, message):
@@ -82,6 +93,16 @@ def test_token_ids_out_of_vocab(llm):
     with pytest.raises(InvalidInputError) as info:
         llm.generate([[1, 2, 600]])
     assert info.value.field == "prompt" and "[0, 512)" in str(info.value)
+
+
+def test_logit_bias_outside_the_vocabulary(llm):
+    with pytest.raises(InvalidInputError) as info:
+        llm.generate([[1, 2, 3]], SamplingParams(logit_bias={511: 1.0, 512: 1.0}))
+    assert info.value.field == "logit_bias"
+    assert str(info.value) == (
+        "logit_bias: token ids must be in [0, 512) (the model's vocabulary); got 512"
+    )
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_prompt_in_batch_queues_nothing(llm):

@@ -1,4 +1,5 @@
-"""Screenshots of the web chat and the cluster dashboard for the docs (docs/img/), taken in
+"""Screenshots of the web chat (1280 and 400 px wide) and the cluster dashboard for the docs
+(docs/img/), taken in
 headless Chromium against a disaggregated server on a tiny random test model (one prefill and
 two decode workers, no Ray): `python -m tests.router.make_screenshots docs/img`."""
 
@@ -69,6 +70,12 @@ def main(out_dir: str) -> None:
                     if len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats")) > n
                     else False, 30, "the reply")  # fmt: skip
             browser.save_screenshot(str(out / "web_chat.png"))
+            # The same conversation on a phone-sized screen, the settings closed.
+            browser.find_element(By.ID, "settings-toggle").click()
+            browser.set_window_size(400, 860)
+            time.sleep(0.5)
+            browser.save_screenshot(str(out / "web_chat_phone.png"))
+            browser.set_window_size(1280, 860)
 
             for t in loaders:
                 t.start()

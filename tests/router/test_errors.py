@@ -31,7 +31,10 @@ MESSAGES = [{"role": "user", "content": "hello"}]
         (dict(extra_body={"prompt_logprobs": "all"}), "prompt_logprobs"),
         (dict(extra_body={"min_tokens": 5}, max_tokens=2), "min_tokens"),
         (dict(stop=[""]), "stop"),
-        (dict(logit_bias={"5": 1.0}), "logit_bias"),
+        (dict(logit_bias={"5": 100.5}), "logit_bias"),
+        (dict(logit_bias={"five": 1.0}), "logit_bias"),
+        (dict(logit_bias={"512": 1.0}), "logit_bias"),  # the tiny model's vocabulary is 512
+        (dict(logit_bias={"5": "much"}), "logit_bias"),
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
         (dict(messages=[{"content": "hi"}]), "messages[0].role"),
@@ -60,6 +63,8 @@ def test_bad_chat_field_is_400_naming_it(client: openai.OpenAI, kwargs: dict, pa
         (dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
         (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
         (dict(extra_body={"best_of": 3}), "best_of"),
+        (dict(logit_bias={"7": -101}), "logit_bias"),
+        (dict(logit_bias={"99999": 1}), "logit_bias"),
         (dict(extra_body={"prompt": {"not": "a prompt"}}), "prompt"),
     ],
 )

@@ -141,6 +141,46 @@ def test_echo_with_logprobs_scores_the_prompt(
     assert streamed == lps.token_logprobs
 
 
+def test_echo_with_max_tokens_0_returns_only_the_scored_prompt(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    """What several harnesses send to score a text: echo, logprobs, max_tokens 0. The reply
+    is the prompt with its logprobs (the same as with max_tokens 1, less the generated token),
+    no completion tokens, finished for length; streamed the same."""
+    text = "The quick brown fox"
+    ids = rest_engine.tokenizer.encode(text, add_special_tokens=False)
+    kwargs: Any = dict(model=MODEL_NAME, prompt=ids, temperature=0, logprobs=1, echo=True)
+    scored = client.completions.create(max_tokens=0, **kwargs)
+    one = client.completions.create(max_tokens=1, **kwargs)
+    [choice] = scored.choices
+    assert choice.text == rest_engine.tokenizer.decode(ids)
+    assert choice.finish_reason == "length"
+    lps, ref = choice.logprobs, one.choices[0].logprobs
+    assert lps is not None and ref is not None and ref.token_logprobs is not None
+    assert lps.token_logprobs == ref.token_logprobs[: len(ids)]
+    assert lps.tokens == ref.tokens[: len(ids)]  # type: ignore[index]
+    assert lps.top_logprobs == ref.top_logprobs[: len(ids)]  # type: ignore[index]
+    assert lps.text_offset == ref.text_offset[: len(ids)]  # type: ignore[index]
+    assert scored.usage is not None
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    stream = client.completions.create(
+        max_tokens=0, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed: list = []
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == lps.token_logprobs
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
+    # Without echo there would be nothing to return: a 400 naming max_tokens.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0)
+    assert info.value.param == "max_tokens"
+    assert "unless echo is true" in info.value.message
+
+
 def test_prompt_logprobs_on_completions_and_chat(
     client: openai.OpenAI, http: httpx2.Client, reference_llm: Any
 ) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -265,6 +266,64 @@ def test_reflection_lists_service(channel):
     )
     names = [s.name for r in responses for s in r.list_services_response.service]
     assert "duet.v1.Duet" in names and "grpc.health.v1.Health" in names
+
+
+def _reflect_v1(channel, request):
+    """One call of reflection v1 (`grpc.reflection.v1`), as grpcurl makes it: the messages are
+    v1alpha's, field for field, so its classes encode them."""
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    [response] = list(call(iter([request]), timeout=10))
+    return response
+
+
+def test_reflection_v1_beside_v1alpha(channel):
+    listed = _reflect_v1(channel, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = {s.name for s in listed.list_services_response.service}
+    assert names == {
+        "duet.v1.Duet",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    found = _reflect_v1(
+        channel, reflection_pb2.ServerReflectionRequest(file_containing_symbol="duet.v1.Duet")
+    )
+    [first, *_] = found.file_descriptor_response.file_descriptor_proto
+    assert descriptor_pb2.FileDescriptorProto.FromString(first).name == "duet/v1/serving.proto"
+    missing = _reflect_v1(
+        channel, reflection_pb2.ServerReflectionRequest(file_containing_symbol="duet.v1.Nope")
+    )
+    assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def test_logit_bias_over_grpc(stub):
+    opts = serving_pb2.SamplingOptions(
+        max_tokens=5, temperature=0, ignore_eos=True, logit_bias={17: 100.0}
+    )
+    request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+    _, ids, _, _ = collect(stub.Generate(request, metadata=AUTH, timeout=60))
+    assert ids == {0: [17] * 5}
+    for bias, message in (({512: 1.0}, "[0, 512)"), ({3: 150.0}, "[-100, 100]")):
+        opts = serving_pb2.SamplingOptions(max_tokens=2, logit_bias=bias)
+        request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request, metadata=AUTH, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("logit_bias: ") and message in info.value.details()
+
+
+def test_a_request_without_an_id_gets_a_unique_one(stub):
+    opts = serving_pb2.SamplingOptions(max_tokens=2, temperature=0)
+    ids = set()
+    for _ in range(2):
+        request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+        ids |= {r.request_id for r in stub.Generate(request, metadata=AUTH, timeout=60)}
+    assert len(ids) == 2
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
 
 
 def test_cancelled_stream_frees_blocks(server, stub):

@@ -91,6 +91,55 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
     assert "Prompt tokens looked up" in text.split("# HELP duet:prefix_cache_queries_total")[1]
 
 
+def test_what_autoscalers_and_endpoint_pickers_read_without_a_key(
+    rest_engine: AsyncEngine,
+) -> None:
+    """`metrics_open` (`--metrics-open`): /metrics answers a scraper without a key (and the
+    other routes still need one); vLLM's older TPOT name and its LoRA info gauge are there."""
+    app = make_app(rest_engine, MODEL_NAME, api_keys=["k"], metrics_prefix="vllm",
+                   metrics_open=True)  # fmt: skip
+    live = LiveServer(app).start()
+    try:
+        with openai.OpenAI(base_url=f"{live.url}/v1", api_key="k", max_retries=0) as client:
+            client.completions.create(
+                model=MODEL_NAME, prompt="hi", max_tokens=6, n=2, extra_body={"ignore_eos": True}
+            )
+        scraped = httpx2.get(f"{live.url}/metrics")
+        assert httpx2.get(f"{live.url}/v1/models").status_code == 401
+    finally:
+        live.stop()
+    assert scraped.status_code == 200
+    found = samples(scraped.text)
+    for prefix in ("duet", "vllm"):
+        tpot = f"{prefix}:time_per_output_token_seconds"
+        # one output per step (both samples' tokens in it): 5 gaps
+        assert value(found, f"{tpot}_count", model_name=MODEL_NAME) == 5
+        assert value(found, f"{tpot}_sum", model_name=MODEL_NAME) == value(
+            found, f"{prefix}:inter_token_latency_seconds_sum", model_name=MODEL_NAME
+        )
+        per_request = f"{prefix}:request_time_per_output_token_seconds"
+        assert value(found, f"{per_request}_count", model_name=MODEL_NAME) == 1
+        decode_s = value(found, f"{prefix}:request_decode_time_seconds_sum", model_name=MODEL_NAME)
+        assert value(found, f"{per_request}_sum", model_name=MODEL_NAME) == pytest.approx(
+            decode_s / 5  # a sample's 6 tokens, the first excluded
+        )
+        lora = value(
+            found, f"{prefix}:lora_requests_info", max_lora="0", running_lora_adapters="",
+            waiting_lora_adapters="",
+        )  # fmt: skip
+        assert abs(lora - time.time()) < 60  # vLLM's value: the time it was set
+
+
+def test_metrics_need_the_key_unless_opened(rest_engine: AsyncEngine) -> None:
+    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
+    try:
+        assert httpx2.get(f"{live.url}/metrics").status_code == 401
+        keyed = httpx2.get(f"{live.url}/metrics", headers={"Authorization": "Bearer k"})
+        assert keyed.status_code == 200
+    finally:
+        live.stop()
+
+
 def test_responses_are_counted_by_route_and_status(rest_engine: AsyncEngine) -> None:
     live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=["k"])).start()
     try:

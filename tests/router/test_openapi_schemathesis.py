@@ -44,6 +44,7 @@ OPERATIONS = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("POST", "/v1/sessions"),
     ("GET", "/v1/sessions"),
     ("GET", "/v1/sessions/{session_id}"),

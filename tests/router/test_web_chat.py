@@ -5,7 +5,10 @@ resume from the session, safe rendering of a reply holding HTML, and `--no-ui`."
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -134,7 +137,7 @@ def test_chat_streams_stops_and_resumes(
     _send(browser, "hello there")
     wait_for(lambda: "tokens" in _reply_stats(browser, 0), 30, "the first reply to finish")
     first = _replies(browser)[0]
-    stats = first.find_element(By.CLASS_NAME, "stats").text
+    stats_first = stats = first.find_element(By.CLASS_NAME, "stats").text
     assert re.fullmatch(r"TTFT \d+ ms · \d+\.\d tok/s · 12 tokens", stats), stats
     first_text = first.find_element(By.CLASS_NAME, "body").text
     assert first_text.strip()
@@ -159,6 +162,10 @@ def test_chat_streams_stops_and_resumes(
     browser.refresh()
     wait_for(lambda: len(_replies(browser)) == 1, 10, "the stored conversation to load")
     assert _replies(browser)[0].find_element(By.CLASS_NAME, "body").text == first_text
+    # The reply's numbers and the settings were kept in this browser.
+    assert _reply_stats(browser, 0) == stats_first
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+    assert browser.find_element(By.ID, "max-tokens").get_attribute("value") == "600"
     # One read in the page: the list is rebuilt as the page loads (a found element goes stale).
     titles = "return [...document.querySelectorAll('#sessions li .open')].map(e => e.textContent)"
     wait_for(lambda: "hello there" in browser.execute_script(titles), 10, "the session's title")
@@ -174,6 +181,134 @@ def test_chat_streams_stops_and_resumes(
     gone = httpx2.get(f"{chat_server.url}/v1/sessions/{session_id}",
                       headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert gone.status_code == 404
+
+
+def _open(browser: WebDriver, url: str) -> None:
+    """Open a page, giving the key when it asks (this tab may hold it already)."""
+    browser.get("about:blank")  # from the same page, a new #fragment would not reload it
+    browser.get(url)
+    wait_for(lambda: browser.find_element(By.ID, "key-dialog").get_attribute("open") is not None
+             or browser.find_element(By.ID, "model").text, 10, "the page to start")  # fmt: skip
+    if browser.find_element(By.ID, "key-dialog").get_attribute("open") is not None:
+        browser.find_element(By.ID, "api-key").send_keys(API_KEY)
+        browser.find_element(By.ID, "key-save").click()
+    wait_for(lambda: browser.find_element(By.ID, "model").text.startswith(MODEL_NAME), 10,
+             "the model's name")  # fmt: skip
+
+
+def test_settings_toggle_and_are_kept_across_a_reload(
+    chat_server: LiveServer, browser: WebDriver
+) -> None:
+    browser.set_window_size(1280, 860)
+    _open(browser, chat_server.url + "/")
+    panel, toggle = (
+        browser.find_element(By.ID, "settings"),
+        browser.find_element(By.ID, "settings-toggle"),
+    )
+    assert not panel.is_displayed()
+    toggle.click()
+    assert panel.is_displayed() and toggle.get_attribute("aria-expanded") == "true"
+    toggle.click()  # the panel's own display: flex once beat `hidden`: it never closed
+    assert not panel.is_displayed() and toggle.get_attribute("aria-expanded") == "false"
+    toggle.click()
+    _set(browser, "temperature", "1.3")
+    _set(browser, "max-tokens", "77")
+    _set(browser, "system-prompt", "Answer in French.")
+    browser.refresh()
+    wait_for(lambda: browser.find_element(By.ID, "model").text == MODEL_NAME, 10, "the page")
+    assert not browser.find_element(By.ID, "settings").is_displayed()  # closed, values kept
+    values = {f: browser.find_element(By.ID, f).get_attribute("value")
+              for f in ("temperature", "max-tokens", "system-prompt")}  # fmt: skip
+    assert values == {
+        "temperature": "1.3",
+        "max-tokens": "77",
+        "system-prompt": "Answer in French.",
+    }
+    stored = browser.execute_script("return localStorage.getItem('duet.chat.settings')")
+    assert API_KEY not in stored  # the key stays in session storage only
+
+
+NO_HORIZONTAL_SCROLL = """
+const el = document.scrollingElement, messages = document.getElementById("messages");
+return [el.scrollWidth - el.clientWidth, messages.scrollWidth - messages.clientWidth,
+        document.querySelector("main").getBoundingClientRect().width,
+        document.getElementById("sidebar").getBoundingClientRect().right, window.innerWidth];
+"""
+
+
+@pytest.mark.parametrize("width", [400, 1280])
+def test_the_chat_fits_a_phone_and_a_desktop(
+    chat_server: LiveServer, browser: WebDriver, tmp_path: Path, width: int
+) -> None:
+    """No horizontal scroll, the chat column the page's width (a phone: the conversations
+    slide in over it), long unbroken words wrapped inside their message."""
+    browser.set_window_size(width, 860)
+    _open(browser, chat_server.url + "/")
+    if width > 720:  # on a phone the button is in the list, which is off-screen
+        browser.find_element(By.ID, "new-chat").click()
+    long_word = "supercalifragilistic" * 6  # wider than a phone
+    browser.execute_script(FAKE_STREAM, [f"A long word: {long_word} and a ", "`" + long_word + "`"])
+    _send(browser, "words " * 40 + long_word)
+    wait_for(lambda: "tokens" in _reply_stats(browser, 0), 10, "the reply")
+    settings_toggle = browser.find_element(By.ID, "settings-toggle")
+    settings_toggle.click()  # the settings open too
+    extra_x, messages_x, main_w, sidebar_right, inner = browser.execute_script(NO_HORIZONTAL_SCROLL)
+    browser.save_screenshot(str(tmp_path / f"chat-{width}.png"))
+    assert (extra_x, messages_x) == (0, 0)
+    sidebar = browser.find_element(By.ID, "sidebar-toggle")
+    if width < 720:
+        assert main_w == inner and sidebar_right <= 0  # the whole width; the list off-screen
+        assert sidebar.is_displayed()
+        sidebar.click()
+        wait_for(lambda: browser.execute_script(
+            "return document.getElementById('sidebar').getBoundingClientRect().left") == 0,
+            5, "the conversations to slide in")  # fmt: skip
+        browser.execute_script("document.getElementById('messages').click()")  # a tap beside
+        assert "sidebar-open" not in browser.find_element(By.TAG_NAME, "body").get_attribute(
+            "class"
+        )
+    else:
+        assert not sidebar.is_displayed()
+        assert sidebar_right == 240 and main_w == inner - 240
+    settings_toggle.click()
+
+
+def test_the_dashboard_of_an_aggregated_server_in_the_browser(
+    chat_server: LiveServer, browser: WebDriver
+) -> None:
+    """One engine: no prefill groups or KV transfers to show; the plots' axes in round,
+    even steps."""
+    browser.set_window_size(1280, 860)
+    _open(browser, chat_server.url + "/dashboard")
+    wait_for(lambda: browser.find_element(By.ID, "plot-ttft").get_attribute("data-ticks"), 10,
+             "the first poll")  # fmt: skip
+    for hidden in ("prefill-section", "transfers-section", "bandwidth-plot"):
+        assert not browser.find_element(By.ID, hidden).is_displayed(), hidden
+    assert browser.find_element(By.ID, "decode-title").text == "Engine"
+    for plot in ("plot-ttft", "plot-itl", "plot-throughput"):
+        ticks = [
+            float(t) for t in browser.find_element(By.ID, plot).get_attribute("data-ticks").split()
+        ]
+        steps = {round(b - a, 9) for a, b in itertools.pairwise(ticks)}
+        assert ticks[0] == 0 and len(steps) == 1, ticks
+        (step,) = steps
+        mantissa = step / 10 ** math.floor(math.log10(step))
+        assert round(mantissa, 6) in (1, 2, 5), ticks
+    browser.set_window_size(400, 860)  # a phone: tables scroll in their own box, not the page
+    time.sleep(0.3)
+    overflow = "const e = document.scrollingElement; return e.scrollWidth - e.clientWidth"
+    assert browser.execute_script(overflow) == 0
+    browser.set_window_size(1280, 860)
+    axis = "return window.duetPlot.axis(arguments[0]).labels.join(' ')"
+    assert browser.execute_script(axis, 19) == "0 5 10 15 20"  # once 0 6.3 13 19 25
+    assert browser.execute_script(axis, 0.0042) == "0.000 0.002 0.004 0.006"
+
+
+def test_the_favicon_is_served_without_a_key(chat_server: LiveServer) -> None:
+    icon = httpx2.get(f"{chat_server.url}/favicon.ico")
+    assert icon.status_code == 200
+    assert icon.headers["content-type"] == "image/svg+xml"
+    assert icon.text.startswith("<svg")
 
 
 HOSTILE = (

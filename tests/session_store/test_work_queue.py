@@ -74,6 +74,12 @@ def test_enqueue_with_results_and_records(queue_factory: Callable[..., WorkQueue
             await q.put_blob("f1", data)
             assert await q.get_blob("f1") == data
             assert await q.get_blob("f2") is None
+            assert await q.delete_record("file", "f1") is True
+            assert await q.delete_record("file", "f1") is False
+            assert await q.list_records("file") == []
+            await q.delete_blob("f1")
+            await q.delete_blob("f1")  # already gone: nothing to do
+            assert await q.get_blob("f1") is None
 
     asyncio.run(main())
 

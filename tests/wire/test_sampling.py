@@ -28,6 +28,7 @@ EVERY_FIELD = SamplingParams(
     logprobs=0,
     prompt_logprobs=20,
     structured_outputs=StructuredOutputsParams(choice=["yes", "no"], reasoning="may_think"),
+    logit_bias={0: -100.0, 17: 0.125, 511: 100.0},
 )
 
 
@@ -103,3 +104,15 @@ def test_a_bad_value_from_the_wire_names_its_field(message, field):
     with pytest.raises(InvalidInputError) as e:
         sampling_from_proto(message)
     assert e.value.field == field
+
+
+def test_a_logit_bias_out_of_range_from_the_wire_names_its_field():
+    message = sampling_to_proto(SamplingParams())
+    message.logit_bias[3] = 250.0
+    with pytest.raises(InvalidInputError) as e:
+        sampling_from_proto(message)
+    assert e.value.field == "logit_bias"
+
+
+def test_logit_bias_survives_the_json_form():
+    assert SamplingParams.from_json(EVERY_FIELD.to_json()) == EVERY_FIELD

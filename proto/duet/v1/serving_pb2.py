@@ -24,47 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64uet/v1/serving.proto\x12\x07\x64uet.v1\"\x81\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x36\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1a.duet.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\xa2\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x10.duet.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x92\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12%\n\ntool_calls\x18\x03 \x03(\x0b\x32\x11.duet.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xcd\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1c\n\x05tools\x18\x06 \x03(\x0b\x32\r.duet.v1.Tool\x12\x13\n\x0btool_choice\x18\x07 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x0c \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\r \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x0e \x01(\x08\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"[\n\rTokenLogprobs\x12&\n\x07sampled\x18\x01 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.duet.v1.Usage\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12*\n\ntool_calls\x18\t \x03(\x0b\x32\x16.duet.v1.ToolCallDelta\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"S\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.duet.v1.Model2\xcb\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x39\n\x04\x43hat\x12\x14.duet.v1.ChatRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64uet/v1/serving.proto\x12\x07\x64uet.v1\"\xf0\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\x0b\x88\x01\x01\x12\x36\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1a.duet.v1.StructuredOutputs\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0c\x88\x01\x01\x12;\n\nlogit_bias\x18\x12 \x03(\x0b\x32\'.duet.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\xa2\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\"\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x10.duet.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb4\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.duet.v1.TokenIdsH\x00\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x92\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12%\n\ntool_calls\x18\x03 \x03(\x0b\x32\x11.duet.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xcd\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.duet.v1.ChatMessage\x12*\n\x08sampling\x18\x03 \x01(\x0b\x32\x18.duet.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x1c\n\x05tools\x18\x06 \x03(\x0b\x32\r.duet.v1.Tool\x12\x13\n\x0btool_choice\x18\x07 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x0c \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\r \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x0e \x01(\x08\x42\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"N\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\"[\n\rTokenLogprobs\x12&\n\x07sampled\x18\x01 \x01(\x0b\x32\x15.duet.v1.TokenLogprob\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.duet.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\x12\x1d\n\x05usage\x18\x07 \x01(\x0b\x32\x0e.duet.v1.Usage\x12\x16\n\x0ereasoning_text\x18\x08 \x01(\t\x12*\n\ntool_calls\x18\t \x03(\x0b\x32\x16.duet.v1.ToolCallDelta\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.duet.v1.TokenLogprobs\"\x13\n\x11ListModelsRequest\"S\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rdeterministic\x18\x04 \x01(\x08\"4\n\x12ListModelsResponse\x12\x1e\n\x06models\x18\x01 \x03(\x0b\x32\x0e.duet.v1.Model2\xcb\x01\n\x04\x44uet\x12\x41\n\x08Generate\x12\x18.duet.v1.GenerateRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x39\n\x04\x43hat\x12\x14.duet.v1.ChatRequest\x1a\x19.duet.v1.GenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.duet.v1.ListModelsRequest\x1a\x1b.duet.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duet.v1.serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=35
-  _globals['_SAMPLINGOPTIONS']._serialized_end=676
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=679
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=841
-  _globals['_CHOICES']._serialized_start=843
-  _globals['_CHOICES']._serialized_end=869
-  _globals['_TOKENIDS']._serialized_start=871
-  _globals['_TOKENIDS']._serialized_end=894
-  _globals['_GENERATEREQUEST']._serialized_start=897
-  _globals['_GENERATEREQUEST']._serialized_end=1077
-  _globals['_TOOLCALL']._serialized_start=1079
-  _globals['_TOOLCALL']._serialized_end=1134
-  _globals['_CHATMESSAGE']._serialized_start=1137
-  _globals['_CHATMESSAGE']._serialized_end=1283
-  _globals['_TOOL']._serialized_start=1285
-  _globals['_TOOL']._serialized_end=1351
-  _globals['_CHATREQUEST']._serialized_start=1354
-  _globals['_CHATREQUEST']._serialized_end=1815
-  _globals['_TOKENLOGPROB']._serialized_start=1817
-  _globals['_TOKENLOGPROB']._serialized_end=1895
-  _globals['_TOKENLOGPROBS']._serialized_start=1897
-  _globals['_TOKENLOGPROBS']._serialized_end=1988
-  _globals['_USAGE']._serialized_start=1990
-  _globals['_USAGE']._serialized_end=2077
-  _globals['_TOOLCALLDELTA']._serialized_start=2079
-  _globals['_TOOLCALLDELTA']._serialized_end=2154
-  _globals['_GENERATERESPONSE']._serialized_start=2157
-  _globals['_GENERATERESPONSE']._serialized_end=2456
-  _globals['_LISTMODELSREQUEST']._serialized_start=2458
-  _globals['_LISTMODELSREQUEST']._serialized_end=2477
-  _globals['_MODEL']._serialized_start=2479
-  _globals['_MODEL']._serialized_end=2562
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2564
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2616
-  _globals['_DUET']._serialized_start=2619
-  _globals['_DUET']._serialized_end=2822
+  _globals['_SAMPLINGOPTIONS']._serialized_end=787
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=549
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=597
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=790
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=952
+  _globals['_CHOICES']._serialized_start=954
+  _globals['_CHOICES']._serialized_end=980
+  _globals['_TOKENIDS']._serialized_start=982
+  _globals['_TOKENIDS']._serialized_end=1005
+  _globals['_GENERATEREQUEST']._serialized_start=1008
+  _globals['_GENERATEREQUEST']._serialized_end=1188
+  _globals['_TOOLCALL']._serialized_start=1190
+  _globals['_TOOLCALL']._serialized_end=1245
+  _globals['_CHATMESSAGE']._serialized_start=1248
+  _globals['_CHATMESSAGE']._serialized_end=1394
+  _globals['_TOOL']._serialized_start=1396
+  _globals['_TOOL']._serialized_end=1462
+  _globals['_CHATREQUEST']._serialized_start=1465
+  _globals['_CHATREQUEST']._serialized_end=1926
+  _globals['_TOKENLOGPROB']._serialized_start=1928
+  _globals['_TOKENLOGPROB']._serialized_end=2006
+  _globals['_TOKENLOGPROBS']._serialized_start=2008
+  _globals['_TOKENLOGPROBS']._serialized_end=2099
+  _globals['_USAGE']._serialized_start=2101
+  _globals['_USAGE']._serialized_end=2188
+  _globals['_TOOLCALLDELTA']._serialized_start=2190
+  _globals['_TOOLCALLDELTA']._serialized_end=2265
+  _globals['_GENERATERESPONSE']._serialized_start=2268
+  _globals['_GENERATERESPONSE']._serialized_end=2567
+  _globals['_LISTMODELSREQUEST']._serialized_start=2569
+  _globals['_LISTMODELSREQUEST']._serialized_end=2588
+  _globals['_MODEL']._serialized_start=2590
+  _globals['_MODEL']._serialized_end=2673
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2675
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2727
+  _globals['_DUET']._serialized_start=2730
+  _globals['_DUET']._serialized_end=2933
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,99 @@
+"""OpenAI sampling fields over REST, through the official client: `logit_bias` (a bias on
+the sampler's logits, exact and deterministic) on chat completions and completions, and
+`stream_options.continuous_usage_stats` (vLLM's: the usage so far in every chunk)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.router.rest_server import MODEL_NAME
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def test_chat_logit_bias_forces_a_token(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+        logit_bias={"300": 100},
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [t.token for t in logprobs.content] == ["token_id:300"] * 6
+
+
+def test_completion_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
+    base = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    forced = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=0,
+        logit_bias={"42": 100}, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert forced.choices[0].logprobs is not None
+    assert forced.choices[0].logprobs.tokens == ["token_id:42"] * 5
+    assert base.choices[0].logprobs is not None
+    first = base.choices[0].logprobs.tokens[0]
+    banned = first.removeprefix("token_id:")
+    again = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0, logprobs=0,
+        logit_bias={banned: -100}, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert again.choices[0].logprobs is not None
+    assert first not in again.choices[0].logprobs.tokens
+
+
+def test_seeded_logit_bias_is_deterministic(client: openai.OpenAI) -> None:
+    bias = {str(t): 4 for t in range(200, 260)}
+
+    def draw() -> str:
+        out = client.completions.create(
+            model=MODEL_NAME, prompt="once upon", max_tokens=12, temperature=1.0, seed=9,
+            logit_bias=bias, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    assert len({draw() for _ in range(3)}) == 1
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_chat_continuous_usage_stats(client: openai.OpenAI, include_usage: bool) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": include_usage, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    if not include_usage:  # as in vLLM, continuous stats need include_usage
+        assert all(c.usage is None for c in chunks)
+        return
+    assert all(c.usage is not None for c in chunks)
+    usages = [c.usage for c in chunks if c.usage is not None]
+    prompt = usages[-1].prompt_tokens
+    assert all(u.prompt_tokens == prompt for u in usages)
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    completions = [u.completion_tokens for u in usages]
+    assert completions[0] == 0  # the role chunk
+    assert completions == sorted(completions)
+    assert completions[-1] == 5
+    # the chunks between carry the count so far (a chunk waits while its text is held back)
+    assert all(1 <= n <= 5 for n in completions[1:])
+    assert len(set(completions)) > 2
+
+
+def test_completion_continuous_usage_stats(client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    usages = [c.usage for c in chunks if c.usage is not None]
+    assert all(u.prompt_tokens == 3 for u in usages)
+    completions = [u.completion_tokens for u in usages]
+    assert completions == sorted(completions) and completions[0] >= 1
+    assert len(set(completions)) > 1  # not only the closing usage chunk
+    assert not chunks[-1].choices and completions[-1] == 4
