@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from duet.router.errors import OverloadedError
+from duet.router.errors import OpenAIError, OverloadedError
+from duet.router.queue_worker import RetryTask
 
 T = TypeVar("T")
 OVERLOAD_WAIT_S = 60.0
@@ -192,3 +193,18 @@ async def wait_out_overload(
             if asyncio.get_running_loop().time() >= deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+async def admit_queued(admission: AdmissionController) -> AdmissionTicket:
+    """One slot for a queued task (a batch line, a background request), waiting out overload
+    (`wait_out_overload`); still refused after that, the task runs again after a back-off on
+    the same delivery (`RetryTask`)."""
+
+    async def admit() -> AdmissionTicket:
+        [ticket] = admission.admit([1])
+        return ticket
+
+    try:
+        return await wait_out_overload(admit)
+    except OpenAIError as e:
+        raise RetryTask(f"{e.status_code} {e.message}") from e

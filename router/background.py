@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from duet.router.admission import AdmissionTicket, wait_out_overload
+from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.auth import caller_api_key
 from duet.router.batches import NotFoundError, queue_errors
 from duet.router.chat_events import Final, Finish, step_from_json, step_to_json
@@ -150,16 +150,7 @@ class BackgroundService:
         return {"response": render.response(final).model_dump(mode="json")}
 
     async def _admit(self) -> AdmissionTicket:
-        admission = self.turns.ctx.admission
-
-        async def admit() -> AdmissionTicket:
-            [ticket] = admission.admit([1])
-            return ticket
-
-        try:
-            return await wait_out_overload(admit)
-        except OpenAIError as e:
-            raise RetryTask(f"{e.status_code} {e.message}") from e
+        return await admit_queued(self.turns.ctx.admission)
 
     async def _log(self, request_id: str, offset: int = 0) -> list[str]:
         return await self.queue.read_events(request_id, offset, 1 << 30)

@@ -17,7 +17,7 @@ import time
 from contextlib import aclosing
 from typing import Any
 
-from duet.router.admission import AdmissionTicket, wait_out_overload
+from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.batches import queue_errors
 from duet.router.chat_events import Final
 from duet.router.chat_turn import ChatTurns
@@ -124,13 +124,4 @@ class ResponsesBackground:
         return {"status": "failed"}
 
     async def _admit(self) -> AdmissionTicket:
-        admission = self.turns.ctx.admission
-
-        async def admit() -> AdmissionTicket:
-            [ticket] = admission.admit([1])
-            return ticket
-
-        try:
-            return await wait_out_overload(admit)
-        except OpenAIError as e:
-            raise RetryTask(f"{e.status_code} {e.message}") from e
+        return await admit_queued(self.turns.ctx.admission)
