@@ -234,21 +234,7 @@ def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:
-    cfg = net.config
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    per_layer = [
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-    ]  # fmt: skip
-    if cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(cfg.num_hidden_layers):
-        expected.update(f"model.layers.{i}.{n}" for n in per_layer)
+    expected = {name for name, _ in hf_weight_shapes(net.config)}
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -95,7 +95,8 @@ def check_layout(config: EngineConfig) -> None:
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
-    mlp_shard(arch.intermediate_size, TensorParallel(0, config.tensor_parallel_size))
+    for size in arch.ffn_sizes():  # the dense MLP's, the experts'
+        mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))
 
 
 def exit_rank(code: int) -> NoReturn:

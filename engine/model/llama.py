@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ from duet.engine.errors import InvalidInputError
 from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.moe import SparseMoeBlock, expert_placement, router_name
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
@@ -41,6 +42,18 @@ def make_linear(
     if quant is None:
         return Linear(in_features, out_features, bias=bias)
     return QuantizedLinear(in_features, out_features, bias, quant)
+
+
+class Placement(NamedTuple):
+    """Where a checkpoint tensor goes (`LlamaForCausalLM._locate`)."""
+
+    target: str
+    """Our parameter's name."""
+    offset: int
+    """The first row it fills of a fused parameter (q|k|v, gate|up)."""
+    rows: tuple[int, int] | None
+    """This rank's [start, end) of the tensor along `dim`; None: every rank holds it whole."""
+    dim: int
 
 
 @dataclass
@@ -135,15 +148,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SiLU(gate) * up, then down: a dense layer's feed-forward (`reduce`: its all-reduce), or
+    one expert of a mixture (engine/model/moe.py, whose block reduces once for all)."""
+
     def __init__(
-        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TensorParallel,
+        quant: QuantizationConfig | None = None,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
-        start, end = mlp_shard(cfg.intermediate_size, tp)
+        self.reduce = reduce
+        start, end = mlp_shard(intermediate_size, tp)
         self.intermediate_size = end - start
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, quant)
-        self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
+        self.gate_up_proj = make_linear(hidden_size, 2 * self.intermediate_size, False, quant)
+        self.down_proj = make_linear(self.intermediate_size, hidden_size, False, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
@@ -154,16 +176,25 @@ class MLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-        return self.tp.all_reduce(parts["down_proj"].forward(act))
+        out = parts["down_proj"].forward(act)
+        return self.tp.all_reduce(out) if self.reduce else out
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+        self,
+        cfg: ModelArchConfig,
+        tp: TensorParallel,
+        quant: QuantizationConfig | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp, quant)
-        self.mlp = MLP(cfg, tp, quant)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse(index):
+            self.mlp = SparseMoeBlock(cfg, tp, quant, MLP)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -235,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             shard_vocab, cfg.hidden_size, _weight=torch.empty(shard_vocab, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, quant, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_quant = quant if quant is not None and quant.lm_head else None
@@ -329,15 +360,38 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
         """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
-        None for a tensor every rank holds whole (norms, and everything at one rank)."""
+        None for a tensor every rank holds whole (norms, routers, and everything at one rank)."""
         if not self.tp.enabled:
             return None
-        target = name.removeprefix("model.")
-        for hf, (_, _, rows, dim) in self._shard_layout().items():
+        place = self._locate(name.removeprefix("model."))
+        if place is None or place.rows is None:
+            return None
+        if place.dim == 1 and len(shape) < 2:
+            return None  # a row-parallel layer's bias is whole on every rank
+        return TensorSlice(place.dim, place.rows[0], place.rows[1])
+
+    def _locate(self, target: str) -> Placement | None:
+        """Where the checkpoint tensor `target` (HF's name without "model.") goes: our
+        parameter, the row offset in it, this rank's [start, end) of the tensor along `dim`
+        (None: whole); None for a name the sharded layers do not cover (norms, routers: the
+        name is ours as is)."""
+        if self.config.moe is not None:
+            expert = expert_placement(target)
+            if expert is not None:
+                module, proj, shared = expert
+                moe = self.config.moe
+                size = moe.shared_expert_intermediate_size if shared else moe.intermediate_size
+                rows = mlp_shard(size, self.tp)
+                if proj == "down_proj":
+                    return Placement(f"{module}.down_proj.weight", 0, rows, 1)
+                offset = rows[1] - rows[0] if proj == "up_proj" else 0
+                return Placement(f"{module}.gate_up_proj.weight", offset, rows, 0)
+            router = router_name(target)
+            if router is not None:
+                return Placement(router, 0, None, 0)
+        for hf, (ours, off, shard_rows, shard_dim) in self._shard_layout().items():
             if target == f"{hf}.weight" or f".{hf}." in f".{target}":
-                if dim == 1 and len(shape) < 2:
-                    return None  # a row-parallel layer's bias is whole on every rank
-                return TensorSlice(dim, rows[0], rows[1])
+                return Placement(target.replace(hf, ours), off, shard_rows, shard_dim)
         return None
 
     def _shard_layout(self) -> dict[str, tuple[str, int, tuple[int, int], int]]:
@@ -367,7 +421,6 @@ class LlamaForCausalLM(nn.Module):
         keeps its shard, or tensors already cut to `weight_slice` (sharded loading). Returns
         the names it loaded."""
         cfg, tp = self.config, self.tp
-        layout = self._shard_layout()
         params = dict(self.named_parameters())
         slots = {
             f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)
@@ -379,12 +432,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy
-            target, offset, rows, dim = name.removeprefix("model."), 0, None, 0
-            for hf, (ours, off, shard_rows, shard_dim) in layout.items():
-                if target == f"{hf}.weight" or f".{hf}." in f".{target}":
-                    target = target.replace(hf, ours)
-                    offset, rows, dim = off, shard_rows, shard_dim
-                    break
+            target = name.removeprefix("model.")
+            place = self._locate(target) or Placement(target, 0, None, 0)
+            target, offset, rows, dim = place
             param, slot = params.get(target), slots.get(target)
             if param is None and slot is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
