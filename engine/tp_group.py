@@ -91,7 +91,7 @@ def check_layout(config: EngineConfig) -> None:
     """Raise `InvalidInputError` naming `tensor_parallel_size` when the model cannot be split
     over that many ranks (more ranks than query heads, or than 1-column MLP shares)."""
     from duet.engine.loader import open_model
-    from duet.engine.model.llama import mlp_shard
+    from duet.engine.model.mlp import mlp_shard
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)

@@ -15,33 +15,23 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.errors import InvalidInputError
 from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.mlp import MLP, make_linear, mlp_shard
 from duet.engine.model.moe import SparseMoeBlock, expert_placement, router_name
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from duet.engine.model.rotary import RotaryEmbedding
-from duet.engine.model.row_invariant import Linear, TiedLinear
+from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
-
-
-def make_linear(
-    in_features: int, out_features: int, bias: bool, quant: QuantizationConfig | None
-) -> nn.Module:
-    """A projection: dense, or a `QuantizedLinear` that the loader fills (no dense copy)."""
-    if quant is None:
-        return Linear(in_features, out_features, bias=bias)
-    return QuantizedLinear(in_features, out_features, bias, quant)
 
 
 class Placement(NamedTuple):
@@ -147,39 +137,6 @@ class Attention(nn.Module):
         return self.tp.all_reduce(parts["o_proj"].forward(out.reshape(num_tokens, self.q_size)))
 
 
-class MLP(nn.Module):
-    """SiLU(gate) * up, then down: a dense layer's feed-forward (`reduce`: its all-reduce), or
-    one expert of a mixture (engine/model/moe.py, whose block reduces once for all)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        tp: TensorParallel,
-        quant: QuantizationConfig | None = None,
-        reduce: bool = True,
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.reduce = reduce
-        start, end = mlp_shard(intermediate_size, tp)
-        self.intermediate_size = end - start
-        self.gate_up_proj = make_linear(hidden_size, 2 * self.intermediate_size, False, quant)
-        self.down_proj = make_linear(self.intermediate_size, hidden_size, False, quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
-        gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
-        kernels = kernels_for(gate_up)
-        if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
-            act = kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        out = parts["down_proj"].forward(act)
-        return self.tp.all_reduce(out) if self.reduce else out
-
-
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -192,7 +149,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, tp, quant)
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(index):
-            self.mlp = SparseMoeBlock(cfg, tp, quant, MLP)
+            self.mlp = SparseMoeBlock(cfg, tp, quant)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -219,23 +176,6 @@ class DecoderLayer(nn.Module):
         hidden = parts["self_attn"].forward(hidden, kv_cache, ctx)
         hidden, residual = parts["post_attention_layernorm"].add_and_norm(hidden, residual)
         return parts["mlp"].forward(hidden), residual
-
-
-def mlp_shard(intermediate_size: int, tp: TensorParallel) -> tuple[int, int]:
-    """This rank's [start, end) of the intermediate size: even where it divides, else in
-    whole units of the largest power of two up to 128 that leaves every rank some (so
-    quantization groups of up to that many input columns of down_proj stay whole)."""
-    n = tp.world_size
-    for exact in (True, False):
-        for align in (128, 64, 32, 16, 8, 4, 2, 1):
-            units = intermediate_size // align
-            if intermediate_size % align or units < n or (exact and units % n):
-                continue
-            return tp.split(intermediate_size, align)
-    raise InvalidInputError(
-        "tensor_parallel_size",
-        f"must be at most the model's intermediate_size ({intermediate_size}); got {n}",
-    )
 
 
 class LlamaForCausalLM(nn.Module):

@@ -22,18 +22,16 @@ one all-reduce per layer. Expert parallelism is issue 44's item 4.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
+from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import TensorParallel
 from duet.engine.quant.config import QuantizationConfig
-
-if TYPE_CHECKING:
-    from duet.engine.model.llama import MLP
 
 # Checkpoint names of an expert's projections, after the "layers.N." prefix: Qwen's
 # `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj`, Mixtral's
@@ -122,7 +120,6 @@ class SparseMoeBlock(nn.Module):
         cfg: ModelArchConfig,
         tp: TensorParallel,
         quant: QuantizationConfig | None,
-        mlp: type[MLP],
     ) -> None:
         super().__init__()
         moe = cfg.moe
@@ -134,13 +131,13 @@ class SparseMoeBlock(nn.Module):
         hidden = cfg.hidden_size
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(
-            mlp(hidden, moe.intermediate_size, tp, quant, reduce=False)
+            MLP(hidden, moe.intermediate_size, tp, quant, reduce=False)
             for _ in range(moe.num_experts)
         )
         size = moe.shared_expert_intermediate_size
         # registered even when None, so that forward finds both in `_modules`
         self.register_module(
-            "shared_expert", mlp(hidden, size, tp, quant, reduce=False) if size else None
+            "shared_expert", MLP(hidden, size, tp, quant, reduce=False) if size else None
         )
         self.register_module("shared_expert_gate", Linear(hidden, 1, bias=False) if size else None)
 
