@@ -164,3 +164,36 @@ def test_alone_batched_chunked_and_prefix_hits_are_bitwise_equal(tiny_model_fact
     assert _result(llm.generate([longer], PARAMS)[0]) == _result(
         chunked.generate([longer], PARAMS)[0]
     )
+
+
+def test_tensor_parallel_2_equals_1(tiny_model_factory):
+    """TP=2 (a follower process over gloo): every expert's, the shared expert's and the dense
+    layer's intermediate size split in two, the router whole, one all-reduce per layer; fp32
+    greedy tokens equal TP=1's except at a near-tie (the all-reduce's order of summation)."""
+    from tests.engine.test_aggregated_tp import _count_flips
+
+    model = tiny_model_factory("qwen2_moe", **MOE_SHAPES)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    want = _llm(model, "float32").generate(_prompts(), params)
+    tp = LLM(model, dtype="float32", load_progress=False, num_kv_blocks=64, tensor_parallel_size=2)
+    block = tp.engine.runner.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    assert block.experts[0].intermediate_size == MOE_SHAPES["moe_intermediate_size"] // 2
+    assert _count_flips(want, tp.generate(_prompts(), params)) <= 1
+
+
+def test_int8_experts_are_quantized_and_batch_invariant(tiny_model_factory):
+    model = tiny_model_factory("qwen3_moe", **MOE_SHAPES)
+    llm = _llm(model, "bfloat16", quantization="int8", max_num_seqs=16)
+    names = [
+        n
+        for n, m in llm.engine.runner.model.named_modules()
+        if type(m).__name__ == "QuantizedLinear"
+    ]
+    assert "layers.0.mlp.experts.15.gate_up_proj" in names
+    assert not any(n.endswith("mlp.gate") for n in names)  # the router stays dense
+    rng = random.Random(3)
+    prompt = _prompt(rng, 100)
+    alone = _result(llm.generate([prompt], PARAMS)[0])
+    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
+    assert _result(llm.generate([*others[:9], prompt, *others[9:]], PARAMS)[9]) == alone
