@@ -17,6 +17,7 @@ from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
+from duet.engine.model.moe import fuse_moe_experts
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -214,6 +215,10 @@ def load_model(
         row_invariant.set_min_rows(net, 1)
         use_dense_kernel_fp32(net)  # CPU fp32: faster than MKL's at most row counts
         invariant = False
+    if arch.moe is not None:
+        fuse_moe_experts(
+            net, device
+        )  # CUDA: the fused Triton kernel (engine/kernels/triton_moe.py)
     num_bytes = log_weight_bytes(net, name, quantization)
     return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes, stats.num_bytes)
 

@@ -1,7 +1,7 @@
 """A fused mixture-of-experts feed-forward for CUDA: every expert's gate|up and down products in
-two kernel launches, with no host sync (so a CUDA graph can hold it). Checked in the Triton
-interpreter against the torch path (`engine/model/moe.py`); not yet wired into the model (issue
-44: the model's experts are per-expert linears; on CUDA they still run one product per expert).
+two kernel launches, with no host sync (so a CUDA graph could hold it). The loader puts every
+sparse layer on it on CUDA (`moe.fuse_moe_experts`). Checked in the Triton interpreter against
+the torch path (`engine/model/moe.py`); not yet run on a GPU.
 
 The layout is vLLM's fused_moe's: a step's (token, choice) slots are sorted by expert and each
 expert's run is padded to a whole number of BLOCK_M-row blocks (`align_by_expert`, torch ops on

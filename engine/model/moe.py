@@ -134,6 +134,12 @@ class SparseMoeBlock(nn.Module):
             MLP(hidden, moe.intermediate_size, tp, quant, reduce=False)
             for _ in range(moe.num_experts)
         )
+        # With `fuse_experts`: every expert's gate|up weight [E, 2 I, hidden] and down weight
+        # [E, hidden, I] for the fused Triton kernel, in place of the per-expert layers.
+        self.w13: nn.Parameter | None
+        self.w2: nn.Parameter | None
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
         size = moe.shared_expert_intermediate_size
         # registered even when None, so that forward finds both in `_modules`
         self.register_module(
@@ -141,11 +147,34 @@ class SparseMoeBlock(nn.Module):
         )
         self.register_module("shared_expert_gate", Linear(hidden, 1, bias=False) if size else None)
 
+    def fuse_experts(self) -> bool:
+        """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
+        interpreter in tests) and drop the per-expert layers. False (nothing changed) unless
+        every expert is a plain dense `Linear` pair (not quantized, not on a CPU kernel)."""
+        experts = [e for e in self.experts if isinstance(e, MLP)]
+        pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
+        if not experts or not all(
+            type(m) is Linear and m.cpu_kernel is None for pair in pairs for m in pair
+        ):
+            return False
+        w13 = torch.stack([gate_up.weight for gate_up, _ in pairs])  # type: ignore[misc]
+        w2 = torch.stack([down.weight for _, down in pairs])  # type: ignore[misc]
+        self.experts = nn.ModuleList()  # frees the per-expert weights
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         logits = parts["gate"].forward(x)  # [T, E]
         weights, ids = route(logits, self.top_k, self.renormalize)
-        out = grouped_experts(x, parts["experts"], weights, ids, self.weights_in_model_dtype)
+        w13, w2 = self._parameters["w13"], self._parameters["w2"]
+        if w13 is not None and w2 is not None:
+            from duet.engine.kernels.triton_moe import fused_experts
+
+            out = fused_experts(x, w13, w2, weights, ids, self.weights_in_model_dtype)
+        else:
+            out = grouped_experts(x, parts["experts"], weights, ids, self.weights_in_model_dtype)
         shared = parts["shared_expert"]
         if shared is not None:
             gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
@@ -193,3 +222,14 @@ def moe_weight_shapes(
             (block + "shared_expert_gate.weight", (1, hidden)),
         ]
     return shapes
+
+
+def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
+    """On CUDA where Triton runs: every sparse block's experts on the fused kernel (one launch
+    for all experts' gate|up products and one for the downs, no host sync) instead of a product
+    per expert. Returns how many blocks."""
+    from duet.engine.kernels.triton_runtime import triton_unusable_reason
+
+    if device.type != "cuda" or triton_unusable_reason(device) is not None:
+        return 0
+    return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))

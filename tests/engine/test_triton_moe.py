@@ -76,3 +76,27 @@ def test_fused_experts_equal_the_torch_path_and_rows_do_not_depend_on_the_batch(
     for rows in (slice(0, 1), slice(17, 18), slice(5, 29)):  # alone, and among others
         part = fused_experts(x[rows], w13, w2, weights[rows], ids[rows], in_model_dtype)
         assert torch.equal(part, fused[rows]), rows
+
+
+def test_a_block_on_the_fused_kernel_equals_it_per_expert():
+    """`SparseMoeBlock.fuse_experts` (what the loader does on CUDA): the stacked weights on the
+    fused kernel give the per-expert path's output (fp32), a row alone its bits in the batch."""
+    from duet.engine.model import ModelArchConfig
+    from duet.engine.model.moe import SparseMoeBlock
+    from duet.engine.parallel import SINGLE
+    from tests.conftest import ARCH_CONFIGS
+
+    spec = {**ARCH_CONFIGS["qwen2_moe"], "vocab_size": 512, "hidden_size": HIDDEN,
+            "intermediate_size": 128, "moe_intermediate_size": INTER, "num_attention_heads": 4}  # fmt: skip
+    torch.manual_seed(0)
+    block = SparseMoeBlock(ModelArchConfig.from_hf_config(spec), SINGLE, None)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.1)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        per_expert = block(x)
+        assert block.fuse_experts() and len(block.experts) == 0
+        assert block.w13 is not None and block.w13.shape == (8, 2 * INTER, HIDDEN)
+        fused = block(x)
+        torch.testing.assert_close(fused, per_expert, atol=1e-5, rtol=1e-5)
+        assert torch.equal(block(x[9:10]), fused[9:10])
