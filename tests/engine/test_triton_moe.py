@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.engine.triton_cases import DEVICE, triton_interpreter  # noqa: F401
+from tests.engine.triton_cases import DEVICE, ON_CUDA, triton_interpreter  # noqa: F401
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("triton ships wheels for Linux x86_64 only", allow_module_level=True)
@@ -78,6 +78,15 @@ def test_fused_experts_equal_the_torch_path_and_rows_do_not_depend_on_the_batch(
         assert torch.equal(part, fused[rows]), rows
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: compiled bf16 (the interpreter emulates it)")
+@pytest.mark.parametrize("in_model_dtype", [False, True], ids=["mixtral", "qwen"])
+def test_fused_experts_compiled_in_bf16_on_gpu(in_model_dtype):
+    test_fused_experts_equal_the_torch_path_and_rows_do_not_depend_on_the_batch(
+        torch.bfloat16, in_model_dtype, 2e-2
+    )
+
+
 def test_a_block_on_the_fused_kernel_equals_it_per_expert():
     """`SparseMoeBlock.fuse_experts` (what the loader does on CUDA): the stacked weights on the
     fused kernel give the per-expert path's output (fp32), a row alone its bits in the batch."""
@@ -100,3 +109,26 @@ def test_a_block_on_the_fused_kernel_equals_it_per_expert():
         fused = block(x)
         torch.testing.assert_close(fused, per_expert, atol=1e-5, rtol=1e-5)
         assert torch.equal(block(x[9:10]), fused[9:10])
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_for_sm90_without_spills():
+    """tests/engine/moe_sm90_compile.py in its own process (compiling needs Triton imported
+    without TRITON_INTERPRET): each dtype's gate|up and down variants, top-2 and top-8."""
+    import json
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tests/engine/moe_sm90_compile.py")],
+        capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": path}, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = json.loads(proc.stdout)
+    assert len(usage) == 3 * 3 * 2
+    for name, u in usage.items():
+        assert (u["spill_stores"], u["spill_loads"], u["stack"]) == (0, 0, 0), (name, u)
+        assert u["regs"] <= 255 and u["shared_bytes"] <= 227 * 1024, name
