@@ -70,7 +70,8 @@ def grouped_experts(
     flat = ids.reshape(-1)  # [T k]
     order = torch.argsort(flat, stable=True)  # (token, choice) slots grouped by expert
     # NOTE: the counts come to the host to cut the rows per expert: a sync per layer on CUDA,
-    # which is why MoE models decode without CUDA graphs (the Triton fused kernel is to come).
+    # where dense experts take the fused Triton kernel instead (`fuse_experts`); quantized ones
+    # stay here, one reason MoE models decode without CUDA graphs for now.
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
     rows = x.index_select(0, order // top_k)  # [T k, hidden], grouped by expert
     scale = weights.reshape(-1, 1).index_select(0, order)  # [T k, 1]
