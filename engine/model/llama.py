@@ -1,11 +1,13 @@
 """The Llama family in one module: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k
-RMSNorm), SmolLM2 (tied embeddings).
+RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py) in
+place of the dense `MLP` (engine/model/mlp.py).
 
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
 parallelism each rank holds its shard (see engine/parallel.py) and the shards meet in one
-all-reduce after o_proj, one after down_proj, one after the embedding, and a gather of the
-logits to rank 0, the rank that samples.
+all-reduce after o_proj, one after down_proj (or after a sparse layer's experts), one after the
+embedding, and a gather of the logits to rank 0, the rank that samples.
 """
 
 from __future__ import annotations
