@@ -52,7 +52,12 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        # NOTE: added in choice order, one column at a time, rather than `sum`, whose reduction
+        # order over a row is torch's choice (it may vectorize across rows, or split a row).
+        total = weights[:, :1]
+        for k in range(1, top_k):
+            total = total + weights[:, k : k + 1]
+        weights = weights / total
     ids, order = ids.sort(dim=-1)  # HF adds a token's experts in expert order
     return weights.gather(-1, order), ids
 
