@@ -28,15 +28,18 @@ import torch
 from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
 
 
-def uses_decode_graphs(enforce_eager: bool, device: torch.device, use_triton: bool) -> bool:
+def uses_decode_graphs(
+    enforce_eager: bool, device: torch.device, use_triton: bool, moe: bool = False
+) -> bool:
     """Whether an engine captures decode graphs: unless `enforce_eager`, on CUDA with the Triton
-    attention kernels (the graphs' metadata is theirs). With tensor parallelism each rank
+    attention kernels (the graphs' metadata is theirs), for dense models (a mixture of experts
+    reads each expert's token count on the host, engine/model/moe.py). With tensor parallelism each rank
     captures its own graphs with the layers' all-reduces inside (NCCL collectives can be
     captured); the ranks capture the same buckets in the same order and, scheduling alike,
     replay the same bucket at the same step, so the captured collectives meet. The logits'
     gather to rank 0 and the token broadcast stay outside the graphs. The KV budget reserves
     the graphs' pool exactly when this is True (`kv_sizing.size_kv_pool`)."""
-    return not enforce_eager and device.type == "cuda" and use_triton
+    return not enforce_eager and not moe and device.type == "cuda" and use_triton
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:

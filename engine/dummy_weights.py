@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from duet.engine.model import ModelArchConfig
+from duet.engine.model.moe import moe_weight_shapes
 from duet.engine.parallel import TensorSlice
 from duet.engine.tokenizer import Tokenizer
 from duet.engine.weight_files import SelectSlice
@@ -45,8 +46,8 @@ DUMMY_CHAT_TEMPLATE = (
 
 
 def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of an HF checkpoint of `arch`: (name, full shape), as `_check_complete`
-    expects them."""
+    """Every tensor of an HF checkpoint of `arch`: (name, full shape), under the names its
+    architecture's checkpoints use (what the loader's `_check_complete` expects)."""
     h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
     shapes: list[tuple[str, tuple[int, ...]]] = [
@@ -61,10 +62,15 @@ def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
             (p + "post_attention_layernorm.weight", (h,)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
         ]
+        if arch.moe is not None and arch.moe.is_sparse(i):
+            shapes += moe_weight_shapes(arch.moe, h, p)
+        else:
+            shapes += [
+                (p + "mlp.gate_proj.weight", (inter, h)),
+                (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter)),
+            ]
         if arch.attention_bias:
             biases = (("q", q), ("k", kv), ("v", kv))
             shapes += [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in biases]

@@ -173,6 +173,11 @@ class GGUFModel:
                 f"general.architecture: GGUF architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if (self._arch_field("expert_count") or 0) > 0:  # a Mixtral file says "llama"
+            raise ModelLoadError(
+                f"model: {path} holds a mixture of experts; duet loads those from HF safetensors "
+                "only (GGUF's 3-D expert tensors are not read yet: docs/models.md)"
+            )
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._hf_names = {name: self._hf_name(name) for name in self._tensors}
         for name, tensor in self._tensors.items():

@@ -197,7 +197,7 @@ def size_kv_pool(
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton)
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, cfg.moe is not None)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

@@ -17,6 +17,7 @@ from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
+from duet.engine.model.moe import fuse_moe_experts
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -214,6 +215,10 @@ def load_model(
         row_invariant.set_min_rows(net, 1)
         use_dense_kernel_fp32(net)  # CPU fp32: faster than MKL's at most row counts
         invariant = False
+    if arch.moe is not None:
+        fuse_moe_experts(
+            net, device
+        )  # CUDA: the fused Triton kernel (engine/kernels/triton_moe.py)
     num_bytes = log_weight_bytes(net, name, quantization)
     return LoadedModel(net, arch, source.tokenizer, name, invariant, num_bytes, stats.num_bytes)
 
@@ -234,21 +239,7 @@ def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:
-    cfg = net.config
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
-        expected.add("lm_head.weight")
-    per_layer = [
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-    ]  # fmt: skip
-    if cfg.attention_bias:
-        per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-    if cfg.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(cfg.num_hidden_layers):
-        expected.update(f"model.layers.{i}.{n}" for n in per_layer)
+    expected = {name for name, _ in hf_weight_shapes(net.config)}
     missing = sorted(expected - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -121,7 +121,7 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if uses_decode_graphs(enforce_eager, device, self.use_triton):
+        if uses_decode_graphs(enforce_eager, device, self.use_triton, cfg.moe is not None):
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )

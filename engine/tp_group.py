@@ -91,11 +91,12 @@ def check_layout(config: EngineConfig) -> None:
     """Raise `InvalidInputError` naming `tensor_parallel_size` when the model cannot be split
     over that many ranks (more ranks than query heads, or than 1-column MLP shares)."""
     from duet.engine.loader import open_model
-    from duet.engine.model.llama import mlp_shard
+    from duet.engine.model.mlp import mlp_shard
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
-    mlp_shard(arch.intermediate_size, TensorParallel(0, config.tensor_parallel_size))
+    for size in arch.ffn_sizes():  # the dense MLP's, the experts'
+        mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))
 
 
 def exit_rank(code: int) -> NoReturn:

@@ -63,7 +63,37 @@ ARCH_CONFIGS: dict[str, dict] = {
     "smollm2": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", tie_word_embeddings=True
     ),
+    # mixtures of experts (issue 44): top-2 of 8 or 16 experts
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=None,
+    ),
+    "qwen2_moe": dict(  # a shared expert, and a dense layer between two sparse ones
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        rope_theta=1000000.0,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        num_experts=16,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        head_dim=32,
+    ),
 }
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def build_tokenizer(path: str, vocab_size: int = 512) -> None:

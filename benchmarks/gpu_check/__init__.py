@@ -71,6 +71,7 @@ GPU_TEST_FILES = (
     "tests/engine/test_triton_attention_order.py",
     "tests/engine/test_triton_kernels.py",
     "tests/engine/test_triton_matmul.py",
+    "tests/engine/test_triton_moe.py",
     "tests/engine/test_triton_real_shapes.py",
     "tests/kv_transfer/test_nixl_gpu.py",
     "tests/kv_transfer/test_torch_dist_probe.py",

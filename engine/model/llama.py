@@ -1,46 +1,51 @@
 """The Llama family in one module: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k
-RMSNorm), SmolLM2 (tied embeddings).
+RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py) in
+place of the dense `MLP` (engine/model/mlp.py).
 
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
 parallelism each rank holds its shard (see engine/parallel.py) and the shards meet in one
-all-reduce after o_proj, one after down_proj, one after the embedding, and a gather of the
-logits to rank 0, the rank that samples.
+all-reduce after o_proj, one after down_proj (or after a sparse layer's experts), one after the
+embedding, and a gather of the logits to rank 0, the rank that samples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.errors import InvalidInputError
 from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.mlp import MLP, make_linear, mlp_shard
+from duet.engine.model.moe import SparseMoeBlock, expert_placement, router_name
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from duet.engine.model.rotary import RotaryEmbedding
-from duet.engine.model.row_invariant import Linear, TiedLinear
+from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
 
 
-def make_linear(
-    in_features: int, out_features: int, bias: bool, quant: QuantizationConfig | None
-) -> nn.Module:
-    """A projection: dense, or a `QuantizedLinear` that the loader fills (no dense copy)."""
-    if quant is None:
-        return Linear(in_features, out_features, bias=bias)
-    return QuantizedLinear(in_features, out_features, bias, quant)
+class Placement(NamedTuple):
+    """Where a checkpoint tensor goes (`LlamaForCausalLM._locate`)."""
+
+    target: str
+    """Our parameter's name."""
+    offset: int
+    """The first row it fills of a fused parameter (q|k|v, gate|up)."""
+    rows: tuple[int, int] | None
+    """This rank's [start, end) of the tensor along `dim`; None: every rank holds it whole."""
+    dim: int
 
 
 @dataclass
@@ -134,36 +139,21 @@ class Attention(nn.Module):
         return self.tp.all_reduce(parts["o_proj"].forward(out.reshape(num_tokens, self.q_size)))
 
 
-class MLP(nn.Module):
-    def __init__(
-        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
-    ) -> None:
-        super().__init__()
-        self.tp = tp
-        start, end = mlp_shard(cfg.intermediate_size, tp)
-        self.intermediate_size = end - start
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, False, quant)
-        self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, False, quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
-        gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
-        kernels = kernels_for(gate_up)
-        if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
-            act = kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        return self.tp.all_reduce(parts["down_proj"].forward(act))
-
-
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+        self,
+        cfg: ModelArchConfig,
+        tp: TensorParallel,
+        quant: QuantizationConfig | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, tp, quant)
-        self.mlp = MLP(cfg, tp, quant)
+        self.mlp: nn.Module
+        if cfg.moe is not None and cfg.moe.is_sparse(index):
+            self.mlp = SparseMoeBlock(cfg, tp, quant)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -188,23 +178,6 @@ class DecoderLayer(nn.Module):
         hidden = parts["self_attn"].forward(hidden, kv_cache, ctx)
         hidden, residual = parts["post_attention_layernorm"].add_and_norm(hidden, residual)
         return parts["mlp"].forward(hidden), residual
-
-
-def mlp_shard(intermediate_size: int, tp: TensorParallel) -> tuple[int, int]:
-    """This rank's [start, end) of the intermediate size: even where it divides, else in
-    whole units of the largest power of two up to 128 that leaves every rank some (so
-    quantization groups of up to that many input columns of down_proj stay whole)."""
-    n = tp.world_size
-    for exact in (True, False):
-        for align in (128, 64, 32, 16, 8, 4, 2, 1):
-            units = intermediate_size // align
-            if intermediate_size % align or units < n or (exact and units % n):
-                continue
-            return tp.split(intermediate_size, align)
-    raise InvalidInputError(
-        "tensor_parallel_size",
-        f"must be at most the model's intermediate_size ({intermediate_size}); got {n}",
-    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -235,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             shard_vocab, cfg.hidden_size, _weight=torch.empty(shard_vocab, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, quant, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_quant = quant if quant is not None and quant.lm_head else None
@@ -329,15 +302,38 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
         """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
-        None for a tensor every rank holds whole (norms, and everything at one rank)."""
+        None for a tensor every rank holds whole (norms, routers, and everything at one rank)."""
         if not self.tp.enabled:
             return None
-        target = name.removeprefix("model.")
-        for hf, (_, _, rows, dim) in self._shard_layout().items():
+        place = self._locate(name.removeprefix("model."))
+        if place is None or place.rows is None:
+            return None
+        if place.dim == 1 and len(shape) < 2:
+            return None  # a row-parallel layer's bias is whole on every rank
+        return TensorSlice(place.dim, place.rows[0], place.rows[1])
+
+    def _locate(self, target: str) -> Placement | None:
+        """Where the checkpoint tensor `target` (HF's name without "model.") goes: our
+        parameter, the row offset in it, this rank's [start, end) of the tensor along `dim`
+        (None: whole); None for a name the sharded layers do not cover (norms, routers: the
+        name is ours as is)."""
+        if self.config.moe is not None:
+            expert = expert_placement(target)
+            if expert is not None:
+                module, proj, shared = expert
+                moe = self.config.moe
+                size = moe.shared_expert_intermediate_size if shared else moe.intermediate_size
+                rows = mlp_shard(size, self.tp)
+                if proj == "down_proj":
+                    return Placement(f"{module}.down_proj.weight", 0, rows, 1)
+                offset = rows[1] - rows[0] if proj == "up_proj" else 0
+                return Placement(f"{module}.gate_up_proj.weight", offset, rows, 0)
+            router = router_name(target)
+            if router is not None:
+                return Placement(router, 0, None, 0)
+        for hf, (ours, off, shard_rows, shard_dim) in self._shard_layout().items():
             if target == f"{hf}.weight" or f".{hf}." in f".{target}":
-                if dim == 1 and len(shape) < 2:
-                    return None  # a row-parallel layer's bias is whole on every rank
-                return TensorSlice(dim, rows[0], rows[1])
+                return Placement(target.replace(hf, ours), off, shard_rows, shard_dim)
         return None
 
     def _shard_layout(self) -> dict[str, tuple[str, int, tuple[int, int], int]]:
@@ -367,7 +363,6 @@ class LlamaForCausalLM(nn.Module):
         keeps its shard, or tensors already cut to `weight_slice` (sharded loading). Returns
         the names it loaded."""
         cfg, tp = self.config, self.tp
-        layout = self._shard_layout()
         params = dict(self.named_parameters())
         slots = {
             f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)
@@ -379,12 +374,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy
-            target, offset, rows, dim = name.removeprefix("model."), 0, None, 0
-            for hf, (ours, off, shard_rows, shard_dim) in layout.items():
-                if target == f"{hf}.weight" or f".{hf}." in f".{target}":
-                    target = target.replace(hf, ours)
-                    offset, rows, dim = off, shard_rows, shard_dim
-                    break
+            target = name.removeprefix("model.")
+            place = self._locate(target) or Placement(target, 0, None, 0)
+            target, offset, rows, dim = place
             param, slot = params.get(target), slots.get(target)
             if param is None and slot is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")

@@ -236,6 +236,25 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     )
 
 
+def test_a_mixture_of_experts_is_refused_with_a_pointer_to_safetensors(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as general.architecture "llama" with llama.expert_count: the
+    3-D expert tensors are not read yet, so the file is refused by name, not misread as dense."""
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 16, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        ModelLoadError, match="holds a mixture of experts; duet loads those from HF"
+    ):
+        load_gguf(str(path))
+
+
 def test_unsupported_quant_type(tmp_path: Path) -> None:
     # gguf can read Q8_1 (an activation format) but not dequantize it.
     block_size, type_size = gguf.GGML_QUANT_SIZES[Q.Q8_1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from duet.engine.errors import InvalidInputError
-from duet.engine.model.llama import mlp_shard
+from duet.engine.model.mlp import mlp_shard
 from duet.engine.parallel import HeadShard, TensorParallel, head_shard, kv_head_range, split
 
 

@@ -1,0 +1,241 @@
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE): a router that picks
+each token's top-k experts, the experts computed as grouped products over the tokens each one
+received, and Qwen2-MoE's shared expert behind its sigmoid gate.
+
+Routing follows HF transformers' `*TopKRouter`s: router logits in the model's dtype, a softmax in
+fp32, the top k, divided by their sum where the architecture renormalises (`MoEConfig`).
+
+The grouped products: a step's (token, choice) pairs are sorted by expert (stably, so each
+expert sees its tokens in batch order), each expert runs one gate|up and one down product on its
+rows, and the results, scaled by their routing weights, land in a [T, k, hidden] buffer at their
+(token, choice) slot. A token's k results are then added in expert order, as HF's loop of
+`index_add_` adds them. Each expert is a pair of the dense path's row-invariant linears
+(`row_invariant.Linear`, or `QuantizedLinear`), so a token's output does not depend on which
+other tokens its experts received (docs/determinism.md), and the load-time probe, packing,
+duet's CPU kernel and the quantized kernels apply to experts as to any projection.
+
+With tensor parallelism each rank holds a slice of every expert's intermediate size (as of the
+dense MLP's) and the router whole; the routed and shared outputs are partial sums that meet in
+one all-reduce per layer. Expert parallelism is issue 44's item 4.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from duet.engine.model.arch import ModelArchConfig, MoEConfig
+from duet.engine.model.mlp import MLP
+from duet.engine.model.row_invariant import Linear
+from duet.engine.parallel import TensorParallel
+from duet.engine.quant.config import QuantizationConfig
+
+# Checkpoint names of an expert's projections, after the "layers.N." prefix: Qwen's
+# `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj`, Mixtral's
+# `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down).
+_EXPERT_NAME = re.compile(
+    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\."
+    r"(?P<group>experts\.\d+|shared_expert)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_ROUTER_NAME = re.compile(
+    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\.(?P<gate>gate|shared_expert_gate)\.weight$"
+)
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, expert ids [T, k]) from router `logits` ([T, E]), each token's
+    choices in ascending expert order: HF's softmax in fp32, top k, optional renormalisation."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        # NOTE: added in choice order, one column at a time, rather than `sum`, whose reduction
+        # order over a row is torch's choice (it may vectorize across rows, or split a row).
+        total = weights[:, :1]
+        for k in range(1, top_k):
+            total = total + weights[:, k : k + 1]
+        weights = weights / total
+    ids, order = ids.sort(dim=-1)  # HF adds a token's experts in expert order
+    return weights.gather(-1, order), ids
+
+
+def grouped_experts(
+    x: torch.Tensor,  # [T, hidden]
+    experts: nn.ModuleList,  # of MLPs without their all-reduce
+    weights: torch.Tensor,  # [T, k], fp32
+    ids: torch.Tensor,  # [T, k], ascending per row
+    weights_in_model_dtype: bool,
+) -> torch.Tensor:
+    """Sum over each token's k experts of weight * expert(token): [T, hidden] in `x`'s dtype.
+    One gate|up and one down product per expert, over the rows it received."""
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)  # [T k]
+    order = torch.argsort(flat, stable=True)  # (token, choice) slots grouped by expert
+    # NOTE: the counts come to the host to cut the rows per expert: a sync per layer on CUDA,
+    # where dense experts take the fused Triton kernel instead (`fuse_experts`); quantized ones
+    # stay here, one reason MoE models decode without CUDA graphs for now.
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    rows = x.index_select(0, order // top_k)  # [T k, hidden], grouped by expert
+    scale = weights.reshape(-1, 1).index_select(0, order)  # [T k, 1]
+    if weights_in_model_dtype:
+        scale = scale.to(x.dtype)
+    out = x.new_empty(num_tokens * top_k, x.shape[1])
+    start = 0
+    modules: dict[str, Any] = experts._modules  # `experts[e]` is a Python call per expert
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        y = modules[str(e)].forward(rows[start:end])  # [count, hidden]
+        out.index_copy_(0, order[start:end], (y * scale[start:end]).to(x.dtype))
+        start = end
+    out = out.view(num_tokens, top_k, -1)
+    total = out[:, 0]
+    for k in range(1, top_k):  # in expert order, one rounding per add, as HF's index_add_
+        total = total + out[:, k]
+    return total
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid of `x` ([T, 1]), each row's bits independent of T.
+
+    NOTE: torch's CPU sigmoid runs a contiguous tensor through vector code (SLEEF's exp) and
+    its last few elements through scalar code (std::exp), which differ in the last bit: a
+    [T, 1] tensor's row got other bits depending on where it fell (7 of 300 fp32 rows differed
+    from the row alone). A strided tensor takes the scalar code for every element, as a row
+    alone does."""
+    if x.device.type != "cpu":
+        return torch.sigmoid(x)
+    rows = x.shape[0]
+    strided = x.new_empty(rows, 2)[:, 0]
+    strided.copy_(x[:, 0])
+    out = x.new_empty(rows, 2)[:, 0]
+    torch.sigmoid(strided, out=out)
+    return out.unsqueeze(1)
+
+
+class SparseMoeBlock(nn.Module):
+    """A layer's feed-forward as a mixture of experts: the router (`gate`, never quantized),
+    the routed `experts`, and optionally the `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
+
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        tp: TensorParallel,
+        quant: QuantizationConfig | None,
+    ) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.tp = tp
+        self.top_k = moe.num_experts_per_tok
+        self.renormalize = moe.renormalize
+        self.weights_in_model_dtype = moe.weights_in_model_dtype
+        hidden = cfg.hidden_size
+        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(hidden, moe.intermediate_size, tp, quant, reduce=False)
+            for _ in range(moe.num_experts)
+        )
+        # With `fuse_experts`: every expert's gate|up weight [E, 2 I, hidden] and down weight
+        # [E, hidden, I] for the fused Triton kernel, in place of the per-expert layers.
+        self.w13: nn.Parameter | None
+        self.w2: nn.Parameter | None
+        self.register_parameter("w13", None)
+        self.register_parameter("w2", None)
+        size = moe.shared_expert_intermediate_size
+        # registered even when None, so that forward finds both in `_modules`
+        self.register_module(
+            "shared_expert", MLP(hidden, size, tp, quant, reduce=False) if size else None
+        )
+        self.register_module("shared_expert_gate", Linear(hidden, 1, bias=False) if size else None)
+
+    def fuse_experts(self) -> bool:
+        """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
+        interpreter in tests) and drop the per-expert layers. False (nothing changed) unless
+        every expert is a plain dense `Linear` pair (not quantized, not on a CPU kernel)."""
+        experts = [e for e in self.experts if isinstance(e, MLP)]
+        pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
+        if not experts or not all(
+            type(m) is Linear and m.cpu_kernel is None for pair in pairs for m in pair
+        ):
+            return False
+        w13 = torch.stack([gate_up.weight for gate_up, _ in pairs])  # type: ignore[misc]
+        w2 = torch.stack([down.weight for _, down in pairs])  # type: ignore[misc]
+        self.experts = nn.ModuleList()  # frees the per-expert weights
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
+        logits = parts["gate"].forward(x)  # [T, E]
+        weights, ids = route(logits, self.top_k, self.renormalize)
+        w13, w2 = self._parameters["w13"], self._parameters["w2"]
+        if w13 is not None and w2 is not None:
+            from duet.engine.kernels.triton_moe import fused_experts
+
+            out = fused_experts(x, w13, w2, weights, ids, self.weights_in_model_dtype)
+        else:
+            out = grouped_experts(x, parts["experts"], weights, ids, self.weights_in_model_dtype)
+        shared = parts["shared_expert"]
+        if shared is not None:
+            gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
+            out = out + gate * shared.forward(x)
+        return self.tp.all_reduce(out)
+
+
+def expert_placement(target: str) -> tuple[str, str, bool] | None:
+    """For an expert projection's checkpoint name (without "model."): (our module's name, the
+    projection: gate_proj, up_proj or down_proj, whether it is the shared expert); else None."""
+    match = _EXPERT_NAME.match(target)
+    if match is None:
+        return None
+    proj = _MIXTRAL_PROJ.get(match["proj"], match["proj"])
+    return f"{match['layer']}mlp.{match['group']}", proj, match["group"] == "shared_expert"
+
+
+def router_name(target: str) -> str | None:
+    """Our name of a router (or shared-expert gate) weight, from its checkpoint name."""
+    match = _ROUTER_NAME.match(target)
+    return None if match is None else f"{match['layer']}mlp.{match['gate']}.weight"
+
+
+def moe_weight_shapes(
+    moe: MoEConfig, hidden: int, prefix: str
+) -> list[tuple[str, tuple[int, ...]]]:
+    """A sparse layer's checkpoint tensors under `prefix` ("model.layers.N."): (name, shape)."""
+    inter = moe.intermediate_size
+    if moe.checkpoint_names == "mixtral":
+        block = prefix + "block_sparse_moe."
+        projs = [("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden))]
+    else:
+        block = prefix + "mlp."
+        projs = [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                 ("down_proj", (hidden, inter))]  # fmt: skip
+    shapes: list[tuple[str, tuple[int, ...]]] = [(block + "gate.weight", (moe.num_experts, hidden))]
+    for e in range(moe.num_experts):
+        shapes += [(f"{block}experts.{e}.{p}.weight", shape) for p, shape in projs]
+    shared = moe.shared_expert_intermediate_size
+    if shared:
+        shapes += [
+            (block + "shared_expert.gate_proj.weight", (shared, hidden)),
+            (block + "shared_expert.up_proj.weight", (shared, hidden)),
+            (block + "shared_expert.down_proj.weight", (hidden, shared)),
+            (block + "shared_expert_gate.weight", (1, hidden)),
+        ]
+    return shapes
+
+
+def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
+    """On CUDA where Triton runs: every sparse block's experts on the fused kernel (one launch
+    for all experts' gate|up products and one for the downs, no host sync) instead of a product
+    per expert. Returns how many blocks."""
+    from duet.engine.kernels.triton_runtime import triton_unusable_reason
+
+    if device.type != "cuda" or triton_unusable_reason(device) is not None:
+        return 0
+    return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))
