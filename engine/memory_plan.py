@@ -14,7 +14,7 @@ pieces so that the plan and a running engine agree:
 Activations are the one estimate: a running engine measures them with a warm-up forward
 (`measure_gpu_memory`); the plan counts the tensors alive at that forward's peak
 (`activation_bytes`, docs/parallelism.md gives the formula). Pipeline stages hold
-`split(num_hidden_layers, P, stage)` layers; the first stage the embedding, the last the final
+`stage_layers(num_hidden_layers, P, stage)` layers; the first stage the embedding, the last the final
 norm and the LM head (with tied embeddings the table too).
 """
 
@@ -38,6 +38,7 @@ from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM, mlp_shard
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.parallel import TensorParallel, check_tp_size, split
+from duet.engine.pipeline import check_pp_size, stage_layers
 
 CUDA_CONTEXT_BYTES = 512 << 20
 """What a process's CUDA context and torch's own state take on a GPU before any tensor (an
@@ -107,21 +108,6 @@ class LayoutPlan:
     def max_concurrent_seqs(self) -> int:
         """Sequences of `max_model_len` tokens the pool holds at once (at most max_num_seqs)."""
         return min(self.max_num_seqs, self.kv_tokens // self.max_model_len)
-
-
-def stage_layers(num_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """[start, end) of the layers pipeline stage `stage` of `pp` holds (as even as they divide)."""
-    return split(num_layers, pp, stage)
-
-
-def check_pp_size(pp: int, num_layers: int, field_name: str = "pipeline_parallel_size") -> None:
-    """Raise `InvalidInputError` naming `field_name` unless 1 <= pp <= num_layers."""
-    if isinstance(pp, bool) or not isinstance(pp, int) or not 1 <= pp <= num_layers:
-        raise InvalidInputError(
-            field_name,
-            f"must be an integer between 1 and the model's num_hidden_layers ({num_layers}); "
-            f"got {pp!r}",
-        )
 
 
 def valid_tp_size(arch: ModelArchConfig, tp: int) -> bool:

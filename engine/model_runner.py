@@ -99,7 +99,7 @@ class ModelRunner:
                 dtype=dtype,
                 device=device,
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(model.num_layers)  # this pipeline stage's
         ]
         self.sampler = Sampler()
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
@@ -121,7 +121,8 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if uses_decode_graphs(enforce_eager, device, self.use_triton):
+        # NOTE: no graphs across pipeline stages yet: a stage's step sends and receives.
+        if uses_decode_graphs(enforce_eager, device, self.use_triton) and not model.tp.pp.enabled:
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
@@ -237,13 +238,13 @@ class ModelRunner:
     def _to_host(self, tensor: torch.Tensor) -> list:
         """The step's host transfer on the sampling rank; with tensor parallelism the other
         ranks receive the same values (`_receive`)."""
-        self.model.tp.broadcast_from_first(tensor)
+        self.model.tp.broadcast_sampled(tensor)
         return self.input_batch.to_host(tensor)
 
     def _receive(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
         """A tensor-parallel follower's side of `_to_host`: rank 0's `numel` values."""
         buffer = torch.empty(numel, dtype=dtype, device=self.device)
-        self.model.tp.broadcast_from_first(buffer)
+        self.model.tp.broadcast_sampled(buffer)
         return buffer, self.input_batch.to_host(buffer)
 
     def _prompt_logprobs(

@@ -15,16 +15,11 @@ from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
 from duet.engine.kv_sizing import GpuMemory, kv_cache_bytes_per_block, size_kv_pool
 from duet.engine.loader import load_model
-from duet.engine.memory_plan import (
-    PlanSettings,
-    activation_bytes,
-    plan_layout,
-    plan_layouts,
-    stage_layers,
-)
+from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout, plan_layouts
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.pipeline import stage_layers
 
 GIB = 1 << 30
 ROPE_31 = {
