@@ -168,7 +168,7 @@ def load_model(
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
     # Each rank reads (or, dummy, makes) only the slices it holds.
-    select = net.weight_slice if tp.enabled else None
+    select = net.weight_slice if tp.spans_ranks else None
     stats = ReadStats()
     if quantization is not None and quantization.method == "gguf":
         if source.quantized_weights is None or load_format == "dummy":

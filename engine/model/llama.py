@@ -372,7 +372,10 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
         """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
-        None for a tensor every rank holds whole (norms, and everything at one rank)."""
+        None for a tensor every rank holds whole (norms, and everything at one rank); an empty
+        slice for another pipeline stage's tensor (not read at all)."""
+        if not self.holds_tensor(name):
+            return TensorSlice(0, 0, 0)
         if not self.tp.enabled:
             return None
         target = name.removeprefix("model.")

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from duet.engine import LLM, InvalidInputError, SamplingParams
-from duet.engine.pipeline import stage_layers
+from duet.engine.loader import open_model
+from duet.engine.model import LlamaForCausalLM
+from duet.engine.parallel import TensorParallel, TensorSlice
+from duet.engine.pipeline import PipelineParallel, stage_layers
+from duet.engine.weight_files import ReadStats
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -80,3 +84,46 @@ def test_pp2_by_tp2_equals_tp2(smollm2_shaped: str) -> None:
     ref = _tokens(smollm2_shaped, prompts, tensor_parallel_size=2)
     got = _tokens(smollm2_shaped, prompts, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert got == ref
+
+
+def _stage_model(arch, stage: int, num_stages: int, tp_rank: int = 0, tp: int = 1):
+    pp = PipelineParallel(stage, num_stages, tp_rank, tp)
+    with torch.device("meta"):
+        return LlamaForCausalLM(arch, None, TensorParallel(tp_rank, tp, None, pp))
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["safetensors", "gguf"])
+def test_each_stage_reads_only_its_tensors(tiny_model_factory, embedded: bool) -> None:
+    """Stages read their layers' tensors and nothing of the others' (the final norm is
+    whole on every stage, a tied embedding is read by the first and the last); the tensors
+    they read are the full checkpoint's, so the stages read it once between them."""
+    source = open_model(None if embedded else tiny_model_factory("llama", num_hidden_layers=4))
+    stats = ReadStats()
+    full = dict(source.weights(None, stats))
+    arch = source.arch
+    seen: list[set[str]] = []
+    reads = []
+    for stage in range(2):
+        net = _stage_model(arch, stage, 2)
+        stage_stats = ReadStats()
+        names = set()
+        for name, tensor in source.weights(net.weight_slice, stage_stats):
+            assert torch.equal(tensor, full[name]), name
+            names.add(name)
+        seen.append(names)
+        reads.append(stage_stats.num_bytes)
+    first, last = seen
+    shared = {"model.norm.weight"} | (
+        {"model.embed_tokens.weight"} if arch.tie_word_embeddings else set()
+    )
+    assert first & last == shared and first | last == set(full)
+    half = arch.num_hidden_layers // 2
+    assert {n for n in first if ".layers." in n} == {
+        n for n in full if ".layers." in n and int(n.split(".")[2]) < half
+    }
+    shared_stats = ReadStats()  # the shared tensors' bytes in the file (GGUF: quantized)
+    for _ in source.weights(
+        lambda n, _: None if n in shared else TensorSlice(0, 0, 0), shared_stats
+    ):
+        pass
+    assert sum(reads) == stats.num_bytes + shared_stats.num_bytes
