@@ -13,12 +13,13 @@ import torch
 from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from duet.engine.errors import InvalidInputError
-from duet.engine.input_batch import InputBatch
+from duet.engine.input_batch import InputBatch, StepInputs
 from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
 from duet.engine.outputs import PromptLogprob, TokenLogprob
+from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
 from duet.engine.sampler import Sampler, SamplerOutput
 from duet.engine.scheduler import SchedulerOutput
@@ -102,6 +103,8 @@ class ModelRunner:
             for _ in range(model.num_layers)  # this pipeline stage's
         ]
         self.sampler = Sampler()
+        self.num_micro_batched_steps = 0
+        """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
         self.deterministic = deterministic
         self.use_triton = self.attention_backend == "triton"
@@ -175,6 +178,12 @@ class ModelRunner:
                 step.seq_lens.tolist(),
                 step.block_ids(batch.block_table, self.block_size),
             )
+        elif (
+            self.model.tp.pp.enabled
+            and on_layer is None
+            and len(micro := micro_batches(step.num_reqs, self.model.tp.pp.num_stages)) > 1
+        ):
+            hidden = self._forward_micro_batches(step, micro)
         else:
             meta = AttentionMetadata.from_step(
                 step,
@@ -234,6 +243,38 @@ class ModelRunner:
                 logprobs[r.request_id] = [lp for lp in lps if lp is not None]
             row += len(draft) + 1
         return StepResult(sampled, logprobs, prompt_logprobs)
+
+    def _forward_micro_batches(
+        self, step: StepInputs, micro: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """The step's forward as micro-batches of its requests, one after another on every
+        stage: a stage sends micro-batch m on without waiting and computes m + 1 while the
+        next stage computes m, so the stages overlap (engine/pipeline.py). Each micro-batch's
+        rows are computed as in the whole batch (the kernels are batch-invariant in
+        deterministic mode), so the tokens are the same. Returns the hidden rows of the whole
+        step, in order."""
+        self.num_micro_batched_steps += 1
+        starts = step.query_start
+        block_ids = step.block_ids(self.input_batch.block_table, self.block_size)
+        sends: list = []
+        outs = []
+        for lo, hi in micro:
+            t0, t1 = int(starts[lo]), int(starts[hi])
+            meta = AttentionMetadata.build(
+                step.query_lens[lo:hi].tolist(),
+                step.seq_lens[lo:hi].tolist(),
+                block_ids[lo:hi],
+                self.block_size,
+                self.device,
+                use_decode_kernel=self.use_decode_kernel,
+                triton_num_kv_heads=self.model.num_kv_heads if self.use_triton else None,
+                slot_mapping=step.slot_mapping[t0:t1],
+                deterministic=self.deterministic,
+            )
+            ids, positions = step.input_ids[t0:t1], step.positions[t0:t1]
+            outs.append(self.model.forward(ids, positions, self.kv_caches, meta, None, sends))
+        wait_all(sends)
+        return torch.cat(outs)
 
     def _to_host(self, tensor: torch.Tensor) -> list:
         """The step's host transfer on the sampling rank; with tensor parallelism the other

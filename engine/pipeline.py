@@ -79,11 +79,18 @@ class PipelineParallel:
     def layers(self, num_layers: int) -> tuple[int, int]:
         return stage_layers(num_layers, self.num_stages, self.stage)
 
-    def send_next(self, *tensors: torch.Tensor) -> None:
-        """To the same TP rank of the next stage, in order (it calls `recv_prev` alike)."""
+    def send_next(self, *tensors: torch.Tensor) -> list[dist.Work]:
+        """To the same TP rank of the next stage, in order (it calls `recv_prev` alike),
+        without waiting: the caller keeps the tensors and waits on the returned works before
+        it reuses or frees them (`wait_all`), so this stage computes its next micro-batch
+        while they travel."""
         dst = self.global_rank + self.tp_size
+        works = []
         for t in tensors:
-            dist.send(t.contiguous(), dst, group=self.group)
+            work = dist.isend(t.contiguous(), dst, group=self.group)
+            if work is not None:
+                works.append(work)
+        return works
 
     def recv_prev(self, *buffers: torch.Tensor) -> None:
         """From the same TP rank of the previous stage, into `buffers`, in order."""
@@ -104,6 +111,19 @@ class PipelineParallel:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
+
+
+def micro_batches(num_reqs: int, num_stages: int) -> list[tuple[int, int]]:
+    """[start, end) of the step's requests in each micro-batch: as many micro-batches as
+    stages (fewer with fewer requests), as even as they divide, in the step's order."""
+    count = max(1, min(num_reqs, num_stages))
+    return [stage_layers(num_reqs, count, m) for m in range(count)]
+
+
+def wait_all(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+    works.clear()
 
 
 NO_PIPELINE = PipelineParallel()

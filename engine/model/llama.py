@@ -288,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv / tp, D]
         meta: AttentionMetadata,
         on_layer: Callable[[int], None] | None = None,
+        sends: list[Any] | None = None,
     ) -> torch.Tensor:
         """`on_layer(i)` is called once layer i (the model's index) has written its KV into
         this stage's cache of it (on CUDA: once the writes are queued), e.g. to start sending
@@ -295,7 +296,9 @@ class LlamaForCausalLM(nn.Module):
 
         With pipeline stages a stage after the first receives the previous stage's hidden and
         residual streams instead of embedding, and a stage before the last sends its own on
-        and returns its hidden stream (no logits come from it)."""
+        and returns its hidden stream (no logits come from it). `sends`: where such a stage
+        leaves its sends in flight (the caller waits on them, `pipeline.wait_all`); None: it
+        waits for them itself."""
         ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
         pp = self.tp.pp
         residual: torch.Tensor | None = None
@@ -316,7 +319,12 @@ class LlamaForCausalLM(nn.Module):
                 on_layer(start + i)
         if not pp.is_last:
             assert residual is not None  # every stage runs at least one layer
-            pp.send_next(hidden, residual)
+            works = pp.send_next(hidden, residual)
+            if sends is None:
+                for work in works:
+                    work.wait()
+            else:
+                sends += works
             return hidden
         if residual is None:
             return self.norm(hidden)

@@ -13,7 +13,7 @@ from duet.engine import LLM, InvalidInputError, SamplingParams
 from duet.engine.loader import open_model
 from duet.engine.model import LlamaForCausalLM
 from duet.engine.parallel import TensorParallel, TensorSlice
-from duet.engine.pipeline import PipelineParallel, stage_layers
+from duet.engine.pipeline import PipelineParallel, micro_batches, stage_layers
 from duet.engine.weight_files import ReadStats
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,7 +34,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def _tokens(model: str, prompts: list[list[int]], **parallel: int) -> list[list[int]]:
     llm = LLM(model, dtype="float32", load_progress=False, num_kv_blocks=256, **parallel)
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))]
+        # With stages, every step of several requests ran as micro-batches (one per stage).
+        micro = llm.engine.runner.num_micro_batched_steps
+        assert (micro > 0) == (parallel.get("pipeline_parallel_size", 1) > 1)
+        return tokens
     finally:
         llm.shutdown()
         assert [p.returncode for p in llm.follower_processes] == [0] * (
@@ -44,6 +48,8 @@ def _tokens(model: str, prompts: list[list[int]], **parallel: int) -> list[list[
 
 def test_stage_layers_split_evenly() -> None:
     assert [stage_layers(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
+    assert micro_batches(5, 2) == [(0, 2), (2, 5)]
+    assert micro_batches(1, 4) == [(0, 1)]
     assert [stage_layers(126, 4, s) for s in range(4)] == [(0, 31), (31, 63), (63, 94), (94, 126)]
 
 
