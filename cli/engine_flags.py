@@ -39,6 +39,7 @@ from duet.engine.quant.config import QUANTIZATIONS
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory", "--kv-cache-memory-bytes"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", "-pp"),
 }
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,

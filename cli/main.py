@@ -8,9 +8,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from duet.cli import bench, chat, generate, serve, tokenizer
+from duet.cli import bench, chat, generate, plan, serve, tokenizer
 
-SUBCOMMANDS = (generate, chat, serve, bench, tokenizer)
+SUBCOMMANDS = (generate, chat, serve, bench, plan, tokenizer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -122,6 +122,11 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
             "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
             "--prefill-tp ranks and decode workers across --decode-tp ranks; use those"
         )
+    if engine.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError(
+            "--pipeline-parallel-size: prefill and decode workers run one pipeline stage for "
+            "now; pipeline stages serve aggregated (without --disaggregated)"
+        )
     internal_tls(args)  # refused here, naming the flag, before Ray starts
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
     if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds

@@ -62,7 +62,7 @@ class AsyncEngine:
         With `tensor_parallel_size` N > 1 this process is rank 0 and ranks 1..N-1 start as
         child processes (engine/tp_group.py)."""
         given = config or EngineConfig.from_kwargs(**kwargs)
-        if given.tensor_parallel_size == 1:
+        if given.num_ranks == 1:
             return cls(lambda: LLMEngine(given))
         ranked = rank_config(given)
         group = TPGroup.start(ranked)

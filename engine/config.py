@@ -67,6 +67,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks one model is sharded across, 1 to the model's query heads (docs/parallelism.md): an
     engine started here runs rank 0 and starts the others as child processes."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages the model's layers are split into, 1 to its layers, each stage
+    `tensor_parallel_size` ranks (docs/parallelism.md): an engine started here runs rank 0 and
+    starts the other stages' ranks as child processes. Aggregated engines only, for now."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0
@@ -128,6 +132,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_min("max_model_len", self.max_model_len, 1)
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidInputError(
                 "attention_backend",
@@ -177,8 +182,14 @@ class EngineConfig:
             self.quantize_lm_head,
         )
 
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of one engine: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def resolve_device(self, rank: int = 0) -> torch.device:
-        """This tensor-parallel rank's device, indexed on CUDA (`engine.device`)."""
+        """This rank's device (`rank`: its global rank, stage x TP + TP rank), indexed on CUDA
+        (`engine.device`)."""
         return resolve_device(self.device, rank)
 
     def device_reservations(self, block_bytes: int, max_model_len: int) -> dict[str, int]:

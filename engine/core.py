@@ -250,7 +250,7 @@ class EngineCore:
         try:
             while True:
                 commands = self._next_commands()
-                if self.tp.enabled:
+                if self.tp.spans_ranks:
                     box: list[Any] = [commands]
                     dist.broadcast_object_list(box, group=self._control_group, group_src=0)
                     commands = box[0]
@@ -288,7 +288,7 @@ class EngineCore:
         return IDLE_WAIT_S
 
     def _next_commands(self) -> list[EngineCommand]:
-        if self.tp.rank != 0:
+        if not self.tp.is_leader:
             return []  # followers take rank 0's commands from the broadcast
         # NOTE: copy and clear, not swap: a frozen start-up list (engine.heap) freed each
         # iteration would shrink the frozen generation under `gc.get_freeze_count`.

@@ -23,7 +23,7 @@ from duet.engine.model import ModelArchConfig
 from duet.engine.model.moe import moe_weight_shapes
 from duet.engine.parallel import TensorSlice
 from duet.engine.tokenizer import Tokenizer
-from duet.engine.weight_files import SelectSlice
+from duet.engine.weight_files import SelectSlice, is_skipped
 
 INIT_STD = 0.02
 """Standard deviation of the random matrices (HF's default `initializer_range`): with the
@@ -95,6 +95,8 @@ def dummy_weights(
     model."""
     for name, shape in hf_weight_shapes(arch):
         part = select(name, shape) if select is not None else None
+        if is_skipped(part):
+            continue
         out_shape = list(shape)
         if part is not None:
             out_shape[part.dim] = part.end - part.start

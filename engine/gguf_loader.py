@@ -35,7 +35,7 @@ from duet.engine.gguf_tokenizer import GGUFTokenizer
 from duet.engine.parallel import TensorSlice
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
-from duet.engine.weight_files import ReadStats, SelectSlice
+from duet.engine.weight_files import ReadStats, SelectSlice, is_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -357,6 +357,8 @@ class GGUFModel:
                 continue
             shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # HF order
             part = select(hf_name, shape) if select is not None else None
+            if is_skipped(part):
+                continue
             data = _slice_data(tensor, part)
             if stats is not None:
                 stats.num_bytes += data.nbytes

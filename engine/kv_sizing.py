@@ -108,7 +108,7 @@ def measure_gpu_memory(
             dtype=dtype,
             device=device,
         )
-        for _ in range(cfg.num_hidden_layers)
+        for _ in range(model.num_layers)
     ]
     warm_cache_bytes = sum(c.numel() * c.element_size() for c in caches)
     meta = AttentionMetadata.build(
@@ -164,7 +164,7 @@ def num_kv_blocks_for_gpu_memory(
             memory, graph_max_num_seqs, num_heads, cfg.head_dim
         )
     block_bytes = kv_cache_bytes_per_block(
-        cfg.num_hidden_layers, block_size, model.num_kv_heads, cfg.head_dim, dtype
+        model.num_layers, block_size, model.num_kv_heads, cfg.head_dim, dtype
     )
     num_blocks = plan_gpu_kv_blocks(memory, gpu_memory_utilization, block_bytes, reserve)
     logger.info(
@@ -192,7 +192,7 @@ def size_kv_pool(
     the tensor-parallel group (every rank calls this at the same point)."""
     cfg = model.config
     block_bytes = kv_cache_bytes_per_block(
-        cfg.num_hidden_layers, config.block_size, model.num_kv_heads, cfg.head_dim, dtype
+        model.num_layers, config.block_size, model.num_kv_heads, cfg.head_dim, dtype
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -219,7 +219,7 @@ def size_kv_pool(
             num_blocks, limit,
         )  # fmt: skip
         num_blocks = limit
-    agreed = tp.agree_min(num_blocks, device)
+    agreed = tp.agree_min_all(num_blocks, device)  # every stage schedules the same blocks
     if agreed != num_blocks:
         logger.info(
             "tensor-parallel rank %d: %d KV blocks fit here; the group agreed on %d",

@@ -32,7 +32,7 @@ class LLM:
     ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self._leader: TPLeader | None = None
-        if tp is None and self.config.tensor_parallel_size > 1:
+        if tp is None and self.config.num_ranks > 1:
             self.config = rank_config(self.config)
             group = TPGroup.start(self.config)
             self._leader = TPLeader(group)

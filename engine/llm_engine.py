@@ -53,10 +53,22 @@ class LLMEngine:
                 f"is {config.tensor_parallel_size} but the engine was given a group of "
                 f"{tp.world_size} rank(s); LLM(...) and AsyncEngine.from_config start the ranks",
             )
+        if tp.pp.num_stages != config.pipeline_parallel_size:
+            raise InvalidInputError(
+                "pipeline_parallel_size",
+                f"is {config.pipeline_parallel_size} but the engine was given "
+                f"{tp.pp.num_stages} stage(s); LLM(...) and AsyncEngine.from_config start the ranks",
+            )
+        if config.pipeline_parallel_size > 1 and config.speculative_config is not None:
+            raise InvalidInputError(
+                "pipeline_parallel_size",
+                "speculative decoding runs on one pipeline stage only; got "
+                f"{config.pipeline_parallel_size} stages with speculative_config",
+            )
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = config.resolve_device(tp.rank)
+        self.device = config.resolve_device(tp.global_rank)
         bind_thread(self.device)  # the thread that builds the engine runs it (EngineCore)
         if self.device.type == "cpu":
             configure_cpu_runtime()
@@ -65,7 +77,7 @@ class LLMEngine:
         start = time.perf_counter()
         loaded = load_model(
             config.model, self.dtype, self.device, config.tokenizer, config.hf_overrides,
-            config.load_progress and tp.rank == 0, tp, deterministic, config.quantization_config(),
+            config.load_progress and tp.is_leader, tp, deterministic, config.quantization_config(),
             config.load_format,
         )  # fmt: skip
         self.model_name = loaded.name

@@ -169,7 +169,7 @@ def load_model(
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, source.rope_freqs, tp, quantization)
     # Each rank reads (or, dummy, makes) only the slices it holds.
-    select = net.weight_slice if tp.enabled else None
+    select = net.weight_slice if tp.spans_ranks else None
     stats = ReadStats()
     if quantization is not None and quantization.method == "gguf":
         if source.quantized_weights is None or load_format == "dummy":
@@ -240,7 +240,7 @@ def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:
     expected = {name for name, _ in hf_weight_shapes(net.config)}
-    missing = sorted(expected - loaded)
+    missing = sorted(n for n in expected - loaded if net.holds_tensor(n))
     if missing:
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 

@@ -13,12 +13,13 @@ import torch
 from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from duet.engine.errors import InvalidInputError
-from duet.engine.input_batch import InputBatch
+from duet.engine.input_batch import InputBatch, StepInputs
 from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
 from duet.engine.outputs import PromptLogprob, TokenLogprob
+from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
 from duet.engine.sampler import Sampler, SamplerOutput
 from duet.engine.scheduler import SchedulerOutput
@@ -99,9 +100,11 @@ class ModelRunner:
                 dtype=dtype,
                 device=device,
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(model.num_layers)  # this pipeline stage's
         ]
         self.sampler = Sampler()
+        self.num_micro_batched_steps = 0
+        """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
         self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
         self.deterministic = deterministic
         self.use_triton = self.attention_backend == "triton"
@@ -121,7 +124,12 @@ class ModelRunner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.decode_graphs: DecodeGraphs | None = None
-        if uses_decode_graphs(enforce_eager, device, self.use_triton, cfg.moe is not None):
+        # NOTE: no graphs across pipeline stages yet: a stage's step sends and receives.
+        moe = cfg.moe is not None
+        if (
+            uses_decode_graphs(enforce_eager, device, self.use_triton, moe)
+            and not model.tp.pp.enabled
+        ):
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )
@@ -174,6 +182,12 @@ class ModelRunner:
                 step.seq_lens.tolist(),
                 step.block_ids(batch.block_table, self.block_size),
             )
+        elif (
+            self.model.tp.pp.enabled
+            and on_layer is None
+            and len(micro := micro_batches(step.num_reqs, self.model.tp.pp.num_stages)) > 1
+        ):
+            hidden = self._forward_micro_batches(step, micro)
         else:
             meta = AttentionMetadata.from_step(
                 step,
@@ -234,16 +248,48 @@ class ModelRunner:
             row += len(draft) + 1
         return StepResult(sampled, logprobs, prompt_logprobs)
 
+    def _forward_micro_batches(
+        self, step: StepInputs, micro: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """The step's forward as micro-batches of its requests, one after another on every
+        stage: a stage sends micro-batch m on without waiting and computes m + 1 while the
+        next stage computes m, so the stages overlap (engine/pipeline.py). Each micro-batch's
+        rows are computed as in the whole batch (the kernels are batch-invariant in
+        deterministic mode), so the tokens are the same. Returns the hidden rows of the whole
+        step, in order."""
+        self.num_micro_batched_steps += 1
+        starts = step.query_start
+        block_ids = step.block_ids(self.input_batch.block_table, self.block_size)
+        sends: list = []
+        outs = []
+        for lo, hi in micro:
+            t0, t1 = int(starts[lo]), int(starts[hi])
+            meta = AttentionMetadata.build(
+                step.query_lens[lo:hi].tolist(),
+                step.seq_lens[lo:hi].tolist(),
+                block_ids[lo:hi],
+                self.block_size,
+                self.device,
+                use_decode_kernel=self.use_decode_kernel,
+                triton_num_kv_heads=self.model.num_kv_heads if self.use_triton else None,
+                slot_mapping=step.slot_mapping[t0:t1],
+                deterministic=self.deterministic,
+            )
+            ids, positions = step.input_ids[t0:t1], step.positions[t0:t1]
+            outs.append(self.model.forward(ids, positions, self.kv_caches, meta, None, sends))
+        wait_all(sends)
+        return torch.cat(outs)
+
     def _to_host(self, tensor: torch.Tensor) -> list:
         """The step's host transfer on the sampling rank; with tensor parallelism the other
         ranks receive the same values (`_receive`)."""
-        self.model.tp.broadcast_from_first(tensor)
+        self.model.tp.broadcast_sampled(tensor)
         return self.input_batch.to_host(tensor)
 
     def _receive(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, list]:
         """A tensor-parallel follower's side of `_to_host`: rank 0's `numel` values."""
         buffer = torch.empty(numel, dtype=dtype, device=self.device)
-        self.model.tp.broadcast_from_first(buffer)
+        self.model.tp.broadcast_sampled(buffer)
         return buffer, self.input_batch.to_host(buffer)
 
     def _prompt_logprobs(

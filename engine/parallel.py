@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from duet.engine.errors import InvalidInputError
+from duet.engine.pipeline import NO_PIPELINE, PipelineParallel
 
 
 def check_tp_size(world_size: int, num_heads: int, field: str = "tensor_parallel_size") -> None:
@@ -101,13 +102,49 @@ class TensorSlice:
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """This rank's tensor-parallel group (`rank` of `world_size` in `group`) and, with pipeline
+    parallelism, its stage (`pp`): the engine's whole layout."""
+
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None  # None with world_size 1
+    pp: PipelineParallel = NO_PIPELINE
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether the engine has more than one rank (tensor or pipeline parallel)."""
+        return self.enabled or self.pp.enabled
+
+    @property
+    def global_rank(self) -> int:
+        """This rank among all the engine's ranks (stage x TP size + TP rank)."""
+        return self.pp.global_rank if self.pp.enabled else self.rank
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank takes the engine's commands: TP rank 0 of the first stage."""
+        return self.rank == 0 and self.pp.is_first
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples: TP rank 0 of the last stage."""
+        return self.rank == 0 and self.pp.is_last
+
+    def broadcast_sampled(self, x: torch.Tensor) -> torch.Tensor:
+        """The sampling rank's `x` (a step's host transfer) on every rank of the engine."""
+        if self.pp.enabled:
+            return self.pp.broadcast_from_sampler(x)
+        return self.broadcast_from_first(x)
+
+    def agree_min_all(self, value: int, device: torch.device) -> int:
+        """The smallest `value` over every rank of the engine (all stages)."""
+        if self.pp.enabled:
+            return self.pp.agree_min(value, device)
+        return self.agree_min(value, device)
 
     def split(self, total: int, align: int = 1) -> tuple[int, int]:
         """[start, end) of this rank's share of `total` (`split`)."""

@@ -32,14 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # broadcasts Stop (or its collectives break when rank 0 dies), never on its own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig.from_kwargs(**json.loads(args.config))
-    world = config.tensor_parallel_size
     store = dist.TCPStore(
-        "127.0.0.1", args.store_port, world, is_master=False,
+        "127.0.0.1", args.store_port, config.num_ranks, is_master=False,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )  # fmt: skip
     tp, control = init_tensor_parallel(
-        args.rank, world, config.resolve_device(args.rank), store=store
-    )
+        args.rank, config.tensor_parallel_size, config.resolve_device(args.rank), store=store,
+        num_stages=config.pipeline_parallel_size,
+    )  # fmt: skip
     core = EngineCore(
         lambda: LLMEngine(config, tp), tp=tp, control_group=control, name=f"engine-tp{args.rank}"
     )

@@ -33,6 +33,7 @@ from duet.engine.commands import EngineCommand, Stop
 from duet.engine.config import EngineConfig
 from duet.engine.device import bind_thread
 from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
+from duet.engine.pipeline import PipelineParallel, check_pp_size
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,14 @@ def init_tensor_parallel(
     init_method: str | None = None,
     store: dist.Store | None = None,
     timeout_s: float = GROUP_TIMEOUT_S,
+    num_stages: int = 1,
 ) -> tuple[TensorParallel, dist.ProcessGroup | None]:
     """Join this group's ranks (its own world: one engine per process group) through
-    `init_method` (a tcp:// URL) or `store`. Returns the TP group (NCCL on CUDA, gloo on
-    CPU) and a gloo group for the command broadcast (the TP group itself on CPU)."""
-    if world_size == 1:
+    `init_method` (a tcp:// URL) or `store`. `rank`: the global rank (stage x TP + TP rank);
+    `world_size`: the TP size; `num_stages`: pipeline stages (engine/pipeline.py). Returns the
+    layout (the stage's TP group: NCCL on CUDA, gloo on CPU; the pipeline over the world) and
+    a gloo group over every rank for the command broadcast (the world itself on CPU)."""
+    if world_size * num_stages == 1:
         return SINGLE, None
     if init_method is not None and init_method.startswith(("tcp://127.", "tcp://localhost")):
         # gloo would otherwise bind the interface of the host's name, which may not route.
@@ -69,12 +73,22 @@ def init_tensor_parallel(
         init_method=init_method,
         store=store,
         rank=rank,
-        world_size=world_size,
+        world_size=world_size * num_stages,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    group = dist.group.WORLD
-    control = dist.new_group(backend="gloo") if backend == "nccl" else group
-    return TensorParallel(rank, world_size, group), control
+    world = dist.group.WORLD
+    control = dist.new_group(backend="gloo") if backend == "nccl" else world
+    if num_stages == 1:
+        return TensorParallel(rank, world_size, world), control
+    stage, tp_rank = divmod(rank, world_size)
+    group = world
+    for s in range(num_stages):  # every rank creates every stage's group, in order
+        ranks = list(range(s * world_size, (s + 1) * world_size))
+        made = dist.new_group(ranks) if world_size > 1 else None
+        if s == stage:
+            group = made
+    pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)
+    return TensorParallel(tp_rank, world_size, group if world_size > 1 else None, pp), control
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -83,13 +97,14 @@ def rank_config(config: EngineConfig) -> EngineConfig:
     OpenMP pools at every collective)."""
     if config.num_threads or config.resolve_device().type != "cpu":
         return config
-    threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    threads = max(1, (os.cpu_count() or 1) // config.num_ranks)
     return dataclasses.replace(config, num_threads=threads)
 
 
 def check_layout(config: EngineConfig) -> None:
     """Raise `InvalidInputError` naming `tensor_parallel_size` when the model cannot be split
-    over that many ranks (more ranks than query heads, or than 1-column MLP shares)."""
+    over that many ranks (more ranks than query heads, or than 1-column MLP shares), or
+    `pipeline_parallel_size` when it has fewer layers than stages."""
     from duet.engine.loader import open_model
     from duet.engine.model.mlp import mlp_shard
 
@@ -97,6 +112,7 @@ def check_layout(config: EngineConfig) -> None:
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
     for size in arch.ffn_sizes():  # the dense MLP's, the experts'
         mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))
+    check_pp_size(config.pipeline_parallel_size, arch.num_hidden_layers)
 
 
 def exit_rank(code: int) -> NoReturn:
@@ -137,7 +153,7 @@ class TPGroup:
         """Launch ranks 1..N-1 of `config` (already `rank_config`'d) as child processes and
         join the group as rank 0 on this thread. Raises `RuntimeError` when a follower exits
         before the group is complete."""
-        world = config.tensor_parallel_size
+        world = config.num_ranks
         if world == 1:
             return cls(SINGLE, None, [])
         check_layout(config)  # before any process starts
@@ -156,8 +172,9 @@ class TPGroup:
         ]
         try:
             tp, control = init_tensor_parallel(
-                0, world, config.resolve_device(0), store=store, timeout_s=timeout_s
-            )
+                0, config.tensor_parallel_size, config.resolve_device(0), store=store,
+                timeout_s=timeout_s, num_stages=config.pipeline_parallel_size,
+            )  # fmt: skip
         except BaseException:
             _end(followers, 0.0)
             raise
@@ -167,7 +184,7 @@ class TPGroup:
         """After rank 0's engine broadcast `Stop` (or died): wait for the followers, killing
         any still running after `timeout_s`, and leave the group."""
         _end(self.followers, timeout_s)
-        if self.tp.enabled and dist.is_initialized():
+        if self.tp.spans_ranks and dist.is_initialized():
             dist.destroy_process_group()
 
 

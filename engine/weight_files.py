@@ -28,7 +28,14 @@ from duet.engine.errors import ModelLoadError
 from duet.engine.parallel import TensorSlice
 
 SelectSlice = Callable[[str, tuple[int, ...]], TensorSlice | None]
-"""(tensor name, full shape) -> the part of it to read (None: all of it)."""
+"""(tensor name, full shape) -> the part of it to read (None: all of it; an empty part: none of
+it, another pipeline stage's tensor, skipped unread: `is_skipped`)."""
+
+
+def is_skipped(part: TensorSlice | None) -> bool:
+    """Whether a `SelectSlice` answer says the tensor is not this rank's at all (the weight
+    sources yield nothing for it)."""
+    return part is not None and part.start == part.end
 
 
 @dataclass
@@ -130,6 +137,8 @@ def iter_tensors(
         with io.FileIO(path, "r") as f:
             for entry in entries:
                 part = select(entry.name, entry.shape) if select is not None else None
+                if is_skipped(part):
+                    continue
                 tensor = _read(f, path, entry, part)
                 if stats is not None:
                     stats.num_bytes += tensor.nbytes

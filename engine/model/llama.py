@@ -202,19 +202,25 @@ class LlamaForCausalLM(nn.Module):
             )
         ]  # every rank's share of the LM head's rows, for the gather
         shard_vocab = self.vocab_end - self.vocab_start
+        # Pipeline parallelism (engine/pipeline.py): this stage's layers; the first stage
+        # embeds, the last holds the head (a tied head: the embedding table as well).
+        pp = tp.pp
+        self.layer_start, self.layer_end = pp.layers(cfg.num_hidden_layers)
+        self.holds_embedding = pp.is_first or (pp.is_last and cfg.tie_word_embeddings)
+        rows = shard_vocab if self.holds_embedding else 0
         # Given its weight, Embedding skips its random init, which on the meta device imports
         # torch._dynamo (2-4 s of a process's start); the loader fills every weight.
         self.embed_tokens = nn.Embedding(
-            shard_vocab, cfg.hidden_size, _weight=torch.empty(shard_vocab, cfg.hidden_size)
+            rows, cfg.hidden_size, _weight=torch.empty(rows, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, quant, i) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, quant, i) for i in range(self.layer_start, self.layer_end)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_quant = quant if quant is not None and quant.lm_head else None
         self.lm_head = (
             None
-            if cfg.tie_word_embeddings
+            if cfg.tie_word_embeddings or not pp.is_last
             else make_linear(cfg.hidden_size, shard_vocab, False, head_quant)
         )
         self.rotary = RotaryEmbedding(
@@ -232,6 +238,22 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank caches."""
         return self.heads.num_kv_heads
 
+    @property
+    def num_layers(self) -> int:
+        """Layers this rank runs and caches KV for (all of them without pipeline stages)."""
+        return self.layer_end - self.layer_start
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether this rank's stage holds the checkpoint tensor `name` (HF's name)."""
+        target = name.removeprefix("model.")
+        if target.startswith("layers."):
+            return self.layer_start <= int(target.split(".", 2)[1]) < self.layer_end
+        if target.startswith("embed_tokens."):
+            return self.holds_embedding
+        if target.startswith("lm_head."):
+            return self.tp.pp.is_last
+        return True
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -239,18 +261,44 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv / tp, D]
         meta: AttentionMetadata,
         on_layer: Callable[[int], None] | None = None,
+        sends: list[Any] | None = None,
     ) -> torch.Tensor:
-        """`on_layer(i)` is called once layer i has written its KV into `kv_caches[i]` (on CUDA:
-        once the writes are queued), e.g. to start sending it (layer-wise KV transfer)."""
+        """`on_layer(i)` is called once layer i (the model's index) has written its KV into
+        this stage's cache of it (on CUDA: once the writes are queued), e.g. to start sending
+        it (layer-wise KV transfer). `kv_caches`: one per layer of this stage.
+
+        With pipeline stages a stage after the first receives the previous stage's hidden and
+        residual streams instead of embedding, and a stage before the last sends its own on
+        and returns its hidden stream (no logits come from it). `sends`: where such a stage
+        leaves its sends in flight (the caller waits on them, `pipeline.wait_all`); None: it
+        waits for them itself."""
         ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
-        hidden = self._embed(input_ids)  # [T, hidden]
+        pp = self.tp.pp
         residual: torch.Tensor | None = None
+        if pp.is_first:
+            hidden = self._embed(input_ids)  # [T, hidden]
+        else:
+            weight = self.norm.weight
+            shape = (input_ids.shape[0], self.config.hidden_size)
+            hidden = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+            residual = torch.empty_like(hidden)
+            pp.recv_prev(hidden, residual)
+        start = self.layer_start
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             # NOTE: `.forward`, not `__call__`: nn.Module's call path (hook checks) costs a few
             # microseconds per call, 240 calls a decode step; the engine registers no hooks.
             hidden, residual = layer.forward(hidden, residual, kv_cache, ctx)
             if on_layer is not None:
-                on_layer(i)
+                on_layer(start + i)
+        if not pp.is_last:
+            assert residual is not None  # every stage runs at least one layer
+            works = pp.send_next(hidden, residual)
+            if sends is None:
+                for work in works:
+                    work.wait()
+            else:
+                sends += works
+            return hidden
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -273,7 +321,10 @@ class LlamaForCausalLM(nn.Module):
     def logits_on_first_rank(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The full logits ([N, vocab] fp32) on TP rank 0, None on the others: each rank
         computes its vocabulary shard and rank 0, the one that samples, gathers them (every
-        rank of the group must call this at the same point)."""
+        rank of the group must call this at the same point). None on every rank of a pipeline
+        stage before the last, which computes nothing."""
+        if not self.tp.pp.is_last:
+            return None
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
         else:
@@ -302,7 +353,10 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
         """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
-        None for a tensor every rank holds whole (norms, routers, and everything at one rank)."""
+        None for a tensor every rank holds whole (norms, routers, and everything at one rank);
+        an empty slice for another pipeline stage's tensor (not read at all)."""
+        if not self.holds_tensor(name):
+            return TensorSlice(0, 0, 0)
         if not self.tp.enabled:
             return None
         place = self._locate(name.removeprefix("model."))
@@ -370,11 +424,15 @@ class LlamaForCausalLM(nn.Module):
         quantized_embedding: QuantizedWeight | None = None
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
+            if "rotary_emb" in name or not self.holds_tensor(name):
+                continue  # another pipeline stage's
+            name_here = name
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy
-            target = name.removeprefix("model.")
+            if self.layer_start and name.removeprefix("model.").startswith("layers."):
+                _, index, rest = name.removeprefix("model.").split(".", 2)
+                name_here = f"model.layers.{int(index) - self.layer_start}.{rest}"
+            target = name_here.removeprefix("model.")
             place = self._locate(target) or Placement(target, 0, None, 0)
             target, offset, rows, dim = place
             param, slot = params.get(target), slots.get(target)
@@ -394,7 +452,7 @@ class LlamaForCausalLM(nn.Module):
                     param[offset : offset + tensor.shape[0]].copy_(tensor)
             loaded.add(name)
         self._finalize_quantized()
-        if self.lm_head is None:  # the head is the embedding table, as loaded
+        if self.lm_head is None and self.tp.pp.is_last:  # the head is the embedding table
             self.tied_head = self._tied_head(quantized_embedding)
             head = self.tied_head
             if isinstance(head, QuantizedLinear) and can_gather_rows(head):

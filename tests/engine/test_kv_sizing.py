@@ -45,7 +45,9 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
         num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads
     )
     heads = head_shard(num_heads, num_kv_heads, 1, 0)
-    return SimpleNamespace(config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads)
+    return SimpleNamespace(
+        config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads, num_layers=layers
+    )
 
 
 @pytest.fixture

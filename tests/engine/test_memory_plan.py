@@ -1,0 +1,202 @@
+"""The memory plan (`duet plan`, engine/memory_plan.py) on real models' configs, against
+numbers counted by hand, and against what the engine itself computes for a tiny CPU model:
+its loaded weights per rank, its KV block bytes and its KV pool sized from (faked) GPU memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from duet.cli.main import main
+from duet.engine import kv_sizing
+from duet.engine.config import EngineConfig
+from duet.engine.kv_sizing import GpuMemory, kv_cache_bytes_per_block, size_kv_pool
+from duet.engine.loader import load_model
+from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout, plan_layouts
+from duet.engine.model.arch import ModelArchConfig
+from duet.engine.model.llama import LlamaForCausalLM
+from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.pipeline import stage_layers
+
+GIB = 1 << 30
+ROPE_31 = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def llama31(hidden: int, inter: int, layers: int, heads: int) -> dict:
+    """A Llama-3.1 config.json (the fields the hub's files have that duet reads)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": ROPE_31,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+    }
+
+
+LLAMA_8B = llama31(4096, 14336, 32, 32)
+LLAMA_70B = llama31(8192, 28672, 80, 64)
+LLAMA_405B = llama31(16384, 53248, 126, 128)
+QWEN25_72B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 152064,
+    "hidden_size": 8192,
+    "intermediate_size": 29568,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": 131072,
+}
+
+# Weight bytes per rank in bf16, counted by hand (even splits): per layer h*q*d + 2*h*kv*d
+# (q, k, v) + q*d*h (o) + 3*h*i/tp (gate, up, down) + 2*h (norms), where q and kv are the
+# rank's heads (kv at least 1: replicated past 8 KV heads), then the vocabulary-parallel
+# embedding and LM head (V/tp rows each) and the final norm; times 2 bytes.
+# Llama-3.1-8B at TP=1: 32 * 218,112,000 + 2 * 128256 * 4096 + 4096 = 8,030,261,248 params.
+EXPECTED_WEIGHTS = {
+    ("8B", 1): 16_060_522_496,
+    ("8B", 2): 8_030_527_488,
+    ("8B", 8): 2_008_031_232,
+    ("8B", 16): 1_037_836_288,  # 2 ranks per KV head, each holding it whole
+    ("70B", 1): 141_107_412_992,
+    ("70B", 4): 35_278_831_616,
+    ("70B", 8): 17_640_734_720,
+    ("405B", 8): 101_470_601_216,
+    ("405B", 16): 51_267_928_064,
+}
+CONFIGS = {"8B": LLAMA_8B, "70B": LLAMA_70B, "405B": LLAMA_405B}
+
+
+def arch_of(config: dict) -> ModelArchConfig:
+    return ModelArchConfig.from_hf_config(config)
+
+
+@pytest.mark.parametrize(("name", "tp"), list(EXPECTED_WEIGHTS))
+def test_weights_per_rank_match_the_hand_count(name: str, tp: int) -> None:
+    layout = plan_layout(arch_of(CONFIGS[name]), tp, 1, 80 * GIB, PlanSettings())
+    assert [r.weights_bytes for r in layout.ranks] == [EXPECTED_WEIGHTS[name, tp]] * tp
+
+
+def test_qwen25_72b_counts_its_qkv_bias() -> None:
+    """8 ranks: q 1024 rows and k, v 128 each with their biases; the MLP in 3696 columns."""
+    layout = plan_layout(arch_of(QWEN25_72B), 8, 1, 80 * GIB, PlanSettings())
+    assert {r.weights_bytes for r in layout.ranks} == {18_178_859_008}
+
+
+def test_pipeline_stages_split_layers_embedding_and_head() -> None:
+    """70B at TP=4 x PP=2: 40 layers a stage; stage 0 holds the embedding, stage 1 the LM
+    head and the final norm (8 KiB more than the embedding's 32064 x 8192 rows)."""
+    layout = plan_layout(arch_of(LLAMA_70B), 4, 2, 80 * GIB, PlanSettings())
+    by_stage = {(r.pp_stage, r.tp_rank): r for r in layout.ranks}
+    assert {r.layers for r in layout.ranks if r.pp_stage == 0} == {(0, 40)}
+    assert {r.layers for r in layout.ranks if r.pp_stage == 1} == {(40, 80)}
+    assert by_stage[0, 0].weights_bytes == 17_639_407_616
+    assert by_stage[1, 3].weights_bytes == 17_639_424_000
+    # KV: 40 layers x 2 (K, V) x 16 tokens x 2 KV heads x 128 x 2 bytes
+    assert {r.kv_block_bytes for r in layout.ranks} == {40 * 2 * 16 * 2 * 128 * 2}
+    assert stage_layers(126, 4, 1) == (31, 63)  # uneven: 31, 32, 31, 32
+
+
+def test_which_layouts_fit_eight_80gib_gpus() -> None:
+    """70B fits neither one GPU (131 GiB of weights) nor, at its full 131072-token context,
+    two; 405B (756 GiB) fits no layout of 8 x 80 GiB at all, and at TP=8 on 8 x 141 GB it does
+    with room for KV."""
+    plans = {(p.tp, p.pp): p for p in plan_layouts(arch_of(LLAMA_70B), 8, 80 * GIB, PlanSettings())}
+    assert len(plans) == 20  # every TP x PP with TP * PP <= 8
+    assert plans[1, 1].num_kv_blocks == 0 and not plans[1, 1].fits
+    assert not plans[2, 1].fits and 0 < plans[2, 1].max_context < 131072
+    assert plans[8, 1].fits and plans[4, 2].fits
+    assert plans[8, 1].max_concurrent_seqs == plans[8, 1].kv_tokens // 131072
+    big = plan_layouts(arch_of(LLAMA_405B), 8, 80 * GIB, PlanSettings())
+    assert all(p.num_kv_blocks == 0 for p in big)
+    h200 = plan_layout(arch_of(LLAMA_405B), 8, 1, 141 * 10**9, PlanSettings())
+    assert h200.fits and h200.max_context == 131072
+
+
+def test_the_plan_is_the_engine_s_gpu_kv_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the plan's memory terms as the warm-up's measurement, the engine's `size_kv_pool`
+    (graph pool, reservations, clamp) sizes exactly the plan's pool."""
+    arch = arch_of(LLAMA_8B)
+    settings = PlanSettings(max_model_len=32768)
+    rank = plan_layout(arch, 1, 1, 80 * GIB, settings).ranks[0]
+    measured = GpuMemory(
+        80 * GIB, rank.others_bytes, rank.weights_bytes, rank.activation_bytes, 2048
+    )
+    monkeypatch.setattr(kv_sizing, "measure_gpu_memory", lambda *a: measured)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    blocks = size_kv_pool(
+        EngineConfig(), model, torch.device("cuda", 0), torch.bfloat16, SINGLE, 32768, True
+    )
+    assert blocks == rank.num_kv_blocks > 0
+    assert rank.graph_pool_bytes > 0
+
+
+@pytest.mark.usefixtures("cpu_kernels_off")  # no packed copies: the weights as on a GPU
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_agrees_with_the_loaded_tiny_model(smollm2_shaped: str, tp: int) -> None:
+    """SmolLM2-shaped (9 query heads, 3 KV heads: an uneven split at TP=2): each rank's
+    loaded weight bytes and KV block bytes are the plan's."""
+    config = json.loads(Path(smollm2_shaped, "config.json").read_text())
+    settings = PlanSettings(dtype=torch.float32, max_model_len=512)
+    layout = plan_layout(arch_of(config), tp, 1, 80 * GIB, settings)
+    for rank in range(tp):
+        loaded = load_model(
+            smollm2_shaped, torch.float32, torch.device("cpu"), progress=False,
+            tp=TensorParallel(rank, tp), deterministic=False,
+        )  # fmt: skip
+        planned = layout.ranks[rank]
+        assert planned.weights_bytes == loaded.weight_bytes
+        cfg = loaded.model.config
+        assert planned.kv_block_bytes == kv_cache_bytes_per_block(
+            cfg.num_hidden_layers, 16, loaded.model.num_kv_heads, cfg.head_dim, torch.float32
+        )
+    assert [r.kv_block_bytes for r in layout.ranks] == (
+        [2 * 2 * 16 * 3 * 64 * 4] if tp == 1 else [2 * 2 * 16 * 1 * 64 * 4, 2 * 2 * 16 * 2 * 64 * 4]
+    )
+
+
+def test_activations_count_the_gathered_logits_on_rank_0() -> None:
+    arch = arch_of(LLAMA_8B)
+    t, item = 2048, 2
+    mlp = 2 * t * 4096 * item + 4 * t * 14336 * item
+    logits = t * 4096 * item + t * 128256 * (item + 4)
+    assert activation_bytes(arch, 1, 0, t, torch.bfloat16) == max(mlp, logits)
+    # a middle stage: the MLP's peak and the received hidden and residual streams
+    middle = activation_bytes(arch, 1, 0, t, torch.bfloat16, first_stage=False, last_stage=False)
+    assert middle == mlp + 2 * t * 4096 * item
+
+
+def test_duet_plan_prints_every_layout(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("TP=") == 20
+    assert "TP=1 x PP=1 (1 GPUs): does not fit: no room for a KV block" in out
+    assert "TP=8 x PP=1 (8 GPUs): fits:" in out
+    assert f"{EXPECTED_WEIGHTS['70B', 8] / GIB:.2f}" in out  # 16.43 GiB a rank
+    assert main(["plan", "--model", str(tmp_path / "nowhere")]) == 2
