@@ -14,6 +14,7 @@ network namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -185,13 +186,25 @@ def reference(model: str) -> Any:
     return LLM(model, **{k: v for k, v in ENGINE.items() if not k.startswith("kv_")})
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """NOTE: this process shares the cores with the four it started (one thread each); torch's
+    default of a thread per core spin-waits against them, 20x slower (60 s, not 3 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def expected(model: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
     """The aggregated engine's greedy texts."""
     from duet.engine import SamplingParams
 
-    llm = reference(model)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.text for o in llm.generate(prompts, greedy)]
+    with one_thread():
+        return [o.text for o in reference(model).generate(prompts, greedy)]
 
 
 def assert_each_once(got: list[Completion], want: list[str]) -> None:
