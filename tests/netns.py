@@ -86,6 +86,41 @@ def netem_unavailable() -> str | None:
     return None
 
 
+OWNER = "duet-netlab-owner="
+"""The alias of a lab's bridge: its owner process, so a lab whose process was killed before
+`close` is removed by the next one (`remove_orphans`)."""
+
+
+def remove_orphans() -> list[str]:
+    """Remove the labs (bridge, namespaces, veths) whose owner process is gone; their tags."""
+    removed = []
+    for line in _ip("-o", "link", "show", "type", "bridge").stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        alias = line.split(" alias ", 1)[1].strip() if " alias " in line else ""
+        if not (name.startswith("dbr") and alias.startswith(OWNER)):
+            continue
+        owner = int(alias[len(OWNER) :])
+        try:
+            os.kill(owner, 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        tag = name[len("dbr") :]
+        for ns in _ip("netns", "list").stdout.split():
+            if ns.startswith(f"duet-{tag}-"):
+                for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                _ip("netns", "del", ns, check=False)
+        for veth in _ip("-o", "link", "show", "master", name, check=False).stdout.splitlines():
+            _ip("link", "del", veth.split(":")[1].strip().split("@")[0], check=False)
+        _ip("link", "del", name, check=False)
+        removed.append(tag)
+    return removed
+
+
 @dataclass
 class Host:
     name: str
@@ -106,8 +141,10 @@ class NetLab:
         self.logdir = logdir
         self.hosts: dict[str, Host] = {}
         self._blackholes: set[tuple[str, str]] = set()
+        remove_orphans()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "alias", f"{OWNER}{os.getpid()}")
             _ip("link", "set", self.bridge, "up")
             for i, name in enumerate(hosts):
                 self._add_host(name, i)

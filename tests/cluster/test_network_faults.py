@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ import httpx2
 import pytest
 import torch
 
-from tests.netns import NetLab, netem_unavailable, unavailable
+from tests.netns import NetLab, netem_unavailable, remove_orphans, unavailable
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for
 
@@ -379,3 +380,21 @@ def test_a_slow_lossy_kv_link(net: NetLab, cluster: Cluster, shaping: str):
     assert_each_once(got, want)
     net.heal_all()
     cluster.wait_pools_free()
+
+
+def test_a_lab_whose_process_was_killed_is_removed_by_the_next(tmp_path: Path):
+    """A test process killed before its fixtures' teardown leaves its lab behind; the next
+    lab made on the machine removes it (its bridge names the dead owner)."""
+    code = ("import os, sys; from pathlib import Path; from tests.netns import NetLab; "
+            "lab = NetLab(['a', 'b'], Path(sys.argv[1])); print(lab.tag, flush=True); "
+            "os.kill(os.getpid(), 9)")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    made = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, cwd=REPO, env=env, timeout=60)  # fmt: skip
+    tag = made.stdout.split()[0]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"duet-{tag}-a" in namespaces  # left behind
+    remove_orphans()  # NOTE: a lab another xdist worker makes meanwhile may remove it first
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert f"duet-{tag}" not in namespaces and tag not in links
