@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcon
 from typing import Annotated
 
 from fastapi import Body, FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from duet.router.auth import OPEN_PATHS, APIKeyMiddleware, caller_api_key
@@ -50,6 +50,7 @@ from duet.router.sessions_protocol import (
     SessionObject,
     SessionWithMessages,
 )
+from duet.router.sse import SSE_EVENT_SCHEMA
 from duet.router.web_ui import install_web_ui, open_paths
 
 METRICS_PATH = "/metrics"
@@ -82,7 +83,7 @@ def build_app(
     app.state.batches = front.batches
     app.state.background = front.background
     install_exception_handlers(app)
-    install_openapi(app)
+    install_openapi(app, front.ctx.engine)
     web_ui = front.options.web_ui
     open_to_all = OPEN_PATHS | (open_paths() if web_ui else set())
     if front.options.metrics_open:
@@ -113,17 +114,7 @@ def build_app(
 
 
 # One SSE event (`data: <json chunk>` or `data: [DONE]`), as OpenAPI tools parse streams.
-_SSE_EVENT = {
-    "type": "object",
-    "properties": {
-        "data": {"type": "string"},
-        "event": {"type": "string"},
-        "id": {"type": "string"},
-        "retry": {"type": "integer"},
-    },
-    "required": ["data"],
-}
-_STREAMED = {"text/event-stream": {"schema": _SSE_EVENT}}
+_STREAMED = {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}
 
 
 def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
@@ -217,7 +208,7 @@ def install_probe_routes(app: FastAPI, ctx: ServingContext) -> None:
             return EngineUnavailableError("not ready to serve (no engine or worker)").to_response()
         return JSONResponse({"status": "ready", "model": ctx.model_name})
 
-    @app.get(METRICS_PATH)
+    @app.get(METRICS_PATH, response_class=PlainTextResponse)  # Prometheus's text format
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

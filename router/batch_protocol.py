@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from duet.router.errors import format_loc
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -66,9 +66,12 @@ class BatchRequestCounts(BaseModel):
 
 
 class BatchCreateRequest(BaseModel):
+    # The allowed values are checked by BatchService (400s naming the field); the schema says them.
+    model_config = ConfigDict(strict=True)
+
     input_file_id: str
-    endpoint: str
-    completion_window: str = "24h"
+    endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
+    completion_window: str = Field("24h", json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
     metadata: dict[str, str] | None = None
 
 

@@ -8,7 +8,7 @@ from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 
 from duet.router.auth import caller_api_key
 from duet.router.batch_protocol import (
@@ -25,6 +25,17 @@ from duet.router.openapi import error_responses
 
 _MULTIPART_SLACK_BYTES = 64 * 1024
 """Room for the multipart framing and the other form fields around the file."""
+
+
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object",
+    "required": ["purpose", "file"],
+    "properties": {
+        "purpose": {"type": "string", "enum": ["batch"]},
+        "file": {"type": "string", "format": "binary", "description": "The batch's JSONL lines"},
+    },
+}}}}}  # fmt: skip
+"""`POST /v1/files`'s body as the schema states it (the route reads the form itself)."""
 
 
 async def _read_form(raw: Request, service: BatchService) -> tuple[str, str, bytes]:
@@ -65,7 +76,7 @@ async def _read_form(raw: Request, service: BatchService) -> tuple[str, str, byt
 
 
 def install_batch_routes(app: FastAPI, service: BatchService) -> None:
-    @app.post("/v1/files", responses=error_responses(400, 401, 503))
+    @app.post("/v1/files", responses=error_responses(400, 401, 503), openapi_extra=UPLOAD_BODY)
     async def create_file(raw: Request) -> FileObject:
         purpose, filename, data = await _read_form(raw, service)
         return await service.create_file(caller_api_key(raw), filename, purpose, data)
@@ -88,7 +99,18 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     async def get_file(file_id: str, raw: Request) -> FileObject:
         return await service.get_file(caller_api_key(raw), file_id)
 
-    @app.get("/v1/files/{file_id}/content", responses=error_responses(401, 404, 503))
+    @app.get(
+        "/v1/files/{file_id}/content",
+        responses={
+            **error_responses(401, 404, 503),
+            200: {
+                "description": "The file's bytes",
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            },
+        },
+    )
     async def file_content(file_id: str, raw: Request) -> Response:
         data = await service.file_content(caller_api_key(raw), file_id)
         return Response(data, media_type="application/octet-stream")
@@ -98,7 +120,11 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
         return await service.create_batch(caller_api_key(raw), body)
 
     @app.get("/v1/batches", responses=error_responses(400, 401, 503))
-    async def list_batches(raw: Request, limit: int = 20, after: str | None = None) -> BatchList:
+    async def list_batches(
+        raw: Request,
+        limit: int = Query(20, json_schema_extra={"minimum": 1, "maximum": 100}),
+        after: str | None = None,
+    ) -> BatchList:
         batches = await service.list_batches(caller_api_key(raw), limit, after)
         return BatchList(
             data=batches,

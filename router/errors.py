@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from duet.engine import InvalidInputError
 from duet.engine.async_engine import EngineDeadError
@@ -224,6 +225,19 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
     return BadRequestError("; ".join(messages), param=format_loc(tuple(first.get("loc", ()))))
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this request's path (a 405's `Allow`).
+
+    NOTE: Starlette answers a 405 with the methods of the first route whose path matched, so
+    a path served by two routes (`GET` and `POST /v1/batches`) named only one of them."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "\0"})
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     """Map every exception a route can raise to an OpenAI-shaped error response."""
 
@@ -241,7 +255,10 @@ def install_exception_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return RouteError(exc.status_code, str(exc.detail), exc.headers).to_response()
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed_methods(request)}
+        return RouteError(exc.status_code, str(exc.detail), headers).to_response()
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Starlette re-raises the exception after this response, so the server logs the

@@ -10,15 +10,17 @@ as vLLM does.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -70,11 +72,47 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+def _integral_float_to_int(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+INTEGRAL = BeforeValidator(_integral_float_to_int)
+"""An integer field of a body reads JSON-schema's `integer`, so `3.0` is one; `true` and `"3"`
+are not (the bodies are strict). NOTE: after any `Field` constraints in the `Annotated`, or the
+schema shows pydantic's `ge` instead of `minimum`."""
+JsonInt = Annotated[int, INTEGRAL]
+
+
+def schema_rule(
+    when: dict[str, Any], then: dict[str, Any], required: bool = True
+) -> dict[str, Any]:
+    """A JSON-schema `if`/`then` for a body's cross-field rule its validators enforce: when the
+    properties in `when` are present with those values, those in `then` must match (and, with
+    `required`, be present). The OpenAPI schema then says what the server accepts."""
+    rule: dict[str, Any] = {"properties": then}
+    if required:
+        rule["required"] = sorted(then)
+    return {"if": {"properties": when, "required": sorted(when)}, "then": rule}
+
+
+ONE_STRUCTURED_OUTPUT_RULE: dict[str, Any] = {"not": {
+    "properties": {"response_format": {"type": "object"}, "structured_outputs": {"type": "object"}},
+    "required": ["response_format", "structured_outputs"],
+}}  # fmt: skip
+"""`response_format` and `structured_outputs` are never both given."""
+
+CONTINUE_FINAL_MESSAGE_RULE = schema_rule(
+    {"continue_final_message": {"const": True}}, {"add_generation_prompt": {"const": False}}
+)
+"""`continue_final_message` needs `add_generation_prompt` false (its default is true)."""
+
+
 class OpenAIModel(BaseModel):
     """Base of every body: unknown request fields are ignored with a warning naming them;
-    strings must be valid Unicode."""
+    strings must be valid Unicode; values have their schema's JSON type (`strict`: no `true`
+    for an integer, no `"3"` for a number, as the OpenAPI schema says)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -107,6 +145,14 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        schema_rule({"role": {"const": "tool"}},
+                    {"tool_call_id": {"type": "string", "minLength": 1}}),
+        schema_rule({"role": {"enum": ["system", "user", "tool", "developer"]}},
+                    {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}},
+                    required=False),
+    ]})  # fmt: skip
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     """A string, or a list of text parts (joined with newlines, as vLLM does)."""
@@ -179,14 +225,26 @@ class SamplingRequest(OpenAIModel):
 
     model: str | None = None
     """Served model name; None means the one model this server serves."""
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: JsonInt = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Annotated[
+        str | list[str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}},
+                    {"type": "null"},
+                ]
+            },
+            mode="validation",
+        ),
+    ] = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -194,19 +252,23 @@ class SamplingRequest(OpenAIModel):
     before sampling; ids outside the model's vocabulary are a 400."""
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: JsonInt = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: (
+        list[Annotated[JsonInt, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
+    ) = None
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
     structured_outputs: structured_protocol.StructuredOutputsBody | None = None
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    priority: JsonInt = Field(
+        0, ge=-(2**31), le=2**31 - 1, json_schema_extra={"x-duet-priority": True}
+    )
     """Lower runs first when the server schedules by priority (else only 0 is accepted)."""
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     """vLLM's extra: every prompt token's logprob (after the first) and this many top
     alternatives, in the response's `prompt_logprobs` (docs/tool_calling.md)."""
     # duet
@@ -282,11 +344,22 @@ class SamplingRequest(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        CONTINUE_FINAL_MESSAGE_RULE,
+        ONE_STRUCTURED_OUTPUT_RULE,
+        schema_rule({"tool_choice": {"const": "required"}}, {"tools": {"type": "array", "minItems": 1}}),
+        # A background request's result is replayed as chunks: one sample, no logprobs.
+schema_rule({"background": {"const": True}}, {
+            "n": {"const": 1}, "logprobs": {"const": False}, "prompt_logprobs": {"type": "null"},
+            "stream": {"const": False}}, required=False),
+        schema_rule({"top_logprobs": {"type": "integer", "minimum": 1}}, {"logprobs": {"const": True}}),
+    ]})  # fmt: skip
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     """Overrides `max_tokens` (OpenAI's newer name). Neither: up to the context length."""
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     background: bool = False
     """duet: enqueue the request and answer at once with its id; fetch or stream the result
     later from any replica (router/background.py)."""
@@ -342,21 +415,40 @@ class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
         return self._sampling_params(max_tokens, logprobs, self.response_format)
 
 
-PromptInput = str | list[int] | list[list[int]] | list[str]
+PromptInput = str | list[JsonInt] | list[list[JsonInt]] | list[str]
+
+
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "x-duet-token-id": "model"}
+"""A prompt's token id; the served schema adds the model's largest (router/openapi.py)."""
+
+PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+    {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": TOKEN_ID_SCHEMA, "minItems": 1},
+     "minItems": 1},
+]}  # fmt: skip
+"""What `prompt` accepts: no empty prompt (nothing to continue from), ids in the vocabulary."""
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: PromptInput
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        ONE_STRUCTURED_OUTPUT_RULE,
+        {"properties": {"session_id": {"type": "null"}}},  # sessions hold chats
+        schema_rule({"max_tokens": {"const": 0}}, {"echo": {"const": True}}),  # prompt only
+    ]})  # fmt: skip
+
+    prompt: Annotated[PromptInput, WithJsonSchema(PROMPT_SCHEMA)]
     """A string, a list of strings, token ids, or a list of token-id lists."""
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = 16
     """0 (with `echo`): no output, only the prompt (and its logprobs with `logprobs`), what
     eval harnesses send to score a text."""
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     echo: bool = False
     """Each choice's text starts with its prompt; with `logprobs`, so do its logprobs (the
     first prompt token's null)."""
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: JsonInt | None = None
     response_format: ResponseFormat | None = None  # vLLM's extra here (OpenAI's on chat)
 
     @field_validator("prompt", mode="wrap")

@@ -4,15 +4,22 @@
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from duet.engine import InvalidInputError
 from duet.router.errors import BadRequestError, format_loc
 from duet.router.openai_chat import ChatPlan
-from duet.router.openai_protocol import ChatCompletionRequest, OpenAIModel
+from duet.router.openai_protocol import (
+    CONTINUE_FINAL_MESSAGE_RULE,
+    ChatCompletionRequest,
+    ChatMessage,
+    JsonInt,
+    OpenAIModel,
+)
+from duet.router.openai_tools import ChatTool
 from duet.router.openapi import error_responses
 from duet.router.serving_context import ServingContext
 
@@ -22,13 +29,21 @@ class TokenizeRequest(OpenAIModel):
     the prompt: tools, chat_template, chat_template_kwargs, add_generation_prompt,
     continue_final_message)."""
 
+    model_config = ConfigDict(json_schema_extra={
+        "oneOf": [
+            {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+            {"properties": {"messages": {"type": "array"}}, "required": ["messages"]},
+        ],
+        "allOf": [CONTINUE_FINAL_MESSAGE_RULE],
+    })  # fmt: skip
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     """Prompts only: add the tokenizer's special tokens (BOS), as /v1/completions does."""
     return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -48,9 +63,15 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
+TOKENIZER_ID_SCHEMA = {"type": "integer", "minimum": 0, "x-duet-token-id": "tokenizer"}
+"""A token id of the tokenizer; the served schema adds its largest (router/openapi.py)."""
+
+
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[Annotated[JsonInt, WithJsonSchema(TOKENIZER_ID_SCHEMA)]] = Field(
+        max_length=1_000_000
+    )
 
 
 class DetokenizeResponse(BaseModel):

@@ -15,9 +15,9 @@ import secrets
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from duet.engine import InvalidInputError, StructuredOutputsParams
 from duet.router.openai_fields import warn_unknown_fields
@@ -26,7 +26,7 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -69,7 +69,9 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class FunctionCall(_Body):
     name: str
-    arguments: str
+    arguments: Annotated[str, WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "object"}]}, mode="validation"
+    )]  # fmt: skip
     """The arguments as JSON text (OpenAI's shape; a JSON object is accepted in requests)."""
 
     @model_validator(mode="before")

@@ -13,6 +13,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from duet.engine import InvalidInputError
+from duet.router.engine_client import EngineClient
 from duet.router.openai_responses import ErrorResponse
 
 _DESCRIPTIONS = {
@@ -34,8 +36,9 @@ def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def install_openapi(app: FastAPI) -> None:
-    """Serve the schema with FastAPI's 422 entries rewritten as this server's 400."""
+def install_openapi(app: FastAPI, engine: EngineClient | None = None) -> None:
+    """Serve the schema with FastAPI's 422 entries rewritten as this server's 400, and (given
+    the engine) the largest token id each token-id field accepts."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -44,6 +47,10 @@ def install_openapi(app: FastAPI) -> None:
                 routes=app.routes,
             )  # fmt: skip
             _replace_422(schema)
+            if engine is not None:
+                _bound_token_ids(schema, token_id_maxima(engine))
+                if getattr(engine, "scheduling_policy", "fcfs") != "priority":
+                    _mark(schema, "x-duet-priority", {"const": 0})
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -70,3 +77,43 @@ def _error_entry(code: int, error_ref: dict[str, str]) -> dict[str, Any]:
         "description": _DESCRIPTIONS[code],
         "content": {"application/json": {"schema": error_ref}},
     }
+
+
+def token_id_maxima(engine: EngineClient) -> dict[str, int]:
+    """The largest id of the tokenizer (`/detokenize`) and of the model (a prompt's ids):
+    the model's is the largest one-token prompt `tokenize_prompt` accepts (a model may have
+    more rows than its tokenizer has tokens)."""
+    lo, hi = 0, 1 << 31  # lo: accepted; hi: refused
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            engine.tokenize_prompt([mid])
+            lo = mid
+        except InvalidInputError:
+            hi = mid
+    return {"tokenizer": engine.tokenizer.vocab_size - 1, "model": lo}
+
+
+def _bound_token_ids(node: Any, maxima: dict[str, int]) -> None:
+    """Set `maximum` on every schema the request bodies mark `x-duet-token-id`."""
+    if isinstance(node, dict):
+        if (kind := node.get("x-duet-token-id")) in maxima:
+            node["maximum"] = maxima[kind]
+        for value in node.values():
+            _bound_token_ids(value, maxima)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, maxima)
+
+
+def _mark(node: Any, marker: str, extra: dict[str, Any]) -> None:
+    """Add `extra` to every schema carrying `marker` (e.g. priority, which only a server that
+    schedules by priority accepts other than 0: serving_context.check_priority)."""
+    if isinstance(node, dict):
+        if node.get(marker):
+            node.update(extra)
+        for value in node.values():
+            _mark(value, marker, extra)
+    elif isinstance(node, list):
+        for value in node:
+            _mark(value, marker, extra)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from duet.router.errors import BadRequestError, format_loc
 from duet.router.openai_fields import Inert, ignored_fields
-from duet.router.openai_protocol import ChatCompletionRequest, OpenAIModel
+from duet.router.openai_protocol import INTEGRAL, ChatCompletionRequest, OpenAIModel, schema_rule
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,53 @@ IGNORED: dict[str, Inert] = {
 }
 
 
+_TEXT = {"type": "string"}
+_TEXT_PARTS = {"type": "array", "items": {"anyOf": [
+    {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"enum": ["input_text", "output_text", "text"]}, "text": _TEXT}},
+    {"type": "object", "required": ["type", "refusal"], "properties": {
+        "type": {"const": "refusal"}, "refusal": _TEXT}},
+]}}  # fmt: skip
+_CONTENT = {"anyOf": [_TEXT, _TEXT_PARTS]}
+_ID = {"type": "string", "minLength": 1}
+INPUT_ITEM_SCHEMA = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"},
+        "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": _CONTENT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": _ID, "name": _ID, "arguments": _TEXT}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _ID, "output": _CONTENT}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "reasoning"},
+        "content": {"type": ["array", "null"]}, "summary": {"type": ["array", "null"]}}},
+]}  # fmt: skip
+"""An `input` item as `_messages` reads it (the schema says what it accepts)."""
+
+
 class ResponsesRequest(OpenAIModel):
+    # Without instructions or a previous response, the input is the whole conversation.
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        schema_rule({"background": {"const": True}}, {"stream": {"const": False}}, required=False),
+        schema_rule({"tool_choice": {"const": "required"}}, {"tools": {"type": "array", "minItems": 1}}),
+        {
+        "if": {"properties": {
+            "instructions": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 0}]},
+            "previous_response_id": {"type": "null"},
+        }},
+        "then": {"properties": {"input": {"minLength": 1, "contains": {  # a message, not reasoning
+            "not": {"properties": {"type": {"const": "reasoning"}}, "required": ["type"]}
+        }}}, "required": ["input"]},
+    }]})  # fmt: skip
+
     model: str | None = None
-    input: str | list[dict[str, Any]] = ""
+    input: Annotated[
+        str | list[dict[str, Any]],
+        WithJsonSchema(
+            {"anyOf": [_TEXT, {"type": "array", "items": INPUT_ITEM_SCHEMA}]}, mode="validation"
+        ),
+    ] = ""
     """A string (one user message) or a list of items; see `input_messages`."""
     instructions: str | None = None
     """A system message before the input (never carried over by `previous_response_id`)."""
@@ -96,7 +140,7 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
@@ -108,7 +152,7 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     reasoning: ReasoningConfig | None = None
-    max_tool_calls: int | None = Field(None, ge=1)
+    max_tool_calls: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     """Built-in tool calls only (duet has none): honoured trivially."""
     user: str | None = None
     safety_identifier: str | None = None
@@ -118,7 +162,7 @@ class ResponsesRequest(OpenAIModel):
     include: list[str] | None = None
     truncation: str | None = None
     service_tier: str | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
@@ -301,7 +345,11 @@ def _text_of(parts: list[Any], path: str) -> str:
 
 
 def _reasoning_text(item: dict[str, Any], i: int) -> str:
-    parts = item.get("content") or item.get("summary") or []
+    parts = item.get("content")
+    if parts is None:
+        parts = item.get("summary")
+    if parts is None:
+        parts = []
     if not isinstance(parts, list):
         raise _bad(f"input[{i}].content", "must be a list of reasoning_text parts")
     return "".join(p.get("text", "") for p in parts if isinstance(p, dict))

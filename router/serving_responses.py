@@ -32,7 +32,7 @@ from duet.router.responses_background import ResponsesBackground
 from duet.router.responses_protocol import RESPONSES_RENAME, ResponsesRequest
 from duet.router.responses_render import ResponseRender, echo_fields, new_id, token_counter
 from duet.router.responses_store import RUNNING, StoredResponses
-from duet.router.sse import EventStreamResponse
+from duet.router.sse import SSE_EVENT_SCHEMA, EventStreamResponse
 from duet.session_store import hash_api_key
 
 
@@ -171,7 +171,7 @@ def _sse_event(event: dict[str, Any]) -> str:
 
 
 _RESPONSE = {"content": {"application/json": {"schema": {"type": "object"}}}}
-_STREAMED = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+_STREAMED = {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}}
 
 
 def install_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:

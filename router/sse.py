@@ -14,6 +14,18 @@ from starlette.types import Receive, Scope, Send
 
 from duet.router.errors import as_openai_error
 
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+"""One server-sent event, as the OpenAPI schema documents a `text/event-stream` reply."""
+
 DONE = "data: [DONE]\n\n"
 
 

@@ -13,7 +13,9 @@ from duet.engine import InvalidInputError, StructuredOutputsParams
 
 class _Body(BaseModel):
     # NOTE: `json` and `schema` are BaseModel methods, so those fields go by alias.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", allow_inf_nan=False, populate_by_name=True, strict=True
+    )
 
 
 class JsonSchemaSpec(_Body):
@@ -26,13 +28,29 @@ class JsonSchemaSpec(_Body):
 
 
 class ResponseFormat(_Body):
+    model_config = ConfigDict(json_schema_extra={"if": {
+        "properties": {"type": {"const": "json_schema"}}, "required": ["type"],
+    }, "then": {"properties": {"json_schema": {"type": "object"}}, "required": ["json_schema"]}})  # fmt: skip
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
     """Required with type `json_schema`."""
 
 
+_SET = {"json": {"type": ["object", "string"]}, "json_object": {"const": True},
+        "regex": {"type": "string"}, "grammar": {"type": "string"},
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}}  # fmt: skip
+
+
+_EXACTLY_ONE: list[Any] = [
+    {"required": [kind], "properties": {kind: schema}} for kind, schema in _SET.items()
+]
+
+
 class StructuredOutputsBody(_Body):
     """vLLM's `structured_outputs`: exactly one of json, json_object, regex, choice, grammar."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": _EXACTLY_ONE})
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     """A JSON schema (an object, or its JSON text)."""
