@@ -85,8 +85,10 @@ def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     async def list_files(
         raw: Request,
         after: str | None = None,
-        limit: int = MAX_FILES_PAGE,
-        order: str = "desc",
+        limit: int = Query(
+            MAX_FILES_PAGE, json_schema_extra={"minimum": 1, "maximum": MAX_FILES_PAGE}
+        ),
+        order: str = Query("desc", json_schema_extra={"enum": ["asc", "desc"]}),
         purpose: str | None = None,
     ) -> FileList:
         return await service.list_files(caller_api_key(raw), after, limit, order, purpose)

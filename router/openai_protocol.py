@@ -83,6 +83,14 @@ schema shows pydantic's `ge` instead of `minimum`."""
 JsonInt = Annotated[int, INTEGRAL]
 
 
+LOGIT_BIAS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+}
+"""What `logit_bias` accepts (the vocabulary's bound on the ids is the server's check)."""
+
+
 def schema_rule(
     when: dict[str, Any], then: dict[str, Any], required: bool = True
 ) -> dict[str, Any]:
@@ -247,9 +255,9 @@ class SamplingRequest(OpenAIModel):
     seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    """Token id (as a string, OpenAI's form) -> a bias in [-100, 100] added to its logit
-    before sampling; ids outside the model's vocabulary are a 400."""
+    logit_bias: Annotated[dict[str, float], WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None = None
+    """Token id (as a string of digits, OpenAI's form) -> a bias in [-100, 100] added to its
+    logit before sampling; ids outside the model's vocabulary are a 400."""
     user: str | None = None
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
@@ -292,12 +300,10 @@ class SamplingRequest(OpenAIModel):
         except ValidationError:
             raise ValueError("must be a map of token ids to numbers in [-100, 100]") from None
         for key, number in (bias or {}).items():
-            if not (key.strip().isascii() and key.strip().isdigit()):
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (integers >= 0); got {key!r}")
             if not -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"values must be in [-100, 100]; got {number!r} for token {key.strip()}"
-                )
+                raise ValueError(f"values must be in [-100, 100]; got {number!r} for token {key}")
         return bias
 
     @property

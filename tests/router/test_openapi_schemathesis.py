@@ -67,7 +67,9 @@ OPERATIONS = [
     ("GET", "/v1/sessions/{session_id}"),
     ("DELETE", "/v1/sessions/{session_id}"),
     ("POST", "/v1/files"),
+    ("GET", "/v1/files"),
     ("GET", "/v1/files/{file_id}"),
+    ("DELETE", "/v1/files/{file_id}"),
     ("GET", "/v1/files/{file_id}/content"),
     ("POST", "/v1/batches"),
     ("GET", "/v1/batches"),
@@ -92,7 +94,9 @@ SEMANTIC_REFUSALS = (
     "'s name",  # tools with one name twice
     ": does not compile:",  # a grammar, regex or JSON schema given as text: its own language
     ": is not JSON:",
+    "(the model's vocabulary)",  # logit_bias's token ids: digit strings, bounded by the model
     "best_of: other than n",  # best_of equal to n
+    "in this list (an id from a previous page)",  # GET /v1/files' `after`: one of the key's ids
 )
 """400s a schema-valid request may get: rules between values, or on the tokenized prompt,
 that JSON Schema cannot express. Anything else the schema allows must be accepted."""
