@@ -140,6 +140,7 @@ def _rank_weights(arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype)
     with torch.device("meta"):
         net = LlamaForCausalLM(one_layer, None, TensorParallel(rank, tp)).to(dtype)
     embedding = weight_bytes(net.embed_tokens)[0]
+    assert net.norm is not None  # one stage: the last
     head = weight_bytes(net.norm)[0]
     if net.lm_head is not None:
         head += weight_bytes(net.lm_head)[0]
