@@ -23,7 +23,7 @@ def _prompts(vocab: int, count: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     return [
         torch.randint(3, vocab, (int(n),), generator=g).tolist()
-        for n in torch.randint(3, 60, (count,), generator=g)
+        for n in torch.randint(40, 120, (count,), generator=g)
     ]
 
 
@@ -35,7 +35,7 @@ def _tokens(model: str, prompts: list[list[int]], **parallel: int) -> list[list[
     llm = LLM(model, dtype="float32", load_progress=False, num_kv_blocks=256, **parallel)
     try:
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))]
-        # With stages, every step of several requests ran as micro-batches (one per stage).
+        # With stages, the prompts' steps (hundreds of tokens) ran as micro-batches.
         micro = llm.engine.runner.num_micro_batched_steps
         assert (micro > 0) == (parallel.get("pipeline_parallel_size", 1) > 1)
         return tokens
@@ -48,8 +48,10 @@ def _tokens(model: str, prompts: list[list[int]], **parallel: int) -> list[list[
 
 def test_stage_layers_split_evenly() -> None:
     assert [stage_layers(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
-    assert micro_batches(5, 2) == [(0, 2), (2, 5)]
-    assert micro_batches(1, 4) == [(0, 1)]
+    assert micro_batches(5, 2, 1000) == [(0, 2), (2, 5)]
+    assert micro_batches(1, 4, 1000) == [(0, 1)]
+    assert micro_batches(8, 2, 8) == [(0, 8)]  # a decode step: one batch
+    assert micro_batches(8, 4, 300) == [(0, 4), (4, 8)]  # 128 tokens a micro-batch at least
     assert [stage_layers(126, 4, s) for s in range(4)] == [(0, 31), (31, 63), (63, 94), (94, 126)]
 
 
