@@ -264,16 +264,18 @@ def plan_layouts(
     gpu_memory_bytes: int,
     settings: PlanSettings,
     nccl_comm_bytes: int = 256 << 20,
+    max_pp: int | None = None,
 ) -> list[LayoutPlan]:
-    """`plan_layout` for every TP x PP the engine accepts with TP * PP <= `num_gpus`, by the
-    number of GPUs, then TP."""
+    """`plan_layout` for every TP x PP the engine accepts with TP * PP <= `num_gpus` (and PP
+    at most `max_pp`), by the number of GPUs, then TP."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise InvalidInputError("gpus", f"must be an integer >= 1; got {num_gpus!r}")
     layouts = [
         (tp, pp)
         for tp in range(1, num_gpus + 1)
         for pp in range(1, num_gpus // tp + 1)
-        if valid_tp_size(arch, tp) and pp <= arch.num_hidden_layers
+        if valid_tp_size(arch, tp)
+        and pp <= min(arch.num_hidden_layers, max_pp or arch.num_hidden_layers)
     ]
     layouts.sort(key=lambda layout: (layout[0] * layout[1], layout[0]))
     return [

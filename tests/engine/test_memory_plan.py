@@ -20,6 +20,7 @@ from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
 from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.pipeline import PipelineParallel, stage_layers
+from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 
 GIB = 1 << 30
 ROPE_31 = {
@@ -221,3 +222,16 @@ def test_plan_agrees_with_loaded_pipeline_stages(tiny_model_factory) -> None:
             loaded.model.num_layers, 16, loaded.model.num_kv_heads, cfg.head_dim, torch.float32
         )
     assert [r.layers for r in layout.ranks] == [(0, 1), (1, 3)]
+
+
+def test_worker_roles_plan_one_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A decode worker's plan: TP layouts only, with the staging pool and NCCL peers."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "4", "--role", "decode"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    layouts = [line.split(" (")[0] for line in out.splitlines() if line.startswith("TP=")]
+    assert layouts == ["TP=1 x PP=1", "TP=2 x PP=1", "TP=3 x PP=1", "TP=4 x PP=1"]
+    staging = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # the decode worker's defaults
+    rank0 = next(line for line in out.splitlines() if line.startswith("  0 / 0 "))
+    assert rank0.split()[8] == f"{staging / GIB:.2f}"
