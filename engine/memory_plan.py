@@ -220,7 +220,7 @@ def plan_layout(
             memory = GpuMemory(gpu_memory_bytes, others, weights, act, num_tokens)
             reserve = dict(settings.reserved)
             graphs = 0
-            if settings.cuda_graphs:
+            if settings.cuda_graphs and pp == 1:  # the engine captures none with stages
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
             block_bytes = kv_cache_bytes_per_block(
