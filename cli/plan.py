@@ -57,7 +57,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         choices=ROLES,
         default="aggregated",
         help="aggregated (default), or a prefill or decode worker, which also leaves room for "
-        "its KV staging pool and NCCL communicators (the worker defaults)",
+        "its KV staging pool and NCCL communicators (the worker defaults) and runs one "
+        "pipeline stage (a prefill worker: no CUDA graphs)",
     )
     parser.set_defaults(run=run, command_parser=parser)
     return parser
@@ -95,10 +96,11 @@ def read_hf_config(model: str | None) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from duet.decode_worker.config import DecodeWorkerConfig
     from duet.engine.memory_plan import PlanSettings, plan_layouts
     from duet.engine.model.arch import ModelArchConfig
     from duet.kv_transfer.staging import NCCL_COMM_BYTES
-    from duet.kv_transfer.worker_config import KVWorkerConfig
+    from duet.prefill_worker.config import PrefillWorkerConfig
 
     parser: argparse.ArgumentParser = args.command_parser
     for flag in ("gpus", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -109,9 +111,13 @@ def run(args: argparse.Namespace) -> int:
     arch = ModelArchConfig.from_hf_config(read_hf_config(args.model))
     dtype = getattr(torch, args.dtype)
     reserved: dict[str, int] = {}
+    graphs = not args.enforce_eager
     if args.role != "aggregated":
-        worker = KVWorkerConfig()
+        worker = PrefillWorkerConfig() if args.role == "prefill" else DecodeWorkerConfig()
         reserved = worker.device_reservations(0, 0)
+        graphs = graphs and not worker.enforce_eager  # a prefill worker decodes nothing
+    # Workers run one pipeline stage (KVWorkerConfig refuses more), aggregated engines any.
+    max_pp = None if args.role == "aggregated" else 1
     settings = PlanSettings(
         dtype=dtype,
         block_size=args.block_size,
@@ -119,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        cuda_graphs=not args.enforce_eager,
+        cuda_graphs=graphs,
         reserved=reserved,
     )
-    layouts = plan_layouts(arch, args.gpus, args.gpu_memory, settings, NCCL_COMM_BYTES)
+    layouts = plan_layouts(arch, args.gpus, args.gpu_memory, settings, NCCL_COMM_BYTES, max_pp)
     print(render_plan(args.model or "SmolLM2-135M-Instruct", args, layouts))
     return 0
 

@@ -140,6 +140,7 @@ def _rank_weights(arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype)
     with torch.device("meta"):
         net = LlamaForCausalLM(one_layer, None, TensorParallel(rank, tp)).to(dtype)
     embedding = weight_bytes(net.embed_tokens)[0]
+    assert net.norm is not None  # one stage: the last
     head = weight_bytes(net.norm)[0]
     if net.lm_head is not None:
         head += weight_bytes(net.lm_head)[0]
@@ -219,7 +220,7 @@ def plan_layout(
             memory = GpuMemory(gpu_memory_bytes, others, weights, act, num_tokens)
             reserve = dict(settings.reserved)
             graphs = 0
-            if settings.cuda_graphs:
+            if settings.cuda_graphs and pp == 1:  # the engine captures none with stages
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
             block_bytes = kv_cache_bytes_per_block(
@@ -263,16 +264,18 @@ def plan_layouts(
     gpu_memory_bytes: int,
     settings: PlanSettings,
     nccl_comm_bytes: int = 256 << 20,
+    max_pp: int | None = None,
 ) -> list[LayoutPlan]:
-    """`plan_layout` for every TP x PP the engine accepts with TP * PP <= `num_gpus`, by the
-    number of GPUs, then TP."""
+    """`plan_layout` for every TP x PP the engine accepts with TP * PP <= `num_gpus` (and PP
+    at most `max_pp`), by the number of GPUs, then TP."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise InvalidInputError("gpus", f"must be an integer >= 1; got {num_gpus!r}")
     layouts = [
         (tp, pp)
         for tp in range(1, num_gpus + 1)
         for pp in range(1, num_gpus // tp + 1)
-        if valid_tp_size(arch, tp) and pp <= arch.num_hidden_layers
+        if valid_tp_size(arch, tp)
+        and pp <= min(arch.num_hidden_layers, max_pp or arch.num_hidden_layers)
     ]
     layouts.sort(key=lambda layout: (layout[0] * layout[1], layout[0]))
     return [

@@ -183,9 +183,9 @@ class ModelRunner:
                 step.block_ids(batch.block_table, self.block_size),
             )
         elif (
-            self.model.tp.pp.enabled
+            (pp_stages := self.model.tp.pp.num_stages) > 1
             and on_layer is None
-            and len(micro := micro_batches(step.num_reqs, self.model.tp.pp.num_stages)) > 1
+            and len(micro := micro_batches(step.num_reqs, pp_stages, step.num_tokens)) > 1
         ):
             hidden = self._forward_micro_batches(step, micro)
         else:

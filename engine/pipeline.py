@@ -113,10 +113,18 @@ class PipelineParallel:
         return int(t.item())
 
 
-def micro_batches(num_reqs: int, num_stages: int) -> list[tuple[int, int]]:
-    """[start, end) of the step's requests in each micro-batch: as many micro-batches as
-    stages (fewer with fewer requests), as even as they divide, in the step's order."""
-    count = max(1, min(num_reqs, num_stages))
+MIN_MICRO_BATCH_TOKENS = 128
+"""Fewest tokens a micro-batch gets. A micro-batch reads all of its stage's weights as the
+whole batch would, so splitting pays only where a step's time grows with its tokens (prefill
+chunks), not for a memory-bound decode step: with P stages and M micro-batches a step takes
+(M + P - 1) micro-batch times against P whole-batch ones."""
+
+
+def micro_batches(num_reqs: int, num_stages: int, num_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of the step's requests in each micro-batch, in the step's order, as even as
+    they divide: as many as stages, but no more than the requests and not below
+    `MIN_MICRO_BATCH_TOKENS` tokens each on average (a decode step of a few requests is one)."""
+    count = max(1, min(num_reqs, num_stages, num_tokens // MIN_MICRO_BATCH_TOKENS))
     return [stage_layers(num_reqs, count, m) for m in range(count)]
 
 

@@ -203,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
         ]  # every rank's share of the LM head's rows, for the gather
         shard_vocab = self.vocab_end - self.vocab_start
         # Pipeline parallelism (engine/pipeline.py): this stage's layers; the first stage
-        # embeds, the last holds the head (a tied head: the embedding table as well).
+        # embeds, the last holds the final norm and the head (a tied head: the embedding
+        # table as well).
         pp = tp.pp
         self.layer_start, self.layer_end = pp.layers(cfg.num_hidden_layers)
         self.holds_embedding = pp.is_first or (pp.is_last and cfg.tie_word_embeddings)
@@ -216,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, tp, quant, i) for i in range(self.layer_start, self.layer_end)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if pp.is_last else None
         head_quant = quant if quant is not None and quant.lm_head else None
         self.lm_head = (
             None
@@ -250,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
             return self.layer_start <= int(target.split(".", 2)[1]) < self.layer_end
         if target.startswith("embed_tokens."):
             return self.holds_embedding
-        if target.startswith("lm_head."):
+        if target.startswith(("lm_head.", "norm.")):
             return self.tp.pp.is_last
         return True
 
@@ -278,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
         if pp.is_first:
             hidden = self._embed(input_ids)  # [T, hidden]
         else:
-            weight = self.norm.weight
+            weight = self.embed_tokens.weight  # this stage's dtype and device (maybe no rows)
             shape = (input_ids.shape[0], self.config.hidden_size)
             hidden = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             residual = torch.empty_like(hidden)
@@ -299,9 +300,11 @@ class LlamaForCausalLM(nn.Module):
             else:
                 sends += works
             return hidden
+        norm = self.norm
+        assert norm is not None  # the last stage's
         if residual is None:
-            return self.norm(hidden)
-        return self.norm.add_and_norm(hidden, residual)[0]
+            return norm(hidden)
+        return norm.add_and_norm(hidden, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

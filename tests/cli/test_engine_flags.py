@@ -269,3 +269,10 @@ def test_docs_list_every_engine_flag() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     rows = {line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| `--")}
     assert sorted(f"`{name}`" for name in FIELDS if f"`{name}`" not in rows) == []
+
+
+def test_disaggregated_pipeline_stages_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--disaggregated", "-pp", "2"]) == 2
+    assert "--pipeline-parallel-size: prefill and decode workers run one pipeline stage" in (
+        capsys.readouterr().err
+    )

@@ -299,10 +299,12 @@ def test_serve_dummy_weights_from_a_config_alone_answers(tmp_path: Path) -> None
     assert proc.returncode == 0, err
 
 
-def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path) -> None:
-    """`duet serve --tensor-parallel-size 2`: the server process is rank 0, rank 1 a child
-    process; a greedy completion equals the offline engine's at one rank (dummy weights are
-    the same at every TP size), and SIGTERM stops both ranks."""
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path, flag: str) -> None:
+    """`duet serve --tensor-parallel-size 2` (or 2 pipeline stages): the server process is
+    rank 0, rank 1 a child process; a greedy completion equals the offline engine's at one
+    rank (dummy weights are the same at every TP size and stage), and SIGTERM stops both
+    ranks."""
     from openai import OpenAI
 
     from duet.engine import LLM, SamplingParams
@@ -320,7 +322,7 @@ def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path) ->
     cmd = [
         sys.executable, "-m", "duet.cli", "serve", "--model", str(model), "--load-format",
         "dummy", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--grpc-port",
-        "0", "--num-kv-blocks", "64", "--no-ui", "--tensor-parallel-size", "2",
+        "0", "--num-kv-blocks", "64", "--no-ui", flag, "2",
         "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

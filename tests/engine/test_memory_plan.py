@@ -19,7 +19,8 @@ from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout,
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
 from duet.engine.parallel import SINGLE, TensorParallel
-from duet.engine.pipeline import stage_layers
+from duet.engine.pipeline import PipelineParallel, stage_layers
+from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 
 GIB = 1 << 30
 ROPE_31 = {
@@ -200,3 +201,37 @@ def test_duet_plan_prints_every_layout(tmp_path: Path, capsys: pytest.CaptureFix
     assert "TP=8 x PP=1 (8 GPUs): fits:" in out
     assert f"{EXPECTED_WEIGHTS['70B', 8] / GIB:.2f}" in out  # 16.43 GiB a rank
     assert main(["plan", "--model", str(tmp_path / "nowhere")]) == 2
+
+
+@pytest.mark.usefixtures("cpu_kernels_off")
+def test_plan_agrees_with_loaded_pipeline_stages(tiny_model_factory) -> None:
+    """A 3-layer tiny Llama with tied embeddings at PP=2: stage 0 (layer 0 and the table) and
+    stage 1 (layers 1-2, the norm and the table as its head) load what the plan counts."""
+    model = tiny_model_factory("llama", num_hidden_layers=3, tie_word_embeddings=True)
+    config = json.loads(Path(model, "config.json").read_text())
+    layout = plan_layout(arch_of(config), 1, 2, 80 * GIB, PlanSettings(dtype=torch.float32))
+    for stage, planned in enumerate(layout.ranks):
+        tp = TensorParallel(0, 1, None, PipelineParallel(stage, 2))
+        loaded = load_model(
+            model, torch.float32, torch.device("cpu"), progress=False, tp=tp, deterministic=False
+        )
+        assert planned.layers == (loaded.model.layer_start, loaded.model.layer_end)
+        assert planned.weights_bytes == loaded.weight_bytes
+        cfg = loaded.model.config
+        assert planned.kv_block_bytes == kv_cache_bytes_per_block(
+            loaded.model.num_layers, 16, loaded.model.num_kv_heads, cfg.head_dim, torch.float32
+        )
+    assert [r.layers for r in layout.ranks] == [(0, 1), (1, 3)]
+
+
+def test_worker_roles_plan_one_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A decode worker's plan: TP layouts only, with the staging pool and NCCL peers."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "4", "--role", "decode"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    layouts = [line.split(" (")[0] for line in out.splitlines() if line.startswith("TP=")]
+    assert layouts == ["TP=1 x PP=1", "TP=2 x PP=1", "TP=3 x PP=1", "TP=4 x PP=1"]
+    staging = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # the decode worker's defaults
+    rank0 = next(line for line in out.splitlines() if line.startswith("  0 / 0 "))
+    assert rank0.split()[8] == f"{staging / GIB:.2f}"
