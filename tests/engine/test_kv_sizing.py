@@ -42,7 +42,7 @@ H100 = GpuMemory(
 
 def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) -> SimpleNamespace:
     config = SimpleNamespace(
-        num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads
+        num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads, moe=None
     )
     heads = head_shard(num_heads, num_kv_heads, 1, 0)
     return SimpleNamespace(
