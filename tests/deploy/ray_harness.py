@@ -4,14 +4,17 @@ ports and a SQLite session store, started with its supervisor thread and torn do
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import ray
 
 from tests.net import free_port
+from tests.waiting import wait_for
 
 
 def cluster_spec(
@@ -59,10 +62,32 @@ def running_cluster(spec: Any) -> Iterator[tuple[Any, str]]:
     try:
         duet.start(timeout_s=600)
         threading.Thread(target=duet.run, args=(stop, 0.5), daemon=True).start()
-        yield duet, f"http://127.0.0.1:{spec.router.port}"
+        url = f"http://127.0.0.1:{spec.router.port}"
+        # NOTE: start returns once every actor serves; the routers learn the workers (registry,
+        # health checks) after. A request sent before then is a 503 "no decode worker" (seen
+        # under a loaded make test), as on any cluster taking traffic before /ready says so.
+        wait_for(
+            lambda: _knows_every_worker(url, spec), 120, "the routers to know the workers", 0.2
+        )
+        yield duet, url
     finally:
         stop.set()
         duet.shutdown()
         ray.shutdown()
         remove_secret_file(secret_file)
         assert not secret_file.exists()
+
+
+def _knows_every_worker(url: str, spec: Any) -> bool:
+    """The router at `url` is ready (/ready) and counts the spec's prefill groups and decode
+    workers healthy (its /metrics)."""
+    if httpx.get(f"{url}/ready", timeout=10).status_code != 200:
+        return False
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = {"duet:num_prefill_workers": spec.prefill_workers,
+            "duet:num_decode_workers": spec.decode_workers}  # fmt: skip
+    for name, count in want.items():
+        match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+        if match is None or float(match.group(1)) != count:
+            return False
+    return True
