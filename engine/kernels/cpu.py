@@ -65,11 +65,17 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("DUET_CPU_KERNELS", "1") != "0"
 
 
-@functools.cache
 def load_cpu_kernels() -> Any | None:
     """The compiled module, or None when kernels are off or cannot be built."""
+    # NOTE: the setting is read before the cache: a process that built the module once still
+    # honours `DUET_CPU_KERNELS=0` afterwards (and one that started with it off builds later).
     if not cpu_kernels_enabled():
         return None
+    return _cpu_kernels()
+
+
+@functools.cache
+def _cpu_kernels() -> Any | None:
     try:
         return build_cpu_kernels()
     except Exception as e:  # any build failure: fall back to the torch paths

@@ -37,12 +37,18 @@ SOURCES = ("dense_linear_cpu.cpp",)
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
 def load_dense_kernel() -> Any | None:
     """The compiled module, or None when CPU kernels are off (`DUET_CPU_KERNELS=0`) or cannot be
     built (then `F.linear` serves, and the engine's probe reports what that gives)."""
+    # NOTE: the setting is read before the cache: a process that built the module once still
+    # honours `DUET_CPU_KERNELS=0` afterwards (and one that started with it off builds later).
     if not cpu_kernels_enabled():
         return None
+    return _dense_kernel()
+
+
+@functools.cache
+def _dense_kernel() -> Any | None:
     try:
         return build_dense_kernel()
     except Exception as e:  # any build failure: fall back to torch

@@ -26,12 +26,18 @@ BLOCK = 16
 SOURCES = ("quant_linear_cpu.cpp",)
 
 
-@functools.cache
 def load_quant_kernels() -> Any | None:
     """The compiled module, or None when CPU kernels are off (`DUET_CPU_KERNELS=0`) or cannot
     be built (then torch's kernels or dequantizing serve int8)."""
+    # NOTE: the setting is read before the cache: a process that built the module once still
+    # honours `DUET_CPU_KERNELS=0` afterwards (and one that started with it off builds later).
     if not cpu_kernels_enabled():
         return None
+    return _quant_kernels()
+
+
+@functools.cache
+def _quant_kernels() -> Any | None:
     try:
         return build_quant_kernels()
     except Exception as e:  # any build failure: fall back to the torch paths

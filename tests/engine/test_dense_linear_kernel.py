@@ -206,3 +206,17 @@ def test_other_vector_widths_build_and_keep_the_order(kernel, lanes):
         for i in (0, 13, 49):
             assert torch.equal(other.dense_linear(x[i : i + 1], w, b)[0], y[i]), i
         assert torch.equal(other.dense_linear_packed(x, other.pack_dense(w), 37, b), y)
+
+
+def test_kernels_off_holds_after_the_kernel_was_built(kernel, request):
+    """DUET_CPU_KERNELS=0 after a build in the same process: the loaders answer None, and a
+    layer stays on torch's product (the cached module was handed out anyway, and a test
+    counting a tied head's weights saw the kernel's copy only after another test built it)."""
+    from duet.engine.kernels.cpu import load_cpu_kernels
+    from duet.engine.quant.cpu_linear import load_quant_kernels
+
+    assert load_dense_kernel() is kernel
+    request.getfixturevalue("cpu_kernels_off")
+    assert (load_dense_kernel(), load_cpu_kernels(), load_quant_kernels()) == (None, None, None)
+    layer = row_invariant.Linear(64, 32, bias=False)
+    assert use_dense_kernel_fp32(layer) == 0 and layer.cpu_kernel is None
