@@ -262,10 +262,17 @@ class ClusterEngine:
         deadline = time.monotonic() + self.config.request_timeout_s
         last_error = "no attempt was made"
         num_failed = num_waits = 0
+        failed_on: list[str] = []
         # `tries` names each attempt's transfer uniquely; only failures count toward
         # `max_attempts`, never a wait for room.
         for tries in itertools.count(1):
-            decode = self.pool.pick_decode(len(prompt_ids) + request.num_output_tokens)
+            # NOTE: a retry goes to a decode worker that has not failed this request where
+            # there is one: a worker the pool still counts healthy may be cut off from the
+            # prefill workers (a network partition fails every KV transfer to it).
+            num_tokens = len(prompt_ids) + request.num_output_tokens
+            decode = self.pool.pick_decode(num_tokens, exclude=failed_on) or self.pool.pick_decode(
+                num_tokens
+            )
             if decode is None:
                 raise EngineDeadError("no decode worker is available; retry later")
             try:
@@ -289,6 +296,7 @@ class ClusterEngine:
                     await asyncio.sleep(wait_s)
                     continue
                 num_failed += 1
+                failed_on.append(decode.name)
                 self.transfers.count_migration(last_error)
                 logger.warning("request %s attempt %d: %s", request.request_id, tries, e)
             if num_failed >= self.config.max_attempts or time.monotonic() >= deadline:

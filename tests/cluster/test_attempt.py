@@ -394,3 +394,27 @@ def test_the_phases_in_order(tokenizer, monkeypatch):
 
     asyncio.run(main())
     assert seen == [Phase.PREFILL, Phase.STREAM, Phase.DONE]
+
+
+def test_a_retry_goes_to_a_decode_worker_that_has_not_failed_the_request(tiny_llama):
+    """A decode worker cut off from the prefill workers still looks healthy to the router
+    (its polls answer): every attempt there fails its transfer. The retries go elsewhere, and
+    back to it only once every worker has failed the request."""
+    from duet.cluster.engine import ClusterEngine
+
+    engine = ClusterEngine(tiny_llama, ClusterConfig(max_attempts=4))
+    for name, load in (("d0", 0), ("d1", 1), ("d2", 2)):  # d0 the least loaded
+        engine.pool.decode[name] = DecodeState(name, FakeDecodeClient(), healthy=True,  # type: ignore[arg-type]
+                                               block_size=8, max_num_seqs=4, num_running=load,
+                                               num_free_blocks=100)  # fmt: skip
+    tried: list[str] = []
+
+    async def run(sample, prompt_ids, decode, attempt, deadline, updates):
+        tried.append(decode.name)
+        if len(tried) < 4:
+            raise RetryAttempt(f"prefill worker p0: KV transfer failed: {decode.name}")
+
+    engine._attempt.run = run  # type: ignore[method-assign]
+    sample = Harness(Tokenizer.from_dir(tiny_llama)).sample(GREEDY)
+    asyncio.run(engine._attempts(sample, PROMPT, asyncio.Queue()))
+    assert tried == ["d0", "d1", "d2", "d0"]
