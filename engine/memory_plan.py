@@ -35,7 +35,8 @@ from duet.engine.kv_sizing import (
     plan_gpu_kv_blocks,
 )
 from duet.engine.model.arch import ModelArchConfig
-from duet.engine.model.llama import LlamaForCausalLM, mlp_shard
+from duet.engine.model.llama import LlamaForCausalLM
+from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.parallel import TensorParallel, check_tp_size, split
 from duet.engine.pipeline import check_pp_size, stage_layers

@@ -7,14 +7,15 @@ The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step c
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
 parallelism each rank holds its shard (see engine/parallel.py) and the shards meet in one
 all-reduce after o_proj, one after down_proj (or after a sparse layer's experts), one after the
-embedding, and a gather of the logits to rank 0, the rank that samples.
+embedding, and a gather of the logits to rank 0, the rank that samples. Which part of each
+checkpoint tensor a rank holds, and where it goes, is engine/model/placement.py's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,28 +25,16 @@ from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
-from duet.engine.model.mlp import MLP, make_linear, mlp_shard
-from duet.engine.model.moe import SparseMoeBlock, expert_placement, router_name
+from duet.engine.model.mlp import MLP, make_linear
+from duet.engine.model.moe import SparseMoeBlock
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
+from duet.engine.model.placement import WeightPlacement, copy_weights, finalize_quantized, tied_head
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
-from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
+from duet.engine.model.quantized_linear import QuantizedLinear
 from duet.engine.model.rotary import RotaryEmbedding
 from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
-from duet.engine.quant.formats import QuantizedWeight
-
-
-class Placement(NamedTuple):
-    """Where a checkpoint tensor goes (`LlamaForCausalLM._locate`)."""
-
-    target: str
-    """Our parameter's name."""
-    offset: int
-    """The first row it fills of a fused parameter (q|k|v, gate|up)."""
-    rows: tuple[int, int] | None
-    """This rank's [start, end) of the tensor along `dim`; None: every rank holds it whole."""
-    dim: int
 
 
 @dataclass
@@ -208,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         pp = tp.pp
         self.layer_start, self.layer_end = pp.layers(cfg.num_hidden_layers)
         self.holds_embedding = pp.is_first or (pp.is_last and cfg.tie_word_embeddings)
+        vocab, layers = (self.vocab_start, self.vocab_end), (self.layer_start, self.layer_end)
+        self.placement = WeightPlacement(cfg, tp, self.heads, vocab, layers, self.holds_embedding)
         rows = shard_vocab if self.holds_embedding else 0
         # Given its weight, Embedding skips its random init, which on the meta device imports
         # torch._dynamo (2-4 s of a process's start); the loader fills every weight.
@@ -246,14 +237,7 @@ class LlamaForCausalLM(nn.Module):
 
     def holds_tensor(self, name: str) -> bool:
         """Whether this rank's stage holds the checkpoint tensor `name` (HF's name)."""
-        target = name.removeprefix("model.")
-        if target.startswith("layers."):
-            return self.layer_start <= int(target.split(".", 2)[1]) < self.layer_end
-        if target.startswith("embed_tokens."):
-            return self.holds_embedding
-        if target.startswith(("lm_head.", "norm.")):
-            return self.tp.pp.is_last
-        return True
+        return self.placement.holds(name)
 
     def forward(
         self,
@@ -355,134 +339,22 @@ class LlamaForCausalLM(nn.Module):
         return count + use_dense_kernel(self)
 
     def weight_slice(self, name: str, shape: tuple[int, ...]) -> TensorSlice | None:
-        """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds;
-        None for a tensor every rank holds whole (norms, routers, and everything at one rank);
-        an empty slice for another pipeline stage's tensor (not read at all)."""
-        if not self.holds_tensor(name):
-            return TensorSlice(0, 0, 0)
-        if not self.tp.enabled:
-            return None
-        place = self._locate(name.removeprefix("model."))
-        if place is None or place.rows is None:
-            return None
-        if place.dim == 1 and len(shape) < 2:
-            return None  # a row-parallel layer's bias is whole on every rank
-        return TensorSlice(place.dim, place.rows[0], place.rows[1])
-
-    def _locate(self, target: str) -> Placement | None:
-        """Where the checkpoint tensor `target` (HF's name without "model.") goes: our
-        parameter, the row offset in it, this rank's [start, end) of the tensor along `dim`
-        (None: whole); None for a name the sharded layers do not cover (norms, routers: the
-        name is ours as is)."""
-        if self.config.moe is not None:
-            expert = expert_placement(target)
-            if expert is not None:
-                module, proj, shared = expert
-                moe = self.config.moe
-                size = moe.shared_expert_intermediate_size if shared else moe.intermediate_size
-                rows = mlp_shard(size, self.tp)
-                if proj == "down_proj":
-                    return Placement(f"{module}.down_proj.weight", 0, rows, 1)
-                offset = rows[1] - rows[0] if proj == "up_proj" else 0
-                return Placement(f"{module}.gate_up_proj.weight", offset, rows, 0)
-            router = router_name(target)
-            if router is not None:
-                return Placement(router, 0, None, 0)
-        for hf, (ours, off, shard_rows, shard_dim) in self._shard_layout().items():
-            if target == f"{hf}.weight" or f".{hf}." in f".{target}":
-                return Placement(target.replace(hf, ours), off, shard_rows, shard_dim)
-        return None
-
-    def _shard_layout(self) -> dict[str, tuple[str, int, tuple[int, int], int]]:
-        """HF module suffix -> (our module, row offset in the fused weight, this rank's
-        [start, end) of the HF tensor, the dimension it is split along)."""
-        cfg, d = self.config, self.config.head_dim
-        h = self.heads
-        q_rows = (h.q_start * d, h.q_end * d)
-        kv_rows = (h.kv_start * d, h.kv_end * d)
-        mlp_rows = mlp_shard(cfg.intermediate_size, self.tp)
-        vocab_rows = (self.vocab_start, self.vocab_end)
-        q, kv, inter = h.num_heads * d, h.num_kv_heads * d, mlp_rows[1] - mlp_rows[0]
-        return {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_rows, 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv_rows, 0),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv_rows, 0),
-            "self_attn.o_proj": ("self_attn.o_proj", 0, q_rows, 1),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, mlp_rows, 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, mlp_rows, 0),
-            "mlp.down_proj": ("mlp.down_proj", 0, mlp_rows, 1),
-            "embed_tokens": ("embed_tokens", 0, vocab_rows, 0),
-            "lm_head": ("lm_head", 0, vocab_rows, 0),
-        }
+        """The part of the checkpoint tensor `name` (HF's name, full `shape`) this rank holds
+        (`WeightPlacement.weight_slice`, engine/model/placement.py)."""
+        return self.placement.weight_slice(name, shape)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the fused parameters: whole tensors, of which each rank
-        keeps its shard, or tensors already cut to `weight_slice` (sharded loading). Returns
-        the names it loaded."""
-        cfg, tp = self.config, self.tp
-        params = dict(self.named_parameters())
-        slots = {
-            f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)
-        }
-        quantized_embedding: QuantizedWeight | None = None
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name or not self.holds_tensor(name):
-                continue  # another pipeline stage's
-            name_here = name
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store a copy
-            if self.layer_start and name.removeprefix("model.").startswith("layers."):
-                _, index, rest = name.removeprefix("model.").split(".", 2)
-                name_here = f"model.layers.{int(index) - self.layer_start}.{rest}"
-            target = name_here.removeprefix("model.")
-            place = self._locate(target) or Placement(target, 0, None, 0)
-            target, offset, rows, dim = place
-            param, slot = params.get(target), slots.get(target)
-            if param is None and slot is None:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            cut = rows is not None and tp.enabled and (dim == 0 or len(tensor.shape) == 2)
-            if cut and rows is not None and tensor.shape[dim] != rows[1] - rows[0]:
-                tensor = tensor.narrow(dim, rows[0], rows[1] - rows[0])  # a whole tensor
-            if slot is not None:
-                slot.load_part(offset, tensor)
-            else:
-                assert param is not None
-                if not isinstance(tensor, torch.Tensor):  # a GGUF embedding kept quantized
-                    quantized_embedding = tensor if target == "embed_tokens.weight" else None
-                    tensor = tensor.dequantize()
-                with torch.no_grad():
-                    param[offset : offset + tensor.shape[0]].copy_(tensor)
-            loaded.add(name)
-        self._finalize_quantized()
+        keeps its shard, or tensors already cut to `weight_slice` (sharded loading); then
+        finish the quantized layers and a tied head. Returns the names it loaded."""
+        loaded, quantized_embedding = copy_weights(self, self.placement, weights)
+        table = self.embed_tokens.weight
+        finalize_quantized(self, table.dtype, table.device)
         if self.lm_head is None and self.tp.pp.is_last:  # the head is the embedding table
-            self.tied_head = self._tied_head(quantized_embedding)
-            head = self.tied_head
+            self.tied_head = head = tied_head(table, self.quant, quantized_embedding)
             if isinstance(head, QuantizedLinear) and can_gather_rows(head):
                 # one quantized table for both (engine/model/quantized_embedding.py)
-                table = self.embed_tokens.weight
                 empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
                 self.embed_tokens.weight = nn.Parameter(empty, requires_grad=False)
                 self.embedding_in_head = True
         return loaded
-
-    def _finalize_quantized(self) -> None:
-        """Turn every loaded `QuantizedLinear` into its kernel layout (or a dense fallback)."""
-        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
-        for parent in list(self.modules()):
-            for child_name, child in list(parent.named_children()):
-                if isinstance(child, QuantizedLinear):
-                    setattr(parent, child_name, child.finalize(dtype, device))
-
-    def _tied_head(self, quantized: QuantizedWeight | None) -> nn.Module:
-        table = self.embed_tokens.weight
-        if self.quant is None or not self.quant.lm_head:
-            return TiedLinear(table)
-        if quantized is not None and self.quant.method == "gguf":
-            head = QuantizedLinear(table.shape[1], table.shape[0], False, self.quant)
-            head.load_part(0, quantized)
-            return head.finalize(table.dtype, table.device)
-        method = self.quant if self.quant.method != "gguf" else None
-        if method is None:  # gguf with a full-precision embedding: keep the head dense
-            return TiedLinear(table)
-        return quantize_linear(table, None, method, table.dtype)
