@@ -55,11 +55,14 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1; got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        # block_id -> block, in eviction order (front = least recently freed).
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        # NOTE: a block is made when first handed out (ids from `len(self.blocks)` on have
+        # never been): a pool of 10^5-10^6 blocks took 0.5 s per engine to build up front. The
+        # never-used ids stand at the front of the free queue, in ascending order, as the
+        # whole pool did at the start.
+        self.blocks: list[KVCacheBlock] = []  # every block handed out so far, by id
+        # block_id -> block, in eviction order (front = least recently freed), after the
+        # never-used ids.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         # (stored?, hash) since the last `take_events`, once `record_events` is on: a prefill
@@ -69,7 +72,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_unused + len(self._free)
+
+    @property
+    def _num_unused(self) -> int:
+        return self.num_blocks - len(self.blocks)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -80,7 +87,7 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in eviction order (for tests and debugging)."""
-        return list(self._free)
+        return list(range(len(self.blocks), self.num_blocks)) + list(self._free)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -91,10 +98,15 @@ class BlockPool:
         the order they serve a request in is ours, and ascending ids put consecutive blocks
         next to each other in the request's table, so a KV transfer moves them as one span
         (the queue holds freed requests tail-first, so taken as they come they descend)."""
-        if num_blocks > len(self._free):
-            raise ValueError(f"cannot get {num_blocks} blocks; {len(self._free)} free")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks; {self.num_free_blocks} free")
         out = []
-        for _ in range(num_blocks):
+        num_new = min(num_blocks, self._num_unused)
+        for block_id in range(len(self.blocks), len(self.blocks) + num_new):
+            block = KVCacheBlock(block_id, ref_cnt=1)
+            self.blocks.append(block)
+            out.append(block)
+        for _ in range(num_blocks - num_new):
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1

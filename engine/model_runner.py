@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.cpu_runtime import zeroed_host_tensor
 from duet.engine.cuda_graphs import DecodeGraphs, uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.input_batch import InputBatch, StepInputs
@@ -94,12 +95,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        shape = (2, num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            torch.zeros(
-                (2, num_blocks, block_size, model.num_kv_heads, cfg.head_dim),
-                dtype=dtype,
-                device=device,
-            )
+            zeroed_host_tensor(shape, dtype)
+            if device.type == "cpu"
+            else torch.zeros(shape, dtype=dtype, device=device)
             for _ in range(model.num_layers)  # this pipeline stage's
         ]
         self.sampler = Sampler()
