@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
-# pytest-xdist workers for `make test`: one per core, at most 4 (each holds models and clusters).
-TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
+# pytest-xdist workers for `make test`: one more than the cores, at most 4 (each holds models and
+# clusters). One per core left the 2 cores 29% idle (tests wait on subprocesses, servers and
+# timeouts): 627 s; three workers 568 s (docs/development.md).
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 3 ? n + 1 : 4 )))
 
 .PHONY: install serve test lint typecheck bench bench-kv gpu-check gpu-carry proto clean
 
