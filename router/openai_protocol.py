@@ -37,7 +37,10 @@ MAX_N = 128
 """Most completions per prompt (OpenAI's limit)."""
 MAX_LOGPROBS = 20
 """Most top alternatives per token (the engine's limit)."""
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_END = -(2**63), 2**63
+"""A seed's range, [INT64_MIN, INT64_END). NOTE: the end is exclusive because the served
+schema holds its bounds as floats (FastAPI's OpenAPI models): 2^63 - 1 would read as 2^63 there,
+a bound the server refused, while -2^63 and 2^63 are exact."""
 
 
 LONE_SURROGATE = "lone_surrogate"
@@ -113,6 +116,13 @@ CONTINUE_FINAL_MESSAGE_RULE = schema_rule(
     {"continue_final_message": {"const": True}}, {"add_generation_prompt": {"const": False}}
 )
 """`continue_final_message` needs `add_generation_prompt` false (its default is true)."""
+
+
+def check_continue_final_message(value: bool, info: ValidationInfo) -> bool:
+    """`CONTINUE_FINAL_MESSAGE_RULE` for a model whose `add_generation_prompt` comes first."""
+    if value and info.data.get("add_generation_prompt"):
+        raise ValueError("cannot be true with add_generation_prompt (set that to false)")
+    return value
 
 
 class OpenAIModel(BaseModel):
@@ -252,7 +262,7 @@ class SamplingRequest(OpenAIModel):
             mode="validation",
         ),
     ] = None
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), INTEGRAL] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, lt=INT64_END), INTEGRAL] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: Annotated[dict[str, float], WithJsonSchema(LOGIT_BIAS_SCHEMA)] | None = None
@@ -399,9 +409,7 @@ schema_rule({"background": {"const": True}}, {
     @field_validator("continue_final_message")
     @classmethod
     def _continue_or_prompt(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("cannot be true with add_generation_prompt (set that to false)")
-        return value
+        return check_continue_final_message(value, info)
 
     @field_validator("top_logprobs")
     @classmethod

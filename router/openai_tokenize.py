@@ -7,7 +7,16 @@ import importlib.metadata
 from typing import Annotated, Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from duet.engine import InvalidInputError
 from duet.router.errors import BadRequestError, format_loc
@@ -18,6 +27,7 @@ from duet.router.openai_protocol import (
     ChatMessage,
     JsonInt,
     OpenAIModel,
+    check_continue_final_message,
 )
 from duet.router.openai_tools import ChatTool
 from duet.router.openapi import error_responses
@@ -48,6 +58,13 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    # NOTE: with a prompt too, as the schema states it (the chat fields do nothing there, but
+    # a contradiction between them is still refused, not ignored).
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_continue_final_message(value, info)
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

@@ -97,6 +97,7 @@ SEMANTIC_REFUSALS = (
     "(the model's vocabulary)",  # logit_bias's token ids: digit strings, bounded by the model
     "best_of: other than n",  # best_of equal to n
     "in this list (an id from a previous page)",  # GET /v1/files' `after`: one of the key's ids
+    "only background responses can be cancelled",  # how the response was created
 )
 """400s a schema-valid request may get: rules between values, or on the tokenized prompt,
 that JSON Schema cannot express. Anything else the schema allows must be accepted."""
@@ -373,3 +374,28 @@ def test_rules_between_fields_are_in_the_schema(
     ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     served = jsonschema.Draft202012Validator({**ref, "components": schema["components"]})
     assert not served.is_valid(body), f"{path} {body} is valid in the served schema"
+
+
+def test_the_seed_bounds_in_the_schema_are_the_servers(fuzzed_server: LiveServer) -> None:
+    """The schema's bounds are floats (FastAPI's OpenAPI models): an inclusive 2^63 - 1 read as
+    2^63 there, so a generated seed of 2^63 was schema-valid and refused (a random-seed run)."""
+    body = _body_schema(_schema(fuzzed_server), "ChatCompletionRequest")
+    [seed, _] = body["properties"]["seed"]["anyOf"]
+    assert (seed["minimum"], seed["exclusiveMaximum"]) == (-(2**63), 2**63)
+    assert "maximum" not in seed
+    for value, status in ((2**63 - 1, 200), (-(2**63), 200), (2**63, 400)):
+        reply = _post(fuzzed_server, "/v1/chat/completions", {**CHAT, "seed": value})
+        assert reply.status_code == status, value
+    assert reply.json()["error"]["param"] == "seed"
+
+
+def test_tokenize_refuses_continue_final_message_with_a_generation_prompt(
+    fuzzed_server: LiveServer,
+) -> None:
+    """The schema's rule holds for a text prompt too (a seeded negative case was accepted)."""
+    body = {"prompt": "hi", "continue_final_message": True, "add_generation_prompt": True}
+    reply = _post(fuzzed_server, "/tokenize", body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "continue_final_message"
+    ok = _post(fuzzed_server, "/tokenize", {**body, "add_generation_prompt": False})
+    assert ok.status_code == 200 and ok.json()["count"] > 0
