@@ -13,6 +13,7 @@ import torch
 
 from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
 from benchmarks.quantized.accuracy import mean_nll
+from benchmarks.quantized.bandwidth import read_bandwidth_gbs
 from benchmarks.quantized.llama_cpp import llama_cpp_available
 from benchmarks.quantized.methods import DTYPES, METHODS, applicable
 from benchmarks.quantized.speed import ratios, run_speed
@@ -74,15 +75,30 @@ def main() -> None:
         elif not args.no_llama_cpp:
             print("llama-cpp-python is not importable: no llama.cpp baseline "
                   "(see benchmarks/quantized/llama_cpp.py to install it)")  # fmt: skip
+        # NOTE: the limit before and after the decode runs: the machine is shared, and a
+        # read rate above the lower one would mean the probe, not the decode, was disturbed.
+        limits = [read_bandwidth_gbs()]
         results = run_speed(args.model, methods, args.group_size, files, args.prompt_tokens,
                             args.new_tokens, args.batch, args.rounds, args.threads,
                             lm_head=args.quantize_lm_head, dtype=args.dtype)  # fmt: skip
-        print(f"{'system':18} {'1-stream tok/s':>15} {'batch tok/s':>12} {'weights MiB':>12}")
+        limits.append(read_bandwidth_gbs())
+        limit = max(limits)
+        record["read_bandwidth_gbs"] = limits
+        print(f"memory read bandwidth (torch sum over 1 GiB): {limits[0]:.1f} GB/s before, "
+              f"{limits[1]:.1f} after")  # fmt: skip
+        print(f"{'system':18} {'1-stream tok/s':>15} {'batch tok/s':>12} {'weights MiB':>12} "
+              f"{'MB/token':>9} {'GB/s':>6} {'of limit':>9}")  # fmt: skip
         for r in results:
             s = r.summary()
             batch = f"{s['batch_median']:.1f}" if s["batch_median"] else "-"
             mib = f"{r.weight_bytes / 2**20:.1f}" if r.weight_bytes else "-"
-            print(f"{r.system:18} {s['single_stream_median']:15.1f} {batch:>12} {mib:>12}")
+            per_token = r.streamed_bytes_per_token
+            mb = f"{per_token / 1e6:.1f}" if per_token else "-"
+            gbs = s["single_stream_gbs"]
+            rate = f"{gbs:.1f}" if gbs else "-"
+            share = f"{gbs / limit:.0%}" if gbs else "-"
+            print(f"{r.system:18} {s['single_stream_median']:15.1f} {batch:>12} {mib:>12} "
+                  f"{mb:>9} {rate:>6} {share:>9}")  # fmt: skip
         record["speed"] = [r.summary() for r in results]
         record["ratios"] = ratios(results)
         for key, value in record["ratios"].items():  # type: ignore[union-attr]

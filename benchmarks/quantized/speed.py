@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.quantized.bandwidth import gguf_streamed_bytes, streamed_bytes_per_token
 from benchmarks.quantized.llama_cpp import LlamaCppRunner
 from benchmarks.quantized.methods import engine_kwargs, label
 from duet.engine import LLM, SamplingParams
@@ -22,11 +23,17 @@ class SpeedResult:
     weight_bytes: int | None
     single_stream_tok_s: list[float] = field(default_factory=list)  # one per round
     batch_tok_s: list[float] = field(default_factory=list)
+    streamed_bytes_per_token: int | None = None  # what one single-stream step reads
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
-        out["single_stream_median"] = _median(self.single_stream_tok_s)
+        out["single_stream_median"] = single = _median(self.single_stream_tok_s)
         out["batch_median"] = _median(self.batch_tok_s)
+        out["single_stream_gbs"] = (
+            single * self.streamed_bytes_per_token / 1e9
+            if single and self.streamed_bytes_per_token
+            else None
+        )
         return out
 
 
@@ -56,19 +63,28 @@ def run_speed(
 ) -> list[SpeedResult]:
     engines: dict[str, LLM] = {}
     results: dict[str, SpeedResult] = {}
+    context = prompt_tokens + new_tokens / 2  # a single-stream step's mean context
+    kv_per_token = 0
     for method in methods:
         llm = LLM(model, load_progress=False, num_threads=threads, max_num_seqs=max(batch, 1),
                   enable_prefix_caching=False,
                   **engine_kwargs(method, group_size, lm_head, dtype))  # fmt: skip
         name = label(method, dtype)
         engines[name] = llm
-        results[name] = SpeedResult(name, llm.engine.weight_bytes)
+        streamed = streamed_bytes_per_token(llm, context)
+        kv_per_token = streamed - streamed_bytes_per_token(llm, 0)
+        results[name] = SpeedResult(
+            name, llm.engine.weight_bytes, streamed_bytes_per_token=streamed
+        )
         log(f"loaded {name}: {llm.engine.weight_bytes / 2**20:.1f} MiB of weights")
     runners = {
         f"llama.cpp-{q}": LlamaCppRunner(path, threads) for q, path in llama_cpp_files.items()
     }
-    for name in runners:
-        results[name] = SpeedResult(name, None)
+    for q, path in llama_cpp_files.items():  # its f16 KV: the size of duet's bf16 one
+        name = f"llama.cpp-{q}"
+        results[name] = SpeedResult(
+            name, None, streamed_bytes_per_token=gguf_streamed_bytes(path) + kv_per_token
+        )
     vocab = next(iter(engines.values())).engine.arch.vocab_size
     single = random_prompts(1, prompt_tokens, vocab, seed=0)
     batched = random_prompts(batch, prompt_tokens, vocab, seed=1)

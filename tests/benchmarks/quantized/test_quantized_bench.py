@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from benchmarks.quantized.accuracy import window_nll
+from benchmarks.quantized.bandwidth import gguf_streamed_bytes, streamed_bytes_per_token
 from benchmarks.quantized.methods import applicable, engine_kwargs, label
 from benchmarks.quantized.speed import SpeedResult, ratios
 from duet.engine import LLM, SamplingParams
+from duet.engine.gguf_loader import default_model_path
 
 
 def test_window_nll_is_the_engines_negative_logprobs(tiny_llama: str) -> None:
@@ -62,3 +64,29 @@ def test_methods() -> None:
     assert label("int4", "float32") == "duet-int4"
     with pytest.raises(ValueError, match="dtype must be one of bfloat16, float32"):
         engine_kwargs("int8", 32, dtype="float16")
+
+
+def test_streamed_bytes_are_the_weights_a_step_reads_and_its_kv(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=64)
+    table = llm.engine.runner.model.embed_tokens.weight.nbytes
+    assert table == 512 * 64 * 4  # a lookup reads one row of it; the untied head is its own
+    kv_per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head_dim x fp32
+    assert streamed_bytes_per_token(llm, 0) == llm.engine.weight_bytes - table
+    grown = streamed_bytes_per_token(llm, 100) - streamed_bytes_per_token(llm, 0)
+    assert grown == 100 * kv_per_token
+    row = SpeedResult("duet-fp32", 1, [10.0, 30.0, 20.0], streamed_bytes_per_token=5 * 10**8)
+    assert row.summary()["single_stream_gbs"] == 10.0  # 20 tok/s x 0.5 GB
+
+
+def test_gguf_streamed_bytes_are_its_tensors() -> None:
+    """The embedded SmolLM2 ties its head to the token embedding: every tensor is read."""
+    import gguf
+
+    path = default_model_path()
+    reader = gguf.GGUFReader(path)
+    assert "output.weight" not in {t.name for t in reader.tensors}
+    end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+    start = min(int(t.data_offset) for t in reader.tensors)
+    streamed = gguf_streamed_bytes(path)
+    # the tensor data, less the alignment padding between tensors (32 bytes at most each)
+    assert end - start - 32 * len(reader.tensors) <= streamed <= end - start
