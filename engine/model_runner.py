@@ -19,7 +19,7 @@ from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
-from duet.engine.model.expert_load import ExpertLoad
+from duet.engine.model.moe import attach_expert_load
 from duet.engine.outputs import PromptLogprob, TokenLogprob
 from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
@@ -124,7 +124,7 @@ class ModelRunner:
             split_tables=self.use_decode_kernel,
             num_speculative_tokens=num_speculative_tokens,
         )
-        self.expert_load = ExpertLoad.attach(model, device)
+        self.expert_load = attach_expert_load(model, device)
         """Tokens per routed expert of a mixture of experts (None for a dense model)."""
         self.decode_graphs: DecodeGraphs | None = None
         # NOTE: no graphs across pipeline stages yet: a stage's step sends and receives.

@@ -14,7 +14,6 @@ With pipeline parallelism a rank counts its own stage's sparse layers only.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 class ExpertLoad:
@@ -27,20 +26,6 @@ class ExpertLoad:
         self._host = torch.zeros(num_layers, num_experts, dtype=torch.int64,
                                  pin_memory=self._cuda)  # fmt: skip
         self._copied: torch.cuda.Event | None = None
-
-    @classmethod
-    def attach(cls, model: nn.Module, device: torch.device) -> ExpertLoad | None:
-        """One counter for every `SparseMoeBlock` of `model`, each block given its row; None
-        (nothing attached) for a dense model."""
-        from duet.engine.model.moe import SparseMoeBlock
-
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        if not blocks:
-            return None
-        load = cls(len(blocks), blocks[0].num_experts, device)
-        for i, block in enumerate(blocks):
-            block.expert_counts = load.counts[i]
-        return load
 
     def snapshot(self) -> None:
         """Start copying the counts to the host (after a step's forward, before its sync)."""

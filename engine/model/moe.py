@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
-from duet.engine.model.expert_load import record_expert_ids
+from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import TensorParallel
@@ -246,3 +246,15 @@ def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
     if device.type != "cuda" or triton_unusable_reason(device) is not None:
         return 0
     return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))
+
+
+def attach_expert_load(model: nn.Module, device: torch.device) -> ExpertLoad | None:
+    """One `ExpertLoad` for every sparse block of `model`, each block given its row; None
+    (nothing attached) for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    load = ExpertLoad(len(blocks), blocks[0].num_experts, device)
+    for i, block in enumerate(blocks):
+        block.expert_counts = load.counts[i]
+    return load
