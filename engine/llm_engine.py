@@ -353,6 +353,8 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
         self.stats.observe_step(sched.num_batched_tokens)
+        if self.runner.expert_load is not None:
+            self.stats.observe_expert_load(self.runner.expert_load.read())
         if self.speculator is not None:
             self.speculator.verified(sched.spec_token_ids, result.sampled)
         for request_id, (first, entries) in result.prompt_logprobs.items():

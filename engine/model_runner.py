@@ -19,6 +19,7 @@ from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
+from duet.engine.model.moe import attach_expert_load
 from duet.engine.outputs import PromptLogprob, TokenLogprob
 from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
@@ -123,6 +124,8 @@ class ModelRunner:
             split_tables=self.use_decode_kernel,
             num_speculative_tokens=num_speculative_tokens,
         )
+        self.expert_load = attach_expert_load(model, device)
+        """Tokens per routed expert of a mixture of experts (None for a dense model)."""
         self.decode_graphs: DecodeGraphs | None = None
         # NOTE: no graphs across pipeline stages yet: a stage's step sends and receives.
         moe = cfg.moe is not None
@@ -203,6 +206,8 @@ class ModelRunner:
             hidden = self.model.forward(
                 step.input_ids, step.positions, self.kv_caches, meta, on_layer
             )
+        if self.expert_load is not None:
+            self.expert_load.snapshot()  # lands before the sampled tokens' transfer
 
         prompt_logprobs = self._prompt_logprobs(out, step.query_start, hidden)
         # Only requests whose computed tokens reach their last token sample this step.

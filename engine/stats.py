@@ -6,6 +6,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from duet.engine.model.expert_load import imbalance
 from duet.engine.spec_decode.speculator import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -35,11 +36,31 @@ class EngineStats:
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
     )
     iteration_tokens_sum: int = 0
+    # Mixtures of experts (None and 0.0 for a dense model; engine/model/expert_load.py):
+    moe_expert_tokens: list[int] | None = None
+    """(token, choice) pairs each routed expert received since start, summed over layers."""
+    moe_expert_imbalance: float = 0.0
+    """The last step's max over mean tokens per expert, averaged over sparse layers."""
+    moe_layer_expert_tokens: list[list[int]] | None = None
+    """`moe_expert_tokens` per sparse layer: [L][E]."""
 
     def observe_step(self, num_tokens: int) -> None:
         """A step computed `num_tokens` tokens (prompt chunks, decodes and proposed tokens)."""
         self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
         self.iteration_tokens_sum += num_tokens
+
+    def observe_expert_load(self, counts: list[list[int]]) -> None:
+        """The cumulative [L][E] counts after a step (`ExpertLoad.read`)."""
+        last = self.moe_layer_expert_tokens
+        step = (
+            counts
+            if last is None
+            else [[a - b for a, b in zip(now, was, strict=True)]
+                  for now, was in zip(counts, last, strict=True)]
+        )  # fmt: skip
+        self.moe_layer_expert_tokens = counts
+        self.moe_expert_tokens = [sum(col) for col in zip(*counts, strict=True)]
+        self.moe_expert_imbalance = imbalance(step)
 
     def refresh(
         self, scheduler: Scheduler, kv: KVCacheManager, speculator: Speculator | None

@@ -4,8 +4,9 @@ JSON from this router's own state, behind the API key like every data route.
 In disaggregated mode: each prefill group and decode worker as the router's `WorkerPool` sees
 it (health, load, KV-cache occupancy, the prefill workers' prefix-cache hit rate on the
 prompts this router sent them), the queues, the recent KV transfers with their achieved
-bandwidth and, once probed, their link's rate (`link_gbps`, None before). In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py)
-and the planner's last decisions (`planner`: None while no planner reported any; a planner
+bandwidth and, once probed, their link's rate (`link_gbps`, None before). In aggregated mode: the one engine. Both: the live plots' series (router/live_window.py),
+the expert load of a mixture of experts (`experts`: None for a dense model, and in
+disaggregated mode until a worker reported one), and the planner's last decisions (`planner`: None while no planner reported any; a planner
 reports them with `POST /v1/planner/decisions`, router/planner_log.py).
 """
 
@@ -20,6 +21,7 @@ from duet.cluster.transfer_log import TransferLog
 from duet.cluster.worker_pool import WorkerPool
 from duet.router.planner_log import PlannerDecision, PlannerLog
 from duet.router.serving_context import ServingContext
+from duet.router.worker_metrics import sum_expert_load
 
 NUM_RECENT_TRANSFERS = 25
 
@@ -69,6 +71,7 @@ def snapshot(ctx: ServingContext) -> dict[str, Any]:
             "kv_usage": stats.kv_usage,
             "prefix_hit_rate": stats.prefix_cache_hits / queries if queries else None,
         })  # fmt: skip
+        out["experts"] = _experts(stats.moe_expert_tokens, stats.moe_expert_imbalance)
         out["series"] = ctx.metrics.window.series()
         return out
     for p in sorted(pool.prefill.values(), key=lambda s: s.name):
@@ -101,8 +104,16 @@ def snapshot(ctx: ServingContext) -> dict[str, Any]:
         }
         for r in reversed(recent[-NUM_RECENT_TRANSFERS:])
     ]  # fmt: skip
+    experts = sum_expert_load(pool.worker_stats.values())
+    out["experts"] = _experts(*experts) if experts is not None else None
     out["series"] = ctx.metrics.window.series(transfers.history)
     return out
+
+
+def _experts(tokens: list[int] | None, imbalance: float) -> dict[str, Any] | None:
+    """A mixture of experts' load (None for a dense model): tokens routed to each expert since
+    start, summed over MoE layers, and the last step's max/mean imbalance."""
+    return None if tokens is None else {"tokens": tokens, "imbalance": imbalance}
 
 
 def _state(healthy: bool, failures: int) -> str:

@@ -22,6 +22,7 @@ from duet.router.live_window import LiveWindow
 from duet.router.transfer_metrics import TransferCollector
 from duet.router.worker_metrics import (
     WorkerStatsCollector,
+    expert_load_metrics,
     iteration_tokens_histogram,
     spec_decode_metrics,
 )
@@ -117,6 +118,10 @@ class EngineStatsCollector(Collector):
             yield iteration_tokens_histogram(
                 stats.iteration_token_counts, stats.iteration_tokens_sum, self._labels
             )
+            if stats.moe_expert_tokens is not None:  # a mixture of experts
+                yield from expert_load_metrics(
+                    stats.moe_expert_tokens, stats.moe_expert_imbalance, self._labels
+                )
         if stats.spec_decode is not None:
             yield from spec_decode_metrics(stats.spec_decode, self._labels)
 

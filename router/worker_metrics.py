@@ -2,7 +2,9 @@
 summed over every worker process it has heard from (their load reports carry them,
 `WorkerStats` in worker.proto): tokens per engine step (`duet:iteration_tokens_total`, vLLM's
 `iteration_tokens_total`, prefill and decode steps alike) and the decode workers' speculative
-decoding counters (`duet:spec_decode_*`, as an aggregated engine exports them)."""
+decoding counters (`duet:spec_decode_*`, as an aggregated engine exports them), and for a
+mixture of experts the tokens routed to each expert, summed over workers, and the largest of the
+workers' last-step imbalances (`duet:moe_expert_*`)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ class WorkerStatsCollector(Collector):
         spec = sum_spec_decode(r for r in reports if r.speculating)
         if spec is not None:
             yield from spec_decode_metrics(spec, self._labels)
+        experts = sum_expert_load(reports)
+        if experts is not None:
+            yield from expert_load_metrics(*experts, self._labels)
 
 
 def iteration_tokens_histogram(counts: list[int], total: int, labels: list[str]) -> Metric:
@@ -81,6 +86,42 @@ def spec_decode_metrics(spec: SpecDecodeStats, labels: list[str]) -> Iterator[Me
     )
     rate.add_metric(labels, spec.acceptance_rate)
     yield rate
+
+
+def expert_load_metrics(tokens: list[int], imbalance: float, labels: list[str]) -> Iterator[Metric]:
+    """A mixture of experts' load: (token, choice) pairs each routed expert received since
+    start, summed over sparse layers, and the last step's imbalance (engine/model/expert_load.py)."""
+    counter = CounterMetricFamily(
+        "duet:moe_expert_tokens",
+        "Tokens (token, choice pairs) routed to each expert, summed over MoE layers.",
+        labels=["model_name", "expert"],
+    )
+    for expert, value in enumerate(tokens):
+        counter.add_metric([*labels, str(expert)], float(value))
+    yield counter
+    gauge = GaugeMetricFamily(
+        "duet:moe_expert_imbalance",
+        "The last step's max over mean tokens per expert, averaged over MoE layers (1 = even).",
+        labels=["model_name"],
+    )
+    gauge.add_metric(labels, imbalance)
+    yield gauge
+
+
+def sum_expert_load(reports: Iterable[worker_pb2.WorkerStats]) -> tuple[list[int], float] | None:
+    """The workers' tokens per expert added up, and the largest of their last-step
+    imbalances; None when no worker reported expert load (a dense model)."""
+    tokens: list[int] | None = None
+    worst = 0.0
+    for r in reports:
+        if not r.moe_expert_tokens:
+            continue
+        tokens = tokens or []
+        tokens.extend([0] * (len(r.moe_expert_tokens) - len(tokens)))
+        for i, n in enumerate(r.moe_expert_tokens):
+            tokens[i] += n
+        worst = max(worst, r.moe_expert_imbalance)
+    return None if tokens is None else (tokens, worst)
 
 
 def sum_spec_decode(reports: Iterable[worker_pb2.WorkerStats]) -> SpecDecodeStats | None:

@@ -1,5 +1,6 @@
 """A worker's engine counters in its load report (`WorkerStats`, worker.proto), for the
-router's /metrics: tokens per engine step and speculative decoding's counters."""
+router's /metrics: tokens per engine step, speculative decoding's counters and a mixture of
+experts' expert load."""
 
 from __future__ import annotations
 
@@ -20,4 +21,7 @@ def worker_stats(stats: EngineStats) -> worker_pb2.WorkerStats:
         out.spec_num_draft_tokens = spec.num_draft_tokens
         out.spec_num_accepted_tokens = spec.num_accepted_tokens
         out.spec_num_accepted_tokens_per_pos.extend(spec.num_accepted_tokens_per_pos)
+    if stats.moe_expert_tokens is not None:
+        out.moe_expert_tokens.extend(stats.moe_expert_tokens)
+        out.moe_expert_imbalance = stats.moe_expert_imbalance
     return out

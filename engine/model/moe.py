@@ -16,7 +16,8 @@ duet's CPU kernel and the quantized kernels apply to experts as to any projectio
 
 With tensor parallelism each rank holds a slice of every expert's intermediate size (as of the
 dense MLP's) and the router whole; the routed and shared outputs are partial sums that meet in
-one all-reduce per layer. Expert parallelism is issue 44's item 4.
+one all-reduce per layer. Expert parallelism is issue 44's item 4. Each block counts the
+(token, choice) pairs its experts receive into the model's `ExpertLoad` (expert_load.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
+from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import TensorParallel
@@ -132,6 +134,9 @@ class SparseMoeBlock(nn.Module):
         assert moe is not None
         self.tp = tp
         self.top_k = moe.num_experts_per_tok
+        self.num_experts = moe.num_experts
+        self.expert_counts: torch.Tensor | None = None
+        """This layer's row of the model's `ExpertLoad` ([E]), once attached."""
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
         hidden = cfg.hidden_size
@@ -174,6 +179,8 @@ class SparseMoeBlock(nn.Module):
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         logits = parts["gate"].forward(x)  # [T, E]
         weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.expert_counts is not None:
+            record_expert_ids(self.expert_counts, ids)
         w13, w2 = self._parameters["w13"], self._parameters["w2"]
         if w13 is not None and w2 is not None:
             from duet.engine.kernels.triton_moe import fused_experts
@@ -239,3 +246,15 @@ def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
     if device.type != "cuda" or triton_unusable_reason(device) is not None:
         return 0
     return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))
+
+
+def attach_expert_load(model: nn.Module, device: torch.device) -> ExpertLoad | None:
+    """One `ExpertLoad` for every sparse block of `model`, each block given its row; None
+    (nothing attached) for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    load = ExpertLoad(len(blocks), blocks[0].num_experts, device)
+    for i, block in enumerate(blocks):
+        block.expert_counts = load.counts[i]
+    return load

@@ -1,5 +1,6 @@
 // The cluster dashboard: polls GET /v1/dashboard (behind the API key) every 2 s and draws the
-// workers, queues, recent KV transfers, the live plots and the planner's last decisions.
+// workers, queues, recent KV transfers, a mixture of experts' expert load, the live plots and the
+// planner's last decisions.
 "use strict";
 
 (function () {
@@ -88,6 +89,17 @@
     ]);
   }
 
+  function experts(e) {
+    // e: null for a dense model; else tokens routed to each expert since start, summed over
+    // MoE layers, and the last step's max/mean imbalance (engine/model/expert_load.py).
+    $("experts-section").hidden = !e;
+    if (!e) return;
+    $("expert-imbalance").textContent = "last step's imbalance (max/mean tokens per expert): " + num(e.imbalance, 2);
+    const total = e.tokens.reduce((a, b) => a + b, 0);
+    const items = e.tokens.map((n, i) => ({ name: "expert-" + i, index: i, tokens: n }));
+    rows("experts", items, (x) => [[String(x.index)], [String(x.tokens)], [pct(total ? x.tokens / total : null)]]);
+  }
+
   function render(d) {
     // Aggregated: one engine, no prefill groups and no KV transfers to show.
     const aggregated = d.mode === "aggregated";
@@ -113,6 +125,7 @@
       [t.link_gbps ? rate(t.link_gbps) : "\u2013"],
     ]);
     planner(d.planner);
+    experts(d.experts);
     const s = d.series;
     const q = (name) => ["p50", "p90", "p99"].map((p) => ({ label: p, values: s[name + "_" + p + "_ms"] }));
     plot.draw($("plot-ttft"), s.t, q("ttft"));

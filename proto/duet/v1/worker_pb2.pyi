@@ -164,7 +164,7 @@ class PrefillLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_transferring: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., last_event: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored_hashes: _Optional[_Iterable[bytes]] = ..., removed_hashes: _Optional[_Iterable[bytes]] = ..., deterministic: _Optional[bool] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("iteration_token_counts", "iteration_tokens_sum", "speculating", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_accepted_tokens_per_pos")
+    __slots__ = ("iteration_token_counts", "iteration_tokens_sum", "speculating", "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_accepted_tokens_per_pos", "moe_expert_tokens", "moe_expert_imbalance")
     ITERATION_TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     SPECULATING_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,8 @@ class WorkerStats(_message.Message):
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    MOE_EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MOE_EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
     iteration_token_counts: _containers.RepeatedScalarFieldContainer[int]
     iteration_tokens_sum: int
     speculating: bool
@@ -179,7 +181,9 @@ class WorkerStats(_message.Message):
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, iteration_token_counts: _Optional[_Iterable[int]] = ..., iteration_tokens_sum: _Optional[int] = ..., speculating: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    moe_expert_tokens: _containers.RepeatedScalarFieldContainer[int]
+    moe_expert_imbalance: float
+    def __init__(self, iteration_token_counts: _Optional[_Iterable[int]] = ..., iteration_tokens_sum: _Optional[int] = ..., speculating: _Optional[bool] = ..., spec_num_drafts: _Optional[int] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., spec_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., moe_expert_tokens: _Optional[_Iterable[int]] = ..., moe_expert_imbalance: _Optional[float] = ...) -> None: ...
 
 class DecodeRemoteRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_wait_s", "num_replayed", "stream_id", "priority")
