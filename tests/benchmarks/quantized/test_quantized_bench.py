@@ -90,3 +90,22 @@ def test_gguf_streamed_bytes_are_its_tensors() -> None:
     streamed = gguf_streamed_bytes(path)
     # the tensor data, less the alignment padding between tensors (32 bytes at most each)
     assert end - start - 32 * len(reader.tensors) <= streamed <= end - start
+
+
+def test_profile_times_every_part_and_leaves_the_model_as_it_was(tiny_llama: str) -> None:
+    from benchmarks.quantized.profile import profile_format
+
+    llm = LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=64)
+    want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
+    row = profile_format(llm, [5, 6, 7], tokens=4, rounds=1)
+    assert set(row["parts_ms"]) == {"projections", "attention", "mlp_activation", "norms",
+                                    "lm_head", "forward_other", "host"}  # fmt: skip
+    assert all(row["parts_ms"][p] > 0 for p in ("projections", "attention", "norms", "lm_head"))
+    # 2 layers of qkv (64 x 128), o (64 x 64), gate|up (64 x 256) and down (128 x 64), fp32
+    layer = 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64
+    assert row["projection_bytes"] >= 2 * layer * 4  # oneDNN's packed copies may be padded
+    assert row["projection_bytes"] < 2 * layer * 4 * 1.25
+    model = llm.engine.runner.model
+    assert not any({"forward", "add_and_norm"} & set(vars(m)) for m in model.modules())
+    again = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
+    assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
