@@ -204,6 +204,7 @@ def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
     )
     assert torch.equal(batch, alone)
     assert torch.equal(int4_linear(kernels, x[:7], nibbles, sz, n, pairs, amx), alone[:7])
+    assert torch.equal(int4_linear(kernels, x[:2], nibbles, sz, n, pairs, amx), alone[:2])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
