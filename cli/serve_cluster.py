@@ -127,11 +127,6 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
             "--pipeline-parallel-size: prefill and decode workers run one pipeline stage for "
             "now; pipeline stages serve aggregated (without --disaggregated)"
         )
-    if engine.get("expert_parallel_size", 1) != 1:
-        raise ValueError(
-            "--expert-parallel-size: prefill and decode workers slice every expert for now; "
-            "expert parallelism serves aggregated (without --disaggregated)"
-        )
     internal_tls(args)  # refused here, naming the flag, before Ray starts
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
     if not args.kv_wait > lease_s:  # a decode worker outwaits the blocks the sender holds
