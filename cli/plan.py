@@ -53,6 +53,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--enforce-eager", action="store_true", help="no CUDA graphs (their pool not counted)"
     )
     parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="a mixture's routed experts sharded whole over each layout's TP ranks "
+        "(--expert-parallel-size = --tensor-parallel-size); layouts whose TP does not divide "
+        "the experts are left out",
+    )
+    parser.add_argument(
         "--role",
         choices=ROLES,
         default="aggregated",
@@ -109,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--gpu-memory-utilization: must be a number in (0, 1]")
     arch = ModelArchConfig.from_hf_config(read_hf_config(args.model))
+    if args.enable_expert_parallel and arch.moe is None:
+        parser.error("--enable-expert-parallel: the model is dense (it has no routed experts)")
     dtype = getattr(torch, args.dtype)
     reserved: dict[str, int] = {}
     graphs = not args.enforce_eager
@@ -127,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=graphs,
         reserved=reserved,
+        expert_parallel=args.enable_expert_parallel,
     )
     layouts = plan_layouts(arch, args.gpus, args.gpu_memory, settings, NCCL_COMM_BYTES, max_pp)
     print(render_plan(args.model or "SmolLM2-135M-Instruct", args, layouts))
@@ -158,7 +168,9 @@ def render_plan(name: str, args: argparse.Namespace, layouts: list[Any]) -> str:
         f"memory plan: {name}, {args.gpus} GPU(s) of {_gib(args.gpu_memory)} GiB, "
         f"{args.dtype}, utilization {args.gpu_memory_utilization}, role {args.role}, "
         f"{args.max_num_batched_tokens} batched tokens, {args.max_num_seqs} sequences, "
-        f"block {args.block_size}; GiB per rank",
+        f"block {args.block_size}"
+        + (", experts sharded over the TP ranks" if args.enable_expert_parallel else "")
+        + "; GiB per rank",
     ]
     for layout in layouts:
         if layout.fits:

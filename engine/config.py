@@ -71,6 +71,10 @@ class EngineConfig:
     """Pipeline stages the model's layers are split into, 1 to its layers, each stage
     `tensor_parallel_size` ranks (docs/parallelism.md): an engine started here runs rank 0 and
     starts the other stages' ranks as child processes. Aggregated engines only, for now."""
+    expert_parallel_size: int = 1
+    """Ranks a mixture's routed experts are sharded over, whole (docs/parallelism.md): 1 (each
+    rank holds a slice of every expert) or `tensor_parallel_size` (each rank holds 1/N of the
+    experts, whole; attention stays tensor-parallel), as vLLM's `--enable-expert-parallel`."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0
@@ -133,6 +137,13 @@ class EngineConfig:
             _check_min("max_model_len", self.max_model_len, 1)
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_min("expert_parallel_size", self.expert_parallel_size, 1)
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise InvalidInputError(
+                "expert_parallel_size",
+                f"must be 1 or tensor_parallel_size ({self.tensor_parallel_size}): the routed "
+                f"experts are sharded over the tensor-parallel ranks; got {self.expert_parallel_size}",
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidInputError(
                 "attention_backend",

@@ -65,6 +65,8 @@ class LLMEngine:
                 "speculative decoding runs on one pipeline stage only; got "
                 f"{config.pipeline_parallel_size} stages with speculative_config",
             )
+        if config.expert_parallel_size > 1:  # equal to the TP size (EngineConfig checks)
+            tp = dataclasses.replace(tp, expert_parallel=True)
         self.tp = tp
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -4,8 +4,9 @@ staging and NCCL, KV blocks) and whether the layout fits, computed with the engi
 pieces so that the plan and a running engine agree:
 
 - weights: the engine's model (`LlamaForCausalLM`, built on the meta device for each TP rank,
-  so replicated KV heads, vocabulary-parallel embedding and uneven splits are the engine's)
-  counted by `weight_bytes`, as the loader logs it;
+  so replicated KV heads, vocabulary-parallel embedding, uneven splits and, with expert
+  parallelism, a rank's whole experts are the engine's) counted by `weight_bytes`, as the
+  loader logs it;
 - KV blocks: `kv_cache_bytes_per_block` of the rank's layers and KV heads,
   `plan_gpu_kv_blocks` over what is left, clamped by `max_addressable_blocks`, the minimum over
   the ranks (every rank of an engine schedules the same blocks);
@@ -37,6 +38,7 @@ from duet.engine.kv_sizing import (
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
 from duet.engine.model.mlp import mlp_shard
+from duet.engine.model.moe import check_ep_size
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.parallel import TensorParallel, check_tp_size, split
 from duet.engine.pipeline import check_pp_size, stage_layers
@@ -61,6 +63,9 @@ class PlanSettings:
     """Other consumers every rank leaves room for (name -> bytes): a worker's KV staging and
     NCCL communicators (`KVWorkerConfig.device_reservations`); empty for aggregated serving."""
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    expert_parallel: bool = False
+    """A mixture's routed experts sharded whole over each layout's TP ranks
+    (`expert_parallel_size` = `tensor_parallel_size`) instead of every expert sliced."""
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,14 @@ class LayoutPlan:
         return min(self.max_num_seqs, self.kv_tokens // self.max_model_len)
 
 
-def valid_tp_size(arch: ModelArchConfig, tp: int) -> bool:
-    """Whether the engine accepts `tp` for `arch` (heads and intermediate size)."""
+def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False) -> bool:
+    """Whether the engine accepts `tp` for `arch` (heads and intermediate size; with
+    `expert_parallel`, routed experts that split into `tp` whole shares)."""
     try:
         check_tp_size(tp, arch.num_attention_heads)
         mlp_shard(arch.intermediate_size, TensorParallel(0, tp))
+        if expert_parallel:
+            check_ep_size(tp, arch.moe)
     except InvalidInputError:
         return False
     return True
@@ -133,13 +141,17 @@ class _RankWeights:
     num_heads: int
 
 
-def _rank_weights(arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype) -> _RankWeights:
+def _rank_weights(
+    arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype, expert_parallel: bool = False
+) -> _RankWeights:
     """The engine's model for TP rank `rank` of `tp` on the meta device, one layer deep (every
-    layer has the same shapes), counted by `weight_bytes`. The rope tables (built for real,
-    and no weights) are kept short."""
+    layer has the same shapes), counted by `weight_bytes`: with `expert_parallel` (and more
+    than one rank) the rank's whole experts in place of a slice of every one. The rope tables
+    (built for real, and no weights) are kept short."""
     one_layer = dataclasses.replace(arch, num_hidden_layers=1, max_position_embeddings=16)
+    layout = TensorParallel(rank, tp, expert_parallel=expert_parallel and tp > 1)
     with torch.device("meta"):
-        net = LlamaForCausalLM(one_layer, None, TensorParallel(rank, tp)).to(dtype)
+        net = LlamaForCausalLM(one_layer, None, layout).to(dtype)
     embedding = weight_bytes(net.embed_tokens)[0]
     assert net.norm is not None  # one stage: the last
     head = weight_bytes(net.norm)[0]
@@ -201,6 +213,8 @@ def plan_layout(
     """Every rank's memory under `tp` x `pp` on GPUs of `gpu_memory_bytes` each."""
     check_tp_size(tp, arch.num_attention_heads)
     check_pp_size(pp, arch.num_hidden_layers)
+    if settings.expert_parallel:
+        check_ep_size(tp, arch.moe)
     max_model_len = min(
         settings.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
     )
@@ -208,7 +222,7 @@ def plan_layout(
     others = settings.cuda_context_bytes + nccl_communicators(tp, pp) * nccl_comm_bytes
     ranks: list[RankPlan] = []
     for rank in range(tp):
-        w = _rank_weights(arch, tp, rank, settings.dtype)
+        w = _rank_weights(arch, tp, rank, settings.dtype, settings.expert_parallel)
         for stage in range(pp):
             first, last = stage == 0, stage == pp - 1
             layers = stage_layers(arch.num_hidden_layers, pp, stage)
@@ -275,7 +289,7 @@ def plan_layouts(
         (tp, pp)
         for tp in range(1, num_gpus + 1)
         for pp in range(1, num_gpus // tp + 1)
-        if valid_tp_size(arch, tp)
+        if valid_tp_size(arch, tp, settings.expert_parallel)
         and pp <= min(arch.num_hidden_layers, max_pp or arch.num_hidden_layers)
     ]
     layouts.sort(key=lambda layout: (layout[0] * layout[1], layout[0]))

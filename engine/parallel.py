@@ -109,6 +109,9 @@ class TensorParallel:
     world_size: int = 1
     group: dist.ProcessGroup | None = None  # None with world_size 1
     pp: PipelineParallel = NO_PIPELINE
+    expert_parallel: bool = False
+    """Whether a mixture's routed experts are sharded whole over the group (`expert_range`)
+    instead of each expert's intermediate size being sliced (`expert_parallel_size`)."""
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +152,13 @@ class TensorParallel:
     def split(self, total: int, align: int = 1) -> tuple[int, int]:
         """[start, end) of this rank's share of `total` (`split`)."""
         return split(total, self.world_size, self.rank, align)
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """[start, end) of the routed experts this rank holds whole: a contiguous 1/N of them
+        with expert parallelism (`check_ep_size` first), all of them (sliced) without."""
+        if not self.expert_parallel:
+            return 0, num_experts
+        return split(num_experts, self.world_size, self.rank)
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadShard:
         return head_shard(num_heads, num_kv_heads, self.world_size, self.rank)

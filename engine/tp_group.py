@@ -104,15 +104,18 @@ def rank_config(config: EngineConfig) -> EngineConfig:
 def check_layout(config: EngineConfig) -> None:
     """Raise `InvalidInputError` naming `tensor_parallel_size` when the model cannot be split
     over that many ranks (more ranks than query heads, or than 1-column MLP shares), or
-    `pipeline_parallel_size` when it has fewer layers than stages."""
+    `pipeline_parallel_size` when it has fewer layers than stages, or `expert_parallel_size`
+    for a dense model or experts that do not split into whole shares."""
     from duet.engine.loader import open_model
     from duet.engine.model.mlp import mlp_shard
+    from duet.engine.model.moe import check_ep_size
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
     for size in arch.ffn_sizes():  # the dense MLP's, the experts'
         mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))
     check_pp_size(config.pipeline_parallel_size, arch.num_hidden_layers)
+    check_ep_size(config.expert_parallel_size, arch.moe)
 
 
 def exit_rank(code: int) -> NoReturn:

@@ -26,7 +26,7 @@ from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
 from duet.engine.model.mlp import MLP, make_linear
-from duet.engine.model.moe import SparseMoeBlock
+from duet.engine.model.moe import SparseMoeBlock, check_ep_size
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from duet.engine.model.placement import WeightPlacement, copy_weights, finalize_quantized, tied_head
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.quant = quant
         # Checked up front so a bad tensor_parallel_size fails with a clear message.
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+        if tp.expert_parallel:
+            check_ep_size(tp.world_size, cfg.moe)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [
             end - start

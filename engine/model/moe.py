@@ -16,24 +16,33 @@ duet's CPU kernel and the quantized kernels apply to experts as to any projectio
 
 With tensor parallelism each rank holds a slice of every expert's intermediate size (as of the
 dense MLP's) and the router whole; the routed and shared outputs are partial sums that meet in
-one all-reduce per layer. Expert parallelism is issue 44's item 4. Each block counts the
-(token, choice) pairs its experts receive into the model's `ExpertLoad` (expert_load.py).
+one all-reduce per layer. With expert parallelism (`TensorParallel.expert_parallel`, E = the TP
+size) each rank holds a contiguous 1/E of the routed experts whole instead, and computes only
+the (token, choice) pairs routed to them; the shared expert stays sliced. Every rank routes
+every token (attention leaves each rank the whole batch), so the same one all-reduce sums
+the experts' contributions: no all-to-all (docs/parallelism.md says why). Each block counts
+the (token, choice) pairs its router picks, for every expert, into the model's `ExpertLoad`
+(expert_load.py).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
 import torch
 from torch import nn
 
+from duet.engine.errors import InvalidInputError
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
-from duet.engine.parallel import TensorParallel
+from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint names of an expert's projections, after the "layers.N." prefix: Qwen's
 # `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj`, Mixtral's
@@ -46,6 +55,24 @@ _ROUTER_NAME = re.compile(
     r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\.(?P<gate>gate|shared_expert_gate)\.weight$"
 )
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def check_ep_size(ep_size: int, moe: MoEConfig | None) -> None:
+    """Raise `InvalidInputError` naming `expert_parallel_size` unless it is 1, or the model is
+    a mixture whose routed experts divide into `ep_size` whole shares."""
+    if ep_size == 1:
+        return
+    if moe is None:
+        raise InvalidInputError(
+            "expert_parallel_size",
+            f"must be 1 for a dense model (it has no routed experts to shard); got {ep_size}",
+        )
+    if moe.num_experts % ep_size:
+        raise InvalidInputError(
+            "expert_parallel_size",
+            f"must divide the model's routed experts ({moe.num_experts}) into whole shares "
+            f"(1 or a divisor of {moe.num_experts} equal to tensor_parallel_size); got {ep_size}",
+        )
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,28 +93,38 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def grouped_experts(
     x: torch.Tensor,  # [T, hidden]
-    experts: nn.ModuleList,  # of MLPs without their all-reduce
+    experts: nn.ModuleList,  # of MLPs without their all-reduce: experts first, first + 1, ...
     weights: torch.Tensor,  # [T, k], fp32
     ids: torch.Tensor,  # [T, k], ascending per row
     weights_in_model_dtype: bool,
+    num_experts: int | None = None,
+    first: int = 0,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(token): [T, hidden] in `x`'s dtype.
-    One gate|up and one down product per expert, over the rows it received."""
+    One gate|up and one down product per expert, over the rows it received. With expert
+    parallelism `experts` are the model's `num_experts` experts [first, first + len(experts)):
+    the (token, choice) pairs routed to others add zeros (their ranks add the products)."""
     num_tokens, top_k = ids.shape
+    num_experts = num_experts or len(experts)
+    local = len(experts) < num_experts
     flat = ids.reshape(-1)  # [T k]
     order = torch.argsort(flat, stable=True)  # (token, choice) slots grouped by expert
     # NOTE: the counts come to the host to cut the rows per expert: a sync per layer on CUDA,
     # where dense experts take the fused Triton kernel instead (`fuse_experts`); quantized ones
     # stay here, one reason MoE models decode without CUDA graphs for now.
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    rows = x.index_select(0, order // top_k)  # [T k, hidden], grouped by expert
-    scale = weights.reshape(-1, 1).index_select(0, order)  # [T k, 1]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    start = sum(counts[:first])  # this rank's experts' slots are one run of `order`
+    end = start + sum(counts[first : first + len(experts)])
+    order = order[start:end]
+    rows = x.index_select(0, order // top_k)  # [slots, hidden], grouped by expert
+    scale = weights.reshape(-1, 1).index_select(0, order)  # [slots, 1]
     if weights_in_model_dtype:
         scale = scale.to(x.dtype)
-    out = x.new_empty(num_tokens * top_k, x.shape[1])
+    make = x.new_zeros if local else x.new_empty
+    out = make(num_tokens * top_k, x.shape[1])
     start = 0
     modules: dict[str, Any] = experts._modules  # `experts[e]` is a Python call per expert
-    for e, count in enumerate(counts):
+    for e, count in enumerate(counts[first : first + len(experts)]):
         if count == 0:
             continue
         end = start + count
@@ -141,9 +178,13 @@ class SparseMoeBlock(nn.Module):
         self.weights_in_model_dtype = moe.weights_in_model_dtype
         hidden = cfg.hidden_size
         self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.first_expert, end = tp.expert_range(moe.num_experts)
+        """This rank's experts are the model's [first_expert, first_expert + len(experts))."""
+        # With expert parallelism a rank's experts are whole (their intermediate unsliced).
+        expert_tp = SINGLE if tp.expert_parallel else tp
         self.experts = nn.ModuleList(
-            MLP(hidden, moe.intermediate_size, tp, quant, reduce=False)
-            for _ in range(moe.num_experts)
+            MLP(hidden, moe.intermediate_size, expert_tp, quant, reduce=False)
+            for _ in range(self.first_expert, end)
         )
         # With `fuse_experts`: every expert's gate|up weight [E, 2 I, hidden] and down weight
         # [E, hidden, I] for the fused Triton kernel, in place of the per-expert layers.
@@ -161,7 +202,10 @@ class SparseMoeBlock(nn.Module):
     def fuse_experts(self) -> bool:
         """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
         interpreter in tests) and drop the per-expert layers. False (nothing changed) unless
-        every expert is a plain dense `Linear` pair (not quantized, not on a CPU kernel)."""
+        every expert is a plain dense `Linear` pair (not quantized, not on a CPU kernel), or
+        with expert parallelism (the kernel takes every expert's weights)."""
+        if self.tp.expert_parallel:
+            return False
         experts = [e for e in self.experts if isinstance(e, MLP)]
         pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
         if not experts or not all(
@@ -187,7 +231,10 @@ class SparseMoeBlock(nn.Module):
 
             out = fused_experts(x, w13, w2, weights, ids, self.weights_in_model_dtype)
         else:
-            out = grouped_experts(x, parts["experts"], weights, ids, self.weights_in_model_dtype)
+            out = grouped_experts(
+                x, parts["experts"], weights, ids, self.weights_in_model_dtype,
+                self.num_experts, self.first_expert,
+            )  # fmt: skip
         shared = parts["shared_expert"]
         if shared is not None:
             gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
@@ -195,14 +242,17 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
-def expert_placement(target: str) -> tuple[str, str, bool] | None:
-    """For an expert projection's checkpoint name (without "model."): (our module's name, the
-    projection: gate_proj, up_proj or down_proj, whether it is the shared expert); else None."""
+def expert_placement(target: str) -> tuple[str, int | None, str] | None:
+    """For an expert projection's checkpoint name (without "model."): (its layer's prefix,
+    "layers.N.", the routed expert's index or None for the shared expert, the projection:
+    gate_proj, up_proj or down_proj); else None."""
     match = _EXPERT_NAME.match(target)
     if match is None:
         return None
     proj = _MIXTRAL_PROJ.get(match["proj"], match["proj"])
-    return f"{match['layer']}mlp.{match['group']}", proj, match["group"] == "shared_expert"
+    group = match["group"]
+    index = None if group == "shared_expert" else int(group.removeprefix("experts."))
+    return match["layer"], index, proj
 
 
 def router_name(target: str) -> str | None:
@@ -244,6 +294,14 @@ def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
     from duet.engine.kernels.triton_runtime import triton_unusable_reason
 
     if device.type != "cuda" or triton_unusable_reason(device) is not None:
+        return 0
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if blocks and blocks[0].tp.expert_parallel:
+        logger.info(
+            "expert parallelism: the fused MoE kernel is off (it takes every expert's weights; "
+            "this rank holds %d of %d), the experts run one product pair each",
+            len(blocks[0].experts), blocks[0].num_experts,
+        )  # fmt: skip
         return 0
     return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))
 

@@ -2,7 +2,8 @@
 them there.
 
 `WeightPlacement` answers, for one rank, which part of each HF-named tensor it holds (none of
-another pipeline stage's, a tensor-parallel slice of a sharded layer's, or the whole tensor)
+another pipeline stage's or, with expert parallelism, of another rank's routed expert; a
+tensor-parallel slice of a sharded layer's; or the whole tensor, as a rank's own whole experts)
 and which of our fused parameters it fills, at which row (q|k|v, gate|up). The layout is
 engine/parallel.py's; docs/parallelism.md describes sharded loading. `copy_weights` copies
 tensors in, whole (each rank keeps its slice) or already cut to `WeightPlacement.weight_slice`;
@@ -58,10 +59,17 @@ class WeightPlacement:
     """Whether this stage holds the embedding table (the first; the last too for a tied head)."""
 
     def holds(self, name: str) -> bool:
-        """Whether this rank's stage holds the checkpoint tensor `name` (HF's name)."""
+        """Whether this rank holds the checkpoint tensor `name` (HF's name): not another
+        pipeline stage's, nor (expert parallelism) another rank's routed expert."""
         target = name.removeprefix("model.")
         if target.startswith("layers."):
-            return self.layers[0] <= int(target.split(".", 2)[1]) < self.layers[1]
+            if not self.layers[0] <= int(target.split(".", 2)[1]) < self.layers[1]:
+                return False
+            expert = expert_placement(target) if self.tp.expert_parallel else None
+            if expert is not None and expert[1] is not None and self.config.moe is not None:
+                start, end = self.tp.expert_range(self.config.moe.num_experts)
+                return start <= expert[1] < end  # another rank's experts: not read at all
+            return True
         if target.startswith("embed_tokens."):
             return self.holds_embedding
         if target.startswith(("lm_head.", "norm.")):
@@ -108,12 +116,19 @@ class WeightPlacement:
         if moe is not None:
             expert = expert_placement(target)
             if expert is not None:
-                module, proj, shared = expert
-                size = moe.shared_expert_intermediate_size if shared else moe.intermediate_size
-                rows = mlp_shard(size, self.tp)
+                layer, index, proj = expert
+                if index is None:
+                    module, size = f"{layer}mlp.shared_expert", moe.shared_expert_intermediate_size
+                else:  # numbered from this rank's first expert (0 without expert parallelism)
+                    first = self.tp.expert_range(moe.num_experts)[0]
+                    module, size = f"{layer}mlp.experts.{index - first}", moe.intermediate_size
+                # with expert parallelism a rank's routed experts are whole
+                whole = index is not None and self.tp.expert_parallel
+                rows = None if whole else mlp_shard(size, self.tp)
                 if proj == "down_proj":
                     return Placement(f"{module}.down_proj.weight", 0, rows, 1)
-                offset = rows[1] - rows[0] if proj == "up_proj" else 0
+                width = size if rows is None else rows[1] - rows[0]
+                offset = width if proj == "up_proj" else 0
                 return Placement(f"{module}.gate_up_proj.weight", offset, rows, 0)
             router = router_name(target)
             if router is not None:

@@ -79,7 +79,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--enforce-eager",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
         "--no-enable-prefix-caching", "--no-deterministic", "--scheduling-policy", "priority",
-        "-tp", "2", "-pp", "2",
+        "-tp", "2", "-pp", "2", "--expert-parallel-size", "2",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
         "--no-load-progress", "--load-format", "dummy",
         "--hf-overrides", '{"rope_theta": 10000.0}', "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
@@ -92,7 +92,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         num_kv_blocks=100, kv_cache_memory_bytes=4 * 2**30, gpu_memory_utilization=0.5,
         enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
-        tensor_parallel_size=2, pipeline_parallel_size=2,
+        tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2,
         num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",
         hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
         quantization_symmetric=True, quantize_lm_head=True,
@@ -154,6 +154,10 @@ def test_kv_cache_memory_units(text: str, num_bytes: int) -> None:
             "--speculative-config: 'prompt_lookup_min' must be an integer in [1, 1024]; got 0",
         ),
         (["serve", "--dtype", "int8"], "--dtype: invalid choice: 'int8'"),
+        (
+            ["generate", "-tp", "2", "--expert-parallel-size", "4", "hi"],
+            "--expert-parallel-size: must be 1 or tensor_parallel_size (2)",
+        ),
         (["serve", "--scheduling-policy", "lifo"], "--scheduling-policy: invalid choice: 'lifo'"),
         (["serve", "--load-format", "pt"], "--load-format: invalid choice: 'pt'"),
         (["generate", "--temperature", "-1", "hi"], "--temperature: must be >= 0; got -1.0"),
@@ -274,5 +278,16 @@ def test_docs_list_every_engine_flag() -> None:
 def test_disaggregated_pipeline_stages_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--disaggregated", "-pp", "2"]) == 2
     assert "--pipeline-parallel-size: prefill and decode workers run one pipeline stage" in (
+        capsys.readouterr().err
+    )
+
+
+def test_disaggregated_expert_parallelism_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers slice every expert for now: without -tp (refused with --disaggregated) the
+    only expert-parallel size is 1."""
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--disaggregated", "--expert-parallel-size", "2"])
+    assert exc.value.code == 2
+    assert "--expert-parallel-size: must be 1 or tensor_parallel_size (1)" in (
         capsys.readouterr().err
     )

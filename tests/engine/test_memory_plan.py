@@ -235,3 +235,72 @@ def test_worker_roles_plan_one_stage(tmp_path: Path, capsys: pytest.CaptureFixtu
     staging = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # the decode worker's defaults
     rank0 = next(line for line in out.splitlines() if line.startswith("  0 / 0 "))
     assert rank0.split()[8] == f"{staging / GIB:.2f}"
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+# At TP=8 with expert parallelism, per layer: q 4 heads and k, v one (replicated) KV head each
+# (768 x 2048), o (2048 x 512), q/k norms (256), two layer norms (4096), the router (128 x
+# 2048) and 16 whole experts (16 x 3 x 768 x 2048): 78,385,408 params; then 18,992 rows each
+# of the embedding and the head, and the final norm; times 2 bytes. Sliced experts (128 x 3 x
+# 96 x 2048) weigh the same: expert parallelism changes the products, not the bytes, where
+# both split evenly.
+QWEN3_30B_EP8_BYTES = 2 * (48 * 78_385_408 + 2 * 18_992 * 2048 + 2048)
+
+
+def test_expert_parallel_plans_whole_experts_per_rank() -> None:
+    arch = arch_of(QWEN3_30B_A3B)
+    ep = plan_layout(arch, 8, 1, 80 * GIB, PlanSettings(expert_parallel=True))
+    assert [r.weights_bytes for r in ep.ranks] == [QWEN3_30B_EP8_BYTES] * 8
+    sliced = plan_layout(arch, 8, 1, 80 * GIB, PlanSettings())
+    assert [r.weights_bytes for r in sliced.ranks] == [QWEN3_30B_EP8_BYTES] * 8
+    # layouts whose TP does not divide the 128 experts are left out
+    settings = PlanSettings(expert_parallel=True, cuda_graphs=False)
+    tps = sorted({layout.tp for layout in plan_layouts(arch, 6, 80 * GIB, settings, max_pp=1)})
+    assert tps == [1, 2, 4]
+
+
+@pytest.mark.usefixtures("cpu_kernels_off")
+def test_expert_parallel_plan_agrees_with_the_loaded_ranks(tiny_model_factory) -> None:
+    """A tiny Qwen3-MoE (16 experts) at TP=2 with expert parallelism: each rank loads what
+    the plan counts, 8 whole experts a layer."""
+    model = tiny_model_factory("qwen3_moe")
+    config = json.loads(Path(model, "config.json").read_text())
+    settings = PlanSettings(dtype=torch.float32, expert_parallel=True)
+    layout = plan_layout(arch_of(config), 2, 1, 80 * GIB, settings)
+    for rank, planned in enumerate(layout.ranks):
+        tp = TensorParallel(rank, 2, None, expert_parallel=True)
+        loaded = load_model(
+            model, torch.float32, torch.device("cpu"), progress=False, tp=tp, deterministic=False
+        )
+        assert len(loaded.model.layers[0].mlp.experts) == 8
+        assert planned.weights_bytes == loaded.weight_bytes
+
+
+def test_duet_plan_refuses_expert_parallel_for_a_dense_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    argv = ["plan", "--model", str(tmp_path), "--gpus", "2", "--enable-expert-parallel"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "--enable-expert-parallel: the model is dense" in capsys.readouterr().err
