@@ -31,6 +31,7 @@ from duet.router.http_limits import BodyLimitMiddleware
 from duet.router.http_metrics import HTTPStatusMiddleware
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from duet.router.openai_responses import (
+    BackgroundChatCompletion,
     ChatCompletionResponse,
     CompletionResponse,
     ModelCard,
@@ -126,7 +127,10 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
         "/v1/chat/completions",
         response_model=None,
         responses={
-            200: {"model": ChatCompletionResponse, "content": _STREAMED},
+            200: {
+                "model": ChatCompletionResponse | BackgroundChatCompletion,
+                "content": _STREAMED,
+            },
             **error_responses(400, 401, 404, 409, 429, 503),
         },
     )

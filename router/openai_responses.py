@@ -84,6 +84,18 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class BackgroundChatCompletion(BaseModel):
+    """A `background` chat's answer to its POST (and to a retrieve while it is not done): no
+    choices or usage yet; `GET /v1/chat/completions/{id}` gives the result when it is done."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice] = Field(max_length=0)
+    status: Literal["queued", "in_progress"]
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None

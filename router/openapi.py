@@ -47,6 +47,7 @@ def install_openapi(app: FastAPI, engine: EngineClient | None = None) -> None:
                 routes=app.routes,
             )  # fmt: skip
             _replace_422(schema)
+            _exact_integer_bounds(schema)
             if engine is not None:
                 _bound_token_ids(schema, token_id_maxima(engine))
                 if getattr(engine, "scheduling_policy", "fcfs") != "priority":
@@ -92,6 +93,28 @@ def token_id_maxima(engine: EngineClient) -> dict[str, int]:
         except InvalidInputError:
             hi = mid
     return {"tokenizer": engine.tokenizer.vocab_size - 1, "model": lo}
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integer_bounds(node: Any) -> None:
+    """An integer schema's bounds as JSON integers. FastAPI's OpenAPI models hold every bound
+    as a float (`ge=1` is served as `1.0`); a client that generates values from the schema
+    then works in floats, and near 2^63 (a seed's range) floats are 2048 apart: it sent
+    -2^63 - 192 as within `minimum: -2^63`. (Bounds that are floats by then stay as they are:
+    only integral ones, which are exact, are turned back.)"""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _BOUNDS:
+                value = node.get(key)
+                if isinstance(value, float) and value.is_integer():
+                    node[key] = int(value)
+        for value in node.values():
+            _exact_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integer_bounds(value)
 
 
 def _bound_token_ids(node: Any, maxima: dict[str, int]) -> None:

@@ -114,7 +114,8 @@ INPUT_ITEM_SCHEMA = {"anyOf": [
 class ResponsesRequest(OpenAIModel):
     # Without instructions or a previous response, the input is the whole conversation.
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        schema_rule({"background": {"const": True}}, {"stream": {"const": False}}, required=False),
+        schema_rule({"background": {"const": True}}, {"stream": {"const": False},
+                                                       "store": {"const": True}}, required=False),
         schema_rule({"tool_choice": {"const": "required"}}, {"tools": {"type": "array", "minItems": 1}}),
         {
         "if": {"properties": {

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,7 +38,7 @@ class ResponseFormat(_Body):
 
 
 _SET = {"json": {"type": ["object", "string"]}, "json_object": {"const": True},
-        "regex": {"type": "string"}, "grammar": {"type": "string"},
+        "regex": {"type": "string", "minLength": 1}, "grammar": {"type": "string", "minLength": 1},
         "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}}  # fmt: skip
 
 
@@ -55,9 +55,12 @@ class StructuredOutputsBody(_Body):
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     """A JSON schema (an object, or its JSON text)."""
     json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    # NOTE: the text kinds and `choice` are bounded here too, not only in the `oneOf`
+    # alternative that chooses them: an empty one beside another kind (or alone) matched no
+    # alternative's bound but the field's, and the server refused it.
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1)
     """EBNF (GBNF) with a `root` rule."""
     disable_any_whitespace: bool = True
     """JSON kinds: compact JSON (true, duet's default) or any whitespace between tokens."""

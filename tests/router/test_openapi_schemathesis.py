@@ -98,6 +98,10 @@ SEMANTIC_REFUSALS = (
     "best_of: other than n",  # best_of equal to n
     "in this list (an id from a previous page)",  # GET /v1/files' `after`: one of the key's ids
     "only background responses can be cancelled",  # how the response was created
+    # NOTE: JSON Schema can state this one (an if/then on session_id), but with it the chat
+    # body's sixth if/then rule schemathesis 4.32 refuses to generate the operation at all
+    # ("does not support this part of it"), whatever the rule says.
+    "must be 1 with session_id",
 )
 """400s a schema-valid request may get: rules between values, or on the tokenized prompt,
 that JSON Schema cannot express. Anything else the schema allows must be accepted."""
@@ -382,8 +386,10 @@ def test_the_seed_bounds_in_the_schema_are_the_servers(fuzzed_server: LiveServer
     body = _body_schema(_schema(fuzzed_server), "ChatCompletionRequest")
     [seed, _] = body["properties"]["seed"]["anyOf"]
     assert (seed["minimum"], seed["exclusiveMaximum"]) == (-(2**63), 2**63)
+    # as JSON integers: a generator working from float bounds sent -2^63 - 192 as within them
+    assert type(seed["minimum"]) is int and type(seed["exclusiveMaximum"]) is int
     assert "maximum" not in seed
-    for value, status in ((2**63 - 1, 200), (-(2**63), 200), (2**63, 400)):
+    for value, status in ((2**63 - 1, 200), (-(2**63), 200), (2**63, 400), (-(2**63) - 192, 400)):
         reply = _post(fuzzed_server, "/v1/chat/completions", {**CHAT, "seed": value})
         assert reply.status_code == status, value
     assert reply.json()["error"]["param"] == "seed"
@@ -399,3 +405,59 @@ def test_tokenize_refuses_continue_final_message_with_a_generation_prompt(
     assert reply.json()["error"]["param"] == "continue_final_message"
     ok = _post(fuzzed_server, "/tokenize", {**body, "add_generation_prompt": False})
     assert ok.status_code == 200 and ok.json()["count"] > 0
+
+
+def test_two_rules_of_chat_bodies(fuzzed_server: LiveServer) -> None:
+    """Found by random-seed runs: `n` other than 1 with a session (a semantic refusal, named
+    above), and an empty `choice` list beside another structured-output kind, which the schema
+    now refuses too."""
+    reply = _post(fuzzed_server, "/v1/chat/completions", {**CHAT, "session_id": "s", "n": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n"
+    choice = _body_schema(_schema(fuzzed_server), "StructuredOutputsBody")["properties"]["choice"]
+    assert choice["anyOf"][0]["minItems"] == 1
+    assert choice["anyOf"][0]["items"]["minLength"] == 1
+    both = {**CHAT, "structured_outputs": {"json_object": True, "choice": []}}
+    reply = _post(fuzzed_server, "/v1/chat/completions", both)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "structured_outputs.choice"
+    schema = _body_schema(_schema(fuzzed_server), "StructuredOutputsBody")
+    for kind in ("regex", "grammar"):
+        assert schema["properties"][kind]["anyOf"][0]["minLength"] == 1
+        reply = _post(fuzzed_server, "/v1/completions",
+                      {"prompt": "hi", "max_tokens": 2, "structured_outputs": {kind: ""}})  # fmt: skip
+        assert reply.status_code == 400
+        assert reply.json()["error"]["param"] == f"structured_outputs.{kind}"
+
+
+def test_what_a_background_chat_refuses_is_in_the_schema(fuzzed_server: LiveServer) -> None:
+    body = _body_schema(_schema(fuzzed_server), "ChatCompletionRequest")
+    [rule] = [r for r in body["allOf"] if r.get("if", {}).get("properties") == {
+        "background": {"const": True}}]  # fmt: skip
+    then = rule["then"]["properties"]
+    assert then["chat_template"] == then["chat_template_kwargs"] == {"type": "null"}
+    assert (then["priority"], then["continue_final_message"], then["add_generation_prompt"]) == (
+        {"const": 0}, {"const": False}, {"const": True})  # fmt: skip
+    for field, value in (("chat_template", "{{ 1 }}"), ("chat_template_kwargs", {})):
+        reply = _post(fuzzed_server, "/v1/chat/completions",
+                      {**CHAT, "background": True, field: value})  # fmt: skip
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+
+
+def test_background_replies_and_rules_are_in_the_schema(fuzzed_server: LiveServer) -> None:
+    """A background chat's first answer (queued, no usage) is one of the 200s the schema
+    documents, and a background response needs `store` (random-seed runs found both)."""
+    schema = _schema(fuzzed_server)
+    ok = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]
+    refs = {s["$ref"] for s in ok["content"]["application/json"]["schema"]["anyOf"]}
+    assert refs == {"#/components/schemas/ChatCompletionResponse",
+                    "#/components/schemas/BackgroundChatCompletion"}  # fmt: skip
+    reply = _post(fuzzed_server, "/v1/chat/completions", {**CHAT, "background": True})
+    assert reply.status_code == 200
+    assert (reply.json()["status"], reply.json()["choices"]) == ("queued", [])
+    assert "usage" not in reply.json()
+    rules = _body_schema(schema, "ResponsesRequest")["allOf"]
+    background = next(r for r in rules if r["if"]["properties"] == {"background": {"const": True}})
+    assert background["then"]["properties"]["store"] == {"const": True}
+    refused = _post(fuzzed_server, "/v1/responses",
+                    {"input": "hi", "max_output_tokens": 2, "background": True, "store": False})  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
