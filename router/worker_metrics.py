@@ -71,41 +71,47 @@ def spec_decode_metrics(spec: SpecDecodeStats, labels: list[str]) -> Iterator[Me
         counter = CounterMetricFamily(name, doc, labels=["model_name"])
         counter.add_metric(labels, float(value))
         yield counter
-    per_pos = CounterMetricFamily(
+    yield _per_index(
         "duet:spec_decode_num_accepted_tokens_per_pos",
         "Proposed tokens accepted at each position of a proposal (0 = first).",
-        labels=["model_name", "position"],
-    )
-    for pos, value in enumerate(spec.num_accepted_tokens_per_pos):
-        per_pos.add_metric([*labels, str(pos)], float(value))
-    yield per_pos
-    rate = GaugeMetricFamily(
+        "position", spec.num_accepted_tokens_per_pos, labels,
+    )  # fmt: skip
+    yield _gauge(
         "duet:spec_decode_acceptance_rate",
         "Accepted over proposed tokens since start (0 before any proposal).",
-        labels=["model_name"],
-    )
-    rate.add_metric(labels, spec.acceptance_rate)
-    yield rate
+        spec.acceptance_rate, labels,
+    )  # fmt: skip
+
+
+def _per_index(
+    name: str, doc: str, index: str, values: Iterable[float], labels: list[str]
+) -> CounterMetricFamily:
+    """A counter with one series per position of `values`, labelled `index`."""
+    family = CounterMetricFamily(name, doc, labels=["model_name", index])
+    for i, value in enumerate(values):
+        family.add_metric([*labels, str(i)], float(value))
+    return family
+
+
+def _gauge(name: str, doc: str, value: float, labels: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
 
 
 def expert_load_metrics(tokens: list[int], imbalance: float, labels: list[str]) -> Iterator[Metric]:
     """A mixture of experts' load: (token, choice) pairs each routed expert received since
     start, summed over sparse layers, and the last step's imbalance (engine/model/expert_load.py)."""
-    counter = CounterMetricFamily(
+    yield _per_index(
         "duet:moe_expert_tokens",
         "Tokens (token, choice pairs) routed to each expert, summed over MoE layers.",
-        labels=["model_name", "expert"],
-    )
-    for expert, value in enumerate(tokens):
-        counter.add_metric([*labels, str(expert)], float(value))
-    yield counter
-    gauge = GaugeMetricFamily(
+        "expert", tokens, labels,
+    )  # fmt: skip
+    yield _gauge(
         "duet:moe_expert_imbalance",
         "The last step's max over mean tokens per expert, averaged over MoE layers (1 = even).",
-        labels=["model_name"],
-    )
-    gauge.add_metric(labels, imbalance)
-    yield gauge
+        imbalance, labels,
+    )  # fmt: skip
 
 
 def sum_expert_load(reports: Iterable[worker_pb2.WorkerStats]) -> tuple[list[int], float] | None:
