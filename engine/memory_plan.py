@@ -133,7 +133,7 @@ def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False)
 class _RankWeights:
     """Weight bytes of one TP rank's model parts."""
 
-    per_layer: int
+    per_layer: tuple[int, int]  # a dense layer's, a sparse (MoE) layer's
     embedding: int
     head: int  # the final norm and the LM head (0 for a tied one: the embedding is the head)
     tied: bool
@@ -144,21 +144,30 @@ class _RankWeights:
 def _rank_weights(
     arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype, expert_parallel: bool = False
 ) -> _RankWeights:
-    """The engine's model for TP rank `rank` of `tp` on the meta device, one layer deep (every
-    layer has the same shapes), counted by `weight_bytes`: with `expert_parallel` (and more
-    than one rank) the rank's whole experts in place of a slice of every one. The rope tables
-    (built for real, and no weights) are kept short."""
-    one_layer = dataclasses.replace(arch, num_hidden_layers=1, max_position_embeddings=16)
+    """The engine's model for TP rank `rank` of `tp` on the meta device, one layer deep (a
+    dense layer and, for a mixture of experts, a sparse one: Qwen2-MoE mixes them), counted
+    by `weight_bytes`: with `expert_parallel` (and more than one rank) the rank's whole
+    experts in place of a slice of every one. The rope tables (built for real, and no
+    weights) are kept short."""
     layout = TensorParallel(rank, tp, expert_parallel=expert_parallel and tp > 1)
-    with torch.device("meta"):
-        net = LlamaForCausalLM(one_layer, None, layout).to(dtype)
+    per_layer: list[int] = []
+    for sparse in (False, True):
+        moe = arch.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, sparse_layers=(0,) if sparse else ())
+        one_layer = dataclasses.replace(
+            arch, num_hidden_layers=1, max_position_embeddings=16, moe=moe
+        )
+        with torch.device("meta"):
+            net = LlamaForCausalLM(one_layer, None, layout).to(dtype)
+        per_layer.append(weight_bytes(net.layers[0])[0])
     embedding = weight_bytes(net.embed_tokens)[0]
     assert net.norm is not None  # one stage: the last
     head = weight_bytes(net.norm)[0]
     if net.lm_head is not None:
         head += weight_bytes(net.lm_head)[0]
     return _RankWeights(
-        weight_bytes(net.layers[0])[0],
+        (per_layer[0], per_layer[1]),
         embedding,
         head,
         net.lm_head is None,
@@ -227,7 +236,10 @@ def plan_layout(
             first, last = stage == 0, stage == pp - 1
             layers = stage_layers(arch.num_hidden_layers, pp, stage)
             num_layers = layers[1] - layers[0]
-            weights = num_layers * w.per_layer
+            weights = sum(
+                w.per_layer[arch.moe is not None and arch.moe.is_sparse(i)]
+                for i in range(layers[0], layers[1])
+            )
             # A tied LM head is the embedding table: the last stage holds it too.
             holds_table = first or (last and w.tied)
             weights += (w.embedding if holds_table else 0) + (w.head if last else 0)

@@ -26,6 +26,8 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
             tensors += list(module.buffers(recurse=False))
         elif isinstance(getattr(module, "packed", None), torch.Tensor):
             tensors.append(module.packed)  # type: ignore[arg-type]  # PackedLinear's oneDNN copy
+            if isinstance(getattr(module, "bias", None), torch.Tensor):
+                tensors.append(module.bias)  # type: ignore[arg-type]  # and its bias, a buffer
         elif isinstance(getattr(module, "cpu_kernel_panels", None), torch.Tensor):
             tensors.append(module.cpu_kernel_panels)  # type: ignore[arg-type]  # a tied head's
         for t in tensors:

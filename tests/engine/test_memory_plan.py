@@ -304,3 +304,19 @@ def test_duet_plan_refuses_expert_parallel_for_a_dense_model(
         main(argv)
     assert exc.value.code == 2
     assert "--enable-expert-parallel: the model is dense" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_counts_a_mixture_of_dense_and_sparse_layers(tiny_model_factory, tp: int) -> None:
+    """The tiny Qwen2-MoE's layer 1 is a dense MLP between two sparse ones (`mlp_only_layers`):
+    the plan counts each layer as it is, not every one like layer 0."""
+    model = tiny_model_factory("qwen2_moe")
+    config = json.loads(Path(model, "config.json").read_text())
+    assert config["mlp_only_layers"] == [1]
+    layout = plan_layout(arch_of(config), tp, 1, 80 * GIB, PlanSettings(dtype=torch.float32))
+    for rank, planned in enumerate(layout.ranks):
+        loaded = load_model(
+            model, torch.float32, torch.device("cpu"), progress=False,
+            tp=TensorParallel(rank, tp, None), deterministic=False,
+        )  # fmt: skip
+        assert planned.weights_bytes == loaded.weight_bytes
