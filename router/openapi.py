@@ -8,6 +8,7 @@ schema says that. Each route lists the other error statuses it can return, all w
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI
@@ -95,48 +96,44 @@ def token_id_maxima(engine: EngineClient) -> dict[str, int]:
     return {"tokenizer": engine.tokenizer.vocab_size - 1, "model": lo}
 
 
+def _schemas(node: Any) -> Iterator[dict[str, Any]]:
+    """Every object in a schema document, each before the ones inside it."""
+    if isinstance(node, dict):
+        yield node
+        for value in list(node.values()):
+            yield from _schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _schemas(value)
+
+
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
-def _exact_integer_bounds(node: Any) -> None:
+def _exact_integer_bounds(schema: dict[str, Any]) -> None:
     """An integer schema's bounds as JSON integers. FastAPI's OpenAPI models hold every bound
     as a float (`ge=1` is served as `1.0`); a client that generates values from the schema
     then works in floats, and near 2^63 (a seed's range) floats are 2048 apart: it sent
     -2^63 - 192 as within `minimum: -2^63`. (Bounds that are floats by then stay as they are:
     only integral ones, which are exact, are turned back.)"""
-    if isinstance(node, dict):
+    for node in _schemas(schema):
         if node.get("type") == "integer":
             for key in _BOUNDS:
                 value = node.get(key)
                 if isinstance(value, float) and value.is_integer():
                     node[key] = int(value)
-        for value in node.values():
-            _exact_integer_bounds(value)
-    elif isinstance(node, list):
-        for value in node:
-            _exact_integer_bounds(value)
 
 
-def _bound_token_ids(node: Any, maxima: dict[str, int]) -> None:
+def _bound_token_ids(schema: dict[str, Any], maxima: dict[str, int]) -> None:
     """Set `maximum` on every schema the request bodies mark `x-duet-token-id`."""
-    if isinstance(node, dict):
+    for node in _schemas(schema):
         if (kind := node.get("x-duet-token-id")) in maxima:
             node["maximum"] = maxima[kind]
-        for value in node.values():
-            _bound_token_ids(value, maxima)
-    elif isinstance(node, list):
-        for value in node:
-            _bound_token_ids(value, maxima)
 
 
-def _mark(node: Any, marker: str, extra: dict[str, Any]) -> None:
+def _mark(schema: dict[str, Any], marker: str, extra: dict[str, Any]) -> None:
     """Add `extra` to every schema carrying `marker` (e.g. priority, which only a server that
     schedules by priority accepts other than 0: serving_context.check_priority)."""
-    if isinstance(node, dict):
+    for node in _schemas(schema):
         if node.get(marker):
             node.update(extra)
-        for value in node.values():
-            _mark(value, marker, extra)
-    elif isinstance(node, list):
-        for value in node:
-            _mark(value, marker, extra)
