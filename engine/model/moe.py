@@ -303,7 +303,7 @@ def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
             len(blocks[0].experts), blocks[0].num_experts,
         )  # fmt: skip
         return 0
-    return sum(m.fuse_experts() for m in model.modules() if isinstance(m, SparseMoeBlock))
+    return sum(block.fuse_experts() for block in blocks)
 
 
 def attach_expert_load(model: nn.Module, device: torch.device) -> ExpertLoad | None:
