@@ -11,11 +11,9 @@ import sys
 from typing import Any
 
 import torch
-import triton
-from triton.compiler import ASTSource
 
 from duet.engine.kernels.triton_moe import _expert_matmul_kernel, moe_config
-from tests.engine.triton_sm90_compile import TARGET, ptxas_usage
+from tests.engine.triton_sm90_compile import compile_sm90
 
 DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 INT_PTRS = {"sorted_slots_ptr": "*i32", "block_expert_ptr": "*i32", "scale_ptr": "*fp32"}
@@ -28,27 +26,12 @@ VARIANTS = {  # name -> (GATHER, SCALE, SCALE_IN_MODEL_DTYPE)
 
 
 def compile_kernel(ptr: str, constexprs: dict[str, Any]) -> dict[str, int]:
-    fn = _expert_matmul_kernel
-    constexprs = dict(constexprs)
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = INT_PTRS.get(name, ptr)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in UNALIGNED:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-        target=TARGET,
-        options=options,
+    return compile_sm90(
+        _expert_matmul_kernel,
+        constexprs,
+        lambda name: INT_PTRS.get(name, ptr) if name.endswith("_ptr") else "i32",
+        lambda name: name not in UNALIGNED,
     )
-    return {**ptxas_usage(kernel.asm["ptx"]), "shared_bytes": kernel.metadata.shared}
 
 
 def main() -> None:

@@ -11,8 +11,6 @@ import sys
 from typing import Any
 
 import torch
-import triton
-from triton.compiler import ASTSource
 
 from duet.engine.quant.triton_linear import (
     _dequantize_kernel,
@@ -21,7 +19,7 @@ from duet.engine.quant.triton_linear import (
     kernel_constexprs,
 )
 from duet.engine.quant.triton_linear import launch_config as choose
-from tests.engine.triton_sm90_compile import TARGET, ptxas_usage
+from tests.engine.triton_sm90_compile import compile_sm90
 
 ACTIVATIONS = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 # format -> (int4, group size at K = 4096: None per channel)
@@ -33,26 +31,12 @@ UNALIGNED = {"M", "num_groups"}  # a decode step's rows; K / group size is 1 per
 
 
 def compile_kernel(fn: Any, ptrs: dict[str, str], constexprs: dict[str, Any]) -> dict[str, int]:
-    constexprs = dict(constexprs)
-    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-    signature: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if name not in UNALIGNED:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-        target=TARGET,
-        options=options,
+    return compile_sm90(
+        fn,
+        constexprs,
+        lambda name: ptrs[name] if name.endswith("_ptr") else "i32",
+        lambda name: name not in UNALIGNED,
     )
-    return {**ptxas_usage(kernel.asm["ptx"]), "shared_bytes": kernel.metadata.shared}
 
 
 def main() -> None:

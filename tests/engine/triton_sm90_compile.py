@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,31 +81,50 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     }
 
 
-def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, int]:
-    """Compile `fn` as a launch with `config` would, for sm_90; its resource use."""
-    config = dict(config)
-    options = {k: config.pop(k) for k in ("num_warps", "num_stages") if k in config}
-    unspecialised = set(fn.do_not_specialize)
-    unaligned = set(fn.do_not_specialize_on_alignment)
-    signature, attrs = {}, {}
+def compile_sm90(
+    fn: Any,
+    constexprs: dict[str, Any],
+    arg_type: Callable[[str], str],
+    divisible: Callable[[str], bool],
+) -> dict[str, int]:
+    """Compile `fn` for sm_90 as a launch with `constexprs` (and `num_warps`, `num_stages`)
+    would, each other argument typed by `arg_type` and marked a multiple of 16 where
+    `divisible` says a real launch passes one (Triton specialises on it); its resource use."""
+    constexprs = dict(constexprs)
+    options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     for i, name in enumerate(fn.arg_names):
-        if name in config:
+        if name in constexprs:
             signature[name] = "constexpr"
             continue
-        if name.endswith("_ptr"):
-            signature[name] = INT_PTRS.get(name, "*fp32" if name in FP32_PTRS else dtype)
-            if name not in unaligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name in ("qk_scale", "eps") else "i32"
-            if name not in NOT_DIVISIBLE and name not in unspecialised:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+        signature[name] = arg_type(name)
+        if divisible(name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=config, attrs=attrs),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=TARGET,
         options=options,
     )
     return {**ptxas_usage(kernel.asm["ptx"]), "shared_bytes": kernel.metadata.shared}
+
+
+def compile_kernel(fn: Any, dtype: str, config: dict[str, Any]) -> dict[str, int]:
+    """Compile an attention or norm kernel `fn` as a launch with `config` would, for sm_90."""
+    unspecialised = set(fn.do_not_specialize)
+    unaligned = set(fn.do_not_specialize_on_alignment)
+
+    def arg_type(name: str) -> str:
+        if name.endswith("_ptr"):
+            return INT_PTRS.get(name, "*fp32" if name in FP32_PTRS else dtype)
+        return "fp32" if name in ("qk_scale", "eps") else "i32"
+
+    def divisible(name: str) -> bool:
+        if name.endswith("_ptr"):
+            return name not in unaligned
+        return name not in NOT_DIVISIBLE and name not in unspecialised
+
+    return compile_sm90(fn, config, arg_type, divisible)
 
 
 def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
