@@ -26,86 +26,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import psutil
 
+from benchmarks.serve.soak_report import Outcome, Report, plot, read_stream
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-
-
-@dataclass
-class Outcome:
-    """One request: when it was sent and ended (seconds from the start), and how."""
-
-    sent_s: float
-    ended_s: float | None = None
-    status: str = "pending"  # completed | failed | pending (lost if still pending)
-    cause: str = ""
-    num_finishes: int = 0
-    num_done: int = 0
-
-
-@dataclass
-class Report:
-    outcomes: list[Outcome] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)  # {t_s, rss_mb: {name: mb}}
-    faults: list[dict[str, Any]] = field(default_factory=list)  # {t_s, what}
-
-    def summary(self) -> dict[str, Any]:
-        sent = len(self.outcomes)
-        causes = Counter(o.cause for o in self.outcomes if o.status == "failed")
-        return {
-            "sent": sent,
-            "completed": sum(o.status == "completed" for o in self.outcomes),
-            "failed": dict(causes),
-            "duplicated": sum(o.num_finishes > 1 or o.num_done > 1 for o in self.outcomes),
-            "lost": sum(o.status == "pending" for o in self.outcomes),
-            "p99_latency_s_per_minute": p99_per_minute(self.outcomes),
-            "rss_mb_per_minute": rss_per_minute(self.memory),
-            "faults": self.faults,
-        }
-
-
-def p99_per_minute(outcomes: list[Outcome]) -> dict[int, float]:
-    """The 99th percentile latency of the requests completed in each minute of the run."""
-    by_minute: dict[int, list[float]] = {}
-    for o in outcomes:
-        if o.status == "completed" and o.ended_s is not None:
-            by_minute.setdefault(int(o.ended_s // 60), []).append(o.ended_s - o.sent_s)
-    out = {}
-    for minute, latencies in sorted(by_minute.items()):
-        latencies.sort()
-        out[minute] = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-    return out
-
-
-def rss_per_minute(samples: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Each process's largest RSS (MB) sampled in each minute."""
-    out: dict[int, dict[str, float]] = {}
-    for sample in samples:
-        minute = out.setdefault(int(sample["t_s"] // 60), {})
-        for name, mb in sample["rss_mb"].items():
-            minute[name] = max(minute.get(name, 0.0), mb)
-    return out
-
-
-def read_stream(lines: list[str], outcome: Outcome) -> None:
-    """Count a streamed completion's finishes and `[DONE]`s, and an error event as a failure."""
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: ") :]
-        if data == "[DONE]":
-            outcome.num_done += 1
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            outcome.status, outcome.cause = "failed", f"stream error: {event['error'].get('type')}"
-            continue
-        outcome.num_finishes += sum(bool(c.get("finish_reason")) for c in event["choices"])
 
 
 async def one_request(client: httpx2.AsyncClient, body: dict[str, Any], outcome: Outcome,
@@ -311,11 +240,22 @@ async def faults(server: psutil.Process, redis: Redis | None, args: argparse.Nam
         await asyncio.sleep(1)
 
 
-async def sample(roots: dict[str, psutil.Process], report: Report, start: float,
-                 minutes: float) -> None:  # fmt: skip
-    while (now := time.monotonic() - start) < minutes * 60:
-        report.memory.append({"t_s": now, "rss_mb": sample_memory(roots)})
-        await asyncio.sleep(10)
+async def sample(server: psutil.Process, redis: Redis | None, report: Report, start: float,
+                 minutes: float, url: str, batch_id: str) -> None:  # fmt: skip
+    """Every 10 s: each process's RSS (Redis as it is now: restarted, it is a new process)
+    and the batch's line counts."""
+    async with httpx2.AsyncClient(base_url=url) as client:
+        while (now := time.monotonic() - start) < minutes * 60:
+            roots = {"serve": server}
+            if redis is not None and redis.proc is not None and redis.proc.poll() is None:
+                roots["redis"] = psutil.Process(redis.proc.pid)
+            report.memory.append({"t_s": now, "rss_mb": sample_memory(roots)})
+            try:
+                counts = (await client.get(f"/v1/batches/{batch_id}", timeout=5)).json()
+                report.batch_progress.append({"t_s": now, **counts["request_counts"]})
+            except (httpx2.HTTPError, KeyError, ValueError):
+                pass  # a look that failed (Redis restarting): the next one counts
+            await asyncio.sleep(10)
 
 
 def serve_argv(args: argparse.Namespace, store: str) -> list[str]:
@@ -357,16 +297,14 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )
         rate = max(0.01, args.load * sat)
         batch_id = await start_batch(url, args.batch_lines, args.vocab)
-        roots = {"serve": psutil.Process(server.pid)}
-        if redis is not None and redis.proc is not None:
-            roots["redis"] = psutil.Process(redis.proc.pid)
+        serve = psutil.Process(server.pid)
         start = time.monotonic()
         await asyncio.gather(
             poisson_load(
                 url, rate, args.minutes, args.vocab, args.max_tokens, report, args.timeout_s
             ),
-            faults(roots["serve"], redis, args, report, start),
-            sample(roots, report, start, args.minutes),
+            faults(serve, redis, args, report, start),
+            sample(serve, redis, report, start, args.minutes, url, batch_id),
         )
         batch = await finish_batch(url, batch_id, args.batch_lines, args.timeout_s)
         return {"saturation_rps": sat, "rate_rps": rate, **report.summary(), "batch": batch,
@@ -380,30 +318,6 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         log.close()
         if redis is not None:
             redis.stop()
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (lat, mem) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    p99 = result["p99_latency_s_per_minute"]
-    lat.plot(list(p99), list(p99.values()), marker="o")
-    lat.set_ylabel("p99 latency (s)")
-    for fault in result["faults"]:
-        for ax in (lat, mem):
-            ax.axvline(fault["t_s"] / 60, color="red", alpha=0.3)
-    per_minute = result["rss_mb_per_minute"]
-    names = sorted({n for m in per_minute.values() for n in m})
-    for name in names:
-        mem.plot(list(per_minute), [m.get(name, float("nan")) for m in per_minute.values()],
-                 label=name.split(":", 2)[-1][:30])  # fmt: skip
-    mem.set_ylabel("RSS (MB)")
-    mem.set_xlabel("minute")
-    mem.legend(fontsize=6)
-    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

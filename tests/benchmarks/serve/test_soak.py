@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.serve.soak import Outcome, Report, main, p99_per_minute, read_stream, rss_per_minute
+from benchmarks.serve.soak import main
+from benchmarks.serve.soak_report import (
+    Outcome,
+    Report,
+    batch_per_minute,
+    p99_per_minute,
+    read_stream,
+    requests_per_minute,
+    role_of,
+    rss_per_minute,
+)
 from tests.net import free_port
 
 
@@ -39,6 +49,27 @@ def test_p99_and_memory_are_per_minute():
     assert rss_per_minute(samples) == {0: {"a": 12.0, "b": 1.0}, 1: {"a": 11.0}}
 
 
+def test_requests_and_the_batch_per_minute():
+    outcomes = [Outcome(1.0, 3.0, "completed"), Outcome(2.0, 9.0, "completed"),
+                Outcome(50.0, 70.0, "completed"), Outcome(55.0, 61.0, "failed"),
+                Outcome(59.0)]  # fmt: skip
+    assert requests_per_minute(outcomes) == {
+        0: {"sent": 5, "completed": 2, "failed": 0, "p50_s": 2.0},
+        1: {"sent": 0, "completed": 1, "failed": 1, "p50_s": 20.0},
+    }
+    looks = [{"t_s": 5, "completed": 1, "failed": 0}, {"t_s": 55, "completed": 3, "failed": 1},
+             {"t_s": 125, "completed": 9, "failed": 1}]  # fmt: skip
+    assert batch_per_minute(looks) == {0: 4, 2: 10}
+
+
+def test_processes_are_plotted_by_role():
+    assert [role_of(n) for n in (
+        "serve:1:ray::DecodeRankActor", "serve:2:ray::PrefillRankActor", "serve:3:ray::RouterActor",
+        "redis:4:redis-server 127.0.0.1:18802", "serve:5:/x/python -m duet.cli.main serve --port",
+        "serve:6:ray::DashboardAgent",
+    )] == ["decode worker", "prefill worker", "router", "redis", "duet serve", "ray"]  # fmt: skip
+
+
 def test_a_short_run_against_duet_serve_writes_its_report(tiny_llama, tmp_path):
     out = tmp_path / "soak.json"
     result = main(["--model", tiny_llama, "--aggregated", "--no-redis", "--minutes", "0.15",
@@ -52,4 +83,8 @@ def test_a_short_run_against_duet_serve_writes_its_report(tiny_llama, tmp_path):
     assert result["batch"]["status"] == "completed"
     assert (result["batch"]["duplicated"], result["batch"]["lost"]) == (0, 0)
     assert json.loads(out.read_text())["sent"] == result["sent"]
+    per_minute = result["requests_per_minute"]
+    assert sum(m["sent"] for m in per_minute.values()) == result["sent"]
+    assert sum(m["completed"] for m in per_minute.values()) == result["completed"]
+    assert result["batch_lines_done_per_minute"]  # looked at every 10 s from the start
     assert out.with_suffix(".png").stat().st_size > 0
