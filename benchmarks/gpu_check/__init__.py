@@ -15,8 +15,10 @@ check under 8 minutes on one H200, `--quick` under 4):
    (`--quick`: 1 and 16): TTFT and ITL p50/p99, output tok/s, the one-stream ITL against the
    roofline step time, capture time and graph pool from the start-up log (serving.py);
 4. `disaggregated`: a prefill and a decode worker as plain processes on one GPU, KV over
-   `--kv-backend`, 16 prompts' greedy tokens against the aggregated engine's
-   (disaggregated.py);
+   `--kv-backend`, 16 prompts' greedy tokens against the aggregated engine's; then (not in
+   `--quick`, nixl only) nixl's GB/s pulling and pushing 16 and 256 blocks of a Llama-8B
+   layout between two processes' caches on the GPU against a device-to-device copy of the
+   same bytes (`benchmarks.kv.transfer --device cuda`) (disaggregated.py);
 5. `nccl_probe`: a torch_dist link whose peer never joins or dies after the first chunk,
    under PyTorch's and duet's TORCH_NCCL_ASYNC_ERROR_HANDLING (nccl_probe.py): findings,
    reported as `recorded`, never a failure.
@@ -49,11 +51,13 @@ from benchmarks.gpu_check.processes import ROOT, StepTimeout, child_env, free_po
 
 STEPS = ("tests", "kernels", "serve", "disaggregated", "nccl_probe")
 BUDGETS_S: dict[str, int] = {
-    "tests": 160, "kernels": 75, "serve": 90, "disaggregated": 60, "nccl_probe": 45,
+    "tests": 150, "kernels": 90, "serve": 90, "disaggregated": 80, "nccl_probe": 45,
 }  # fmt: skip
 """From the first whole run on an H200 (2026-11-28): the tests took 124 s once NIXL's passed,
 the kernels' quick shapes with HF's baseline 48 s, serving 48 s, the disaggregated step 33 s,
-the probe 27 s."""
+the probe 27 s. Since then (not in `--quick`) the kernels step also profiles the decode steps
+(`--profile`: 15 s more) and the disaggregated step measures nixl's GB/s against a
+device-to-device copy (20 s more); the tests' share is 10 s less."""
 QUICK_BUDGETS_S: dict[str, int] = {
     "tests": 40, "kernels": 60, "serve": 55, "disaggregated": 35, "nccl_probe": 30,
 }  # fmt: skip
@@ -166,10 +170,13 @@ def run_gpu_tests(workdir: Path, deadline: float, quick: bool) -> dict[str, Any]
 def run_kernel_benchmark(workdir: Path, deadline: float, quick: bool) -> dict[str, Any]:
     """`benchmarks.kernels.gpu` at Llama-3.1-8B shapes, at its `--quick` shapes in either mode
     (decode batches 1 and 64, one 2,048-token prefill: the whole sweep with HF's baseline
-    outlasts the step's 90 s, as on the first H200 run). Cut off in HF's baseline, duet's rows
-    are still reported (`partial`)."""
+    outlasts the step's 90 s, as on the first H200 run). Outside `--quick` the decode steps are
+    also profiled (device time by kind of kernel: benchmarks/kernels/gpu_profile.py). Cut off in
+    HF's baseline, duet's rows are still reported (`partial`)."""
     out = workdir / "kernels.json"
     args = ["-m", "benchmarks.kernels.gpu", "--models", "llama8b", "--out", str(out), "--quick"]
+    if not quick:
+        args.append("--profile")
     try:
         code = run_bounded(args, deadline, workdir / "kernels.log", child_env())
     except StepTimeout as e:
@@ -192,6 +199,10 @@ def roofline_summary(results: dict[str, Any] | None) -> dict[str, Any] | None:
         "decode_roofline_fraction": {str(d["batch"]): d["roofline_fraction"] for d in model["decode"]},
         "decode_graph_ms": {str(d["batch"]): d["graph_ms"] for d in model["decode"]},
         "prefill_peak_fraction": {str(p["tokens"]): p["peak_fraction"] for p in model["prefill"]},
+        "decode_profile_share": {
+            f"{d['batch']} {mode}": prof["share"]
+            for d in model["decode"] for mode, prof in d.get("profile", {}).items()
+        },
         "copy_bandwidth_gbs": results.get("copy_bandwidth_gbs"),
         "matmul_tflops": results.get("matmul_tflops"),
     }  # fmt: skip
@@ -289,6 +300,7 @@ def run_steps(
             kv_backend,
             workdir / "disaggregated",
             deadline("disaggregated"),
+            bandwidth_blocks=() if quick else (16, 256),
         ),
         "nccl_probe": lambda: run_probe(
             _mkdir(workdir / "nccl_probe"), deadline("nccl_probe"), NCCL_PROBE_TIMEOUT_S, False

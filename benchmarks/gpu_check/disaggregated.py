@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check.processes import Child, StepTimeout
+from benchmarks.gpu_check.processes import Child, StepTimeout, child_env, run_bounded
 
 DEFAULT_BACKEND = "nixl"
 ONE_DEVICE_NOTE = (
@@ -57,9 +57,11 @@ def run_disaggregated(
     deadline: float,
     num_prompts: int = 16,
     max_tokens: int = 16,
+    bandwidth_blocks: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """The step; `model` is a folder with config.json and tokenizer.json (dummy weights),
-    `engine` the EngineConfig fields both workers and the aggregated reference share."""
+    `engine` the EngineConfig fields both workers and the aggregated reference share. With
+    `bandwidth_blocks` and the nixl backend, once the tokens are checked: `kv_bandwidth`."""
     from duet.engine import LLM, SamplingParams
 
     device = torch.device(engine.get("device", "cuda"))
@@ -98,6 +100,8 @@ def run_disaggregated(
         report["worker_log_tails"] = {kind: w.tail(1500) for kind, w in workers.items()}
     equal = [g == w for g, w in zip(got, want, strict=True)]
     first_diff = next((i for i, same in enumerate(equal) if not same), None)
+    if bandwidth_blocks and backend == "nixl":
+        report["kv_bandwidth"] = kv_bandwidth(workdir, deadline, device, bandwidth_blocks)
     return {
         **report,
         "outcome": "passed" if all(equal) and transfers.get("done") == num_prompts else "failed",
@@ -108,6 +112,37 @@ def run_disaggregated(
             "prompt": first_diff, "aggregated": want[first_diff], "disaggregated": got[first_diff]
         },
     }  # fmt: skip
+
+
+BANDWIDTH_LAYOUT = "llama3-8b-bf16"  # benchmarks/kv/transfer_peers.py: 2 MiB per block
+
+
+def kv_bandwidth(
+    workdir: Path, deadline: float, device: torch.device, blocks: tuple[int, ...]
+) -> dict[str, Any]:
+    """`benchmarks.kv.transfer` on `device` (two processes, each with a Llama-3.1-8B-shaped
+    cache there), nixl pulling and pushing `blocks` blocks against a copy of the same bytes on
+    the device (on a GPU: device to device) and a raw NIXL write: GB/s per backend and size.
+    Cut off by `deadline`, it reports the timeout instead."""
+    out = workdir / "kv_transfer.json"
+    args = ["-m", "benchmarks.kv.transfer", "--device", device.type, "--copy-baseline",
+            "--layouts", BANDWIDTH_LAYOUT, "--backends", "nixl,nixl-push",
+            "--blocks", ",".join(map(str, blocks)), "--reps", "5", "--warmup", "1",
+            "--out", str(out)]  # fmt: skip
+    try:
+        code = run_bounded(args, deadline, workdir / "kv_transfer.log", child_env())
+    except StepTimeout as e:
+        return {"outcome": "timed_out", "detail": str(e)[-1500:]}
+    if code != 0 or not out.exists():
+        return {"outcome": "failed", "exit_code": code}
+    rows = [
+        {"backend": layout["backend"], "blocks": r["num_blocks"], "bytes": r["bytes"],
+         "nixl_gbs": r["duet_done_gbps"], "copy_gbs": r["raw_copy_gbps"],
+         "of_copy": r["ratio_done_copy"], "raw_nixl_gbs": r["raw_nixl_gbps"]}
+        for layout in json.loads(out.read_text())["layouts"]
+        for r in layout["results"]
+    ]  # fmt: skip
+    return {"outcome": "measured", "layout": BANDWIDTH_LAYOUT, "rows": rows}
 
 
 async def _through_workers(

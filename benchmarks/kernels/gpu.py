@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.kernels.gpu_profile import print_profile, profile_step, summarise
+
 MODELS: dict[str, dict[str, Any]] = {
     "llama8b": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
@@ -67,6 +69,7 @@ class Settings:
         self.copy_bytes = (16 if smoke else 1024) << 20
         self.matmul_n = 512 if smoke else 8192
         self.deterministic = False  # --deterministic
+        self.profile = False  # --profile: each decode step's kernels by kind (gpu_profile.py)
         if quick and not smoke:  # --quick (make gpu-check --quick): the shapes the issue targets
             self.batches, self.prefill_lens, self.iters, self.hf_steps = [1, 64], [2048], 10, 8
 
@@ -189,6 +192,13 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
             if graphs is not None:
                 run = functools.partial(graphs.run, ids_np, pos_np, slots_np, seq_lens, block_ids)
                 graph_s = timed(lambda run=run: duet.compute_logits(run()), s.device, s.iters)
+            profiles = None
+            if s.profile:
+                profiles = {"eager": profile_step(eager, s.device, s.iters)}
+                if graphs is not None:
+                    profiles["graph"] = profile_step(
+                        lambda run=run: duet.compute_logits(run()), s.device, s.iters
+                    )
         kv_bytes = (
             batch * ctx * cfg.num_hidden_layers * 2 * duet.num_kv_heads * cfg.head_dim * itemsize
         )
@@ -197,6 +207,8 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
              "graph_ms": None if graph_s is None else graph_s * 1e3,
              "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
         )  # fmt: skip
+        if profiles is not None:
+            rows[-1]["profile"] = profiles
     return rows
 
 
@@ -277,6 +289,9 @@ def bench_model(
     for row in decode:
         row["roofline_ms"] = (row["weight_bytes"] + row["kv_bytes"]) / bw * 1e3
         row["roofline_fraction"] = row["roofline_ms"] / (row["graph_ms"] or row["eager_ms"])
+        for mode, prof in row.get("profile", {}).items():
+            step_ms = row[f"{mode}_ms"]
+            row["profile"][mode] = summarise(prof, step_ms, row["weight_bytes"], bw / 1e9)
     for row in prefill:
         row["peak_fraction"] = row["tflops"] / device_stats["matmul_tflops"]
     save({"decode": decode, "prefill": prefill, "hf_baseline": "not measured (yet)"})
@@ -303,6 +318,7 @@ def print_report(results: dict[str, Any]) -> None:
             graph = "-" if d["graph_ms"] is None else f"{d['graph_ms']:.2f}"
             print(f"  {d['batch']:5d}  {d['eager_ms']:8.2f}  {graph:>8}  {d['roofline_ms']:11.2f}"
                   f"  {d['roofline_fraction']:10.0%}  {d['hf_step_ms']:5.1f}  {d['speedup_vs_hf']:4.1f}x")  # fmt: skip
+        print_profile(name, [d for d in r["decode"] if "profile" in d])
         print(f"{name} prefill:")
         print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF")
         for p in r["prefill"]:
@@ -329,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         "--deterministic", action="store_true",
         help="duet in deterministic mode: Triton matmuls and norms, one attention order",
     )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="profile each decode step: device time by kind of kernel (gpu_profile.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in ("llama8b", "smollm2")]
@@ -344,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         names = ["tiny"]
     s = Settings(args.smoke, args.quick)
     s.deterministic = args.deterministic
+    s.profile = args.profile
     import triton
 
     stats = measure_device(s)

@@ -38,13 +38,17 @@ def nixl_installed() -> bool:
 class RawNixl:
     """One peer's agent and registered buffer. Every call from one thread (the peer's)."""
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    def __init__(self, name: str, nbytes: int, device: str = "cpu") -> None:
         from duet.kv_transfer.nixl.agent import load_nixl
 
         nixl = load_nixl()
         config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = nixl.nixl_agent(f"bench-raw-{name}", config)
-        self.buffer = torch.ones(nbytes, dtype=torch.uint8)  # every page touched, as a cache's
+        # every page touched, as a cache's; on a GPU the buffer is device memory (VRAM)
+        self.buffer = torch.ones(nbytes, dtype=torch.uint8, device=torch.device(device))
+        cuda = self.buffer.device.type == "cuda"
+        self._mem = "VRAM" if cuda else "DRAM"
+        self._dev = (self.buffer.device.index or 0) if cuda else 0  # both peers: one GPU
         self._registered = self._agent.register_memory(self.buffer)
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peer: str | None = None
@@ -69,12 +73,12 @@ class RawNixl:
             raise RuntimeError("raw NIXL write before connect")
         if not 0 < nbytes <= self.buffer.nbytes:
             raise ValueError(f"nbytes: {nbytes} is not in [1, {self.buffer.nbytes}]")
-        local = np.array([[self.address, nbytes, 0]], dtype=np.uint64)
-        remote = np.array([[self._remote_address, nbytes, 0]], dtype=np.uint64)
+        local = np.array([[self.address, nbytes, self._dev]], dtype=np.uint64)
+        remote = np.array([[self._remote_address, nbytes, self._dev]], dtype=np.uint64)
         handle = self._agent.initialize_xfer(
             "WRITE",
-            self._agent.get_xfer_descs(local, "DRAM"),
-            self._agent.get_xfer_descs(remote, "DRAM"),
+            self._agent.get_xfer_descs(local, self._mem),
+            self._agent.get_xfer_descs(remote, self._mem),
             self._peer,
             str(tag).encode(),
         )

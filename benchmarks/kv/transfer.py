@@ -19,6 +19,10 @@ which goes first (so that the shared machine's noise hits both alike):
   one contiguous registered buffer of the same bytes, from the sender's start to the
   receiver seeing its notification (`raw_nixl.py`): the limit of what the `nixl` backend
   rides on (on one host's CPUs: UCX's CMA, one kernel copy).
+- copy (`--copy-baseline`; on by default with `--device cuda`): a copy of the same bytes
+  between two buffers on the receiver's device, timed in that process. With
+  `--device cuda` (both peers' caches on one GPU, nixl over UCX's CUDA IPC: `make gpu-check`
+  runs it) this is the device-to-device copy the KV transfer is compared with.
 
 The ratio is raw time / duet time (= duet bytes/s over raw bytes/s); the targets at 256
 blocks: torch_dist and tcp >= 0.8 of the gloo send; nixl >= 0.8 of the raw NIXL write, and
@@ -37,6 +41,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from benchmarks.common.machine import cpu_info, git_commit
 from benchmarks.kv.raw_nixl import nixl_installed
@@ -77,7 +83,8 @@ def memory_needed_bytes(spec: LayoutSpec, block_counts: list[int], pool: int) ->
 def format_table(layouts: list[dict[str, Any]]) -> str:
     head = (
         f"{'layout':<18} {'backend':<10} {'blocks':>6} {'MB':>8} {'raw GB/s':>9} {'done GB/s':>10} "
-        f"{'ratio':>6} {'ack GB/s':>9} {'ratio':>6} {'nixl GB/s':>9} {'ratio':>6} {'msgs':>5} "
+        f"{'ratio':>6} {'ack GB/s':>9} {'ratio':>6} {'nixl GB/s':>9} {'ratio':>6} "
+        f"{'copy GB/s':>9} {'ratio':>6} {'msgs':>5} "
         f"{'send() ms':>9} {'CPU ms duet/raw':>15} {'load':>5} {'others':>6}"
     )
     lines = [head, "-" * len(head)]
@@ -88,11 +95,16 @@ def format_table(layouts: list[dict[str, Any]]) -> str:
                 if r["raw_nixl_gbps"] is not None
                 else f"{'-':>9} {'-':>6}"
             )
+            copied = (
+                f"{r['raw_copy_gbps']:>9.2f} {r['ratio_done_copy']:>6.2f}"
+                if r.get("raw_copy_gbps") is not None
+                else f"{'-':>9} {'-':>6}"
+            )
             lines.append(
                 f"{layout['layout']['name']:<18} {layout['backend']:<10} {r['num_blocks']:>6} "
                 f"{r['bytes'] / 1e6:>8.2f} "
                 f"{r['raw_gbps']:>9.2f} {r['duet_done_gbps']:>10.2f} {r['ratio_done']:>6.2f} "
-                f"{r['duet_ack_gbps']:>9.2f} {r['ratio_ack']:>6.2f} {nixl} {r['chunks']:>5g} "
+                f"{r['duet_ack_gbps']:>9.2f} {r['ratio_ack']:>6.2f} {nixl} {copied} {r['chunks']:>5g} "
                 f"{r['send_call_s']['median'] * 1e3:>9.1f} "
                 f"{r['duet_cpu_s'] * 1e3:>7.1f}/{r['raw_cpu_s'] * 1e3:<7.1f} "
                 f"{r['load_avg_before'][0]:>5.2f} "
@@ -215,8 +227,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="block ids in no order (random: the worst case), as a fresh pool hands them out "
         "(runs of consecutive ids), or as duet's allocator hands them out after churn (pool)",
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both peers' caches live (cuda: two processes on one GPU, nixl only)",
+    )
+    p.add_argument(
+        "--copy-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time a copy of the same bytes on --device beside every transfer (default: on "
+        "with cuda, where it is the device-to-device copy)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    if args.copy_baseline is None:
+        args.copy_baseline = args.device == "cuda"
     if not 1 <= args.tcp_stripes <= MAX_STRIPES:
         p.error(f"--tcp-stripes: must be in [1, {MAX_STRIPES}]")
     installed = nixl_installed()
@@ -228,6 +255,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{what}: needs NIXL (pip install nixl-cu12, or make install)")
     if args.raw_nixl is None:
         args.raw_nixl = installed
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device cuda: no CUDA device here (torch {torch.__version__})")
+        if cpu_only := [b for b in args.backends if not b.startswith("nixl")]:
+            p.error(f"--backends {','.join(cpu_only)}: with --device cuda only nixl and "
+                    "nixl-push pair two processes' caches on one GPU")  # fmt: skip
     if args.kv_staging_memory is not None:
         try:
             check_staging_bytes("--kv-staging-memory", args.kv_staging_memory)
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = LAYOUTS[name]
         pool = args.pool_blocks or default_pool_blocks(args.blocks, args.block_order)
         need, have = memory_needed_bytes(spec, args.blocks, pool), _mem_available_bytes()
-        if have is not None and need > 0.8 * have:
+        if args.device == "cpu" and have is not None and need > 0.8 * have:
             print(f"skipping {name}: needs ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} available")
             continue
         print(
@@ -279,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                     tcp_stripes=args.tcp_stripes,
                     raw_nixl=args.raw_nixl,
                     staging_bytes=args.kv_staging_memory,
+                    device=args.device,
+                    copy_baseline=args.copy_baseline,
                 )
             )
     print()
@@ -315,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             "block_order": args.block_order,
             "raw_nixl": args.raw_nixl,
             "kv_staging_bytes": args.kv_staging_memory,
+            "device": args.device,
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "copy_baseline": args.copy_baseline,
         },
         "target": {"ratio": TARGET_RATIO, "num_blocks": TARGET_BLOCKS, "met": target},
         "busy": busy,

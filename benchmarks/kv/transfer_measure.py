@@ -138,6 +138,14 @@ class _Peers:
             "other_cores": usage["other_cores"],
         }
 
+    def copy(self, nbytes: int) -> dict[str, Any]:
+        """The receiver's copy of `nbytes` between two buffers on its device (the limit of a
+        cache-to-cache move there: on a GPU, the device-to-device copy)."""
+        before = CpuSnapshot.take(0.0)
+        done = self.ask(self.recv_conn, "raw_copy", nbytes)
+        usage = CpuSnapshot.take(done["cpu_s"]).usage_since(before, done["s"])
+        return {**done, "own_cores": usage["own_cores"], "other_cores": usage["other_cores"]}
+
     def close(self) -> None:
         for conn in (self.send_conn, self.recv_conn):
             if conn is None:
@@ -224,6 +232,7 @@ def measure_blocks(
     peers.raw_buffers(nbytes)
     src_ids, dst_ids = block_tables(pool, num_blocks, seed, order)
     kinds = ["duet", "raw"] + (["raw_nixl"] if peers.config.raw_nixl_bytes else [])
+    kinds += ["raw_copy"] if peers.config.copy_baseline else []
     taken: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     total = warmup + reps
     for rep in range(total):
@@ -232,6 +241,8 @@ def measure_blocks(
         for kind in kinds[shift:] + kinds[:shift]:
             if kind == "duet":
                 result = peers.duet(f"n{num_blocks}-rep{rep}", src_ids, dst_ids, check)
+            elif kind == "raw_copy":
+                result = peers.copy(nbytes)
             else:
                 result = peers.raw(nbytes, "nixl" if kind == "raw_nixl" else "gloo")
             if rep >= warmup:
@@ -241,12 +252,16 @@ def measure_blocks(
     ack = _stats([r["ack_s"] for r in duet_reps])
     raw_s = _stats([r["s"] for r in raw_reps])
     nixl_s = _stats([r["s"] for r in nixl_reps]) if nixl_reps else None
-    other = [r["other_cores"] for r in duet_reps + raw_reps + nixl_reps]
+    copy_reps = taken.get("raw_copy", [])
+    copy_s = _stats([r["s"] for r in copy_reps]) if copy_reps else None
+    other = [r["other_cores"] for r in duet_reps + raw_reps + nixl_reps + copy_reps]
     reps_out: list[dict[str, Any]] = [
         {"duet": d, "raw": r} for d, r in zip(duet_reps, raw_reps, strict=True)
     ]
     for rep_out, nixl in zip(reps_out, nixl_reps, strict=False):
         rep_out["raw_nixl"] = nixl
+    for rep_out, copied in zip(reps_out, copy_reps, strict=False):
+        rep_out["raw_copy"] = copied
     return {
         "num_blocks": num_blocks,
         "bytes": nbytes,
@@ -263,6 +278,10 @@ def measure_blocks(
         "raw_nixl_s": nixl_s,
         "raw_nixl_gbps": nbytes / nixl_s["median"] / 1e9 if nixl_s else None,
         "ratio_done_nixl": nixl_s["median"] / done["median"] if nixl_s else None,
+        # a copy of the same bytes within the receiver's device (None unless asked)
+        "raw_copy_s": copy_s,
+        "raw_copy_gbps": nbytes / copy_s["median"] / 1e9 if copy_s else None,
+        "ratio_done_copy": copy_s["median"] / done["median"] if copy_s else None,
         "chunks": statistics.median(r["chunks"] for r in duet_reps),
         # CPU seconds of both processes per transfer: on a 2-core machine, the extra copies
         # (gather, scatter) compete with the transport for the same cores
@@ -294,10 +313,13 @@ def measure_layout(
     tcp_stripes: int = 2,
     raw_nixl: bool = False,
     staging_bytes: int | None = None,
+    device: str = "cpu",
+    copy_baseline: bool = False,
     log: Any = None,
 ) -> dict[str, Any]:
-    """Spawn the two peers for `spec` and `backend` and measure each block count, against a
-    gloo send and, `raw_nixl`, a NIXL write of the same bytes; the layout's JSON."""
+    """Spawn the two peers for `spec` and `backend` (caches on `device`) and measure each
+    block count, against a gloo send, `raw_nixl` a NIXL write and `copy_baseline` a copy on
+    `device` of the same bytes; the layout's JSON."""
     log = log or functools.partial(print, flush=True)
     pool = pool_blocks or default_pool_blocks(block_counts, block_order)
     if problem := pool_problem(pool, block_counts, block_order):
@@ -305,7 +327,7 @@ def measure_layout(
     raw_nixl_bytes = max(block_counts) * spec.block_bytes if raw_nixl else 0
     config = PeerConfig(
         spec, pool, timeout_s, poll_interval_s, engine_malloc, num_threads, backend, tcp_stripes,
-        raw_nixl_bytes, staging_bytes,
+        raw_nixl_bytes, staging_bytes, device, copy_baseline,
     )  # fmt: skip
     results = []
     peers = _Peers(config)
@@ -325,6 +347,7 @@ def measure_layout(
     return {
         "layout": spec_dict(spec),
         "backend": backend,
+        "device": device,
         "block_order": block_order,
         "pool_blocks": pool,
         "staging_bytes": staging_bytes,

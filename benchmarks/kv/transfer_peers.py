@@ -68,6 +68,8 @@ class PeerConfig:
     tcp_stripes: int = 2  # connections per tcp channel (TcpKVSender's `stripes`)
     raw_nixl_bytes: int = 0  # each side's raw NIXL buffer (the largest transfer); 0: no baseline
     staging_bytes: int | None = None  # both sides' staging pool (None: the backend's default)
+    device: str = "cpu"  # where the caches and the raw NIXL buffers live ("cuda": one GPU)
+    copy_baseline: bool = False  # the receiver times a copy of the same bytes on `device`
 
     @property
     def backend_name(self) -> str:
@@ -100,9 +102,10 @@ def _make_caches(config: PeerConfig, fill: bool) -> list[torch.Tensor]:
     spec = config.spec
     shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     # zeros, not empty: every page is touched once here, as an engine's pool is at start-up
-    caches = [torch.zeros(shape, dtype=getattr(torch, spec.dtype)) for _ in range(spec.num_layers)]
+    dtype, device = getattr(torch, spec.dtype), torch.device(config.device)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
     if fill:
-        blocks = torch.arange(config.num_blocks)
+        blocks = torch.arange(config.num_blocks, device=device)
         for layer, cache in enumerate(caches):
             for kv in range(2):
                 cache[kv].copy_(
@@ -112,13 +115,28 @@ def _make_caches(config: PeerConfig, fill: bool) -> list[torch.Tensor]:
 
 
 def _check_blocks(caches: list[torch.Tensor], dst_ids: list[int], src_ids: list[int]) -> bool:
-    dst, src = torch.tensor(dst_ids), torch.tensor(src_ids)
+    device = caches[0].device
+    dst, src = torch.tensor(dst_ids, device=device), torch.tensor(src_ids, device=device)
     for layer, cache in enumerate(caches):
         for kv in range(2):
             want = block_value(layer, kv, src).view(-1, 1, 1, 1).to(cache.dtype)
             if not torch.equal(cache[kv, dst], want.expand(-1, *cache.shape[2:])):
                 return False
     return True
+
+
+def _timed_copy(bufs: list[torch.Tensor], nbytes: int) -> float:
+    """Seconds to copy `nbytes` from `bufs[0]` into `bufs[1]` (same device; a GPU is
+    synchronised before and after): the copy limit a transfer between two caches there has."""
+    src, dst = bufs[0][:nbytes], bufs[1][:nbytes]
+    cuda = src.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(src.device)
+    start = time.monotonic()
+    dst.copy_(src)
+    if cuda:
+        torch.cuda.synchronize(src.device)
+    return time.monotonic() - start
 
 
 def _cpu_s() -> float:
@@ -180,7 +198,9 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
             timeout_s=config.timeout_s,
             **config.options("receiver"),
         )
-        raw_nixl = RawNixl("recv", config.raw_nixl_bytes) if config.raw_nixl_bytes else None
+        raw_nixl = (
+            RawNixl("recv", config.raw_nixl_bytes, config.device) if config.raw_nixl_bytes else None
+        )
         raw_store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -196,12 +216,22 @@ def run_receiver(conn: Connection, config: PeerConfig) -> None:
         conn.send(("error", f"receiver: {traceback.format_exc()}"))
         return
     raw_buf: list[torch.Tensor] = []
+    copy_bufs: list[torch.Tensor] = []
 
     def handle(op: str, *args: Any) -> None:
         if op == "raw_buffer":  # allocated and touched outside any timing
             (nbytes,) = args
             raw_buf[:] = [torch.zeros(nbytes, dtype=torch.uint8)]
+            if config.copy_baseline:
+                device = torch.device(config.device)
+                copy_bufs[:] = [torch.ones(nbytes, dtype=torch.uint8, device=device),
+                                torch.zeros(nbytes, dtype=torch.uint8, device=device)]  # fmt: skip
             conn.send(("ok", raw_buf[0].nbytes))
+        elif op == "raw_copy":
+            (nbytes,) = args
+            cpu0 = _cpu_s()
+            seconds = _timed_copy(copy_bufs, nbytes)
+            conn.send(("ok", {"s": seconds, "cpu_s": _cpu_s() - cpu0}))
         elif op == "duet":
             request_id, dst_ids, check_src_ids = args
             if check_src_ids is not None:  # a checked rep must find its own data, not an old one
@@ -280,7 +310,7 @@ def run_sender(
         _raw_world(0, raw_port, config.timeout_s)
         raw_nixl = None
         if raw_nixl_peer is not None:
-            raw_nixl = RawNixl("send", config.raw_nixl_bytes)
+            raw_nixl = RawNixl("send", config.raw_nixl_bytes, config.device)
             raw_nixl.connect(raw_nixl_peer["metadata"], raw_nixl_peer["address"])
         conn.send(("ok", None))
     except Exception:

@@ -137,7 +137,9 @@ def test_roofline_summary_of_the_kernel_benchmark():
     results = {
         "copy_bandwidth_gbs": 4000.0, "matmul_tflops": 750.0,
         "models": {"llama8b": {
-            "decode": [{"batch": 1, "roofline_fraction": 0.5, "graph_ms": 8.0},
+            "decode": [{"batch": 1, "roofline_fraction": 0.5, "graph_ms": 8.0,
+                        "profile": {"eager": {"share": {"gemm": 0.25}},
+                                    "graph": {"share": {"gemm": 0.75}}}},
                        {"batch": 64, "roofline_fraction": 0.6, "graph_ms": 12.0}],
             "prefill": [{"tokens": 2048, "peak_fraction": 0.55}],
         }},
@@ -146,10 +148,25 @@ def test_roofline_summary_of_the_kernel_benchmark():
         "decode_roofline_fraction": {"1": 0.5, "64": 0.6},
         "decode_graph_ms": {"1": 8.0, "64": 12.0},
         "prefill_peak_fraction": {"2048": 0.55},
+        "decode_profile_share": {"1 eager": {"gemm": 0.25}, "1 graph": {"gemm": 0.75}},
         "copy_bandwidth_gbs": 4000.0,
         "matmul_tflops": 750.0,
     }
     assert gpu_check.roofline_summary(None) is None
+
+
+def test_the_kernels_step_profiles_decode_outside_quick(tmp_path: Path, monkeypatch):
+    seen: list[list[str]] = []
+
+    def run_bounded(args: list[str], *rest: object) -> int:
+        seen.append(args)
+        return 1  # nothing written: the step reports the exit code
+
+    monkeypatch.setattr(gpu_check, "run_bounded", run_bounded)
+    for quick in (False, True):
+        report = gpu_check.run_kernel_benchmark(tmp_path, time.monotonic() + 60, quick)
+        assert report == {"ok": False, "exit_code": 1, "results": None, "summary": None}
+    assert [a[-1] for a in seen] == ["--profile", "--quick"]
 
 
 def test_decode_roofline_bytes_of_llama_8b():
@@ -212,11 +229,26 @@ def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
     """The step as the GPU runs it (nixl is its default there), on CPU caches."""
     model = write_dummy_model(tmp_path / "model", TINY)
     engine = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256, "max_model_len": 512}
-    report = run_disaggregated(model, engine, backend, tmp_path, time.monotonic() + 240)
+    report = run_disaggregated(
+        model, engine, backend, tmp_path, time.monotonic() + 240, bandwidth_blocks=(2,)
+    )
     assert report["outcome"] == "passed", report
     assert (report["num_prompts"], report["num_equal"]) == (16, 16)
     assert report["transfers"] == {"done": 16}  # every prompt's KV went over the backend
     assert report["worker_exit_codes"] == {"prefill": 0, "decode": 0}
+    if backend != "nixl":
+        assert "kv_bandwidth" not in report
+        return
+    # on the GPU: nixl between two caches on the device against a device-to-device copy
+    bandwidth = report["kv_bandwidth"]
+    assert (bandwidth["outcome"], bandwidth["layout"]) == ("measured", "llama3-8b-bf16")
+    rows = bandwidth["rows"]
+    assert [(r["backend"], r["blocks"], r["bytes"]) for r in rows] == [
+        ("nixl", 2, 2 * 2 * 32 * 16 * 8 * 128 * 2), ("nixl-push", 2, 2 * 2 * 32 * 16 * 8 * 128 * 2)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["nixl_gbs"] > 0 and r["copy_gbs"] > 0 and r["raw_nixl_gbs"] > 0
+        assert r["of_copy"] == pytest.approx(r["nixl_gbs"] / r["copy_gbs"], rel=1e-9)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.kernels import gpu
+from benchmarks.kernels.gpu_profile import kind_of, summarise
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -31,6 +32,47 @@ def test_smoke_run_writes_every_measurement(tmp_path):
         assert d["eager_ms"] > 0 and d["hf_step_ms"] > 0 and d["roofline_ms"] > 0
     for p in tiny["prefill"]:
         assert p["tflops"] > 0 and p["hf_ms"] > 0
+
+
+def test_smoke_profile_splits_each_decode_step_by_kind(tmp_path):
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--smoke", "--profile", "--out", str(out)]) == 0
+    for d in json.loads(out.read_text())["models"]["tiny"]["decode"]:
+        assert list(d["profile"]) == ["eager"]  # no graphs on the CPU
+        p = d["profile"]["eager"]
+        assert p["kernels_seen"] > 0 and p["by_kind_ms"]["gemm"] > 0
+        assert p["kernel_ms"] == pytest.approx(sum(p["by_kind_ms"].values()), rel=1e-9)
+        assert p["step_ms"] == d["eager_ms"]
+        assert p["uncovered_ms"] == pytest.approx(d["eager_ms"] - p["kernel_ms"], rel=1e-9)
+        tops = [k["ms"] for k in p["top"]]
+        assert tops == sorted(tops, reverse=True) and 0 < len(tops) <= 10
+
+
+def test_kernel_kinds_of_names_seen_on_hopper():
+    names = {
+        "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "gemm",
+        "_matmul_kernel": "gemm",
+        "_decode_kernel": "attention",
+        "_merge_kernel": "attention",
+        "_write_kv_kernel": "kv_write",
+        "_rms_norm_kernel": "norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel": "activation",
+        "void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>": "sampling",
+        "void at::native::index_elementwise_kernel<128, 4>": "copy_elementwise",
+        "void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>": "copy_elementwise",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1>": "gemm",
+        "triton_poi_fused_0": "other",
+    }
+    assert {name: kind_of(name) for name in names} == names
+
+
+def test_profile_summary_arithmetic():
+    prof = {"kernel_ms": 6.0, "by_kind_ms": {"gemm": 4.0, "attention": 2.0}, "kernels_seen": 3}
+    s = summarise(prof, step_ms=8.0, weight_bytes=8_000_000_000, bandwidth_gbs=4000.0)
+    assert s["uncovered_ms"] == 2.0 and s["share"] == {"gemm": 0.5, "attention": 0.25}
+    assert s["weights_roofline_ms"] == 2.0 and s["gemm_of_roofline"] == 0.5
 
 
 def test_unknown_model_is_refused():

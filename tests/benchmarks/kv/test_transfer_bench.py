@@ -26,6 +26,7 @@ RESULT_KEYS = {
     "raw_s", "duet_done_gbps", "duet_ack_gbps", "raw_gbps", "ratio_done", "ratio_ack",
     "duet_cpu_s", "raw_cpu_s", "other_cores_median", "other_cores_max", "busy", "reps",
     "raw_nixl_s", "raw_nixl_gbps", "ratio_done_nixl", "raw_nixl_cpu_s", "chunks",
+    "raw_copy_s", "raw_copy_gbps", "ratio_done_copy",
 }  # fmt: skip
 DUET_REP_KEYS = {
     "done_s", "ack_s", "send_call_s", "cpu_s", "own_cores", "other_cores", "checked", "chunks",
@@ -42,21 +43,23 @@ def test_block_bytes_of_the_real_layouts():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("backend", "raw_nixl"),
-    [("torch_dist", False), ("tcp", False), ("tcp", True), ("nixl", True), ("nixl-push", False)],
-)
-def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend, raw_nixl):
+    ("backend", "raw_nixl", "copy"),
+    [("torch_dist", False, False), ("tcp", False, True), ("tcp", True, False),
+     ("nixl", True, True), ("nixl-push", False, False)],
+)  # fmt: skip
+def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend, raw_nixl, copy):
+    """`copy`: the copy baseline (on a GPU the device-to-device copy; here a host copy)."""
     logged: list[str] = []
     layout = measure_layout(
         TINY, [1, 3], reps=1, warmup=0, pool_blocks=5, timeout_s=30, backend=backend,
-        raw_nixl=raw_nixl, log=logged.append,
+        raw_nixl=raw_nixl, copy_baseline=copy, log=logged.append,
     )  # fmt: skip
     block_bytes = 2 * 2 * 4 * 2 * 8 * 4
     assert layout["layout"] == {
         "name": "tiny", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4,
         "dtype": "float32", "block_bytes": block_bytes,
     }  # fmt: skip
-    assert (layout["pool_blocks"], layout["backend"]) == (5, backend)
+    assert (layout["pool_blocks"], layout["backend"], layout["device"]) == (5, backend, "cpu")
     assert [r["num_blocks"] for r in layout["results"]] == [1, 3]
     for result, num_blocks in zip(layout["results"], [1, 3], strict=True):
         assert set(result) == RESULT_KEYS
@@ -76,6 +79,17 @@ def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend, raw_nixl):
             assert [result[k] for k in ("raw_nixl_s", "raw_nixl_gbps", "ratio_done_nixl")] == [
                 None, None, None,
             ]  # fmt: skip
+        if copy:
+            assert set(result["raw_copy_s"]) == STATS
+            median = result["raw_copy_s"]["median"]
+            assert result["raw_copy_gbps"] == pytest.approx(result["bytes"] / median / 1e9)
+            assert result["ratio_done_copy"] == pytest.approx(
+                median / result["duet_done_s"]["median"]
+            )
+        else:
+            assert [result[k] for k in ("raw_copy_s", "raw_copy_gbps", "ratio_done_copy")] == [
+                None, None, None,
+            ]  # fmt: skip
         assert result["chunks"] == 1  # a tiny transfer: one message
         assert result["duet_done_gbps"] == pytest.approx(
             result["bytes"] / result["duet_done_s"]["median"] / 1e9
@@ -84,10 +98,14 @@ def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend, raw_nixl):
             result["raw_s"]["median"] / result["duet_done_s"]["median"]
         )
         [rep] = result["reps"]
-        assert set(rep) == {"duet", "raw"} | ({"raw_nixl"} if raw_nixl else set())
+        assert set(rep) == {"duet", "raw"} | ({"raw_nixl"} if raw_nixl else set()) | (
+            {"raw_copy"} if copy else set()
+        )
         assert set(rep["duet"]) == DUET_REP_KEYS and set(rep["raw"]) == RAW_REP_KEYS
         if raw_nixl:
             assert set(rep["raw_nixl"]) == RAW_REP_KEYS
+        if copy:
+            assert set(rep["raw_copy"]) == RAW_REP_KEYS
         assert rep["duet"]["checked"] is True  # the only rep: the receiver's blocks verified
         assert len(result["load_avg_before"]) == 3
     assert len(logged) == 2 and logged[0].startswith(f"  tiny {backend} 1 blocks: load average")
@@ -99,7 +117,10 @@ def test_measure_tiny_layout_counts_exact_bytes(tmp_path, backend, raw_nixl):
         nixl_cells = [f"{first['raw_nixl_gbps']:.2f}", f"{first['ratio_done_nixl']:.2f}"]
     else:
         nixl_cells = ["-", "-"]
-    assert row[9:12] == [*nixl_cells, "1"]
+    copy_cells = (
+        [f"{first['raw_copy_gbps']:.2f}", f"{first['ratio_done_copy']:.2f}"] if copy else ["-", "-"]
+    )
+    assert row[9:14] == [*nixl_cells, *copy_cells, "1"]
     json.dumps(layout)  # the whole result is JSON-serialisable
 
 
@@ -198,6 +219,19 @@ def test_flag_errors_name_the_flag(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda"])
+        assert "--device cuda: no CUDA device here" in capsys.readouterr().err
+    else:
+        with pytest.raises(SystemExit):
+            parse_args(["--device", "cuda", "--backends", "nixl,tcp"])
+        assert "--backends tcp: with --device cuda only nixl" in capsys.readouterr().err
+
+
+def test_the_copy_baseline_is_off_on_the_cpu_unless_asked():
+    assert parse_args([]).copy_baseline is False
+    assert parse_args(["--copy-baseline"]).copy_baseline is True
 
 
 def test_without_nixl_the_defaults_leave_it_out_and_asking_for_it_is_an_error(capsys, monkeypatch):
@@ -232,6 +266,7 @@ def test_main_writes_the_json(tmp_path, capsys):
     assert report["config"]["threads"] == 1 and report["target"]["num_blocks"] == 256
     assert report["config"]["malloc"] == "engine" and report["config"]["tcp_stripes"] == 2
     assert report["config"]["raw_nixl"] is True and report["config"]["kv_staging_bytes"] is None
+    assert (report["config"]["device"], report["config"]["copy_baseline"]) == ("cpu", False)
     assert report["target"]["met"] == {}  # 256 blocks were not measured
     assert [layout["backend"] for layout in report["layouts"]] == ["torch_dist", "tcp", "nixl"]
     for layout in report["layouts"]:
