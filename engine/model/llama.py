@@ -22,7 +22,7 @@ from torch import nn
 
 from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.kernels.cpu import kernels_for
+from duet.engine.kernels import fused_ops_for
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
 from duet.engine.model.mlp import MLP, make_linear
@@ -48,9 +48,10 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), fused
-    with the residual add before it in `add_and_norm`. On CUDA with `invariant` set
-    (deterministic inference) a Triton kernel does the norm (engine/kernels/triton_norm.py)."""
+    """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), on
+    CUDA a Triton kernel (engine/kernels/triton_elementwise.py), each fused with the residual
+    add before it in `add_and_norm`. Other shapes (Qwen3's per-head q/k norms) take torch's
+    path, or on CUDA with `invariant` set (deterministic inference) the Triton norm."""
 
     invariant: bool = False
 
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = kernels_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        kernels = fused_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
         if kernels is not None:
             return kernels.rms_norm(x, self._parameters["weight"], self.eps)
         return self._norm(x)
@@ -70,7 +71,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): HF's residual add and the next norm. On the
         CPU kernel path x and residual are overwritten with them (no allocation)."""
-        kernels = kernels_for(x) if x.dim() == 2 else None
+        kernels = fused_ops_for(x) if x.dim() == 2 else None
         if kernels is not None and x.is_contiguous() and residual.is_contiguous():
             kernels.fused_add_rms_norm(x, residual, self._parameters["weight"], self.eps)
             return x, residual

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from duet.engine.errors import InvalidInputError
-from duet.engine.kernels.cpu import kernels_for
+from duet.engine.kernels import fused_ops_for
 from duet.engine.model.quantized_linear import QuantizedLinear
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import TensorParallel
@@ -51,8 +51,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
-        kernels = kernels_for(gate_up)
-        if kernels is not None:  # one pass, written over the gate half: [T, I] strided view
+        kernels = fused_ops_for(gate_up)
+        if kernels is not None:  # one pass (CPU: written over the gate half, a [T, I] view)
             act = kernels.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from duet.engine.kernels.cpu import kernels_for
+from duet.engine.kernels import fused_ops_for
 
 
 def rope_inv_freq(
@@ -72,14 +72,19 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D], positions: [T]
-        kernels = kernels_for(q)
-        if kernels is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+        kernels = fused_ops_for(q)
+        if kernels is not None and _heads_contiguous(q) and _heads_contiguous(k):
             # the buffers from their dict: `self.cos` is a Python call (nn.Module.__getattr__)
             kernels.rotary_embedding(positions, q, k, self._buffers["cos"], self._buffers["sin"])
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    """Each token's heads one contiguous run (q and k as views of one qkv product are)."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -187,7 +187,7 @@ def test_every_shipped_variant_compiles_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout)
     kernels = ("write_kv", "decode", "merge", "prefill", "prefill_split", "fold", "matmul",
-               "matmul_bias", "rms_norm")  # fmt: skip
+               "matmul_bias", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul")  # fmt: skip
     dtypes = ("bfloat16", "float16", "float32")
     assert sorted(usage) == sorted(
         f"{m}/{d}/{k}" for m in ("llama8b", "smollm2") for d in dtypes for k in kernels

@@ -33,6 +33,12 @@ from duet.engine.kernels.triton_decode import (
     decode_launch_config,
     merge_launch_config,
 )
+from duet.engine.kernels.triton_elementwise import (
+    SILU_BLOCK,
+    _add_rms_norm_kernel,
+    _rotary_kernel,
+    _silu_and_mul_kernel,
+)
 from duet.engine.kernels.triton_matmul import _matmul_kernel, matmul_config
 from duet.engine.kernels.triton_norm import _rms_norm_kernel
 from duet.engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
@@ -43,8 +49,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 # Llama-3.1-8B: 32 query heads over 8 KV heads, head_dim 128; SmolLM2-135M: 9 over 3, 64.
 MODELS = {"llama8b": (8, 4, 128), "smollm2": (3, 3, 64)}
+# The rotary embedding's tables are fp32 whatever the model's dtype.
 HIDDEN = {"llama8b": 4096, "smollm2": 576}
-FP32_PTRS = {"part_out_ptr", "part_lse_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
+FP32_PTRS = {"part_out_ptr", "part_lse_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr",
+             "cos_ptr", "sin_ptr"}  # fmt: skip
 INT_PTRS = {
     "slot_ptr": "*i64",
     "query_start_loc_ptr": "*i32",
@@ -52,9 +60,10 @@ INT_PTRS = {
     "block_tables_ptr": "*i32",
     "decode_indices_ptr": "*i32",
     "prefill_indices_ptr": "*i32",
+    "pos_ptr": "*i64",
 }
 # Arguments a real launch sees as multiples of 16 at these shapes (Triton specialises on it).
-NOT_DIVISIBLE = {"qk_scale", "num_kv_heads", "eps", "M"}
+NOT_DIVISIBLE = {"qk_scale", "num_kv_heads", "eps", "M", "num_q_heads", "num_k_heads"}
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -154,6 +163,14 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             block = triton.next_power_of_2(HIDDEN[model])
             norm = {"BLOCK": block, "num_warps": min(16, max(1, block // 256))}
             variants[f"{name}/rms_norm"] = (_rms_norm_kernel, ptr, norm)
+            # every dtype's decoder-layer operators (triton_elementwise.py)
+            variants[f"{name}/add_rms_norm"] = (_add_rms_norm_kernel, ptr, norm)
+            heads = kv_heads * group
+            rotary = {"BLOCK_D": head_dim // 2, "BLOCK_H": triton.next_power_of_2(heads),
+                      "num_warps": 4}  # fmt: skip
+            variants[f"{name}/rotary"] = (_rotary_kernel, ptr, rotary)
+            silu = {"BLOCK": SILU_BLOCK, "num_warps": 4}
+            variants[f"{name}/silu_and_mul"] = (_silu_and_mul_kernel, ptr, silu)
     return variants
 
 
