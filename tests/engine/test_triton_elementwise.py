@@ -137,3 +137,36 @@ def test_cuda_tensors_get_the_triton_operators_and_cpu_tensors_the_cpp_ones():
     for name in ("fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"):
         assert callable(getattr(triton_elementwise, name))  # the CPU module's calls, by name
         assert callable(getattr(kernels_for(cpu), name))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+def test_every_operator_compiled_on_cuda():
+    """`make gpu-check` (`pytest -m gpu`): the checks above, compiled, at both shapes."""
+    for model in SHAPES:
+        for dtype in DTYPES:
+            test_fused_add_rms_norm_against_torch_and_alone_vs_batched(model, dtype)
+            test_rotary_embedding_in_place_equals_the_torch_path(model, dtype)
+            test_silu_and_mul_against_torch(model, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+def test_the_model_on_cuda_gives_the_same_tokens_with_and_without_them(
+    tiny_model_factory, monkeypatch
+):
+    """fp32 on CUDA: greedy tokens with the Triton operators equal torch's paths' tokens."""
+    from duet.engine import LLM, SamplingParams
+    from duet.engine.model import llama, mlp, rotary
+
+    model_dir = tiny_model_factory("llama")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 40, 130)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fused = LLM(model_dir, dtype="float32", device="cuda", load_progress=False)
+    fast = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
+    del fused
+    for module in (llama, rotary, mlp):
+        monkeypatch.setattr(module, "fused_ops_for", lambda x: None)
+    plain = LLM(model_dir, dtype="float32", device="cuda", load_progress=False)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == fast
