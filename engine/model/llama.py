@@ -50,8 +50,8 @@ class ForwardContext:
 class RMSNorm(nn.Module):
     """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), on
     CUDA a Triton kernel (engine/kernels/triton_elementwise.py), each fused with the residual
-    add before it in `add_and_norm`. Other shapes (Qwen3's per-head q/k norms) take torch's
-    path, or on CUDA with `invariant` set (deterministic inference) the Triton norm."""
+    add before it in `add_and_norm`; on CUDA also Qwen3's per-head q/k norms. Otherwise
+    torch's path (on CUDA with `invariant` set, deterministic inference, the Triton norm)."""
 
     invariant: bool = False
 
@@ -61,7 +61,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = fused_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        # CUDA's Triton norm takes any leading dims (Qwen3's per-head q/k norms); the CPU's, rows
+        kernels = fused_ops_for(x) if x.stride(-1) == 1 and (x.dim() == 2 or x.is_cuda) else None
         if kernels is not None:
             return kernels.rms_norm(x, self._parameters["weight"], self.eps)
         return self._norm(x)

@@ -152,14 +152,15 @@ def test_every_operator_compiled_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q/k norms too
 def test_the_model_on_cuda_gives_the_same_tokens_with_and_without_them(
-    tiny_model_factory, monkeypatch
+    tiny_model_factory, monkeypatch, arch
 ):
     """fp32 on CUDA: greedy tokens with the Triton operators equal torch's paths' tokens."""
     from duet.engine import LLM, SamplingParams
     from duet.engine.model import llama, mlp, rotary
 
-    model_dir = tiny_model_factory("llama")
+    model_dir = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 40, 130)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
