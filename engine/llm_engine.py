@@ -59,12 +59,6 @@ class LLMEngine:
                 f"is {config.pipeline_parallel_size} but the engine was given "
                 f"{tp.pp.num_stages} stage(s); LLM(...) and AsyncEngine.from_config start the ranks",
             )
-        if config.pipeline_parallel_size > 1 and config.speculative_config is not None:
-            raise InvalidInputError(
-                "pipeline_parallel_size",
-                "speculative decoding runs on one pipeline stage only; got "
-                f"{config.pipeline_parallel_size} stages with speculative_config",
-            )
         if config.expert_parallel_size > 1:  # equal to the TP size (EngineConfig checks)
             tp = dataclasses.replace(tp, expert_parallel=True)
         self.tp = tp

@@ -65,6 +65,44 @@ def test_pp2_equals_pp1(tiny_model_factory) -> None:
     assert got == ref
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_two_stages_equals_one_stage_and_none(tiny_model_factory, method) -> None:
+    """Every rank runs the same scheduler and speculator from the same commands (an ngram
+    proposer reads the tokens every rank holds; a draft model is replicated on every rank),
+    the last stage verifies, and the accepted tokens reach every stage with the step's
+    broadcast: tokens and acceptance counts equal one stage's, and greedy tokens equal
+    decoding without speculation. The draft is the target itself (every guess accepted);
+    the ngram proposer matches after one token, without back-off, on prompts that repeat."""
+    model = tiny_model_factory("llama", num_hidden_layers=4)
+    spec: dict = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    if method == "draft_model":
+        spec["model"] = model
+    else:
+        spec.update(adaptive=False, prompt_lookup_min=1)
+    prompts = [p[:20] * 4 for p in _prompts(512, 6)]
+
+    def run(speculative_config: dict | None, **parallel: int):
+        llm = LLM(model, dtype="float32", load_progress=False, num_kv_blocks=256,
+                  speculative_config=speculative_config, **parallel)  # fmt: skip
+        try:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(64))]
+            speculator = llm.engine.speculator
+            return tokens, None if speculator is None else speculator.stats
+        finally:
+            llm.shutdown()
+
+    plain, _ = run(None)
+    one, one_stats = run(spec)
+    two, two_stats = run(spec, pipeline_parallel_size=2)
+    assert one == plain and two == plain
+    assert two_stats == one_stats and two_stats is not None
+    assert two_stats.num_draft_tokens > 100
+    if method == "draft_model":
+        assert two_stats.num_accepted_tokens == two_stats.num_draft_tokens
+    else:
+        assert two_stats.num_accepted_tokens > 0
+
+
 def test_pp2_keeps_only_its_layers(tiny_model_factory) -> None:
     model = tiny_model_factory("llama", num_hidden_layers=4)
     llm = LLM(model, dtype="float32", load_progress=False, num_kv_blocks=64,
