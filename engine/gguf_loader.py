@@ -31,8 +31,16 @@ import torch
 from tokenizers import Tokenizer
 
 from duet.engine.errors import ModelLoadError
+from duet.engine.gguf_moe import (
+    MIXTRAL,
+    MOE_ARCHITECTURES,
+    expert_template,
+    is_mixtral,
+    layer_tensor_name,
+    moe_hf_config,
+)
+from duet.engine.gguf_tensors import Reader, slice_data, unpermute_rope_rows
 from duet.engine.gguf_tokenizer import GGUFTokenizer
-from duet.engine.parallel import TensorSlice
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
 from duet.engine.weight_files import ReadStats, SelectSlice, is_skipped
@@ -47,6 +55,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    **MOE_ARCHITECTURES,  # and Mixtral as "llama" with experts (engine/gguf_moe.py)
 }
 
 # GGUF tensor name -> HF name. Per-layer parts are under "blk.{i}." / "model.layers.{i}.".
@@ -105,43 +114,6 @@ def supported_quant_types() -> list[str]:
     return [t.name for t in gguf.GGMLQuantizationType if _can_dequantize(t)]
 
 
-def _unpermute_rope_rows(
-    weight: torch.Tensor | QuantizedWeight, num_heads: int
-) -> torch.Tensor | QuantizedWeight:
-    """Undo llama.cpp's q/k row permutation for interleaved (GPT-J style) rope.
-
-    llama.cpp's converter reorders each head's rows from HF's [first half, second half] layout
-    (rotate_half rope) to interleaved pairs: row r of half h moves to 2 * r + h. This reads the
-    pairs back into halves. Works for weights [out, in] and biases [out].
-    """
-    if not isinstance(weight, torch.Tensor):  # quantized: move whole rows with their scales
-        index = _unpermute_rope_rows(torch.arange(weight.shape[0]), num_heads)
-        assert isinstance(index, torch.Tensor)
-        return weight.permute_rows(index)
-    head_rows = weight.shape[0] // num_heads
-    pairs = weight.reshape(num_heads, head_rows // 2, 2, *weight.shape[1:])
-    return pairs.transpose(1, 2).reshape(weight.shape)
-
-
-class _Reader(gguf.GGUFReader):
-    """gguf's reader, parsing from a plain ndarray view of its memmap: slicing a `np.memmap`
-    runs its Python `__array_finalize__` on every one of the ~250k fields and strings of a
-    49k-token vocabulary (SmolLM2: 5.8 s to open; 1.6 s this way). The parts are the same
-    arrays, still views of the mapped file."""
-
-    def _get(
-        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-    ) -> np.ndarray:
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        count = int(count)
-        dt = np.dtype(dtype)
-        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr if order == "I" else arr.view(dt.newbyteorder(order))
-
-
 class GGUFModel:
     """A GGUF file opened for loading: config, weights and tokenizer in HF terms.
 
@@ -158,7 +130,7 @@ class GGUFModel:
         if not os.path.isfile(path):
             raise ModelLoadError(f"model: no GGUF file at {path}")
         try:
-            self._reader = _Reader(path, "r")
+            self._reader = Reader(path, "r")
         # NOTE: gguf's reader indexes into the file as it parses: a truncated or corrupt file
         # raises IndexError, KeyError or struct errors as well as ValueError.
         except Exception as e:
@@ -173,11 +145,7 @@ class GGUFModel:
                 f"general.architecture: GGUF architecture {self.architecture!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if (self._arch_field("expert_count") or 0) > 0:  # a Mixtral file says "llama"
-            raise ModelLoadError(
-                f"model: {path} holds a mixture of experts; duet loads those from HF safetensors "
-                "only (GGUF's 3-D expert tensors are not read yet: docs/models.md)"
-            )
+        self.num_experts = int(self._arch_field("expert_count") or 0)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._hf_names = {name: self._hf_name(name) for name in self._tensors}
         for name, tensor in self._tensors.items():
@@ -187,7 +155,10 @@ class GGUFModel:
                     f"supported types: {', '.join(supported_quant_types())}"
                 )
         #: Number of tensors `weights()` yields (for a progress bar).
-        self.num_tensors: int = sum(hf is not None for hf in self._hf_names.values())
+        self.num_tensors: int = sum(
+            0 if hf is None else self.num_experts if "{e}" in hf else 1
+            for hf in self._hf_names.values()
+        )
         #: llama3-style rope frequency factors ([head_dim // 2] fp32), or None. See class doc.
         self.rope_freqs: torch.Tensor | None = None
         if _ROPE_FREQS_TENSOR in self._tensors:
@@ -227,6 +198,8 @@ class GGUFModel:
 
     def _build_hf_config(self) -> dict[str, Any]:
         hf_arch, model_type = SUPPORTED_ARCHITECTURES[self.architecture]
+        if is_mixtral(self.architecture, self.num_experts):
+            hf_arch, model_type = MIXTRAL
         hidden_size = int(self._required("embedding_length"))
         num_heads = int(self._required("attention.head_count"))
         num_kv_heads = int(self._arch_field("attention.head_count_kv", num_heads))
@@ -261,6 +234,11 @@ class GGUFModel:
         rope_scaling = self._rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        if self.num_experts:
+            names = set(self._tensors)
+            config |= moe_hf_config(
+                self.architecture, self._arch_field, names, config["num_hidden_layers"]
+            )
         return config
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -306,14 +284,18 @@ class GGUFModel:
                 return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
             parts = stem.split(".")
             layer_tensors = _LAYER_TENSORS
-            if self.architecture == "qwen3":
+            if self.architecture in ("qwen3", "qwen3moe"):
                 layer_tensors = {**_LAYER_TENSORS, **_QK_NORM_TENSORS}
             if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-                if parts[2] in layer_tensors:
-                    return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
+                hf = layer_tensors.get(parts[2])
+                if self.num_experts and hf is None:
+                    arch = self.architecture
+                    hf = layer_tensor_name(arch, parts[2]) or expert_template(arch, parts[2])
+                if hf is not None:
+                    return f"model.layers.{parts[1]}.{hf}.{suffix}"
         raise ModelLoadError(
             f"{gguf_name}: unexpected tensor for GGUF architecture {self.architecture!r} "
-            "(only dense Llama/Qwen2/Qwen3 decoder weights are supported)"
+            "(Llama/Qwen2/Qwen3 decoder weights and Mixtral/Qwen-MoE experts are supported)"
         )
 
     def _dequantize(
@@ -351,23 +333,19 @@ class GGUFModel:
         num_heads = self.hf_config["num_attention_heads"]
         num_kv_heads = self.hf_config["num_key_value_heads"]
         dequantized: set[str] = set()
-        for gguf_name, tensor in self._tensors.items():
-            hf_name = self._hf_names[gguf_name]
-            if hf_name is None:
-                continue
-            shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # HF order
+        for tensor, hf_name, shape, whole in self._tensor_parts():
             part = select(hf_name, shape) if select is not None else None
             if is_skipped(part):
                 continue
-            data = _slice_data(tensor, part)
+            data = slice_data(whole, tensor.tensor_type, part)
             if stats is not None:
                 stats.num_bytes += data.nbytes
             weight: torch.Tensor | QuantizedWeight
             qtype = tensor.tensor_type
-            if keep_quantized and len(tensor.shape) == 2 and qtype in REPACKED_TYPES:
+            if keep_quantized and len(shape) == 2 and qtype in REPACKED_TYPES:
                 weight = repack(np.ascontiguousarray(data), qtype)
             else:
-                if keep_quantized and qtype.name not in dequantized and len(tensor.shape) == 2:
+                if keep_quantized and qtype.name not in dequantized and len(shape) == 2:
                     dequantized.add(qtype.name)
                     logger.info("GGUF type %s is not kept quantized: dequantized", qtype.name)
                 weight = self._dequantize(tensor, data)
@@ -375,8 +353,24 @@ class GGUFModel:
             if self.architecture == "llama" and (is_q or is_k):
                 # A rank's rows are whole heads, each permuted within itself.
                 head_rows = shape[0] // (num_heads if is_q else num_kv_heads)
-                weight = _unpermute_rope_rows(weight, weight.shape[0] // head_rows)
+                weight = unpermute_rope_rows(weight, weight.shape[0] // head_rows)
             yield hf_name, weight
+
+    def _tensor_parts(
+        self,
+    ) -> Iterator[tuple[gguf.ReaderTensor, str, tuple[int, ...], np.ndarray]]:
+        """(tensor, HF name, HF shape, mapped data) of every weight in file order; a
+        stacked expert tensor as one part per expert (its slice of the outermost axis)."""
+        for gguf_name, tensor in self._tensors.items():
+            hf_name = self._hf_names[gguf_name]
+            if hf_name is None:
+                continue
+            shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # HF order
+            if "{e}" not in hf_name:
+                yield tensor, hf_name, shape, tensor.data
+                continue
+            for e in range(shape[0]):
+                yield tensor, hf_name.format(e=e), shape[1:], tensor.data[e]
 
     # -- tokenizer ----------------------------------------------------------------------------
 
@@ -385,25 +379,6 @@ class GGUFModel:
         see `engine.gguf_tokenizer.GGUFTokenizer.build`."""
         bos, eos = (self.bos_token, self.bos_token_id), (self.eos_token, self.eos_token_id)
         return GGUFTokenizer(self._field, self._tokens, bos, eos).build()
-
-
-def _slice_data(tensor: gguf.ReaderTensor, part: TensorSlice | None) -> np.ndarray:
-    """The part of the mapped tensor a rank reads: its rows (always contiguous, whole blocks),
-    or its columns where they start and end on quantization blocks (every row's run of
-    blocks); otherwise the whole tensor, which `load_weights` narrows."""
-    data: np.ndarray = tensor.data
-    if part is None:
-        return data
-    if part.dim == 0:
-        return data[part.start : part.end]
-    if data.ndim != 2:
-        return data
-    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    if data.dtype != np.uint8:  # F32, F16, ...: one element per column
-        return data[:, part.start : part.end]
-    if part.start % block or part.end % block:
-        return data
-    return data[:, part.start // block * type_size : part.end // block * type_size]
 
 
 def load_gguf(path: str) -> GGUFModel:

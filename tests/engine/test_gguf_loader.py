@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from duet.engine import gguf_loader
+from duet.engine import gguf_loader, gguf_tensors
 from duet.engine.errors import ModelLoadError
 from duet.engine.gguf_loader import GGUFModel, default_model_path, load_gguf
 from tests.engine.gguf_files import (
@@ -64,7 +64,7 @@ def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> 
 def test_the_reader_parses_what_ggufs_own_reader_parses() -> None:
     # duet's reader slices a plain view of the memmap (fast); every field, part, type and
     # tensor must be the one gguf's reader makes, on the 49k-token SmolLM2 file.
-    ours, theirs = gguf_loader._Reader(default_model_path()), gguf.GGUFReader(default_model_path())
+    ours, theirs = gguf_tensors.Reader(default_model_path()), gguf.GGUFReader(default_model_path())
     assert list(ours.fields) == list(theirs.fields)
     for name, field in theirs.fields.items():
         mine = ours.fields[name]
@@ -232,27 +232,29 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_gguf(str(path))
     assert str(error.value) == (
         "general.architecture: GGUF architecture 'mamba' is not supported; "
-        "supported: llama, qwen2, qwen3"
+        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe"
     )
 
 
-def test_a_mixture_of_experts_is_refused_with_a_pointer_to_safetensors(tmp_path: Path) -> None:
-    """llama.cpp writes Mixtral as general.architecture "llama" with llama.expert_count: the
-    3-D expert tensors are not read yet, so the file is refused by name, not misread as dense."""
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+def test_an_expert_tensor_duet_does_not_read_is_refused_by_name(tmp_path: Path) -> None:
+    """Mixtures of experts load (tests/engine/test_gguf_moe.py); a layout they do not know, such
+    as a fused gate|up expert stack, is refused naming the tensor, not misread."""
+    path = tmp_path / "fused.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
     writer.add_block_count(1)
     writer.add_expert_count(8)
     writer.add_expert_used_count(2)
-    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((8, 16, 4), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate_up_exps.weight", np.zeros((8, 32, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(
-        ModelLoadError, match="holds a mixture of experts; duet loads those from HF"
-    ):
+    with pytest.raises(ModelLoadError) as error:
         load_gguf(str(path))
+    assert str(error.value) == (
+        "blk.0.ffn_gate_up_exps.weight: unexpected tensor for GGUF architecture 'qwen3moe' "
+        "(Llama/Qwen2/Qwen3 decoder weights and Mixtral/Qwen-MoE experts are supported)"
+    )
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
