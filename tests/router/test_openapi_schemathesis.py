@@ -27,6 +27,30 @@ from duet.session_store import SqliteSessionStore, SqliteWorkQueue
 from tests.router.rest_server import MODEL_NAME, LiveServer, closing, make_app, make_engine
 
 
+@contextmanager
+def subnormal_floats() -> Iterator[None]:
+    """NOTE: the engine flushes denormals to zero (engine/cpu_runtime.py), a per-thread CPU mode
+    this thread has since the first engine started; hypothesis refuses to generate floats under
+    it. Engine threads keep their own mode, so turning it off here changes nothing there."""
+    torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(True)
+
+
+def start_in_a_clean_mode(live: LiveServer) -> LiveServer:
+    """Start `live` with flush-to-zero off. A new thread starts in its creator's floating-point
+    mode (Linux copies it), and an engine built on this thread set flush-to-zero and
+    denormals-are-zero here (engine/cpu_runtime.py): a server thread started under them reads a
+    subnormal such as `top_p: 5e-324` as 0 and refuses it where the schema allows it (a flaky
+    failure: it depended on whether this xdist worker had built an engine on its main thread
+    before). `duet serve`'s event loop does not run under them: its engine is built and steps
+    on a thread of its own."""
+    with subnormal_floats():
+        return live.start()
+
+
 @pytest.fixture(scope="module")
 def fuzzed_server(
     tiny_llama: str, tmp_path_factory: pytest.TempPathFactory
@@ -38,7 +62,8 @@ def fuzzed_server(
     app = make_app(engine, MODEL_NAME, session_store=store, work_queue=queue,
                    lifespan=closing(store, queue))  # fmt: skip
     live = LiveServer(app)
-    yield live.start()
+    torch.set_flush_denormal(True)  # as building an engine on this thread may have left it
+    yield start_in_a_clean_mode(live)
     live.stop()
     engine.shutdown()
 
@@ -128,18 +153,6 @@ def test_every_operation_is_fuzzed(fuzzed_server: LiveServer) -> None:
     assert len(ALL_CHECKS) == len(CHECKS.get_all()) >= 14
 
 
-@contextmanager
-def subnormal_floats() -> Iterator[None]:
-    """NOTE: the engine flushes denormals to zero (engine/cpu_runtime.py), a per-thread CPU mode
-    this thread has since the first engine started; hypothesis refuses to generate floats under
-    it. Engine threads keep their own mode, so turning it off here changes nothing there."""
-    torch.set_flush_denormal(False)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(True)
-
-
 # NOTE: strategies from the served schema under `@given`, rather than `schemathesis.pytest
 # .from_fixture`, whose lazy loading breaks on this pytest (it reads a private attribute).
 @pytest.mark.parametrize(
@@ -175,6 +188,18 @@ def test_generated_requests_get_no_5xx_and_match_the_schema(
 
 
 # -- each disagreement schemathesis found, as a regression test (issue 47, item 9) ----------
+
+
+def test_a_subnormal_top_p_is_accepted_as_the_schema_allows(fuzzed_server: LiveServer) -> None:
+    """The fixture's thread had flush-to-zero on when it started the server (as after building
+    an engine there): started in a clean mode, the server still reads 5e-324 as above 0."""
+    # the body as text: this thread's mode would print the float 5e-324 as 0.0
+    body = '{"messages": [{"role": "user", "content": "hi"}], "top_p": 5e-324, "max_tokens": 1}'
+    reply = httpx2.post(
+        f"{fuzzed_server.url}/v1/chat/completions", content=body, timeout=30,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert reply.status_code == 200, reply.text
 
 
 def _schema(server: LiveServer) -> dict[str, Any]:
