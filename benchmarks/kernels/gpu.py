@@ -9,7 +9,8 @@ and HF transformers on the same GPU, model and weights as the baseline, all in o
 - Prefill: FLOP/s of one prompt (2 x matmul parameters x tokens, plus causal attention)
   against a measured 8192^3 bf16 matmul.
 - Decode is timed both eager (prebuilt metadata) and as the CUDA-graph replay the engine runs
-  (input staging included); HF's step time is (generate 1 + K tokens - generate 1) / K.
+  (input staging included); HF's step time is the median time between consecutive steps of
+  one `generate` of 1 + K tokens (`hf_step_s`).
 
 Without CUDA it says so and exits 0. `--smoke` runs tiny shapes on the CPU to check that the
 script itself works; its numbers mean nothing.
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.kernels.gpu_profile import print_profile, profile_step, summarise
+from benchmarks.kernels.hf_step import hf_step_s
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama8b": dict(
@@ -253,19 +255,9 @@ def hf_bench(hf: Any, s: Settings) -> dict[str, Any]:
         for batch in s.batches:
             ids = torch.randint(0, vocab, (batch, s.context - 1), device=s.device)
             mask = torch.ones_like(ids)
-
-            def gen(k: int, ids: torch.Tensor = ids, mask: torch.Tensor = mask) -> None:
-                hf.generate(
-                    ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
-                    do_sample=False, eos_token_id=None, pad_token_id=0,
-                )  # fmt: skip
-
-            # A step is a difference of two timings: the fastest of each (noise only adds
-            # time), so that noise cannot swamp it.
-            iters = max(3, s.iters // 5)
-            one = timed(lambda: gen(1), s.device, iters, warmup=1, reduce=min)
-            many = timed(lambda: gen(1 + s.hf_steps), s.device, iters, warmup=1, reduce=min)
-            decode.append({"batch": batch, "step_ms": (many - one) / s.hf_steps * 1e3})
+            hf_step_s(hf, ids, mask, 2)  # warm-up
+            step = min(hf_step_s(hf, ids, mask, s.hf_steps) for _ in range(2))
+            decode.append({"batch": batch, "step_ms": step * 1e3})
         for n in s.prefill_lens:
             ids = torch.randint(0, vocab, (1, n), device=s.device)
             sec = timed(lambda ids=ids: hf(ids, use_cache=False, logits_to_keep=1), s.device, 3)

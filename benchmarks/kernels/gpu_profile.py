@@ -71,7 +71,9 @@ def profile_step(
         step()
     if on_cuda:
         torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+    # On CUDA the CPU activity too: kernels are reported beside the operators that launched
+    # them (CUDA alone has left them out in some torch versions); only device events count.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(iters):
             step()
