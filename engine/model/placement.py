@@ -133,6 +133,8 @@ class WeightPlacement:
             router = router_name(target)
             if router is not None:
                 return Placement(router, 0, None, 0)
+        if self.config.mla is not None and ".self_attn." in f".{target}":
+            return None  # MLA's projections: HF's names, whole (one rank: `check_mla_layout`)
         for hf, (ours, off, shard_rows, shard_dim) in self._shard_layout().items():
             if target == f"{hf}.weight" or f".{hf}." in f".{target}":
                 return Placement(target.replace(hf, ours), off, shard_rows, shard_dim)

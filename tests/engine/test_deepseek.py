@@ -1,0 +1,180 @@
+"""DeepSeek-V2/V3 (issue 44): multi-head latent attention over a paged cache of compressed
+entries, and DeepSeek's routers, against HF transformers' own classes on the same random weights
+(fp32: greedy tokens and top-5 logprobs; the routers bitwise); the cache's layout and size in
+the runner, KV sizing and `duet plan`; what is refused; and batch invariance in bf16."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from duet.engine import LLM, InvalidInputError, ModelLoadError, SamplingParams
+from duet.engine.loader import load_model
+from duet.engine.memory_plan import PlanSettings, plan_layouts
+from duet.engine.model import ModelArchConfig
+from duet.engine.model.deepseek_router import route_deepseek
+from duet.engine.model.mla import MLAttention
+from duet.engine.model.moe import SparseMoeBlock
+from tests.conftest import ARCH_CONFIGS, DEEPSEEK_ARCHS
+from tests.engine.test_batch_invariance import PARAMS, _prompt, _result
+from tests.engine.test_moe import MAX_TOKENS, NUM_PROMPTS, _prompts, hf_logprobs
+
+DEEPSEEK_SHAPES = dict(hidden_size=128, initializer_range=0.05)
+"""Wider than the tiny models' 64 (every projection a real product), still fast."""
+
+
+def _llm(path: str, dtype: str, **kw) -> LLM:
+    return LLM(path, dtype=dtype, load_progress=False, num_kv_blocks=64, deterministic=True, **kw)
+
+
+@pytest.mark.parametrize("arch", DEEPSEEK_ARCHS)
+def test_greedy_tokens_and_top5_logprobs_match_hf(tiny_model_factory, arch):
+    """HF scores duet's prompt + output in one forward pass: every output token is HF's argmax
+    after the tokens before it, and each step's top 5 are HF's, their logprobs within 1e-4 (the
+    tolerance of the other mixtures' test: duet attends in the absorbed form, HF expands K/V)."""
+    model_dir = tiny_model_factory(arch, **DEEPSEEK_SHAPES)
+    prompts = _prompts()
+    assert len(prompts) == NUM_PROMPTS
+    llm = LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert model.config.mla is not None and model.kv_spec.is_latent
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    refs = hf_logprobs(model_dir, [p + o.token_ids for p, o in zip(prompts, outs, strict=True)])
+    for prompt, sample, ref in zip(prompts, outs, refs, strict=True):
+        steps = ref[len(prompt) - 1 : -1]  # [MAX_TOKENS, vocab]: what predicts each output
+        assert sample.token_ids == steps.argmax(-1).tolist()
+        for lp, step in zip(sample.logprobs, steps, strict=True):
+            top = step.topk(5)
+            assert [t.token_id for t in lp.top] == top.indices.tolist()
+            got = torch.tensor([t.logprob for t in lp.top])
+            torch.testing.assert_close(got, top.values, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v2_grouped", "deepseek_v3"])
+def test_router_matches_hf(arch):
+    """Experts as HF's router chooses them (in expert order) and their weights: V2's greedy and
+    group-limited softmax bitwise; V3's sigmoid noaux_tc with a correction bias within one ulp
+    (duet's sigmoid takes torch's scalar path for every element, `row_invariant.elementwise`;
+    HF's contiguous one vectorised code, which differs in the last bit: 1 weight in 400 here)."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    spec = {**ARCH_CONFIGS[arch], "hidden_size": 64, "num_attention_heads": 4}
+    model_type = spec.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **spec)
+    v3 = model_type == "deepseek_v3"
+    hf_router = (DeepseekV3TopkRouter if v3 else DeepseekV2TopkRouter)(hf_config)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(hf_router.weight, std=0.5)
+    bias = None
+    if v3:
+        hf_router.e_score_correction_bias.normal_(0.0, 0.2)  # a buffer (no grad)
+        bias = hf_router.e_score_correction_bias
+    moe = ModelArchConfig.from_hf_config({**hf_config.to_dict(), **spec}).moe
+    assert moe is not None
+    x = torch.randn(200, 64)
+    with torch.no_grad():
+        _, hf_weights, hf_ids = hf_router(x)
+        weights, ids = route_deepseek(torch.nn.functional.linear(x, hf_router.weight), moe, bias)
+    hf_ids, order = hf_ids.sort(dim=-1)
+    assert torch.equal(ids, hf_ids)
+    rtol = 2.4e-7 if v3 else 0.0
+    torch.testing.assert_close(weights, hf_weights.gather(-1, order), atol=0, rtol=rtol)
+
+
+def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
+    """The runner's cache, KV sizing and `duet plan` agree on the latent layout: one plane of
+    kv_lora_rank + qk_rope_head_dim values per token and layer, and the plan's weight bytes are
+    the loaded model's (kv_b_proj counted once: split at load into the absorbed products)."""
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    llm = LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=64, block_size=16)
+    engine = llm.engine
+    model = engine.runner.model
+    entry = 32 + 16  # kv_lora_rank + qk_rope_head_dim
+    assert [tuple(c.shape) for c in engine.runner.kv_caches] == [(1, 64, 16, 1, entry)] * 3
+    assert model.kv_spec.bytes_per_block(3, 16, torch.float32) == 3 * 16 * entry * 4
+    attn = model.layers[0].self_attn
+    assert isinstance(attn, MLAttention) and attn.kv_b_proj is None
+    assert len(attn.k_absorb) == len(attn.v_absorb) == 4
+    assert isinstance(model.layers[1].mlp, SparseMoeBlock)
+    assert not isinstance(model.layers[0].mlp, SparseMoeBlock)  # first_k_dense_replace
+    settings = PlanSettings(dtype=torch.float32, block_size=16, cuda_graphs=False)
+    [plan] = plan_layouts(engine.arch, 4, 8 << 30, settings)  # MLA: one rank, one stage
+    assert (plan.tp, plan.pp) == (1, 1)
+    assert plan.ranks[0].kv_block_bytes == 3 * 16 * entry * 4
+    cpu = torch.device("cpu")
+    loaded = load_model(model_dir, torch.float32, cpu, progress=False, deterministic=False)
+    assert plan.ranks[0].weights_bytes == loaded.weight_bytes
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "field"),
+    [
+        ("tensor_parallel_size", 2, "tensor_parallel_size"),
+        ("pipeline_parallel_size", 3, "pipeline_parallel_size"),
+        ("quantization", "int8", "quantization"),
+        ("attention_backend", "cpu", "attention_backend"),
+    ],
+)
+def test_refused_options_name_the_field(tiny_model_factory, option, value, field):
+    model_dir = tiny_model_factory("deepseek_v2")
+    with pytest.raises(InvalidInputError) as err:
+        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16, **{option: value})
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+         "rope_scaling type 'linear' is not supported"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
+        ({"norm_topk_prob": True}, "norm_topk_prob true is not supported"),
+        ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
+    ],
+)  # fmt: skip
+def test_unsupported_configs_are_refused(override, message):
+    spec = {**ARCH_CONFIGS["deepseek_v2"], "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, **override}  # fmt: skip
+    with pytest.raises(ModelLoadError, match=message):
+        ModelArchConfig.from_hf_config(spec)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2_grouped", "deepseek_v3"])
+def test_alone_batched_chunked_and_prefix_hits_are_bitwise_equal_in_bf16(tiny_model_factory, arch):
+    """Tokens and top-5 logprobs, bitwise, in bf16: a 161-token prompt cold, again (a prefix
+    hit: its last token runs as a decode), among 15 others, and prefilled in chunks of 7 in
+    another engine; a prompt sharing 100 tokens with it after the hit and cold in chunks."""
+    model_dir = tiny_model_factory(arch, **DEEPSEEK_SHAPES)
+    llm = _llm(model_dir, "bfloat16", max_num_seqs=16)
+    chunked = _llm(model_dir, "bfloat16", max_num_batched_tokens=7)
+    assert llm.engine.deterministic and chunked.engine.deterministic
+    rng = random.Random(0)
+    prompt = _prompt(rng, 161)
+    cold = _result(llm.generate([prompt], PARAMS)[0])
+    assert _result(llm.generate([prompt], PARAMS)[0]) == cold  # hit
+    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
+    batch = llm.generate([*others[:6], prompt, *others[6:]], PARAMS)
+    assert _result(batch[6]) == cold
+    assert _result(chunked.generate([prompt], PARAMS)[0]) == cold
+    longer = prompt[:100] + _prompt(rng, 5)
+    assert _result(llm.generate([longer], PARAMS)[0]) == _result(
+        chunked.generate([longer], PARAMS)[0]
+    )
+
+
+def test_yarn_scales_the_softmax_and_the_rotary_tables():
+    """V3 under yarn: the softmax scale times mscale(factor, mscale_all_dim)^2, cos and sin
+    times HF's attention factor (mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    from duet.engine.model.arch import yarn_mscale
+
+    spec = {**ARCH_CONFIGS["deepseek_v3_yarn"], "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4}  # fmt: skip
+    mla = ModelArchConfig.from_hf_config(spec).mla
+    assert mla is not None
+    assert mla.softmax_scale == pytest.approx(32**-0.5 * yarn_mscale(4.0, 0.7) ** 2)
+    assert mla.rope_attention_factor == pytest.approx(yarn_mscale(4.0, 1.0) / yarn_mscale(4.0, 0.7))
