@@ -291,6 +291,12 @@ class ModelArchConfig:
                 f"sliding_window={sliding} below max_position_embeddings={max_pos} is not supported"
             )
         moe: MoEConfig | None = None
+        if mla and cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise ModelLoadError(
+                f"{arch}: a {method}-quantized checkpoint (config.json's quantization_config, "
+                "e.g. the Hub's FP8 DeepSeek-V3 weights) is not supported; use a bf16 conversion"
+            )
         if mla:
             moe = MoEConfig.deepseek(arch, cfg)
         elif features.get("moe"):

@@ -102,6 +102,9 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     assert len(attn.k_absorb) == len(attn.v_absorb) == 4
     assert isinstance(model.layers[1].mlp, SparseMoeBlock)
     assert not isinstance(model.layers[0].mlp, SparseMoeBlock)  # first_k_dense_replace
+    # V3 checkpoints' multi-token-prediction layer (index num_hidden_layers) is not loaded
+    assert model.placement.skips("model.layers.3.self_attn.kv_a_proj_with_mqa.weight")
+    assert not model.placement.skips("model.layers.2.self_attn.kv_a_proj_with_mqa.weight")
     settings = PlanSettings(dtype=torch.float32, block_size=16, cuda_graphs=False)
     [plan] = plan_layouts(engine.arch, 4, 8 << 30, settings)  # MLA: one rank, one stage
     assert (plan.tp, plan.pp) == (1, 1)
@@ -135,6 +138,7 @@ def test_refused_options_name_the_field(tiny_model_factory, option, value, field
         ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
         ({"norm_topk_prob": True}, "norm_topk_prob true is not supported"),
         ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "fp8-quantized checkpoint"),
     ],
 )  # fmt: skip
 def test_unsupported_configs_are_refused(override, message):
