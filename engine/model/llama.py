@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn: nn.Module = (
-            MLAttention(cfg) if cfg.mla is not None else Attention(cfg, tp, quant)
+            MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, quant)
         )
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(index):

@@ -16,8 +16,13 @@ dims, then its second), the same permutation for q_pe and k_pe, which leaves q_p
 Under yarn, cos and sin are multiplied by HF's attention factor and the softmax scale by
 mscale(mscale_all_dim)^2 (`MLAConfig`).
 
-Not yet: tensor parallelism, pipeline stages, expert parallelism and quantization
-(`check_mla_layout` refuses them, naming the option).
+Tensor parallelism shards the heads: a rank holds its heads' rows of q_proj (or q_b_proj) and
+kv_b_proj and their columns of o_proj, and one all-reduce after o_proj sums the ranks' parts.
+The latent is every head's, so q_a_proj, kv_a_proj_with_mqa and the norms are whole on every
+rank, each rank computes the same entries and caches them whole (the cache is replicated, as a
+KV head shared by several ranks is: `KVLayout.shipped_range` ships it from one rank). Not yet:
+pipeline stages, expert parallelism, quantization, and TP with `attention_bias` (o_proj's bias
+would be added once per rank) (`check_mla_layout` refuses them, naming the option).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.latent_attention import latent_attention, write_latent_cache
 from duet.engine.model.norm import RMSNorm
 from duet.engine.model.row_invariant import Linear
+from duet.engine.parallel import HeadShard, TensorParallel
 
 if TYPE_CHECKING:
     from duet.engine.model.llama import ForwardContext
@@ -47,20 +53,26 @@ def check_mla_layout(
     expert_parallel_size: int,
     quantization: str | None,
 ) -> None:
-    """Raise `InvalidInputError` naming the first option an MLA model cannot take yet: each
-    must be 1 (quantization: none). Nothing for a model without MLA."""
+    """Raise `InvalidInputError` naming the first option an MLA model cannot take yet:
+    pipeline and expert parallel sizes other than 1, quantization, tensor parallelism with
+    `attention_bias`. Nothing for a model without MLA."""
     if arch.mla is None:
         return
+    if tensor_parallel_size != 1 and arch.attention_bias:
+        raise InvalidInputError(
+            "tensor_parallel_size",
+            f"must be 1 for {arch.architecture} with attention_bias (multi-head latent "
+            f"attention's o_proj bias is not split over ranks yet); got {tensor_parallel_size}",
+        )
     for field, value in (
-        ("tensor_parallel_size", tensor_parallel_size),
         ("pipeline_parallel_size", pipeline_parallel_size),
         ("expert_parallel_size", expert_parallel_size),
     ):
         if value != 1:
             raise InvalidInputError(
                 field,
-                f"must be 1 for {arch.architecture} (multi-head latent attention runs on one "
-                f"rank for now); got {value}",
+                f"must be 1 for {arch.architecture} (multi-head latent attention: not yet); "
+                f"got {value}",
             )
     if quantization is not None:
         raise InvalidInputError(
@@ -103,15 +115,32 @@ def mla_weight_shapes(arch: ModelArchConfig, prefix: str) -> list[tuple[str, tup
     return shapes
 
 
-class MLAttention(nn.Module):
-    """One layer's latent attention; parameters under HF's names, except kv_b_proj, which
-    `absorb` replaces with the per-head `k_absorb` and `v_absorb` products."""
+def mla_shard_rows(arch: ModelArchConfig, heads: HeadShard) -> dict[str, tuple[int, int, int]]:
+    """HF module suffix -> (this rank's [start, end) of its tensor, the dimension) for the
+    projections tensor parallelism shards by head; the rest are whole on every rank."""
+    mla = arch.mla
+    assert mla is not None
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    kv = mla.qk_nope_head_dim + mla.v_head_dim
+    start, end = heads.q_start, heads.q_end
+    return {
+        "self_attn.q_proj": (start * qk, end * qk, 0),
+        "self_attn.q_b_proj": (start * qk, end * qk, 0),
+        "self_attn.kv_b_proj": (start * kv, end * kv, 0),
+        "self_attn.o_proj": (start * mla.v_head_dim, end * mla.v_head_dim, 1),
+    }
 
-    def __init__(self, cfg: ModelArchConfig) -> None:
+
+class MLAttention(nn.Module):
+    """One layer's latent attention (this rank's heads); parameters under HF's names, except
+    kv_b_proj, which `absorb` replaces with the per-head `k_absorb` and `v_absorb` products."""
+
+    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None
-        self.num_heads = heads = cfg.num_attention_heads
+        self.tp = tp
+        self.num_heads = heads = tp.heads(cfg.num_attention_heads, 1).num_heads
         self.nope = mla.qk_nope_head_dim
         self.rope = mla.qk_rope_head_dim
         self.latent = mla.kv_lora_rank
@@ -181,7 +210,8 @@ class MLAttention(nn.Module):
         out = latent_attention(query, kv_cache, ctx.meta, self.scale, self.latent)  # [T, H, latent]
         v_absorb: dict[str, Any] = parts["v_absorb"]._modules
         heads_out = [v_absorb[str(h)].forward(out[:, h].contiguous()) for h in range(heads)]
-        return parts["o_proj"].forward(torch.cat(heads_out, dim=-1))  # [T, hidden]
+        out = parts["o_proj"].forward(torch.cat(heads_out, dim=-1))  # [T, hidden], partial
+        return self.tp.all_reduce(out)
 
     def _rotate(
         self, ctx: ForwardContext, q_pe: torch.Tensor, k_pe: torch.Tensor

@@ -15,7 +15,7 @@ from duet.engine.loader import load_model
 from duet.engine.memory_plan import PlanSettings, plan_layouts
 from duet.engine.model import ModelArchConfig
 from duet.engine.model.deepseek_router import route_deepseek
-from duet.engine.model.mla import MLAttention
+from duet.engine.model.mla import MLAttention, check_mla_layout
 from duet.engine.model.moe import SparseMoeBlock
 from tests.conftest import ARCH_CONFIGS, DEEPSEEK_ARCHS
 from tests.engine.test_batch_invariance import PARAMS, _prompt, _result
@@ -88,8 +88,9 @@ def test_router_matches_hf(arch):
 
 def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     """The runner's cache, KV sizing and `duet plan` agree on the latent layout: one plane of
-    kv_lora_rank + qk_rope_head_dim values per token and layer, and the plan's weight bytes are
-    the loaded model's (kv_b_proj counted once: split at load into the absorbed products)."""
+    kv_lora_rank + qk_rope_head_dim values per token and layer, on every TP rank, and the plan's
+    weight bytes are the loaded model's (kv_b_proj counted once: split at load into the absorbed
+    products)."""
     model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
     llm = LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=64, block_size=16)
     engine = llm.engine
@@ -106,28 +107,60 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     assert model.placement.skips("model.layers.3.self_attn.kv_a_proj_with_mqa.weight")
     assert not model.placement.skips("model.layers.2.self_attn.kv_a_proj_with_mqa.weight")
     settings = PlanSettings(dtype=torch.float32, block_size=16, cuda_graphs=False)
-    [plan] = plan_layouts(engine.arch, 4, 8 << 30, settings)  # MLA: one rank, one stage
-    assert (plan.tp, plan.pp) == (1, 1)
-    assert plan.ranks[0].kv_block_bytes == 3 * 16 * entry * 4
+    plans = plan_layouts(engine.arch, 4, 8 << 30, settings)
+    assert [(p.tp, p.pp) for p in plans] == [(1, 1), (2, 1), (3, 1), (4, 1)]  # no stages yet
+    plan = plans[0]
+    # every rank caches the whole entry (heads sharded, the latent replicated)
+    assert {r.kv_block_bytes for p in plans for r in p.ranks} == {3 * 16 * entry * 4}
     cpu = torch.device("cpu")
     loaded = load_model(model_dir, torch.float32, cpu, progress=False, deterministic=False)
     assert plan.ranks[0].weights_bytes == loaded.weight_bytes
 
 
 @pytest.mark.parametrize(
-    ("option", "value", "field"),
+    ("options", "field"),
     [
-        ("tensor_parallel_size", 2, "tensor_parallel_size"),
-        ("pipeline_parallel_size", 3, "pipeline_parallel_size"),
-        ("quantization", "int8", "quantization"),
-        ("attention_backend", "cpu", "attention_backend"),
+        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),
+        ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "expert_parallel_size"),
+        ({"quantization": "int8"}, "quantization"),
+        ({"attention_backend": "cpu"}, "attention_backend"),
     ],
 )
-def test_refused_options_name_the_field(tiny_model_factory, option, value, field):
+def test_refused_options_name_the_field(tiny_model_factory, options, field):
     model_dir = tiny_model_factory("deepseek_v2")
     with pytest.raises(InvalidInputError) as err:
-        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16, **{option: value})
+        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16, **options)
     assert err.value.field == field
+
+
+def test_tensor_parallelism_with_attention_bias_is_refused():
+    spec = {**ARCH_CONFIGS["deepseek_v3"], "vocab_size": 512, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "attention_bias": True}  # fmt: skip
+    arch = ModelArchConfig.from_hf_config(spec)
+    check_mla_layout(arch, 1, 1, 1, None)
+    with pytest.raises(InvalidInputError, match="attention_bias") as err:
+        check_mla_layout(arch, 2, 1, 1, None)
+    assert err.value.field == "tensor_parallel_size"
+
+
+def test_tensor_parallel_2_equals_1(tiny_model_factory):
+    """TP=2 (a follower process over gloo): each rank holds 2 of the 4 heads (their rows of
+    q_b_proj and kv_b_proj, their columns of o_proj), the latent whole, and caches the same
+    entries; every expert's and the dense layer's intermediate size halved. fp32 greedy tokens
+    equal TP=1's except at a near-tie (the all-reduce's order of summation)."""
+    from tests.engine.test_aggregated_tp import _count_flips
+
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    want = _llm(model_dir, "float32").generate(_prompts(), params)
+    tp = LLM(
+        model_dir, dtype="float32", load_progress=False, num_kv_blocks=64, tensor_parallel_size=2
+    )
+    model = tp.engine.runner.model
+    attn = model.layers[0].self_attn
+    assert isinstance(attn, MLAttention) and attn.num_heads == 2
+    assert model.kv_spec.shape(64, 16) == (1, 64, 16, 1, 48)  # the whole entry on every rank
+    assert _count_flips(want, tp.generate(_prompts(), params)) <= 1
 
 
 @pytest.mark.parametrize(

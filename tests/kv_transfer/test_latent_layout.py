@@ -22,6 +22,7 @@ from duet.kv_transfer import (
     create_sender,
 )
 from duet.kv_transfer.layers import PagedLayers
+from duet.kv_transfer.layout import head_route, num_senders
 from tests.conftest import ARCH_CONFIGS
 from tests.kv_transfer.paged import caches, layout
 from tests.waiting import wait_for
@@ -140,3 +141,17 @@ def test_a_dense_sender_is_refused_by_an_mla_receiver_over_the_wire(backend):
     finally:
         sender.close()
         recv.close()
+
+
+def test_a_tensor_parallel_mla_group_ships_its_replicated_entries_from_one_rank():
+    """With heads sharded every rank of a TP group caches the whole entries: rank 0 ships them
+    (rank 1 caches the same "head", `shipped_range`), to every rank of a TP decode group."""
+    kv = latent_caches()
+    senders = [KVLayout.of_caches("m", kv, 1, 2, r) for r in range(2)]
+    receivers = [KVLayout.of_caches("m", kv, 1, 2, r) for r in range(2)]
+    assert [s.shipped_range for s in senders] == [(0, 1), (0, 0)]
+    for receiver in [*receivers, latent_layout(kv)]:
+        assert num_senders(senders[0], receiver) == 1
+        route = head_route(senders[0], receiver)
+        assert route is not None and route.src_whole and route.dst_whole
+        assert head_route(senders[1], receiver) is None
