@@ -1,7 +1,8 @@
 """The Llama family in one module: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k
-RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py) in
-place of the dense `MLP` (engine/model/mlp.py).
+RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE
+and DeepSeek-V2/V3, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py)
+in place of the dense `MLP` (engine/model/mlp.py); DeepSeek's attention is multi-head latent
+attention (`MLAttention`, engine/model/mla.py) in place of `Attention`.
 
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
@@ -148,9 +149,8 @@ class LlamaForCausalLM(nn.Module):
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         if tp.expert_parallel:
             check_ep_size(tp.world_size, cfg.moe)
-        ep_size = tp.world_size if tp.expert_parallel else 1
         quant_method = quant.method if quant is not None else None
-        check_mla_layout(cfg, tp.world_size, tp.pp.num_stages, ep_size, quant_method)
+        check_mla_layout(cfg, tp.world_size, tp.pp.num_stages, quant_method)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [
             end - start

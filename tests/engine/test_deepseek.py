@@ -121,7 +121,6 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     ("options", "field"),
     [
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),
-        ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "expert_parallel_size"),
         ({"quantization": "int8"}, "quantization"),
         ({"attention_backend": "cpu"}, "attention_backend"),
     ],
@@ -137,9 +136,9 @@ def test_tensor_parallelism_with_attention_bias_is_refused():
     spec = {**ARCH_CONFIGS["deepseek_v3"], "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 4, "attention_bias": True}  # fmt: skip
     arch = ModelArchConfig.from_hf_config(spec)
-    check_mla_layout(arch, 1, 1, 1, None)
+    check_mla_layout(arch, 1, 1, None)
     with pytest.raises(InvalidInputError, match="attention_bias") as err:
-        check_mla_layout(arch, 2, 1, 1, None)
+        check_mla_layout(arch, 2, 1, None)
     assert err.value.field == "tensor_parallel_size"
 
 
@@ -215,3 +214,19 @@ def test_yarn_scales_the_softmax_and_the_rotary_tables():
     assert mla is not None
     assert mla.softmax_scale == pytest.approx(32**-0.5 * yarn_mscale(4.0, 0.7) ** 2)
     assert mla.rope_attention_factor == pytest.approx(yarn_mscale(4.0, 1.0) / yarn_mscale(4.0, 0.7))
+
+
+def test_expert_parallel_2_gives_tp1_tokens(tiny_model_factory):
+    """EP=2 with TP=2 (heads sharded, each rank half the 16 routed experts whole, the router and
+    its correction bias whole, the shared expert sliced): V3's fp32 greedy tokens equal TP=1's
+    (at most one near-tie flip)."""
+    from tests.engine.test_aggregated_tp import _count_flips
+
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    want = _llm(model_dir, "float32").generate(_prompts(), params)
+    ep = LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=64,
+             tensor_parallel_size=2, expert_parallel_size=2)  # fmt: skip
+    block = ep.engine.runner.model.layers[1].mlp
+    assert isinstance(block, SparseMoeBlock) and (block.first_expert, len(block.experts)) == (0, 8)
+    assert _count_flips(want, ep.generate(_prompts(), params)) <= 1
