@@ -121,7 +121,7 @@ def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False)
         mlp_shard(arch.intermediate_size, TensorParallel(0, tp))
         if expert_parallel:
             check_ep_size(tp, arch.moe)
-        check_mla_layout(arch, tp, 1, None)
+        check_mla_layout(arch, tp, None)
     except InvalidInputError:
         return False
     return True
@@ -222,7 +222,7 @@ def plan_layout(
     check_pp_size(pp, arch.num_hidden_layers)
     if settings.expert_parallel:
         check_ep_size(tp, arch.moe)
-    check_mla_layout(arch, tp, pp, None)
+    check_mla_layout(arch, tp, None)
     max_model_len = min(
         settings.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
     )
@@ -302,7 +302,6 @@ def plan_layouts(
         for pp in range(1, num_gpus // tp + 1)
         if valid_tp_size(arch, tp, settings.expert_parallel)
         and pp <= min(arch.num_hidden_layers, max_pp or arch.num_hidden_layers)
-        and (arch.mla is None or pp == 1)  # `check_mla_layout`
     ]
     layouts.sort(key=lambda layout: (layout[0] * layout[1], layout[0]))
     return [

@@ -150,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         if tp.expert_parallel:
             check_ep_size(tp.world_size, cfg.moe)
         quant_method = quant.method if quant is not None else None
-        check_mla_layout(cfg, tp.world_size, tp.pp.num_stages, quant_method)
+        check_mla_layout(cfg, tp.world_size, quant_method)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [
             end - start

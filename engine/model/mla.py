@@ -21,9 +21,9 @@ kv_b_proj and their columns of o_proj, and one all-reduce after o_proj sums the 
 The latent is every head's, so q_a_proj, kv_a_proj_with_mqa and the norms are whole on every
 rank, each rank computes the same entries and caches them whole (the cache is replicated, as a
 KV head shared by several ranks is: `KVLayout.shipped_range` ships it from one rank). Not yet:
-pipeline stages, quantization, and TP with `attention_bias` (o_proj's bias would be added once
-per rank) (`check_mla_layout` refuses them, naming the option). Expert parallelism works as for
-the other mixtures (engine/model/moe.py).
+quantization and TP with `attention_bias` (o_proj's bias would be added once per rank)
+(`check_mla_layout` refuses them, naming the option). Pipeline stages and expert parallelism
+work as for the other models (engine/pipeline.py, engine/model/moe.py).
 """
 
 from __future__ import annotations
@@ -50,13 +50,11 @@ _LORA_NORM_EPS = 1e-6
 def check_mla_layout(
     arch: ModelArchConfig,
     tensor_parallel_size: int,
-    pipeline_parallel_size: int,
     quantization: str | None,
 ) -> None:
-    """Raise `InvalidInputError` naming the first option an MLA model cannot take yet: a
-    pipeline parallel size other than 1, quantization, tensor parallelism with
-    `attention_bias`. Nothing for a model without MLA. (Expert parallelism composes with the
-    head-sharded attention as for the other mixtures: engine/model/moe.py.)"""
+    """Raise `InvalidInputError` naming the first option an MLA model cannot take yet:
+    quantization, tensor parallelism with `attention_bias`. Nothing for a model without MLA.
+    (Pipeline stages and expert parallelism work as for the other models.)"""
     if arch.mla is None:
         return
     if tensor_parallel_size != 1 and arch.attention_bias:
@@ -64,12 +62,6 @@ def check_mla_layout(
             "tensor_parallel_size",
             f"must be 1 for {arch.architecture} with attention_bias (multi-head latent "
             f"attention's o_proj bias is not split over ranks yet); got {tensor_parallel_size}",
-        )
-    if pipeline_parallel_size != 1:
-        raise InvalidInputError(
-            "pipeline_parallel_size",
-            f"must be 1 for {arch.architecture} (multi-head latent attention: not yet); "
-            f"got {pipeline_parallel_size}",
         )
     if quantization is not None:
         raise InvalidInputError(

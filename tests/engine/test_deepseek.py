@@ -108,10 +108,13 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     assert not model.placement.skips("model.layers.2.self_attn.kv_a_proj_with_mqa.weight")
     settings = PlanSettings(dtype=torch.float32, block_size=16, cuda_graphs=False)
     plans = plan_layouts(engine.arch, 4, 8 << 30, settings)
-    assert [(p.tp, p.pp) for p in plans] == [(1, 1), (2, 1), (3, 1), (4, 1)]  # no stages yet
+    assert [(p.tp, p.pp) for p in plans] == [(1, 1), (1, 2), (2, 1), (1, 3), (3, 1), (2, 2),
+                                             (4, 1)]  # fmt: skip
     plan = plans[0]
-    # every rank caches the whole entry (heads sharded, the latent replicated)
-    assert {r.kv_block_bytes for p in plans for r in p.ranks} == {3 * 16 * entry * 4}
+    # every rank caches the whole entry of its stage's layers (heads sharded, the latent not)
+    for p in plans:
+        for r in p.ranks:
+            assert r.kv_block_bytes == (r.layers[1] - r.layers[0]) * 16 * entry * 4
     cpu = torch.device("cpu")
     loaded = load_model(model_dir, torch.float32, cpu, progress=False, deterministic=False)
     assert plan.ranks[0].weights_bytes == loaded.weight_bytes
@@ -120,7 +123,6 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
 @pytest.mark.parametrize(
     ("options", "field"),
     [
-        ({"pipeline_parallel_size": 3}, "pipeline_parallel_size"),
         ({"quantization": "int8"}, "quantization"),
         ({"attention_backend": "cpu"}, "attention_backend"),
     ],
@@ -136,9 +138,9 @@ def test_tensor_parallelism_with_attention_bias_is_refused():
     spec = {**ARCH_CONFIGS["deepseek_v3"], "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 4, "attention_bias": True}  # fmt: skip
     arch = ModelArchConfig.from_hf_config(spec)
-    check_mla_layout(arch, 1, 1, None)
+    check_mla_layout(arch, 1, None)
     with pytest.raises(InvalidInputError, match="attention_bias") as err:
-        check_mla_layout(arch, 2, 1, None)
+        check_mla_layout(arch, 2, None)
     assert err.value.field == "tensor_parallel_size"
 
 
@@ -230,3 +232,15 @@ def test_expert_parallel_2_gives_tp1_tokens(tiny_model_factory):
     block = ep.engine.runner.model.layers[1].mlp
     assert isinstance(block, SparseMoeBlock) and (block.first_expert, len(block.experts)) == (0, 8)
     assert _count_flips(want, ep.generate(_prompts(), params)) <= 1
+
+
+def test_pipeline_parallel_2_equals_1(tiny_model_factory):
+    """PP=2 (a follower process): stage 0 runs the dense layer 0 and sparse layer 1, stage 1
+    layer 2, each caching its own layers' entries; the prompts' steps run as micro-batches.
+    fp32 greedy tokens identical (a stage computes what one rank would)."""
+    from tests.engine.test_pipeline_parallel import _prompts as pp_prompts
+    from tests.engine.test_pipeline_parallel import _tokens
+
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    prompts = pp_prompts(512, 8)
+    assert _tokens(model_dir, prompts, pipeline_parallel_size=2) == _tokens(model_dir, prompts)
