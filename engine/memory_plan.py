@@ -121,7 +121,7 @@ def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False)
         mlp_shard(arch.intermediate_size, TensorParallel(0, tp))
         if expert_parallel:
             check_ep_size(tp, arch.moe)
-        check_mla_layout(arch, tp, None)
+        check_mla_layout(arch, tp)
     except InvalidInputError:
         return False
     return True
@@ -222,7 +222,7 @@ def plan_layout(
     check_pp_size(pp, arch.num_hidden_layers)
     if settings.expert_parallel:
         check_ep_size(tp, arch.moe)
-    check_mla_layout(arch, tp, None)
+    check_mla_layout(arch, tp)
     max_model_len = min(
         settings.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
     )

@@ -112,7 +112,7 @@ def check_layout(config: EngineConfig) -> None:
     from duet.engine.model.moe import check_ep_size
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
-    check_mla_layout(arch, config.tensor_parallel_size, config.quantization)
+    check_mla_layout(arch, config.tensor_parallel_size)
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
     for size in arch.ffn_sizes():  # the dense MLP's, the experts'
         mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))

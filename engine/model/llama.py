@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn: nn.Module = (
-            MLAttention(cfg, tp) if cfg.mla is not None else Attention(cfg, tp, quant)
+            MLAttention(cfg, tp, quant) if cfg.mla is not None else Attention(cfg, tp, quant)
         )
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(index):
@@ -149,8 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         if tp.expert_parallel:
             check_ep_size(tp.world_size, cfg.moe)
-        quant_method = quant.method if quant is not None else None
-        check_mla_layout(cfg, tp.world_size, quant_method)
+        check_mla_layout(cfg, tp.world_size)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [
             end - start

@@ -21,9 +21,10 @@ kv_b_proj and their columns of o_proj, and one all-reduce after o_proj sums the 
 The latent is every head's, so q_a_proj, kv_a_proj_with_mqa and the norms are whole on every
 rank, each rank computes the same entries and caches them whole (the cache is replicated, as a
 KV head shared by several ranks is: `KVLayout.shipped_range` ships it from one rank). Not yet:
-quantization and TP with `attention_bias` (o_proj's bias would be added once per rank)
-(`check_mla_layout` refuses them, naming the option). Pipeline stages and expert parallelism
-work as for the other models (engine/pipeline.py, engine/model/moe.py).
+TP with `attention_bias` (o_proj's bias would be added once per rank: `check_mla_layout`
+refuses it, naming the option). Pipeline stages and expert parallelism work as for the other
+models (engine/pipeline.py, engine/model/moe.py); quantization quantizes the projections
+except kv_b_proj, whose absorbed halves stay dense.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from torch import nn
 from duet.engine.errors import InvalidInputError
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.latent_attention import latent_attention, write_latent_cache
+from duet.engine.model.mlp import make_linear
 from duet.engine.model.norm import RMSNorm
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import HeadShard, TensorParallel
+from duet.engine.quant.config import QuantizationConfig
 
 if TYPE_CHECKING:
     from duet.engine.model.llama import ForwardContext
@@ -47,14 +50,10 @@ _LORA_NORM_EPS = 1e-6
 """HF's q_a_layernorm and kv_a_layernorm take the RMSNorm default, not `rms_norm_eps`."""
 
 
-def check_mla_layout(
-    arch: ModelArchConfig,
-    tensor_parallel_size: int,
-    quantization: str | None,
-) -> None:
-    """Raise `InvalidInputError` naming the first option an MLA model cannot take yet:
-    quantization, tensor parallelism with `attention_bias`. Nothing for a model without MLA.
-    (Pipeline stages and expert parallelism work as for the other models.)"""
+def check_mla_layout(arch: ModelArchConfig, tensor_parallel_size: int) -> None:
+    """Raise `InvalidInputError` naming `tensor_parallel_size` for an MLA model with
+    `attention_bias` split over ranks, the one layout it cannot take yet. (Pipeline stages,
+    expert parallelism and quantization work as for the other models.)"""
     if arch.mla is None:
         return
     if tensor_parallel_size != 1 and arch.attention_bias:
@@ -62,12 +61,6 @@ def check_mla_layout(
             "tensor_parallel_size",
             f"must be 1 for {arch.architecture} with attention_bias (multi-head latent "
             f"attention's o_proj bias is not split over ranks yet); got {tensor_parallel_size}",
-        )
-    if quantization is not None:
-        raise InvalidInputError(
-            "quantization",
-            f"must be none for {arch.architecture} (multi-head latent attention); "
-            f"got {quantization}",
         )
 
 
@@ -124,7 +117,9 @@ class MLAttention(nn.Module):
     """One layer's latent attention (this rank's heads); parameters under HF's names, except
     kv_b_proj, which `absorb` replaces with the per-head `k_absorb` and `v_absorb` products."""
 
-    def __init__(self, cfg: ModelArchConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, tp: TensorParallel, quant: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         mla = cfg.mla
         assert mla is not None
@@ -141,11 +136,14 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope
         # registered even when None, so that forward finds every one in `_modules`
         rank = mla.q_lora_rank
-        self.register_module("q_proj", Linear(hidden, heads * qk, bias=False) if not rank else None)
-        self.register_module("q_a_proj", Linear(hidden, rank, bias=bias) if rank else None)
+        # dense or quantized (`make_linear`); kv_b_proj stays dense: `absorb` splits its weight
+        q_proj = make_linear(hidden, heads * qk, False, quant) if not rank else None
+        self.register_module("q_proj", q_proj)
+        self.register_module("q_a_proj", make_linear(hidden, rank, bias, quant) if rank else None)
         self.register_module("q_a_layernorm", RMSNorm(rank, _LORA_NORM_EPS) if rank else None)
-        self.register_module("q_b_proj", Linear(rank, heads * qk, bias=False) if rank else None)
-        self.kv_a_proj_with_mqa = Linear(hidden, mla.entry_size, bias=bias)
+        q_b_proj = make_linear(rank, heads * qk, False, quant) if rank else None
+        self.register_module("q_b_proj", q_b_proj)
+        self.kv_a_proj_with_mqa = make_linear(hidden, mla.entry_size, bias, quant)
         self.kv_a_layernorm = RMSNorm(self.latent, _LORA_NORM_EPS)
         self.kv_b_proj: Linear | None = Linear(
             self.latent, heads * (self.nope + self.v_head_dim), bias=False
@@ -154,7 +152,7 @@ class MLAttention(nn.Module):
         """Per head: W_UK^T as a [kv_lora, qk_nope] linear (q_nope -> latent space)."""
         self.v_absorb = nn.ModuleList()
         """Per head: W_UV, a [v_head, kv_lora] linear (latent result -> the head's output)."""
-        self.o_proj = Linear(heads * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = make_linear(heads * self.v_head_dim, hidden, bias, quant)
 
     def absorb(self) -> None:
         """Split the loaded kv_b_proj into the per-head products and drop it (its bytes move,

@@ -123,7 +123,6 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
 @pytest.mark.parametrize(
     ("options", "field"),
     [
-        ({"quantization": "int8"}, "quantization"),
         ({"attention_backend": "cpu"}, "attention_backend"),
     ],
 )
@@ -138,9 +137,9 @@ def test_tensor_parallelism_with_attention_bias_is_refused():
     spec = {**ARCH_CONFIGS["deepseek_v3"], "vocab_size": 512, "hidden_size": 64,
             "intermediate_size": 128, "num_attention_heads": 4, "attention_bias": True}  # fmt: skip
     arch = ModelArchConfig.from_hf_config(spec)
-    check_mla_layout(arch, 1, None)
+    check_mla_layout(arch, 1)
     with pytest.raises(InvalidInputError, match="attention_bias") as err:
-        check_mla_layout(arch, 2, None)
+        check_mla_layout(arch, 2)
     assert err.value.field == "tensor_parallel_size"
 
 
@@ -244,3 +243,25 @@ def test_pipeline_parallel_2_equals_1(tiny_model_factory):
     model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
     prompts = pp_prompts(512, 8)
     assert _tokens(model_dir, prompts, pipeline_parallel_size=2) == _tokens(model_dir, prompts)
+
+
+def test_int8_projections_are_quantized_and_batch_invariant(tiny_model_factory):
+    """`quantization="int8"`: the attention's projections and the experts are `QuantizedLinear`s,
+    the absorbed halves of kv_b_proj and the router stay dense; bf16, a prompt alone equals the
+    same prompt among 15 others, bitwise."""
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    llm = _llm(model_dir, "bfloat16", quantization="int8", max_num_seqs=16)
+    quantized = {
+        n
+        for n, m in llm.engine.runner.model.named_modules()
+        if type(m).__name__ == "QuantizedLinear"
+    }
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+        assert f"layers.0.self_attn.{name}" in quantized
+    assert "layers.1.mlp.experts.0.gate_up_proj" in quantized
+    assert not any("absorb" in n or n.endswith("mlp.gate") for n in quantized)
+    rng = random.Random(3)
+    prompt = _prompt(rng, 100)
+    alone = _result(llm.generate([prompt], PARAMS)[0])
+    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
+    assert _result(llm.generate([*others[:9], prompt, *others[9:]], PARAMS)[9]) == alone
