@@ -259,6 +259,7 @@ def reports_deterministic(
     cpu_prefill_kernel: bool,
     triton_attention: bool,
     tp_size: int,
+    latent_attention: bool = False,
 ) -> bool:
     """What an engine reports as `deterministic` (docs/determinism.md). `linears_invariant`:
     the loader's verdict on the matrix products (CPU: probed invariant with padding; CUDA: the
@@ -266,7 +267,9 @@ def reports_deterministic(
     - CPU: that, and the C++ prefill kernel runs (it shares the decode kernel's order).
     - CUDA: that, the Triton attention kernels (the torch path's SDPA is not invariant), and
       one rank (NCCL picks its all-reduce algorithm by message size, so a row's sum may
-      depend on the batch's token count)."""
+      depend on the batch's token count).
+    `latent_attention`: a multi-head latent attention model, whose attention (the torch
+    reference, engine/model/latent_attention.py) is batch-invariant by construction on any device."""
     if device.type == "cuda":
-        return linears_invariant and triton_attention and tp_size == 1
-    return linears_invariant and cpu_prefill_kernel
+        return linears_invariant and (triton_attention or latent_attention) and tp_size == 1
+    return linears_invariant and (cpu_prefill_kernel or latent_attention)

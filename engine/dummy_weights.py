@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from duet.engine.model import ModelArchConfig
+from duet.engine.model.mla import mla_weight_shapes
 from duet.engine.model.moe import moe_weight_shapes
 from duet.engine.parallel import TensorSlice
 from duet.engine.tokenizer import Tokenizer
@@ -55,14 +56,17 @@ def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]
     ]
     for i in range(arch.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
+        shapes.append((p + "input_layernorm.weight", (h,)))
+        if arch.mla is not None:
+            shapes += mla_weight_shapes(arch, p)
+        else:
+            shapes += [
+                (p + "self_attn.q_proj.weight", (q, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, q)),
+            ]
+        shapes.append((p + "post_attention_layernorm.weight", (h,)))
         if arch.moe is not None and arch.moe.is_sparse(i):
             shapes += moe_weight_shapes(arch.moe, h, p)
         else:
@@ -71,7 +75,7 @@ def hf_weight_shapes(arch: ModelArchConfig) -> list[tuple[str, tuple[int, ...]]]
                 (p + "mlp.up_proj.weight", (inter, h)),
                 (p + "mlp.down_proj.weight", (h, inter)),
             ]
-        if arch.attention_bias:
+        if arch.attention_bias and arch.mla is None:
             biases = (("q", q), ("k", kv), ("v", kv))
             shapes += [(p + f"self_attn.{x}_proj.bias", (n,)) for x, n in biases]
         if arch.qk_norm:
@@ -103,7 +107,7 @@ def dummy_weights(
         tensor = torch.empty(out_shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):  # biases and DeepSeek-V3's e_score_correction_bias
             tensor.zero_()
         else:
             _fill_normal(tensor, shape, part, SEED ^ zlib.crc32(name.encode()))

@@ -24,24 +24,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INT32_MAX = 2**31 - 1
 GRAPH_MAX_SPLITS = 16
 """Most split-K partials per decode row a captured graph may hold (the decode kernel's cap)."""
 _GIB = 1 << 30
-
-
-def kv_cache_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
-
-def max_addressable_blocks(block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Most blocks one layer's cache `[2, num_blocks, block_size, Hkv, D]` may hold so that the
-    offset of each of its elements fits a signed 32-bit integer (the Triton kernels compute
-    `block id * block stride` in int32)."""
-    return INT32_MAX // (2 * block_size * num_kv_heads * head_dim)
 
 
 @dataclass(frozen=True)
@@ -102,14 +87,8 @@ def measure_gpu_memory(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     weights = torch.cuda.memory_allocated(device)
-    caches = [
-        torch.zeros(
-            (2, warm_blocks, block_size, model.num_kv_heads, cfg.head_dim),
-            dtype=dtype,
-            device=device,
-        )
-        for _ in range(model.num_layers)
-    ]
+    shape = model.kv_spec.shape(warm_blocks, block_size)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
     warm_cache_bytes = sum(c.numel() * c.element_size() for c in caches)
     meta = AttentionMetadata.build(
         [num_tokens],
@@ -163,9 +142,7 @@ def num_kv_blocks_for_gpu_memory(
         reserve["cuda_graphs"] = graph_pool_bytes(
             memory, graph_max_num_seqs, num_heads, cfg.head_dim
         )
-    block_bytes = kv_cache_bytes_per_block(
-        model.num_layers, block_size, model.num_kv_heads, cfg.head_dim, dtype
-    )
+    block_bytes = model.kv_spec.bytes_per_block(model.num_layers, block_size, dtype)
     num_blocks = plan_gpu_kv_blocks(memory, gpu_memory_utilization, block_bytes, reserve)
     logger.info(
         "GPU memory: %.2f GiB total, weights %.2f, activations %.2f, others %.2f, %s; "
@@ -191,9 +168,8 @@ def size_kv_pool(
     `kv_cache_memory_bytes` (CPU); clamped to what 32-bit offsets address; the minimum over
     the tensor-parallel group (every rank calls this at the same point)."""
     cfg = model.config
-    block_bytes = kv_cache_bytes_per_block(
-        model.num_layers, config.block_size, model.num_kv_heads, cfg.head_dim, dtype
-    )
+    spec = model.kv_spec
+    block_bytes = spec.bytes_per_block(model.num_layers, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
@@ -215,7 +191,7 @@ def size_kv_pool(
         )
     else:
         num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
-    limit = max_addressable_blocks(config.block_size, model.num_kv_heads, cfg.head_dim)
+    limit = spec.max_addressable_blocks(config.block_size)
     if num_blocks > limit:
         logger.warning(
             "KV pool clamped from %d to %d blocks: one layer's cache may hold at most 2^31 - 1 "

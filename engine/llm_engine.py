@@ -86,7 +86,10 @@ class LLMEngine:
             loaded.arch.max_position_embeddings,
         )
         use_triton = self.device.type == "cuda" and (
-            resolve_attention_backend(config.attention_backend, self.device, self.dtype) == "triton"
+            resolve_attention_backend(
+                config.attention_backend, self.device, self.dtype, loaded.model.kv_spec.is_latent
+            )
+            == "triton"
         )
         self.num_blocks = size_kv_pool(
             config, loaded.model, self.device, self.dtype, tp, self.max_model_len, use_triton
@@ -117,7 +120,7 @@ class LLMEngine:
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""
         self.deterministic = reports_deterministic(
             self.device, loaded.linears_batch_invariant, self.runner.prefill_kernel,
-            self.runner.use_triton, tp.world_size,
+            self.runner.use_triton, tp.world_size, loaded.model.kv_spec.is_latent,
         )  # fmt: skip
         """Whether a request's tokens are independent of its batch, chunking and prefix hits
         (docs/determinism.md; `engine.config.reports_deterministic`)."""

@@ -227,7 +227,7 @@ def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
     """Batch-invariant Triton matmuls and RMSNorms for `net` on CUDA; False (and nothing set)
     where Triton cannot run."""
     from duet.engine.kernels.triton_runtime import triton_unusable_reason
-    from duet.engine.model.llama import RMSNorm
+    from duet.engine.model.norm import RMSNorm
 
     if triton_unusable_reason(torch.device("cuda")) is not None:
         return False

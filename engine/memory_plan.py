@@ -7,9 +7,10 @@ pieces so that the plan and a running engine agree:
   so replicated KV heads, vocabulary-parallel embedding, uneven splits and, with expert
   parallelism, a rank's whole experts are the engine's) counted by `weight_bytes`, as the
   loader logs it;
-- KV blocks: `kv_cache_bytes_per_block` of the rank's layers and KV heads,
-  `plan_gpu_kv_blocks` over what is left, clamped by `max_addressable_blocks`, the minimum over
-  the ranks (every rank of an engine schedules the same blocks);
+- KV blocks: `KVCacheSpec.bytes_per_block` of the rank's layers and KV heads (MLA: one
+  latent entry per token and layer), `plan_gpu_kv_blocks` over what is left, clamped by
+  `KVCacheSpec.max_addressable_blocks`, the minimum over the ranks (every rank of an engine
+  schedules the same blocks);
 - the CUDA-graph pool: `graph_pool_bytes`, from the activations.
 
 Activations are the one estimate: a running engine measures them with a warm-up forward
@@ -28,15 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from duet.engine.errors import InvalidInputError
-from duet.engine.kv_sizing import (
-    GpuMemory,
-    graph_pool_bytes,
-    kv_cache_bytes_per_block,
-    max_addressable_blocks,
-    plan_gpu_kv_blocks,
-)
+from duet.engine.kv_cache_spec import kv_cache_spec
+from duet.engine.kv_sizing import GpuMemory, graph_pool_bytes, plan_gpu_kv_blocks
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
+from duet.engine.model.mla import check_mla_layout
 from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.moe import check_ep_size
 from duet.engine.model.weight_bytes import weight_bytes
@@ -124,6 +121,7 @@ def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False)
         mlp_shard(arch.intermediate_size, TensorParallel(0, tp))
         if expert_parallel:
             check_ep_size(tp, arch.moe)
+        check_mla_layout(arch, tp)
     except InvalidInputError:
         return False
     return True
@@ -224,6 +222,7 @@ def plan_layout(
     check_pp_size(pp, arch.num_hidden_layers)
     if settings.expert_parallel:
         check_ep_size(tp, arch.moe)
+    check_mla_layout(arch, tp)
     max_model_len = min(
         settings.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
     )
@@ -247,19 +246,19 @@ def plan_layout(
             memory = GpuMemory(gpu_memory_bytes, others, weights, act, num_tokens)
             reserve = dict(settings.reserved)
             graphs = 0
-            if settings.cuda_graphs and pp == 1:  # the engine captures none with stages
+            spec = kv_cache_spec(arch, w.num_kv_heads)
+            # the engine captures no graphs with stages, nor for MLA (no Triton attention)
+            if settings.cuda_graphs and pp == 1 and not spec.is_latent:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
-            block_bytes = kv_cache_bytes_per_block(
-                num_layers, settings.block_size, w.num_kv_heads, arch.head_dim, settings.dtype
-            )
+            block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)
             try:
                 num_blocks = plan_gpu_kv_blocks(
                     memory, settings.gpu_memory_utilization, block_bytes, reserve
                 )
             except InvalidInputError:
                 num_blocks = 0
-            limit = max_addressable_blocks(settings.block_size, w.num_kv_heads, arch.head_dim)
+            limit = spec.max_addressable_blocks(settings.block_size)
             ranks.append(
                 RankPlan(
                     tp_rank=rank,

@@ -30,11 +30,23 @@ from duet.engine.spec_decode.verify import accept_point_mass
 logger = logging.getLogger(__name__)
 
 
-def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_attention_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, latent: bool = False
+) -> str:
     """The attention path a runner uses: "triton" (GPU kernels; on CPU only under the Triton
     interpreter), "cpu" (the C++ decode kernel) or "torch" (the reference).
 
-    auto: Triton on CUDA, the C++ kernel on CPU, the torch reference where neither can run."""
+    auto: Triton on CUDA, the C++ kernel on CPU, the torch reference where neither can run.
+    `latent` (multi-head latent attention's cache): the torch reference only
+    (engine/model/latent_attention.py), whose metadata the model reads."""
+    if latent:
+        if requested not in ("auto", "torch"):
+            raise InvalidInputError(
+                "attention_backend",
+                "must be auto or torch for a model with multi-head latent attention (its cache "
+                f"has no {requested} kernels yet); got {requested}",
+            )
+        return "torch"
     if requested == "torch":
         return "torch"
     if requested == "triton":
@@ -96,7 +108,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        shape = (2, num_blocks, block_size, model.num_kv_heads, cfg.head_dim)
+        shape = model.kv_spec.shape(num_blocks, block_size)
         self.kv_caches = [
             zeroed_host_tensor(shape, dtype)
             if device.type == "cpu"
@@ -106,7 +118,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_micro_batched_steps = 0
         """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
-        self.attention_backend = resolve_attention_backend(attention_backend, device, dtype)
+        self.attention_backend = resolve_attention_backend(
+            attention_backend, device, dtype, model.kv_spec.is_latent
+        )
         self.deterministic = deterministic
         self.use_triton = self.attention_backend == "triton"
         self.use_decode_kernel = self.attention_backend == "cpu"

@@ -107,10 +107,12 @@ def check_layout(config: EngineConfig) -> None:
     `pipeline_parallel_size` when it has fewer layers than stages, or `expert_parallel_size`
     for a dense model or experts that do not split into whole shares."""
     from duet.engine.loader import open_model
+    from duet.engine.model.mla import check_mla_layout
     from duet.engine.model.mlp import mlp_shard
     from duet.engine.model.moe import check_ep_size
 
     arch = open_model(config.model, config.tokenizer, config.hf_overrides, config.load_format).arch
+    check_mla_layout(arch, config.tensor_parallel_size)
     check_tp_size(config.tensor_parallel_size, arch.num_attention_heads)
     for size in arch.ffn_sizes():  # the dense MLP's, the experts'
         mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))

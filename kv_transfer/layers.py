@@ -7,7 +7,8 @@ layers of one group share a shape, so a transfer is cut into pieces that never s
 (`TransferShape.pieces`: whole layers, or a layer's blocks when one layer is larger than a
 piece may be) and each piece moves as target layers always did: as rows of the paged caches
 (`PagedLayers`: the tcp backend's vectored I/O, gather and scatter), or through a slot of the
-staging pool holding `[end - start, 2, blocks, BS, h, D]` (kv_transfer/staging.py).
+staging pool holding `[end - start, P, blocks, BS, h, D]` (kv_transfer/staging.py; P: the
+cache's planes, 2 for K and V, 1 for multi-head latent attention's entries).
 
 The draft's KV must be in its caches before the transfer opens (`send` or `begin`): the
 prefill worker computes the draft over the prompt first, so its pieces are ready at once while
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from duet.kv_transfer import sockio
-from duet.kv_transfer.blocks import gather_blocks, scatter_blocks
+from duet.kv_transfer.blocks import gather_blocks, plane_rows, scatter_blocks
 from duet.kv_transfer.chunks import Piece, plan_pieces
 
 
@@ -33,9 +34,10 @@ def layer_groups(num_target: int, num_draft: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class TransferShape:
-    """A transfer's layers as staged: the target's `[num_target, 2, num_blocks, *row]`, then
-    the draft's `[num_draft, 2, num_blocks, *draft_row]` (row: `[BS, h, D]`, in the sending
-    side's heads), and their pieces (`chunks.Piece`). What both sides agree a transfer is."""
+    """A transfer's layers as staged: the target's `[num_target, planes, num_blocks, *row]`,
+    then the draft's `[num_draft, draft_planes, num_blocks, *draft_row]` (row: `[BS, h, D]`,
+    in the sending side's heads), and their pieces (`chunks.Piece`). What both sides agree a
+    transfer is."""
 
     num_target: int
     num_blocks: int
@@ -43,6 +45,9 @@ class TransferShape:
     element_size: int
     num_draft: int = 0
     draft_row: tuple[int, ...] = ()
+    planes: int = 2
+    """The target cache's planes (engine/kv_cache_spec.py): 2 (K, V) or 1 (MLA)."""
+    draft_planes: int = 2
 
     @property
     def num_layers(self) -> int:
@@ -54,11 +59,12 @@ class TransferShape:
         return self.num_layers * self.num_blocks
 
     def groups(self) -> list[tuple[int, int, int]]:
-        """Each group's [start, end) layers and the bytes of one block's K and V in one layer."""
-        rows = [self.row, self.draft_row]
+        """Each group's [start, end) layers and the bytes of one block (every plane) in one
+        layer."""
+        rows = [(self.planes, self.row), (self.draft_planes, self.draft_row)]
         return [
-            (start, end, 2 * math.prod(row) * self.element_size)
-            for (start, end), row in zip(
+            (start, end, planes * math.prod(row) * self.element_size)
+            for (start, end), (planes, row) in zip(
                 layer_groups(self.num_target, self.num_draft), rows, strict=False
             )
         ]
@@ -68,14 +74,16 @@ class TransferShape:
         return plan_pieces(self.groups(), self.num_blocks, max_bytes, whole)
 
     def piece_shape(self, piece: Piece) -> tuple[int, ...]:
-        """`[end - start, 2, last - first, *row]`; ValueError for a piece out of range or
+        """`[end - start, planes, last - first, *row]`; ValueError for a piece out of range or
         spanning both groups (a peer's message that cannot be)."""
         start, end, first, last = piece
         in_target = 0 <= start < end <= self.num_target
         in_draft = self.num_target <= start < end <= self.num_layers
         if not (in_target or in_draft) or not 0 <= first < last <= self.num_blocks:
             raise ValueError(f"piece {list(piece)}: not within one group of {self}")
-        return (end - start, 2, last - first, *(self.row if in_target else self.draft_row))
+        if in_target:
+            return (end - start, self.planes, last - first, *self.row)
+        return (end - start, self.draft_planes, last - first, *self.draft_row)
 
     def piece_nbytes(self, piece: Piece) -> int:
         return math.prod(self.piece_shape(piece)) * self.element_size
@@ -84,16 +92,18 @@ class TransferShape:
 def staged_shape(
     shape: list[int], draft_shape: list[int] | None, dtype: torch.dtype
 ) -> TransferShape:
-    """The `TransferShape` a peer described as `[L, 2, n, *row]` (and the draft's `[Ld, 2, n,
-    *draft_row]`); ValueError for one that cannot be."""
-    num_target, two, num_blocks, *row = (int(d) for d in shape)
+    """The `TransferShape` a peer described as `[L, P, n, *row]` (and the draft's `[Ld, Pd,
+    n, *draft_row]`; P: 2 or 1 planes); ValueError for one that cannot be."""
+    num_target, planes, num_blocks, *row = (int(d) for d in shape)
     draft = [int(d) for d in draft_shape] if draft_shape is not None else [0, 2, num_blocks]
-    if two != 2 or draft[1] != 2 or draft[2] != num_blocks or min(shape) < 1:
+    planes_ok = planes in (1, 2) and draft[1] in (1, 2)
+    if not planes_ok or draft[2] != num_blocks or min(shape) < 1:
         raise ValueError(f"shape {shape}, draft_shape {draft_shape}: not a transfer's")
     element_size = torch.empty((), dtype=dtype).element_size()
     return TransferShape(
-        num_target, num_blocks, tuple(row), element_size, draft[0], tuple(draft[3:])
-    )
+        num_target, num_blocks, tuple(row), element_size, draft[0], tuple(draft[3:]), planes,
+        draft[1],
+    )  # fmt: skip
 
 
 def piece_cells(piece: Piece) -> int:
@@ -194,7 +204,8 @@ class PagedLayers:
         return TransferShape(
             self.num_target, self.block_ids.numel(), row,
             first.element_size(), self.num_draft,
-            tuple(draft.shape[2:]) if draft is not None else (),
+            tuple(draft.shape[2:]) if draft is not None else (), first.shape[0],
+            draft.shape[0] if draft is not None else 2,
         )  # fmt: skip
 
     def _piece_part(self, piece: Piece) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -204,10 +215,10 @@ class PagedLayers:
 
     def piece_iovecs(self, piece: Piece) -> torch.Tensor:
         """iovecs of a piece in its staged order (`sockio.row_iovecs`: each layer's K rows of
-        the piece's blocks, then their V rows; with `heads`, each row's tokens' slices of
-        them), for vectored socket I/O straight from or into the caches."""
+        the piece's blocks, then their V rows, or MLA's one plane's; with `heads`, each row's
+        tokens' slices of them), for vectored socket I/O straight from or into the caches."""
         caches, ids = self._piece_part(piece)
-        rows = torch.cat([ids, ids + caches[0].shape[1]]).cpu()
+        rows = plane_rows(ids, caches[0].shape[1], caches[0].shape[0]).cpu()
         if self.heads is not None and piece[0] < self.num_target:
             return sockio.head_iovecs(self.caches[piece[0] : piece[1]], rows, self.heads)
         return sockio.row_iovecs(caches, rows)

@@ -1,7 +1,11 @@
 """What a KV transfer carries and the handshake that checks both sides agree on it.
 
-Blocks travel as one tensor per request, `[num_layers, 2, num_blocks, block_size, h, D]`,
-so the receiver can scatter them without knowing how the sender stored them. Either side may
+Blocks travel as one tensor per request, `[num_layers, P, num_blocks, block_size, h, D]`,
+so the receiver can scatter them without knowing how the sender stored them. P is the cache's
+planes (`num_planes`, engine/kv_cache_spec.py): 2 for K and V, 1 for a multi-head latent
+attention model (DeepSeek-V2/V3), whose cache holds one compressed entry per token and layer
+(h = 1, D = kv_lora_rank + qk_rope_head_dim); the handshake refuses a dense side facing an
+MLA one. Either side may
 be tensor-parallel with any TP size its model allows: each rank caches the KV heads
 `kv_head_range` gives it (whole KV groups, as evenly as they divide, or one head replicated on
 the ranks that share it; engine/parallel.py). A sender rank ships a receiver rank the heads
@@ -24,14 +28,15 @@ import torch
 
 from duet.engine.parallel import kv_head_range
 
-KV_LAYOUT_VERSION = 6
+KV_LAYOUT_VERSION = 7
 """2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
 the transfers queued together, and layer-wise transfers send their metadata as a trailer;
 4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`);
 5: torch_dist and tcp cut a transfer into pieces no larger than the receiver's
 `max_piece_bytes`, said in its handshake verdict (`kv_transfer/chunks.py`);
 6: a prefill rank ships each decode rank only the KV heads that rank caches (`head_route`),
-and the ranks of a tensor-parallel decode worker settle each transfer together."""
+and the ranks of a tensor-parallel decode worker settle each transfer together;
+7: a layout names its cache's planes (`num_planes`: 1 for MLA's latent entries)."""
 
 
 class HandshakeError(RuntimeError):
@@ -60,13 +65,15 @@ class KVLayout:
     dtype: str  # "float32", "bfloat16", ...
     block_size: int
     num_layers: int
-    num_kv_heads: int  # of the whole model
-    head_dim: int
+    num_kv_heads: int  # of the whole model (MLA: 1)
+    head_dim: int  # values per head and token (MLA: kv_lora_rank + qk_rope_head_dim)
     tp_size: int = 1
     tp_rank: int = 0
     version: int = KV_LAYOUT_VERSION
     draft: DraftLayout | None = None
     """The draft model whose layers this side's transfers may carry (None: target only)."""
+    num_planes: int = 2
+    """2: K and V; 1: multi-head latent attention's compressed entries."""
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -119,7 +126,7 @@ class KVLayout:
         tp_size: int = 1,
         tp_rank: int = 0,
     ) -> KVLayout:
-        _, _, block_size, _, head_dim = kv_caches[0].shape
+        num_planes, _, block_size, _, head_dim = kv_caches[0].shape
         return cls(
             model_id=model_id,
             dtype=str(kv_caches[0].dtype).removeprefix("torch."),
@@ -127,6 +134,7 @@ class KVLayout:
             num_layers=len(kv_caches),
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
+            num_planes=num_planes,
             tp_size=tp_size,
             tp_rank=tp_rank,
         )
@@ -190,6 +198,14 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
             f"KV layout version: sender {sender.version} != receiver {receiver.version}; "
             "prefill and decode workers of different duet releases cannot exchange KV"
         )
+    if sender.num_planes != receiver.num_planes:
+        # NOTE: alone: heads and sizes of a dense and a latent cache do not compare.
+        raise HandshakeError(
+            f"KV layout mismatch; refusing to transfer: the sender caches "
+            f"{_planes_kind(sender.num_planes)} (num_planes {sender.num_planes}), the receiver "
+            f"{_planes_kind(receiver.num_planes)} (num_planes {receiver.num_planes}); a dense "
+            "model and a multi-head latent attention model cannot exchange KV"
+        )
     fields = (
         "model_id",
         "dtype",
@@ -217,6 +233,10 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
         )
     if diffs:
         raise HandshakeError("KV layout mismatch; refusing to transfer: " + "; ".join(diffs))
+
+
+def _planes_kind(num_planes: int) -> str:
+    return "K and V per head (dense attention)" if num_planes == 2 else "MLA's latent entries"
 
 
 def checked_route(sender: KVLayout, receiver: KVLayout) -> HeadRoute:

@@ -66,8 +66,9 @@ def set_timeouts(sock: socket.socket, timeout_s: float) -> None:
 
 def row_iovecs(caches: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """iovecs of rows `rows` of each cache, cache by cache: `[len(caches) * len(rows), 2]`.
-    A cache is viewed as `[num_rows, row]` (a KV layer `[2, NB, BS, h, D]` has 2 * NB rows: K
-    of block b is row b, V is row NB + b); every cache must be contiguous and of one shape."""
+    A cache is viewed as `[num_rows, row]` (a KV layer `[P, NB, BS, h, D]` has P * NB rows: K
+    of block b is row b, V is row NB + b; MLA's one plane has NB); every cache must be
+    contiguous and of one shape."""
     row_bytes = _check_rows(caches, rows)
     bases = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
     iov = torch.empty((len(caches), rows.numel(), 2), dtype=torch.int64)
@@ -79,7 +80,7 @@ def row_iovecs(caches: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
 def head_iovecs(
     caches: list[torch.Tensor], rows: torch.Tensor, heads: tuple[int, int]
 ) -> torch.Tensor:
-    """iovecs of KV heads [start, end) of rows `rows` of each KV layer `[2, NB, BS, h, D]`,
+    """iovecs of KV heads [start, end) of rows `rows` of each KV layer `[P, NB, BS, h, D]`,
     cache by cache, row by row, token by token: the bytes of `[len(rows), BS, end - start,
     D]` per cache, as `row_iovecs` gives whole rows (one iovec per token of a row: a head
     slice is contiguous only within one token)."""

@@ -95,6 +95,74 @@ ARCH_CONFIGS: dict[str, dict] = {
 }
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
+_DEEPSEEK_BASE = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,  # HF's MLA expands K and V to every head: no grouping
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_shared_experts=1,
+    first_k_dense_replace=1,  # a dense layer, then two sparse ones
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+)
+ARCH_CONFIGS.update(
+    {
+        # multi-head latent attention and DeepSeek's routers (issue 44)
+        "deepseek_v2": dict(  # V2-Lite's shape: no q LoRA, greedy softmax routing
+            architectures=["DeepseekV2ForCausalLM"],
+            model_type="deepseek_v2",
+            **_DEEPSEEK_BASE,
+            n_routed_experts=8,
+            q_lora_rank=None,
+            topk_method="greedy",
+        ),
+        "deepseek_v2_grouped": dict(  # q LoRA, group-limited greedy, a routed scaling factor
+            architectures=["DeepseekV2ForCausalLM"],
+            model_type="deepseek_v2",
+            **_DEEPSEEK_BASE,
+            n_routed_experts=16,
+            q_lora_rank=48,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        ),
+        "deepseek_v3": dict(  # sigmoid scores, noaux_tc with a correction bias, q LoRA
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            **_DEEPSEEK_BASE,
+            n_routed_experts=16,
+            q_lora_rank=48,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        ),
+        "deepseek_v3_yarn": dict(  # V3 with yarn rope (its mscale in the softmax scale)
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            **_DEEPSEEK_BASE,
+            n_routed_experts=8,
+            q_lora_rank=48,
+            n_group=2,
+            topk_group=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.7,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    }
+)
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v2_grouped", "deepseek_v3", "deepseek_v3_yarn")
+
 
 def build_tokenizer(path: str, vocab_size: int = 512) -> None:
     """A small byte-level BPE trained on fixed text, with ChatML special tokens."""
@@ -143,6 +211,10 @@ def build_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # DeepSeek-V3's routing bias starts at 0: make it steer the choice
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
     model.save_pretrained(path)
     build_tokenizer(path)
     return path

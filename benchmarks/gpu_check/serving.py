@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.gpu_check.processes import Child, StepTimeout, child_env, run_bounded
 from duet.engine.dummy_weights import hf_weight_shapes, save_byte_level_tokenizer
+from duet.engine.kv_cache_spec import kv_cache_spec
 from duet.engine.model import ModelArchConfig
 
 LLAMA_8B: dict[str, Any] = dict(
@@ -88,7 +89,8 @@ def decode_bytes_per_step(config: dict[str, Any], context: int, dtype: torch.dty
         for x in shape:
             size *= x
         numel += size
-    kv = context * arch.num_hidden_layers * 2 * arch.num_key_value_heads * arch.head_dim
+    spec = kv_cache_spec(arch, arch.num_key_value_heads)
+    kv = context * arch.num_hidden_layers * spec.values_per_token()
     return (numel + kv) * itemsize
 
 

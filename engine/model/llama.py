@@ -1,7 +1,8 @@
 """The Llama family in one module: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k
-RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py) in
-place of the dense `MLP` (engine/model/mlp.py).
+RMSNorm), SmolLM2 (tied embeddings), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE
+and DeepSeek-V2/V3, whose sparse layers' feed-forward is a `SparseMoeBlock` (engine/model/moe.py)
+in place of the dense `MLP` (engine/model/mlp.py); DeepSeek's attention is multi-head latent
+attention (`MLAttention`, engine/model/mla.py) in place of `Attention`.
 
 The forward takes a flat batch of tokens plus `AttentionMetadata`, so one step can mix
 prefill chunks and decodes. Projections are fused at load time (q|k|v, gate|up). With tensor
@@ -22,11 +23,13 @@ from torch import nn
 
 from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
 from duet.engine.attention_metadata import AttentionMetadata
-from duet.engine.kernels import fused_ops_for
+from duet.engine.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.mla import MLAttention, check_mla_layout
 from duet.engine.model.mlp import MLP, make_linear
 from duet.engine.model.moe import SparseMoeBlock, check_ep_size
+from duet.engine.model.norm import RMSNorm
 from duet.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
 from duet.engine.model.placement import WeightPlacement, copy_weights, finalize_quantized, tied_head
 from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
@@ -45,49 +48,6 @@ class ForwardContext:
     meta: AttentionMetadata
     rotary: RotaryEmbedding
     workspace: GatherWorkspace
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm. On the CPU a C++ kernel does it in one pass (engine/kernels/), on
-    CUDA a Triton kernel (engine/kernels/triton_elementwise.py), each fused with the residual
-    add before it in `add_and_norm`; on CUDA also Qwen3's per-head q/k norms. Otherwise
-    torch's path (on CUDA with `invariant` set, deterministic inference, the Triton norm)."""
-
-    invariant: bool = False
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # CUDA's Triton norm takes any leading dims (Qwen3's per-head q/k norms); the CPU's, rows
-        kernels = fused_ops_for(x) if x.stride(-1) == 1 and (x.dim() == 2 or x.is_cuda) else None
-        if kernels is not None:
-            return kernels.rms_norm(x, self._parameters["weight"], self.eps)
-        return self._norm(x)
-
-    def add_and_norm(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): HF's residual add and the next norm. On the
-        CPU kernel path x and residual are overwritten with them (no allocation)."""
-        kernels = fused_ops_for(x) if x.dim() == 2 else None
-        if kernels is not None and x.is_contiguous() and residual.is_contiguous():
-            kernels.fused_add_rms_norm(x, residual, self._parameters["weight"], self.eps)
-            return x, residual
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant and x.is_cuda:
-            from duet.engine.kernels.triton_norm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32 and scale in the input dtype, as HF does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -139,7 +99,9 @@ class DecoderLayer(nn.Module):
         index: int = 0,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, tp, quant)
+        self.self_attn: nn.Module = (
+            MLAttention(cfg, tp, quant) if cfg.mla is not None else Attention(cfg, tp, quant)
+        )
         self.mlp: nn.Module
         if cfg.moe is not None and cfg.moe.is_sparse(index):
             self.mlp = SparseMoeBlock(cfg, tp, quant)
@@ -187,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         if tp.expert_parallel:
             check_ep_size(tp.world_size, cfg.moe)
+        check_mla_layout(cfg, tp.world_size)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [
             end - start
@@ -231,8 +194,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        """KV heads this rank caches."""
+        """KV heads this rank caches (MLA: 1, the latent entry every head reads)."""
         return self.heads.num_kv_heads
+
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """What this rank's cache holds per token and layer."""
+        return kv_cache_spec(self.config, self.num_kv_heads)
 
     @property
     def num_layers(self) -> int:
@@ -247,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv / tp, D]
+        kv_caches: list[torch.Tensor],  # per layer `kv_spec.shape(num_blocks, block_size)`
         meta: AttentionMetadata,
         on_layer: Callable[[int], None] | None = None,
         sends: list[Any] | None = None,
@@ -352,6 +320,9 @@ class LlamaForCausalLM(nn.Module):
         keeps its shard, or tensors already cut to `weight_slice` (sharded loading); then
         finish the quantized layers and a tied head. Returns the names it loaded."""
         loaded, quantized_embedding = copy_weights(self, self.placement, weights)
+        for layer in self.layers:
+            if isinstance(layer.self_attn, MLAttention):
+                layer.self_attn.absorb()
         table = self.embed_tokens.weight
         finalize_quantized(self, table.dtype, table.device)
         if self.lm_head is None and self.tp.pp.is_last:  # the head is the embedding table

@@ -1,9 +1,11 @@
-"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE): a router that picks
-each token's top-k experts, the experts computed as grouped products over the tokens each one
-received, and Qwen2-MoE's shared expert behind its sigmoid gate.
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3): a
+router that picks each token's top-k experts, the experts computed as grouped products over the
+tokens each one received, and a shared expert: Qwen2-MoE's behind its sigmoid gate, DeepSeek's
+added as is.
 
 Routing follows HF transformers' `*TopKRouter`s: router logits in the model's dtype, a softmax in
-fp32, the top k, divided by their sum where the architecture renormalises (`MoEConfig`).
+fp32, the top k, divided by their sum where the architecture renormalises (`MoEConfig`);
+DeepSeek's group-limited and sigmoid routers are engine/model/deepseek_router.py's.
 
 The grouped products: a step's (token, choice) pairs are sorted by expert (stably, so each
 expert sees its tokens in batch order), each expert runs one gate|up and one down product on its
@@ -36,6 +38,7 @@ from torch import nn
 
 from duet.engine.errors import InvalidInputError
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
+from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
@@ -45,14 +48,17 @@ from duet.engine.quant.config import QuantizationConfig
 logger = logging.getLogger(__name__)
 
 # Checkpoint names of an expert's projections, after the "layers.N." prefix: Qwen's
-# `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj`, Mixtral's
-# `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down).
+# `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj` (DeepSeek's `mlp.shared_experts.*`),
+# Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down).
 _EXPERT_NAME = re.compile(
-    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\."
-    r"(?P<group>experts\.\d+|shared_expert)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\.(?P<group>experts\.\d+|shared_experts?)"
+    r"\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
+# Router tensors: the gate, Qwen2-MoE's shared-expert gate, DeepSeek-V3's score correction bias
+# (ours: `mlp.e_score_correction_bias`).
 _ROUTER_NAME = re.compile(
-    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\.(?P<gate>gate|shared_expert_gate)\.weight$"
+    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\."
+    r"(?P<name>gate\.weight|shared_expert_gate\.weight|gate\.e_score_correction_bias)$"
 )
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -157,8 +163,9 @@ def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class SparseMoeBlock(nn.Module):
-    """A layer's feed-forward as a mixture of experts: the router (`gate`, never quantized),
-    the routed `experts`, and optionally the `shared_expert` scaled by sigmoid(`shared_expert_gate`)."""
+    """A layer's feed-forward as a mixture of experts: the router (`gate`, never quantized, with
+    DeepSeek-V3's `e_score_correction_bias`), the routed `experts`, and optionally the
+    `shared_expert`, scaled by sigmoid(`shared_expert_gate`) (Qwen2-MoE) or not (DeepSeek)."""
 
     def __init__(
         self,
@@ -174,8 +181,10 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = moe.num_experts
         self.expert_counts: torch.Tensor | None = None
         """This layer's row of the model's `ExpertLoad` ([E]), once attached."""
+        self.moe = moe
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
+        self.deepseek_routing = moe.checkpoint_names == "deepseek"
         hidden = cfg.hidden_size
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.first_expert, end = tp.expert_range(moe.num_experts)
@@ -197,7 +206,14 @@ class SparseMoeBlock(nn.Module):
         self.register_module(
             "shared_expert", MLP(hidden, size, tp, quant, reduce=False) if size else None
         )
-        self.register_module("shared_expert_gate", Linear(hidden, 1, bias=False) if size else None)
+        gated = size and moe.shared_expert_gated
+        self.register_module("shared_expert_gate", Linear(hidden, 1, bias=False) if gated else None)
+        bias = moe.topk_method == "noaux_tc"
+        self.e_score_correction_bias: nn.Parameter | None
+        self.register_parameter(
+            "e_score_correction_bias",
+            nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if bias else None,
+        )
 
     def fuse_experts(self) -> bool:
         """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
@@ -222,7 +238,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         logits = parts["gate"].forward(x)  # [T, E]
-        weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.deepseek_routing:
+            bias = self._parameters["e_score_correction_bias"]
+            weights, ids = route_deepseek(logits, self.moe, bias)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalize)
         if self.expert_counts is not None:
             record_expert_ids(self.expert_counts, ids)
         w13, w2 = self._parameters["w13"], self._parameters["w2"]
@@ -236,7 +256,9 @@ class SparseMoeBlock(nn.Module):
                 self.num_experts, self.first_expert,
             )  # fmt: skip
         shared = parts["shared_expert"]
-        if shared is not None:
+        if shared is not None and parts["shared_expert_gate"] is None:
+            out = out + shared.forward(x)
+        elif shared is not None:
             gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
             out = out + gate * shared.forward(x)
         return self.tp.all_reduce(out)
@@ -251,14 +273,19 @@ def expert_placement(target: str) -> tuple[str, int | None, str] | None:
         return None
     proj = _MIXTRAL_PROJ.get(match["proj"], match["proj"])
     group = match["group"]
-    index = None if group == "shared_expert" else int(group.removeprefix("experts."))
+    index = None if group.startswith("shared_expert") else int(group.removeprefix("experts."))
     return match["layer"], index, proj
 
 
 def router_name(target: str) -> str | None:
     """Our name of a router (or shared-expert gate) weight, from its checkpoint name."""
     match = _ROUTER_NAME.match(target)
-    return None if match is None else f"{match['layer']}mlp.{match['gate']}.weight"
+    if match is None:
+        return None
+    name = match["name"]
+    if name == "gate.e_score_correction_bias":
+        name = "e_score_correction_bias"  # a parameter of the block, beside the gate
+    return f"{match['layer']}mlp.{name}"
 
 
 def moe_weight_shapes(
@@ -278,12 +305,18 @@ def moe_weight_shapes(
         shapes += [(f"{block}experts.{e}.{p}.weight", shape) for p, shape in projs]
     shared = moe.shared_expert_intermediate_size
     if shared:
+        name = block + (
+            "shared_experts." if moe.checkpoint_names == "deepseek" else "shared_expert."
+        )
         shapes += [
-            (block + "shared_expert.gate_proj.weight", (shared, hidden)),
-            (block + "shared_expert.up_proj.weight", (shared, hidden)),
-            (block + "shared_expert.down_proj.weight", (hidden, shared)),
-            (block + "shared_expert_gate.weight", (1, hidden)),
+            (name + "gate_proj.weight", (shared, hidden)),
+            (name + "up_proj.weight", (shared, hidden)),
+            (name + "down_proj.weight", (hidden, shared)),
         ]
+        if moe.shared_expert_gated:
+            shapes.append((block + "shared_expert_gate.weight", (1, hidden)))
+    if moe.topk_method == "noaux_tc":
+        shapes.append((block + "gate.e_score_correction_bias", (moe.num_experts,)))
     return shapes
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from duet.engine.model.arch import ModelArchConfig
+from duet.engine.model.mla import mla_shard_rows
 from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.moe import expert_placement, router_name
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
@@ -133,6 +134,12 @@ class WeightPlacement:
             router = router_name(target)
             if router is not None:
                 return Placement(router, 0, None, 0)
+        if self.config.mla is not None and ".self_attn." in f".{target}":
+            # MLA's projections keep HF's names; a rank's heads of the sharded ones
+            for hf, (start, end, dim) in mla_shard_rows(self.config, self.heads).items():
+                if f".{hf}." in f".{target}":
+                    return Placement(target, 0, (start, end), dim)
+            return None  # the latent's: whole on every rank
         for hf, (ours, off, shard_rows, shard_dim) in self._shard_layout().items():
             if target == f"{hf}.weight" or f".{hf}." in f".{target}":
                 return Placement(target.replace(hf, ours), off, shard_rows, shard_dim)

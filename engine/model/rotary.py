@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF rotate-half layout), with llama3 and linear scaling."""
+"""Rotary position embeddings (HF rotate-half layout), with llama3, linear and yarn scaling."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def rope_inv_freq(
     if rope_freqs is not None:  # GGUF llama3 models ship the per-frequency factors directly
         return (inv_freq / rope_freqs.to("cpu", torch.float64)).float()
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "yarn":
+        assert scaling is not None
+        return _yarn_inv_freq(head_dim, theta, scaling)
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]  # type: ignore[index]
     elif kind == "llama3":
@@ -41,9 +44,35 @@ def rope_inv_freq(
     return inv_freq.float()
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies (DeepSeek-V2/V3), computed as HF transformers does, in fp32:
+    interpolated (divided by `factor`) below the correction range, extrapolated above it, a
+    linear ramp between."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin per position. On the CPU a C++ kernel rotates q and k in place (one
-    pass, no copies); elsewhere `forward` returns rotated copies."""
+    """Precomputed cos/sin per position. On the CPU a C++ kernel, on CUDA a Triton one, rotates q
+    and k in place (one pass, no copies); elsewhere `forward` returns rotated copies."""
 
     def __init__(
         self,

@@ -259,3 +259,20 @@ def _shape(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(out_features, int) and isinstance(in_features, int):
         return out_features, in_features
     return None
+
+
+def elementwise(op: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`op(x)` for a unary elementwise torch op such as torch.exp or torch.sigmoid, each
+    element's bits independent of where it sits in `x`.
+
+    NOTE: torch's CPU kernels run a contiguous tensor through vector code (SLEEF) and its last
+    few elements through scalar code (std::exp), which differ in the last bit, so an element's
+    bits depended on the tensor's size (`moe.sigmoid_rows`). On a strided copy every element
+    takes the scalar code. Elsewhere `op(x)` as is."""
+    if x.device.type != "cpu":
+        return op(x)
+    strided = x.new_empty(*x.shape, 2)[..., 0]
+    strided.copy_(x)
+    out = x.new_empty(*x.shape, 2)[..., 0]
+    op(strided, out=out)
+    return out

@@ -2,8 +2,9 @@
 
 Each side registers every cache tensor whole, once (`CacheRegions.of_caches`), and tells the
 other at the join where they are: per layer its base address and number of blocks, and the
-shape of a block's row. A layer's cache is `[2, NB, BS, h, D]`: row `kv * NB + b` (K rows, then
-V rows) is block b's K or V, `BS * h * D` elements, contiguous. A transfer is then a list of
+shape of a block's row. A layer's cache is `[P, NB, BS, h, D]`: row `p * NB + b` (K rows, then
+V rows; multi-head latent attention's one plane: its entries) is block b's part of plane p,
+`BS * h * D` elements, contiguous. A transfer is then a list of
 (local address, remote address, length) triples, one per row moved, or, where one side holds
 KV heads than the transfer moves (tensor-parallel ranks: `layout.head_route`), one per token of
 a row: the moved heads are a slice of each token of that side's rows.
@@ -27,6 +28,7 @@ class GroupRegions:
     """One group of layers (the target's, or a draft's) in one side's caches."""
 
     bases: list[int]  # per layer: the cache tensor's address
+    num_planes: int  # 2: K and V; 1: MLA's entries (engine/kv_cache_spec.py)
     num_blocks: int
     block_size: int
     heads: int  # KV heads this side holds
@@ -34,9 +36,10 @@ class GroupRegions:
 
     @classmethod
     def of_caches(cls, caches: list[torch.Tensor]) -> GroupRegions:
-        _, num_blocks, block_size, heads, head_dim = caches[0].shape
+        num_planes, num_blocks, block_size, heads, head_dim = caches[0].shape
         return cls(
             [c.data_ptr() for c in caches],
+            num_planes,
             num_blocks,
             block_size,
             heads,
@@ -116,6 +119,8 @@ def pair_descs(
             raise ValueError(f"heads [{side.head_offset}, +{moved}) of {side.regions.heads}")
     if local.regions.head_bytes != remote.regions.head_bytes:
         raise ValueError("head sizes differ between the two sides")
+    if local.regions.num_planes != remote.regions.num_planes:
+        raise ValueError("the two sides' caches have different planes (dense K|V vs MLA)")
     if local.block_ids.shape != remote.block_ids.shape:
         raise ValueError("the two sides move different numbers of blocks")
     sliced = moved != local.regions.heads or moved != remote.regions.heads
@@ -126,15 +131,15 @@ def pair_descs(
 
 
 def _addresses(side: Side, layers: range, sliced: bool) -> np.ndarray:
-    """Start addresses of every piece, in transfer order: per layer its K rows then its V rows,
-    and, `sliced`, per row its tokens."""
+    """Start addresses of every piece, in transfer order: per layer its K rows then its V rows
+    (MLA: its entry rows), and, `sliced`, per row its tokens."""
     g = side.regions
     ids = side.block_ids.astype(np.int64)
-    rows = np.concatenate([ids, ids + g.num_blocks])  # [2n]: K rows, then V rows
-    offsets = rows * g.row_bytes  # [2n]
+    rows = np.concatenate([ids + p * g.num_blocks for p in range(g.num_planes)])  # [P n]
+    offsets = rows * g.row_bytes  # [P n]
     if sliced:
         token = np.arange(g.block_size, dtype=np.int64) * g.heads * g.head_bytes  # [BS]
-        offsets = (offsets[:, None] + token[None, :]).reshape(-1)  # [2n * BS]
+        offsets = (offsets[:, None] + token[None, :]).reshape(-1)  # [P n BS]
         offsets += side.head_offset * g.head_bytes
     bases = np.asarray([g.bases[layer] for layer in layers], dtype=np.int64)  # [L]
     return (bases[:, None] + offsets[None, :]).reshape(-1)  # [L * pieces]

@@ -11,8 +11,6 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from duet.kv_transfer import sockio
 
 LENGTH = struct.Struct("!I")
@@ -96,9 +94,3 @@ def configure(sock: socket.socket, timeout_s: float) -> None:
 def split_address(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
     return host.strip("[]"), int(port)
-
-
-def kv_rows(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """Rows of a layer's `[2 * NB, row]` view holding the blocks' K, then their V: what a `kv`
-    frame's payload holds, per layer."""
-    return torch.cat([block_ids, block_ids + num_blocks])

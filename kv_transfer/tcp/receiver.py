@@ -231,10 +231,12 @@ class TcpKVReceiver(InboxKVReceiver):
             raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks, draft {draft}")
         d = sender.draft
         route = checked_route(sender, self.layout)  # checked at the handshake already
+        draft_first = self.draft_caches[0] if draft and self.draft_caches else None
         shape = TransferShape(
             len(self.kv_caches), num_blocks, (first.shape[2], route.num_heads,
             first.shape[4]), first.element_size(), d.num_layers if draft and d else 0,
-            (first.shape[2], d.num_kv_heads, d.head_dim) if draft and d else (),
+            (first.shape[2], d.num_kv_heads, d.head_dim) if draft and d else (), first.shape[0],
+            draft_first.shape[0] if draft_first is not None else 2,
         )  # fmt: skip
         with self._lock:
             expected = self._expected.get(request_id)

@@ -42,10 +42,10 @@ class SendJob:
 
     def describe(self) -> dict[str, Any]:
         shape = self.layers.shape
-        draft = [shape.num_draft, 2, shape.num_blocks, *shape.draft_row]
+        draft = [shape.num_draft, shape.draft_planes, shape.num_blocks, *shape.draft_row]
         return {
             "request_id": self.request_id,
-            "shape": [shape.num_target, 2, shape.num_blocks, *shape.row],
+            "shape": [shape.num_target, shape.planes, shape.num_blocks, *shape.row],
             "draft_shape": draft if shape.num_draft else None,
             "chunks": [[*p, t] for p, t in zip(self.pieces, self.tags, strict=True)],
             "meta": self.meta,

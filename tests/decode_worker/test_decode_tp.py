@@ -55,7 +55,24 @@ async def generate(engine: ClusterEngine, prompt: list[int], params: SamplingPar
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4)])
 def test_prefill_tp_to_decode_tp_equals_aggregated(tiny_llama, want, prefill_tp, decode_tp):
-    config = {"model": tiny_llama, **ENGINE, "kv_backend": "tcp"}
+    _check_tp_hand_off(tiny_llama, want, prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 2)])
+def test_mla_prefill_tp_to_decode_tp_equals_aggregated(tiny_model_factory, prefill_tp, decode_tp):
+    """DeepSeek-V3 (multi-head latent attention): every rank of a group caches the whole latent
+    entries (heads sharded), so prefill rank 0 alone ships them to each decode rank."""
+    from tests.engine.test_deepseek import DEEPSEEK_SHAPES
+
+    model = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, GREEDY)]
+    _check_tp_hand_off(model, want, prefill_tp, decode_tp)
+
+
+def _check_tp_hand_off(model: str, want: list[list[int]], prefill_tp: int, decode_tp: int) -> None:
+    """PROMPTS through a prefill group of `prefill_tp` ranks and a decode worker of `decode_tp`
+    (KV over tcp): `want`'s tokens, streamed once each, every pool whole, every rank clean."""
+    config = {"model": model, **ENGINE, "kv_backend": "tcp"}
     groups = start_groups(
         ("prefill", config, prefill_tp, "p0"), ("decode", config, decode_tp, "d0")
     )

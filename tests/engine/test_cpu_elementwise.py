@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.kernels.cpu import kernels_for
-from duet.engine.model import llama, mlp, rotary
+from duet.engine.model import mlp, norm, rotary
 from duet.engine.model.rotary import RotaryEmbedding, _rotate
 
 
@@ -125,7 +125,7 @@ def test_model_torch_fallbacks_match_kernels(kernels, tiny_model_factory, monkey
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     assert kernels_for(torch.zeros(1)) is kernels
     fast = LLM(model_dir, dtype="float32", load_progress=False).generate(prompts, params)
-    for module in (llama, rotary, mlp):
+    for module in (norm, rotary, mlp):
         monkeypatch.setattr(module, "fused_ops_for", lambda x: None)
     llm = LLM(model_dir, dtype="float32", attention_backend="torch", load_progress=False)
     slow = llm.generate(prompts, params)

@@ -13,15 +13,8 @@ from duet.decode_worker.config import DecodeWorkerConfig
 from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
-from duet.engine.kv_sizing import (
-    INT32_MAX,
-    GpuMemory,
-    graph_pool_bytes,
-    kv_cache_bytes_per_block,
-    max_addressable_blocks,
-    plan_gpu_kv_blocks,
-    size_kv_pool,
-)
+from duet.engine.kv_cache_spec import INT32_MAX, KVCacheSpec
+from duet.engine.kv_sizing import GpuMemory, graph_pool_bytes, plan_gpu_kv_blocks, size_kv_pool
 from duet.engine.parallel import SINGLE, head_shard
 from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 from duet.prefill_worker.config import PrefillWorkerConfig
@@ -30,7 +23,7 @@ GIB = 1 << 30
 MIB = 1 << 20
 CUDA = torch.device("cuda", 0)  # only passed along: the measurement is faked
 # Llama-3.1-8B's KV: 32 layers, 8 KV heads of 128, bf16, 16-token blocks: 2 MiB a block.
-LLAMA_8B_BLOCK = kv_cache_bytes_per_block(32, 16, 8, 128, torch.bfloat16)
+LLAMA_8B_BLOCK = KVCacheSpec(2, 8, 128).bytes_per_block(32, 16, torch.bfloat16)
 H100 = GpuMemory(
     total_bytes=80 * GIB,
     others_bytes=1 * GIB,
@@ -45,9 +38,11 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
         num_hidden_layers=layers, head_dim=head_dim, num_attention_heads=num_heads, moe=None
     )
     heads = head_shard(num_heads, num_kv_heads, 1, 0)
+    spec = KVCacheSpec(2, num_kv_heads, head_dim)
     return SimpleNamespace(
-        config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads, num_layers=layers
-    )
+        config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads, num_layers=layers,
+        kv_spec=spec,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -143,7 +138,7 @@ def test_tiny_model_on_a_huge_gpu_is_clamped_to_32_bit_offsets(
 ) -> None:
     measured[0] = GpuMemory(80 * GIB, 0, 1 * MIB, 1 * MIB, 2048)
     model = fake_model(2, 2, 16, 4)  # 2 layers, 2 KV heads of 16: 8 KiB a block in fp32
-    limit = max_addressable_blocks(16, 2, 16)
+    limit = KVCacheSpec(2, 2, 16).max_addressable_blocks(16)
     assert limit == INT32_MAX // (2 * 16 * 2 * 16)
     with caplog.at_level(logging.WARNING, logger="duet.engine.kv_sizing"):
         num_blocks = size_kv_pool(

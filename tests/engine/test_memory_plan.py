@@ -13,7 +13,7 @@ import torch
 from duet.cli.main import main
 from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
-from duet.engine.kv_sizing import GpuMemory, kv_cache_bytes_per_block, size_kv_pool
+from duet.engine.kv_sizing import GpuMemory, size_kv_pool
 from duet.engine.loader import load_model
 from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout, plan_layouts
 from duet.engine.model.arch import ModelArchConfig
@@ -173,8 +173,8 @@ def test_plan_agrees_with_the_loaded_tiny_model(smollm2_shaped: str, tp: int) ->
         planned = layout.ranks[rank]
         assert planned.weights_bytes == loaded.weight_bytes
         cfg = loaded.model.config
-        assert planned.kv_block_bytes == kv_cache_bytes_per_block(
-            cfg.num_hidden_layers, 16, loaded.model.num_kv_heads, cfg.head_dim, torch.float32
+        assert planned.kv_block_bytes == loaded.model.kv_spec.bytes_per_block(
+            cfg.num_hidden_layers, 16, torch.float32
         )
     assert [r.kv_block_bytes for r in layout.ranks] == (
         [2 * 2 * 16 * 3 * 64 * 4] if tp == 1 else [2 * 2 * 16 * 1 * 64 * 4, 2 * 2 * 16 * 2 * 64 * 4]
@@ -217,9 +217,8 @@ def test_plan_agrees_with_loaded_pipeline_stages(tiny_model_factory) -> None:
         )
         assert planned.layers == (loaded.model.layer_start, loaded.model.layer_end)
         assert planned.weights_bytes == loaded.weight_bytes
-        cfg = loaded.model.config
-        assert planned.kv_block_bytes == kv_cache_bytes_per_block(
-            loaded.model.num_layers, 16, loaded.model.num_kv_heads, cfg.head_dim, torch.float32
+        assert planned.kv_block_bytes == loaded.model.kv_spec.bytes_per_block(
+            loaded.model.num_layers, 16, torch.float32
         )
     assert [r.layers for r in layout.ranks] == [(0, 1), (1, 3)]
 

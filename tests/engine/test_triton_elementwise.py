@@ -158,7 +158,7 @@ def test_the_model_on_cuda_gives_the_same_tokens_with_and_without_them(
 ):
     """fp32 on CUDA: greedy tokens with the Triton operators equal torch's paths' tokens."""
     from duet.engine import LLM, SamplingParams
-    from duet.engine.model import llama, mlp, rotary
+    from duet.engine.model import mlp, norm, rotary
 
     model_dir = tiny_model_factory(arch)
     g = torch.Generator().manual_seed(2)
@@ -167,7 +167,7 @@ def test_the_model_on_cuda_gives_the_same_tokens_with_and_without_them(
     fused = LLM(model_dir, dtype="float32", device="cuda", load_progress=False)
     fast = [o.outputs[0].token_ids for o in fused.generate(prompts, params)]
     del fused
-    for module in (llama, rotary, mlp):
+    for module in (norm, rotary, mlp):
         monkeypatch.setattr(module, "fused_ops_for", lambda x: None)
     plain = LLM(model_dir, dtype="float32", device="cuda", load_progress=False)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == fast

@@ -253,7 +253,7 @@ class TestOnCuda:
         assert tokens[False] == tokens[True]
 
     def test_kv_pool_sized_from_free_memory(self, tiny_model_factory):
-        from duet.engine.kv_sizing import kv_cache_bytes_per_block, num_kv_blocks_for_gpu_memory
+        from duet.engine.kv_sizing import num_kv_blocks_for_gpu_memory
 
         llm = LLM(
             tiny_model_factory("llama"), dtype="bfloat16", device="cuda", num_kv_blocks=4,
@@ -264,6 +264,6 @@ class TestOnCuda:
             model, 16, torch.bfloat16, DEVICE, 0.5, 2048, use_triton=True
         )
         free, total = torch.cuda.mem_get_info()
-        block_bytes = kv_cache_bytes_per_block(2, 16, model.num_kv_heads, 16, torch.bfloat16)
+        block_bytes = model.kv_spec.bytes_per_block(2, 16, torch.bfloat16)
         assert 0 < blocks * block_bytes <= 0.5 * total
         assert blocks * block_bytes > 0.5 * total - (total - free) - (1 << 30)

@@ -129,10 +129,10 @@ def test_many_requests_at_once_and_shared_prefix_blocks(mode):
 def test_descriptors_merge_runs_and_slice_heads_per_token():
     """Consecutive blocks on both sides make one descriptor per layer and K/V; a shard of 2 of
     4 heads makes one per token, at the receiver's head offset."""
-    wide = GroupRegions(bases=[1 << 20, 2 << 20], num_blocks=16, block_size=4, heads=4,
-                        head_bytes=32)  # fmt: skip
-    narrow = GroupRegions(bases=[3 << 20, 4 << 20], num_blocks=8, block_size=4, heads=2,
-                          head_bytes=32)  # fmt: skip
+    wide = GroupRegions(bases=[1 << 20, 2 << 20], num_planes=2, num_blocks=16, block_size=4,
+                        heads=4, head_bytes=32)  # fmt: skip
+    narrow = GroupRegions(bases=[3 << 20, 4 << 20], num_planes=2, num_blocks=8, block_size=4,
+                          heads=2, head_bytes=32)  # fmt: skip
     row = 4 * 4 * 32  # a wide row: 4 tokens of 4 heads
     local, remote = pair_descs(
         Side(wide, np.array([3, 4, 5])), Side(wide, np.array([10, 11, 12])), range(2)

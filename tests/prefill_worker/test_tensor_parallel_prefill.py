@@ -6,6 +6,7 @@ ranks are given different pool sizes and agree on the smallest."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -26,15 +27,13 @@ from tests.net import free_port
 ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=256)
 
 
-@pytest.fixture(scope="module", params=["torch_dist", "tcp", "nixl"])
-def prefill_group(request, tiny_model_factory):
-    """Two ranks of one group; `tcp` lands each rank's head shard in a staging buffer the decode
-    worker scatters, torch_dist every transfer; nixl reads each rank's heads straight into
-    their slice of the reserved blocks (a descriptor per token)."""
-    model = tiny_model_factory("llama")
+@contextlib.contextmanager
+def tp2_prefill_group(model: str, backend: str):
+    """Two ranks of one prefill group of `model` as processes; yields rank 0's gRPC address.
+    The ranks are given 300 and 256 blocks: the group agrees on 256."""
     configs = [
         json.dumps({"model": model, **ENGINE, "tensor_parallel_size": 2,
-                    "kv_backend": request.param, "num_kv_blocks": num_blocks})
+                    "kv_backend": backend, "num_kv_blocks": num_blocks})
         for num_blocks in (300, 256)  # rank 0's, rank 1's: the group agrees on 256
     ]  # fmt: skip
     init = f"tcp://127.0.0.1:{free_port()}"
@@ -68,7 +67,7 @@ def prefill_group(request, tiny_model_factory):
                 address = line.split()[1]
                 break
         assert address, "rank 0 exited before serving"
-        yield model, address, request.param
+        yield address
     finally:
         for p in procs:
             p.terminate()
@@ -77,6 +76,16 @@ def prefill_group(request, tiny_model_factory):
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.fixture(scope="module", params=["torch_dist", "tcp", "nixl"])
+def prefill_group(request, tiny_model_factory):
+    """Two ranks of one group; `tcp` lands each rank's head shard in a staging buffer the decode
+    worker scatters, torch_dist every transfer; nixl reads each rank's heads straight into
+    their slice of the reserved blocks (a descriptor per token)."""
+    model = tiny_model_factory("llama")
+    with tp2_prefill_group(model, request.param) as address:
+        yield model, address, request.param
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +115,32 @@ async def collect(remote):
 
 def test_tp2_prefill_to_tp1_decode_equals_aggregated(prefill_group, decode_worker):
     model, address, _ = prefill_group
+    _check_against_aggregated(model, address, decode_worker, 16)
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "tcp"])
+def test_tp2_mla_prefill_to_tp1_decode_equals_aggregated(tiny_model_factory, backend):
+    """DeepSeek-V3 (multi-head latent attention): each prefill rank holds 2 of the 4 heads and
+    caches the same latent entries; rank 0 alone ships them (`KVLayout.shipped_range`)."""
+    from tests.engine.test_deepseek import DEEPSEEK_SHAPES
+
+    model = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
+    with tp2_prefill_group(model, backend) as address:
+        decode = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend=backend, **ENGINE))
+        try:
+            _check_against_aggregated(model, address, decode, 8)
+        finally:
+            decode.shutdown()
+
+
+def _check_against_aggregated(
+    model: str, address: str, decode_worker: DecodeWorker, num_prompts: int
+) -> None:
+    """`num_prompts` greedy requests through the group and `decode_worker` at once: the
+    aggregated engine's tokens, and every block of both sides free afterwards."""
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 150, (16,), generator=g)]  # fmt: skip
+               for n in torch.randint(1, 150, (num_prompts,), generator=g)]  # fmt: skip
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     want = LLM(model, **ENGINE).generate(prompts, params)
 
