@@ -15,7 +15,6 @@ checkpoint tensor a rank holds, and where it goes, is engine/model/placement.py'
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import use_dense_kernel
+from duet.engine.model.forward_context import ForwardContext
 from duet.engine.model.mla import MLAttention, check_mla_layout
 from duet.engine.model.mlp import MLP, make_linear
 from duet.engine.model.moe import SparseMoeBlock, check_ep_size
@@ -38,16 +38,6 @@ from duet.engine.model.rotary import RotaryEmbedding
 from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
-
-
-@dataclass
-class ForwardContext:
-    """What every layer of one step shares."""
-
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    rotary: RotaryEmbedding
-    workspace: GatherWorkspace
 
 
 class Attention(nn.Module):

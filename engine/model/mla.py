@@ -44,7 +44,7 @@ from duet.engine.parallel import HeadShard, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 
 if TYPE_CHECKING:
-    from duet.engine.model.llama import ForwardContext
+    from duet.engine.model.forward_context import ForwardContext
 
 _LORA_NORM_EPS = 1e-6
 """HF's q_a_layernorm and kv_a_layernorm take the RMSNorm default, not `rms_norm_eps`."""
