@@ -21,7 +21,7 @@ import torch
 
 from duet.engine.model import ModelArchConfig
 from duet.engine.model.mla import mla_weight_shapes
-from duet.engine.model.moe import moe_weight_shapes
+from duet.engine.model.moe_names import moe_weight_shapes
 from duet.engine.parallel import TensorSlice
 from duet.engine.tokenizer import Tokenizer
 from duet.engine.weight_files import SelectSlice, is_skipped

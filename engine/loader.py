@@ -17,7 +17,7 @@ from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
-from duet.engine.model.moe import fuse_moe_experts
+from duet.engine.model.moe import fuse_moe_experts, group_moe_experts_cpu
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -200,6 +200,7 @@ def load_model(
     _check_complete(net, loaded)
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
+        group_moe_experts_cpu(net)  # dense experts: one grouped product per layer, invariant
         if deterministic:
             use_dense_kernel_amx(net)  # bf16 with AMX: duet's tiles, invariant (0 elsewhere)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path

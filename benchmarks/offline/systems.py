@@ -138,15 +138,29 @@ def _duet_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) ->
     return [out.token_ids for out in llm.generate(prompts, params)]
 
 
-def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
-    """fp32 `generate`, greedy, in prompt order in static batches of `batch_size`. A batch runs
-    to the longest output it holds; each sequence counts only its own tokens as useful."""
+def run_hf(
+    workload: Workload,
+    batch_size: int,
+    cfg: RunConfig,
+    dtype: str = "float32",
+    experts_implementation: str | None = None,
+) -> SystemResult:
+    """`generate` in `dtype`, greedy, in prompt order in static batches of `batch_size`. A batch
+    runs to the longest output it holds; each sequence counts only its own tokens as useful.
+    A mixture of experts runs HF's default experts implementation unless
+    `experts_implementation` names one ("eager", "grouped_mm", "batched_mm"); the one it ran
+    is in the details."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(cfg.num_threads)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(cfg.model_dir), dtype=torch.float32).eval()
+    chosen = (
+        {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(cfg.model_dir), dtype=getattr(torch, dtype), **chosen
+    ).eval()
     pad_id = int(model.config.pad_token_id or 0)
     # ignore_eos: with no EOS, generate runs every batch to max_new_tokens.
     model.generation_config.eos_token_id = None
@@ -186,9 +200,12 @@ def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
         num_computed += len(max_tokens) * max(max_tokens)
     wall_s = time.perf_counter() - start
     cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
+    details: dict[str, Any] = {"cpu": cpu}
+    if getattr(model.config, "num_experts", None):
+        details["experts_implementation"] = model.config._experts_implementation
     return SystemResult(
         "hf",
-        "float32",
+        dtype,
         f"batch {batch_size}",
         load_s,
         warmup_s,
@@ -196,7 +213,7 @@ def run_hf(workload: Workload, batch_size: int, cfg: RunConfig) -> SystemResult:
         workload.num_output_tokens,
         num_computed,
         token_ids,
-        {"cpu": cpu},
+        details,
     )
 
 

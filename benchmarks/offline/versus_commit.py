@@ -17,6 +17,10 @@ be idle before each. The ratio after/before is
 taken within each round; their median and geometric mean (in which opposite spawn-order biases
 cancel) go to benchmarks/results/versus_commit.json.
 
+`--model-dir` measures another HF directory (the mixture of experts of
+benchmarks/offline/moe_model.py, say), with `--prompt-len`, `--output-len` and `--max-num-seqs`
+shaping the offline workload.
+
 The worker half (`--worker`) imports nothing but `engine` (the tree under test) and the
 standard library, so any commit with today's `engine.LLM` API can be measured.
 """
@@ -121,12 +125,13 @@ def _export(commit: str, into: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
-def _workloads(model_dir: Path, seed: int, num_prompts: int) -> dict[str, dict[str, Any]]:
-    from benchmarks.offline.throughput import FULL_LENGTHS
+def _workloads(
+    model_dir: Path, seed: int, num_prompts: int, lengths: dict[str, tuple[int, int]]
+) -> dict[str, dict[str, Any]]:
     from benchmarks.offline.workload import make_workload, special_token_ids, vocab_size
 
     vocab, special = vocab_size(model_dir), special_token_ids(model_dir)
-    offline = make_workload(num_prompts, seed, vocab, special, **FULL_LENGTHS)
+    offline = make_workload(num_prompts, seed, vocab, special, **lengths)
     single = make_workload(1, seed + 7, vocab, special, (SINGLE_PROMPT_LEN,) * 2,
                            (SINGLE_NEW_TOKENS,) * 2)  # fmt: skip
     warmup = make_workload(2, seed + 1_000_003, vocab, special, (32, 32), (8, 8))
@@ -143,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--num-prompts", type=int, default=64, help="of the offline workload")
+    p.add_argument("--prompt-len", default=None, metavar="LO,HI",
+                   help="of the offline workload (default: the throughput benchmark's)")  # fmt: skip
+    p.add_argument("--output-len", default=None, metavar="LO,HI",
+                   help="of the offline workload (default: the throughput benchmark's)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0, help="each tree's KV pool")
+    p.add_argument(
+        "--model-dir", type=Path, default=None,
+        help="an HF model directory (default: the embedded SmolLM2 exported to one)",
+    )  # fmt: skip
     p.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -170,14 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.common.machine import cpu_info
     from benchmarks.offline.smollm2_hf import export_hf_dir
 
-    model_dir = export_hf_dir()
-    workloads = _workloads(model_dir, args.seed, args.num_prompts)
+    model_dir = export_hf_dir() if args.model_dir is None else args.model_dir
+    from benchmarks.offline.throughput import FULL_LENGTHS, _length_range
+
+    lengths = dict(FULL_LENGTHS)
+    for name in ("prompt_len", "output_len"):
+        if getattr(args, name) is not None:
+            lengths[name] = _length_range(getattr(args, name))
+    workloads = _workloads(model_dir, args.seed, args.num_prompts, lengths)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     report: dict[str, Any] = {
         "before": args.before,
         "clock": args.clock,
         "threads": args.threads,
         "num_prompts": args.num_prompts,
+        "model_dir": str(model_dir),
+        **lengths,
+        "max_num_seqs": args.max_num_seqs,
         "quantization": args.quantization,
         "machine": cpu_info(),
         "results": {},
@@ -190,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                 "engine": dict(
                     dtype=dtype,
                     num_threads=args.threads,
-                    max_num_seqs=64,
+                    max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=2048,
-                    kv_cache_memory_bytes=4 << 30,
+                    kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
                     max_model_len=1024,
                     seed=args.seed,
                     **(

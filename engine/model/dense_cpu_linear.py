@@ -33,7 +33,7 @@ from duet.engine.kernels.cpu import build_cpu_kernels, cpu_kernels_enabled
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("dense_linear_cpu.cpp",)
+SOURCES = ("dense_linear_cpu.cpp", "grouped_linear_cpu.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 
 

@@ -1,9 +1,11 @@
 """`ExpertLoad`: how many (token, choice) pairs each routed expert of each sparse layer received,
 counted on the device as the router picks them, for the engine's stats and /metrics.
 
-Each `SparseMoeBlock` adds its step's expert ids into its row of one [L, E] int64 tensor with
-`index_add_` (no host sync: CUDA's `bincount` reads the ids' range on the host; `index_add_`
-does not). The model runner calls `snapshot` after the step's forward, before the sampled
+Each `SparseMoeBlock` adds its step's expert ids into its row of one [L, E] int64 tensor: where
+the experts run as grouped products (moe.grouped_experts), the `bincount` that cuts their rows
+is added, so the ids are counted once; beside the fused Triton kernel, `record_expert_ids`
+adds them with `index_add_` (no host sync: CUDA's `bincount` reads the ids' range on the
+host; `index_add_` does not). The model runner calls `snapshot` after the step's forward, before the sampled
 tokens come to the host: on CUDA a non-blocking copy into pinned memory, which the sampled
 tokens' transfer (the step's one sync) waits for; `read` waits on the copy's event, a no-op
 once that sync happened (a step that samples nothing, a prefill chunk, waits for its forward).

@@ -14,7 +14,10 @@ rows, and the results, scaled by their routing weights, land in a [T, k, hidden]
 `index_add_` adds them. Each expert is a pair of the dense path's row-invariant linears
 (`row_invariant.Linear`, or `QuantizedLinear`), so a token's output does not depend on which
 other tokens its experts received (docs/determinism.md), and the load-time probe, packing,
-duet's CPU kernel and the quantized kernels apply to experts as to any projection.
+duet's CPU kernel and the quantized kernels apply to experts as to any projection. On the CPU,
+dense fp32 and bf16 experts instead take duet's grouped kernel (`group_moe_experts_cpu`,
+grouped_experts_cpu.py): one call for every expert's gate|up product and one for the downs,
+the same element order at any row count.
 
 With tensor parallelism each rank holds a slice of every expert's intermediate size (as of the
 dense MLP's) and the router whole; the routed and shared outputs are partial sums that meet in
@@ -24,13 +27,13 @@ the (token, choice) pairs routed to them; the shared expert stays sliced. Every 
 every token (attention leaves each rank the whole batch), so the same one all-reduce sums
 the experts' contributions: no all-to-all (docs/parallelism.md says why). Each block counts
 the (token, choice) pairs its router picks, for every expert, into the model's `ExpertLoad`
-(expert_load.py).
+(expert_load.py), from the same count that cuts the rows per expert (the fused Triton
+kernel, which needs no count, adds them on the device).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 import torch
@@ -40,27 +43,13 @@ from duet.engine.errors import InvalidInputError
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
 from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
+from duet.engine.model.grouped_experts_cpu import CpuGroupedExperts
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
-
-# Checkpoint names of an expert's projections, after the "layers.N." prefix: Qwen's
-# `mlp.experts.E.gate_proj` and `mlp.shared_expert.up_proj` (DeepSeek's `mlp.shared_experts.*`),
-# Mixtral's `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down).
-_EXPERT_NAME = re.compile(
-    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\.(?P<group>experts\.\d+|shared_experts?)"
-    r"\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
-)
-# Router tensors: the gate, Qwen2-MoE's shared-expert gate, DeepSeek-V3's score correction bias
-# (ours: `mlp.e_score_correction_bias`).
-_ROUTER_NAME = re.compile(
-    r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\."
-    r"(?P<name>gate\.weight|shared_expert_gate\.weight|gate\.e_score_correction_bias)$"
-)
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def check_ep_size(ep_size: int, moe: MoEConfig | None) -> None:
@@ -99,28 +88,39 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def grouped_experts(
     x: torch.Tensor,  # [T, hidden]
-    experts: nn.ModuleList,  # of MLPs without their all-reduce: experts first, first + 1, ...
+    experts: nn.ModuleList | CpuGroupedExperts,  # experts first, first + 1, ...
     weights: torch.Tensor,  # [T, k], fp32
     ids: torch.Tensor,  # [T, k], ascending per row
     weights_in_model_dtype: bool,
     num_experts: int | None = None,
     first: int = 0,
+    counts_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(token): [T, hidden] in `x`'s dtype.
-    One gate|up and one down product per expert, over the rows it received. With expert
-    parallelism `experts` are the model's `num_experts` experts [first, first + len(experts)):
-    the (token, choice) pairs routed to others add zeros (their ranks add the products)."""
+    `experts`: MLPs without their all-reduce, one gate|up and one down product each over the
+    rows it received, or `CpuGroupedExperts`, one call for all. With expert parallelism they
+    are the model's `num_experts` experts [first, first + the local number): the (token,
+    choice) pairs routed to others add zeros (their ranks add the products). `counts_into`
+    ([num_experts] int64): the step's (token, choice) pairs per expert are added to it (the
+    model's `ExpertLoad` row), from the count that cuts the rows."""
     num_tokens, top_k = ids.shape
-    num_experts = num_experts or len(experts)
-    local = len(experts) < num_experts
+    if isinstance(experts, CpuGroupedExperts):
+        num_local = experts.num_experts
+    else:
+        num_local = len(experts)
+    num_experts = num_experts or num_local
+    local = num_local < num_experts
     flat = ids.reshape(-1)  # [T k]
     order = torch.argsort(flat, stable=True)  # (token, choice) slots grouped by expert
     # NOTE: the counts come to the host to cut the rows per expert: a sync per layer on CUDA,
     # where dense experts take the fused Triton kernel instead (`fuse_experts`); quantized ones
     # stay here, one reason MoE models decode without CUDA graphs for now.
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counted = torch.bincount(flat, minlength=num_experts)  # [E]
+    if counts_into is not None:
+        counts_into.add_(counted)
+    counts = counted.tolist()
     start = sum(counts[:first])  # this rank's experts' slots are one run of `order`
-    end = start + sum(counts[first : first + len(experts)])
+    end = start + sum(counts[first : first + num_local])
     order = order[start:end]
     rows = x.index_select(0, order // top_k)  # [slots, hidden], grouped by expert
     scale = weights.reshape(-1, 1).index_select(0, order)  # [slots, 1]
@@ -128,15 +128,19 @@ def grouped_experts(
         scale = scale.to(x.dtype)
     make = x.new_zeros if local else x.new_empty
     out = make(num_tokens * top_k, x.shape[1])
-    start = 0
-    modules: dict[str, Any] = experts._modules  # `experts[e]` is a Python call per expert
-    for e, count in enumerate(counts[first : first + len(experts)]):
-        if count == 0:
-            continue
-        end = start + count
-        y = modules[str(e)].forward(rows[start:end])  # [count, hidden]
-        out.index_copy_(0, order[start:end], (y * scale[start:end]).to(x.dtype))
-        start = end
+    if isinstance(experts, CpuGroupedExperts):
+        y = experts.forward(rows, counts[first : first + num_local])  # [slots, hidden]
+        out.index_copy_(0, order, (y * scale).to(x.dtype))
+    else:
+        start = 0
+        modules: dict[str, Any] = experts._modules  # `experts[e]` is a Python call per expert
+        for e, count in enumerate(counts[first : first + num_local]):
+            if count == 0:
+                continue
+            end = start + count
+            y = modules[str(e)].forward(rows[start:end])  # [count, hidden]
+            out.index_copy_(0, order[start:end], (y * scale[start:end]).to(x.dtype))
+            start = end
     out = out.view(num_tokens, top_k, -1)
     total = out[:, 0]
     for k in range(1, top_k):  # in expert order, one rounding per add, as HF's index_add_
@@ -214,6 +218,22 @@ class SparseMoeBlock(nn.Module):
             "e_score_correction_bias",
             nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False) if bias else None,
         )
+        # With `group_experts_cpu`: every local expert on duet's grouped CPU kernel, in place of
+        # the per-expert layers (registered even when None: forward finds it in `_modules`).
+        self.cpu_experts: CpuGroupedExperts | None
+        self.register_module("cpu_experts", None)
+
+    def group_experts_cpu(self, kernel: Any) -> bool:
+        """Every local expert as grouped products on duet's dense CPU kernel (`kernel`,
+        dense_cpu_linear.load_dense_kernel), the per-expert layers dropped. False (nothing
+        changed) unless they are plain dense fp32 or bf16 `Linear`s on the CPU, not AMX-packed
+        (grouped_experts_cpu.py)."""
+        grouped = CpuGroupedExperts.from_experts(self.experts, kernel)
+        if grouped is None:
+            return False
+        self.experts = nn.ModuleList()  # frees the per-expert weights
+        self.cpu_experts = grouped
+        return True
 
     def fuse_experts(self) -> bool:
         """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
@@ -243,17 +263,19 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route_deepseek(logits, self.moe, bias)
         else:
             weights, ids = route(logits, self.top_k, self.renormalize)
-        if self.expert_counts is not None:
-            record_expert_ids(self.expert_counts, ids)
         w13, w2 = self._parameters["w13"], self._parameters["w2"]
         if w13 is not None and w2 is not None:
             from duet.engine.kernels.triton_moe import fused_experts
 
+            if self.expert_counts is not None:
+                record_expert_ids(self.expert_counts, ids)
             out = fused_experts(x, w13, w2, weights, ids, self.weights_in_model_dtype)
         else:
+            grouped = parts["cpu_experts"]
             out = grouped_experts(
-                x, parts["experts"], weights, ids, self.weights_in_model_dtype,
-                self.num_experts, self.first_expert,
+                x, parts["experts"] if grouped is None else grouped, weights, ids,
+                self.weights_in_model_dtype, self.num_experts, self.first_expert,
+                self.expert_counts,  # counted where the rows are cut, not twice
             )  # fmt: skip
         shared = parts["shared_expert"]
         if shared is not None and parts["shared_expert_gate"] is None:
@@ -262,62 +284,6 @@ class SparseMoeBlock(nn.Module):
             gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
             out = out + gate * shared.forward(x)
         return self.tp.all_reduce(out)
-
-
-def expert_placement(target: str) -> tuple[str, int | None, str] | None:
-    """For an expert projection's checkpoint name (without "model."): (its layer's prefix,
-    "layers.N.", the routed expert's index or None for the shared expert, the projection:
-    gate_proj, up_proj or down_proj); else None."""
-    match = _EXPERT_NAME.match(target)
-    if match is None:
-        return None
-    proj = _MIXTRAL_PROJ.get(match["proj"], match["proj"])
-    group = match["group"]
-    index = None if group.startswith("shared_expert") else int(group.removeprefix("experts."))
-    return match["layer"], index, proj
-
-
-def router_name(target: str) -> str | None:
-    """Our name of a router (or shared-expert gate) weight, from its checkpoint name."""
-    match = _ROUTER_NAME.match(target)
-    if match is None:
-        return None
-    name = match["name"]
-    if name == "gate.e_score_correction_bias":
-        name = "e_score_correction_bias"  # a parameter of the block, beside the gate
-    return f"{match['layer']}mlp.{name}"
-
-
-def moe_weight_shapes(
-    moe: MoEConfig, hidden: int, prefix: str
-) -> list[tuple[str, tuple[int, ...]]]:
-    """A sparse layer's checkpoint tensors under `prefix` ("model.layers.N."): (name, shape)."""
-    inter = moe.intermediate_size
-    if moe.checkpoint_names == "mixtral":
-        block = prefix + "block_sparse_moe."
-        projs = [("w1", (inter, hidden)), ("w2", (hidden, inter)), ("w3", (inter, hidden))]
-    else:
-        block = prefix + "mlp."
-        projs = [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
-                 ("down_proj", (hidden, inter))]  # fmt: skip
-    shapes: list[tuple[str, tuple[int, ...]]] = [(block + "gate.weight", (moe.num_experts, hidden))]
-    for e in range(moe.num_experts):
-        shapes += [(f"{block}experts.{e}.{p}.weight", shape) for p, shape in projs]
-    shared = moe.shared_expert_intermediate_size
-    if shared:
-        name = block + (
-            "shared_experts." if moe.checkpoint_names == "deepseek" else "shared_expert."
-        )
-        shapes += [
-            (name + "gate_proj.weight", (shared, hidden)),
-            (name + "up_proj.weight", (shared, hidden)),
-            (name + "down_proj.weight", (hidden, shared)),
-        ]
-        if moe.shared_expert_gated:
-            shapes.append((block + "shared_expert_gate.weight", (1, hidden)))
-    if moe.topk_method == "noaux_tc":
-        shapes.append((block + "gate.e_score_correction_bias", (moe.num_experts,)))
-    return shapes
 
 
 def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
@@ -337,6 +303,22 @@ def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
         )  # fmt: skip
         return 0
     return sum(block.fuse_experts() for block in blocks)
+
+
+def group_moe_experts_cpu(model: nn.Module) -> int:
+    """On the CPU with duet's kernels: every sparse block's dense experts as grouped products on
+    the dense kernel (grouped_experts_cpu.py), before any other packing takes them. Returns
+    how many blocks (0 without the kernel, or where the experts do not qualify)."""
+    from duet.engine.model.dense_cpu_linear import load_dense_kernel
+
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    kernel = load_dense_kernel() if blocks else None
+    if kernel is None:
+        return 0
+    count = sum(block.group_experts_cpu(kernel) for block in blocks)
+    if count:
+        logger.info("%d sparse layers' experts on duet's grouped CPU kernel", count)
+    return count
 
 
 def attach_expert_load(model: nn.Module, device: torch.device) -> ExpertLoad | None:

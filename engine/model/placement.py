@@ -23,7 +23,7 @@ from torch import nn
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.mla import mla_shard_rows
 from duet.engine.model.mlp import mlp_shard
-from duet.engine.model.moe import expert_placement, router_name
+from duet.engine.model.moe_names import expert_placement, router_name
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import HeadShard, TensorParallel, TensorSlice
