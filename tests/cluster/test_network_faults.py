@@ -45,6 +45,11 @@ ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=
 REQUEST_TIMEOUT_S = 40.0
 CLUSTER = dict(local_prefill_threshold=0, poll_interval_s=0.2, request_timeout_s=REQUEST_TIMEOUT_S,
                kv_wait_s=10.0)  # fmt: skip
+LONG_STREAM = 900
+"""Tokens of a stream that a fault must cut: about 5 s at 4 streams (with 400, about 2.4 s, the
+streams ended under `make test`'s load before the load reports had counted them all, or
+before the partition, and the test saw nothing to move). 4 x (90 + 900) tokens fit one decode
+worker's pool (512 blocks of 8), as a migration needs, and the model's 1,024 positions."""
 GRPC_PORT, KV_PORT, REST_PORT = 7000, 7100, 8000  # each host has its own ports
 DECODE = ("decode0", "decode1")
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -329,9 +334,9 @@ def test_a_decode_worker_partitioned_from_the_router_mid_stream_and_back(
     net: NetLab, cluster: Cluster
 ):
     prompts = prompts_of([30, 50, 70, 90], seed=3)
-    want = expected(cluster.model, prompts, 400)
+    want = expected(cluster.model, prompts, LONG_STREAM)
     progress: dict[int, int] = {}
-    futures = [cluster.submit(p, 400, progress, i) for i, p in enumerate(prompts)]
+    futures = [cluster.submit(p, LONG_STREAM, progress, i) for i, p in enumerate(prompts)]
     wait_until_streaming(progress, len(prompts), 4, futures)
     victim = busiest_decode(cluster, len(prompts))
     migrated = num_migrations(cluster)
@@ -350,9 +355,9 @@ def test_a_decode_worker_partitioned_from_the_router_mid_stream_and_back(
 
 def test_a_decode_host_whose_link_goes_down_mid_stream_and_up(net: NetLab, cluster: Cluster):
     prompts = prompts_of([20, 40, 60, 80], seed=4)
-    want = expected(cluster.model, prompts, 400)
+    want = expected(cluster.model, prompts, LONG_STREAM)
     progress: dict[int, int] = {}
-    futures = [cluster.submit(p, 400, progress, i) for i, p in enumerate(prompts)]
+    futures = [cluster.submit(p, LONG_STREAM, progress, i) for i, p in enumerate(prompts)]
     wait_until_streaming(progress, len(prompts), 4, futures)
     victim = busiest_decode(cluster, len(prompts))
     migrated = num_migrations(cluster)

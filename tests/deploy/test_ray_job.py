@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,23 @@ def run(args, env, timeout=120):
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return result.stdout + result.stderr
+
+
+AGENT_NOT_READY = "No available agent to submit job"
+"""What Ray's dashboard answers (a 500) to a submission before the head's job agent has
+registered: seconds after `ray start` on a loaded machine. Ray says to try again later."""
+
+
+def submit(args, env, timeout_s=90.0):
+    """`ray job submit`, again while the head's job agent is not up yet (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        out = result.stdout + result.stderr
+        if result.returncode == 0 or AGENT_NOT_READY not in out or time.monotonic() > deadline:
+            assert result.returncode == 0, out[-4000:]
+            return out
+        time.sleep(1.0)
 
 
 def job_status(dashboard, job_id, env):
@@ -101,7 +119,7 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
             env={**env, "RAY_AUTH_TOKEN": "wrong"}, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert denied.returncode != 0
-        run([RAY, "job", "submit", "--address", dashboard, "--no-wait", "--submission-id", job_id,
+        submit([RAY, "job", "submit", "--address", dashboard, "--no-wait", "--submission-id", job_id,
              "--", sys.executable, "-m", "duet.cli.ray_job", "--model", tiny_llama,
              "--dtype", "float32", "--prefill-tp", "2", "--served-model-name", "tiny",
              "--port", str(rest), "--grpc-port", str(grpc_port),
