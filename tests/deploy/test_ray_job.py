@@ -36,7 +36,8 @@ def run(args, env, timeout=120):
 
 AGENT_NOT_READY = "No available agent to submit job"
 """What Ray's dashboard answers (a 500) to a submission before the head's job agent has
-registered: seconds after `ray start` on a loaded machine. Ray says to try again later."""
+registered (seconds after `ray start` on a loaded machine: Ray says to try again later), or
+when the agent never came up."""
 
 
 def submit(args, env, timeout_s=90.0):
@@ -109,7 +110,14 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
     gcs, dash_port, rest, grpc_port = (free_port() for _ in range(4))
     dashboard = f"http://127.0.0.1:{dash_port}"
     resources = json.dumps({"prefill": 2, "decode": 1, "router": 1})
-    head_args = [f"--port={gcs}", f"--dashboard-port={dash_port}", "--num-cpus=2",
+    # NOTE: the agents' ports too: Ray's defaults (the job agent's 52365) are shared with any
+    # other Ray on the machine, such as the other deploy tests' under xdist, and a job agent
+    # that cannot bind never comes up ("No available agent to submit job").
+    agent_ports = [f"--dashboard-agent-listen-port={free_port()}",
+                   f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--runtime-env-agent-port={free_port()}",
+                   f"--metrics-export-port={free_port()}"]  # fmt: skip
+    head_args = [*agent_ports, f"--port={gcs}", f"--dashboard-port={dash_port}", "--num-cpus=2",
                  f"--resources={resources}", "--disable-usage-stats"]  # fmt: skip
     job_id = f"duet-{uuid.uuid4().hex[:8]}"
     with ray_head(head_args, env, tmp_path / "ray-head.log"):
