@@ -105,3 +105,23 @@ def test_opting_out_runs_products_on_the_batch_rows_only(model_path):
     on = _llm(model_path, "bfloat16")
     assert all(m.min_rows in row_invariant.MIN_ROWS_CANDIDATES for m in
                on.engine.runner.model.modules() if hasattr(m, "min_rows"))  # fmt: skip
+
+
+def assert_alone_batched_chunked_and_hits_equal(llm: LLM, chunked: LLM) -> None:
+    """Tokens and top-5 logprobs, bitwise: a 161-token prompt cold, again (a prefix hit: its
+    last token runs as a decode), among 15 others, and prefilled in chunks (`chunked`, an engine
+    with a small token budget); a prompt sharing 100 tokens with it after the hit and cold in
+    chunks. The mixtures' and DeepSeek's tests (test_moe.py, test_deepseek.py) run it."""
+    assert llm.engine.deterministic and chunked.engine.deterministic
+    rng = random.Random(0)
+    prompt = _prompt(rng, 161)
+    cold = _result(llm.generate([prompt], PARAMS)[0])
+    assert _result(llm.generate([prompt], PARAMS)[0]) == cold  # hit
+    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
+    batch = llm.generate([*others[:6], prompt, *others[6:]], PARAMS)
+    assert _result(batch[6]) == cold
+    assert _result(chunked.generate([prompt], PARAMS)[0]) == cold
+    longer = prompt[:100] + _prompt(rng, 5)
+    assert _result(llm.generate([longer], PARAMS)[0]) == _result(
+        chunked.generate([longer], PARAMS)[0]
+    )

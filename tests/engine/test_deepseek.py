@@ -18,7 +18,12 @@ from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.mla import MLAttention, check_mla_layout
 from duet.engine.model.moe import SparseMoeBlock
 from tests.conftest import ARCH_CONFIGS, DEEPSEEK_ARCHS
-from tests.engine.test_batch_invariance import PARAMS, _prompt, _result
+from tests.engine.test_batch_invariance import (
+    PARAMS,
+    _prompt,
+    _result,
+    assert_alone_batched_chunked_and_hits_equal,
+)
 from tests.engine.test_moe import MAX_TOKENS, NUM_PROMPTS, _prompts, hf_logprobs
 
 DEEPSEEK_SHAPES = dict(hidden_size=128, initializer_range=0.05)
@@ -189,19 +194,7 @@ def test_alone_batched_chunked_and_prefix_hits_are_bitwise_equal_in_bf16(tiny_mo
     model_dir = tiny_model_factory(arch, **DEEPSEEK_SHAPES)
     llm = _llm(model_dir, "bfloat16", max_num_seqs=16)
     chunked = _llm(model_dir, "bfloat16", max_num_batched_tokens=7)
-    assert llm.engine.deterministic and chunked.engine.deterministic
-    rng = random.Random(0)
-    prompt = _prompt(rng, 161)
-    cold = _result(llm.generate([prompt], PARAMS)[0])
-    assert _result(llm.generate([prompt], PARAMS)[0]) == cold  # hit
-    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
-    batch = llm.generate([*others[:6], prompt, *others[6:]], PARAMS)
-    assert _result(batch[6]) == cold
-    assert _result(chunked.generate([prompt], PARAMS)[0]) == cold
-    longer = prompt[:100] + _prompt(rng, 5)
-    assert _result(llm.generate([longer], PARAMS)[0]) == _result(
-        chunked.generate([longer], PARAMS)[0]
-    )
+    assert_alone_batched_chunked_and_hits_equal(llm, chunked)
 
 
 def test_yarn_scales_the_softmax_and_the_rotary_tables():

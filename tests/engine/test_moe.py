@@ -17,7 +17,12 @@ from duet.engine.model.moe import SparseMoeBlock, route
 from duet.engine.model.packed_linear import pack_linears
 from duet.engine.parallel import SINGLE
 from tests.conftest import ARCH_CONFIGS, MOE_ARCHS
-from tests.engine.test_batch_invariance import PARAMS, _prompt, _result
+from tests.engine.test_batch_invariance import (
+    PARAMS,
+    _prompt,
+    _result,
+    assert_alone_batched_chunked_and_hits_equal,
+)
 
 NUM_PROMPTS, MAX_TOKENS = 8, 32
 PROMPT_LENS = [5, 17, 33, 64, 100, 7, 48, 1]
@@ -155,19 +160,7 @@ def test_alone_batched_chunked_and_prefix_hits_are_bitwise_equal(tiny_model_fact
     moe_model = tiny_model_factory(arch, **MOE_SHAPES)
     llm = _llm(moe_model, dtype, max_num_seqs=16)
     chunked = _llm(moe_model, dtype, max_num_batched_tokens=7)
-    assert llm.engine.deterministic and chunked.engine.deterministic
-    rng = random.Random(0)
-    prompt = _prompt(rng, 161)
-    cold = _result(llm.generate([prompt], PARAMS)[0])
-    assert _result(llm.generate([prompt], PARAMS)[0]) == cold  # hit
-    others = [_prompt(rng, rng.randrange(1, 60)) for _ in range(15)]
-    batch = llm.generate([*others[:6], prompt, *others[6:]], PARAMS)
-    assert _result(batch[6]) == cold
-    assert _result(chunked.generate([prompt], PARAMS)[0]) == cold
-    longer = prompt[:100] + _prompt(rng, 5)
-    assert _result(llm.generate([longer], PARAMS)[0]) == _result(
-        chunked.generate([longer], PARAMS)[0]
-    )
+    assert_alone_batched_chunked_and_hits_equal(llm, chunked)
 
 
 def test_tensor_parallel_2_equals_1(tiny_model_factory):
