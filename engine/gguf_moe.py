@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from duet.engine.model.moe_names import MIXTRAL_PROJ
+
 MOE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -28,7 +30,7 @@ MIXTRAL = ("MixtralForCausalLM", "mixtral")
 RENORMALIZE_BY_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_MIXTRAL_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_MIXTRAL_NAME = {proj: name for name, proj in MIXTRAL_PROJ.items()}  # gate_proj -> w1, ...
 _SHARED = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
@@ -57,7 +59,7 @@ def expert_template(architecture: str, part: str) -> str | None:
     if proj is None:
         return None
     if architecture == "llama":
-        return f"block_sparse_moe.experts.{{e}}.{_MIXTRAL_PROJ[proj]}"
+        return f"block_sparse_moe.experts.{{e}}.{_MIXTRAL_NAME[proj]}"
     return f"mlp.experts.{{e}}.{proj}"
 
 

@@ -21,7 +21,8 @@ _ROUTER_NAME = re.compile(
     r"^(?P<layer>layers\.\d+\.)(?:mlp|block_sparse_moe)\."
     r"(?P<name>gate\.weight|shared_expert_gate\.weight|gate\.e_score_correction_bias)$"
 )
-_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""Mixtral's expert projection names -> Qwen's (and ours)."""
 
 
 def expert_placement(target: str) -> tuple[str, int | None, str] | None:
@@ -31,7 +32,7 @@ def expert_placement(target: str) -> tuple[str, int | None, str] | None:
     match = _EXPERT_NAME.match(target)
     if match is None:
         return None
-    proj = _MIXTRAL_PROJ.get(match["proj"], match["proj"])
+    proj = MIXTRAL_PROJ.get(match["proj"], match["proj"])
     group = match["group"]
     index = None if group.startswith("shared_expert") else int(group.removeprefix("experts."))
     return match["layer"], index, proj

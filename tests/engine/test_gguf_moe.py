@@ -21,6 +21,8 @@ from duet.engine import LLM, SamplingParams
 from duet.engine.gguf_loader import load_gguf
 from duet.engine.quant.formats import QuantizedWeight
 from tests.engine.gguf_files import (
+    _GGUF_GLOBAL_NAMES,
+    _GGUF_LAYER_NAMES,
     BYTE_LEVEL_MERGES,
     BYTE_LEVEL_SPECIALS,
     byte_level_tokens,
@@ -31,13 +33,10 @@ from tests.engine.gguf_files import (
 
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
-_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_GLOBAL = _GGUF_GLOBAL_NAMES
 _LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    **_GGUF_LAYER_NAMES,  # the dense parts, as tests/engine/gguf_files.py writes them
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }  # fmt: skip
