@@ -37,6 +37,11 @@ class KVCacheSpec:
         """Whether this is MLA's one-plane latent layout."""
         return self.num_planes == 1
 
+    @property
+    def latent_width(self) -> int | None:
+        """MLA's entry width (the attention kernels' head size for it); None when dense."""
+        return self.head_dim if self.is_latent else None
+
     def shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         """One layer's cache tensor."""
         return (self.num_planes, num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -87,7 +87,7 @@ class LLMEngine:
         )
         use_triton = self.device.type == "cuda" and (
             resolve_attention_backend(
-                config.attention_backend, self.device, self.dtype, loaded.model.kv_spec.is_latent
+                config.attention_backend, self.device, self.dtype, loaded.model.kv_spec.latent_width
             )
             == "triton"
         )

@@ -17,6 +17,7 @@ from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
+from duet.engine.model.mla import group_mla_absorb_cpu
 from duet.engine.model.moe import fuse_moe_experts, group_moe_experts_cpu
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
@@ -201,6 +202,7 @@ def load_model(
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
         group_moe_experts_cpu(net)  # dense experts: one grouped product per layer, invariant
+        group_mla_absorb_cpu(net)  # MLA's per-head products: two grouped calls per layer
         if deterministic:
             use_dense_kernel_amx(net)  # bf16 with AMX: duet's tiles, invariant (0 elsewhere)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path

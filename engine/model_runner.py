@@ -31,22 +31,29 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_attention_backend(
-    requested: str, device: torch.device, dtype: torch.dtype, latent: bool = False
+    requested: str, device: torch.device, dtype: torch.dtype, latent_width: int | None = None
 ) -> str:
     """The attention path a runner uses: "triton" (GPU kernels; on CPU only under the Triton
     interpreter), "cpu" (the C++ decode kernel) or "torch" (the reference).
 
     auto: Triton on CUDA, the C++ kernel on CPU, the torch reference where neither can run.
-    `latent` (multi-head latent attention's cache): the torch reference only
-    (engine/model/latent_attention.py), whose metadata the model reads."""
-    if latent:
+    `latent_width` (multi-head latent attention's entry, kv_lora_rank + rope dims): auto takes
+    the C++ kernels where both take that width (DeepSeek's 576; engine/model/latent_attention.py),
+    else the torch reference; no Triton kernels yet."""
+    if latent_width is not None:
         if requested not in ("auto", "torch"):
             raise InvalidInputError(
                 "attention_backend",
                 "must be auto or torch for a model with multi-head latent attention (its cache "
                 f"has no {requested} kernels yet); got {requested}",
             )
-        return "torch"
+        kernels = (
+            requested == "auto"
+            and device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and prefill_kernel_supports(latent_width)
+        )
+        return "cpu" if kernels else "torch"
     if requested == "torch":
         return "torch"
     if requested == "triton":
@@ -119,13 +126,13 @@ class ModelRunner:
         self.num_micro_batched_steps = 0
         """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
         self.attention_backend = resolve_attention_backend(
-            attention_backend, device, dtype, model.kv_spec.is_latent
+            attention_backend, device, dtype, model.kv_spec.latent_width
         )
         self.deterministic = deterministic
         self.use_triton = self.attention_backend == "triton"
         self.use_decode_kernel = self.attention_backend == "cpu"
         self.prefill_kernel = self.attention_backend == "cpu" and prefill_kernel_supports(
-            cfg.head_dim
+            model.kv_spec.head_dim
         )
         max_model_len = max_model_len or cfg.max_position_embeddings
         self.input_batch = InputBatch(

@@ -63,6 +63,11 @@ inline int64_t widened_index(int64_t d) {  // where element d of a row sits afte
 
 constexpr int64_t kPartitionTokens = 256;
 
+// A cache entry of multi-head latent attention (DeepSeek-V2/V3): the latent (512) and the roped
+// key part (64), read as the one KV head's key and value (engine/model/latent_attention.py).
+// Both kernels take this width with its own vector count, so its rows load paired in both.
+constexpr int64_t kLatentWidth = 576;
+
 // Tokens per partition: the multiple of the block size nearest above kPartitionTokens, so a
 // partition is whole blocks.
 inline int64_t partition_tokens(int64_t block_size) {

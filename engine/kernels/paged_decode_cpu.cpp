@@ -47,7 +47,7 @@
 namespace duet {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMaxHeadDim = kLatentWidth;
 constexpr int64_t kItemsPerThread = 4;  // split long sequences until there are this many
 
 struct Item {
@@ -534,6 +534,7 @@ void dispatch(Problem& P, const int64_t* lens, int64_t B) {
     case 4: return run<E, kLanes, 4>(P, lens, B);
     case 8: return run<E, kLanes, 8>(P, lens, B);
     case 16: return run<E, kLanes, 16>(P, lens, B);
+    case kLatentWidth / kLanes: return run<E, kLanes, kLatentWidth / kLanes>(P, lens, B);
     default: return run<E, kLanes, 0>(P, lens, B);
   }
 }

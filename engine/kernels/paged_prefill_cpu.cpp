@@ -364,6 +364,7 @@ void dispatch(const Problem& P, int64_t B) {
     case 4: return run<E, kLanes, 4>(P, B);
     case 8: return run<E, kLanes, 8>(P, B);
     case 16: return run<E, kLanes, 16>(P, B);
+    case kLatentWidth / kLanes: return run<E, kLanes, kLatentWidth / kLanes>(P, B);
     default: TORCH_CHECK(false, "paged_prefill_attention: head_dim ", P.D, " unsupported");
   }
 }
@@ -373,7 +374,7 @@ void dispatch(const Problem& P, int64_t B) {
 bool prefill_head_dim_supported(int64_t head_dim) {
   if (head_dim % kLanes != 0) return false;
   const int64_t nd = head_dim / kLanes;
-  return nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16;
+  return nd == 1 || nd == 2 || nd == 4 || nd == 8 || nd == 16 || head_dim == kLatentWidth;
 }
 
 void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
@@ -383,7 +384,7 @@ void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_ca
   if (!query_rows_contiguous(query)) query = query.contiguous();
   check_paged_attention_args(out, query, key_cache, value_cache);
   TORCH_CHECK(prefill_head_dim_supported(query.size(2)), "head_dim ", query.size(2),
-              " unsupported: a multiple of ", kLanes, " times 1, 2, 4, 8 or 16");
+              " unsupported: a multiple of ", kLanes, " times 1, 2, 4, 8 or 16, or ", kLatentWidth);
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start, &query_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "index tensors must be int64");
   block_tables = block_tables.contiguous();

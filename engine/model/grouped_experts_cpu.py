@@ -44,11 +44,11 @@ class CpuGroupedExperts(nn.Module):
         """The panels of `experts` (MLPs of plain dense `Linear`s, fp32 or bf16, on the CPU,
         none on a kernel yet); None when they are not all such, or the kernel packs AMX
         pairs for them. Leaves `experts` as they are (the caller drops them)."""
-        gate_ups = _plain_weights(experts, "gate_up_proj")
-        downs = _plain_weights(experts, "down_proj")
+        gate_ups = plain_weights([getattr(e, "gate_up_proj", None) for e in experts])
+        downs = plain_weights([getattr(e, "down_proj", None) for e in experts])
         if not gate_ups or not downs:
             return None
-        w13, w2 = _stacked(gate_ups, kernel), _stacked(downs, kernel)
+        w13, w2 = stacked_panels(gate_ups, kernel), stacked_panels(downs, kernel)
         if w13 is None or w2 is None:
             return None
         hidden, intermediate = downs[0].shape  # [hidden, I]
@@ -70,12 +70,11 @@ class CpuGroupedExperts(nn.Module):
         return self.kernel.grouped_dense_linear(act, params["w2"], counts, self.hidden_size)
 
 
-def _plain_weights(experts: nn.ModuleList, name: str) -> list[torch.Tensor] | None:
-    """Each expert's `name` projection's weight, where every one is a dense `Linear` (not
-    quantized, not packed, not on a kernel, no bias) the kernel can take; else None."""
+def plain_weights(modules: list[Any]) -> list[torch.Tensor] | None:
+    """Each module's weight, where every one is a dense `Linear` (not quantized, not packed,
+    not on a kernel, no bias) the kernel can take; else None."""
     weights: list[torch.Tensor] = []
-    for expert in experts:
-        module = getattr(expert, name, None)
+    for module in modules:
         if type(module) is not Linear or module.cpu_kernel is not None or module.bias is not None:
             return None
         weight = module.weight
@@ -85,7 +84,7 @@ def _plain_weights(experts: nn.ModuleList, name: str) -> list[torch.Tensor] | No
     return weights
 
 
-def _stacked(weights: list[torch.Tensor], kernel: Any) -> torch.Tensor | None:
+def stacked_panels(weights: list[torch.Tensor], kernel: Any) -> torch.Tensor | None:
     """[E, tiles, K, tile]: each weight's panels, or None where they are AMX pairs."""
     first = kernel.pack_dense(weights[0])
     if first.dim() != 3:

@@ -1,5 +1,5 @@
 """Attention over the paged cache of a multi-head latent attention model (DeepSeek-V2/V3), in
-the absorbed form: the torch reference, on every device.
+the absorbed form: the C++ CPU kernels where the runner chose them, else the torch reference.
 
 The cache of a layer is one plane, `[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]`:
 per token the normalised latent c and the roped key part k_pe, which every head shares. A
@@ -20,7 +20,15 @@ construction, whatever the device's BLAS does (docs/determinism.md):
 - everything in fp32, rounded to the model's dtype once at the end.
 
 Memory: the products are materialised, bounded by `_MAX_ELEMENTS` per piece. A reference for
-correctness and determinism, not for speed: the MLA decode kernels are later work.
+correctness and determinism, not for speed.
+
+On the CPU backend (`resolve_attention_backend`: fp32 or bf16, an entry width the kernels
+take, DeepSeek's 576 among them) the dense paged kernels run it instead: the entry plane is
+the one KV head's keys and, read again, its values, so every head attends as in multi-query
+attention and the first `value_size` values of each output row are the latent result (the
+roped tail's 64 of 576 are computed and dropped). Decode and prefill rows follow one order
+(engine/kernels/attention_order.h), so the batch invariance above holds there too, in that
+order, not the reference's.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from duet.engine.attention_metadata import AttentionMetadata
+from duet.engine.kernels.cpu import paged_decode_attention, paged_prefill_attention
 from duet.engine.model.row_invariant import elementwise
 
 _MAX_ELEMENTS = 1 << 24
@@ -50,7 +59,10 @@ def latent_attention(
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over all its entries (cached prefix and
     new): [T, H, value_size], the softmax-weighted sum of the entries' first `value_size`
-    values (the latent), in `query`'s dtype. Reads `meta.block_ids` (the torch backend's)."""
+    values (the latent), in `query`'s dtype. Reads the CPU kernels' batches where the runner
+    built them, else `meta.block_ids` (the torch backend's)."""
+    if meta.decode_batch is not None or meta.prefill_batch is not None:
+        return _kernel_attention(query, cache, meta, scale, value_size)
     _, _, block_size, _, width = cache.shape
     plane = cache[0, :, :, 0]  # [num_blocks, block_size, width]
     num_tokens, num_heads, _ = query.shape
@@ -66,6 +78,49 @@ def latent_attention(
             query[start:end].float(), entries, positions, scale, value_size, block_size
         ).to(out.dtype)
     return out
+
+
+def _kernel_attention(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    value_size: int,
+) -> torch.Tensor:
+    """The C++ kernels over the entry plane read as keys and as values: [T, H, value_size], a
+    view of their [T, H, width] output. Every row is a decode or a kernel prefill row (the
+    runner picks this backend only where the prefill kernel takes the width)."""
+    assert len(meta.prefill_indices) == 0 or meta.prefill_batch is not None
+    plane = cache[0]  # [num_blocks, block_size, 1, width]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    d = meta.decode_batch
+    if d is not None and d.token_indices.shape[0] >= torch.get_num_threads():
+        # Every head of a sequence shares its one KV head, so the prefill kernel's tiling (an
+        # fp32 panel of the entries, 12 heads at a time) pays for decode rows too once each
+        # thread has a sequence: 1.4-2x the decode kernel's speed at 128 heads, 2 threads.
+        # The decode kernel splits one long sequence over threads. Same order, same bits.
+        ones = torch.ones_like(d.seq_lens)
+        paged_prefill_attention(
+            out, query, plane, plane, d.block_tables, d.seq_lens, d.token_indices, ones, scale
+        )
+    elif d is not None:
+        paged_decode_attention(
+            out, query, plane, plane, d.block_tables, d.seq_lens, d.token_indices, scale
+        )
+    p = meta.prefill_batch
+    if p is not None:
+        paged_prefill_attention(
+            out,
+            query,
+            plane,
+            plane,
+            p.block_tables,
+            p.seq_lens,
+            p.query_start,
+            p.query_lens,
+            scale,
+        )
+    return out[..., :value_size]
 
 
 def _attend(

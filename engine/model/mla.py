@@ -153,6 +153,67 @@ class MLAttention(nn.Module):
         self.v_absorb = nn.ModuleList()
         """Per head: W_UV, a [v_head, kv_lora] linear (latent result -> the head's output)."""
         self.o_proj = make_linear(heads * self.v_head_dim, hidden, bias, quant)
+        self.grouped_kernel: Any = None
+        """With `group_absorb_cpu`: duet's dense CPU kernel module, which runs every head's
+        absorbed product of a kind as one grouped call on the panels below."""
+        self.k_panels: nn.Parameter | None
+        self.v_panels: nn.Parameter | None
+        self.register_parameter("k_panels", None)  # [H, tiles, nope, tile]
+        self.register_parameter("v_panels", None)  # [H, tiles, latent, tile]
+
+    def group_absorb_cpu(self, kernel: Any) -> bool:
+        """Every head's k_absorb and v_absorb as one grouped call each on duet's dense CPU
+        kernel (engine/kernels/grouped_linear_cpu.cpp: the per-head products' element order
+        at any row count, so batch-invariant), instead of two Python-driven products per head
+        (256 a layer for DeepSeek-V3's 128 heads). False (nothing changed) unless they are
+        plain fp32 or bf16 `Linear`s on the CPU the kernel packs as panels (not AMX pairs)."""
+        from duet.engine.model.grouped_experts_cpu import plain_weights, stacked_panels
+
+        ks = plain_weights(list(self.k_absorb))
+        vs = plain_weights(list(self.v_absorb))
+        k_panels = stacked_panels(ks, kernel) if ks else None
+        v_panels = stacked_panels(vs, kernel) if vs else None
+        if k_panels is None or v_panels is None:
+            return False
+        self.k_panels = nn.Parameter(k_panels, requires_grad=False)
+        self.v_panels = nn.Parameter(v_panels, requires_grad=False)
+        self.grouped_kernel = kernel
+        self.k_absorb = nn.ModuleList()
+        self.v_absorb = nn.ModuleList()
+        return True
+
+    def _absorb_queries(self, q_nope: torch.Tensor, out: torch.Tensor) -> None:
+        """Each head's W_UK^T q_nope ([T, H, nope]) into `out` ([T, H, latent])."""
+        if self.grouped_kernel is not None:
+            num_tokens, heads = q_nope.shape[0], self.num_heads
+            rows = q_nope.transpose(0, 1).reshape(heads * num_tokens, self.nope)  # by head
+            got = self.grouped_kernel.grouped_dense_linear(
+                rows, self.k_panels, [num_tokens] * heads, self.latent
+            )
+            out.copy_(got.view(heads, num_tokens, self.latent).transpose(0, 1))
+            return
+        parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
+        k_absorb: dict[str, Any] = parts["k_absorb"]._modules
+        for h in range(self.num_heads):
+            out[:, h] = k_absorb[str(h)].forward(q_nope[:, h].contiguous())
+
+    def _absorb_values(self, latent: torch.Tensor) -> torch.Tensor:
+        """Each head's W_UV times its latent result ([T, H, latent]): [T, H * v_head]."""
+        num_tokens, heads = latent.shape[0], self.num_heads
+        if self.grouped_kernel is not None:
+            rows = latent.transpose(0, 1).reshape(heads * num_tokens, self.latent)
+            got = self.grouped_kernel.grouped_dense_linear(
+                rows, self.v_panels, [num_tokens] * heads, self.v_head_dim
+            )
+            return (
+                got.view(heads, num_tokens, self.v_head_dim)
+                .transpose(0, 1)
+                .reshape(num_tokens, heads * self.v_head_dim)
+            )
+        parts: dict[str, Any] = self._modules
+        v_absorb: dict[str, Any] = parts["v_absorb"]._modules
+        outs = [v_absorb[str(h)].forward(latent[:, h].contiguous()) for h in range(heads)]
+        return torch.cat(outs, dim=-1)
 
     def absorb(self) -> None:
         """Split the loaded kv_b_proj into the per-head products and drop it (its bytes move,
@@ -190,14 +251,10 @@ class MLAttention(nn.Module):
         entries = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, latent + rope]
         write_latent_cache(kv_cache, entries, ctx.meta.slot_mapping)
         query = q.new_empty(num_tokens, heads, self.latent + self.rope)  # [T, H, latent + rope]
-        k_absorb: dict[str, Any] = parts["k_absorb"]._modules
-        for h in range(heads):
-            query[:, h, : self.latent] = k_absorb[str(h)].forward(q[:, h, : self.nope].contiguous())
+        self._absorb_queries(q[..., : self.nope], query[..., : self.latent])
         query[:, :, self.latent :] = q_pe
         out = latent_attention(query, kv_cache, ctx.meta, self.scale, self.latent)  # [T, H, latent]
-        v_absorb: dict[str, Any] = parts["v_absorb"]._modules
-        heads_out = [v_absorb[str(h)].forward(out[:, h].contiguous()) for h in range(heads)]
-        out = parts["o_proj"].forward(torch.cat(heads_out, dim=-1))  # [T, hidden], partial
+        out = parts["o_proj"].forward(self._absorb_values(out))  # [T, hidden], partial
         return self.tp.all_reduce(out)
 
     def _rotate(
@@ -211,6 +268,19 @@ class MLAttention(nn.Module):
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         return _rotate(q_pe, cos, sin, self.interleave), _rotate(k_pe, cos, sin, self.interleave)
+
+
+def group_mla_absorb_cpu(model: nn.Module) -> int:
+    """On the CPU with duet's kernels: every latent attention layer's absorbed products as two
+    grouped calls (`MLAttention.group_absorb_cpu`), before any other packing takes them.
+    Returns how many layers (0 without the kernel, or where they do not qualify)."""
+    from duet.engine.model.dense_cpu_linear import load_dense_kernel
+
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    kernel = load_dense_kernel() if layers else None
+    if kernel is None:
+        return 0
+    return sum(layer.group_absorb_cpu(kernel) for layer in layers)
 
 
 def _rotate(

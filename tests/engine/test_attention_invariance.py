@@ -13,8 +13,16 @@ from tests.engine.test_cpu_kernels import random_decode_batch
 
 # (heads, KV heads, head_dim, block size): SmolLM2, Llama-8B, a block size off the vector
 # width (runs of one key), a block wider than the vector (two runs per block), 20 query heads
-# per KV head (the AMX order's rows in two tiles of 16 and 4).
-SHAPES = [(9, 3, 64, 16), (32, 8, 128, 16), (4, 2, 16, 7), (6, 2, 32, 32), (40, 2, 64, 16)]
+# per KV head (the AMX order's rows in two tiles of 16 and 4), and 16 heads over DeepSeek's
+# latent entry (multi-head latent attention: one KV head of 576).
+SHAPES = [
+    (9, 3, 64, 16),
+    (32, 8, 128, 16),
+    (4, 2, 16, 7),
+    (6, 2, 32, 32),
+    (40, 2, 64, 16),
+    (16, 1, 576, 16),
+]
 LENGTHS = [700, 37, 300, 1200, 5, 257, 256, 513, 129]  # one and several partitions
 DTYPES = [torch.float32, torch.bfloat16]
 

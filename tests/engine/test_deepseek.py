@@ -100,12 +100,15 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     llm = LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=64, block_size=16)
     engine = llm.engine
     model = engine.runner.model
-    entry = 32 + 16  # kv_lora_rank + qk_rope_head_dim
+    entry = 48 + 16  # kv_lora_rank + qk_rope_head_dim
     assert [tuple(c.shape) for c in engine.runner.kv_caches] == [(1, 64, 16, 1, entry)] * 3
     assert model.kv_spec.bytes_per_block(3, 16, torch.float32) == 3 * 16 * entry * 4
     attn = model.layers[0].self_attn
     assert isinstance(attn, MLAttention) and attn.kv_b_proj is None
-    assert len(attn.k_absorb) == len(attn.v_absorb) == 4
+    # the 4 heads' absorbed products as two grouped calls on duet's CPU kernel (panels)
+    assert attn.grouped_kernel is not None and len(attn.k_absorb) == len(attn.v_absorb) == 0
+    assert attn.k_panels is not None and attn.v_panels is not None
+    assert attn.k_panels.shape[0] == attn.v_panels.shape[0] == 4
     assert isinstance(model.layers[1].mlp, SparseMoeBlock)
     assert not isinstance(model.layers[0].mlp, SparseMoeBlock)  # first_k_dense_replace
     # V3 checkpoints' multi-token-prediction layer (index num_hidden_layers) is not loaded
@@ -122,20 +125,47 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
             assert r.kv_block_bytes == (r.layers[1] - r.layers[0]) * 16 * entry * 4
     cpu = torch.device("cpu")
     loaded = load_model(model_dir, torch.float32, cpu, progress=False, deterministic=False)
-    assert plan.ranks[0].weights_bytes == loaded.weight_bytes
+    # the grouped panels pad each head's absorbed product to the kernel's whole column tiles
+    # (the tiny model's 48 and 24 columns; none at DeepSeek's 512 and 128)
+    absorbed = 4 * (48 * 16 + 24 * 48)  # 4 heads' W_UK^T [latent, nope] and W_UV [v, latent]
+    padding = sum(
+        layer.self_attn.k_panels.numel() + layer.self_attn.v_panels.numel() - absorbed
+        for layer in loaded.model.layers
+    )
+    assert plan.ranks[0].weights_bytes + 4 * padding == loaded.weight_bytes
+
+
+def test_triton_attention_is_refused_naming_the_field(tiny_model_factory):
+    model_dir = tiny_model_factory("deepseek_v2")
+    with pytest.raises(InvalidInputError, match="must be auto or torch") as err:
+        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16,
+            attention_backend="triton")  # fmt: skip
+    assert err.value.field == "attention_backend"
 
 
 @pytest.mark.parametrize(
-    ("options", "field"),
-    [
-        ({"attention_backend": "cpu"}, "attention_backend"),
-    ],
+    "widths", [{}, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}], ids=["entry64", "entry576"]
 )
-def test_refused_options_name_the_field(tiny_model_factory, options, field):
-    model_dir = tiny_model_factory("deepseek_v2")
-    with pytest.raises(InvalidInputError) as err:
-        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16, **options)
-    assert err.value.field == field
+def test_kernel_and_reference_attention_agree(tiny_model_factory, widths):
+    """The runner takes the C++ kernels for the latent cache by default on the CPU (the
+    entry read as one KV head, at the tiny models' 64 values and DeepSeek's 576) and the
+    torch reference when asked: the same greedy tokens in fp32, top-2 logprobs within 1e-5.
+    An entry of 48 values has no kernel and takes the reference."""
+    model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES, **widths)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    kernel = _llm(model_dir, "float32")
+    assert kernel.engine.runner.attention_backend == "cpu"
+    reference = _llm(model_dir, "float32", attention_backend="torch")
+    assert reference.engine.runner.attention_backend == "torch"
+    got, want = kernel.generate(_prompts(), params), reference.generate(_prompts(), params)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            got, want = ([t.logprob for t in lp.top] for lp in (x, y))
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    narrow = tiny_model_factory("deepseek_v3", **{**DEEPSEEK_SHAPES, "kv_lora_rank": 32})
+    assert _llm(narrow, "float32").engine.runner.attention_backend == "torch"
 
 
 def test_tensor_parallelism_with_attention_bias_is_refused():
@@ -164,7 +194,7 @@ def test_tensor_parallel_2_equals_1(tiny_model_factory):
     model = tp.engine.runner.model
     attn = model.layers[0].self_attn
     assert isinstance(attn, MLAttention) and attn.num_heads == 2
-    assert model.kv_spec.shape(64, 16) == (1, 64, 16, 1, 48)  # the whole entry on every rank
+    assert model.kv_spec.shape(64, 16) == (1, 64, 16, 1, 64)  # the whole entry on every rank
     assert _count_flips(want, tp.generate(_prompts(), params)) <= 1
 
 
