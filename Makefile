@@ -25,11 +25,15 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/duet serve $(SERVE_ARGS)
 
+# mypy runs beside pytest (its output printed after), in the CPU the test workers leave idle
+# while they wait on subprocesses and servers; either failing fails the target.
 test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal -m 'not sweep'
+	@$(VENV)/bin/mypy > .mypy.out 2>&1 & mypy=$$!; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not sweep'; \
+	tests=$$?; wait $$mypy; types=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
+	exit $$(( tests != 0 || types != 0 ))
 
 # tests/session_store runs a real redis-server (CI runs as root; elsewhere install it yourself).
 .PHONY: redis-server

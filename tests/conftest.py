@@ -278,3 +278,12 @@ def pytest_configure(config: pytest.Config) -> None:
         import sys
 
         faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` hands whole modules to xdist workers as they free up (`--dist loadfile
+    --no-loadscope-reorder`, docs/development.md), in collection order: modules with a `slow`
+    test go first (stable: each module's own order is kept), so the longest modules start
+    early instead of holding up the end of the run."""
+    slow = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in slow)

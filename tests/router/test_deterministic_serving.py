@@ -1,7 +1,7 @@
 """Deterministic serving (issue 19), as a user meets it: the embedded SmolLM2-135M-Instruct in
-bf16 behind the REST API, driven by the official `openai` client. Each of 16 chats sent twice
-(the second hits the prefix cache), streamed and not streamed, and all 16 at once: every copy
-of a chat gets the same text and the same logprobs."""
+bf16 behind the REST API, driven by the official `openai` client. Each of 16 chats sent alone,
+again (half of them: the second hits the prefix cache) or streamed (the other half), and all 16
+at once: every copy of a chat gets the same text and the same logprobs."""
 
 from __future__ import annotations
 
@@ -76,13 +76,13 @@ def test_every_copy_of_a_chat_is_identical_in_bf16(server: LiveServer) -> None:
             base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300
         ) as client:
             first = [await _one(client, t) for t in TOPICS]  # one at a time, cold
-            second = [await _one(client, t) for t in TOPICS]  # prefix-cache hits
-            streamed = [await _streamed(client, t) for t in TOPICS]
+            second = [await _one(client, t) for t in TOPICS[::2]]  # prefix-cache hits
+            streamed = [await _streamed(client, t) for t in TOPICS[1::2]]
             together = await asyncio.gather(*(_one(client, t) for t in TOPICS))  # batched
             return first, second, streamed, list(together)
 
     first, second, streamed, together = asyncio.run(main())
     assert all(text for text, _ in first)
-    assert second == first
-    assert streamed == first
+    assert second == first[::2]
+    assert streamed == first[1::2]
     assert together == first

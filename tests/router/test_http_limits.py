@@ -129,8 +129,10 @@ def _read_all(sock: socket.socket) -> bytes:
 
 
 def test_headers_that_drip_are_cut_off(bounded: LiveServer) -> None:
-    sock = _connect(bounded)
+    # NOTE: timed from before the connection: the server's header clock starts when it
+    # accepts, which can precede a clock read after connect() returns (2.999 s measured)
     start = time.monotonic()
+    sock = _connect(bounded)
     sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: duet\r\n")
     closed = False
     with sock:
