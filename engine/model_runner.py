@@ -38,15 +38,18 @@ def resolve_attention_backend(
 
     auto: Triton on CUDA, the C++ kernel on CPU, the torch reference where neither can run.
     `latent_width` (multi-head latent attention's entry, kv_lora_rank + rope dims): auto takes
-    the C++ kernels where both take that width (DeepSeek's 576; engine/model/latent_attention.py),
-    else the torch reference; no Triton kernels yet."""
+    Triton's latent kernel on CUDA (engine/kernels/triton_mla.py) and on the CPU the C++
+    kernels where both take that width (DeepSeek's 576; engine/model/latent_attention.py),
+    else the torch reference."""
     if latent_width is not None:
-        if requested not in ("auto", "torch"):
-            raise InvalidInputError(
-                "attention_backend",
-                "must be auto or torch for a model with multi-head latent attention (its cache "
-                f"has no {requested} kernels yet); got {requested}",
-            )
+        if requested == "triton" or (requested == "auto" and device.type == "cuda"):
+            reason = triton_unusable_reason(device)
+            if reason is None:
+                return "triton"  # engine/kernels/triton_mla.py
+            if requested == "triton":
+                raise InvalidInputError("attention_backend", f"triton cannot run here: {reason}")
+            logger.warning("Triton attention unavailable (%s); using the torch reference", reason)
+            return "torch"
         kernels = (
             requested == "auto"
             and device.type == "cpu"

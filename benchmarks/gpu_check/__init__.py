@@ -77,6 +77,7 @@ GPU_TEST_FILES = (
     "tests/engine/test_triton_elementwise.py",
     "tests/engine/test_triton_kernels.py",
     "tests/engine/test_triton_matmul.py",
+    "tests/engine/test_triton_mla.py",
     "tests/engine/test_triton_moe.py",
     "tests/engine/test_triton_real_shapes.py",
     "tests/kv_transfer/test_nixl_gpu.py",

@@ -1,5 +1,6 @@
 """Attention over the paged cache of a multi-head latent attention model (DeepSeek-V2/V3), in
-the absorbed form: the C++ CPU kernels where the runner chose them, else the torch reference.
+the absorbed form: Triton's latent kernel (engine/kernels/triton_mla.py) or the C++ CPU kernels
+where the runner chose them, else the torch reference.
 
 The cache of a layer is one plane, `[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]`:
 per token the normalised latent c and the roped key part k_pe, which every head shares. A
@@ -61,6 +62,17 @@ def latent_attention(
     new): [T, H, value_size], the softmax-weighted sum of the entries' first `value_size`
     values (the latent), in `query`'s dtype. Reads the CPU kernels' batches where the runner
     built them, else `meta.block_ids` (the torch backend's)."""
+    if meta.kernel_batch is not None:  # the Triton backend
+        from duet.engine.kernels.triton_mla import mla_attention
+
+        kb = meta.kernel_batch
+        out = query.new_empty(query.shape[0], query.shape[1], value_size)
+        max_query_len = max(kb.max_query_len, 1 if kb.decode_indices.shape[0] else 0)
+        mla_attention(
+            out, query, cache, kb.query_start_loc, kb.seq_lens, kb.block_tables, max_query_len,
+            scale,
+        )  # fmt: skip
+        return out
     if meta.decode_batch is not None or meta.prefill_batch is not None:
         return _kernel_attention(query, cache, meta, scale, value_size)
     _, _, block_size, _, width = cache.shape

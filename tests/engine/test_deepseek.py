@@ -135,14 +135,6 @@ def test_cache_holds_one_latent_entry_per_token_and_layer(tiny_model_factory):
     assert plan.ranks[0].weights_bytes + 4 * padding == loaded.weight_bytes
 
 
-def test_triton_attention_is_refused_naming_the_field(tiny_model_factory):
-    model_dir = tiny_model_factory("deepseek_v2")
-    with pytest.raises(InvalidInputError, match="must be auto or torch") as err:
-        LLM(model_dir, dtype="float32", load_progress=False, num_kv_blocks=16,
-            attention_backend="triton")  # fmt: skip
-    assert err.value.field == "attention_backend"
-
-
 @pytest.mark.parametrize(
     "widths", [{}, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}], ids=["entry64", "entry576"]
 )

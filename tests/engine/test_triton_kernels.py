@@ -190,7 +190,8 @@ def test_every_shipped_variant_compiles_for_sm90_without_spills():
                "matmul_bias", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul")  # fmt: skip
     dtypes = ("bfloat16", "float16", "float32")
     assert sorted(usage) == sorted(
-        f"{m}/{d}/{k}" for m in ("llama8b", "smollm2") for d in dtypes for k in kernels
+        [f"{m}/{d}/{k}" for m in ("llama8b", "smollm2") for d in dtypes for k in kernels]
+        + [f"deepseek_v3/{d}/mla" for d in dtypes]
     )
     for name, u in usage.items():
         spilled = (u["spill_stores"], u["spill_loads"], u["stack"])

@@ -40,6 +40,7 @@ from duet.engine.kernels.triton_elementwise import (
     _silu_and_mul_kernel,
 )
 from duet.engine.kernels.triton_matmul import _matmul_kernel, matmul_config
+from duet.engine.kernels.triton_mla import _mla_kernel, mla_launch_config
 from duet.engine.kernels.triton_norm import _rms_norm_kernel
 from duet.engine.kernels.triton_prefill import _fold_kernel, _prefill_kernel, prefill_launch_config
 
@@ -171,6 +172,9 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             variants[f"{name}/rotary"] = (_rotary_kernel, ptr, rotary)
             silu = {"BLOCK": SILU_BLOCK, "num_warps": 4}
             variants[f"{name}/silu_and_mul"] = (_silu_and_mul_kernel, ptr, silu)
+    for dtype_name, ptr in DTYPES.items():  # DeepSeek-V2/V3's latent attention: 512 + 64
+        mla = mla_launch_config(512, 64, getattr(torch, dtype_name), CUDA)
+        variants[f"deepseek_v3/{dtype_name}/mla"] = (_mla_kernel, ptr, mla)
     return variants
 
 
