@@ -110,9 +110,9 @@ def test_a_deepseek_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(
     model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
     options = dict(dtype="float32", load_progress=False, num_kv_blocks=64)
-    triton = LLM(model_dir, attention_backend="triton", **options)
+    triton = LLM(model_dir, attention_backend="triton", device=DEVICE.type, **options)
     assert triton.engine.runner.attention_backend == "triton"
-    cpu = LLM(model_dir, **options)
+    cpu = LLM(model_dir, device="cpu", **options)
     assert cpu.engine.runner.attention_backend == "cpu"
     prompts = _prompts()[:3]
     got, want = triton.generate(prompts, params), cpu.generate(prompts, params)
