@@ -215,9 +215,9 @@ def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Everything that can be wrong with the flags fails before the (slow) model load.
     parser = args.command_parser
-    config = build_config(parser, args)
     router = _router_config(args, _read_api_keys(args))
-    if args.disaggregated:
+    if args.disaggregated:  # the workers' configs are checked instead, each with its role's
+        # parallel sizes (check_worker_configs)
         from duet.cli.serve_cluster import check_worker_configs, serve_disaggregated
 
         engine = given_engine_flags(args)
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
             return serve_disaggregated(args, spec)
         except ValueError as e:
             raise ServeConfigError(str(e)) from e
-    return _serve_here(args, router, config)
+    return _serve_here(args, router, build_config(parser, args))
 
 
 def _read_api_keys(args: argparse.Namespace) -> list[str]:

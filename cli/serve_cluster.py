@@ -55,6 +55,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks per decode worker (tensor parallelism; any prefill TP hands KV to any "
         "decode TP, each decode rank receiving the KV heads it holds)",
     )  # fmt: skip
+    for role in ("prefill", "decode"):
+        g.add_argument(
+            f"--{role}-ep", type=int, default=1, metavar="N",
+            help=f"a mixture of experts: shard the routed experts over each {role} group's "
+            f"--{role}-tp ranks, whole (1, or the same as --{role}-tp; prefill and decode "
+            "choose independently)",
+        )  # fmt: skip
     g.add_argument(
         "--router-replicas",
         dest="routers",
@@ -122,6 +129,11 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
             "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
             "--prefill-tp ranks and decode workers across --decode-tp ranks; use those"
         )
+    if engine.get("expert_parallel_size", 1) != 1:
+        raise ValueError(
+            "--expert-parallel-size: with --disaggregated, prefill groups shard experts with "
+            "--prefill-ep and decode workers with --decode-ep; use those"
+        )
     if engine.get("pipeline_parallel_size", 1) != 1:
         raise ValueError(
             "--pipeline-parallel-size: prefill and decode workers run one pipeline stage for "
@@ -149,6 +161,8 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         prefill_tp=args.prefill_tp,
         decode_workers=args.decode_workers,
         decode_tp=args.decode_tp,
+        prefill_ep=args.prefill_ep,
+        decode_ep=args.decode_ep,
         routers=args.routers,
         router=router,
         cluster=cluster,

@@ -55,6 +55,12 @@ class ClusterSpec:
     decode_workers: int | None = 1
     decode_tp: int = 1
     """Ranks per decode worker (tensor parallelism)."""
+    prefill_ep: int = 1
+    """Ranks a prefill group shards a mixture's routed experts over, whole: 1 or `prefill_tp`
+    (the engine's `expert_parallel_size`)."""
+    decode_ep: int = 1
+    """The same for a decode worker: 1 or `decode_tp`. Independent of `prefill_ep`: the KV a
+    group hands over does not depend on how its experts are placed."""
     routers: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -78,6 +84,15 @@ class ClusterSpec:
         for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
                 raise ValueError(f"{flag}: must be an integer >= 1; got {tp!r}")
+        for flag, ep, tp in (
+            ("--prefill-ep", self.prefill_ep, self.prefill_tp),
+            ("--decode-ep", self.decode_ep, self.decode_tp),
+        ):
+            if isinstance(ep, bool) or ep not in (1, tp):
+                raise ValueError(
+                    f"{flag}: must be 1 or the group's tensor-parallel size {tp} (the routed "
+                    f"experts are sharded over its ranks, whole); got {ep!r}"
+                )
         if self.routers < 1:
             raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
 
@@ -91,6 +106,7 @@ class ClusterSpec:
         if self.kv_staging_bytes is not None:
             config["kv_staging_bytes"] = self.kv_staging_bytes
         config["tensor_parallel_size"] = self.prefill_tp if role == "prefill" else self.decode_tp
+        config["expert_parallel_size"] = self.prefill_ep if role == "prefill" else self.decode_ep
         if role == "prefill":
             # Only decode workers speculate: a prefill-only request never decodes. A prefill
             # worker loads the draft only to compute its prompt KV (draft_prefill prefill or

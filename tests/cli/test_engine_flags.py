@@ -248,6 +248,19 @@ def test_prefill_workers_get_a_draft_they_prefill(
     assert f"--speculative-config: 'draft_prefill' '{where}' sends the draft's prompt KV" in err
 
 
+def test_disaggregated_groups_shard_experts_independently() -> None:
+    """--prefill-ep and --decode-ep: each role's engines get their own expert_parallel_size."""
+    parser, args = parse(
+        ["serve", "--disaggregated", "--model", "m", "--prefill-tp", "2", "--prefill-ep", "2",
+         "--decode-tp", "2"]
+    )  # fmt: skip
+    spec = check_worker_configs(parser, args, RouterConfig(), given_engine_flags(args))
+    prefill = PrefillWorkerConfig.from_kwargs(**spec.worker_config("prefill"))
+    decode = DecodeWorkerConfig.from_kwargs(**spec.worker_config("decode"))
+    assert (prefill.expert_parallel_size, decode.expert_parallel_size) == (2, 1)
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (2, 2)
+
+
 def test_disaggregated_tensor_parallel_size_points_to_prefill_tp(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -282,12 +295,14 @@ def test_disaggregated_pipeline_stages_are_refused(capsys: pytest.CaptureFixture
     )
 
 
-def test_disaggregated_expert_parallelism_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    """Workers slice every expert for now: without -tp (refused with --disaggregated) the
-    only expert-parallel size is 1."""
-    with pytest.raises(SystemExit) as exc:
-        main(["serve", "--disaggregated", "--expert-parallel-size", "2"])
-    assert exc.value.code == 2
-    assert "--expert-parallel-size: must be 1 or tensor_parallel_size (1)" in (
-        capsys.readouterr().err
+def test_disaggregated_expert_parallelism_points_to_the_group_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Prefill groups and decode workers each shard experts over their own ranks: the engine's
+    --expert-parallel-size is refused naming --prefill-ep and --decode-ep."""
+    assert main(["serve", "--disaggregated", "--expert-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--expert-parallel-size: with --disaggregated, prefill groups shard experts with "
+        "--prefill-ep and decode workers with --decode-ep; use those" in err
     )

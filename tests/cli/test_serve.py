@@ -78,6 +78,14 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         (["serve", "--disaggregated", "--router-replicas", "0"], "--router-replicas"),
         (["serve", "--disaggregated", "--prefill-tp", "0"], "--prefill-tp"),
         (["serve", "--disaggregated", "--decode-tp", "0"], "--decode-tp: must be an integer >= 1"),
+        (
+            ["serve", "--disaggregated", "--prefill-tp", "2", "--prefill-ep", "3"],
+            "--prefill-ep: must be 1 or the group's tensor-parallel size 2",
+        ),
+        (
+            ["serve", "--disaggregated", "--decode-ep", "2"],
+            "--decode-ep: must be 1 or the group's tensor-parallel size 1",
+        ),
     ],
 )
 def test_bad_serve_flags_fail_before_loading(

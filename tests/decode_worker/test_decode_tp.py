@@ -58,23 +58,40 @@ def test_prefill_tp_to_decode_tp_equals_aggregated(tiny_llama, want, prefill_tp,
     _check_tp_hand_off(tiny_llama, want, prefill_tp, decode_tp)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 2)])
-def test_mla_prefill_tp_to_decode_tp_equals_aggregated(tiny_model_factory, prefill_tp, decode_tp):
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "prefill_ep", "decode_ep"),
+    [(1, 2, 1, 2), (2, 2, 2, 1)],
+    ids=["tp1-to-tp2-ep2", "tp2-ep2-to-tp2"],
+)
+def test_mla_prefill_tp_to_decode_tp_equals_aggregated(
+    tiny_model_factory, prefill_tp, decode_tp, prefill_ep, decode_ep
+):
     """DeepSeek-V3 (multi-head latent attention): every rank of a group caches the whole latent
-    entries (heads sharded), so prefill rank 0 alone ships them to each decode rank."""
+    entries (heads sharded), so prefill rank 0 alone ships them to each decode rank. Either
+    side may shard its routed experts over its ranks (expert parallelism) or not: the KV it
+    hands over is the same."""
     from tests.engine.test_deepseek import DEEPSEEK_SHAPES
 
     model = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
     want = [o.token_ids for o in LLM(model, **ENGINE).generate(PROMPTS, GREEDY)]
-    _check_tp_hand_off(model, want, prefill_tp, decode_tp)
+    _check_tp_hand_off(model, want, prefill_tp, decode_tp, (prefill_ep, decode_ep))
 
 
-def _check_tp_hand_off(model: str, want: list[list[int]], prefill_tp: int, decode_tp: int) -> None:
+def _check_tp_hand_off(
+    model: str,
+    want: list[list[int]],
+    prefill_tp: int,
+    decode_tp: int,
+    expert_parallel: tuple[int, int] = (1, 1),
+) -> None:
     """PROMPTS through a prefill group of `prefill_tp` ranks and a decode worker of `decode_tp`
-    (KV over tcp): `want`'s tokens, streamed once each, every pool whole, every rank clean."""
+    (KV over tcp), their `expert_parallel_size`s `expert_parallel`: `want`'s tokens, streamed
+    once each, every pool whole, every rank clean."""
     config = {"model": model, **ENGINE, "kv_backend": "tcp"}
+    prefill_ep, decode_ep = expert_parallel
     groups = start_groups(
-        ("prefill", config, prefill_tp, "p0"), ("decode", config, decode_tp, "d0")
+        ("prefill", {**config, "expert_parallel_size": prefill_ep}, prefill_tp, "p0"),
+        ("decode", {**config, "expert_parallel_size": decode_ep}, decode_tp, "d0"),
     )
     try:
 
