@@ -30,6 +30,17 @@ DEEPSEEK_SHAPES = dict(hidden_size=128, initializer_range=0.05)
 """Wider than the tiny models' 64 (every projection a real product), still fast."""
 
 
+def assert_same_tokens(got: list, want: list, atol: float = 1e-5) -> None:
+    """Two engines' outputs for the same prompts: the same tokens, the same top logprob ids,
+    and their logprobs within `atol`."""
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            lx, ly = ([t.logprob for t in lp.top] for lp in (x, y))
+            torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=atol, rtol=0)
+
+
 def _llm(path: str, dtype: str, **kw) -> LLM:
     return LLM(path, dtype=dtype, load_progress=False, num_kv_blocks=64, deterministic=True, **kw)
 
@@ -149,13 +160,7 @@ def test_kernel_and_reference_attention_agree(tiny_model_factory, widths):
     assert kernel.engine.runner.attention_backend == "cpu"
     reference = _llm(model_dir, "float32", attention_backend="torch")
     assert reference.engine.runner.attention_backend == "torch"
-    got, want = kernel.generate(_prompts(), params), reference.generate(_prompts(), params)
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
-            got, want = ([t.logprob for t in lp.top] for lp in (x, y))
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    assert_same_tokens(kernel.generate(_prompts(), params), reference.generate(_prompts(), params))
     narrow = tiny_model_factory("deepseek_v3", **{**DEEPSEEK_SHAPES, "kv_lora_rank": 32})
     assert _llm(narrow, "float32").engine.runner.attention_backend == "torch"
 

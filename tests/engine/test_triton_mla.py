@@ -104,7 +104,7 @@ def test_a_deepseek_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(
     takes the latent kernel, and 3 prompts' fp32 greedy tokens equal the C++ kernels' (the
     CPU's auto), top-2 logprobs within 1e-5."""
     from duet.engine import LLM, SamplingParams
-    from tests.engine.test_deepseek import DEEPSEEK_SHAPES
+    from tests.engine.test_deepseek import DEEPSEEK_SHAPES, assert_same_tokens
     from tests.engine.test_moe import _prompts
 
     model_dir = tiny_model_factory("deepseek_v3", **DEEPSEEK_SHAPES)
@@ -115,13 +115,7 @@ def test_a_deepseek_engine_on_the_triton_backend_gives_the_cpu_kernels_tokens(
     cpu = LLM(model_dir, device="cpu", **options)
     assert cpu.engine.runner.attention_backend == "cpu"
     prompts = _prompts()[:3]
-    got, want = triton.generate(prompts, params), cpu.generate(prompts, params)
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
-            lx, ly = ([t.logprob for t in lp.top] for lp in (x, y))
-            torch.testing.assert_close(torch.tensor(lx), torch.tensor(ly), atol=1e-5, rtol=0)
+    assert_same_tokens(triton.generate(prompts, params), cpu.generate(prompts, params))
 
 
 def meta_starts(*lengths: int):
