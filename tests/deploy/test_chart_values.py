@@ -42,6 +42,29 @@ def test_bad_values_fail_with_the_schema_message(chart, overrides, message):
     assert any(message in m["error"] for m in report["messages"] if m["severity"] == 3)
 
 
+def test_prefill_expert_parallel_shards_each_groups_experts(chart, default):
+    """`prefill.expertParallel` is the head's `--prefill-ep`, set to the group's TP size, which
+    duet's own CLI takes into the prefill workers' expert_parallel_size; off (the default):
+    no flag."""
+    from duet.cli.engine_flags import given_engine_flags
+    from duet.cli.main import build_parser
+    from duet.cli.serve_cluster import build_spec
+    from duet.router.server import RouterConfig
+
+    values = {"prefill": {"tensorParallelSize": 4, "gpusPerPod": 4, "expertParallel": True}}
+    args = container(render(chart, values).pod_specs()["duet-head"], "head")["args"]
+    assert [a for a in args if a.startswith("--prefill-")][:2] == [
+        "--prefill-tp=4",
+        "--prefill-ep=4",
+    ]
+    parsed = build_parser().parse_args(args[1:])
+    spec = build_spec(parsed, RouterConfig(), given_engine_flags(parsed))
+    assert spec.worker_config("prefill")["expert_parallel_size"] == 4
+    assert spec.worker_config("decode")["expert_parallel_size"] == 1
+    default_args = container(default.pod_specs()["duet-head"], "head")["args"]
+    assert not [a for a in default_args if a.startswith("--prefill-ep")]
+
+
 @pytest.mark.parametrize(
     "endpoint", ["otel-collector.observability:4317", "https://otlp.example.com", "[fd00::7]:4317"]
 )
