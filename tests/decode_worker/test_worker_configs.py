@@ -44,14 +44,21 @@ def test_prefill_lease_must_outlast_a_transfer():
 
 def test_cluster_spec_gives_both_roles_its_kv_backend_and_tp_size():
     spec = ClusterSpec(
-        model="m", engine={"dtype": "float32"}, prefill_tp=2, decode_tp=3, kv_backend="tcp"
-    )
+        model="m", engine={"dtype": "float32"}, prefill_tp=2, decode_tp=3, kv_backend="tcp",
+        prefill_ep=2,
+    )  # fmt: skip
     assert spec.worker_config("prefill")["kv_backend"] == "tcp"
     assert spec.worker_config("decode") == {
         "model": "m", "load_progress": False, "dtype": "float32", "kv_backend": "tcp",
-        "tensor_parallel_size": 3,
+        "tensor_parallel_size": 3, "expert_parallel_size": 1,
     }  # fmt: skip
     assert spec.worker_config("prefill")["tensor_parallel_size"] == 2
+    assert spec.worker_config("prefill")["expert_parallel_size"] == 2
+    for bad in (3, True):
+        with pytest.raises(
+            ValueError, match="--decode-ep: must be 1 or the group's tensor-parallel size 2"
+        ):
+            ClusterSpec(decode_tp=2, decode_ep=bad)
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"--decode-tp: must be an integer >= 1; got {bad!r}"):
             ClusterSpec(decode_tp=bad)
