@@ -13,6 +13,7 @@ from typing import Any
 import httpx2 as httpx
 import ray
 
+from tests.deploy.ray_start import one_ray_start_at_a_time
 from tests.net import free_port
 from tests.waiting import wait_for
 
@@ -56,7 +57,8 @@ def running_cluster(spec: Any) -> Iterator[tuple[Any, str]]:
     from duet.deploy.local_ray import start_local_ray
     from duet.deploy.ray_cluster import DuetCluster
 
-    secret_file = start_local_ray(spec)
+    with one_ray_start_at_a_time():
+        secret_file = start_local_ray(spec)
     duet = DuetCluster(spec)
     stop = threading.Event()
     try:

@@ -16,6 +16,7 @@ import ray
 from duet.cluster_auth.secret import OWNER_FILE, remove_secret_file, remove_stale_secret_dirs
 from duet.deploy.local_ray import secure_ray_token, start_local_ray
 from duet.deploy.ray_cluster import ClusterSpec
+from tests.deploy.ray_start import one_ray_start_at_a_time
 
 
 def _secret_dir(owner_pid: int) -> Path:
@@ -31,7 +32,9 @@ def test_ray_listens_on_loopback_only_and_stale_secrets_go(monkeypatch: pytest.M
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale, live = _secret_dir(dead.pid), _secret_dir(os.getppid())
-    secret_file = start_local_ray(ClusterSpec(model="unused", prefill_workers=0, decode_workers=1))
+    with one_ray_start_at_a_time():
+        spec = ClusterSpec(model="unused", prefill_workers=0, decode_workers=1)
+        secret_file = start_local_ray(spec)
     try:
         me = psutil.Process()
         ray_pids = {p.pid for p in me.children(recursive=True)} | {me.pid}

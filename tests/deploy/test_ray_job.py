@@ -20,6 +20,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from tests.deploy.ray_start import one_ray_start_at_a_time
 from tests.net import free_port
 from tests.waiting import wait_for
 
@@ -70,31 +71,35 @@ def job_status(dashboard, job_id, env):
 @contextlib.contextmanager
 def ray_head(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
     """A Ray head of the test's own: `ray start --head --block` in a new process group, with a
-    private temp dir. Leaving stops this head only: on SIGTERM `ray start` stops its node's
-    processes (workers and the job's driver follow through Ray's fate-sharing), and whatever of
-    its process group is left is killed. `ray stop` would stop every Ray on the machine."""
+    private temp dir, started while no other Ray test starts a node (`one_ray_start_at_a_time`).
+    Leaving stops this head only: on SIGTERM `ray start` stops its node's processes (workers and
+    the job's driver follow through Ray's fate-sharing), and whatever of its process group is
+    left is killed. `ray stop` would stop every Ray on the machine."""
     temp_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths stay < 108 chars
     cmd = [RAY, "start", "--head", "--block", f"--temp-dir={temp_dir}", *args]
     # NOTE: no drain on SIGTERM (30 s by default): nothing here serves traffic then.
     env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    with open(log, "w") as out:
-        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+    head: subprocess.Popen[bytes] | None = None
 
     def started() -> bool:
+        assert head is not None
         assert head.poll() is None, f"ray start exited with {head.returncode}:\n{log.read_text()}"
         return "Ray runtime started." in log.read_text()
 
     try:
-        wait_for(started, 120, "the Ray head to start", 0.2)
+        with one_ray_start_at_a_time(), open(log, "w") as out:
+            head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # fmt: skip
+            wait_for(started, 120, "the Ray head to start", 0.2)
         yield
     finally:
-        head.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            head.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # its group only: the session it leads
-        head.wait(timeout=10)
+        if head is not None:
+            head.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=60)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(head.pid, signal.SIGKILL)  # its group only: the session it leads
+            head.wait(timeout=10)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
