@@ -41,22 +41,6 @@ def resolve_attention_backend(
     Triton's latent kernel on CUDA (engine/kernels/triton_mla.py) and on the CPU the C++
     kernels where both take that width (DeepSeek's 576; engine/model/latent_attention.py),
     else the torch reference."""
-    if latent_width is not None:
-        if requested == "triton" or (requested == "auto" and device.type == "cuda"):
-            reason = triton_unusable_reason(device)
-            if reason is None:
-                return "triton"  # engine/kernels/triton_mla.py
-            if requested == "triton":
-                raise InvalidInputError("attention_backend", f"triton cannot run here: {reason}")
-            logger.warning("Triton attention unavailable (%s); using the torch reference", reason)
-            return "torch"
-        kernels = (
-            requested == "auto"
-            and device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and prefill_kernel_supports(latent_width)
-        )
-        return "cpu" if kernels else "torch"
     if requested == "torch":
         return "torch"
     if requested == "triton":
@@ -70,9 +54,10 @@ def resolve_attention_backend(
             return "triton"
         logger.warning("Triton attention unavailable (%s); using the torch reference", reason)
         return "torch"
-    if dtype in (torch.float32, torch.bfloat16) and load_cpu_kernels() is not None:
-        return "cpu"
-    return "torch"
+    kernels = dtype in (torch.float32, torch.bfloat16) and load_cpu_kernels() is not None
+    if latent_width is not None:  # the entry is read as one KV head: both kernels take its width
+        kernels = kernels and prefill_kernel_supports(latent_width)
+    return "cpu" if kernels else "torch"
 
 
 # Prompt positions whose logits are materialized at once ([rows, vocab] fp32), bounding the
