@@ -127,7 +127,7 @@ def build_cpu_kernels(
     # -march=native code must never run on another CPU: key the build on the CPU's flags too.
     name = f"{module}_{digest.hexdigest()[:10]}_{_cpu_fingerprint()}"
     build_dir = _build_directory(name)
-    with _exclusive(os.path.join(build_dir, "duet-build.flock"), BUILD_TIMEOUT_S):
+    with exclusive_lock(os.path.join(build_dir, "duet-build.flock"), BUILD_TIMEOUT_S):
         # torch's own lock file, if present now, was left by a build that was killed (we hold
         # the only lock on this directory): torch would wait for it forever.
         stale = os.path.join(build_dir, "lock")
@@ -197,7 +197,7 @@ def _build_directory(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive(path: str, timeout_s: float) -> Iterator[None]:
+def exclusive_lock(path: str, timeout_s: float) -> Iterator[None]:
     """An advisory lock across processes that the kernel releases when its holder dies (a
     killed build cannot leave it behind). Raises TimeoutError after `timeout_s`."""
     with open(path, "a") as f:

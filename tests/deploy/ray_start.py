@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from duet.engine.kernels.cpu import exclusive_lock
 
 RAY_START_LOCK = Path(tempfile.gettempdir()) / "duet-tests-ray-start.lock"
 
@@ -18,20 +18,7 @@ def one_ray_start_at_a_time(timeout_s: float = 600.0) -> Iterator[None]:
     nodes (each a module of its own on another xdist worker) never start at the same moment:
     Ray waits a fixed 30 s for a new raylet to register with its GCS (`ray._private.node`),
     and three starting together beside the other tests on 2 cores overran it (`ray start`
-    exited, 43 s). Waits `timeout_s` at most for another test's start to finish."""
-    with open(RAY_START_LOCK, "w") as lock:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"another test held {RAY_START_LOCK} {timeout_s} s"
-                    ) from None
-                time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    exited, 43 s). Waits `timeout_s` at most for another test's start to finish (the C++
+    kernel builds' lock: released by the kernel if its holder dies)."""
+    with exclusive_lock(str(RAY_START_LOCK), timeout_s):
+        yield

@@ -116,7 +116,7 @@ def test_a_lock_left_by_a_killed_build_is_removed(fake_load, tmp_path):
 
 
 def _hold(path: str, ready) -> None:
-    with cpu._exclusive(path, 5):
+    with cpu.exclusive_lock(path, 5):
         ready.set()
         time.sleep(60)
 
@@ -130,11 +130,11 @@ def test_the_build_lock_dies_with_its_holder_and_waits_are_bounded(tmp_path):
     try:
         assert ready.wait(60)
         with pytest.raises(TimeoutError, match=r"build\.flock"):
-            with cpu._exclusive(path, 0.3):
+            with cpu.exclusive_lock(path, 0.3):
                 pass
     finally:
         holder.kill()
         holder.join(10)
     start = time.monotonic()
-    with cpu._exclusive(path, 5):  # free at once: the kernel released the dead holder's lock
+    with cpu.exclusive_lock(path, 5):  # free at once: the kernel released the dead holder's lock
         assert time.monotonic() - start < 1.0
