@@ -21,14 +21,12 @@ benchmarks/results/mla_attention.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common.machine import cpu_info, git_commit
+from benchmarks.common.machine import write_record
 from benchmarks.kernels.prefill_attention import median_ms
 from benchmarks.quantized.bandwidth import read_bandwidth_gbs
 from duet.engine.attention_metadata import AttentionMetadata
@@ -130,19 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  {p['kernel_gflops']:7.1f}"
         )
         rows.append(r)
-    report = {
-        "benchmark": "mla_attention",
-        "date": datetime.date.today().isoformat(),
-        "commit": git_commit(),
-        "cpu": cpu_info(),
-        "threads": torch.get_num_threads(),
-        "dtype": args.dtype,
-        "read_bandwidth_gbs": bandwidth,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    results = {"threads": torch.get_num_threads(), "read_bandwidth_gbs": bandwidth, "rows": rows}
+    write_record(args.out, "mla_attention", args, results)
     return 0
 
 

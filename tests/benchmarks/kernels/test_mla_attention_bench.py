@@ -15,8 +15,10 @@ def test_a_small_run_writes_both_cases(tmp_path):
     out = tmp_path / "mla.json"
     args = ["--heads", "4", "--contexts", "40,300", "--batch", "2", "--prefill", "8"]
     assert mla_attention.main([*args, "--reps", "2", "--out", str(out)]) == 0
-    data = json.loads(out.read_text())
-    assert data["dtype"] == "bfloat16" and data["read_bandwidth_gbs"] > 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "mla_attention" and record["config"]["dtype"] == "bfloat16"
+    data = record["results"]
+    assert data["read_bandwidth_gbs"] > 0
     assert [(r["context"], r["batch"], r["heads"]) for r in data["rows"]] == [
         (40, 2, 4),
         (300, 2, 4),
