@@ -61,12 +61,13 @@ def tp2_prefill_group(model: str, backend: str):
         for rank in range(2)
     ]
     try:
-        address = None
+        address, output = None, []
         for line in procs[0].stdout:
             if line.startswith("DUET_READY "):
                 address = line.split()[1]
                 break
-        assert address, "rank 0 exited before serving"
+            output.append(line)
+        assert address, "rank 0 exited before serving:\n" + "".join(output[-60:])
         yield address
     finally:
         for p in procs:
