@@ -8,9 +8,9 @@ tokens (docs/parallelism.md). A follower is an `EngineCore` with the default rol
 no commands of its own; it ends when rank 0 broadcasts `Stop`, and fails (its collectives
 break) when rank 0's process dies.
 
-The rendezvous is a `TCPStore` that rank 0 binds to a free loopback port and hands to its
-children on their command line; NCCL on CUDA (one device per rank) with a gloo group beside
-it for the command broadcast, gloo on CPU.
+The rendezvous is a `TCPStore` that rank 0 serves on a free loopback port, and only there
+(`rendezvous.listening_store`), and hands to its children on their command line; NCCL on CUDA
+(one device per rank) with a gloo group beside it for the command broadcast, gloo on CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from duet.engine.config import EngineConfig
 from duet.engine.device import bind_thread
 from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
 from duet.engine.pipeline import PipelineParallel, check_pp_size
+from duet.engine.rendezvous import listening_store
 
 logger = logging.getLogger(__name__)
 
@@ -162,10 +163,7 @@ class TPGroup:
         if world == 1:
             return cls(SINGLE, None, [])
         check_layout(config)  # before any process starts
-        store = dist.TCPStore(
-            "127.0.0.1", 0, world, is_master=True,
-            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
-        )  # fmt: skip
+        store = listening_store("127.0.0.1", 0, world, timeout_s)  # loopback only
         fields = json.dumps(dataclasses.asdict(config))
         command = [sys.executable, "-m", "duet.engine.tp_follower", "--config", fields]
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from duet.cluster_auth.handshake import check_store_proof, store_challenge, store_proof
 from duet.cluster_auth.refusals import RefusalLog
 from duet.engine.device import bind_thread
+from duet.engine.rendezvous import listening_store
 from duet.kv_transfer.chunks import Piece
 from duet.kv_transfer.config import ReceiverConfig
 from duet.kv_transfer.inbox import Arrival, InboxKVReceiver
@@ -67,13 +68,8 @@ class TorchDistKVReceiver(InboxKVReceiver):
         self.emulate_nccl = config.emulate_nccl
         check_emulation(kv_caches[0].device, config.emulate_nccl)
         self._staging = StagingPool(kv_caches[0].device, config.staging_bytes)
-        self.store = dist.TCPStore(
-            config.host,
-            config.port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=as_timedelta(config.timeout_s),
-        )
+        # On `config.host` only (c10d's own server would listen on every interface).
+        self.store = listening_store(config.host, config.port, None, config.timeout_s)
         self._address = f"{config.advertise_host or config.host}:{self.store.port}"
         self._relay = StoreRelay(config.name, config.timeout_s)
         self._closed = threading.Event()
