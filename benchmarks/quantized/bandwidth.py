@@ -2,7 +2,8 @@
 bandwidth, measured in the same run as the decode, and the bytes each format streams per token.
 
 At one stream a decode step reads every weight a token passes through once (the linears and
-the LM head; the embedding only a row) and the KV of its context, and computes little per byte:
+the LM head; the embedding only a row; of a mixture's routed experts only the top k it is sent
+to) and the KV of its context, and computes little per byte:
 tokens/s x bytes per token is the read rate it reaches. The limit is what a torch sum over
 1 GiB reads per second with the same threads (the best of a few tries)."""
 
@@ -61,9 +62,42 @@ def streamed_bytes_per_token(llm: LLM, context_tokens: float) -> int:
         head_ptrs = {_address(t) for t in _tensors(head)} if head is not None else set()
         if table.numel() and table.data_ptr() not in head_ptrs:
             total -= table.nbytes
+    total -= unchosen_expert_bytes(model)
     kv = engine.runner.kv_caches
     per_token_kv = sum(c[:, 0, 0].nbytes for c in kv)  # K and V of one token, every layer
     return int(total + per_token_kv * context_tokens)
+
+
+def unchosen_expert_bytes(model: nn.Module) -> int:
+    """The routed experts' bytes one token does not read: of each sparse block's E experts it
+    reads its top k, so (E - k) / E of their weights (in whatever form they are held: per
+    expert, stacked, or per-expert views of stacks, each storage counted once)."""
+    from duet.engine.model.moe import SparseMoeBlock
+
+    out = 0.0
+    for block in model.modules():
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        storages: dict[int, int] = {}
+        for part in (block.experts, block.cpu_experts):
+            if part is None:
+                continue
+            for t in _tensors(part):
+                _add_storage(storages, t)
+        for name in ("w13", "w2"):  # the fused Triton kernel's stacks (CUDA)
+            t = getattr(block, name, None)
+            if isinstance(t, torch.Tensor):
+                _add_storage(storages, t)
+        out += sum(storages.values()) * (block.num_experts - block.top_k) / block.num_experts
+    return int(out)
+
+
+def _add_storage(storages: dict[int, int], t: torch.Tensor) -> None:
+    try:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    except RuntimeError:  # an opaque tensor (oneDNN's packed layout): counted by itself
+        storages[id(t)] = t.nbytes
 
 
 def gguf_streamed_bytes(path: str) -> int:

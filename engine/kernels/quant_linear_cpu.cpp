@@ -526,6 +526,79 @@ const float* fp32_rows(const at::Tensor& x, std::vector<float>& xf) {
   return xf.data();
 }
 
+// Each row's sums over each group of g columns ([M, K / G]): from fp32 `rows` (K apart) when
+// given, else from bf16 `xb` (xs apart). One fixed order per group size (16 lanes, then
+// halving; or k order): the same for any batch. Vectorised: a scalar chain of K adds per row
+// took as long as the product itself on a 192 x 576 layer.
+std::vector<float> group_sums(const float* rows, const uint16_t* xb, int64_t xs, int64_t m,
+                              int64_t k, int64_t g) {
+  const int64_t groups = k / g;
+  std::vector<float> xsum(m * groups);
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t at = r * xs + gi * g;
+        float sum = 0.f;
+        if (g % kBlock == 0) {
+          F acc = F{};
+          for (int64_t i = 0; i < g; i += kBlock)
+            acc += rows ? load_f32<kBlock>(rows + at + i) : BF16::load<kBlock>(xb + at + i);
+          sum = hsum<kBlock>(acc);
+        } else {
+          for (int64_t i = 0; i < g; ++i) sum += rows ? rows[at + i] : BF16::load1(xb + at + i);
+        }
+        xsum[r * groups + gi] = sum;
+      }
+  });
+  return xsum;
+}
+
+// One expert's share of a grouped call: its rows, weights and sums (Args) and its output rows.
+struct Job {
+  Args a;
+  void* out;
+  int64_t blocks;
+};
+
+// The jobs' products, the threads sharing one list of (job, kCols channel blocks) items, each
+// item exactly what `run` computes for those blocks (columns: every row of the job), so a
+// row's result is the one a call of its own would give.
+template <typename E, int kDot>
+void run_jobs(const std::vector<Job>& jobs) {
+  struct Item {
+    int64_t job, b, nb;
+  };
+  std::vector<Item> items;
+  for (int64_t j = 0; j < static_cast<int64_t>(jobs.size()); ++j)
+    for (int64_t b = 0; b < jobs[j].blocks; b += kCols)
+      items.push_back({j, b, std::min<int64_t>(kCols, jobs[j].blocks - b)});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      const Job& job = jobs[it.job];
+      auto* out = static_cast<typename E::raw*>(job.out);
+      switch (it.nb) {  // kCols is 2 or 4
+        case kCols: columns<E, kCols, kRows, kDot>(job.a, it.b, out); break;
+        case 3: columns<E, (kCols > 3 ? 3 : 1), kRows, kDot>(job.a, it.b, out); break;
+        case 2: columns<E, 2, kRows, kDot>(job.a, it.b, out); break;
+        default: columns<E, 1, kRows, kDot>(job.a, it.b, out); break;
+      }
+    }
+  });
+}
+
+// The first row of each expert's rows (counts[e] rows each, in expert order), and a check that
+// they cover x.
+std::vector<int64_t> row_starts(const std::vector<int64_t>& counts, int64_t m) {
+  std::vector<int64_t> starts(counts.size() + 1, 0);
+  for (size_t e = 0; e < counts.size(); ++e) {
+    TORCH_CHECK(counts[e] >= 0, "counts must not be negative");
+    starts[e + 1] = starts[e] + counts[e];
+  }
+  TORCH_CHECK(starts.back() == m, "counts must sum to x's rows");
+  return starts;
+}
+
 }  // namespace
 
 // x [M, K] fp32 or bf16 (rows contiguous); q [N' / 16, K, 16] int8, or [N' / 16, K / 2, 16, 2]
@@ -612,26 +685,7 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
   const float* rows = pairs ? nullptr : fp32_rows(x, xf);
   const int64_t xs = pairs ? x.stride(0) : k;
   const uint16_t* xb = static_cast<const uint16_t*>(x.data_ptr());
-  // Each row's group sums, in one fixed order per group size (16 lanes, then halving; or k
-  // order): the same for any batch. Vectorised: a scalar chain of K adds per row took as long
-  // as the product itself on a 192 x 576 layer.
-  std::vector<float> xsum(m * groups);
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t at = r * xs + gi * g;
-        float sum = 0.f;
-        if (g % kBlock == 0) {
-          F acc = F{};
-          for (int64_t i = 0; i < g; i += kBlock)
-            acc += rows ? load_f32<kBlock>(rows + at + i) : BF16::load<kBlock>(xb + at + i);
-          sum = hsum<kBlock>(acc);
-        } else {
-          for (int64_t i = 0; i < g; ++i) sum += rows ? rows[at + i] : BF16::load1(xb + at + i);
-        }
-        xsum[r * groups + gi] = sum;
-      }
-  });
+  const std::vector<float> xsum = group_sums(rows, xb, xs, m, k, g);
   Args a{reinterpret_cast<const int8_t*>(q4.data_ptr()), static_cast<const float*>(sz.data_ptr()),
          rows, xb, xs, m, k, g, n, xsum.data()};
   if (pairs) {
@@ -655,6 +709,128 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
   return out;
 }
 
+// A mixture of experts' int8 products in one call: x [M, K] (rows contiguous) sorted by
+// expert, counts[e] rows of expert e; q [E, N' / 16, K, 16] (or pairs [E, N' / 16, K / 2, 16,
+// 2]) and scale [E, N' / 16, K / G, 16]: each expert's int8_linear operands, stacked. Returns
+// [M, n]: each row times its expert's weight, bit for bit what int8_linear gives that
+// expert's rows (AMX per expert as there). Experts with more than max_rows rows are skipped:
+// their output rows are left unwritten for the caller (who takes another product for them).
+at::Tensor grouped_int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale,
+                               std::vector<int64_t> counts, int64_t n, int64_t amx_min_rows,
+                               int64_t max_rows) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
+  const bool dot = q.dim() == 5;
+  const int64_t m = x.size(0), k = x.size(1), experts = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.size(0) == experts &&
+                  (dot ? q.size(2) * 2 == k && q.size(3) == kBlock && q.size(4) == 2
+                       : q.dim() == 4 && q.size(2) == k && q.size(3) == kBlock),
+              "q must be contiguous int8 [E, N / 16, K, 16] or [E, N / 16, K / 2, 16, 2] with "
+              "x's K and an expert per count");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 4 &&
+                  scale.size(0) == experts && scale.size(1) == q.size(1) &&
+                  scale.size(3) == kBlock && scale.size(2) > 0 && k % scale.size(2) == 0,
+              "scale must be contiguous float32 [E, N / 16, K / G, 16] matching q");
+  const int64_t blocks = q.size(1), groups = scale.size(2), g = k / groups;
+  TORCH_CHECK(n > 0 && n <= blocks * kBlock && n > (blocks - 1) * kBlock,
+              "n must lie in the last block of q's rows");
+  TORCH_CHECK(!dot || (kBf16Dot && x.scalar_type() == at::kBFloat16 && g % 2 == 0),
+              "q in pairs needs bfloat16 x, even groups and an AVX512-BF16 build (bf16_dot())");
+  const std::vector<int64_t> starts = row_starts(counts, m);
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<float> xf;
+  const float* rows = dot ? nullptr : fp32_rows(x, xf);
+  const int64_t xs = dot ? x.stride(0) : k;
+  const auto* xb = static_cast<const uint16_t*>(x.data_ptr());
+  const int64_t q_expert = q.numel() / experts, s_expert = scale.numel() / experts;
+  const size_t elem = x.element_size();
+  std::vector<Job> jobs;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = starts[e], rows_e = counts[e];
+    if (rows_e == 0 || rows_e > max_rows) continue;
+    Args a{q.data_ptr<int8_t>() + e * q_expert, scale.data_ptr<float>() + e * s_expert,
+           rows ? rows + r0 * k : nullptr, dot ? xb + r0 * xs : nullptr, xs, rows_e, k, g, n};
+    void* o = static_cast<char*>(out.data_ptr()) + r0 * n * elem;
+#if defined(DUET_AMX)
+    if (dot && rows_e >= amx_min_rows && use_amx(g)) {
+      run_amx<BF16, false>(a, blocks, static_cast<uint16_t*>(o));
+      continue;
+    }
+#endif
+    jobs.push_back({a, o, blocks});
+  }
+  if (dot)
+    run_jobs<BF16, kBf16Dot>(jobs);
+  else if (x.scalar_type() == at::kFloat)
+    run_jobs<F32, 0>(jobs);
+  else
+    run_jobs<BF16, 0>(jobs);
+  return out;
+}
+
+// int4_linear's grouped form, as grouped_int8_linear is int8_linear's: q4 [E, N' / 16, K / 2,
+// 16] nibbles and sz [E, N' / 16, K / G, 2, 16] of each expert, stacked.
+at::Tensor grouped_int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz,
+                               std::vector<int64_t> counts, int64_t n, bool pairs,
+                               int64_t amx_min_rows, int64_t max_rows) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
+  TORCH_CHECK(!pairs || (kBf16Dot && x.scalar_type() == at::kBFloat16),
+              "q4 in column pairs needs bfloat16 x and an AVX512-BF16 build (bf16_dot())");
+  const int64_t m = x.size(0), k = x.size(1), experts = static_cast<int64_t>(counts.size());
+  TORCH_CHECK(q4.scalar_type() == at::kByte && q4.is_contiguous() && q4.dim() == 4 &&
+                  q4.size(0) == experts && q4.size(2) * 2 == k && q4.size(3) == kBlock,
+              "q4 must be contiguous uint8 [E, N / 16, K / 2, 16] with x's K and an expert "
+              "per count");
+  const bool f32_scales = sz.scalar_type() == at::kFloat;
+  TORCH_CHECK((sz.scalar_type() == at::kBFloat16 || (f32_scales && !pairs)) &&
+                  sz.is_contiguous() && sz.dim() == 5 && sz.size(0) == experts &&
+                  sz.size(1) == q4.size(1) && sz.size(2) > 0 && k % sz.size(2) == 0 &&
+                  (k / sz.size(2)) % 2 == 0 && sz.size(3) == 2 && sz.size(4) == kBlock,
+              "sz must be contiguous bfloat16 (or, without pairs, float32) [E, N / 16, K / G, "
+              "2, 16] matching q4, G even");
+  const int64_t blocks = q4.size(1), groups = sz.size(2), g = k / groups;
+  TORCH_CHECK(n > 0 && n <= blocks * kBlock && n > (blocks - 1) * kBlock,
+              "n must lie in the last block of q4's rows");
+  const std::vector<int64_t> starts = row_starts(counts, m);
+  at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<float> xf;
+  const float* rows = pairs ? nullptr : fp32_rows(x, xf);
+  const int64_t xs = pairs ? x.stride(0) : k;
+  const auto* xb = static_cast<const uint16_t*>(x.data_ptr());
+  const std::vector<float> xsum = group_sums(rows, xb, xs, m, k, g);
+  const auto* q = reinterpret_cast<const int8_t*>(q4.data_ptr());
+  const auto* s = static_cast<const char*>(sz.data_ptr());
+  const int64_t q_expert = q4.numel() / experts, s_expert = sz.numel() / experts;
+  const size_t elem = x.element_size();
+  std::vector<Job> jobs;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = starts[e], rows_e = counts[e];
+    if (rows_e == 0 || rows_e > max_rows) continue;
+    Args a{q + e * q_expert,
+           reinterpret_cast<const float*>(s + e * s_expert * sz.element_size()),
+           rows ? rows + r0 * k : nullptr, xb + r0 * xs, xs, rows_e, k, g, n,
+           xsum.data() + r0 * groups};
+    void* o = static_cast<char*>(out.data_ptr()) + r0 * n * elem;
+#if defined(DUET_AMX)
+    if (pairs && rows_e >= amx_min_rows && use_amx(g)) {
+      run_amx<BF16, true>(a, blocks, static_cast<uint16_t*>(o));
+      continue;
+    }
+#endif
+    jobs.push_back({a, o, blocks});
+  }
+  if (pairs)
+    run_jobs<BF16, kBf16Dot ? 2 : 0>(jobs);
+  else if (x.scalar_type() == at::kFloat)
+    f32_scales ? run_jobs<F32, kInt4FmaF32>(jobs) : run_jobs<F32, kInt4Fma>(jobs);
+  else
+    f32_scales ? run_jobs<BF16, kInt4FmaF32>(jobs) : run_jobs<BF16, kInt4Fma>(jobs);
+  return out;
+}
+
 }  // namespace duet
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -669,6 +845,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "tiles (pairs, where amx()) from amx_min_rows rows",
         py::arg("x"), py::arg("q4"), py::arg("sz"), py::arg("n"), py::arg("pairs"),
         py::arg("amx_min_rows") = 1);
+  m.def("grouped_int8_linear", &duet::grouped_int8_linear,
+        "Rows sorted by expert (counts[e] each) times their expert's int8 weight: q [E, N / 16, "
+        "K, 16] (or pairs [E, N / 16, K / 2, 16, 2]), scale [E, N / 16, K / G, 16]; experts with "
+        "more than max_rows rows are left unwritten",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("counts"), py::arg("n"),
+        py::arg("amx_min_rows"), py::arg("max_rows"));
+  m.def("grouped_int4_linear", &duet::grouped_int4_linear,
+        "Rows sorted by expert (counts[e] each) times their expert's int4 weight: q4 [E, N / 16, "
+        "K / 2, 16], sz [E, N / 16, K / G, 2, 16]; experts with more than max_rows rows are left "
+        "unwritten",
+        py::arg("x"), py::arg("q4"), py::arg("sz"), py::arg("counts"), py::arg("n"),
+        py::arg("pairs"), py::arg("amx_min_rows"), py::arg("max_rows"));
   m.def("amx", [] { return duet::kAmxBuild && duet::amx_permitted(); },
         "Whether bf16 pairs can go through AMX tiles (groups of a multiple of 32 columns)");
   m.def("bf16_dot", [] { return duet::kBf16Dot; },

@@ -44,12 +44,17 @@ from duet.engine.model.arch import ModelArchConfig, MoEConfig
 from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.grouped_experts_cpu import CpuGroupedExperts
+from duet.engine.model.grouped_quant_experts_cpu import CpuGroupedQuantExperts
 from duet.engine.model.mlp import MLP
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 
 logger = logging.getLogger(__name__)
+
+
+GROUPED = (CpuGroupedExperts, CpuGroupedQuantExperts)
+"""The routed experts as one module with one call for all (`forward(rows, counts)`)."""
 
 
 def check_ep_size(ep_size: int, moe: MoEConfig | None) -> None:
@@ -88,7 +93,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def grouped_experts(
     x: torch.Tensor,  # [T, hidden]
-    experts: nn.ModuleList | CpuGroupedExperts,  # experts first, first + 1, ...
+    experts: nn.ModuleList | CpuGroupedExperts | CpuGroupedQuantExperts,  # first, first + 1, ...
     weights: torch.Tensor,  # [T, k], fp32
     ids: torch.Tensor,  # [T, k], ascending per row
     weights_in_model_dtype: bool,
@@ -104,7 +109,7 @@ def grouped_experts(
     ([num_experts] int64): the step's (token, choice) pairs per expert are added to it (the
     model's `ExpertLoad` row), from the count that cuts the rows."""
     num_tokens, top_k = ids.shape
-    if isinstance(experts, CpuGroupedExperts):
+    if isinstance(experts, GROUPED):
         num_local = experts.num_experts
     else:
         num_local = len(experts)
@@ -128,7 +133,7 @@ def grouped_experts(
         scale = scale.to(x.dtype)
     make = x.new_zeros if local else x.new_empty
     out = make(num_tokens * top_k, x.shape[1])
-    if isinstance(experts, CpuGroupedExperts):
+    if isinstance(experts, GROUPED):
         y = experts.forward(rows, counts[first : first + num_local])  # [slots, hidden]
         out.index_copy_(0, order, (y * scale).to(x.dtype))
     else:
@@ -220,20 +225,23 @@ class SparseMoeBlock(nn.Module):
         )
         # With `group_experts_cpu`: every local expert on duet's grouped CPU kernel, in place of
         # the per-expert layers (registered even when None: forward finds it in `_modules`).
-        self.cpu_experts: CpuGroupedExperts | None
+        self.cpu_experts: CpuGroupedExperts | CpuGroupedQuantExperts | None
         self.register_module("cpu_experts", None)
 
     def group_experts_cpu(self, kernel: Any) -> bool:
-        """Every local expert as grouped products on duet's dense CPU kernel (`kernel`,
-        dense_cpu_linear.load_dense_kernel), the per-expert layers dropped. False (nothing
-        changed) unless they are plain dense fp32 or bf16 `Linear`s on the CPU, not AMX-packed
-        (grouped_experts_cpu.py)."""
-        grouped = CpuGroupedExperts.from_experts(self.experts, kernel)
-        if grouped is None:
-            return False
-        self.experts = nn.ModuleList()  # frees the per-expert weights
-        self.cpu_experts = grouped
-        return True
+        """Every local expert as grouped products: dense fp32 or bf16 `Linear`s (not
+        AMX-packed) on duet's dense CPU kernel (`kernel`, dense_cpu_linear.load_dense_kernel;
+        grouped_experts_cpu.py), the per-expert layers dropped; int8 or int4 ones on duet's
+        quantized kernels (grouped_quant_experts_cpu.py), the per-expert layers kept over the
+        same buffers. False (nothing changed) where they are neither."""
+        dense = CpuGroupedExperts.from_experts(self.experts, kernel)
+        if dense is not None:
+            self.experts = nn.ModuleList()  # frees the per-expert weights
+            self.cpu_experts = dense
+            return True
+        quantized = CpuGroupedQuantExperts.from_experts(self.experts)
+        self.cpu_experts = quantized
+        return quantized is not None
 
     def fuse_experts(self) -> bool:
         """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton

@@ -2,7 +2,7 @@
 (engine/kernels/grouped_linear_cpu.cpp, engine/model/grouped_experts_cpu.py): each group's rows
 equal the plain kernel's product with its expert's weight bitwise, a token's output does not
 depend on how many tokens its experts received, the counts that cut the rows are the expert
-load's, and the loader puts dense experts (not quantized ones) on it."""
+load's, and the loader puts dense experts on it (quantized ones: test_grouped_quant_experts.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from duet.engine.model import ModelArchConfig
 from duet.engine.model.dense_cpu_linear import load_dense_kernel
 from duet.engine.model.expert_load import record_expert_ids
 from duet.engine.model.grouped_experts_cpu import CpuGroupedExperts
+from duet.engine.model.grouped_quant_experts_cpu import CpuGroupedQuantExperts
 from duet.engine.model.moe import SparseMoeBlock, route
 from duet.engine.parallel import SINGLE
 from tests.conftest import ARCH_CONFIGS
@@ -115,14 +116,17 @@ def test_the_expert_load_is_the_count_that_cut_the_rows(kernel):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "quantization", "grouped"), [("float32", None, True), ("bfloat16", "int8", False)]
+    ("dtype", "quantization", "kind", "kept"),
+    [("float32", None, CpuGroupedExperts, 0), ("bfloat16", "int8", CpuGroupedQuantExperts, 16)],
 )
-def test_the_loader_groups_dense_experts_only(tiny_model_factory, dtype, quantization, grouped):
+def test_the_loader_groups_dense_and_quantized_experts(
+    tiny_model_factory, dtype, quantization, kind, kept
+):
+    """Dense experts' per-expert layers are dropped; quantized ones stay over the stacks'
+    buffers (test_grouped_quant_experts.py)."""
     llm = LLM(tiny_model_factory("qwen3_moe"), dtype=dtype, load_progress=False,
               num_kv_blocks=16, quantization=quantization)  # fmt: skip
     for i in (0, 1):
         block = llm.engine.runner.model.layers[i].mlp
         assert isinstance(block, SparseMoeBlock)
-        assert (block.cpu_experts is not None, len(block.experts)) == (
-            (True, 0) if grouped else (False, 16)
-        )
+        assert isinstance(block.cpu_experts, kind) and len(block.experts) == kept

@@ -78,6 +78,25 @@ def test_streamed_bytes_are_the_weights_a_step_reads_and_its_kv(tiny_llama: str)
     assert row.summary()["single_stream_gbs"] == 10.0  # 20 tok/s x 0.5 GB
 
 
+@pytest.mark.parametrize(
+    ("dtype", "quantization", "expert_bytes"),
+    [
+        ("float32", None, 16 * 3 * 64 * 64 * 4),  # grouped panels: 16 experts x 3 [64, 64]
+        ("bfloat16", "int8", 16 * (3 * 64 * 64 + 3 * 64 * 4)),  # int8 views of stacks + scales
+    ],
+)
+def test_a_token_reads_only_its_top_k_experts(
+    tiny_model_factory, dtype, quantization, expert_bytes
+):
+    """Qwen3-MoE, 2 sparse layers of 16 experts, top-2: per token 14 of each layer's 16
+    experts are not read, whether the experts are dense panels or int8 stacks."""
+    llm = LLM(tiny_model_factory("qwen3_moe"), dtype=dtype, load_progress=False,
+              num_kv_blocks=16, quantization=quantization)  # fmt: skip
+    table = llm.engine.runner.model.embed_tokens.weight.nbytes
+    unread = 2 * expert_bytes * 14 // 16
+    assert streamed_bytes_per_token(llm, 0) == llm.engine.weight_bytes - table - unread
+
+
 def test_gguf_streamed_bytes_are_its_tensors() -> None:
     """The embedded SmolLM2 ties its head to the token embedding: every tensor is read."""
     import gguf
