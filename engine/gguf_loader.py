@@ -18,7 +18,6 @@ repacked into duet's int8/int4 formats instead, one at a time (docs/quantization
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import logging
 import os
@@ -31,6 +30,15 @@ import torch
 from tokenizers import Tokenizer
 
 from duet.engine.errors import ModelLoadError
+from duet.engine.gguf_deepseek import (
+    CORRECTION_BIAS,
+    DEEPSEEK2,
+    LAYER_TENSORS,
+    SPLIT_VALUE_HALF,
+    V2,
+    deepseek_hf_config,
+    kv_b_from_split,
+)
 from duet.engine.gguf_moe import (
     MIXTRAL,
     MOE_ARCHITECTURES,
@@ -39,7 +47,14 @@ from duet.engine.gguf_moe import (
     layer_tensor_name,
     moe_hf_config,
 )
-from duet.engine.gguf_tensors import Reader, slice_data, unpermute_rope_rows
+from duet.engine.gguf_rope import gguf_rope_scaling
+from duet.engine.gguf_tensors import (
+    Reader,
+    can_dequantize,
+    slice_data,
+    supported_quant_types,
+    unpermute_rope_rows,
+)
 from duet.engine.gguf_tokenizer import GGUFTokenizer
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.quant.gguf_repack import REPACKED_TYPES, repack
@@ -56,6 +71,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     **MOE_ARCHITECTURES,  # and Mixtral as "llama" with experts (engine/gguf_moe.py)
+    DEEPSEEK2: V2,  # V2 or V3: engine/gguf_deepseek.py tells them apart
 }
 
 # GGUF tensor name -> HF name. Per-layer parts are under "blk.{i}." / "model.layers.{i}.".
@@ -98,22 +114,6 @@ def default_model_path() -> str:
     return path
 
 
-@functools.cache
-def _can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
-    """Whether `gguf.quants.dequantize` implements `qtype` (probed on one zero block)."""
-    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    try:
-        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
-    except (NotImplementedError, ValueError, TypeError):
-        return False
-    return True
-
-
-def supported_quant_types() -> list[str]:
-    """Names of the GGML tensor types this loader can dequantize."""
-    return [t.name for t in gguf.GGMLQuantizationType if _can_dequantize(t)]
-
-
 class GGUFModel:
     """A GGUF file opened for loading: config, weights and tokenizer in HF terms.
 
@@ -149,7 +149,7 @@ class GGUFModel:
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._hf_names = {name: self._hf_name(name) for name in self._tensors}
         for name, tensor in self._tensors.items():
-            if not _can_dequantize(tensor.tensor_type):
+            if not can_dequantize(tensor.tensor_type):
                 raise ModelLoadError(
                     f"{name}: tensor type {tensor.tensor_type.name} cannot be dequantized; "
                     f"supported types: {', '.join(supported_quant_types())}"
@@ -231,46 +231,17 @@ class GGUFModel:
         pad_token_id = self._field("tokenizer.ggml.padding_token_id")
         if pad_token_id is not None:
             config["pad_token_id"] = pad_token_id
-        rope_scaling = self._rope_scaling()
+        rope_scaling = gguf_rope_scaling(self.architecture, self._arch_field)
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
-        if self.num_experts:
+        if self.architecture == DEEPSEEK2:
+            config |= deepseek_hf_config(self._arch_field, set(self._tensors), config)
+        elif self.num_experts:
             names = set(self._tensors)
             config |= moe_hf_config(
                 self.architecture, self._arch_field, names, config["num_hidden_layers"]
             )
         return config
-
-    def _rope_scaling(self) -> dict[str, Any] | None:
-        """HF `rope_scaling` from `{arch}.rope.scaling.*` (or the older `rope.scale_linear`)."""
-        scaling_type = self._arch_field("rope.scaling.type")
-        factor = self._arch_field("rope.scaling.factor")
-        if scaling_type is None and self._arch_field("rope.scale_linear") is not None:
-            scaling_type, factor = "linear", self._arch_field("rope.scale_linear")
-        if scaling_type in (None, "none") or (scaling_type == "linear" and factor == 1.0):
-            return None
-        if scaling_type not in ("linear", "yarn"):
-            raise ModelLoadError(
-                f"{self.architecture}.rope.scaling.type: {scaling_type!r} is not supported; "
-                "supported: none, linear, yarn"
-            )
-        if factor is None:
-            raise ModelLoadError(
-                f"{self.architecture}.rope.scaling.factor: missing for {scaling_type}"
-            )
-        rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(factor)}
-        if scaling_type == "yarn":
-            optional = {
-                "original_max_position_embeddings": ("rope.scaling.original_context_length", int),
-                "attention_factor": ("rope.scaling.attn_factor", float),
-                "beta_fast": ("rope.scaling.yarn_beta_fast", float),
-                "beta_slow": ("rope.scaling.yarn_beta_slow", float),
-            }
-            for hf_key, (gguf_key, cast) in optional.items():
-                value = self._arch_field(gguf_key)
-                if value is not None:
-                    rope_scaling[hf_key] = cast(value)
-        return rope_scaling
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -286,6 +257,12 @@ class GGUFModel:
             layer_tensors = _LAYER_TENSORS
             if self.architecture in ("qwen3", "qwen3moe"):
                 layer_tensors = {**_LAYER_TENSORS, **_QK_NORM_TENSORS}
+            elif self.architecture == DEEPSEEK2 and len(parts) == 3:
+                if parts[2] == SPLIT_VALUE_HALF:
+                    return None  # read with its attn_k_b
+                if (parts[2], suffix) == (CORRECTION_BIAS[0], "bias"):
+                    return f"model.layers.{parts[1]}.{CORRECTION_BIAS[1]}"
+                layer_tensors = {**_LAYER_TENSORS, **LAYER_TENSORS}
             if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
                 hf = layer_tensors.get(parts[2])
                 if self.num_experts and hf is None:
@@ -295,7 +272,8 @@ class GGUFModel:
                     return f"model.layers.{parts[1]}.{hf}.{suffix}"
         raise ModelLoadError(
             f"{gguf_name}: unexpected tensor for GGUF architecture {self.architecture!r} "
-            "(Llama/Qwen2/Qwen3 decoder weights and Mixtral/Qwen-MoE experts are supported)"
+            "(Llama/Qwen2/Qwen3 decoder weights, Mixtral/Qwen-MoE experts and DeepSeek-V2/V3 "
+            "are supported)"
         )
 
     def _dequantize(
@@ -337,6 +315,12 @@ class GGUFModel:
             part = select(hf_name, shape) if select is not None else None
             if is_skipped(part):
                 continue
+            if tensor.name.endswith(".attn_k_b.weight"):  # DeepSeek's split kv_b_proj, whole
+                value = self._tensors[tensor.name.replace(".attn_k_b.", f".{SPLIT_VALUE_HALF}.")]
+                if stats is not None:
+                    stats.num_bytes += tensor.data.nbytes + value.data.nbytes
+                yield hf_name, kv_b_from_split(self._dequantize(tensor), self._dequantize(value))
+                continue
             data = slice_data(whole, tensor.tensor_type, part)
             if stats is not None:
                 stats.num_bytes += data.nbytes
@@ -366,6 +350,10 @@ class GGUFModel:
             if hf_name is None:
                 continue
             shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))  # HF order
+            if gguf_name.endswith(".attn_k_b.weight"):  # the whole kv_b_proj's shape
+                value = self._tensors[gguf_name.replace(".attn_k_b.", f".{SPLIT_VALUE_HALF}.")]
+                heads, rank, nope = shape
+                shape = (heads * (nope + int(value.shape[1])), rank)
             if "{e}" not in hf_name:
                 yield tensor, hf_name, shape, tensor.data
                 continue

@@ -3,6 +3,7 @@ over the mapped file, the part of a tensor a rank reads, and llama.cpp's q/k row
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import gguf
@@ -68,3 +69,19 @@ def slice_data(
     if part.start % block or part.end % block:
         return data
     return data[:, part.start // block * type_size : part.end // block * type_size]
+
+
+@functools.cache
+def can_dequantize(qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether `gguf.quants.dequantize` implements `qtype` (probed on one zero block)."""
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError):
+        return False
+    return True
+
+
+def supported_quant_types() -> list[str]:
+    """Names of the GGML tensor types this loader can dequantize."""
+    return [t.name for t in gguf.GGMLQuantizationType if can_dequantize(t)]

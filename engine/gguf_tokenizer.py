@@ -45,12 +45,21 @@ _TEKKEN_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# DeepSeek-V3's (and R1's): three splits in turn, each piece of one split cut by the next: runs
+# of up to three digits, runs of CJK ideographs and kana, then words, punctuation and spaces.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 _LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"})
 _QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "megrez"})
-_SPLIT_BY_PRE = {
-    **dict.fromkeys(_LLAMA3_PRE, _LLAMA3_SPLIT),
-    **dict.fromkeys(_QWEN2_PRE, _QWEN2_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
+_SPLITS_BY_PRE: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(_LLAMA3_PRE, (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(_QWEN2_PRE, (_QWEN2_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+    "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
 # GPT-2's split after cutting every digit apart (SmolLM2's and StarCoder's tokenizer.json).
 _DIGITS_PRE = frozenset({"smollm", "starcoder", "refact"})
@@ -136,10 +145,13 @@ class GGUFTokenizer:
                 ignore_merges=pre in _LLAMA3_PRE,  # as Llama 3's tokenizer.json and llama.cpp
             )
         )
-        if pre in _SPLIT_BY_PRE:
-            regex = pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated")
+        if pre in _SPLITS_BY_PRE:
+            splits = [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated")
+                for regex in _SPLITS_BY_PRE[pre]
+            ]
             byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([regex, byte_level])
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*splits, byte_level])
             if pre in _QWEN2_PRE:
                 tokenizer.normalizer = normalizers.NFC()
         elif pre in _DIGITS_PRE:

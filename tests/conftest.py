@@ -238,7 +238,7 @@ def tiny_model_factory(tmp_path_factory):
     cache: dict[tuple, str] = {}
 
     def make(arch: str = "llama", **overrides) -> str:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))  # values may be dicts (rope_parameters)
         if key not in cache:
             path = str(tmp_path_factory.mktemp(f"tiny-{arch}"))
             cache[key] = build_tiny_model(path, arch, **overrides)

@@ -232,7 +232,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         load_gguf(str(path))
     assert str(error.value) == (
         "general.architecture: GGUF architecture 'mamba' is not supported; "
-        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe"
+        "supported: llama, qwen2, qwen3, qwen2moe, qwen3moe, deepseek2"
     )
 
 
@@ -253,7 +253,8 @@ def test_an_expert_tensor_duet_does_not_read_is_refused_by_name(tmp_path: Path) 
         load_gguf(str(path))
     assert str(error.value) == (
         "blk.0.ffn_gate_up_exps.weight: unexpected tensor for GGUF architecture 'qwen3moe' "
-        "(Llama/Qwen2/Qwen3 decoder weights and Mixtral/Qwen-MoE experts are supported)"
+        "(Llama/Qwen2/Qwen3 decoder weights, Mixtral/Qwen-MoE experts and DeepSeek-V2/V3 "
+        "are supported)"
     )
 
 
