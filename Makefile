@@ -26,12 +26,14 @@ serve: $(STAMP)
 	$(VENV)/bin/duet serve $(SERVE_ARGS)
 
 # mypy runs beside pytest (its output printed after), in the CPU the test workers leave idle
-# while they wait on subprocesses and servers; either failing fails the target. pytest runs
-# where loopback's names never go to a DNS server (tests/hermetic_names.sh).
+# while they wait on subprocesses and servers (niced, so it takes only that: a Ray node's
+# raylet must register within a fixed 30 s, and the run's first minute is its busiest);
+# either failing fails the target. pytest runs where loopback's names never go to a DNS
+# server (tests/hermetic_names.sh).
 test: $(STAMP) redis-server chromium
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@$(VENV)/bin/mypy > .mypy.out 2>&1 & mypy=$$!; \
+	@nice -n 19 $(VENV)/bin/mypy > .mypy.out 2>&1 & mypy=$$!; \
 	tests/hermetic_names.sh $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not sweep'; \
 	tests=$$?; wait $$mypy; types=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
 	exit $$(( tests != 0 || types != 0 ))

@@ -577,12 +577,15 @@ void run_jobs(const std::vector<Job>& jobs) {
       const Item& it = items[i];
       const Job& job = jobs[it.job];
       auto* out = static_cast<typename E::raw*>(job.out);
-      switch (it.nb) {  // kCols is 2 or 4
-        case kCols: columns<E, kCols, kRows, kDot>(job.a, it.b, out); break;
-        case 3: columns<E, (kCols > 3 ? 3 : 1), kRows, kDot>(job.a, it.b, out); break;
-        case 2: columns<E, 2, kRows, kDot>(job.a, it.b, out); break;
-        default: columns<E, 1, kRows, kDot>(job.a, it.b, out); break;
-      }
+      // kCols is 2 or 4 (then 3 and 2 are remainders; with 2, `case 2` would repeat kCols)
+      if (it.nb == kCols)
+        columns<E, kCols, kRows, kDot>(job.a, it.b, out);
+      else if (it.nb == 3)
+        columns<E, (kCols > 3 ? 3 : 1), kRows, kDot>(job.a, it.b, out);
+      else if (it.nb == 2)
+        columns<E, 2, kRows, kDot>(job.a, it.b, out);
+      else
+        columns<E, 1, kRows, kDot>(job.a, it.b, out);
     }
   });
 }

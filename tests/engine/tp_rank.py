@@ -67,6 +67,8 @@ def main() -> None:
     }
     with open(out_file, "w") as f:
         json.dump(result, f)
+    if rank == 0:  # rank 0 hosts the store: it leaves once the others are gone (TPGroup's order)
+        sys.stdin.readline()
     dist.destroy_process_group()
 
 
