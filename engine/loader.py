@@ -18,7 +18,11 @@ from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
 from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
 from duet.engine.model.mla import group_mla_absorb_cpu
-from duet.engine.model.moe import fuse_moe_experts, group_moe_experts_cpu
+from duet.engine.model.moe import (
+    fuse_moe_experts,
+    group_moe_experts_cpu,
+    use_dense_kernel_for_routers,
+)
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -202,6 +206,7 @@ def load_model(
     net.eval()
     if device.type == "cpu" and cpu_kernels_enabled():
         group_moe_experts_cpu(net)  # dense experts: one grouped product per layer, invariant
+        use_dense_kernel_for_routers(net)  # a router's few outputs: oneDNN is all overhead
         group_mla_absorb_cpu(net)  # MLA's per-head products: two grouped calls per layer
         if deterministic:
             use_dense_kernel_amx(net)  # bf16 with AMX: duet's tiles, invariant (0 elsewhere)
