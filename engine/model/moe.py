@@ -344,7 +344,7 @@ def use_dense_kernel_for_routers(model: nn.Module) -> int:
     if kernel is None or not blocks:
         return 0
     tile = kernel.pack_dense(torch.zeros(1, 16)).shape[-1]  # output channels per panel
-    layers = [
+    layers: list[nn.Module] = [
         block.gate
         for block in blocks
         if (weight := layer_weight(block.gate)) is not None and weight.shape[0] % tile == 0
