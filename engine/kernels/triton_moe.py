@@ -113,17 +113,22 @@ def moe_config(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
 
 
 def align_by_expert(
-    ids: torch.Tensor, num_experts: int, block_m: int
+    ids: torch.Tensor, num_experts: int, block_m: int, first_expert: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_slots [num_blocks * block_m] int32, block_expert [num_blocks] int32) for expert
     ids [T, k]: the slots (token * k + choice) grouped by expert in slot order, each expert's
     run padded with `T * k` to whole blocks; each block's expert (-1 past the last). Sized for
-    the worst case (every expert's run padded), computed on the device without a host sync."""
-    flat = ids.reshape(-1).to(torch.int64)
+    the worst case (every expert's run padded), computed on the device without a host sync.
+
+    Expert parallelism: the ids are the model's, this rank holds `num_experts` of them from
+    `first_expert` (the block's local index is id - first_expert); a slot routed to another
+    rank's expert goes into a last run whose blocks say -1, so no program computes it."""
+    flat = ids.reshape(-1).to(torch.int64) - first_expert
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     num_slots = flat.numel()
     device = flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)  # + other ranks
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
@@ -131,7 +136,7 @@ def align_by_expert(
     expert_of = flat.index_select(0, order)  # [slots], ascending
     rank = torch.arange(num_slots, device=device) - run_start.index_select(0, expert_of)
     position = (padded_end - padded).index_select(0, expert_of) + rank
-    num_blocks = (num_slots + num_experts * (block_m - 1) + block_m - 1) // block_m
+    num_blocks = (num_slots + (num_experts + 1) * (block_m - 1) + block_m - 1) // block_m
     sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
     sorted_slots.index_copy_(0, position, order.to(torch.int32))
     starts = torch.arange(num_blocks, device=device) * block_m
@@ -147,15 +152,19 @@ def fused_experts(
     weights: torch.Tensor,  # [T, k] fp32
     ids: torch.Tensor,  # [T, k], ascending per row
     weights_in_model_dtype: bool,
+    first_expert: int = 0,
+    local: bool = False,
 ) -> torch.Tensor:
-    """What `moe.grouped_experts` computes, in two launches: [T, hidden] in x's dtype."""
+    """What `moe.grouped_experts` computes, in two launches: [T, hidden] in x's dtype. With
+    expert parallelism (`local`), w13 and w2 hold this rank's experts from `first_expert`, and
+    the slots routed to the others add zeros (their ranks add the products)."""
     num_tokens, top_k = ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
     num_slots = num_tokens * top_k
     config = moe_config(x.dtype, x.device)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    sorted_slots, block_expert = align_by_expert(ids, num_experts, block_m)
+    sorted_slots, block_expert = align_by_expert(ids, num_experts, block_m, first_expert)
     num_blocks = block_expert.numel()
     scale = weights.reshape(-1).to(torch.float32).contiguous()
     x = x.contiguous()
@@ -167,7 +176,8 @@ def fused_experts(
     )  # fmt: skip
     gate, up = gate_up.split(inter, dim=-1)
     act = (torch.nn.functional.silu(gate) * up).contiguous()  # [slots, I]
-    out = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    make = torch.zeros if local else torch.empty  # no program writes another rank's slots
+    out = make(num_slots, hidden, dtype=x.dtype, device=x.device)
     _expert_matmul_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w2, out, scale, sorted_slots, block_expert, num_slots, hidden, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),

@@ -244,12 +244,10 @@ class SparseMoeBlock(nn.Module):
         return quantized is not None
 
     def fuse_experts(self) -> bool:
-        """Stack the experts' weights for `triton_moe.fused_experts` (CUDA, or the Triton
-        interpreter in tests) and drop the per-expert layers. False (nothing changed) unless
-        every expert is a plain dense `Linear` pair (not quantized, not on a CPU kernel), or
-        with expert parallelism (the kernel takes every expert's weights)."""
-        if self.tp.expert_parallel:
-            return False
+        """Stack the experts' weights (this rank's, with expert parallelism) for
+        `triton_moe.fused_experts` (CUDA, or the Triton interpreter in tests) and drop the
+        per-expert layers. False (nothing changed) unless every expert is a plain dense
+        `Linear` pair (not quantized, not on a CPU kernel)."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
         pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
         if not experts or not all(
@@ -277,7 +275,10 @@ class SparseMoeBlock(nn.Module):
 
             if self.expert_counts is not None:
                 record_expert_ids(self.expert_counts, ids)
-            out = fused_experts(x, w13, w2, weights, ids, self.weights_in_model_dtype)
+            out = fused_experts(
+                x, w13, w2, weights, ids, self.weights_in_model_dtype, self.first_expert,
+                local=w13.shape[0] < self.num_experts,
+            )  # fmt: skip
         else:
             grouped = parts["cpu_experts"]
             out = grouped_experts(
@@ -297,19 +298,13 @@ class SparseMoeBlock(nn.Module):
 def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:
     """On CUDA where Triton runs: every sparse block's experts on the fused kernel (one launch
     for all experts' gate|up products and one for the downs, no host sync) instead of a product
-    per expert. Returns how many blocks."""
+    per expert; with expert parallelism, this rank's experts, the others' slots skipped.
+    Returns how many blocks."""
     from duet.engine.kernels.triton_runtime import triton_unusable_reason
 
     if device.type != "cuda" or triton_unusable_reason(device) is not None:
         return 0
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    if blocks and blocks[0].tp.expert_parallel:
-        logger.info(
-            "expert parallelism: the fused MoE kernel is off (it takes every expert's weights; "
-            "this rank holds %d of %d), the experts run one product pair each",
-            len(blocks[0].experts), blocks[0].num_experts,
-        )  # fmt: skip
-        return 0
     return sum(block.fuse_experts() for block in blocks)
 
 

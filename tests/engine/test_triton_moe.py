@@ -35,6 +35,21 @@ def test_slots_are_grouped_by_expert_in_whole_blocks():
     assert sorted_slots.dtype == block_expert.dtype == torch.int32
 
 
+def test_another_ranks_slots_go_to_blocks_no_program_computes():
+    """Expert parallelism: this rank holds the model's experts 2 and 3 (local 0 and 1); the
+    slots routed to experts 0 and 1 form a last run whose blocks say -1."""
+    from duet.engine.kernels.triton_moe import align_by_expert
+
+    ids = torch.tensor([[0, 2], [2, 3], [0, 2]])  # slots 0..5
+    sorted_slots, block_expert = align_by_expert(ids, num_experts=2, block_m=2, first_expert=2)
+    pad = 6
+    # local 0 (expert 2): slots 1, 2, 5 (+ a pad); local 1 (expert 3): 3 (+ a pad);
+    # the others' run (experts 0, 0): slots 0, 4
+    assert sorted_slots.tolist()[:8] == [1, 2, 5, pad, 3, pad, 0, 4]
+    assert block_expert.tolist()[:4] == [0, 0, 1, -1]
+    assert all(e == -1 for e in block_expert.tolist()[3:])
+
+
 def _operands(dtype: torch.dtype):
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, generator=g, device=DEVICE).to(dtype)
@@ -109,6 +124,40 @@ def test_a_block_on_the_fused_kernel_equals_it_per_expert():
         fused = block(x)
         torch.testing.assert_close(fused, per_expert, atol=1e-5, rtol=1e-5)
         assert torch.equal(block(x[9:10]), fused[9:10])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_on_the_fused_kernel_equals_its_per_expert_path(rank, monkeypatch):
+    """EP over 2 ranks: each rank's block holds 4 of the 8 experts; on the fused kernel its
+    output (the products of its experts, zeros for the others', before the all-reduce, which
+    is left out here) equals its per-expert path's (fp32), a row alone its bits in the batch."""
+    from duet.engine.model import ModelArchConfig
+    from duet.engine.model.moe import SparseMoeBlock
+    from duet.engine.parallel import SINGLE, TensorParallel
+    from tests.conftest import ARCH_CONFIGS
+
+    spec = {**ARCH_CONFIGS["qwen3_moe"], "vocab_size": 512, "hidden_size": HIDDEN,
+            "intermediate_size": 128, "moe_intermediate_size": INTER, "num_attention_heads": 4,
+            "num_experts": EXPERTS, "num_hidden_layers": 2}  # fmt: skip
+    arch = ModelArchConfig.from_hf_config(spec)
+    torch.manual_seed(0)
+    whole = SparseMoeBlock(arch, SINGLE, None)
+    for p in whole.parameters():
+        nn.init.normal_(p, std=0.1)
+    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)  # the rank's part
+    tp = TensorParallel(rank, 2, None, expert_parallel=True)
+    part = SparseMoeBlock(arch, tp, None)
+    assert part.first_expert == 4 * rank and len(part.experts) == 4
+    part.gate.weight.data.copy_(whole.gate.weight)
+    for e, expert in enumerate(part.experts):
+        expert.load_state_dict(whole.experts[part.first_expert + e].state_dict())
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        per_expert = part(x)
+        assert part.fuse_experts() and part.w13.shape == (4, 2 * INTER, HIDDEN)
+        fused = part(x)
+        torch.testing.assert_close(fused, per_expert, atol=1e-5, rtol=1e-5)
+        assert torch.equal(part(x[9:10]), fused[9:10])
 
 
 @pytest.mark.slow
