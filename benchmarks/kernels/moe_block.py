@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                     block(x)
                     spent[name] += time.perf_counter() - start
             a, b = (spent[k] / args.reps * 1e3 for k in ("per_expert", "grouped"))
-            print(f"{args.dtype} {args.quantization or 'dense'} threads {args.threads} rows {rows}: per-expert {a:.1f} ms, "
-                  f"grouped {b:.1f} ms, per-expert/grouped {a / b:.2f}", flush=True)  # fmt: skip
+            print(f"{args.dtype} {args.quantization or 'dense'} threads {args.threads} rows {rows}: per-expert {a:.3f} ms, "
+                  f"grouped {b:.3f} ms, per-expert/grouped {a / b:.2f}", flush=True)  # fmt: skip
     print(f"load average {os.getloadavg()}")
 
 

@@ -71,5 +71,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "torch.argmax(logits, -1) of float32 [rows, vocab]: first maximal index, NaN the max");
   m.def("apply_token_bitmask", &duet::apply_token_bitmask,
         "logits [rows, vocab] float32 in place: -inf where the int32 bitmask's bit is clear");
+  m.def("moe_combine", &duet::moe_combine,
+        "A mixture's expert rows y [rows, n] (row r computed for slot order[r] = token * top_k + "
+        "choice), scaled by scale[r] and rounded, summed per token in choice order: [num_tokens, "
+        "n]; a slot no row has adds zero",
+        py::arg("y"), py::arg("order"), py::arg("scale"), py::arg("num_tokens"), py::arg("top_k"));
   m.def("silu_and_mul", &duet::silu_and_mul, "silu(gate) * up of gate_up [rows, 2n], written over gate; returns that [rows, n] view");
 }

@@ -25,6 +25,8 @@ void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at
                       at::Tensor sin);
 // Overwrites the gate half of gate_up and returns it (a view).
 at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor moe_combine(at::Tensor y, at::Tensor order, at::Tensor scale, int64_t num_tokens,
+                       int64_t top_k);
 
 // dst[dst_rows[i]] = src[src_rows[i]] for 2-D tensors of one dtype and row length, one memcpy
 // per row (copy_cpu.cpp). Indices are bounds-checked.

@@ -5,12 +5,14 @@
 // order and fused multiply-adds.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_ops.h"
 #include "cpu_simd.h"
@@ -148,6 +150,46 @@ void silu_and_mul_impl(at::Tensor& gate_up) {
   });
 }
 
+// A mixture's expert outputs back at their tokens: out[t] = p[t, 0] + p[t, 1] + ... in choice
+// order, each add rounded to the dtype, p[t, k] = dtype(y[r] * scale[r]) for the row r of y
+// that slot t * K + k was computed in, 0 for a slot no row has (another expert-parallel rank's
+// expert). What moe.grouped_experts' scatter and its loop of adds compute, in one pass.
+template <typename E, typename S>
+void moe_combine_impl(const at::Tensor& y, const std::vector<int64_t>& row_of, const at::Tensor& scale,
+                      at::Tensor& out, int64_t top_k) {
+  using raw = typename E::raw;
+  const int64_t tokens = out.size(0), n = out.size(1), ys = y.stride(0);
+  const raw* yb = static_cast<const raw*>(y.data_ptr());
+  const typename S::raw* sb = static_cast<const typename S::raw*>(scale.data_ptr());
+  raw* ob = static_cast<raw*>(out.data_ptr());
+  at::parallel_for(0, tokens, grain_rows(top_k * n), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      raw* o = ob + t * n;
+      int64_t i = 0;
+      for (; i + W <= n; i += W) {
+        F total = F{};
+        for (int64_t k = 0; k < top_k; ++k) {
+          const int64_t r = row_of[t * top_k + k];
+          const F p = r < 0 ? F{}
+                            : E::template round<W>(E::template load<W>(yb + r * ys + i) *
+                                                   (S::load1(sb + r) - F{}));  // a splat (-0 stays -0)
+          total = k == 0 ? p : E::template round<W>(total + p);
+        }
+        E::template store<W>(o + i, total);
+      }
+      for (; i < n; ++i) {
+        float total = 0.f;
+        for (int64_t k = 0; k < top_k; ++k) {
+          const int64_t r = row_of[t * top_k + k];
+          const float p = r < 0 ? 0.f : E::round1(E::load1(yb + r * ys + i) * S::load1(sb + r));
+          total = k == 0 ? p : E::round1(total + p);
+        }
+        o[i] = E::store1(total);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
@@ -216,6 +258,38 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
     silu_and_mul_impl<BF16>(gate_up);
   }
   return gate_up.narrow(1, 0, gate_up.size(1) / 2);
+}
+
+at::Tensor moe_combine(at::Tensor y, at::Tensor order, at::Tensor scale, int64_t num_tokens,
+                       int64_t top_k) {
+  check_rows(y, "y");
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "y must be [rows, n] with contiguous rows");
+  TORCH_CHECK(num_tokens >= 0 && top_k > 0, "num_tokens must be >= 0 and top_k > 0");
+  const int64_t rows = y.size(0), slots = num_tokens * top_k;
+  TORCH_CHECK(order.scalar_type() == at::kLong && order.dim() == 1 && order.size(0) == rows,
+              "order must be int64 [rows]: the slot each row of y was computed for");
+  TORCH_CHECK((scale.scalar_type() == at::kFloat || scale.scalar_type() == y.scalar_type()) &&
+                  scale.dim() == 1 && scale.size(0) == rows,
+              "scale must be [rows], float32 or y's dtype");
+  order = order.contiguous();
+  scale = scale.contiguous();
+  std::vector<int64_t> row_of(slots, -1);
+  const int64_t* ord = order.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ord[r] >= 0 && ord[r] < slots && row_of[ord[r]] < 0, "order[", r, "] = ", ord[r],
+                ": must be a slot in [0, ", slots, ") no other row has");
+    row_of[ord[r]] = r;
+  }
+  at::Tensor out = at::empty({num_tokens, y.size(1)}, y.options());
+  const bool fp32_scale = scale.scalar_type() == at::kFloat;
+  if (y.scalar_type() == at::kFloat) {
+    moe_combine_impl<F32, F32>(y, row_of, scale, out, top_k);
+  } else if (fp32_scale) {
+    moe_combine_impl<BF16, F32>(y, row_of, scale, out, top_k);
+  } else {
+    moe_combine_impl<BF16, BF16>(y, row_of, scale, out, top_k);
+  }
+  return out;
 }
 
 }  // namespace duet

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from duet.engine.errors import InvalidInputError
+from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
 from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
@@ -131,10 +132,17 @@ def grouped_experts(
     scale = weights.reshape(-1, 1).index_select(0, order)  # [slots, 1]
     if weights_in_model_dtype:
         scale = scale.to(x.dtype)
+    if isinstance(experts, GROUPED):
+        y = experts.forward(rows, counts[first : first + num_local])  # [slots, hidden]
+        kernels = kernels_for(y)
+        if kernels is not None:  # the scatter, the scaling and the adds below in one pass
+            combined: torch.Tensor = kernels.moe_combine(
+                y, order, scale.view(-1), num_tokens, top_k
+            )
+            return combined
     make = x.new_zeros if local else x.new_empty
     out = make(num_tokens * top_k, x.shape[1])
     if isinstance(experts, GROUPED):
-        y = experts.forward(rows, counts[first : first + num_local])  # [slots, hidden]
         out.index_copy_(0, order, (y * scale).to(x.dtype))
     else:
         start = 0

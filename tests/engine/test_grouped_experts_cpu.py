@@ -145,3 +145,38 @@ def test_routers_that_fill_the_kernels_panels_take_it(tiny_model_factory, dtype)
         for layer in llm.engine.runner.model.layers:
             on_kernel = getattr(layer.mlp.gate, "cpu_kernel", None) is not None
             assert on_kernel == (experts % tile == 0), (experts, tile)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+    ids=["fp32", "bf16-fp32-weights", "bf16-bf16-weights"],
+)
+def test_moe_combine_is_the_scatter_and_the_adds_bitwise(dtype, scale_dtype):
+    """`moe_combine` (engine/kernels/elementwise_cpu.cpp) against moe.grouped_experts' torch
+    steps: each row scaled and rounded, scattered to its slot, a token's choices added in order
+    with a rounding per add; slots no row has (another expert-parallel rank's) add zero. 37
+    columns: whole vectors and a scalar tail."""
+    from duet.engine.kernels.cpu import load_cpu_kernels
+
+    kernels = load_cpu_kernels()
+    assert kernels is not None
+    g = torch.Generator().manual_seed(5)
+    tokens, top_k, hidden = 9, 4, 37
+    order = torch.randperm(tokens * top_k, generator=g)[:30]  # 6 slots are another rank's
+    y = torch.randn(30, hidden, generator=g).to(dtype)
+    scale = torch.rand(30, generator=g).to(scale_dtype)
+    out = torch.zeros(tokens * top_k, hidden, dtype=dtype)
+    out.index_copy_(0, order, (y * scale.view(-1, 1)).to(dtype))
+    per_choice = out.view(tokens, top_k, hidden)
+    want = per_choice[:, 0]
+    for k in range(1, top_k):
+        want = want + per_choice[:, k]
+    got = kernels.moe_combine(y, order, scale, tokens, top_k)
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=r"order\[1\] = 3: must be a slot in \[0, 36\) no other"):
+        kernels.moe_combine(y[:2], torch.tensor([3, 3]), scale[:2], tokens, top_k)
