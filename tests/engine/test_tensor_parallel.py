@@ -30,7 +30,6 @@ def _start_ranks(model, tmp_path, prompts, backend, device, engine=None):
     # the rank scripts import `tests.*` (a stand-in capture): the repository root on their path
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
-    logs = [open(tmp_path / f"r{rank}.log", "w") for rank in range(2)]
     procs = [
         subprocess.Popen(
             [
@@ -48,23 +47,18 @@ def _start_ranks(model, tmp_path, prompts, backend, device, engine=None):
                 json.dumps(engine or {}),
             ],
             env=env,
-            stdin=subprocess.PIPE,
-            stdout=logs[rank],  # files: rank 0's output is not read while rank 1 runs
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for rank in range(2)
     ]
-    # NOTE: rank 1 first, then rank 0 is told to leave the group (tp_rank.py), the order of
-    # `TPGroup.close`. Both leaving at once aborted one of them now and then ("terminate called
-    # without an active exception" in c10d's teardown, after the results were written; 8 of 20
-    # runs of test_rank_agreement.py's two ranks, which leave the same way): the SIGABRT that
-    # this test used to answer with a second start.
-    procs[1].communicate(timeout=240)
-    procs[0].communicate("\n", timeout=240)
-    for log in logs:
-        log.close()
-    return [(p.returncode, (tmp_path / f"r{r}.log").read_text()) for r, p in enumerate(procs)]
+    # NOTE: a rank leaves by `exit_rank` (tp_rank.py), as TP followers do: a normal exit
+    # aborted one of the two now and then ("terminate called without an active exception",
+    # gloo's thread releasing the last collective during interpreter finalization; 8 of 20
+    # runs of test_rank_agreement.py's two ranks), which this test answered with a second start.
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
 
 
 def _run_ranks(model, tmp_path, prompts, backend="gloo", device="cpu", engine=None):

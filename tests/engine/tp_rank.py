@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.parallel import TensorParallel
+from duet.engine.tp_group import exit_rank
 
 
 def main() -> None:
@@ -67,10 +68,9 @@ def main() -> None:
     }
     with open(out_file, "w") as f:
         json.dump(result, f)
-    if rank == 0:  # rank 0 hosts the store: it leaves once the others are gone (TPGroup's order)
-        sys.stdin.readline()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # as a TP follower ends (engine/tp_group.py says why: not sys.exit)
