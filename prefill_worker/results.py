@@ -27,6 +27,7 @@ class PrefillResult:
     prompt_logprobs: list[PromptLogprob | None] | None = None  # when the request asked
     num_transfer_chunks: int = 0  # messages of whole layers, rank 0's (every rank sends as many)
     link_gbps: float = 0.0  # rank 0's link to the decode worker, as probed; 0: not measured
+    acked_ns: int = 0  # wall clock when the acknowledgement was seen (`transfer_s`'s end); 0: none
 
 
 @dataclass(frozen=True)

@@ -377,6 +377,7 @@ class PrefillRole(EngineRole):
             done.prompt_logprobs if done else None,
             result.num_chunks,
             result.link_gbps or 0.0,
+            time.time_ns(),
         )
         self.core.submit_internal(ReleaseHeld(result.request_id, outcome))
 

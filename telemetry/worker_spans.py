@@ -46,6 +46,8 @@ class PrefillAnswer(Protocol):
     def num_transfer_chunks(self) -> int: ...
     @property
     def link_gbps(self) -> float: ...
+    @property
+    def acked_ns(self) -> int: ...
 
 
 def record_prefill(
@@ -67,12 +69,17 @@ def record_prefill(
     if result.error:
         root.set_status(trace.StatusCode.ERROR, result.error)
     inside = trace.set_span_in_context(root)
-    sent_ns = max(received_ns, end_ns - int(result.transfer_s * 1e9))
+    # The phases end where the worker measured them: the send at the acknowledgement (its wall
+    # clock then; `end_ns`, later by the answer's way back to this handler, where absent),
+    # the compute `transfer_s` before it. Anchored at `end_ns`, that way back counted as
+    # compute, and a loaded worker's compute ended after the decode side had its KV.
+    acked_ns = min(end_ns, result.acked_ns or end_ns)
+    sent_ns = max(received_ns, acked_ns - int(result.transfer_s * 1e9))
     computed_ns = min(sent_ns, received_ns + int(result.queued_s * 1e9))
     for name, start, end, extra in (
         ("duet.prefill_worker.queue", received_ns, computed_ns, {}),
         ("duet.prefill_worker.compute", computed_ns, sent_ns, {}),
-        ("duet.prefill_worker.kv_send", sent_ns, end_ns,
+        ("duet.prefill_worker.kv_send", sent_ns, acked_ns,
          kv_transfer_attributes(result.num_transfer_bytes, result.transfer_s,
                                 result.num_transfer_chunks, result.link_gbps)),
     ):  # fmt: skip
