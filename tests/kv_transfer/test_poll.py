@@ -26,10 +26,11 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 BACKENDS = ["local", "tcp", "tcp-striped", "torch_dist", "torch_dist-nccl-emulated", "nixl",
             "nixl-push"]  # fmt: skip
 # NOTE: a poll that waited on the silent peer would take TIMEOUT_S; the bound sits well below
-# that and well above a 2-core machine's scheduling delays under load (87 ms seen at 0.05).
-POLL_BOUND_S = 0.25
+# that and well above a 2-core machine's scheduling delays under load (87 ms seen at a bound
+# of 0.05 s; a `local` poll of 0.8 s at 0.25 s, when a blocking poll took 3 s: now 6).
+POLL_BOUND_S = 1.5
 LEASE_S = 1.0  # the sender's ack_timeout_s, and the receiver's expect timeout
-TIMEOUT_S = 3.0  # each backend's wait on a silent peer: what a blocking poll would take
+TIMEOUT_S = 6.0  # each backend's wait on a silent peer: what a blocking poll would take
 
 RECEIVER_SCRIPT = """
 import os, sys, time
