@@ -24,7 +24,7 @@ from duet.engine.gguf_deepseek import kv_b_from_split
 from duet.engine.gguf_loader import load_gguf
 from tests.engine.gguf_files import _GGUF_GLOBAL_NAMES, _GGUF_LAYER_NAMES, encode
 from tests.engine.test_deepseek import DEEPSEEK_SHAPES
-from tests.engine.test_gguf_moe import _add_vocab
+from tests.engine.test_gguf_moe import _add_vocab, assert_same_outputs
 
 Q = gguf.GGMLQuantizationType
 _LAYER = {
@@ -171,19 +171,7 @@ def test_a_deepseek_gguf_gives_the_safetensors_models_tokens(
                                           "original_max_position_embeddings": 256,
                                           "beta_slow": 1.0, "mscale": pytest.approx(0.7),
                                           "mscale_all_dim": pytest.approx(0.7)}  # fmt: skip
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 33, 70)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
-    outs = {}
-    for source in (model_dir, str(path)):
-        llm = LLM(source, dtype="float32", load_progress=False, num_kv_blocks=64)
-        assert llm.engine.runner.model.config.mla is not None
-        outs[source] = [o.outputs[0] for o in llm.generate(prompts, params)]
-    for a, b in zip(outs[model_dir], outs[str(path)], strict=True):
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
-            assert [t.logprob for t in x.top] == [t.logprob for t in y.top]
+    assert_same_outputs(model_dir, str(path), lambda llm: llm.engine.runner.model.config.mla)
 
 
 def test_q8_0_experts_stay_quantized_and_kv_b_is_whole(tiny_model_factory, tmp_path):

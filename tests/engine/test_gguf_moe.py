@@ -137,15 +137,21 @@ def test_a_moe_gguf_gives_the_safetensors_models_tokens(tiny_model_factory, tmp_
         assert config["moe_intermediate_size"] == hf_cfg["moe_intermediate_size"]
         assert config["norm_topk_prob"] == hf_cfg["norm_topk_prob"]
         assert config["mlp_only_layers"] == hf_cfg.get("mlp_only_layers", [])
+    assert_same_outputs(model_dir, str(path), lambda llm: llm.engine.runner.model.config.moe)
+
+
+def assert_same_outputs(model_dir: str, path: str, check) -> None:
+    """The safetensors model and its GGUF (fp32) give exactly the same greedy tokens and top-3
+    logprobs for three prompts; `check(llm)` must hold for each loaded engine."""
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 33, 70)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     outs = {}
-    for source in (model_dir, str(path)):
+    for source in (model_dir, path):
         llm = LLM(source, dtype="float32", load_progress=False, num_kv_blocks=64)
-        assert llm.engine.runner.model.config.moe is not None
+        assert check(llm)
         outs[source] = [o.outputs[0] for o in llm.generate(prompts, params)]
-    for a, b in zip(outs[model_dir], outs[str(path)], strict=True):
+    for a, b in zip(outs[model_dir], outs[path], strict=True):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
