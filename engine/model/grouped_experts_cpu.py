@@ -16,11 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.dense_cpu_linear import DTYPES
+from duet.engine.model.mlp import silu_and_mul
 from duet.engine.model.row_invariant import Linear
 
 
@@ -61,12 +60,7 @@ class CpuGroupedExperts(nn.Module):
         gate_up = self.kernel.grouped_dense_linear(
             rows, params["w13"], counts, 2 * self.intermediate_size
         )  # [S, 2 I]
-        elementwise = kernels_for(gate_up)
-        if elementwise is not None:  # written over the gate half: [S, I] strided view
-            act = elementwise.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+        act = silu_and_mul(gate_up, self.intermediate_size)
         return self.kernel.grouped_dense_linear(act, params["w2"], counts, self.hidden_size)
 
 

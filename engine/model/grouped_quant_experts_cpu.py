@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from duet.engine.kernels import fused_ops_for
+from duet.engine.model.mlp import silu_and_mul
 from duet.engine.model.quantized_linear import QuantizedLinear
 
 OPERANDS = {"int8": ("q", "scale"), "int4": ("packed", "scales_zeros")}
@@ -88,12 +87,7 @@ class CpuGroupedQuantExperts(nn.Module):
         buffers: dict[str, Any] = self._buffers  # `self.w13_q` is a Python call
         mid = self._grouped("w13", rows, counts, 2 * self.intermediate_size, amx_min_rows,
                             max_rows, buffers)  # fmt: skip
-        kernels = fused_ops_for(mid)
-        if kernels is not None:  # written over the gate half: [S, I] strided view
-            act = kernels.silu_and_mul(mid)
-        else:
-            gate, up = mid.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
+        act = silu_and_mul(mid, self.intermediate_size)
         out = self._grouped("w2", act, counts, self.hidden_size, amx_min_rows, max_rows, buffers)
         start = 0
         for mlp, count in zip(self.mlps, counts, strict=True):

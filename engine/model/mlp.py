@@ -51,13 +51,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         gate_up = parts["gate_up_proj"].forward(x)  # [T, 2 I]
-        kernels = fused_ops_for(gate_up)
-        if kernels is not None:  # one pass (CPU: written over the gate half, a [T, I] view)
-            act = kernels.silu_and_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-        out = parts["down_proj"].forward(act)
+        out = parts["down_proj"].forward(silu_and_mul(gate_up, self.intermediate_size))
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -76,3 +70,14 @@ def mlp_shard(intermediate_size: int, tp: TensorParallel) -> tuple[int, int]:
         "tensor_parallel_size",
         f"must be at most the model's intermediate_size ({intermediate_size}); got {n}",
     )
+
+
+def silu_and_mul(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """SiLU(gate) * up of `gate_up` [T, 2 I] (gate half first): the device's fused kernel in one
+    pass where there is one (on the CPU written over the gate half: a [T, I] view), else torch."""
+    kernels = fused_ops_for(gate_up)
+    if kernels is not None:
+        act: torch.Tensor = kernels.silu_and_mul(gate_up)
+        return act
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    return F.silu(gate) * up
