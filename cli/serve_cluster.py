@@ -46,6 +46,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--prefill-tp", type=int, default=1, help="ranks per prefill group")
     g.add_argument(
+        "--prefill-pp", type=int, default=1, metavar="P",
+        help="pipeline stages per prefill group, each of --prefill-tp ranks (P x T ranks; "
+        "each stage ships its layers' KV)",
+    )  # fmt: skip
+    g.add_argument(
         "--decode-workers", type=_count_or_auto, default=1, metavar="M|auto",
         help="decode workers; auto: one per --decode-tp units of the 'decode' resource "
         "(default: 1)",
@@ -121,7 +126,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
     """The ClusterSpec of the flags; `ValueError` names a bad flag. `engine` holds the
     EngineConfig fields the command line set."""
     from duet.cluster.config import ClusterConfig
-    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.deploy.cluster_spec import ClusterSpec
     from duet.prefill_worker.config import PrefillWorkerConfig
 
     if "tensor_parallel_size" in engine:
@@ -136,8 +141,8 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         )
     if engine.get("pipeline_parallel_size", 1) != 1:
         raise ValueError(
-            "--pipeline-parallel-size: prefill and decode workers run one pipeline stage for "
-            "now; pipeline stages serve aggregated (without --disaggregated)"
+            "--pipeline-parallel-size: with --disaggregated, prefill groups split into stages "
+            "with --prefill-pp; decode workers run one stage"
         )
     internal_tls(args)  # refused here, naming the flag, before Ray starts
     lease_s = PrefillWorkerConfig.kv_lease_s  # the dataclass field's default
@@ -159,6 +164,7 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         engine={k: v for k, v in engine.items() if k != "model"},
         prefill_workers=args.prefill_workers,
         prefill_tp=args.prefill_tp,
+        prefill_pp=args.prefill_pp,
         decode_workers=args.decode_workers,
         decode_tp=args.decode_tp,
         prefill_ep=args.prefill_ep,
@@ -246,11 +252,12 @@ def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
         return  # a cluster's GPUs are Ray's to place (one each, from --gpus-per-worker)
     num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
     num_decode = spec.decode_workers if spec.decode_workers is not None else 1
-    needed = num_prefill * spec.prefill_tp + num_decode * spec.decode_tp
+    needed = num_prefill * spec.prefill_ranks + num_decode * spec.decode_tp
     have = torch.cuda.device_count()
     if needed > have:
+        stages = f" x --prefill-pp {spec.prefill_pp}" if spec.prefill_pp > 1 else ""
         raise ValueError(
-            f"--prefill-workers {num_prefill} x --prefill-tp {spec.prefill_tp} + "
+            f"--prefill-workers {num_prefill} x --prefill-tp {spec.prefill_tp}{stages} + "
             f"--decode-workers {num_decode} x --decode-tp {spec.decode_tp} need {needed} GPUs, "
             f"one each (NCCL cannot move KV "
             f"between two processes on one GPU); this machine has {have}: lower them, or "
@@ -269,7 +276,7 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     from duet.engine.loader import open_model
 
     arch = open_model(spec.model).arch  # a bad model fails here, before any actor starts
-    check_group_sizes(spec, arch.num_attention_heads)
+    check_group_sizes(spec, arch.num_attention_heads, arch.num_hidden_layers)
     secret_file = None
     if args.ray_address:
         load_cluster_secret()  # a cluster's processes share its secret (Helm: from a Secret)
@@ -288,9 +295,9 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
         for r in cluster.routers:
             logger.info(
                 "duet cluster ready: REST http://%s:%s/v1, gRPC %s:%s (%s prefill group(s) of "
-                "TP %d, %d decode worker(s) of TP %d)",
+                "TP %d x PP %d, %d decode worker(s) of TP %d)",
                 spec.router.host, r.rest_port, spec.router.host, r.grpc_port, len(cluster.groups),
-                spec.prefill_tp, len(cluster.decodes), spec.decode_tp,
+                spec.prefill_tp, spec.prefill_pp, len(cluster.decodes), spec.decode_tp,
             )  # fmt: skip
         cluster.run(stop)
     finally:
@@ -303,16 +310,19 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
     return 0
 
 
-def check_group_sizes(spec: Any, num_heads: int) -> None:
-    """`ValueError` naming --prefill-tp or --decode-tp when the model cannot be split over that
-    many ranks (every rank needs a query head; any prefill TP hands KV to any decode TP)."""
+def check_group_sizes(spec: Any, num_heads: int, num_layers: int) -> None:
+    """`ValueError` naming --prefill-tp, --prefill-pp or --decode-tp when the model cannot be
+    split that way (every rank needs a query head, every stage a layer; any prefill TP hands
+    KV to any decode TP)."""
     from duet.engine.parallel import check_tp_size
+    from duet.engine.pipeline import check_pp_size
 
-    for flag, tp in (("--prefill-tp", spec.prefill_tp), ("--decode-tp", spec.decode_tp)):
-        try:
+    try:
+        for flag, tp in (("--prefill-tp", spec.prefill_tp), ("--decode-tp", spec.decode_tp)):
             check_tp_size(tp, num_heads, flag)
-        except InvalidInputError as e:
-            raise ValueError(str(e)) from e
+        check_pp_size(spec.prefill_pp, num_layers, "--prefill-pp")
+    except InvalidInputError as e:
+        raise ValueError(str(e)) from e
 
 
 def _with_gpus(spec: Any, gpus: float) -> Any:

@@ -21,6 +21,14 @@ class DecodeWorkerConfig(KVWorkerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.pipeline_parallel_size != 1:
+            # NOTE: a receiver caches every layer; a staged decode worker would need one per
+            # stage, each taking its layers (the layout handshake refuses a staged receiver)
+            raise InvalidInputError(
+                "pipeline_parallel_size",
+                "decode workers run one pipeline stage (prefill groups and aggregated engines "
+                f"take more); got {self.pipeline_parallel_size}",
+            )
         spec = self.speculative()
         if spec is not None and spec.drafts_on_prefill and self.tensor_parallel_size != 1:
             # NOTE: the draft's KV lands whole (it is never sharded): one rank to land on

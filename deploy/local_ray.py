@@ -21,7 +21,8 @@ from ray._private import ray_constants
 
 from duet.cluster_auth import ENV_SECRET_FILE, ClusterSecret, write_secret_file
 from duet.cluster_auth.secret import remove_stale_secret_dirs
-from duet.deploy.ray_cluster import NAMESPACE, ClusterSpec
+from duet.deploy.cluster_spec import ClusterSpec
+from duet.deploy.ray_cluster import NAMESPACE
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:
     num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
     num_decode = spec.decode_workers if spec.decode_workers is not None else 1
     cores = num_cpus or os.cpu_count() or 1
-    processes = num_prefill * spec.prefill_tp + num_decode * spec.decode_tp
+    processes = num_prefill * spec.prefill_ranks + num_decode * spec.decode_tp
     secret_file = write_secret_file(ClusterSecret.generate())
     env = {
         "GLOO_SOCKET_IFNAME": "lo",
@@ -76,7 +77,7 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:
             namespace=NAMESPACE,
             num_cpus=cores,
             resources={
-                "prefill": num_prefill * spec.prefill_tp,
+                "prefill": num_prefill * spec.prefill_ranks,
                 "decode": num_decode * spec.decode_tp,
                 "router": spec.routers,
             },

@@ -1,8 +1,9 @@
 """`DuetCluster`: places duet's processes on a Ray cluster and keeps them serving.
 
 Placement, by Ray custom resources (so that on Kubernetes each lands on the right pods):
-- a prefill group is `prefill_tp` `PrefillRankActor`s in a STRICT_PACK placement group, one
-  `prefill` resource (and one GPU on GPU clusters) per rank;
+- a prefill group is `prefill_tp` x `prefill_pp` `PrefillRankActor`s (tensor-parallel ranks
+  of each pipeline stage) in a STRICT_PACK placement group, one `prefill` resource (and one
+  GPU on GPU clusters) per rank;
 - a decode worker is `decode_tp` `DecodeRankActor`s placed the same way, one `decode`
   resource (and GPU) per rank;
 - a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
@@ -13,7 +14,8 @@ Keeping it serving (`reconcile`, every second from `run`): Ray restarts dead act
 decode worker), so every rank of the group is restarted and the group re-formed; workers without a live, started process are left out of the
 registry the routers get (`RouterActor.set_workers`), which is re-sent whenever it changes and
 every few seconds (a restarted router starts empty). With `prefill_workers` / `decode_workers`
-None ("auto") the pools follow the cluster's `prefill` / `decode` resources (per `prefill_tp` or `decode_tp` units) as nodes join
+None ("auto") the pools follow the cluster's `prefill` / `decode` resources (per
+`prefill_ranks` or `decode_tp` units) as nodes join
 and leave, which is how the Kubernetes planner scales them.
 """
 
@@ -29,99 +31,15 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from duet.cluster.config import ClusterConfig
+from duet.deploy.cluster_spec import ClusterSpec
 from duet.deploy.ray_actors import DecodeRankActor, PrefillRankActor, RouterActor
 from duet.deploy.stop_signal import Stopper
-from duet.engine.spec_decode.config import SpeculativeConfig
-from duet.router.server import RouterConfig
-from duet.telemetry.otel import OTLP_ENDPOINT_ENV
 
 logger = logging.getLogger("duet.cluster")
 
 NAMESPACE = "duet"
 _INFO_TIMEOUT_S = 5.0
 _REPUBLISH_S = 5.0
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """What to run. Counts of None mean "auto": follow the cluster's resources."""
-
-    model: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
-    """EngineConfig fields every worker shares (dtype, block_size, max_num_seqs, ...)."""
-    prefill_workers: int | None = 1
-    prefill_tp: int = 1
-    decode_workers: int | None = 1
-    decode_tp: int = 1
-    """Ranks per decode worker (tensor parallelism)."""
-    prefill_ep: int = 1
-    """Ranks a prefill group shards a mixture's routed experts over, whole: 1 or `prefill_tp`
-    (the engine's `expert_parallel_size`)."""
-    decode_ep: int = 1
-    """The same for a decode worker: 1 or `decode_tp`. Independent of `prefill_ep`: the KV a
-    group hands over does not depend on how its experts are placed."""
-    routers: int = 1
-    router: RouterConfig = field(default_factory=RouterConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    served_model_name: str | None = None
-    gpus_per_worker: float = 0.0
-    """GPUs per prefill rank and per decode worker (1 on GPU clusters)."""
-    kv_backend: str = "auto"
-    """How KV moves from prefill to decode workers (prefill_worker/config.py)."""
-    kv_staging_bytes: int | None = None
-    """The workers' staging pool (kv_transfer/worker_config.py); None: its default."""
-
-    def __post_init__(self) -> None:
-        for flag, value in (
-            ("--prefill-workers", self.prefill_workers),
-            ("--decode-workers", self.decode_workers),
-        ):
-            if value is not None and value < 0:
-                raise ValueError(f"{flag}: must be >= 0 or auto; got {value}")
-        if self.decode_workers == 0:
-            raise ValueError("--decode-workers: at least one decode worker is needed; got 0")
-        for flag, tp in (("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
-            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-                raise ValueError(f"{flag}: must be an integer >= 1; got {tp!r}")
-        for flag, ep, tp in (
-            ("--prefill-ep", self.prefill_ep, self.prefill_tp),
-            ("--decode-ep", self.decode_ep, self.decode_tp),
-        ):
-            if isinstance(ep, bool) or ep not in (1, tp):
-                raise ValueError(
-                    f"{flag}: must be 1 or the group's tensor-parallel size {tp} (the routed "
-                    f"experts are sharded over its ranks, whole); got {ep!r}"
-                )
-        if self.routers < 1:
-            raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
-
-    def worker_config(self, role: str) -> dict[str, Any]:
-        config = {
-            "model": self.model,
-            "load_progress": False,
-            **self.engine,
-            "kv_backend": self.kv_backend,
-        }
-        if self.kv_staging_bytes is not None:
-            config["kv_staging_bytes"] = self.kv_staging_bytes
-        config["tensor_parallel_size"] = self.prefill_tp if role == "prefill" else self.decode_tp
-        config["expert_parallel_size"] = self.prefill_ep if role == "prefill" else self.decode_ep
-        if role == "prefill":
-            # Only decode workers speculate: a prefill-only request never decodes. A prefill
-            # worker loads the draft only to compute its prompt KV (draft_prefill prefill or
-            # auto); then it needs the decode workers' config to ship what they expect.
-            spec = config.get("speculative_config")
-            if spec is not None and not SpeculativeConfig.from_dict(spec).drafts_on_prefill:
-                del config["speculative_config"]
-        return config
-
-    def worker_runtime_env(self) -> dict[str, Any] | None:
-        """The workers' environment: when the routers trace, the workers export their spans
-        to the same collector (telemetry/otel.py)."""
-        if not self.router.otlp_endpoint:
-            return None
-        return {"env_vars": {OTLP_ENDPOINT_ENV: self.router.otlp_endpoint}}
 
 
 @dataclass
@@ -328,7 +246,7 @@ class DuetCluster:
     def _wanted_groups(self) -> int:
         if self.spec.prefill_workers is not None:
             return self.spec.prefill_workers
-        return int(ray.cluster_resources().get("prefill", 0) // self.spec.prefill_tp)
+        return int(ray.cluster_resources().get("prefill", 0) // self.spec.prefill_ranks)
 
     def _wanted_decode(self) -> int:
         if self.spec.decode_workers is not None:
@@ -366,11 +284,11 @@ class DuetCluster:
         return self._new_ranks("decode", DecodeRankActor, self.spec.decode_tp)
 
     def _new_group(self) -> _Group:
-        return self._new_ranks("prefill", PrefillRankActor, self.spec.prefill_tp)
+        return self._new_ranks("prefill", PrefillRankActor, self.spec.prefill_ranks)
 
     def _new_ranks(self, role: str, actor_cls: type, tp: int) -> _Group:
-        """A worker's `tp` ranks in one STRICT_PACK placement group, one `role` resource (and
-        GPU) each; started by `_check_group` once every rank is up."""
+        """A worker's `tp` ranks (all its stages') in one STRICT_PACK placement group, one
+        `role` resource (and GPU) each; started by `_check_group` once every rank is up."""
         spec = self.spec
         name = self._next_name(role)
         bundle: dict[str, float] = {role: 1}

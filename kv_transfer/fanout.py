@@ -6,6 +6,8 @@ each decode rank the KV heads `layout.head_route` gives it, so every decode rank
 exactly the heads it caches, each once: it sends to the decode ranks whose route is not empty,
 and to no other. Each decode rank index has a backend sender of its own (made on first use):
 a backend keys its transfers by request id, which is the same on every decode rank.
+With pipeline stages this rank's caches are its stage's layers: the engine names the model's
+layer as each is computed (`layer_computed`), the backends this stage's (from 0).
 
 A request's one outcome is reported once every part of it is over (no backend thread reads its
 blocks then): DONE when every part is, FAILED when one failed (retryable when every failed part
@@ -76,7 +78,9 @@ class FanOutKVSender(KVSender):
         """(decode rank, its receiver) of each rank of the decode worker at `dest` this rank
         ships heads to."""
         addresses = split_addresses(dest)
-        receiver = dataclasses.replace(self.layout, tp_size=len(addresses), draft=None)
+        receiver = dataclasses.replace(
+            self.layout, tp_size=len(addresses), draft=None, pp_size=1, pp_stage=0
+        )
         return [
             (k, address)
             for k, address in enumerate(addresses)
@@ -124,9 +128,11 @@ class FanOutKVSender(KVSender):
         return True
 
     def layer_computed(self, layer: int) -> None:
+        """`layer`: the model's index; the backends count this stage's layers from 0."""
+        local = layer - self.layout.layer_range[0]
         for k in self._streaming:
-            self._senders[k].layer_computed(layer)
-        if layer == self.layout.num_layers - 1:
+            self._senders[k].layer_computed(local)
+        if local == self.layout.num_local_layers - 1:
             self._streaming = set()
 
     def finish(self, request_id: str, meta: dict[str, Any] | None = None) -> None:

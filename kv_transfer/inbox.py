@@ -5,7 +5,8 @@ data can never arrive (`fail`); the engine thread's `poll` matches arrivals with
 `expect`s, scatters arrived layers into their reserved blocks and acknowledges a request once
 all of it is written. A request is complete when every shard it needs has arrived: each rank
 of a tensor-parallel sender whose heads this receiver caches ships its part of them
-(`layout.head_route`), under the same request id.
+(`layout.head_route`), under the same request id, and with pipeline stages each stage's
+ranks their layers (`layout.layer_range`).
 A backend may deliver a shard before its data has landed and report each piece (layers, or a
 layer's blocks; kv_transfer/chunks.py) as it lands in a staging slot (`progress`); the engine
 thread writes each piece once it is there and gives its slot back to the pool, so the copy into
@@ -262,14 +263,22 @@ class InboxKVReceiver(KVReceiver):
             draft_ids = torch.tensor(draft, dtype=torch.long, device=device)
         route = head_route(arrival.layout, self.layout)  # checked at the channel's handshake
         heads = route.dst_slice if route is not None else None
-        return PagedLayers(self.kv_caches, ids, self.draft_caches, draft_ids, heads)
+        return PagedLayers(
+            self.stage_caches(arrival.layout), ids, self.draft_caches, draft_ids, heads
+        )
+
+    def stage_caches(self, sender: KVLayout) -> list[torch.Tensor]:
+        """The caches of the layers `sender`'s transfers carry: every layer, or its pipeline
+        stage's."""
+        start, end = sender.layer_range
+        return self.kv_caches[start:end]
 
     def _done(self, request_id: str, arrivals: list[Arrival], expected: Expected) -> TransferResult:
         for arrival in arrivals:
             arrival.acknowledge()
         _discard(arrivals)
         # Every shard carries the same metadata; the lowest rank's is the reference.
-        first = min(arrivals, key=lambda a: a.layout.tp_rank)
+        first = min(arrivals, key=lambda a: (a.layout.pp_stage, a.layout.tp_rank))
         draft = expected.draft_block_ids is not None and first.shape.num_draft > 0
         return TransferResult(request_id, TransferStatus.DONE, meta=first.meta, draft=draft)
 

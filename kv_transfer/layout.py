@@ -12,6 +12,11 @@ the ranks that share it; engine/parallel.py). A sender rank ships a receiver ran
 both hold that no lower sender rank holds too (`head_route`): every receiver rank gets each of
 its heads exactly once, from `num_senders` ranks of the sending group, and nothing else.
 
+A sending group may also be split into pipeline stages (`pp_size`; engine/pipeline.py): each
+stage's ranks cache and ship the layers `layer_range` names, `[start, end)` of the model's,
+and a receiver (one stage: it caches every layer) writes each stage's transfer into those
+layers of its caches. A request is then complete once every stage's shipping ranks landed.
+
 A channel whose layouts name a draft model (`DraftLayout`: speculative decoding whose draft
 KV the prefill worker computes) may carry, after a transfer's target layers, the draft's
 layers over the same number of blocks, `[draft layers, 2, num_blocks, block_size, Hd, Dd]`:
@@ -27,8 +32,9 @@ from typing import Any
 import torch
 
 from duet.engine.parallel import kv_head_range
+from duet.engine.pipeline import stage_layers
 
-KV_LAYOUT_VERSION = 7
+KV_LAYOUT_VERSION = 8
 """2: torch_dist ships a transfer in chunks of layers (header `chunks`); 3: one header lists
 the transfers queued together, and layer-wise transfers send their metadata as a trailer;
 4: a transfer may carry a draft model's layers after the target's (`KVLayout.draft`);
@@ -36,7 +42,9 @@ the transfers queued together, and layer-wise transfers send their metadata as a
 `max_piece_bytes`, said in its handshake verdict (`kv_transfer/chunks.py`);
 6: a prefill rank ships each decode rank only the KV heads that rank caches (`head_route`),
 and the ranks of a tensor-parallel decode worker settle each transfer together;
-7: a layout names its cache's planes (`num_planes`: 1 for MLA's latent entries)."""
+7: a layout names its cache's planes (`num_planes`: 1 for MLA's latent entries);
+8: a layout names its pipeline stage (`pp_size`, `pp_stage`): a transfer carries that
+stage's layers only."""
 
 
 class HandshakeError(RuntimeError):
@@ -74,6 +82,20 @@ class KVLayout:
     """The draft model whose layers this side's transfers may carry (None: target only)."""
     num_planes: int = 2
     """2: K and V; 1: multi-head latent attention's compressed entries."""
+    pp_size: int = 1
+    """Pipeline stages of this side's group (a receiver has one)."""
+    pp_stage: int = 0
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """[start, end) of the model's layers this side caches (`stage_layers`): all of them
+        without pipeline stages; a transfer from this side carries those."""
+        return stage_layers(self.num_layers, self.pp_size, self.pp_stage)
+
+    @property
+    def num_local_layers(self) -> int:
+        start, end = self.layer_range
+        return end - start
 
     @property
     def head_range(self) -> tuple[int, int]:
@@ -113,7 +135,7 @@ class KVLayout:
                 f"draft_caches: {first.dtype} blocks of {first.shape[2]} tokens; the target's "
                 f"are {self.dtype} blocks of {self.block_size}"
             )
-        if self.tp_size != 1:
+        if self.tp_size != 1 or self.pp_size != 1:
             raise ValueError("draft_caches: a draft's KV travels from unsharded caches only")
         return dataclasses.replace(self, draft=DraftLayout.of_caches(model_id, draft_caches))
 
@@ -125,19 +147,32 @@ class KVLayout:
         num_kv_heads: int,
         tp_size: int = 1,
         tp_rank: int = 0,
+        pp_size: int = 1,
+        pp_stage: int = 0,
+        num_layers: int | None = None,
     ) -> KVLayout:
+        """`kv_caches`: this side's, one per layer it caches; `num_layers`: the model's (needed
+        with pipeline stages, whose caches are their layers only)."""
         num_planes, _, block_size, _, head_dim = kv_caches[0].shape
-        return cls(
+        layout = cls(
             model_id=model_id,
             dtype=str(kv_caches[0].dtype).removeprefix("torch."),
             block_size=block_size,
-            num_layers=len(kv_caches),
+            num_layers=len(kv_caches) if num_layers is None else num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             num_planes=num_planes,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            pp_size=pp_size,
+            pp_stage=pp_stage,
         )
+        if layout.num_local_layers != len(kv_caches):
+            raise ValueError(
+                f"kv_caches: {len(kv_caches)} layers; stage {pp_stage} of {pp_size} caches "
+                f"{layout.num_local_layers} of the model's {layout.num_layers}"
+            )
+        return layout
 
 
 @dataclass(frozen=True)
@@ -183,8 +218,10 @@ def head_route(sender: KVLayout, receiver: KVLayout) -> HeadRoute | None:
 
 
 def num_senders(sender: KVLayout, receiver: KVLayout) -> int:
-    """How many ranks of `sender`'s group ship `receiver` a part of each request's KV."""
-    return sum(head_route(sender.rank(r), receiver) is not None for r in range(sender.tp_size))
+    """How many ranks of `sender`'s group ship `receiver` a part of each request's KV: those
+    of one stage that hold its heads, in every pipeline stage."""
+    per_stage = sum(head_route(sender.rank(r), receiver) is not None for r in range(sender.tp_size))
+    return per_stage * sender.pp_size
 
 
 def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
@@ -225,6 +262,16 @@ def check_compatible(sender: KVLayout, receiver: KVLayout) -> None:
             diffs.append(
                 f"{side} tp_rank: must be in [0, tp_size={layout.tp_size}); got {layout.tp_rank}"
             )
+        if not 0 <= layout.pp_stage < layout.pp_size <= max(layout.num_layers, 1):
+            diffs.append(
+                f"{side} pp_stage: must be in [0, pp_size={layout.pp_size}) with at most "
+                f"num_layers ({layout.num_layers}) stages; got {layout.pp_stage}"
+            )
+    if receiver.pp_size != 1:
+        diffs.append(
+            f"receiver pp_size: a receiving side caches every layer (pp_size 1); got "
+            f"{receiver.pp_size}"
+        )
     if not diffs and head_route(sender, receiver) is None:
         diffs.append(
             f"the sender (tp_rank {sender.tp_rank} of {sender.tp_size}, ships KV heads "

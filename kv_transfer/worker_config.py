@@ -38,12 +38,6 @@ class KVWorkerConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.pipeline_parallel_size != 1:
-            raise InvalidInputError(
-                "pipeline_parallel_size",
-                "prefill and decode workers run one pipeline stage for now (aggregated engines "
-                f"take more); got {self.pipeline_parallel_size}",
-            )
         value = self.kv_nccl_peers
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidInputError("kv_nccl_peers", f"must be an integer >= 0; got {value!r}")

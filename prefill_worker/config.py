@@ -23,12 +23,13 @@ class PrefillWorkerConfig(KVWorkerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         spec = self.speculative()
-        if spec is not None and spec.drafts_on_prefill and self.tensor_parallel_size != 1:
+        if spec is not None and spec.drafts_on_prefill and self.num_ranks != 1:
             raise InvalidInputError(
                 "speculative_config",
                 f"'draft_prefill' {spec.draft_prefill_mode!r} prefills the draft on prefill "
-                "workers, which must then run without tensor parallelism (tensor_parallel_size "
-                f"1); got {self.tensor_parallel_size} (use draft_prefill decode)",
+                "workers, which must then run on one rank (tensor_parallel_size and "
+                f"pipeline_parallel_size 1); got {self.tensor_parallel_size} x "
+                f"{self.pipeline_parallel_size} (use draft_prefill decode)",
             )
         if self.kv_lease_s <= self.kv_transfer_timeout_s:
             raise InvalidInputError(

@@ -11,10 +11,14 @@ from duet.prefill_worker.worker import PrefillWorker
 def start_prefill_rank(
     config: PrefillWorkerConfig, rank: int, init_method: str | None, name: str = "prefill"
 ) -> PrefillWorker:
-    """Build this rank's worker (every rank of a group must call this, in any order)."""
-    if config.tensor_parallel_size > 1 and init_method is None:
-        raise ValueError("tp_init_method: required when tensor_parallel_size > 1")
+    """Build this rank's worker (every rank of a group must call this, in any order). `rank`:
+    the global rank, stage x tensor_parallel_size + TP rank (engine/pipeline.py)."""
+    if config.num_ranks > 1 and init_method is None:
+        raise ValueError(
+            "tp_init_method: required when tensor_parallel_size x pipeline_parallel_size > 1"
+        )
     tp, control = init_tensor_parallel(
-        rank, config.tensor_parallel_size, config.resolve_device(rank), init_method=init_method
-    )
+        rank, config.tensor_parallel_size, config.resolve_device(rank), init_method=init_method,
+        num_stages=config.pipeline_parallel_size,
+    )  # fmt: skip
     return PrefillWorker(config, tp, name=name, control_group=control)

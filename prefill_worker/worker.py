@@ -16,13 +16,14 @@ Threads: the `EngineCore` thread owns the `LLMEngine` and the `KVSender` (throug
 `PrefillRole`); `prefill`/`abort` may be called from any thread or event loop and talk to it
 through the core's typed commands.
 
-Tensor parallelism: every rank of the group runs a `PrefillWorker` with an identical engine;
+Tensor and pipeline parallelism: every rank of the group runs a `PrefillWorker` with an
+identical engine (its stage's layers);
 rank 0 takes the requests and the core broadcasts, each iteration, the commands every rank
 applies (add, abort, release), so that every rank's scheduler makes the same decisions and the
 collectives line up. Each rank ships each rank of the decode worker the KV heads it caches
-(`FanOutKVSender`, `layout.head_route`); a request's transfer is over once the ranks agree it
-is (`RankAgreement`: each rank's parts end at their own time), and rank 0 then releases it on
-every rank.
+(`FanOutKVSender`, `layout.head_route`), of its stage's layers, as the pass computes them; a
+request's transfer is over once the ranks of every stage agree it is (`RankAgreement`: each
+rank's parts end at their own time), and rank 0 then releases it on every rank.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class PrefillRole(EngineRole):
 
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
-        self.rank = worker.tp.rank
+        self.rank = worker.tp.global_rank  # 0: the rank that serves (stage 0's TP rank 0)
         self._dest: dict[str, str] = {}  # request id -> decode worker's KV address
         self._in_flight: dict[str, PrefillDone] = {}  # shipped, waiting for the outcome
         self._begun: set[str] = set()  # layer-wise transfers opened before their last pass
@@ -195,13 +196,15 @@ class PrefillRole(EngineRole):
         """The KV sender over the engine's caches, and the prefix index's event feed (built
         on the engine thread)."""
         worker, config, engine = self.worker, self.worker.config, self.engine
-        caches = engine.runner.kv_caches
-        tp = worker.tp
+        caches = engine.runner.kv_caches  # this rank's stage's layers
+        tp, pp = worker.tp, worker.tp.pp
+        num_layers = engine.arch.num_hidden_layers
         # [2, num_blocks, block_size, heads, head_dim] per layer; every rank holds 1/tp of it
-        self._block_bytes = sum(c.nbytes // c.shape[1] for c in caches) * tp.world_size
+        layer_bytes = caches[0].nbytes // caches[0].shape[1]
+        self._block_bytes = layer_bytes * num_layers * tp.world_size
         worker.layout = KVLayout.of_caches(
             config.model or "default", caches, engine.arch.num_key_value_heads, tp.world_size,
-            tp.rank,
+            tp.rank, pp.num_stages, pp.stage, num_layers,
         )  # fmt: skip
         self.drafts = DraftPrefill.of_engine(engine)
         draft_caches = None
@@ -215,12 +218,13 @@ class PrefillRole(EngineRole):
         def make_sender(index: int) -> KVSender:
             """The backend sender to rank `index` of decode workers."""
             suffix = f"-d{index}" if index else ""  # rank 0's name stays the worker's own
+            stage = f"-pp{pp.stage}" if pp.stage else ""
             settings = SenderConfig(
-                name=f"{worker.name}-tp{tp.rank}{suffix}",
+                name=f"{worker.name}-tp{tp.rank}{stage}{suffix}",
                 timeout_s=config.kv_transfer_timeout_s,
                 ack_timeout_s=config.kv_lease_s,
                 secret=secret,
-                measure_link=tp.rank == 0 and index == 0,  # whose results reach the router
+                measure_link=tp.global_rank == 0 and index == 0,  # whose results reach the router
                 staging_bytes=config.kv_staging_bytes,
             )
             return create_sender(
@@ -230,7 +234,7 @@ class PrefillRole(EngineRole):
 
         self.sender = worker.sender = FanOutKVSender(make_sender, worker.layout)
         self.sender.sender(0)  # a bad backend option fails the start, not the first request
-        self._agreement = RankAgreement(tp.rank, tp.world_size, self.core.control_group)
+        self._agreement = RankAgreement(tp.global_rank, config.num_ranks, self.core.control_group)
         engine.kv.pool.record_events = config.enable_prefix_caching
         if config.kv_layerwise:
             engine.prefill_stream = self

@@ -274,7 +274,7 @@ class NixlKVReceiver(KVReceiver):
         """(Under the lock.) A sender's offer: kept until expected (or stale)."""
         num_blocks, num_layers = len(message["blocks"]), int(message["num_layers"])
         draft = message.get("draft_blocks")
-        target_layers = self.layout.num_layers
+        target_layers = peer.layout.num_local_layers  # its pipeline stage's layers
         if (
             request_id in self._aborted
             or not 1 <= num_blocks <= peer.regions.target.num_blocks
@@ -372,7 +372,7 @@ class NixlKVReceiver(KVReceiver):
             return
         readable = shard.layers_ready
         if draft_ids is None or shard.draft_block_ids is None:  # draft layers: dropped
-            readable = min(readable, self.layout.num_layers)
+            readable = min(readable, shard.peer.layout.num_local_layers)
         if shard.layers_done >= readable:
             shard.layers_done = shard.layers_ready  # nothing here to read
         elif not open_at(shard.window_end):
@@ -393,7 +393,8 @@ class NixlKVReceiver(KVReceiver):
             block_ids, _, draft_ids = expected
             n = len(shard.block_ids)
             local = Blocks(
-                self.regions, np.asarray(block_ids[:n], dtype=np.int64),
+                self.regions.layers(*shard.peer.layout.layer_range),
+                np.asarray(block_ids[:n], dtype=np.int64),
                 np.asarray(draft_ids[:n], dtype=np.int64) if draft_ids is not None else None,
                 shard.peer.route.dst[0], shard.peer.route.num_heads,
             )  # fmt: skip
@@ -438,7 +439,9 @@ class NixlKVReceiver(KVReceiver):
     def _done(self, request_id: str, pending: Pending) -> None:
         """(Under the lock.) Every shard landed: DONE, and each sender may free its blocks."""
         assert pending.expected is not None
-        first = min(pending.shards.values(), key=lambda s: s.peer.layout.tp_rank)
+        first = min(
+            pending.shards.values(), key=lambda s: (s.peer.layout.pp_stage, s.peer.layout.tp_rank)
+        )
         draft = pending.expected[2] is not None and first.draft_block_ids is not None
         pending.outcome = TransferResult(request_id, TransferStatus.DONE, meta=first.meta,
                                          draft=draft)  # fmt: skip

@@ -16,6 +16,7 @@ Never a staging copy: the addresses are the caches' own.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -71,6 +72,14 @@ class CacheRegions:
             GroupRegions.of_caches(kv_caches),
             GroupRegions.of_caches(draft_caches) if draft_caches else None,
         )
+
+    def layers(self, start: int, end: int) -> CacheRegions:
+        """These regions with the target's layers [start, end) only (those a pipeline stage
+        of the other side moves): its transfer layer i is layer start + i here."""
+        if (start, end) == (0, len(self.target.bases)):
+            return self
+        target = dataclasses.replace(self.target, bases=self.target.bases[start:end])
+        return dataclasses.replace(self, target=target)
 
     def group(self, draft: bool) -> GroupRegions:
         group = self.draft if draft else self.target

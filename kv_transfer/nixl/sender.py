@@ -133,7 +133,10 @@ class NixlKVSender(KVSender):
                 raise HandshakeError(f"receiver {dest} refused: {welcome.error}")
             peer_layout = KVLayout.from_dict(json.loads(welcome.layout_json))
             route = checked_route(self.layout, peer_layout)
-            regions = CacheRegions.from_dict(json.loads(welcome.regions_json))
+            # the receiver's layers this rank's stage moves (all without pipeline stages)
+            regions = CacheRegions.from_dict(json.loads(welcome.regions_json)).layers(
+                *self.layout.layer_range
+            )
 
             def add() -> str:
                 self.loop.drop_peer(welcome.agent_name)  # a receiver that restarted: anew
@@ -365,10 +368,10 @@ class NixlKVSender(KVSender):
         ready = offer.layers_ready
         end = ready
         if dest.draft_block_ids is None:  # the receiver reserved nothing for the draft
-            end = min(end, self.layout.num_layers)
+            end = min(end, self.layout.num_local_layers)
         whole = ready == offer.num_layers
         if offer.layers_written >= end:
-            if offer.layers_written == self.layout.num_layers and whole:
+            if offer.layers_written == self.layout.num_local_layers and whole:
                 offer.layers_written = offer.num_layers  # the draft's: not wanted there
             done = offer.layers_written == offer.num_layers
             if done and (offer.meta_sent or not offer.trailer) and not offer.released:
@@ -388,7 +391,7 @@ class NixlKVSender(KVSender):
         )  # fmt: skip
         local_descs, remote_descs = layer_descs(local, dest, start, end)
         # the receiver counts the draft's layers it reserved nothing for as written
-        written = offer.num_layers if end == self.layout.num_layers and whole else end
+        written = offer.num_layers if end == self.layout.num_local_layers and whole else end
 
         def on_end(why: str | None) -> None:
             offer.posted = None

@@ -231,9 +231,10 @@ class TcpKVReceiver(InboxKVReceiver):
             raise ConnectionError(f"xfer of {request_id}: {num_blocks} blocks, draft {draft}")
         d = sender.draft
         route = checked_route(sender, self.layout)  # checked at the handshake already
+        caches = self.stage_caches(sender)  # the layers of the sender's pipeline stage
         draft_first = self.draft_caches[0] if draft and self.draft_caches else None
         shape = TransferShape(
-            len(self.kv_caches), num_blocks, (first.shape[2], route.num_heads,
+            len(caches), num_blocks, (first.shape[2], route.num_heads,
             first.shape[4]), first.element_size(), d.num_layers if draft and d else 0,
             (first.shape[2], d.num_kv_heads, d.head_dim) if draft and d else (), first.shape[0],
             draft_first.shape[0] if draft_first is not None else 2,
@@ -248,7 +249,7 @@ class TcpKVReceiver(InboxKVReceiver):
             if draft_ids is not None and len(draft_ids) < num_blocks:
                 draft_ids = None  # a reservation too small for it: the draft's KV is dropped
             layers = PagedLayers.of_ids(
-                self.kv_caches, expected.block_ids[:num_blocks], self.draft_caches,
+                caches, expected.block_ids[:num_blocks], self.draft_caches,
                 draft_ids[:num_blocks] if draft_ids is not None else None,
             )  # fmt: skip
         arrival = Arrival(shape, sender, meta, lambda: None, time.monotonic())

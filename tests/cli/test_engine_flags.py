@@ -288,10 +288,13 @@ def test_docs_list_every_engine_flag() -> None:
     assert sorted(f"`{name}`" for name in FIELDS if f"`{name}`" not in rows) == []
 
 
-def test_disaggregated_pipeline_stages_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_disaggregated_pipeline_stages_point_to_the_group_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["serve", "--disaggregated", "-pp", "2"]) == 2
-    assert "--pipeline-parallel-size: prefill and decode workers run one pipeline stage" in (
-        capsys.readouterr().err
+    assert (
+        "--pipeline-parallel-size: with --disaggregated, prefill groups split into stages "
+        "with --prefill-pp; decode workers run one stage" in capsys.readouterr().err
     )
 
 

@@ -77,6 +77,10 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         (["serve", "--disaggregated", "--request-timeout", "60"], "--request-timeout"),
         (["serve", "--disaggregated", "--router-replicas", "0"], "--router-replicas"),
         (["serve", "--disaggregated", "--prefill-tp", "0"], "--prefill-tp"),
+        (
+            ["serve", "--disaggregated", "--prefill-pp", "0"],
+            "--prefill-pp: must be an integer >= 1",
+        ),
         (["serve", "--disaggregated", "--decode-tp", "0"], "--decode-tp: must be an integer >= 1"),
         (
             ["serve", "--disaggregated", "--prefill-tp", "2", "--prefill-ep", "3"],
@@ -102,6 +106,17 @@ def test_group_sizes_the_model_cannot_split_fail_before_ray_starts(
     assert main(["serve", "--disaggregated", "--model", tiny_llama, flag, "5"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}: must be between 1 and the model's num_attention_heads (4); got 5" in err
+
+
+def test_more_prefill_stages_than_layers_fail_before_ray_starts(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--disaggregated", "--model", tiny_llama, "--prefill-pp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--prefill-pp: must be an integer between 1 and the model's num_hidden_layers (2); "
+        "got 3" in err
+    )
 
 
 def _truncated_gguf(tmp_path: Path, num_bytes: int) -> str:

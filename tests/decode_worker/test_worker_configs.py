@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from duet.decode_worker.config import DecodeWorkerConfig
-from duet.deploy.ray_cluster import ClusterSpec
+from duet.deploy.cluster_spec import ClusterSpec
 from duet.engine.errors import InvalidInputError
 from duet.prefill_worker.config import PrefillWorkerConfig
 
@@ -62,3 +62,19 @@ def test_cluster_spec_gives_both_roles_its_kv_backend_and_tp_size():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=f"--decode-tp: must be an integer >= 1; got {bad!r}"):
             ClusterSpec(decode_tp=bad)
+
+
+def test_prefill_groups_take_pipeline_stages_and_decode_workers_do_not():
+    assert PrefillWorkerConfig(pipeline_parallel_size=2, tensor_parallel_size=2).num_ranks == 4
+    with pytest.raises(InvalidInputError) as exc:
+        DecodeWorkerConfig(pipeline_parallel_size=2)
+    assert str(exc.value) == (
+        "pipeline_parallel_size: decode workers run one pipeline stage (prefill groups and "
+        "aggregated engines take more); got 2"
+    )
+    with pytest.raises(InvalidInputError, match="must then run on one rank"):
+        PrefillWorkerConfig(
+            pipeline_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": "d",
+                                "num_speculative_tokens": 2, "draft_prefill": "prefill"},
+        )  # fmt: skip

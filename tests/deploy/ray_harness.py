@@ -31,7 +31,7 @@ def cluster_spec(
     per decode worker); `spec` adds or overrides ClusterSpec fields (prefill_tp, kv_backend,
     gpus_per_worker)."""
     from duet.cluster.config import ClusterConfig
-    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.deploy.cluster_spec import ClusterSpec
     from duet.router.server import RouterConfig
 
     return ClusterSpec(

@@ -65,6 +65,34 @@ def test_prefill_expert_parallel_shards_each_groups_experts(chart, default):
     assert not [a for a in default_args if a.startswith("--prefill-ep")]
 
 
+def test_prefill_pipeline_stages_reach_the_workers_and_the_planner(chart):
+    """`prefill.pipelineParallelSize` is the head's `--prefill-pp`, which duet's CLI takes into
+    the prefill workers' pipeline_parallel_size (decode workers: one stage); a group is TP x
+    PP GPUs, so the planner counts gpusPerPod / (TP x PP) groups per pod."""
+    from duet.cli.engine_flags import given_engine_flags
+    from duet.cli.main import build_parser
+    from duet.cli.serve_cluster import build_spec
+    from duet.router.server import RouterConfig
+
+    values = {
+        "prefill": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "gpusPerPod": 8},
+        "planner": {"enabled": True, "gpuBudget": 16},
+    }
+    rendered = render(chart, values)
+    args = container(rendered.pod_specs()["duet-head"], "head")["args"]
+    assert [a for a in args if a.startswith(("--prefill-tp", "--prefill-pp"))] == [
+        "--prefill-tp=2",
+        "--prefill-pp=2",
+    ]
+    parsed = build_parser().parse_args(args[1:])
+    spec = build_spec(parsed, RouterConfig(), given_engine_flags(parsed))
+    assert spec.prefill_ranks == 4
+    assert spec.worker_config("prefill")["pipeline_parallel_size"] == 2
+    assert "pipeline_parallel_size" not in spec.worker_config("decode")
+    planner = container(rendered.pod_specs()["duet-planner"], "planner")["args"]
+    assert "--prefill-workers-per-replica=2" in planner  # 8 GPUs a pod, groups of 4
+
+
 @pytest.mark.parametrize(
     "endpoint", ["otel-collector.observability:4317", "https://otlp.example.com", "[fd00::7]:4317"]
 )
@@ -73,7 +101,7 @@ def test_tracing_endpoint_reaches_every_router_and_worker(chart, default, endpoi
     its RouterConfig, and the Ray launcher puts it in every worker actor's environment (so no
     worker pod needs it in its own)."""
     from duet.cli.main import build_parser
-    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.deploy.cluster_spec import ClusterSpec
     from duet.router.server import RouterConfig
     from duet.telemetry.otel import OTLP_ENDPOINT_ENV
 
@@ -104,6 +132,11 @@ def test_tracing_endpoint_reaches_every_router_and_worker(chart, default, endpoi
             "decode.minReplicas (5) must be <= decode.maxReplicas (2)",
         ),
         ({"redis": {"enabled": False}}, "with redis.enabled=false set redis.externalUrl"),
+        (
+            {"prefill": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "gpusPerPod": 2}},
+            "prefill.gpusPerPod (2) must be a multiple of prefill.tensorParallelSize x "
+            "prefill.pipelineParallelSize (4)",
+        ),
     ],
 )  # fmt: skip
 def test_inconsistent_values_fail_with_a_named_message(chart, overrides, message):

@@ -14,8 +14,8 @@ import pytest
 import ray
 
 from duet.cluster_auth.secret import OWNER_FILE, remove_secret_file, remove_stale_secret_dirs
+from duet.deploy.cluster_spec import ClusterSpec
 from duet.deploy.local_ray import secure_ray_token, start_local_ray
-from duet.deploy.ray_cluster import ClusterSpec
 from tests.deploy.ray_start import one_ray_start_at_a_time
 
 

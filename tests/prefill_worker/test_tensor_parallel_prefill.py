@@ -31,11 +31,16 @@ ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=
 def tp2_prefill_group(model: str, backend: str):
     """Two ranks of one prefill group of `model` as processes; yields rank 0's gRPC address.
     The ranks are given 300 and 256 blocks: the group agrees on 256."""
-    configs = [
-        json.dumps({"model": model, **ENGINE, "tensor_parallel_size": 2,
-                    "kv_backend": backend, "num_kv_blocks": num_blocks})
-        for num_blocks in (300, 256)  # rank 0's, rank 1's: the group agrees on 256
-    ]  # fmt: skip
+    config = {"model": model, **ENGINE, "tensor_parallel_size": 2, "kv_backend": backend}
+    configs = [{**config, "num_kv_blocks": n} for n in (300, 256)]  # rank 0's, rank 1's
+    with prefill_group_processes(configs) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def prefill_group_processes(configs: list[dict]):
+    """One prefill group's ranks as processes (`python -m duet.prefill_worker`), rank r with
+    `configs[r]`; yields rank 0's gRPC address once it serves."""
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
@@ -45,7 +50,7 @@ def tp2_prefill_group(model: str, backend: str):
                 "-m",
                 "duet.prefill_worker",
                 "--config",
-                configs[rank],
+                json.dumps(config),
                 "--tp-rank",
                 str(rank),
                 "--tp-init-method",
@@ -58,7 +63,7 @@ def tp2_prefill_group(model: str, backend: str):
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(2)
+        for rank, config in enumerate(configs)
     ]
     try:
         address, output = None, []
@@ -116,7 +121,7 @@ async def collect(remote):
 
 def test_tp2_prefill_to_tp1_decode_equals_aggregated(prefill_group, decode_worker):
     model, address, _ = prefill_group
-    _check_against_aggregated(model, address, decode_worker, 16)
+    check_against_aggregated(model, address, decode_worker, 16)
 
 
 @pytest.mark.parametrize("backend", ["torch_dist", "tcp"])
@@ -129,12 +134,12 @@ def test_tp2_mla_prefill_to_tp1_decode_equals_aggregated(tiny_model_factory, bac
     with tp2_prefill_group(model, backend) as address:
         decode = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend=backend, **ENGINE))
         try:
-            _check_against_aggregated(model, address, decode, 8)
+            check_against_aggregated(model, address, decode, 8)
         finally:
             decode.shutdown()
 
 
-def _check_against_aggregated(
+def check_against_aggregated(
     model: str, address: str, decode_worker: DecodeWorker, num_prompts: int
 ) -> None:
     """`num_prompts` greedy requests through the group and `decode_worker` at once: the

@@ -183,7 +183,7 @@ def test_without_a_provider_nothing_is_traced() -> None:
 
 
 def test_the_ray_launcher_gives_workers_the_routers_collector() -> None:
-    from duet.deploy.ray_cluster import ClusterSpec
+    from duet.deploy.cluster_spec import ClusterSpec
     from duet.router.server import RouterConfig
 
     traced = ClusterSpec(router=RouterConfig(otlp_endpoint="collector:4317"))

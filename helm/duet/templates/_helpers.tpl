@@ -74,8 +74,17 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-cluster-secret" (include "duet.fullname" .)) .Values.clusterSecret.existingSecret }}
 {{- end }}
 
+{{/* GPUs (ranks) of one prefill group: tensorParallelSize x pipelineParallelSize. */}}
+{{- define "duet.prefillGroupGpus" -}}
+{{- mul (int .Values.prefill.tensorParallelSize) (int (.Values.prefill.pipelineParallelSize | default 1)) }}
+{{- end }}
+
 {{/* Checks the schema cannot express (it compares no two fields). */}}
 {{- define "duet.validate" -}}
+{{- $group := int (include "duet.prefillGroupGpus" .) }}
+{{- if mod (int .Values.prefill.gpusPerPod) $group }}
+{{- fail (printf "prefill.gpusPerPod (%d) must be a multiple of prefill.tensorParallelSize x prefill.pipelineParallelSize (%d): a prefill group's ranks share one pod" (int .Values.prefill.gpusPerPod) $group) }}
+{{- end }}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.redis.externalUrlSecret.name) }}
 {{- fail "redis: with redis.enabled=false set redis.externalUrl or redis.externalUrlSecret.name" }}
 {{- end }}
