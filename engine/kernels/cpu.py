@@ -49,6 +49,7 @@ _HEADERS = [
         "attention_order.h",
         "cpu_ops.h",
         "cpu_simd.h",
+        "dense_dot.h",
         "dense_panels.h",
         "paged_common.h",
     )

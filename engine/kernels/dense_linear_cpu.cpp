@@ -48,6 +48,7 @@
 
 #include "amx_tiles.h"
 #include "cpu_simd.h"
+#include "dense_dot.h"
 #include "dense_panels.h"
 
 namespace duet {
@@ -93,18 +94,10 @@ void run(const Args<E>& a, typename E::raw* o) {
   }
 }
 
-#if defined(DUET_AMX)
-// bf16 on a CPU with AMX: `_tile_dpbf16ps` (amx_tiles.h) instead of fp32 FMAs. The weight is
-// packed as column pairs, [ceil(N / 16), K / 2, 16, 2] (channel c's columns 2j and 2j + 1 side
-// by side at pair j: 16 consecutive pairs of a block are one weight tile), and each output
-// element is the tile products' fp32 sums over K in 32-column steps, in order, then + bias,
-// rounded once to bf16. A tile's rows are independent, so the sums of a row depend on nothing
-// but the row and the channel: batch-invariant by construction, as the FMA form, and every
-// row count of a layer takes this path. Needs K a multiple of 32 (one tile's depth).
 constexpr int kPairBlock = 16;
 
-bool amx_dense(int64_t k) { return k % 32 == 0 && amx_permitted(); }
-
+// bf16 weights (K even) in column pairs, [ceil(N / 16), K / 2, 16, 2]: AMX's tiles and the
+// AVX512-BF16 dot (dense_dot.h) both read them.
 at::Tensor pack_pairs(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kPairBlock - 1) / kPairBlock;
   at::Tensor packed = at::empty({blocks, k / 2, kPairBlock, 2}, w.options());
@@ -121,6 +114,38 @@ at::Tensor pack_pairs(const at::Tensor& w) {
   return packed;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// The dot's threads: as `run`, channel tiles (4 pair blocks), and the rows too when there are
+// few tiles; no split changes an element's chain.
+void run_dot(const dense_dot::Args& a, uint16_t* out) {
+  const int64_t tiles = dense_dot::num_tiles(a.n), block = dense_dot::row_block(a.k);
+  const int64_t threads = at::get_num_threads(), want = 4 * threads;
+  for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
+    const int64_t rows = std::min(a.m - r_begin, block);
+    const int64_t most = (rows + 4 * dense_dot::kRows - 1) / (4 * dense_dot::kRows);
+    int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1, most);
+    while (parts < most && (tiles * parts) % threads != 0) ++parts;
+    const int64_t part_rows = (rows + parts - 1) / parts;
+    at::parallel_for(0, tiles * parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t tile = item / parts, part = item % parts;
+        const int64_t r0 = r_begin + part * part_rows;
+        const int64_t r_end = std::min(r_begin + rows, r0 + part_rows);
+        if (r0 < r_end) dense_dot::tile_rows(a, a.w, tile, r0, r_end - r0, out);
+      }
+    });
+  }
+}
+#endif
+
+#if defined(DUET_AMX)
+// bf16 on a CPU with AMX: `_tile_dpbf16ps` (amx_tiles.h) instead of fp32 FMAs. The weight is
+// packed as column pairs, [ceil(N / 16), K / 2, 16, 2] (channel c's columns 2j and 2j + 1 side
+// by side at pair j: 16 consecutive pairs of a block are one weight tile), and each output
+// element is the tile products' fp32 sums over K in 32-column steps, in order, then + bias,
+// rounded once to bf16. A tile's rows are independent, so the sums of a row depend on nothing
+// but the row and the channel: batch-invariant by construction, as the FMA form, and every
+// row count of a layer takes this path. Needs K a multiple of 32 (one tile's depth).
 struct AmxArgs {
   const uint16_t* x;  // [M, K] bf16, rows xs apart
   const uint16_t* w;  // pack_pairs
@@ -223,6 +248,13 @@ bool amx_dense(int64_t) { return false; }
 #endif
 }  // namespace
 
+// bf16 weights of this K pack as column pairs for AVX512-BF16's dot (no AMX: the tiles win).
+bool dot_dense(int64_t k) { return dense_dot::kBuild && k % 2 == 0 && !amx_dense(k); }
+
+namespace {
+bool pairs_dense(int64_t k) { return amx_dense(k) || dot_dense(k); }
+}  // namespace
+
 // w [N, K] contiguous, fp32 or bf16 -> its panels [ceil(N / kTile), K, kTile], same dtype; bf16
 // with AMX (K a multiple of 32): column pairs [ceil(N / 16), K / 2, 16, 2] for the tiles.
 at::Tensor pack_dense(at::Tensor w) {
@@ -230,9 +262,7 @@ at::Tensor pack_dense(at::Tensor w) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
                   (dtype == at::kFloat || dtype == at::kBFloat16),
               "w must be a contiguous CPU float32 or bfloat16 [N, K] tensor");
-#if defined(DUET_AMX)
-  if (dtype == at::kBFloat16 && amx_dense(w.size(1))) return pack_pairs(w);
-#endif
+  if (dtype == at::kBFloat16 && pairs_dense(w.size(1))) return pack_pairs(w);
   const int64_t n = w.size(0), k = w.size(1), tiles = (n + kTile - 1) / kTile;
   at::Tensor panels = at::empty({tiles, k, kTile}, w.options());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -259,13 +289,13 @@ at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
               "x must be a CPU float32 or bfloat16 [rows, K] tensor with contiguous rows");
   const bool pairs = panels.dim() == 4;
   TORCH_CHECK(panels.device().is_cpu() && panels.is_contiguous() && panels.scalar_type() == dtype &&
-                  (pairs ? dtype == at::kBFloat16 && amx_dense(x.size(1)) &&
+                  (pairs ? dtype == at::kBFloat16 && pairs_dense(x.size(1)) &&
                                panels.size(1) * 2 == x.size(1) && panels.size(2) == 16 &&
                                panels.size(3) == 2 && panels.size(0) == (n + 15) / 16
                          : panels.dim() == 3 && panels.size(1) == x.size(1) &&
                                panels.size(2) == kTile && panels.size(0) == (n + kTile - 1) / kTile),
-              "panels must be pack_dense's [ceil(N / tile), K, tile] (or, bf16 with AMX, "
-              "[ceil(N / 16), K / 2, 16, 2]) of x's dtype and K");
+              "panels must be pack_dense's [ceil(N / tile), K, tile] (or, bf16 with AMX or "
+              "AVX512-BF16, [ceil(N / 16), K / 2, 16, 2]) of x's dtype and K");
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -276,10 +306,18 @@ at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
   if (m == 0 || n == 0) return out;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
 #if defined(DUET_AMX)
-  if (pairs) {
+  if (pairs && amx_dense(k)) {
     run_amx({static_cast<const uint16_t*>(x.data_ptr()), static_cast<const uint16_t*>(panels.data_ptr()),
              bp, x.stride(0), m, k, n},
             panels.size(0), static_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (pairs) {
+    run_dot({static_cast<const uint16_t*>(x.data_ptr()), static_cast<const uint16_t*>(panels.data_ptr()),
+             bp, x.stride(0), m, k, n},
+            static_cast<uint16_t*>(out.data_ptr()));
     return out;
   }
 #endif
@@ -326,4 +364,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_lanes", [] { return duet::kLanes; }, "fp32 lanes of the kernel's vectors");
   m.def("amx", [] { return duet::kAmxBuild && duet::amx_permitted(); },
         "Whether bf16 weights (K a multiple of 32) are packed for AMX tiles");
+  m.def("bf16_dot", [] { return duet::dot_dense(2); },
+        "Whether bf16 weights (K even) are packed as pairs for AVX512-BF16's dot (no AMX); "
+        "grouped_dense_linear then takes them too");
 }

@@ -8,7 +8,10 @@ token's expert outputs do not depend on which other tokens its experts received,
 count: batch-invariant by construction, in every mode (docs/determinism.md), with no padding
 and no probe. Dense fp32 and bf16 experts only; quantized experts keep their per-expert
 kernels, and on a CPU with AMX, bf16 experts keep the per-expert AMX tiles (`pack_dense`
-packs column pairs there, which the grouped call does not take).
+packs column pairs there, which the grouped call does not take). On AVX512-BF16 without AMX
+(AMD Zen 4), bf16 experts are packed as the same pairs and the grouped call runs
+`vdpbf16ps` on them (engine/kernels/dense_dot.h): one order per element again, at twice the
+fp32 FMAs' rate.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ def plain_weights(modules: list[Any]) -> list[torch.Tensor] | None:
 
 
 def stacked_panels(weights: list[torch.Tensor], kernel: Any) -> torch.Tensor | None:
-    """[E, tiles, K, tile]: each weight's panels, or None where they are AMX pairs."""
+    """[E, tiles, K, tile]: each weight's panels ([E, blocks, K / 2, 16, 2]: pairs for
+    AVX512-BF16's dot), or None where they are AMX pairs."""
     first = kernel.pack_dense(weights[0])
-    if first.dim() != 3:
+    if first.dim() != 3 and not kernel.bf16_dot():
         return None
     out = first.new_empty(len(weights), *first.shape)
     out[0] = first

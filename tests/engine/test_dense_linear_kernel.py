@@ -53,19 +53,28 @@ def test_close_to_f_linear_and_rows_alone_equal_rows_in_a_batch(kernel, dtype, o
     assert torch.equal(kernel.dense_linear(x[::3], w, b), y[::3])  # rows a stride apart
 
 
-def _cpu_has_amx() -> bool:
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        flags = next(line for line in f if line.startswith("flags")).split()
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+        return set(next(line for line in f if line.startswith("flags")).split())
 
 
-def test_bf16_weights_pack_as_tile_pairs_exactly_where_the_cpu_has_amx(kernel):
-    assert bool(kernel.amx()) is _cpu_has_amx()
+def _cpu_has_amx() -> bool:
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
+
+
+def test_bf16_weights_pack_as_column_pairs_where_the_cpu_has_amx_or_a_bf16_dot(kernel):
+    """AMX's tiles and, without AMX, AVX512-BF16's `vdpbf16ps` (engine/kernels/dense_dot.h)
+    read bf16 weights as column pairs; elsewhere bf16 takes the FMA panels."""
+    amx = _cpu_has_amx()
+    dot = not amx and {"avx512_bf16", "avx512f"} <= _cpu_flags()
+    assert bool(kernel.amx()) is amx and bool(kernel.bf16_dot()) is dot
     w = torch.randn(40, 64).bfloat16()  # 3 blocks of 16 channels, the last padded
     packed = kernel.pack_dense(w)
     assert kernel.pack_dense(w.float()).dim() == 3  # fp32: FMA panels everywhere
-    assert kernel.pack_dense(torch.randn(40, 70).bfloat16()).dim() == 3  # K off the tiles
-    if not kernel.amx():
+    off_tiles = kernel.pack_dense(torch.randn(40, 70).bfloat16()).dim()
+    assert off_tiles == (4 if dot else 3)  # K off AMX's tiles; the dot needs K even only
+    assert kernel.pack_dense(torch.randn(40, 71).bfloat16()).dim() == 3  # K odd: panels
+    if not (amx or dot):
         assert packed.dim() == 3
         return
     padded = torch.cat([w, w.new_zeros(8, 64)])
@@ -78,7 +87,7 @@ def test_bf16_weights_pack_as_tile_pairs_exactly_where_the_cpu_has_amx(kernel):
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 4e-3
     assert torch.equal(kernel.dense_linear_packed(x[32:], packed, 40, b), y[32:])
     with pytest.raises(RuntimeError, match="panels must be pack_dense's"):
-        kernel.dense_linear_packed(x.float(), packed, 40, None)  # tile pairs take bf16 only
+        kernel.dense_linear_packed(x.float(), packed, 40, None)  # pairs take bf16 only
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
