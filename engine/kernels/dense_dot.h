@@ -103,20 +103,40 @@ void micro(const Args& a, const uint16_t* w, int64_t b0, int64_t r0, uint16_t* o
   }
 }
 
-// Rows r0 .. r0 + rows (any count) of blocks b0 .. b0 + C.
+// Rows r0 .. r0 + rows (at most kRows) of blocks b0 .. b0 + C.
+template <int C>
+inline void micro_n(const Args& a, const uint16_t* w, int64_t b0, int64_t r0, int64_t rows,
+                    uint16_t* out) {
+  switch (rows) {
+    case 6: micro<6, C>(a, w, b0, r0, out); break;
+    case 5: micro<5, C>(a, w, b0, r0, out); break;
+    case 4: micro<4, C>(a, w, b0, r0, out); break;
+    case 3: micro<3, C>(a, w, b0, r0, out); break;
+    case 2: micro<2, C>(a, w, b0, r0, out); break;
+    case 1: micro<1, C>(a, w, b0, r0, out); break;
+    default: break;
+  }
+}
+
+// Rows r0 .. r0 + rows (any count) of blocks b0 .. b0 + C. Each call streams the blocks'
+// weights once for its rows, so a last call of 1-3 rows after full ones is balanced with the
+// one before (32 rows: 6, 6, 6, 6, 4, 4, not 6 x 5 and 2); a row's chain is the same in any call.
 template <int C>
 inline void rows_of(const Args& a, const uint16_t* w, int64_t b0, int64_t r0, int64_t rows,
                     uint16_t* out) {
+  int64_t full = rows / kRows, rest = rows % kRows;
+  if (full > 0 && rest > 0 && rest < 4) {
+    --full;
+    rest += kRows;
+  }
   int64_t r = r0;
-  const int64_t r_end = r0 + rows;
-  for (; r + kRows <= r_end; r += kRows) micro<kRows, C>(a, w, b0, r, out);
-  switch (r_end - r) {
-    case 5: micro<5, C>(a, w, b0, r, out); break;
-    case 4: micro<4, C>(a, w, b0, r, out); break;
-    case 3: micro<3, C>(a, w, b0, r, out); break;
-    case 2: micro<2, C>(a, w, b0, r, out); break;
-    case 1: micro<1, C>(a, w, b0, r, out); break;
-    default: break;
+  for (int64_t i = 0; i < full; ++i, r += kRows) micro<kRows, C>(a, w, b0, r, out);
+  if (rest > kRows) {
+    const int64_t first = (rest + 1) / 2;
+    micro_n<C>(a, w, b0, r, first, out);
+    micro_n<C>(a, w, b0, r + first, rest - first, out);
+  } else {
+    micro_n<C>(a, w, b0, r, rest, out);
   }
 }
 

@@ -55,6 +55,16 @@ def group(backend, full, tp_size, **options):
     return senders
 
 
+def check_done(results, meta, recv, senders):
+    """The receiver's one result is DONE with `meta`; every sender's is DONE; all closed."""
+    [done] = results
+    assert (done.status, done.meta) == (TransferStatus.DONE, meta)
+    for sender in senders:
+        assert [r.status for r in wait_for(sender.poll, 20, "sender.poll")] == [TransferStatus.DONE]
+        sender.close()
+    recv.close()
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_each_stage_lands_its_layers_and_the_request_waits_for_every_stage(backend, tp_size):
     hub = LocalHub() if backend == "local" else None
@@ -81,15 +91,11 @@ def test_each_stage_lands_its_layers_and_the_request_waits_for_every_stage(backe
     for stage, _, sender in senders:
         if stage == 1:
             sender.send("r", [1, 2], recv.address, meta={"first_token": 42, "stage": stage})
-    [done] = recv_results or wait_for(recv.poll, 20, "recv.poll")
-    assert done.status == TransferStatus.DONE
-    assert done.meta == {"first_token": 42, "stage": 0}  # the first stage's lowest rank's
+    # the first stage's lowest rank's metadata
+    done = recv_results or wait_for(recv.poll, 20, "recv.poll")
+    check_done(done, {"first_token": 42, "stage": 0}, recv, [s for *_, s in senders])
     for f, d in zip(full, dst, strict=True):
         assert torch.equal(d[:, [4, 6]], f[:, [1, 2]])
-    for _, _, sender in senders:
-        assert [r.status for r in wait_for(sender.poll, 20, "s.poll")] == [TransferStatus.DONE]
-        sender.close()
-    recv.close()
 
 
 def test_layerwise_stages_name_the_models_layers(backend, monkeypatch):
@@ -138,14 +144,10 @@ def test_layerwise_stages_name_the_models_layers(backend, monkeypatch):
             fan.finish("r", {"first_token": 7})
         else:
             fan.send("r", [0, 5], recv.address, {"first_token": 7})
-    [done] = wait_for(recv.poll, 20, "recv.poll")
-    assert (done.status, done.meta) == (TransferStatus.DONE, {"first_token": 7})
+    check_done(wait_for(recv.poll, 20, "recv.poll"), {"first_token": 7}, recv,
+               [fan for *_, fan in stages])  # fmt: skip
     for f, d in zip(final, dst, strict=True):
         assert torch.equal(d[:, [9, 3]], f[:, [0, 5]])
-    for _, _, fan in stages:
-        assert [r.status for r in wait_for(fan.poll, 20, "fan.poll")] == [TransferStatus.DONE]
-        fan.close()
-    recv.close()
 
 
 def test_a_stage_layout_names_its_layers_and_a_staged_receiver_is_refused():
