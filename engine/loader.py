@@ -188,8 +188,16 @@ def load_model(
         weights = source.weights(select, stats)
     # Built on meta so no time goes into random init, and cast there, so that the parameters
     # are allocated once, in `dtype` (casting after `to_empty` held the whole model in fp32
-    # beside its cast). The rope tables (fp32) are then made for real.
-    net = net.to(dtype).to_empty(device=device)
+    # beside its cast). The rope tables (fp32) are then made for real. NOTE: `Module.to_empty`
+    # but for contiguous tensors: `empty_like` of a meta tensor runs torch's Python reference
+    # implementation, which imports sympy (0.3-0.7 s of CPU in every engine process).
+    net = net.to(dtype)._apply(
+        lambda t: (
+            torch.empty(t.shape, dtype=t.dtype, device=device)
+            if t.is_contiguous()
+            else torch.empty_like(t, device=device)
+        )
+    )
     net.rotary.rebuild(device)
     if progress:
         weights = iter(

@@ -42,6 +42,14 @@ def cluster(tiny_llama, tmp_path_factory):
         yield running
 
 
+@pytest.fixture(scope="module")
+def aggregated(tiny_llama):
+    """The aggregated engine whose text the cluster must give (one for the module)."""
+    llm = LLM(tiny_llama, load_progress=False, **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -58,10 +66,10 @@ def prompts_of(lengths, seed):
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_disaggregated_equals_aggregated(cluster, tiny_llama):
+def test_disaggregated_equals_aggregated(cluster, aggregated):
     _, url = cluster
     prompts = prompts_of([2, 5, 9, 17, 30, 44, 61, 75, 90, 104, 118, 127, 133, 140, 150, 7], 13)
-    want = LLM(tiny_llama, load_progress=False, **ENGINE).generate(
+    want = aggregated.generate(
         prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     )
     api = client(url)
@@ -202,10 +210,10 @@ def test_workers_listen_on_loopback_and_demand_credentials(cluster):
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
-def test_decode_actor_killed_mid_stream_completes_identically(cluster, tiny_llama):
+def test_decode_actor_killed_mid_stream_completes_identically(cluster, aggregated):
     duet, url = cluster
     prompt = prompts_of([70], 31)[0]
-    want = LLM(tiny_llama, load_progress=False, **ENGINE).generate(
+    want = aggregated.generate(
         [prompt], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
     )[0]
     stream = client(url).completions.create(

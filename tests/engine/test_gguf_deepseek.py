@@ -4,8 +4,8 @@ projection, kv_b_proj whole (files from before llama.cpp's MLA support) or split
 transposed key half and the value half (newer files), MLA's sizes as multi-query attention
 over the latent entry. Loaded from F32 tensors, each gives exactly the greedy tokens and
 logprobs of the same model loaded from its safetensors (fp32); with Q8_0 experts and
-`quantization="gguf"`, they stay quantized. The DeepSeek-V3 pre-tokenizer splits as
-llama.cpp's."""
+`quantization="gguf"`, they stay quantized. The DeepSeek-V3 and DeepSeek-LLM (V2) pre-tokenizers
+split as llama.cpp's."""
 
 from __future__ import annotations
 
@@ -67,15 +67,21 @@ def _gguf_tensors(hf: dict[str, np.ndarray], cfg: dict, split_kv_b: bool) -> dic
 
 
 def write_deepseek_gguf(
-    model_dir: str, path: Path, *, split_kv_b: bool = True, expert_type: Q = Q.F32
+    model_dir: str,
+    path: Path,
+    *,
+    split_kv_b: bool = True,
+    expert_type: Q = Q.F32,
+    pre: str = "deepseek-v3",
 ) -> dict:
-    """The GGUF file of the HF DeepSeek model in `model_dir`; returns its GGUF-named tensors."""
+    """The GGUF file of the HF DeepSeek model in `model_dir` (`pre`: its `tokenizer.ggml.pre`);
+    returns its GGUF-named tensors."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hf = load_file(str(Path(model_dir) / "model.safetensors"))
     tensors = _gguf_tensors(hf, cfg, split_kv_b)
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     _add_vocab(writer, cfg["vocab_size"])
-    writer.add_tokenizer_pre("deepseek-v3")
+    writer.add_tokenizer_pre(pre)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -210,6 +216,24 @@ def test_the_deepseek_v3_pre_tokenizer_splits_as_llama_cpp(tiny_model_factory, t
     decoded = [tokenizer.decoder.decode([p]) for p in pieces]
     assert decoded == ["Hello", " world", " ", "123", "45", " ", "日本語です", "!!\n\n", "foo",
                        ".Bar", " it", "'s", " ", " x"]  # fmt: skip
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_the_deepseek_llm_pre_tokenizer_splits_as_llama_cpp(tiny_model_factory, tmp_path):
+    """V2's six splits in turn (llama.cpp's DEEPSEEK_LLM): line breaks alone, cased-letter runs
+    (not CJK), punctuation (whose ASCII range takes ASCII letters too, so it cuts a word around
+    a non-ASCII letter), trailing spaces, CJK and Hangul runs, digit runs of any length.
+    GPT-2's split (the fallback) would keep "Héllo" and " 12345" whole."""
+    path = tmp_path / "v2.gguf"
+    write_deepseek_gguf(tiny_model_factory("deepseek_v2", **DEEPSEEK_SHAPES), path,
+                        split_kv_b=False, pre="deepseek-llm")  # fmt: skip
+    tokenizer = load_gguf(str(path)).tokenizer()
+    text = "Héllo wörld, 12345 αβγ!\n\n日本語です。한국어 it's (x)  "
+    pieces = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    decoded = [tokenizer.decoder.decode([p]) for p in pieces]
+    assert decoded == ["H", "é", "llo", " w", "ö", "rld", ",", " ", "12345", " αβγ", "!", "\n",
+                       "\n", "日本語です", "。", "한국어", " it", "'", "s", " (", "x", ")",
+                       "  "]  # fmt: skip
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
 
 
