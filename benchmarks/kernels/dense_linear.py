@@ -8,7 +8,7 @@ For each of SmolLM2-135M's dense products (q|k|v [960, 576], o [576, 576], gate|
 down [576, 1536]) and each row count, the two products alternate over `--rounds` rounds and the
 best ms per call of each is reported with their ratio (duet / oneDNN: below 1 is faster). duet's
 kernel is the batch-invariant one deterministic mode uses (bf16: AMX tiles where the CPU has
-them, else FMA panels; fp32: FMA panels). The hardware limit (2 x M x N x K at the measured time)
+them, AVX512-BF16's dot without AMX, else FMA panels; fp32: FMA panels). The hardware limit (2 x M x N x K at the measured time)
 is printed as achieved GFLOP/s.
 """
 
@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     baseline = "oneDNN packed" if packed else "torch F.linear"
     torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
-    form = "AMX tiles" if dtype == torch.bfloat16 and kernel.amx() else "FMA panels"
+    form = "FMA panels"
+    if dtype == torch.bfloat16 and kernel.amx():
+        form = "AMX tiles"
+    elif dtype == torch.bfloat16 and kernel.bf16_dot():
+        form = "AVX512-BF16 dot"
     print(f"{args.dtype}, {args.threads} threads, duet's kernel in {form}, baseline {baseline}")
     g = torch.Generator().manual_seed(0)
     results = []

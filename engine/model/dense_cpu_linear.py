@@ -16,7 +16,9 @@ Three uses:
   threads, MKL's time (`F.linear`) over the kernel's: 1.0-1.7 at 1 row, 1.9-7.7 at 8, 2.7-3.2
   at 32, 1.3-1.5 at 64, 0.95-1.1 at 256 and 0.9-1.1 at 2,048 (MKL's own path below 64 rows is
   slow). Not measured on AMD CPUs, where fp32 takes oneDNN's packed layers instead.
-On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py).
+On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py), but in
+deterministic mode bf16 takes the kernel's column pairs: AMX's tiles, or without AMX the
+AVX512-BF16 dot (`use_dense_kernel_amx`).
 """
 
 from __future__ import annotations
@@ -107,23 +109,27 @@ def use_dense_kernel(model: nn.Module) -> int:
 
 
 def use_dense_kernel_amx(model: nn.Module) -> int:
-    """Deterministic mode, bf16 on a CPU with AMX: every bf16 dense product under `model` whose
-    input size is a multiple of 32 on the kernel's AMX tiles, batch-invariant by construction.
-    On a 2-core AMX Xeon (2026-11-27) oneDNN's packed bf16 probed variant at every padding for
-    SmolLM2's o, gate|up and down shapes, and the tiles took 0.25-0.45x its time at 1-17 rows,
-    0.5-0.8x at 33-64 (0.8-1.2x at 256, 1.0-1.7x at 2,048). Returns how many layers (0 without
-    AMX or without the kernel)."""
+    """Deterministic mode, bf16 on a CPU with AMX or (without AMX) AVX512-BF16: every bf16
+    dense product under `model` whose input size the kernel packs as column pairs (a multiple
+    of 32 for AMX's tiles, even for the dot) on them, batch-invariant by construction.
+    AMX: on a 2-core AMX Xeon (2026-11-27) oneDNN's packed bf16 probed variant at every padding
+    for SmolLM2's o, gate|up and down shapes, and the tiles took 0.25-0.45x its time at 1-17
+    rows, 0.5-0.8x at 33-64 (0.8-1.2x at 256, 1.0-1.7x at 2,048). The AVX512-BF16 dot
+    (engine/kernels/dense_dot.h): docs/determinism.md has its times against oneDNN's packed
+    bf16 on a Zen 4. Returns how many layers (0 on other CPUs or without the kernel)."""
     kernel = load_dense_kernel()
-    if kernel is None or not kernel.amx():
+    if kernel is None or not (kernel.amx() or kernel.bf16_dot()):
         return 0
+    step = 32 if kernel.amx() else 2
     layers = [
         m
         for m in _layers_of(model, torch.bfloat16)
-        if (w := layer_weight(m)) is not None and w.shape[1] % 32 == 0
+        if (w := layer_weight(m)) is not None and w.shape[1] % step == 0
     ]
     if not layers or not set_dense_kernel(layers):
         return 0
-    logger.info("%d bf16 linear layers on duet's AMX kernel (deterministic mode)", len(layers))
+    what = "AMX" if kernel.amx() else "AVX512-BF16 dot"
+    logger.info("%d bf16 linear layers on duet's %s kernel (deterministic mode)", len(layers), what)
     return len(layers)
 
 

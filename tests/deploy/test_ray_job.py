@@ -1,5 +1,7 @@
 """`ray job submit` end to end, as the README describes it: a Ray head started by hand with
-token auth and duet's custom resources, the job submitted, served, stopped."""
+token auth and duet's custom resources, the job submitted, served, stopped. Its prefill group
+is two pipeline stages (`--prefill-pp 2`: each stage's rank ships its layer's KV), whose
+greedy text is the aggregated engine's."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from duet.engine import LLM, SamplingParams
 from tests.deploy.ray_start import one_ray_start_at_a_time
 from tests.net import free_port
 from tests.waiting import wait_for
@@ -143,7 +146,7 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
         assert denied.returncode != 0
         submit([RAY, "job", "submit", "--address", dashboard, "--no-wait", "--submission-id", job_id,
              "--", sys.executable, "-m", "duet.cli.ray_job", "--model", tiny_llama,
-             "--dtype", "float32", "--prefill-tp", "2", "--served-model-name", "tiny",
+             "--dtype", "float32", "--prefill-pp", "2", "--served-model-name", "tiny",
              "--port", str(rest), "--grpc-port", str(grpc_port),
              "--session-store", f"sqlite:///{tmp_path}/sessions.db"], env)  # fmt: skip
         url = f"http://127.0.0.1:{rest}"
@@ -162,8 +165,16 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
 
         wait_for(serving, 600, "the job to serve", 0.5)
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        r = api.completions.create(model="tiny", prompt=list(range(3, 60)), max_tokens=4)
+        prompt = list(range(3, 60))
+        r = api.completions.create(
+            model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
         assert r.usage.prompt_tokens == 57 and r.usage.completion_tokens == 4
+        want = LLM(tiny_llama, dtype="float32", load_progress=False).generate(
+            [prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        )
+        assert r.choices[0].text == want[0].text
         run([RAY, "job", "stop", "--address", dashboard, job_id], env, timeout=180)
         assert job_status(dashboard, job_id, env) == "STOPPED"
         with pytest.raises(httpx.HTTPError):

@@ -91,14 +91,16 @@ def test_bf16_weights_pack_as_column_pairs_where_the_cpu_has_amx_or_a_bf16_dot(k
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_deterministic_bf16_layers_take_the_amx_tiles(kernel, tiny_llama, deterministic):
+def test_deterministic_bf16_layers_take_the_column_pairs(kernel, tiny_llama, deterministic):
+    """AMX's tiles or, without AMX, AVX512-BF16's dot: in deterministic mode every bf16 dense
+    product takes them; otherwise oneDNN's packed layers stay."""
     from duet.engine.loader import load_model
     from duet.engine.model.packed_linear import PackedLinear, packing_supported
 
     model = load_model(tiny_llama, torch.bfloat16, torch.device("cpu"), progress=False,
                        deterministic=deterministic).model  # fmt: skip
     gate_up = model.layers[0].mlp.gate_up_proj
-    if deterministic and kernel.amx():  # duet's tiles: invariant, faster than oneDNN's to 64 rows
+    if deterministic and (kernel.amx() or kernel.bf16_dot()):  # invariant by construction
         assert gate_up.cpu_kernel is kernel and gate_up.weight.dim() == 4
         assert model.tied_head is None or model.tied_head.cpu_kernel is kernel
         assert use_dense_kernel_amx(model) == 0  # nothing left to move
