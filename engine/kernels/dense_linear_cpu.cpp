@@ -39,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -279,6 +280,45 @@ at::Tensor pack_dense(at::Tensor w) {
   return panels;
 }
 
+// pack_dense's layout written over w's own storage, returned as a view of it: each block of
+// channels (16 for pairs, kTile for panels) packs into exactly the bytes its rows held, through
+// one block's scratch per thread, so packing a model allocates nothing per layer (glibc keeps
+// freed memory: a new buffer per layer fragmented the heap). N not a whole number of blocks
+// (the packed form is padded): pack_dense's new tensor instead. The caller owns w's storage.
+at::Tensor pack_dense_(at::Tensor w) {
+  const auto dtype = w.scalar_type();
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "w must be a contiguous CPU float32 or bfloat16 [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1);
+  const bool pairs = dtype == at::kBFloat16 && pairs_dense(k);
+  const int64_t rows = pairs ? kPairBlock : kTile;
+  if (n % rows != 0 || n == 0) return pack_dense(w);
+  const int64_t blocks = n / rows, elems = rows * k;
+  const int64_t esize = static_cast<int64_t>(w.element_size());
+  auto* base = static_cast<uint8_t*>(w.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> scratch(elems * esize);
+    for (int64_t b = begin; b < end; ++b) {
+      uint8_t* block = base + b * elems * esize;
+      std::memcpy(scratch.data(), block, elems * esize);
+      if (pairs) {  // [16, K / 2] pairs -> [K / 2, 16] pairs
+        const auto* src = reinterpret_cast<const uint32_t*>(scratch.data());
+        auto* dst = reinterpret_cast<uint32_t*>(block);
+        for (int64_t j = 0; j < k / 2; ++j)
+          for (int64_t c = 0; c < kPairBlock; ++c) dst[j * kPairBlock + c] = src[c * (k / 2) + j];
+      } else if (dtype == at::kFloat) {
+        pack_tile<F32>(reinterpret_cast<const float*>(scratch.data()), rows, k, 0,
+                       reinterpret_cast<float*>(block));
+      } else {
+        pack_tile<BF16>(reinterpret_cast<const uint16_t*>(scratch.data()), rows, k, 0,
+                        reinterpret_cast<uint16_t*>(block));
+      }
+    }
+  });
+  return pairs ? w.view({blocks, k / 2, kPairBlock, 2}) : w.view({blocks, k, kTile});
+}
+
 // x [M, K] with contiguous rows and the panels of an [N, K] weight (`pack_dense`), both fp32 or
 // both bf16; bias [N] (any float dtype) or None; returns [M, N] of x's dtype.
 at::Tensor dense_linear_packed(at::Tensor x, at::Tensor panels, int64_t n,
@@ -353,6 +393,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T (+ bias), x [M, K] and w [N, K] both fp32 or both bf16, one order per element",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
   m.def("pack_dense", &duet::pack_dense, "w [N, K] -> its panels for dense_linear_packed",
+        pybind11::arg("w"));
+  m.def("pack_dense_", &duet::pack_dense_,
+        "pack_dense's layout over w's own storage (a view of it; a new tensor where the packed "
+        "form is padded)",
         pybind11::arg("w"));
   m.def("dense_linear_packed", &duet::dense_linear_packed,
         "x @ w.T (+ bias) from w's panels (pack_dense) and N", pybind11::arg("x"),

@@ -231,3 +231,23 @@ def test_kernels_off_holds_after_the_kernel_was_built(kernel, request):
     assert (load_dense_kernel(), load_cpu_kernels(), load_quant_kernels()) == (None, None, None)
     layer = row_invariant.Linear(64, 32, bias=False)
     assert use_dense_kernel_fp32(layer) == 0 and layer.cpu_kernel is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packing_in_place_gives_the_new_tensors_bits_in_the_weights_storage(kernel, dtype):
+    """`pack_dense_` writes pack_dense's layout over the weight's own bytes (whole blocks of
+    channels: 16 for column pairs, a panel's otherwise), and where the layout is padded returns
+    a new tensor, leaving the weight as it was."""
+    block = 16 if kernel.pack_dense(torch.zeros(16, 64, dtype=dtype)).dim() == 4 else None
+    block = block or kernel.pack_dense(torch.zeros(1, 16, dtype=dtype)).shape[-1]
+    w = torch.randn(3 * block, 96).to(dtype)
+    want = kernel.pack_dense(w)
+    plain = w.clone()
+    got = kernel.pack_dense_(w)
+    assert got.data_ptr() == w.data_ptr() and torch.equal(got, want)
+    assert not torch.equal(w, plain)  # the weight's bytes are the panels now
+    padded = torch.randn(3 * block + 1, 96).to(dtype)
+    before = padded.clone()
+    got = kernel.pack_dense_(padded)
+    assert got.data_ptr() != padded.data_ptr() and torch.equal(got, kernel.pack_dense(before))
+    assert torch.equal(padded, before)

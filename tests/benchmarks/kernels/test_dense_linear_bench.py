@@ -20,8 +20,13 @@ def test_one_row_count_measures_every_layer(tmp_path, dtype):
     data = json.loads(out.read_text())
     packed = packing_supported(getattr(torch, dtype))
     assert data["baseline"] == ("oneDNN packed" if packed else "torch F.linear")
-    amx = dtype == "bfloat16" and bool(load_dense_kernel().amx())
-    assert data["duet_form"] == ("AMX tiles" if amx else "FMA panels")
+    kernel = load_dense_kernel()
+    form = "FMA panels"
+    if dtype == "bfloat16" and kernel.amx():
+        form = "AMX tiles"
+    elif dtype == "bfloat16" and kernel.bf16_dot():
+        form = "AVX512-BF16 dot"
+    assert data["duet_form"] == form
     assert [(r["layer"], r["n"], r["k"], r["rows"]) for r in data["results"]] == [
         ("qkv", 960, 576, 1),
         ("o", 576, 576, 1),
