@@ -16,7 +16,7 @@ from duet.engine.dummy_weights import byte_level_tokenizer, dummy_weights, hf_we
 from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.kernels.cpu import cpu_kernels_enabled
 from duet.engine.model import LlamaForCausalLM, ModelArchConfig, row_invariant
-from duet.engine.model.dense_cpu_linear import use_dense_kernel_amx, use_dense_kernel_fp32
+from duet.engine.model.dense_cpu_linear import use_dense_kernel_fp32, use_dense_kernel_pairs
 from duet.engine.model.mla import group_mla_absorb_cpu
 from duet.engine.model.moe import (
     fuse_moe_experts,
@@ -217,7 +217,7 @@ def load_model(
         use_dense_kernel_for_routers(net)  # a router's few outputs: oneDNN is all overhead
         group_mla_absorb_cpu(net)  # MLA's per-head products: two grouped calls per layer
         if deterministic:
-            use_dense_kernel_amx(net)  # bf16 with AMX: duet's tiles, invariant (0 elsewhere)
+            use_dense_kernel_pairs(net)  # bf16 on AMX tiles or the AVX512-BF16 dot (0 elsewhere)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     if deterministic and device.type == "cpu":
         set_kernel_max_rows(net, None)  # one product at every row count

@@ -18,7 +18,7 @@ Three uses:
   slow). Not measured on AMD CPUs, where fp32 takes oneDNN's packed layers instead.
 On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py), but in
 deterministic mode bf16 takes the kernel's column pairs: AMX's tiles, or without AMX the
-AVX512-BF16 dot (`use_dense_kernel_amx`).
+AVX512-BF16 dot (`use_dense_kernel_pairs`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def use_dense_kernel(model: nn.Module) -> int:
     return len(layers)
 
 
-def use_dense_kernel_amx(model: nn.Module) -> int:
+def use_dense_kernel_pairs(model: nn.Module) -> int:
     """Deterministic mode, bf16 on a CPU with AMX or (without AMX) AVX512-BF16: every bf16
     dense product under `model` whose input size the kernel packs as column pairs (a multiple
     of 32 for AMX's tiles, even for the dot) on them, batch-invariant by construction.

@@ -11,8 +11,8 @@ from duet.engine.model import dense_cpu_linear, row_invariant
 from duet.engine.model.dense_cpu_linear import (
     load_dense_kernel,
     use_dense_kernel,
-    use_dense_kernel_amx,
     use_dense_kernel_fp32,
+    use_dense_kernel_pairs,
 )
 from duet.engine.model.packed_linear import PackedLinear, packing_supported
 
@@ -103,7 +103,7 @@ def test_deterministic_bf16_layers_take_the_column_pairs(kernel, tiny_llama, det
     if deterministic and (kernel.amx() or kernel.bf16_dot()):  # invariant by construction
         assert gate_up.cpu_kernel is kernel and gate_up.weight.dim() == 4
         assert model.tied_head is None or model.tied_head.cpu_kernel is kernel
-        assert use_dense_kernel_amx(model) == 0  # nothing left to move
+        assert use_dense_kernel_pairs(model) == 0  # nothing left to move
     else:
         assert isinstance(gate_up, PackedLinear) is packing_supported(torch.bfloat16)
 

@@ -12,7 +12,7 @@ import torch
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.model import ModelArchConfig, row_invariant
-from duet.engine.model.dense_cpu_linear import use_dense_kernel, use_dense_kernel_amx
+from duet.engine.model.dense_cpu_linear import use_dense_kernel, use_dense_kernel_pairs
 from duet.engine.model.moe import SparseMoeBlock, route
 from duet.engine.model.packed_linear import pack_linears
 from duet.engine.parallel import SINGLE
@@ -120,7 +120,7 @@ def _block(arch: str, dtype: torch.dtype) -> SparseMoeBlock:
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.05)
     block = block.to(dtype)
-    use_dense_kernel_amx(block)
+    use_dense_kernel_pairs(block)
     pack_linears(block)
     use_dense_kernel(block)
     assert row_invariant.check_model(block, dtype).ok
