@@ -23,10 +23,14 @@ def test_staged_prefill_group_to_a_decode_worker_equals_aggregated(
     tiny_model_factory, backend, tp_size
 ):
     """Two stages (of the tiny model's 2 layers: one each), of 1 or 2 TP ranks; the ranks are
-    given different pool sizes and agree on the smallest, 256."""
+    given different pool sizes and agree on the smallest, 256. The 2 x 2 group prefills in
+    chunks of at most 64 tokens, so a prompt's earlier chunks' layers leave during its last
+    pass, stage by stage."""
     model = tiny_model_factory("llama")
     config = {"model": model, **ENGINE, "kv_backend": backend,
               "tensor_parallel_size": tp_size, "pipeline_parallel_size": 2}  # fmt: skip
+    if tp_size == 2:
+        config["max_num_batched_tokens"] = 64
     sizes = [300, 256, 280, 300][: 2 * tp_size]
     with prefill_group_processes([{**config, "num_kv_blocks": n} for n in sizes]) as address:
         decode = DecodeWorker(DecodeWorkerConfig(model=model, kv_backend=backend, **ENGINE))
