@@ -22,7 +22,11 @@ def main() -> None:
     parser.add_argument("--config", default="{}", help="PrefillWorkerConfig fields as JSON")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (rank 0); 0: a free one")
-    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument(
+        "--tp-rank", type=int, default=0,
+        help="this rank of the group: with pipeline stages the global rank, stage x "
+        "tensor_parallel_size + TP rank (0 serves gRPC)",
+    )  # fmt: skip
     parser.add_argument("--tp-init-method", default=None, help="e.g. tcp://127.0.0.1:29500")
     parser.add_argument("--name", default="prefill")
     args = parser.parse_args()
