@@ -164,3 +164,45 @@ def test_a_stage_layout_names_its_layers_and_a_staged_receiver_is_refused():
         check_compatible(dataclasses.replace(lay, pp_stage=2), whole)
     with pytest.raises(ValueError, match="a draft's KV travels from unsharded caches only"):
         lay.with_draft("d", caches()[:1])
+
+
+def test_each_stage_fans_out_to_a_tensor_parallel_receivers_ranks(backend):
+    """Stages of one TP rank each (all 4 heads) to a receiver of TP 2: each stage's
+    `FanOutKVSender` ships each decode rank its 2 heads of the stage's layers (the address
+    names both ranks' receivers), and each decode rank is complete once both stages landed."""
+    hub = LocalHub() if backend == "local" else None
+    options = {"hub": hub} if hub is not None else {}
+    full = caches()
+    dst = [caches(heads=2, seed=7 + k) for k in range(2)]
+    receivers = []
+    for k in range(2):
+        named = {"name": f"d{k}", **options} if hub is not None else {}
+        lay = layout(dst[k], 4, 2, k)
+        receivers.append(create_receiver(backend, kv_caches=dst[k], layout=lay, timeout_s=10,
+                                         **named))  # fmt: skip
+    address = ",".join(r.address for r in receivers)
+    fans = []
+    for stage, (start, end) in enumerate(STAGES):
+        src = [c.clone() for c in full[start:end]]
+        lay = stage_layout(src, 1, 0, stage)
+
+        def make(index, src=src, lay=lay, stage=stage):
+            return create_sender(backend, src, lay, None, None, name=f"s{stage}-{index}",
+                                 timeout_s=10, **options)  # fmt: skip
+
+        fans.append(FanOutKVSender(make, lay))
+    for recv in receivers:
+        recv.expect("r", [3, 8], timeout_s=10)
+    for fan in fans:
+        assert [k for k, _ in fan.targets(address)] == [0, 1]
+        fan.send("r", [5, 1], address, {"first_token": 9})
+    for k, recv in enumerate(receivers):
+        [done] = wait_for(recv.poll, 20, f"decode rank {k}")
+        assert (done.status, done.meta) == (TransferStatus.DONE, {"first_token": 9})
+        for f, d in zip(full, dst[k], strict=True):  # its heads of every layer, from each stage
+            assert torch.equal(d[:, [3, 8]], f[:, [5, 1], :, 2 * k : 2 * k + 2])
+    for fan in fans:
+        assert [r.status for r in wait_for(fan.poll, 20, "fan.poll")] == [TransferStatus.DONE]
+        fan.close()
+    for recv in receivers:
+        recv.close()
