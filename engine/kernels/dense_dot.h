@@ -23,6 +23,7 @@
 #endif
 
 #include "cpu_simd.h"
+#include "dense_panels.h"
 
 namespace duet {
 namespace dense_dot {
@@ -159,10 +160,7 @@ inline int64_t num_tiles(int64_t n) {
 }
 
 // Rows per block of work: a block's bf16 activations stay in L2 while the tiles pass.
-inline int64_t row_block(int64_t k) {
-  const int64_t fit = (256 * 1024) / (k * 2);
-  return std::max<int64_t>(kRows, fit - fit % kRows);
-}
+inline int64_t row_block(int64_t k) { return dense::row_block(k, 2, kRows); }
 
 }  // namespace dense_dot
 }  // namespace duet

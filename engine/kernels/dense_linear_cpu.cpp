@@ -56,16 +56,15 @@ namespace duet {
 using namespace dense;
 namespace {
 
-template <typename E>
-void run(const Args<E>& a, typename E::raw* o) {
-  const int64_t tiles = (a.n + kTile - 1) / kTile;
-  const int64_t fit = kBlockBytes / (a.k * static_cast<int64_t>(sizeof(float)));
-  const int64_t block = std::max<int64_t>(kRows, fit - fit % kRows);
-  // Few channel tiles: the rows of a block are split too, for the threads to share.
+// The threads' items of a product over `tiles` channel tiles: blocks of at most `block` rows in
+// order, and, with few tiles, each block's rows split into parts for the threads to share (at
+// least 4 micro-kernel calls of `unit` rows a part); f(tile, r0, r_end) for each non-empty one.
+template <typename Fn>
+void each_tile_part(int64_t m, int64_t block, int64_t tiles, int64_t unit, Fn&& f) {
   const int64_t threads = at::get_num_threads(), want = 4 * threads;
-  for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
-    const int64_t rows = std::min(a.m - r_begin, block);
-    const int64_t most = (rows + 4 * kRows - 1) / (4 * kRows);
+  for (int64_t r_begin = 0; r_begin < m; r_begin += block) {
+    const int64_t rows = std::min(m - r_begin, block);
+    const int64_t most = (rows + 4 * unit - 1) / (4 * unit);
     int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1, most);
     // parallel_for hands each thread one contiguous run of items: a count that is not a
     // multiple of the threads leaves one thread a whole item more (SmolLM2's 15 tiles of
@@ -75,27 +74,45 @@ void run(const Args<E>& a, typename E::raw* o) {
     const int64_t part_rows = (rows + parts - 1) / parts;
     at::parallel_for(0, tiles * parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t tile = item / parts, part = item % parts, n0 = tile * kTile;
-        const typename E::raw* panel = a.panels + tile * a.k * kTile;
-        F bias[kCols];
-        if (a.b != nullptr) {
-          for (int c = 0; c < kCols; ++c)
-            for (int i = 0; i < L; ++i) {
-              const int64_t ch = n0 + c * L + i;
-              bias[c][i] = ch < a.n ? a.b[ch] : 0.0f;
-            }
-        }
-        const F* bp = a.b != nullptr ? bias : nullptr;
-        const int64_t r_end = std::min(r_begin + rows, r_begin + (part + 1) * part_rows);
-        int64_t r0 = r_begin + part * part_rows;
-        for (; r0 + kRows <= r_end; r0 += kRows) micro<E, kRows>(a, panel, bp, r0, n0, o);
-        if (r0 < r_end) rows_tail<E, kRows - 1>(a, panel, bp, r0, r_end - r0, n0, o);
+        const int64_t tile = item / parts, part = item % parts;
+        const int64_t r0 = r_begin + part * part_rows;
+        const int64_t r_end = std::min(r_begin + rows, r0 + part_rows);
+        if (r0 < r_end) f(tile, r0, r_end);
       }
     });
   }
 }
 
+template <typename E>
+void run(const Args<E>& a, typename E::raw* o) {
+  const int64_t tiles = (a.n + kTile - 1) / kTile;
+  const int64_t block = row_block(a.k, sizeof(float), kRows);
+  each_tile_part(a.m, block, tiles, kRows, [&](int64_t tile, int64_t r0, int64_t r_end) {
+    const int64_t n0 = tile * kTile;
+    const typename E::raw* panel = a.panels + tile * a.k * kTile;
+    F bias[kCols];
+    if (a.b != nullptr) {
+      for (int c = 0; c < kCols; ++c)
+        for (int i = 0; i < L; ++i) {
+          const int64_t ch = n0 + c * L + i;
+          bias[c][i] = ch < a.n ? a.b[ch] : 0.0f;
+        }
+    }
+    const F* bp = a.b != nullptr ? bias : nullptr;
+    for (; r0 + kRows <= r_end; r0 += kRows) micro<E, kRows>(a, panel, bp, r0, n0, o);
+    if (r0 < r_end) rows_tail<E, kRows - 1>(a, panel, bp, r0, r_end - r0, n0, o);
+  });
+}
+
 constexpr int kPairBlock = 16;
+
+// One block of 16 channels as pairs: dst[j][c] = src row c's pair j ([16, K / 2] -> [K / 2,
+// 16], 32-bit pairs of bf16); rows from `valid` on are zero (N past the last channel).
+inline void pair_block(const uint32_t* src, int64_t valid, int64_t k, uint32_t* dst) {
+  for (int64_t j = 0; j < k / 2; ++j)
+    for (int64_t c = 0; c < kPairBlock; ++c)
+      dst[j * kPairBlock + c] = c < valid ? src[c * (k / 2) + j] : 0u;
+}
 
 // bf16 weights (K even) in column pairs, [ceil(N / 16), K / 2, 16, 2]: AMX's tiles and the
 // AVX512-BF16 dot (dense_dot.h) both read them.
@@ -106,36 +123,20 @@ at::Tensor pack_pairs(const at::Tensor& w) {
   uint32_t* dst = static_cast<uint32_t*>(packed.data_ptr());
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      for (int64_t j = 0; j < k / 2; ++j)
-        for (int c = 0; c < kPairBlock; ++c) {
-          const int64_t ch = b * kPairBlock + c;
-          dst[(b * (k / 2) + j) * kPairBlock + c] = ch < n ? src[ch * (k / 2) + j] : 0u;
-        }
+      pair_block(src + b * kPairBlock * (k / 2), std::min<int64_t>(kPairBlock, n - b * kPairBlock),
+                 k, dst + b * (k / 2) * kPairBlock);
   });
   return packed;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// The dot's threads: as `run`, channel tiles (4 pair blocks), and the rows too when there are
-// few tiles; no split changes an element's chain.
+// The dot's threads: as `run`'s (channel tiles of 4 pair blocks); no split changes an element's
+// chain.
 void run_dot(const dense_dot::Args& a, uint16_t* out) {
-  const int64_t tiles = dense_dot::num_tiles(a.n), block = dense_dot::row_block(a.k);
-  const int64_t threads = at::get_num_threads(), want = 4 * threads;
-  for (int64_t r_begin = 0; r_begin < a.m; r_begin += block) {
-    const int64_t rows = std::min(a.m - r_begin, block);
-    const int64_t most = (rows + 4 * dense_dot::kRows - 1) / (4 * dense_dot::kRows);
-    int64_t parts = std::clamp<int64_t>((want + tiles - 1) / tiles, 1, most);
-    while (parts < most && (tiles * parts) % threads != 0) ++parts;
-    const int64_t part_rows = (rows + parts - 1) / parts;
-    at::parallel_for(0, tiles * parts, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t tile = item / parts, part = item % parts;
-        const int64_t r0 = r_begin + part * part_rows;
-        const int64_t r_end = std::min(r_begin + rows, r0 + part_rows);
-        if (r0 < r_end) dense_dot::tile_rows(a, a.w, tile, r0, r_end - r0, out);
-      }
-    });
-  }
+  each_tile_part(a.m, dense_dot::row_block(a.k), dense_dot::num_tiles(a.n), dense_dot::kRows,
+                 [&](int64_t tile, int64_t r0, int64_t r_end) {
+                   dense_dot::tile_rows(a, a.w, tile, r0, r_end - r0, out);
+                 });
 }
 #endif
 
@@ -302,11 +303,9 @@ at::Tensor pack_dense_(at::Tensor w) {
     for (int64_t b = begin; b < end; ++b) {
       uint8_t* block = base + b * elems * esize;
       std::memcpy(scratch.data(), block, elems * esize);
-      if (pairs) {  // [16, K / 2] pairs -> [K / 2, 16] pairs
-        const auto* src = reinterpret_cast<const uint32_t*>(scratch.data());
-        auto* dst = reinterpret_cast<uint32_t*>(block);
-        for (int64_t j = 0; j < k / 2; ++j)
-          for (int64_t c = 0; c < kPairBlock; ++c) dst[j * kPairBlock + c] = src[c * (k / 2) + j];
+      if (pairs) {
+        pair_block(reinterpret_cast<const uint32_t*>(scratch.data()), kPairBlock, k,
+                   reinterpret_cast<uint32_t*>(block));
       } else if (dtype == at::kFloat) {
         pack_tile<F32>(reinterpret_cast<const float*>(scratch.data()), rows, k, 0,
                        reinterpret_cast<float*>(block));

@@ -182,7 +182,14 @@ void rows_tail(const Args<E>& a, const typename E::raw* panel, const F* bias, in
   micro<E, R>(a, panel, bias, r0, n0, out);
 }
 
-constexpr int64_t kBlockBytes = 256 * 1024;  // fp32 activations per row block (in L2)
+constexpr int64_t kBlockBytes = 256 * 1024;  // activations per row block (in L2)
+
+// Rows per block of work, a whole number of `unit`s (a micro-kernel's rows, at least one): a
+// block's activations (K values of `bytes` each per row) stay in L2 while the tiles pass.
+inline int64_t row_block(int64_t k, int64_t bytes, int64_t unit) {
+  const int64_t fit = kBlockBytes / (k * bytes);
+  return std::max<int64_t>(unit, fit - fit % unit);
+}
 
 // Rows of bf16 (`stride` elements apart) as contiguous fp32 rows of k (exact).
 inline void bf16_rows_to_fp32(const uint16_t* src, int64_t stride, int64_t m, int64_t k,

@@ -52,8 +52,7 @@ template <typename E>
 void run_grouped(const float* x, const typename E::raw* panels, const std::vector<int64_t>& counts,
                  int64_t m, int64_t k, int64_t n, typename E::raw* out) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  const int64_t fit = kBlockBytes / (k * static_cast<int64_t>(sizeof(float)));
-  const int64_t block = std::max<int64_t>(kRows, fit - fit % kRows);
+  const int64_t block = row_block(k, sizeof(float), kRows);
   const std::vector<Item> items = items_of(counts, block, tiles);
   const Args<E> a{x, panels, nullptr, m, k, n};
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
