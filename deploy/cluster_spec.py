@@ -92,7 +92,6 @@ class ClusterSpec:
         config["expert_parallel_size"] = self.prefill_ep if role == "prefill" else self.decode_ep
         if role == "prefill":
             config["pipeline_parallel_size"] = self.prefill_pp
-        if role == "prefill":
             # Only decode workers speculate: a prefill-only request never decodes. A prefill
             # worker loads the draft only to compute its prompt KV (draft_prefill prefill or
             # auto); then it needs the decode workers' config to ship what they expect.

@@ -278,7 +278,7 @@ class InboxKVReceiver(KVReceiver):
             arrival.acknowledge()
         _discard(arrivals)
         # Every shard carries the same metadata; the lowest rank's is the reference.
-        first = min(arrivals, key=lambda a: (a.layout.pp_stage, a.layout.tp_rank))
+        first = min(arrivals, key=lambda a: a.layout.group_rank)
         draft = expected.draft_block_ids is not None and first.shape.num_draft > 0
         return TransferResult(request_id, TransferStatus.DONE, meta=first.meta, draft=draft)
 

@@ -93,6 +93,12 @@ class KVLayout:
         return stage_layers(self.num_layers, self.pp_size, self.pp_stage)
 
     @property
+    def group_rank(self) -> int:
+        """This rank's place in its group: stage x tp_size + TP rank (the lowest is the
+        reference for what every rank's transfer carries alike, such as the first token)."""
+        return self.pp_stage * self.tp_size + self.tp_rank
+
+    @property
     def num_local_layers(self) -> int:
         start, end = self.layer_range
         return end - start

@@ -439,9 +439,7 @@ class NixlKVReceiver(KVReceiver):
     def _done(self, request_id: str, pending: Pending) -> None:
         """(Under the lock.) Every shard landed: DONE, and each sender may free its blocks."""
         assert pending.expected is not None
-        first = min(
-            pending.shards.values(), key=lambda s: (s.peer.layout.pp_stage, s.peer.layout.tp_rank)
-        )
+        first = min(pending.shards.values(), key=lambda s: s.peer.layout.group_rank)
         draft = pending.expected[2] is not None and first.draft_block_ids is not None
         pending.outcome = TransferResult(request_id, TransferStatus.DONE, meta=first.meta,
                                          draft=draft)  # fmt: skip
