@@ -84,7 +84,9 @@ class TcpKVReceiver(InboxKVReceiver):
         self.timeout_s = config.timeout_s
         self._staging = StagingPool(kv_caches[0].device, config.staging_bytes)
         self._scratch = torch.empty(DRAIN_BYTES, dtype=torch.uint8)  # what `_drain` drops
-        self._writing: dict[str, RecvChannel] = {}  # request id -> channel writing its blocks
+        # request id -> the channels writing its blocks now (one per sender rank: several with
+        # a sender's pipeline stages, whose parts go to different layers of the same blocks)
+        self._writing: dict[str, list[RecvChannel]] = {}
         self._written = threading.Condition(self._lock)
         host = config.host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -298,7 +300,7 @@ class TcpKVReceiver(InboxKVReceiver):
             with self._lock:
                 writable = self._expected.get(request_id) is incoming.expected
                 if writable:
-                    self._writing[request_id] = channel
+                    self._writing.setdefault(request_id, []).append(channel)
             if not writable:  # aborted or timed out meanwhile: read and drop
                 self._drain(channel, nbytes, stripes)
             else:
@@ -312,7 +314,10 @@ class TcpKVReceiver(InboxKVReceiver):
                     landed = True
                 finally:
                     with self._written:
-                        del self._writing[request_id]
+                        writers = self._writing[request_id]
+                        writers.remove(channel)
+                        if not writers:
+                            del self._writing[request_id]
                         if landed:
                             self.wrote(arrival, piece)
                         self._written.notify_all()
@@ -343,7 +348,8 @@ class TcpKVReceiver(InboxKVReceiver):
                     logger.warning(
                         "KV for aborted %s still arriving: closing its channel", request_id
                     )
-                    self._writing[request_id].shutdown()
+                    for channel in self._writing[request_id]:
+                        channel.shutdown()
                     deadline = float("inf")
                 self._written.wait(min(max(left, 0.01), TICK_S))
 
