@@ -22,6 +22,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from duet.deploy.local_ray import LOOPBACK_ENV
 from duet.engine import LLM, SamplingParams
 from tests.deploy.ray_start import one_ray_start_at_a_time
 from tests.net import free_port
@@ -80,6 +81,15 @@ def job_status(dashboard, job_id, env):
     raise AssertionError(out)
 
 
+def node_logs(temp_dir: str, tail: int = 3000) -> str:
+    """The ends of a Ray node's own logs (its GCS, raylet and dashboard), for a start that failed."""
+    out = []
+    for path in sorted(Path(temp_dir).glob("session_*/logs/*")):
+        if path.name.startswith(("gcs_server", "raylet", "dashboard.")) and path.is_file():
+            out.append(f"\n--- {path.name}:\n{path.read_text(errors='replace')[-tail:]}")
+    return "".join(out)
+
+
 @contextlib.contextmanager
 def ray_head(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
     """A Ray head of the test's own: `ray start --head --block` in a new process group, with a
@@ -95,7 +105,9 @@ def ray_head(args: list[str], env: dict[str, str], log: Path) -> Iterator[None]:
 
     def started() -> bool:
         assert head is not None
-        assert head.poll() is None, f"ray start exited with {head.returncode}:\n{log.read_text()}"
+        assert head.poll() is None, (
+            f"ray start exited with {head.returncode}:\n{log.read_text()}{node_logs(temp_dir)}"
+        )
         return "Ray runtime started." in log.read_text()
 
     try:
@@ -123,6 +135,11 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
         "GLOO_SOCKET_IFNAME": "lo",
         "DUET_ADVERTISE_HOST": "127.0.0.1",
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        # The node on loopback, as `duet serve`'s own Ray (deploy/local_ray.py): its address
+        # was the machine's interface, whose names are not in the test run's hosts file, and
+        # no usage-stats thread asking the network for its servers.
+        **LOOPBACK_ENV,
+        "RAY_USAGE_STATS_ENABLED": "0",
     }
     gcs, dash_port, rest, grpc_port = (free_port() for _ in range(4))
     dashboard = f"http://127.0.0.1:{dash_port}"
@@ -135,7 +152,7 @@ def test_ray_job_submit_serves_and_stops(tiny_llama, tmp_path):
                    f"--runtime-env-agent-port={free_port()}",
                    f"--metrics-export-port={free_port()}"]  # fmt: skip
     head_args = [*agent_ports, f"--port={gcs}", f"--dashboard-port={dash_port}", "--num-cpus=2",
-                 f"--resources={resources}", "--disable-usage-stats"]  # fmt: skip
+                 f"--resources={resources}", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]  # fmt: skip
     job_id = f"duet-{uuid.uuid4().hex[:8]}"
     with ray_head(head_args, env, tmp_path / "ray-head.log"):
         # Without the token the cluster refuses the submission.
