@@ -247,6 +247,23 @@ inline __m512bh convert_pair(const int8_t* p) {  // channels 0-7's pairs, then 8
   }
 }
 
+// At one row an int8 product reads each weight byte once, from memory, and a tile's C channel
+// blocks are C streams of K x 16 bytes (9 KB at K = 576), too short for the
+// hardware prefetcher. Asking for the line kAhead bytes on in each stream, once per 64-byte
+// line (`at`, the offset into a stream, steps by 32), made 30 SmolLM2 layers' int8 products at
+// one row 10% faster on a 2-core Zen 4 (23.5 -> 26.1 GB/s of its 31; 384-768 bytes alike;
+// variants built side by side and timed alternately). The int4 dot, bound by its nibble
+// conversions, and the fp32 FMA tiles did not move, so they do not ask.
+constexpr int64_t kAhead = 512;
+
+template <int C>
+inline void prefetch_ahead(const void* stream0, int64_t stream_bytes, int64_t at) {
+  if (at % 64 != 0) return;
+  const char* p = static_cast<const char*>(stream0) + at + kAhead;
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) __builtin_prefetch(p + c * stream_bytes, 0, 3);
+}
+
 // `pre`: when not null, the C blocks' weights already converted ([C][K / 2] vectors, see
 // `columns`), so row tiles after the first do not convert them again. Same values either way.
 template <int C, int R, bool kInt4>
@@ -269,6 +286,7 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
+      if (!kInt4 && pre == nullptr) prefetch_ahead<C>(q, K * kQBytes, k * kQBytes);
       __m512bh w[C];
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c)
