@@ -9,7 +9,8 @@ factor of each bucket is chosen for `max_model_len`, since the grid cannot chang
 each request then uses as many of those splits as its own length fills (triton_decode), and
 every bucket's graph replays the same compiled kernels.
 
-On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, one rank);
+On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, dense models;
+per rank with tensor parallelism and per stage with pipeline stages);
 `enforce_eager=True` turns it off. Steps with a prefill chunk or a speculative query (more than
 one token for a request) run eagerly. The capture itself goes through a `GraphCapture`, so
 that the CPU tests run all of this bookkeeping with a stand-in whose "replay" calls the
@@ -37,8 +38,11 @@ def uses_decode_graphs(
     captures its own graphs with the layers' all-reduces inside (NCCL collectives can be
     captured); the ranks capture the same buckets in the same order and, scheduling alike,
     replay the same bucket at the same step, so the captured collectives meet. The logits'
-    gather to rank 0 and the token broadcast stay outside the graphs. The KV budget reserves
-    the graphs' pool exactly when this is True (`kv_sizing.size_kv_pool`)."""
+    gather to rank 0 and the token broadcast stay outside the graphs. With pipeline stages
+    each stage's ranks capture their stage's layers (`LlamaForCausalLM.stage_forward`) over
+    static buffers of the streams they receive and send; the receive before a replay and the
+    send after it stay outside the graphs, as do the sampled tokens' broadcast. The KV budget
+    reserves the graphs' pool exactly when this is True (`kv_sizing.size_kv_pool`)."""
     return not enforce_eager and not moe and device.type == "cuda" and use_triton
 
 
@@ -141,9 +145,16 @@ class DecodeGraphs:
         self.prefill_indices = torch.zeros(0, dtype=i32, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=i32, device=device)
         self.block_tables = torch.zeros(max_bs, self.width, dtype=i32, device=device)
-        self.hidden = torch.zeros(
-            max_bs, model.config.hidden_size, dtype=cache.dtype, device=device
+        hidden_size = model.config.hidden_size
+        self.hidden = torch.zeros(max_bs, hidden_size, dtype=cache.dtype, device=device)
+        # Pipeline stages: the streams a stage receives (after the first) and sends on (before
+        # the last) live in static buffers too; the sends and receives stay outside the graphs.
+        self.pp = model.tp.pp
+        stream = (2, max_bs, hidden_size)
+        self.received = (
+            None if self.pp.is_first else torch.zeros(stream, dtype=cache.dtype, device=device)
         )
+        self.residual = None if self.pp.is_last else torch.zeros_like(self.hidden)
         # Pinned staging: rows input_ids, positions, slots; then seq_lens + block table.
         self._host_i64 = torch.zeros(3, max_bs, dtype=torch.int64)
         self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32)
@@ -168,7 +179,14 @@ class DecodeGraphs:
 
             def forward(bs: int = bs, meta: AttentionMetadata = meta) -> None:
                 ids, pos = self.input_ids[:bs], self.positions[:bs]
-                self.hidden[:bs] = model(ids, pos, kv_caches, meta)
+                received = self.received
+                hidden, residual = model.stage_forward(
+                    ids, pos, kv_caches, meta, None,
+                    *((received[0, :bs], received[1, :bs]) if received is not None else ()),
+                )  # fmt: skip
+                self.hidden[:bs] = hidden
+                if self.residual is not None:
+                    self.residual[:bs] = residual
 
             forward()  # compiles the Triton kernels and warms the allocator outside the capture
             capture.synchronize(device)
@@ -228,7 +246,12 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(self._host_i32[:bs], non_blocking=True)
         self.block_tables[:bs, :width].copy_(staged_table.view(bs, width), non_blocking=True)
         self._copied.record()
+        if self.received is not None:  # the previous stage's n rows (padding rows: unread)
+            self.pp.recv_prev(self.received[0, :n], self.received[1, :n])
         self.graphs[bs].replay()
+        if self.residual is not None:  # on to the next stage, before the buffers are reused
+            for work in self.pp.send_next(self.hidden[:n], self.residual[:n]):
+                work.wait()
         return self.hidden[:n]
 
     def _metadata(self, bs: int, num_splits: int) -> AttentionMetadata:

@@ -173,11 +173,8 @@ def size_kv_pool(
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        # No graphs with pipeline stages (ModelRunner): nothing to reserve for them.
         moe = cfg.moe is not None
-        graphs = (
-            uses_decode_graphs(config.enforce_eager, device, use_triton, moe) and not tp.pp.enabled
-        )
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, moe)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

@@ -247,8 +247,8 @@ def plan_layout(
             reserve = dict(settings.reserved)
             graphs = 0
             spec = kv_cache_spec(arch, w.num_kv_heads)
-            # the engine captures no graphs with stages, nor for MLA (no Triton attention)
-            if settings.cuda_graphs and pp == 1 and not spec.is_latent:
+            # every stage captures its own graphs; none for MLA (no Triton attention)
+            if settings.cuda_graphs and not spec.is_latent:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
             block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)

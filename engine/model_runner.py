@@ -136,12 +136,8 @@ class ModelRunner:
         self.expert_load = attach_expert_load(model, device)
         """Tokens per routed expert of a mixture of experts (None for a dense model)."""
         self.decode_graphs: DecodeGraphs | None = None
-        # NOTE: no graphs across pipeline stages yet: a stage's step sends and receives.
         moe = cfg.moe is not None
-        if (
-            uses_decode_graphs(enforce_eager, device, self.use_triton, moe)
-            and not model.tp.pp.enabled
-        ):
+        if uses_decode_graphs(enforce_eager, device, self.use_triton, moe):
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )

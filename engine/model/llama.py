@@ -219,24 +219,17 @@ class LlamaForCausalLM(nn.Module):
         and returns its hidden stream (no logits come from it). `sends`: where such a stage
         leaves its sends in flight (the caller waits on them, `pipeline.wait_all`); None: it
         waits for them itself."""
-        ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
         pp = self.tp.pp
-        residual: torch.Tensor | None = None
-        if pp.is_first:
-            hidden = self._embed(input_ids)  # [T, hidden]
-        else:
+        hidden_in = residual_in = None
+        if not pp.is_first:
             weight = self.embed_tokens.weight  # this stage's dtype and device (maybe no rows)
             shape = (input_ids.shape[0], self.config.hidden_size)
-            hidden = torch.empty(shape, dtype=weight.dtype, device=weight.device)
-            residual = torch.empty_like(hidden)
-            pp.recv_prev(hidden, residual)
-        start = self.layer_start
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            # NOTE: `.forward`, not `__call__`: nn.Module's call path (hook checks) costs a few
-            # microseconds per call, 240 calls a decode step; the engine registers no hooks.
-            hidden, residual = layer.forward(hidden, residual, kv_cache, ctx)
-            if on_layer is not None:
-                on_layer(start + i)
+            hidden_in = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+            residual_in = torch.empty_like(hidden_in)
+            pp.recv_prev(hidden_in, residual_in)
+        hidden, residual = self.stage_forward(
+            input_ids, positions, kv_caches, meta, on_layer, hidden_in, residual_in
+        )
         if not pp.is_last:
             assert residual is not None  # every stage runs at least one layer
             works = pp.send_next(hidden, residual)
@@ -245,12 +238,45 @@ class LlamaForCausalLM(nn.Module):
                     work.wait()
             else:
                 sends += works
-            return hidden
+        return hidden
+
+    def stage_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,
+        hidden_in: torch.Tensor | None = None,
+        residual_in: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's part of `forward`, without sending or receiving: from the embedding of
+        `input_ids` (the first stage) or from the previous stage's hidden and residual streams
+        (`hidden_in`, `residual_in`, [T, hidden] each), through this stage's layers. Returns
+        the final norm's output and None on the last stage, else the hidden and residual
+        streams to send on. A CUDA graph of a stage captures this (engine/cuda_graphs.py)."""
+        ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
+        pp = self.tp.pp
+        residual: torch.Tensor | None = None
+        if pp.is_first:
+            hidden = self._embed(input_ids)  # [T, hidden]
+        else:
+            assert hidden_in is not None and residual_in is not None
+            hidden, residual = hidden_in, residual_in
+        start = self.layer_start
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            # NOTE: `.forward`, not `__call__`: nn.Module's call path (hook checks) costs a few
+            # microseconds per call, 240 calls a decode step; the engine registers no hooks.
+            hidden, residual = layer.forward(hidden, residual, kv_cache, ctx)
+            if on_layer is not None:
+                on_layer(start + i)
+        if not pp.is_last:
+            return hidden, residual
         norm = self.norm
         assert norm is not None  # the last stage's
         if residual is None:
-            return norm(hidden)
-        return norm.add_and_norm(hidden, residual)[0]
+            return norm(hidden), None
+        return norm.add_and_norm(hidden, residual)[0], None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.enabled:

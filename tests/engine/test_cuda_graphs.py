@@ -184,3 +184,29 @@ def test_tp2_ranks_replay_the_same_graphs_and_give_eager_tokens(
         assert r["graph_buckets"] == [1, 2, 4]
         # step 1 prefills the three prompts; the other 15 decode all three (bucket 4)
         assert r["graph_replays"] == 15
+
+
+def test_pp2_stages_replay_their_graphs_and_give_eager_tokens(
+    tiny_llama: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pipeline stages (gloo ranks) each capture their layers' graphs (the stand-in
+    capture): stage 1 receives stage 0's hidden and residual streams into its static buffers
+    before each replay, stage 0 sends its own after; the same buckets and replayed steps on
+    both, and one rank's eager tokens and logprobs (fp32: the stages pass the streams
+    unchanged, so nothing is summed in another order)."""
+    from tests.engine.test_tensor_parallel import _run_ranks
+
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 30)]
+    engine = {k: v for k, v in ENGINE.items() if k not in ("load_progress", "device")}
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
+    want = LLM(tiny_llama, **ENGINE, enforce_eager=True).generate(prompts, params)
+    monkeypatch.setenv("DUET_TEST_EAGER_GRAPHS", "1")
+    ranks = _run_ranks(
+        tiny_llama, tmp_path, prompts, engine={**engine, "pipeline_parallel_size": 2}
+    )
+    for r in ranks:
+        assert r["tokens"] == [o.token_ids for o in want]
+        assert r["graph_buckets"] == [1, 2, 4]
+        assert r["graph_replays"] == 15  # step 1 prefills the three prompts (eager)
+        for lps, o in zip(r["logprobs"], want, strict=True):
+            assert lps == [x.sampled.logprob for x in o.logprobs]

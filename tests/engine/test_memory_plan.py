@@ -120,6 +120,10 @@ def test_pipeline_stages_split_layers_embedding_and_head() -> None:
     # KV: 40 layers x 2 (K, V) x 16 tokens x 2 KV heads x 128 x 2 bytes
     assert {r.kv_block_bytes for r in layout.ranks} == {40 * 2 * 16 * 2 * 128 * 2}
     assert stage_layers(126, 4, 1) == (31, 63)  # uneven: 31, 32, 31, 32
+    # every stage captures its decode graphs, and counts their pool (none under enforce_eager)
+    assert all(r.graph_pool_bytes > 0 for r in layout.ranks)
+    eager = plan_layout(arch_of(LLAMA_70B), 4, 2, 80 * GIB, PlanSettings(cuda_graphs=False))
+    assert all(r.graph_pool_bytes == 0 for r in eager.ranks)
 
 
 def test_which_layouts_fit_eight_80gib_gpus() -> None:

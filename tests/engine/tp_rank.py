@@ -2,7 +2,8 @@
 python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BYTES [BACKEND DEVICE
 [ENGINE_JSON]] (BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs;
 ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}' or '{"dtype": "bfloat16"}'
-(float32 by default)); DUET_TEST_EAGER_GRAPHS=1 in the environment captures decode graphs
+(float32 by default); '{"pipeline_parallel_size": 2}': WORLD ranks as 2 stages of WORLD / 2);
+DUET_TEST_EAGER_GRAPHS=1 in the environment captures decode graphs
 through test_cuda_graphs.py's CPU stand-in. PROMPTS_JSON: a list of prompts, generated as one batch; or
 {"batches": [[prompt, ...], ...]}, generated one batch after another, each batch's results in
 the output's "batches"."""
@@ -14,11 +15,12 @@ import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.parallel import TensorParallel
-from duet.engine.tp_group import exit_rank
+from duet.engine.tp_group import exit_rank, init_tensor_parallel
 
 
 def main() -> None:
@@ -27,11 +29,18 @@ def main() -> None:
     engine = json.loads(sys.argv[10]) if len(sys.argv) > 10 else {}
     rank, world = int(rank), int(world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    tp = TensorParallel(rank, world, dist.group.WORLD)
+    stages = int(engine.get("pipeline_parallel_size", 1))
+    if stages > 1:  # world = stages x TP size; the groups as a serving process makes them
+        tp, _ = init_tensor_parallel(
+            rank, world // stages, torch.device(device), init_method=f"tcp://127.0.0.1:{port}",
+            timeout_s=60, num_stages=stages,
+        )  # fmt: skip
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )  # fmt: skip
+        tp = TensorParallel(rank, world, dist.group.WORLD)
     if os.environ.get("DUET_TEST_EAGER_GRAPHS"):  # test_cuda_graphs.py: graphs as on CUDA
         import functools
 
@@ -44,7 +53,7 @@ def main() -> None:
     with open(prompts_file) as f:
         prompts = json.load(f)
     llm = LLM(
-        model, tp=tp, tensor_parallel_size=world, load_progress=False,
+        model, tp=tp, tensor_parallel_size=world // stages, load_progress=False,
         kv_cache_memory_bytes=int(kv_bytes), device=device, **{"dtype": "float32", **engine},
     )  # fmt: skip
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
