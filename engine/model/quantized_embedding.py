@@ -28,6 +28,15 @@ def gather_rows(head: QuantizedLinear, ids: torch.Tensor, dtype: torch.dtype) ->
     `dtype`: the embeddings of tokens `ids`."""
     ids = ids.long()
     t, k, g = ids.shape[0], head.in_features, head.group_size
+    kernels = head.duet_kernels
+    if kernels is not None and ids.device.type == "cpu":
+        # the same values in one call (about 15 indexing ops otherwise, 150 us an int4 row)
+        out = torch.empty(t, k, dtype=dtype)
+        if head.kind.startswith("int8"):
+            kernels.int8_rows(head.q, head.scale, ids, out, head.pairs)
+        else:
+            kernels.int4_rows(head.packed, head.scales_zeros, ids, out, head.pairs)
+        return out
     if head.kind.startswith("int8"):
         if head.duet_kernels is not None:  # [N / 16, K, 16] or pairs [N / 16, K / 2, 16, 2]
             block, lane = ids // BLOCK, ids % BLOCK

@@ -1,6 +1,6 @@
 """A tied embedding read from its quantized LM head (engine/model/quantized_embedding.py): the
-rows equal the dequantized head's, bit for bit, in every layout, and a tied model with a
-quantized head keeps one table."""
+rows equal the dequantized head's, bit for bit, in every layout (the CPU kernels' through their
+row kernels), and a tied model with a quantized head keeps one table."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from duet.engine.model.quantized_embedding import can_gather_rows, gather_rows
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.quant.config import QuantizationConfig
+from duet.engine.quant.cpu_linear import load_quant_kernels, pack_int4, unpack_int4
 from duet.engine.quant.formats import quantize_int4, quantize_int8
 from tests.conftest import SMOLLM2_SHAPES
 
@@ -81,3 +82,28 @@ def test_a_tied_model_with_a_quantized_head_keeps_one_table(tiny_model_factory) 
     ids = torch.tensor([3, 1, 4, 1, 5, 511])
     expected = quantized.tied_head.dequantize(torch.bfloat16)[ids]
     assert torch.equal(quantized._embed(ids), expected)
+
+
+@pytest.mark.parametrize("pairs", [True, False], ids=["pairs", "columns"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-out", "bf16-out"])
+def test_the_int4_row_kernel_takes_both_layouts_and_a_gguf_files_fp32_scales(
+    pairs: bool, scale_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    """`int4_rows` (the kernel `gather_rows` calls) in the layouts and scale dtypes a head can
+    have (fp32: GGUF's exact values, kept by the repack): q x scale rounded, plus the offset
+    rounded, then the dtype, as torch computes it; and an id past the table is refused."""
+    kernels = load_quant_kernels()
+    if kernels is None:
+        pytest.fail("the quantized CPU kernels did not build")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    scale, offset = torch.rand(N, K // 32, generator=gen), torch.randn(N, K // 32, generator=gen)
+    nibbles, sz = pack_int4(q, scale, offset, pairs, scale_dtype)
+    _, s, o = unpack_int4(nibbles, sz, N, pairs)
+    want = (q.float().view(N, -1, 32) * s[..., None] + o[..., None]).view(N, K)[TOKENS].to(dtype)
+    out = torch.empty(len(TOKENS), K, dtype=dtype)
+    kernels.int4_rows(nibbles, sz, TOKENS, out, pairs)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match=r"ids\[0\] = 208 out of range \[0, 208\)"):
+        kernels.int4_rows(nibbles, sz, torch.tensor([208]), out[:1], pairs)
