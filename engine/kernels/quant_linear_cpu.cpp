@@ -42,9 +42,11 @@ using F = Vec<kBlock>::F;
 // Tiles: AVX-512 has 32 vector registers (kRows * kCols accumulators + kCols weights + 1);
 // at 8 or 4 lanes a 16-channel vector takes 2 or 4 registers out of 16.
 constexpr int kCols = kLanes >= 16 ? 4 : 2;
-// One row on the bf16 dot: 6 blocks per tile, 6 accumulator chains through vdpbf16ps instead
-// of 4 (the same per-channel order, so the same bits). 30 SmolLM2 layers' products at one row,
-// from memory, on a 2-core Zen 4: int8 25.8 -> 27.0 GB/s, int4 19.3 -> 21.1 (8 blocks: alike).
+// One row: 6 blocks per tile, 6 accumulator chains instead of 4 (the same per-channel order,
+// so the same bits). 30 SmolLM2 layers' products at one row, from memory, on a 2-core Zen 4:
+// the bf16 dot int8 25.8 -> 27.0 GB/s, int4 19.3 -> 21.1; the fp32 FMA tiles (fp32
+// activations) int8 19.7-21.5 -> 22.8-23.7, int4 14.5-16.2 -> 15.8-17.3 (8 blocks: alike or
+// slower).
 constexpr int kOneRowCols = 6;
 constexpr int kRows = kLanes >= 16 ? 6 : (kLanes >= 8 ? 2 : 1);
 
@@ -537,7 +539,7 @@ template <typename E, int kDot = 0>
 void run(const Args& a, int64_t blocks, typename E::raw* out) {
   // NOTE: tiles of 2 blocks x 12 rows for the bf16 dot (fewer weight conversions per product)
   // measured slower than 4 x 6 at 16-128 rows (1.3-1.4x the 4 x 6 time).
-  if constexpr (kDot == 1 || kDot == 2) {
+  if constexpr (kLanes >= 16) {  // (at 8 lanes a block takes 2 registers: 6 would spill)
     if (a.m == 1) return run_tiles<E, kOneRowCols, 1, kDot>(a, blocks, out);
   }
   run_tiles<E, kCols, kRows, kDot>(a, blocks, out);
