@@ -605,14 +605,29 @@ void run_jobs(const std::vector<Job>& jobs) {
     int64_t job, b, nb;
   };
   std::vector<Item> items;
-  for (int64_t j = 0; j < static_cast<int64_t>(jobs.size()); ++j)
-    for (int64_t b = 0; b < jobs[j].blocks; b += kCols)
-      items.push_back({j, b, std::min<int64_t>(kCols, jobs[j].blocks - b)});
+  for (int64_t j = 0; j < static_cast<int64_t>(jobs.size()); ++j) {
+    // an expert with one row takes the one-row tiles (`run`): 8 of 64 experts at one row each,
+    // 10 layers from memory, int8 2.50 -> 2.43 ms, int4 1.96 -> 1.89 (Zen 4, in-process A/B)
+    const int64_t step = kLanes >= 16 && jobs[j].a.m == 1 ? kOneRowCols : kCols;
+    for (int64_t b = 0; b < jobs[j].blocks; b += step)
+      items.push_back({j, b, std::min<int64_t>(step, jobs[j].blocks - b)});
+  }
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       const Job& job = jobs[it.job];
       auto* out = static_cast<typename E::raw*>(job.out);
+      if constexpr (kLanes >= 16) {
+        if (job.a.m == 1 && it.nb > kCols) {  // a one-row job's wide item (and its remainder)
+          if (it.nb == kOneRowCols) {
+            columns<E, kOneRowCols, 1, kDot>(job.a, it.b, out);
+          } else {
+            columns<E, kCols, 1, kDot>(job.a, it.b, out);
+            columns<E, 1, 1, kDot>(job.a, it.b + kCols, out);
+          }
+          continue;
+        }
+      }
       // kCols is 2 or 4 (then 3 and 2 are remainders; with 2, `case 2` would repeat kCols)
       if (it.nb == kCols)
         columns<E, kCols, kRows, kDot>(job.a, it.b, out);

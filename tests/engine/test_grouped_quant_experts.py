@@ -21,7 +21,7 @@ from tests.conftest import ARCH_CONFIGS
 from tests.engine.test_moe import MOE_SHAPES
 
 COUNTS = [0, 1, 7, 40, 2]  # an idle expert, one row, a partial tile, several tiles, two
-N, K, G = 200, 256, 32  # N off the 16-channel blocks and off a 4-block tile
+N, K, G = 168, 256, 32  # N off the 16-channel blocks; 11 blocks: off 4- and 6-block tiles
 
 
 @pytest.fixture(scope="module")
