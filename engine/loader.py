@@ -23,6 +23,7 @@ from duet.engine.model.moe import (
     group_moe_experts_cpu,
     use_dense_kernel_for_routers,
 )
+from duet.engine.model.packed_linear import fp32_packing_forced
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -218,6 +219,8 @@ def load_model(
         group_mla_absorb_cpu(net)  # MLA's per-head products: two grouped calls per layer
         if deterministic:
             use_dense_kernel_pairs(net)  # bf16 on AMX tiles or the AVX512-BF16 dot (0 elsewhere)
+        if not fp32_packing_forced():
+            use_dense_kernel_fp32(net)  # fp32 on duet's kernel in both modes (dense_cpu_linear)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     if deterministic and device.type == "cpu":
         set_kernel_max_rows(net, None)  # one product at every row count
@@ -229,7 +232,6 @@ def load_model(
         invariant = _use_invariant_cuda_kernels(net) and quantization is None
     else:
         row_invariant.set_min_rows(net, 1)
-        use_dense_kernel_fp32(net)  # CPU fp32: faster than MKL's at most row counts
         invariant = False
     if arch.moe is not None:
         fuse_moe_experts(

@@ -11,11 +11,15 @@ Three uses:
 - Deterministic mode, any dtype: a weight shape that the vendor GEMM does not compute
   row-invariantly at any padding `row_invariant.check_model` tries (MKL's fp32 down_proj on an
   Intel Xeon, K = 1536, at 2 threads) takes the kernel instead of being reported.
-- Outside deterministic mode, fp32: every dense product (`use_dense_kernel_fp32`). Measured
-  with torch 2.13 on a 2-core Intel Xeon (AVX-512, no AVX512-BF16), SmolLM2's shapes, 2
-  threads, MKL's time (`F.linear`) over the kernel's: 1.0-1.7 at 1 row, 1.9-7.7 at 8, 2.7-3.2
-  at 32, 1.3-1.5 at 64, 0.95-1.1 at 256 and 0.9-1.1 at 2,048 (MKL's own path below 64 rows is
-  slow). Not measured on AMD CPUs, where fp32 takes oneDNN's packed layers instead.
+- fp32, in both modes: every dense product (`use_dense_kernel_fp32`; `DUET_PACK_FP32=1` keeps
+  oneDNN's packed layers instead). Measured with torch 2.13 on a 2-core Intel Xeon (AVX-512,
+  no AVX512-BF16), SmolLM2's shapes, 2 threads, MKL's time (`F.linear`) over the kernel's:
+  1.0-1.7 at 1 row, 1.9-7.7 at 8, 2.7-3.2 at 32, 1.3-1.5 at 64, 0.95-1.1 at 256 and 0.9-1.1 at
+  2,048 (MKL's own path below 64 rows is slow). On a 2-core AMD EPYC (Zen 4, 2026-11-29; 30
+  layers' distinct weights at one row, 4 at more) against oneDNN's packed fp32 layers, which
+  served there before: 23.4 vs 16.5 GB/s at 1 row (MKL 11.3), 1.14x faster at 32 rows, level
+  at 256, 0.94x at 2,048; the embedded model's fp32 decode went from 26.1 to 41.3 tok/s at one
+  stream and 300 to 355 at batch 32, and a 1,536-token prefill took 2.50 s against 2.43.
 On CPUs with native bf16, oneDNN's packed kernels stay (engine/model/packed_linear.py), but in
 deterministic mode bf16 takes the kernel's column pairs: AMX's tiles, or without AMX the
 AVX512-BF16 dot (`use_dense_kernel_pairs`).

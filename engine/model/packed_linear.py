@@ -12,7 +12,10 @@ makes SmolLM2's projections 1.1-2.1x faster at 8-64 rows and the LM head 1.4-2.9
 +-25% at 1 row and 9-17% slower at 2048 rows (a long prefill chunk); the offline benchmark
 gained 8% (2-core EPYC, 2 threads). On Intel CPUs MKL has no such cost and an earlier
 measurement found the packed path slower for single rows, so fp32 stays plain there
-(`DUET_PACK_FP32=1` or `0` overrides the choice).
+(`DUET_PACK_FP32=1` or `0` overrides the choice). Since 2026-11-29 the loader puts fp32 layers
+on duet's own dense kernel first wherever it builds (faster than both at one row:
+engine/model/dense_cpu_linear.py), so this fp32 path serves only without that kernel, or when
+`DUET_PACK_FP32=1` asks for it.
 
 The packed weight replaces the plain one, so memory does not grow, except for a tied LM head
 (the embedding keeps the plain table).
@@ -32,6 +35,12 @@ from duet.engine.cpu_runtime import release_freed_memory
 from duet.engine.model.row_invariant import MIN_ROWS, linear_rows
 
 logger = logging.getLogger(__name__)
+
+
+def fp32_packing_forced() -> bool:
+    """`DUET_PACK_FP32=1`: fp32 layers take oneDNN's packed path even where duet's dense kernel
+    would serve them (the loader's default, engine/model/dense_cpu_linear.py)."""
+    return os.environ.get("DUET_PACK_FP32") == "1"
 
 
 @functools.cache

@@ -176,27 +176,28 @@ def test_a_tied_head_gets_panels_of_its_own_and_the_table_stays(kernel):
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_the_loader_puts_fp32_layers_on_the_kernel(tiny_llama, deterministic):
+def test_the_loader_puts_fp32_layers_on_the_kernel(tiny_llama, deterministic, monkeypatch):
+    """Every fp32 projection and the head on the kernel in both modes, on every CPU (no oneDNN
+    packed layer); `DUET_PACK_FP32=1` keeps oneDNN's packed path where it is supported."""
     from duet.engine.loader import load_model
 
-    loaded = load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
-                        deterministic=deterministic)  # fmt: skip
-    if packing_supported(torch.float32):
-        # An AMD CPU (DUET_PACK_FP32=auto): oneDNN's packed fp32 product takes every projection
-        # (engine/model/packed_linear.py), in both modes, and the dense kernel none.
-        names = {type(m).__name__ for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)}
-        packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
-        assert names == set() and len(packed) == 9  # qkv, o, gate|up, down x 2 layers; lm_head
-        return
-    linears = [m for m in loaded.model.modules() if isinstance(m, row_invariant.Linear)]
-    assert linears
-    # Deterministic: the shapes MKL does not compute row-invariantly (all of them on an Intel
-    # Xeon); otherwise: every one. A layer on the kernel holds panels, not the [N, K] weight.
-    on_kernel = [m for m in linears if m.cpu_kernel is not None]
-    assert all(m.weight.dim() == 3 for m in on_kernel)
-    assert all(m.weight.dim() == 2 for m in linears if m.cpu_kernel is None)
-    if not deterministic:
-        assert on_kernel == linears
+    def load():
+        return load_model(tiny_llama, torch.float32, torch.device("cpu"), progress=False,
+                          deterministic=deterministic).model  # fmt: skip
+
+    model = load()
+    assert not [m for m in model.modules() if isinstance(m, PackedLinear)]
+    linears = [m for m in model.modules() if isinstance(m, row_invariant.Linear)]
+    assert len(linears) == 9  # qkv, o, gate|up, down x 2 layers; the LM head
+    assert all(m.cpu_kernel is not None and m.weight.dim() == 3 for m in linears)
+    monkeypatch.setenv("DUET_PACK_FP32", "1")
+    packing_supported.cache_clear()
+    try:
+        packed = [m for m in load().modules() if isinstance(m, PackedLinear)]
+        assert len(packed) == (9 if packing_supported(torch.float32) else 0)
+    finally:
+        monkeypatch.delenv("DUET_PACK_FP32")
+        packing_supported.cache_clear()
 
 
 @pytest.mark.slow

@@ -122,13 +122,17 @@ def test_packed_fp32_model_matches_the_plain_one(tiny_llama, fp32_packing):
 
 def test_models_pack_exactly_where_the_cpu_supports_it(tiny_llama):
     """On a CPU without native bf16 (AVX2-only, say) a bf16 model keeps plain layers and runs;
-    an fp32 model is packed only where that pays (AMD CPUs, by default)."""
+    an fp32 model's layers take duet's dense kernel (test_dense_linear_kernel.py), never the
+    packed path, unless DUET_PACK_FP32=1 asks for it (above)."""
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
         llm = LLM(tiny_llama, dtype=name, load_progress=False, deterministic=False)
         layer = llm.engine.runner.model.layers[0].mlp.gate_up_proj
-        assert isinstance(layer, PackedLinear) is packing_supported(dtype)
-        assert isinstance(layer, nn.Linear) is not packing_supported(dtype)
+        packed = dtype == torch.bfloat16 and packing_supported(dtype)
+        assert isinstance(layer, PackedLinear) is packed
+        assert isinstance(layer, nn.Linear) is not packed
+        if dtype == torch.float32:
+            assert layer.cpu_kernel is not None
         out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0))
         assert len(out[0].token_ids) == 4
     assert can_pack(torch.empty(2, 2)) is packing_supported(torch.float32)
