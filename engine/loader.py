@@ -220,7 +220,7 @@ def load_model(
         if deterministic:
             use_dense_kernel_pairs(net)  # bf16 on AMX tiles or the AVX512-BF16 dot (0 elsewhere)
         if not fp32_packing_forced():
-            use_dense_kernel_fp32(net)  # fp32 on duet's kernel in both modes (dense_cpu_linear)
+            use_dense_kernel_fp32(net, whole_panels=True)  # both modes (dense_cpu_linear.py)
         net.pack_for_cpu()  # where it pays; DUET_CPU_KERNELS=0 keeps every plain torch path
     if deterministic and device.type == "cpu":
         set_kernel_max_rows(net, None)  # one product at every row count

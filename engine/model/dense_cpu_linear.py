@@ -11,8 +11,8 @@ Three uses:
 - Deterministic mode, any dtype: a weight shape that the vendor GEMM does not compute
   row-invariantly at any padding `row_invariant.check_model` tries (MKL's fp32 down_proj on an
   Intel Xeon, K = 1536, at 2 threads) takes the kernel instead of being reported.
-- fp32, in both modes: every dense product (`use_dense_kernel_fp32`; `DUET_PACK_FP32=1` keeps
-  oneDNN's packed layers instead). Measured with torch 2.13 on a 2-core Intel Xeon (AVX-512,
+- fp32, in both modes: every dense product whose outputs fill the kernel's panels
+  (`use_dense_kernel_fp32`; `DUET_PACK_FP32=1` keeps oneDNN's packed layers instead). Measured with torch 2.13 on a 2-core Intel Xeon (AVX-512,
   no AVX512-BF16), SmolLM2's shapes, 2 threads, MKL's time (`F.linear`) over the kernel's:
   1.0-1.7 at 1 row, 1.9-7.7 at 8, 2.7-3.2 at 32, 1.3-1.5 at 64, 0.95-1.1 at 256 and 0.9-1.1 at
   2,048 (MKL's own path below 64 rows is slow). On a 2-core AMD EPYC (Zen 4, 2026-11-29; 30
@@ -147,10 +147,19 @@ def use_dense_kernel_pairs(model: nn.Module) -> int:
     return len(layers)
 
 
-def use_dense_kernel_fp32(model: nn.Module) -> int:
-    """Outside deterministic mode: every fp32 dense product under `model` on the kernel (faster
-    than MKL up to a few hundred rows, even above). Returns how many layers."""
+def use_dense_kernel_fp32(model: nn.Module, whole_panels: bool = False) -> int:
+    """Every fp32 dense product under `model` on the kernel (faster than MKL and oneDNN's packed
+    fp32 up to a few hundred rows). `whole_panels` (the loader's): only layers whose output
+    channels fill the kernel's panels, since padding would make the weights outgrow what
+    `duet plan` counts (as for routers, `moe.use_dense_kernel_for_routers`). Returns how many
+    layers."""
     layers = _layers_of(model, torch.float32)
+    kernel = load_dense_kernel()
+    if whole_panels and kernel is not None:
+        tile = kernel.pack_dense(torch.zeros(1, 16)).shape[-1]  # output channels per panel
+        layers = [
+            m for m in layers if (w := layer_weight(m)) is not None and w.shape[0] % tile == 0
+        ]
     if not layers or not set_dense_kernel(layers):
         return 0
     logger.info("%d fp32 linear layers on duet's CPU kernel", len(layers))
