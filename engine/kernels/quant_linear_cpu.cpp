@@ -514,24 +514,33 @@ void columns(const Args& a, int64_t b0, typename E::raw* out) {
   }
 }
 
+// Channel blocks b .. b + nb (nb <= CB: CB is 2, 4 or 6) in a tile of CB blocks, or for fewer
+// in tiles of 4 and of what is left (3, 2 or 1).
+template <typename E, int CB, int RB, int kDot>
+void columns_upto(const Args& a, int64_t b, int64_t nb, typename E::raw* out) {
+  if (nb == CB) return columns<E, CB, RB, kDot>(a, b, out);
+  if constexpr (CB > 4) {
+    if (nb >= 4) {
+      columns<E, 4, RB, kDot>(a, b, out);
+      b += 4;
+      nb -= 4;
+    }
+  }
+  switch (nb) {
+    case 3: columns<E, (CB > 3 ? 3 : 1), RB, kDot>(a, b, out); break;
+    case 2: columns<E, 2, RB, kDot>(a, b, out); break;
+    case 1: columns<E, 1, RB, kDot>(a, b, out); break;
+    default: break;
+  }
+}
+
 // Channel blocks in tiles of CB blocks x RB rows (and the remainders).
 template <typename E, int CB, int RB, int kDot>
 void run_tiles(const Args& a, int64_t blocks, typename E::raw* out) {
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     int64_t b = begin;
     for (; b + CB <= end; b += CB) columns<E, CB, RB, kDot>(a, b, out);
-    if constexpr (CB > 4) {
-      if (end - b >= 4) {
-        columns<E, 4, RB, kDot>(a, b, out);
-        b += 4;
-      }
-    }
-    switch (end - b) {  // what is left is 3 at most
-      case 3: columns<E, (CB > 3 ? 3 : 1), RB, kDot>(a, b, out); break;
-      case 2: columns<E, 2, RB, kDot>(a, b, out); break;
-      case 1: columns<E, 1, RB, kDot>(a, b, out); break;
-      default: break;
-    }
+    columns_upto<E, CB, RB, kDot>(a, b, end - b, out);
   });
 }
 
@@ -618,25 +627,12 @@ void run_jobs(const std::vector<Job>& jobs) {
       const Job& job = jobs[it.job];
       auto* out = static_cast<typename E::raw*>(job.out);
       if constexpr (kLanes >= 16) {
-        if (job.a.m == 1 && it.nb > kCols) {  // a one-row job's wide item (and its remainder)
-          if (it.nb == kOneRowCols) {
-            columns<E, kOneRowCols, 1, kDot>(job.a, it.b, out);
-          } else {
-            columns<E, kCols, 1, kDot>(job.a, it.b, out);
-            columns<E, 1, 1, kDot>(job.a, it.b + kCols, out);
-          }
+        if (job.a.m == 1) {
+          columns_upto<E, kOneRowCols, 1, kDot>(job.a, it.b, it.nb, out);
           continue;
         }
       }
-      // kCols is 2 or 4 (then 3 and 2 are remainders; with 2, `case 2` would repeat kCols)
-      if (it.nb == kCols)
-        columns<E, kCols, kRows, kDot>(job.a, it.b, out);
-      else if (it.nb == 3)
-        columns<E, (kCols > 3 ? 3 : 1), kRows, kDot>(job.a, it.b, out);
-      else if (it.nb == 2)
-        columns<E, 2, kRows, kDot>(job.a, it.b, out);
-      else
-        columns<E, 1, kRows, kDot>(job.a, it.b, out);
+      columns_upto<E, kCols, kRows, kDot>(job.a, it.b, it.nb, out);
     }
   });
 }

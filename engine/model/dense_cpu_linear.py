@@ -156,14 +156,19 @@ def use_dense_kernel_fp32(model: nn.Module, whole_panels: bool = False) -> int:
     layers = _layers_of(model, torch.float32)
     kernel = load_dense_kernel()
     if whole_panels and kernel is not None:
-        tile = kernel.pack_dense(torch.zeros(1, 16)).shape[-1]  # output channels per panel
-        layers = [
-            m for m in layers if (w := layer_weight(m)) is not None and w.shape[0] % tile == 0
-        ]
+        layers = [m for m in layers if fills_panels(kernel, m)]
     if not layers or not set_dense_kernel(layers):
         return 0
     logger.info("%d fp32 linear layers on duet's CPU kernel", len(layers))
     return len(layers)
+
+
+def fills_panels(kernel: Any, layer: nn.Module) -> bool:
+    """Whether `layer`'s output channels fill the kernel's panels exactly (no padded channels,
+    so its weights take no more memory on the kernel than plain)."""
+    weight = layer_weight(layer)
+    tile = kernel.pack_dense(torch.zeros(1, 16)).shape[-1]  # output channels per panel
+    return weight is not None and weight.shape[0] % tile == 0
 
 
 def _layers_of(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:

@@ -340,18 +340,13 @@ def use_dense_kernel_for_routers(model: nn.Module) -> int:
     Only routers whose expert count fills the kernel's panels (64, 128, 256 experts; not the
     tiny test models' 8 or 16, nor Qwen2-MoE's one-output shared-expert gate): padding would
     make the weights outgrow what `duet plan` counts. Returns how many layers."""
-    from duet.engine.model.dense_cpu_linear import layer_weight, load_dense_kernel, set_dense_kernel
+    from duet.engine.model.dense_cpu_linear import fills_panels, load_dense_kernel, set_dense_kernel
 
     kernel = load_dense_kernel()
     blocks = [block for block in model.modules() if isinstance(block, SparseMoeBlock)]
     if kernel is None or not blocks:
         return 0
-    tile = kernel.pack_dense(torch.zeros(1, 16)).shape[-1]  # output channels per panel
-    layers: list[nn.Module] = [
-        block.gate
-        for block in blocks
-        if (weight := layer_weight(block.gate)) is not None and weight.shape[0] % tile == 0
-    ]
+    layers: list[nn.Module] = [block.gate for block in blocks if fills_panels(kernel, block.gate)]
     if not layers or not set_dense_kernel(layers):
         return 0
     return len(layers)

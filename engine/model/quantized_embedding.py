@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from duet.engine.model.quantized_linear import QuantizedLinear
-from duet.engine.quant.cpu_linear import BLOCK
 
 
 def can_gather_rows(head: QuantizedLinear) -> bool:
@@ -29,20 +28,15 @@ def gather_rows(head: QuantizedLinear, ids: torch.Tensor, dtype: torch.dtype) ->
     ids = ids.long()
     t, k, g = ids.shape[0], head.in_features, head.group_size
     kernels = head.duet_kernels
-    if kernels is not None and ids.device.type == "cpu":
-        # the same values in one call (about 15 indexing ops otherwise, 150 us an int4 row)
+    if kernels is not None:  # the CPU kernels' layouts (block n // 16, lane n % 16): one call
         out = torch.empty(t, k, dtype=dtype)
         if head.kind.startswith("int8"):
             kernels.int8_rows(head.q, head.scale, ids, out, head.pairs)
         else:
             kernels.int4_rows(head.packed, head.scales_zeros, ids, out, head.pairs)
         return out
-    if head.kind.startswith("int8"):
-        if head.duet_kernels is not None:  # [N / 16, K, 16] or pairs [N / 16, K / 2, 16, 2]
-            block, lane = ids // BLOCK, ids % BLOCK
-            q, scale = head.q[block, :, lane], head.scale[block, :, lane]
-        else:
-            q, scale = head.q[ids], head.scale[ids]
+    if head.kind.startswith("int8"):  # plain rows [N, K]
+        q, scale = head.q[ids], head.scale[ids]
         groups = q.reshape(t, -1, g).to(scale.dtype)
         return (groups * scale.reshape(t, -1, 1)).view(t, k).to(dtype)
     if head.use_triton:  # rows: column 2j low nibble, 2j + 1 high
@@ -51,17 +45,4 @@ def gather_rows(head: QuantizedLinear, ids: torch.Tensor, dtype: torch.dtype) ->
         groups = q.to(head.scale.dtype).view(t, -1, g)
         w = groups * head.scale[ids][..., None] + head.zero[ids][..., None]
         return w.view(t, k).to(dtype)
-    if head.duet_kernels is None:
-        raise ValueError("this int4 layout (torch's packing) cannot give single rows")
-    block, lane = ids // BLOCK, ids % BLOCK
-    if head.pairs:  # byte i of a column pair: value i low, i + 16 high; value 2c + col
-        first = (2 * lane) % BLOCK
-        shift = torch.where(lane >= BLOCK // 2, 4, 0)[:, None]
-        low, high = head.packed[block, :, first], head.packed[block, :, first + 1]
-        q = torch.stack([(low >> shift) & 0x0F, (high >> shift) & 0x0F], dim=-1)
-    else:  # byte c: channel c's column 2j low, 2j + 1 high
-        byte = head.packed[block, :, lane]
-        q = torch.stack([byte & 0x0F, byte >> 4], dim=-1)
-    sz = head.scales_zeros[block, :, :, lane].float()  # [T, K / G, 2]
-    groups = q.float().view(t, -1, g)
-    return (groups * sz[..., 0, None] + sz[..., 1, None]).view(t, k).to(dtype)
+    raise ValueError("this int4 layout (torch's packing) cannot give single rows")
