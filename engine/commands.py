@@ -66,8 +66,22 @@ class ReleaseHeld:
 
 
 @dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached prefix (`BlockPool.reset_prefix_cache`), so that the next prompts
+    compute everything. Every rank holds the same blocks, so each refuses or resets alike."""
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the loop; streams still open end with `EngineDeadError`."""
 
 
-EngineCommand = AddRequest | AbortRequest | FinishStopped | ReserveRemote | ReleaseHeld | Stop
+EngineCommand = (
+    AddRequest
+    | AbortRequest
+    | FinishStopped
+    | ReserveRemote
+    | ReleaseHeld
+    | ResetPrefixCache
+    | Stop
+)

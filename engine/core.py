@@ -37,6 +37,7 @@ from duet.engine.commands import (
     FinishStopped,
     ReleaseHeld,
     ReserveRemote,
+    ResetPrefixCache,
     Stop,
 )
 from duet.engine.device import bind_thread
@@ -57,6 +58,7 @@ __all__ = [  # the commands (engine.commands) and the role (engine.engine_role) 
     "FinishStopped",
     "ReleaseHeld",
     "ReserveRemote",
+    "ResetPrefixCache",
     "Stop",
 ]
 
@@ -251,9 +253,7 @@ class EngineCore:
             while True:
                 commands = self._next_commands()
                 if self.tp.spans_ranks:
-                    box: list[Any] = [commands]
-                    dist.broadcast_object_list(box, group=self._control_group, group_src=0)
-                    commands = box[0]
+                    commands = self.tp.broadcast_commands(commands, self._control_group)
                 if not self._apply(commands):
                     break
                 self.role.before_step()
@@ -316,6 +316,8 @@ class EngineCore:
                 role.finish_stopped(cmd)
             elif isinstance(cmd, ReleaseHeld):
                 role.release(cmd)
+            elif isinstance(cmd, ResetPrefixCache):
+                role.engine.kv.pool.reset_prefix_cache()
             else:
                 try:
                     if isinstance(cmd, AddRequest):

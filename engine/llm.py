@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from duet.engine.commands import AbortRequest, AddRequest, FinishStopped
+from duet.engine.commands import AbortRequest, AddRequest, FinishStopped, ResetPrefixCache
 from duet.engine.config import EngineConfig
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
@@ -85,6 +85,16 @@ class LLM:
         Idempotent; the engine takes no further requests."""
         if self._leader is not None:
             self._leader.stop()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix on every rank, so that the next prompts compute
+        everything (as vLLM's `LLM.reset_prefix_cache`). Refused (False) while a request holds
+        blocks, i.e. only between `generate` calls."""
+        if not self.engine.kv.pool.reset_prefix_cache():
+            return False
+        if self._leader is not None:  # the followers reset before their next step
+            self._leader.record(ResetPrefixCache())
+        return True
 
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
         if self._leader is None:

@@ -19,13 +19,18 @@ The layout is docs/parallelism.md's; `kv_head_range` is what the KV hand-off rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from duet.engine.collective_clock import COLLECTIVES
 from duet.engine.errors import InvalidInputError
 from duet.engine.pipeline import NO_PIPELINE, PipelineParallel
+
+if TYPE_CHECKING:
+    from duet.engine.shm_collectives import LocalCollectives
 
 
 def check_tp_size(world_size: int, num_heads: int, field: str = "tensor_parallel_size") -> None:
@@ -112,6 +117,9 @@ class TensorParallel:
     expert_parallel: bool = False
     """Whether a mixture's routed experts are sharded whole over the group (`expert_range`)
     instead of each expert's intermediate size being sliced (`expert_parallel_size`)."""
+    local: LocalCollectives | None = field(default=None, compare=False, repr=False)
+    """The collectives through shared memory, when every rank of the group is a CPU process
+    on this machine (engine/shm_collectives.py); else gloo's or NCCL's."""
 
     @property
     def enabled(self) -> bool:
@@ -165,7 +173,9 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(x, group=self.group)
+            with COLLECTIVES:
+                if self.local is None or not self.local.all_reduce(x):
+                    dist.all_reduce(x, group=self.group)
         return x
 
     def agree_min(self, value: int, device: torch.device) -> int:
@@ -174,8 +184,9 @@ class TensorParallel:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        with COLLECTIVES:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            return int(t.item())
 
     def gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
         """Every rank's `x` ([N, sizes[rank]]) concatenated along the last dimension, in rank
@@ -187,8 +198,16 @@ class TensorParallel:
         if x.shape[-1] < width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, group=self.group, group_dst=0)
+        if self.local is not None:
+            with COLLECTIVES:
+                stacked = self.local.all_gather(x)  # every rank's, kept by rank 0 only
+            parts = list(stacked.unbind(0)) if stacked is not None and self.rank == 0 else None
+        else:
+            parts = (
+                [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+            )
+            with COLLECTIVES:
+                dist.gather(x, parts, group=self.group, group_dst=0)
         if parts is None:
             return None
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
@@ -196,8 +215,21 @@ class TensorParallel:
     def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's `x` on every rank (in place; the others pass a buffer of its shape)."""
         if self.enabled:
-            dist.broadcast(x, group=self.group, group_src=0)
+            with COLLECTIVES:
+                if self.local is None or not self.local.broadcast(x):
+                    dist.broadcast(x, group=self.group, group_src=0)
         return x
+
+    def broadcast_commands(self, commands: Any, control_group: dist.ProcessGroup | None) -> Any:
+        """Rank 0's iteration commands (a list) on every rank of the engine, over
+        `control_group`: through shared memory when that is this TP group on one machine
+        (no pipeline stages), else gloo's object broadcast."""
+        with COLLECTIVES:
+            if self.local is not None and control_group is self.group:
+                return self.local.broadcast_object(commands)
+            box = [commands]
+            dist.broadcast_object_list(box, group=control_group, group_src=0)
+            return box[0]
 
 
 SINGLE = TensorParallel()

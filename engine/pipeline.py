@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from duet.engine.collective_clock import COLLECTIVES
 from duet.engine.errors import InvalidInputError
 
 
@@ -86,22 +87,25 @@ class PipelineParallel:
         while they travel."""
         dst = self.global_rank + self.tp_size
         works = []
-        for t in tensors:
-            work = dist.isend(t.contiguous(), dst, group=self.group)
-            if work is not None:
-                works.append(work)
+        with COLLECTIVES:
+            for t in tensors:
+                work = dist.isend(t.contiguous(), dst, group=self.group)
+                if work is not None:
+                    works.append(work)
         return works
 
     def recv_prev(self, *buffers: torch.Tensor) -> None:
         """From the same TP rank of the previous stage, into `buffers`, in order."""
         src = self.global_rank - self.tp_size
-        for b in buffers:
-            dist.recv(b, src, group=self.group)
+        with COLLECTIVES:
+            for b in buffers:
+                dist.recv(b, src, group=self.group)
 
     def broadcast_from_sampler(self, x: torch.Tensor) -> torch.Tensor:
         """The sampling rank's `x` on every rank (in place)."""
         if self.enabled:
-            dist.broadcast(x, self.sampler_rank, group=self.group)
+            with COLLECTIVES:
+                dist.broadcast(x, self.sampler_rank, group=self.group)
         return x
 
     def agree_min(self, value: int, device: torch.device) -> int:
@@ -109,8 +113,9 @@ class PipelineParallel:
         if not self.enabled:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        with COLLECTIVES:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            return int(t.item())
 
 
 MIN_MICRO_BATCH_TOKENS = 128
@@ -129,8 +134,9 @@ def micro_batches(num_reqs: int, num_stages: int, num_tokens: int) -> list[tuple
 
 
 def wait_all(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    with COLLECTIVES:
+        for work in works:
+            work.wait()
     works.clear()
 
 

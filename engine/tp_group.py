@@ -35,6 +35,7 @@ from duet.engine.device import bind_thread
 from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
 from duet.engine.pipeline import PipelineParallel, check_pp_size
 from duet.engine.rendezvous import listening_store
+from duet.engine.shm_collectives import LocalCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +79,34 @@ def init_tensor_parallel(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     world = dist.group.WORLD
+    assert world is not None  # just initialized
     control = dist.new_group(backend="gloo") if backend == "nccl" else world
     if num_stages == 1:
-        return TensorParallel(rank, world_size, world), control
+        local = _local_collectives(world, rank, world_size, timeout_s, backend)
+        return TensorParallel(rank, world_size, world, local=local), control
     stage, tp_rank = divmod(rank, world_size)
-    group = world
+    group: dist.ProcessGroup | None = world
     for s in range(num_stages):  # every rank creates every stage's group, in order
         ranks = list(range(s * world_size, (s + 1) * world_size))
         made = dist.new_group(ranks) if world_size > 1 else None
         if s == stage:
             group = made
     pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)
-    return TensorParallel(tp_rank, world_size, group if world_size > 1 else None, pp), control
+    if world_size == 1:
+        return TensorParallel(tp_rank, 1, None, pp), control
+    assert group is not None
+    local = _local_collectives(group, tp_rank, world_size, timeout_s, backend)
+    return TensorParallel(tp_rank, world_size, group, pp, local=local), control
+
+
+def _local_collectives(
+    group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float, backend: str
+) -> LocalCollectives | None:
+    """The group's shared-memory collectives, when its ranks are CPU processes on one machine
+    (collective: every rank of the group calls it)."""
+    if backend != "gloo" or world_size == 1:
+        return None
+    return LocalCollectives.create(group, rank, world_size, timeout_s)
 
 
 def rank_config(config: EngineConfig) -> EngineConfig:
@@ -219,9 +236,9 @@ class TPLeader:
         """One iteration's broadcast (call before each step)."""
         if self._stopped and self._pending[-1:] != [Stop()]:
             raise RuntimeError("the tensor-parallel group was shut down")
-        box: list[object] = [list(self._pending)]
+        commands = list(self._pending)
         self._pending.clear()
-        dist.broadcast_object_list(box, group=self.group.control_group, group_src=0)
+        self.group.tp.broadcast_commands(commands, self.group.control_group)
 
     def stop(self) -> None:
         """End the followers' loops and the group. Idempotent."""

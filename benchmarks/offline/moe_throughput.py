@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.offline.moe_model import DEFAULT_DIR, MoEShapes, build_moe_dir
+from benchmarks.offline.results_table import agreement
 from benchmarks.offline.systems import (
     WARMUP_MAX_TOKENS,
     RunConfig,
@@ -41,13 +42,7 @@ from benchmarks.offline.systems import (
     run_duet,
     run_hf,
 )
-from benchmarks.offline.throughput import (
-    DTYPES,
-    REPO_ROOT,
-    _length_range,
-    agreement,
-    machine_info,
-)
+from benchmarks.offline.throughput import DTYPES, REPO_ROOT, _length_range, machine_info
 from benchmarks.offline.workload import make_workload
 
 COMMAND = ["python", "-m", "benchmarks.offline.moe_throughput"]

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ class Timed:
     wall_s: float
     cpu: dict[str, float]
     token_ids: list[list[int]]
+    counters: dict[str, float] = field(default_factory=dict)
+    """duet's: engine steps, and with several ranks rank 0's time in collectives."""
 
 
 class DuetEngine:
@@ -52,10 +54,11 @@ class DuetEngine:
         self.llm, self.load_s, self.warmup_s = load_duet(dtype, cfg)
 
     def timed(self) -> Timed:
-        wall_s, cpu, token_ids, _ = time_duet(self.llm, self.workload)
-        return Timed(wall_s, cpu, token_ids)
+        wall_s, cpu, token_ids, counters = time_duet(self.llm, self.workload)
+        return Timed(wall_s, cpu, token_ids, counters)
 
     def close(self) -> None:
+        self.llm.shutdown()  # a tensor-parallel engine's other ranks
         del self.llm
 
 
@@ -173,7 +176,7 @@ def run_rounds(
                 log(f"note: machine still busy ({busy:.2f} cores); going on")
             t = engines[name].timed()
             tok_s = workload.num_output_tokens / t.wall_s
-            record[name] = {"wall_s": t.wall_s, "tok_s": tok_s, "cpu": t.cpu}
+            record[name] = {"wall_s": t.wall_s, "tok_s": tok_s, "cpu": t.cpu, **t.counters}
             consistent[name] &= first_tokens.setdefault(name, t.token_ids) == t.token_ids
             log(
                 f"  round {k + 1} {name}: {tok_s:.1f} tok/s "

@@ -40,6 +40,9 @@ class RunConfig:
     max_model_len: int
     warmup_prompts: list[list[int]]
     seed: int = 0
+    tensor_parallel_size: int = 1
+    """duet's ranks; each takes `num_threads` // this many threads (one core per rank on 2
+    cores at 2), the ranks after the first in child processes."""
 
 
 @dataclass
@@ -99,7 +102,8 @@ def load_duet(dtype: str, cfg: RunConfig) -> tuple[Any, float, float]:
     llm = LLM(
         str(cfg.model_dir),
         dtype=dtype,
-        num_threads=cfg.num_threads,
+        num_threads=max(1, cfg.num_threads // cfg.tensor_parallel_size),
+        tensor_parallel_size=cfg.tensor_parallel_size,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -115,20 +119,43 @@ def load_duet(dtype: str, cfg: RunConfig) -> tuple[Any, float, float]:
 
 def time_duet(
     llm: Any, workload: Workload
-) -> tuple[float, dict[str, float], list[list[int]], dict[str, int]]:
+) -> tuple[float, dict[str, float], list[list[int]], dict[str, float]]:
     """One timed generate of the whole workload: (wall seconds, CPU usage, token ids, engine
-    counters). The prefix cache is emptied first, so a repeated call computes everything."""
-    if not llm.engine.kv.pool.reset_prefix_cache():
+    counters and, with several ranks, rank 0's seconds and calls in collectives). The prefix
+    cache is emptied first, so a repeated call computes everything. Every rank's CPU time
+    counts as the system's own, not as other processes'."""
+    import torch
+
+    from duet.engine.collective_clock import COLLECTIVES
+
+    if not llm.reset_prefix_cache():  # every rank's
         raise RuntimeError("duet still holds KV blocks between timed calls")
+    if llm.config.num_threads:  # process-wide: another engine in this process may have set it
+        torch.set_num_threads(llm.config.num_threads)
     before = dataclasses.asdict(llm.engine.stats)
-    cpu_start = CpuSnapshot.take(time.process_time())
+    clock = (COLLECTIVES.seconds, COLLECTIVES.calls)
+    cpu_start = CpuSnapshot.take(_cpu_s(llm))
     start = time.perf_counter()
     token_ids = _duet_generate(llm, workload.prompts, workload.max_tokens)
     wall_s = time.perf_counter() - start
-    cpu = CpuSnapshot.take(time.process_time()).usage_since(cpu_start, wall_s)
+    cpu = CpuSnapshot.take(_cpu_s(llm)).usage_since(cpu_start, wall_s)
     after = dataclasses.asdict(llm.engine.stats)
-    counters = {k: after[k] - before[k] for k in DUET_COUNTERS if k in after}
+    counters: dict[str, float] = {k: after[k] - before[k] for k in DUET_COUNTERS if k in after}
+    if llm.config.num_ranks > 1:
+        counters["collective_s"] = COLLECTIVES.seconds - clock[0]
+        counters["collective_calls"] = COLLECTIVES.calls - clock[1]
     return wall_s, cpu, token_ids, counters
+
+
+def _cpu_s(llm: Any) -> float:
+    """CPU seconds of this process and of the engine's other ranks (its child processes)."""
+    total = time.process_time()
+    for proc in llm.follower_processes:
+        # /proc/PID/stat: utime and stime are fields 14 and 15, the 12th and 13th after the
+        # command name's closing parenthesis.
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _duet_generate(llm: Any, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -34,6 +34,11 @@ benchmarks/results/offline_throughput.json (see benchmarks/README.md).
 `--paired-rounds N` measures differently: for each dtype and vLLM mode, duet and that vLLM
 engine both stay loaded and their timed calls alternate for N rounds (`benchmarks/offline/paired.py`),
 and the ratio is taken within each round, so the machine's drift over the run cancels out.
+
+`--tensor-parallel-size N` runs duet at N ranks against duet at one rank the same way (rounds:
+`--paired-rounds`, default 3), each rank on 1/N of `--threads`, and splits the N-rank engine's
+step into communication (rank 0's time in collectives) and compute
+(`benchmarks/offline/tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Any
 from benchmarks.common.cpu_usage import wait_for_idle
 from benchmarks.common.machine import cpu_info
 from benchmarks.offline.paired_vllm import run_paired
+from benchmarks.offline.results_table import NOISY_OTHER_CORES, agreement, print_table, ratios
 from benchmarks.offline.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
 from benchmarks.offline.systems import (
     RunConfig,
@@ -66,6 +72,8 @@ from benchmarks.offline.systems import (
     run_hf,
     run_vllm,
 )
+from benchmarks.offline.tensor_parallel import DEFAULT_ROUNDS as DEFAULT_TP_ROUNDS
+from benchmarks.offline.tensor_parallel import run_tensor_parallel
 from benchmarks.offline.workload import Workload, make_workload, special_token_ids, vocab_size
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +83,6 @@ DTYPES = {"float32": ["float32"], "bfloat16": ["bfloat16"], "both": ["float32", 
 FULL_LENGTHS = {"prompt_len": (16, 512), "output_len": (16, 256)}
 QUICK_LENGTHS = {"prompt_len": (16, 64), "output_len": (8, 32)}
 QUICK_NUM_PROMPTS = 8
-NOISY_OTHER_CORES = 0.2
 COMMAND = ["python", "-m", "benchmarks.offline.throughput"]
 
 
@@ -151,9 +158,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="instead of one call per system in turn: duet and each vLLM engine stay loaded "
         "and alternate timed calls for this many rounds (ratios within rounds)",
     )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="N > 1: duet at N ranks against one rank instead, alternating rounds "
+        f"(--paired-rounds, default {DEFAULT_TP_ROUNDS}), the step split into compute and "
+        "communication",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.paired_rounds < 0:
         p.error(f"--paired-rounds: must be >= 0; got {args.paired_rounds}")
+    if args.tensor_parallel_size < 1:
+        p.error(f"--tensor-parallel-size: must be >= 1; got {args.tensor_parallel_size}")
     if args.quick:
         args.num_prompts = min(args.num_prompts, QUICK_NUM_PROMPTS)
     if args.vllm_modes is None:
@@ -162,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         name = "offline_throughput_quick.json" if args.quick else "offline_throughput.json"
         if args.paired_rounds:
             name = "offline_throughput_paired.json"
+        if args.tensor_parallel_size > 1:
+            name = "offline_throughput_tp.json"
         args.out = REPO_ROOT / "benchmarks/results" / name
     return args
 
@@ -185,64 +202,6 @@ def machine_info(num_threads: int) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "git": git.stdout.strip() or None,
     }
-
-
-def agreement(result: SystemResult, reference: SystemResult) -> dict[str, Any]:
-    """Exact greedy matches with the reference, and the mean fraction of each output that
-    agrees before the first differing token."""
-    num_exact, prefix_fractions = 0, []
-    for ours, theirs in zip(result.token_ids, reference.token_ids, strict=True):
-        num_exact += ours == theirs
-        common = next(
-            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours)
-        )
-        prefix_fractions.append(common / max(len(theirs), 1))
-    return {
-        "reference": reference.name,
-        "num_exact": num_exact,
-        "mean_prefix_fraction": sum(prefix_fractions) / len(prefix_fractions),
-    }
-
-
-def ratios(results: list[SystemResult]) -> dict[str, float]:
-    """duet tokens/s over each baseline's at the same dtype."""
-    out: dict[str, float] = {}
-    for duet in (r for r in results if r.system == "duet"):
-        for base in (r for r in results if r.system != "duet" and r.dtype == duet.dtype):
-            key = f"duet/{base.system}" + (f"-{base.variant}" if base.system == "vllm" else "")
-            out[f"{key} {duet.dtype}"] = duet.output_tokens_per_s / base.output_tokens_per_s
-    return out
-
-
-def print_table(results: list[SystemResult], ratio: dict[str, float]) -> None:
-    header = (
-        f"{'system':<6} {'dtype':<9} {'variant':<10} {'load s':>7} {'wall s':>8} "
-        f"{'tok/s':>8} {'computed tok/s':>14} {'others':>6} {'stolen':>6}  match ref"
-    )
-    print("\n" + header + "\n" + "-" * len(header))
-    for r in results:
-        match = r.details.get("agreement")
-        match_text = (
-            f"{match['num_exact']}/{len(r.token_ids)} ({match['mean_prefix_fraction']:.0%})"
-            if match
-            else "-"
-        )
-        print(
-            f"{r.system:<6} {r.dtype:<9} {r.variant:<10} {r.load_s:7.1f} {r.wall_s:8.1f} "
-            f"{r.output_tokens_per_s:8.1f} {r.num_computed_tokens / r.wall_s:14.1f} "
-            f"{r.details['cpu']['other_cores']:6.2f} {r.details['cpu']['stolen_cores']:6.2f}  "
-            f"{match_text}"
-        )
-    for name, value in ratio.items():
-        print(f"{name:<28} {value:6.2f}x")
-    print(
-        "others/stolen: average cores used by other processes / stolen by the hypervisor during "
-        "the timed call; match ref: outputs equal to the reference's greedy tokens "
-        "(mean agreeing prefix)"
-    )
-    noisy = [r.name for r in results if r.details["cpu"]["other_cores"] > NOISY_OTHER_CORES]
-    if noisy:
-        print(f"WARNING: other processes competed for the CPU during: {', '.join(noisy)}")
 
 
 def run_quietly(
@@ -335,8 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     machine = machine_info(args.threads)  # before the runs: the code that was measured
     print(f"workload: {workload.summary()}; threads {args.threads}; model {model_dir}")
+    command = shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)])
+    if args.tensor_parallel_size > 1:
+        run_tensor_parallel(args, workload, cfg, model_dir, machine, command, DTYPES[args.dtype])
+        return
     if args.paired_rounds:
-        command = shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)])
         run_paired(args, workload, cfg, model_dir, machine, command, DTYPES[args.dtype])
         return
     jobs, skipped = plan_jobs(args, workload, cfg)
@@ -365,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {
         "benchmark": "offline_throughput",
-        "command": shlex.join([*COMMAND, *(sys.argv[1:] if argv is None else argv)]),
+        "command": command,
         "machine": machine,
         "config": {
             "model_dir": str(model_dir),

@@ -110,6 +110,28 @@ def test_a_lost_follower_fails_the_next_step(tiny_llama: str) -> None:
     llm.shutdown()
 
 
+def test_reset_prefix_cache_reaches_every_rank(tiny_llama: str) -> None:
+    """`LLM.reset_prefix_cache` resets the followers too: a rank that kept its cached prefixes
+    would schedule the repeated prompts differently from rank 0, and the step's collectives
+    would no longer match."""
+    llm = LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=64,
+              tensor_parallel_size=2)  # fmt: skip
+    prompts = [list(range(5, 45)), list(range(7, 40))]  # 2 full blocks of 16 tokens each
+    stats = llm.engine.kv.prefix_stats
+    try:
+        first = llm.generate(prompts, _greedy(8))
+        assert llm.reset_prefix_cache()
+        again = llm.generate(prompts, _greedy(8))
+        assert stats.num_hits == 0  # computed again from the first token
+        cached = llm.generate(prompts, _greedy(8))  # no reset: every rank hits alike
+        assert stats.num_hits == 2 * 16 + 2 * 16
+    finally:
+        llm.shutdown()
+    tokens = [[o.outputs[0].token_ids for o in run] for run in (first, again, cached)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert [p.returncode for p in llm.follower_processes] == [0]
+
+
 def test_bf16_tp2_is_deterministic_run_to_run_and_batch_invariant(smollm2_shaped: str) -> None:
     """docs/determinism.md at one layout: two TP=2 engines in bf16 (fresh ranks each) give the
     same tokens and logprobs bit for bit, and a request alone equals it among others."""

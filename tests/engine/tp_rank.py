@@ -10,7 +10,6 @@ the output's "batches"."""
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -19,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from duet.engine import LLM, SamplingParams
-from duet.engine.parallel import TensorParallel
 from duet.engine.tp_group import exit_rank, init_tensor_parallel
 
 
@@ -30,17 +28,13 @@ def main() -> None:
     rank, world = int(rank), int(world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     stages = int(engine.get("pipeline_parallel_size", 1))
-    if stages > 1:  # world = stages x TP size; the groups as a serving process makes them
-        tp, _ = init_tensor_parallel(
-            rank, world // stages, torch.device(device), init_method=f"tcp://127.0.0.1:{port}",
-            timeout_s=60, num_stages=stages,
-        )  # fmt: skip
-    else:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )  # fmt: skip
-        tp = TensorParallel(rank, world, dist.group.WORLD)
+    # world = stages x TP size; the groups as a serving process makes them (gloo and the
+    # shared-memory collectives on the CPU, NCCL on CUDA)
+    assert backend == ("nccl" if device.startswith("cuda") else "gloo"), (backend, device)
+    tp, _ = init_tensor_parallel(
+        rank, world // stages, torch.device(device), init_method=f"tcp://127.0.0.1:{port}",
+        timeout_s=60, num_stages=stages,
+    )  # fmt: skip
     if os.environ.get("DUET_TEST_EAGER_GRAPHS"):  # test_cuda_graphs.py: graphs as on CUDA
         import functools
 
