@@ -79,7 +79,6 @@ def init_tensor_parallel(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     world = dist.group.WORLD
-    assert world is not None  # just initialized
     control = dist.new_group(backend="gloo") if backend == "nccl" else world
     if num_stages == 1:
         local = _local_collectives(world, rank, world_size, timeout_s, backend)
@@ -94,17 +93,16 @@ def init_tensor_parallel(
     pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)
     if world_size == 1:
         return TensorParallel(tp_rank, 1, None, pp), control
-    assert group is not None
     local = _local_collectives(group, tp_rank, world_size, timeout_s, backend)
     return TensorParallel(tp_rank, world_size, group, pp, local=local), control
 
 
 def _local_collectives(
-    group: dist.ProcessGroup, rank: int, world_size: int, timeout_s: float, backend: str
+    group: dist.ProcessGroup | None, rank: int, world_size: int, timeout_s: float, backend: str
 ) -> LocalCollectives | None:
     """The group's shared-memory collectives, when its ranks are CPU processes on one machine
     (collective: every rank of the group calls it)."""
-    if backend != "gloo" or world_size == 1:
+    if backend != "gloo" or world_size == 1 or group is None:
         return None
     return LocalCollectives.create(group, rank, world_size, timeout_s)
 
