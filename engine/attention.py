@@ -3,12 +3,15 @@ to the CPU and Triton kernels (the metadata they read: attention_metadata.py).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
 from duet.engine.kernels.cpu import (
     kernels_for,
+    load_cpu_kernels,
     paged_decode_attention,
     paged_prefill_attention,
     prefill_kernel_supports,
@@ -43,6 +46,16 @@ def store_kv(
         triton_write_kv_cache(kv_cache, key, value, meta.slot_mapping)
     else:
         write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+
+
+def decode_only_kernels(meta: AttentionMetadata, device: torch.device) -> Any | None:
+    """The CPU kernels when every token of the step is a decode on the C++ decode kernel (no
+    prefill, no torch-path group, not Triton), else None."""
+    if meta.decode_batch is None or meta.decode_groups or meta.prefill_indices:
+        return None
+    if meta.kernel_batch is not None or device.type != "cpu":
+        return None
+    return load_cpu_kernels()
 
 
 class GatherWorkspace:

@@ -48,6 +48,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether bf16 paged attention takes the AMX order for (head_dim, block_size) now");
   m.def("paged_decode_attention", &duet::paged_decode_attention,
         "Paged decode attention over a block-table KV cache (CPU), written into out in place");
+  m.def("decode_attention_step", &duet::decode_attention_step,
+        "A layer's rotary embedding, KV write and paged decode attention for a step of decodes "
+        "only (qkv [T, (H + 2 Hkv) D] -> [T, H D]), in one call");
   m.def("paged_prefill_attention", &duet::paged_prefill_attention,
         "Causal paged attention of prefill query tokens (CPU), written into out in place");
   m.def("prefill_head_dim_supported", &duet::prefill_head_dim_supported,

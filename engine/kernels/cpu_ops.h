@@ -10,6 +10,16 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
                             at::Tensor value_cache, at::Tensor block_tables, at::Tensor seq_lens,
                             at::Tensor token_indices, double scale);
 
+// A layer's attention for a step of decodes only, in one call (paged_decode_cpu.cpp): the
+// rotary embedding of q and k (views of qkv [T, (H + 2 Hkv) D]), the step's K/V into kv_cache
+// [2, num_blocks, block_size, Hkv, D] at slot_mapping, then paged_decode_attention; returns
+// the output [T, H D]. Exactly the three separate calls' arithmetic.
+at::Tensor decode_attention_step(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                                 at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
+                                 at::Tensor block_tables, at::Tensor seq_lens,
+                                 at::Tensor token_indices, int64_t num_heads,
+                                 int64_t num_kv_heads, double scale);
+
 // Causal attention of each request's query tokens over its paged KV (paged_prefill_cpu.cpp).
 void paged_prefill_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                              at::Tensor value_cache, at::Tensor block_tables,

@@ -25,6 +25,7 @@
 // Threads take items from a shared counter, longest first, so a core slowed by another process
 // just takes fewer items.
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -572,6 +573,30 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
+}
+
+at::Tensor decode_attention_step(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
+                                 at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
+                                 at::Tensor block_tables, at::Tensor seq_lens,
+                                 at::Tensor token_indices, int64_t num_heads,
+                                 int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 5,
+              "decode_attention_step: qkv [T, (H + 2 Hkv) D] contiguous, kv_cache 5-D");
+  const int64_t T = qkv.size(0), D = kv_cache.size(4);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && kv_cache.size(3) == num_kv_heads,
+              "decode_attention_step: qkv's width must be (", num_heads, " + 2 x ", num_kv_heads,
+              ") x ", D, " and the cache hold ", num_kv_heads, " KV heads");
+  // The views Attention.forward makes: each token's heads contiguous, tokens at qkv's stride.
+  at::Tensor q = qkv.narrow(1, 0, num_heads * D).view({T, num_heads, D});
+  at::Tensor k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({T, num_kv_heads, D});
+  at::Tensor v =
+      qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D).view({T, num_kv_heads, D});
+  rotary_embedding(positions, q, k, cos, sin);
+  write_kv(kv_cache, k, v, slot_mapping);
+  at::Tensor out = at::empty({T, num_heads * D}, qkv.options());
+  paged_decode_attention(out.view({T, num_heads, D}), q, kv_cache.select(0, 0),
+                         kv_cache.select(0, 1), block_tables, seq_lens, token_indices, scale);
+  return out;
 }
 
 }  // namespace duet

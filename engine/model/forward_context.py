@@ -4,6 +4,7 @@ read it alike)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,3 +21,6 @@ class ForwardContext:
     meta: AttentionMetadata
     rotary: RotaryEmbedding
     workspace: GatherWorkspace
+    decode_kernels: Any | None = None
+    """The CPU kernels when every token of the step is a decode on them: a layer's rotary
+    embedding, KV write and attention are then one call (`decode_attention_step`)."""

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from duet.engine.attention import GatherWorkspace, paged_attention, store_kv
+from duet.engine.attention import (
+    GatherWorkspace,
+    decode_only_kernels,
+    paged_attention,
+    store_kv,
+)
 from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.kv_cache_spec import KVCacheSpec, kv_cache_spec
 from duet.engine.model.arch import ModelArchConfig
@@ -38,6 +43,9 @@ from duet.engine.model.rotary import RotaryEmbedding
 from duet.engine.model.row_invariant import TiedLinear
 from duet.engine.parallel import SINGLE, TensorParallel, TensorSlice, split
 from duet.engine.quant.config import QuantizationConfig
+
+_FUSED = (torch.float32, torch.bfloat16)
+"""Dtypes of `decode_attention_step` (the CPU kernels')."""
 
 
 class Attention(nn.Module):
@@ -67,6 +75,23 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         qkv = parts["qkv_proj"].forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
+        fused = ctx.decode_kernels
+        if (
+            fused is not None
+            and self.q_norm is None
+            and qkv.dtype in _FUSED
+            and kv_cache.dtype == qkv.dtype
+        ):
+            # a step of decodes on the CPU kernels: rotary, KV write and attention in one call
+            rotary: dict[str, torch.Tensor] = ctx.rotary._buffers  # type: ignore[assignment]
+            d = ctx.meta.decode_batch
+            assert d is not None
+            out = fused.decode_attention_step(
+                qkv, ctx.positions, rotary["cos"], rotary["sin"], kv_cache, ctx.meta.slot_mapping,
+                d.block_tables, d.seq_lens, d.token_indices, self.num_heads, self.num_kv_heads,
+                self.scale,
+            )  # fmt: skip
+            return self.tp.all_reduce(parts["o_proj"].forward(out))
         # split_with_sizes: Tensor.split is a Python wrapper around it
         q, k, v = qkv.split_with_sizes(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -255,7 +280,13 @@ class LlamaForCausalLM(nn.Module):
         (`hidden_in`, `residual_in`, [T, hidden] each), through this stage's layers. Returns
         the final norm's output and None on the last stage, else the hidden and residual
         streams to send on. A CUDA graph of a stage captures this (engine/cuda_graphs.py)."""
-        ctx = ForwardContext(positions, meta, self.rotary, self.workspace)
+        ctx = ForwardContext(
+            positions,
+            meta,
+            self.rotary,
+            self.workspace,
+            decode_only_kernels(meta, positions.device),
+        )
         pp = self.tp.pp
         residual: torch.Tensor | None = None
         if pp.is_first:
