@@ -198,11 +198,13 @@ class TensorParallel:
         if x.shape[-1] < width:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
+        stacked = None
         if self.local is not None:
             with COLLECTIVES:
                 stacked = self.local.all_gather(x)  # every rank's, kept by rank 0 only
-            parts = list(stacked.unbind(0)) if stacked is not None and self.rank == 0 else None
-        else:
+        if stacked is not None:
+            parts = list(stacked.unbind(0)) if self.rank == 0 else None
+        else:  # gloo's gather (or NCCL's), where the shared segment does not take x
             parts = (
                 [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
             )

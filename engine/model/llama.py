@@ -81,6 +81,7 @@ class Attention(nn.Module):
             and self.q_norm is None
             and qkv.dtype in _FUSED
             and kv_cache.dtype == qkv.dtype
+            and qkv.is_contiguous()
         ):
             # a step of decodes on the CPU kernels: rotary, KV write and attention in one call
             rotary: dict[str, torch.Tensor] = ctx.rotary._buffers  # type: ignore[assignment]
