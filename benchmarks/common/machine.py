@@ -68,6 +68,11 @@ def write_record(
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": results,
     }
+    write_json(out, record, indent=1)
+
+
+def write_json(out: Path, report: dict[str, Any], indent: int = 2) -> None:
+    """`report` as JSON at `out` (its folder made if missing), and a line saying so."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1))
+    out.write_text(json.dumps(report, indent=indent) + "\n")
     print(f"wrote {out}")

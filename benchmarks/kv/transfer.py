@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common.machine import cpu_info, git_commit
+from benchmarks.common.machine import cpu_info, git_commit, write_json
 from benchmarks.kv.raw_nixl import nixl_installed
 from benchmarks.kv.transfer_measure import (
     NOISY_OTHER_CORES,
@@ -358,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "busy": busy,
         "layouts": layouts,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shlex
 import statistics
@@ -33,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.machine import write_json
 from benchmarks.offline.moe_model import DEFAULT_DIR, MoEShapes, build_moe_dir
 from benchmarks.offline.results_table import agreement
 from benchmarks.offline.systems import (
@@ -188,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": [{**r, "duet": r["duet"].to_json(), "hf": r["hf"].to_json()} for r in rows],
         "summary": summary,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return 0
 
 

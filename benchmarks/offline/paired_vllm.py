@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.machine import write_json
 from benchmarks.offline.paired import DuetEngine, VllmEngine, run_rounds
 from benchmarks.offline.systems import RunConfig, SystemUnavailable, check_vllm
 from benchmarks.offline.workload import Workload
@@ -72,9 +72,7 @@ def run_paired(
         "workload": workload.summary(),
         "pairs": pairs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 def print_paired(pairs: list[dict[str, Any]]) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.machine import write_json
 from benchmarks.offline.paired import DuetEngine, run_rounds
 from benchmarks.offline.systems import RunConfig
 from benchmarks.offline.workload import Workload
@@ -90,9 +90,7 @@ def run_tensor_parallel(
         "workload": workload.summary(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 def print_results(results: list[dict[str, Any]]) -> None:

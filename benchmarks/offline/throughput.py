@@ -47,7 +47,6 @@ import argparse
 import datetime
 import gc
 import importlib.util
-import json
 import os
 import platform
 import shlex
@@ -59,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common.cpu_usage import wait_for_idle
-from benchmarks.common.machine import cpu_info
+from benchmarks.common.machine import cpu_info, write_json
 from benchmarks.offline.paired_vllm import run_paired
 from benchmarks.offline.results_table import NOISY_OTHER_CORES, agreement, print_table, ratios
 from benchmarks.offline.smollm2_hf import DEFAULT_CACHE_DIR, export_hf_dir
@@ -344,9 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "ratios": ratio,
         "skipped": skipped,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":
