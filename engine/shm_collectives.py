@@ -85,14 +85,16 @@ class LocalCollectives:
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` (picklable; the others pass anything) on every rank: its length,
         then its bytes."""
-        data = pickle.dumps(obj) if self.rank == 0 else b""
-        length = torch.tensor([len(data)], dtype=torch.int64)
+        if self.rank == 0:
+            data = bytearray(pickle.dumps(obj))  # writable: the tensor below is a view of it
+            self.broadcast(torch.tensor([len(data)], dtype=torch.int64))
+            self.broadcast(torch.frombuffer(data, dtype=torch.uint8))
+            return obj
+        length = torch.empty(1, dtype=torch.int64)
         self.broadcast(length)
         buffer = torch.empty(int(length), dtype=torch.uint8)
-        if self.rank == 0:
-            buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.broadcast(buffer)
-        return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+        return pickle.loads(buffer.numpy().data)
 
     @classmethod
     def create(

@@ -90,9 +90,7 @@ def init_tensor_parallel(
         made = dist.new_group(ranks) if world_size > 1 else None
         if s == stage:
             group = made
-    pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)
-    if world_size == 1:
-        return TensorParallel(tp_rank, 1, None, pp), control
+    pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)  # group: None at TP 1
     local = _local_collectives(group, tp_rank, world_size, timeout_s, backend)
     return TensorParallel(tp_rank, world_size, group, pp, local=local), control
 
