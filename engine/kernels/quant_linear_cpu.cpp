@@ -116,6 +116,35 @@ constexpr bool kBf16Dot = kLanes >= 16;
 constexpr bool kBf16Dot = false;
 #endif
 
+// Where a block's weights lie in the bf16 dot's layout: int8 pairs are contiguous per block
+// (K * 16 bytes); int4 quads of kPanel neighbouring blocks interleave (pack_int4): a panel's
+// quad t is its blocks' quads t side by side, so block b's quad t sits at its panel's start +
+// (t * width + b's place) * 64 bytes, width the panel's blocks (kPanel; the last one's may be
+// fewer). A one-row tile of kPanel blocks then reads one stream, not kPanel streams of K * 8
+// bytes (4.6 KB at K = 576, too short for the hardware prefetcher to settle in).
+// Panels of 6 (a one-row tile) against none (1): 30 SmolLM2 layers' int4 products at one row,
+// from memory, alternately in one process on a 2-core Zen 4: 21.5-22.5 -> 23.3-24.4 GB/s.
+constexpr int64_t kPanel = 6;
+struct BlockStream {
+  const int8_t* p;  // the block's pair 0 (int8) or quad 0 (int4)
+  int64_t step;     // bytes from pair j to j + 1 (int8), or from quad t to t + 1 (int4)
+};
+
+inline int64_t quad_offset(int64_t b, int64_t t, int64_t quads, int64_t blocks) {
+  const int64_t first = b - b % kPanel, width = std::min<int64_t>(kPanel, blocks - first);
+  return (first * quads + t * width + (b - first)) * 64;
+}
+
+template <bool kInt4>
+inline BlockStream block_stream(const int8_t* q, int64_t b, int64_t k, int64_t blocks) {
+  if constexpr (kInt4) {
+    const int64_t first = b - b % kPanel, width = std::min<int64_t>(kPanel, blocks - first);
+    return {q + quad_offset(b, 0, k / 8, blocks), width * 64};
+  } else {
+    return {q + b * k * kBlock, 2 * kBlock};
+  }
+}
+
 struct Args {
   const int8_t* q;     // [NB, K, 16], or [NB, K / 2, 16, 2] for the bf16 dot
   const float* s;      // [NB, K / G, 16]
@@ -123,6 +152,7 @@ struct Args {
   const uint16_t* xb;  // [M, K] bf16 rows xs apart (the bf16 dot)
   int64_t xs, m, k, g, n;
   const float* xsum = nullptr;  // int4: [M, K / G], each row's sum over each group
+  int64_t blocks = (n + kBlock - 1) / kBlock;  // NB
 };
 
 // total[r][c] for rows r0 .. r0 + R, channel blocks b0 .. b0 + C, written to res (R x C*16).
@@ -228,28 +258,42 @@ inline __m512 bf16_to_f32(const uint16_t* p) {
 // both products (exact in fp32) to the channel's lane: 32 multiply-adds per instruction, twice
 // the fp32 FMA's. The order per output element is again fixed by k alone.
 //
-// int4 (kInt4): q as nibbles [NB, K / 2, 16] (byte i of a column pair: value i low, i + 16
-// high), w = q * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets. The dot runs
-// on 128 + q (see convert_pair), so per group, with the row's group sums `xsum`:
+// int4 (kInt4): q as nibbles [NB, K / 2, 16] in quads of column pairs (64 bytes for pairs 4t ..
+// 4t + 3, read as 32 16-bit words: bits 4s .. 4s + 3 of word v hold value v of pair 4t + s), w = q
+// * scale + offset with bf16 [NB, K / G, 2, 16] scales and offsets. The dot runs on 128 + q (see
+// convert_quad), so per group, with the row's group sums `xsum`:
 // total += scale * (acc - 128 * sum(x)) + offset * sum(x).
-// int8: q as bf16 (exact) through fp32. int4: 128 + q, whose bf16 bits are 0x4300 | q (an
-// exponent of 2^7 and q as the mantissa: exact), so no conversion at all; the tile subtracts
-// 128 times the row's group sum of x again.
-template <bool kInt4>
+// int8: q as bf16 (exact) through fp32.
 inline __m512bh convert_pair(const int8_t* p) {  // channels 0-7's pairs, then 8-15's
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// int4: 128 + q, whose bf16 bits are 0x4300 | q (an exponent of 2^7 and q as the mantissa:
+// exact), so a nibble becomes its bf16 operand in place, one shift and one bitwise op per 32:
+// four pairs' operands from 64 bytes with no shuffle (the tile subtracts 128 times the row's
+// group sum of x again). Before the quads, one pair's 16 bytes were widened to 16-bit words
+// (a cross-lane shuffle), masked, shifted and joined: 7 instructions per operand against 2.
+inline void convert_quad(const int8_t* p, __m512bh* out) {
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512i low = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+  // 0xEA: (a & b) | c
+  out[0] = (__m512bh)_mm512_ternarylogic_epi32(v, low, exponent, 0xEA);
+  out[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low, exponent, 0xEA);
+  out[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low, exponent, 0xEA);
+  out[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), exponent);
+}
+
+// Pairs j0 .. j0 + count of a block as operands (int4: j0 and count multiples of 4).
+template <bool kInt4>
+inline void convert_pairs(const BlockStream& s, int64_t j0, int64_t count, __m512bh* out) {
   if constexpr (kInt4) {
-    const __m256i bytes =
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i exponent = _mm256_set1_epi16(0x4300);
-    const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), exponent);
-    const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(bytes, 4), exponent);
-    return (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    for (int64_t j = 0; j < count; j += 4) convert_quad(s.p + (j0 + j) / 4 * s.step, out + j);
   } else {
-    const __m512 lo = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    const __m512 hi = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    for (int64_t j = 0; j < count; ++j) out[j] = convert_pair(s.p + (j0 + j) * s.step);
   }
 }
 
@@ -285,26 +329,48 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) total[r][c] = _mm512_setzero_ps();
+  BlockStream streams[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) streams[c] = block_stream<kInt4>(a.q, b0 + c, K, a.blocks);
   for (int64_t gi = 0; gi < groups; ++gi) {
     __m512 acc[R][C];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
-      if (!kInt4 && pre == nullptr) prefetch_ahead<C>(q, K * kQBytes, k * kQBytes);
-      __m512bh w[C];
+    if (kInt4 && pre == nullptr) {
+      // a quad (8 columns) per block at a time; each accumulator still takes k in order
+      for (int64_t k = gi * G, end = k + G; k < end; k += 8) {
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c)
-        w[c] = pre != nullptr ? pre[c * (K / 2) + k / 2]
-                              : convert_pair<kInt4>(q + (c * K + k) * kQBytes);
+        for (int c = 0; c < C; ++c) {
+          __m512bh w[4];
+          convert_quad(streams[c].p + k / 8 * streams[c].step, w);
+#pragma GCC unroll 4
+          for (int s4 = 0; s4 < 4; ++s4)
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * a.xs + k, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+            for (int r = 0; r < R; ++r) {
+              int32_t pair;
+              std::memcpy(&pair, x + r * a.xs + k + 2 * s4, sizeof(pair));
+              acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[s4], (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+      }
+    } else {
+      for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
+        if (!kInt4 && pre == nullptr) prefetch_ahead<C>(q, K * kQBytes, k * kQBytes);
+        __m512bh w[C];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+        for (int c = 0; c < C; ++c)
+          w[c] = pre != nullptr ? pre[c * (K / 2) + k / 2]
+                                : convert_pair(q + (c * K + k) * kQBytes);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * a.xs + k, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w[c], xv);
+        }
       }
     }
 #pragma GCC unroll 8
@@ -347,21 +413,17 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 // One group's sums for RT row tiles x CT channel blocks into acc ([RT * 16][CT * 16] fp32):
 // x at the group's first column (row stride xs elements), w at the group's first column pair
 // of block 0 (block stride ws elements), `steps` tile products of 32 columns.
-// `q` (the first row tile only): the blocks' raw weights at the group's first column (block
-// stride qs bytes), converted into w step by step, so the conversions overlap the tile products.
+// `q` (the first row tile only): the blocks' raw weights, whose pairs from j0 (the group's
+// first) are converted into w step by step, so the conversions overlap the tile products.
 template <int RT, int CT, bool kInt4>
 inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, int64_t steps,
-                      const int8_t* q, int64_t qs, float* acc) {
-  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
+                      const BlockStream* q, int64_t j0, float* acc) {
   zero_sums<RT, CT>();
   for (int64_t s = 0; s < steps; ++s) {
     if (q != nullptr) {
-      for (int c = 0; c < CT; ++c) {
-        __m512bh* dst = reinterpret_cast<__m512bh*>(w + c * ws + s * 512);
-        const int8_t* src = q + c * qs + s * 32 * kQBytes;
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) dst[j] = convert_pair<kInt4>(src + 2 * j * kQBytes);
-      }
+      for (int c = 0; c < CT; ++c)
+        convert_pairs<kInt4>(q[c], j0 + s * 16, 16,
+                             reinterpret_cast<__m512bh*>(w + c * ws + s * 512));
     }
     tile_step<RT, CT>(x + s * 32, xs, w + s * 512, ws);
   }
@@ -373,11 +435,11 @@ inline void amx_group(const uint16_t* x, int64_t xs, uint16_t* w, int64_t ws, in
 template <typename E, int CT, bool kInt4>
 void columns_amx(const Args& a, int64_t b0, typename E::raw* out, int* configured) {
   const int64_t K = a.k, G = a.g, groups = K / G, pairs = K / 2;
-  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;
   thread_local std::vector<__m512bh> converted;
   converted.resize(CT * pairs);
   uint16_t* w = reinterpret_cast<uint16_t*>(converted.data());
-  const int8_t* q = a.q + b0 * K * kQBytes;
+  BlockStream streams[CT];
+  for (int c = 0; c < CT; ++c) streams[c] = block_stream<kInt4>(a.q, b0 + c, K, a.blocks);
   const float* s = a.s + b0 * groups * kBlock;
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
   constexpr int kCols = CT * kBlock;
@@ -390,13 +452,13 @@ void columns_amx(const Args& a, int64_t b0, typename E::raw* out, int* configure
     const uint16_t* x = a.xb + r0 * a.xs;
     const int64_t xs = a.xs;
     for (int64_t gi = 0; gi < groups; ++gi) {
-      const int8_t* raw = r0 == 0 ? q + gi * G * kQBytes : nullptr;
+      const BlockStream* raw = r0 == 0 ? streams : nullptr;
       if (rt == 2)
         amx_group<2, CT, kInt4>(x + gi * G, xs, w + gi * G * 16, pairs * 32, G / 32, raw,
-                                K * kQBytes, acc);
+                                gi * G / 2, acc);
       else
         amx_group<1, CT, kInt4>(x + gi * G, xs, w + gi * G * 16, pairs * 32, G / 32, raw,
-                                K * kQBytes, acc);
+                                gi * G / 2, acc);
       for (int c = 0; c < CT; ++c) {
         __m512 sv, ov;
         if constexpr (kInt4) {
@@ -488,12 +550,10 @@ void columns(const Args& a, int64_t b0, typename E::raw* out) {
   if constexpr (kDot == 1 || kDot == 2) {
     if (a.m > RB) {
       const int64_t pairs = a.k / 2;
-      constexpr int kQBytes = kDot == 2 ? kBlock / 2 : kBlock;
       if (converted.size() < static_cast<size_t>(C * pairs)) converted.resize(C * pairs);
       for (int c = 0; c < C; ++c)
-        for (int64_t j = 0; j < pairs; ++j)
-          converted[c * pairs + j] =
-              convert_pair<kDot == 2>(a.q + ((b0 + c) * a.k + 2 * j) * kQBytes);
+        convert_pairs<kDot == 2>(block_stream<kDot == 2>(a.q, b0 + c, a.k, a.blocks), 0, pairs,
+                                 &converted[c * pairs]);
       pre = converted.data();
     }
   }
@@ -703,10 +763,11 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t n,
 }
 
 // x [M, K] (rows contiguous) @ (q * scale + offset).T with q4 [N' / 16, K / 2, 16] uint8 nibbles
-// and sz [N' / 16, K / G, 2, 16] scales and offsets, bf16 (or fp32 for the FMA layout). `pairs`: the bf16 dot's layout (bf16
-// x, AVX512-BF16 builds only; byte i of a column pair holds value i of its 32 (channel i // 2,
-// column i % 2) low and value i + 16 high); else the FMA layout (fp32 or bf16 x, any build;
-// byte c holds channel c's columns 2j low and 2j + 1 high). AMX as int8_linear's.
+// and sz [N' / 16, K / G, 2, 16] scales and offsets, bf16 (or fp32 for the FMA layout).
+// `pairs`: the bf16 dot's layout (bf16 x, AVX512-BF16 builds only, groups of 8k columns; quads
+// of column pairs, see convert_quad: value v = 2 channel + column % 2 of pair j in nibble j % 4
+// of 16-bit word v of the quad); else the FMA layout (fp32 or bf16 x, any build; byte c holds
+// channel c's columns 2j low and 2j + 1 high). AMX as int8_linear's.
 at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bool pairs,
                        int64_t amx_min_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
@@ -715,6 +776,9 @@ at::Tensor int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz, int64_t n, bo
   TORCH_CHECK(!pairs || (kBf16Dot && x.scalar_type() == at::kBFloat16),
               "q4 in column pairs needs bfloat16 x and an AVX512-BF16 build (bf16_dot())");
   const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(!pairs || (sz.dim() == 4 && sz.size(1) > 0 && k % sz.size(1) == 0 &&
+                         (k / sz.size(1)) % 8 == 0),
+              "q4 in column pairs needs groups of a multiple of 8 columns (whole quads)");
   TORCH_CHECK(q4.scalar_type() == at::kByte && q4.is_contiguous() && q4.dim() == 3 &&
                   q4.size(1) * 2 == k && q4.size(2) == kBlock,
               "q4 must be contiguous uint8 [N / 16, K / 2, 16] with x's K");
@@ -844,6 +908,8 @@ at::Tensor grouped_int4_linear(at::Tensor x, at::Tensor q4, at::Tensor sz,
   const int64_t blocks = q4.size(1), groups = sz.size(2), g = k / groups;
   TORCH_CHECK(n > 0 && n <= blocks * kBlock && n > (blocks - 1) * kBlock,
               "n must lie in the last block of q4's rows");
+  TORCH_CHECK(!pairs || g % 8 == 0,
+              "q4 in column pairs needs groups of a multiple of 8 columns (whole quads)");
   const std::vector<int64_t> starts = row_starts(counts, m);
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   std::vector<float> xf;
@@ -913,12 +979,14 @@ void int4_rows_impl(const at::Tensor& q4, const at::Tensor& sz, const int64_t* i
   for (int64_t r = 0; r < t; ++r) {
     const int64_t block = ids[r] / kBlock, lane = ids[r] % kBlock;
     for (int64_t c = 0; c < k; ++c) {
-      const uint8_t* pair = qp + (block * (k / 2) + c / 2) * kBlock;
       int q;
-      if (pairs) {  // byte i of a column pair: value i low, i + 16 high; value 2 lane + col
-        q = (pair[(2 * lane) % kBlock + c % 2] >> (lane >= kBlock / 2 ? 4 : 0)) & 0x0F;
+      if (pairs) {  // value v = 2 lane + column % 2 of pair j: word v of j's quad, nibble j % 4
+        const int64_t j = c / 2, v = 2 * lane + c % 2;
+        const uint8_t* quad = qp + quad_offset(block, j / 4, k / 8, q4.size(0));
+        q = (quad[2 * v + (j % 4) / 2] >> (4 * (j % 2))) & 0x0F;
       } else {  // byte lane: column 2j low, 2j + 1 high
-        q = c % 2 == 0 ? pair[lane] & 0x0F : pair[lane] >> 4;
+        q = c % 2 == 0 ? qp[(block * (k / 2) + c / 2) * kBlock + lane] & 0x0F
+                       : qp[(block * (k / 2) + c / 2) * kBlock + lane] >> 4;
       }
       const typename S::raw* gz = zp + (block * groups + c / g) * 2 * kBlock + lane;
       volatile float product = static_cast<float>(q) * S::load1(gz);
@@ -1007,6 +1075,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &duet::int8_rows,
         "Rows ids of int8_linear's dense weight (q * scale) into out [T, K] (fp32 or bf16)",
         py::arg("q"), py::arg("scale"), py::arg("ids"), py::arg("out"), py::arg("pairs"));
+  m.def("int4_panel", [] { return duet::kPanel; },
+        "Blocks of 16 channels whose quads interleave in int4's column-pair layout");
   m.def("int4_rows", &duet::int4_rows,
         "Rows ids of int4_linear's dense weight (q * scale + offset) into out [T, K]",
         py::arg("q4"), py::arg("sz"), py::arg("ids"), py::arg("out"), py::arg("pairs"));

@@ -42,6 +42,7 @@ from duet.engine.quant.cpu_linear import (
     pack_int8,
     unpack_int8,
     uses_amx,
+    uses_int4_pairs,
     uses_pairs,
 )
 from duet.engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
@@ -223,7 +224,7 @@ class QuantizedLinear(nn.Module):
         if kernels is not None and dtype in (torch.float32, torch.bfloat16):
             # duet's int4 kernel: bf16 scales and offsets, as torch's kernel holds them
             self.duet_kernels, self.use_kernel = kernels, True
-            self.pairs = uses_pairs(kernels, dtype, weight.group_size)
+            self.pairs = uses_int4_pairs(kernels, dtype, weight.group_size)
             self.amx = uses_amx(kernels, dtype, weight.group_size)
             self.kernel_max_rows = UNLIMITED if self.amx else INT4_KERNEL_MAX_ROWS[self.pairs]
             # A GGUF file's scales stay exact with fp32 FMAs (the bf16 dot takes bf16 ones).

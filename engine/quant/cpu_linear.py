@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 BLOCK = 16
 """Output channels per packed block."""
 
+INT4_PANEL = 6
+"""Blocks whose int4 quads interleave in the bf16 dot's layout (the kernel's `int4_panel()`)."""
+
 SOURCES = ("quant_linear_cpu.cpp",)
 
 
@@ -54,6 +57,11 @@ def uses_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
     """Whether the kernel takes this layer's weights in pairs of columns: bf16 activations on an
     AVX512-BF16 build (vdpbf16ps, twice the multiply-adds of fp32 FMAs), even groups."""
     return dtype == torch.bfloat16 and bool(kernels.bf16_dot()) and group_size % 2 == 0
+
+
+def uses_int4_pairs(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
+    """`uses_pairs` for int4 weights, whose pairs come in quads: groups of a multiple of 8."""
+    return uses_pairs(kernels, dtype, group_size) and group_size % 8 == 0
 
 
 def uses_amx(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
@@ -119,9 +127,12 @@ def pack_int4(
     """int4 (q [N, K] in [0, 15], w = q * scale + offset, offset None: -8 * scale) in the int4
     kernel's layout: nibbles [N' / 16, K / 2, 16] and scales and offsets [N' / 16, K / G, 2, 16]
     of `scale_dtype` (bf16, as torch's int4 kernel holds them; or, without `pairs`, fp32: a GGUF
-    file's exact values). `pairs` (the bf16 dot): per column pair, byte i holds value i of its
-    32 (channel i // 2, column i % 2) low and value i + 16 high; else (fp32 FMAs) byte c holds
-    channel c's columns 2j (low) and 2j + 1 (high). Padded rows are zero."""
+    file's exact values). `pairs` (the bf16 dot; K a multiple of 8): column pair j's 32 values
+    (value v: channel v // 2, column 2j + v % 2) in quads of pairs, 64 bytes for pairs 4t .. 4t
+    + 3 read as 32 little-endian 16-bit words, value v of pair 4t + s in bits 4s .. 4s + 3 of
+    word v, and the quads of `INT4_PANEL` neighbouring blocks interleave (a panel's quad t is
+    its blocks' quads t side by side: a one-row tile reads one stream); else (fp32 FMAs) byte c holds channel c's columns 2j (low) and 2j + 1 (high).
+    Padded rows are zero."""
     n, k = q.shape
     scale_bf16 = scale.to(scale_dtype)
     if offset is None:  # exact: -8 times a bf16
@@ -134,8 +145,17 @@ def pack_int4(
     blocks = (n + pad) // BLOCK
     values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
     if pairs:
-        values = values.permute(0, 2, 1, 3).reshape(blocks, k // 2, 2 * BLOCK)
-        nibbles = (values[..., :BLOCK] | (values[..., BLOCK:] << 4)).contiguous()
+        if k % 8:
+            raise ValueError(f"int4 pairs need K a multiple of 8 (whole quads); got {k}")
+        values = values.permute(0, 2, 1, 3).reshape(blocks, k // 8, 4, 2 * BLOCK)
+        low = values[:, :, 0] | (values[:, :, 1] << 4)  # word v's first byte
+        high = values[:, :, 2] | (values[:, :, 3] << 4)
+        quads = torch.stack([low, high], dim=-1).reshape(blocks, k // 8, 64)
+        panels = [  # each panel's quad t: its blocks' quads t side by side
+            quads[first : first + INT4_PANEL].transpose(0, 1).reshape(-1)
+            for first in range(0, blocks, INT4_PANEL)
+        ]
+        nibbles = torch.cat(panels).view(blocks, k // 2, BLOCK)
     else:
         nibbles = (values[..., 0] | (values[..., 1] << 4)).transpose(1, 2).contiguous()
     sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
@@ -150,7 +170,14 @@ def unpack_int4(
     the scales and offsets as fp32."""
     blocks, num_pairs, _ = nibbles.shape
     if pairs:
-        values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N' / 16, K / 2, 32]
+        flat, parts = nibbles.reshape(-1), []
+        for first in range(0, blocks, INT4_PANEL):
+            width = min(INT4_PANEL, blocks - first)
+            panel = flat[first * num_pairs * BLOCK : (first + width) * num_pairs * BLOCK]
+            parts.append(panel.view(num_pairs // 4, width, 64).transpose(0, 1))
+        words = torch.cat(parts).view(blocks, num_pairs // 4, 2 * BLOCK, 2)
+        low, high = words[..., 0], words[..., 1]
+        values = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=2)
         values = values.view(blocks, num_pairs, BLOCK, 2).permute(0, 2, 1, 3)
     else:
         values = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).transpose(1, 2)

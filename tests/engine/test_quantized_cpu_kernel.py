@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from duet.engine.quant.cpu_linear import (
+    INT4_PANEL,
     build_quant_kernels,
     int4_linear,
     int8_linear,
@@ -218,16 +219,37 @@ def test_int4_equals_dequantized_reference_and_rows_do_not_depend_on_the_batch(
 
 def test_int4_layouts_are_each_others_transpose() -> None:
     """The same weights in both layouts: the FMA layout's byte c of pair j is channel c's
-    columns 2j and 2j + 1; the bf16 dot's interleaves the pair's 32 values."""
-    q = torch.arange(32 * 4).remainder(16).view(32, 4).to(torch.uint8)  # channel c: its values
+    columns 2j and 2j + 1; the bf16 dot's puts value v (channel v // 2, column 2j + v % 2) of
+    pair j in nibble j % 4 of 16-bit word v of its quad (pairs 4t .. 4t + 3, 64 bytes)."""
+    q = torch.arange(32 * 8).remainder(16).view(32, 8).to(torch.uint8)  # channel c: its values
+    q[1] = torch.tensor([3, 14, 5, 9, 0, 12, 7, 1], dtype=torch.uint8)
     scale = torch.ones(32, 1)
     fma, fma_sz = pack_int4(q, scale, None, pairs=False)
     dot, dot_sz = pack_int4(q, scale, None, pairs=True)
     assert fma[0, 1, 3].item() == q[3, 2] | (q[3, 3] << 4)  # channel 3, columns 2 and 3
-    assert dot[0, 1, 3].item() == q[1, 3] | (q[9, 3] << 4)  # values 3 and 19 of pair 1
+    quad = dot[0, :4].flatten()  # pairs 0-3: words 0-31, little-endian
+    assert quad[6].item() == q[1, 1] | (q[1, 3] << 4) == 14 | (9 << 4)  # value 3, pairs 0, 1
+    assert quad[7].item() == q[1, 5] | (q[1, 7] << 4) == 12 | (1 << 4)  # value 3, pairs 2, 3
+    assert quad[38].item() == q[9, 1] | (q[9, 3] << 4)  # value 19, pairs 0, 1
     assert torch.equal(fma_sz, dot_sz)
     assert torch.equal(unpack_int4(fma, fma_sz, 32, pairs=False)[0], q)
     assert torch.equal(unpack_int4(dot, dot_sz, 32, pairs=True)[0], q)
+
+
+def test_int4_pairs_need_whole_quads(kernels) -> None:
+    """The bf16 dot's int4 layout reads 8 columns at a time: K and the group size must divide
+    by 8, refused naming the need (the FMA layout takes any even group)."""
+    q = torch.randint(0, 16, (16, 12), dtype=torch.uint8)
+    with pytest.raises(ValueError, match="K a multiple of 8"):
+        pack_int4(q, torch.ones(16, 3), None, pairs=True)
+    if not kernels.bf16_dot():
+        return
+    nibbles, sz = pack_int4(q[:, :8], torch.ones(16, 2), None, pairs=True)  # groups of 4
+    x = torch.randn(1, 8).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="groups of a multiple of 8 columns"):
+        int4_linear(kernels, x, nibbles, sz, 16, True, NO_AMX)
+    fma, fma_sz = pack_int4(q[:, :8], torch.ones(16, 2), None, pairs=False)
+    assert int4_linear(kernels, x, fma, fma_sz, 16, False).shape == (1, 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fma"])
@@ -257,3 +279,41 @@ def test_int4_fp32_scales_keep_a_files_values(kernels, dtype: torch.dtype) -> No
     assert torch.equal(out, alone)
     with pytest.raises(RuntimeError, match=r"column pairs needs|float32\) \[N / 16"):
         int4_linear(kernels, x.to(torch.bfloat16), nibbles, sz, n, True)
+
+
+def test_int4_panels_interleave_neighbouring_blocks(kernels) -> None:
+    """A panel's quad t is its blocks' quads t side by side (the last panel may hold fewer
+    blocks), in the kernel's panel width: 7 blocks are panels of 6 and 1."""
+    assert kernels.int4_panel() == INT4_PANEL == 6
+    n, k = 7 * 16, 16
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    nibbles, sz = pack_int4(q, torch.ones(n, 1), None, pairs=True)
+    flat = nibbles.flatten()
+    alone = [pack_int4(q[16 * b : 16 * b + 16], torch.ones(16, 1), None, pairs=True)[0].flatten()
+             for b in range(7)]  # fmt: skip
+    for b in range(6):  # quad t of block b: 64 bytes at (t * 6 + b) * 64
+        for t in range(2):
+            assert torch.equal(flat[(t * 6 + b) * 64 : (t * 6 + b + 1) * 64],
+                               alone[b][t * 64 : (t + 1) * 64])  # fmt: skip
+    assert torch.equal(flat[6 * 128 :], alone[6])  # the last panel: one block, its quads in order
+    assert torch.equal(unpack_int4(nibbles, sz, n, pairs=True)[0], q)
+    if not kernels.bf16_dot():
+        return
+    # 13 blocks (panels of 6, 6 and 1), threads splitting them anywhere: the dequantized product
+    gen = torch.Generator().manual_seed(2)
+    q4 = quantize_int4(torch.randn(200, 64, generator=gen) * 0.05, 32, False)
+    nibbles, sz = pack_int4(q4.q, q4.scale, q4.offset, pairs=True)
+    q, scale, offset = unpack_int4(nibbles, sz, 200, pairs=True)
+    w = (q.float().view(200, 2, 32) * scale[..., None] + offset[..., None]).view(200, 64)
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    batch = int4_linear(kernels, x, nibbles, sz, 200, True, NO_AMX)
+    torch.testing.assert_close(batch.float(), F.linear(x.float(), w), rtol=2**-8, atol=2e-3)
+    threads = torch.get_num_threads()
+    for count in (1, 2, 3):
+        torch.set_num_threads(count)
+        try:
+            alone = [int4_linear(kernels, x[i : i + 1], nibbles, sz, 200, True, NO_AMX)
+                     for i in range(9)]  # fmt: skip
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(torch.cat(alone), batch)
