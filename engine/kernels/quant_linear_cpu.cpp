@@ -116,33 +116,39 @@ constexpr bool kBf16Dot = kLanes >= 16;
 constexpr bool kBf16Dot = false;
 #endif
 
-// Where a block's weights lie in the bf16 dot's layout: int8 pairs are contiguous per block
-// (K * 16 bytes); int4 quads of kPanel neighbouring blocks interleave (pack_int4): a panel's
-// quad t is its blocks' quads t side by side, so block b's quad t sits at its panel's start +
-// (t * width + b's place) * 64 bytes, width the panel's blocks (kPanel; the last one's may be
-// fewer). A one-row tile of kPanel blocks then reads one stream, not kPanel streams of K * 8
-// bytes (4.6 KB at K = 576, too short for the hardware prefetcher to settle in).
-// Panels of 6 (a one-row tile) against none (1): 30 SmolLM2 layers' int4 products at one row,
-// from memory, alternately in one process on a 2-core Zen 4: 21.5-22.5 -> 23.3-24.4 GB/s.
+// Where a block's weights lie in the bf16 dot's layouts: the units of kPanel neighbouring
+// blocks interleave (pack_int8, pack_int4), int8's pairs (32 bytes: a column pair of 16
+// channels) and int4's quads (64 bytes: four pairs). A panel's unit t is its blocks' units t
+// side by side, so block b's unit t sits at its panel's start + (t * width + b's place) * unit
+// bytes, width the panel's blocks (kPanel; the last panel's may be fewer). A one-row tile of
+// kPanel blocks then reads one stream, not kPanel streams of K * 16 or K * 8 bytes (9.2 or 4.6
+// KB at K = 576, too short for the hardware prefetcher to settle in). 30 SmolLM2 layers'
+// products at one row from memory, panels of 6 against contiguous blocks, alternately in one
+// process on a 2-core Zen 4: int4 21.5-22.5 -> 23.3-24.4 GB/s; int8 27.4-28.2 -> 29.4-30.7
+// (against each stream prefetched 512 bytes ahead, +10% over none; prefetching the panel's
+// one stream was slower 1 KB ahead and alike 3 KB ahead, so it does not).
 constexpr int64_t kPanel = 6;
 struct BlockStream {
   const int8_t* p;  // the block's pair 0 (int8) or quad 0 (int4)
   int64_t step;     // bytes from pair j to j + 1 (int8), or from quad t to t + 1 (int4)
 };
 
+// Block b's unit t (units of `bytes`, `units` a block) when panels of `panel` blocks interleave.
+inline int64_t unit_offset(int64_t b, int64_t t, int64_t units, int64_t bytes, int64_t blocks,
+                           int64_t panel) {
+  const int64_t first = b - b % panel, width = std::min<int64_t>(panel, blocks - first);
+  return (first * units + t * width + (b - first)) * bytes;
+}
+
 inline int64_t quad_offset(int64_t b, int64_t t, int64_t quads, int64_t blocks) {
-  const int64_t first = b - b % kPanel, width = std::min<int64_t>(kPanel, blocks - first);
-  return (first * quads + t * width + (b - first)) * 64;
+  return unit_offset(b, t, quads, 64, blocks, kPanel);
 }
 
 template <bool kInt4>
 inline BlockStream block_stream(const int8_t* q, int64_t b, int64_t k, int64_t blocks) {
-  if constexpr (kInt4) {
-    const int64_t first = b - b % kPanel, width = std::min<int64_t>(kPanel, blocks - first);
-    return {q + quad_offset(b, 0, k / 8, blocks), width * 64};
-  } else {
-    return {q + b * k * kBlock, 2 * kBlock};
-  }
+  constexpr int64_t panel = kPanel, bytes = kInt4 ? 64 : 2 * kBlock;
+  const int64_t first = b - b % panel, width = std::min<int64_t>(panel, blocks - first);
+  return {q + unit_offset(b, 0, kInt4 ? k / 8 : k / 2, bytes, blocks, panel), width * bytes};
 }
 
 struct Args {
@@ -297,30 +303,11 @@ inline void convert_pairs(const BlockStream& s, int64_t j0, int64_t count, __m51
   }
 }
 
-// At one row an int8 product reads each weight byte once, from memory, and a tile's C channel
-// blocks are C streams of K x 16 bytes (9 KB at K = 576), too short for the
-// hardware prefetcher. Asking for the line kAhead bytes on in each stream, once per 64-byte
-// line (`at`, the offset into a stream, steps by 32), made 30 SmolLM2 layers' int8 products at
-// one row 10% faster on a 2-core Zen 4 (23.5 -> 26.1 GB/s of its 31; 384-768 bytes alike;
-// variants built side by side and timed alternately). The int4 dot, bound by its nibble
-// conversions, and the fp32 FMA tiles did not move, so they do not ask.
-constexpr int64_t kAhead = 512;
-
-template <int C>
-inline void prefetch_ahead(const void* stream0, int64_t stream_bytes, int64_t at) {
-  if (at % 64 != 0) return;
-  const char* p = static_cast<const char*>(stream0) + at + kAhead;
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) __builtin_prefetch(p + c * stream_bytes, 0, 3);
-}
-
 // `pre`: when not null, the C blocks' weights already converted ([C][K / 2] vectors, see
 // `columns`), so row tiles after the first do not convert them again. Same values either way.
 template <int C, int R, bool kInt4>
 void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh* pre) {
   const int64_t K = a.k, G = a.g, groups = K / G;
-  constexpr int kQBytes = kInt4 ? kBlock / 2 : kBlock;  // weight bytes per column
-  const int8_t* q = a.q + b0 * K * kQBytes;
   const float* s = a.s + b0 * groups * kBlock;
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
   const uint16_t* x = a.xb + r0 * a.xs;
@@ -357,12 +344,11 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
       }
     } else {
       for (int64_t k = gi * G, end = k + G; k < end; k += 2) {
-        if (!kInt4 && pre == nullptr) prefetch_ahead<C>(q, K * kQBytes, k * kQBytes);
         __m512bh w[C];
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c)
           w[c] = pre != nullptr ? pre[c * (K / 2) + k / 2]
-                                : convert_pair(q + (c * K + k) * kQBytes);
+                                : convert_pair(streams[c].p + k / 2 * streams[c].step);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           int32_t pair;
@@ -962,8 +948,10 @@ void int8_rows_impl(const at::Tensor& q, const at::Tensor& scale, const int64_t*
   for (int64_t r = 0; r < t; ++r) {
     const int64_t block = ids[r] / kBlock, lane = ids[r] % kBlock;
     for (int64_t c = 0; c < k; ++c) {
-      const int64_t at = pairs ? ((block * (k / 2) + c / 2) * kBlock + lane) * 2 + c % 2
-                               : (block * k + c) * kBlock + lane;
+      const int64_t at =
+          pairs ? unit_offset(block, c / 2, k / 2, 2 * kBlock, q.size(0), kPanel) + lane * 2 +
+                      c % 2
+                : (block * k + c) * kBlock + lane;
       const float s = sp[(block * groups + c / g) * kBlock + lane];
       out[r * k + c] = E::store1(static_cast<float>(qp[at]) * s);
     }
@@ -1075,8 +1063,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_rows", &duet::int8_rows,
         "Rows ids of int8_linear's dense weight (q * scale) into out [T, K] (fp32 or bf16)",
         py::arg("q"), py::arg("scale"), py::arg("ids"), py::arg("out"), py::arg("pairs"));
-  m.def("int4_panel", [] { return duet::kPanel; },
-        "Blocks of 16 channels whose quads interleave in int4's column-pair layout");
+  m.def("panel", [] { return duet::kPanel; },
+        "Blocks of 16 channels whose units interleave in the bf16 dot's layouts");
   m.def("int4_rows", &duet::int4_rows,
         "Rows ids of int4_linear's dense weight (q * scale + offset) into out [T, K]",
         py::arg("q4"), py::arg("sz"), py::arg("ids"), py::arg("out"), py::arg("pairs"));

@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 BLOCK = 16
 """Output channels per packed block."""
 
-INT4_PANEL = 6
-"""Blocks whose int4 quads interleave in the bf16 dot's layout (the kernel's `int4_panel()`)."""
+PANEL = 6
+"""Blocks whose units (int8 column pairs, int4 quads) interleave in the bf16 dot's layouts, so
+a one-row tile reads one stream (the kernel's `panel()`)."""
 
 SOURCES = ("quant_linear_cpu.cpp",)
 
@@ -70,12 +71,34 @@ def uses_amx(kernels: Any, dtype: torch.dtype, group_size: int) -> bool:
     return uses_pairs(kernels, dtype, group_size) and bool(kernels.amx()) and group_size % 32 == 0
 
 
+def interleave(units: torch.Tensor, panel: int) -> torch.Tensor:
+    """[blocks, U, bytes] -> flat, panels of `panel` blocks (the last may hold fewer) one after
+    another, each panel's unit t being its blocks' units t side by side."""
+    parts = [units[first : first + panel].transpose(0, 1).reshape(-1)
+             for first in range(0, units.shape[0], panel)]  # fmt: skip
+    return torch.cat(parts)
+
+
+def deinterleave(
+    flat: torch.Tensor, blocks: int, units: int, size: int, panel: int
+) -> torch.Tensor:
+    """The inverse of `interleave`: [blocks, units, size]."""
+    parts = []
+    for first in range(0, blocks, panel):
+        width = min(panel, blocks - first)
+        span = flat[first * units * size : (first + width) * units * size]
+        parts.append(span.view(units, width, size).transpose(0, 1))
+    return torch.cat(parts)
+
+
 def pack_int8(
     q: torch.Tensor, scale: torch.Tensor, pairs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q ([N, K] int8) and scale ([N, K / G] fp32) in the kernel's layout: ([N' / 16, K, 16],
     [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales. `pairs`:
-    q as [N' / 16, K / 2, 16, 2] instead (columns 2j and 2j + 1 side by side per channel)."""
+    q as [N' / 16, K / 2, 16, 2] instead (columns 2j and 2j + 1 side by side per channel), the
+    32-byte pairs of `PANEL` neighbouring blocks interleaved (a panel's pair j is its blocks'
+    pairs j side by side)."""
     n, k = q.shape
     pad = -n % BLOCK
     if pad:
@@ -83,7 +106,8 @@ def pack_int8(
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
     blocks = (n + pad) // BLOCK
     if pairs:
-        packed = q.view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = q.view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(blocks, k // 2, 32)
+        packed = interleave(packed, PANEL).view(blocks, k // 2, BLOCK, 2)
     else:
         packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
     scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
@@ -96,7 +120,8 @@ def unpack_int8(
     """The inverse of `pack_int8`: (q [n, K], scale [n, K / G])."""
     blocks = packed.shape[0]
     if packed.dim() == 4:  # pairs
-        q = packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
+        units = deinterleave(packed.reshape(-1), blocks, packed.shape[1], 32, PANEL)
+        q = units.view(packed.shape).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
     else:
         q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
@@ -130,7 +155,7 @@ def pack_int4(
     file's exact values). `pairs` (the bf16 dot; K a multiple of 8): column pair j's 32 values
     (value v: channel v // 2, column 2j + v % 2) in quads of pairs, 64 bytes for pairs 4t .. 4t
     + 3 read as 32 little-endian 16-bit words, value v of pair 4t + s in bits 4s .. 4s + 3 of
-    word v, and the quads of `INT4_PANEL` neighbouring blocks interleave (a panel's quad t is
+    word v, and the quads of `PANEL` neighbouring blocks interleave (a panel's quad t is
     its blocks' quads t side by side: a one-row tile reads one stream); else (fp32 FMAs) byte c holds channel c's columns 2j (low) and 2j + 1 (high).
     Padded rows are zero."""
     n, k = q.shape
@@ -151,11 +176,7 @@ def pack_int4(
         low = values[:, :, 0] | (values[:, :, 1] << 4)  # word v's first byte
         high = values[:, :, 2] | (values[:, :, 3] << 4)
         quads = torch.stack([low, high], dim=-1).reshape(blocks, k // 8, 64)
-        panels = [  # each panel's quad t: its blocks' quads t side by side
-            quads[first : first + INT4_PANEL].transpose(0, 1).reshape(-1)
-            for first in range(0, blocks, INT4_PANEL)
-        ]
-        nibbles = torch.cat(panels).view(blocks, k // 2, BLOCK)
+        nibbles = interleave(quads, PANEL).view(blocks, k // 2, BLOCK)
     else:
         nibbles = (values[..., 0] | (values[..., 1] << 4)).transpose(1, 2).contiguous()
     sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
@@ -170,12 +191,8 @@ def unpack_int4(
     the scales and offsets as fp32."""
     blocks, num_pairs, _ = nibbles.shape
     if pairs:
-        flat, parts = nibbles.reshape(-1), []
-        for first in range(0, blocks, INT4_PANEL):
-            width = min(INT4_PANEL, blocks - first)
-            panel = flat[first * num_pairs * BLOCK : (first + width) * num_pairs * BLOCK]
-            parts.append(panel.view(num_pairs // 4, width, 64).transpose(0, 1))
-        words = torch.cat(parts).view(blocks, num_pairs // 4, 2 * BLOCK, 2)
+        quads = deinterleave(nibbles.reshape(-1), blocks, num_pairs // 4, 64, PANEL)
+        words = quads.view(blocks, num_pairs // 4, 2 * BLOCK, 2)
         low, high = words[..., 0], words[..., 1]
         values = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=2)
         values = values.view(blocks, num_pairs, BLOCK, 2).permute(0, 2, 1, 3)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from duet.engine.quant.cpu_linear import (
-    INT4_PANEL,
+    PANEL,
     build_quant_kernels,
     int4_linear,
     int8_linear,
@@ -281,10 +281,39 @@ def test_int4_fp32_scales_keep_a_files_values(kernels, dtype: torch.dtype) -> No
         int4_linear(kernels, x.to(torch.bfloat16), nibbles, sz, n, True)
 
 
+def test_int8_pairs_interleave_neighbouring_blocks(kernels) -> None:
+    """int8's column pairs in panels as int4's quads: block b's pair j at (j * 6 + b) * 32
+    bytes in a panel of 6, the last panel (here 1 block of 7) its pairs in order."""
+    n, k = 7 * 16, 8
+    q = torch.randint(
+        -127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(3)
+    )
+    packed, scales = pack_int8(q, torch.ones(n, 1), pairs=True)
+    assert packed.shape == (7, k // 2, 16, 2)
+    flat = packed.flatten()
+    for b in range(7):
+        alone = pack_int8(q[16 * b : 16 * b + 16], torch.ones(16, 1), pairs=True)[0].flatten()
+        for j in range(k // 2):
+            at = (j * 6 + b) * 32 if b < 6 else 6 * 4 * 32 + j * 32
+            assert torch.equal(flat[at : at + 32], alone[j * 32 : (j + 1) * 32])
+    assert torch.equal(unpack_int8(packed, scales, n)[0], q)
+    if kernels.bf16_dot():  # 13 blocks at one row and in a batch: the dequantized product
+        gen = torch.Generator().manual_seed(4)
+        q8 = torch.randint(-127, 128, (200, 64), dtype=torch.int8, generator=gen)
+        scale = torch.rand(200, 1, generator=gen) / 64
+        packed, scales = pack_int8(q8, scale, pairs=True)
+        x = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+        batch = int8_linear(kernels, x, packed, scales, 200, NO_AMX)
+        expected = F.linear(x.float(), q8.float() * scale)
+        torch.testing.assert_close(batch.float(), expected, rtol=2**-8, atol=2e-3)
+        alone = [int8_linear(kernels, x[i : i + 1], packed, scales, 200, NO_AMX) for i in range(9)]
+        assert torch.equal(torch.cat(alone), batch)
+
+
 def test_int4_panels_interleave_neighbouring_blocks(kernels) -> None:
     """A panel's quad t is its blocks' quads t side by side (the last panel may hold fewer
     blocks), in the kernel's panel width: 7 blocks are panels of 6 and 1."""
-    assert kernels.int4_panel() == INT4_PANEL == 6
+    assert kernels.panel() == PANEL == 6
     n, k = 7 * 16, 16
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     nibbles, sz = pack_int4(q, torch.ones(n, 1), None, pairs=True)
