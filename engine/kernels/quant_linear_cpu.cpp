@@ -144,6 +144,15 @@ inline int64_t quad_offset(int64_t b, int64_t t, int64_t quads, int64_t blocks) 
   return unit_offset(b, t, quads, 64, blocks, kPanel);
 }
 
+// A block's scales of group gi (int8: 16 fp32; int4: 16 bf16 scales and 16 offsets), 64 bytes,
+// interleave in the same panels: a one-row tile reads them as one stream too, not 6 streams of
+// K / G * 64 bytes (1.2 KB at K = 576, G = 32). int4's 30 SmolLM2 layers at one row from memory
+// (alternately in one process, three runs, 2-core Zen 4): 21.4-23.9 -> 24.5-27.7 GB/s.
+inline const void* scale_unit(const void* s, int64_t b, int64_t gi, int64_t groups,
+                              int64_t blocks) {
+  return static_cast<const char*>(s) + unit_offset(b, gi, groups, 64, blocks, kPanel);
+}
+
 template <bool kInt4>
 inline BlockStream block_stream(const int8_t* q, int64_t b, int64_t k, int64_t blocks) {
   constexpr int64_t panel = kPanel, bytes = kInt4 ? 64 : 2 * kBlock;
@@ -308,8 +317,6 @@ inline void convert_pairs(const BlockStream& s, int64_t j0, int64_t count, __m51
 template <int C, int R, bool kInt4>
 void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh* pre) {
   const int64_t K = a.k, G = a.g, groups = K / G;
-  const float* s = a.s + b0 * groups * kBlock;
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
   const uint16_t* x = a.xb + r0 * a.xs;
   __m512 total[R][C];
 #pragma GCC unroll 8
@@ -362,7 +369,7 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       if constexpr (kInt4) {
-        const uint16_t* p = sz + (c * groups + gi) * 2 * kBlock;
+        const auto* p = static_cast<const uint16_t*>(scale_unit(a.s, b0 + c, gi, groups, a.blocks));
         const __m512 sv = bf16_to_f32(p), ov = bf16_to_f32(p + kBlock);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -372,7 +379,7 @@ void tile_dot(const Args& a, int64_t b0, int64_t r0, float* res, const __m512bh*
           total[r][c] = _mm512_fmadd_ps(xs, ov, total[r][c]);
         }
       } else {
-        const __m512 sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+        const __m512 sv = _mm512_loadu_ps(scale_unit(a.s, b0 + c, gi, groups, a.blocks));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) total[r][c] = _mm512_fmadd_ps(acc[r][c], sv, total[r][c]);
       }
@@ -426,8 +433,6 @@ void columns_amx(const Args& a, int64_t b0, typename E::raw* out, int* configure
   uint16_t* w = reinterpret_cast<uint16_t*>(converted.data());
   BlockStream streams[CT];
   for (int c = 0; c < CT; ++c) streams[c] = block_stream<kInt4>(a.q, b0 + c, K, a.blocks);
-  const float* s = a.s + b0 * groups * kBlock;
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(a.s) + b0 * groups * 2 * kBlock;
   constexpr int kCols = CT * kBlock;
   alignas(64) float acc[32 * kCols];
   alignas(64) float total[32 * kCols];
@@ -448,11 +453,11 @@ void columns_amx(const Args& a, int64_t b0, typename E::raw* out, int* configure
       for (int c = 0; c < CT; ++c) {
         __m512 sv, ov;
         if constexpr (kInt4) {
-          const uint16_t* p = sz + (c * groups + gi) * 2 * kBlock;
+          const auto* p = static_cast<const uint16_t*>(scale_unit(a.s, b0 + c, gi, groups, a.blocks));
           sv = bf16_to_f32(p);
           ov = bf16_to_f32(p + kBlock);
         } else {
-          sv = _mm512_loadu_ps(s + (c * groups + gi) * kBlock);
+          sv = _mm512_loadu_ps(scale_unit(a.s, b0 + c, gi, groups, a.blocks));
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t at = r * kCols + c * kBlock;
@@ -952,7 +957,9 @@ void int8_rows_impl(const at::Tensor& q, const at::Tensor& scale, const int64_t*
           pairs ? unit_offset(block, c / 2, k / 2, 2 * kBlock, q.size(0), kPanel) + lane * 2 +
                       c % 2
                 : (block * k + c) * kBlock + lane;
-      const float s = sp[(block * groups + c / g) * kBlock + lane];
+      const int64_t unit = pairs ? unit_offset(block, c / g, groups, 64, q.size(0), kPanel) / 4
+                                 : (block * groups + c / g) * kBlock;
+      const float s = sp[unit + lane];
       out[r * k + c] = E::store1(static_cast<float>(qp[at]) * s);
     }
   }
@@ -976,7 +983,12 @@ void int4_rows_impl(const at::Tensor& q4, const at::Tensor& sz, const int64_t* i
         q = c % 2 == 0 ? qp[(block * (k / 2) + c / 2) * kBlock + lane] & 0x0F
                        : qp[(block * (k / 2) + c / 2) * kBlock + lane] >> 4;
       }
-      const typename S::raw* gz = zp + (block * groups + c / g) * 2 * kBlock + lane;
+      // (bytes / raw: a unit is 2 x 16 values, 64 bytes in bf16, 128 in fp32)
+      constexpr int64_t raw = sizeof(typename S::raw);
+      const int64_t unit =
+          pairs ? unit_offset(block, c / g, groups, 2 * kBlock * raw, q4.size(0), kPanel) / raw
+                : (block * groups + c / g) * 2 * kBlock;
+      const typename S::raw* gz = zp + unit + lane;
       volatile float product = static_cast<float>(q) * S::load1(gz);
       out[r * k + c] = E::store1(product + S::load1(gz + kBlock));
     }

@@ -98,7 +98,8 @@ def pack_int8(
     [N' / 16, K / G, 16]), N' = N rounded up to 16, padded with zero rows and scales. `pairs`:
     q as [N' / 16, K / 2, 16, 2] instead (columns 2j and 2j + 1 side by side per channel), the
     32-byte pairs of `PANEL` neighbouring blocks interleaved (a panel's pair j is its blocks'
-    pairs j side by side)."""
+    pairs j side by side), and their scales the same way (a panel's group g: its blocks' 16
+    scales of group g side by side)."""
     n, k = q.shape
     pad = -n % BLOCK
     if pad:
@@ -111,6 +112,8 @@ def pack_int8(
     else:
         packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
     scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+    if pairs:
+        scales = interleave(scales, PANEL).view(scales.shape)
     return packed, scales
 
 
@@ -124,6 +127,9 @@ def unpack_int8(
         q = units.view(packed.shape).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
     else:
         q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
+    if packed.dim() == 4:
+        units = deinterleave(scales.reshape(-1), blocks, scales.shape[1], BLOCK, PANEL)
+        scales = units.view(scales.shape)
     scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     return q, scale
 
@@ -156,7 +162,8 @@ def pack_int4(
     (value v: channel v // 2, column 2j + v % 2) in quads of pairs, 64 bytes for pairs 4t .. 4t
     + 3 read as 32 little-endian 16-bit words, value v of pair 4t + s in bits 4s .. 4s + 3 of
     word v, and the quads of `PANEL` neighbouring blocks interleave (a panel's quad t is
-    its blocks' quads t side by side: a one-row tile reads one stream); else (fp32 FMAs) byte c holds channel c's columns 2j (low) and 2j + 1 (high).
+    its blocks' quads t side by side: a one-row tile reads one stream), as do the scales and
+    offsets (a panel's group g: its blocks' 32 values of group g side by side); else (fp32 FMAs) byte c holds channel c's columns 2j (low) and 2j + 1 (high).
     Padded rows are zero."""
     n, k = q.shape
     scale_bf16 = scale.to(scale_dtype)
@@ -181,6 +188,9 @@ def pack_int4(
         nibbles = (values[..., 0] | (values[..., 1] << 4)).transpose(1, 2).contiguous()
     sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
     sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
+    if pairs:
+        groups = sz.shape[1]
+        sz = interleave(sz.view(blocks, groups, 2 * BLOCK), PANEL).view(sz.shape)
     return nibbles, sz
 
 
@@ -199,6 +209,9 @@ def unpack_int4(
     else:
         values = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).transpose(1, 2)
     q = values.reshape(blocks * BLOCK, -1)
+    if pairs:
+        groups = sz.shape[1]
+        sz = deinterleave(sz.reshape(-1), blocks, groups, 2 * BLOCK, PANEL).view(sz.shape)
     sz = sz.permute(0, 3, 1, 2).reshape(blocks * BLOCK, -1, 2).float()
     return q[:n], sz[:n, :, 0], sz[:n, :, 1]
 
