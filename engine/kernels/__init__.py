@@ -16,7 +16,7 @@ def fused_ops_for(x: torch.Tensor) -> Any | None:
     """What runs a decoder layer's small fused operators (`rms_norm`, `fused_add_rms_norm`,
     `rotary_embedding`, `silu_and_mul`) on `x`'s device: the CPU kernels (kernels_for), the
     Triton ones on CUDA (triton_elementwise.py), or None (the caller's torch path)."""
-    if x.device.type == "cuda":
+    if x.is_cuda:  # (is_cuda and is_cpu: no torch.device object made, as x.device makes one)
         return _triton_elementwise() if x.dtype in TRITON_DTYPES else None
     return kernels_for(x)
 

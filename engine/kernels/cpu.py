@@ -220,9 +220,9 @@ def exclusive_lock(path: str, timeout_s: float) -> Iterator[None]:
 def kernels_for(x: torch.Tensor) -> Any | None:
     """The compiled module when it can run on `x` (a CPU tensor of a kernel dtype), else None:
     the caller then takes its torch path. Cheap after the first call (the build is cached)."""
-    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
+    if not x.is_cpu or x.dtype not in KERNEL_DTYPES:
         return None
-    return load_cpu_kernels()
+    return _cpu_kernels() if cpu_kernels_enabled() else None
 
 
 def _cpu_fingerprint() -> str:

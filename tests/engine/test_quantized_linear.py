@@ -12,7 +12,7 @@ from duet.engine.errors import InvalidInputError, ModelLoadError
 from duet.engine.model import quantized_linear
 from duet.engine.model.concat_linear import ConcatLinear
 from duet.engine.model.quantized_linear import QuantizedLinear, quantize_linear
-from duet.engine.model.row_invariant import MIN_ROWS, Linear, probe
+from duet.engine.model.row_invariant import MIN_ROWS, Linear, linear_rows, probe
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import (
     Int4Weight,
@@ -257,3 +257,47 @@ def test_grouped_int8_equals_dequantized_reference(group_size: int) -> None:
         torch.testing.assert_close(out.float(), expected, rtol=0, atol=expected.abs().max() / 64)
     assert probe(linear, K, torch.bfloat16)
     assert linear.weight_bytes() == 112 * K + 112 * (K // group_size) * 4  # padded to 7 x 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_forward_calls_the_kernel_as_the_general_path_does(
+    config: QuantizationConfig, dtype: torch.dtype
+) -> None:
+    """`forward` calls duet's kernel on [rows, K] inputs itself (no linear_rows or _product
+    frames): the same bits, bias included, as the general path at 1 and 5 rows, and 3-D or
+    strided inputs and rows past `kernel_max_rows` still take the general path."""
+    linear, _ = layer(config, dtype, n=100, bias=True)
+    if linear.duet_kernels is None:
+        pytest.fail("duet's quantized kernels did not build")
+    x = torch.randn(6, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for rows in (x[:1], x[:5], x[:, :K]):
+        assert torch.equal(linear(rows), linear_rows(rows, linear._product, linear.min_rows))
+    assert torch.equal(linear(x.view(2, 3, K)), linear(x).view(2, 3, 100))
+    strided = torch.randn(6, 2 * K, generator=torch.Generator().manual_seed(2)).to(dtype)[:, ::2]
+    assert torch.equal(linear(strided), linear(strided.contiguous()))
+    linear.kernel_max_rows = 4  # past it: the dequantized weight, as before (not the kernel)
+    calls: list[int] = []
+    kernels = linear.duet_kernels
+    linear.duet_kernels = type("Counting", (), {
+        "__getattr__": lambda _, name: calls.append(1) or getattr(kernels, name)})()  # fmt: skip
+    out = linear(x[:5])
+    linear.duet_kernels = kernels
+    assert calls == [] and torch.equal(out, linear_rows(x[:5], linear._product, linear.min_rows))
+
+
+def test_dense_forward_calls_the_kernel_as_the_general_path_does() -> None:
+    """The dense `Linear` on duet's kernel: the same bits through its short path and
+    `linear_rows`, bias included."""
+    from duet.engine.model.dense_cpu_linear import set_dense_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    dense = Linear(K, 100, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(100, K, generator=gen) * 0.05)
+        dense.bias.copy_(torch.randn(100, generator=gen))
+    if not set_dense_kernel([dense]):
+        pytest.fail("duet's dense kernel did not build")
+    x = torch.randn(5, K, generator=gen).to(torch.bfloat16)
+    for rows in (x[:1], x):
+        assert torch.equal(dense(rows), linear_rows(rows, dense._product, dense.min_rows))
