@@ -6,12 +6,10 @@ Which product runs (measured with torch 2.13 on a 2-core AVX512-BF16 EPYC, docs/
   kernel (engine/kernels/quant_linear_cpu.cpp via engine/quant/cpu_linear.py), 1.3-4x faster
   than `aten._weight_int8pack_mm` at 1-256 rows; above `INT8_KERNEL_MAX_ROWS` the weight is
   dequantized for the call. Without a compiler: torch's kernel (per channel, bf16) or dequantize.
-- int4 on the CPU, fp32 or bf16: duet's int4 kernel. With bf16 on an AVX512-BF16 CPU it runs the
-  int8 kernel's bf16 dot on nibbles, 1.7-2.2x faster than `aten._weight_int4pack_mm_for_cpu`
-  at 1-256 rows; elsewhere fp32 FMAs on nibbles (on a 2-core Xeon without AVX512-BF16, 0.6-0.8x
-  torch's int4 time at 1 row in bf16; torch's is scalar in fp32). Above `kernel_max_rows`
-  (256 with the dot, 32 with FMAs) the weight is dequantized for the call. Without a compiler:
-  torch's int4 kernel in bf16 (up to 16 rows), else dequantize.
+- int4 on the CPU, fp32 or bf16: duet's int4 kernel, the bf16 dot on nibbles with bf16 on an
+  AVX512-BF16 CPU (1.7-2.2x `aten._weight_int4pack_mm_for_cpu` at 1-256 rows), else fp32 FMAs
+  on nibbles. Above `kernel_max_rows` (256 dot, 32 FMAs) the weight is dequantized for the
+  call. Without a compiler: torch's int4 kernel in bf16 (up to 16 rows), else dequantize.
 - bf16 on an AMX CPU (groups of a multiple of 32): AMX tiles (`_tile_dpbf16ps`) on the same
   converted pairs, at every row count from `AMX_MIN_ROWS` (the dot below), 4-9x the dot's speed
   at 32-256 rows and faster than dequantizing into oneDNN's bf16 matmul.
@@ -36,8 +34,6 @@ from duet.engine.model.concat_linear import ConcatLinear
 from duet.engine.model.row_invariant import MIN_ROWS, Linear, linear_rows
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.cpu_linear import (
-    int4_linear,
-    int8_linear,
     load_quant_kernels,
     pack_int8,
     unpack_int8,
@@ -290,25 +286,29 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = self.duet_kernels
         if kernels is not None and x.dim() == 2 and x.stride(1) == 1:
-            # NOTE: duet's kernels on rows as they are (every CPU decode step), read from the
-            # modules' dicts: linear_rows and _product cost 2.7 us of Python a projection
-            # over the kernel's call (121 a SmolLM2 token), this about 0.8.
+            # NOTE: rows as they are (every CPU decode step) straight to duet's kernel:
+            # linear_rows and _product cost 2.7 us of Python a projection over the kernel's
+            # call (121 a SmolLM2 token), this about 1.
             if self.min_rows <= x.shape[0] <= self.kernel_max_rows:
-                b = self._buffers
-                if self.kind == "int4":
-                    out = kernels.int4_linear(
-                        x, b["packed"], b["scales_zeros"], self.out_features, self.pairs,
-                        self.amx_min_rows,
-                    )  # fmt: skip
-                else:
-                    out = kernels.int8_linear(
-                        x, b["q"], b["scale"], self.out_features, self.amx_min_rows
-                    )
-                bias = self._parameters.get("bias")
-                if bias is not None:
-                    out += bias
-                return out
+                return self._on_duet_kernel(kernels, x)
         return linear_rows(x, self._product, self.min_rows)
+
+    def _on_duet_kernel(self, kernels: Any, rows: torch.Tensor) -> torch.Tensor:
+        b = self._buffers  # (the dicts: `self.packed` is a Python call, nn.Module.__getattr__)
+        out: torch.Tensor
+        if self.kind == "int4":
+            out = kernels.int4_linear(
+                rows, b["packed"], b["scales_zeros"], self.out_features, self.pairs,
+                self.amx_min_rows,
+            )  # fmt: skip
+        else:
+            out = kernels.int8_linear(
+                rows, b["q"], b["scale"], self.out_features, self.amx_min_rows
+            )
+        bias = self._parameters.get("bias")
+        if bias is not None:
+            out += bias
+        return out
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
@@ -323,17 +323,9 @@ class QuantizedLinear(nn.Module):
             and rows.shape[0] <= self.kernel_max_rows
         ):
             return F.linear(rows, self.dequantize(rows.dtype), self.bias)
-        if self.duet_kernels is not None and self.kind == "int4":
-            n = self.out_features
-            out = int4_linear(
-                self.duet_kernels, rows, self.packed, self.scales_zeros, n, self.pairs,
-                self.amx_min_rows,
-            )  # fmt: skip
-        elif self.duet_kernels is not None:
-            out = int8_linear(
-                self.duet_kernels, rows, self.q, self.scale, self.out_features, self.amx_min_rows
-            )
-        elif self.kind == "int8":
+        if self.duet_kernels is not None:
+            return self._on_duet_kernel(self.duet_kernels, rows)
+        if self.kind == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.q, self.scale)
         else:
             rows = rows.contiguous()
