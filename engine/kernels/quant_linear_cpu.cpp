@@ -122,7 +122,9 @@ constexpr bool kBf16Dot = false;
 // side by side, so block b's unit t sits at its panel's start + (t * width + b's place) * unit
 // bytes, width the panel's blocks (kPanel; the last panel's may be fewer). A one-row tile of
 // kPanel blocks then reads one stream, not kPanel streams of K * 16 or K * 8 bytes (9.2 or 4.6
-// KB at K = 576, too short for the hardware prefetcher to settle in). 30 SmolLM2 layers'
+// KB at K = 576, too short for the hardware prefetcher to settle in); a thread's share of the
+// blocks may start inside a panel, and its tiles then straddle two (the same values, read from
+// two streams). 30 SmolLM2 layers'
 // products at one row from memory, panels of 6 against contiguous blocks, alternately in one
 // process on a 2-core Zen 4: int4 21.5-22.5 -> 23.3-24.4 GB/s; int8 27.4-28.2 -> 29.4-30.7
 // (against each stream prefetched 512 bytes ahead, +10% over none; prefetching the panel's
@@ -140,10 +142,6 @@ inline int64_t unit_offset(int64_t b, int64_t t, int64_t units, int64_t bytes, i
   return (first * units + t * width + (b - first)) * bytes;
 }
 
-inline int64_t quad_offset(int64_t b, int64_t t, int64_t quads, int64_t blocks) {
-  return unit_offset(b, t, quads, 64, blocks, kPanel);
-}
-
 // A block's scales of group gi (int8: 16 fp32; int4: 16 bf16 scales and 16 offsets), 64 bytes,
 // interleave in the same panels: a one-row tile reads them as one stream too, not 6 streams of
 // K / G * 64 bytes (1.2 KB at K = 576, G = 32). int4's 30 SmolLM2 layers at one row from memory
@@ -155,9 +153,9 @@ inline const void* scale_unit(const void* s, int64_t b, int64_t gi, int64_t grou
 
 template <bool kInt4>
 inline BlockStream block_stream(const int8_t* q, int64_t b, int64_t k, int64_t blocks) {
-  constexpr int64_t panel = kPanel, bytes = kInt4 ? 64 : 2 * kBlock;
-  const int64_t first = b - b % panel, width = std::min<int64_t>(panel, blocks - first);
-  return {q + unit_offset(b, 0, kInt4 ? k / 8 : k / 2, bytes, blocks, panel), width * bytes};
+  constexpr int64_t bytes = kInt4 ? 64 : 2 * kBlock;
+  const int64_t width = std::min<int64_t>(kPanel, blocks - (b - b % kPanel));
+  return {q + unit_offset(b, 0, kInt4 ? k / 8 : k / 2, bytes, blocks, kPanel), width * bytes};
 }
 
 struct Args {
@@ -977,7 +975,7 @@ void int4_rows_impl(const at::Tensor& q4, const at::Tensor& sz, const int64_t* i
       int q;
       if (pairs) {  // value v = 2 lane + column % 2 of pair j: word v of j's quad, nibble j % 4
         const int64_t j = c / 2, v = 2 * lane + c % 2;
-        const uint8_t* quad = qp + quad_offset(block, j / 4, k / 8, q4.size(0));
+        const uint8_t* quad = qp + unit_offset(block, j / 4, k / 8, 64, q4.size(0), kPanel);
         q = (quad[2 * v + (j % 4) / 2] >> (4 * (j % 2))) & 0x0F;
       } else {  // byte lane: column 2j low, 2j + 1 high
         q = c % 2 == 0 ? qp[(block * (k / 2) + c / 2) * kBlock + lane] & 0x0F
