@@ -222,7 +222,7 @@ def kernels_for(x: torch.Tensor) -> Any | None:
     the caller then takes its torch path. Cheap after the first call (the build is cached)."""
     if not x.is_cpu or x.dtype not in KERNEL_DTYPES:
         return None
-    return _cpu_kernels() if cpu_kernels_enabled() else None
+    return load_cpu_kernels()
 
 
 def _cpu_fingerprint() -> str:

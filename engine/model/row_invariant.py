@@ -102,12 +102,9 @@ class Linear(nn.Linear):
         kernel = self.cpu_kernel
         if kernel is not None and x.dim() == 2 and x.stride(1) == 1 and x.shape[0] >= self.min_rows:
             # duet's kernel on rows as they are (every CPU step), without linear_rows' and
-            # product's Python calls (QuantizedLinear.forward does the same)
+            # _product's Python calls (QuantizedLinear.forward does the same)
             params: dict[str, Any] = self._parameters
-            out: torch.Tensor = kernel.dense_linear_packed(
-                x, params["weight"], self.out_features, params["bias"]
-            )
-            return out
+            return product(x, params["weight"], params["bias"], False, kernel, self.out_features)
         return linear_rows(x, self._product, self.min_rows)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ BLOCK = 16
 """Output channels per packed block."""
 
 PANEL = 6
-"""Blocks whose units (int8 column pairs, int4 quads) interleave in the bf16 dot's layouts, so
-a one-row tile reads one stream (the kernel's `panel()`)."""
+"""Blocks whose units (int8 column pairs, int4 quads, and both formats' scales per group)
+interleave in the bf16 dot's layouts, so a one-row tile reads its weights as one stream and its
+scales as another (the kernel's `panel()`)."""
 
 SOURCES = ("quant_linear_cpu.cpp",)
 
@@ -106,14 +107,13 @@ def pack_int8(
         q = torch.cat([q, q.new_zeros(pad, k)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
     blocks = (n + pad) // BLOCK
+    scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
     if pairs:
         packed = q.view(blocks, BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(blocks, k // 2, 32)
         packed = interleave(packed, PANEL).view(blocks, k // 2, BLOCK, 2)
+        scales = interleave(scales, PANEL).view(scales.shape)
     else:
         packed = q.view(blocks, BLOCK, k).transpose(1, 2).contiguous()
-    scales = scale.float().reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
-    if pairs:
-        scales = interleave(scales, PANEL).view(scales.shape)
     return packed, scales
 
 
@@ -125,11 +125,10 @@ def unpack_int8(
     if packed.dim() == 4:  # pairs
         units = deinterleave(packed.reshape(-1), blocks, packed.shape[1], 32, PANEL)
         q = units.view(packed.shape).permute(0, 2, 1, 3).reshape(blocks * BLOCK, -1)[:n]
-    else:
-        q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
-    if packed.dim() == 4:
         units = deinterleave(scales.reshape(-1), blocks, scales.shape[1], BLOCK, PANEL)
         scales = units.view(scales.shape)
+    else:
+        q = packed.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     scale = scales.transpose(1, 2).reshape(blocks * BLOCK, -1)[:n]
     return q, scale
 
@@ -161,10 +160,10 @@ def pack_int4(
     file's exact values). `pairs` (the bf16 dot; K a multiple of 8): column pair j's 32 values
     (value v: channel v // 2, column 2j + v % 2) in quads of pairs, 64 bytes for pairs 4t .. 4t
     + 3 read as 32 little-endian 16-bit words, value v of pair 4t + s in bits 4s .. 4s + 3 of
-    word v, and the quads of `PANEL` neighbouring blocks interleave (a panel's quad t is
-    its blocks' quads t side by side: a one-row tile reads one stream), as do the scales and
-    offsets (a panel's group g: its blocks' 32 values of group g side by side); else (fp32 FMAs) byte c holds channel c's columns 2j (low) and 2j + 1 (high).
-    Padded rows are zero."""
+    word v, and the quads of `PANEL` neighbouring blocks interleave (a panel's quad t is its
+    blocks' quads t side by side), as do the scales and offsets (a panel's group g: its blocks'
+    32 values of group g side by side); else (fp32 FMAs) byte c holds channel c's columns 2j
+    (low) and 2j + 1 (high). Padded rows are zero."""
     n, k = q.shape
     scale_bf16 = scale.to(scale_dtype)
     if offset is None:  # exact: -8 times a bf16
@@ -176,6 +175,8 @@ def pack_int4(
         offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
     blocks = (n + pad) // BLOCK
     values = q.to(torch.uint8).view(blocks, BLOCK, k // 2, 2)
+    sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
+    sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
     if pairs:
         if k % 8:
             raise ValueError(f"int4 pairs need K a multiple of 8 (whole quads); got {k}")
@@ -184,13 +185,9 @@ def pack_int4(
         high = values[:, :, 2] | (values[:, :, 3] << 4)
         quads = torch.stack([low, high], dim=-1).reshape(blocks, k // 8, 64)
         nibbles = interleave(quads, PANEL).view(blocks, k // 2, BLOCK)
+        sz = interleave(sz.view(blocks, sz.shape[1], 2 * BLOCK), PANEL).view(sz.shape)
     else:
         nibbles = (values[..., 0] | (values[..., 1] << 4)).transpose(1, 2).contiguous()
-    sz = torch.stack([scale_bf16, offset.to(scale_dtype)], dim=-1)  # [N', K / G, 2]
-    sz = sz.view(blocks, BLOCK, -1, 2).permute(0, 2, 3, 1).contiguous()
-    if pairs:
-        groups = sz.shape[1]
-        sz = interleave(sz.view(blocks, groups, 2 * BLOCK), PANEL).view(sz.shape)
     return nibbles, sz
 
 
@@ -206,12 +203,10 @@ def unpack_int4(
         low, high = words[..., 0], words[..., 1]
         values = torch.stack([low & 0x0F, low >> 4, high & 0x0F, high >> 4], dim=2)
         values = values.view(blocks, num_pairs, BLOCK, 2).permute(0, 2, 1, 3)
+        sz = deinterleave(sz.reshape(-1), blocks, sz.shape[1], 2 * BLOCK, PANEL).view(sz.shape)
     else:
         values = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).transpose(1, 2)
     q = values.reshape(blocks * BLOCK, -1)
-    if pairs:
-        groups = sz.shape[1]
-        sz = deinterleave(sz.reshape(-1), blocks, groups, 2 * BLOCK, PANEL).view(sz.shape)
     sz = sz.permute(0, 3, 1, 2).reshape(blocks * BLOCK, -1, 2).float()
     return q[:n], sz[:n, :, 0], sz[:n, :, 1]
 
