@@ -33,6 +33,12 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos,
                       at::Tensor sin);
+// rotary_embedding on raw rows: `heads` head rows of D values (head_stride apart) at the start
+// of each of T rows (row_stride apart), bf16 or fp32, in place; pos [T] already checked to lie
+// inside cos/sin [max_position, D / 2].
+void rotary_rows(bool bf16, void* base, int64_t T, int64_t row_stride, int64_t heads,
+                 int64_t head_stride, int64_t D, const int64_t* pos, const float* cos,
+                 const float* sin);
 // Overwrites the gate half of gate_up and returns it (a view).
 at::Tensor silu_and_mul(at::Tensor gate_up);
 at::Tensor moe_combine(at::Tensor y, at::Tensor order, at::Tensor scale, int64_t num_tokens,

@@ -107,21 +107,15 @@ void rotate_head(typename E::raw* x, const float* c, const float* s, int64_t hal
 }
 
 template <typename E>
-void rotary_impl(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
-                 const at::Tensor& sin) {
+void rotary_rows_impl(void* base, int64_t T, int64_t row_stride, int64_t heads, int64_t head_stride,
+                      int64_t half, const int64_t* pos, const float* cp, const float* sp) {
   using raw = typename E::raw;
-  const int64_t T = q.size(0), hq = q.size(1), hk = k.size(1), half = q.size(2) / 2;
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  raw* qp = static_cast<raw*>(q.data_ptr());
-  raw* kp = static_cast<raw*>(k.data_ptr());
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, grain_rows((hq + hk) * 2 * half), [&](int64_t begin, int64_t end) {
+  raw* x = static_cast<raw*>(base);
+  at::parallel_for(0, T, grain_rows(heads * 2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * half;
       const float* s = sp + pos[t] * half;
-      for (int64_t h = 0; h < hq; ++h) rotate_head<E>(qp + t * q.stride(0) + h * q.stride(1), c, s, half);
-      for (int64_t h = 0; h < hk; ++h) rotate_head<E>(kp + t * k.stride(0) + h * k.stride(1), c, s, half);
+      for (int64_t h = 0; h < heads; ++h) rotate_head<E>(x + t * row_stride + h * head_stride, c, s, half);
     }
   });
 }
@@ -241,10 +235,20 @@ void rotary_embedding(at::Tensor positions, at::Tensor query, at::Tensor key, at
   for (int64_t t = 0; t < positions.size(0); ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "positions[", t, "] = ", pos[t],
                 " outside [0, ", cos.size(0), ")");
-  if (query.scalar_type() == at::kFloat) {
-    rotary_impl<F32>(positions, query, key, cos, sin);
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
+  const int64_t T = query.size(0), D = query.size(2);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  rotary_rows(bf16, query.data_ptr(), T, query.stride(0), query.size(1), query.stride(1), D, pos, cp, sp);
+  rotary_rows(bf16, key.data_ptr(), T, key.stride(0), key.size(1), key.stride(1), D, pos, cp, sp);
+}
+
+void rotary_rows(bool bf16, void* base, int64_t T, int64_t row_stride, int64_t heads,
+                 int64_t head_stride, int64_t D, const int64_t* pos, const float* cos,
+                 const float* sin) {
+  if (bf16) {
+    rotary_rows_impl<BF16>(base, T, row_stride, heads, head_stride, D / 2, pos, cos, sin);
   } else {
-    rotary_impl<BF16>(positions, query, key, cos, sin);
+    rotary_rows_impl<F32>(base, T, row_stride, heads, head_stride, D / 2, pos, cos, sin);
   }
 }
 

@@ -10,7 +10,7 @@
 //
 // A work item is a token range of one sequence, whole partitions of it (attention_order.h),
 // with all its heads: whole sequences unless that leaves too few items to keep every thread
-// busy. It walks its blocks once, in order; a block's rows of all heads are contiguous in the
+// busy, and a range of the query heads when even that does (one short sequence). It walks its blocks once, in order; a block's rows of all heads are contiguous in the
 // cache, so memory is read in runs of block_size rows. Per block and KV head, its G = H / Hkv
 // query heads are handled together: scores of the G query rows against the block's keys (four
 // keys at a time, one horizontal reduction for four dot products, each key widened once for
@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -52,8 +53,9 @@ constexpr int64_t kMaxHeadDim = kLatentWidth;
 constexpr int64_t kItemsPerThread = 4;  // split long sequences until there are this many
 
 struct Item {
-  int64_t b, begin, end;  // tokens [begin, end) of sequence b, all heads
+  int64_t b, begin, end;  // tokens [begin, end) of sequence b
   int64_t slot;           // -1: the whole sequence, written to out; else a partial slot
+  int64_t h0, h1;         // its query heads [h0, h1)
 };
 
 struct Problem : PagedArgs {
@@ -169,7 +171,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   using raw = typename E::raw;
   constexpr int kMaxND = ND > 0 ? ND : static_cast<int>(kMaxHeadDim / W);
   // Locals, not P's fields: the compiler can then keep them in registers across stores.
-  const int64_t D = P.D, G = P.G, H = P.H, Hkv = P.Hkv, BS = P.BS, row = P.row,
+  const int64_t D = P.D, G = P.G, H = P.H, BS = P.BS, row = P.row,
                 block = P.block;
   const int64_t L = run_length<W>(BS);
   // Score rows: BS keys, rounded up to whole quads, and room for a run's full vector.
@@ -192,7 +194,8 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   float* __restrict__ maxima = s.maxima.data();
   float* __restrict__ sums = s.sums.data();
   // q in load_vec's lane order, as the keys (attention_order.h: the prefill kernel's too).
-  for (int64_t h = 0; h < H; ++h)
+  const int64_t h0 = it.h0, h1 = it.h1;
+  for (int64_t h = h0; h < h1; ++h)
     for (int i = 0; i < nd; ++i)
       store_f32<W>(qf + h * D + i * W, load_vec<E, W, ND>(q + h * D, i) * P.scale);
 
@@ -201,10 +204,11 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
   const int64_t part_tokens = partition_tokens(BS);
   int64_t slot = it.slot;
   auto end_partition = [&]() {
+    // (only this item's heads: another item may hold the slot's other heads)
     float* part = P.partials + slot * H * (D + 2);  // accumulators in load_vec's order
-    std::copy(maxima, maxima + H, part);
-    std::copy(sums, sums + H, part + H);
-    std::copy(acc_all, acc_all + H * D, part + 2 * H);
+    std::copy(maxima + h0, maxima + h1, part + h0);
+    std::copy(sums + h0, sums + h1, part + H + h0);
+    std::copy(acc_all + h0 * D, acc_all + h1 * D, part + 2 * H + h0 * D);
     ++slot;
     std::fill(acc_all, acc_all + H * D, 0.f);
     std::fill(maxima, maxima + H, -INFINITY);
@@ -221,7 +225,9 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
     const int64_t next_block = j + 1 < j1 ? table[j + 1] * block : -1;
     const int64_t row_bytes = D * static_cast<int64_t>(sizeof(raw));
     if (j + kFarBlocks < j1) prefetch_block_l2(kc, vc, table[j + kFarBlocks] * block, BS * row);
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+    for (int64_t kvh = h0 / G; kvh * G < h1; ++kvh) {
+      // this KV head's query heads g_lo .. g_hi - 1 of the item's
+      const int64_t g_lo = std::max<int64_t>(h0 - kvh * G, 0), g_hi = std::min(h1 - kvh * G, G);
       const int64_t offset = table[j] * block + (t0 - j * BS) * row + kvh * D;
       const raw* k = kc + offset;  // row t at k + t * row
       const raw* v = vc + offset;
@@ -240,12 +246,12 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
           for (int r = 0; r < 4; ++r)
 #pragma GCC unroll 16
             for (int i = 0; i < ND; ++i) kv[r][i] = load_vec<E, W, ND>(kr[r], i);
-          for (int64_t g = 0; g < G; ++g)
+          for (int64_t g = g_lo; g < g_hi; ++g)
             store_f32<4>(scores + g * BSpad + t,
                          dot4<W, ND>(qf + (kvh * G + g) * D, nd,
                                      [&](int r, int i) { return kv[r][i]; }));
         } else {
-          for (int64_t g = 0; g < G; ++g)
+          for (int64_t g = g_lo; g < g_hi; ++g)
             store_f32<4>(scores + g * BSpad + t,
                          dot4<W, ND>(qf + (kvh * G + g) * D, nd, [&](int r, int i) {
                            return load_vec<E, W, ND>(kr[r], i);
@@ -255,7 +261,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
       for (int64_t r0 = 0; r0 < n; r0 += L) {  // the block's runs, in order
         const int64_t nv = std::min(L, n - r0);
         const typename Vec<W>::I valid = first_lanes<W>(nv);
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = g_lo; g < g_hi; ++g) {
           const int64_t h = kvh * G + g;
           float rescale;
           const F p = softmax_run<W>(load_f32<W>(scores + g * BSpad + r0), valid, maxima[h],
@@ -267,10 +273,10 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
         // acc[g] += sum_t p[g, t] v_t over the run, each v_t widened once for C heads.
         const raw* vr = v + r0 * row;
         if constexpr (ND > 0) {
-          const PV<E, W> pv{weights + r0, BSpad, vr, row, nv, D, v_next, row_bytes};
-          pv_group<E, W, ND>(pv, acc, G);
+          const PV<E, W> pv{weights + g_lo * BSpad + r0, BSpad, vr, row, nv, D, v_next, row_bytes};
+          pv_group<E, W, ND>(pv, acc + g_lo * D, g_hi - g_lo);
         } else {
-          for (int64_t g = 0; g < G; ++g) {
+          for (int64_t g = g_lo; g < g_hi; ++g) {
             F a[kMaxND];
             float* accg = acc + g * D;
 #pragma GCC unroll 16
@@ -294,7 +300,7 @@ void attend(const Problem& P, const Item& it, Scratch& s) {
     return;
   }
   raw* o = static_cast<raw*>(P.o) + P.rows[it.b] * H * D;
-  for (int64_t h = 0; h < H; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const float inv = 1.f / sums[h];
     for (int64_t d = 0; d < D; ++d)
       o[h * D + d] = E::store1(acc_all[h * D + widened_index<E, W, ND>(d)] * inv);
@@ -456,8 +462,27 @@ void merge(const Problem& P, int64_t b, int64_t first_slot, int64_t num_slots) {
   }
 }
 
+// Fewer items than threads (one short sequence: a single-stream decode step): each split into
+// ranges of query heads, as even as they go, so every thread has one. A head's arithmetic does
+// not depend on which other heads its item holds, so the split never changes a result.
+inline std::vector<Item> split_heads(const std::vector<Item>& items, int64_t num_threads,
+                                     int64_t H) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (n == 0 || n >= num_threads) return items;
+  const int64_t ways = std::min(H, (num_threads + n - 1) / n);
+  std::vector<Item> out;
+  for (const Item& it : items)
+    for (int64_t s = 0; s < ways; ++s) {
+      Item part = it;
+      part.h0 = s * H / ways;
+      part.h1 = (s + 1) * H / ways;
+      out.push_back(part);
+    }
+  return out;
+}
+
 // Work items are token ranges of whole partitions (attention_order.h): whole sequences, unless
-// that leaves too few items to keep every thread busy. Each partition is reduced on its own
+// that leaves too few items to keep every thread busy, and then ranges of query heads too. Each partition is reduced on its own
 // and a sequence of several has them folded afterwards, so how the ranges are cut (which
 // depends on the batch and the threads) never changes a result.
 template <typename E, int W, int ND>
@@ -488,16 +513,21 @@ void run(Problem& P, const int64_t* lens, int64_t B) {
       num_slots += parts;
     }
     for (int64_t c = 0; c < lens[b]; c += chunk)
-      items.push_back({b, c, std::min(lens[b], c + chunk), parts > 1 ? first + c / part : -1});
+      items.push_back(
+          {b, c, std::min(lens[b], c + chunk), parts > 1 ? first + c / part : -1, 0, P.H});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
     return x.end - x.begin > y.end - y.begin;
   });
   std::vector<float> partials(num_slots * P.H * (P.D + 2));
   P.partials = partials.data();
+  P.amx = false;
+#if defined(DUET_AMX)
+  if constexpr (std::is_same_v<E, BF16>) P.amx = use_amx_attention(P.D, P.BS);
+#endif
+  if (!P.amx) items = split_heads(items, num_threads, P.H);
 #if defined(DUET_AMX)
   if constexpr (std::is_same_v<E, BF16>) {
-    P.amx = use_amx_attention(P.D, P.BS);
     if (P.amx) {
       switch (P.D) {
         case 32: run_items_amx<32>(P, items); break;
@@ -540,6 +570,27 @@ void dispatch(Problem& P, const int64_t* lens, int64_t B) {
   }
 }
 
+
+// Every block a sequence reads must exist (a bad table would read outside the cache), every
+// query row inside the query; then the kernel of the element format.
+void run_checked(Problem& P, const int64_t* lens, int64_t B, int64_t num_blocks, int64_t q_rows,
+                 bool bf16) {
+  P.lens = lens;
+  for (int64_t b = 0; b < B; ++b) {
+    check_block_row(P.tables, b, P.max_blocks, P.BS, lens[b], num_blocks);
+    TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < q_rows, "token_indices[", b, "] out of range");
+  }
+  if (bf16) {
+    dispatch<BF16>(P, lens, B);
+  } else {
+    dispatch<F32>(P, lens, B);
+  }
+}
+
+bool is_long_vector(const at::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kLong && t.dim() == 1 && t.size(0) == n && t.is_contiguous();
+}
+
 }  // namespace
 
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
@@ -550,6 +601,8 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim must be <= ", kMaxHeadDim);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   token_indices.scalar_type() == at::kLong, "index tensors must be int64");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16 only");
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   token_indices = token_indices.contiguous();
@@ -558,44 +611,84 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   Problem P{};
   fill_paged_args(P, out, query, key_cache, value_cache, block_tables, scale);
   P.rows = token_indices.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  P.lens = lens;
-  // Every block a sequence reads must exist: a bad table would read outside the cache.
-  const int64_t num_blocks = key_cache.size(0);
-  for (int64_t b = 0; b < B; ++b) {
-    check_block_row(P.tables, b, P.max_blocks, P.BS, lens[b], num_blocks);
-    TORCH_CHECK(P.rows[b] >= 0 && P.rows[b] < query.size(0), "token_indices[", b, "] out of range");
-  }
-  if (query.scalar_type() == at::kFloat) {
-    dispatch<F32>(P, lens, B);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    dispatch<BF16>(P, lens, B);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
-  }
+  run_checked(P, seq_lens.data_ptr<int64_t>(), B, key_cache.size(0), query.size(0),
+              query.scalar_type() == at::kBFloat16);
 }
 
+// NOTE: on raw pointers, with no view of qkv or of the cache: each ATen view (narrow, view,
+// select) costs a few hundred nanoseconds, and the three calls' views cost about 5 us of a
+// layer's 10-20 (30 layers a SmolLM2 token).
 at::Tensor decode_attention_step(at::Tensor qkv, at::Tensor positions, at::Tensor cos,
                                  at::Tensor sin, at::Tensor kv_cache, at::Tensor slot_mapping,
                                  at::Tensor block_tables, at::Tensor seq_lens,
                                  at::Tensor token_indices, int64_t num_heads,
                                  int64_t num_kv_heads, double scale) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 5,
-              "decode_attention_step: qkv [T, (H + 2 Hkv) D] contiguous, kv_cache 5-D");
-  const int64_t T = qkv.size(0), D = kv_cache.size(4);
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D && kv_cache.size(3) == num_kv_heads,
-              "decode_attention_step: qkv's width must be (", num_heads, " + 2 x ", num_kv_heads,
-              ") x ", D, " and the cache hold ", num_kv_heads, " KV heads");
-  // The views Attention.forward makes: each token's heads contiguous, tokens at qkv's stride.
-  at::Tensor q = qkv.narrow(1, 0, num_heads * D).view({T, num_heads, D});
-  at::Tensor k = qkv.narrow(1, num_heads * D, num_kv_heads * D).view({T, num_kv_heads, D});
-  at::Tensor v =
-      qkv.narrow(1, (num_heads + num_kv_heads) * D, num_kv_heads * D).view({T, num_kv_heads, D});
-  rotary_embedding(positions, q, k, cos, sin);
-  write_kv(kv_cache, k, v, slot_mapping);
-  at::Tensor out = at::empty({T, num_heads * D}, qkv.options());
-  paged_decode_attention(out.view({T, num_heads, D}), q, kv_cache.select(0, 0),
-                         kv_cache.select(0, 1), block_tables, seq_lens, token_indices, scale);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && kv_cache.dim() == 5 &&
+                  kv_cache.is_contiguous() && kv_cache.size(0) == 2,
+              "decode_attention_step: qkv [T, (H + 2 Hkv) D] and kv_cache [2, NB, BS, Hkv, D] "
+              "contiguous");
+  TORCH_CHECK((qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16) &&
+                  kv_cache.scalar_type() == qkv.scalar_type(),
+              "decode_attention_step: qkv and kv_cache float32 or bfloat16, one dtype");
+  const int64_t T = qkv.size(0), NB = kv_cache.size(1), BS = kv_cache.size(2), D = kv_cache.size(4);
+  const int64_t H = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && qkv.size(1) == (H + 2 * Hkv) * D &&
+                  kv_cache.size(3) == Hkv && D % 2 == 0 && D <= kMaxHeadDim,
+              "decode_attention_step: qkv's width must be (", H, " + 2 x ", Hkv, ") x ", D,
+              ", the cache hold ", Hkv, " KV heads dividing ", H, ", and D even, at most ",
+              kMaxHeadDim);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && cos.size(1) == D / 2,
+              "cos and sin must be contiguous float32 [max_position, D / 2]");
+  TORCH_CHECK(is_long_vector(positions, T) && is_long_vector(slot_mapping, T),
+              "positions and slot_mapping must be contiguous int64 [T]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous int64 [B, max_blocks]");
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(is_long_vector(seq_lens, B) && is_long_vector(token_indices, B),
+              "seq_lens and token_indices must be contiguous int64 [B]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "positions[", t, "] = ", pos[t],
+                " outside [0, ", cos.size(0), ")");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * BS, "slot_mapping[", t, "] = ", slots[t],
+                " outside [0, ", NB * BS, ")");
+  }
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  const int64_t item = qkv.element_size(), row = Hkv * D;
+  char* base = static_cast<char*>(qkv.data_ptr());
+  // q's and k's heads are the first H + Hkv head rows of each token's row
+  rotary_rows(bf16, base, T, qkv.stride(0), H + Hkv, D, D, pos, cos.data_ptr<float>(),
+              sin.data_ptr<float>());
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + NB * BS * row * item;
+  for (int64_t t = 0; t < T; ++t) {  // write_kv's copies
+    const char* k = base + (t * qkv.stride(0) + H * D) * item;
+    std::memcpy(k_cache + slots[t] * row * item, k, row * item);
+    std::memcpy(v_cache + slots[t] * row * item, k + row * item, row * item);
+  }
+  at::Tensor out = at::empty({T, H * D}, qkv.options());
+  Problem P{};
+  P.H = H;
+  P.Hkv = Hkv;
+  P.G = H / Hkv;
+  P.D = D;
+  P.BS = BS;
+  P.max_blocks = block_tables.size(1);
+  P.row = row;
+  P.q_row = qkv.stride(0);
+  P.block = BS * row;
+  P.q = base;
+  P.kc = k_cache;
+  P.vc = v_cache;
+  P.o = out.data_ptr();
+  P.tables = block_tables.data_ptr<int64_t>();
+  P.scale = static_cast<float>(scale);
+  P.rows = token_indices.data_ptr<int64_t>();
+  run_checked(P, seq_lens.data_ptr<int64_t>(), B, NB, T, bf16);
   return out;
 }
 

@@ -47,12 +47,20 @@ def test_decode_is_the_same_alone_in_a_batch_and_at_any_thread_count(
     try:
         torch.set_num_threads(2)
         together = _decode(kernels, batch, slice(None), scale)
-        torch.set_num_threads(1)
-        alone = [_decode(kernels, batch, slice(i, i + 1), scale) for i in range(len(LENGTHS))]
+        # alone, a sequence is one item (or a few partitions) for more threads: its query heads
+        # are then split over the threads (in 2, 3 or 5 ranges, across KV-head boundaries, with
+        # a slot of a partitioned sequence shared by the ranges), and must change no bit
+        alone = {}
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            alone[threads] = [
+                _decode(kernels, batch, slice(i, i + 1), scale) for i in range(len(LENGTHS))
+            ]
     finally:
         torch.set_num_threads(before)
-    for i, out in enumerate(alone):
-        assert torch.equal(out[0], together[i]), LENGTHS[i]
+    for threads, outs in alone.items():
+        for i, out in enumerate(outs):
+            assert torch.equal(out[0], together[i]), (threads, LENGTHS[i])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
