@@ -8,9 +8,11 @@ against the machine's (a torch sum over 1 GiB, in the same run).
     python -m benchmarks.quantized.profile --dtype float32 --tokens 128
 
 The model calls its parts' `forward` directly (not through `nn.Module.__call__`), so hooks
-never fire: each timed part's `forward` is wrapped on the instance for the measured run only.
-A wrapper costs about a microsecond per call (about 250 calls per token on SmolLM2), which
-lands in the parts it wraps. Results: benchmarks/results/quantized_profile.json.
+never fire: each projection's and the head's `forward` is wrapped on the instance, and the CPU
+kernel module's attention, norm and activation functions on the module (`KERNEL_PARTS`), for
+the measured run only. A wrapper costs about a microsecond per call (about 250 calls per token
+on SmolLM2), which lands in the parts it wraps. On a path without those kernels (CUDA, or
+`DUET_CPU_KERNELS=0`) attention, norms and activation land in `forward_other`. Results: benchmarks/results/quantized_profile.json.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
 from benchmarks.quantized.bandwidth import read_bandwidth_gbs
 from benchmarks.quantized.methods import DTYPES, METHODS, applicable, engine_kwargs, label
 from duet.engine import LLM, SamplingParams
-from duet.engine.model.llama import Attention, RMSNorm
+from duet.engine.kernels.cpu import load_cpu_kernels
+from duet.engine.model.llama import Attention
 from duet.engine.model.mlp import MLP
 from duet.engine.model.weight_bytes import weight_bytes
 
@@ -53,13 +56,33 @@ class Timers:
             seconds[part] += time.perf_counter() - start
             return out
 
+        # an attribute of the object itself (a kernel module's function) is put back; a
+        # method of its class is uncovered again by deleting the wrapper
+        own = original if method in vars(obj) else None
         setattr(obj, method, timed)
-        self._undo.append((obj, method))
+        self._undo.append((obj, method, own))
 
     def unwrap(self) -> None:
-        for obj, method in self._undo:
-            delattr(obj, method)  # the class's method again
+        for obj, method, own in self._undo:
+            if own is None:
+                delattr(obj, method)
+            else:
+                setattr(obj, method, own)
         self._undo.clear()
+
+
+KERNEL_PARTS = {
+    "decode_attention_step": "attention",
+    "paged_decode_attention": "attention",
+    "paged_prefill_attention": "attention",
+    "rotary_embedding": "attention",
+    "write_kv": "attention",
+    "rms_norm": "norms",
+    "fused_add_rms_norm": "norms",
+    "silu_and_mul": "mlp_activation",
+}
+"""The CPU kernel module's functions each part is, whichever Python path calls them (the module
+tree's or engine/model/cpu_decode.py's loop)."""
 
 
 def profile_format(llm: LLM, prompt: list[int], tokens: int, rounds: int) -> dict[str, Any]:
@@ -68,16 +91,15 @@ def profile_format(llm: LLM, prompt: list[int], tokens: int, rounds: int) -> dic
     projection_bytes = 0
     for module in model.modules():
         if isinstance(module, Attention | MLP):
-            owner = "attention" if isinstance(module, Attention) else "mlp_activation"
-            timers.wrap(module, "forward", owner)
             for name in PROJECTIONS:
                 proj = getattr(module, name, None)
                 if isinstance(proj, nn.Module):
-                    timers.wrap(proj, "forward", f"projections in {owner}")
+                    timers.wrap(proj, "forward", "projections")
                     projection_bytes += weight_bytes(proj)[0]
-        elif isinstance(module, RMSNorm):
-            timers.wrap(module, "forward", "norms")
-            timers.wrap(module, "add_and_norm", "norms")
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        for function, part in KERNEL_PARTS.items():
+            timers.wrap(kernels, function, part)
     head = model.lm_head if model.lm_head is not None else model.tied_head
     assert head is not None
     head_bytes = weight_bytes(head)[0]
@@ -94,14 +116,9 @@ def profile_format(llm: LLM, prompt: list[int], tokens: int, rounds: int) -> dic
         timers.unwrap()
     steps = (tokens + 1) * rounds  # a prefill step per round, then a step per further token
     ms = {part: 1e3 * s / steps for part, s in timers.seconds.items()}
-    attention_proj = ms.pop("projections in attention", 0.0)
-    mlp_proj = ms.pop("projections in mlp_activation", 0.0)
     parts = {
-        "projections": attention_proj + mlp_proj,
-        "attention": ms.get("attention", 0.0) - attention_proj,
-        "mlp_activation": ms.get("mlp_activation", 0.0) - mlp_proj,
-        "norms": ms.get("norms", 0.0),
-        "lm_head": ms.get("lm_head", 0.0),
+        part: ms.get(part, 0.0)
+        for part in ("projections", "attention", "mlp_activation", "norms", "lm_head")
     }
     step_ms = 1e3 * sum(walls) / steps
     # the head runs outside `forward` (compute_logits); everything else of the forward pass
