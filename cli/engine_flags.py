@@ -40,6 +40,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory", "--kv-cache-memory-bytes"),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
     "pipeline_parallel_size": ("--pipeline-parallel-size", "-pp"),
+    "data_parallel_size": ("--data-parallel-size", "-dp"),
 }
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,

@@ -74,7 +74,13 @@ class EngineConfig:
     expert_parallel_size: int = 1
     """Ranks a mixture's routed experts are sharded over, whole (docs/parallelism.md): 1 (each
     rank holds a slice of every expert) or `tensor_parallel_size` (each rank holds 1/N of the
-    experts, whole; attention stays tensor-parallel), as vLLM's `--enable-expert-parallel`."""
+    experts, whole; attention stays tensor-parallel), as vLLM's `--enable-expert-parallel`;
+    with `data_parallel_size` D > 1, D (the experts exchanged between the D ranks)."""
+    data_parallel_size: int = 1
+    """Ranks that each run attention on their own requests (own scheduler and KV cache) and
+    exchange a mixture's routed experts by all-to-all (engine/data_parallel.py; vLLM's and
+    SGLang's DP attention): 1, or D > 1 with `expert_parallel_size` D, at TP and PP 1, a
+    mixture of experts, the offline `LLM` only for now."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0
@@ -138,7 +144,10 @@ class EngineConfig:
         _check_min("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_min("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_min("expert_parallel_size", self.expert_parallel_size, 1)
-        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+        _check_min("data_parallel_size", self.data_parallel_size, 1)
+        if self.data_parallel_size > 1:
+            self._check_data_parallel()
+        elif self.expert_parallel_size not in (1, self.tensor_parallel_size):
             raise InvalidInputError(
                 "expert_parallel_size",
                 f"must be 1 or tensor_parallel_size ({self.tensor_parallel_size}): the routed "
@@ -161,6 +170,34 @@ class EngineConfig:
             )
 
         self.speculative()  # a bad key or value names itself now, not at engine start
+
+    def _check_data_parallel(self) -> None:
+        dp = self.data_parallel_size
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise InvalidInputError(
+                "data_parallel_size",
+                f"runs each rank's attention whole: tensor_parallel_size and "
+                f"pipeline_parallel_size must be 1 with it; got {dp} with "
+                f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}",
+            )
+        if self.expert_parallel_size != dp:
+            raise InvalidInputError(
+                "expert_parallel_size",
+                f"must equal data_parallel_size ({dp}): the routed experts are exchanged "
+                f"between the data-parallel ranks; got {self.expert_parallel_size}",
+            )
+        if self.speculative_config is not None:
+            raise InvalidInputError(
+                "data_parallel_size",
+                f"must be 1 with speculative decoding (its extra forward passes would leave the "
+                f"ranks' expert exchanges out of step); got {dp}",
+            )
+        if self.resolve_device().type == "cuda" and not self.enforce_eager:
+            raise InvalidInputError(
+                "data_parallel_size",
+                f"needs enforce_eager on CUDA (a captured graph cannot hold the exchange's "
+                f"varying all-to-all sizes); got {dp} without it",
+            )
 
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed and validated (None when off)."""
@@ -195,8 +232,8 @@ class EngineConfig:
 
     @property
     def num_ranks(self) -> int:
-        """Ranks of one engine: tensor x pipeline parallel."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks of one engine: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     def resolve_device(self, rank: int = 0) -> torch.device:
         """This rank's device (`rank`: its global rank, stage x TP + TP rank), indexed on CUDA

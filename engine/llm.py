@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import weakref
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ from tqdm import tqdm
 
 from duet.engine.commands import AbortRequest, AddRequest, FinishStopped, ResetPrefixCache
 from duet.engine.config import EngineConfig
+from duet.engine.data_parallel import AddOnRank, DPLeader, RankReport
+from duet.engine.errors import InvalidInputError
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import TensorParallel
@@ -32,11 +35,16 @@ class LLM:
     ) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **config)
         self._leader: TPLeader | None = None
+        self._dp: DPLeader | None = None
         if tp is None and self.config.num_ranks > 1:
             self.config = rank_config(self.config)
             group = TPGroup.start(self.config)
             self._leader = TPLeader(group)
             tp = group.tp
+            if self.config.data_parallel_size > 1:  # (engine/data_parallel.py)
+                assert group.control_group is not None
+                self._dp = DPLeader(self.config.data_parallel_size, group.control_group)
+                self._dp_ids = itertools.count()
         try:
             self.engine = LLMEngine(self.config, tp)
         except BaseException:
@@ -44,7 +52,7 @@ class LLM:
                 self._leader.group.close(timeout_s=0.0)  # the followers cannot finish loading
             raise
         if self._leader is not None:
-            weakref.finalize(self, self._leader.stop)
+            weakref.finalize(self, self._stop_ranks, self._leader, self._dp)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -69,9 +77,7 @@ class LLM:
                 ids.append(self._add(prompt, sp, priority[i] if priority else 0))
         except Exception:
             for request_id in ids:
-                self.engine.abort_request(request_id)
-                if self._leader is not None:
-                    self._leader.record(AbortRequest(request_id))
+                self._abort(request_id)
             raise
         return self._run(ids, use_tqdm)
 
@@ -81,10 +87,18 @@ class LLM:
         return self._leader.group.followers if self._leader is not None else []
 
     def shutdown(self) -> None:
-        """Stop the follower ranks of a tensor-parallel engine (nothing at one rank).
+        """Stop the follower ranks of a tensor- or data-parallel engine (nothing at one rank).
         Idempotent; the engine takes no further requests."""
         if self._leader is not None:
-            self._leader.stop()
+            self._stop_ranks(self._leader, self._dp)
+
+    @staticmethod
+    def _stop_ranks(leader: TPLeader, dp: DPLeader | None) -> None:
+        if dp is None:
+            leader.stop()
+            return
+        dp.stop()  # the followers' own loop ends on it
+        leader.group.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix on every rank, so that the next prompts compute
@@ -92,17 +106,50 @@ class LLM:
         blocks, i.e. only between `generate` calls."""
         if not self.engine.kv.pool.reset_prefix_cache():
             return False
-        if self._leader is not None:  # the followers reset before their next step
+        if self._dp is not None:  # each rank resets its own before its next step
+            self._dp.record(ResetPrefixCache())
+        elif self._leader is not None:  # the followers reset before their next step
             self._leader.record(ResetPrefixCache())
         return True
 
+    def _abort(self, request_id: str) -> None:
+        if self._dp is not None:
+            if request_id in self.engine.requests:
+                self.engine.abort_request(request_id)
+            self._dp.record(AbortRequest(request_id))  # a no-op where it is not running
+            return
+        self.engine.abort_request(request_id)
+        if self._leader is not None:
+            self._leader.record(AbortRequest(request_id))
+
     def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+        if self._dp is not None:
+            return self._add_on_rank(prompt, params, priority, self._dp)
         if self._leader is None:
             return self.engine.add_request(prompt, params, priority=priority)
         # The followers apply the same request (token ids, id and all) before the next step.
         text, ids = self.engine.tokenize_prompt(prompt)
         request_id = self.engine.add_request(ids, params, priority=priority, prompt_text=text)
         self._leader.record(AddRequest(request_id, ids, params, priority, prompt_text=text))
+        return request_id
+
+    def _add_on_rank(
+        self, prompt: Prompt, params: SamplingParams, priority: int, dp: DPLeader
+    ) -> str:
+        """A request on the data-parallel rank with the fewest unfinished ones: this engine's
+        own, or one that rank adds before its next step (checked here first, so that a bad one
+        raises now)."""
+        text, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.check_lengths(len(ids), params)
+        request_id = str(next(self._dp_ids))
+        rank = dp.assign()
+        if rank == 0:
+            self.engine.add_request(
+                ids, params, request_id=request_id, priority=priority, prompt_text=text
+            )
+        else:
+            add = AddRequest(request_id, ids, params, priority, prompt_text=text)
+            dp.record(AddOnRank(rank, add))
         return request_id
 
     def _finish_stopped(self, request_id: str, index: int, num_tokens: int) -> None:
@@ -126,6 +173,8 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        if self._dp is not None:
+            return self._run_data_parallel(ids, use_tqdm, self._dp)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
@@ -135,6 +184,32 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
                     bar.update(1)
+        bar.close()
+        return [final[i] for i in ids]
+
+    def _run_data_parallel(
+        self, ids: list[str], use_tqdm: bool, dp: DPLeader
+    ) -> list[RequestOutput]:
+        """Every rank steps once per iteration, in lockstep, until none has a request left
+        (engine/data_parallel.py)."""
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        pending = True
+        while pending:
+            dp.sync()
+            own = RankReport(self.engine.step(), self.engine.num_unfinished_requests, [])
+            reports = dp.gather(own)
+            for report in reports:
+                if report.errors:  # a follower refused a request this check could not see
+                    for request_id in ids:
+                        self._abort(request_id)
+                    _, field, message = report.errors[0]
+                    raise InvalidInputError(field, message)
+                for out in report.outputs:
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+            pending = dp.total_unfinished > 0
         bar.close()
         return [final[i] for i in ids]
 

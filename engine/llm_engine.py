@@ -59,7 +59,15 @@ class LLMEngine:
                 f"is {config.pipeline_parallel_size} but the engine was given "
                 f"{tp.pp.num_stages} stage(s); LLM(...) and AsyncEngine.from_config start the ranks",
             )
-        if config.expert_parallel_size > 1:  # equal to the TP size (EngineConfig checks)
+        dp = config.data_parallel_size
+        if (tp.exchange.size if tp.exchange is not None else 1) != dp:
+            raise InvalidInputError(
+                "data_parallel_size",
+                f"is {dp} but the engine was given {tp.exchange.size if tp.exchange else 1} "
+                f"rank(s) to exchange experts with; only the offline LLM(...) starts "
+                f"data-parallel ranks (engine/data_parallel.py)",
+            )
+        if config.expert_parallel_size > 1 and dp == 1:  # = the TP size (EngineConfig checks)
             tp = dataclasses.replace(tp, expert_parallel=True)
         self.tp = tp
         if config.num_threads:
@@ -338,6 +346,8 @@ class LLMEngine:
         self.runner.remove_requests(self.scheduler.take_left_running())
         self.runner.trim_requests(self.scheduler.take_trimmed())
         if sched.empty:
+            if self.tp.exchange is not None:  # the other ranks may route rows to our experts
+                self.runner.serve_experts()
             return []
         on_layer = None
         if self.prefill_stream is not None:

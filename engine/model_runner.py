@@ -101,6 +101,7 @@ class ModelRunner:
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
         self.model = model
+        self.dtype = dtype  # the model's activations' (and its KV cache's)
         self.block_size = block_size
         self.device = device
         shape = model.kv_spec.shape(num_blocks, block_size)
@@ -158,6 +159,19 @@ class ModelRunner:
         `Scheduler.take_trimmed`)."""
         for request_id, n in num_blocks.items():
             self.input_batch.trim(request_id, n)
+
+    def serve_experts(self) -> None:
+        """A step with nothing scheduled on a data-parallel rank (engine/data_parallel.py):
+        every sparse layer in order with no tokens of its own, serving the rows the other ranks
+        route to its experts (engine/model/moe_exchange.py)."""
+        from duet.engine.model.moe import SparseMoeBlock
+
+        shape = (0, self.model.config.hidden_size)
+        with torch._C._InferenceMode(True):
+            empty = torch.empty(shape, dtype=self.dtype, device=self.device)
+            for layer in self.model.layers:
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    layer.mlp.forward(empty)
 
     def execute(
         self,

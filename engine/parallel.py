@@ -106,6 +106,35 @@ class TensorSlice:
 
 
 @dataclass(frozen=True)
+class ExpertExchange:
+    """The ranks that exchange (token, choice) rows for their routed experts by all-to-all,
+    each running attention on its own tokens (engine/model/moe_exchange.py): this one is
+    `rank` of `size` in `group` (None only at size 1, which exchanges nothing)."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """[start, end) of the routed experts this rank holds whole."""
+        return split(num_experts, self.size, self.rank)
+
+    def all_to_all(
+        self, inputs: torch.Tensor, in_splits: list[int], out_splits: list[int]
+    ) -> torch.Tensor:
+        """Rows [sum(out_splits), ...]: out_splits[s] rows from rank s, in rank order, for
+        in_splits[d] rows of `inputs` to rank d."""
+        out = inputs.new_empty((sum(out_splits), *inputs.shape[1:]))
+        if self.size == 1:
+            return out.copy_(inputs)
+        with COLLECTIVES:
+            dist.all_to_all_single(
+                out, inputs.contiguous(), out_splits, in_splits, group=self.group
+            )
+        return out
+
+
+@dataclass(frozen=True)
 class TensorParallel:
     """This rank's tensor-parallel group (`rank` of `world_size` in `group`) and, with pipeline
     parallelism, its stage (`pp`): the engine's whole layout."""
@@ -120,6 +149,9 @@ class TensorParallel:
     local: LocalCollectives | None = field(default=None, compare=False, repr=False)
     """The collectives through shared memory, when every rank of the group is a CPU process
     on this machine (engine/shm_collectives.py); else gloo's or NCCL's."""
+    exchange: ExpertExchange | None = field(default=None, compare=False)
+    """Data-parallel attention: the ranks a mixture's routed experts are sharded over whole
+    and exchange rows with (engine/model/moe_exchange.py); None: experts on this group."""
 
     @property
     def enabled(self) -> bool:
@@ -164,6 +196,8 @@ class TensorParallel:
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[start, end) of the routed experts this rank holds whole: a contiguous 1/N of them
         with expert parallelism (`check_ep_size` first), all of them (sliced) without."""
+        if self.exchange is not None:
+            return self.exchange.expert_range(num_experts)
         if not self.expert_parallel:
             return 0, num_experts
         return split(num_experts, self.world_size, self.rank)

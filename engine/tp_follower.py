@@ -36,6 +36,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "127.0.0.1", args.store_port, config.num_ranks, is_master=False,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )  # fmt: skip
+    if config.data_parallel_size > 1:  # its own requests, in step with rank 0
+        from duet.engine.data_parallel import follow, init_data_parallel
+
+        dp_rank, dp_control = init_data_parallel(
+            args.rank, config.num_ranks, config.resolve_device(args.rank), store, GROUP_TIMEOUT_S
+        )
+        follow(LLMEngine(config, dp_rank), args.rank, dp_control)
+        dist.destroy_process_group()
+        return 0
     tp, control = init_tensor_parallel(
         args.rank, config.tensor_parallel_size, config.resolve_device(args.rank), store=store,
         num_stages=config.pipeline_parallel_size,

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from duet.engine.commands import EngineCommand, Stop
 from duet.engine.config import EngineConfig
 from duet.engine.device import bind_thread
+from duet.engine.errors import InvalidInputError
 from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
 from duet.engine.pipeline import PipelineParallel, check_pp_size
 from duet.engine.rendezvous import listening_store
@@ -131,6 +132,13 @@ def check_layout(config: EngineConfig) -> None:
     for size in arch.ffn_sizes():  # the dense MLP's, the experts'
         mlp_shard(size, TensorParallel(0, config.tensor_parallel_size))
     check_pp_size(config.pipeline_parallel_size, arch.num_hidden_layers)
+    if config.data_parallel_size > 1 and arch.moe is None:
+        raise InvalidInputError(
+            "data_parallel_size",
+            f"must be 1 for a dense model: data-parallel ranks exchange a mixture's routed "
+            f"experts (several replicas of a dense model are several engines); got "
+            f"{config.data_parallel_size}",
+        )
     check_ep_size(config.expert_parallel_size, arch.moe)
 
 
@@ -186,11 +194,19 @@ class TPGroup:
             )
             for rank in range(1, world)
         ]
+        control: dist.ProcessGroup | None
         try:
-            tp, control = init_tensor_parallel(
-                0, config.tensor_parallel_size, config.resolve_device(0), store=store,
-                timeout_s=timeout_s, num_stages=config.pipeline_parallel_size,
-            )  # fmt: skip
+            if config.data_parallel_size > 1:  # (engine/data_parallel.py)
+                from duet.engine.data_parallel import init_data_parallel
+
+                tp, control = init_data_parallel(
+                    0, world, config.resolve_device(0), store, timeout_s
+                )
+            else:
+                tp, control = init_tensor_parallel(
+                    0, config.tensor_parallel_size, config.resolve_device(0), store=store,
+                    timeout_s=timeout_s, num_stages=config.pipeline_parallel_size,
+                )  # fmt: skip
         except BaseException:
             _end(followers, 0.0)
             raise
@@ -200,7 +216,7 @@ class TPGroup:
         """After rank 0's engine broadcast `Stop` (or died): wait for the followers, killing
         any still running after `timeout_s`, and leave the group."""
         _end(self.followers, timeout_s)
-        if self.tp.spans_ranks and dist.is_initialized():
+        if (self.tp.spans_ranks or self.tp.exchange is not None) and dist.is_initialized():
             dist.destroy_process_group()
 
 

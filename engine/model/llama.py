@@ -165,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         self.heads = tp.heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         if tp.expert_parallel:
             check_ep_size(tp.world_size, cfg.moe)
+        if tp.exchange is not None:  # data-parallel attention (engine/model/moe_exchange.py)
+            check_ep_size(tp.exchange.size, cfg.moe)
         check_mla_layout(cfg, tp.world_size)
         self.vocab_start, self.vocab_end = tp.split(cfg.vocab_size)
         self.vocab_sizes = [

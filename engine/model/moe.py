@@ -25,7 +25,9 @@ one all-reduce per layer. With expert parallelism (`TensorParallel.expert_parall
 size) each rank holds a contiguous 1/E of the routed experts whole instead, and computes only
 the (token, choice) pairs routed to them; the shared expert stays sliced. Every rank routes
 every token (attention leaves each rank the whole batch), so the same one all-reduce sums
-the experts' contributions: no all-to-all (docs/parallelism.md says why). Each block counts
+the experts' contributions: no all-to-all (docs/parallelism.md says why). Under data-parallel
+attention (`TensorParallel.exchange`) each rank has its own tokens and 1/size of the experts, and
+the rows travel by all-to-all instead (engine/model/moe_exchange.py). Each block counts
 the (token, choice) pairs its router picks, for every expert, into the model's `ExpertLoad`
 (expert_load.py), from the same count that cuts the rows per expert (the fused Triton
 kernel, which needs no count, adds them on the device).
@@ -47,6 +49,7 @@ from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.grouped_experts_cpu import CpuGroupedExperts
 from duet.engine.model.grouped_quant_experts_cpu import CpuGroupedQuantExperts
 from duet.engine.model.mlp import MLP
+from duet.engine.model.moe_exchange import exchanged_experts
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import SINGLE, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
@@ -154,7 +157,7 @@ def grouped_experts(
             y = modules[str(e)].forward(rows[start:end])  # [count, hidden]
             out.index_copy_(0, order[start:end], (y * scale[start:end]).to(x.dtype))
             start = end
-    out = out.view(num_tokens, top_k, -1)
+    out = out.view(num_tokens, top_k, x.shape[1])  # (x.shape[1]: T may be 0)
     total = out[:, 0]
     for k in range(1, top_k):  # in expert order, one rounding per add, as HF's index_add_
         total = total + out[:, k]
@@ -206,8 +209,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         self.first_expert, end = tp.expert_range(moe.num_experts)
         """This rank's experts are the model's [first_expert, first_expert + len(experts))."""
-        # With expert parallelism a rank's experts are whole (their intermediate unsliced).
-        expert_tp = SINGLE if tp.expert_parallel else tp
+        # With expert parallelism a rank's experts are whole (their intermediate unsliced);
+        # with an exchange (data-parallel attention) too, and the rank runs no TP of its own.
+        self.exchange = tp.exchange
+        assert self.exchange is None or not tp.enabled, "an expert exchange runs at TP 1"
+        expert_tp = SINGLE if tp.expert_parallel or self.exchange is not None else tp
         self.experts = nn.ModuleList(
             MLP(hidden, moe.intermediate_size, expert_tp, quant, reduce=False)
             for _ in range(self.first_expert, end)
@@ -258,6 +264,8 @@ class SparseMoeBlock(nn.Module):
         `Linear` pair (not quantized, not on a CPU kernel)."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
         pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
+        if self.exchange is not None:  # (exchanged rows take the grouped products only)
+            return False
         if not experts or not all(
             type(m) is Linear and m.cpu_kernel is None for pair in pairs for m in pair
         ):
@@ -271,12 +279,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
-        logits = parts["gate"].forward(x)  # [T, E]
-        if self.deepseek_routing:
-            bias = self._parameters["e_score_correction_bias"]
-            weights, ids = route_deepseek(logits, self.moe, bias)
-        else:
-            weights, ids = route(logits, self.top_k, self.renormalize)
+        if self.exchange is not None:
+            return self._exchanged(x)
+        weights, ids = self._route(x)
         w13, w2 = self._parameters["w13"], self._parameters["w2"]
         if w13 is not None and w2 is not None:
             from duet.engine.kernels.triton_moe import fused_experts
@@ -294,13 +299,40 @@ class SparseMoeBlock(nn.Module):
                 self.weights_in_model_dtype, self.num_experts, self.first_expert,
                 self.expert_counts,  # counted where the rows are cut, not twice
             )  # fmt: skip
+        return self.tp.all_reduce(self._add_shared(x, out))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate: Any = self._modules["gate"]
+        logits = gate.forward(x)  # [T, E]
+        if self.deepseek_routing:
+            return route_deepseek(logits, self.moe, self._parameters["e_score_correction_bias"])
+        return route(logits, self.top_k, self.renormalize)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        parts: dict[str, Any] = self._modules
         shared = parts["shared_expert"]
         if shared is not None and parts["shared_expert_gate"] is None:
             out = out + shared.forward(x)
         elif shared is not None:
             gate = sigmoid_rows(parts["shared_expert_gate"].forward(x))  # [T, 1]
             out = out + gate * shared.forward(x)
-        return self.tp.all_reduce(out)
+        return out
+
+    def _exchanged(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer under data-parallel attention (engine/model/moe_exchange.py). With no
+        tokens of its own (T = 0) a rank still serves the rows others route to its experts."""
+        assert self.exchange is not None
+        if x.shape[0] == 0:
+            weights = x.new_empty(0, self.top_k, dtype=torch.float32)
+            ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
+        else:
+            weights, ids = self._route(x)
+        grouped = self._modules["cpu_experts"]
+        out = exchanged_experts(
+            x, self._modules["experts"] if grouped is None else grouped, weights, ids,
+            self.weights_in_model_dtype, self.num_experts, self.exchange, self.expert_counts,
+        )  # fmt: skip
+        return out if x.shape[0] == 0 else self._add_shared(x, out)
 
 
 def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:

@@ -61,12 +61,14 @@ class WeightPlacement:
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds the checkpoint tensor `name` (HF's name): not another
-        pipeline stage's, nor (expert parallelism) another rank's routed expert."""
+        pipeline stage's, nor (expert parallelism, or an expert exchange) another rank's
+        routed expert."""
         target = name.removeprefix("model.")
         if target.startswith("layers."):
             if not self.layers[0] <= int(target.split(".", 2)[1]) < self.layers[1]:
                 return False
-            expert = expert_placement(target) if self.tp.expert_parallel else None
+            sharded = self.tp.expert_parallel or self.tp.exchange is not None
+            expert = expert_placement(target) if sharded else None
             if expert is not None and expert[1] is not None and self.config.moe is not None:
                 start, end = self.tp.expert_range(self.config.moe.num_experts)
                 return start <= expert[1] < end  # another rank's experts: not read at all

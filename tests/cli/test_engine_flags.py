@@ -61,6 +61,7 @@ def test_every_field_has_a_docstring_for_its_help() -> None:
 def test_vllm_spellings() -> None:
     assert flag_names("kv_cache_memory_bytes") == ("--kv-cache-memory", "--kv-cache-memory-bytes")
     assert flag_names("tensor_parallel_size") == ("--tensor-parallel-size", "-tp")
+    assert flag_names("data_parallel_size") == ("--data-parallel-size", "-dp")
     assert flag_names("max_num_batched_tokens") == ("--max-num-batched-tokens",)
 
 
@@ -79,7 +80,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--enforce-eager",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
         "--no-enable-prefix-caching", "--no-deterministic", "--scheduling-policy", "priority",
-        "-tp", "2", "-pp", "2", "--expert-parallel-size", "2",
+        "-tp", "2", "-pp", "2", "--expert-parallel-size", "2", "-dp", "1",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
         "--no-load-progress", "--load-format", "dummy",
         "--hf-overrides", '{"rope_theta": 10000.0}', "--quantization", "int4", "--quantization-group-size", "64", "--quantization-symmetric",
@@ -93,7 +94,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
         tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2,
-        num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",
+        data_parallel_size=1, num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",
         hf_overrides={"rope_theta": 10000.0}, quantization="int4", quantization_group_size=64,
         quantization_symmetric=True, quantize_lm_head=True,
         speculative_config={"method": "ngram", "num_speculative_tokens": 2},
