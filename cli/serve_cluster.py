@@ -134,6 +134,11 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
             "--tensor-parallel-size: with --disaggregated, prefill groups shard across "
             "--prefill-tp ranks and decode workers across --decode-tp ranks; use those"
         )
+    if engine.get("data_parallel_size", 1) != 1:
+        raise ValueError(
+            "--data-parallel-size: with --disaggregated, not yet (a prefill group or decode "
+            "worker does not run in lockstep with data-parallel peers); serve it aggregated"
+        )
     if engine.get("expert_parallel_size", 1) != 1:
         raise ValueError(
             "--expert-parallel-size: with --disaggregated, prefill groups shard experts with "

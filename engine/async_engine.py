@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from duet.engine.config import EngineConfig
 from duet.engine.core import AbortRequest, AddRequest, EngineCore, EngineDeadError, EngineRole
-from duet.engine.errors import InvalidInputError
+from duet.engine.data_parallel import DataParallelRole, DPLeader
 from duet.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -63,17 +63,15 @@ class AsyncEngine:
         With `tensor_parallel_size` N > 1 this process is rank 0 and ranks 1..N-1 start as
         child processes (engine/tp_group.py)."""
         given = config or EngineConfig.from_kwargs(**kwargs)
-        if given.data_parallel_size > 1:  # before any rank starts
-            raise InvalidInputError(
-                "data_parallel_size",
-                f"must be 1 for a served engine for now: data-parallel attention runs in the "
-                f"offline LLM (engine/data_parallel.py); got {given.data_parallel_size}",
-            )
         if given.num_ranks == 1:
             return cls(lambda: LLMEngine(given))
         ranked = rank_config(given)
         group = TPGroup.start(ranked)
-        return cls(lambda: LLMEngine(ranked, group.tp), group=group)
+        role = None
+        if ranked.data_parallel_size > 1:  # rank 0 of the lockstep (engine/data_parallel.py)
+            assert group.control_group is not None
+            role = DataParallelRole(DPLeader(ranked.data_parallel_size, group.control_group))
+        return cls(lambda: LLMEngine(ranked, group.tp), role=role, group=group)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -80,7 +80,7 @@ class EngineConfig:
     """Ranks that each run attention on their own requests (own scheduler and KV cache) and
     exchange a mixture's routed experts by all-to-all (engine/data_parallel.py; vLLM's and
     SGLang's DP attention): 1, or D > 1 with `expert_parallel_size` D, at TP and PP 1, a
-    mixture of experts, the offline `LLM` only for now."""
+    mixture of experts; the offline `LLM` and `duet serve`, not the disaggregated workers."""
     num_threads: int | None = None
     """CPU threads for torch. None: torch's default."""
     seed: int = 0

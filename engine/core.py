@@ -281,7 +281,7 @@ class EngineCore:
 
     def _wait_s(self) -> float:
         """How long the loop may wait for a command before stepping again."""
-        if self._internal or self.engine.has_schedulable_requests():
+        if self._internal or self.engine.has_schedulable_requests() or self.role.busy_elsewhere():
             return 0.0
         if self.engine.has_unfinished_requests() or self.role.has_io_in_flight():
             return IO_POLL_S

@@ -4,8 +4,9 @@ its own tokens, whose sparse layers exchange (token, choice) rows by all-to-all 
 rank holds only 1/D of the routed experts (engine/model/moe_exchange.py). It is expert
 parallelism beyond the tensor-parallel size, as vLLM's and SGLang's DP attention.
 
-The offline `LLM` runs rank 0 on the caller's thread and ranks 1..D-1 as child processes
-(`TPGroup.start`, the launcher of tensor parallelism; `python -m duet.engine.tp_follower`). In
+Rank 0 is the offline `LLM` on the caller's thread (`DPLeader`), or a served engine's
+`EngineCore` with a `DataParallelRole`; ranks 1..D-1 are child processes (`TPGroup.start`, the
+launcher of tensor parallelism; `python -m duet.engine.tp_follower`, running `follow`). In
 lockstep, once per iteration:
 
 1. rank 0 broadcasts its commands: each new request with the rank it goes to (`DPLeader.assign`:
@@ -13,12 +14,13 @@ lockstep, once per iteration:
 2. every rank applies its own and steps its engine once; a rank with nothing scheduled serves
    its experts instead (every sparse layer with no tokens of its own: `ModelRunner.
    serve_experts`), so every rank takes part in every layer's exchange of the step;
-3. every rank's outputs (assembled: text, stop strings applied on the rank that runs the
-   request) and unfinished count go to rank 0 in one gather.
+3. every rank's raw outputs (token ids) and unfinished count go to rank 0 in one gather;
+   rank 0 makes their text (the `LLM`, or each stream's reader) and, when a stop string ends
+   a sample, sends the owning rank a `FinishStopped` with the next iteration's commands.
 
 Every collective runs under the group's timeout (`GROUP_TIMEOUT_S`); a rank that dies breaks
-the others' next collective, which raises instead of hanging. `duet serve` and the disaggregated
-workers do not run data-parallel yet (each refuses `data_parallel_size` > 1).
+the others' next collective, which raises instead of hanging. The disaggregated workers do
+not run data-parallel yet (their engines refuse `data_parallel_size` > 1).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from duet.engine.commands import AbortRequest, AddRequest, ResetPrefixCache, Stop
+from duet.engine.commands import AbortRequest, AddRequest, FinishStopped, ResetPrefixCache, Stop
 from duet.engine.device import bind_thread
+from duet.engine.engine_role import EngineRole
 from duet.engine.errors import InvalidInputError
-from duet.engine.outputs import RequestOutput
+from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import ExpertExchange, TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -49,14 +52,16 @@ class AddOnRank:
     add: AddRequest
 
 
-DPCommand = AddOnRank | AbortRequest | ResetPrefixCache | Stop
+DPCommand = AddOnRank | AbortRequest | FinishStopped | ResetPrefixCache | Stop
 
 
 @dataclass(frozen=True)
 class RankReport:
     """What a rank sends rank 0 after each step."""
 
-    outputs: list[RequestOutput]
+    outputs: list[EngineOutput]
+    """Raw (token ids): rank 0 assembles them, or its streams' readers do, and sends a
+    `FinishStopped` back when a stop string ends a sample."""
     unfinished: int
     errors: list[tuple[str, str, str]]
     """(request id, field, message) of requests this rank refused to add."""
@@ -81,13 +86,14 @@ def init_data_parallel(
 
 
 class DPLeader:
-    """Rank 0's side of the lockstep for the offline `LLM`: assigns requests to ranks, sends
-    each iteration's commands (`sync`) and collects every rank's outputs (`gather`)."""
+    """Rank 0's side of the lockstep: assigns requests to ranks, sends each iteration's
+    commands (`sync`) and collects every rank's outputs (`gather`)."""
 
     def __init__(self, size: int, control: dist.ProcessGroup) -> None:
         self.size = size
         self.control = control
         self.unfinished = [0] * size  # per rank, as of the last gather plus assignments since
+        self.iterations = 0  # lockstep iterations so far
         self._pending: list[DPCommand] = []
         self._stopped = False
 
@@ -106,6 +112,7 @@ class DPLeader:
         if self._stopped and self._pending[-1:] != [Stop()]:
             raise RuntimeError("the data-parallel group was shut down")
         commands, self._pending = self._pending, []
+        self.iterations += 1
         box: list[Any] = [commands]
         dist.broadcast_object_list(box, group=self.control, group_src=0)
 
@@ -134,27 +141,30 @@ class DPLeader:
 
 def follow(engine: Any, rank: int, control: dist.ProcessGroup) -> None:
     """A follower rank's loop (`engine`: its `LLMEngine`): apply rank 0's commands that are its
-    own, step, report; until `Stop`."""
+    own, step, report its raw outputs; until `Stop`."""
+    engine.assemble_outputs = False  # rank 0 assembles
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, group=control, group_src=0)
-        errors: list[tuple[str, str, str]] = []
-        if not _apply(engine, rank, box[0], errors):
+        report = RankReport([], 0, [])
+        if not _apply(engine, rank, box[0], report):
             return
-        outputs = engine.step()
-        report = RankReport(outputs, engine.num_unfinished_requests, errors)
+        report.outputs.extend(engine.step_outputs())
+        report = RankReport(report.outputs, engine.num_unfinished_requests, report.errors)
         dist.gather_object(report, None, group=control, group_dst=0)
 
 
-def _apply(
-    engine: Any, rank: int, commands: Sequence[DPCommand], errors: list[tuple[str, str, str]]
-) -> bool:
+def _apply(engine: Any, rank: int, commands: Sequence[DPCommand], report: RankReport) -> bool:
     for cmd in commands:
         if isinstance(cmd, Stop):
             return False
         if isinstance(cmd, AbortRequest):
+            aborted = engine.abort(cmd.request_id)  # None where it is not running
+            if aborted is not None:
+                report.outputs.append(aborted)
+        elif isinstance(cmd, FinishStopped):
             if cmd.request_id in engine.requests:
-                engine.abort_request(cmd.request_id)
+                engine.finish_stopped(cmd.request_id, cmd.index, cmd.num_tokens)
         elif isinstance(cmd, ResetPrefixCache):
             engine.kv.pool.reset_prefix_cache()
         elif cmd.rank == rank:
@@ -165,5 +175,64 @@ def _apply(
                     prompt_text=add.prompt_text,
                 )  # fmt: skip
             except InvalidInputError as e:  # the caller's: rank 0 raises it
-                errors.append((add.request_id, e.field, e.message))
+                report.errors.append((add.request_id, e.field, e.message))
     return True
+
+
+class DataParallelRole(EngineRole):
+    """Rank 0's role in a served engine (`AsyncEngine.from_config`): the lockstep of the module
+    docstring around rank 0's `EngineCore` loop. A new request goes to the rank with the fewest
+    unfinished ones; rank 0's own run here, the others' are broadcast before the step
+    (`before_step`), and after it every rank's raw outputs reach their streams on this
+    process (`after_step`), whose readers assemble them; aborts and stop strings of another
+    rank's requests go to it the same way."""
+
+    def __init__(self, leader: DPLeader) -> None:
+        super().__init__()
+        self.leader = leader
+        self.remote: set[str] = set()  # request ids running on other ranks
+
+    def add(self, cmd: AddRequest) -> None:
+        rank = self.leader.assign()
+        if rank == 0:
+            try:
+                super().add(cmd)
+            except Exception:
+                self.leader.unfinished[0] -= 1
+                raise
+            return
+        self.leader.record(AddOnRank(rank, cmd))
+        self.remote.add(cmd.request_id)
+
+    def abort(self, cmd: AbortRequest) -> None:
+        if cmd.request_id in self.remote:
+            self.leader.record(cmd)  # its final output comes back in the rank's report
+        else:
+            super().abort(cmd)
+
+    def finish_stopped(self, cmd: FinishStopped) -> None:
+        if cmd.request_id in self.remote:
+            self.leader.record(cmd)
+        else:
+            super().finish_stopped(cmd)
+
+    def before_step(self) -> None:
+        self.leader.sync()
+
+    def after_step(self, outputs: list[EngineOutput]) -> None:
+        super().after_step(outputs)
+        own = RankReport([], self.engine.num_unfinished_requests, [])
+        for report in self.leader.gather(own)[1:]:
+            for out in report.outputs:
+                self.core.publish(out.request_id, out)
+                if out.finished:
+                    self.remote.discard(out.request_id)
+            for request_id, field, message in report.errors:
+                self.core.publish(request_id, InvalidInputError(field, message))
+                self.remote.discard(request_id)
+
+    def busy_elsewhere(self) -> bool:
+        return self.leader.total_unfinished > self.engine.num_unfinished_requests
+
+    def on_exit(self) -> None:
+        self.leader.stop()

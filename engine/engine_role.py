@@ -102,5 +102,10 @@ class EngineRole:
         """True while the role waits on I/O the loop must poll for soon (transfers)."""
         return False
 
+    def busy_elsewhere(self) -> bool:
+        """True while other ranks have work that needs this loop to keep stepping (the
+        data-parallel lockstep: engine/data_parallel.py)."""
+        return False
+
     def on_exit(self) -> None:
         """The loop ended (stop or failure): release what the role holds."""

@@ -15,6 +15,7 @@ from duet.engine.config import EngineConfig
 from duet.engine.data_parallel import AddOnRank, DPLeader, RankReport
 from duet.engine.errors import InvalidInputError
 from duet.engine.llm_engine import LLMEngine, Prompt
+from duet.engine.output_processor import OfflineOutputs
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import TensorParallel
 from duet.engine.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class LLM:
                 assert group.control_group is not None
                 self._dp = DPLeader(self.config.data_parallel_size, group.control_group)
                 self._dp_ids = itertools.count()
+                self._remote = OfflineOutputs()  # other ranks' requests, assembled here
         try:
             self.engine = LLMEngine(self.config, tp)
         except BaseException:
@@ -150,6 +152,7 @@ class LLM:
         else:
             add = AddRequest(request_id, ids, params, priority, prompt_text=text)
             dp.record(AddOnRank(rank, add))
+            self._remote.open(self.engine.new_assembler(request_id, text, ids, params))
         return request_id
 
     def _finish_stopped(self, request_id: str, index: int, num_tokens: int) -> None:
@@ -194,21 +197,26 @@ class LLM:
         (engine/data_parallel.py)."""
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+
+        def finish_remote(request_id: str, index: int, num_tokens: int) -> None:
+            dp.record(FinishStopped(request_id, index, num_tokens))  # applied before its next step
+
         pending = True
         while pending:
             dp.sync()
-            own = RankReport(self.engine.step(), self.engine.num_unfinished_requests, [])
-            reports = dp.gather(own)
-            for report in reports:
+            outputs = self.engine.step()
+            reports = dp.gather(RankReport([], self.engine.num_unfinished_requests, []))
+            for report in reports[1:]:
                 if report.errors:  # a follower refused a request this check could not see
                     for request_id in ids:
                         self._abort(request_id)
                     _, field, message = report.errors[0]
                     raise InvalidInputError(field, message)
-                for out in report.outputs:
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
+                outputs += self._remote.assemble(report.outputs, finish_remote)
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
             pending = dp.total_unfinished > 0
         bar.close()
         return [final[i] for i in ids]

@@ -64,8 +64,8 @@ class LLMEngine:
             raise InvalidInputError(
                 "data_parallel_size",
                 f"is {dp} but the engine was given {tp.exchange.size if tp.exchange else 1} "
-                f"rank(s) to exchange experts with; only the offline LLM(...) starts "
-                f"data-parallel ranks (engine/data_parallel.py)",
+                f"rank(s) to exchange experts with; LLM(...) and AsyncEngine.from_config "
+                f"start data-parallel ranks (engine/data_parallel.py)",
             )
         if config.expert_parallel_size > 1 and dp == 1:  # = the TP size (EngineConfig checks)
             tp = dataclasses.replace(tp, expert_parallel=True)

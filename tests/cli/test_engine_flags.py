@@ -299,6 +299,13 @@ def test_disaggregated_pipeline_stages_point_to_the_group_flag(
     )
 
 
+def test_disaggregated_data_parallelism_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--disaggregated", "-dp", "2", "--expert-parallel-size", "2"]) == 2
+    assert "--data-parallel-size: with --disaggregated, not yet" in capsys.readouterr().err
+
+
 def test_disaggregated_expert_parallelism_points_to_the_group_flags(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

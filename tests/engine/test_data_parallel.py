@@ -1,53 +1,142 @@
 """Data-parallel attention for a mixture of experts (engine/data_parallel.py): `LLM(...,
-data_parallel_size=2, expert_parallel_size=2)` runs two engine ranks, each with its own requests
-and KV cache and half of the routed experts, in lockstep; a rank with nothing to run serves its
-experts. Greedy tokens and their logprobs equal one rank's (fp32), with requests of different
-lengths (one rank idles while the other finishes) and a later call that leaves a rank idle
-throughout; the follower exits cleanly; bad layouts are refused naming the field."""
+data_parallel_size=2, expert_parallel_size=2)` and a served `AsyncEngine` run two engine ranks,
+each with its own requests and KV cache and half of the routed experts, in lockstep; a rank
+with nothing to run serves its experts. Greedy tokens, logprobs and text equal one rank's
+(fp32), with requests of different lengths (one rank idles while the other finishes), a stop
+string ending a request on the other rank, a later call that leaves a rank idle throughout,
+and streams left early (aborted on their ranks); the follower exits cleanly; bad layouts and
+the disaggregated workers' engines are refused naming the field."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 
 from duet.engine import LLM, InvalidInputError, SamplingParams
 from duet.engine.async_engine import AsyncEngine
 from duet.engine.config import EngineConfig
+from duet.engine.data_parallel import DataParallelRole
 from duet.engine.llm_engine import LLMEngine
 
 PROMPTS = [[5, 9, 17], list(range(40, 51)), [300, 7], list(range(60, 120)), [7] * 9]
-MAX_TOKENS = (8, 3, 12, 5, 9)
+MAX_TOKENS = (8, 3, 12, 60, 9)  # the fourth ends early on a stop string
+DP2 = dict(dtype="float32", load_progress=False, data_parallel_size=2, expert_parallel_size=2)
 
 
-def _params() -> list[SamplingParams]:
+def _params(stop: str | None = None) -> list[SamplingParams]:
+    """Greedy, with logprobs; `stop` on the fourth prompt (the second rank's second request
+    when the five are added in order)."""
     return [
-        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in MAX_TOKENS
+        SamplingParams(
+            max_tokens=n,
+            temperature=0,
+            ignore_eos=True,
+            logprobs=2,
+            stop=[stop] if stop is not None and i == 3 else [],
+        )
+        for i, n in enumerate(MAX_TOKENS)
     ]
 
 
-def _results(outs):
+def _results(outs) -> list[tuple]:
     return [
-        (o.outputs[0].token_ids, [lp.sampled.logprob for lp in o.outputs[0].logprobs]) for o in outs
+        (
+            o.outputs[0].token_ids,
+            [lp.sampled.logprob for lp in o.outputs[0].logprobs],
+            o.outputs[0].text,
+            o.outputs[0].finish_reason,
+        )
+        for o in outs
     ]
+
+
+def _stop_string(llm: LLM) -> str:
+    """Text early in the fourth prompt's greedy output: a stop string that ends it after a few
+    of its 60 tokens."""
+    text = llm.generate(PROMPTS[3:4], _params()[3:4])[0].outputs[0].text
+    assert len(text) >= 8
+    return text[4:7]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_two_ranks_give_one_ranks_tokens(tiny_model_factory, arch):
     path = tiny_model_factory(arch)
     one = LLM(path, dtype="float32", load_progress=False)
-    want = _results(one.generate(PROMPTS, _params()))
-    two = LLM(
-        path, dtype="float32", load_progress=False, data_parallel_size=2, expert_parallel_size=2
-    )
+    stop = _stop_string(one)
+    want = _results(one.generate(PROMPTS, _params(stop)))
+    assert want[3][3] == "stop"
+    assert len(want[3][0]) < 20  # stopped early (the others run at most 12 tokens)
+    two = LLM(path, **DP2)
     try:
-        assert _results(two.generate(PROMPTS, _params())) == want
+        assert _results(two.generate(PROMPTS, _params(stop))) == want
+        # the stop string, found here, ended the request on its rank too: no rank ran on to
+        # its 60 tokens (the iterations would have)
+        assert two._dp is not None and two._dp.iterations < 30
         # the requests were shared out: this rank ran some of them, not all
         own = two.engine.stats.num_prompt_tokens
         assert 0 < own < sum(map(len, PROMPTS))
         # one request: the other rank has nothing of its own and serves its experts each step
-        assert _results(two.generate(PROMPTS[3:4], _params()[3:4])) == want[3:4]
+        assert _results(two.generate(PROMPTS[3:4], _params(stop)[3:4])) == want[3:4]
     finally:
         two.shutdown()
     (follower,) = two.follower_processes
+    assert follower.wait(timeout=30) == 0
+
+
+def test_a_served_engine_runs_the_ranks_in_lockstep(tiny_model_factory):
+    path = tiny_model_factory("qwen3_moe")
+    one = LLM(path, dtype="float32", load_progress=False)
+    stop = _stop_string(one)
+    want = one.generate(PROMPTS, _params(stop))
+    engine = AsyncEngine.from_config(EngineConfig(model=path, **DP2))
+
+    async def run(prompt: list[int], params: SamplingParams) -> tuple:
+        text, ids, last = "", [], None
+        async for out in engine.generate(prompt, params):
+            text += out.outputs[0].delta_text
+            ids += out.outputs[0].delta_token_ids
+            last = out
+        assert last is not None
+        return ids, text, last.outputs[0].finish_reason
+
+    async def leave_early(request_id: str) -> int:
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        n = 0
+        async for _ in engine.generate(PROMPTS[0], params, request_id=request_id):
+            n += 1
+            if n == 3:
+                break
+        return n
+
+    async def all_prompts() -> list[tuple]:
+        return list(await asyncio.gather(*map(run, PROMPTS, _params(stop))))
+
+    async def two_leavers() -> list[int]:  # one on each rank
+        return list(await asyncio.gather(leave_early("a"), leave_early("b")))
+
+    try:
+        got = asyncio.run(asyncio.wait_for(all_prompts(), 120))
+        assert got == [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in want
+        ]
+        # the stop string, found by its stream's reader here, ended the request on its rank
+        # too: every rank is done well before the 60 iterations it would have run
+        role = engine.core.role
+        assert isinstance(role, DataParallelRole)
+        deadline = time.monotonic() + 30
+        while role.leader.total_unfinished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert role.leader.total_unfinished == 0 and role.leader.iterations < 40
+        assert asyncio.run(asyncio.wait_for(two_leavers(), 120)) == [3, 3]
+        # both aborted on their ranks: the next request runs as if alone
+        ids, _, _ = asyncio.run(asyncio.wait_for(run(PROMPTS[3], _params(stop)[3]), 120))
+        assert ids == want[3].outputs[0].token_ids
+    finally:
+        engine.shutdown()
+    assert engine.group is not None
+    (follower,) = engine.group.followers
     assert follower.wait(timeout=30) == 0
 
 
@@ -73,18 +162,13 @@ def test_bad_layouts_are_refused_naming_the_field(kwargs, field):
 
 def test_a_dense_model_is_refused_before_any_rank_starts(tiny_llama):
     with pytest.raises(InvalidInputError) as e:
-        LLM(tiny_llama, load_progress=False, data_parallel_size=2, expert_parallel_size=2)
+        LLM(tiny_llama, **DP2)
     assert e.value.field == "data_parallel_size" and "dense" in e.value.message
 
 
-def test_only_the_offline_llm_starts_data_parallel_ranks(tiny_model_factory):
-    path = tiny_model_factory("qwen3_moe")
-    config = EngineConfig.from_kwargs(
-        model=path, load_progress=False, data_parallel_size=2, expert_parallel_size=2
-    )
+def test_an_engine_given_no_ranks_to_exchange_with_is_refused(tiny_model_factory):
+    """A disaggregated worker builds its engine from its config alone: no lockstep, refused."""
+    config = EngineConfig.from_kwargs(model=tiny_model_factory("qwen3_moe"), **DP2)
     with pytest.raises(InvalidInputError) as e:
-        AsyncEngine.from_config(config)  # duet serve's engine
-    assert e.value.field == "data_parallel_size" and "offline" in e.value.message
-    with pytest.raises(InvalidInputError) as e:
-        LLMEngine(config)  # a worker's engine, given no ranks to exchange with
+        LLMEngine(config)
     assert e.value.field == "data_parallel_size"
