@@ -15,7 +15,7 @@ import time
 import pytest
 
 from duet.engine import LLM, InvalidInputError, SamplingParams
-from duet.engine.async_engine import AsyncEngine
+from duet.engine.async_engine import AsyncEngine, EngineDeadError
 from duet.engine.config import EngineConfig
 from duet.engine.data_parallel import DataParallelRole
 from duet.engine.llm_engine import LLMEngine
@@ -172,3 +172,36 @@ def test_an_engine_given_no_ranks_to_exchange_with_is_refused(tiny_model_factory
     with pytest.raises(InvalidInputError) as e:
         LLMEngine(config)
     assert e.value.field == "data_parallel_size"
+
+
+def test_a_dead_rank_ends_every_stream_at_once(tiny_model_factory):
+    """The follower killed mid-generation: rank 0's next collective fails on the closed
+    connection, the engine stops, and both streams (one on each rank) end with
+    `EngineDeadError` instead of waiting out the group's timeout."""
+    engine = AsyncEngine.from_config(EngineConfig(model=tiny_model_factory("qwen3_moe"), **DP2))
+    assert engine.group is not None
+    (follower,) = engine.group.followers
+
+    async def run(request_id: str) -> tuple[str, int]:
+        params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+        n = 0
+        try:
+            async for _ in engine.generate([5, 6, 7], params, request_id=request_id):
+                n += 1
+                if n == 5 and request_id == "a":
+                    follower.kill()
+        except EngineDeadError:
+            return "dead", n
+        return "finished", n
+
+    async def both() -> list[tuple[str, int]]:
+        return list(await asyncio.gather(run("a"), run("b")))
+
+    try:
+        started = time.monotonic()
+        results = asyncio.run(asyncio.wait_for(both(), 60))
+        assert [r[0] for r in results] == ["dead", "dead"] and results[0][1] == 5
+        assert time.monotonic() - started < 30
+    finally:
+        engine.shutdown()
+    assert follower.wait(timeout=10) == -9
