@@ -110,6 +110,9 @@ class AsyncEngine:
 
     @property
     def stats(self) -> EngineStats:
+        role = self.core.role
+        if isinstance(role, DataParallelRole):  # every rank's, as one engine's
+            return role.stats()
         return self.engine.stats
 
     def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +41,13 @@ from duet.engine.engine_role import EngineRole
 from duet.engine.errors import InvalidInputError
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import ExpertExchange, TensorParallel
+from duet.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+
+
+STATS_EVERY_S = 0.5
+"""How often a follower sends its counters with its report (they are a few lists of ints)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class RankReport:
     unfinished: int
     errors: list[tuple[str, str, str]]
     """(request id, field, message) of requests this rank refused to add."""
+    stats: EngineStats | None = None
+    """The rank's counters, at most every `STATS_EVERY_S` (a served engine's `/metrics`)."""
 
 
 def init_data_parallel(
@@ -143,6 +151,7 @@ def follow(engine: Any, rank: int, control: dist.ProcessGroup) -> None:
     """A follower rank's loop (`engine`: its `LLMEngine`): apply rank 0's commands that are its
     own, step, report its raw outputs; until `Stop`."""
     engine.assemble_outputs = False  # rank 0 assembles
+    stats_sent = 0.0
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, group=control, group_src=0)
@@ -150,7 +159,10 @@ def follow(engine: Any, rank: int, control: dist.ProcessGroup) -> None:
         if not _apply(engine, rank, box[0], report):
             return
         report.outputs.extend(engine.step_outputs())
-        report = RankReport(report.outputs, engine.num_unfinished_requests, report.errors)
+        stats = None
+        if time.monotonic() - stats_sent >= STATS_EVERY_S:
+            stats, stats_sent = engine.stats, time.monotonic()
+        report = RankReport(report.outputs, engine.num_unfinished_requests, report.errors, stats)
         dist.gather_object(report, None, group=control, group_dst=0)
 
 
@@ -191,6 +203,7 @@ class DataParallelRole(EngineRole):
         super().__init__()
         self.leader = leader
         self.remote: set[str] = set()  # request ids running on other ranks
+        self.rank_stats: dict[int, EngineStats] = {}  # each follower's last counters
 
     def add(self, cmd: AddRequest) -> None:
         rank = self.leader.assign()
@@ -222,7 +235,11 @@ class DataParallelRole(EngineRole):
     def after_step(self, outputs: list[EngineOutput]) -> None:
         super().after_step(outputs)
         own = RankReport([], self.engine.num_unfinished_requests, [])
-        for report in self.leader.gather(own)[1:]:
+        for rank, report in enumerate(self.leader.gather(own)):
+            if rank == 0:
+                continue
+            if report.stats is not None:
+                self.rank_stats[rank] = report.stats
             for out in report.outputs:
                 self.core.publish(out.request_id, out)
                 if out.finished:
@@ -230,6 +247,11 @@ class DataParallelRole(EngineRole):
             for request_id, field, message in report.errors:
                 self.core.publish(request_id, InvalidInputError(field, message))
                 self.remote.discard(request_id)
+
+    def stats(self) -> EngineStats:
+        """Every rank's counters as one engine's (the followers' as of their last report)."""
+        others = [self.rank_stats[r] for r in sorted(self.rank_stats)]
+        return EngineStats.summed([self.engine.stats, *others])
 
     def busy_elsewhere(self) -> bool:
         return self.leader.total_unfinished > self.engine.num_unfinished_requests

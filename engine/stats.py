@@ -44,6 +44,31 @@ class EngineStats:
     moe_layer_expert_tokens: list[list[int]] | None = None
     """`moe_expert_tokens` per sparse layer: [L][E]."""
 
+    @classmethod
+    def summed(cls, ranks: list[EngineStats]) -> EngineStats:
+        """Data-parallel ranks' stats as one engine's (engine/data_parallel.py): counters,
+        requests and histograms summed, KV usage and expert imbalance averaged over the ranks
+        (each rank has its own pool and its own steps)."""
+        out = cls()
+        for name in ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_preemptions",
+                     "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting",
+                     "iteration_tokens_sum"):  # fmt: skip
+            setattr(out, name, sum(getattr(r, name) for r in ranks))
+        out.kv_usage = sum(r.kv_usage for r in ranks) / len(ranks)
+        out.iteration_token_counts = [
+            sum(c) for c in zip(*(r.iteration_token_counts for r in ranks), strict=True)
+        ]
+        loads = [r.moe_layer_expert_tokens for r in ranks if r.moe_layer_expert_tokens is not None]
+        if loads:
+            out.moe_layer_expert_tokens = [
+                [sum(e) for e in zip(*layer, strict=True)] for layer in zip(*loads, strict=True)
+            ]
+            out.moe_expert_tokens = [
+                sum(col) for col in zip(*out.moe_layer_expert_tokens, strict=True)
+            ]
+            out.moe_expert_imbalance = sum(r.moe_expert_imbalance for r in ranks) / len(ranks)
+        return out
+
     def observe_step(self, num_tokens: int) -> None:
         """A step computed `num_tokens` tokens (prompt chunks, decodes and proposed tokens)."""
         self.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1

@@ -129,6 +129,23 @@ def test_a_served_engine_runs_the_ranks_in_lockstep(tiny_model_factory):
         while role.leader.total_unfinished and time.monotonic() < deadline:
             time.sleep(0.01)
         assert role.leader.total_unfinished == 0 and role.leader.iterations < 40
+        # /metrics reads every rank's counters, summed (a follower's come with its reports,
+        # at most every 0.5 s: the idle heartbeat brings the last ones)
+        generated = sum(len(o.outputs[0].token_ids) for o in want)
+        deadline = time.monotonic() + 10
+        while engine.stats.num_generated_tokens < generated and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = engine.stats
+        assert (
+            stats.num_prompt_tokens
+            == sum(map(len, PROMPTS))
+            > engine.engine.stats.num_prompt_tokens
+        )
+        assert stats.num_generated_tokens >= generated
+        # every token computed went through each sparse layer's router once, top_k choices
+        top_k, layers = 2, 2  # the tiny Qwen3-MoE's (tests/conftest.py)
+        assert stats.moe_expert_tokens is not None
+        assert sum(stats.moe_expert_tokens) == stats.iteration_tokens_sum * top_k * layers
         assert asyncio.run(asyncio.wait_for(two_leavers(), 120)) == [3, 3]
         # both aborted on their ranks: the next request runs as if alone
         ids, _, _ = asyncio.run(asyncio.wait_for(run(PROMPTS[3], _params(stop)[3]), 120))
