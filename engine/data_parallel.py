@@ -26,7 +26,6 @@ not run data-parallel yet (their engines refuse `data_parallel_size` > 1).
 from __future__ import annotations
 
 import datetime
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,9 +41,7 @@ from duet.engine.errors import InvalidInputError
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import ExpertExchange, TensorParallel
 from duet.engine.stats import EngineStats
-
-logger = logging.getLogger(__name__)
-
+from duet.engine.tp_group import CommandLeader
 
 STATS_EVERY_S = 0.5
 """How often a follower sends its counters with its report (they are a few lists of ints)."""
@@ -93,17 +90,18 @@ def init_data_parallel(
     return TensorParallel(exchange=ExpertExchange(rank, size, world)), control
 
 
-class DPLeader:
+class DPLeader(CommandLeader):
     """Rank 0's side of the lockstep: assigns requests to ranks, sends each iteration's
     commands (`sync`) and collects every rank's outputs (`gather`)."""
 
+    group_name = "data-parallel"
+
     def __init__(self, size: int, control: dist.ProcessGroup) -> None:
+        super().__init__()
         self.size = size
         self.control = control
         self.unfinished = [0] * size  # per rank, as of the last gather plus assignments since
         self.iterations = 0  # lockstep iterations so far
-        self._pending: list[DPCommand] = []
-        self._stopped = False
 
     def assign(self) -> int:
         """The rank for a new request: the fewest unfinished, the lowest rank on a tie."""
@@ -111,15 +109,7 @@ class DPLeader:
         self.unfinished[rank] += 1
         return rank
 
-    def record(self, cmd: DPCommand) -> None:
-        """A command for the next iteration's broadcast (rank 0 applied its own already)."""
-        self._pending.append(cmd)
-
-    def sync(self) -> None:
-        """This iteration's broadcast (before each step)."""
-        if self._stopped and self._pending[-1:] != [Stop()]:
-            raise RuntimeError("the data-parallel group was shut down")
-        commands, self._pending = self._pending, []
+    def _send(self, commands: list[DPCommand]) -> None:
         self.iterations += 1
         box: list[Any] = [commands]
         dist.broadcast_object_list(box, group=self.control, group_src=0)
@@ -134,17 +124,6 @@ class DPLeader:
     @property
     def total_unfinished(self) -> int:
         return sum(self.unfinished)
-
-    def stop(self) -> None:
-        """End the followers' loops. Idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        self._pending.append(Stop())
-        try:
-            self.sync()
-        except RuntimeError as e:  # a follower is gone: the others fail on their own
-            logger.warning("data-parallel group: could not send Stop (%s)", e)
 
 
 def follow(engine: Any, rank: int, control: dist.ProcessGroup) -> None:

@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -230,30 +230,34 @@ def _end(followers: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None
             proc.wait(timeout=10)
 
 
-class TPLeader:
-    """Rank 0's command broadcast for an engine stepped on the caller's thread (the offline
-    `LLM`): every iteration, `sync` sends what rank 0 applied since the last one, so the
-    followers' `EngineCore` loops apply the same commands before the same step."""
+class CommandLeader:
+    """Rank 0's broadcast of each iteration's commands to the follower ranks: `record` what rank
+    0 applied, `sync` before each step, `stop` once (a last `Stop`). Subclasses send (`_send`):
+    `TPLeader` and the data-parallel `DPLeader` (engine/data_parallel.py)."""
 
-    def __init__(self, group: TPGroup) -> None:
-        self.group = group
-        self._pending: list[EngineCommand] = []
+    group_name = "tensor-parallel"
+
+    def __init__(self) -> None:
+        self._pending: list[Any] = []
         self._stopped = False
 
-    def record(self, cmd: EngineCommand) -> None:
-        """`cmd` was applied on rank 0; the followers apply it before their next step."""
+    def record(self, cmd: Any) -> None:
+        """`cmd` was applied on rank 0 (or is for another rank); the followers get it before
+        their next step."""
         self._pending.append(cmd)
 
     def sync(self) -> None:
         """One iteration's broadcast (call before each step)."""
         if self._stopped and self._pending[-1:] != [Stop()]:
-            raise RuntimeError("the tensor-parallel group was shut down")
-        commands = list(self._pending)
-        self._pending.clear()
-        self.group.tp.broadcast_commands(commands, self.group.control_group)
+            raise RuntimeError(f"the {self.group_name} group was shut down")
+        commands, self._pending = self._pending, []
+        self._send(commands)
+
+    def _send(self, commands: list[Any]) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
-        """End the followers' loops and the group. Idempotent."""
+        """End the followers' loops. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -261,6 +265,24 @@ class TPLeader:
         try:
             self.sync()
         except RuntimeError as e:  # a follower is gone: the others fail on their own
-            logger.warning("tensor-parallel group: could not send Stop (%s)", e)
+            logger.warning("%s group: could not send Stop (%s)", self.group_name, e)
+
+
+class TPLeader(CommandLeader):
+    """Rank 0's command broadcast for an engine stepped on the caller's thread (the offline
+    `LLM`): every iteration, `sync` sends what rank 0 applied since the last one, so the
+    followers' `EngineCore` loops apply the same commands before the same step."""
+
+    def __init__(self, group: TPGroup) -> None:
+        super().__init__()
+        self.group = group
+
+    def _send(self, commands: list[EngineCommand]) -> None:
+        self.group.tp.broadcast_commands(commands, self.group.control_group)
+
+    def stop(self) -> None:
+        """End the followers' loops and the group. Idempotent."""
+        try:
+            super().stop()
         finally:
             self.group.close()
