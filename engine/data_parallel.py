@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from duet.engine.commands import AbortRequest, AddRequest, FinishStopped, ResetPrefixCache, Stop
 from duet.engine.device import bind_thread
-from duet.engine.engine_role import EngineRole
+from duet.engine.engine_role import EngineDeadError, EngineRole
 from duet.engine.errors import InvalidInputError
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import ExpertExchange, TensorParallel
@@ -178,9 +178,12 @@ class DataParallelRole(EngineRole):
     process (`after_step`), whose readers assemble them; aborts and stop strings of another
     rank's requests go to it the same way."""
 
-    def __init__(self, leader: DPLeader) -> None:
+    def __init__(self, leader: DPLeader, end_followers: Callable[[], None]) -> None:
+        """`end_followers`: stop the follower processes at once (the loop failed, so they
+        wait in a collective that will not come)."""
         super().__init__()
         self.leader = leader
+        self.end_followers = end_followers
         self.remote: set[str] = set()  # request ids running on other ranks
         self.rank_stats: dict[int, EngineStats] = {}  # each follower's last counters
 
@@ -236,4 +239,8 @@ class DataParallelRole(EngineRole):
         return self.leader.total_unfinished > self.engine.num_unfinished_requests
 
     def on_exit(self) -> None:
-        self.leader.stop()
+        if isinstance(self.core.dead, EngineDeadError):  # shut down: the followers in step
+            self.leader.stop()
+        else:  # a failure: the followers may be inside any collective
+            self.leader.broken()
+            self.end_followers()

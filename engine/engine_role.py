@@ -35,6 +35,10 @@ class RoleHost(Protocol):
     def control_group(self) -> dist.ProcessGroup | None:
         """The gloo group over the engine's ranks (None: one rank)."""
 
+    @property
+    def dead(self) -> BaseException | None:
+        """Why the loop ended (None while it runs): `EngineDeadError` after a shutdown."""
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; in-flight and new requests fail (retryable elsewhere)."""

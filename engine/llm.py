@@ -203,9 +203,17 @@ class LLM:
 
         pending = True
         while pending:
-            dp.sync()
-            outputs = self.engine.step()
-            reports = dp.gather(RankReport([], self.engine.num_unfinished_requests, []))
+            try:
+                dp.sync()
+                outputs = self.engine.step()
+                reports = dp.gather(RankReport([], self.engine.num_unfinished_requests, []))
+            except BaseException:
+                # out of step with the followers (they wait in a collective this rank will not
+                # call): end them now rather than let a later Stop wait out the group timeout
+                dp.broken()
+                assert self._leader is not None
+                self._leader.group.close(timeout_s=0.0)
+                raise
             for report in reports[1:]:
                 if report.errors:  # a follower refused a request this check could not see
                     for request_id in ids:

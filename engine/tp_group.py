@@ -256,6 +256,11 @@ class CommandLeader:
     def _send(self, commands: list[Any]) -> None:
         raise NotImplementedError
 
+    def broken(self) -> None:
+        """The followers are out of step (a collective failed, or rank 0's step did): no
+        further broadcast, not even `Stop`; `sync` raises from now on."""
+        self._stopped = True
+
     def stop(self) -> None:
         """End the followers' loops. Idempotent."""
         if self._stopped:

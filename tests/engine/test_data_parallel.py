@@ -222,3 +222,60 @@ def test_a_dead_rank_ends_every_stream_at_once(tiny_model_factory):
     finally:
         engine.shutdown()
     assert follower.wait(timeout=10) == -9
+
+
+def test_a_failed_step_on_rank_0_ends_the_followers_at_once(tiny_model_factory, monkeypatch):
+    """Rank 0's step raising leaves the follower inside a collective rank 0 will not call: the
+    `LLM` ends it at once (no Stop that would wait out the group's timeout) and raises; the
+    group takes no further work."""
+    llm = LLM(tiny_model_factory("qwen3_moe"), **DP2)
+    (follower,) = llm.follower_processes
+    real_step, calls = llm.engine.step, []
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(PROMPTS, _params())
+    assert follower.wait(timeout=10) is not None and time.monotonic() - started < 30
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(PROMPTS[:1], _params()[:1])
+    llm.shutdown()  # idempotent after the failure
+
+
+def test_a_failed_step_in_a_served_engine_ends_its_streams_and_followers(tiny_model_factory):
+    engine = AsyncEngine.from_config(EngineConfig(model=tiny_model_factory("qwen3_moe"), **DP2))
+    assert engine.group is not None
+    (follower,) = engine.group.followers
+    real, calls = engine.engine.step_outputs, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    engine.engine.step_outputs = failing  # type: ignore[method-assign]
+
+    async def run(request_id: str) -> str:
+        params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+        try:
+            async for _ in engine.generate([5, 6, 7], params, request_id=request_id):
+                pass
+        except EngineDeadError:
+            return "dead"
+        return "finished"
+
+    async def both() -> list[str]:
+        return list(await asyncio.gather(run("a"), run("b")))
+
+    try:
+        assert asyncio.run(asyncio.wait_for(both(), 60)) == ["dead", "dead"]
+        assert follower.wait(timeout=10) is not None
+    finally:
+        engine.shutdown()
