@@ -181,14 +181,30 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            if self._leader is not None:
-                self._leader.sync()
-            for out in self.engine.step(self._finish_stopped):
+            try:
+                if self._leader is not None:
+                    self._leader.sync()
+                outputs = self.engine.step(self._finish_stopped)
+            except BaseException:
+                self._out_of_step()
+                raise
+            for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
                     bar.update(1)
         bar.close()
         return [final[i] for i in ids]
+
+    def _out_of_step(self) -> None:
+        """Rank 0's step (or its broadcast) failed: the followers wait in a collective this
+        rank will not call, so end them now rather than let a later Stop wait out the group's
+        timeout. The engine takes no further work. Nothing at one rank."""
+        if self._leader is None:
+            return
+        self._leader.broken()
+        if self._dp is not None:
+            self._dp.broken()
+        self._leader.group.close(timeout_s=0.0)
 
     def _run_data_parallel(
         self, ids: list[str], use_tqdm: bool, dp: DPLeader
@@ -208,11 +224,7 @@ class LLM:
                 outputs = self.engine.step()
                 reports = dp.gather(RankReport([], self.engine.num_unfinished_requests, []))
             except BaseException:
-                # out of step with the followers (they wait in a collective this rank will not
-                # call): end them now rather than let a later Stop wait out the group timeout
-                dp.broken()
-                assert self._leader is not None
-                self._leader.group.close(timeout_s=0.0)
+                self._out_of_step()
                 raise
             for report in reports[1:]:
                 if report.errors:  # a follower refused a request this check could not see

@@ -110,6 +110,32 @@ def test_a_lost_follower_fails_the_next_step(tiny_llama: str) -> None:
     llm.shutdown()
 
 
+def test_a_failed_step_on_rank_0_ends_the_followers_at_once(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's step raising leaves the follower inside a collective rank 0 will not call: the
+    `LLM` ends it at once (a `Stop` broadcast would wait out the group's 600 s timeout) and the
+    engine takes no further work."""
+    llm = LLM(tiny_llama, dtype="float32", load_progress=False, num_kv_blocks=64,
+              tensor_parallel_size=2)  # fmt: skip
+    follower = llm.follower_processes[0]
+    real_step, calls = llm.engine.step, []
+
+    def failing_step(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real_step(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[5, 6, 7]], _greedy(8))
+    assert follower.wait(timeout=10) is not None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6, 7]], _greedy(4))
+    llm.shutdown()
+
+
 def test_reset_prefix_cache_reaches_every_rank(tiny_llama: str) -> None:
     """`LLM.reset_prefix_cache` resets the followers too: a rank that kept its cached prefixes
     would schedule the repeated prompts differently from rank 0, and the step's collectives
