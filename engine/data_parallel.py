@@ -25,21 +25,17 @@ not run data-parallel yet (their engines refuse `data_parallel_size` > 1).
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from duet.engine.commands import AbortRequest, AddRequest, FinishStopped, ResetPrefixCache, Stop
-from duet.engine.device import bind_thread
 from duet.engine.engine_role import EngineDeadError, EngineRole
 from duet.engine.errors import InvalidInputError
 from duet.engine.outputs import EngineOutput
-from duet.engine.parallel import ExpertExchange, TensorParallel
 from duet.engine.stats import EngineStats
 from duet.engine.tp_group import CommandLeader
 
@@ -70,24 +66,6 @@ class RankReport:
     """(request id, field, message) of requests this rank refused to add."""
     stats: EngineStats | None = None
     """The rank's counters, at most every `STATS_EVERY_S` (a served engine's `/metrics`)."""
-
-
-def init_data_parallel(
-    rank: int, size: int, device: torch.device, store: dist.Store, timeout_s: float
-) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Join the D ranks' group (gloo on the CPU, NCCL on CUDA with a gloo group beside it for
-    the commands and reports). Returns this rank's layout (TP 1, the expert exchange over the
-    group) and the control group."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    bind_thread(device)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    world = dist.group.WORLD
-    assert world is not None
-    control = dist.new_group(backend="gloo") if backend == "nccl" else world
-    return TensorParallel(exchange=ExpertExchange(rank, size, world)), control
 
 
 class DPLeader(CommandLeader):

@@ -17,7 +17,12 @@ import torch.distributed as dist
 from duet.engine.config import EngineConfig
 from duet.engine.core import EngineCore, EngineDeadError
 from duet.engine.llm_engine import LLMEngine
-from duet.engine.tp_group import GROUP_TIMEOUT_S, exit_rank, init_tensor_parallel
+from duet.engine.tp_group import (
+    GROUP_TIMEOUT_S,
+    exit_rank,
+    init_data_parallel,
+    init_tensor_parallel,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )  # fmt: skip
     if config.data_parallel_size > 1:  # its own requests, in step with rank 0
-        from duet.engine.data_parallel import follow, init_data_parallel
+        from duet.engine.data_parallel import follow
 
         dp_rank, dp_control = init_data_parallel(
             args.rank, config.num_ranks, config.resolve_device(args.rank), store, GROUP_TIMEOUT_S

@@ -33,7 +33,7 @@ from duet.engine.commands import EngineCommand, Stop
 from duet.engine.config import EngineConfig
 from duet.engine.device import bind_thread
 from duet.engine.errors import InvalidInputError
-from duet.engine.parallel import SINGLE, TensorParallel, check_tp_size
+from duet.engine.parallel import SINGLE, ExpertExchange, TensorParallel, check_tp_size
 from duet.engine.pipeline import PipelineParallel, check_pp_size
 from duet.engine.rendezvous import listening_store
 from duet.engine.shm_collectives import LocalCollectives
@@ -94,6 +94,24 @@ def init_tensor_parallel(
     pp = PipelineParallel(stage, num_stages, tp_rank, world_size, world)  # group: None at TP 1
     local = _local_collectives(group, tp_rank, world_size, timeout_s, backend)
     return TensorParallel(tp_rank, world_size, group, pp, local=local), control
+
+
+def init_data_parallel(
+    rank: int, size: int, device: torch.device, store: dist.Store, timeout_s: float
+) -> tuple[TensorParallel, dist.ProcessGroup]:
+    """Join the D ranks' group (gloo on the CPU, NCCL on CUDA with a gloo group beside it for
+    the commands and reports). Returns this rank's layout (TP 1, the expert exchange over the
+    group) and the control group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    bind_thread(device)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    world = dist.group.WORLD
+    assert world is not None
+    control = dist.new_group(backend="gloo") if backend == "nccl" else world
+    return TensorParallel(exchange=ExpertExchange(rank, size, world)), control
 
 
 def _local_collectives(
@@ -197,8 +215,6 @@ class TPGroup:
         control: dist.ProcessGroup | None
         try:
             if config.data_parallel_size > 1:  # (engine/data_parallel.py)
-                from duet.engine.data_parallel import init_data_parallel
-
                 tp, control = init_data_parallel(
                     0, world, config.resolve_device(0), store, timeout_s
                 )
