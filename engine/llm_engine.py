@@ -60,10 +60,11 @@ class LLMEngine:
                 f"{tp.pp.num_stages} stage(s); LLM(...) and AsyncEngine.from_config start the ranks",
             )
         dp = config.data_parallel_size
-        if (tp.exchange.size if tp.exchange is not None else 1) != dp:
+        exchanging = tp.exchange.size if tp.exchange is not None else 1
+        if exchanging != dp:
             raise InvalidInputError(
                 "data_parallel_size",
-                f"is {dp} but the engine was given {tp.exchange.size if tp.exchange else 1} "
+                f"is {dp} but the engine was given {exchanging} "
                 f"rank(s) to exchange experts with; LLM(...) and AsyncEngine.from_config "
                 f"start data-parallel ranks (engine/data_parallel.py)",
             )

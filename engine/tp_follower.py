@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from duet.engine.config import EngineConfig
 from duet.engine.core import EngineCore, EngineDeadError
+from duet.engine.data_parallel import follow
 from duet.engine.llm_engine import LLMEngine
 from duet.engine.tp_group import (
     GROUP_TIMEOUT_S,
@@ -42,8 +43,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )  # fmt: skip
     if config.data_parallel_size > 1:  # its own requests, in step with rank 0
-        from duet.engine.data_parallel import follow
-
         dp_rank, dp_control = init_data_parallel(
             args.rank, config.num_ranks, config.resolve_device(args.rank), store, GROUP_TIMEOUT_S
         )

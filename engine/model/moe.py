@@ -42,13 +42,13 @@ import torch
 from torch import nn
 
 from duet.engine.errors import InvalidInputError
-from duet.engine.kernels.cpu import kernels_for
 from duet.engine.model.arch import ModelArchConfig, MoEConfig
 from duet.engine.model.deepseek_router import route_deepseek
 from duet.engine.model.expert_load import ExpertLoad, record_expert_ids
 from duet.engine.model.grouped_experts_cpu import CpuGroupedExperts
 from duet.engine.model.grouped_quant_experts_cpu import CpuGroupedQuantExperts
 from duet.engine.model.mlp import MLP
+from duet.engine.model.moe_combine import combine_choices, expert_outputs
 from duet.engine.model.moe_exchange import exchanged_experts
 from duet.engine.model.row_invariant import Linear
 from duet.engine.parallel import SINGLE, TensorParallel
@@ -112,13 +112,12 @@ def grouped_experts(
     choice) pairs routed to others add zeros (their ranks add the products). `counts_into`
     ([num_experts] int64): the step's (token, choice) pairs per expert are added to it (the
     model's `ExpertLoad` row), from the count that cuts the rows."""
-    num_tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     if isinstance(experts, GROUPED):
         num_local = experts.num_experts
     else:
         num_local = len(experts)
     num_experts = num_experts or num_local
-    local = num_local < num_experts
     flat = ids.reshape(-1)  # [T k]
     order = torch.argsort(flat, stable=True)  # (token, choice) slots grouped by expert
     # NOTE: the counts come to the host to cut the rows per expert: a sync per layer on CUDA,
@@ -132,36 +131,8 @@ def grouped_experts(
     end = start + sum(counts[first : first + num_local])
     order = order[start:end]
     rows = x.index_select(0, order // top_k)  # [slots, hidden], grouped by expert
-    scale = weights.reshape(-1, 1).index_select(0, order)  # [slots, 1]
-    if weights_in_model_dtype:
-        scale = scale.to(x.dtype)
-    if isinstance(experts, GROUPED):
-        y = experts.forward(rows, counts[first : first + num_local])  # [slots, hidden]
-        kernels = kernels_for(y)
-        if kernels is not None:  # the scatter, the scaling and the adds below in one pass
-            combined: torch.Tensor = kernels.moe_combine(
-                y, order, scale.view(-1), num_tokens, top_k
-            )
-            return combined
-    make = x.new_zeros if local else x.new_empty
-    out = make(num_tokens * top_k, x.shape[1])
-    if isinstance(experts, GROUPED):
-        out.index_copy_(0, order, (y * scale).to(x.dtype))
-    else:
-        start = 0
-        modules: dict[str, Any] = experts._modules  # `experts[e]` is a Python call per expert
-        for e, count in enumerate(counts[first : first + num_local]):
-            if count == 0:
-                continue
-            end = start + count
-            y = modules[str(e)].forward(rows[start:end])  # [count, hidden]
-            out.index_copy_(0, order[start:end], (y * scale[start:end]).to(x.dtype))
-            start = end
-    out = out.view(num_tokens, top_k, x.shape[1])  # (x.shape[1]: T may be 0)
-    total = out[:, 0]
-    for k in range(1, top_k):  # in expert order, one rounding per add, as HF's index_add_
-        total = total + out[:, k]
-    return total
+    y = expert_outputs(experts, rows, counts[first : first + num_local])  # [slots, hidden]
+    return combine_choices(y, order, weights, weights_in_model_dtype, x, top_k)
 
 
 def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from duet.engine.kernels.cpu import kernels_for
+from duet.engine.model.moe_combine import combine_choices, expert_outputs
 from duet.engine.parallel import ExpertExchange
 
 
@@ -51,7 +50,7 @@ def exchanged_experts(
     """Sum over each token's k experts of weight * expert(token), [T, hidden] in `x`'s dtype,
     the experts anywhere in the group (the module docstring's steps). `counts_into`
     ([num_experts] int64): this rank's (token, choice) pairs per expert are added to it."""
-    num_tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     size = exchange.size
     per_rank = num_experts // size
     flat = ids.reshape(-1)  # [T k]
@@ -69,33 +68,8 @@ def exchanged_experts(
     local_ids = torch.arange(per_rank, device=flat.device).repeat(size)
     by_expert = torch.argsort(torch.repeat_interleave(local_ids, arrived.view(-1)), stable=True)
     counts = arrived.sum(0).tolist()
-    grouped_rows = rows.index_select(0, by_expert)
-    if isinstance(experts, nn.ModuleList):
-        out_sorted = torch.empty_like(grouped_rows)
-        start = 0
-        modules: dict[str, Any] = experts._modules
-        for e, count in enumerate(counts):
-            if count:
-                out_sorted[start : start + count] = modules[str(e)].forward(
-                    grouped_rows[start : start + count]
-                )
-                start += count
-    else:
-        out_sorted = experts.forward(grouped_rows, counts)
+    out_sorted = expert_outputs(experts, rows.index_select(0, by_expert), counts)
     results = torch.empty_like(out_sorted).index_copy_(0, by_expert, out_sorted)
     # Combine: each result back to its rank, in that rank's slot order (`order`).
     y = exchange.all_to_all(results, receive, send)  # [T k, hidden]
-    scale = weights.reshape(-1, 1).index_select(0, order)  # [T k, 1]
-    if weights_in_model_dtype:
-        scale = scale.to(x.dtype)
-    kernels = kernels_for(y)
-    if kernels is not None:  # as grouped_experts: scale, round, scatter and add in one pass
-        combined: torch.Tensor = kernels.moe_combine(y, order, scale.view(-1), num_tokens, top_k)
-        return combined
-    out = x.new_empty(num_tokens * top_k, x.shape[1])
-    out.index_copy_(0, order, (y * scale).to(x.dtype))
-    out = out.view(num_tokens, top_k, x.shape[1])
-    total = out[:, 0]
-    for k in range(1, top_k):  # in expert order, one rounding per add, as HF's index_add_
-        total = total + out[:, k]
-    return total
+    return combine_choices(y, order, weights, weights_in_model_dtype, x, top_k)

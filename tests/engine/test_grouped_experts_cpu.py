@@ -161,7 +161,7 @@ def test_routers_that_fill_the_kernels_panels_take_it(tiny_model_factory, dtype)
     ids=["fp32", "bf16-fp32-weights", "bf16-bf16-weights"],
 )
 def test_moe_combine_is_the_scatter_and_the_adds_bitwise(dtype, scale_dtype):
-    """`moe_combine` (engine/kernels/elementwise_cpu.cpp) against moe.grouped_experts' torch
+    """`moe_combine` (engine/kernels/elementwise_cpu.cpp) against moe_combine.combine_choices' torch
     steps: each row scaled and rounded, scattered to its slot, a token's choices added in order
     with a rounding per add; slots no row has (another expert-parallel rank's) add zero. 37
     columns: whole vectors and a scalar tail."""
