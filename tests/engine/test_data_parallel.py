@@ -224,21 +224,26 @@ def test_a_dead_rank_ends_every_stream_at_once(tiny_model_factory):
     assert follower.wait(timeout=10) == -9
 
 
+def _failing_on_call(real, n: int):
+    """`real`, raising RuntimeError("injected") on its n-th call instead."""
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    return failing
+
+
 def test_a_failed_step_on_rank_0_ends_the_followers_at_once(tiny_model_factory, monkeypatch):
     """Rank 0's step raising leaves the follower inside a collective rank 0 will not call: the
     `LLM` ends it at once (no Stop that would wait out the group's timeout) and raises; the
     group takes no further work."""
     llm = LLM(tiny_model_factory("qwen3_moe"), **DP2)
     (follower,) = llm.follower_processes
-    real_step, calls = llm.engine.step, []
-
-    def failing_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected")
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(llm.engine, "step", failing_step)
+    monkeypatch.setattr(llm.engine, "step", _failing_on_call(llm.engine.step, 3))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(PROMPTS, _params())
@@ -252,15 +257,7 @@ def test_a_failed_step_in_a_served_engine_ends_its_streams_and_followers(tiny_mo
     engine = AsyncEngine.from_config(EngineConfig(model=tiny_model_factory("qwen3_moe"), **DP2))
     assert engine.group is not None
     (follower,) = engine.group.followers
-    real, calls = engine.engine.step_outputs, []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("injected")
-        return real(*args, **kwargs)
-
-    engine.engine.step_outputs = failing  # type: ignore[method-assign]
+    engine.engine.step_outputs = _failing_on_call(engine.engine.step_outputs, 6)  # type: ignore[method-assign]
 
     async def run(request_id: str) -> str:
         params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
