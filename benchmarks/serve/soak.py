@@ -290,7 +290,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 except httpx2.HTTPError:
                     pass
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"duet serve did not become ready; see {workdir}/serve.log")
+                    log.flush()
+                    tail = (workdir / "serve.log").read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"duet serve did not become ready (exit code "
+                                       f"{server.poll()}); its log ends:\n{tail}")  # fmt: skip
                 await asyncio.sleep(1)
         sat = await saturation(
             url, args.concurrency, args.saturation_s, args.vocab, args.max_tokens
