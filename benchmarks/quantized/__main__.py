@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common.machine import REPO_ROOT, cpu_info, git_commit
-from benchmarks.quantized.accuracy import mean_nll
+from benchmarks.quantized.accuracy import mean_nll, top1_match
 from benchmarks.quantized.bandwidth import read_bandwidth_gbs
 from benchmarks.quantized.llama_cpp import llama_cpp_available
 from benchmarks.quantized.methods import DTYPES, METHODS, applicable
-from benchmarks.quantized.speed import ratios, run_speed
+from benchmarks.quantized.speed import greedy_agreement, ratios, run_speed
 from duet.engine.gguf_loader import default_model_path
 
 
@@ -57,12 +57,17 @@ def main() -> None:
     if args.accuracy:
         rows = [mean_nll(args.model, m, args.group_size, args.window, args.max_text_tokens,
                          args.quantize_lm_head) for m in methods]  # fmt: skip
+        top1_match(rows)
         base = next((r["mean_nll"] for r in rows if r["method"] == "bf16"), None)
-        print(f"{'format':8} {'mean NLL':>9} {'vs bf16':>8} {'weights MiB':>12}  tokens")
+        print(f"{'format':8} {'mean NLL':>9} {'vs bf16':>8} {'top-1 = bf16':>13} "
+              f"{'weights MiB':>12}  tokens")  # fmt: skip
         for row in rows:
             rel = f"{float(row['mean_nll']) / float(base) - 1:+.2%}" if base else "-"
+            match = row.get("top1_match_vs_bf16")
+            same = f"{match:.2%}" if match is not None else "-"
             mib = int(row["weight_bytes"]) / 2**20
-            print(f"{row['method']:8} {row['mean_nll']:9.4f} {rel:>8} {mib:12.1f}  {row['tokens']}")
+            print(f"{row['method']:8} {row['mean_nll']:9.4f} {rel:>8} {same:>13} {mib:12.1f}  "
+                  f"{row['tokens']}")  # fmt: skip
         record["accuracy"] = rows
         name = "quantized_accuracy.json"
     else:
@@ -103,6 +108,10 @@ def main() -> None:
         record["ratios"] = ratios(results)
         for key, value in record["ratios"].items():  # type: ignore[union-attr]
             print(f"{key}: {value:.3f}")
+        record["greedy_agreement"] = agreement = greedy_agreement(results)
+        for key, a in agreement.items():
+            print(f"{key} greedy: {a['prefix_agreement']:.1%} of each output before the first "
+                  f"difference, {a['equal_outputs']:.0f} of {a['outputs']:.0f} outputs equal")  # fmt: skip
         name = "quantized.json"
     out = args.out or REPO_ROOT / "benchmarks" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
 
     nice python -m benchmarks.quantized.kernels [--rows 1,4,16,32,64] [--threads N]
 
-Per SmolLM2 projection shape (N x K) and row count: dense bf16 (oneDNN packed, what a bf16 model
-runs), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp: fp32 FMAs, and vdpbf16ps on
+Per SmolLM2 projection shape (N x K) and row count: dense bf16 (oneDNN packed, and duet's own
+dense kernel, what a bf16 model runs and the ratios' base when it builds), duet's int8 kernel (engine/kernels/quant_linear_cpu.cpp: fp32 FMAs, and vdpbf16ps on
 AVX512-BF16, AMX tiles where the CPU has AMX; per channel and in groups of 32 as GGUF Q8_0; int4
 in groups of 32), torch's `_weight_int8pack_mm`, torch's int4 kernel (groups of 32), and
 dequantize-then-multiply. The fastest of `--repeat` calls, in microseconds.
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from duet.engine.model.dense_cpu_linear import load_dense_kernel
 from duet.engine.quant.cpu_linear import int4_linear, int8_linear, load_quant_kernels, pack_int8
 from duet.engine.quant.cpu_linear import pack_int4 as pack_int4_pairs
 from duet.engine.quant.formats import pack_int4, quantize_int4, quantize_int8
@@ -62,6 +63,10 @@ def products(n: int, k: int, rows: int) -> dict[str, Callable[[], object]]:
         "torch int4 g32": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, p4, 32, sz4),
         "dequant+linear": lambda: F.linear(x, (q8.q.float() * q8.scale).to(torch.bfloat16)),
     }
+    dense = load_dense_kernel()
+    if dense is not None:  # what a bf16 model runs on the CPU (the ratios' base when built)
+        panels = dense.pack_dense(w.to(torch.bfloat16))
+        out["bf16 duet"] = lambda: dense.dense_linear_packed(x, panels, n, None)
     if kernels is not None:
         pc, sc = pack_int8(q8.q, q8.scale)
         pg, sg = pack_int8(g_q, g_scale)
@@ -106,7 +111,7 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             fns = products(n, k, rows)
             times = {name: _time(fn, args.repeat, clock) for name, fn in fns.items()}
-            base = times["bf16 oneDNN"]
+            base = times.get("bf16 duet", times["bf16 oneDNN"])
             cells = "  ".join(f"{name} {t:8.1f} ({t / base:4.2f}x)" for name, t in times.items())
             print(f"{n:6d}x{k:<5d} rows {rows:3d}: {cells}", flush=True)
 

@@ -24,9 +24,11 @@ class SpeedResult:
     single_stream_tok_s: list[float] = field(default_factory=list)  # one per round
     batch_tok_s: list[float] = field(default_factory=list)
     streamed_bytes_per_token: int | None = None  # what one single-stream step reads
+    tokens: list[list[int]] = field(default_factory=list)  # greedy outputs: single, then batch
 
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["tokens"]
         out["single_stream_median"] = single = _median(self.single_stream_tok_s)
         out["batch_median"] = _median(self.batch_tok_s)
         out["single_stream_gbs"] = (
@@ -96,11 +98,13 @@ def run_speed(
         for name in order if r % 2 == 0 else reversed(order):
             if name in engines:
                 llm = engines[name]
-                elapsed = _timed(llm, single, params)
+                elapsed, tokens = _timed(llm, single, params)
                 results[name].single_stream_tok_s.append(new_tokens / elapsed)
                 if batch > 0:
-                    elapsed = _timed(llm, batched, params)
+                    elapsed, more = _timed(llm, batched, params)
                     results[name].batch_tok_s.append(batch * new_tokens / elapsed)
+                    tokens += more
+                results[name].tokens = tokens
             else:
                 elapsed = runners[name].decode(single[0], new_tokens)
                 results[name].single_stream_tok_s.append(new_tokens / elapsed)
@@ -108,10 +112,38 @@ def run_speed(
     return list(results.values())
 
 
-def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
+def _timed(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
-    llm.generate(prompts, params)  # type: ignore[arg-type]
-    return time.perf_counter() - start
+    outputs = llm.generate(prompts, params)  # type: ignore[arg-type]
+    elapsed = time.perf_counter() - start
+    return elapsed, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def greedy_agreement(results: list[SpeedResult]) -> dict[str, dict[str, float]]:
+    """Each duet format's greedy outputs against full precision's, over the same prompts (the
+    single stream's and the batch's): the mean share of each output before the first token
+    that differs, and the share of outputs equal throughout."""
+    by_name = {r.system: r for r in results}
+    dense = next((n for n in ("duet-bf16", "duet-fp32") if n in by_name), None)
+    out: dict[str, dict[str, float]] = {}
+    if dense is None or not by_name[dense].tokens:
+        return out
+    base = by_name[dense].tokens
+    for name, r in by_name.items():
+        if not name.startswith("duet-") or name == dense or len(r.tokens) != len(base):
+            continue
+        prefixes = []
+        for ours, theirs in zip(r.tokens, base, strict=True):
+            same = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None
+            )
+            prefixes.append((len(theirs) if same is None else same) / max(1, len(theirs)))
+        equal = sum(p == 1.0 for p in prefixes)
+        out[f"{name}/{dense}"] = {"prefix_agreement": sum(prefixes) / len(prefixes),
+                                  "equal_outputs": equal, "outputs": len(prefixes)}  # fmt: skip
+    return out
 
 
 def ratios(results: list[SpeedResult]) -> dict[str, float]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.quantized.accuracy import window_nll
+from benchmarks.quantized.accuracy import top1_match, window_nll
 from benchmarks.quantized.bandwidth import gguf_streamed_bytes, streamed_bytes_per_token
 from benchmarks.quantized.methods import applicable, engine_kwargs, label
-from benchmarks.quantized.speed import SpeedResult, ratios
+from benchmarks.quantized.speed import SpeedResult, greedy_agreement, ratios
+from benchmarks.quantized.tokens import agreement, compare
 from duet.engine import LLM, SamplingParams
 from duet.engine.gguf_loader import default_model_path
 
@@ -20,9 +21,10 @@ def test_window_nll_is_the_engines_negative_logprobs(tiny_llama: str) -> None:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                 logprobs=0))[0].outputs[0]  # fmt: skip
     model = llm.engine.runner.model
-    whole, n_whole = window_nll(model, torch.tensor(prompt + out.token_ids), torch.float32)
-    prompt_only, n_prompt = window_nll(model, torch.tensor(prompt), torch.float32)
+    whole, n_whole, top1 = window_nll(model, torch.tensor(prompt + out.token_ids), torch.float32)
+    prompt_only, n_prompt, _ = window_nll(model, torch.tensor(prompt), torch.float32)
     assert (n_whole, n_prompt) == (12, 6)
+    assert top1[6:].tolist() == out.token_ids  # greedy: each next token is the top-1
     generated = -sum(lp.sampled.logprob for lp in out.logprobs)
     assert whole - prompt_only == pytest.approx(generated, abs=1e-3)
 
@@ -128,3 +130,36 @@ def test_profile_times_every_part_and_leaves_the_model_as_it_was(tiny_llama: str
     assert not any({"forward", "add_and_norm"} & set(vars(m)) for m in model.modules())
     again = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
     assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_greedy_agreement_is_the_share_before_the_first_difference() -> None:
+    bf16 = SpeedResult("duet-bf16", 1, tokens=[[1, 2, 3, 4], [5, 6, 7, 8]])
+    int8 = SpeedResult("duet-int8", 1, tokens=[[1, 2, 3, 4], [5, 6, 7, 8]])
+    int4 = SpeedResult("duet-int4", 1, tokens=[[1, 2, 9, 4], [0, 6, 7, 8]])
+    llama = SpeedResult("llama.cpp-Q4_1", None, tokens=[])
+    assert greedy_agreement([bf16, int8, int4, llama]) == {
+        "duet-int8/duet-bf16": {"prefix_agreement": 1.0, "equal_outputs": 2, "outputs": 2},
+        "duet-int4/duet-bf16": {"prefix_agreement": 0.25, "equal_outputs": 0, "outputs": 2},
+    }
+    assert "tokens" not in bf16.summary()
+
+
+def test_top1_match_counts_the_places_whose_top_token_is_bf16s() -> None:
+    rows = [{"method": "bf16", "top1": torch.tensor([1, 2, 3, 4])},
+            {"method": "int4", "top1": torch.tensor([1, 0, 3, 0])}]  # fmt: skip
+    top1_match(rows)
+    assert rows == [{"method": "bf16", "top1_match_vs_bf16": 1.0},
+                    {"method": "int4", "top1_match_vs_bf16": 0.5}]  # fmt: skip
+
+
+def test_tokens_compare_says_identical_and_each_trees_agreement() -> None:
+    bf16 = {"greedy": [[1, 2, 3, 4], [5, 6, 7, 8]], "top1": [1, 2, 3, 4]}
+    int4 = {"greedy": [[1, 2, 9, 4], [5, 6, 7, 8]], "top1": [1, 2, 0, 4]}
+    assert agreement(int4, bf16) == {"greedy_prefix": 0.75, "equal_outputs": 1, "top1_match": 0.75}
+    old = {"bf16": bf16, "int4": int4}
+    new = {"bf16": {**bf16, "top1": [1, 0, 3, 0]}, "int4": int4}
+    assert compare(old, new) == [
+        "bf16: DIFFERENT tokens",
+        "int4: identical tokens; old vs its bf16: top-1 75.00%, greedy 75.0%, 1 equal; "
+        "new vs its bf16: top-1 25.00%, greedy 75.0%, 1 equal",
+    ]
