@@ -99,8 +99,9 @@ def init_tensor_parallel(
 def init_data_parallel(
     rank: int, size: int, device: torch.device, store: dist.Store, timeout_s: float
 ) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """Join the D ranks' group (gloo on the CPU, NCCL on CUDA with a gloo group beside it for
-    the commands and reports). Returns this rank's layout (TP 1, the expert exchange over the
+    """Join the D ranks' group (gloo on the CPU, its all-to-alls through shared memory when the
+    ranks share a machine; NCCL on CUDA with a gloo group beside it for the commands and
+    reports). Returns this rank's layout (TP 1, the expert exchange over the
     group) and the control group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     bind_thread(device)
@@ -111,7 +112,8 @@ def init_data_parallel(
     world = dist.group.WORLD
     assert world is not None
     control = dist.new_group(backend="gloo") if backend == "nccl" else world
-    return TensorParallel(exchange=ExpertExchange(rank, size, world)), control
+    local = _local_collectives(world, rank, size, timeout_s, backend)
+    return TensorParallel(exchange=ExpertExchange(rank, size, world, local)), control
 
 
 def _local_collectives(

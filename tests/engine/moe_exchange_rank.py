@@ -18,10 +18,12 @@ from duet.engine.loader import load_model
 from duet.engine.model.moe import SparseMoeBlock
 from duet.engine.parallel import ExpertExchange, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
+from duet.engine.shm_collectives import LocalCollectives
 from duet.engine.tp_group import exit_rank
 
-CASES = [(5, 3), (0, 4), (7, 0), (1, 1)]
-"""Tokens of rank 0 and rank 1 per case (a rank with none still serves its experts)."""
+CASES = [(5, 3), (0, 4), (7, 0), (1, 1), (0, 0)]
+"""Tokens of rank 0 and rank 1 per case (a rank with none still serves its experts; a step
+where neither has any moves nothing)."""
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -39,8 +41,13 @@ def main() -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    exchange = ExpertExchange(rank, world, dist.group.WORLD)
-    result: dict = {}
+    group = dist.group.WORLD
+    assert group is not None
+    # shared memory unless DUET_SHM_COLLECTIVES=0 (or the CPU kernels are off): as
+    # init_data_parallel makes it
+    local = LocalCollectives.create(group, rank, world, 60.0)
+    exchange = ExpertExchange(rank, world, group, local)
+    result: dict = {"transport": "gloo" if local is None else "shared memory"}
     for dtype in DTYPES:
         net = load_model(
             model, dtype, torch.device("cpu"), progress=False, quantization=quant,

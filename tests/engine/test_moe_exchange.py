@@ -1,6 +1,7 @@
 """The expert exchange (engine/model/moe_exchange.py): two ranks, each with its own tokens (as
 under data-parallel attention) and half of the routed experts whole, route their tokens' rows
-to the experts' owners by all-to-all and get the results back. Each token's output has the
+to the experts' owners by all-to-all (through shared memory, and over gloo) and get the
+results back. Each token's output has the
 same bits as the same layer holding every expert on one rank (fp32 and bf16), including a step
 where a rank has no tokens of its own and only serves the other's rows."""
 
@@ -41,26 +42,30 @@ def run_ranks(model: str, tmp_path: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("arch", "quant", "kernels"),
+    ("arch", "quant", "kernels", "transport"),
     [
-        ("qwen3_moe", None, True),  # duet's grouped dense kernel
-        ("qwen2_moe", None, True),  # a gated shared expert
-        ("deepseek_v3", None, True),  # grouped sigmoid routing, a shared expert, MLA
-        ("qwen3_moe", "int4", True),  # duet's grouped quantized kernel
-        ("qwen3_moe", None, False),  # the torch path: one MLP per expert
+        ("qwen3_moe", None, True, "shared memory"),  # duet's grouped dense kernel
+        ("qwen3_moe", None, True, "gloo"),  # DUET_SHM_COLLECTIVES=0: torch.distributed's
+        ("qwen2_moe", None, True, "shared memory"),  # a gated shared expert
+        ("deepseek_v3", None, True, "shared memory"),  # sigmoid routing, a shared expert, MLA
+        ("qwen3_moe", "int4", True, "shared memory"),  # duet's grouped quantized kernel
+        ("qwen3_moe", None, False, "gloo"),  # the torch path, one MLP per expert (no kernels)
     ],
 )
 def test_two_ranks_exchanging_experts_give_one_ranks_bits(
-    tiny_model_factory, tmp_path, monkeypatch, arch, quant, kernels
+    tiny_model_factory, tmp_path, monkeypatch, arch, quant, kernels, transport
 ):
     from duet.engine.kernels.cpu import cpu_kernels_enabled
 
     if not kernels:  # in the ranks (inherited) and here
         monkeypatch.setenv("DUET_CPU_KERNELS", "0")
         cpu_kernels_enabled.cache_clear()
+    if kernels and transport == "gloo":
+        monkeypatch.setenv("DUET_SHM_COLLECTIVES", "0")
     try:
         model = tiny_model_factory(arch)
         ranks = run_ranks(model, tmp_path, *([quant] if quant else []))
+        assert [r["transport"] for r in ranks] == [transport] * 2
         compare(model, ranks, QuantizationConfig(quant) if quant else None)
     finally:
         monkeypatch.undo()
