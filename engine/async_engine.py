@@ -70,7 +70,9 @@ class AsyncEngine:
         role = None
         if ranked.data_parallel_size > 1:  # rank 0 of the lockstep (engine/data_parallel.py)
             assert group.control_group is not None
-            leader = DPLeader(ranked.data_parallel_size, group.control_group)
+            leader = DPLeader(
+                ranked.data_parallel_size, group.control_group, group.tp.shared_segment
+            )
             role = DataParallelRole(leader, lambda: group.close(timeout_s=0.0))
         return cls(lambda: LLMEngine(ranked, group.tp), role=role, group=group)
 

@@ -44,7 +44,9 @@ class LLM:
             tp = group.tp
             if self.config.data_parallel_size > 1:  # (engine/data_parallel.py)
                 assert group.control_group is not None
-                self._dp = DPLeader(self.config.data_parallel_size, group.control_group)
+                self._dp = DPLeader(
+                    self.config.data_parallel_size, group.control_group, group.tp.shared_segment
+                )
                 self._dp_ids = itertools.count()
                 self._remote = OfflineOutputs()  # other ranks' requests, assembled here
         try:

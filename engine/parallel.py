@@ -196,6 +196,12 @@ class TensorParallel:
         return self.world_size > 1
 
     @property
+    def shared_segment(self) -> LocalCollectives | None:
+        """The data-parallel ranks' shared-memory collectives (CPU ranks on one machine), for
+        their commands and reports as well as the exchange; None otherwise."""
+        return None if self.exchange is None else self.exchange.local
+
+    @property
     def spans_ranks(self) -> bool:
         """Whether the engine has more than one rank (tensor or pipeline parallel)."""
         return self.enabled or self.pp.enabled

@@ -96,6 +96,23 @@ class LocalCollectives:
         self.broadcast(buffer)
         return pickle.loads(buffer.numpy().data)
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` (picklable), in rank order, on rank 0; None on the others: the
+        lengths, then the bytes padded to the longest, both all-gathered (only rank 0
+        unpickles)."""
+        data = bytearray(pickle.dumps(obj))
+        lengths = self.all_gather(torch.tensor([len(data)], dtype=torch.int64))
+        assert lengths is not None
+        padded = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+        padded[: len(data)] = torch.frombuffer(data, dtype=torch.uint8)
+        every = self.all_gather(padded)
+        assert every is not None
+        if self.rank != 0:
+            return None
+        return [
+            pickle.loads(every[r, : int(lengths[r])].numpy().tobytes()) for r in range(self.world)
+        ]
+
     @classmethod
     def create(
         cls, group: dist.ProcessGroup, rank: int, world: int, timeout_s: float

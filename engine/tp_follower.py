@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dp_rank, dp_control = init_data_parallel(
             args.rank, config.num_ranks, config.resolve_device(args.rank), store, GROUP_TIMEOUT_S
         )
-        follow(LLMEngine(config, dp_rank), args.rank, dp_control)
+        follow(LLMEngine(config, dp_rank), args.rank, dp_control, dp_rank.shared_segment)
         dist.destroy_process_group()
         return 0
     tp, control = init_tensor_parallel(

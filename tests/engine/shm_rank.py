@@ -2,7 +2,8 @@
 Joins a gloo group, makes the group's `LocalCollectives`, and per SCENARIO:
 - `sums`: reduces the case tensors (seeded, equal shapes on every rank, this rank's values)
   through it and through gloo, saves both and whether it took each to OUT; then all-gathers
-  and broadcasts them, and broadcasts a list of objects from rank 0;
+  and broadcasts them, broadcasts a list of objects from rank 0 and gathers one object of
+  each rank's to rank 0;
 - `dies`: rank 1 exits without reducing, the others reduce and save the error to OUT;
 - `late`: rank 1 sleeps 4 s before its call (the others' timeout is 1 s), then exits;
 - `off`: saves whether the group made one (DUET_SHM_ALL_REDUCE=0 in the environment)."""
@@ -70,6 +71,9 @@ def main() -> int:
         results["int64"] = {"took": local.all_reduce(ids), "gathered": local.all_gather(ids)}
         commands = [{"rank": rank, "text": "é" * 70_000}] if rank == 0 else None
         results["objects"] = local.broadcast_object(commands)  # 140 KB: one call
+        # reports of different lengths per rank, rank 1's over a slot (1 MiB): chunked
+        report = {"rank": rank, "outputs": list(range(rank * 300_000))}
+        results["reports"] = local.gather_object(report)
         torch.save(results, out)
         dist.barrier()
         return 0

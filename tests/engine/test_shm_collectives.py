@@ -59,6 +59,9 @@ def test_two_ranks_sum_as_gloo_does(tmp_path: Path) -> None:
         assert not r["int64"]["took"]  # not summed here; gathered as bytes
         assert torch.equal(r["int64"]["gathered"], torch.arange(5)[None] * torch.tensor([[1], [2]]))
         assert r["objects"] == [{"rank": 0, "text": "é" * 70_000}]
+    assert results[0]["reports"] == [{"rank": r, "outputs": list(range(r * 300_000))}
+                                     for r in range(2)]  # fmt: skip
+    assert results[1]["reports"] is None  # gathered to rank 0 only
     assert segments() == before
 
 
