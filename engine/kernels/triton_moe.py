@@ -1,7 +1,8 @@
 """A fused mixture-of-experts feed-forward for CUDA: every expert's gate|up and down products in
 two kernel launches, with no host sync (so a CUDA graph could hold it). The loader puts every
-sparse layer on it on CUDA (`moe.fuse_moe_experts`). Checked in the Triton interpreter against
-the torch path (`engine/model/moe.py`); not yet run on a GPU.
+sparse layer on it on CUDA (`moe.fuse_moe_experts`); under the expert exchange an owner runs its
+received rows through it (`expert_rows`). Checked in the Triton interpreter against the torch
+path (`engine/model/moe.py`); not yet run on a GPU.
 
 The layout is vLLM's fused_moe's: a step's (token, choice) slots are sorted by expert and each
 expert's run is padded to a whole number of BLOCK_M-row blocks (`align_by_expert`, torch ops on
@@ -189,3 +190,23 @@ def fused_experts(
     for k in range(1, top_k):  # in expert order, as moe.grouped_experts
         total = total + per_choice[:, k]
     return total
+
+
+def expert_rows(
+    rows: torch.Tensor,  # [R, hidden], grouped by expert: counts[e] rows for local expert e
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    counts: list[int],
+) -> torch.Tensor:
+    """Each row through its expert, unscaled, [R, hidden] in the rows' dtype: what an owner
+    computes for the rows the expert exchange brought it (engine/model/moe_exchange.py), as
+    `fused_experts` with one choice of weight 1 per row (the scaling exact: the caller scales
+    and adds as `fused_experts` would have)."""
+    if rows.shape[0] == 0:
+        return rows.new_empty((0, w2.shape[1]))
+    device = rows.device
+    ids = torch.repeat_interleave(
+        torch.arange(len(counts), device=device), torch.tensor(counts, device=device)
+    ).view(-1, 1)
+    ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=device)
+    return fused_experts(rows, w13, w2, ones, ids, False)

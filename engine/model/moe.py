@@ -231,12 +231,11 @@ class SparseMoeBlock(nn.Module):
     def fuse_experts(self) -> bool:
         """Stack the experts' weights (this rank's, with expert parallelism) for
         `triton_moe.fused_experts` (CUDA, or the Triton interpreter in tests) and drop the
-        per-expert layers. False (nothing changed) unless every expert is a plain dense
+        per-expert layers; under the expert exchange, the rows this rank receives take
+        `triton_moe.expert_rows` over the same weights. False (nothing changed) unless every expert is a plain dense
         `Linear` pair (not quantized, not on a CPU kernel)."""
         experts = [e for e in self.experts if isinstance(e, MLP)]
         pairs = [(e.gate_up_proj, e.down_proj) for e in experts]
-        if self.exchange is not None:  # (exchanged rows take the grouped products only)
-            return False
         if not experts or not all(
             type(m) is Linear and m.cpu_kernel is None for pair in pairs for m in pair
         ):
@@ -298,12 +297,29 @@ class SparseMoeBlock(nn.Module):
             ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
         else:
             weights, ids = self._route(x)
+        w13, w2 = self._parameters["w13"], self._parameters["w2"]
         grouped = self._modules["cpu_experts"]
+        experts: Any = self._modules["experts"] if grouped is None else grouped
+        if w13 is not None and w2 is not None:
+            experts = _FusedRows(w13, w2)
         out = exchanged_experts(
-            x, self._modules["experts"] if grouped is None else grouped, weights, ids,
-            self.weights_in_model_dtype, self.num_experts, self.exchange, self.expert_counts,
+            x, experts, weights, ids, self.weights_in_model_dtype, self.num_experts,
+            self.exchange, self.expert_counts,
         )  # fmt: skip
         return out if x.shape[0] == 0 else self._add_shared(x, out)
+
+
+class _FusedRows:
+    """A rank's stacked experts (`fuse_experts`) as `moe_combine.expert_outputs` calls a grouped
+    module: rows grouped by expert through the fused Triton kernel."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from duet.engine.kernels.triton_moe import expert_rows
+
+        return expert_rows(rows, self.w13, self.w2, counts)
 
 
 def fuse_moe_experts(model: nn.Module, device: torch.device) -> int:

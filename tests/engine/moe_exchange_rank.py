@@ -1,10 +1,11 @@
 """One rank of an expert exchange (data-parallel attention), run as a script by
-test_moe_exchange.py: python moe_exchange_rank.py MODEL RANK WORLD PORT OUT [QUANTIZATION].
+test_moe_exchange.py: python moe_exchange_rank.py MODEL RANK WORLD PORT OUT [OPTION].
 
 Loads MODEL with this rank's share of the routed experts (`TensorParallel.exchange`), then runs
 every sparse layer's block on this rank's own tokens of each case in `CASES` (fp32 and bf16),
-and saves the outputs, the experts it holds and the expert counts to OUT. QUANTIZATION: int8
-or int4 weights (quantized experts), else the dtype's."""
+and saves the outputs, the experts it holds and the expert counts to OUT. OPTION: int8 or int4
+weights (quantized experts), or `fused`: the experts stacked for the fused Triton MoE kernel
+(TRITON_INTERPRET=1 on the CPU); else the dtype's weights as loaded."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def tokens(case: int, rank: int, hidden: int, dtype: torch.dtype) -> torch.Tenso
 
 def main() -> None:
     model, rank, world, port, out_file = sys.argv[1:6]
-    quant = QuantizationConfig(sys.argv[6]) if len(sys.argv) > 6 else None
+    option = sys.argv[6] if len(sys.argv) > 6 else None
+    fused = option == "fused"
+    quant = QuantizationConfig(option) if option and not fused else None
     rank, world = int(rank), int(world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -48,7 +51,7 @@ def main() -> None:
     local = LocalCollectives.create(group, rank, world, 60.0)
     exchange = ExpertExchange(rank, world, group, local)
     result: dict = {"transport": "gloo" if local is None else "shared memory"}
-    for dtype in DTYPES:
+    for dtype in (torch.float32,) if fused else DTYPES:  # (the interpreter's bf16 is not torch's)
         net = load_model(
             model, dtype, torch.device("cpu"), progress=False, quantization=quant,
             tp=TensorParallel(exchange=exchange),
@@ -56,8 +59,14 @@ def main() -> None:
         blocks = {i: m for i, m in enumerate(net.layers) if isinstance(m.mlp, SparseMoeBlock)}
         for i, layer in blocks.items():
             block = layer.mlp
+            if fused:  # the experts stacked for the fused Triton kernel (interpreted here)
+                assert block.fuse_experts()
             block.expert_counts = torch.zeros(block.num_experts, dtype=torch.int64)
-            held = block.cpu_experts.num_experts if block.cpu_experts else len(block.experts)
+            held = (
+                block.cpu_experts.num_experts if block.cpu_experts
+                else block.w13.shape[0] if block.w13 is not None
+                else len(block.experts)
+            )  # fmt: skip
             result[(str(dtype), i, "experts")] = (block.first_expert, held)
             for case in range(len(CASES)):
                 x = tokens(case, rank, net.config.hidden_size, dtype)

@@ -39,7 +39,7 @@ def main() -> None:
     for dtype, ptr in DTYPES.items():
         config = moe_config(getattr(torch, dtype), torch.device("cuda"))
         for name, (gather, scale, in_model) in VARIANTS.items():
-            for top_k in (2, 8):  # Mixtral's and Qwen3-MoE's
+            for top_k in (1, 2, 8):  # the exchange's rows (expert_rows), Mixtral's, Qwen3-MoE's
                 constexprs = {**config, "TOP_K": top_k, "GATHER": gather, "SCALE": scale,
                               "SCALE_IN_MODEL_DTYPE": in_model}  # fmt: skip
                 results[f"{dtype}/{name}/top{top_k}"] = compile_kernel(ptr, constexprs)

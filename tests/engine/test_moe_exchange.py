@@ -50,6 +50,7 @@ def run_ranks(model: str, tmp_path: Path, *extra: str) -> list[dict]:
         ("deepseek_v3", None, True, "shared memory"),  # sigmoid routing, a shared expert, MLA
         ("qwen3_moe", "int4", True, "shared memory"),  # duet's grouped quantized kernel
         ("qwen3_moe", None, False, "gloo"),  # the torch path, one MLP per expert (no kernels)
+        ("qwen3_moe", "fused", False, "gloo"),  # the fused Triton kernel, interpreted
     ],
 )
 def test_two_ranks_exchanging_experts_give_one_ranks_bits(
@@ -66,14 +67,22 @@ def test_two_ranks_exchanging_experts_give_one_ranks_bits(
         model = tiny_model_factory(arch)
         ranks = run_ranks(model, tmp_path, *([quant] if quant else []))
         assert [r["transport"] for r in ranks] == [transport] * 2
-        compare(model, ranks, QuantizationConfig(quant) if quant else None)
+        if quant == "fused":
+            compare(model, ranks, None, fused=True)
+        else:
+            compare(model, ranks, QuantizationConfig(quant) if quant else None)
     finally:
         monkeypatch.undo()
         cpu_kernels_enabled.cache_clear()
 
 
-def compare(model: str, ranks: list[dict], quant: QuantizationConfig | None) -> None:
-    for dtype in DTYPES:
+def compare(
+    model: str, ranks: list[dict], quant: QuantizationConfig | None, fused: bool = False
+) -> None:
+    """Each rank's outputs against one rank holding every expert (`fused`: on the fused
+    Triton kernel too, interpreted, fp32 only: the interpreter's 16-bit conversions are not
+    torch's, so bf16 is checked bitwise on a GPU, test_triton_moe.py)."""
+    for dtype in (torch.float32,) if fused else DTYPES:
         net = load_model(
             model, dtype, torch.device("cpu"), progress=False, quantization=quant
         ).model
@@ -81,6 +90,8 @@ def compare(model: str, ranks: list[dict], quant: QuantizationConfig | None) -> 
         assert sparse
         for i in sparse:
             block = net.layers[i].mlp
+            if fused:
+                assert block.fuse_experts()
             half = block.num_experts // 2
             for rank, got in enumerate(ranks):
                 assert got[(str(dtype), i, "experts")] == (rank * half, half)

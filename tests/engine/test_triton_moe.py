@@ -163,7 +163,8 @@ def test_an_expert_parallel_rank_on_the_fused_kernel_equals_its_per_expert_path(
 @pytest.mark.slow
 def test_every_variant_compiles_for_sm90_without_spills():
     """tests/engine/moe_sm90_compile.py in its own process (compiling needs Triton imported
-    without TRITON_INTERPRET): each dtype's gate|up and down variants, top-2 and top-8."""
+    without TRITON_INTERPRET): each dtype's gate|up and down variants, top-1 (the expert
+    exchange's rows), top-2 and top-8."""
     import json
     import os
     import subprocess
@@ -177,7 +178,48 @@ def test_every_variant_compiles_for_sm90_without_spills():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout)
-    assert len(usage) == 3 * 3 * 2
+    assert len(usage) == 3 * 3 * 3
     for name, u in usage.items():
         assert (u["spill_stores"], u["spill_loads"], u["stack"]) == (0, 0, 0), (name, u)
         assert u["regs"] <= 255 and u["shared_bytes"] <= 227 * 1024, name
+
+
+def _exchanged_against_fused(dtype: torch.dtype) -> None:
+    """A block under the expert exchange (size 1 here: every row stays, but goes the exchange's
+    way: sorted by expert, `triton_moe.expert_rows`, then scaled and added by
+    `moe_combine.combine_choices`) against the same weights on `fused_experts` directly."""
+    from duet.engine.model import ModelArchConfig
+    from duet.engine.model.moe import SparseMoeBlock
+    from duet.engine.parallel import SINGLE, ExpertExchange, TensorParallel
+    from tests.conftest import ARCH_CONFIGS
+
+    spec = {**ARCH_CONFIGS["qwen3_moe"], "vocab_size": 512, "hidden_size": HIDDEN,
+            "intermediate_size": 128, "moe_intermediate_size": INTER, "num_attention_heads": 4,
+            "num_experts": EXPERTS, "num_hidden_layers": 2}  # fmt: skip
+    arch = ModelArchConfig.from_hf_config(spec)
+    torch.manual_seed(0)
+    whole = SparseMoeBlock(arch, SINGLE, None)
+    for p in whole.parameters():
+        nn.init.normal_(p, std=0.1)
+    whole = whole.to(DEVICE, dtype)
+    exchanged = SparseMoeBlock(arch, TensorParallel(exchange=ExpertExchange(0, 1)), None)
+    exchanged.load_state_dict(whole.state_dict())
+    exchanged = exchanged.to(DEVICE, dtype)
+    x = (torch.randn(TOKENS, HIDDEN) * 2).to(DEVICE, dtype)
+    with torch.no_grad():
+        assert whole.fuse_experts() and exchanged.fuse_experts()
+        assert exchanged.exchange is not None and len(exchanged.experts) == 0
+        want = whole(x)
+        assert torch.equal(exchanged(x), want)
+        assert torch.equal(exchanged(x[9:10]), want[9:10])
+        assert exchanged(x[:0]).shape == (0, HIDDEN)  # a step with no tokens of its own
+
+
+def test_the_exchange_on_the_fused_kernel_gives_its_bits_interpreted():
+    _exchanged_against_fused(torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA: compiled bf16 (the interpreter emulates it)")
+def test_the_exchange_on_the_fused_kernel_gives_its_bits_in_bf16_on_gpu():
+    _exchanged_against_fused(torch.bfloat16)
