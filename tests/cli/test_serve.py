@@ -322,21 +322,34 @@ def test_serve_dummy_weights_from_a_config_alone_answers(tmp_path: Path) -> None
     assert proc.returncode == 0, err
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path, flag: str) -> None:
-    """`duet serve --tensor-parallel-size 2` (or 2 pipeline stages): the server process is
-    rank 0, rank 1 a child process; a greedy completion equals the offline engine's at one
-    rank (dummy weights are the same at every TP size and stage), and SIGTERM stops both
-    ranks."""
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tensor-parallel-size", "2"],
+        ["--pipeline-parallel-size", "2"],
+        ["--data-parallel-size", "2", "--expert-parallel-size", "2"],  # a mixture of experts
+    ],
+    ids=["tp", "pp", "dp"],
+)
+def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(
+    tmp_path: Path, flags: list[str]
+) -> None:
+    """`duet serve --tensor-parallel-size 2` (or 2 pipeline stages, or two data-parallel
+    ranks exchanging a Qwen3-MoE's experts): the server process is rank 0, rank 1 a child
+    process; a greedy completion equals the offline engine's at one rank (dummy weights are the
+    same at every TP size, stage and expert range), and SIGTERM stops both ranks."""
     from openai import OpenAI
 
     from duet.engine import LLM, SamplingParams
+    from tests.conftest import ARCH_CONFIGS
 
     model = tmp_path / "config-only"
     model.mkdir()
     config = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=64,
                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    if "--data-parallel-size" in flags:
+        config = {**config, **ARCH_CONFIGS["qwen3_moe"], "head_dim": 16}
     (model / "config.json").write_text(json.dumps(config))
     kwargs = dict(load_format="dummy", dtype="float32", num_kv_blocks=64, load_progress=False)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -345,7 +358,7 @@ def test_serve_with_tensor_parallel_ranks_answers_as_one_rank(tmp_path: Path, fl
     cmd = [
         sys.executable, "-m", "duet.cli", "serve", "--model", str(model), "--load-format",
         "dummy", "--device", "cpu", "--dtype", "float32", "--port", str(port), "--grpc-port",
-        "0", "--num-kv-blocks", "64", "--no-ui", flag, "2",
+        "0", "--num-kv-blocks", "64", "--no-ui", *flags,
         "--session-store", f"sqlite:///{tmp_path / 'sessions.db'}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
