@@ -60,6 +60,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "the experts are left out",
     )
     parser.add_argument(
+        "--data-parallel",
+        action="store_true",
+        help="a mixture of experts: also its data-parallel attention layouts (duet serve -dp D "
+        "--expert-parallel-size D): each of D ranks the whole attention, 1/D of the experts and "
+        "its own KV, no CUDA graphs; aggregated serving only",
+    )
+    parser.add_argument(
         "--role",
         choices=ROLES,
         default="aggregated",
@@ -118,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
     arch = ModelArchConfig.from_hf_config(read_hf_config(args.model))
     if args.enable_expert_parallel and arch.moe is None:
         parser.error("--enable-expert-parallel: the model is dense (it has no routed experts)")
+    if args.data_parallel and arch.moe is None:
+        parser.error("--data-parallel: the model is dense (it has no routed experts to exchange)")
+    if args.data_parallel and args.role != "aggregated":
+        parser.error("--data-parallel: only aggregated serving runs data-parallel attention yet")
     dtype = getattr(torch, args.dtype)
     reserved: dict[str, int] = {}
     graphs = not args.enforce_eager
@@ -137,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         cuda_graphs=graphs,
         reserved=reserved,
         expert_parallel=args.enable_expert_parallel,
+        data_parallel=args.data_parallel,
     )
     layouts = plan_layouts(arch, args.gpus, args.gpu_memory, settings, NCCL_COMM_BYTES, max_pp)
     print(render_plan(args.model or "SmolLM2-135M-Instruct", args, layouts))
@@ -170,12 +182,14 @@ def render_plan(name: str, args: argparse.Namespace, layouts: list[Any]) -> str:
         f"{args.max_num_batched_tokens} batched tokens, {args.max_num_seqs} sequences, "
         f"block {args.block_size}"
         + (", experts sharded over the TP ranks" if args.enable_expert_parallel else "")
+        + (", data-parallel layouts too" if args.data_parallel else "")
         + "; GiB per rank",
     ]
     for layout in layouts:
+        each = " a rank" if layout.dp > 1 else ""
         if layout.fits:
             verdict = (
-                f"fits: {layout.kv_tokens} KV tokens, context {layout.max_context}, "
+                f"fits: {layout.kv_tokens} KV tokens{each}, context {layout.max_context}, "
                 f"{layout.max_concurrent_seqs} sequences of {layout.max_model_len} at once"
             )
         elif layout.num_kv_blocks > 0:
@@ -185,9 +199,13 @@ def render_plan(name: str, args: argparse.Namespace, layouts: list[Any]) -> str:
             )
         else:
             verdict = "does not fit: no room for a KV block"
-        lines += ["", f"TP={layout.tp} x PP={layout.pp} ({layout.tp * layout.pp} GPUs): {verdict}"]
+        name = f"TP={layout.tp} x PP={layout.pp}"
+        if layout.dp > 1:
+            name = f"DP={layout.dp} x EP={layout.dp}"
+        lines += ["", f"{name} ({layout.num_gpus} GPUs): {verdict}"]
+        ranks = "stage / dp ranks" if layout.dp > 1 else "stage / tp ranks"
         lines.append(
-            f"  {'stage / tp ranks':<22} {'layers':>9} {'weights':>8} {'activ':>7} "
+            f"  {ranks:<22} {'layers':>9} {'weights':>8} {'activ':>7} "
             f"{'graphs':>7} {'other':>7} {'staging':>8} {'KV blk MiB':>10} {'KV blocks':>9}"
         )
         groups: dict[tuple[Any, ...], list[int]] = {}

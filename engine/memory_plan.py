@@ -18,6 +18,12 @@ Activations are the one estimate: a running engine measures them with a warm-up 
 (`activation_bytes`, docs/parallelism.md gives the formula). Pipeline stages hold
 `stage_layers(num_hidden_layers, P, stage)` layers; the first stage the embedding, the last the final
 norm and the LM head (with tied embeddings the table too).
+
+With `PlanSettings.data_parallel`, a mixture of experts also gets its data-parallel attention
+layouts (`duet serve -dp D --expert-parallel-size D`, TP = PP = 1): each of D ranks holds the
+whole attention, embedding and head, 1/D of the routed experts, and a KV pool of its own, so
+the layout holds D times one rank's sequences; no CUDA graphs (the exchange needs eager
+steps); its activations add the exchange's rows (every rank's tokens x k, in and back).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from duet.engine.model.mla import check_mla_layout
 from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.moe import check_ep_size
 from duet.engine.model.weight_bytes import weight_bytes
-from duet.engine.parallel import TensorParallel, check_tp_size, split
+from duet.engine.parallel import ExpertExchange, TensorParallel, check_tp_size, split
 from duet.engine.pipeline import check_pp_size, stage_layers
 
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -63,13 +69,15 @@ class PlanSettings:
     expert_parallel: bool = False
     """A mixture's routed experts sharded whole over each layout's TP ranks
     (`expert_parallel_size` = `tensor_parallel_size`) instead of every expert sliced."""
+    data_parallel: bool = False
+    """`plan_layouts` adds a mixture's data-parallel attention layouts (the module docstring)."""
 
 
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's memory (bytes) under a layout."""
 
-    tp_rank: int
+    tp_rank: int  # (the data-parallel rank in a data-parallel layout)
     pp_stage: int
     layers: tuple[int, int]  # [start, end) of the model's layers this rank's stage holds
     weights_bytes: int
@@ -88,10 +96,15 @@ class LayoutPlan:
     tp: int
     pp: int
     ranks: list[RankPlan]
-    num_kv_blocks: int  # the minimum over the ranks
+    num_kv_blocks: int  # the minimum over the ranks (data-parallel: each rank's own pool)
     max_model_len: int
     block_size: int
     max_num_seqs: int
+    dp: int = 1  # data-parallel attention ranks (then tp = pp = 1), each its own sequences
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
 
     @property
     def kv_tokens(self) -> int:
@@ -109,8 +122,9 @@ class LayoutPlan:
 
     @property
     def max_concurrent_seqs(self) -> int:
-        """Sequences of `max_model_len` tokens the pool holds at once (at most max_num_seqs)."""
-        return min(self.max_num_seqs, self.kv_tokens // self.max_model_len)
+        """Sequences of `max_model_len` tokens the pool holds at once (at most max_num_seqs),
+        over every data-parallel rank's pool."""
+        return self.dp * min(self.max_num_seqs, self.kv_tokens // self.max_model_len)
 
 
 def valid_tp_size(arch: ModelArchConfig, tp: int, expert_parallel: bool = False) -> bool:
@@ -140,14 +154,21 @@ class _RankWeights:
 
 
 def _rank_weights(
-    arch: ModelArchConfig, tp: int, rank: int, dtype: torch.dtype, expert_parallel: bool = False
+    arch: ModelArchConfig,
+    tp: int,
+    rank: int,
+    dtype: torch.dtype,
+    expert_parallel: bool = False,
+    dp: int = 1,
 ) -> _RankWeights:
-    """The engine's model for TP rank `rank` of `tp` on the meta device, one layer deep (a
-    dense layer and, for a mixture of experts, a sparse one: Qwen2-MoE mixes them), counted
-    by `weight_bytes`: with `expert_parallel` (and more than one rank) the rank's whole
-    experts in place of a slice of every one. The rope tables (built for real, and no
-    weights) are kept short."""
+    """The engine's model for TP rank `rank` of `tp` (or data-parallel rank `rank` of `dp`) on
+    the meta device, one layer deep (a dense layer and, for a mixture of experts, a sparse
+    one: Qwen2-MoE mixes them), counted by `weight_bytes`: with `expert_parallel` (and more
+    than one rank) or `dp` the rank's whole experts in place of a slice of every one. The
+    rope tables (built for real, and no weights) are kept short."""
     layout = TensorParallel(rank, tp, expert_parallel=expert_parallel and tp > 1)
+    if dp > 1:
+        layout = TensorParallel(exchange=ExpertExchange(rank, dp))
     per_layer: list[int] = []
     for sparse in (False, True):
         moe = arch.moe
@@ -216,21 +237,28 @@ def plan_layout(
     gpu_memory_bytes: int,
     settings: PlanSettings,
     nccl_comm_bytes: int = 256 << 20,
+    dp: int = 1,
 ) -> LayoutPlan:
-    """Every rank's memory under `tp` x `pp` on GPUs of `gpu_memory_bytes` each."""
+    """Every rank's memory under `tp` x `pp` (or `dp` data-parallel attention ranks) on GPUs
+    of `gpu_memory_bytes` each."""
     check_tp_size(tp, arch.num_attention_heads)
     check_pp_size(pp, arch.num_hidden_layers)
     if settings.expert_parallel:
         check_ep_size(tp, arch.moe)
     check_mla_layout(arch, tp)
+    if dp > 1 and (tp, pp) != (1, 1):
+        raise InvalidInputError("data_parallel_size", f"runs at TP and PP 1; got {tp} x {pp}")
+    if dp > 1 and arch.moe is None:
+        raise InvalidInputError("data_parallel_size", "needs a mixture of experts")
+    check_ep_size(dp, arch.moe)
     max_model_len = min(
         settings.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
     )
     num_tokens = settings.max_num_batched_tokens
-    others = settings.cuda_context_bytes + nccl_communicators(tp, pp) * nccl_comm_bytes
+    others = settings.cuda_context_bytes + nccl_communicators(max(tp, dp), pp) * nccl_comm_bytes
     ranks: list[RankPlan] = []
-    for rank in range(tp):
-        w = _rank_weights(arch, tp, rank, settings.dtype, settings.expert_parallel)
+    for rank in range(max(tp, dp)):
+        w = _rank_weights(arch, tp, rank, settings.dtype, settings.expert_parallel, dp)
         for stage in range(pp):
             first, last = stage == 0, stage == pp - 1
             layers = stage_layers(arch.num_hidden_layers, pp, stage)
@@ -242,13 +270,17 @@ def plan_layout(
             # A tied LM head is the embedding table: the last stage holds it too.
             holds_table = first or (last and w.tied)
             weights += (w.embedding if holds_table else 0) + (w.head if last else 0)
-            act = activation_bytes(arch, tp, rank, num_tokens, settings.dtype, first, last)
+            if dp > 1:  # a whole model's activations, and the exchange's rows
+                act = activation_bytes(arch, 1, 0, num_tokens, settings.dtype, first, last)
+                act += exchange_bytes(arch, dp, num_tokens, settings.dtype)
+            else:
+                act = activation_bytes(arch, tp, rank, num_tokens, settings.dtype, first, last)
             memory = GpuMemory(gpu_memory_bytes, others, weights, act, num_tokens)
             reserve = dict(settings.reserved)
             graphs = 0
             spec = kv_cache_spec(arch, w.num_kv_heads)
             # every stage captures its own graphs; none for MLA (no Triton attention)
-            if settings.cuda_graphs and not spec.is_latent:
+            if settings.cuda_graphs and not spec.is_latent and dp == 1:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
             block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)
@@ -281,7 +313,18 @@ def plan_layout(
         max_model_len=max_model_len,
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
+        dp=dp,
     )
+
+
+def exchange_bytes(arch: ModelArchConfig, dp: int, num_tokens: int, dtype: torch.dtype) -> int:
+    """The expert exchange's buffers at a sparse layer's peak, on top of the activations: the
+    rows an owner can receive (every rank's `num_tokens` x k) and their results, and a rank's
+    own k rows out and back."""
+    assert arch.moe is not None
+    item = torch.empty((), dtype=dtype).element_size()
+    rows = num_tokens * arch.moe.num_experts_per_tok * arch.hidden_size * item
+    return 2 * dp * rows + 2 * rows
 
 
 def plan_layouts(
@@ -293,7 +336,8 @@ def plan_layouts(
     max_pp: int | None = None,
 ) -> list[LayoutPlan]:
     """`plan_layout` for every TP x PP the engine accepts with TP * PP <= `num_gpus` (and PP
-    at most `max_pp`), by the number of GPUs, then TP."""
+    at most `max_pp`) and, with `settings.data_parallel`, every data-parallel size up to
+    `num_gpus` that divides a mixture's experts; by the number of GPUs, then DP, then TP."""
     if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
         raise InvalidInputError("gpus", f"must be an integer >= 1; got {num_gpus!r}")
     layouts = [
@@ -303,7 +347,14 @@ def plan_layouts(
         if valid_tp_size(arch, tp, settings.expert_parallel)
         and pp <= min(arch.num_hidden_layers, max_pp or arch.num_hidden_layers)
     ]
-    layouts.sort(key=lambda layout: (layout[0] * layout[1], layout[0]))
-    return [
+    plans = [
         plan_layout(arch, tp, pp, gpu_memory_bytes, settings, nccl_comm_bytes) for tp, pp in layouts
     ]
+    if settings.data_parallel and arch.moe is not None:
+        plans += [
+            plan_layout(arch, 1, 1, gpu_memory_bytes, settings, nccl_comm_bytes, dp)
+            for dp in range(2, num_gpus + 1)
+            if arch.moe.num_experts % dp == 0
+        ]
+    plans.sort(key=lambda plan: (plan.num_gpus, plan.dp, plan.tp))
+    return plans

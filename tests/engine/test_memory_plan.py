@@ -13,12 +13,13 @@ import torch
 from duet.cli.main import main
 from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
+from duet.engine.errors import InvalidInputError
 from duet.engine.kv_sizing import GpuMemory, size_kv_pool
 from duet.engine.loader import load_model
 from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout, plan_layouts
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
-from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.parallel import SINGLE, ExpertExchange, TensorParallel
 from duet.engine.pipeline import PipelineParallel, stage_layers
 from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 
@@ -323,3 +324,77 @@ def test_plan_counts_a_mixture_of_dense_and_sparse_layers(tiny_model_factory, tp
             tp=TensorParallel(rank, tp, None), deterministic=False,
         )  # fmt: skip
         assert planned.weights_bytes == loaded.weight_bytes
+
+
+# Data-parallel attention over 8 ranks (EP = 8, TP = 1), per layer: q (4096 x 2048), k and v
+# (512 x 2048 each), o (2048 x 4096), q/k norms (256), two layer norms (4096), the router
+# (128 x 2048) and 16 whole experts (16 x 3 x 768 x 2048): 94,638,336 params; then the whole
+# embedding and head (151,936 x 2048 each) and the final norm; times 2 bytes.
+QWEN3_30B_DP8_BYTES = 2 * (48 * 94_638_336 + 2 * 151_936 * 2048 + 2048)
+
+
+def test_data_parallel_plans_whole_attention_and_an_eighth_of_the_experts() -> None:
+    arch = arch_of(QWEN3_30B_A3B)
+    settings = PlanSettings(data_parallel=True)
+    dp = plan_layout(arch, 1, 1, 80 * GIB, settings, dp=8)
+    assert [r.weights_bytes for r in dp.ranks] == [QWEN3_30B_DP8_BYTES] * 8
+    assert all(r.graph_pool_bytes == 0 for r in dp.ranks)  # the exchange steps eagerly
+    # each rank its own KV: whole KV heads (4 x 128, K and V, 48 layers, bf16) a token
+    assert dp.ranks[0].kv_block_bytes == 16 * 4 * 128 * 2 * 48 * 2
+    assert dp.max_concurrent_seqs == 8 * min(128, dp.kv_tokens // dp.max_model_len)
+    # the activations add the exchange's rows: 8 ranks' 2048 tokens x 8 choices, in and back,
+    # and the rank's own, of 2048 values in bf16
+    plain = plan_layout(arch, 1, 1, 80 * GIB, PlanSettings())
+    rows = 2048 * 8 * 2048 * 2
+    assert dp.ranks[0].activation_bytes - plain.ranks[0].activation_bytes == 2 * 8 * rows + 2 * rows
+    # listed beside the TP x PP layouts: the sizes that divide the 128 experts
+    layouts = plan_layouts(arch, 6, 80 * GIB, settings, max_pp=1)
+    assert [lay.dp for lay in layouts if lay.dp > 1] == [2, 4]
+    no_dp = plan_layouts(arch, 6, 80 * GIB, PlanSettings(), max_pp=1)
+    assert {lay.dp for lay in no_dp} == {1}
+
+
+def test_a_data_parallel_plan_is_refused_where_the_engine_refuses_it() -> None:
+    with pytest.raises(InvalidInputError, match="data_parallel_size: runs at TP and PP 1"):
+        plan_layout(arch_of(QWEN3_30B_A3B), 2, 1, 80 * GIB, PlanSettings(), dp=2)
+    with pytest.raises(InvalidInputError, match="data_parallel_size: needs a mixture of experts"):
+        plan_layout(arch_of(LLAMA_8B), 1, 1, 80 * GIB, PlanSettings(), dp=2)
+    with pytest.raises(InvalidInputError, match="expert_parallel_size: must divide"):
+        plan_layout(arch_of(QWEN3_30B_A3B), 1, 1, 80 * GIB, PlanSettings(), dp=3)
+
+
+@pytest.mark.usefixtures("cpu_kernels_off")
+def test_data_parallel_plan_agrees_with_the_loaded_ranks(tiny_model_factory) -> None:
+    """A tiny Qwen3-MoE (16 experts) at DP=2: each rank loads what the plan counts (whole
+    attention, 8 whole experts a layer)."""
+    model = tiny_model_factory("qwen3_moe")
+    config = json.loads(Path(model, "config.json").read_text())
+    settings = PlanSettings(dtype=torch.float32)
+    layout = plan_layout(arch_of(config), 1, 1, 80 * GIB, settings, dp=2)
+    for rank, planned in enumerate(layout.ranks):
+        tp = TensorParallel(exchange=ExpertExchange(rank, 2))
+        loaded = load_model(
+            model, torch.float32, torch.device("cpu"), progress=False, tp=tp, deterministic=False
+        )
+        assert len(loaded.model.layers[0].mlp.experts) == 8
+        assert planned.weights_bytes == loaded.weight_bytes
+
+
+def test_duet_plan_prints_the_data_parallel_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "2", "--data-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "data-parallel layouts too" in out
+    assert "\nDP=2 x EP=2 (2 GPUs): fits: " in out and " KV tokens a rank, " in out
+    assert "  0 / 0-1 " in out  # one row for both ranks: the same numbers
+    for argv, why in (
+        (["--model", str(tmp_path), "--data-parallel", "--role", "decode"],
+         "--data-parallel: only aggregated serving runs data-parallel attention yet"),
+        (["--data-parallel"], "--data-parallel: the model is dense"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main(["plan", *argv])
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err
