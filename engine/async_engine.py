@@ -21,6 +21,7 @@ from duet.engine.data_parallel import DataParallelRole, DPLeader
 from duet.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.peer_lockstep import PeerLockstep
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.tokenizer import Message, Tokenizer
 from duet.engine.tp_group import TPGroup, rank_config
@@ -37,18 +38,20 @@ class AsyncEngine:
         group: TPGroup | None = None,
         tp: TensorParallel = SINGLE,
         control_group: dist.ProcessGroup | None = None,
+        peers: PeerLockstep | None = None,
     ) -> None:
         """`engine`: the engine, or (in serving processes, see `EngineCore`) a function that
         builds it on the engine thread; returns once it is built. `role`: what runs around
         each step (default: aggregated generation). `group`: the tensor-parallel ranks this
         process leads as rank 0 (`TPGroup.start`), stopped with the engine; or `tp` and
         `control_group`, this rank's place in a group someone else started (a decode worker's
-        ranks, each in its own process)."""
+        ranks, each in its own process). `peers`: data-parallel peers it steps with, each
+        taking its own requests (engine/peer_lockstep.py)."""
         self.group = group
         if group is not None:
             tp, control_group = group.tp, group.control_group
         control = control_group
-        self.core = EngineCore(engine, role, name=name, tp=tp, control_group=control)
+        self.core = EngineCore(engine, role, name=name, tp=tp, control_group=control, peers=peers)
         try:
             self.core.wait_ready()
         except BaseException:

@@ -47,6 +47,7 @@ from duet.engine.llm_engine import LLMEngine
 from duet.engine.output_processor import OutputAssembler
 from duet.engine.outputs import RequestOutput
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.peer_lockstep import PEER_IDLE_WAIT_S, PeerLockstep
 
 __all__ = [  # the commands (engine.commands) and the role (engine.engine_role) with the core
     "AbortRequest",
@@ -100,13 +101,15 @@ class EngineCore:
         tp: TensorParallel = SINGLE,
         control_group: dist.ProcessGroup | None = None,
         start: bool = True,
+        peers: PeerLockstep | None = None,
     ) -> None:
         """`engine`: the engine, or a function the core's thread calls to build it (see the
         class note); `wait_ready` then returns once it is built and the role started.
         `tp`: this rank's group; with more than one rank, rank 0 takes commands and every
         iteration broadcasts them over `control_group` (default `tp.group`, which must then be
         gloo) to the followers, which take none of their own. `start=False`: call `start()`
-        once the role is fully built."""
+        once the role is fully built. `peers`: data-parallel peers this engine steps with
+        (engine/peer_lockstep.py), each taking its own commands."""
         self._build: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
             self.engine = engine
@@ -117,6 +120,7 @@ class EngineCore:
         self.role = role or EngineRole()
         self.name = name
         self.tp = tp
+        self.peers = peers
         self._control_group = control_group if control_group is not None else tp.group
         self._commands: queue.Queue[EngineCommand] = queue.Queue()
         self._internal: list[EngineCommand] = []  # rank 0's own follow-ups (engine thread)
@@ -254,7 +258,24 @@ class EngineCore:
                 commands = self._next_commands()
                 if self.tp.spans_ranks:
                     commands = self.tp.broadcast_commands(commands, self._control_group)
-                if not self._apply(commands):
+                running = self._apply(commands)
+                if self.peers is not None:  # every peer steps, or none (engine/peer_lockstep.py)
+                    if running:
+                        self.role.before_step()
+                    work = running and self.engine.has_schedulable_requests()
+                    any_work, any_stop = self.peers.agree(work, not running)
+                    if any_stop:
+                        if running:  # another peer's
+                            with self._lock:
+                                self._dead = EngineDeadError(
+                                    f"{self.name} stopped with a data-parallel peer"
+                                )
+                        break
+                    outputs = self.engine.step_outputs() if any_work else []
+                    self.role.after_step(outputs)
+                    self._flush()
+                    continue
+                if not running:
                     break
                 self.role.before_step()
                 outputs = self.engine.step_outputs()
@@ -283,9 +304,11 @@ class EngineCore:
         """How long the loop may wait for a command before stepping again."""
         if self._internal or self.engine.has_schedulable_requests() or self.role.busy_elsewhere():
             return 0.0
+        if self.peers is not None and self.peers.others_busy:
+            return 0.0
         if self.engine.has_unfinished_requests() or self.role.has_io_in_flight():
             return IO_POLL_S
-        return IDLE_WAIT_S
+        return IDLE_WAIT_S if self.peers is None else PEER_IDLE_WAIT_S
 
     def _next_commands(self) -> list[EngineCommand]:
         if not self.tp.is_leader:

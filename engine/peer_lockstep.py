@@ -1,0 +1,59 @@
+"""Data-parallel attention between independent engines: D engines, each with its own requests,
+scheduler, KV cache and callers (D decode workers, say, each its own server), whose mixture
+layers exchange the routed experts (engine/model/moe_exchange.py) and so must step together.
+
+`engine/data_parallel.py` runs D ranks under one leader: rank 0 takes every request and
+broadcasts each iteration's commands. Here no rank leads: each `EngineCore` takes its own
+commands, and once per iteration, after its role's `before_step`, the peers agree by one
+all-gather of two flags each (`PeerLockstep.agree`): whether it has schedulable requests, and
+whether it is stopping. If any has work, every peer steps (one with none runs each sparse
+layer with no tokens of its own, serving the others' rows: `ModelRunner.serve_experts`), so
+each peer runs the same number of forward passes and every layer's exchange lines up; if none
+has, none steps. If any stops, all stop (the group is one unit: a peer left alone would wait
+in its next exchange for the one that left).
+
+An idle peer comes back to the agreement at least every `PEER_IDLE_WAIT_S` (instead of the
+core's 0.5 s idle wait), since a peer that got a request waits there for it; a peer sees that
+another has work from the last agreement and steps at once. On one machine the flags go
+through the group's shared-memory segment; else over gloo.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from duet.engine.collective_clock import COLLECTIVES
+from duet.engine.shm_collectives import LocalCollectives
+
+PEER_IDLE_WAIT_S = 0.005
+"""Longest wait for a command while no peer has work: a request arriving at an idle group
+waits at most this long for the others to agree."""
+
+
+class PeerLockstep:
+    """One engine's place among its data-parallel peers (`rank` of `size` in `group`, the
+    ranks of `init_data_parallel`; `local`: their shared segment, when they share a
+    machine)."""
+
+    def __init__(
+        self, rank: int, size: int, group: dist.ProcessGroup, local: LocalCollectives | None
+    ) -> None:
+        self.rank, self.size, self.group, self.local = rank, size, group, local
+        self.others_busy = False
+        """Whether another peer had work at the last agreement (the core then steps again at
+        once instead of waiting for a command)."""
+
+    def agree(self, has_work: bool, stopping: bool) -> tuple[bool, bool]:
+        """Collective, once per iteration on every peer: (whether any peer has work, whether
+        any stops)."""
+        flags = torch.tensor([int(has_work), int(stopping)], dtype=torch.int64)
+        with COLLECTIVES:
+            every = self.local.all_gather(flags) if self.local is not None else None
+            if every is None:
+                parts = [torch.empty_like(flags) for _ in range(self.size)]
+                dist.all_gather(parts, flags, group=self.group)
+                every = torch.stack(parts)
+        others = torch.cat([every[: self.rank], every[self.rank + 1 :]])
+        self.others_busy = bool(others[:, 0].any())
+        return bool(every[:, 0].any()), bool(every[:, 1].any())

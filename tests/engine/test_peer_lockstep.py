@@ -1,0 +1,57 @@
+"""Data-parallel peers (engine/peer_lockstep.py): two independent engines, each taking its own
+requests, exchanging a Qwen3-MoE's experts. Each gives the tokens one engine holding every
+expert gives (bf16: the exchange keeps one rank's bits), while the other rank idles or is
+busy; one peer's shutdown stops the other at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from duet.engine import LLM, SamplingParams
+from tests.engine.peer_rank import NEW_TOKENS, PROMPTS
+from tests.net import free_port
+
+SCRIPT = Path(__file__).with_name("peer_rank.py")
+ROOT = Path(__file__).parents[2]
+
+
+def run_peers(model: str, tmp_path: Path, scenario: str) -> list[dict]:
+    port = free_port()
+    outs = [tmp_path / f"peer{r}.pt" for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), model, str(r), str(port), str(outs[r]), scenario],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        assert p.wait(timeout=240) == 0
+    return [torch.load(o) for o in outs]
+
+
+def test_two_peers_each_serving_its_own_requests_give_one_engines_tokens(
+    tiny_model_factory, tmp_path
+):
+    model = tiny_model_factory("qwen3_moe")
+    peers = run_peers(model, tmp_path, "serve")
+    llm = LLM(model, dtype="bfloat16", num_kv_blocks=64, load_progress=False)
+    for rank, got in enumerate(peers):
+        assert got["shared memory"]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in NEW_TOKENS[rank]]  # fmt: skip
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS[rank], params)]
+        assert got["tokens"] == want, rank
+
+
+def test_one_peer_stopping_stops_the_other(tiny_model_factory, tmp_path):
+    model = tiny_model_factory("qwen3_moe")
+    survivor, _ = run_peers(model, tmp_path, "stop")
+    assert survivor["error"] == "EngineDeadError: peer0 stopped with a data-parallel peer"
+    assert survivor["running"] is False
+    assert survivor["seconds"] < 30  # at once, not after a collective's timeout
