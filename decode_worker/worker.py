@@ -25,6 +25,11 @@ ranks at different times, but it joins the batch on every rank at the same step:
 agree on each reservation's outcome (`RankAgreement`, rank 0's first token) before the
 scheduler sees it (docs/parallelism.md).
 
+Data-parallel attention (a mixture of experts, `data_parallel_size` D): D decode workers, each
+a whole worker (its own server, KV receiver, scheduler and requests; the router sees D
+workers), hold 1/D of the routed experts each and exchange them, stepping as peers
+(engine/peer_lockstep.py: every worker steps when any has work).
+
 Threads: the `EngineCore` thread runs the engine and polls the receiver (`DecodeRole`);
 callers use any event loop.
 """
@@ -47,6 +52,7 @@ from duet.engine.core import AbortRequest, AddRequest, EngineDeadError, EngineRo
 from duet.engine.llm_engine import LLMEngine, Prompt
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.peer_lockstep import PeerLockstep
 from duet.engine.spec_decode.draft_model import DraftModelProposer
 from duet.kv_transfer import KVLayout, KVReceiver, ReceiverConfig, TransferStatus, create_receiver
 from duet.kv_transfer.factory import resolve_backend
@@ -128,12 +134,16 @@ class DecodeWorker:
         receiver_options: dict[str, Any] | None = None,
         tp: TensorParallel = SINGLE,
         control_group: dist.ProcessGroup | None = None,
+        peers: PeerLockstep | None = None,
     ) -> None:
         """`receiver_options`: the KV backend's own receiver options (the local backend's
         `hub`) or a setting to override (its `name`, the local backend's address; default
         `name`); one the backend does not take is an error naming it. `tp`: this rank's
         group when `config.tensor_parallel_size` > 1 (`decode_worker/launch.py`), with
-        `control_group`, a gloo group over the same ranks (default `tp.group`)."""
+        `control_group`, a gloo group over the same ranks (default `tp.group`). `peers`:
+        with `config.data_parallel_size` > 1, the other decode workers of its data-parallel
+        group, each a whole worker of its own, that its engine steps with (`tp` then holds
+        the expert exchange)."""
         self.config = config
         self.name = name
         self.tp = tp
@@ -146,7 +156,7 @@ class DecodeWorker:
         self.load = DecodeLoad(max_num_seqs=config.max_num_seqs)
         self.client = AsyncEngine(
             lambda: LLMEngine(config, tp), DecodeRole(self), name=name, tp=tp,
-            control_group=control_group,
+            control_group=control_group, peers=peers,
         )  # fmt: skip
         self.core = self.client.core
         self.engine = self.client.engine

@@ -266,6 +266,7 @@ class EngineCore:
                     any_work, any_stop = self.peers.agree(work, not running)
                     if any_stop:
                         if running:  # another peer's
+                            logger.info("%s stops with a data-parallel peer", self.name)
                             with self._lock:
                                 self._dead = EngineDeadError(
                                     f"{self.name} stopped with a data-parallel peer"
