@@ -4,16 +4,12 @@ serves gRPC), or a data-parallel group's worker (each serves gRPC). Used by
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
-from urllib.parse import urlparse
-
-import torch.distributed as dist
 
 from duet.decode_worker.config import DecodeWorkerConfig
 from duet.decode_worker.worker import DecodeWorker
-from duet.engine.peer_lockstep import PeerLockstep
-from duet.engine.tp_group import GROUP_TIMEOUT_S, init_data_parallel, init_tensor_parallel
+from duet.engine.peer_lockstep import join_peers
+from duet.engine.tp_group import init_tensor_parallel
 
 
 def start_decode_rank(
@@ -43,21 +39,6 @@ def _data_parallel_worker(
     name: str,
     receiver_options: dict[str, Any] | None,
 ) -> DecodeWorker:
-    size = config.data_parallel_size
-    where = urlparse(init_method or "")
-    if where.scheme != "tcp" or where.hostname is None or where.port is None:
-        raise ValueError(
-            f"dp_init_method: tcp://HOST:PORT required when data_parallel_size > 1; "
-            f"got {init_method!r}"
-        )
-    if not 0 <= rank < size:
-        raise ValueError(f"dp_rank: must be in [0, {size}); got {rank}")
-    store = dist.TCPStore(
-        where.hostname, where.port, size, is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )  # fmt: skip
-    tp, control = init_data_parallel(
-        rank, size, config.resolve_device(rank), store, GROUP_TIMEOUT_S
-    )
-    peers = PeerLockstep(rank, size, control, tp.shared_segment)
+    device = config.resolve_device(rank)
+    tp, peers = join_peers(rank, config.data_parallel_size, device, init_method)
     return DecodeWorker(config, name, receiver_options, tp, peers=peers)

@@ -20,11 +20,16 @@ through the group's shared-memory segment; else over gloo.
 
 from __future__ import annotations
 
+import datetime
+from urllib.parse import urlparse
+
 import torch
 import torch.distributed as dist
 
 from duet.engine.collective_clock import COLLECTIVES
+from duet.engine.parallel import TensorParallel
 from duet.engine.shm_collectives import LocalCollectives
+from duet.engine.tp_group import GROUP_TIMEOUT_S, init_data_parallel
 
 PEER_IDLE_WAIT_S = 0.005
 """Longest wait for a command while no peer has work: a request arriving at an idle group
@@ -57,3 +62,25 @@ class PeerLockstep:
         others = torch.cat([every[: self.rank], every[self.rank + 1 :]])
         self.others_busy = bool(others[:, 0].any())
         return bool(every[:, 0].any()), bool(every[:, 1].any())
+
+
+def join_peers(
+    rank: int, size: int, device: torch.device, init_method: str | None
+) -> tuple[TensorParallel, PeerLockstep]:
+    """Join a data-parallel group of `size` workers as `rank`, meeting at `init_method`
+    (tcp://HOST:PORT; rank 0 hosts the store): this worker's layout (the expert exchange) and
+    its place among the peers. Every worker of the group must call it."""
+    where = urlparse(init_method or "")
+    if where.scheme != "tcp" or where.hostname is None or where.port is None:
+        raise ValueError(
+            "dp_init_method: tcp://HOST:PORT required when data_parallel_size > 1; "
+            f"got {init_method!r}"
+        )
+    if not 0 <= rank < size:
+        raise ValueError(f"dp_rank: must be in [0, {size}); got {rank}")
+    store = dist.TCPStore(
+        where.hostname, where.port, size, is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )  # fmt: skip
+    tp, control = init_data_parallel(rank, size, device, store, GROUP_TIMEOUT_S)
+    return tp, PeerLockstep(rank, size, control, tp.shared_segment)

@@ -1,10 +1,14 @@
 """`python -m duet.prefill_worker`: one rank of a prefill worker group as a process. Rank 0 serves
-gRPC and prints `DUET_READY <host:port>` once it does; other ranks follow rank 0."""
+gRPC and prints `DUET_READY <host:port>` once it does; other ranks follow rank 0. With
+`data_parallel_size` D in the config, the process is worker `--dp-rank` of a data-parallel
+group of D (meeting at `--dp-init-method`): each serves gRPC as a worker of its own, and all
+stop when one does."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -29,10 +33,17 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--tp-init-method", default=None, help="e.g. tcp://127.0.0.1:29500")
     parser.add_argument("--name", default="prefill")
+    parser.add_argument("--dp-rank", type=int, default=0, help="in a data-parallel group")
+    parser.add_argument(
+        "--dp-init-method", default=None, help="the data-parallel group's tcp://HOST:PORT"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     config = PrefillWorkerConfig.from_kwargs(**json.loads(args.config))
-    worker = start_prefill_rank(config, args.tp_rank, args.tp_init_method, args.name)
+    if config.data_parallel_size > 1:
+        worker = start_prefill_rank(config, args.dp_rank, args.dp_init_method, args.name)
+    else:
+        worker = start_prefill_rank(config, args.tp_rank, args.tp_init_method, args.name)
     freeze_startup_heap()
     if args.tp_rank != 0:
         worker.join()
@@ -47,7 +58,11 @@ async def _serve(worker: PrefillWorker, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    # a data-parallel worker also stops when its group does (a peer stopped: its engine ended)
+    peered = worker.config.data_parallel_size > 1
+    while not stop.is_set() and (worker.is_running or not peered):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
     await server.stop(5)
     worker.shutdown()
 

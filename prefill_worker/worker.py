@@ -49,6 +49,7 @@ from duet.engine.core import (
 from duet.engine.llm_engine import LLMEngine, PrefillDone
 from duet.engine.outputs import EngineOutput
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.peer_lockstep import PeerLockstep
 from duet.kv_transfer import (
     HandshakeError,
     KVLayout,
@@ -80,12 +81,15 @@ class PrefillWorker:
         name: str = "prefill",
         sender_options: dict[str, Any] | None = None,
         control_group: dist.ProcessGroup | None = None,
+        peers: PeerLockstep | None = None,
     ) -> None:
         """`tp`: this rank's group when `config.tensor_parallel_size` > 1. `control_group`: a
         gloo group over the same ranks for the command broadcast (default `tp.group`, which
         must then be gloo). `sender_options`: the KV backend's own sender options (the local backend's
         `hub`, tcp's `stripes`) or a setting to override; one the backend does not take is
-        an error naming it."""
+        an error naming it. `peers`: with `config.data_parallel_size` > 1, the other prefill
+        workers of its data-parallel group, each a whole worker, that its engine steps with
+        (`tp` then holds the expert exchange; engine/peer_lockstep.py)."""
         self.config = config
         self.tp = tp
         self.name = name
@@ -103,6 +107,7 @@ class PrefillWorker:
             name=name,
             tp=tp,
             control_group=control_group,
+            peers=peers,
         )
         self.core.wait_ready()
         self.engine = self.core.engine
@@ -234,7 +239,10 @@ class PrefillRole(EngineRole):
 
         self.sender = worker.sender = FanOutKVSender(make_sender, worker.layout)
         self.sender.sender(0)  # a bad backend option fails the start, not the first request
-        self._agreement = RankAgreement(tp.global_rank, config.num_ranks, self.core.control_group)
+        # the group's ranks (TP x PP), not config.num_ranks: data-parallel peers are whole
+        # workers, each agreeing alone
+        ranks = tp.world_size * tp.pp.num_stages
+        self._agreement = RankAgreement(tp.global_rank, ranks, self.core.control_group)
         engine.kv.pool.record_events = config.enable_prefix_caching
         if config.kv_layerwise:
             engine.prefill_stream = self
