@@ -67,6 +67,12 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
             f"--{role}-tp ranks, whole (1, or the same as --{role}-tp; prefill and decode "
             "choose independently)",
         )  # fmt: skip
+        g.add_argument(
+            f"--{role}-dp", type=int, default=1, metavar="D",
+            help=f"a mixture of experts: each of the --{role}-workers groups is D whole {role} "
+            "workers (each its own server and requests, TP 1) holding 1/D of the routed experts "
+            "and exchanging them (data-parallel attention; default 1: none)",
+        )  # fmt: skip
     g.add_argument(
         "--router-replicas",
         dest="routers",
@@ -136,8 +142,8 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         )
     if engine.get("data_parallel_size", 1) != 1:
         raise ValueError(
-            "--data-parallel-size: with --disaggregated, not yet (a prefill group or decode "
-            "worker does not run in lockstep with data-parallel peers); serve it aggregated"
+            "--data-parallel-size: with --disaggregated, groups of data-parallel workers are "
+            "--prefill-dp and --decode-dp; use those"
         )
     if engine.get("expert_parallel_size", 1) != 1:
         raise ValueError(
@@ -174,6 +180,8 @@ def build_spec(args: argparse.Namespace, router: RouterConfig, engine: dict[str,
         decode_tp=args.decode_tp,
         prefill_ep=args.prefill_ep,
         decode_ep=args.decode_ep,
+        prefill_dp=args.prefill_dp,
+        decode_dp=args.decode_dp,
         routers=args.routers,
         router=router,
         cluster=cluster,
@@ -257,7 +265,7 @@ def check_gpu_placement(args: argparse.Namespace, spec: Any) -> None:
         return  # a cluster's GPUs are Ray's to place (one each, from --gpus-per-worker)
     num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
     num_decode = spec.decode_workers if spec.decode_workers is not None else 1
-    needed = num_prefill * spec.prefill_ranks + num_decode * spec.decode_tp
+    needed = num_prefill * spec.prefill_ranks + num_decode * spec.decode_ranks
     have = torch.cuda.device_count()
     if needed > have:
         stages = f" x --prefill-pp {spec.prefill_pp}" if spec.prefill_pp > 1 else ""
@@ -282,6 +290,7 @@ def serve_disaggregated(args: argparse.Namespace, spec: Any) -> int:
 
     arch = open_model(spec.model).arch  # a bad model fails here, before any actor starts
     check_group_sizes(spec, arch.num_attention_heads, arch.num_hidden_layers)
+    check_data_parallel(spec, arch.moe)
     secret_file = None
     if args.ray_address:
         load_cluster_secret()  # a cluster's processes share its secret (Helm: from a Secret)
@@ -328,6 +337,22 @@ def check_group_sizes(spec: Any, num_heads: int, num_layers: int) -> None:
         check_pp_size(spec.prefill_pp, num_layers, "--prefill-pp")
     except InvalidInputError as e:
         raise ValueError(str(e)) from e
+
+
+def check_data_parallel(spec: Any, moe: Any) -> None:
+    """`ValueError` naming --prefill-dp or --decode-dp when the model has no routed experts
+    to exchange, or they do not split into that many whole shares."""
+    from duet.engine.model.moe import check_ep_size
+
+    for flag, dp in (("--prefill-dp", spec.prefill_dp), ("--decode-dp", spec.decode_dp)):
+        if dp == 1:
+            continue
+        if moe is None:
+            raise ValueError(f"{flag}: needs a mixture of experts (the model is dense)")
+        try:
+            check_ep_size(dp, moe)
+        except InvalidInputError as e:
+            raise ValueError(f"{flag}: {e.message}") from e
 
 
 def _with_gpus(spec: Any, gpus: float) -> Any:

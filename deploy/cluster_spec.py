@@ -35,6 +35,12 @@ class ClusterSpec:
     decode_ep: int = 1
     """The same for a decode worker: 1 or `decode_tp`. Independent of `prefill_ep`: the KV a
     group hands over does not depend on how its experts are placed."""
+    prefill_dp: int = 1
+    """A mixture of experts: whole prefill workers per group (each its own server and
+    requests, at TP 1) holding 1/D of the routed experts and exchanging them, stepping
+    together (data-parallel attention: engine/peer_lockstep.py); 1: none."""
+    decode_dp: int = 1
+    """The same for decode workers."""
     routers: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -71,13 +77,32 @@ class ClusterSpec:
                     f"{flag}: must be 1 or the group's tensor-parallel size {tp} (the routed "
                     f"experts are sharded over its ranks, whole); got {ep!r}"
                 )
+        for role, dp, tp, pp in (
+            ("prefill", self.prefill_dp, self.prefill_tp, self.prefill_pp),
+            ("decode", self.decode_dp, self.decode_tp, 1),
+        ):
+            if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+                raise ValueError(f"--{role}-dp: must be an integer >= 1; got {dp!r}")
+            if dp > 1 and (tp, pp) != (1, 1):
+                raise ValueError(
+                    f"--{role}-dp: data-parallel {role} workers run at TP and PP 1 (each a "
+                    f"whole worker); got --{role}-tp {tp}"
+                    + (f", --{role}-pp {pp}" if pp > 1 else "")
+                )
         if self.routers < 1:
             raise ValueError(f"--router-replicas: must be >= 1; got {self.routers}")
 
     @property
     def prefill_ranks(self) -> int:
-        """Ranks (processes, GPUs) of one prefill group."""
-        return self.prefill_tp * self.prefill_pp
+        """Ranks (processes, GPUs) of one prefill group: its TP x PP ranks, or its
+        data-parallel workers."""
+        return self.prefill_tp * self.prefill_pp * self.prefill_dp
+
+    @property
+    def decode_ranks(self) -> int:
+        """Ranks (processes, GPUs) of one decode group: a decode worker's TP ranks, or its
+        data-parallel workers."""
+        return self.decode_tp * self.decode_dp
 
     def worker_config(self, role: str) -> dict[str, Any]:
         config = {
@@ -90,6 +115,9 @@ class ClusterSpec:
             config["kv_staging_bytes"] = self.kv_staging_bytes
         config["tensor_parallel_size"] = self.prefill_tp if role == "prefill" else self.decode_tp
         config["expert_parallel_size"] = self.prefill_ep if role == "prefill" else self.decode_ep
+        dp = self.prefill_dp if role == "prefill" else self.decode_dp
+        if dp > 1:  # every worker of the group holds 1/dp of the experts
+            config["data_parallel_size"] = config["expert_parallel_size"] = dp
         if role == "prefill":
             config["pipeline_parallel_size"] = self.prefill_pp
             # Only decode workers speculate: a prefill-only request never decodes. A prefill

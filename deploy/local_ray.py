@@ -55,7 +55,7 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:
     num_prefill = spec.prefill_workers if spec.prefill_workers is not None else 1
     num_decode = spec.decode_workers if spec.decode_workers is not None else 1
     cores = num_cpus or os.cpu_count() or 1
-    processes = num_prefill * spec.prefill_ranks + num_decode * spec.decode_tp
+    processes = num_prefill * spec.prefill_ranks + num_decode * spec.decode_ranks
     secret_file = write_secret_file(ClusterSecret.generate())
     env = {
         "GLOO_SOCKET_IFNAME": "lo",
@@ -78,7 +78,7 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:
             num_cpus=cores,
             resources={
                 "prefill": num_prefill * spec.prefill_ranks,
-                "decode": num_decode * spec.decode_tp,
+                "decode": num_decode * spec.decode_ranks,
                 "router": spec.routers,
             },
             include_dashboard=False,

@@ -60,9 +60,10 @@ def _free_port(host: str) -> int:
 
 
 class _RankActor:
-    """One rank of a worker group (a prefill group, or a tensor-parallel decode worker).
-    `start` joins the group (every rank must be started, with the same init method) and, on
-    rank 0, serves the worker's gRPC service."""
+    """One rank of a worker group (a prefill group, or a tensor-parallel decode worker), or
+    one worker of a data-parallel group (`data_parallel_size` in its config). `start` joins the
+    group (every rank must be started, with the same init method) and, on rank 0 (on every
+    data-parallel worker), serves the worker's gRPC service."""
 
     role = ""
 
@@ -79,9 +80,15 @@ class _RankActor:
         """An init method for the group, on this (rank 0's) node."""
         return f"tcp://{self.host}:{_free_port(self.host)}"
 
+    @property
+    def worker_name(self) -> str:
+        """A data-parallel group's workers are workers of their own: `{group}-dp{rank}`."""
+        peered = self.config.get("data_parallel_size", 1) > 1
+        return f"{self.name}-dp{self.rank}" if peered else self.name
+
     def start(self, init_method: str | None) -> str | None:
         self.worker = self._start_rank(init_method)
-        if self.rank == 0:
+        if self.rank == 0 or self.config.get("data_parallel_size", 1) > 1:
             # NOTE: keep the server referenced: a collected grpc.aio server stops serving.
             self._loop = _LoopThread(f"{self.name}-grpc")
             self._server, port = self._loop.run(self._serve(bind_host()))
@@ -114,7 +121,7 @@ class PrefillRankActor(_RankActor):
         from duet.prefill_worker.launch import start_prefill_rank
 
         config = PrefillWorkerConfig.from_kwargs(**self.config)
-        return start_prefill_rank(config, self.rank, init_method, self.name)
+        return start_prefill_rank(config, self.rank, init_method, self.worker_name)
 
     async def _serve(self, host: str) -> tuple[Any, int]:
         from duet.prefill_worker.server import start_prefill_server
@@ -135,7 +142,7 @@ class DecodeRankActor(_RankActor):
 
         config = {**self.config, "kv_host": bind_host(), "kv_advertise_host": self.host}
         return start_decode_rank(
-            DecodeWorkerConfig.from_kwargs(**config), self.rank, init_method, self.name
+            DecodeWorkerConfig.from_kwargs(**config), self.rank, init_method, self.worker_name
         )
 
     async def _serve(self, host: str) -> tuple[Any, int]:

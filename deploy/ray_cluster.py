@@ -6,6 +6,9 @@ Placement, by Ray custom resources (so that on Kubernetes each lands on the righ
   GPU on GPU clusters) per rank;
 - a decode worker is `decode_tp` `DecodeRankActor`s placed the same way, one `decode`
   resource (and GPU) per rank;
+- with `prefill_dp` / `decode_dp` D, a group is D whole workers of one rank each (a mixture's
+  data-parallel attention), packed the same way; each serves, and is published to the routers
+  as a worker of its own (`{group}-dp{rank}`);
 - a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
 On one machine `deploy.local_ray.start_local_ray` provides exactly the resources asked for.
 
@@ -15,7 +18,7 @@ decode worker), so every rank of the group is restarted and the group re-formed;
 registry the routers get (`RouterActor.set_workers`), which is re-sent whenever it changes and
 every few seconds (a restarted router starts empty). With `prefill_workers` / `decode_workers`
 None ("auto") the pools follow the cluster's `prefill` / `decode` resources (per
-`prefill_ranks` or `decode_tp` units) as nodes join
+`prefill_ranks` or `decode_ranks` units) as nodes join
 and leave, which is how the Kubernetes planner scales them.
 """
 
@@ -52,6 +55,7 @@ class _Group:
     ranks: list[Any]
     starting: list[Any] | None = None  # start() calls in flight
     endpoint: str | None = None  # rank 0's gRPC address once started
+    endpoints: list[str] = field(default_factory=list)  # every rank's that serves (data-parallel)
     address: str | None = None  # the endpoint while every rank is healthy, else None
     incarnations: list[str] = field(default_factory=list)
 
@@ -68,6 +72,20 @@ class _Router:
     incarnation: str | None = None
     rest_port: int | None = None
     grpc_port: int | None = None
+
+
+def _registry(groups: list[_Group]) -> dict[str, str]:
+    """The healthy workers the routers get: a group's rank 0, or each worker of a
+    data-parallel group under `{group}-dp{rank}`."""
+    out: dict[str, str] = {}
+    for g in groups:
+        if not g.address:
+            continue
+        if len(g.endpoints) > 1:
+            out.update({f"{g.name}-dp{r}": address for r, address in enumerate(g.endpoints)})
+        else:
+            out[g.name] = g.address
+    return out
 
 
 class DuetCluster:
@@ -178,7 +196,9 @@ class DuetCluster:
             if len(done) < len(group.starting):
                 return
             try:
-                group.endpoint = ray.get(group.starting)[0]
+                served = ray.get(group.starting)
+                group.endpoint = served[0]
+                group.endpoints = [a for a in served if a] if len(served) > 1 else []
                 logger.info("%s %s serving at %s", group.role, group.name, group.endpoint)
             except Exception as e:
                 logger.warning("%s %s failed to start: %s", group.role, group.name, e)
@@ -226,10 +246,7 @@ class DuetCluster:
             remove_placement_group(victim.pg)
 
     def _publish(self) -> None:
-        registry = (
-            {g.name: g.address for g in self.groups if g.address},
-            {d.name: d.address for d in self.decodes if d.address},
-        )
+        registry = (_registry(self.groups), _registry(self.decodes))
         now = time.monotonic()
         if registry == self._published and now - self._published_at < _REPUBLISH_S:
             return
@@ -251,7 +268,7 @@ class DuetCluster:
     def _wanted_decode(self) -> int:
         if self.spec.decode_workers is not None:
             return self.spec.decode_workers
-        return max(1, int(ray.cluster_resources().get("decode", 0) // self.spec.decode_tp))
+        return max(1, int(ray.cluster_resources().get("decode", 0) // self.spec.decode_ranks))
 
     def _next_name(self, role: str) -> str:
         self._counter += 1
@@ -281,7 +298,7 @@ class DuetCluster:
         return _Router(f"duet-router-{index}", actor)
 
     def _new_decode(self) -> _Group:
-        return self._new_ranks("decode", DecodeRankActor, self.spec.decode_tp)
+        return self._new_ranks("decode", DecodeRankActor, self.spec.decode_ranks)
 
     def _new_group(self) -> _Group:
         return self._new_ranks("prefill", PrefillRankActor, self.spec.prefill_ranks)

@@ -303,7 +303,30 @@ def test_disaggregated_data_parallelism_is_refused_naming_the_flag(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["serve", "--disaggregated", "-dp", "2", "--expert-parallel-size", "2"]) == 2
-    assert "--data-parallel-size: with --disaggregated, not yet" in capsys.readouterr().err
+    assert (
+        "--data-parallel-size: with --disaggregated, groups of data-parallel workers are "
+        "--prefill-dp and --decode-dp" in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--decode-dp", "2", "--decode-tp", "2"],
+         "--decode-dp: data-parallel decode workers run at TP and PP 1 (each a whole worker); "
+         "got --decode-tp 2"),
+        (["--prefill-dp", "2", "--prefill-pp", "2"],
+         "--prefill-dp: data-parallel prefill workers run at TP and PP 1 (each a whole worker); "
+         "got --prefill-tp 1, --prefill-pp 2"),
+        (["--decode-dp", "0"], "--decode-dp: must be an integer >= 1; got 0"),
+        (["--decode-dp", "2"], "--decode-dp: needs a mixture of experts (the model is dense)"),
+    ],
+)  # fmt: skip
+def test_bad_data_parallel_groups_are_refused_before_ray_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--disaggregated", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_disaggregated_expert_parallelism_points_to_the_group_flags(

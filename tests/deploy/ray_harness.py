@@ -82,12 +82,12 @@ def running_cluster(spec: Any) -> Iterator[tuple[Any, str]]:
 
 def _knows_every_worker(url: str, spec: Any) -> bool:
     """The router at `url` is ready (/ready) and counts the spec's prefill groups and decode
-    workers healthy (its /metrics)."""
+    workers healthy (its /metrics; a data-parallel group's workers each count)."""
     if httpx.get(f"{url}/ready", timeout=10).status_code != 200:
         return False
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    want = {"duet:num_prefill_workers": spec.prefill_workers,
-            "duet:num_decode_workers": spec.decode_workers}  # fmt: skip
+    want = {"duet:num_prefill_workers": spec.prefill_workers * spec.prefill_dp,
+            "duet:num_decode_workers": spec.decode_workers * spec.decode_dp}  # fmt: skip
     for name, count in want.items():
         match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
         if match is None or float(match.group(1)) != count:
