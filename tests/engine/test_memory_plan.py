@@ -283,15 +283,22 @@ def test_expert_parallel_plans_whole_experts_per_rank() -> None:
 
 
 @pytest.mark.usefixtures("cpu_kernels_off")
-def test_expert_parallel_plan_agrees_with_the_loaded_ranks(tiny_model_factory) -> None:
-    """A tiny Qwen3-MoE (16 experts) at TP=2 with expert parallelism: each rank loads what
-    the plan counts, 8 whole experts a layer."""
+@pytest.mark.parametrize("layout", ["expert parallel", "data parallel"])
+def test_a_sharded_mixture_plan_agrees_with_the_loaded_ranks(tiny_model_factory, layout) -> None:
+    """A tiny Qwen3-MoE (16 experts) over two ranks, at TP=2 with expert parallelism or as two
+    data-parallel ranks (whole attention): each rank loads what the plan counts, 8 whole
+    experts a layer."""
     model = tiny_model_factory("qwen3_moe")
-    config = json.loads(Path(model, "config.json").read_text())
-    settings = PlanSettings(dtype=torch.float32, expert_parallel=True)
-    layout = plan_layout(arch_of(config), 2, 1, 80 * GIB, settings)
-    for rank, planned in enumerate(layout.ranks):
-        tp = TensorParallel(rank, 2, None, expert_parallel=True)
+    arch = arch_of(json.loads(Path(model, "config.json").read_text()))
+    if layout == "expert parallel":
+        settings = PlanSettings(dtype=torch.float32, expert_parallel=True)
+        plan = plan_layout(arch, 2, 1, 80 * GIB, settings)
+        ranks = [TensorParallel(r, 2, None, expert_parallel=True) for r in range(2)]
+    else:
+        plan = plan_layout(arch, 1, 1, 80 * GIB, PlanSettings(dtype=torch.float32), dp=2)
+        ranks = [TensorParallel(exchange=ExpertExchange(r, 2)) for r in range(2)]
+    assert len(plan.ranks) == 2
+    for planned, tp in zip(plan.ranks, ranks, strict=True):
         loaded = load_model(
             model, torch.float32, torch.device("cpu"), progress=False, tp=tp, deterministic=False
         )
@@ -361,23 +368,6 @@ def test_a_data_parallel_plan_is_refused_where_the_engine_refuses_it() -> None:
         plan_layout(arch_of(LLAMA_8B), 1, 1, 80 * GIB, PlanSettings(), dp=2)
     with pytest.raises(InvalidInputError, match="expert_parallel_size: must divide"):
         plan_layout(arch_of(QWEN3_30B_A3B), 1, 1, 80 * GIB, PlanSettings(), dp=3)
-
-
-@pytest.mark.usefixtures("cpu_kernels_off")
-def test_data_parallel_plan_agrees_with_the_loaded_ranks(tiny_model_factory) -> None:
-    """A tiny Qwen3-MoE (16 experts) at DP=2: each rank loads what the plan counts (whole
-    attention, 8 whole experts a layer)."""
-    model = tiny_model_factory("qwen3_moe")
-    config = json.loads(Path(model, "config.json").read_text())
-    settings = PlanSettings(dtype=torch.float32)
-    layout = plan_layout(arch_of(config), 1, 1, 80 * GIB, settings, dp=2)
-    for rank, planned in enumerate(layout.ranks):
-        tp = TensorParallel(exchange=ExpertExchange(rank, 2))
-        loaded = load_model(
-            model, torch.float32, torch.device("cpu"), progress=False, tp=tp, deterministic=False
-        )
-        assert len(loaded.model.layers[0].mlp.experts) == 8
-        assert planned.weights_bytes == loaded.weight_bytes
 
 
 def test_duet_plan_prints_the_data_parallel_layouts(

@@ -126,14 +126,11 @@ def test_a_block_on_the_fused_kernel_equals_it_per_expert():
         assert torch.equal(block(x[9:10]), fused[9:10])
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_an_expert_parallel_rank_on_the_fused_kernel_equals_its_per_expert_path(rank, monkeypatch):
-    """EP over 2 ranks: each rank's block holds 4 of the 8 experts; on the fused kernel its
-    output (the products of its experts, zeros for the others', before the all-reduce, which
-    is left out here) equals its per-expert path's (fp32), a row alone its bits in the batch."""
+def _qwen3_moe_block() -> tuple:
+    """(arch, a whole Qwen3-MoE sparse block of EXPERTS experts, seeded random weights)."""
     from duet.engine.model import ModelArchConfig
     from duet.engine.model.moe import SparseMoeBlock
-    from duet.engine.parallel import SINGLE, TensorParallel
+    from duet.engine.parallel import SINGLE
     from tests.conftest import ARCH_CONFIGS
 
     spec = {**ARCH_CONFIGS["qwen3_moe"], "vocab_size": 512, "hidden_size": HIDDEN,
@@ -144,6 +141,18 @@ def test_an_expert_parallel_rank_on_the_fused_kernel_equals_its_per_expert_path(
     whole = SparseMoeBlock(arch, SINGLE, None)
     for p in whole.parameters():
         nn.init.normal_(p, std=0.1)
+    return arch, whole
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_expert_parallel_rank_on_the_fused_kernel_equals_its_per_expert_path(rank, monkeypatch):
+    """EP over 2 ranks: each rank's block holds 4 of the 8 experts; on the fused kernel its
+    output (the products of its experts, zeros for the others', before the all-reduce, which
+    is left out here) equals its per-expert path's (fp32), a row alone its bits in the batch."""
+    from duet.engine.model.moe import SparseMoeBlock
+    from duet.engine.parallel import TensorParallel
+
+    arch, whole = _qwen3_moe_block()
     monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)  # the rank's part
     tp = TensorParallel(rank, 2, None, expert_parallel=True)
     part = SparseMoeBlock(arch, tp, None)
@@ -188,19 +197,10 @@ def _exchanged_against_fused(dtype: torch.dtype) -> None:
     """A block under the expert exchange (size 1 here: every row stays, but goes the exchange's
     way: sorted by expert, `triton_moe.expert_rows`, then scaled and added by
     `moe_combine.combine_choices`) against the same weights on `fused_experts` directly."""
-    from duet.engine.model import ModelArchConfig
     from duet.engine.model.moe import SparseMoeBlock
-    from duet.engine.parallel import SINGLE, ExpertExchange, TensorParallel
-    from tests.conftest import ARCH_CONFIGS
+    from duet.engine.parallel import ExpertExchange, TensorParallel
 
-    spec = {**ARCH_CONFIGS["qwen3_moe"], "vocab_size": 512, "hidden_size": HIDDEN,
-            "intermediate_size": 128, "moe_intermediate_size": INTER, "num_attention_heads": 4,
-            "num_experts": EXPERTS, "num_hidden_layers": 2}  # fmt: skip
-    arch = ModelArchConfig.from_hf_config(spec)
-    torch.manual_seed(0)
-    whole = SparseMoeBlock(arch, SINGLE, None)
-    for p in whole.parameters():
-        nn.init.normal_(p, std=0.1)
+    arch, whole = _qwen3_moe_block()
     whole = whole.to(DEVICE, dtype)
     exchanged = SparseMoeBlock(arch, TensorParallel(exchange=ExpertExchange(0, 1)), None)
     exchanged.load_state_dict(whole.state_dict())
