@@ -23,6 +23,11 @@ from tests.deploy.chart_render import CHART_DIR, container, env_values, render
             "at '/prefill/gpusPerPod': multipleOf: got 6, want 4",
         ),
         ({"prefill": {"tensorParallelSize": 3}}, "at '/prefill/tensorParallelSize'"),
+        (
+            {"decode": {"dataParallelSize": 2, "gpusPerPod": 1}},
+            "at '/decode/gpusPerPod': multipleOf: got 1, want 2",
+        ),
+        ({"decode": {"dataParallelSize": 3}}, "at '/decode/dataParallelSize'"),
         ({"prefil": {"replicas": 2}}, "additional properties 'prefil' not allowed"),
         ({"router": {"replicas": 0}}, "at '/router/replicas': minimum: got 0, want 1"),
         (
@@ -63,6 +68,31 @@ def test_prefill_expert_parallel_shards_each_groups_experts(chart, default):
     assert spec.worker_config("decode")["expert_parallel_size"] == 1
     default_args = container(default.pod_specs()["duet-head"], "head")["args"]
     assert not [a for a in default_args if a.startswith("--prefill-ep")]
+
+
+def test_decode_data_parallel_groups_reach_the_workers(chart, default):
+    """`decode.dataParallelSize` is the head's `--decode-dp`, which duet's CLI takes into the
+    decode workers' data_parallel_size (and expert_parallel_size: each holds 1/D of the
+    experts); 1 (the default): no flag. The planner still counts one decode worker a GPU."""
+    from duet.cli.engine_flags import given_engine_flags
+    from duet.cli.main import build_parser
+    from duet.cli.serve_cluster import build_spec
+    from duet.router.server import RouterConfig
+
+    values = {"decode": {"dataParallelSize": 2, "gpusPerPod": 4},
+              "planner": {"enabled": True, "gpuBudget": 16}}  # fmt: skip
+    rendered = render(chart, values)
+    args = container(rendered.pod_specs()["duet-head"], "head")["args"]
+    assert "--decode-dp=2" in args
+    parsed = build_parser().parse_args(args[1:])
+    spec = build_spec(parsed, RouterConfig(), given_engine_flags(parsed))
+    decode = spec.worker_config("decode")
+    assert (decode["data_parallel_size"], decode["expert_parallel_size"]) == (2, 2)
+    assert spec.decode_ranks == 2 and "data_parallel_size" not in spec.worker_config("prefill")
+    planner = container(rendered.pod_specs()["duet-planner"], "planner")["args"]
+    assert "--decode-workers-per-replica=4" in planner
+    default_args = container(default.pod_specs()["duet-head"], "head")["args"]
+    assert not [a for a in default_args if a.startswith("--decode-dp")]
 
 
 def test_prefill_pipeline_stages_reach_the_workers_and_the_planner(chart):
