@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -18,6 +17,7 @@ from duet.decode_worker.launch import start_decode_rank
 from duet.decode_worker.server import start_decode_server
 from duet.decode_worker.worker import DecodeWorker
 from duet.engine.heap import freeze_startup_heap
+from duet.engine.peer_lockstep import until_stopped
 from duet.engine.tp_group import exit_rank
 
 
@@ -57,9 +57,7 @@ async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     # a data-parallel worker also stops when its group does (a peer stopped: its engine ended)
     peered = worker.config.data_parallel_size > 1
-    while not stop.is_set() and (worker.is_running or not peered):
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+    await until_stopped(stop, peered, lambda: worker.is_running)
     await server.stop(5)
     worker.shutdown()
 

@@ -259,27 +259,22 @@ class EngineCore:
                 if self.tp.spans_ranks:
                     commands = self.tp.broadcast_commands(commands, self._control_group)
                 running = self._apply(commands)
+                if running:
+                    self.role.before_step()
+                step = running
                 if self.peers is not None:  # every peer steps, or none (engine/peer_lockstep.py)
-                    if running:
-                        self.role.before_step()
                     work = running and self.engine.has_schedulable_requests()
-                    any_work, any_stop = self.peers.agree(work, not running)
-                    if any_stop:
-                        if running:  # another peer's
-                            logger.info("%s stops with a data-parallel peer", self.name)
-                            with self._lock:
-                                self._dead = EngineDeadError(
-                                    f"{self.name} stopped with a data-parallel peer"
-                                )
+                    step, any_stop = self.peers.agree(work, not running)
+                    if any_stop and running:  # another peer's
+                        logger.info("%s stops with a data-parallel peer", self.name)
+                        with self._lock:
+                            self._dead = EngineDeadError(
+                                f"{self.name} stopped with a data-parallel peer"
+                            )
                         break
-                    outputs = self.engine.step_outputs() if any_work else []
-                    self.role.after_step(outputs)
-                    self._flush()
-                    continue
                 if not running:
                     break
-                self.role.before_step()
-                outputs = self.engine.step_outputs()
+                outputs = self.engine.step_outputs() if step else []
                 self.role.after_step(outputs)
                 self._flush()
         except BaseException as e:  # any failure must reach every waiting caller

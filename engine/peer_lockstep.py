@@ -20,7 +20,10 @@ through the group's shared-memory segment; else over gloo.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import torch
@@ -84,3 +87,11 @@ def join_peers(
     )  # fmt: skip
     tp, control = init_data_parallel(rank, size, device, store, GROUP_TIMEOUT_S)
     return tp, PeerLockstep(rank, size, control, tp.shared_segment)
+
+
+async def until_stopped(stop: asyncio.Event, peered: bool, is_running: Callable[[], bool]) -> None:
+    """A worker process's serving wait: until `stop` is set (a signal), or, for a
+    data-parallel worker (`peered`), until its engine ended (a peer stopped the group)."""
+    while not stop.is_set() and (is_running() or not peered):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
