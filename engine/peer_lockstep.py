@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import logging
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -31,8 +32,11 @@ import torch.distributed as dist
 
 from duet.engine.collective_clock import COLLECTIVES
 from duet.engine.parallel import TensorParallel
+from duet.engine.rendezvous import gloo_interface_toward, listening_store
 from duet.engine.shm_collectives import LocalCollectives
 from duet.engine.tp_group import GROUP_TIMEOUT_S, init_data_parallel
+
+logger = logging.getLogger(__name__)
 
 PEER_IDLE_WAIT_S = 0.005
 """Longest wait for a command while no peer has work: a request arriving at an idle group
@@ -81,11 +85,22 @@ def join_peers(
         )
     if not 0 <= rank < size:
         raise ValueError(f"dp_rank: must be in [0, {size}); got {rank}")
-    store = dist.TCPStore(
-        where.hostname, where.port, size, is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
-    )  # fmt: skip
+    interface = gloo_interface_toward(where.hostname)  # the peers may be other machines
+    if rank == 0:  # the store listens on the address the peers were given, only
+        store = listening_store(where.hostname, where.port, size, GROUP_TIMEOUT_S)
+    else:
+        store = dist.TCPStore(
+            where.hostname, where.port, size, is_master=False,
+            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        )  # fmt: skip
     tp, control = init_data_parallel(rank, size, device, store, GROUP_TIMEOUT_S)
+    if device.type == "cuda":
+        through = "NCCL"
+    elif tp.shared_segment is not None:
+        through = "shared memory (one machine)"
+    else:
+        through = f"gloo over {interface}" if interface else "gloo (its host name's interface)"
+    logger.info("data-parallel rank %d of %d: experts exchanged through %s", rank, size, through)
     return tp, PeerLockstep(rank, size, control, tp.shared_segment)
 
 

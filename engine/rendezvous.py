@@ -11,16 +11,26 @@ lookup (pytorch/pytorch#159007). An IPv4 listener's peers are IPv4 addresses, wh
 file answers for loopback; the dual-stack listener's were IPv4-mapped IPv6 addresses
 (`::ffff:127.0.0.1`), which it does not, so each accepted connection asked the DNS server, and
 a dropped query held the store's accept loop for the resolver's 5 s timeout.
+
+`gloo_interface_toward`: gloo binds the interface of the machine's host name unless
+`GLOO_SOCKET_IFNAME` names one, and a host name that resolves to loopback (a Debian hosts
+file's `127.0.1.1`, a container's) made a rank on another machine dial 127.0.0.1 ("Gloo
+connectFullMesh failed ... Connection refused"). A group that meets at a store on another
+machine uses the interface this machine reaches that store by.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
+import os
 import socket
+import struct
 
 import torch.distributed as dist
 
-__all__ = ["bound_socket", "listening_store"]
+__all__ = ["bound_socket", "gloo_interface_toward", "listening_store"]
 
 
 def bound_socket(host: str, port: int) -> socket.socket:
@@ -61,3 +71,40 @@ def listening_store(
         wait_for_workers=False,
         master_listen_fd=fd,
     )
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def gloo_interface_toward(host: str) -> str | None:
+    """Set `GLOO_SOCKET_IFNAME` (unless already set) to the interface this machine reaches
+    `host` by (the source address the kernel routes a datagram to it from; nothing is sent),
+    and return it: loopback for an address of this machine. None (and nothing set) when
+    `host` does not resolve to IPv4 or no interface holds the address: gloo then picks by host
+    name, as before."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    try:
+        target = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # a datagram socket's connect only picks the route
+            local = str(probe.getsockname()[0])
+    except OSError:
+        return None
+    name = "lo" if ipaddress.ip_address(target).is_loopback else _interface_holding(local)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
+def _interface_holding(address: str) -> str | None:
+    """The name of the interface whose IPv4 address is `address` (SIOCGIFADDR on each)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None

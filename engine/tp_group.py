@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from duet.engine.device import bind_thread
 from duet.engine.errors import InvalidInputError
 from duet.engine.parallel import SINGLE, ExpertExchange, TensorParallel, check_tp_size
 from duet.engine.pipeline import PipelineParallel, check_pp_size
-from duet.engine.rendezvous import listening_store
+from duet.engine.rendezvous import gloo_interface_toward, listening_store
 from duet.engine.shm_collectives import LocalCollectives
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,10 @@ def init_tensor_parallel(
     a gloo group over every rank for the command broadcast (the world itself on CPU)."""
     if world_size * num_stages == 1:
         return SINGLE, None
-    if init_method is not None and init_method.startswith(("tcp://127.", "tcp://localhost")):
+    meet = urlparse(init_method or "")
+    if meet.scheme == "tcp" and meet.hostname:
         # gloo would otherwise bind the interface of the host's name, which may not route.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        gloo_interface_toward(meet.hostname)
     if store is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a loopback store: one machine
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -4,14 +4,17 @@ accept connections on the address they were given, and only there."""
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
 
-from duet.engine.rendezvous import bound_socket, listening_store
+from duet.engine.rendezvous import bound_socket, gloo_interface_toward, listening_store
 from duet.kv_transfer import create_receiver
 from tests.kv_transfer.paged import caches, layout
+from tests.netns import NetLab, unavailable
 
 
 def refused(host: str, port: int) -> bool:
@@ -61,3 +64,23 @@ def test_a_torch_dist_receiver_listens_on_its_host_only():
             pass  # its own address accepts
     finally:
         recv.close()
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_gloo_takes_the_interface_that_reaches_the_store(tmp_path, monkeypatch):
+    """A group meeting on another host uses the interface routed to it (the host name may
+    resolve to loopback); one meeting here uses loopback; a GLOO_SOCKET_IFNAME set is kept."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the value before is restored after
+    with NetLab(["a", "b"], tmp_path) as lab, ThreadPoolExecutor(1, lab.enter_fn("a")) as on_a:
+
+        def toward(host: str) -> tuple[str | None, str | None]:
+            monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+            return on_a.submit(gloo_interface_toward, host).result(10), os.environ.get(
+                "GLOO_SOCKET_IFNAME"
+            )
+
+        assert toward(lab.address("b")) == ("eth0", "eth0")
+        assert toward("127.0.0.1") == ("lo", "lo")
+        assert toward("no-such-host.invalid") == (None, None)  # gloo picks by host name
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        assert on_a.submit(gloo_interface_toward, lab.address("b")).result(10) == "lo"
