@@ -7,8 +7,9 @@ Placement, by Ray custom resources (so that on Kubernetes each lands on the righ
 - a decode worker is `decode_tp` `DecodeRankActor`s placed the same way, one `decode`
   resource (and GPU) per rank;
 - with `prefill_dp` / `decode_dp` D, a group is D whole workers of one rank each (a mixture's
-  data-parallel attention), packed the same way; each serves, and is published to the routers
-  as a worker of its own (`{group}-dp{rank}`);
+  data-parallel attention) in a PACK placement group: on one node when one has room, else
+  spread over as few as hold them (a DeepSeek-sized group over two 8-GPU nodes); each serves,
+  and is published to the routers as a worker of its own (`{group}-dp{rank}`);
 - a router is a `RouterActor` on one `router` resource, serving REST and gRPC.
 On one machine `deploy.local_ray.start_local_ray` provides exactly the resources asked for.
 
@@ -298,20 +299,26 @@ class DuetCluster:
         return _Router(f"duet-router-{index}", actor)
 
     def _new_decode(self) -> _Group:
-        return self._new_ranks("decode", DecodeRankActor, self.spec.decode_ranks)
+        spec = self.spec
+        return self._new_ranks("decode", DecodeRankActor, spec.decode_ranks, spec.decode_dp > 1)
 
     def _new_group(self) -> _Group:
-        return self._new_ranks("prefill", PrefillRankActor, self.spec.prefill_ranks)
+        spec = self.spec
+        return self._new_ranks("prefill", PrefillRankActor, spec.prefill_ranks, spec.prefill_dp > 1)
 
-    def _new_ranks(self, role: str, actor_cls: type, tp: int) -> _Group:
-        """A worker's `tp` ranks (all its stages') in one STRICT_PACK placement group, one
-        `role` resource (and GPU) each; started by `_check_group` once every rank is up."""
+    def _new_ranks(self, role: str, actor_cls: type, tp: int, peers: bool) -> _Group:
+        """A worker's `tp` ranks (all its stages') in one placement group, one `role`
+        resource (and GPU) each; started by `_check_group` once every rank is up. STRICT_PACK
+        (one node) for tensor-parallel ranks; PACK for a data-parallel group's workers
+        (`peers`): on one node when one has room (their exchange through shared memory or
+        NVLink), else over as few as hold them (gloo, or NCCL, between the nodes)."""
         spec = self.spec
         name = self._next_name(role)
         bundle: dict[str, float] = {role: 1}
         if spec.gpus_per_worker:
             bundle["GPU"] = spec.gpus_per_worker
-        pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
+        strategy = "PACK" if peers else "STRICT_PACK"
+        pg = placement_group([dict(bundle) for _ in range(tp)], strategy=strategy)
         ranks: list[Any] = [
             ray.remote(actor_cls)
             .options(

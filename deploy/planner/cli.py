@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = p.add_argument_group(f"{pool} pool")
         for field, default in (
             ("min_replicas", 1), ("max_replicas", 4), ("gpus_per_replica", 1),
-            ("workers_per_replica", 1),
+            ("workers_per_replica", 1), ("pods_per_group", 1),
         ):  # fmt: skip
             group.add_argument(
                 f"--{pool}-{field.replace('_', '-')}", type=int, default=default,
@@ -97,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
             max_replicas=getattr(args, f"{pool}_max_replicas"),
             gpus_per_replica=getattr(args, f"{pool}_gpus_per_replica"),
             workers_per_replica=getattr(args, f"{pool}_workers_per_replica"),
+            pods_per_group=getattr(args, f"{pool}_pods_per_group"),
         )
         for pool in ("prefill", "decode")
     }

@@ -33,6 +33,10 @@ class PoolConfig:
     """GPUs one pod holds (what it costs against the GPU budget)."""
     workers_per_replica: int = 1
     """duet workers one ready pod adds (prefill groups, or decode workers)."""
+    pods_per_group: int = 1
+    """Pods one worker group spans (a data-parallel group larger than a pod: its
+    dataParallelSize / gpusPerPod): the pool grows and shrinks by whole groups, and its
+    bounds must be multiples of it."""
 
     def __post_init__(self) -> None:
         n = self.name
@@ -50,6 +54,11 @@ class PoolConfig:
             ">= 1",
             self.workers_per_replica,
         )
+        k = self.pods_per_group
+        _check(k >= 1, f"{n}.pods_per_group", ">= 1", k)
+        for bound in ("min_replicas", "max_replicas"):
+            value = getattr(self, bound)
+            _check(value % k == 0, f"{n}.{bound}", f"a multiple of {n}.pods_per_group ({k})", value)
 
     def clamp(self, replicas: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, replicas))

@@ -13,7 +13,10 @@ decode). Then, in order:
 - cooldowns: after a pool changes, it does not grow again for `scale_up_cooldown_s` nor
   shrink for `scale_down_cooldown_s`;
 - min/max per pool, then the shared GPU budget: shrinking is always allowed, growth is
-  granted one pod at a time to the pool whose SLO is missed worst while GPUs remain.
+  granted one pod at a time to the pool whose SLO is missed worst while GPUs remain;
+- a pool whose worker groups span several pods (`pods_per_group` k: a data-parallel group
+  larger than a pod) moves in whole groups: growth rounds up to a multiple of k, shrinking
+  steps k pods, and the budget grants and takes k pods at a time.
 
 `ScalingPolicy` keeps the state (history, last changes) and is not thread-safe: one
 controller loop calls `decide`.
@@ -177,6 +180,7 @@ class ScalingPolicy:
         since_change = math.inf if state.last_change_s is None else now_s - state.last_change_s
         want, reason = rec.replicas, rec.reason
         expected = cur * pool.workers_per_replica
+        k = pool.pods_per_group
         if want > cur and since_change < cfg.scale_up_cooldown_s:
             want, reason = cur, f"{reason}; up held: cooldown"
         elif want > cur and ready is not None and ready < expected:
@@ -184,14 +188,16 @@ class ScalingPolicy:
             # asking for more before they serve would overshoot.
             want, reason = cur, f"{reason}; up held: {ready} of {expected} workers joined"
         elif want < cur:
-            stable = max(r for _, r in state.history)
+            stable = _whole_groups(max(r for _, r in state.history), k)
             if since_change < cfg.scale_down_cooldown_s:
                 want, reason = cur, f"{reason}; down held: cooldown"
             elif stable >= cur:
                 want, reason = cur, f"{reason}; down held: stabilizing"
             else:
-                # Slow: one pod per cooldown, never below what the window recommended.
-                want = max(stable, cur - 1)
+                # Slow: one pod (group) per cooldown, never below what the window recommended.
+                want = max(stable, cur - k)
+        if want > cur:
+            want = _whole_groups(want, k)
         bounded = pool.clamp(want)
         if bounded != want:
             reason = f"{reason}; bounded to [{pool.min_replicas}, {pool.max_replicas}]"
@@ -202,13 +208,14 @@ class ScalingPolicy:
     def _fit_budget(
         self, recs: dict[str, _Recommendation], current: PoolSizes
     ) -> tuple[dict[str, int], dict[str, str]]:
-        cost = {name: self.pool(name).gpus_per_replica for name in POOLS}
+        step = {name: self.pool(name).pods_per_group for name in POOLS}  # pods a pool moves by
+        step_gpus = {name: self.pool(name).gpus_per_replica * step[name] for name in POOLS}
         budget = self.config.gpu_budget
         want = {name: recs[name].replicas for name in POOLS}
         reasons = {name: recs[name].reason for name in POOLS}
 
         def total(sizes: dict[str, int]) -> int:
-            return sum(sizes[n] * cost[n] for n in POOLS)
+            return sum(sizes[n] * self.pool(n).gpus_per_replica for n in POOLS)
 
         if total(want) <= budget:
             return want, reasons
@@ -221,19 +228,29 @@ class ScalingPolicy:
         by_least_pressure = sorted(POOLS, key=lambda n: recs[n].pressure)
         shrunk: set[str] = set()
         while total(sizes) > budget:
-            shrinkable = [n for n in by_least_pressure if sizes[n] > self.pool(n).min_replicas]
+            shrinkable = [
+                n for n in by_least_pressure if sizes[n] - step[n] >= self.pool(n).min_replicas
+            ]
             if not shrinkable:
                 break  # unreachable: PlannerConfig checks the minimums fit the budget
-            sizes[shrinkable[0]] -= 1
+            sizes[shrinkable[0]] -= step[shrinkable[0]]
             shrunk.add(shrinkable[0])
         for name in shrunk:
             reasons[name] += f"; shrunk to fit {budget} GPUs"
         while True:
-            growable = [n for n in POOLS if sizes[n] < want[n] and total(sizes) + cost[n] <= budget]
+            growable = [
+                n for n in POOLS if sizes[n] < want[n] and total(sizes) + step_gpus[n] <= budget
+            ]
             if not growable:
                 break
-            sizes[max(growable, key=lambda n: recs[n].pressure)] += 1
+            grown = max(growable, key=lambda n: recs[n].pressure)
+            sizes[grown] += step[grown]
         for name in POOLS:
             if sizes[name] < want[name] and name not in shrunk:
                 reasons[name] += f"; capped at {sizes[name]} by the {budget}-GPU budget"
         return sizes, reasons
+
+
+def _whole_groups(replicas: int, pods_per_group: int) -> int:
+    """`replicas` rounded up to whole worker groups of `pods_per_group` pods."""
+    return math.ceil(replicas / pods_per_group) * pods_per_group

@@ -23,11 +23,8 @@ from tests.deploy.chart_render import CHART_DIR, container, env_values, render
             "at '/prefill/gpusPerPod': multipleOf: got 6, want 4",
         ),
         ({"prefill": {"tensorParallelSize": 3}}, "at '/prefill/tensorParallelSize'"),
-        (
-            {"decode": {"dataParallelSize": 2, "gpusPerPod": 1}},
-            "at '/decode/gpusPerPod': multipleOf: got 1, want 2",
-        ),
         ({"decode": {"dataParallelSize": 3}}, "at '/decode/dataParallelSize'"),
+        ({"prefill": {"dataParallelSize": 32}}, "at '/prefill/dataParallelSize'"),
         ({"prefil": {"replicas": 2}}, "additional properties 'prefil' not allowed"),
         ({"router": {"replicas": 0}}, "at '/router/replicas': minimum: got 0, want 1"),
         (
@@ -70,29 +67,46 @@ def test_prefill_expert_parallel_shards_each_groups_experts(chart, default):
     assert not [a for a in default_args if a.startswith("--prefill-ep")]
 
 
-def test_decode_data_parallel_groups_reach_the_workers(chart, default):
-    """`decode.dataParallelSize` is the head's `--decode-dp`, which duet's CLI takes into the
-    decode workers' data_parallel_size (and expert_parallel_size: each holds 1/D of the
-    experts); 1 (the default): no flag. The planner still counts one decode worker a GPU."""
+@pytest.mark.parametrize(
+    ("pool", "dp", "gpus", "replicas", "pods_per_group"),
+    [("decode", 2, 4, 1, 1), ("decode", 16, 8, 2, 2), ("prefill", 2, 2, 1, 1),
+     ("prefill", 4, 2, 2, 2)],
+)  # fmt: skip
+def test_data_parallel_groups_reach_the_workers_and_the_planner(
+    chart, default, pool, dp, gpus, replicas, pods_per_group
+):
+    """`{pool}.dataParallelSize` is the head's `--{pool}-dp`, which duet's CLI takes into the
+    pool's workers' data_parallel_size (and expert_parallel_size: each holds 1/D of the
+    experts); 1 (the default): no flag. The planner counts one worker a GPU and, for a group
+    larger than a pod, moves the pool by the pods it spans."""
     from duet.cli.engine_flags import given_engine_flags
     from duet.cli.main import build_parser
     from duet.cli.serve_cluster import build_spec
     from duet.router.server import RouterConfig
 
-    values = {"decode": {"dataParallelSize": 2, "gpusPerPod": 4},
-              "planner": {"enabled": True, "gpuBudget": 16}}  # fmt: skip
+    other = "prefill" if pool == "decode" else "decode"
+    sizes = {"replicas": replicas, "minReplicas": replicas, "maxReplicas": 2 * replicas}
+    values = {pool: {"dataParallelSize": dp, "gpusPerPod": gpus, **sizes},
+              "planner": {"enabled": True, "gpuBudget": 64}}  # fmt: skip
     rendered = render(chart, values)
     args = container(rendered.pod_specs()["duet-head"], "head")["args"]
-    assert "--decode-dp=2" in args
+    assert f"--{pool}-dp={dp}" in args and not [a for a in args if a.startswith(f"--{other}-dp")]
     parsed = build_parser().parse_args(args[1:])
     spec = build_spec(parsed, RouterConfig(), given_engine_flags(parsed))
-    decode = spec.worker_config("decode")
-    assert (decode["data_parallel_size"], decode["expert_parallel_size"]) == (2, 2)
-    assert spec.decode_ranks == 2 and "data_parallel_size" not in spec.worker_config("prefill")
+    config = spec.worker_config(pool)
+    assert (config["data_parallel_size"], config["expert_parallel_size"]) == (dp, dp)
+    assert getattr(spec, f"{pool}_ranks") == dp
+    assert "data_parallel_size" not in spec.worker_config(other)
     planner = container(rendered.pod_specs()["duet-planner"], "planner")["args"]
-    assert "--decode-workers-per-replica=4" in planner
+    assert f"--{pool}-workers-per-replica={gpus}" in planner
+    assert f"--{pool}-pods-per-group={pods_per_group}" in planner
+    assert f"--{other}-pods-per-group=1" in planner
+    from duet.deploy.planner import cli as planner_cli
+
+    planned = planner_cli.config_from_args(planner_cli.build_parser().parse_args(planner))
+    assert getattr(planned, pool).pods_per_group == pods_per_group
     default_args = container(default.pod_specs()["duet-head"], "head")["args"]
-    assert not [a for a in default_args if a.startswith("--decode-dp")]
+    assert not [a for a in default_args if a.startswith(("--decode-dp", "--prefill-dp"))]
 
 
 def test_prefill_pipeline_stages_reach_the_workers_and_the_planner(chart):
@@ -162,6 +176,26 @@ def test_tracing_endpoint_reaches_every_router_and_worker(chart, default, endpoi
             "decode.minReplicas (5) must be <= decode.maxReplicas (2)",
         ),
         ({"redis": {"enabled": False}}, "with redis.enabled=false set redis.externalUrl"),
+        (
+            {"decode": {"dataParallelSize": 4, "gpusPerPod": 6}},
+            "decode.gpusPerPod (6) and decode.dataParallelSize (4): one must be a multiple of "
+            "the other",
+        ),
+        (
+            {"decode": {"dataParallelSize": 16, "gpusPerPod": 8, "replicas": 2, "minReplicas": 2,
+                        "maxReplicas": 3}},
+            "decode.maxReplicas (3) must be a multiple of 2: a data-parallel group spans "
+            "decode.dataParallelSize / decode.gpusPerPod pods",
+        ),
+        (
+            {"prefill": {"dataParallelSize": 2, "tensorParallelSize": 2, "gpusPerPod": 2}},
+            "prefill.dataParallelSize (2) needs prefill.tensorParallelSize and "
+            "prefill.pipelineParallelSize 1",
+        ),
+        (
+            {"prefill": {"dataParallelSize": 2, "expertParallel": True, "gpusPerPod": 2}},
+            "prefill.expertParallel: leave it false with prefill.dataParallelSize above 1",
+        ),
         (
             {"prefill": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "gpusPerPod": 2}},
             "prefill.gpusPerPod (2) must be a multiple of prefill.tensorParallelSize x "

@@ -201,6 +201,38 @@ def test_over_budget_shrinks_the_pool_under_less_pressure():
     assert decide(ScalingPolicy(CONFIG), s, (3, 5), 0)[0] == (2, 5)
 
 
+# A data-parallel decode group of 8 workers over two 4-GPU pods: the pool moves 2 pods at a time.
+GROUPS = replace(
+    CONFIG,
+    decode=PoolConfig("decode", min_replicas=2, max_replicas=8, gpus_per_replica=4,
+                      workers_per_replica=4, pods_per_group=2),
+    gpu_budget=26,
+)  # fmt: skip
+
+
+def test_a_pool_whose_groups_span_pods_moves_in_whole_groups():
+    # Occupancy 0.9 on 2 pods wants ceil(2 x 0.9 / 0.75) = 3 pods: a whole group is 4.
+    hot = signals(decode_batch_occupancy=0.9, num_decode_workers=8)
+    sizes, reasons = decide(ScalingPolicy(GROUPS), hot, (1, 2), 0)
+    assert sizes == (1, 4) and reasons["decode"] == "occupancy 0.90 > 0.75"
+    # Idle: a group (2 pods) per 300 s cooldown after the window, down to the minimum.
+    policy = ScalingPolicy(GROUPS)
+    idle = signals(ttft_p90_s=None, tpot_p90_s=None, num_ttft_samples=0, num_tpot_samples=0,
+                   prefill_queued_tokens=0, decode_batch_occupancy=0.0)  # fmt: skip
+    cur, history = (1, 6), []
+    for t in range(0, 1801, 15):
+        cur, _ = decide(policy, idle, cur, t)
+        if not history or history[-1][1] != cur:
+            history.append((t, cur))
+    assert history == [(0, (1, 6)), (615, (1, 4)), (915, (1, 2))]
+    # The budget grants whole groups: 2 prefill GPUs + 2 decode pods (8) leave 16 GPUs, one
+    # group of two pods; the 4 GPUs of a third pod are left over, not spent on half a group.
+    hot = signals(decode_batch_occupancy=2.0, num_decode_workers=8)
+    sizes, reasons = decide(ScalingPolicy(replace(GROUPS, gpu_budget=22)), hot, (1, 2), 0)
+    assert sizes == (1, 4)
+    assert reasons["decode"].endswith("capped at 4 by the 22-GPU budget")
+
+
 def test_bounds_apply_even_without_metrics():
     sizes, reasons = decide(ScalingPolicy(CONFIG), None, (0, 9), 0)
     assert sizes == (1, 6)
@@ -218,6 +250,8 @@ def test_bounds_apply_even_without_metrics():
          "decode.max_replicas: must be >= max(1, decode.min_replicas=3); got 2"),
         (lambda: PoolConfig("prefill", gpus_per_replica=0),
          "prefill.gpus_per_replica: must be >= 1; got 0"),
+        (lambda: PoolConfig("decode", min_replicas=1, max_replicas=4, pods_per_group=2),
+         "decode.min_replicas: must be a multiple of decode.pods_per_group (2); got 1"),
         (lambda: replace(CONFIG, gpu_budget=2),
          "gpu_budget: must be >= the 3 GPUs the pools' min_replicas need; got 2"),
         (lambda: replace(CONFIG, hysteresis=1.0), "hysteresis: must be in [0, 1); got 1.0"),

@@ -29,6 +29,10 @@ def test_a_data_parallel_decode_group_serves_the_aggregated_text(tiny_model_fact
     with running_cluster(spec) as (duet, url):
         (group,) = duet.decodes
         assert len(group.ranks) == 2 and len(group.endpoints) == 2
+        # A data-parallel group may span nodes (PACK); a tensor-parallel one may not.
+        strategies = {g.role: ray.util.placement_group_table(g.pg)["strategy"]
+                      for g in (group, *duet.groups)}  # fmt: skip
+        assert strategies == {"decode": "PACK", "prefill": "STRICT_PACK"}
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
         def complete(prompt: list[int]) -> str:

@@ -79,6 +79,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- mul (int .Values.prefill.tensorParallelSize) (int (.Values.prefill.pipelineParallelSize | default 1)) }}
 {{- end }}
 
+{{/* Pods one data-parallel group of a pool spans (list $ "decode"): 1 unless its
+dataParallelSize is larger than its gpusPerPod. */}}
+{{- define "duet.podsPerGroup" -}}
+{{- $p := index (index . 0).Values (index . 1) }}
+{{- $dp := int ($p.dataParallelSize | default 1) }}
+{{- max 1 (div $dp (int $p.gpusPerPod)) }}
+{{- end }}
+
 {{/* Checks the schema cannot express (it compares no two fields). */}}
 {{- define "duet.validate" -}}
 {{- $group := int (include "duet.prefillGroupGpus" .) }}
@@ -93,6 +101,23 @@ app.kubernetes.io/component: {{ .component }}
 {{- if gt (int $p.minReplicas) (int $p.maxReplicas) }}
 {{- fail (printf "%s.minReplicas (%d) must be <= %s.maxReplicas (%d)" $pool (int $p.minReplicas) $pool (int $p.maxReplicas)) }}
 {{- end }}
+{{- $dp := int ($p.dataParallelSize | default 1) }}
+{{- $gpus := int $p.gpusPerPod }}
+{{- if and (gt $dp 1) (mod $gpus $dp) (mod $dp $gpus) }}
+{{- fail (printf "%s.gpusPerPod (%d) and %s.dataParallelSize (%d): one must be a multiple of the other (a data-parallel group's workers share a pod, or span dataParallelSize / gpusPerPod pods)" $pool $gpus $pool $dp) }}
+{{- end }}
+{{- $span := int (include "duet.podsPerGroup" (list $ $pool)) }}
+{{- range $bound := list "replicas" "minReplicas" "maxReplicas" }}
+{{- if mod (int (index $p $bound)) $span }}
+{{- fail (printf "%s.%s (%d) must be a multiple of %d: a data-parallel group spans %s.dataParallelSize / %s.gpusPerPod pods" $pool $bound (int (index $p $bound)) $span $pool $pool) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (gt (int (.Values.prefill.dataParallelSize | default 1)) 1) (ne (int (include "duet.prefillGroupGpus" .)) 1) }}
+{{- fail (printf "prefill.dataParallelSize (%d) needs prefill.tensorParallelSize and prefill.pipelineParallelSize 1 (each data-parallel worker runs its attention whole)" (int .Values.prefill.dataParallelSize)) }}
+{{- end }}
+{{- if and (gt (int (.Values.prefill.dataParallelSize | default 1)) 1) .Values.prefill.expertParallel }}
+{{- fail "prefill.expertParallel: leave it false with prefill.dataParallelSize above 1 (its workers already hold 1/dataParallelSize of the experts each)" }}
 {{- end }}
 {{- if .Values.planner.enabled }}
 {{- $need := add (mul .Values.prefill.minReplicas .Values.prefill.gpusPerPod) (mul .Values.decode.minReplicas .Values.decode.gpusPerPod) }}
