@@ -9,8 +9,9 @@ factor of each bucket is chosen for `max_model_len`, since the grid cannot chang
 each request then uses as many of those splits as its own length fills (triton_decode), and
 every bucket's graph replays the same compiled kernels.
 
-On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, dense models;
-per rank with tensor parallelism and per stage with pipeline stages);
+On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, dense models
+and mixtures of experts on the fused kernel; per rank with tensor parallelism and per stage
+with pipeline stages);
 `enforce_eager=True` turns it off. Steps with a prefill chunk or a speculative query (more than
 one token for a request) run eagerly. The capture itself goes through a `GraphCapture`, so
 that the CPU tests run all of this bookkeeping with a stand-in whose "replay" calls the
@@ -30,11 +31,13 @@ from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
 
 
 def uses_decode_graphs(
-    enforce_eager: bool, device: torch.device, use_triton: bool, moe: bool = False
+    enforce_eager: bool, device: torch.device, use_triton: bool, experts_on_host: bool = False
 ) -> bool:
     """Whether an engine captures decode graphs: unless `enforce_eager`, on CUDA with the Triton
-    attention kernels (the graphs' metadata is theirs), for dense models (a mixture of experts
-    reads each expert's token count on the host, engine/model/moe.py). With tensor parallelism each rank
+    attention kernels (the graphs' metadata is theirs), unless the model's sparse layers read
+    device values on the host (`experts_on_host`, `moe.experts_read_on_host`: a mixture of
+    experts off the fused Triton kernel, or under the expert exchange; on the fused kernel a
+    mixture is captured as a dense model is). With tensor parallelism each rank
     captures its own graphs with the layers' all-reduces inside (NCCL collectives can be
     captured); the ranks capture the same buckets in the same order and, scheduling alike,
     replay the same bucket at the same step, so the captured collectives meet. The logits'
@@ -43,7 +46,7 @@ def uses_decode_graphs(
     static buffers of the streams they receive and send; the receive before a replay and the
     send after it stay outside the graphs, as do the sampled tokens' broadcast. The KV budget
     reserves the graphs' pool exactly when this is True (`kv_sizing.size_kv_pool`)."""
-    return not enforce_eager and not moe and device.type == "cuda" and use_triton
+    return not enforce_eager and not experts_on_host and device.type == "cuda" and use_triton
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -155,8 +158,12 @@ class DecodeGraphs:
             None if self.pp.is_first else torch.zeros(stream, dtype=cache.dtype, device=device)
         )
         self.residual = None if self.pp.is_last else torch.zeros_like(self.hidden)
-        # Pinned staging: rows input_ids, positions, slots; then seq_lens + block table.
-        self._host_i64 = torch.zeros(3, max_bs, dtype=torch.int64)
+        # A mixture's expert load counts real rows only: 1 a request, 0 a padding row.
+        self.row_weight = torch.zeros(max_bs, dtype=i64, device=device)
+        counted = [m for m in model.modules() if getattr(m, "expert_counts", None) is not None]
+        # Pinned staging: rows input_ids, positions, slots, row weights; then seq_lens + block
+        # table.
+        self._host_i64 = torch.zeros(4, max_bs, dtype=torch.int64)
         self._host_i32 = torch.zeros(max_bs * (1 + self.width), dtype=torch.int32)
         if capture.pin_memory:
             self._host_i64 = self._host_i64.pin_memory()
@@ -180,10 +187,16 @@ class DecodeGraphs:
             def forward(bs: int = bs, meta: AttentionMetadata = meta) -> None:
                 ids, pos = self.input_ids[:bs], self.positions[:bs]
                 received = self.received
-                hidden, residual = model.stage_forward(
-                    ids, pos, kv_caches, meta, None,
-                    *((received[0, :bs], received[1, :bs]) if received is not None else ()),
-                )  # fmt: skip
+                for block in counted:  # the weights' buffer goes into the graph
+                    block.expert_row_weight = self.row_weight
+                try:
+                    hidden, residual = model.stage_forward(
+                        ids, pos, kv_caches, meta, None,
+                        *((received[0, :bs], received[1, :bs]) if received is not None else ()),
+                    )  # fmt: skip
+                finally:
+                    for block in counted:  # eager steps count every row
+                        block.expert_row_weight = None
                 self.hidden[:bs] = hidden
                 if self.residual is not None:
                     self.residual[:bs] = residual
@@ -232,6 +245,7 @@ class DecodeGraphs:
         h64[1, :n] = positions
         h64[2, :n] = slot_mapping
         h64[2, n:bs] = -1
+        h64[3, :n] = 1
         h32 = self._host_i32.numpy()
         h32[:bs] = 0
         h32[:n] = seq_lens
@@ -243,6 +257,7 @@ class DecodeGraphs:
         self.input_ids[:bs].copy_(self._host_i64[0, :bs], non_blocking=True)
         self.positions[:bs].copy_(self._host_i64[1, :bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(self._host_i64[2, :bs], non_blocking=True)
+        self.row_weight[:bs].copy_(self._host_i64[3, :bs], non_blocking=True)
         self.seq_lens[:bs].copy_(self._host_i32[:bs], non_blocking=True)
         self.block_tables[:bs, :width].copy_(staged_table.view(bs, width), non_blocking=True)
         self._copied.record()

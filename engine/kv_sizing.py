@@ -16,6 +16,7 @@ import torch
 from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.cuda_graphs import uses_decode_graphs
 from duet.engine.errors import InvalidInputError
+from duet.engine.model.moe import experts_read_on_host
 from duet.engine.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -167,14 +168,13 @@ def size_kv_pool(
     """The engine's block count: `num_kv_blocks`, else what the GPU has left (CUDA) or
     `kv_cache_memory_bytes` (CPU); clamped to what 32-bit offsets address; the minimum over
     the tensor-parallel group (every rank calls this at the same point)."""
-    cfg = model.config
     spec = model.kv_spec
     block_bytes = spec.bytes_per_block(model.num_layers, config.block_size, dtype)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
-        moe = cfg.moe is not None
-        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, moe)
+        on_host = experts_read_on_host(model)
+        graphs = uses_decode_graphs(config.enforce_eager, device, use_triton, on_host)
         num_blocks = num_kv_blocks_for_gpu_memory(
             model,
             config.block_size,

@@ -19,7 +19,7 @@ from duet.engine.kernels.cpu import load_cpu_kernels, prefill_kernel_supports
 from duet.engine.kernels.triton_runtime import triton_unusable_reason
 from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
-from duet.engine.model.moe import attach_expert_load
+from duet.engine.model.moe import attach_expert_load, experts_read_on_host
 from duet.engine.outputs import PromptLogprob, TokenLogprob
 from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
@@ -137,8 +137,8 @@ class ModelRunner:
         self.expert_load = attach_expert_load(model, device)
         """Tokens per routed expert of a mixture of experts (None for a dense model)."""
         self.decode_graphs: DecodeGraphs | None = None
-        moe = cfg.moe is not None
-        if uses_decode_graphs(enforce_eager, device, self.use_triton, moe):
+        on_host = experts_read_on_host(model)
+        if uses_decode_graphs(enforce_eager, device, self.use_triton, on_host):
             graphs = DecodeGraphs(
                 model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
             )

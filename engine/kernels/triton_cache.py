@@ -1,4 +1,5 @@
-"""Writing a step's new K/V into the paged cache, by slot, in one Triton kernel.
+"""Writing a step's new K/V into the paged cache, by slot, in one Triton kernel; or one
+plane's rows (`write_cache_plane`: MLA's latent cache).
 
 Reference: `engine.attention.write_kv_cache` (two `index_copy_`). A slot of -1 is skipped:
 padded rows of a CUDA-graph batch carry it, so they write nothing.
@@ -31,6 +32,7 @@ def _write_kv_kernel(
     block_size,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE_VALUE: tl.constexpr = True,
 ):
     # One program per token: all its heads at once ([BLOCK_H, BLOCK_D] tile).
     token = tl.program_id(0)
@@ -44,9 +46,10 @@ def _write_kv_kernel(
     src_v = value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :]
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if WRITE_VALUE:
+        v = tl.load(src_v, mask=mask)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache(
@@ -57,20 +60,43 @@ def write_kv_cache(
     or -1 to skip the token."""
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous [2, num_blocks, block_size, Hkv, D]")
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_tokens = key.shape[0]
-    if num_tokens == 0:
+    if key.shape[0] == 0:
         return
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    _write_kv_kernel[(num_tokens,)](
+    _launch(kv_cache[0], kv_cache[1], key, value, slot_mapping)
+
+
+def write_cache_plane(plane: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """One plane's rows: plane [num_blocks, block_size, H, D] (contiguous), rows [T, H, D] (last
+    dim contiguous), slot_mapping [T] (-1: skip the row). MLA's latent cache is one such plane
+    (engine/model/latent_attention.py)."""
+    if not plane.is_contiguous():
+        raise ValueError("plane must be contiguous [num_blocks, block_size, H, D]")
+    if rows.shape[0] == 0:
+        return
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    _launch(plane, None, rows, None, slot_mapping)
+
+
+def _launch(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,  # None: one plane (key_cache) only
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    both = value_cache is not None and value is not None
+    value = value if value is not None and both else key  # unread with one plane
+    _write_kv_kernel[(key.shape[0],)](
         key,
         value,
         key_cache,
-        value_cache,
+        value_cache if both else key_cache,
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -84,5 +110,6 @@ def write_kv_cache(
         block_size,
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
+        WRITE_VALUE=both,
         num_warps=4,
     )

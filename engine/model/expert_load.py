@@ -46,10 +46,17 @@ class ExpertLoad:
         return self._host.tolist()
 
 
-def record_expert_ids(counts: torch.Tensor, ids: torch.Tensor) -> None:
-    """Add one to `counts` ([E]) for every entry of `ids` ([T, k] expert ids)."""
+def record_expert_ids(
+    counts: torch.Tensor, ids: torch.Tensor, row_weight: torch.Tensor | None = None
+) -> None:
+    """Add one to `counts` ([E]) for every entry of `ids` ([T, k] expert ids); with
+    `row_weight` ([>= T] int64, 1 or 0 per row), only the rows whose weight is 1: a CUDA
+    graph's padding rows (engine/cuda_graphs.py) route like any other and must not count."""
     flat = ids.reshape(-1)
-    counts.index_add_(0, flat, torch.ones_like(flat))
+    if row_weight is None:
+        counts.index_add_(0, flat, torch.ones_like(flat))
+    else:
+        counts.index_add_(0, flat, row_weight[: ids.shape[0]].repeat_interleave(ids.shape[1]))
 
 
 def imbalance(step_counts: list[list[int]]) -> float:

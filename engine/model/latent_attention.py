@@ -44,9 +44,17 @@ _MAX_ELEMENTS = 1 << 24
 """Largest elementwise product materialised at once (64 MiB of fp32)."""
 
 
-def write_latent_cache(cache: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor) -> None:
+def write_latent_cache(
+    cache: torch.Tensor, entries: torch.Tensor, slots: torch.Tensor, triton: bool = False
+) -> None:
     """Store this step's entries ([T, width]) at their slots of `cache`
-    ([1, num_blocks, block_size, 1, width])."""
+    ([1, num_blocks, block_size, 1, width]). On the Triton backend (`triton`) one kernel that
+    skips a slot of -1, which a CUDA graph's padding rows carry (engine/cuda_graphs.py)."""
+    if triton:
+        from duet.engine.kernels.triton_cache import write_cache_plane
+
+        write_cache_plane(cache[0], entries[:, None, :], slots)
+        return
     flat = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, width]
     flat.index_copy_(0, slots, entries if entries.dtype == cache.dtype else entries.to(cache.dtype))
 

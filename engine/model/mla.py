@@ -249,7 +249,8 @@ class MLAttention(nn.Module):
         latent = parts["kv_a_layernorm"].forward(compressed[:, : self.latent].contiguous())
         q_pe, k_pe = self._rotate(ctx, q[..., self.nope :], compressed[:, None, self.latent :])
         entries = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, latent + rope]
-        write_latent_cache(kv_cache, entries, ctx.meta.slot_mapping)
+        meta = ctx.meta
+        write_latent_cache(kv_cache, entries, meta.slot_mapping, meta.kernel_batch is not None)
         query = q.new_empty(num_tokens, heads, self.latent + self.rope)  # [T, H, latent + rope]
         self._absorb_queries(q[..., : self.nope], query[..., : self.latent])
         query[:, :, self.latent :] = q_pe

@@ -172,6 +172,9 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = moe.num_experts
         self.expert_counts: torch.Tensor | None = None
         """This layer's row of the model's `ExpertLoad` ([E]), once attached."""
+        self.expert_row_weight: torch.Tensor | None = None
+        """While a CUDA graph's forward runs: 1 for its real rows, 0 for its padding rows (the
+        fused path counts only the real ones); None otherwise (every row counts)."""
         self.moe = moe
         self.renormalize = moe.renormalize
         self.weights_in_model_dtype = moe.weights_in_model_dtype
@@ -257,7 +260,7 @@ class SparseMoeBlock(nn.Module):
             from duet.engine.kernels.triton_moe import fused_experts
 
             if self.expert_counts is not None:
-                record_expert_ids(self.expert_counts, ids)
+                record_expert_ids(self.expert_counts, ids, self.expert_row_weight)
             out = fused_experts(
                 x, w13, w2, weights, ids, self.weights_in_model_dtype, self.first_expert,
                 local=w13.shape[0] < self.num_experts,
@@ -369,6 +372,17 @@ def use_dense_kernel_for_routers(model: nn.Module) -> int:
     if not layers or not set_dense_kernel(layers):
         return 0
     return len(layers)
+
+
+def experts_read_on_host(model: nn.Module) -> bool:
+    """Whether a forward of `model` reads device values on the host in its sparse layers, which
+    a CUDA graph cannot hold: each expert's row count (the per-expert and grouped paths) or the
+    exchange's all-to-all sizes (data-parallel attention). False for a dense model and for one
+    whose every sparse block runs the fused Triton kernel (`fuse_experts`), with no exchange."""
+    return any(
+        isinstance(m, SparseMoeBlock) and (m.exchange is not None or m.w13 is None)
+        for m in model.modules()
+    )
 
 
 def attach_expert_load(model: nn.Module, device: torch.device) -> ExpertLoad | None:

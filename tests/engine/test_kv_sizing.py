@@ -41,7 +41,7 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
     spec = KVCacheSpec(2, num_kv_heads, head_dim)
     return SimpleNamespace(
         config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads, num_layers=layers,
-        kv_spec=spec,
+        kv_spec=spec, modules=lambda: iter(()),  # a dense model: no sparse blocks
     )  # fmt: skip
 
 

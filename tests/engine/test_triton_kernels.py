@@ -191,7 +191,7 @@ def test_every_shipped_variant_compiles_for_sm90_without_spills():
     dtypes = ("bfloat16", "float16", "float32")
     assert sorted(usage) == sorted(
         [f"{m}/{d}/{k}" for m in ("llama8b", "smollm2") for d in dtypes for k in kernels]
-        + [f"deepseek_v3/{d}/mla" for d in dtypes]
+        + [f"deepseek_v3/{d}/{k}" for d in dtypes for k in ("mla", "write_latent")]
     )
     for name, u in usage.items():
         spilled = (u["spill_stores"], u["spill_loads"], u["stack"])
@@ -252,6 +252,28 @@ class TestOnCuda:
                 assert graphs.num_splits == {1: 4, 2: 4, 4: 4, 8: 4}
             tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         assert tokens[False] == tokens[True]
+
+    @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+    def test_a_mixture_on_the_fused_kernel_replays_graphs_with_eager_tokens(
+        self, tiny_model_factory, arch
+    ):
+        """On CUDA a mixture's sparse blocks run the fused Triton kernel, which reads nothing on
+        the host, so decode steps replay graphs (MLA's latent writes skip the padding rows):
+        eager's tokens in bf16 and the same expert load (padding rows not counted)."""
+        prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        runs = {}
+        for eager in (True, False):
+            llm = LLM(
+                tiny_model_factory(arch), dtype="bfloat16", device="cuda", enforce_eager=eager,
+                num_kv_blocks=256, max_num_seqs=8, max_model_len=512, load_progress=False,
+            )  # fmt: skip
+            runner = llm.engine.runner
+            assert (runner.decode_graphs is None) == eager
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
+            runs[eager] = (tokens, runner.expert_load.read())
+        assert runner.decode_graphs.num_replays > 0
+        assert runs[False] == runs[True]
 
     def test_kv_pool_sized_from_free_memory(self, tiny_model_factory):
         from duet.engine.kv_sizing import num_kv_blocks_for_gpu_memory

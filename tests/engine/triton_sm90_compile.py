@@ -175,6 +175,9 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
     for dtype_name, ptr in DTYPES.items():  # DeepSeek-V2/V3's latent attention: 512 + 64
         mla = mla_launch_config(512, 64, getattr(torch, dtype_name), CUDA)
         variants[f"deepseek_v3/{dtype_name}/mla"] = (_mla_kernel, ptr, mla)
+        # the latent cache's one plane (576 values a token), a CUDA graph's padding skipped
+        plane = {"BLOCK_H": 1, "BLOCK_D": 1024, "WRITE_VALUE": False, "num_warps": 4}
+        variants[f"deepseek_v3/{dtype_name}/write_latent"] = (_write_kv_kernel, ptr, plane)
     return variants
 
 
