@@ -194,8 +194,9 @@ class ScalingPolicy:
             elif stable >= cur:
                 want, reason = cur, f"{reason}; down held: stabilizing"
             else:
-                # Slow: one pod (group) per cooldown, never below what the window recommended.
-                want = max(stable, cur - k)
+                # Slow: one pod (group) per cooldown, never below what the window recommended
+                # (down to whole groups from a size set by hand that is not).
+                want = max(stable, (cur - 1) // k * k)
         if want > cur:
             want = _whole_groups(want, k)
         bounded = pool.clamp(want)

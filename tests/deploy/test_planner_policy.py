@@ -215,16 +215,20 @@ def test_a_pool_whose_groups_span_pods_moves_in_whole_groups():
     hot = signals(decode_batch_occupancy=0.9, num_decode_workers=8)
     sizes, reasons = decide(ScalingPolicy(GROUPS), hot, (1, 2), 0)
     assert sizes == (1, 4) and reasons["decode"] == "occupancy 0.90 > 0.75"
-    # Idle: a group (2 pods) per 300 s cooldown after the window, down to the minimum.
-    policy = ScalingPolicy(GROUPS)
+    # Idle: a group (2 pods) per 300 s cooldown after the window, down to the minimum; from a
+    # size that is not whole groups, to whole groups first.
     idle = signals(ttft_p90_s=None, tpot_p90_s=None, num_ttft_samples=0, num_tpot_samples=0,
                    prefill_queued_tokens=0, decode_batch_occupancy=0.0)  # fmt: skip
-    cur, history = (1, 6), []
-    for t in range(0, 1801, 15):
-        cur, _ = decide(policy, idle, cur, t)
-        if not history or history[-1][1] != cur:
-            history.append((t, cur))
-    assert history == [(0, (1, 6)), (615, (1, 4)), (915, (1, 2))]
+    for start, steps in (
+        ((1, 6), [(615, (1, 4)), (915, (1, 2))]),
+        ((1, 5), [(615, (1, 4)), (915, (1, 2))]),
+    ):  # 5: scaled by hand
+        policy, cur, history = ScalingPolicy(GROUPS), start, []
+        for t in range(0, 1801, 15):
+            cur, _ = decide(policy, idle, cur, t)
+            if not history or history[-1][1] != cur:
+                history.append((t, cur))
+        assert history == [(0, start), *steps]
     # The budget grants whole groups: 2 prefill GPUs + 2 decode pods (8) leave 16 GPUs, one
     # group of two pods; the 4 GPUs of a third pod are left over, not spent on half a group.
     hot = signals(decode_batch_occupancy=2.0, num_decode_workers=8)
