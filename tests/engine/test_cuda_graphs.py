@@ -234,9 +234,10 @@ def test_a_mixture_on_the_fused_kernel_replays_graphs_counting_real_rows_only(
         model_runner, "uses_decode_graphs", lambda eager, device, triton, on_host: not (
             eager or on_host)
     )  # fmt: skip
-    prompts = [list(range(3, 3 + n)) for n in (5, 11, 30)]
-    unfused = LLM(model, **ENGINE)
-    assert unfused.engine.runner.decode_graphs is None  # each expert's rows counted on the host
+    prompts = [list(range(3, 3 + n)) for n in (3, 5, 9)]
+    if arch == "qwen3_moe":
+        unfused = LLM(model, **ENGINE)
+        assert unfused.engine.runner.decode_graphs is None  # each expert's rows read on the host
     monkeypatch.setattr(loader, "fuse_moe_experts", lambda net, device: sum(
         b.fuse_experts() for b in net.modules() if isinstance(b, SparseMoeBlock)))  # fmt: skip
     runs = {}
