@@ -79,13 +79,15 @@ _SIOCGIFADDR = 0x8915
 def gloo_interface_toward(host: str) -> str | None:
     """Set `GLOO_SOCKET_IFNAME` (unless already set) to the interface this machine reaches
     `host` by (the source address the kernel routes a datagram to it from; nothing is sent),
-    and return it: loopback for an address of this machine. None (and nothing set) when
-    `host` does not resolve to IPv4 or no interface holds the address: gloo then picks by host
+    and return it: loopback for a loopback address. None (and nothing set) when `host` does not
+    resolve to IPv4, is 0.0.0.0, or no interface holds the address: gloo then picks by host
     name, as before."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return os.environ["GLOO_SOCKET_IFNAME"]
     try:
         target = socket.gethostbyname(host)
+        if ipaddress.ip_address(target).is_unspecified:  # 0.0.0.0: no one interface
+            return None
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((target, 9))  # a datagram socket's connect only picks the route
             local = str(probe.getsockname()[0])

@@ -74,7 +74,7 @@ def test_gloo_takes_the_interface_that_reaches_the_store(tmp_path, monkeypatch):
     with NetLab(["a", "b"], tmp_path) as lab, ThreadPoolExecutor(1, lab.enter_fn("a")) as on_a:
 
         def toward(host: str) -> tuple[str | None, str | None]:
-            monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+            monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
             return on_a.submit(gloo_interface_toward, host).result(10), os.environ.get(
                 "GLOO_SOCKET_IFNAME"
             )
@@ -82,5 +82,6 @@ def test_gloo_takes_the_interface_that_reaches_the_store(tmp_path, monkeypatch):
         assert toward(lab.address("b")) == ("eth0", "eth0")
         assert toward("127.0.0.1") == ("lo", "lo")
         assert toward("no-such-host.invalid") == (None, None)  # gloo picks by host name
+        assert toward("0.0.0.0") == (None, None)  # every interface: none in particular
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
         assert on_a.submit(gloo_interface_toward, lab.address("b")).result(10) == "lo"
