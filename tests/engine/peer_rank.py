@@ -8,13 +8,15 @@ and per SCENARIO:
   rank 1 one short one, so rank 1 idles while rank 0 works), waits until the other has
   finished too, saves the token ids to OUT and shuts down;
 - `stop`: rank 1 shuts its engine down while rank 0 streams a long request; rank 0 saves what
-  its stream raised and whether its engine is still running."""
+  its stream raised and whether its engine is still running;
+- `kill`: the same, but rank 1's process is killed (SIGKILL: no goodbye to its peer)."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime
 import os
+import signal
 import sys
 import time
 
@@ -88,6 +90,8 @@ def main() -> int:
         engine.core.shutdown(30.0)
     elif rank == 1:
         store.wait(["streaming"])
+        if scenario == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         engine.core.shutdown(30.0)
     else:
 

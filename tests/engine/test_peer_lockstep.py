@@ -6,10 +6,12 @@ busy; one peer's shutdown stops the other at once."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from duet.engine import LLM, SamplingParams
@@ -30,9 +32,9 @@ def run_peers(model: str, tmp_path: Path, scenario: str) -> list[dict]:
         )
         for r in range(2)
     ]
-    for p in procs:
-        assert p.wait(timeout=240) == 0
-    return [torch.load(o) for o in outs]
+    codes = [p.wait(timeout=240) for p in procs]
+    assert codes == [0, -signal.SIGKILL if scenario == "kill" else 0]
+    return [torch.load(o) if o.exists() else {} for o in outs]
 
 
 def test_two_peers_each_serving_its_own_requests_give_one_engines_tokens(
@@ -55,3 +57,24 @@ def test_one_peer_stopping_stops_the_other(tiny_model_factory, tmp_path):
     assert survivor["error"] == "EngineDeadError: peer0 stopped with a data-parallel peer"
     assert survivor["running"] is False
     assert survivor["seconds"] < 30  # at once, not after a collective's timeout
+
+
+@pytest.mark.parametrize(
+    ("shm", "says"),
+    [("1", "shared-memory collective: rank 1 (pid "), ("0", "Connection reset by peer")],
+)
+def test_a_peer_killed_ends_the_others_stream_with_an_error_at_once(
+    tiny_model_factory, tmp_path, monkeypatch, shm, says
+):
+    """A peer's process killed outright (no `Stop` to agree on): the other's next exchange
+    fails on the dead rank, through shared memory (the waited-for pid is gone) or over gloo
+    (the connection is reset), instead of waiting out the group timeout (600 s); its stream
+    ends with the engine's death and its engine stops (a served worker then exits, and the
+    router retries its requests elsewhere)."""
+    monkeypatch.setenv("DUET_SHM_COLLECTIVES", shm)
+    model = tiny_model_factory("qwen3_moe")
+    survivor, _ = run_peers(model, tmp_path, "kill")
+    assert survivor["shared memory"] == (shm == "1")
+    assert survivor["error"].startswith("EngineDeadError: ") and says in survivor["error"]
+    assert survivor["running"] is False
+    assert survivor["seconds"] < 30
