@@ -21,7 +21,9 @@ from duet.engine.peer_lockstep import until_stopped
 from duet.engine.tp_group import exit_rank
 
 
-def main() -> None:
+def main() -> int:
+    """The worker's exit code: 1 when its engine failed (a data-parallel peer killed, say),
+    else 0."""
     parser = argparse.ArgumentParser(prog="python -m duet.decode_worker")
     parser.add_argument("--config", default="{}", help="DecodeWorkerConfig fields as JSON")
     parser.add_argument("--host", default="127.0.0.1")
@@ -44,8 +46,9 @@ def main() -> None:
     if args.tp_rank != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # stops with rank 0, as prefill ranks do
         worker.join()
-        return
+        return int(worker.failed)
     asyncio.run(_serve(worker, args.host, args.port))
+    return int(worker.failed)
 
 
 async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
@@ -63,5 +66,4 @@ async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_rank(0)  # a rank of a group: see exit_rank
+    exit_rank(main())  # a rank of a group: see exit_rank

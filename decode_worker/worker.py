@@ -166,6 +166,11 @@ class DecodeWorker:
         return self.core.is_running
 
     @property
+    def failed(self) -> bool:
+        """Whether its engine ended by a failure, not a stop (the process then exits 1)."""
+        return self.core.failed
+
+    @property
     def deterministic(self) -> bool:
         """Whether its tokens are independent of batching and chunking (engine.deterministic)."""
         return self.engine.deterministic

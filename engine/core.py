@@ -153,6 +153,13 @@ class EngineCore:
         return self._thread.is_alive() and self._dead is None
 
     @property
+    def failed(self) -> bool:
+        """Whether the engine ended by a failure (its step or a collective raised: a peer
+        killed, say), not by a shutdown or a data-parallel peer's orderly stop."""
+        with self._lock:
+            return self._dead is not None and not isinstance(self._dead, EngineDeadError)
+
+    @property
     def control_group(self) -> dist.ProcessGroup | None:
         """The gloo group over the engine's ranks that carries its commands (None: one rank);
         roles agree on their own inputs over it (kv_transfer/rank_agreement.py)."""

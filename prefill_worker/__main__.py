@@ -21,7 +21,9 @@ from duet.prefill_worker.server import start_prefill_server
 from duet.prefill_worker.worker import PrefillWorker
 
 
-def main() -> None:
+def main() -> int:
+    """The worker's exit code: 1 when its engine failed (a data-parallel peer killed, say),
+    else 0."""
     parser = argparse.ArgumentParser(prog="python -m duet.prefill_worker")
     parser.add_argument("--config", default="{}", help="PrefillWorkerConfig fields as JSON")
     parser.add_argument("--host", default="127.0.0.1")
@@ -47,8 +49,9 @@ def main() -> None:
     freeze_startup_heap()
     if args.tp_rank != 0:
         worker.join()
-        return
+        return int(worker.failed)
     asyncio.run(_serve(worker, args.host, args.port))
+    return int(worker.failed)
 
 
 async def _serve(worker: PrefillWorker, host: str, port: int) -> None:
@@ -66,5 +69,4 @@ async def _serve(worker: PrefillWorker, host: str, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_rank(0)  # a rank of a group: see exit_rank
+    exit_rank(main())  # a rank of a group: see exit_rank
