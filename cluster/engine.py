@@ -17,8 +17,11 @@ between tries), bounded only by its own timeout, and spends none of its attempts
 worker that dies mid-stream is replaced: the new attempt prefills prompt + the tokens already
 streamed, and continues with the remaining budget (greedy output is unchanged; a seeded sample
 continues with a fresh draw sequence, and presence/frequency penalties count the streamed
-tokens as prompt). After `max_attempts` failures, past the request's timeout, or with no decode worker at
-all, the request ends with `EngineDeadError` (503 / UNAVAILABLE: retryable).
+tokens as prompt). When no decode worker is left, an accepted request that lost its worker waits
+for one to join (the only worker, or a data-parallel group, restarting), bounded by its timeout,
+and a new one ends at once. After `max_attempts` failures, past the request's timeout, or with no
+decode worker for a new request, the request ends with `EngineDeadError` (503 / UNAVAILABLE:
+retryable).
 
 Timeouts nest: request (`request_timeout_s`) > decode worker's wait for KV (`kv_wait_s`) >
 prefill worker's lease on sent blocks > one transfer's network operations.
@@ -263,6 +266,7 @@ class ClusterEngine:
         last_error = "no attempt was made"
         num_failed = num_waits = 0
         failed_on: list[str] = []
+        awaiting_worker = False
         # `tries` names each attempt's transfer uniquely; only failures count toward
         # `max_attempts`, never a wait for room.
         for tries in itertools.count(1):
@@ -274,7 +278,20 @@ class ClusterEngine:
                 num_tokens
             )
             if decode is None:
-                raise EngineDeadError("no decode worker is available; retry later")
+                if num_failed == 0 and num_waits == 0:  # a new request: 503 at once, retryable
+                    raise EngineDeadError("no decode worker is available; retry later")
+                # NOTE: an accepted request whose decode worker was lost (the pool's only one,
+                # or a data-parallel group, restarting) waits for one to join, as for room:
+                # its stream goes on where it stopped. Only its own timeout bounds the wait.
+                wait_s = self._backoff(
+                    num_waits, deadline, "a decode worker to come back", last_error
+                )
+                if not awaiting_worker:
+                    logger.info("request %s waits for a decode worker", request.request_id)
+                    awaiting_worker = True
+                num_waits += 1
+                await asyncio.sleep(wait_s)
+                continue
             try:
                 await self._attempt.run(sample, prompt_ids, decode, tries, deadline, updates)
                 return
@@ -284,12 +301,9 @@ class ClusterEngine:
                     # NOTE: no room is a reason to wait, not a failure: blocks free up as
                     # other requests finish (after a failover the survivors are full for a
                     # while). Only the request's own timeout bounds the wait.
-                    wait_s = min(ROOM_WAIT_MAX_S, ROOM_WAIT_MIN_S * 2.0 ** min(num_waits, 30))
-                    if time.monotonic() + wait_s >= deadline:
-                        raise EngineDeadError(
-                            f"request timed out after {self.config.request_timeout_s}s waiting "
-                            f"for room on a decode worker ({last_error})"
-                        ) from None
+                    wait_s = self._backoff(
+                        num_waits, deadline, "room on a decode worker", last_error
+                    )
                     if num_waits == 0:
                         logger.info("request %s waits for room: %s", request.request_id, e)
                     num_waits += 1
@@ -305,3 +319,15 @@ class ClusterEngine:
         raise EngineDeadError(
             f"request {request.request_id} failed after {num_failed} attempt(s): {last_error}"
         )
+
+    def _backoff(self, num_waits: int, deadline: float, waiting_for: str, last_error: str) -> float:
+        """The next wait of a request that waits (for room, for a decode worker), backing off
+        from ROOM_WAIT_MIN_S to ROOM_WAIT_MAX_S; raises `EngineDeadError` when it would end
+        past the request's `deadline`."""
+        wait_s = min(ROOM_WAIT_MAX_S, ROOM_WAIT_MIN_S * 2.0 ** min(num_waits, 30))
+        if time.monotonic() + wait_s >= deadline:
+            raise EngineDeadError(
+                f"request timed out after {self.config.request_timeout_s}s waiting for "
+                f"{waiting_for} ({last_error})"
+            )
+        return wait_s

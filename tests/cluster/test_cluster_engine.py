@@ -357,6 +357,45 @@ def test_no_decode_worker_fails_fast_retryable(model):
     assert asyncio.run(main()) < 1.0
 
 
+def test_the_only_decode_worker_lost_mid_stream_is_waited_for(model):
+    """The pool's one decode worker dies mid-stream (a restart, say): the accepted streams wait
+    for a decode worker instead of failing, and go on where they stopped on the one that
+    joins a second later: the aggregated engine's tokens, none repeated or lost."""
+    prompts = prompts_of([40, 70], seed=4)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    want = LLM(model, **ENGINE).generate(prompts, params)
+
+    async def main():
+        async with Cluster(model, num_decode=1, threshold=0) as c:
+            joined = asyncio.get_running_loop().create_future()
+
+            async def replace_after_the_loss():
+                await wait_for_async(
+                    lambda: not c.engine.pool.healthy_decode(), 30, "the worker's loss"
+                )
+                await asyncio.sleep(1.0)  # requests are waiting now
+                worker = DecodeWorker(DecodeWorkerConfig(model=model, **ENGINE), name="d1")
+                server, port = await start_decode_server(worker)
+                c.decode.append(worker)
+                c.servers["d1"] = server
+                c.engine.pool.set_workers(
+                    {w.name: c.engine.pool.prefill[w.name].client.address for w in c.prefill},
+                    {"d1": f"127.0.0.1:{port}"},
+                )
+                joined.set_result(True)
+
+            replacing = asyncio.create_task(replace_after_the_loss())
+            outs, victim = await c.stream_losing_a_decode_worker(prompts, params)
+            await replacing
+            return outs, victim, joined.result()
+
+    outs, victim, joined = asyncio.run(main())
+    assert victim is not None and victim.name == "d0" and joined
+    for got, w in zip(outs, want, strict=True):
+        assert got[-1].token_ids == w.token_ids
+        assert [t for o in got for t in o.outputs[0].delta_token_ids] == w.token_ids
+
+
 def test_admission_capacity_follows_the_decode_pool(model):
     """The router admits as many sequences as the healthy decode workers run (their reports),
     so a pool that grows or shrinks moves the 503 threshold with it."""
