@@ -372,9 +372,16 @@ def test_a_decode_host_whose_link_goes_down_mid_stream_and_up(net: NetLab, clust
     victim = busiest_decode(cluster, len(prompts))
     migrated = num_migrations(cluster)
     net.link_down(victim)
+    # as for the partition above: what the workers ran and each stream's progress as the link
+    # went down, for the message below (this assertion failed once, in a fresh clone's `make
+    # test`, 2026-11-30, with every stream's text right and no attempt failing in the router's
+    # log: the victim's streams may have ended before the fault)
+    at_fault = (cluster.dashboard()["decode"], dict(progress), time.monotonic())
     got = [f.result(REQUEST_TIMEOUT_S + 30) for f in futures]
     assert_each_once(got, want)
-    assert num_migrations(cluster) > migrated
+    assert num_migrations(cluster) > migrated, (
+        victim, at_fault, time.monotonic(), net.log("router.log")[-4000:],
+    )  # fmt: skip
     assert cluster.states()[victim] == "unhealthy"
     net.link_up(victim)
     wait_for(lambda: cluster.states()[victim] == "healthy", 20, f"{victim} back", 0.1)

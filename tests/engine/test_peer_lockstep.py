@@ -6,6 +6,7 @@ busy; one peer's shutdown stops the other at once."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,20 +62,24 @@ def test_one_peer_stopping_stops_the_other(tiny_model_factory, tmp_path):
 
 @pytest.mark.parametrize(
     ("shm", "says"),
-    [("1", "shared-memory collective: rank 1 (pid "), ("0", "Connection reset by peer")],
+    [
+        ("1", r"shared-memory collective: rank 1 \(pid \d+\) is gone"),
+        ("0", r"Connection (reset|closed) by peer"),
+    ],  # gloo says either, by timing
 )
 def test_a_peer_killed_ends_the_others_stream_with_an_error_at_once(
     tiny_model_factory, tmp_path, monkeypatch, shm, says
 ):
     """A peer's process killed outright (no `Stop` to agree on): the other's next exchange
     fails on the dead rank, through shared memory (the waited-for pid is gone) or over gloo
-    (the connection is reset), instead of waiting out the group timeout (600 s); its stream
+    (the connection is reset or closed), instead of waiting out the group timeout (600 s); its stream
     ends with the engine's death and its engine stops (a served worker then exits, and the
     router retries its requests elsewhere)."""
     monkeypatch.setenv("DUET_SHM_COLLECTIVES", shm)
     model = tiny_model_factory("qwen3_moe")
     survivor, _ = run_peers(model, tmp_path, "kill")
     assert survivor["shared memory"] == (shm == "1")
-    assert survivor["error"].startswith("EngineDeadError: ") and says in survivor["error"]
+    assert survivor["error"].startswith("EngineDeadError: ")
+    assert re.search(says, survivor["error"]), survivor["error"]
     assert survivor["running"] is False
     assert survivor["seconds"] < 30
