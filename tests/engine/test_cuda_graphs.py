@@ -212,32 +212,30 @@ def test_pp2_stages_replay_their_graphs_and_give_eager_tokens(
             assert lps == [x.sampled.logprob for x in o.logprobs]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_a_mixture_on_the_fused_kernel_replays_graphs_counting_real_rows_only(
     tiny_model_factory: Any,
     faked_cuda: EagerReplay,
     monkeypatch: pytest.MonkeyPatch,
-    arch: str,
     cpu_kernels_off: None,
 ) -> None:
     """A mixture of experts whose sparse blocks run the fused Triton kernel (as the loader
-        makes them on CUDA; here interpreted) reads nothing on the host, so its decode steps replay
-        graphs: eager's tokens, and the same expert load, since a graph's padding row (3 requests
-        in bucket 4) routes like a real one but is not counted. Off the fused kernel (the grouped
-        path reads each expert's row count on the host) the engine captures no graphs. The CPU
-    kernels are off, so that the experts stay plain layers for the fuse, as on CUDA."""
+    makes them on CUDA; here interpreted) reads nothing on the host, so its decode steps
+    replay graphs: eager's tokens, and the same expert load, since a graph's padding row (3
+    requests in bucket 4) routes like a real one but is not counted; MLA's latent writes skip
+    the padding row's slot -1. Off the fused kernel (the grouped path reads each expert's row
+    count on the host) the engine captures no graphs. The CPU kernels are off, so that the
+    experts stay plain layers for the fuse, as on CUDA."""
     from duet.engine import loader
     from duet.engine.model.moe import SparseMoeBlock
 
-    model = tiny_model_factory(arch)
+    model = tiny_model_factory("deepseek_v3")  # MLA and DeepSeek's routing on the fused kernel
     monkeypatch.setattr(
         model_runner, "uses_decode_graphs", lambda eager, device, triton, on_host: not (
             eager or on_host)
     )  # fmt: skip
     prompts = [list(range(3, 3 + n)) for n in (3, 5, 9)]
-    if arch == "qwen3_moe":
-        unfused = LLM(model, **ENGINE)
-        assert unfused.engine.runner.decode_graphs is None  # each expert's rows read on the host
+    unfused = LLM(model, **ENGINE)
+    assert unfused.engine.runner.decode_graphs is None  # each expert's rows read on the host
     monkeypatch.setattr(loader, "fuse_moe_experts", lambda net, device: sum(
         b.fuse_experts() for b in net.modules() if isinstance(b, SparseMoeBlock)))  # fmt: skip
     runs = {}

@@ -104,9 +104,10 @@ def test_fused_experts_compiled_in_bf16_on_gpu(in_model_dtype):
 
 def test_a_block_on_the_fused_kernel_equals_it_per_expert():
     """`SparseMoeBlock.fuse_experts` (what the loader does on CUDA): the stacked weights on the
-    fused kernel give the per-expert path's output (fp32), a row alone its bits in the batch."""
+    fused kernel give the per-expert path's output (fp32), a row alone its bits in the batch;
+    fused, the block reads nothing on the host (`experts_read_on_host`: CUDA graphs allowed)."""
     from duet.engine.model import ModelArchConfig
-    from duet.engine.model.moe import SparseMoeBlock
+    from duet.engine.model.moe import SparseMoeBlock, experts_read_on_host
     from duet.engine.parallel import SINGLE
     from tests.conftest import ARCH_CONFIGS
 
@@ -119,7 +120,9 @@ def test_a_block_on_the_fused_kernel_equals_it_per_expert():
     x = torch.randn(TOKENS, HIDDEN)
     with torch.no_grad():
         per_expert = block(x)
+        assert experts_read_on_host(block)  # each expert's row count: no CUDA graph
         assert block.fuse_experts() and len(block.experts) == 0
+        assert not experts_read_on_host(block)  # the fused kernel's: graphs may hold it
         assert block.w13 is not None and block.w13.shape == (8, 2 * INTER, HIDDEN)
         fused = block(x)
         torch.testing.assert_close(fused, per_expert, atol=1e-5, rtol=1e-5)
