@@ -54,6 +54,18 @@ async def _through(model: str, prefill: dict[str, str], decode: dict[str, str]) 
         await cluster.stop()
 
 
+def _group(kind: str, config: dict, name: str, tmp_path: Path) -> dict[str, Child]:
+    """A data-parallel group of two `kind` workers, `{name}0` and `{name}1`, as processes
+    meeting on loopback."""
+    group = f"tcp://127.0.0.1:{free_port()}"
+    workers = {}
+    for r in range(2):
+        args = ["-m", f"duet.{kind}_worker", "--config", json.dumps(config),
+                "--name", f"{name}{r}", "--dp-rank", str(r), "--dp-init-method", group]  # fmt: skip
+        workers[f"{name}{r}"] = Child(args, tmp_path / f"{name}{r}.log")
+    return workers
+
+
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_two_data_parallel_workers_give_the_aggregated_tokens(
     tiny_model_factory, tmp_path: Path, kind: str
@@ -63,16 +75,10 @@ def test_two_data_parallel_workers_give_the_aggregated_tokens(
     want = [list(o.outputs[0].token_ids) for o in LLM(model, **ENGINE).generate(PROMPTS, greedy)]
     fields = {"model": model, "kv_backend": "tcp", **ENGINE}
     dp = {**fields, "data_parallel_size": 2, "expert_parallel_size": 2}
-    group = f"tcp://127.0.0.1:{free_port()}"
     other = "prefill" if kind == "decode" else "decode"
     workers = {other: Child([ "-m", f"duet.{other}_worker", "--config", json.dumps(fields),
                               "--name", other], tmp_path / f"{other}.log")}  # fmt: skip
-    for r in range(2):
-        workers[f"{kind}{r}"] = Child(
-            ["-m", f"duet.{kind}_worker", "--config", json.dumps(dp), "--name", f"{kind}{r}",
-             "--dp-rank", str(r), "--dp-init-method", group],
-            tmp_path / f"{kind}{r}.log",
-        )  # fmt: skip
+    workers.update(_group(kind, dp, kind, tmp_path))
     try:
         deadline = time.monotonic() + 180
         where = {k: w.wait_for_line(r"DUET_READY (\S+)", deadline)[1] for k, w in workers.items()}
@@ -109,18 +115,12 @@ def test_a_data_parallel_worker_killed_mid_stream_fails_its_group_over(
     want = [list(o.outputs[0].token_ids) for o in LLM(model, **ENGINE).generate(prompts, params)]
     fields = {"model": model, "kv_backend": "tcp", **ENGINE}
     dp = {**fields, "data_parallel_size": 2, "expert_parallel_size": 2}
-    group = f"tcp://127.0.0.1:{free_port()}"
     workers = {
         name: Child(["-m", f"duet.{kind}_worker", "--config", json.dumps(fields), "--name", name],
                     tmp_path / f"{name}.log")
         for name, kind in (("prefill", "prefill"), ("full", "decode"))
     }  # fmt: skip
-    for r in range(2):
-        workers[f"dp{r}"] = Child(
-            ["-m", "duet.decode_worker", "--config", json.dumps(dp), "--name", f"dp{r}",
-             "--dp-rank", str(r), "--dp-init-method", group],
-            tmp_path / f"dp{r}.log",
-        )  # fmt: skip
+    workers.update(_group("decode", dp, "dp", tmp_path))
     try:
         deadline = time.monotonic() + 180
         where = {k: w.wait_for_line(r"DUET_READY (\S+)", deadline)[1] for k, w in workers.items()}
