@@ -90,18 +90,19 @@ def _launch(
     slot_mapping: torch.Tensor,
 ) -> None:
     _, block_size, num_kv_heads, head_dim = key_cache.shape
-    both = value_cache is not None and value is not None
-    value = value if value is not None and both else key  # unread with one plane
+    write_value = value_cache is not None and value is not None
+    # one plane: the value arguments repeat the key's, and the kernel never reads them
+    second = (key_cache, key) if value_cache is None or value is None else (value_cache, value)
     _write_kv_kernel[(key.shape[0],)](
         key,
-        value,
+        second[1],
         key_cache,
-        value_cache if both else key_cache,
+        second[0],
         slot_mapping,
         key.stride(0),
         key.stride(1),
-        value.stride(0),
-        value.stride(1),
+        second[1].stride(0),
+        second[1].stride(1),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -110,6 +111,6 @@ def _launch(
         block_size,
         BLOCK_H=next_power_of_2(num_kv_heads),
         BLOCK_D=next_power_of_2(head_dim),
-        WRITE_VALUE=both,
+        WRITE_VALUE=write_value,
         num_warps=4,
     )
