@@ -56,6 +56,9 @@ class _SharedStream:
         self.call = call
         self.address = address
         self.queues: dict[str, asyncio.Queue[Any]] = {}
+        # requests whose last item (the output with a finish reason, or an error) has not
+        # arrived: they run on the worker as far as this router knows
+        self.unfinished: set[str] = set()
         self.broken: grpc.aio.AioRpcError | None = None
         self.reader = asyncio.create_task(self._read())
 
@@ -66,10 +69,12 @@ class _SharedStream:
             raise rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.queues[request_id] = queue
+        self.unfinished.add(request_id)
         return queue
 
     def forget(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
+        self.unfinished.discard(request_id)
 
     async def _read(self) -> None:
         error = rpc_error(
@@ -86,9 +91,12 @@ class _SharedStream:
                         continue  # aborted here: its last outputs are of no use
                     if item.WhichOneof("kind") == "output":
                         queue.put_nowait(item.output)
+                        if item.output.finish_reason:
+                            self.unfinished.discard(item.request_id)
                     else:
                         code = _CODES.get(item.error.code, grpc.StatusCode.UNKNOWN)
                         queue.put_nowait(rpc_error(code, item.error.details))
+                        self.unfinished.discard(item.request_id)
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
@@ -99,6 +107,7 @@ class _SharedStream:
             for queue in self.queues.values():
                 queue.put_nowait(error)
             self.queues.clear()
+            self.unfinished.clear()
 
     async def close(self) -> None:
         self.call.cancel()
@@ -235,6 +244,15 @@ class DecodeClient:
             self._unstarted(shared, request_id, e)
             raise
         return DecodeStream(self, shared, request_id, queue, deadline, None)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests of this router running on the worker as far as its outputs tell: started,
+        and neither their last output nor an error has arrived. Unlike the worker's load
+        report (`num_running`, a poll old), it is current to the last message read; it counts
+        a request reserved for a remote prefill from the reservation on."""
+        shared = self._shared
+        return 0 if shared is None or shared.broken is not None else len(shared.unfinished)
 
     async def load(self, timeout_s: float = 2.0) -> worker_pb2.DecodeLoad:
         return await self.stub.GetLoad(

@@ -87,6 +87,7 @@ def snapshot(ctx: ServingContext) -> dict[str, Any]:
             "name": d.name, "state": _state(d.healthy, d.failures),
             "num_running": d.num_running, "num_waiting": d.num_waiting,
             "num_waiting_for_kv": d.num_waiting_for_kv, "load": d.load,
+            "num_streams": d.client.num_streams,
             "kv_usage": 1 - d.num_free_blocks / d.num_blocks if d.num_blocks else 0.0,
             "prefix_hit_rate": None,
         })  # fmt: skip

@@ -116,7 +116,8 @@
     ]);
     rows("decode", d.decode, (w) => [
       [w.name], [w.state, w.state], [String(w.num_running)], [String(w.num_waiting)],
-      [String(w.num_waiting_for_kv)], [pct(w.load)], [pct(w.kv_usage)],
+      [String(w.num_waiting_for_kv)], [w.num_streams === undefined ? "\u2013" : String(w.num_streams)],
+      [pct(w.load)], [pct(w.kv_usage)],
     ]);
     rows("transfers", d.transfers, (t) => [
       [t.request_id], [t.prefill + " \u2192 " + t.decode],

@@ -1,5 +1,7 @@
 """`DecodeClient.reserve` against a decode worker that grants a reservation after the router
-gave up: the client aborts it there instead of leaving its blocks held until `kv_wait_s`."""
+gave up: the client aborts it there instead of leaving its blocks held until `kv_wait_s`. And
+`DecodeClient.num_streams`, the requests it knows to be running on the worker, as their
+outputs arrive."""
 
 from __future__ import annotations
 
@@ -105,3 +107,58 @@ def test_a_refused_reservation_is_not_aborted():
 
     run(servicer, scenario)
     assert servicer.aborts == [("r1@1", servicer.aborts[0][1])]  # the granted one only
+
+
+class ScriptedServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Accepts `Generate` calls (refusing request ids in `refuse`); its one `Outputs` stream
+    sends the batches put on `batches`, and ends at None."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+        self.batches: asyncio.Queue[worker_pb2.OutputBatch | None] = asyncio.Queue()
+
+    async def Outputs(self, request, context):
+        yield worker_pb2.OutputBatch()
+        while (batch := await self.batches.get()) is not None:
+            yield batch
+
+    async def Generate(self, request, context):
+        if request.request_id in self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room")
+        return worker_pb2.Started()
+
+
+def _item(request_id: str, finish: str = "", error: bool = False) -> worker_pb2.RequestOutputItem:
+    if error:
+        return worker_pb2.RequestOutputItem(
+            request_id=request_id, error=worker_pb2.RequestError(code=13, details="failed")
+        )
+    delta = worker_pb2.OutputDelta(token_ids=[7], finish_reason=finish)
+    return worker_pb2.RequestOutputItem(request_id=request_id, output=delta)
+
+
+def test_num_streams_counts_requests_until_their_last_output_arrives():
+    servicer = ScriptedServicer(refuse={"refused"})
+    params = sampling_to_proto(SamplingParams(max_tokens=4))
+
+    async def scenario(client):
+        async def streams(n: int, what: str) -> None:
+            await wait_for_async(lambda: client.num_streams == n, WAIT_S, what)
+
+        assert client.num_streams == 0
+        for rid in ("a", "b", "c"):
+            await client.generate(rid, [1, 2], params, 30.0)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await client.generate("refused", [1, 2], params, 30.0)
+        assert client.num_streams == 3  # a refused start is not counted
+        # outputs without a finish reason leave it; the last output or an error ends one,
+        # before anyone reads its queue
+        await servicer.batches.put(worker_pb2.OutputBatch(items=[_item("a"), _item("b")]))
+        await servicer.batches.put(worker_pb2.OutputBatch(items=[_item("a", "length")]))
+        await streams(2, "a's last output")
+        await servicer.batches.put(worker_pb2.OutputBatch(items=[_item("b", error=True)]))
+        await streams(1, "b's error")
+        await servicer.batches.put(None)  # the stream ends: c is over as far as we know
+        await streams(0, "the stream's end")
+
+    run(servicer, scenario)

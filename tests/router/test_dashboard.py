@@ -59,6 +59,8 @@ def test_dashboard_lists_workers_transfers_and_draws_plots(cluster_server: Clust
         for table in ("prefill", "decode"):
             states = [cells[1] for cells in _cells(browser, table)]
             assert states == ["healthy"] * len(states)
+        # every stream ended: the router has none open on either decode worker
+        assert [cells[5] for cells in _cells(browser, "decode")] == ["0", "0"]
         transfers = _cells(browser, "transfers")
         assert len(transfers) == NUM_REQUESTS + 1  # and the chat's
         for cells in transfers:
