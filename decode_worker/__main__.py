@@ -58,9 +58,7 @@ async def _serve(worker: DecodeWorker, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    # a data-parallel worker also stops when its group does (a peer stopped: its engine ended)
-    peered = worker.config.data_parallel_size > 1
-    await until_stopped(stop, peered, lambda: worker.is_running)
+    await until_stopped(stop, lambda: worker.is_running)
     await server.stop(5)
     worker.shutdown()
 

@@ -104,9 +104,11 @@ def join_peers(
     return tp, PeerLockstep(rank, size, control, tp.shared_segment)
 
 
-async def until_stopped(stop: asyncio.Event, peered: bool, is_running: Callable[[], bool]) -> None:
-    """A worker process's serving wait: until `stop` is set (a signal), or, for a
-    data-parallel worker (`peered`), until its engine ended (a peer stopped the group)."""
-    while not stop.is_set() and (is_running() or not peered):
+async def until_stopped(stop: asyncio.Event, is_running: Callable[[], bool]) -> None:
+    """A worker process's serving wait: until `stop` is set (a signal), or until its engine
+    ended: it failed (a tensor-parallel rank killed, a step that raised; the process then exits
+    1, for its supervisor to restart it, instead of serving "not running" until a signal), or a
+    data-parallel peer stopped the group."""
+    while not stop.is_set() and is_running():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)

@@ -128,7 +128,8 @@ def test_a_decode_rank_killed_mid_stream_fails_over_with_nothing_lost(tiny_llama
     """Every request streams from a TP=2 decode worker; once each has 4 tokens a second decode
     worker joins and rank 1 of the first is killed (SIGKILL): rank 0's next collective breaks,
     its streams end retryable, and the router continues each request on the second worker
-    from the tokens streamed so far: the aggregated engine's tokens, none repeated or lost."""
+    from the tokens streamed so far: the aggregated engine's tokens, none repeated or lost.
+    Rank 0's process then exits 1 by itself."""
     config = {"model": tiny_llama, **ENGINE, "kv_backend": "tcp"}
     prompts = prompts_of([40, 70, 12, 90], seed=8)
     params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
@@ -169,6 +170,8 @@ def test_a_decode_rank_killed_mid_stream_fails_over_with_nothing_lost(tiny_llama
                 await engine.stop()
 
         outs, at_kill = asyncio.run(main())
+        # rank 0 of the broken worker stops serving by itself and exits 1 (its engine failed)
+        assert groups[1].procs[0].wait(30) == 1
     finally:
         for group in groups:
             group.stop()
