@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from duet.engine.config import (
     ATTENTION_BACKENDS,
+    CUDA_GRAPH_MODES,
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
@@ -49,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling_policy": SCHEDULING_POLICIES,
     "quantization": QUANTIZATIONS,
     "load_format": LOAD_FORMATS,
+    "cuda_graph_mode": CUDA_GRAPH_MODES,
 }
 METAVARS = {"model": "PATH|ID", "tokenizer": "PATH", "kv_cache_memory_bytes": "BYTES"}
 

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from duet.cli.engine_flags import parse_bytes
+from duet.engine.config import CUDA_GRAPH_MODES
 
 ROLES = ("aggregated", "prefill", "decode")
 _GIB = 1 << 30
@@ -51,6 +52,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (their pool not counted)"
+    )
+    parser.add_argument(
+        "--cuda-graph-mode",
+        choices=CUDA_GRAPH_MODES,
+        default="decode",
+        help="piecewise: the pieces' graph pool is counted too (serve's --cuda-graph-mode)",
     )
     parser.add_argument(
         "--enable-expert-parallel",
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=graphs,
+        piecewise_graphs=args.cuda_graph_mode == "piecewise",
         reserved=reserved,
         expert_parallel=args.enable_expert_parallel,
         data_parallel=args.data_parallel,

@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
+CUDA_GRAPH_MODES = ("decode", "piecewise")
 
 
 @dataclass
@@ -47,6 +48,12 @@ class EngineConfig:
     CUDA graphs captured at start-up per padded batch size (per rank with tensor parallelism,
     the all-reduces inside; their pool counted in the KV budget); the CPU and the torch
     backend run eagerly either way."""
+    cuda_graph_mode: str = "decode"
+    """Which steps replay CUDA graphs (unless `enforce_eager`; CUDA and the Triton kernels
+    only): decode (decode-only steps, whole) or piecewise (also every other step of up to 512
+    tokens, e.g. a prefill chunk beside decodes or a speculative step, as graphs of the parts
+    between the attention calls, which run eagerly: vLLM's piecewise graphs;
+    engine/piecewise_graphs.py). Piecewise is not yet measured on a GPU."""
     max_num_batched_tokens: int = 2048
     """Token budget of one scheduler step (prefill chunks + decodes)."""
     max_num_seqs: int = 128
@@ -152,6 +159,11 @@ class EngineConfig:
                 "expert_parallel_size",
                 f"must be 1 or tensor_parallel_size ({self.tensor_parallel_size}): the routed "
                 f"experts are sharded over the tensor-parallel ranks; got {self.expert_parallel_size}",
+            )
+        if self.cuda_graph_mode not in CUDA_GRAPH_MODES:
+            raise InvalidInputError(
+                "cuda_graph_mode",
+                f"must be one of {', '.join(CUDA_GRAPH_MODES)}; got {self.cuda_graph_mode!r}",
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidInputError(

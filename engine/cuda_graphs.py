@@ -13,7 +13,8 @@ On by default where it applies (`uses_decode_graphs`: CUDA, the Triton backend, 
 and mixtures of experts on the fused kernel; per rank with tensor parallelism and per stage
 with pipeline stages);
 `enforce_eager=True` turns it off. Steps with a prefill chunk or a speculative query (more than
-one token for a request) run eagerly. The capture itself goes through a `GraphCapture`, so
+one token for a request) run eagerly, or in pieces around attention with `cuda_graph_mode`
+piecewise (engine/piecewise_graphs.py). The capture itself goes through a `GraphCapture`, so
 that the CPU tests run all of this bookkeeping with a stand-in whose "replay" calls the
 captured function (the Triton kernels under the interpreter), CUDA being absent.
 """
@@ -107,6 +108,43 @@ class CudaGraphCapture:
 
     def reserved_bytes(self, device: torch.device) -> int:
         return int(torch.cuda.memory_reserved(device))
+
+
+class _Called:
+    def __init__(self, forward: Callable[[], None]) -> None:
+        self.replay = forward
+
+
+class _NoEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class EagerCapture:
+    """A `GraphCapture` without graphs, for the CPU: capturing keeps the function, replaying
+    calls it (over the same static buffers a graph would read). It runs the graphs'
+    bookkeeping where CUDA is absent: the CPU tests, a GPU benchmark's `--smoke`."""
+
+    pin_memory = False
+
+    def __init__(self) -> None:
+        self.num_captures = 0
+
+    def capture(self, forward: Callable[[], None], pool: Any) -> tuple[ReplayableGraph, Any]:
+        self.num_captures += 1
+        return _Called(forward), pool
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+    def event(self) -> Any:
+        return _NoEvent()
+
+    def reserved_bytes(self, device: torch.device) -> int:
+        return 0
 
 
 class DecodeGraphs:

@@ -18,6 +18,8 @@ from duet.engine.cuda_graphs import uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.model.moe import experts_read_on_host
 from duet.engine.parallel import TensorParallel
+from duet.engine.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from duet.engine.piecewise_graphs import piecewise_unsupported
 
 if TYPE_CHECKING:
     from duet.engine.config import EngineConfig
@@ -69,6 +71,15 @@ def graph_pool_bytes(memory: GpuMemory, max_num_seqs: int, num_heads: int, head_
     per_token = -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
     partials = max_num_seqs * num_heads * GRAPH_MAX_SPLITS * (head_dim + 2) * 4
     return per_token * max_num_seqs + partials
+
+
+def piecewise_pool_bytes(memory: GpuMemory, max_tokens: int) -> int:
+    """An upper estimate of the piecewise graphs' pool and static buffers
+    (engine/piecewise_graphs.py): the activations of a `max_tokens`-token forward at the
+    warm-up's bytes per token (what one piece holds is one layer's share of that; the pieces
+    share the pool, captured largest first)."""
+    per_token = -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
+    return per_token * max_tokens
 
 
 def measure_gpu_memory(
@@ -129,10 +140,12 @@ def num_kv_blocks_for_gpu_memory(
     *,
     reserved: Mapping[str, int] | None = None,
     graph_max_num_seqs: int = 0,
+    piecewise_max_tokens: int = 0,
 ) -> int:
     """KV blocks that fit in `gpu_memory_utilization` of the GPU (see `measure_gpu_memory`,
     `plan_gpu_kv_blocks`); `graph_max_num_seqs` > 0 also reserves the CUDA-graph pool of
-    decode batches of up to that many requests. CUDA only."""
+    decode batches of up to that many requests, `piecewise_max_tokens` > 0 that of piecewise
+    graphs of steps of up to that many tokens (`piecewise_pool_bytes`). CUDA only."""
     cfg = model.config
     memory = measure_gpu_memory(
         model, block_size, dtype, device, max_num_batched_tokens, use_triton
@@ -143,6 +156,8 @@ def num_kv_blocks_for_gpu_memory(
         reserve["cuda_graphs"] = graph_pool_bytes(
             memory, graph_max_num_seqs, num_heads, cfg.head_dim
         )
+    if piecewise_max_tokens > 0:
+        reserve["piecewise_graphs"] = piecewise_pool_bytes(memory, piecewise_max_tokens)
     block_bytes = model.kv_spec.bytes_per_block(model.num_layers, block_size, dtype)
     num_blocks = plan_gpu_kv_blocks(memory, gpu_memory_utilization, block_bytes, reserve)
     logger.info(
@@ -185,6 +200,13 @@ def size_kv_pool(
             use_triton,
             reserved=config.device_reservations(block_bytes, max_model_len),
             graph_max_num_seqs=config.max_num_seqs if graphs else 0,
+            piecewise_max_tokens=(
+                min(PIECEWISE_MAX_TOKENS, config.max_num_batched_tokens)
+                if graphs
+                and config.cuda_graph_mode == "piecewise"
+                and piecewise_unsupported(model) is None
+                else 0
+            ),
         )
     else:
         num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)

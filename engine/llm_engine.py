@@ -119,6 +119,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             deterministic=deterministic,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            cuda_graph_mode=config.cuda_graph_mode,
         )
         target = TargetInfo(
             loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,

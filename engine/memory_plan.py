@@ -11,7 +11,8 @@ pieces so that the plan and a running engine agree:
   latent entry per token and layer), `plan_gpu_kv_blocks` over what is left, clamped by
   `KVCacheSpec.max_addressable_blocks`, the minimum over the ranks (every rank of an engine
   schedules the same blocks);
-- the CUDA-graph pool: `graph_pool_bytes`, from the activations.
+- the CUDA-graph pool: `graph_pool_bytes`, from the activations (with `piecewise_graphs`,
+  plus `piecewise_pool_bytes`).
 
 Activations are the one estimate: a running engine measures them with a warm-up forward
 (`measure_gpu_memory`); the plan counts the tensors alive at that forward's peak
@@ -36,7 +37,12 @@ import torch
 
 from duet.engine.errors import InvalidInputError
 from duet.engine.kv_cache_spec import kv_cache_spec
-from duet.engine.kv_sizing import GpuMemory, graph_pool_bytes, plan_gpu_kv_blocks
+from duet.engine.kv_sizing import (
+    GpuMemory,
+    graph_pool_bytes,
+    piecewise_pool_bytes,
+    plan_gpu_kv_blocks,
+)
 from duet.engine.model.arch import ModelArchConfig
 from duet.engine.model.llama import LlamaForCausalLM
 from duet.engine.model.mla import check_mla_layout
@@ -44,6 +50,7 @@ from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.moe import check_ep_size
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.parallel import ExpertExchange, TensorParallel, check_tp_size, split
+from duet.engine.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
 from duet.engine.pipeline import check_pp_size, stage_layers
 
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -62,6 +69,7 @@ class PlanSettings:
     max_model_len: int | None = None  # None: the model's context
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # decode graphs captured (not enforce_eager): their pool counted
+    piecewise_graphs: bool = False  # cuda_graph_mode piecewise: the pieces' pool counted too
     reserved: Mapping[str, int] = field(default_factory=dict)
     """Other consumers every rank leaves room for (name -> bytes): a worker's KV staging and
     NCCL communicators (`KVWorkerConfig.device_reservations`); empty for aggregated serving."""
@@ -283,6 +291,10 @@ def plan_layout(
             if settings.cuda_graphs and not spec.is_latent and dp == 1:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
+                if settings.piecewise_graphs and pp == 1:  # engine/piecewise_graphs.py
+                    pieces = piecewise_pool_bytes(memory, min(PIECEWISE_MAX_TOKENS, num_tokens))
+                    reserve["piecewise_graphs"] = pieces
+                    graphs += pieces
             block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)
             try:
                 num_blocks = plan_gpu_kv_blocks(

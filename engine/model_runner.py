@@ -21,6 +21,7 @@ from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
 from duet.engine.model.moe import attach_expert_load, experts_read_on_host
 from duet.engine.outputs import PromptLogprob, TokenLogprob
+from duet.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_unsupported
 from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
 from duet.engine.sampler import Sampler, SamplerOutput
@@ -90,13 +91,16 @@ class ModelRunner:
         max_model_len: int | None = None,
         deterministic: bool = False,
         num_speculative_tokens: int = 0,
+        cuda_graph_mode: str = "decode",
     ) -> None:
         """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
         `enforce_eager=False` (the engine's default; True here for runners built directly,
         such as a draft model's) captures CUDA graphs for decode batches of up to
         `max_num_seqs` requests and `max_model_len` tokens (default: the model's context)
         where they apply (`uses_decode_graphs`: CUDA, the Triton backend; per rank with
-        tensor parallelism). Elsewhere it changes nothing.
+        tensor parallelism). Elsewhere it changes nothing. `cuda_graph_mode` "piecewise" also
+        captures the other steps of up to `MAX_TOKENS` tokens in pieces around attention
+        (engine/piecewise_graphs.py) where graphs apply and the model allows it.
         `deterministic`: the Triton decode kernel splits each request by its own length
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
@@ -137,6 +141,7 @@ class ModelRunner:
         self.expert_load = attach_expert_load(model, device)
         """Tokens per routed expert of a mixture of experts (None for a dense model)."""
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         on_host = experts_read_on_host(model)
         if uses_decode_graphs(enforce_eager, device, self.use_triton, on_host):
             graphs = DecodeGraphs(
@@ -148,6 +153,24 @@ class ModelRunner:
                 ",".join(map(str, graphs.buckets)), graphs.capture_s, graphs.pool_bytes / 2**30,
             )  # fmt: skip
             self.decode_graphs = graphs
+            if cuda_graph_mode == "piecewise":
+                self.piecewise_graphs = self._capture_pieces(max_num_batched_tokens)
+
+    def _capture_pieces(self, max_num_batched_tokens: int) -> PiecewiseGraphs | None:
+        why = piecewise_unsupported(self.model)
+        if why is not None:
+            logger.info("piecewise CUDA graphs: off for %s; those steps run eagerly", why)
+            return None
+        pieces = PiecewiseGraphs(
+            self.model, self.kv_caches, min(MAX_TOKENS, max_num_batched_tokens)
+        )
+        logger.info(
+            "CUDA graphs: steps of up to %d tokens in %d pieces, %d sizes captured in %.1f s; "
+            "graph pool %.2f GiB",
+            pieces.max_tokens, len(pieces.layers) + 1, len(pieces.buckets), pieces.capture_s,
+            pieces.pool_bytes / 2**30,
+        )  # fmt: skip
+        return pieces
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Requests that left the running set give back their input-batch slots."""
@@ -179,7 +202,7 @@ class ModelRunner:
         kv: KVCacheManager,
         on_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
-        """`on_layer`: see `LlamaForCausalLM.forward` (never with a CUDA graph)."""
+        """`on_layer`: see `LlamaForCausalLM.forward` (never with a decode graph)."""
         # torch's own guard: `@torch.inference_mode()` builds and enters a Python context
         # object per call, a measurable share of a batch-1 step's host work.
         with torch._C._InferenceMode(True):
@@ -221,10 +244,14 @@ class ModelRunner:
                 self.prefill_kernel,
                 self.deterministic,
             )
-            # `.forward`: nn.Module's call path checks for hooks the engine never registers.
-            hidden = self.model.forward(
-                step.input_ids, step.positions, self.kv_caches, meta, on_layer
-            )
+            pieces = self.piecewise_graphs
+            if pieces is not None and pieces.can_run(step.num_tokens):
+                hidden = pieces.run(step.input_ids, step.positions, meta, on_layer)
+            else:
+                # `.forward`: nn.Module's call path checks for hooks the engine never registers.
+                hidden = self.model.forward(
+                    step.input_ids, step.positions, self.kv_caches, meta, on_layer
+                )
         if self.expert_load is not None:
             self.expert_load.snapshot()  # lands before the sampled tokens' transfer
 

@@ -206,6 +206,14 @@ def roofline_summary(results: dict[str, Any] | None) -> dict[str, Any] | None:
             f"{d['batch']} {mode}": prof["share"]
             for d in model["decode"] for mode, prof in d.get("profile", {}).items()
         },
+        "piecewise_speedup": {
+            f"{m['chunk']}+{m['decodes']}x{m['query']}": m.get("speedup")
+            for m in model.get("mixed", [])
+        },
+        "piecewise_max_abs_logit_diff": {
+            f"{m['chunk']}+{m['decodes']}x{m['query']}": m.get("max_abs_logit_diff")
+            for m in model.get("mixed", [])
+        },
         "copy_bandwidth_gbs": results.get("copy_bandwidth_gbs"),
         "matmul_tflops": results.get("matmul_tflops"),
     }  # fmt: skip

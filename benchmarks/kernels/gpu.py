@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -72,8 +73,13 @@ class Settings:
         self.matmul_n = 512 if smoke else 8192
         self.deterministic = False  # --deterministic
         self.profile = False  # --profile: each decode step's kernels by kind (gpu_profile.py)
+        # Steps that are not decode-only (`mixed_bench`): (prefill chunk tokens, decodes,
+        # query tokens per decode), e.g. a chunk beside 64 decodes; 16 speculative requests
+        # verifying 3 guesses each.
+        self.mixed = [(16, 4, 1), (0, 4, 3)] if smoke else [(256, 64, 1), (0, 16, 4), (0, 64, 4)]
         if quick and not smoke:  # --quick (make gpu-check --quick): the shapes the issue targets
             self.batches, self.prefill_lens, self.iters, self.hf_steps = [1, 64], [2048], 10, 8
+            self.mixed = [(256, 64, 1), (0, 16, 4)]
 
 
 def timed(
@@ -214,6 +220,68 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
     return rows
 
 
+def mixed_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
+    """Steps that are not decode-only, eager and in piecewise CUDA graphs
+    (engine/piecewise_graphs.py, `cuda_graph_mode` piecewise): for each (chunk, decodes,
+    query) of `s.mixed`, one request's first `chunk` prompt tokens beside `decodes` requests
+    at context `s.context` with `query` tokens each (a decode, or a token and its guesses),
+    with the logits of every sampling row. The pieces are captured at the step's size only."""
+    return [mixed_step(duet, s, *case) for case in s.mixed]
+
+
+def mixed_step(duet: Any, s: Settings, chunk: int, decodes: int, query: int) -> dict[str, Any]:
+    """One case of `mixed_bench`."""
+    from duet.engine.attention_metadata import AttentionMetadata
+    from duet.engine.cuda_graphs import EagerCapture
+    from duet.engine.piecewise_graphs import PiecewiseGraphs
+
+    cfg, bs, ctx = duet.config, BLOCK_SIZE, s.context
+    query_lens = ([chunk] if chunk else []) + [query] * decodes
+    seq_lens = ([chunk] if chunk else []) + [ctx] * decodes
+    starts = np.cumsum([0, *(-(-n // bs) for n in seq_lens)])
+    block_ids = [list(range(a, b)) for a, b in itertools.pairwise(starts.tolist())]
+    caches = [
+        torch.randn(2, int(starts[-1]), bs, duet.num_kv_heads, cfg.head_dim,
+                    device=s.device).to(s.dtype)
+        for _ in range(cfg.num_hidden_layers)
+    ]  # fmt: skip
+    num_tokens = sum(query_lens)
+    meta = AttentionMetadata.build(
+        query_lens, seq_lens, block_ids, bs, s.device,
+        triton_num_kv_heads=duet.num_kv_heads if s.device.type == "cuda" else None,
+        deterministic=s.deterministic,
+    )  # fmt: skip
+    ids = torch.randint(0, cfg.vocab_size, (num_tokens,), device=s.device)
+    positions = [torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens, strict=True)]
+    pos = torch.cat(positions).to(s.device)
+    sampled = torch.tensor(  # every decode's rows, the chunk's last
+        ([chunk - 1] if chunk else []) + list(range(chunk, num_tokens)), device=s.device
+    )
+
+    def eager() -> torch.Tensor:
+        return duet.compute_logits(duet(ids, pos, caches, meta)[sampled])
+
+    row: dict[str, Any] = {
+        "chunk": chunk, "decodes": decodes, "query": query, "tokens": num_tokens, "context": ctx,
+    }  # fmt: skip
+    with torch.inference_mode():
+        row["eager_ms"] = 1e3 * timed(eager, s.device, s.iters)
+        # --smoke: the pieces' bookkeeping through a capture that replays by calling
+        capture = None if s.device.type == "cuda" else EagerCapture()
+        started = time.perf_counter()
+        pieces = PiecewiseGraphs(duet, caches, num_tokens, capture, sizes=[num_tokens])
+        row["capture_s"] = time.perf_counter() - started
+
+        def in_pieces() -> torch.Tensor:
+            return duet.compute_logits(pieces.run(ids, pos, meta)[sampled])
+
+        row["piecewise_ms"] = 1e3 * timed(in_pieces, s.device, s.iters)
+        row["speedup"] = row["eager_ms"] / row["piecewise_ms"]
+        # how far from the eager step's logits (the engine's tests check tokens bit for bit)
+        row["max_abs_logit_diff"] = float((eager() - in_pieces()).abs().max())
+    return row
+
+
 def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
     from duet.engine.attention_metadata import AttentionMetadata
 
@@ -273,6 +341,7 @@ def bench_model(
     limit keeps them)."""
     hf, duet = build_models(MODELS[name], s)
     decode = decode_bench(duet, s)
+    mixed = mixed_bench(duet, s)
     prefill = prefill_bench(duet, s)
     del duet
     if s.device.type == "cuda":
@@ -286,7 +355,8 @@ def bench_model(
             row["profile"][mode] = summarise(prof, step_ms, row["weight_bytes"], bw / 1e9)
     for row in prefill:
         row["peak_fraction"] = row["tflops"] / device_stats["matmul_tflops"]
-    save({"decode": decode, "prefill": prefill, "hf_baseline": "not measured (yet)"})
+    save({"decode": decode, "mixed": mixed, "prefill": prefill,
+          "hf_baseline": "not measured (yet)"})  # fmt: skip
     baseline = hf_bench(hf, s)
     del hf
     if s.device.type == "cuda":
@@ -297,7 +367,7 @@ def bench_model(
     for row, hf_row in zip(prefill, baseline["prefill"], strict=True):
         row["hf_ms"] = hf_row["ms"]
         row["speedup_vs_hf"] = hf_row["ms"] / row["ms"]
-    return {"decode": decode, "prefill": prefill}
+    return {"decode": decode, "mixed": mixed, "prefill": prefill}
 
 
 def print_report(results: dict[str, Any]) -> None:
@@ -311,6 +381,12 @@ def print_report(results: dict[str, Any]) -> None:
             print(f"  {d['batch']:5d}  {d['eager_ms']:8.2f}  {graph:>8}  {d['roofline_ms']:11.2f}"
                   f"  {d['roofline_fraction']:10.0%}  {d['hf_step_ms']:5.1f}  {d['speedup_vs_hf']:4.1f}x")  # fmt: skip
         print_profile(name, [d for d in r["decode"] if "profile" in d])
+        print(f"{name} steps that are not decode-only (eager, and in piecewise CUDA graphs):")
+        print("  chunk  decodes x query  tokens  eager ms  piecewise ms  speed-up  logit diff")
+        for m in r.get("mixed", []):
+            print(f"  {m['chunk']:5d}  {m['decodes']:7d} x {m['query']:<5d}  {m['tokens']:6d}"
+                  f"  {m['eager_ms']:8.2f}  {m['piecewise_ms']:12.2f}  {m['speedup']:7.2f}x"
+                  f"  {m['max_abs_logit_diff']:.3g}")  # fmt: skip
         print(f"{name} prefill:")
         print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF")
         for p in r["prefill"]:

@@ -93,6 +93,18 @@ class Attention(nn.Module):
                 self.scale,
             )  # fmt: skip
             return self.tp.all_reduce(parts["o_proj"].forward(out))
+        q, k, v = self.split_heads(qkv, ctx.positions, ctx.rotary)
+        out = self.attend(q, k, v, kv_cache, ctx.meta, ctx.workspace)  # [T, H, D]
+        return self.output(out.reshape(num_tokens, self.q_size))
+
+    # The three parts of `forward` off the CPU's fused decode step; piecewise CUDA graphs
+    # (engine/piecewise_graphs.py) capture the first and the last and run `attend` between.
+    def split_heads(
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, Hkv, D] of the projected q|k|v [T, (H + 2 Hkv) D]: views
+        of it, q and k normed (Qwen3) and rotated."""
+        num_tokens = qkv.shape[0]
         # split_with_sizes: Tensor.split is a Python wrapper around it
         q, k, v = qkv.split_with_sizes(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -100,10 +112,26 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rotary.forward(ctx.positions, q, k)
-        store_kv(kv_cache, k, v, ctx.meta)
-        out = paged_attention(q, k, v, kv_cache, ctx.meta, self.scale, ctx.workspace)  # [T, H, D]
-        return self.tp.all_reduce(parts["o_proj"].forward(out.reshape(num_tokens, self.q_size)))
+        q, k = rotary.forward(positions, q, k)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: GatherWorkspace,
+    ) -> torch.Tensor:
+        """This step's K/V written into the cache, then attention over it: [T, H, D]."""
+        store_kv(kv_cache, k, v, meta)
+        return paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention's [T, H D] and the tensor-parallel all-reduce."""
+        o_proj: nn.Module = self._modules["o_proj"]  # type: ignore[assignment]
+        return self.tp.all_reduce(o_proj.forward(out))
 
 
 class DecoderLayer(nn.Module):

@@ -142,6 +142,8 @@ def test_roofline_summary_of_the_kernel_benchmark():
                                     "graph": {"share": {"gemm": 0.75}}}},
                        {"batch": 64, "roofline_fraction": 0.6, "graph_ms": 12.0}],
             "prefill": [{"tokens": 2048, "peak_fraction": 0.55}],
+            "mixed": [{"chunk": 256, "decodes": 64, "query": 1, "speedup": 2.5,
+                       "max_abs_logit_diff": 0.0}],
         }},
     }  # fmt: skip
     assert gpu_check.roofline_summary(results) == {
@@ -149,6 +151,8 @@ def test_roofline_summary_of_the_kernel_benchmark():
         "decode_graph_ms": {"1": 8.0, "64": 12.0},
         "prefill_peak_fraction": {"2048": 0.55},
         "decode_profile_share": {"1 eager": {"gemm": 0.25}, "1 graph": {"gemm": 0.75}},
+        "piecewise_speedup": {"256+64x1": 2.5},
+        "piecewise_max_abs_logit_diff": {"256+64x1": 0.0},
         "copy_bandwidth_gbs": 4000.0,
         "matmul_tflops": 750.0,
     }

@@ -78,7 +78,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
         command, "--model", "/models/m", "--tokenizer", "/models/t", "--dtype", "float32",
         "--device", "cpu", "--block-size", "32", "--num-kv-blocks", "100",
         "--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--enforce-eager",
-        "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
+        "--cuda-graph-mode", "piecewise", "--max-num-batched-tokens", "512", "--max-num-seqs", "3", "--max-model-len", "1024",
         "--no-enable-prefix-caching", "--no-deterministic", "--scheduling-policy", "priority",
         "-tp", "2", "-pp", "2", "--expert-parallel-size", "2", "-dp", "1",
         "--num-threads", "1", "--seed", "7", "--attention-backend", "torch",
@@ -91,7 +91,7 @@ def test_flags_reach_the_engine_config(command: str) -> None:
     expected = dict(
         model="/models/m", tokenizer="/models/t", dtype="float32", device="cpu", block_size=32,
         num_kv_blocks=100, kv_cache_memory_bytes=4 * 2**30, gpu_memory_utilization=0.5,
-        enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
+        enforce_eager=True, cuda_graph_mode="piecewise", max_num_batched_tokens=512, max_num_seqs=3, max_model_len=1024,
         enable_prefix_caching=False, deterministic=False, scheduling_policy="priority",
         tensor_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2,
         data_parallel_size=1, num_threads=1, seed=7, attention_backend="torch", load_progress=False, load_format="dummy",

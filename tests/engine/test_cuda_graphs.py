@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from duet.engine import LLM, EngineConfig, SamplingParams, model_runner
 from duet.engine.cuda_graphs import (
     DecodeGraphs,
+    EagerCapture,
     decode_buckets,
     padded_batch_size,
     uses_decode_graphs,
@@ -28,38 +28,11 @@ ENGINE = dict(dtype="float32", device="cpu", attention_backend="triton", block_s
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-class EagerReplay:
-    """A stand-in for `CudaGraphCapture` on the CPU: capturing records the forward, replaying
-    calls it (over the same static buffers a real graph would read)."""
-
-    pin_memory = False
-
-    def __init__(self) -> None:
-        self.num_captures = 0
-
-    class _Graph:
-        def __init__(self, forward: Callable[[], None]) -> None:
-            self.replay = forward
-
-    class _Event:
-        def record(self) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            pass
-
-    def capture(self, forward: Callable[[], None], pool: Any) -> tuple[Any, Any]:
-        self.num_captures += 1
-        return self._Graph(forward), pool
-
-    def synchronize(self, device: torch.device) -> None:
-        pass
-
-    def event(self) -> Any:
-        return self._Event()
+class EagerReplay(EagerCapture):
+    """`EagerCapture`, as if each capture reserved 3 MiB of the device's memory."""
 
     def reserved_bytes(self, device: torch.device) -> int:
-        return 3 << 20 if self.num_captures else 0  # as if the capture reserved 3 MiB
+        return 3 << 20 if self.num_captures else 0
 
 
 def test_buckets_and_padded_sizes() -> None:

@@ -14,7 +14,14 @@ from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
 from duet.engine.kv_cache_spec import INT32_MAX, KVCacheSpec
-from duet.engine.kv_sizing import GpuMemory, graph_pool_bytes, plan_gpu_kv_blocks, size_kv_pool
+from duet.engine.kv_sizing import (
+    GpuMemory,
+    graph_pool_bytes,
+    piecewise_pool_bytes,
+    plan_gpu_kv_blocks,
+    size_kv_pool,
+)
+from duet.engine.model.llama import Attention
 from duet.engine.parallel import SINGLE, head_shard
 from duet.kv_transfer.staging import DEFAULT_STAGING_BYTES, NCCL_COMM_BYTES
 from duet.prefill_worker.config import PrefillWorkerConfig
@@ -42,6 +49,7 @@ def fake_model(layers: int, num_kv_heads: int, head_dim: int, num_heads: int) ->
     return SimpleNamespace(
         config=config, num_kv_heads=num_kv_heads, tp=SINGLE, heads=heads, num_layers=layers,
         kv_spec=spec, modules=lambda: iter(()),  # a dense model: no sparse blocks
+        layers=[SimpleNamespace(self_attn=Attention.__new__(Attention))],
     )  # fmt: skip
 
 
@@ -111,6 +119,27 @@ def test_graph_pool_is_in_the_budget_by_default_on_cuda(measured) -> None:
     assert size_kv_pool(EngineConfig(), model, *args, True) == with_graphs
     assert size_kv_pool(EngineConfig(enforce_eager=True), model, *args, True) == eager
     assert size_kv_pool(EngineConfig(), model, *args, False) == eager  # torch attention: eager
+
+
+def test_piecewise_pool_is_in_the_budget_when_asked(measured) -> None:
+    """`cuda_graph_mode` piecewise also reserves the pieces' pool: 1 MiB of activations per
+    warm-up token here, for the largest captured step (512 tokens, or a smaller step budget);
+    none where the model's steps are not captured in pieces (multi-head latent attention)."""
+    model = fake_model(32, 8, 128, 32)
+    args = (CUDA, torch.bfloat16, SINGLE, 32768)
+    assert piecewise_pool_bytes(H100, 512) == 512 * MIB
+    base = int(80 * GIB * 0.9) - 18 * GIB - graph_pool_bytes(H100, 128, 32, 128)
+    piecewise = EngineConfig(cuda_graph_mode="piecewise")
+    assert size_kv_pool(piecewise, model, *args, True) == (base - 512 * MIB) // LLAMA_8B_BLOCK
+    small = EngineConfig(cuda_graph_mode="piecewise", max_num_batched_tokens=256)
+    assert size_kv_pool(small, model, *args, True) == (base - 256 * MIB) // LLAMA_8B_BLOCK
+    assert size_kv_pool(EngineConfig(), model, *args, True) == base // LLAMA_8B_BLOCK
+    latent = fake_model(32, 8, 128, 32)
+    latent.layers = [SimpleNamespace(self_attn=object())]
+    assert size_kv_pool(piecewise, latent, *args, True) == base // LLAMA_8B_BLOCK
+    eager = EngineConfig(cuda_graph_mode="piecewise", enforce_eager=True)
+    assert size_kv_pool(eager, model, *args, True) == (base + graph_pool_bytes(
+        H100, 128, 32, 128)) // LLAMA_8B_BLOCK  # fmt: skip
 
 
 def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> None:

@@ -14,7 +14,7 @@ from duet.cli.main import main
 from duet.engine import kv_sizing
 from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
-from duet.engine.kv_sizing import GpuMemory, size_kv_pool
+from duet.engine.kv_sizing import GpuMemory, graph_pool_bytes, size_kv_pool
 from duet.engine.loader import load_model
 from duet.engine.memory_plan import PlanSettings, activation_bytes, plan_layout, plan_layouts
 from duet.engine.model.arch import ModelArchConfig
@@ -125,6 +125,9 @@ def test_pipeline_stages_split_layers_embedding_and_head() -> None:
     assert all(r.graph_pool_bytes > 0 for r in layout.ranks)
     eager = plan_layout(arch_of(LLAMA_70B), 4, 2, 80 * GIB, PlanSettings(cuda_graphs=False))
     assert all(r.graph_pool_bytes == 0 for r in eager.ranks)
+    # pipeline stages run their other steps eagerly: no pieces' pool
+    pieces = PlanSettings(piecewise_graphs=True)
+    assert plan_layout(arch_of(LLAMA_70B), 4, 2, 80 * GIB, pieces) == layout
 
 
 def test_which_layouts_fit_eight_80gib_gpus() -> None:
@@ -143,11 +146,12 @@ def test_which_layouts_fit_eight_80gib_gpus() -> None:
     assert h200.fits and h200.max_context == 131072
 
 
-def test_the_plan_is_the_engine_s_gpu_kv_sizing(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["decode", "piecewise"])
+def test_the_plan_is_the_engine_s_gpu_kv_sizing(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Given the plan's memory terms as the warm-up's measurement, the engine's `size_kv_pool`
-    (graph pool, reservations, clamp) sizes exactly the plan's pool."""
+    (graph pools, reservations, clamp) sizes exactly the plan's pool, in either graph mode."""
     arch = arch_of(LLAMA_8B)
-    settings = PlanSettings(max_model_len=32768)
+    settings = PlanSettings(max_model_len=32768, piecewise_graphs=mode == "piecewise")
     rank = plan_layout(arch, 1, 1, 80 * GIB, settings).ranks[0]
     measured = GpuMemory(
         80 * GIB, rank.others_bytes, rank.weights_bytes, rank.activation_bytes, 2048
@@ -155,11 +159,15 @@ def test_the_plan_is_the_engine_s_gpu_kv_sizing(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(kv_sizing, "measure_gpu_memory", lambda *a: measured)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
+    config = EngineConfig(cuda_graph_mode=mode)
     blocks = size_kv_pool(
-        EngineConfig(), model, torch.device("cuda", 0), torch.bfloat16, SINGLE, 32768, True
+        config, model, torch.device("cuda", 0), torch.bfloat16, SINGLE, 32768, True
     )
     assert blocks == rank.num_kv_blocks > 0
-    assert rank.graph_pool_bytes > 0
+    decode_only = graph_pool_bytes(measured, 128, 32, 128)
+    # the pieces' pool: 512 tokens at the warm-up's bytes per token
+    pieces = -(-rank.activation_bytes // 2048) * 512 if mode == "piecewise" else 0
+    assert rank.graph_pool_bytes == decode_only + pieces
 
 
 @pytest.mark.usefixtures("cpu_kernels_off")  # no packed copies: the weights as on a GPU
@@ -206,6 +214,13 @@ def test_duet_plan_prints_every_layout(tmp_path: Path, capsys: pytest.CaptureFix
     assert "TP=8 x PP=1 (8 GPUs): fits:" in out
     assert f"{EXPECTED_WEIGHTS['70B', 8] / GIB:.2f}" in out  # 16.43 GiB a rank
     assert main(["plan", "--model", str(tmp_path / "nowhere")]) == 2
+    # the pieces' pool changes the single-stage layouts only
+    args = ["plan", "--model", str(tmp_path), "--gpus", "8", "--gpu-memory", "80GiB"]
+    assert main([*args, "--cuda-graph-mode", "piecewise"]) == 0
+    pieces = capsys.readouterr().out.split("\n\n")
+    decode = out.split("\n\n")
+    changed = [p.split(":")[0] for p, d in zip(pieces, decode, strict=True) if p != d]
+    assert changed and all("x PP=1 " in head for head in changed), changed
 
 
 @pytest.mark.usefixtures("cpu_kernels_off")

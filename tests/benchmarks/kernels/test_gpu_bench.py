@@ -32,6 +32,13 @@ def test_smoke_run_writes_every_measurement(tmp_path):
         assert d["eager_ms"] > 0 and d["hf_step_ms"] > 0 and d["roofline_ms"] > 0
     for p in tiny["prefill"]:
         assert p["tflops"] > 0 and p["hf_ms"] > 0
+    # a chunk of 16 beside 4 decodes; 4 requests verifying 2 guesses each: in pieces (replayed
+    # by calling them on the CPU) the eager step's logits, bit for bit in fp32
+    mixed = [(m["chunk"], m["decodes"], m["query"], m["tokens"]) for m in tiny["mixed"]]
+    assert mixed == [(16, 4, 1, 20), (0, 4, 3, 12)]
+    for m in tiny["mixed"]:
+        assert m["eager_ms"] > 0 and m["piecewise_ms"] > 0
+        assert m["max_abs_logit_diff"] == 0.0
 
 
 def test_smoke_profile_splits_each_decode_step_by_kind(tmp_path):
