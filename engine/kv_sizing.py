@@ -43,6 +43,18 @@ class GpuMemory:
     num_warmup_tokens: int  # tokens of that warm-up forward
 
 
+@dataclass(frozen=True)
+class DraftSizing:
+    """What a draft model (speculative `draft_model`) adds to its target's KV budget: its own
+    pool holds as many blocks as the target's, so each block costs both models' bytes; on
+    CUDA with graphs its runner captures its own decode (and piecewise) graphs. Its weights are
+    loaded before the target's pool is sized, so the warm-up's measurement holds them."""
+
+    block_bytes: int
+    num_heads: int
+    head_dim: int
+
+
 def plan_gpu_kv_blocks(
     memory: GpuMemory, utilization: float, block_bytes: int, reserved: Mapping[str, int]
 ) -> int:
@@ -141,11 +153,13 @@ def num_kv_blocks_for_gpu_memory(
     reserved: Mapping[str, int] | None = None,
     graph_max_num_seqs: int = 0,
     piecewise_max_tokens: int = 0,
+    draft: DraftSizing | None = None,
 ) -> int:
     """KV blocks that fit in `gpu_memory_utilization` of the GPU (see `measure_gpu_memory`,
     `plan_gpu_kv_blocks`); `graph_max_num_seqs` > 0 also reserves the CUDA-graph pool of
     decode batches of up to that many requests, `piecewise_max_tokens` > 0 that of piecewise
-    graphs of steps of up to that many tokens (`piecewise_pool_bytes`). CUDA only."""
+    graphs of steps of up to that many tokens (`piecewise_pool_bytes`). `draft`: a draft
+    model's blocks beside each of the target's, and its graphs' pools. CUDA only."""
     cfg = model.config
     memory = measure_gpu_memory(
         model, block_size, dtype, device, max_num_batched_tokens, use_triton
@@ -159,6 +173,15 @@ def num_kv_blocks_for_gpu_memory(
     if piecewise_max_tokens > 0:
         reserve["piecewise_graphs"] = piecewise_pool_bytes(memory, piecewise_max_tokens)
     block_bytes = model.kv_spec.bytes_per_block(model.num_layers, block_size, dtype)
+    if draft is not None:
+        # the target's activations per token bound the (smaller) draft's
+        if graph_max_num_seqs > 0:
+            reserve["draft_cuda_graphs"] = graph_pool_bytes(
+                memory, graph_max_num_seqs, draft.num_heads, draft.head_dim
+            )
+        if piecewise_max_tokens > 0:
+            reserve["draft_piecewise_graphs"] = piecewise_pool_bytes(memory, piecewise_max_tokens)
+        block_bytes += draft.block_bytes
     num_blocks = plan_gpu_kv_blocks(memory, gpu_memory_utilization, block_bytes, reserve)
     logger.info(
         "GPU memory: %.2f GiB total, weights %.2f, activations %.2f, others %.2f, %s; "
@@ -179,10 +202,12 @@ def size_kv_pool(
     tp: TensorParallel,
     max_model_len: int,
     use_triton: bool,
+    draft: DraftSizing | None = None,
 ) -> int:
     """The engine's block count: `num_kv_blocks`, else what the GPU has left (CUDA) or
     `kv_cache_memory_bytes` (CPU); clamped to what 32-bit offsets address; the minimum over
-    the tensor-parallel group (every rank calls this at the same point)."""
+    the tensor-parallel group (every rank calls this at the same point). `draft`: a draft
+    model's pool of as many blocks shares the budget (`DraftSizing`)."""
     spec = model.kv_spec
     block_bytes = spec.bytes_per_block(model.num_layers, config.block_size, dtype)
     if config.num_kv_blocks is not None:
@@ -207,9 +232,11 @@ def size_kv_pool(
                 and piecewise_unsupported(model) is None
                 else 0
             ),
+            draft=draft,
         )
     else:
-        num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+        draft_bytes = 0 if draft is None else draft.block_bytes
+        num_blocks = max(1, config.kv_cache_memory_bytes // (block_bytes + draft_bytes))
     limit = spec.max_addressable_blocks(config.block_size)
     if num_blocks > limit:
         logger.warning(

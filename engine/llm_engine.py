@@ -100,12 +100,22 @@ class LLMEngine:
             )
             == "triton"
         )
+        spec = config.speculative()
+        # A draft model is loaded first: its weights are then in what the KV pool's sizing
+        # measures, and its own pool (as many blocks) is in the budget.
+        draft = draft_sizing = None
+        if spec is not None and spec.method == "draft_model" and tp.world_size == 1:
+            from duet.engine.spec_decode.draft_model import draft_sizing as sizing
+            from duet.engine.spec_decode.draft_model import load_draft
+
+            draft = load_draft(spec, self.dtype, self.device)
+            draft_sizing = sizing(draft, config.block_size, self.dtype)
         self.num_blocks = size_kv_pool(
-            config, loaded.model, self.device, self.dtype, tp, self.max_model_len, use_triton
-        )
+            config, loaded.model, self.device, self.dtype, tp, self.max_model_len, use_triton,
+            draft_sizing,
+        )  # fmt: skip
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        spec = config.speculative()
         self.runner = ModelRunner(
             loaded.model,
             self.num_blocks,
@@ -125,6 +135,7 @@ class LLMEngine:
             loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
             self.num_blocks, self.max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.attention_backend, tp.world_size,
+            config.enforce_eager, config.cuda_graph_mode, draft,
         )  # fmt: skip
         self.speculator = Speculator(spec, target) if spec else None
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""

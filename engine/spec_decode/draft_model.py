@@ -23,9 +23,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from duet.engine.errors import InvalidInputError
 from duet.engine.kv_cache_manager import KVCacheManager
-from duet.engine.loader import load_model
+from duet.engine.kv_sizing import DraftSizing
+from duet.engine.loader import LoadedModel, load_model
 from duet.engine.model_runner import ModelRunner
 from duet.engine.request import Request
 from duet.engine.sampling_params import SamplingParams
@@ -38,6 +41,22 @@ logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0, max_tokens=None)
 
 
+def load_draft(config: SpeculativeConfig, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The draft model of `config` (method draft_model), on `device` in `dtype`."""
+    assert config.model is not None  # SpeculativeConfig requires it
+    return load_model(config.model, dtype, device, progress=False)
+
+
+def draft_sizing(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> DraftSizing:
+    """What `loaded`'s KV pool and graphs add to its target's KV budget (kv_sizing)."""
+    model = loaded.model
+    return DraftSizing(
+        block_bytes=model.kv_spec.bytes_per_block(model.num_layers, block_size, dtype),
+        num_heads=model.heads.num_heads,
+        head_dim=loaded.arch.head_dim,
+    )
+
+
 class DraftModelProposer(Proposer):
     method = "draft_model"
 
@@ -48,7 +67,7 @@ class DraftModelProposer(Proposer):
                 FIELD, "'method' draft_model runs without tensor parallelism only (TP size 1)"
             )
         assert config.model is not None  # SpeculativeConfig requires it
-        loaded = load_model(config.model, target.dtype, target.device, progress=False)
+        loaded = target.draft_model or load_draft(config, target.dtype, target.device)
         draft_vocab = loaded.arch.vocab_size
         if draft_vocab != target.vocab_size or (
             loaded.tokenizer.vocab_size != target.tokenizer.vocab_size
@@ -65,7 +84,8 @@ class DraftModelProposer(Proposer):
             loaded.model, target.num_blocks, target.block_size, target.device, target.dtype,
             target.attention_backend, max_num_seqs=target.max_num_seqs,
             max_num_batched_tokens=target.max_num_batched_tokens + target.max_num_seqs,
-            max_model_len=target.max_model_len,
+            max_model_len=target.max_model_len, enforce_eager=target.enforce_eager,
+            cuda_graph_mode=target.cuda_graph_mode,
         )  # fmt: skip
         self._shadows: dict[str, Request] = {}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,6 +58,12 @@ class TargetInfo:
     max_num_batched_tokens: int
     attention_backend: str
     tensor_parallel_size: int
+    enforce_eager: bool = True  # a draft model's runner captures CUDA graphs unless this
+    cuda_graph_mode: str = "decode"  # ... and in which mode (EngineConfig.cuda_graph_mode)
+    draft_model: Any = None
+    """draft_model: the draft, loaded before the target's KV pool was sized (`LoadedModel`: on
+    CUDA its weights are in the memory the pool's sizing measured); None: the proposer loads
+    it."""
 
 
 @dataclass

@@ -141,12 +141,14 @@ def test_tp2_ranks_replay_the_same_graphs_and_give_eager_tokens(
     tiny_llama: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two gloo ranks capture their graphs with the all-reduces inside (the stand-in capture,
-    tp_rank.py's DUET_TEST_EAGER_GRAPHS): the same buckets, the same replayed steps on both,
-    and TP=1's eager tokens."""
+    tp_rank.py's DUET_TEST_EAGER_GRAPHS), decode graphs and piecewise ones (a 16-token step
+    budget chunks the prompts): the same buckets, the same replayed steps on both, and TP=1's
+    eager tokens."""
     from tests.engine.test_tensor_parallel import _run_ranks
 
     prompts = [list(range(3, 3 + n)) for n in (5, 11, 30)]
     engine = {k: v for k, v in ENGINE.items() if k not in ("load_progress", "device")}
+    engine.update(cuda_graph_mode="piecewise", max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=3)
     want = [o.token_ids for o in LLM(tiny_llama, **ENGINE, enforce_eager=True).generate(
         prompts, params)]  # fmt: skip
@@ -155,8 +157,9 @@ def test_tp2_ranks_replay_the_same_graphs_and_give_eager_tokens(
     for r in ranks:
         assert r["tokens"] == want
         assert r["graph_buckets"] == [1, 2, 4]
-        # step 1 prefills the three prompts; the other 15 decode all three (bucket 4)
-        assert r["graph_replays"] == 15
+        # steps 1-3 in pieces: the first two prompts (5 + 11), then two decodes beside 14 and
+        # 8 tokens of the third (its first 8 are the second's, cached); steps 4-18 decode
+        assert (r["piece_replays"], r["graph_replays"]) == (3, 15)
 
 
 def test_pp2_stages_replay_their_graphs_and_give_eager_tokens(

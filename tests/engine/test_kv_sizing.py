@@ -15,6 +15,7 @@ from duet.engine.config import EngineConfig
 from duet.engine.errors import InvalidInputError
 from duet.engine.kv_cache_spec import INT32_MAX, KVCacheSpec
 from duet.engine.kv_sizing import (
+    DraftSizing,
     GpuMemory,
     graph_pool_bytes,
     piecewise_pool_bytes,
@@ -140,6 +141,33 @@ def test_piecewise_pool_is_in_the_budget_when_asked(measured) -> None:
     eager = EngineConfig(cuda_graph_mode="piecewise", enforce_eager=True)
     assert size_kv_pool(eager, model, *args, True) == (base + graph_pool_bytes(
         H100, 128, 32, 128)) // LLAMA_8B_BLOCK  # fmt: skip
+
+
+def test_a_draft_model_shares_the_budget(measured) -> None:
+    """A draft model's pool holds as many blocks as the target's: each block costs both
+    models' bytes; on CUDA its decode graphs' pool is reserved too (at the target's
+    activations per token: an upper bound). Its weights are in the measurement (loaded
+    first), so nothing else is counted for them here."""
+    model = fake_model(32, 8, 128, 32)
+    draft = DraftSizing(block_bytes=LLAMA_8B_BLOCK // 4, num_heads=32, head_dim=64)
+    args = (CUDA, torch.bfloat16, SINGLE, 32768)
+    base = int(80 * GIB * 0.9) - 18 * GIB - graph_pool_bytes(H100, 128, 32, 128)
+    draft_graphs = graph_pool_bytes(H100, 128, 32, 64)
+    assert size_kv_pool(EngineConfig(), model, *args, True, draft) == (base - draft_graphs) // (
+        LLAMA_8B_BLOCK + LLAMA_8B_BLOCK // 4
+    )
+    piecewise = EngineConfig(cuda_graph_mode="piecewise")
+    assert size_kv_pool(piecewise, model, *args, True, draft) == (
+        base - draft_graphs - 2 * 512 * MIB  # the pieces' pools of both models
+    ) // (LLAMA_8B_BLOCK + LLAMA_8B_BLOCK // 4)
+    eager = EngineConfig(enforce_eager=True)
+    assert size_kv_pool(eager, model, *args, True, draft) == (int(80 * GIB * 0.9) - 18 * GIB) // (
+        LLAMA_8B_BLOCK + LLAMA_8B_BLOCK // 4
+    )
+    cpu = (torch.device("cpu"), torch.bfloat16, SINGLE, 32768, False)
+    budget = EngineConfig(kv_cache_memory_bytes=10 * LLAMA_8B_BLOCK)
+    assert size_kv_pool(budget, model, *cpu) == 10
+    assert size_kv_pool(budget, model, *cpu, draft) == 8  # 10 / 1.25
 
 
 def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> None:

@@ -141,3 +141,25 @@ def test_speculative_steps_run_in_pieces_with_the_eager_tokens(
     assert [how for _, how in steps] == [
         "decode" if tokens == [1] * len(tokens) else "pieces" for tokens, _ in steps
     ]
+
+
+def test_a_draft_model_replays_its_own_graphs(
+    tiny_llama: str, tiny_model_factory: Any, faked_cuda: EagerReplay
+) -> None:
+    """A draft model's runner captures graphs as its target's does: its single-token guessing
+    steps replay its decode graphs, its catch-up steps (the target's accepted tokens, a new
+    prompt) its pieces; the greedy tokens are the eager engine's without speculation."""
+    draft = tiny_model_factory("llama", num_hidden_layers=1)
+    prompts = [[42] * 20, [3, 4] * 15]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine = dict(PIECEWISE, max_num_batched_tokens=64)
+    want = [o.token_ids for o in LLM(tiny_llama, **engine, enforce_eager=True).generate(
+        prompts, params)]  # fmt: skip
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    llm = LLM(tiny_llama, **engine, speculative_config=spec)
+    assert llm.engine.speculator is not None
+    runner = llm.engine.speculator.proposer.runner  # type: ignore[attr-defined]
+    assert runner.decode_graphs is not None and runner.piecewise_graphs is not None
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert runner.decode_graphs.num_replays > 0 and runner.piecewise_graphs.num_replays > 0

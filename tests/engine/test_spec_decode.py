@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from duet.engine import LLM, SamplingParams
 from duet.engine.block_pool import hash_request_blocks
@@ -221,6 +222,37 @@ def test_greedy_with_a_draft_model_equals_greedy_without(tiny_llama, tiny_model_
             assert stats.num_accepted_tokens == stats.num_draft_tokens
         else:
             assert stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_a_draft_model_is_loaded_once_and_its_pool_shares_the_budget(
+    tiny_llama, tiny_model_factory, monkeypatch
+):
+    """The engine loads the draft before sizing the KV pool (on CUDA its weights are then in
+    the measurement) and hands it to the proposer: one load. The pools of both models, as
+    many blocks each, fit `kv_cache_memory_bytes` together."""
+    from duet.engine.spec_decode import draft_model
+
+    draft = tiny_model_factory("llama", num_hidden_layers=1)
+    loads: list[str] = []
+    load = draft_model.load_model
+
+    def counted(path, *args, **kwargs):
+        loads.append(path)
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(draft_model, "load_model", counted)
+    budget = 1 << 20
+    config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
+    llm = _llm(tiny_llama, "float32", config, kv_cache_memory_bytes=budget)
+    assert loads == [draft]
+    engine = llm.engine
+    target = engine.runner.model
+    proposer = engine.speculator.proposer
+    block = target.kv_spec.bytes_per_block(target.num_layers, 16, torch.float32)
+    draft_model_ = proposer.runner.model
+    draft_block = draft_model_.kv_spec.bytes_per_block(draft_model_.num_layers, 16, torch.float32)
+    assert engine.num_blocks == budget // (block + draft_block) < budget // block
+    assert proposer.kv.pool.num_blocks == engine.num_blocks
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tiny_model_factory):

@@ -3,8 +3,8 @@ python tp_rank.py MODEL RANK WORLD PORT PROMPTS_JSON OUT_JSON KV_CACHE_MEMORY_BY
 [ENGINE_JSON]] (BACKEND gloo and DEVICE cpu by default; nccl and cuda on a machine with two GPUs;
 ENGINE_JSON: more EngineConfig fields, e.g. '{"quantization": "int4"}' or '{"dtype": "bfloat16"}'
 (float32 by default); '{"pipeline_parallel_size": 2}': WORLD ranks as 2 stages of WORLD / 2);
-DUET_TEST_EAGER_GRAPHS=1 in the environment captures decode graphs
-through test_cuda_graphs.py's CPU stand-in. PROMPTS_JSON: a list of prompts, generated as one batch; or
+DUET_TEST_EAGER_GRAPHS=1 in the environment captures decode graphs (and piecewise ones, with
+'{"cuda_graph_mode": "piecewise"}') through test_cuda_graphs.py's CPU stand-in. PROMPTS_JSON: a list of prompts, generated as one batch; or
 {"batches": [[prompt, ...], ...]}, generated one batch after another, each batch's results in
 the output's "batches"."""
 
@@ -40,10 +40,13 @@ def main() -> None:
 
         from duet.engine import model_runner
         from duet.engine.cuda_graphs import DecodeGraphs
+        from duet.engine.piecewise_graphs import PiecewiseGraphs
         from tests.engine.test_cuda_graphs import EagerReplay
 
+        capture = EagerReplay()
         model_runner.uses_decode_graphs = lambda eager, *args: not eager  # type: ignore[assignment]
-        model_runner.DecodeGraphs = functools.partial(DecodeGraphs, capture=EagerReplay())  # type: ignore[misc]
+        model_runner.DecodeGraphs = functools.partial(DecodeGraphs, capture=capture)  # type: ignore[misc]
+        model_runner.PiecewiseGraphs = functools.partial(PiecewiseGraphs, capture=capture)  # type: ignore[misc]
     with open(prompts_file) as f:
         prompts = json.load(f)
     llm = LLM(
@@ -60,7 +63,9 @@ def main() -> None:
             "logprobs": [[lp.sampled.logprob for lp in o.logprobs] for o in outs],
         })  # fmt: skip
     graphs = llm.engine.runner.decode_graphs
+    pieces = llm.engine.runner.piecewise_graphs
     result = {
+        "piece_replays": pieces.num_replays if pieces is not None else None,
         **results[0],
         "graph_buckets": graphs.buckets if graphs is not None else None,
         "graph_replays": graphs.num_replays if graphs is not None else None,
