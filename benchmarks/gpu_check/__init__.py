@@ -69,6 +69,7 @@ TOTAL_S, QUICK_TOTAL_S = 480, 240
 GPU_TEST_FILES = (
     "tests/engine/test_cuda_sampling.py",
     "tests/engine/test_loader.py",
+    "tests/engine/test_piecewise_graphs.py",
     "tests/engine/test_quantized_model.py",
     "tests/engine/test_quantized_triton.py",
     "tests/engine/test_structured_outputs.py",

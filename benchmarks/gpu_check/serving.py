@@ -50,17 +50,21 @@ class ServeSettings:
     output_len: int = 128
     serve_flags: tuple[str, ...] = ("--max-model-len", "2048", "--max-num-seqs", "64")
     request_timeout_s: float = 120.0
+    piecewise: tuple[int, ...] = (16,)
+    """Concurrencies run again on a second server with `--cuda-graph-mode piecewise` (the
+    steps that take in a new prompt's chunk beside decodes in pieces; docs/gpu.md), at the
+    same requests per stream; (): not run."""
 
     @classmethod
     def quick(cls) -> ServeSettings:
-        return cls(concurrencies=(1, 16), requests_per_stream=(4, 2))
+        return cls(concurrencies=(1, 16), requests_per_stream=(4, 2), piecewise=())
 
     @classmethod
     def cpu_smoke(cls) -> ServeSettings:
         """A tiny model on the CPU (tests): the same steps, numbers that mean nothing."""
         return cls(
             config=dict(TINY), concurrencies=(1, 4), requests_per_stream=(2, 1), input_len=16,
-            output_len=6, request_timeout_s=60.0,
+            output_len=6, request_timeout_s=60.0, piecewise=(4,),
             serve_flags=("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
                          "--max-num-seqs", "4"),
         )  # fmt: skip
@@ -117,6 +121,8 @@ START_UP_PATTERNS = {
     "graph_capture_s": r"CUDA graphs: decode batches of [\d,]+ requests captured in ([\d.]+) s",
     "graph_pool_gib": r"graph pool ([\d.]+) GiB",
     "graph_pool_reserved_gib": r"GPU memory: .*cuda_graphs ([\d.]+)",
+    "piecewise_capture_s": r"pieces, \d+ sizes captured in ([\d.]+) s",
+    "piecewise_pool_gib": r"pieces, .* graph pool ([\d.]+) GiB",
 }
 
 
@@ -145,26 +151,74 @@ def level_summary(result: dict[str, Any]) -> dict[str, Any]:
 def run_serving(
     settings: ServeSettings, workdir: Path, deadline: float, port: int, device: torch.device
 ) -> dict[str, Any]:
-    """Start `duet serve` on `port`, bench it at every concurrency, stop it. Returns the
-    step's report; raises `StepTimeout` when `deadline` (monotonic) passes."""
+    """Start `duet serve` on `port`, bench it at every concurrency, stop it; then, for
+    `settings.piecewise`, the same with `--cuda-graph-mode piecewise`. Returns the step's
+    report; raises `StepTimeout` when `deadline` (monotonic) passes."""
     model = write_dummy_model(workdir / "model", settings.config)
-    url = f"http://127.0.0.1:{port}"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     bandwidth = copy_bandwidth_gbs(device, (1 << 30) if device.type == "cuda" else (64 << 20))
+    report: dict[str, Any] = {"settings": asdict(settings), "copy_bandwidth_gbs": bandwidth}
+    per_stream = dict(zip(settings.concurrencies, settings.requests_per_stream, strict=True))
+    served = _serve_and_bench(settings, model, workdir, deadline, port, per_stream, ())
+    levels = served.pop("levels", [])
+    report.update(served, levels=levels)
+    one = next((lv for lv in levels if lv["concurrency"] == 1), None)
+    if one is not None and one["itl_ms_p50"]:
+        context = settings.input_len + settings.output_len // 2  # the mean over the outputs
+        roofline_ms = (
+            decode_bytes_per_step(settings.config, context, dtype) / (bandwidth * 1e9) * 1e3
+        )
+        report["one_stream"] = {
+            "roofline_step_ms": roofline_ms, "mean_context": context,
+            "itl_ms_p50": one["itl_ms_p50"], "roofline_fraction": roofline_ms / one["itl_ms_p50"],
+        }  # fmt: skip
+    failed = sum(lv["failed"] for lv in levels)
+    report["ok"] = failed == 0 and len(levels) == len(settings.concurrencies)
+    if settings.piecewise and "error" not in served:
+        wanted = {n: per_stream.get(n, 2) for n in settings.piecewise}
+        try:
+            pieces = _serve_and_bench(
+                settings, model, workdir / "piecewise", deadline, port, wanted,
+                ("--cuda-graph-mode", "piecewise"),
+            )  # fmt: skip
+        except StepTimeout as e:  # the first server's numbers stay in the report
+            pieces = {"levels": [], "error": f"timed out: {e}"[-3000:]}
+        pieces["ok"] = (
+            "error" not in pieces
+            and len(pieces["levels"]) == len(wanted)
+            and not sum(lv["failed"] for lv in pieces["levels"])
+        )
+        report["piecewise"] = pieces
+        report["ok"] = report["ok"] and pieces["ok"]
+    return report
+
+
+def _serve_and_bench(
+    settings: ServeSettings,
+    model: Path,
+    workdir: Path,
+    deadline: float,
+    port: int,
+    per_stream: dict[int, int],
+    extra_flags: tuple[str, ...],
+) -> dict[str, Any]:
+    """One server (`settings.serve_flags` and `extra_flags`) benched at each concurrency of
+    `per_stream` (concurrency -> requests per stream), then stopped: its start-up facts,
+    `levels`, exit code and log tail; `error` when a bench run failed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
     args = ["-m", "duet.cli", "serve", "--model", str(model), "--load-format", "dummy",
             "--port", str(port), "--grpc-port", "0", "--no-ui", "--no-load-progress",
-            "--session-store", f"sqlite:///{workdir / 'sessions.db'}", *settings.serve_flags]  # fmt: skip
+            "--session-store", f"sqlite:///{workdir / 'sessions.db'}", *settings.serve_flags,
+            *extra_flags]  # fmt: skip
     started = time.monotonic()
     server = Child(args, workdir / "serve.log")
-    report: dict[str, Any] = {"settings": asdict(settings), "copy_bandwidth_gbs": bandwidth}
+    report: dict[str, Any] = {"flags": list(extra_flags), "levels": []}
     try:
         server.wait_for_line(r"gRPC API \(duet\.v1\.Duet\) on", deadline)
         report["start_up_s"] = time.monotonic() - started
         report["start_up"] = start_up_facts(server.text())
-        levels = []
-        for i, (streams, per) in enumerate(
-            zip(settings.concurrencies, settings.requests_per_stream, strict=True)
-        ):
+        for i, (streams, per) in enumerate(per_stream.items()):
             out = workdir / f"bench_{streams}.json"
             bench = ["-m", "duet.cli", "bench", "serve", "--url", url, "--tokenizer", str(model),
                      "--rate", "inf", "--max-concurrency", str(streams),
@@ -178,24 +232,20 @@ def run_serving(
             code = run_bounded(bench, deadline, workdir / f"bench_{streams}.log", child_env())
             if code != 0 or not out.exists():
                 log = (workdir / f"bench_{streams}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"duet bench serve at {streams} streams exited {code}:\n{log}")
-            levels.append({"concurrency": streams, **level_summary(json.loads(out.read_text()))})
-        report["levels"] = levels
+                report["error"] = f"duet bench serve at {streams} streams exited {code}:\n{log}"
+                if not extra_flags:
+                    raise RuntimeError(report["error"])
+                break
+            report["levels"].append(
+                {"concurrency": streams, **level_summary(json.loads(out.read_text()))}
+            )
+    except RuntimeError as e:  # the second server's failure is its own finding
+        if not extra_flags:
+            raise
+        report["error"] = str(e)[-3000:]
     finally:
         report["server_exit_code"] = server.stop()
         report["server_log_tail"] = server.tail(2000)
-    one = next((lv for lv in levels if lv["concurrency"] == 1), None)
-    if one is not None and one["itl_ms_p50"]:
-        context = settings.input_len + settings.output_len // 2  # the mean over the outputs
-        roofline_ms = (
-            decode_bytes_per_step(settings.config, context, dtype) / (bandwidth * 1e9) * 1e3
-        )
-        report["one_stream"] = {
-            "roofline_step_ms": roofline_ms, "mean_context": context,
-            "itl_ms_p50": one["itl_ms_p50"], "roofline_fraction": roofline_ms / one["itl_ms_p50"],
-        }  # fmt: skip
-    failed = sum(lv["failed"] for lv in levels)
-    report["ok"] = failed == 0 and len(levels) == len(settings.concurrencies)
     return report
 
 

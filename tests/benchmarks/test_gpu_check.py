@@ -188,12 +188,14 @@ def test_start_up_facts_from_the_serve_log():
         "1.20, others 0.50, cuda_graphs 0.31; KV pool 50000 blocks\n"
         "INFO duet.engine.model_runner: CUDA graphs: decode batches of 1,2,4,8,16,32,48,64 "
         "requests captured in 6.3 s; graph pool 0.42 GiB\n"
+        "INFO duet.engine.model_runner: CUDA graphs: steps of up to 512 tokens in 33 pieces, "
+        "24 sizes captured in 9.8 s; graph pool 0.75 GiB\n"
         "INFO duet.engine.llm_engine: loaded model (LlamaForCausalLM, bfloat16 on cuda:0) in "
         "21.5s; KV pool 50000 blocks x 16 tokens\n"
     )
     assert start_up_facts(log) == {
         "load_s": 21.5, "kv_blocks": 50000.0, "graph_capture_s": 6.3, "graph_pool_gib": 0.42,
-        "graph_pool_reserved_gib": 0.31,
+        "graph_pool_reserved_gib": 0.31, "piecewise_capture_s": 9.8, "piecewise_pool_gib": 0.75,
     }  # fmt: skip
     assert start_up_facts("")["graph_capture_s"] is None
 
@@ -225,6 +227,15 @@ def test_serving_step_on_a_tiny_dummy_model_on_the_cpu(tmp_path: Path):
     one = report["one_stream"]
     assert one["mean_context"] == 16 + 3
     assert one["roofline_fraction"] == pytest.approx(one["roofline_step_ms"] / one["itl_ms_p50"])
+    # the second server, with --cuda-graph-mode piecewise (on the CPU: accepted, nothing
+    # captured), benched at 4 streams
+    pieces = report["piecewise"]
+    assert pieces["ok"] and pieces["flags"] == ["--cuda-graph-mode", "piecewise"]
+    assert pieces["server_exit_code"] == 0 and "error" not in pieces
+    assert [(lv["concurrency"], lv["completed"], lv["failed"]) for lv in pieces["levels"]] == [
+        (4, 4, 0)
+    ]
+    assert pieces["start_up"]["piecewise_capture_s"] is None
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from duet.engine import LLM, EngineConfig, SamplingParams, model_runner
 from duet.engine.cuda_graphs import DecodeGraphs
@@ -163,3 +164,32 @@ def test_a_draft_model_replays_its_own_graphs(
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert runner.decode_graphs.num_replays > 0 and runner.piecewise_graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_on_cuda_piecewise_graphs_give_eager_tokens(tiny_model_factory: Any, arch: str) -> None:
+    """`cuda_graph_mode` piecewise: prompts prefilled in chunks of a 64-token budget beside
+    decodes, and ngram guesses verified, run in pieces around attention; deterministic
+    inference (row-invariant products, so T padded rows change no real row): eager's
+    tokens in bf16, and a mixture's expert load without the padding rows."""
+    prompts = [[5, 6, 7] * 4, list(range(3, 200)), [42] * 30, [3 + i % 500 for i in range(90)]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # fmt: skip
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(
+            tiny_model_factory(arch), dtype="bfloat16", device="cuda", enforce_eager=eager,
+            cuda_graph_mode="piecewise", deterministic=True, num_kv_blocks=256,
+            max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64,
+            speculative_config=spec, load_progress=False,
+        )  # fmt: skip
+        runner = llm.engine.runner
+        assert (runner.piecewise_graphs is None) == eager
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        load = None if runner.expert_load is None else runner.expert_load.read()
+        runs[eager] = (tokens, load)
+    assert runner.piecewise_graphs.num_replays > 0
+    assert runs[False] == runs[True]
