@@ -56,6 +56,24 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 </testsuite></testsuites>"""
 
 
+def test_a_tests_step_cut_off_keeps_what_ran(tmp_path: Path, monkeypatch):
+    """At the deadline pytest is interrupted and writes the junit report of what ran: the
+    step reports those outcomes as `partial` beside the timeout."""
+    from benchmarks.gpu_check.processes import StepTimeout
+
+    def interrupted(args, deadline, log, env=None):
+        junit = next(a for a in args if a.startswith("--junitxml=")).split("=", 1)[1]
+        Path(junit).write_text(JUNIT)
+        raise StepTimeout("['-m', 'pytest', '-m'] ran past its deadline:\n...")
+
+    monkeypatch.setattr(gpu_check, "run_bounded", interrupted)
+    report = gpu_check.run_gpu_tests(tmp_path, time.monotonic() + 5, quick=True)
+    assert (report["ok"], report["outcome"], report["partial"]) == (False, "timed_out", True)
+    assert (report["passed"], report["failed"], report["skipped"], report["error"]) == (1, 1, 1, 1)
+    assert report["detail"].endswith("ran past its deadline:\n...")
+    assert report["exit_code"] is None
+
+
 def test_junit_outcomes_and_summary():
     outcomes = gpu_check.junit_outcomes(JUNIT)
     assert outcomes == {
