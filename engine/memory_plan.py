@@ -287,8 +287,9 @@ def plan_layout(
             reserve = dict(settings.reserved)
             graphs = 0
             spec = kv_cache_spec(arch, w.num_kv_heads)
-            # every stage captures its own graphs; none for MLA (no Triton attention)
-            if settings.cuda_graphs and not spec.is_latent and dp == 1:
+            # every stage captures its own graphs (MLA too: Triton's latent kernels), as
+            # `kv_sizing.size_kv_pool` reserves them
+            if settings.cuda_graphs and dp == 1:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
                 if settings.piecewise_graphs and pp == 1:  # engine/piecewise_graphs.py

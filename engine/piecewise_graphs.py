@@ -8,17 +8,18 @@ launches before any compute (docs/gpu.md), so a step that takes in one new promp
 stalls every stream's next token. Here such a step of n <= `max_tokens` tokens runs, for the
 smallest captured size T >= n:
 
-    piece 0      embed, layer 0's norm, q|k|v projection, q/k norm, rotary      (a graph)
-    attention 0  K/V written to the cache and paged attention over the n rows   (eager)
-    piece i      layer i-1's o_proj, all-reduce, residual add + norm, MLP;
-                 layer i's residual add + norm, q|k|v, rotary                   (a graph)
+    piece 0      embed, layer 0's norm and attention inputs (`prepare`: q|k|v
+                 projection, q/k norm, rotary; MLA: absorbed queries, latent entries)  (a graph)
+    attention 0  K/V written to the cache, paged attention over the n rows (`attend`)  (eager)
+    piece i      layer i-1's `output` (o_proj, all-reduce), residual add + norm, MLP;
+                 layer i's residual add + norm and attention inputs                  (a graph)
     ...
-    piece L      the last layer's o_proj and MLP, the final norm               (a graph)
+    piece L      the last layer's `output` and MLP, the final norm                  (a graph)
 
 Only attention sees the step's shape (its metadata is host-built per step, its grid depends on
 it); the pieces see T rows whatever the batch. Graphs fix addresses, so what crosses a piece's
 edge lives in static buffers: the token ids and positions (rows past n: 0), the residual
-stream, q|k|v (attention's input) and attention's output (its rows past n keep old values:
+stream, attention's inputs and attention's output (its rows past n keep old values:
 rows are independent, and a mixture's expert load counts real rows only, `row_weight`). The
 pieces of all sizes share one memory pool, captured largest first.
 
@@ -27,8 +28,13 @@ the layer. The tokens are the eager forward's where each row's arithmetic does n
 the rows beside it (the CPU kernels; on CUDA deterministic inference's Triton products; cuBLAS
 may pick another kernel for T rows than for n, as for the decode graphs' padded batches).
 
-Not captured (those steps run eagerly): pipeline stages, multi-head latent attention (its
-attention is not one call between projections), mixtures whose experts are read on the host
+A layer's attention module (`Attention`, and multi-head latent attention's `MLAttention`)
+offers the three parts: `prepare(hidden, positions, rotary)` -> its inputs, `attend(inputs,
+kv_cache, meta, workspace)` -> [T, `out_width`], `output(that)` -> [T, hidden]; its own
+`forward` is the three in a row.
+
+Not captured (those steps run eagerly): pipeline stages, data-parallel attention (its expert
+exchange's sizes change with the step), mixtures whose experts are read on the host
 (`moe.experts_read_on_host`), steps of more than `max_tokens` tokens (compute-bound).
 """
 
@@ -56,14 +62,12 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
 
 def piecewise_unsupported(model: Any) -> str | None:
     """Why `model`'s forward cannot be captured in pieces, or None when it can."""
-    from duet.engine.model.llama import Attention
-
     if model.tp.pp.num_stages > 1:
         return "pipeline stages"
     if model.tp.exchange is not None:
         return "data-parallel attention"
-    if not all(isinstance(layer.self_attn, Attention) for layer in model.layers):
-        return "multi-head latent attention"
+    if not all(hasattr(layer.self_attn, "prepare") for layer in model.layers):
+        return "an attention without the three parts"
     return None
 
 
@@ -71,8 +75,8 @@ class PiecewiseGraphs:
     """The captured pieces of one model's forward, per size, and their static buffers.
 
     Invariants: built after the KV caches are allocated; `run` from one thread at a time (the
-    static buffers are shared); the model is a single stage with `Attention` in every layer
-    (`piecewise_unsupported` is None)."""
+    static buffers are shared); the model is a single stage whose layers' attention offers
+    `prepare`, `attend` and `output` (`piecewise_unsupported` is None)."""
 
     def __init__(
         self,
@@ -101,16 +105,15 @@ class PiecewiseGraphs:
         device, dtype = cache.device, cache.dtype
         reserved_before = capture.reserved_bytes(device)
         top = self.buckets[-1]
-        attn = self.layers[0].self_attn
-        self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.head_dim = attn.head_dim
         hidden_size = model.config.hidden_size
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self.residual = torch.zeros(top, hidden_size, dtype=dtype, device=device)
-        self.qkv = torch.zeros(top, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-        self.attn_out = torch.zeros(top, self.q_size, dtype=dtype, device=device)
+        self.inputs: list[torch.Tensor] = []
+        """Attention's inputs (every layer's alike), [top, ...] each: made by the first
+        warm-up, of the largest size, from what `prepare` returns."""
+        width = self.layers[0].self_attn.out_width
+        self.attn_out = torch.zeros(top, width, dtype=dtype, device=device)
         self.out = torch.zeros(top, hidden_size, dtype=dtype, device=device)
         # A mixture's expert load counts real rows only: 1 a token, 0 a padding row.
         self.row_weight = torch.zeros(top, dtype=torch.int64, device=device)
@@ -166,17 +169,14 @@ class PiecewiseGraphs:
             self.positions[n:size].zero_()
             self.row_weight[n:size].zero_()
         graphs = self.graphs[size]
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        qkv = self.qkv[:n]
-        q = qkv[:, :q_end].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, q_end:k_end].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, k_end:].view(n, self.num_kv_heads, self.head_dim)
+        inputs = tuple(buffer[:n] for buffer in self.inputs)
         workspace = self.model.workspace
         start = self.model.layer_start
         for i, layer in enumerate(self.layers):
             graphs[i].replay()
-            out = layer.self_attn.attend(q, k, v, self.kv_caches[i], meta, workspace)
-            self.attn_out[:n].copy_(out.reshape(n, self.q_size))
+            self.attn_out[:n].copy_(
+                layer.self_attn.attend(inputs, self.kv_caches[i], meta, workspace)
+            )
             if on_layer is not None:
                 on_layer(start + i)
         graphs[-1].replay()
@@ -208,13 +208,14 @@ class PiecewiseGraphs:
                     if index == len(layers):
                         self.out[:size].copy_(hidden)
                         return
-                attn = layers[index].self_attn
-                qkv = attn.qkv_proj.forward(hidden)
-                q, k, v = attn.split_heads(qkv, positions, model.rotary)
-                q_end, k_end = self.q_size, self.q_size + self.kv_size
-                self.qkv[:size, :q_end].copy_(q.reshape(size, -1))
-                self.qkv[:size, q_end:k_end].copy_(k.reshape(size, -1))
-                self.qkv[:size, k_end:].copy_(v.reshape(size, -1))
+                inputs = layers[index].self_attn.prepare(hidden, positions, model.rotary)
+                if not self.inputs:  # the first warm-up, at the largest size
+                    self.inputs = [
+                        torch.empty((self.max_tokens, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        for t in inputs
+                    ]
+                for buffer, tensor in zip(self.inputs, inputs, strict=True):
+                    buffer[:size].copy_(tensor)
             finally:
                 for block in self._counted:  # eager steps count every row
                     block.expert_row_weight = None

@@ -72,7 +72,6 @@ class Attention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         qkv = parts["qkv_proj"].forward(hidden)  # [T, (H + 2 Hkv) D] of this rank's heads
         fused = ctx.decode_kernels
@@ -93,15 +92,26 @@ class Attention(nn.Module):
                 self.scale,
             )  # fmt: skip
             return self.tp.all_reduce(parts["o_proj"].forward(out))
-        q, k, v = self.split_heads(qkv, ctx.positions, ctx.rotary)
-        out = self.attend(q, k, v, kv_cache, ctx.meta, ctx.workspace)  # [T, H, D]
-        return self.output(out.reshape(num_tokens, self.q_size))
+        inputs = self.split_heads(qkv, ctx.positions, ctx.rotary)
+        return self.output(self.attend(inputs, kv_cache, ctx.meta, ctx.workspace))
 
     # The three parts of `forward` off the CPU's fused decode step; piecewise CUDA graphs
-    # (engine/piecewise_graphs.py) capture the first and the last and run `attend` between.
+    # (engine/piecewise_graphs.py) capture `prepare` and `output` and run `attend` between.
+    @property
+    def out_width(self) -> int:
+        """Columns of `attend`'s result: every head's output."""
+        return self.q_size
+
+    def prepare(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, ...]:
+        """q [T, H, D], k and v [T, Hkv, D] of `hidden`: projected, normed (Qwen3), rotated."""
+        qkv_proj: nn.Module = self._modules["qkv_proj"]  # type: ignore[assignment]
+        return self.split_heads(qkv_proj.forward(hidden), positions, rotary)
+
     def split_heads(
         self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hkv, D] of the projected q|k|v [T, (H + 2 Hkv) D]: views
         of it, q and k normed (Qwen3) and rotated."""
         num_tokens = qkv.shape[0]
@@ -117,16 +127,17 @@ class Attention(nn.Module):
 
     def attend(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         workspace: GatherWorkspace,
     ) -> torch.Tensor:
-        """This step's K/V written into the cache, then attention over it: [T, H, D]."""
+        """This step's K/V (`inputs`: q, k, v) written into the cache, then attention over it:
+        [T, H D]."""
+        q, k, v = inputs
         store_kv(kv_cache, k, v, meta)
-        return paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)  # [T, H, D]
+        return out.reshape(out.shape[0], self.q_size)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """o_proj of attention's [T, H D] and the tensor-parallel all-reduce."""

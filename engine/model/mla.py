@@ -44,6 +44,7 @@ from duet.engine.parallel import HeadShard, TensorParallel
 from duet.engine.quant.config import QuantizationConfig
 
 if TYPE_CHECKING:
+    from duet.engine.attention_metadata import AttentionMetadata
     from duet.engine.model.forward_context import ForwardContext
 
 _LORA_NORM_EPS = 1e-6
@@ -237,6 +238,21 @@ class MLAttention(nn.Module):
     def forward(
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        inputs = self.prepare(hidden, ctx.positions, ctx.rotary)
+        return self.output(self.attend(inputs, kv_cache, ctx.meta, ctx.workspace))
+
+    # The three parts of `forward`; piecewise CUDA graphs (engine/piecewise_graphs.py)
+    # capture `prepare` and `output` and run `attend` between them.
+    @property
+    def out_width(self) -> int:
+        """Columns of `attend`'s result: every head's latent result."""
+        return self.num_heads * self.latent
+
+    def prepare(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: Any
+    ) -> tuple[torch.Tensor, ...]:
+        """(the cache entries [T, latent + rope]: normed latent and rotated key part; the
+        absorbed queries [T, H, latent + rope])."""
         num_tokens, heads = hidden.shape[0], self.num_heads
         parts: dict[str, Any] = self._modules  # see DecoderLayer.forward
         if parts["q_proj"] is not None:
@@ -247,25 +263,41 @@ class MLAttention(nn.Module):
         q = q.view(num_tokens, heads, self.nope + self.rope)
         compressed = parts["kv_a_proj_with_mqa"].forward(hidden)  # [T, latent + rope]
         latent = parts["kv_a_layernorm"].forward(compressed[:, : self.latent].contiguous())
-        q_pe, k_pe = self._rotate(ctx, q[..., self.nope :], compressed[:, None, self.latent :])
+        q_pe, k_pe = self._rotate(
+            rotary, positions, q[..., self.nope :], compressed[:, None, self.latent :]
+        )
         entries = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, latent + rope]
-        meta = ctx.meta
-        write_latent_cache(kv_cache, entries, meta.slot_mapping, meta.kernel_batch is not None)
         query = q.new_empty(num_tokens, heads, self.latent + self.rope)  # [T, H, latent + rope]
         self._absorb_queries(q[..., : self.nope], query[..., : self.latent])
         query[:, :, self.latent :] = q_pe
-        out = latent_attention(query, kv_cache, ctx.meta, self.scale, self.latent)  # [T, H, latent]
-        out = parts["o_proj"].forward(self._absorb_values(out))  # [T, hidden], partial
-        return self.tp.all_reduce(out)
+        return entries, query
+
+    def attend(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        workspace: Any,
+    ) -> torch.Tensor:
+        """The entries written into the latent cache, then attention over it: [T, H latent]."""
+        entries, query = inputs
+        write_latent_cache(kv_cache, entries, meta.slot_mapping, meta.kernel_batch is not None)
+        out = latent_attention(query, kv_cache, meta, self.scale, self.latent)  # [T, H, latent]
+        return out.reshape(out.shape[0], self.out_width)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """W_UV per head, o_proj and the tensor-parallel all-reduce of `attend`'s result."""
+        parts: dict[str, Any] = self._modules
+        latent = out.view(out.shape[0], self.num_heads, self.latent)
+        return self.tp.all_reduce(parts["o_proj"].forward(self._absorb_values(latent)))
 
     def _rotate(
-        self, ctx: ForwardContext, q_pe: torch.Tensor, k_pe: torch.Tensor
+        self, rotary: Any, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q_pe [T, H, rope] and k_pe [T, 1, rope] rotated in fp32 (HF's V2 computes in fp32),
         de-interleaved where DeepSeek interleaves: (q_pe, k_pe) in the input's dtype."""
-        rotary = ctx.rotary
-        cos = rotary.cos[ctx.positions].unsqueeze(1)  # [T, 1, rope / 2]
-        sin = rotary.sin[ctx.positions].unsqueeze(1)
+        cos = rotary.cos[positions].unsqueeze(1)  # [T, 1, rope / 2]
+        sin = rotary.sin[positions].unsqueeze(1)
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         return _rotate(q_pe, cos, sin, self.interleave), _rotate(k_pe, cos, sin, self.interleave)

@@ -21,6 +21,7 @@ from duet.engine.cuda_graphs import (
     padded_batch_size,
     uses_decode_graphs,
 )
+from duet.engine.piecewise_graphs import PiecewiseGraphs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 ENGINE = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=4,
@@ -63,11 +64,15 @@ def test_cpu_engine_runs_eagerly_by_default(tiny_llama: str) -> None:
 
 @pytest.fixture
 def faked_cuda(monkeypatch: pytest.MonkeyPatch) -> EagerReplay:
-    """The runner captures graphs as on CUDA (unless `enforce_eager`), through `EagerReplay`."""
+    """The runner captures graphs as on CUDA (unless `enforce_eager`), through `EagerReplay`:
+    decode graphs, and piecewise ones in `cuda_graph_mode` piecewise."""
     capture = EagerReplay()
     monkeypatch.setattr(model_runner, "uses_decode_graphs", lambda eager, *args: not eager)
     monkeypatch.setattr(
         model_runner, "DecodeGraphs", functools.partial(DecodeGraphs, capture=capture)
+    )
+    monkeypatch.setattr(
+        model_runner, "PiecewiseGraphs", functools.partial(PiecewiseGraphs, capture=capture)
     )
     return capture
 
@@ -188,6 +193,11 @@ def test_pp2_stages_replay_their_graphs_and_give_eager_tokens(
             assert lps == [x.sampled.logprob for x in o.logprobs]
 
 
+PIECES = dict(cuda_graph_mode="piecewise", max_num_batched_tokens=8)
+"""The prompts' steps in pieces (MLA's absorbed queries and latent entries cross them), in
+chunks of 8 tokens."""
+
+
 def test_a_mixture_on_the_fused_kernel_replays_graphs_counting_real_rows_only(
     tiny_model_factory: Any,
     faked_cuda: EagerReplay,
@@ -198,7 +208,9 @@ def test_a_mixture_on_the_fused_kernel_replays_graphs_counting_real_rows_only(
     makes them on CUDA; here interpreted) reads nothing on the host, so its decode steps
     replay graphs: eager's tokens, and the same expert load, since a graph's padding row (3
     requests in bucket 4) routes like a real one but is not counted; MLA's latent writes skip
-    the padding row's slot -1. Off the fused kernel (the grouped path reads each expert's row
+    the padding row's slot -1. In piecewise mode its prompt steps replay pieces too (MLA's
+    absorbed queries and latent entries cross them; a padding row counted nowhere either).
+    Off the fused kernel (the grouped path reads each expert's row
     count on the host) the engine captures no graphs. The CPU kernels are off, so that the
     experts stay plain layers for the fuse, as on CUDA."""
     from duet.engine import loader
@@ -216,15 +228,21 @@ def test_a_mixture_on_the_fused_kernel_replays_graphs_counting_real_rows_only(
         b.fuse_experts() for b in net.modules() if isinstance(b, SparseMoeBlock)))  # fmt: skip
     runs = {}
     for eager in (True, False):
-        llm = LLM(model, **ENGINE, enforce_eager=eager)
+        llm = LLM(model, **ENGINE, enforce_eager=eager, **PIECES)
         runner = llm.engine.runner
         assert (runner.decode_graphs is None) == eager
-        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        outs = llm.generate(prompts, GREEDY)
         assert runner.expert_load is not None
-        runs[eager] = (tokens, runner.expert_load.read())
-    graphs = llm.engine.runner.decode_graphs
-    assert graphs is not None and graphs.num_replays == 5  # steps 2-6: bucket 4, one padding row
+        cached = sum(o.num_cached_tokens for o in outs)  # prefixes of earlier chunks' prompts
+        runs[eager] = ([o.token_ids for o in outs], runner.expert_load.read(), cached)
+    graphs, pieces = llm.engine.runner.decode_graphs, llm.engine.runner.piecewise_graphs
+    assert graphs is not None and pieces is not None
+    # step 1: the first two prompts (3 + 5 tokens), step 2: their decodes beside the third's
+    # 5 uncached tokens (its first 4 are the second's), in pieces of 8 (one padding row); then
+    # decode graphs: 4 steps of bucket 4 (a padding row), one of bucket 1
+    assert (pieces.num_replays, graphs.num_replays) == (2, 5)
     assert runs[False] == runs[True]
-    layers, total = runs[True][1], sum(len(p) + 5 for p in prompts)  # prompt + 5 decoded tokens
+    # each computed token (prompt but cached, + 5 decoded) routed top_k times, padding none
+    layers, total = runs[True][1], sum(len(p) + 5 for p in prompts) - runs[True][2]
     top_k = 2
     assert all(sum(layer) == total * top_k for layer in layers)

@@ -125,7 +125,8 @@ def test_graph_pool_is_in_the_budget_by_default_on_cuda(measured) -> None:
 def test_piecewise_pool_is_in_the_budget_when_asked(measured) -> None:
     """`cuda_graph_mode` piecewise also reserves the pieces' pool: 1 MiB of activations per
     warm-up token here, for the largest captured step (512 tokens, or a smaller step budget);
-    none where the model's steps are not captured in pieces (multi-head latent attention)."""
+    none where the model's steps are not captured in pieces (an attention without the parts
+    `PiecewiseGraphs` runs)."""
     model = fake_model(32, 8, 128, 32)
     args = (CUDA, torch.bfloat16, SINGLE, 32768)
     assert piecewise_pool_bytes(H100, 512) == 512 * MIB

@@ -49,7 +49,7 @@ def test_what_is_not_captured_in_pieces() -> None:
     assert piecewise_unsupported(model()) is None
     assert piecewise_unsupported(model(stages=2)) == "pipeline stages"
     assert piecewise_unsupported(model(exchange=object())) == "data-parallel attention"
-    assert piecewise_unsupported(model(attn=object())) == "multi-head latent attention"
+    assert piecewise_unsupported(model(attn=object())) == "an attention without the three parts"
 
 
 @pytest.fixture
