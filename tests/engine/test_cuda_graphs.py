@@ -6,7 +6,6 @@ kernels under the interpreter). The KV budget's share for the graphs: test_kv_si
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -15,25 +14,16 @@ import torch
 
 from duet.engine import LLM, EngineConfig, SamplingParams, model_runner
 from duet.engine.cuda_graphs import (
-    DecodeGraphs,
-    EagerCapture,
     decode_buckets,
     padded_batch_size,
     uses_decode_graphs,
 )
-from duet.engine.piecewise_graphs import PiecewiseGraphs
+from tests.engine.graph_standin import EagerReplay, fake_cuda_graphs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 ENGINE = dict(dtype="float32", device="cpu", attention_backend="triton", block_size=4,
               num_kv_blocks=96, max_num_seqs=4, max_model_len=128, load_progress=False)  # fmt: skip
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-class EagerReplay(EagerCapture):
-    """`EagerCapture`, as if each capture reserved 3 MiB of the device's memory."""
-
-    def reserved_bytes(self, device: torch.device) -> int:
-        return 3 << 20 if self.num_captures else 0
 
 
 def test_buckets_and_padded_sizes() -> None:
@@ -66,15 +56,7 @@ def test_cpu_engine_runs_eagerly_by_default(tiny_llama: str) -> None:
 def faked_cuda(monkeypatch: pytest.MonkeyPatch) -> EagerReplay:
     """The runner captures graphs as on CUDA (unless `enforce_eager`), through `EagerReplay`:
     decode graphs, and piecewise ones in `cuda_graph_mode` piecewise."""
-    capture = EagerReplay()
-    monkeypatch.setattr(model_runner, "uses_decode_graphs", lambda eager, *args: not eager)
-    monkeypatch.setattr(
-        model_runner, "DecodeGraphs", functools.partial(DecodeGraphs, capture=capture)
-    )
-    monkeypatch.setattr(
-        model_runner, "PiecewiseGraphs", functools.partial(PiecewiseGraphs, capture=capture)
-    )
-    return capture
+    return fake_cuda_graphs(monkeypatch.setattr)
 
 
 def test_decode_steps_replay_padded_graphs_and_give_eager_tokens(

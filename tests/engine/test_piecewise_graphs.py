@@ -6,7 +6,6 @@ residual stream, q|k|v and attention's output between the pieces run for real.""
 
 from __future__ import annotations
 
-import functools
 import logging
 from types import SimpleNamespace
 from typing import Any
@@ -14,15 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from duet.engine import LLM, EngineConfig, SamplingParams, model_runner
-from duet.engine.cuda_graphs import DecodeGraphs
+from duet.engine import LLM, EngineConfig, SamplingParams
 from duet.engine.errors import InvalidInputError
 from duet.engine.piecewise_graphs import (
-    PiecewiseGraphs,
     piecewise_buckets,
     piecewise_unsupported,
 )
-from tests.engine.test_cuda_graphs import ENGINE, EagerReplay
+from tests.engine.graph_standin import EagerReplay, fake_cuda_graphs
+from tests.engine.test_cuda_graphs import ENGINE
 
 PIECEWISE = dict(ENGINE, cuda_graph_mode="piecewise", max_num_batched_tokens=8)
 
@@ -55,15 +53,7 @@ def test_what_is_not_captured_in_pieces() -> None:
 @pytest.fixture
 def faked_cuda(monkeypatch: pytest.MonkeyPatch) -> EagerReplay:
     """The runner captures decode and piecewise graphs as on CUDA, through `EagerReplay`."""
-    capture = EagerReplay()
-    monkeypatch.setattr(model_runner, "uses_decode_graphs", lambda eager, *args: not eager)
-    monkeypatch.setattr(
-        model_runner, "DecodeGraphs", functools.partial(DecodeGraphs, capture=capture)
-    )
-    monkeypatch.setattr(
-        model_runner, "PiecewiseGraphs", functools.partial(PiecewiseGraphs, capture=capture)
-    )
-    return capture
+    return fake_cuda_graphs(monkeypatch.setattr)
 
 
 def _record_steps(llm: LLM) -> list[tuple[list[int], str]]:

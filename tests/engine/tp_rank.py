@@ -36,17 +36,9 @@ def main() -> None:
         timeout_s=60, num_stages=stages,
     )  # fmt: skip
     if os.environ.get("DUET_TEST_EAGER_GRAPHS"):  # test_cuda_graphs.py: graphs as on CUDA
-        import functools
+        from tests.engine.graph_standin import fake_cuda_graphs
 
-        from duet.engine import model_runner
-        from duet.engine.cuda_graphs import DecodeGraphs
-        from duet.engine.piecewise_graphs import PiecewiseGraphs
-        from tests.engine.test_cuda_graphs import EagerReplay
-
-        capture = EagerReplay()
-        model_runner.uses_decode_graphs = lambda eager, *args: not eager  # type: ignore[assignment]
-        model_runner.DecodeGraphs = functools.partial(DecodeGraphs, capture=capture)  # type: ignore[misc]
-        model_runner.PiecewiseGraphs = functools.partial(PiecewiseGraphs, capture=capture)  # type: ignore[misc]
+        fake_cuda_graphs(setattr)
     with open(prompts_file) as f:
         prompts = json.load(f)
     llm = LLM(
