@@ -142,7 +142,7 @@ def test_a_draft_model_replays_its_own_graphs(
     prompt) its pieces; the greedy tokens are the eager engine's without speculation."""
     draft = tiny_model_factory("llama", num_hidden_layers=1)
     prompts = [[42] * 20, [3, 4] * 15]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine = dict(PIECEWISE, max_num_batched_tokens=64)
     want = [o.token_ids for o in LLM(tiny_llama, **engine, enforce_eager=True).generate(
         prompts, params)]  # fmt: skip
