@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if args.role != "aggregated":
         worker = PrefillWorkerConfig() if args.role == "prefill" else DecodeWorkerConfig()
         reserved = worker.device_reservations(0, 0)
-        graphs = graphs and not worker.enforce_eager  # a prefill worker decodes nothing
+        graphs = graphs and worker.decodes  # a prefill worker decodes nothing
     # Workers run one pipeline stage (KVWorkerConfig refuses more), aggregated engines any.
     max_pp = None if args.role == "aggregated" else 1
     settings = PlanSettings(
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=graphs,
-        piecewise_graphs=args.cuda_graph_mode == "piecewise",
+        piecewise_graphs=args.cuda_graph_mode == "piecewise" and not args.enforce_eager,
         reserved=reserved,
         expert_parallel=args.enable_expert_parallel,
         data_parallel=args.data_parallel,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -48,6 +48,10 @@ class EngineConfig:
     CUDA graphs captured at start-up per padded batch size (per rank with tensor parallelism,
     the all-reduces inside; their pool counted in the KV budget); the CPU and the torch
     backend run eagerly either way."""
+    decodes: ClassVar[bool] = True
+    """Whether the engine runs decode steps: a prefill worker's does not (its requests end at
+    their first token), so it captures no decode graphs and reserves nothing for them (with
+    `cuda_graph_mode` piecewise it captures the pieces its prompt chunks run in)."""
     cuda_graph_mode: str = "decode"
     """Which steps replay CUDA graphs (unless `enforce_eager`; CUDA and the Triton kernels
     only): decode (decode-only steps, whole) or piecewise (also every other step of up to 512
@@ -204,7 +208,8 @@ class EngineConfig:
                 f"must be 1 with speculative decoding (its extra forward passes would leave the "
                 f"ranks' expert exchanges out of step); got {dp}",
             )
-        if self.resolve_device().type == "cuda" and not self.enforce_eager:
+        # (a prefill worker captures no decode graphs, and no pieces under the exchange)
+        if self.resolve_device().type == "cuda" and not self.enforce_eager and self.decodes:
             raise InvalidInputError(
                 "data_parallel_size",
                 f"needs enforce_eager on CUDA (a captured graph cannot hold the exchange's "

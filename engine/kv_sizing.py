@@ -224,7 +224,7 @@ def size_kv_pool(
             config.max_num_batched_tokens,
             use_triton,
             reserved=config.device_reservations(block_bytes, max_model_len),
-            graph_max_num_seqs=config.max_num_seqs if graphs else 0,
+            graph_max_num_seqs=config.max_num_seqs if graphs and config.decodes else 0,
             piecewise_max_tokens=(
                 min(PIECEWISE_MAX_TOKENS, config.max_num_batched_tokens)
                 if graphs

@@ -130,12 +130,13 @@ class LLMEngine:
             deterministic=deterministic,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             cuda_graph_mode=config.cuda_graph_mode,
+            decode_graphs=config.decodes,
         )
         target = TargetInfo(
             loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,
             self.num_blocks, self.max_model_len, config.max_num_seqs,
             config.max_num_batched_tokens, config.attention_backend, tp.world_size,
-            config.enforce_eager, config.cuda_graph_mode, draft,
+            config.enforce_eager or not config.decodes, config.cuda_graph_mode, draft,
         )  # fmt: skip
         self.speculator = Speculator(spec, target) if spec else None
         """Speculative decoding (`EngineConfig.speculative_config`), or None."""

@@ -69,7 +69,7 @@ class PlanSettings:
     max_model_len: int | None = None  # None: the model's context
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True  # decode graphs captured (not enforce_eager): their pool counted
-    piecewise_graphs: bool = False  # cuda_graph_mode piecewise: the pieces' pool counted too
+    piecewise_graphs: bool = False  # pieces captured (piecewise, not eager): their pool too
     reserved: Mapping[str, int] = field(default_factory=dict)
     """Other consumers every rank leaves room for (name -> bytes): a worker's KV staging and
     NCCL communicators (`KVWorkerConfig.device_reservations`); empty for aggregated serving."""
@@ -292,10 +292,10 @@ def plan_layout(
             if settings.cuda_graphs and dp == 1:
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
-                if settings.piecewise_graphs and pp == 1:  # engine/piecewise_graphs.py
-                    pieces = piecewise_pool_bytes(memory, min(PIECEWISE_MAX_TOKENS, num_tokens))
-                    reserve["piecewise_graphs"] = pieces
-                    graphs += pieces
+            if settings.piecewise_graphs and dp == 1 and pp == 1:  # engine/piecewise_graphs.py
+                pieces = piecewise_pool_bytes(memory, min(PIECEWISE_MAX_TOKENS, num_tokens))
+                reserve["piecewise_graphs"] = pieces
+                graphs += pieces
             block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)
             try:
                 num_blocks = plan_gpu_kv_blocks(

@@ -92,6 +92,7 @@ class ModelRunner:
         deterministic: bool = False,
         num_speculative_tokens: int = 0,
         cuda_graph_mode: str = "decode",
+        decode_graphs: bool = True,
     ) -> None:
         """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
         `enforce_eager=False` (the engine's default; True here for runners built directly,
@@ -101,6 +102,8 @@ class ModelRunner:
         tensor parallelism). Elsewhere it changes nothing. `cuda_graph_mode` "piecewise" also
         captures the other steps of up to `MAX_TOKENS` tokens in pieces around attention
         (engine/piecewise_graphs.py) where graphs apply and the model allows it.
+        `decode_graphs=False` (a prefill worker's engine: it decodes nothing) captures no
+        decode graphs.
         `deterministic`: the Triton decode kernel splits each request by its own length
         (`choose_splits`), so its attention does not depend on the batch."""
         cfg = model.config
@@ -144,15 +147,17 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None
         on_host = experts_read_on_host(model)
         if uses_decode_graphs(enforce_eager, device, self.use_triton, on_host):
-            graphs = DecodeGraphs(
-                model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
-            )
-            logger.info(
-                "CUDA graphs: decode batches of %s requests captured in %.1f s; graph pool "
-                "%.2f GiB",
-                ",".join(map(str, graphs.buckets)), graphs.capture_s, graphs.pool_bytes / 2**30,
-            )  # fmt: skip
-            self.decode_graphs = graphs
+            if decode_graphs:
+                graphs = DecodeGraphs(
+                    model, self.kv_caches, max_num_seqs, max_model_len, block_size, deterministic
+                )
+                logger.info(
+                    "CUDA graphs: decode batches of %s requests captured in %.1f s; graph pool "
+                    "%.2f GiB",
+                    ",".join(map(str, graphs.buckets)), graphs.capture_s,
+                    graphs.pool_bytes / 2**30,
+                )  # fmt: skip
+                self.decode_graphs = graphs
             if cuda_graph_mode == "piecewise":
                 self.piecewise_graphs = self._capture_pieces(max_num_batched_tokens)
 

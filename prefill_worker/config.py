@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from duet.engine.errors import InvalidInputError
 from duet.kv_transfer.worker_config import KVWorkerConfig
@@ -10,9 +11,10 @@ from duet.kv_transfer.worker_config import KVWorkerConfig
 
 @dataclass
 class PrefillWorkerConfig(KVWorkerConfig):
-    enforce_eager: bool = True
+    decodes: ClassVar[bool] = False
     """A prefill worker runs no decode step (its requests end at their first token), so it
-    captures no CUDA graphs and reserves no memory for them."""
+    captures no decode graphs and reserves no memory for them; with `cuda_graph_mode`
+    piecewise (and not `enforce_eager`) its prompt chunks of up to 512 tokens run in pieces."""
     kv_lease_s: float = 60.0
     """How long sent blocks stay held waiting for the decode side's acknowledgement; must
     exceed `kv_transfer_timeout_s` and stay below the decode side's wait for KV."""

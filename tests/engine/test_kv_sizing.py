@@ -178,10 +178,16 @@ def test_worker_pool_on_a_gpu_leaves_room_for_transfers_and_graphs(measured) -> 
     )
     assert plain == (int(80 * GIB * 0.9) - 18 * GIB) // LLAMA_8B_BLOCK
     worker = PrefillWorkerConfig()
-    assert worker.enforce_eager  # a prefill worker decodes nothing: no graphs
+    assert not worker.decodes  # a prefill worker decodes nothing: no decode graphs
     staging_and_nccl = DEFAULT_STAGING_BYTES + 4 * NCCL_COMM_BYTES  # whatever the context
     assert size_kv_pool(worker, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
         plain - staging_and_nccl // LLAMA_8B_BLOCK
+    )
+    # in piecewise mode its prompt chunks run in pieces: their pool (512 tokens at 1 MiB), and
+    # still no decode graphs'
+    pieces = PrefillWorkerConfig(cuda_graph_mode="piecewise")
+    assert size_kv_pool(pieces, model, CUDA, torch.bfloat16, SINGLE, 32768, True) == (
+        (int(80 * GIB * 0.9) - 18 * GIB - staging_and_nccl - 512 * MIB) // LLAMA_8B_BLOCK
     )
     graphs = DecodeWorkerConfig(enforce_eager=False, max_num_seqs=256)
     graph_bytes = graph_pool_bytes(H100, 256, 32, 128)

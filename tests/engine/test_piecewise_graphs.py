@@ -134,6 +134,34 @@ def test_speculative_steps_run_in_pieces_with_the_eager_tokens(
     ]
 
 
+def test_a_prefill_worker_runs_its_prompt_chunks_in_pieces(
+    tiny_llama: str, faked_cuda: EagerReplay
+) -> None:
+    """A prefill worker's engine decodes nothing: no decode graphs, but in piecewise mode its
+    prompt chunks run in pieces, with the eager engine's first tokens."""
+    from duet.engine.llm_engine import LLMEngine
+    from duet.prefill_worker.config import PrefillWorkerConfig
+
+    config = PrefillWorkerConfig(model=tiny_llama, **PIECEWISE)
+    engine = LLMEngine(config)
+    runner = engine.runner
+    assert runner.decode_graphs is None and runner.piecewise_graphs is not None
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 12)]
+    want = [o.token_ids for o in LLM(tiny_llama, **PIECEWISE, enforce_eager=True).generate(
+        prompts, params)]  # fmt: skip
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got["r0"], got["r1"]] == want
+    # 8-token steps: r0's 5 and r1's first 3, r1's next 8, its last 1
+    assert runner.piecewise_graphs.num_replays == 3
+
+
 def test_a_draft_model_replays_its_own_graphs(
     tiny_llama: str, tiny_model_factory: Any, faked_cuda: EagerReplay
 ) -> None:
@@ -183,3 +211,21 @@ def test_on_cuda_piecewise_graphs_give_eager_tokens(tiny_model_factory: Any, arc
         runs[eager] = (tokens, load)
     assert runner.piecewise_graphs.num_replays > 0
     assert runs[False] == runs[True]
+
+
+def test_data_parallel_on_cuda_needs_eager_only_where_it_decodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode graphs cannot hold the expert exchange, so a data-parallel engine that decodes
+    on CUDA is refused without `enforce_eager`; a prefill worker captures no decode graphs
+    (and no pieces under the exchange), so it needs none (as when its default was eager)."""
+    from duet.decode_worker.config import DecodeWorkerConfig
+    from duet.prefill_worker.config import PrefillWorkerConfig
+
+    monkeypatch.setattr(EngineConfig, "resolve_device", lambda self, *a: torch.device("cuda", 0))
+    layout = dict(data_parallel_size=2, expert_parallel_size=2)
+    for cls in (EngineConfig, DecodeWorkerConfig):
+        with pytest.raises(InvalidInputError, match="data_parallel_size: needs enforce_eager"):
+            cls(**layout)
+        cls(**layout, enforce_eager=True)
+    assert PrefillWorkerConfig(**layout).enforce_eager is False
