@@ -18,8 +18,7 @@ from duet.engine.cuda_graphs import uses_decode_graphs
 from duet.engine.errors import InvalidInputError
 from duet.engine.model.moe import experts_read_on_host
 from duet.engine.parallel import TensorParallel
-from duet.engine.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
-from duet.engine.piecewise_graphs import piecewise_unsupported
+from duet.engine.piecewise_graphs import piecewise_max_tokens, piecewise_unsupported
 
 if TYPE_CHECKING:
     from duet.engine.config import EngineConfig
@@ -80,9 +79,8 @@ def graph_pool_bytes(memory: GpuMemory, max_num_seqs: int, num_heads: int, head_
     """An upper estimate of the decode CUDA graphs' private memory pool: the activations of a
     `max_num_seqs`-token forward at the warm-up's bytes per token (which include its logits,
     which the graphs do not hold) plus the fp32 split-K partials of every row."""
-    per_token = -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
     partials = max_num_seqs * num_heads * GRAPH_MAX_SPLITS * (head_dim + 2) * 4
-    return per_token * max_num_seqs + partials
+    return _activation_bytes_per_token(memory) * max_num_seqs + partials
 
 
 def piecewise_pool_bytes(memory: GpuMemory, max_tokens: int) -> int:
@@ -90,8 +88,12 @@ def piecewise_pool_bytes(memory: GpuMemory, max_tokens: int) -> int:
     (engine/piecewise_graphs.py): the activations of a `max_tokens`-token forward at the
     warm-up's bytes per token (what one piece holds is one layer's share of that; the pieces
     share the pool, captured largest first)."""
-    per_token = -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
-    return per_token * max_tokens
+    return _activation_bytes_per_token(memory) * max_tokens
+
+
+def _activation_bytes_per_token(memory: GpuMemory) -> int:
+    """The warm-up's activations per token, rounded up: what the graph pools scale by."""
+    return -(-memory.activation_bytes // max(1, memory.num_warmup_tokens))
 
 
 def measure_gpu_memory(
@@ -226,7 +228,7 @@ def size_kv_pool(
             reserved=config.device_reservations(block_bytes, max_model_len),
             graph_max_num_seqs=config.max_num_seqs if graphs and config.decodes else 0,
             piecewise_max_tokens=(
-                min(PIECEWISE_MAX_TOKENS, config.max_num_batched_tokens)
+                piecewise_max_tokens(config.max_num_batched_tokens)
                 if graphs
                 and config.cuda_graph_mode == "piecewise"
                 and piecewise_unsupported(model) is None

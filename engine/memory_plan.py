@@ -50,7 +50,7 @@ from duet.engine.model.mlp import mlp_shard
 from duet.engine.model.moe import check_ep_size
 from duet.engine.model.weight_bytes import weight_bytes
 from duet.engine.parallel import ExpertExchange, TensorParallel, check_tp_size, split
-from duet.engine.piecewise_graphs import MAX_TOKENS as PIECEWISE_MAX_TOKENS
+from duet.engine.piecewise_graphs import piecewise_max_tokens
 from duet.engine.pipeline import check_pp_size, stage_layers
 
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -293,7 +293,7 @@ def plan_layout(
                 graphs = graph_pool_bytes(memory, settings.max_num_seqs, w.num_heads, arch.head_dim)
                 reserve["cuda_graphs"] = graphs
             if settings.piecewise_graphs and dp == 1 and pp == 1:  # engine/piecewise_graphs.py
-                pieces = piecewise_pool_bytes(memory, min(PIECEWISE_MAX_TOKENS, num_tokens))
+                pieces = piecewise_pool_bytes(memory, piecewise_max_tokens(num_tokens))
                 reserve["piecewise_graphs"] = pieces
                 graphs += pieces
             block_bytes = spec.bytes_per_block(num_layers, settings.block_size, settings.dtype)

@@ -21,7 +21,11 @@ from duet.engine.kv_cache_manager import KVCacheManager
 from duet.engine.model import LlamaForCausalLM
 from duet.engine.model.moe import attach_expert_load, experts_read_on_host
 from duet.engine.outputs import PromptLogprob, TokenLogprob
-from duet.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, piecewise_unsupported
+from duet.engine.piecewise_graphs import (
+    PiecewiseGraphs,
+    piecewise_max_tokens,
+    piecewise_unsupported,
+)
 from duet.engine.pipeline import micro_batches, wait_all
 from duet.engine.request import Request
 from duet.engine.sampler import Sampler, SamplerOutput
@@ -100,7 +104,7 @@ class ModelRunner:
         `max_num_seqs` requests and `max_model_len` tokens (default: the model's context)
         where they apply (`uses_decode_graphs`: CUDA, the Triton backend; per rank with
         tensor parallelism). Elsewhere it changes nothing. `cuda_graph_mode` "piecewise" also
-        captures the other steps of up to `MAX_TOKENS` tokens in pieces around attention
+        captures the other steps of up to `piecewise_max_tokens` tokens in pieces around attention
         (engine/piecewise_graphs.py) where graphs apply and the model allows it.
         `decode_graphs=False` (a prefill worker's engine: it decodes nothing) captures no
         decode graphs.
@@ -167,7 +171,7 @@ class ModelRunner:
             logger.info("piecewise CUDA graphs: off for %s; those steps run eagerly", why)
             return None
         pieces = PiecewiseGraphs(
-            self.model, self.kv_caches, min(MAX_TOKENS, max_num_batched_tokens)
+            self.model, self.kv_caches, piecewise_max_tokens(max_num_batched_tokens)
         )
         logger.info(
             "CUDA graphs: steps of up to %d tokens in %d pieces, %d sizes captured in %.1f s; "

@@ -53,6 +53,11 @@ MAX_TOKENS = 512
 """Largest step captured: beyond it a step's products, not its launches, set its time."""
 
 
+def piecewise_max_tokens(max_num_batched_tokens: int) -> int:
+    """The largest step an engine with this step budget captures in pieces."""
+    return min(MAX_TOKENS, max_num_batched_tokens)
+
+
 def piecewise_buckets(max_tokens: int) -> list[int]:
     """Captured sizes up to `max_tokens` (always included): 1, 2, 4, 8, multiples of 16 to
     256, then of 64."""
