@@ -174,7 +174,7 @@ def run_serving(
         }  # fmt: skip
     failed = sum(lv["failed"] for lv in levels)
     report["ok"] = failed == 0 and len(levels) == len(settings.concurrencies)
-    if settings.piecewise and "error" not in served:
+    if settings.piecewise:
         wanted = {n: per_stream.get(n, 2) for n in settings.piecewise}
         try:
             pieces = _serve_and_bench(
@@ -204,7 +204,8 @@ def _serve_and_bench(
 ) -> dict[str, Any]:
     """One server (`settings.serve_flags` and `extra_flags`) benched at each concurrency of
     `per_stream` (concurrency -> requests per stream), then stopped: its start-up facts,
-    `levels`, exit code and log tail; `error` when a bench run failed."""
+    `levels`, exit code and log tail. A failure (the server's start, a bench run) raises for
+    the first server (`extra_flags` empty); for the second it is its report's `error`."""
     workdir.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
     args = ["-m", "duet.cli", "serve", "--model", str(model), "--load-format", "dummy",
@@ -232,10 +233,7 @@ def _serve_and_bench(
             code = run_bounded(bench, deadline, workdir / f"bench_{streams}.log", child_env())
             if code != 0 or not out.exists():
                 log = (workdir / f"bench_{streams}.log").read_text(errors="replace")[-3000:]
-                report["error"] = f"duet bench serve at {streams} streams exited {code}:\n{log}"
-                if not extra_flags:
-                    raise RuntimeError(report["error"])
-                break
+                raise RuntimeError(f"duet bench serve at {streams} streams exited {code}:\n{log}")
             report["levels"].append(
                 {"concurrency": streams, **level_summary(json.loads(out.read_text()))}
             )
