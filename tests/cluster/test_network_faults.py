@@ -49,10 +49,9 @@ ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=
 REQUEST_TIMEOUT_S = 40.0
 CLUSTER = dict(local_prefill_threshold=0, poll_interval_s=0.2, request_timeout_s=REQUEST_TIMEOUT_S,
                kv_wait_s=10.0)  # fmt: skip
-LONG_STREAM = 900
-"""Tokens of a stream that a fault must cut: about 5 s at 4 streams (with 400, about 2.4 s, the
-streams ended under `make test`'s load before the load reports had counted them all, or
-before the partition, and the test saw nothing to move). 4 x (90 + 900) tokens fit one decode
+LONG_STREAM = 500
+"""Tokens of a stream that a fault must cut (`frozen_mid_stream` picks the moment from the
+worker's own steps): about 1.5 s at 2 streams a worker. 4 x (90 + 500) tokens fit one decode
 worker's pool (512 blocks of 8), as a migration needs, and the model's 1,024 positions."""
 GRPC_PORT, KV_PORT, REST_PORT = 7000, 7100, 8000  # each host has its own ports
 DECODE = ("decode0", "decode1")
@@ -255,7 +254,7 @@ def net(lab: NetLab, cluster: Cluster) -> Iterator[NetLab]:
     cluster.wait_all_healthy()
 
 
-MARGIN_STEPS = 300
+MARGIN_STEPS = 200
 """Decode steps a frozen worker's streams have left at least (seconds, as many as the worker
 needs at any load): none of them can end between the worker's load reply and its freeze."""
 
