@@ -15,7 +15,10 @@ Faults between hosts:
 
 Code in the test process reaches a host's network from a thread that entered a namespace
 (`enter`), e.g. a `ThreadPoolExecutor(initializer=lab.enter_fn(name))` whose sockets are all
-created there. Needs root (CI runs as root); `unavailable()` says why a lab cannot be made."""
+created there. NOTE: not gRPC: its library connects from threads of its own, made in the
+namespace of the thread that first used gRPC in the process (under `make test`, another test's,
+in the root namespace, whose packets to the lab's addresses leave the machine); gRPC calls go
+from a process spawned in the host (`spawn_piped`). Needs root (CI runs as root); `unavailable()` says why a lab cannot be made."""
 
 from __future__ import annotations
 
@@ -187,6 +190,21 @@ class NetLab:
         try:
             proc = subprocess.Popen(["ip", "netns", "exec", h.netns, *argv], stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)  # fmt: skip
+        finally:
+            log.close()
+        h.procs.append(proc)
+        return proc
+
+    def spawn_piped(self, host: str, argv: Sequence[str], log_name: str,
+                    env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+        """`spawn` with the program's stdin and stdout as pipes to this process (its stderr to
+        `logdir/log_name`)."""
+        h = self.hosts[host]
+        log = open(self.logdir / log_name, "wb")
+        try:
+            proc = subprocess.Popen(["ip", "netns", "exec", h.netns, *argv], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=log, env=env,
+                                    start_new_session=True)  # fmt: skip
         finally:
             log.close()
         h.procs.append(proc)

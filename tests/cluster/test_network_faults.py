@@ -14,12 +14,12 @@ network namespaces cannot be made (not root, no iproute2)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -34,8 +34,6 @@ import httpx2
 import pytest
 import torch
 
-from duet.cluster.decode_client import DecodeClient
-from duet.v1 import worker_pb2
 from tests.netns import NetLab, netem_unavailable, remove_orphans, unavailable
 from tests.router.rest_server import API_KEY, MODEL_NAME
 from tests.waiting import wait_for
@@ -81,6 +79,7 @@ class Cluster:
         self.url = f"http://{lab.address('router')}:{REST_PORT}"
         self.clients = ThreadPoolExecutor(16, initializer=lab.enter_fn("outside"))
         self.procs: dict[str, Any] = {}
+        self.loads: subprocess.Popen[bytes] | None = None  # tests/cluster/netns_loads.py
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -102,6 +101,8 @@ class Cluster:
             "--cluster", json.dumps(CLUSTER)], "router.log", env)  # fmt: skip
         for name in self.procs:
             wait_for(lambda n=name: self._ready(n), 120, f"{name} ready", 0.1)
+        self.loads = self.lab.spawn_piped("outside", [*python, "tests.cluster.netns_loads",
+            *(f"{d}={self.grpc(d)}" for d in DECODE)], "loads.log", env)  # fmt: skip
 
     def _ready(self, name: str) -> bool:
         if self.procs[name].poll() is not None:
@@ -149,6 +150,18 @@ class Cluster:
                     out.num_chunks += 1
         out.elapsed_s = time.monotonic() - started
         return out
+
+    def decode_load(self, name: str) -> dict[str, int]:
+        """`name`'s own load, read now over its gRPC port (tests/cluster/netns_loads.py, in the
+        `outside` host), not the router's poll of it: `num_running`, `num_steps`."""
+        assert self.loads is not None and self.loads.stdin and self.loads.stdout
+        self.loads.stdin.write(f"{name}\n".encode())
+        self.loads.stdin.flush()
+        ready, _, _ = select.select([self.loads.stdout], [], [], 20)
+        assert ready, f"no load of {name} in 20 s: {self.lab.log('loads.log')[-2000:]}"
+        reply = json.loads(self.loads.stdout.readline() or '{"error": "exited"}')
+        assert "error" not in reply, (name, reply, self.lab.log("loads.log")[-2000:])
+        return dict(reply)
 
     def dashboard(self) -> dict[str, Any]:
         def get() -> dict[str, Any]:
@@ -259,25 +272,6 @@ MARGIN_STEPS = 200
 needs at any load): none of them can end between the worker's load reply and its freeze."""
 
 
-def decode_load(cluster: Cluster, name: str) -> worker_pb2.DecodeLoad:
-    """`name`'s own load, read now over its gRPC port (from the `outside` host, with the
-    cluster's secret), not the router's poll of it."""
-
-    async def get() -> worker_pb2.DecodeLoad:
-        client = DecodeClient(cluster.grpc(name))
-        try:
-            return await client.load(5.0)
-        finally:
-            await client.close()
-
-    return cluster.clients.submit(lambda: asyncio.run(get())).result(20)
-
-
-def num_steps(load: worker_pb2.DecodeLoad) -> int:
-    """Engine steps that computed tokens since the worker started."""
-    return sum(load.stats.iteration_token_counts)
-
-
 @contextlib.contextmanager
 def frozen_mid_stream(cluster: Cluster, steps_before: dict[str, int],
                       futures: list[Future[Completion]]) -> Iterator[tuple[str, int]]:  # fmt: skip
@@ -296,13 +290,13 @@ def frozen_mid_stream(cluster: Cluster, steps_before: dict[str, int],
             if f.done():
                 f.result()  # raise what went wrong
         for name in DECODE:
-            load = decode_load(cluster, name)
+            load = cluster.decode_load(name)
             if (
-                load.num_running
-                and num_steps(load) - steps_before[name] <= LONG_STREAM - MARGIN_STEPS
+                load["num_running"]
+                and load["num_steps"] - steps_before[name] <= LONG_STREAM - MARGIN_STEPS
             ):
                 os.kill(cluster.procs[name].pid, signal.SIGSTOP)
-                return name, load.num_running
+                return name, load["num_running"]
         return None
 
     victim, running = wait_for(stopped, 60, "a decode worker running streams early on", 0.01)
@@ -370,7 +364,7 @@ def test_a_decode_worker_partitioned_from_the_router_mid_stream_and_back(
     prompts = prompts_of([30, 50, 70, 90], seed=3)
     want = expected(cluster.model, prompts, LONG_STREAM)
     migrated = num_migrations(cluster)
-    steps_before = {name: num_steps(decode_load(cluster, name)) for name in DECODE}
+    steps_before = {name: cluster.decode_load(name)["num_steps"] for name in DECODE}
     futures = [cluster.submit(p, LONG_STREAM) for p in prompts]
     with frozen_mid_stream(cluster, steps_before, futures) as (victim, running):
         net.partition("router", victim)
@@ -391,7 +385,7 @@ def test_a_decode_host_whose_link_goes_down_mid_stream_and_up(net: NetLab, clust
     prompts = prompts_of([20, 40, 60, 80], seed=4)
     want = expected(cluster.model, prompts, LONG_STREAM)
     migrated = num_migrations(cluster)
-    steps_before = {name: num_steps(decode_load(cluster, name)) for name in DECODE}
+    steps_before = {name: cluster.decode_load(name)["num_steps"] for name in DECODE}
     futures = [cluster.submit(p, LONG_STREAM) for p in prompts]
     with frozen_mid_stream(cluster, steps_before, futures) as (victim, running):
         net.link_down(victim)
