@@ -136,7 +136,7 @@ class OutputAssembler:
             hit = _find_stop(full, params.stop, window_start)
             if hit is not None:
                 pos, stop = hit
-                sample.text = full[:pos]
+                sample.text = full[: pos + len(stop) if params.include_stop_str_in_output else pos]
                 sample.stop_reason = stop
                 sample.finish_reason = "stop"
                 return True

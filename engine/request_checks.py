@@ -81,11 +81,13 @@ def check_lengths(
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Raises `InvalidInputError` when `logit_bias` names a token id outside the model's
-    vocabulary of `vocab_size` (the sampler indexes its logits by them)."""
-    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
-    if bad:
-        raise InvalidInputError(
-            "logit_bias",
-            f"token ids must be in [0, {vocab_size}) (the model's vocabulary); got {bad[0]}",
-        )
+    """Raises `InvalidInputError` when `logit_bias` or `allowed_token_ids` names a token id
+    outside the model's vocabulary of `vocab_size` (the sampler indexes its logits by them)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids",
+                                                          params.allowed_token_ids)):  # fmt: skip
+        bad = sorted(t for t in ids or () if t >= vocab_size)
+        if bad:
+            raise InvalidInputError(
+                name,
+                f"token ids must be in [0, {vocab_size}) (the model's vocabulary); got {bad[0]}",
+            )

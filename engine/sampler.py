@@ -1,8 +1,8 @@
 """`Sampler`: logits -> token ids for the rows that sample this step, honouring each
 request's `SamplingParams` (gathered per step by `SamplingSlots`).
 
-Order: penalties, logit_bias, the grammar mask (structured outputs), then temperature, top-k,
-top-p, min-p, then a draw. Logprobs are taken from the raw logits (before any of that), like
+Order: allowed_token_ids (every other logit to -inf), penalties, logit_bias, the grammar mask
+(structured outputs), then temperature, top-k, top-p, min-p, then a draw. Logprobs are taken from the raw logits (before any of that), like
 OpenAI and vLLM, and only for the rows that asked.
 
 The draw is inverse-CDF with one counter-based uniform per row (`engine.random`): the token
@@ -41,8 +41,18 @@ class Sampler:
     ) -> SamplerOutput:
         # logits: [N, V] fp32, one row per sampling request
         raw = logits
-        if batch.any_penalties or batch.stop_masks or batch.biases or batch.bitmask is not None:
+        if (
+            batch.any_penalties
+            or batch.stop_masks
+            or batch.biases
+            or batch.allowed
+            or batch.bitmask is not None
+        ):
             logits = logits.clone()
+        for row, ids in batch.allowed:
+            kept = logits[row, ids]
+            logits[row] = float("-inf")
+            logits[row, ids] = kept
         if batch.any_penalties:
             _apply_penalties(logits, batch)
         for row, ids, values in batch.biases:

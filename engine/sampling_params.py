@@ -55,6 +55,12 @@ class SamplingParams:
     before the grammar mask and temperature), as OpenAI's `logit_bias`: -100 all but bans a
     token, 100 all but forces it. Logprobs stay the model's own. The ids must be in the model's
     vocabulary (checked where the request is admitted)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be sampled (every other logit is -inf before the
+    penalties, the bias and temperature); logprobs stay the model's own. Not empty; the ids
+    must be in the model's vocabulary (checked where the request is admitted)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: a stop string that ends the output stays at its end (by default it is cut)."""
     structured_outputs: StructuredOutputsParams | None = None
     """A grammar the output must match (JSON schema, JSON object, regex, choice, EBNF); a dict
     is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
@@ -104,6 +110,13 @@ class SamplingParams:
             raise InvalidInputError("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias) or None  # {}: no bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_allowed_token_ids(self.allowed_token_ids)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidInputError(
+                "include_stop_str_in_output",
+                f"must be a boolean; got {self.include_stop_str_in_output!r}",
+            )
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
 
@@ -175,6 +188,18 @@ def _check_logit_bias(bias: object) -> dict[int, float]:
             )
         out[token] = float(value)
     return out
+
+
+def _check_allowed_token_ids(ids: object) -> list[int]:
+    """`ids` as distinct token ids in their first order, or `InvalidInputError`."""
+    if not isinstance(ids, list | tuple) or not ids:
+        raise InvalidInputError("allowed_token_ids", "must be a non-empty list of token ids")
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise InvalidInputError(
+                "allowed_token_ids", f"must be token ids (integers >= 0); got {token!r}"
+            )
+    return list(dict.fromkeys(ids))
 
 
 def _is_number(value: object) -> bool:

@@ -57,6 +57,8 @@ class SamplingBatch:
     bitmask: torch.Tensor | None = None  # [N, ceil(V/32)] int32 allowed tokens (with grammars)
     # logit_bias: (row, token ids [B] long, biases [B] fp32), on the logits' device.
     biases: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # allowed_token_ids: (row, token ids [A] long), on the logits' device.
+    allowed: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # With speculation and penalties: (rows, token ids) to count on top of the slot's counts,
     # the proposed tokens before each row.
     draft_counts: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -89,6 +91,8 @@ class SamplingSlots:
         self._penalized = [False] * num_slots
         # Each slot's logit_bias as device tensors (ids, values), made once when it joins.
         self._bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_slots
+        # Each slot's allowed_token_ids as a device tensor, made once when it joins.
+        self._allowed: list[torch.Tensor | None] = [None] * num_slots
         # Slots whose request only takes the argmax (greedy; no penalties, min_tokens, logprobs
         # or grammar): a step of only such rows reads no per-row parameter (`_plain_batch`).
         self._plain = [False] * num_slots
@@ -133,9 +137,15 @@ class SamplingSlots:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.device)
             values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
             self._bias[slot] = ids, values.to(self.device)
+        self._allowed[slot] = None
+        if p.allowed_token_ids:
+            self._allowed[slot] = torch.tensor(
+                p.allowed_token_ids, dtype=torch.long, device=self.device
+            )
         self._plain[slot] = (
             greedy
             and not p.logit_bias
+            and not p.allowed_token_ids
             and not p.needs_penalties
             and p.min_tokens == 0
             and p.logprobs is None
@@ -221,10 +231,13 @@ class SamplingSlots:
         logprob_rows: list[int] = []
         grammars: list[tuple[int, GrammarState, Sequence[int]]] = []
         biases: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        allowed: list[tuple[int, torch.Tensor]] = []
         for row, request in enumerate(requests):
             slot = int(idx[row])
             if (bias := self._bias[slot]) is not None:
                 biases.append((row, *bias))
+            if (ids := self._allowed[slot]) is not None:
+                allowed.append((row, ids))
             params = request.sampling_params
             ahead = offsets[row] if offsets is not None else 0  # proposed tokens before it
             if not params.greedy:
@@ -310,6 +323,7 @@ class SamplingSlots:
             prompt_mask=self.prompt_mask if any_penalties else None,
             bitmask=bitmask,
             biases=biases,
+            allowed=allowed,
             draft_counts=self._draft_counts(draft_counts)
             if any_penalties and draft_counts
             else None,

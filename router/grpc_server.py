@@ -110,6 +110,8 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
         stop_token_ids=list(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
         logit_bias=dict(opts.logit_bias) or None,
+        allowed_token_ids=list(opts.allowed_token_ids) or None,
+        include_stop_str_in_output=opts.include_stop_str_in_output,
         **kwargs,
     )
 

@@ -84,6 +84,12 @@ INTEGRAL = BeforeValidator(_integral_float_to_int)
 are not (the bodies are strict). NOTE: after any `Field` constraints in the `Annotated`, or the
 schema shows pydantic's `ge` instead of `minimum`."""
 JsonInt = Annotated[int, INTEGRAL]
+ALLOWED_TOKEN_IDS_SCHEMA = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0},
+}
+"""What `allowed_token_ids` accepts (the vocabulary's bound on the ids is the server's check)."""
 
 
 LOGIT_BIAS_SCHEMA: dict[str, Any] = {
@@ -278,6 +284,12 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: (
         list[Annotated[JsonInt, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
     ) = None
+    allowed_token_ids: Annotated[list[JsonInt], WithJsonSchema(ALLOWED_TOKEN_IDS_SCHEMA)] | None = (
+        None
+    )
+    """Only these token ids may be sampled; ids outside the model's vocabulary are a 400."""
+    include_stop_str_in_output: bool = False
+    """A stop string that ends the output stays at the end of its text."""
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
@@ -356,6 +368,8 @@ class SamplingRequest(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=structured_protocol.params(fmt, self.structured_outputs),
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 

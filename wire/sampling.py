@@ -2,8 +2,8 @@
 parameters as protobuf fields, never JSON text.
 
 The router's side (`sampling_to_proto`) refuses what a worker would not apply, so nothing is
-silently dropped: stop strings and `skip_special_tokens` are the router's (it detokenizes),
-and `n` is split by the router into samples. The worker's side (`sampling_from_proto`)
+silently dropped: stop strings (and `include_stop_str_in_output`) and `skip_special_tokens`
+are the router's (it detokenizes), and `n` is split by the router into samples. The worker's side (`sampling_from_proto`)
 validates as the `SamplingParams` constructor does: `InvalidInputError` naming the field.
 """
 
@@ -38,6 +38,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     )
     if params.logit_bias:
         message.logit_bias.update(params.logit_bias)
+    if params.allowed_token_ids:
+        message.allowed_token_ids.extend(params.allowed_token_ids)
     for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None:
@@ -88,4 +90,5 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=message.repetition_penalty,
         structured_outputs=structured,
         logit_bias=dict(message.logit_bias) or None,
+        allowed_token_ids=list(message.allowed_token_ids) or None,
     )

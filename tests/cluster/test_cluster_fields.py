@@ -1,7 +1,9 @@
 """Request fields through disaggregated prefill and decode (in-process workers, gRPC on
 loopback). Prompt logprobs: the prefill worker computes them and its answer carries them to the
 router, which sends no output of the request before they are in; the values equal the
-aggregated engine's. Priority: reaches the prefill and decode workers' schedulers."""
+aggregated engine's. Priority: reaches the prefill and decode workers' schedulers.
+`allowed_token_ids`: the prefill worker's first token and the decode worker's others keep to
+them, as the aggregated engine's do."""
 
 from __future__ import annotations
 
@@ -80,3 +82,25 @@ def test_priority_reaches_the_prefill_and_decode_schedulers(
     asyncio.run(main())
     # 30 tokens: prefilled on the prefill worker, decoded on the decode worker; 4: all local.
     assert sorted(seen) == sorted([("prefill", 7), ("remote", 7), ("local", -3)])
+
+
+def test_disaggregated_allowed_token_ids_equal_aggregated(tiny_llama: str) -> None:
+    prompts = prompts_of([30, 12])
+    allowed = [20, 21, 22, 400]
+    params = [SamplingParams(max_tokens=6, temperature=t, seed=9, ignore_eos=True,
+                             allowed_token_ids=allowed) for t in (0, 1.0)]  # fmt: skip
+    want = LLM(tiny_llama, **ENGINE).generate(prompts, params)
+
+    async def main():
+        async with Cluster(tiny_llama, threshold=8) as c:
+
+            async def run(prompt, p):
+                async for out in c.engine.generate(prompt, p):
+                    last = out
+                return last
+
+            return await asyncio.gather(*(run(*a) for a in zip(prompts, params, strict=True)))
+
+    got = asyncio.run(main())
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert all(set(w.token_ids) <= set(allowed) for w in want)

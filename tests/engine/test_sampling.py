@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from duet.engine import LLM, SamplingParams
+from duet.engine import LLM, InvalidInputError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,18 @@ def test_stop_string_is_cut_from_output(llm):
     assert out.outputs[0].stop_reason == stop
     assert out.text == free.text[:first]
     assert stop not in out.text
+
+
+def test_a_stop_string_stays_in_the_text_when_asked(llm):
+    p = prompts(1, seed=6)[0]
+    free = llm.generate([p], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    stop = free.text[4:7]
+    first = free.text.find(stop)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=True)  # fmt: skip
+    out = llm.generate([p], params)[0]
+    assert (out.finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+    assert out.text == free.text[: first + len(stop)]
 
 
 def test_stop_token_ids(llm):
@@ -175,6 +187,53 @@ def test_logit_bias_sampling_is_deterministic_alone_and_in_a_batch(llm):
     assert sum(100 <= t < 140 for t in alone) >= 12
     # The unbiased rows of the batch are untouched.
     assert batch[0].token_ids == llm.generate([others[0]], plain)[0].token_ids
+
+
+def test_allowed_token_ids_greedy_takes_the_best_allowed_token(llm):
+    p = prompts(1, seed=14)[0]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    base = llm.generate([p], greedy)[0]
+    allowed = [7, 99, 250, 401, 511, base.token_ids[1]]
+    assert base.token_ids[0] not in allowed
+    out = llm.generate([p], dataclasses.replace(greedy, allowed_token_ids=allowed))[0]
+    assert set(out.token_ids) <= set(allowed) and out.token_ids[0] != base.token_ids[0]
+    # The same as a +100 bias on the allowed ids, which outweighs every logit of this model:
+    # the argmax over the allowed tokens, with the model's own logprobs.
+    bias = {t: 100.0 for t in allowed}
+    biased = llm.generate([p], dataclasses.replace(greedy, logit_bias=bias))[0]
+    assert out.token_ids == biased.token_ids
+    assert out.outputs[0].logprobs == biased.outputs[0].logprobs
+
+
+def test_allowed_token_ids_sampling_is_deterministic_alone_and_in_a_batch(llm):
+    target = prompts(1, seed=15)[0]
+    allowed = list(range(200, 204))
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True,
+                            allowed_token_ids=allowed)  # fmt: skip
+    alone = llm.generate([target], params)[0].token_ids
+    assert set(alone) <= set(allowed) and len(set(alone)) > 1
+    others = prompts(3, seed=16)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    batch = llm.generate([others[0], target, *others[1:]], [plain, params, plain, plain])
+    assert batch[1].token_ids == alone
+    assert batch[0].token_ids == llm.generate([others[0]], plain)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [([], "non-empty list"), ([3, -1], "integers >= 0"), ([True], "integers >= 0"),
+     ("7", "non-empty list")],
+)  # fmt: skip
+def test_bad_allowed_token_ids_name_the_field(ids, message):
+    with pytest.raises(InvalidInputError, match=message) as e:
+        SamplingParams(allowed_token_ids=ids)
+    assert e.value.field == "allowed_token_ids"
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
+    with pytest.raises(InvalidInputError, match=r"in \[0, 512\).*got 512") as e:
+        llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[3, 512]))
+    assert e.value.field == "allowed_token_ids"
 
 
 def test_blocks_return_to_pool(llm):

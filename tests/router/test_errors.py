@@ -35,6 +35,10 @@ MESSAGES = [{"role": "user", "content": "hello"}]
         (dict(logit_bias={"five": 1.0}), "logit_bias"),
         (dict(logit_bias={"512": 1.0}), "logit_bias"),  # the tiny model's vocabulary is 512
         (dict(logit_bias={"5": "much"}), "logit_bias"),
+        (dict(extra_body={"allowed_token_ids": []}), "allowed_token_ids"),
+        (dict(extra_body={"allowed_token_ids": [7, 512]}), "allowed_token_ids"),
+        (dict(extra_body={"allowed_token_ids": "7"}), "allowed_token_ids"),
+        (dict(extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
         (dict(messages=[{"content": "hi"}]), "messages[0].role"),
@@ -65,6 +69,7 @@ def test_bad_chat_field_is_400_naming_it(client: openai.OpenAI, kwargs: dict, pa
         (dict(extra_body={"best_of": 3}), "best_of"),
         (dict(logit_bias={"7": -101}), "logit_bias"),
         (dict(logit_bias={"99999": 1}), "logit_bias"),
+        (dict(extra_body={"allowed_token_ids": [-1]}), "allowed_token_ids"),
         (dict(extra_body={"prompt": {"not": "a prompt"}}), "prompt"),
     ],
 )

@@ -316,6 +316,29 @@ def test_logit_bias_over_grpc(stub):
         assert info.value.details().startswith("logit_bias: ") and message in info.value.details()
 
 
+def test_allowed_token_ids_and_a_kept_stop_string_over_grpc(stub):
+    opts = serving_pb2.SamplingOptions(max_tokens=6, temperature=0, ignore_eos=True,
+                                       allowed_token_ids=[40, 41])  # fmt: skip
+    request = serving_pb2.GenerateRequest(text="hello", sampling=opts)
+    _, ids, _, _ = collect(stub.Generate(request, metadata=AUTH, timeout=60))
+    assert len(ids[0]) == 6 and set(ids[0]) <= {40, 41}
+    free = serving_pb2.SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True)
+    text, _, _, _ = collect(stub.Generate(serving_pb2.GenerateRequest(text="hello", sampling=free),
+                                          metadata=AUTH, timeout=60))  # fmt: skip
+    stop = text[0][3:6]
+    kept = serving_pb2.SamplingOptions(max_tokens=12, temperature=0, ignore_eos=True,
+                                       stop=[stop], include_stop_str_in_output=True)  # fmt: skip
+    got, _, _, _ = collect(stub.Generate(serving_pb2.GenerateRequest(text="hello", sampling=kept),
+                                         metadata=AUTH, timeout=60))  # fmt: skip
+    assert got[0] == text[0][: text[0].find(stop) + 3]
+    opts = serving_pb2.SamplingOptions(max_tokens=2, allowed_token_ids=[3, 512])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(serving_pb2.GenerateRequest(text="hello", sampling=opts),
+                           metadata=AUTH, timeout=60))  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("allowed_token_ids: ")
+
+
 def test_a_request_without_an_id_gets_a_unique_one(stub):
     opts = serving_pb2.SamplingOptions(max_tokens=2, temperature=0)
     ids = set()

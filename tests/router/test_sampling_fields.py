@@ -1,6 +1,7 @@
 """OpenAI sampling fields over REST, through the official client: `logit_bias` (a bias on
-the sampler's logits, exact and deterministic) on chat completions and completions, and
-`stream_options.continuous_usage_stats` (vLLM's: the usage so far in every chunk)."""
+the sampler's logits, exact and deterministic) on chat completions and completions, vLLM's
+`allowed_token_ids` and `include_stop_str_in_output`, and `stream_options.continuous_usage_stats`
+(vLLM's: the usage so far in every chunk)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,34 @@ def test_completion_logit_bias_forces_and_bans(client: openai.OpenAI) -> None:
     )  # fmt: skip
     assert again.choices[0].logprobs is not None
     assert first not in again.choices[0].logprobs.tokens
+
+
+def test_chat_allowed_token_ids_sample_only_those(client: openai.OpenAI) -> None:
+    allowed = [11, 300, 301, 302]
+    for temperature in (0, 1.0):
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=temperature, seed=3,
+            logprobs=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                       "allowed_token_ids": allowed},
+        )  # fmt: skip
+        content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None and len(content) == 8
+        assert {t.token for t in content} <= {f"token_id:{a}" for a in allowed}
+
+
+def test_completion_stop_string_kept_when_asked(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    text = free.choices[0].text
+    stop = text[3:6]
+    assert len(stop) == 3
+    for keep, want in ((False, text[: text.find(stop)]),
+                       (True, text[: text.find(stop) + 3])):  # fmt: skip
+        out = client.completions.create(
+            model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0, stop=[stop],
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": keep},
+        )  # fmt: skip
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
 
 
 def test_seeded_logit_bias_is_deterministic(client: openai.OpenAI) -> None:

@@ -29,6 +29,7 @@ EVERY_FIELD = SamplingParams(
     prompt_logprobs=20,
     structured_outputs=StructuredOutputsParams(choice=["yes", "no"], reasoning="may_think"),
     logit_bias={0: -100.0, 17: 0.125, 511: 100.0},
+    allowed_token_ids=[300, 4, 17],
 )
 
 
@@ -60,8 +61,10 @@ def test_what_the_router_applies_never_travels(change):
         sampling_to_proto(dataclasses.replace(EVERY_FIELD, **change))
 
 
-def test_skip_special_tokens_stays_with_the_router():
-    params = dataclasses.replace(EVERY_FIELD, skip_special_tokens=False)
+@pytest.mark.parametrize("change", [{"skip_special_tokens": False},
+                                    {"include_stop_str_in_output": True}])  # fmt: skip
+def test_what_shapes_the_text_stays_with_the_router(change):
+    params = dataclasses.replace(EVERY_FIELD, **change)
     assert _over_the_wire(params) == EVERY_FIELD  # the worker sends token ids, never text
 
 
