@@ -145,8 +145,9 @@ class ClusterEngine:
     def cluster_stats(self) -> ClusterStats:
         return self.pool.stats()
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt, self._max_model_len)
+    def tokenize_prompt(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        bound = self._max_model_len if bounded else None
+        return tokenize_prompt(self._tokenizer, self._vocab_size, prompt, bound)
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self._tokenizer.encode_chat(messages)

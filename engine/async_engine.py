@@ -121,8 +121,8 @@ class AsyncEngine:
             return role.stats()
         return self.engine.stats
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return self.engine.tokenize_prompt(prompt)
+    def tokenize_prompt(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        return self.engine.tokenize_prompt(prompt, bounded)
 
     def encode_chat(self, messages: list[Message]) -> list[int]:
         return self.engine.encode_chat(messages)

@@ -167,8 +167,9 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt, self.max_model_len)
+    def tokenize_prompt(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        bound = self.max_model_len if bounded else None
+        return tokenize_prompt(self.tokenizer, self.arch.vocab_size, prompt, bound)
 
     def add_request(
         self,

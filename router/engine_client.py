@@ -43,8 +43,9 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats:
         """Gauges and counters for /metrics, read on each scrape."""
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, ids); raises `InvalidInputError` for an empty prompt or bad ids."""
+    def tokenize_prompt(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        """(text, ids); raises `InvalidInputError` for an empty prompt or bad ids, and
+        (`bounded`) for a text provably too long for the context, before tokenizing it."""
 
     def encode_chat(self, messages: list[Message]) -> list[int]: ...
 

@@ -84,6 +84,8 @@ def chat_body(request: serving_pb2.ChatRequest) -> ChatCompletionRequest:
         )
     body["continue_final_message"] = request.continue_final_message
     body["priority"] = request.priority
+    if request.sampling.HasField("truncate_prompt_tokens"):
+        body["truncate_prompt_tokens"] = request.sampling.truncate_prompt_tokens
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:

@@ -35,6 +35,7 @@ from duet.router.grpc_chat import ChatResponses, chat_body
 from duet.router.grpc_logprobs import logprobs_to_proto, prompt_logprobs_to_proto
 from duet.router.grpc_metrics import GrpcMetricsInterceptor
 from duet.router.grpc_reflection import enable_reflection
+from duet.router.openai_protocol import truncate_prompt
 from duet.router.serving_context import check_priority
 from duet.router.tracing import traced_outputs
 from duet.v1 import serving_pb2, serving_pb2_grpc
@@ -143,11 +144,14 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         try:
             self._check_model(request.model)
             params = sampling_params_from_proto(request.sampling)
+            opts = request.sampling
+            keep = opts.truncate_prompt_tokens if opts.HasField("truncate_prompt_tokens") else None
             if request.WhichOneof("prompt") == "token_ids":
                 prompt_ids = list(request.token_ids.ids)
                 engine.tokenize_prompt(prompt_ids)  # validates the ids
             else:
-                prompt_ids = engine.tokenize_prompt(request.text)[1]
+                prompt_ids = engine.tokenize_prompt(request.text, bounded=keep is None)[1]
+            prompt_ids = truncate_prompt(prompt_ids, keep, engine.max_model_len)
             check_priority(engine, request.priority)
             stream = self._generate(prompt_ids, params, request_id, context, request.priority)
             async for response in stream:

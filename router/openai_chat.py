@@ -136,7 +136,9 @@ class ChatPlan:
         """The prompt's token ids (`render_chat`); notes whether the reply starts thinking.
         A template that fails is `InvalidInputError` naming messages, chat_template or
         chat_template_kwargs; so is a rendered prompt provably longer than `max_model_len`
-        tokens, refused before it is tokenized."""
+        tokens, refused before it is tokenized, unless the request truncates it
+        (`truncate_prompt_tokens`: its last tokens, given `max_model_len`; the body's size
+        bound still holds)."""
         try:
             text = render_chat(tokenizer, body, messages, self)
         except jinja2.TemplateError as e:
@@ -152,10 +154,12 @@ class ChatPlan:
             raise InvalidInputError(field, f"the chat template failed: {e!r}") from None
         if self.reasoning_parser is not None:
             self.reply_start = reply_start(self.reasoning_parser, text)
-        if max_model_len is not None:
+        if max_model_len is None:
+            return tokenizer.encode(text, add_special_tokens=False)
+        if body.truncate_prompt_tokens is None:
             check_prompt_chars(tokenizer, text, max_model_len, "messages")
         # The template already holds BOS where the model wants one.
-        return tokenizer.encode(text, add_special_tokens=False)
+        return body.truncated(tokenizer.encode(text, add_special_tokens=False), max_model_len)
 
 
 class ReplyStream:

@@ -87,9 +87,30 @@ JsonInt = Annotated[int, INTEGRAL]
 ALLOWED_TOKEN_IDS_SCHEMA = {
     "type": "array",
     "minItems": 1,
-    "items": {"type": "integer", "minimum": 0},
+    "items": {"type": "integer", "minimum": 0, "x-duet-token-id": "model"},
 }
-"""What `allowed_token_ids` accepts (the vocabulary's bound on the ids is the server's check)."""
+"""What `allowed_token_ids` accepts (the served schema bounds the ids: router/openapi.py)."""
+TRUNCATE_PROMPT_TOKENS_SCHEMA = {
+    "anyOf": [{"type": "integer", "minimum": 1, "x-duet-context": True}, {"const": -1}]
+}
+"""What `truncate_prompt_tokens` accepts (the served schema bounds it by the context)."""
+TRUNCATE_RANGE = "must be -1 (the model's context length) or an integer >= 1; got {}"
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: the model's context
+    length; None: all of them). `InvalidInputError` naming the field for 0, below -1 or more
+    than the context."""
+    if keep is None:
+        return prompt_ids
+    if keep < 1 and keep != -1:
+        raise InvalidInputError("truncate_prompt_tokens", TRUNCATE_RANGE.format(keep))
+    if keep > max_model_len:
+        raise InvalidInputError(
+            "truncate_prompt_tokens",
+            f"must be at most the model's context ({max_model_len}) or -1; got {keep}",
+        )
+    return prompt_ids[-(max_model_len if keep == -1 else keep) :]
 
 
 LOGIT_BIAS_SCHEMA: dict[str, Any] = {
@@ -290,6 +311,11 @@ class SamplingRequest(OpenAIModel):
     """Only these token ids may be sampled; ids outside the model's vocabulary are a 400."""
     include_stop_str_in_output: bool = False
     """A stop string that ends the output stays at the end of its text."""
+    truncate_prompt_tokens: (
+        Annotated[int, INTEGRAL, WithJsonSchema(TRUNCATE_PROMPT_TOKENS_SCHEMA)] | None
+    ) = None
+    """Keep only the prompt's last this many tokens (-1: the model's context length); more
+    than the context is a 400."""
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     """Logprob tokens read `token_id:<id>` instead of text (exact for any tokenizer)."""
@@ -313,6 +339,17 @@ class SamplingRequest(OpenAIModel):
             return handler(value)
         except ValidationError:
             raise ValueError("must be a string or a list of strings") from None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate_prompt_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(TRUNCATE_RANGE.format(value))
+        return value
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """`truncate_prompt(prompt_ids, self.truncate_prompt_tokens, max_model_len)`."""
+        return truncate_prompt(prompt_ids, self.truncate_prompt_tokens, max_model_len)
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod

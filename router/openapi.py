@@ -39,7 +39,8 @@ def error_responses(*status_codes: int) -> dict[int | str, dict[str, Any]]:
 
 def install_openapi(app: FastAPI, engine: EngineClient | None = None) -> None:
     """Serve the schema with FastAPI's 422 entries rewritten as this server's 400, and (given
-    the engine) the largest token id each token-id field accepts."""
+    the engine) the largest token id each token-id field accepts and the context length as
+    the bound of the fields it bounds."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -51,6 +52,7 @@ def install_openapi(app: FastAPI, engine: EngineClient | None = None) -> None:
             _exact_integer_bounds(schema)
             if engine is not None:
                 _bound_token_ids(schema, token_id_maxima(engine))
+                _mark(schema, "x-duet-context", {"maximum": engine.max_model_len})
                 if getattr(engine, "scheduling_policy", "fcfs") != "priority":
                     _mark(schema, "x-duet-priority", {"const": 0})
             app.openapi_schema = schema

@@ -45,7 +45,12 @@ class CompletionHandler:
             )
         try:
             params = body.to_sampling_params()
-            tokenized = [ctx.engine.tokenize_prompt(p) for p in body.prompts()]
+            # A prompt to truncate may be longer than the context (the body's size bounds it).
+            bounded = body.truncate_prompt_tokens is None
+            tokenized = [ctx.engine.tokenize_prompt(p, bounded) for p in body.prompts()]
+            if not bounded:  # echo what the model reads
+                max_len = ctx.engine.max_model_len
+                tokenized = [(None, body.truncated(ids, max_len)) for _, ids in tokenized]
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e) from None
         prompts = [ids for _, ids in tokenized]

@@ -39,6 +39,8 @@ MESSAGES = [{"role": "user", "content": "hello"}]
         (dict(extra_body={"allowed_token_ids": [7, 512]}), "allowed_token_ids"),
         (dict(extra_body={"allowed_token_ids": "7"}), "allowed_token_ids"),
         (dict(extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
+        (dict(extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens"),
+        (dict(extra_body={"truncate_prompt_tokens": 5000}), "truncate_prompt_tokens"),
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
         (dict(messages=[{"content": "hi"}]), "messages[0].role"),
@@ -70,6 +72,8 @@ def test_bad_chat_field_is_400_naming_it(client: openai.OpenAI, kwargs: dict, pa
         (dict(logit_bias={"7": -101}), "logit_bias"),
         (dict(logit_bias={"99999": 1}), "logit_bias"),
         (dict(extra_body={"allowed_token_ids": [-1]}), "allowed_token_ids"),
+        (dict(extra_body={"truncate_prompt_tokens": -2}), "truncate_prompt_tokens"),
+        (dict(extra_body={"truncate_prompt_tokens": 1025}), "truncate_prompt_tokens"),
         (dict(extra_body={"prompt": {"not": "a prompt"}}), "prompt"),
     ],
 )

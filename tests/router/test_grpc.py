@@ -339,6 +339,30 @@ def test_allowed_token_ids_and_a_kept_stop_string_over_grpc(stub):
     assert info.value.details().startswith("allowed_token_ids: ")
 
 
+def test_truncate_prompt_tokens_over_grpc(stub):
+    ids = list(range(40, 60))
+
+    def generate(prompt, **kw):
+        opts = serving_pb2.SamplingOptions(max_tokens=4, temperature=0, ignore_eos=True, **kw)
+        request = serving_pb2.GenerateRequest(token_ids=serving_pb2.TokenIds(ids=prompt),
+                                              sampling=opts)  # fmt: skip
+        _, out, _, usage = collect(stub.Generate(request, metadata=AUTH, timeout=60))
+        return out[0], usage.prompt_tokens
+
+    assert generate(ids, truncate_prompt_tokens=6) == (generate(ids[-6:])[0], 6)
+    chat = serving_pb2.ChatRequest(
+        messages=[serving_pb2.ChatMessage(role="user", content="hello there")],
+        sampling=serving_pb2.SamplingOptions(max_tokens=2, truncate_prompt_tokens=3),
+    )
+    *_, usage = collect(stub.Chat(chat, metadata=AUTH, timeout=60))
+    assert usage.prompt_tokens == 3
+    for keep in (0, 5000):
+        with pytest.raises(grpc.RpcError) as info:
+            generate(ids, truncate_prompt_tokens=keep)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("truncate_prompt_tokens: ")
+
+
 def test_a_request_without_an_id_gets_a_unique_one(stub):
     opts = serving_pb2.SamplingOptions(max_tokens=2, temperature=0)
     ids = set()

@@ -250,6 +250,19 @@ def test_token_ids_are_bounded_by_the_vocabulary_in_the_schema(fuzzed_server: Li
     assert too_big.status_code == 400
 
 
+def test_allowed_ids_and_truncation_are_bounded_in_the_schema(fuzzed_server: LiveServer) -> None:
+    props = _body_schema(_schema(fuzzed_server), "CompletionRequest")["properties"]
+    [allowed] = [b for b in props["allowed_token_ids"]["anyOf"] if b.get("type") == "array"]
+    [keep] = [b for b in props["truncate_prompt_tokens"]["anyOf"] if b.get("type") == "integer"]
+    top_id, context = allowed["items"]["maximum"], keep["maximum"]
+    for body, status in (({"allowed_token_ids": [top_id]}, 200),
+                         ({"allowed_token_ids": [top_id + 1]}, 400),
+                         ({"truncate_prompt_tokens": context}, 200),
+                         ({"truncate_prompt_tokens": context + 1}, 400)):  # fmt: skip
+        reply = _post(fuzzed_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, **body})
+        assert reply.status_code == status, (body, reply.text)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [

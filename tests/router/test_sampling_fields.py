@@ -1,6 +1,6 @@
 """OpenAI sampling fields over REST, through the official client: `logit_bias` (a bias on
 the sampler's logits, exact and deterministic) on chat completions and completions, vLLM's
-`allowed_token_ids` and `include_stop_str_in_output`, and `stream_options.continuous_usage_stats`
+`allowed_token_ids`, `include_stop_str_in_output` and `truncate_prompt_tokens`, and `stream_options.continuous_usage_stats`
 (vLLM's: the usage so far in every chunk)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from duet.engine import AsyncEngine
 from tests.router.rest_server import MODEL_NAME
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -72,6 +73,35 @@ def test_completion_stop_string_kept_when_asked(client: openai.OpenAI) -> None:
             extra_body={"ignore_eos": True, "include_stop_str_in_output": keep},
         )  # fmt: skip
         assert (out.choices[0].text, out.choices[0].finish_reason) == (want, "stop")
+
+
+def test_completion_truncate_prompt_tokens_keeps_the_last_ones(client: openai.OpenAI) -> None:
+    prompt = list(range(40, 60))
+    greedy = dict(model=MODEL_NAME, max_tokens=6, temperature=0, echo=True)
+    cut = client.completions.create(prompt=prompt, **greedy,
+                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    tail = client.completions.create(prompt=prompt[-5:], **greedy)
+    assert cut.usage is not None and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == tail.choices[0].text  # the echo is the prompt read
+    whole = client.completions.create(prompt=prompt, **greedy,
+                                      extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert whole.usage is not None and whole.usage.prompt_tokens == 20
+
+
+def test_a_text_too_long_for_the_context_is_served_truncated(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    tokenizer = rest_engine.engine.tokenizer
+    assert tokenizer.max_token_chars is not None
+    text = "a b " * (rest_engine.max_model_len * tokenizer.max_token_chars // 4 + 100)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=2)
+    assert info.value.param == "prompt"  # provably too long, refused before tokenizing
+    for body in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+        create = client.completions.create if "prompt" in body else client.chat.completions.create
+        out = create(model=MODEL_NAME, max_tokens=2, **body,  # type: ignore[operator]
+                     extra_body={"truncate_prompt_tokens": 8})  # fmt: skip
+        assert out.usage.prompt_tokens == 8
 
 
 def test_seeded_logit_bias_is_deterministic(client: openai.OpenAI) -> None:
