@@ -116,7 +116,7 @@ class AttemptRunner:
         )
         if deadline - time.monotonic() <= 0:
             raise EngineDeadError(f"request timed out after {self.config.request_timeout_s}s")
-        pick = self.pool.pick_prefill(ids)
+        pick = self.pool.pick_prefill(ids, salt=params.cache_salt)
         uncached = len(ids) - (pick[1] if pick else 0)
         if attempt == 1:
             self.stats.prefix_cache_queries += len(ids)

@@ -288,9 +288,10 @@ class WorkerPool:
         return [s for s in self.decode.values() if s.healthy]
 
     def pick_prefill(
-        self, prompt_token_ids: list[int], exclude: Iterable[str] = ()
+        self, prompt_token_ids: list[int], exclude: Iterable[str] = (), salt: str | None = None
     ) -> tuple[PrefillState, int] | None:
-        """The prefill worker for a prompt and how many of its tokens it has cached."""
+        """The prefill worker for a prompt and how many of its tokens it has cached (under
+        the request's `cache_salt`, as the workers hash it)."""
         excluded = set(exclude)
         candidates = [s for s in self.healthy_prefill() if s.name not in excluded]
         if not candidates:
@@ -300,7 +301,7 @@ class WorkerPool:
         for state in candidates:
             size = state.block_size or 1
             if size not in hashes_by_size:
-                hashes_by_size[size] = hash_request_blocks(prompt_token_ids, size, [])
+                hashes_by_size[size] = hash_request_blocks(prompt_token_ids, size, [], salt)
             hits = 0
             # The engine leaves at least one token to compute, so its hits stop one short.
             for block_hash in hashes_by_size[size][: (len(prompt_token_ids) - 1) // size]:

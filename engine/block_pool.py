@@ -20,22 +20,28 @@ import numpy as np
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of a full block: identical hashes mean identical prefixes, across processes."""
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], salt: str | None = None
+) -> BlockHash:
+    """Chained hash of a full block: identical hashes mean identical prefixes, across processes.
+    `salt` (a request's `cache_salt`) enters the first block's, so the chains of requests with
+    different salts never meet: one tenant's requests cannot hit (or time) another's cache."""
     h = hashlib.blake2b(digest_size=16)
     if parent_hash is not None:
         h.update(parent_hash)
+    elif salt is not None:
+        h.update(b"cache_salt\0" + salt.encode())
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
 
 
 def hash_request_blocks(
-    token_ids: Sequence[int], block_size: int, hashes: list[BlockHash]
+    token_ids: Sequence[int], block_size: int, hashes: list[BlockHash], salt: str | None = None
 ) -> list[BlockHash]:
     """Extend `hashes` (the chain computed so far) to cover every full block of `token_ids`."""
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size]))
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], salt))
     return hashes
 
 

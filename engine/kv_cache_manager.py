@@ -43,7 +43,8 @@ class KVCacheManager:
         that asked for prompt logprobs gets no hit (every position's logits are needed)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        salt = request.sampling_params.cache_salt
+        hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes, salt)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -102,7 +103,8 @@ class KVCacheManager:
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         if num_full <= offered:
             return
-        hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes)
+        salt = request.sampling_params.cache_salt
+        hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes, salt)
         num_full = min(num_full, len(request.block_hashes), len(blocks))
         self.pool.cache_full_blocks(blocks, request.block_hashes, offered, num_full)
         self._num_offered[request.request_id] = max(offered, num_full)

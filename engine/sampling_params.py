@@ -61,6 +61,10 @@ class SamplingParams:
     must be in the model's vocabulary (checked where the request is admitted)."""
     include_stop_str_in_output: bool = False
     """vLLM's: a stop string that ends the output stays at its end (by default it is cut)."""
+    cache_salt: str | None = None
+    """vLLM's: mixed into the prefix cache's hash of the prompt's first block, so only requests
+    with the same salt share cached blocks (a tenant's own, where tenants must not learn of one
+    another's prompts by their speed). Not empty."""
     structured_outputs: StructuredOutputsParams | None = None
     """A grammar the output must match (JSON schema, JSON object, regex, choice, EBNF); a dict
     is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
@@ -112,6 +116,12 @@ class SamplingParams:
             self.logit_bias = _check_logit_bias(self.logit_bias) or None  # {}: no bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _check_allowed_token_ids(self.allowed_token_ids)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            raise InvalidInputError(
+                "cache_salt", f"must be a non-empty string; got {self.cache_salt!r}"
+            )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise InvalidInputError(
                 "include_stop_str_in_output",

@@ -97,6 +97,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
     for name in (
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
         "frequency_penalty", "repetition_penalty", "logprobs", "n", "min_tokens", "prompt_logprobs",
+        "cache_salt",
     ):  # fmt: skip
         if opts.HasField(name):
             kwargs[name] = getattr(opts, name)

@@ -311,6 +311,8 @@ class SamplingRequest(OpenAIModel):
     """Only these token ids may be sampled; ids outside the model's vocabulary are a 400."""
     include_stop_str_in_output: bool = False
     """A stop string that ends the output stays at the end of its text."""
+    cache_salt: str | None = Field(None, min_length=1)
+    """Only requests with the same salt share prefix-cached KV blocks."""
     truncate_prompt_tokens: (
         Annotated[int, INTEGRAL, WithJsonSchema(TRUNCATE_PROMPT_TOKENS_SCHEMA)] | None
     ) = None
@@ -407,6 +409,7 @@ class SamplingRequest(OpenAIModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            cache_salt=self.cache_salt,
         )
 
 

@@ -40,7 +40,7 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         message.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids:
         message.allowed_token_ids.extend(params.allowed_token_ids)
-    for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+    for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt"):
         value = getattr(params, name)
         if value is not None:
             setattr(message, name, value)
@@ -78,6 +78,7 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         seed=optional("seed"),
         logprobs=optional("logprobs"),
         prompt_logprobs=optional("prompt_logprobs"),
+        cache_salt=message.cache_salt if message.HasField("cache_salt") else None,
         min_tokens=message.min_tokens,
         temperature=message.temperature,
         top_p=message.top_p,

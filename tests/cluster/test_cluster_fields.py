@@ -3,7 +3,8 @@ loopback). Prompt logprobs: the prefill worker computes them and its answer carr
 router, which sends no output of the request before they are in; the values equal the
 aggregated engine's. Priority: reaches the prefill and decode workers' schedulers.
 `allowed_token_ids`: the prefill worker's first token and the decode worker's others keep to
-them, as the aggregated engine's do."""
+them, as the aggregated engine's do. `cache_salt`: the prefill worker's prefix cache serves a
+prompt only to requests of its salt."""
 
 from __future__ import annotations
 
@@ -104,3 +105,20 @@ def test_disaggregated_allowed_token_ids_equal_aggregated(tiny_llama: str) -> No
     got = asyncio.run(main())
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert all(set(w.token_ids) <= set(allowed) for w in want)
+
+
+def test_disaggregated_prefix_hits_only_within_a_cache_salt(tiny_llama: str) -> None:
+    [prompt] = prompts_of([40])
+
+    async def main():
+        async with Cluster(tiny_llama, threshold=8) as c:
+            cached = []
+            for salt in ("a", "a", "b", None, None):
+                params = SamplingParams(max_tokens=2, temperature=0, cache_salt=salt)
+                async for out in c.engine.generate(prompt, params):
+                    last = out
+                cached.append(last.num_cached_tokens)
+            return cached
+
+    # 40 tokens in blocks of 8: the 4 full blocks before the last token hit.
+    assert asyncio.run(main()) == [0, 32, 0, 0, 32]

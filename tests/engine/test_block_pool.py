@@ -10,8 +10,9 @@ from duet.engine.request import Request
 from duet.engine.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=8), max_tokens=8)
+def make_request(request_id: str, tokens: list[int], salt: str | None = None) -> Request:
+    params = SamplingParams(max_tokens=8, cache_salt=salt)
+    return Request(request_id, tokens, params, max_tokens=8)
 
 
 def test_new_blocks_come_from_front_in_id_order():
@@ -97,6 +98,29 @@ def test_chained_hashes_depend_on_parent():
     assert len(a) == 2 and len(b) == 2
     assert a[1] != b[1]  # same tokens [3, 4], different parents
     assert hash_request_blocks([1, 2, 3, 4, 5, 6], 2, list(a))[:2] == a
+
+
+def test_a_salt_changes_every_hash_of_the_chain():
+    plain = hash_request_blocks([1, 2, 3, 4], 2, [])
+    salted = hash_request_blocks([1, 2, 3, 4], 2, [], "tenant-a")
+    assert hash_request_blocks([1, 2, 3, 4], 2, [], "tenant-a") == salted
+    other = hash_request_blocks([1, 2, 3, 4], 2, [], "tenant-b")
+    assert len({plain[0], salted[0], other[0]}) == 3 and len({plain[1], salted[1], other[1]}) == 3
+    assert salted[1] == hash_block_tokens(salted[0], [3, 4])  # the salt enters the first only
+
+
+def test_prefix_hits_only_between_requests_of_one_salt():
+    kv = KVCacheManager(num_blocks=12, block_size=4)
+    for i, salt in enumerate((None, "a")):
+        first = make_request(f"first-{i}", list(range(12)), salt)
+        kv.allocate_slots(first, 12)
+        first.num_computed_tokens = 12
+        kv.cache_blocks(first, 12)
+    hits = {}
+    for salt in (None, "a", "b"):
+        blocks, num_hit = kv.get_computed_blocks(make_request(f"x-{salt}", list(range(13)), salt))
+        hits[salt] = ([b.block_id for b in blocks], num_hit)
+    assert hits == {None: ([0, 1, 2], 12), "a": ([3, 4, 5], 12), "b": ([], 0)}
 
 
 def test_manager_allocation_exact_ids_and_free():

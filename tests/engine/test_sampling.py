@@ -230,6 +230,13 @@ def test_bad_allowed_token_ids_name_the_field(ids, message):
     assert e.value.field == "allowed_token_ids"
 
 
+@pytest.mark.parametrize("salt", ["", 7])
+def test_a_bad_cache_salt_names_the_field(salt):
+    with pytest.raises(InvalidInputError, match="non-empty string") as e:
+        SamplingParams(cache_salt=salt)
+    assert e.value.field == "cache_salt"
+
+
 def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
     with pytest.raises(InvalidInputError, match=r"in \[0, 512\).*got 512") as e:
         llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[3, 512]))

@@ -361,6 +361,9 @@ def test_truncate_prompt_tokens_over_grpc(stub):
             generate(ids, truncate_prompt_tokens=keep)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.details().startswith("truncate_prompt_tokens: ")
+    with pytest.raises(grpc.RpcError) as info:
+        generate(ids, cache_salt="")
+    assert info.value.details().startswith("cache_salt: ")
 
 
 def test_a_request_without_an_id_gets_a_unique_one(stub):

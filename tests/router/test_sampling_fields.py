@@ -1,9 +1,12 @@
 """OpenAI sampling fields over REST, through the official client: `logit_bias` (a bias on
 the sampler's logits, exact and deterministic) on chat completions and completions, vLLM's
-`allowed_token_ids`, `include_stop_str_in_output` and `truncate_prompt_tokens`, and `stream_options.continuous_usage_stats`
+`allowed_token_ids`, `include_stop_str_in_output`, `truncate_prompt_tokens` and `cache_salt`,
+and `stream_options.continuous_usage_stats`
 (vLLM's: the usage so far in every chunk)."""
 
 from __future__ import annotations
+
+import uuid
 
 import openai
 import pytest
@@ -102,6 +105,21 @@ def test_a_text_too_long_for_the_context_is_served_truncated(
         out = create(model=MODEL_NAME, max_tokens=2, **body,  # type: ignore[operator]
                      extra_body={"truncate_prompt_tokens": 8})  # fmt: skip
         assert out.usage.prompt_tokens == 8
+
+
+def test_chat_prefix_cache_hits_only_within_a_cache_salt(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "a long enough question " * 8}]
+
+    def cached(salt: str) -> int:
+        out = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                             max_tokens=1, extra_body={"cache_salt": salt})  # fmt: skip
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return out.usage.prompt_tokens_details.cached_tokens or 0
+
+    first = f"tenant-{uuid.uuid4().hex}"
+    assert cached(first) == 0
+    assert cached(first) > 0
+    assert cached(f"tenant-{uuid.uuid4().hex}") == 0
 
 
 def test_seeded_logit_bias_is_deterministic(client: openai.OpenAI) -> None:

@@ -30,6 +30,7 @@ EVERY_FIELD = SamplingParams(
     structured_outputs=StructuredOutputsParams(choice=["yes", "no"], reasoning="may_think"),
     logit_bias={0: -100.0, 17: 0.125, 511: 100.0},
     allowed_token_ids=[300, 4, 17],
+    cache_salt="tenant-7",
 )
 
 
