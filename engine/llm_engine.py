@@ -33,7 +33,7 @@ from duet.engine.spec_decode.proposer import TargetInfo
 from duet.engine.spec_decode.speculator import Speculator
 from duet.engine.stats import EngineStats
 from duet.engine.structured_output import GrammarCompiler
-from duet.engine.tokenizer import Message
+from duet.engine.tokenizer import Message, bad_words_token_ids
 
 __all__ = ["EngineStats", "LLMEngine", "PrefillDone", "PrefillStream", "Prompt",  # re-exported
            "check_lengths", "check_vocab", "tokenize_prompt"]  # fmt: skip
@@ -231,6 +231,9 @@ class LLMEngine:
         request = Request(
             request_id, ids, params, max_tokens, eos, priority, sample_seed=sample_seed
         )
+        request.num_replayed = num_replayed
+        if params.bad_words:
+            request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
             request.grammar = self.grammar_compiler.new_state(
                 params.structured_outputs, ids, num_replayed

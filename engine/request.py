@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 from duet.engine.sampling_params import SamplingParams
 from duet.engine.structured_output import GrammarState
@@ -85,6 +86,11 @@ class Request:
         # takes them into a step's budget (`SchedulerOutput.spec_token_ids`); they never enter
         # `all_token_ids` unless verification accepts them.
         self.spec_token_ids: list[int] = []
+        # The prompt's last tokens that are this request's own earlier output (a continuation
+        # on another worker): bad words see them as output.
+        self.num_replayed = 0
+        # `SamplingParams.bad_words` as token sequences (`bad_words_token_ids`).
+        self.bad_words_token_ids: list[list[int]] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -101,6 +107,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def banned_next(self, ahead: Sequence[int] = ()) -> list[int]:
+        """The tokens its bad words forbid next, after its output (the replayed tokens and
+        `ahead`, proposed tokens taken, included): each one-token word's, and the last token
+        of each longer word whose other tokens end that output."""
+        if not self.bad_words_token_ids:
+            return []
+        start = self.num_prompt_tokens - self.num_replayed
+        past = self.all_token_ids[start:]
+        if ahead:
+            past = [*past, *ahead]
+        banned = []
+        for word in self.bad_words_token_ids:
+            *head, last = word
+            if not head or (len(head) <= len(past) and past[len(past) - len(head) :] == head):
+                banned.append(last)
+        return banned
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -60,7 +60,8 @@ class Sampler:
         if batch.bitmask is not None:
             apply_bitmask(logits, batch.bitmask)  # grammars: disallowed tokens to -inf
         for row, stops in batch.stop_masks:
-            # Until min_tokens are out, EOS and stop tokens cannot be drawn at all.
+            # Until min_tokens are out, EOS and stop tokens cannot be drawn at all; nor can
+            # what a bad word forbids.
             logits[row, stops] = float("-inf")
 
         if batch.all_greedy:

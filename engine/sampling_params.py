@@ -34,6 +34,10 @@ class SamplingParams:
     """Strings that end generation; not included in the output."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end generation (besides EOS)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's: words the output never contains as tokenized: each word's tokens, with and
+    without a leading space; a one-token word is never sampled, and the last token of a
+    longer one not after the output's tokens match the rest of it."""
     ignore_eos: bool = False
     """Keep generating past EOS."""
     presence_penalty: float = 0.0
@@ -110,6 +114,10 @@ class SamplingParams:
             raise InvalidInputError("seed", f"must be an integer; got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidInputError("stop", "must be non-empty strings")
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            raise InvalidInputError("bad_words", "must be a list of words (non-blank strings)")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise InvalidInputError("stop_token_ids", "must be non-negative integers")
         if self.logit_bias is not None:

@@ -48,7 +48,8 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     any_penalties: bool
-    stop_masks: list[tuple[int, list[int]]]  # (row, token ids) not to draw yet (min_tokens)
+    # (row, token ids) not to draw: stop tokens before min_tokens, what bad words forbid next
+    stop_masks: list[tuple[int, list[int]]]
     logprob_rows: torch.Tensor  # [W] long: rows that asked for logprobs
     logprob_ks: list[int]  # [W] top alternatives each asked for
     logprob_host_rows: list[int]  # [W] the rows of `logprob_rows`, on the host
@@ -146,6 +147,7 @@ class SamplingSlots:
             greedy
             and not p.logit_bias
             and not p.allowed_token_ids
+            and not p.bad_words
             and not p.needs_penalties
             and p.min_tokens == 0
             and p.logprobs is None
@@ -261,6 +263,11 @@ class SamplingSlots:
                 stops = [t for t in stops if t < self.vocab_size]
                 if stops:
                     stop_masks.append((row, stops))
+            if request.bad_words_token_ids:
+                before = drafts_of[row - ahead][:ahead] if drafts_of is not None else ()
+                banned = [t for t in request.banned_next(before) if t < self.vocab_size]
+                if banned:
+                    stop_masks.append((row, banned))
             if params.logprobs is not None:
                 ints[_WANT, len(logprob_ks)] = row
                 logprob_ks.append(params.logprobs)

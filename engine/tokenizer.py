@@ -147,6 +147,22 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word's tokens as written (leading blanks
+    dropped), and with one leading space where that is a different first token and as many
+    tokens (a word that starts a text and one in the middle of it tokenize apart)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 # What keeps every character of the text in some token: normalizers that only add or
 # substitute characters one for one (or more), pre-tokenizers that split without dropping any.
 _KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase"}

@@ -110,6 +110,7 @@ def sampling_params_from_proto(opts: serving_pb2.SamplingOptions) -> SamplingPar
     return SamplingParams(
         stop=list(opts.stop),
         stop_token_ids=list(opts.stop_token_ids),
+        bad_words=list(opts.bad_words),
         ignore_eos=opts.ignore_eos,
         logit_bias=dict(opts.logit_bias) or None,
         allowed_token_ids=list(opts.allowed_token_ids) or None,

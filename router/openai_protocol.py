@@ -311,6 +311,9 @@ class SamplingRequest(OpenAIModel):
     """Only these token ids may be sampled; ids outside the model's vocabulary are a 400."""
     include_stop_str_in_output: bool = False
     """A stop string that ends the output stays at the end of its text."""
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
+    """Words the output never contains as tokenized (vLLM's rule: with and without a leading
+    space)."""
     cache_salt: str | None = Field(None, min_length=1)
     """Only requests with the same salt share prefix-cached KV blocks."""
     truncate_prompt_tokens: (
@@ -410,6 +413,7 @@ class SamplingRequest(OpenAIModel):
             allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             cache_salt=self.cache_salt,
+            bad_words=list(self.bad_words or []),
         )
 
 

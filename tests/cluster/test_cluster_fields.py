@@ -85,12 +85,21 @@ def test_priority_reaches_the_prefill_and_decode_schedulers(
     assert sorted(seen) == sorted([("prefill", 7), ("remote", 7), ("local", -3)])
 
 
-def test_disaggregated_allowed_token_ids_equal_aggregated(tiny_llama: str) -> None:
+@pytest.mark.parametrize("field", ["allowed_token_ids", "bad_words"])
+def test_disaggregated_allowed_and_bad_words_equal_aggregated(tiny_llama: str, field: str) -> None:
     prompts = prompts_of([30, 12])
+    reference = LLM(tiny_llama, **ENGINE)
     allowed = [20, 21, 22, 400]
-    params = [SamplingParams(max_tokens=6, temperature=t, seed=9, ignore_eos=True,
-                             allowed_token_ids=allowed) for t in (0, 1.0)]  # fmt: skip
-    want = LLM(tiny_llama, **ENGINE).generate(prompts, params)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    free = reference.generate(prompts, greedy)
+    # bad words: each prompt's first two free tokens as a word (its first token banned after)
+    words = [reference.engine.tokenizer.decode(f.token_ids[:2]) for f in free]
+    change = (
+        {"allowed_token_ids": allowed} if field == "allowed_token_ids" else {"bad_words": words}
+    )
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=9, ignore_eos=True, **change)
+              for t in (0, 1.0)]  # fmt: skip
+    want = reference.generate(prompts, params)
 
     async def main():
         async with Cluster(tiny_llama, threshold=8) as c:
@@ -104,7 +113,10 @@ def test_disaggregated_allowed_token_ids_equal_aggregated(tiny_llama: str) -> No
 
     got = asyncio.run(main())
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    assert all(set(w.token_ids) <= set(allowed) for w in want)
+    if field == "allowed_token_ids":
+        assert all(set(w.token_ids) <= set(allowed) for w in want)
+    else:
+        assert want[0].token_ids != free[0].token_ids  # the greedy one had to turn off
 
 
 def test_disaggregated_prefix_hits_only_within_a_cache_salt(tiny_llama: str) -> None:

@@ -41,6 +41,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
         (dict(extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
         (dict(extra_body={"truncate_prompt_tokens": 0}), "truncate_prompt_tokens"),
         (dict(extra_body={"cache_salt": ""}), "cache_salt"),
+        (dict(extra_body={"bad_words": [" "]}), "bad_words[0]"),
         (dict(extra_body={"truncate_prompt_tokens": 5000}), "truncate_prompt_tokens"),
         (dict(messages=[]), "messages"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),

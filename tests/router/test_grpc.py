@@ -364,6 +364,9 @@ def test_truncate_prompt_tokens_over_grpc(stub):
     with pytest.raises(grpc.RpcError) as info:
         generate(ids, cache_salt="")
     assert info.value.details().startswith("cache_salt: ")
+    with pytest.raises(grpc.RpcError) as info:
+        generate(ids, bad_words=[""])
+    assert info.value.details().startswith("bad_words: ")
 
 
 def test_a_request_without_an_id_gets_a_unique_one(stub):

@@ -1,7 +1,7 @@
 """OpenAI sampling fields over REST, through the official client: `logit_bias` (a bias on
 the sampler's logits, exact and deterministic) on chat completions and completions, vLLM's
-`allowed_token_ids`, `include_stop_str_in_output`, `truncate_prompt_tokens` and `cache_salt`,
-and `stream_options.continuous_usage_stats`
+`allowed_token_ids`, `bad_words`, `include_stop_str_in_output`, `truncate_prompt_tokens` and
+`cache_salt`, and `stream_options.continuous_usage_stats`
 (vLLM's: the usage so far in every chunk)."""
 
 from __future__ import annotations
@@ -61,6 +61,16 @@ def test_chat_allowed_token_ids_sample_only_those(client: openai.OpenAI) -> None
         content = out.choices[0].logprobs.content  # type: ignore[union-attr]
         assert content is not None and len(content) == 8
         assert {t.token for t in content} <= {f"token_id:{a}" for a in allowed}
+
+
+def test_completion_bad_words_turn_greedy_off_them(client: openai.OpenAI) -> None:
+    greedy = dict(model=MODEL_NAME, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    free = client.completions.create(**greedy).choices[0].text  # type: ignore[call-overload]
+    word = free.split()[0]
+    out = client.completions.create(**{**greedy, "extra_body": {"ignore_eos": True,  # type: ignore[call-overload]
+                                                                "bad_words": [word]}})  # fmt: skip
+    assert word in free and word not in out.choices[0].text
 
 
 def test_completion_stop_string_kept_when_asked(client: openai.OpenAI) -> None:
