@@ -70,7 +70,6 @@ class ReasoningConfig(OpenAIModel):
 # Fields duet accepts without honouring them: field -> whether the value asks for nothing.
 IGNORED: dict[str, Inert] = {
     "include": lambda v: not v,
-    "truncation": lambda v: v in (None, "disabled"),
     "service_tier": lambda v: v in (None, "auto", "default"),
     "top_logprobs": lambda v: not v,
     "prompt": lambda v: v is None,
@@ -159,9 +158,11 @@ class ResponsesRequest(OpenAIModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     """Accepted: duet caches prompt prefixes on its own."""
+    truncation: Literal["auto", "disabled"] | None = None
+    """auto: a conversation too long for the context drops its oldest turns (whole, from a
+    user message on; the instructions stay) until it fits; disabled (the default): a 400."""
     # accepted, not honoured (`IGNORED`)
     include: list[str] | None = None
-    truncation: str | None = None
     service_tier: str | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     prompt: dict[str, Any] | None = None

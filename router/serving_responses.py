@@ -20,12 +20,13 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from duet.engine import InvalidInputError, SamplingParams
 from duet.router.auth import caller_api_key
 from duet.router.chat_events import ChatStep, Final
 from duet.router.chat_turn import ChatTurns
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.errors import BadRequestError, as_openai_error
-from duet.router.openai_chat import assistant_message, template_reads
+from duet.router.openai_chat import ChatPlan, assistant_message, template_reads
 from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openapi import error_responses
 from duet.router.responses_background import ResponsesBackground
@@ -68,6 +69,8 @@ class ResponsesHandler:
         new_messages = body.input_messages()
         chat = body.to_chat([*history, *new_messages])
         plan, params = self.turns.plan(chat, RESPONSES_RENAME)
+        if body.truncation == "auto":
+            chat = body.to_chat(self._fitting([*history, *new_messages], body, plan, params))
         response_id = new_id("resp")
         echo = echo_fields(body, ctx.model_name, store)
         render = ResponseRender(response_id, echo, token_counter(ctx.engine.tokenizer))
@@ -105,6 +108,41 @@ class ResponsesHandler:
         finally:
             ticket.release()
         return JSONResponse(render.response(), headers=headers)
+
+    def _fitting(
+        self,
+        messages: list[dict[str, Any]],
+        body: ResponsesRequest,
+        plan: ChatPlan,
+        params: SamplingParams,
+    ) -> list[dict[str, Any]]:
+        """`truncation: "auto"`: the shortest cut of `messages` that fits the context with the
+        reply's room (`check_lengths`), cut only before a user message, so every turn kept is
+        whole (no tool result without its call). All of them when they fit; the last user
+        turn when nothing shorter does (its 400 then says why)."""
+        engine = self.turns.ctx.engine
+        cuts = [i for i, m in enumerate(messages) if m.get("role") == "user"] or [0]
+        if cuts[0] != 0:
+            cuts.insert(0, 0)
+
+        def fits(start: int) -> bool:
+            chat = body.to_chat(messages[start:])
+            try:
+                ids = plan.render(engine.tokenizer, chat,
+                                  [m.to_template_message() for m in chat.messages])  # fmt: skip
+                engine.check_lengths(len(ids), params)
+            except InvalidInputError:
+                return False
+            return True
+
+        lo, hi = 0, len(cuts) - 1  # the answer is in cuts[lo:hi + 1]: fits() grows with start
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(cuts[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return messages[cuts[lo] :]
 
     async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
         stored = await self.stored.get(response_id, caller_api_key(raw), "response_id")

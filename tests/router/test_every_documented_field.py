@@ -89,6 +89,7 @@ RESPONSES_HONOURED: dict[str, tuple[Any, str]] = {
     "user": ("u1", "stored and echoed"),
     "safety_identifier": ("u1", "stored and echoed"),
     "prompt_cache_key": ("k1", "a cache hint"),
+    "truncation": ("auto", "test_responses.py"),
 }
 RESPONSES_IGNORED: dict[str, Any] = {
     "access_programs": {"cyber": "standard"},
@@ -104,7 +105,6 @@ RESPONSES_IGNORED: dict[str, Any] = {
     "service_tier": "flex",
     "stream_options": {"include_obfuscation": False},
     "top_logprobs": 2,
-    "truncation": "auto",
 }
 
 

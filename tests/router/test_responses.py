@@ -249,7 +249,37 @@ def test_ignored_fields_are_named_in_a_header(server: LiveServer) -> None:
     reply = httpx2.post(f"{server.url}/v1/responses", json=body, timeout=30,
                         headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert reply.status_code == 200
-    assert reply.headers["duet-ignored-fields"] == "include,truncation,service_tier"
+    assert reply.headers["duet-ignored-fields"] == "include,service_tier"
+
+
+def test_truncation_auto_drops_the_oldest_turns_whole(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    turn = "tell me about the weather in the high mountains this week"
+    per_pair = 2 * len(rest_engine.engine.tokenizer.encode(turn)) + 8
+    messages: list[Any] = []
+    for i in range(3 * rest_engine.max_model_len // per_pair):
+        messages += [{"role": "user", "content": f"{i} {turn}"},
+                     {"role": "assistant", "content": f"{turn} {i}"}]  # fmt: skip
+    messages.append({"role": "user", "content": "and now?"})
+    ask = dict(model=MODEL_NAME, input=messages, max_output_tokens=8, temperature=0, store=False)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**ask)  # type: ignore[call-overload]
+    out = client.responses.create(**ask, truncation="auto")  # type: ignore[call-overload]
+    assert out.usage is not None
+    # The reply is the one to the conversation from some user turn on: the latest start that
+    # still fits; one turn earlier does not.
+    starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    fits = {}
+    for k in starts:
+        try:
+            fits[k] = _chat(client, messages[k:], 8)
+        except openai.BadRequestError:
+            continue
+    kept = min(fits)
+    assert kept > 0 and starts[starts.index(kept) - 1] not in fits
+    assert out.usage.input_tokens == fits[kept].usage.prompt_tokens
+    assert out.output_text == fits[kept].choices[0].message.content
 
 
 def test_background_response_completes_and_a_cancelled_one_stays_cancelled(
