@@ -66,7 +66,7 @@ def echo_fields(body: ResponsesRequest, model: str, stored: bool) -> dict[str, A
         "tool_choice": choice,
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "user": body.user,
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,

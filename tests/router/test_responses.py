@@ -266,7 +266,7 @@ def test_truncation_auto_drops_the_oldest_turns_whole(
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**ask)  # type: ignore[call-overload]
     out = client.responses.create(**ask, truncation="auto")  # type: ignore[call-overload]
-    assert out.usage is not None
+    assert out.usage is not None and out.truncation == "auto"
     # The reply is the one to the conversation from some user turn on: the latest start that
     # still fits; one turn earlier does not.
     starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
