@@ -47,10 +47,12 @@ ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=
 REQUEST_TIMEOUT_S = 40.0
 CLUSTER = dict(local_prefill_threshold=0, poll_interval_s=0.2, request_timeout_s=REQUEST_TIMEOUT_S,
                kv_wait_s=10.0)  # fmt: skip
-LONG_STREAM = 500
+LONG_STREAM = 800
 """Tokens of a stream that a fault must cut (`frozen_mid_stream` picks the moment from the
-worker's own steps): about 1.5 s at 2 streams a worker. 4 x (90 + 500) tokens fit one decode
-worker's pool (512 blocks of 8), as a migration needs, and the model's 1,024 positions."""
+worker's own steps, within its first 600): about 2.5 s at 2 streams a worker (with 500, a
+window of 300 steps passed unseen once under `make test`'s load). 4 x (90 + 800) tokens fit
+one decode worker's pool (512 blocks of 8), as a migration needs, and the model's 1,024
+positions."""
 GRPC_PORT, KV_PORT, REST_PORT = 7000, 7100, 8000  # each host has its own ports
 DECODE = ("decode0", "decode1")
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -102,7 +104,7 @@ class Cluster:
         for name in self.procs:
             wait_for(lambda n=name: self._ready(n), 120, f"{name} ready", 0.1)
         self.loads = self.lab.spawn_piped("outside", [*python, "tests.cluster.netns_loads",
-            *(f"{d}={self.grpc(d)}" for d in DECODE)], "loads.log", env)  # fmt: skip
+            *(f"{d}={self.grpc(d)}={self.procs[d].pid}" for d in DECODE)], "loads.log", env)  # fmt: skip
 
     def _ready(self, name: str) -> bool:
         if self.procs[name].poll() is not None:
@@ -151,16 +153,16 @@ class Cluster:
         out.elapsed_s = time.monotonic() - started
         return out
 
-    def decode_load(self, name: str) -> dict[str, int]:
-        """`name`'s own load, read now over its gRPC port (tests/cluster/netns_loads.py, in the
-        `outside` host), not the router's poll of it: `num_running`, `num_steps`."""
+    def decode_workers(self, command: dict[str, Any], timeout_s: float = 20) -> dict[str, Any]:
+        """The decode workers' own loads, read now over their gRPC ports by a helper in the
+        `outside` host (tests/cluster/netns_loads.py: its commands), not the router's poll."""
         assert self.loads is not None and self.loads.stdin and self.loads.stdout
-        self.loads.stdin.write(f"{name}\n".encode())
+        self.loads.stdin.write((json.dumps(command) + "\n").encode())
         self.loads.stdin.flush()
-        ready, _, _ = select.select([self.loads.stdout], [], [], 20)
-        assert ready, f"no load of {name} in 20 s: {self.lab.log('loads.log')[-2000:]}"
+        ready, _, _ = select.select([self.loads.stdout], [], [], timeout_s)
+        assert ready, f"no answer in {timeout_s} s: {self.lab.log('loads.log')[-2000:]}"
         reply = json.loads(self.loads.stdout.readline() or '{"error": "exited"}')
-        assert "error" not in reply, (name, reply, self.lab.log("loads.log")[-2000:])
+        assert "error" not in reply, (command, reply, self.lab.log("loads.log")[-2000:])
         return dict(reply)
 
     def dashboard(self) -> dict[str, Any]:
@@ -276,32 +278,27 @@ needs at any load): none of them can end between the worker's load reply and its
 def frozen_mid_stream(cluster: Cluster, steps_before: dict[str, int],
                       futures: list[Future[Completion]]) -> Iterator[tuple[str, int]]:  # fmt: skip
     """A decode worker stopped (SIGSTOP) while its engine runs streams that cannot have
-    ended: its own load reply counts them running (`num_running`) after at most
-    `LONG_STREAM - MARGIN_STEPS` steps since `steps_before`, and a stream's decode tokens are
-    at most the steps since it started, so each has `MARGIN_STEPS` or more to go. Yields
-    (its name, its running streams) for the test to break its network; continued (SIGCONT)
-    after. NOTE: a fault chosen from what the router or the clients have seen can come after
-    the worker's streams ended (the router and the clients read behind the worker, seconds
-    under `make test`'s load), and then cut a link that carried nothing: this file's
-    mid-stream tests failed so, now and then, with every text right and nothing moved."""
-
-    def stopped() -> tuple[str, int] | None:
+    ended: its own load reply counts them running (`num_running`) after 16 (some tokens out)
+    to `LONG_STREAM - MARGIN_STEPS` steps since `steps_before`, and a stream's decode tokens are
+    at most the steps since it started, so each has `MARGIN_STEPS` or more to go. The helper
+    that reads the loads stops the worker itself, the moment a reply qualifies. Yields (its
+    name, its running streams) for the test to break its network; continued (SIGCONT) after.
+    NOTE: a fault chosen from what the router or the clients have seen can come after the
+    worker's streams ended (the router and the clients read behind the worker, seconds under
+    `make test`'s load), and then cut a link that carried nothing: this file's mid-stream
+    tests failed so, now and then, with every text right and nothing moved."""
+    command = {"cmd": "freeze", "before": steps_before, "min_steps": 16,
+               "max_steps": LONG_STREAM - MARGIN_STEPS, "timeout_s": 60}  # fmt: skip
+    try:
+        frozen = cluster.decode_workers(command, timeout_s=90)
+    except AssertionError:
         for f in futures:
             if f.done():
-                f.result()  # raise what went wrong
-        for name in DECODE:
-            load = cluster.decode_load(name)
-            if (
-                load["num_running"]
-                and load["num_steps"] - steps_before[name] <= LONG_STREAM - MARGIN_STEPS
-            ):
-                os.kill(cluster.procs[name].pid, signal.SIGSTOP)
-                return name, load["num_running"]
-        return None
-
-    victim, running = wait_for(stopped, 60, "a decode worker running streams early on", 0.01)
+                f.result()  # raise what went wrong with a request first
+        raise
+    victim = str(frozen["name"])
     try:
-        yield victim, running
+        yield victim, int(frozen["num_running"])
     finally:
         os.kill(cluster.procs[victim].pid, signal.SIGCONT)
 
@@ -364,7 +361,7 @@ def test_a_decode_worker_partitioned_from_the_router_mid_stream_and_back(
     prompts = prompts_of([30, 50, 70, 90], seed=3)
     want = expected(cluster.model, prompts, LONG_STREAM)
     migrated = num_migrations(cluster)
-    steps_before = {name: cluster.decode_load(name)["num_steps"] for name in DECODE}
+    steps_before = cluster.decode_workers({"cmd": "steps"})
     futures = [cluster.submit(p, LONG_STREAM) for p in prompts]
     with frozen_mid_stream(cluster, steps_before, futures) as (victim, running):
         net.partition("router", victim)
@@ -385,7 +382,7 @@ def test_a_decode_host_whose_link_goes_down_mid_stream_and_up(net: NetLab, clust
     prompts = prompts_of([20, 40, 60, 80], seed=4)
     want = expected(cluster.model, prompts, LONG_STREAM)
     migrated = num_migrations(cluster)
-    steps_before = {name: cluster.decode_load(name)["num_steps"] for name in DECODE}
+    steps_before = cluster.decode_workers({"cmd": "steps"})
     futures = [cluster.submit(p, LONG_STREAM) for p in prompts]
     with frozen_mid_stream(cluster, steps_before, futures) as (victim, running):
         net.link_down(victim)
