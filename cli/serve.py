@@ -53,7 +53,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="file with accepted API keys, one per line (blank lines and # comments skipped)",
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="model id clients send (default: the model's)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model id(s) clients send; with several, any is accepted and responses carry the "
+        "first (default: the model's)",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -310,8 +315,8 @@ def _serve_here(args: argparse.Namespace, router: RouterConfig, config: EngineCo
     engine = None
     try:
         engine = AsyncEngine.from_config(config)
-        name = args.served_model_name or engine.engine.model_name
-        server = RouterServer(engine, name, router, rest_socket)
+        names = args.served_model_name or [engine.engine.model_name]
+        server = RouterServer(engine, names, router, rest_socket)
         freeze_startup_heap()
         server.run()
     except (KeyboardInterrupt, _Terminated):

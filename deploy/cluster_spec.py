@@ -44,7 +44,8 @@ class ClusterSpec:
     routers: int = 1
     router: RouterConfig = field(default_factory=RouterConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
+    """The id(s) clients send (the first is the one responses carry); None: the model's."""
     gpus_per_worker: float = 0.0
     """GPUs per prefill rank and per decode worker (1 on GPU clusters)."""
     kv_backend: str = "auto"

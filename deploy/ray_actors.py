@@ -160,7 +160,7 @@ class RouterActor:
         model: str | None,
         router_config: Any,  # router.server.RouterConfig
         cluster_config: Any,  # duet.cluster.config.ClusterConfig
-        served_model_name: str | None,
+        served_model_name: str | list[str] | None,
         tokenizer: str | None,
         max_model_len: int | None,
     ) -> None:
@@ -171,8 +171,8 @@ class RouterActor:
         self.engine = ClusterEngine(model, cluster_config, tokenizer, max_model_len)
         rest_socket = bind_rest_socket(router_config.host, router_config.port, reuse_port=True)
         self.rest_port = rest_socket.getsockname()[1]
-        name = served_model_name or self.engine.model_name
-        self.server = RouterServer(self.engine, name, router_config, rest_socket)
+        names = served_model_name or self.engine.model_name
+        self.server = RouterServer(self.engine, names, router_config, rest_socket)
         freeze_startup_heap()
         self._thread = threading.Thread(target=self.server.run, name="duet-router", daemon=True)
         self._thread.start()

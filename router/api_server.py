@@ -148,9 +148,9 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await front.completions.create(body, raw)
 
-    def card() -> ModelCard:
+    def card(name: str) -> ModelCard:
         return ModelCard(
-            id=ctx.model_name,
+            id=name,
             created=ctx.created,
             max_model_len=ctx.max_model_len,
             deterministic=ctx.engine.deterministic,
@@ -158,13 +158,13 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
 
     @app.get("/v1/models", responses=error_responses(401))
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[card(name) for name in ctx.model_names])
 
     # `:path`: served names may hold slashes (an HF id such as org/model).
     @app.get("/v1/models/{model:path}", responses=error_responses(401, 404))
     async def retrieve_model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return card()
+        return card(model)
 
 
 def install_session_routes(app: FastAPI, sessions: SessionManager) -> None:

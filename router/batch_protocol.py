@@ -13,6 +13,7 @@ null, "error": {"code", "message"} | null}`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -127,7 +128,9 @@ class BadLine:
     message: str
 
 
-def parse_batch_file(data: bytes, model_name: str) -> tuple[list[BatchLine], list[BadLine]]:
+def parse_batch_file(
+    data: bytes, model_names: Sequence[str]
+) -> tuple[list[BatchLine], list[BadLine]]:
     """Split an input file into valid requests and rejected lines (blank lines are skipped).
     `custom_id` must be unique in the file; a repeat is rejected, the first kept."""
     good: list[BatchLine] = []
@@ -148,7 +151,7 @@ def parse_batch_file(data: bytes, model_name: str) -> tuple[list[BatchLine], lis
             continue
         if isinstance(doc.get("custom_id"), str) and doc["custom_id"]:
             custom_id = doc["custom_id"]
-        problem = _check_line(doc, custom_id, model_name, seen)
+        problem = _check_line(doc, custom_id, model_names, seen)
         if problem is not None:
             bad.append(BadLine(number, custom_id, f"line {number}: {problem}"))
             continue
@@ -159,7 +162,7 @@ def parse_batch_file(data: bytes, model_name: str) -> tuple[list[BatchLine], lis
 
 
 def _check_line(
-    doc: dict[str, Any], custom_id: str | None, model_name: str, seen: set[str]
+    doc: dict[str, Any], custom_id: str | None, model_names: Sequence[str], seen: set[str]
 ) -> str | None:
     """What is wrong with one parsed line (naming the field), or None."""
     if custom_id is None:
@@ -181,9 +184,9 @@ def _check_line(
         first = e.errors()[0]
         where = format_loc(("body", *first["loc"]))
         return f"body.{where}: {first['msg']}" if where else f"body: {first['msg']}"
-    if request.model is not None and request.model != model_name:
-        return (
-            f"body.model: {request.model!r} is not served here; this server serves {model_name!r}"
+    if request.model is not None and request.model not in model_names:
+        return f"body.model: {request.model!r} is not served here; this server serves " + ", ".join(
+            repr(n) for n in model_names
         )
     if request.stream:
         return "body.stream: must be false in a batch (results are collected in a file)"

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,13 +80,13 @@ class BatchService:
     def __init__(
         self,
         queue: WorkQueue,
-        model_name: str,
+        model_names: Sequence[str],
         *,
         max_file_bytes: int = MAX_BATCH_FILE_BYTES,
         max_lines: int = MAX_BATCH_LINES,
     ) -> None:
         self.queue = queue
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
         self.max_file_bytes = max_file_bytes
         self.max_lines = max_lines
 
@@ -210,7 +210,7 @@ class BatchService:
                 f"input_file_id: file {body.input_file_id[:64]!r} not found",
                 param="input_file_id",
             ) from None
-        good, bad = parse_batch_file(data, self.model_name)
+        good, bad = parse_batch_file(data, self.model_names)
         num_lines = len(good) + len(bad)
         if num_lines == 0:
             raise BadRequestError("input_file_id: the file has no requests", param="input_file_id")

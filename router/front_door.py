@@ -93,10 +93,10 @@ class FrontDoor:
 
     @classmethod
     def compose(
-        cls, engine: EngineClient, served_model_name: str, options: RouterOptions
+        cls, engine: EngineClient, served_model_name: str | Sequence[str], options: RouterOptions
     ) -> FrontDoor:
-        if not served_model_name:
-            raise ValueError("served_model_name: must not be empty")
+        """`served_model_name`: the id clients send, or several (the first is the one
+        responses carry)."""
         admission = AdmissionController(
             lambda: engine.max_num_seqs,
             options.max_queued_requests,
@@ -116,7 +116,7 @@ class FrontDoor:
         workers = []
         if options.work_queue is not None:
             queue, priority = options.work_queue, options.batch_priority or BatchPriority()
-            batches = BatchService(queue, served_model_name)
+            batches = BatchService(queue, ctx.model_names)
             background = BackgroundService(queue.queue_named("background"), turns)
             responses_background = ResponsesBackground(background.queue, turns, stored)
             workers = [

@@ -129,13 +129,16 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
     async def ListModels(
         self, request: serving_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.ListModelsResponse:
-        model = serving_pb2.Model(
-            id=self.ctx.model_name,
-            max_model_len=self.ctx.engine.max_model_len,
-            owned_by="duet",
-            deterministic=self.ctx.engine.deterministic,
-        )
-        return serving_pb2.ListModelsResponse(models=[model])
+        models = [
+            serving_pb2.Model(
+                id=name,
+                max_model_len=self.ctx.engine.max_model_len,
+                owned_by="duet",
+                deterministic=self.ctx.engine.deterministic,
+            )
+            for name in self.ctx.model_names
+        ]
+        return serving_pb2.ListModelsResponse(models=models)
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -191,9 +194,9 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
         return self.front.checker.authenticate(_authorization(context.invocation_metadata()))
 
     def _check_model(self, model: str) -> None:
-        if model and model != self.ctx.model_name:
+        if model and model not in self.ctx.model_names:
             raise ModelNotFoundError(
-                f"model: {model!r} is not served; available: {self.ctx.model_name}",
+                f"model: {model!r} is not served; available: {', '.join(self.ctx.model_names)}",
                 param="model",
             )
 

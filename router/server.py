@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -191,7 +191,7 @@ class RouterServer(uvicorn.Server):
     def __init__(
         self,
         engine: EngineClient,
-        served_model_name: str,
+        served_model_name: str | Sequence[str],
         config: RouterConfig,
         rest_socket: socket.socket,
     ) -> None:
@@ -229,7 +229,6 @@ class RouterServer(uvicorn.Server):
         self.front = FrontDoor.compose(engine, served_model_name, options)
         self.admission = self.front.ctx.admission
         app = build_app(self.front, self._lifespan)
-        self.served_model_name = served_model_name
         super().__init__(
             uvicorn.Config(
                 app,
@@ -261,8 +260,8 @@ class RouterServer(uvicorn.Server):
         host, port = self.rest_socket.getsockname()[:2]
         keys = "required" if config.api_keys else "not required"
         logger.info(
-            "REST API (OpenAI-compatible) for model %r on http://%s:%d/v1 (API key %s)",
-            self.served_model_name, host, port, keys,
+            "REST API (OpenAI-compatible) for model %s on http://%s:%d/v1 (API key %s)",
+            " / ".join(repr(n) for n in self.front.ctx.model_names), host, port, keys,
         )  # fmt: skip
         logger.info("gRPC API (%s) on %s:%d", SERVICE_NAME, config.host, self.grpc_port)
         store = self.session_store

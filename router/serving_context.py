@@ -9,7 +9,7 @@ aborts the engine request so its KV blocks are freed.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from contextlib import aclosing
 from typing import cast
 
@@ -30,7 +30,7 @@ class ServingContext:
     def __init__(
         self,
         engine: EngineClient,
-        served_model_name: str,
+        served_model_name: str | Sequence[str],
         admission: AdmissionController,
         sessions: SessionManager,
         rate_limiter: RequestRateLimiter,
@@ -41,10 +41,16 @@ class ServingContext:
         self.engine = engine
         self.sessions = sessions
         self.rate_limiter = rate_limiter
-        self.model_name = served_model_name
+        names = (served_model_name,) if isinstance(served_model_name, str) else served_model_name
+        self.model_names: tuple[str, ...] = tuple(names)
+        """Every id clients may send (vLLM's several `--served-model-name`s)."""
+        if not self.model_names or not all(self.model_names):
+            raise ValueError(f"served_model_name: must be non-empty names; got {names!r}")
+        self.model_name = self.model_names[0]
+        """The id responses carry and metrics are labelled with (the first)."""
         self.created = int(time.time())
         self.admission = admission
-        self.metrics = ServingMetrics(engine, served_model_name, metrics_prefix)
+        self.metrics = ServingMetrics(engine, self.model_name, metrics_prefix)
         self.token_texts = TokenTexts(engine.tokenizer)
         self.chat_options = chat_options or ChatOptions()
         """Tool-call and reasoning parsers (router/openai_chat.py)."""
@@ -55,10 +61,10 @@ class ServingContext:
         return self.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
             raise ModelNotFoundError(
-                f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
+                f"model {model!r} does not exist; this server serves {served}", param="model"
             )
 
     def check_engine(self) -> None:

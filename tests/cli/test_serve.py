@@ -35,6 +35,11 @@ def test_serve_flags_parse() -> None:
         ["serve", "--grpc-port", "0", "--session-store", "redis://h:1/0", "--rate-limit-rpm", "5"]
     )
     assert (args.grpc_port, args.session_store, args.rate_limit_rpm) == (0, "redis://h:1/0", 5)
+    args = build_parser().parse_args(["serve", "--served-model-name", "main", "gpt-4o-mini"])
+    assert args.served_model_name == ["main", "gpt-4o-mini"]
+    assert build_parser().parse_args(["serve", "--served-model-name=one"]).served_model_name == [
+        "one"
+    ]
 
 
 def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) -> None:

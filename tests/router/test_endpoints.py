@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import httpx2
 import openai
+import pytest
 
 from duet.engine import AsyncEngine
-from tests.router.rest_server import API_KEY, MODEL_NAME, make_app
+from duet.router.errors import ModelNotFoundError
+from duet.router.front_door import FrontDoor, RouterOptions
+from duet.router.grpc_server import DuetServicer
+from duet.v1 import serving_pb2
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 METRIC_NAMES = [
@@ -74,3 +80,30 @@ def test_apps_sharing_a_process_have_their_own_registries(rest_engine: AsyncEngi
     second = make_app(rest_engine, "b")  # a shared global registry would raise here
     assert first.state.serving.metrics.registry is not second.state.serving.metrics.registry
     assert b'model_name="b"' in second.state.serving.metrics.render()
+
+
+def test_several_served_names_are_each_a_model(rest_engine: AsyncEngine) -> None:
+    """vLLM's several `--served-model-name`s: each is listed and accepted; responses carry
+    the first; another name is a 404 naming them all."""
+    live = LiveServer(make_app(rest_engine, ("tiny-main", "gpt-4o-mini"))).start()
+    try:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-main", "gpt-4o-mini"]
+        assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        out = client.chat.completions.create(model="gpt-4o-mini", max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        assert out.model == "tiny-main"
+        with pytest.raises(openai.NotFoundError, match="'tiny-main', 'gpt-4o-mini'"):
+            client.completions.create(model="other", prompt="hi", max_tokens=1)
+        client.close()
+    finally:
+        live.stop()
+
+
+def test_several_served_names_over_grpc(rest_engine: AsyncEngine) -> None:
+    servicer = DuetServicer(FrontDoor.compose(rest_engine, ("tiny-main", "alias"), RouterOptions()))
+    listed = asyncio.run(servicer.ListModels(serving_pb2.ListModelsRequest(), None))  # type: ignore[arg-type]
+    assert [m.id for m in listed.models] == ["tiny-main", "alias"]
+    servicer._check_model("alias")
+    with pytest.raises(ModelNotFoundError, match="available: tiny-main, alias"):
+        servicer._check_model("other")
