@@ -47,12 +47,13 @@ ENGINE = dict(dtype="float32", load_progress=False, block_size=8, num_kv_blocks=
 REQUEST_TIMEOUT_S = 40.0
 CLUSTER = dict(local_prefill_threshold=0, poll_interval_s=0.2, request_timeout_s=REQUEST_TIMEOUT_S,
                kv_wait_s=10.0)  # fmt: skip
-LONG_STREAM = 800
+LONG_STREAM = 500
 """Tokens of a stream that a fault must cut (`frozen_mid_stream` picks the moment from the
-worker's own steps, within its first 600): about 2.5 s at 2 streams a worker (with 500, a
-window of 300 steps passed unseen once under `make test`'s load). 4 x (90 + 800) tokens fit
-one decode worker's pool (512 blocks of 8), as a migration needs, and the model's 1,024
-positions."""
+worker's own steps, within its first 300): about 1.5 s at 2 streams a worker. The helper that
+freezes polls fast enough to land within a few steps of the window's start under load (a
+300-step window polled from this process through a pipe once passed unseen). 4 x (90 + 500)
+tokens fit one decode worker's pool (512 blocks of 8), as a migration needs, and the model's
+1,024 positions."""
 GRPC_PORT, KV_PORT, REST_PORT = 7000, 7100, 8000  # each host has its own ports
 DECODE = ("decode0", "decode1")
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

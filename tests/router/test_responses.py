@@ -269,17 +269,19 @@ def test_truncation_auto_drops_the_oldest_turns_whole(
     assert out.usage is not None and out.truncation == "auto"
     # The reply is the one to the conversation from some user turn on: the latest start that
     # still fits; one turn earlier does not.
-    starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    fits = {}
-    for k in starts:
+    starts = iter(i for i, m in enumerate(messages) if m["role"] == "user")
+    kept = next(starts)
+    with pytest.raises(openai.BadRequestError):
+        _chat(client, messages[kept:], 8)  # the whole conversation does not fit
+    while True:
+        kept = next(starts)
         try:
-            fits[k] = _chat(client, messages[k:], 8)
+            chat = _chat(client, messages[kept:], 8)  # the first turn from which it fits
+            break
         except openai.BadRequestError:
             continue
-    kept = min(fits)
-    assert kept > 0 and starts[starts.index(kept) - 1] not in fits
-    assert out.usage.input_tokens == fits[kept].usage.prompt_tokens
-    assert out.output_text == fits[kept].choices[0].message.content
+    assert out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.output_text == chat.choices[0].message.content
 
 
 def test_background_response_completes_and_a_cancelled_one_stays_cancelled(
