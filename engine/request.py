@@ -114,10 +114,10 @@ class Request:
         of each longer word whose other tokens end that output."""
         if not self.bad_words_token_ids:
             return []
-        start = self.num_prompt_tokens - self.num_replayed
-        past = self.all_token_ids[start:]
-        if ahead:
-            past = [*past, *ahead]
+        # Only the output's last tokens can match a word's head: read no more of it.
+        longest = max(len(word) for word in self.bad_words_token_ids) - 1
+        first = max(self.num_prompt_tokens - self.num_replayed, self.num_tokens - longest)
+        past = [*self.all_token_ids[first:], *ahead][-longest:] if longest else []
         banned = []
         for word in self.bad_words_token_ids:
             *head, last = word

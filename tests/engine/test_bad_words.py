@@ -30,6 +30,9 @@ def test_a_one_token_word_is_always_banned_and_a_longer_one_after_its_head():
     assert request_with(words, [1, 2], []).banned_next() == [7]
     assert request_with(words, [1, 2], [9, 3]).banned_next() == [7]
     assert request_with(words, [1, 2], [9, 3, 4]).banned_next() == [7, 5]
+    assert request_with(words, [1, 2], [9, 9, 9, 3, 4]).banned_next() == [7, 5]
+    assert request_with(words, [1, 2], [3, 4, 9]).banned_next() == [7]
+    assert request_with([[7], [8]], [1, 2], [3, 4]).banned_next([9]) == [7, 8]
     # The prompt's tail is not output, unless it is the request's own replayed output.
     assert request_with(words, [1, 3, 4], []).banned_next() == [7]
     assert request_with(words, [1, 3, 4], [], num_replayed=2).banned_next() == [7, 5]
