@@ -56,4 +56,6 @@ def test_decode_worker_lost_mid_stream_keeps_speculating_elsewhere(
     assert draft_free == survivor.engine.num_blocks
     # Both requests ended on the survivor: each one's draft KV came with the target's there
     # (with draft_prefill prefill), the replayed one's over prompt + streamed tokens.
-    assert received[survivor.name] == ([True, True] if where == "prefill" else [])
+    assert received[survivor.name] == ([True, True] if where == "prefill" else []), (
+        victim.name, survivor.name, received, [len(o) for o in outs],
+    )  # fmt: skip
