@@ -121,9 +121,7 @@ class ResponsesHandler:
         whole (no tool result without its call). All of them when they fit; the last user
         turn when nothing shorter does (its 400 then says why)."""
         engine = self.turns.ctx.engine
-        cuts = [i for i, m in enumerate(messages) if m.get("role") == "user"] or [0]
-        if cuts[0] != 0:
-            cuts.insert(0, 0)
+        cuts = [0, *(i for i, m in enumerate(messages) if i and m.get("role") == "user")]
 
         def fits(start: int) -> bool:
             chat = body.to_chat(messages[start:])
@@ -135,7 +133,9 @@ class ResponsesHandler:
                 return False
             return True
 
-        lo, hi = 0, len(cuts) - 1  # the answer is in cuts[lo:hi + 1]: fits() grows with start
+        if fits(0):  # the usual case: one render, no search
+            return messages
+        lo, hi = min(1, len(cuts) - 1), len(cuts) - 1  # the answer is in cuts[lo:hi + 1]
         while lo < hi:
             mid = (lo + hi) // 2
             if fits(cuts[mid]):

@@ -3,8 +3,9 @@ parameters as protobuf fields, never JSON text.
 
 The router's side (`sampling_to_proto`) refuses what a worker would not apply, so nothing is
 silently dropped: stop strings (and `include_stop_str_in_output`) and `skip_special_tokens`
-are the router's (it detokenizes), and `n` is split by the router into samples. The worker's side (`sampling_from_proto`)
-validates as the `SamplingParams` constructor does: `InvalidInputError` naming the field.
+are the router's (it detokenizes), and `n` is split by the router into samples. The worker's
+side (`sampling_from_proto`) validates as the `SamplingParams` constructor does:
+`InvalidInputError` naming the field.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
     """A worker's view of the parameters the router sent; `InvalidInputError` naming the
     field for a value out of range or a grammar that does not compile."""
 
-    def optional(name: str) -> int | None:
+    def optional(name: str) -> Any:
         return getattr(message, name) if message.HasField(name) else None
 
     structured = None
@@ -79,7 +80,7 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         seed=optional("seed"),
         logprobs=optional("logprobs"),
         prompt_logprobs=optional("prompt_logprobs"),
-        cache_salt=message.cache_salt if message.HasField("cache_salt") else None,
+        cache_salt=optional("cache_salt"),
         min_tokens=message.min_tokens,
         temperature=message.temperature,
         top_p=message.top_p,

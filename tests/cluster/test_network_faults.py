@@ -65,7 +65,6 @@ pytestmark = pytest.mark.skipif(_why_not is not None, reason=str(_why_not))
 @dataclass
 class Completion:
     text: str = ""
-    num_chunks: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     num_done: int = 0
     errors: list[str] = field(default_factory=list)
@@ -150,7 +149,6 @@ class Cluster:
                         out.text += choice["text"]
                         if choice.get("finish_reason"):
                             out.finish_reasons.append(choice["finish_reason"])
-                    out.num_chunks += 1
         out.elapsed_s = time.monotonic() - started
         return out
 
