@@ -34,6 +34,10 @@ from tests.deploy.chart_render import CHART_DIR, container, env_values, render
         ({"tracing": {"otlpEndpoint": "collector"}}, "at '/tracing/otlpEndpoint'"),
         ({"tracing": {"otlpEndpoint": "grpc://collector:4317"}}, "at '/tracing/otlpEndpoint'"),
         ({"tracing": {"endpoint": "collector:4317"}}, "additional properties 'endpoint'"),
+        ({"model": {"servedModelName": []}}, "at '/model/servedModelName'"),
+        ({"model": {"servedModelName": ["a", "-b"]}}, "at '/model/servedModelName'"),
+        ({"model": {"servedModelName": ["a", "a"]}}, "at '/model/servedModelName'"),
+        ({"model": {"servedModelName": 7}}, "at '/model/servedModelName'"),
     ],
 )
 def test_bad_values_fail_with_the_schema_message(chart, overrides, message):
@@ -135,6 +139,31 @@ def test_prefill_pipeline_stages_reach_the_workers_and_the_planner(chart):
     assert "pipeline_parallel_size" not in spec.worker_config("decode")
     planner = container(rendered.pod_specs()["duet-planner"], "planner")["args"]
     assert "--prefill-workers-per-replica=2" in planner  # 8 GPUs a pod, groups of 4
+
+
+@pytest.mark.parametrize(
+    ("names", "flags", "parsed"),
+    [
+        ("tiny", ["--served-model-name=tiny"], ["tiny"]),
+        (["tiny", "gpt-4o"], ["--served-model-name", "tiny", "gpt-4o"], ["tiny", "gpt-4o"]),
+        ("", [], None),
+    ],
+)
+def test_served_model_names_reach_duet_serve(chart, names, flags, parsed):
+    """`model.servedModelName`, one name or several (vLLM's `--served-model-name A B`), is the
+    head's flag as duet's CLI reads it, and the cluster spec's."""
+    from duet.cli.engine_flags import given_engine_flags
+    from duet.cli.main import build_parser
+    from duet.cli.serve_cluster import build_spec
+    from duet.router.server import RouterConfig
+
+    rendered = render(chart, {"model": {"servedModelName": names}})
+    args = container(rendered.pod_specs()["duet-head"], "head")["args"]
+    start = next((i for i, a in enumerate(args) if a.startswith("--served-model-name")), None)
+    assert (args[start : start + len(flags)] if start is not None else []) == flags
+    cli = build_parser().parse_args(args[1:])
+    assert cli.served_model_name == parsed
+    assert build_spec(cli, RouterConfig(), given_engine_flags(cli)).served_model_name == parsed
 
 
 @pytest.mark.parametrize(
