@@ -305,9 +305,10 @@ class SamplingRequest(OpenAIModel):
     stop_token_ids: (
         list[Annotated[JsonInt, WithJsonSchema({"type": "integer", "minimum": 0})]] | None
     ) = None
-    allowed_token_ids: Annotated[list[JsonInt], WithJsonSchema(ALLOWED_TOKEN_IDS_SCHEMA)] | None = (
-        None
-    )
+    allowed_token_ids: (
+        Annotated[list[JsonInt], Field(min_length=1), WithJsonSchema(ALLOWED_TOKEN_IDS_SCHEMA)]
+        | None
+    ) = None
     """Only these token ids may be sampled; ids outside the model's vocabulary are a 400."""
     include_stop_str_in_output: bool = False
     """A stop string that ends the output stays at the end of its text."""

@@ -21,3 +21,20 @@ def test_a_line_may_name_any_served_model() -> None:
         BadLine(3, "r2", "line 3: body.model: 'other' is not served here; this server serves "
                 "'tiny-main', 'gpt-4o-mini'")
     ]  # fmt: skip
+
+
+def test_an_empty_allowed_token_ids_is_a_rejected_line() -> None:
+    """Refused when the file is read (as the REST body is), not when the line runs."""
+    lines = [
+        {"custom_id": f"r{i}", "url": url, "body": {"model": "tiny", **body, "allowed_token_ids": ids}}
+        for i, (url, body, ids) in enumerate([
+            ("/v1/completions", {"prompt": "hi"}, []),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, []),
+            ("/v1/completions", {"prompt": "hi"}, [5]),
+        ])
+    ]  # fmt: skip
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    good, bad = parse_batch_file(data, ("tiny",))
+    assert [line.custom_id for line in good] == ["r2"]
+    message = "body.allowed_token_ids: List should have at least 1 item after validation, not 0"
+    assert bad == [BadLine(1, "r0", f"line 1: {message}"), BadLine(2, "r1", f"line 2: {message}")]
