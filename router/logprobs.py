@@ -65,6 +65,14 @@ def chat_logprobs(
     return ChatLogprobs(content=content)
 
 
+def response_logprobs(
+    entries: Sequence[TokenLogprobs], num_top: int, texts: TokenTexts
+) -> list[dict[str, object]]:
+    """The Responses API's `output_text` logprobs: chat's content items (token, logprob,
+    bytes, top_logprobs), as plain objects."""
+    return [c.model_dump() for c in chat_logprobs(entries, num_top, texts).content]
+
+
 def completion_logprobs(
     entries: Sequence[TokenLogprobs],
     num_top: int,

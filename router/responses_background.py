@@ -26,7 +26,7 @@ from duet.router.openai_chat import assistant_message
 from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.queue_worker import RetryTask
 from duet.router.responses_protocol import RESPONSES_RENAME
-from duet.router.responses_render import ResponseRender, token_counter
+from duet.router.responses_render import ResponseRender, logprobs_render, token_counter
 from duet.router.responses_store import RUNNING, StoredResponses
 from duet.session_store import SessionStoreUnavailable, Task, WorkQueue
 
@@ -68,8 +68,10 @@ class ResponsesBackground:
         running = {**p["response"], "status": "in_progress"}
         if not await self.stored.put(running, [], owner, only_from=RUNNING):
             return {"status": "cancelled"}
-        render = ResponseRender.resumed(running, token_counter(self.turns.ctx.engine.tokenizer))
         chat = ChatCompletionRequest.model_validate(p["chat"])
+        ctx = self.turns.ctx
+        render = ResponseRender.resumed(running, token_counter(ctx.engine.tokenizer),
+                                        logprobs_render(chat, ctx.token_texts))  # fmt: skip
         # A fresh engine request id per delivery: an earlier one may still be ending.
         engine_id = f"{response_id}-{delivery.num_deliveries}"
         try:

@@ -67,11 +67,26 @@ class ReasoningConfig(OpenAIModel):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+"""The `include` entry that adds each reply token's logprobs to the message's `output_text`."""
+
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+"""OpenAI's `include` values. Those of built-in tools and image inputs, which duet has none
+of, are honoured trivially (nothing to include); `reasoning.encrypted_content` is named
+ignored (duet keeps the reasoning of stored responses itself)."""
+
 # Fields duet accepts without honouring them: field -> whether the value asks for nothing.
 IGNORED: dict[str, Inert] = {
-    "include": lambda v: not v,
     "service_tier": lambda v: v in (None, "auto", "default"),
-    "top_logprobs": lambda v: not v,
     "prompt": lambda v: v is None,
     "conversation": lambda v: v is None,
     "context_management": lambda v: not v,
@@ -161,10 +176,13 @@ class ResponsesRequest(OpenAIModel):
     truncation: Literal["auto", "disabled"] | None = None
     """auto: a conversation too long for the context drops its oldest turns (whole, from a
     user message on; the instructions stay) until it fits; disabled (the default): a 400."""
-    # accepted, not honoured (`IGNORED`)
-    include: list[str] | None = None
-    service_tier: str | None = None
+    include: list[Includable] | None = None
+    """`message.output_text.logprobs`: the reply's logprobs (see `top_logprobs`)."""
     top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
+    """How many most likely tokens each reply token's logprob lists (0-20); above 0 it asks
+    for the logprobs without `include` too."""
+    # accepted, not honoured (`IGNORED`)
+    service_tier: str | None = None
     prompt: dict[str, Any] | None = None
     conversation: str | dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
@@ -203,6 +221,8 @@ class ResponsesRequest(OpenAIModel):
         `reasoning.summary`: no summaries are written)."""
         names = ignored_fields(self, IGNORED, "POST /v1/responses")
         nested = {
+            "include.reasoning.encrypted_content": "reasoning.encrypted_content"
+            in (self.include or []),
             "text.verbosity": self.text is not None and self.text.verbosity is not None,
             "reasoning.summary": self.reasoning is not None
             and (self.reasoning.summary or self.reasoning.generate_summary) is not None,
@@ -212,6 +232,11 @@ class ResponsesRequest(OpenAIModel):
             logger.warning("POST /v1/responses: ignoring fields duet does not implement: %s",
                            unhonoured)  # fmt: skip
         return names + unhonoured
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The reply's logprobs go in its `output_text` (and its delta events)."""
+        return OUTPUT_LOGPROBS in (self.include or []) or bool(self.top_logprobs)
 
     def input_messages(self) -> list[dict[str, Any]]:
         """`input` as chat messages in the templates' shape; a 400 naming `input[i]...`."""
@@ -252,6 +277,9 @@ class ResponsesRequest(OpenAIModel):
             body["response_format"] = {"type": fmt.type, "json_schema": spec}
             if fmt.type == "json_object":
                 del body["response_format"]["json_schema"]
+        if self.wants_logprobs:
+            body["logprobs"] = True
+            body["top_logprobs"] = self.top_logprobs or 0
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning.effort}
         try:

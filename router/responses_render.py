@@ -23,17 +23,20 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from duet.engine import TokenLogprobs
 from duet.router.chat_events import (
     ChatStep,
     Final,
     Finish,
     ReasoningDelta,
     TextDelta,
+    TokenDelta,
     ToolCallDelta,
 )
+from duet.router.logprobs import response_logprobs
 from duet.router.responses_protocol import NamedFunctionChoice, ResponsesRequest
 
 _STATUS = {"length": "incomplete", "abort": "cancelled"}
@@ -67,6 +70,7 @@ def echo_fields(body: ResponsesRequest, model: str, stored: bool) -> dict[str, A
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled",
+        "top_logprobs": body.top_logprobs,
         "user": body.user,
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,
@@ -75,8 +79,19 @@ def echo_fields(body: ResponsesRequest, model: str, stored: bool) -> dict[str, A
     }
 
 
+LogprobsRender = Callable[[Sequence[TokenLogprobs]], list[dict[str, Any]]]
+"""Engine logprobs -> the `output_text` logprob objects (router/logprobs.response_logprobs)."""
+
+
 class ResponseRender:
-    """One response's objects and events (see the module's docstring)."""
+    """One response's objects and events (see the module's docstring).
+
+    With `logprobs`, each reply token's logprobs go with the message text its step shows
+    (chat's logprobs, less the tokens of reasoning and tool calls): a step's tokens wait for
+    the next text (a held-back stop-string candidate or part of a character shows a step
+    later) and go with it when it is the message's, and are dropped when it is reasoning or a
+    tool call; tokens whose text never showed (a stop string, a character left incomplete)
+    close the message in a delta of no text."""
 
     def __init__(
         self,
@@ -84,11 +99,14 @@ class ResponseRender:
         echo: dict[str, Any],
         count_tokens: Callable[[str], int],
         created_at: int | None = None,
+        logprobs: LogprobsRender | None = None,
     ) -> None:
         self.response_id = response_id
         self.echo = echo
         self.created_at = int(time.time()) if created_at is None else created_at
         self.count_tokens = count_tokens
+        self.logprobs = logprobs
+        self._pending_logprobs: list[dict[str, Any]] = []
         self.output: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
         self.status = "in_progress"
@@ -99,11 +117,14 @@ class ResponseRender:
 
     @classmethod
     def resumed(
-        cls, response: dict[str, Any], count_tokens: Callable[[str], int]
+        cls,
+        response: dict[str, Any],
+        count_tokens: Callable[[str], int],
+        logprobs: LogprobsRender | None = None,
     ) -> ResponseRender:
         """The render of a stored (queued) response, run later by a queue worker."""
         echo = {k: v for k, v in response.items() if k not in _OWN_FIELDS}
-        return cls(response["id"], echo, count_tokens, response["created_at"])
+        return cls(response["id"], echo, count_tokens, response["created_at"], logprobs)
 
     def error_event(self, code: str, message: str, param: str | None) -> dict[str, Any]:
         """The `error` event that ends a stream that failed."""
@@ -140,6 +161,8 @@ class ResponseRender:
             if getattr(event, "index", 0) != 0:
                 continue  # a response has one reply
             match event:
+                case TokenDelta(_, _, _, logprobs) if self.logprobs is not None and logprobs:
+                    self._pending_logprobs += self.logprobs(logprobs)
                 case ReasoningDelta(_, text) if text:
                     events += self._delta("reasoning", text)
                 case TextDelta(_, text) if text:
@@ -198,6 +221,7 @@ class ResponseRender:
 
     def _delta(self, kind: str, text: str) -> list[dict[str, Any]]:
         events = []
+        logprobs, self._pending_logprobs = self._pending_logprobs, []  # this text's tokens'
         if self._open is None or self._open["type"] != kind:
             events += self._close()
             item_id = new_id("msg" if kind == "message" else "rs")
@@ -209,11 +233,13 @@ class ResponseRender:
                 item["summary"] = []
             events += self._add(item)
         assert self._open is not None
-        self._open["content"][0]["text"] += text
+        part = self._open["content"][0]
+        part["text"] += text
         if kind == "message":
+            part["logprobs"] += logprobs
             events.append(
                 self._event("response.output_text.delta", **self._where(), content_index=0,
-                            delta=text, logprobs=[])
+                            delta=text, logprobs=copy.deepcopy(logprobs))
             )  # fmt: skip
         else:
             self._reasoning += text
@@ -225,6 +251,7 @@ class ResponseRender:
 
     def _call_delta(self, index: int, call_id: str | None, function: Any) -> list[dict[str, Any]]:
         events = []
+        self._pending_logprobs = []  # a tool call's tokens: not the message's text
         item = self._calls.get(index)
         if item is None:
             events += self._close()
@@ -258,10 +285,19 @@ class ResponseRender:
             )  # fmt: skip
         else:
             part = item["content"][0]
+            if item["type"] == "message" and self._pending_logprobs:
+                # the reply's last tokens, whose text never showed (an incomplete character,
+                # a stop string): chat lists them too
+                logprobs, self._pending_logprobs = self._pending_logprobs, []
+                part["logprobs"] += logprobs
+                events.append(
+                    self._event("response.output_text.delta", **where, content_index=0,
+                                delta="", logprobs=copy.deepcopy(logprobs))
+                )  # fmt: skip
             if item["type"] == "message":
                 events.append(
                     self._event("response.output_text.done", **where, content_index=0,
-                                text=part["text"], logprobs=[])
+                                text=part["text"], logprobs=copy.deepcopy(part["logprobs"]))
                 )  # fmt: skip
             else:
                 events.append(
@@ -284,6 +320,15 @@ _OWN_FIELDS = frozenset(
     {"id", "object", "created_at", "status", "error", "incomplete_details", "output", "usage",
      "completed_at"}
 )  # fmt: skip
+
+
+def logprobs_render(chat: Any, texts: Any) -> LogprobsRender | None:
+    """How a response whose turn runs as `chat` (a ChatCompletionRequest) renders its
+    logprobs, with the server's `TokenTexts`; None when it asked for none."""
+    if not chat.logprobs:
+        return None
+    top = chat.top_logprobs or 0
+    return lambda entries: response_logprobs(entries, top, texts)
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:

@@ -31,7 +31,13 @@ from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openapi import error_responses
 from duet.router.responses_background import ResponsesBackground
 from duet.router.responses_protocol import RESPONSES_RENAME, ResponsesRequest
-from duet.router.responses_render import ResponseRender, echo_fields, new_id, token_counter
+from duet.router.responses_render import (
+    ResponseRender,
+    echo_fields,
+    logprobs_render,
+    new_id,
+    token_counter,
+)
 from duet.router.responses_store import RUNNING, StoredResponses
 from duet.router.sse import SSE_EVENT_SCHEMA, EventStreamResponse
 from duet.session_store import hash_api_key
@@ -73,7 +79,8 @@ class ResponsesHandler:
             chat = body.to_chat(self._fitting([*history, *new_messages], body, plan, params))
         response_id = new_id("resp")
         echo = echo_fields(body, ctx.model_name, store)
-        render = ResponseRender(response_id, echo, token_counter(ctx.engine.tokenizer))
+        render = ResponseRender(response_id, echo, token_counter(ctx.engine.tokenizer),
+                                logprobs=logprobs_render(chat, ctx.token_texts))  # fmt: skip
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         conversation = [*history, *new_messages]
         if body.background:

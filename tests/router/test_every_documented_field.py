@@ -90,6 +90,8 @@ RESPONSES_HONOURED: dict[str, tuple[Any, str]] = {
     "safety_identifier": ("u1", "stored and echoed"),
     "prompt_cache_key": ("k1", "a cache hint"),
     "truncation": ("auto", "test_responses.py"),
+    "include": (["message.output_text.logprobs"], "test_responses.py"),
+    "top_logprobs": (2, "test_responses.py"),
 }
 RESPONSES_IGNORED: dict[str, Any] = {
     "access_programs": {"cyber": "standard"},
@@ -97,14 +99,12 @@ RESPONSES_IGNORED: dict[str, Any] = {
     "context_management": [{"type": "compaction", "compact_threshold": 1000}],
     "conversation": "conv_123",
     "image": {"context_compression": "auto"},
-    "include": ["reasoning.encrypted_content"],
     "moderation": {"model": "omni-moderation-latest"},
     "prompt": {"id": "pmpt_123"},
     "prompt_cache_options": {"ttl": "30m"},
     "prompt_cache_retention": "24h",
     "service_tier": "flex",
     "stream_options": {"include_obfuscation": False},
-    "top_logprobs": 2,
 }
 
 
@@ -164,3 +164,6 @@ def test_a_response_with_every_field(client: openai.OpenAI) -> None:
     assert (out.user, out.safety_identifier, out.max_tool_calls) == ("u1", "u1", 2)
     assert out.prompt_cache_key == "k1"
     assert out.usage is not None and out.usage.output_tokens <= 4
+    logprobs = out.output[0].content[0].logprobs
+    assert len(logprobs) == out.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)

@@ -231,6 +231,8 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
         ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
         ({"input": "x", "background": True, "store": False}, "background"),
         ({"input": "x", "max_output_tokens": 1 << 20}, "max_output_tokens"),
+        ({"input": "x", "include": ["message.output_text.logprobs", "x.y"]}, "include[1]"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(
@@ -244,12 +246,55 @@ def test_bad_requests_name_the_responses_field(
 
 
 def test_ignored_fields_are_named_in_a_header(server: LiveServer) -> None:
-    body = {"input": "x", "max_output_tokens": 2, "store": False, "include": ["x.y"],
+    body = {"input": "x", "max_output_tokens": 2, "store": False,
+            "include": ["reasoning.encrypted_content", "web_search_call.results"],
             "truncation": "auto", "service_tier": "flex", "user": "u1", "max_tool_calls": 2}  # fmt: skip
     reply = httpx2.post(f"{server.url}/v1/responses", json=body, timeout=30,
                         headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert reply.status_code == 200
-    assert reply.headers["duet-ignored-fields"] == "include,service_tier"
+    assert reply.headers["duet-ignored-fields"] == (
+        "service_tier,include.reasoning.encrypted_content"
+    )
+
+
+def _logprobs_of(response: Any) -> list[dict[str, Any]]:
+    [message] = response.output
+    return [lp.model_dump() for lp in message.content[0].logprobs]
+
+
+def test_output_text_logprobs_are_chats(client: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` with `top_logprobs`: the message's tokens'
+    logprobs are chat's for the same request, whole and streamed (each delta carrying its
+    tokens'), stored, and in a background response; `top_logprobs` alone asks for them too."""
+    ask: dict[str, Any] = dict(model=MODEL_NAME, input="Count with me", max_output_tokens=6,
+                               temperature=0)  # fmt: skip
+    chat = _chat(client, [{"role": "user", "content": "Count with me"}], 6, logprobs=True,
+                 top_logprobs=3)  # fmt: skip
+    want = [c.model_dump() for c in chat.choices[0].logprobs.content]
+    assert len(want) == 6 and all(len(c["top_logprobs"]) == 3 for c in want)
+    include = ["message.output_text.logprobs"]
+    response = client.responses.create(**ask, include=include, top_logprobs=3)
+    assert response.top_logprobs == 3 and _logprobs_of(response) == want
+    assert _logprobs_of(client.responses.retrieve(response.id)) == want
+    assert _logprobs_of(client.responses.create(**ask, top_logprobs=3, store=False)) == want
+    bare = [{**c, "top_logprobs": []} for c in want]
+    assert _logprobs_of(client.responses.create(**ask, include=include, store=False)) == bare
+    assert _logprobs_of(client.responses.create(**ask, store=False)) == []
+    events = list(client.responses.create(**ask, include=include, top_logprobs=3, stream=True,
+                                          store=False))  # fmt: skip
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert all(e.logprobs for e in deltas)  # each delta carries its tokens (a last one: no text)
+    assert [lp.model_dump() for e in deltas for lp in e.logprobs] == want
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    assert _logprobs_of(events[-1].response) == want
+    queued = client.responses.create(**ask, include=include, top_logprobs=3, background=True)
+    ended = wait_for(
+        lambda: (r := client.responses.retrieve(queued.id)).status in ("completed", "incomplete")
+        and r,
+        30, "the background response to finish", 0.05,
+    )  # fmt: skip
+    assert _logprobs_of(ended) == want
 
 
 def test_truncation_auto_drops_the_oldest_turns_whole(
