@@ -45,17 +45,22 @@ def test_decode_worker_lost_mid_stream_keeps_speculating_elsewhere(
             [survivor] = [w for w in c.decode if w is not victim]
             stats = survivor.engine.stats.spec_decode
             draft_kv = survivor.engine.speculator.proposer.kv
-            return outs, victim, survivor, stats, draft_kv.num_free_blocks
+            transfers = list(c.engine.transfers.recent)
+            return outs, victim, survivor, stats, draft_kv.num_free_blocks, transfers
 
-    outs, victim, survivor, stats, draft_free = asyncio.run(main())
+    outs, victim, survivor, stats, draft_free, transfers = asyncio.run(main())
     assert victim is not None
     for got, w in zip(outs, want, strict=True):
         assert got[-1].token_ids == w.token_ids
         assert [t for o in got for t in o.outputs[0].delta_token_ids] == w.token_ids
     assert stats is not None and stats.num_draft_tokens > 0  # the survivor speculated
     assert draft_free == survivor.engine.num_blocks
-    # Both requests ended on the survivor: each one's draft KV came with the target's there
-    # (with draft_prefill prefill), the replayed one's over prompt + streamed tokens.
-    assert received[survivor.name] == ([True, True] if where == "prefill" else []), (
-        victim.name, survivor.name, received, [len(o) for o in outs],
+    # Both requests ended on the survivor: with draft_prefill prefill, each KV transfer to it
+    # brought the draft's KV with the target's (the replayed request's over prompt + streamed
+    # tokens). Counted by the router's transfer log: a replayed request prefills on the
+    # survivor itself when the router sees no healthy prefill worker at that moment.
+    done = [t.request_id for t in transfers if t.decode_worker == survivor.name
+            and t.status == "done"]  # fmt: skip
+    assert done and received[survivor.name] == ([True] * len(done) if where == "prefill" else []), (
+        victim.name, survivor.name, received, transfers, [len(o) for o in outs],
     )  # fmt: skip
