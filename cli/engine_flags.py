@@ -29,6 +29,7 @@ from duet.engine.config import (
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
+    PREFILL_ATTENTIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
 )
@@ -47,6 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
+    "prefill_attention": PREFILL_ATTENTIONS,
     "scheduling_policy": SCHEDULING_POLICIES,
     "quantization": QUANTIZATIONS,
     "load_format": LOAD_FORMATS,

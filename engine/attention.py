@@ -92,6 +92,8 @@ def paged_attention(
     query: [T, H, D], key/value: [T, Hkv, D] (this step's, already written to the cache)
     -> out [T, H, D]."""
     if meta.kernel_batch is not None:
+        if meta.kernel_batch.whole_prompts_in_sdpa:
+            return _whole_prompts_in_sdpa(query, key, value, kv_cache, meta, scale)
         return _triton_attention(query, kv_cache, meta.kernel_batch, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -181,6 +183,40 @@ def paged_attention(
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
             )
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def _whole_prompts_in_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """A Triton step whose prefills are all whole prompts (no cached prefix): each prompt's
+    causal attention over its own K/V in torch's SDPA (FlashAttention on a GPU), the decodes
+    in the decode kernel."""
+    from duet.engine.kernels.triton_decode import paged_decode_attention
+
+    batch = meta.kernel_batch
+    assert batch is not None
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
+    if batch.decode_indices.shape[0]:
+        paged_decode_attention(
+            out, query, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            batch.decode_indices, scale, batch.num_splits, batch.split_partition,
+        )  # fmt: skip
+    gqa = query.shape[1] != key.shape[1]
+    for i in meta.prefill_indices:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        o = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None], key[start:end].transpose(0, 1)[None],
+            value[start:end].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa,
+        )  # fmt: skip
         out[start:end] = o[0].transpose(0, 1)
     return out
 

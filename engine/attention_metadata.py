@@ -67,6 +67,9 @@ class KernelBatch:
     max_query_len: int  # longest query among prefill_indices (sizes the prefill grid)
     num_splits: int  # split-K factor of the decode kernel's launch
     split_partition: int = 0  # 0, or each request's fixed split unit (deterministic inference)
+    whole_prompts_in_sdpa: bool = False
+    """Every prefill request is a whole prompt with no cached prefix and runs in torch's SDPA
+    on this step's K/V (`prefill_attention` sdpa), not in the prefill kernel."""
 
     @classmethod
     def build(
@@ -78,6 +81,7 @@ class KernelBatch:
         num_kv_heads: int,
         device: torch.device,
         deterministic: bool = False,
+        prefill_attention: str = "triton",
     ) -> KernelBatch:
         from duet.engine.kernels.triton_decode import choose_splits, device_num_sms
 
@@ -111,6 +115,9 @@ class KernelBatch:
             max_query_len=max((query_lens[i] for i in prefill), default=0),
             num_splits=num_splits,
             split_partition=partition,
+            whole_prompts_in_sdpa=prefill_attention == "sdpa"
+            and bool(prefill)
+            and all(query_lens[i] == seq_lens[i] for i in prefill),
         )
 
 
@@ -153,12 +160,15 @@ class AttentionMetadata:
         triton_num_kv_heads: int | None = None,
         slot_mapping: torch.Tensor | None = None,
         deterministic: bool = False,
+        prefill_attention: str = "triton",
     ) -> AttentionMetadata:
         """`use_decode_kernel`: decodes and prefills go to the C++ CPU kernels (prefills where
         the head size suits the kernel; `paged_attention` checks). `triton_num_kv_heads`: the
         Triton backend (the KV heads this rank caches, for the split-K heuristic); decode
         groups are then not built. `slot_mapping`: already computed (by the `InputBatch`).
-        `deterministic`: Triton's decode splits by each request's own length (`choose_splits`)."""
+        `deterministic`: Triton's decode splits by each request's own length (`choose_splits`).
+        `prefill_attention` "sdpa": a Triton step whose prefills are all whole prompts runs them
+        in torch's SDPA (`KernelBatch.whole_prompts_in_sdpa`)."""
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=starts[1:])
         if slot_mapping is None:
@@ -176,8 +186,9 @@ class AttentionMetadata:
         kernel_batch = None
         if triton_num_kv_heads is not None:
             kernel_batch = KernelBatch.build(
-                query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device, deterministic
-            )
+                query_lens, seq_lens, block_ids, starts, triton_num_kv_heads, device,
+                deterministic, prefill_attention,
+            )  # fmt: skip
         elif decode and use_decode_kernel:
             batch = DecodeBatch(
                 token_indices=torch.from_numpy(starts[decode]).to(device),
@@ -218,6 +229,7 @@ class AttentionMetadata:
         num_kv_heads: int,
         prefill_kernel: bool,
         deterministic: bool = False,
+        prefill_attention: str = "triton",
     ) -> AttentionMetadata:
         """The metadata of a step the `InputBatch` prepared. `backend`: "cpu" (the C++
         kernels read the batch's `KernelTables`; `prefill_kernel` says whether they also
@@ -264,6 +276,7 @@ class AttentionMetadata:
             triton_num_kv_heads=num_kv_heads if backend == "triton" else None,
             slot_mapping=step.slot_mapping,
             deterministic=deterministic,
+            prefill_attention=prefill_attention,
         )
         return meta
 

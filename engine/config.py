@@ -17,6 +17,7 @@ from duet.engine.spec_decode.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+PREFILL_ATTENTIONS = ("triton", "sdpa")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
 CUDA_GRAPH_MODES = ("decode", "piecewise")
@@ -100,6 +101,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (Triton kernels on CUDA, the C++ decode kernel on CPU), triton (on CPU only under
     TRITON_INTERPRET=1, for tests), or torch (the reference path)."""
+    prefill_attention: str = "triton"
+    """With the Triton backend: triton (the paged prefill kernel for every prompt chunk) or
+    sdpa (a step whose chunks are all whole prompts with no cached prefix runs torch's
+    scaled_dot_product_attention, FlashAttention on a GPU, on each prompt's own K/V; other
+    steps as triton). sdpa is not batch-invariant with the decode kernel: not with
+    `deterministic`."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
     load_format: str = "auto"
@@ -173,6 +180,11 @@ class EngineConfig:
             raise InvalidInputError(
                 "attention_backend",
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}",
+            )
+        if self.prefill_attention not in PREFILL_ATTENTIONS:
+            raise InvalidInputError(
+                "prefill_attention",
+                f"must be one of {', '.join(PREFILL_ATTENTIONS)}; got {self.prefill_attention!r}",
             )
         if self.load_format not in LOAD_FORMATS:
             raise InvalidInputError(

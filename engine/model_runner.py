@@ -97,6 +97,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         cuda_graph_mode: str = "decode",
         decode_graphs: bool = True,
+        prefill_attention: str = "triton",
     ) -> None:
         """`num_speculative_tokens`: most proposed tokens per request per step (0: none).
         `enforce_eager=False` (the engine's default; True here for runners built directly,
@@ -109,7 +110,9 @@ class ModelRunner:
         `decode_graphs=False` (a prefill worker's engine: it decodes nothing) captures no
         decode graphs.
         `deterministic`: the Triton decode kernel splits each request by its own length
-        (`choose_splits`), so its attention does not depend on the batch."""
+        (`choose_splits`), so its attention does not depend on the batch.
+        `prefill_attention` "sdpa": with Triton, steps whose chunks are all whole prompts run
+        their attention in torch's SDPA (`AttentionMetadata.build`)."""
         cfg = model.config
         self.model = model
         self.dtype = dtype  # the model's activations' (and its KV cache's)
@@ -129,6 +132,7 @@ class ModelRunner:
             attention_backend, device, dtype, model.kv_spec.latent_width
         )
         self.deterministic = deterministic
+        self.prefill_attention = prefill_attention
         self.use_triton = self.attention_backend == "triton"
         self.use_decode_kernel = self.attention_backend == "cpu"
         self.prefill_kernel = self.attention_backend == "cpu" and prefill_kernel_supports(
@@ -252,6 +256,7 @@ class ModelRunner:
                 self.model.num_kv_heads,
                 self.prefill_kernel,
                 self.deterministic,
+                self.prefill_attention,
             )
             pieces = self.piecewise_graphs
             if pieces is not None and pieces.can_run(step.num_tokens):
@@ -334,6 +339,7 @@ class ModelRunner:
                 triton_num_kv_heads=self.model.num_kv_heads if self.use_triton else None,
                 slot_mapping=step.slot_mapping[t0:t1],
                 deterministic=self.deterministic,
+                prefill_attention=self.prefill_attention,
             )
             ids, positions = step.input_ids[t0:t1], step.positions[t0:t1]
             outs.append(self.model.forward(ids, positions, self.kv_caches, meta, None, sends))

@@ -72,6 +72,7 @@ class Settings:
         self.copy_bytes = (16 if smoke else 1024) << 20
         self.matmul_n = 512 if smoke else 8192
         self.deterministic = False  # --deterministic
+        self.triton = self.device.type == "cuda"  # prefill's attention in the Triton kernels
         self.profile = False  # --profile: each decode step's kernels by kind (gpu_profile.py)
         # Steps that are not decode-only (`mixed_bench`): (prefill chunk tokens, decodes,
         # query tokens per decode), e.g. a chunk beside 64 decodes; 16 speculative requests
@@ -297,22 +298,33 @@ def prefill_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
             torch.zeros(2, nb, BLOCK_SIZE, duet.num_kv_heads, cfg.head_dim, device=s.device, dtype=s.dtype)
             for _ in range(cfg.num_hidden_layers)
         ]  # fmt: skip
-        meta = AttentionMetadata.build(
-            [n], [n], [list(range(nb))], BLOCK_SIZE, s.device,
-            triton_num_kv_heads=duet.num_kv_heads if s.device.type == "cuda" else None,
-            deterministic=s.deterministic,
-        )  # fmt: skip
         ids = torch.randint(0, cfg.vocab_size, (n,), device=s.device)
         pos = torch.arange(n, device=s.device)
-
-        forward = functools.partial(duet, ids, pos, caches, meta)
-        with torch.inference_mode():
-            sec = timed(
-                lambda f=forward: duet.compute_logits(f()[-1:]), s.device, max(3, s.iters // 4)
-            )
         attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * n
         flops = 2 * linear_params * n + attn  # causal attention: half of 2 x 2 x N^2 x D per head
-        rows.append({"tokens": n, "ms": sec * 1e3, "tflops": flops / sec / 1e12, "flops": flops})
+        row: dict[str, Any] = {"tokens": n, "flops": flops}
+        # The prefill kernel, then (on CUDA, not deterministic) the same prompt's attention
+        # in torch's SDPA (`--prefill-attention sdpa`): which is faster decides the default.
+        triton = s.triton
+        kinds = ["triton", "sdpa"] if triton and not s.deterministic else ["triton"]
+        logits = {}
+        for kind in kinds:
+            meta = AttentionMetadata.build(
+                [n], [n], [list(range(nb))], BLOCK_SIZE, s.device,
+                triton_num_kv_heads=duet.num_kv_heads if triton else None,
+                deterministic=s.deterministic, prefill_attention=kind,
+            )  # fmt: skip
+            forward = functools.partial(duet, ids, pos, caches, meta)
+            with torch.inference_mode():
+                logits[kind] = duet.compute_logits(forward()[-1:]).float()
+                sec = timed(
+                    lambda f=forward: duet.compute_logits(f()[-1:]), s.device, max(3, s.iters // 4)
+                )
+            key = "" if kind == "triton" else "sdpa_"
+            row.update({f"{key}ms": sec * 1e3, f"{key}tflops": flops / sec / 1e12})
+        if "sdpa" in logits:
+            row["sdpa_max_abs_logit_diff"] = float((logits["sdpa"] - logits["triton"]).abs().max())
+        rows.append(row)
     return rows
 
 
@@ -354,7 +366,9 @@ def bench_model(
             step_ms = row[f"{mode}_ms"]
             row["profile"][mode] = summarise(prof, step_ms, row["weight_bytes"], bw / 1e9)
     for row in prefill:
-        row["peak_fraction"] = row["tflops"] / device_stats["matmul_tflops"]
+        for key in ("", "sdpa_"):
+            if f"{key}tflops" in row:
+                row[f"{key}peak_fraction"] = row[f"{key}tflops"] / device_stats["matmul_tflops"]
     save({"decode": decode, "mixed": mixed, "prefill": prefill,
           "hf_baseline": "not measured (yet)"})  # fmt: skip
     baseline = hf_bench(hf, s)
@@ -388,10 +402,16 @@ def print_report(results: dict[str, Any]) -> None:
                   f"  {m['eager_ms']:8.2f}  {m['piecewise_ms']:12.2f}  {m['speedup']:7.2f}x"
                   f"  {m['max_abs_logit_diff']:.3g}")  # fmt: skip
         print(f"{name} prefill:")
-        print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF")
+        print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF  | attention in SDPA: ms  of peak")
         for p in r["prefill"]:
+            sdpa = (
+                f"  | {p['sdpa_ms']:.1f}  {p['sdpa_peak_fraction']:.0%}"
+                f" (logit diff {p['sdpa_max_abs_logit_diff']:.3g})"
+                if "sdpa_ms" in p
+                else ""
+            )
             print(f"  {p['tokens']:6d}  {p['ms']:.1f}  {p['tflops']:.1f}  {p['peak_fraction']:.0%}"
-                  f"  {p['hf_ms']:.1f}  {p['speedup_vs_hf']:.1f}x")  # fmt: skip
+                  f"  {p['hf_ms']:.1f}  {p['speedup_vs_hf']:.1f}x{sdpa}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

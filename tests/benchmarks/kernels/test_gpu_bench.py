@@ -41,6 +41,22 @@ def test_smoke_run_writes_every_measurement(tmp_path):
         assert m["max_abs_logit_diff"] == 0.0
 
 
+def test_prefill_rows_time_the_kernel_and_sdpa_on_the_triton_backend():
+    """On a GPU the prefill rows time the paged prefill kernel and, in the same run, the
+    prompt's attention in SDPA (`--prefill-attention sdpa`); here under the interpreter."""
+    s = gpu.Settings(smoke=True)
+    s.triton = True
+    _, duet = gpu.build_models(gpu.MODELS["tiny"], s)
+    [row] = gpu.prefill_bench(duet, s)
+    assert row["tokens"] == 64 and row["ms"] > 0 and row["sdpa_ms"] > 0
+    assert row["tflops"] == pytest.approx(row["flops"] / row["ms"] / 1e9)
+    assert row["sdpa_tflops"] == pytest.approx(row["flops"] / row["sdpa_ms"] / 1e9)
+    assert row["sdpa_max_abs_logit_diff"] < 1e-4  # fp32: two summation orders
+    s.deterministic = True  # the kernel only: SDPA is not batch-invariant with decode
+    [row] = gpu.prefill_bench(duet, s)
+    assert "sdpa_ms" not in row and "sdpa_max_abs_logit_diff" not in row
+
+
 def test_smoke_profile_splits_each_decode_step_by_kind(tmp_path):
     out = tmp_path / "gpu.json"
     assert gpu.main(["--smoke", "--profile", "--out", str(out)]) == 0
