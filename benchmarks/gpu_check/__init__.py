@@ -295,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"gpu-check: {'OK' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f} s: "
           f"{outcome}; report {out}")  # fmt: skip
+    for flag, choice in report["measured_defaults"].items():
+        print(f"gpu-check: measured default {flag} = {choice['value']}: "
+              f"{json.dumps({k: v for k, v in choice.items() if k != 'value'})}")  # fmt: skip
     return 0 if report["ok"] else 1
 
 
@@ -368,5 +371,50 @@ def assemble_report(
         "ok": check_ok(steps),
         "elapsed_s": round(elapsed_s, 1),
         "budgets_s": budgets(quick),
+        "measured_defaults": measured_defaults(steps),
         "steps": steps,
     }
+
+
+DEFAULT_MARGIN = 1.03
+"""How much better (3%) the alternative must measure before it replaces a default."""
+
+
+def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What this run says each default undecided on a GPU should be, with the numbers: the
+    prefill attention (`--prefill-attention`: the kernel benchmark's prefill rows at the
+    longest prompt measured) and the CUDA-graph mode (`--cuda-graph-mode`: the serve step's
+    output tok/s and ITL p99 at each concurrency both servers ran). A choice this run did not
+    measure is absent; the alternative wins only by `DEFAULT_MARGIN`."""
+    out: dict[str, dict[str, Any]] = {}
+    summary = (steps.get("kernels") or {}).get("summary") or {}
+    kernel = summary.get("prefill_peak_fraction") or {}
+    sdpa = summary.get("prefill_sdpa_peak_fraction") or {}
+    tokens = max((t for t in kernel if sdpa.get(t) is not None), key=int, default=None)
+    if tokens is not None:
+        better = sdpa[tokens] > kernel[tokens] * DEFAULT_MARGIN
+        out["prefill_attention"] = {
+            "value": "sdpa" if better else "triton", "prompt_tokens": int(tokens),
+            "peak_fraction": {"triton": kernel[tokens], "sdpa": sdpa[tokens]},
+        }  # fmt: skip
+    serve = steps.get("serve") or {}
+    decode = {lv["concurrency"]: lv for lv in serve.get("levels", [])}
+    pieces = serve.get("piecewise") or {}
+    shared = [lv for lv in pieces.get("levels", []) if lv["concurrency"] in decode]
+    if pieces.get("ok") and shared:
+        better = all(
+            lv["output_tok_s"] > decode[lv["concurrency"]]["output_tok_s"] * DEFAULT_MARGIN
+            and lv["itl_ms_p99"] <= decode[lv["concurrency"]]["itl_ms_p99"]
+            for lv in shared
+        )
+        out["cuda_graph_mode"] = {
+            "value": "piecewise" if better else "decode",
+            "by_concurrency": {
+                str(lv["concurrency"]): {
+                    mode: {"output_tok_s": level["output_tok_s"], "itl_ms_p99": level["itl_ms_p99"]}
+                    for mode, level in (("decode", decode[lv["concurrency"]]), ("piecewise", lv))
+                }
+                for lv in shared
+            },
+        }  # fmt: skip
+    return out

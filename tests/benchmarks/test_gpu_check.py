@@ -178,6 +178,40 @@ def test_roofline_summary_of_the_kernel_benchmark():
     assert gpu_check.roofline_summary(None) is None
 
 
+def _level(concurrency: int, tok_s: float, itl_p99: float) -> dict:
+    return {"concurrency": concurrency, "output_tok_s": tok_s, "itl_ms_p99": itl_p99}
+
+
+@pytest.mark.parametrize(
+    ("sdpa", "pieces", "want"),
+    [
+        (0.62, _level(16, 1400.0, 60.0), {"prefill_attention": "sdpa", "cuda_graph_mode": "piecewise"}),
+        (0.58, _level(16, 1400.0, 60.0), {"prefill_attention": "triton", "cuda_graph_mode": "piecewise"}),
+        (0.62, _level(16, 1400.0, 70.0), {"prefill_attention": "sdpa", "cuda_graph_mode": "decode"}),
+        (0.62, _level(16, 1260.0, 60.0), {"prefill_attention": "sdpa", "cuda_graph_mode": "decode"}),
+        (None, None, {}),
+    ],
+)  # fmt: skip
+def test_measured_defaults_name_the_faster_choice_with_its_numbers(sdpa, pieces, want):
+    """The report says which default each undecided choice should take: the alternative only
+    when it measured 3% better (and, for piecewise graphs, no worse ITL p99)."""
+    summary = {"prefill_peak_fraction": {"512": 0.40, "2048": 0.57},
+               "prefill_sdpa_peak_fraction": {"512": 0.9, "2048": sdpa}}  # fmt: skip
+    serve = {"ok": True, "levels": [_level(1, 120.0, 9.0), _level(16, 1240.0, 64.0)]}
+    if pieces is not None:
+        serve["piecewise"] = {"ok": True, "levels": [pieces]}
+    steps = {"kernels": {"summary": summary if sdpa is not None else {}}, "serve": serve}
+    got = gpu_check.measured_defaults(steps)
+    assert {k: v["value"] for k, v in got.items()} == want
+    if sdpa is not None:  # the longest prompt measured decides
+        assert got["prefill_attention"]["prompt_tokens"] == 2048
+        assert got["prefill_attention"]["peak_fraction"] == {"triton": 0.57, "sdpa": sdpa}
+        assert got["cuda_graph_mode"]["by_concurrency"] == {"16": {
+            "decode": {"output_tok_s": 1240.0, "itl_ms_p99": 64.0},
+            "piecewise": {"output_tok_s": pieces["output_tok_s"], "itl_ms_p99": pieces["itl_ms_p99"]},
+        }}  # fmt: skip
+
+
 def test_the_kernels_step_profiles_decode_outside_quick(tmp_path: Path, monkeypatch):
     seen: list[list[str]] = []
 
