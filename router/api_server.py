@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from duet.router.auth import OPEN_PATHS, APIKeyMiddleware, caller_api_key
 from duet.router.background import install_background_routes
 from duet.router.batch_routes import install_batch_routes
+from duet.router.conversations import install_conversation_routes
 from duet.router.dashboard import install_dashboard_routes
 from duet.router.errors import EngineUnavailableError, install_exception_handlers
 from duet.router.front_door import FrontDoor
@@ -104,6 +105,7 @@ def build_app(
     install_dashboard_routes(app, front.ctx)
     install_openai_routes(app, front)
     install_responses_routes(app, front.responses)
+    install_conversation_routes(app, front.conversations)
     install_session_routes(app, front.ctx.sessions)
     install_tokenize_routes(app, front.ctx)
     if front.batches is not None:

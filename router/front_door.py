@@ -20,6 +20,7 @@ from duet.router.background import BackgroundService
 from duet.router.batch_runner import BatchPriority, BatchRunner
 from duet.router.batches import BatchService
 from duet.router.chat_turn import ChatTurns
+from duet.router.conversations import ConversationsHandler
 from duet.router.engine_client import EngineClient
 from duet.router.http_limits import HttpLimits
 from duet.router.openai_chat import ChatOptions
@@ -86,6 +87,7 @@ class FrontDoor:
     chat: ChatCompletionHandler
     completions: CompletionHandler
     responses: ResponsesHandler
+    conversations: ConversationsHandler
     batches: BatchService | None = None
     background: BackgroundService | None = None
     workers: list[QueueWorker] = field(default_factory=list)
@@ -112,6 +114,7 @@ class FrontDoor:
         )  # fmt: skip
         turns = ChatTurns(ctx)
         stored = StoredResponses(ctx.sessions)
+        conversations = ConversationsHandler(ctx.sessions)
         batches = background = responses_background = None
         workers = []
         if options.work_queue is not None:
@@ -133,5 +136,6 @@ class FrontDoor:
         return cls(
             options, ctx, APIKeyChecker(options.api_keys), turns,
             ChatCompletionHandler(turns, background), CompletionHandler(ctx),
-            ResponsesHandler(turns, stored, responses_background), batches, background, workers,
+            ResponsesHandler(turns, stored, responses_background, conversations), conversations,
+            batches, background, workers,
         )  # fmt: skip

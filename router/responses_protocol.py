@@ -60,6 +60,10 @@ class TextConfig(OpenAIModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+class ConversationRef(OpenAIModel):
+    id: str
+
+
 class ReasoningConfig(OpenAIModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     """Passed to chat templates as `reasoning_effort` (honoured where the template reads it)."""
@@ -88,7 +92,6 @@ ignored (duet keeps the reasoning of stored responses itself)."""
 IGNORED: dict[str, Inert] = {
     "service_tier": lambda v: v in (None, "auto", "default"),
     "prompt": lambda v: v is None,
-    "conversation": lambda v: v is None,
     "context_management": lambda v: not v,
     "stream_options": lambda v: not v,
     "prompt_cache_retention": lambda v: v is None,
@@ -123,6 +126,12 @@ INPUT_ITEM_SCHEMA = {"anyOf": [
         "content": {"type": ["array", "null"]}, "summary": {"type": ["array", "null"]}}},
 ]}  # fmt: skip
 """An `input` item as `_messages` reads it (the schema says what it accepts)."""
+METADATA_SCHEMA = {
+    "type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+    "additionalProperties": {"type": "string", "maxLength": 512},
+}  # fmt: skip
+"""OpenAI's `metadata`: at most 16 pairs, keys up to 64 characters, values up to 512
+(`check_metadata`)."""
 
 
 class ResponsesRequest(OpenAIModel):
@@ -165,7 +174,7 @@ class ResponsesRequest(OpenAIModel):
     background: bool = False
     """Run from the work queue; the reply is the response `queued` (needs `store`)."""
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)] | None = None
     reasoning: ReasoningConfig | None = None
     max_tool_calls: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     """Built-in tool calls only (duet has none): honoured trivially."""
@@ -176,6 +185,9 @@ class ResponsesRequest(OpenAIModel):
     truncation: Literal["auto", "disabled"] | None = None
     """auto: a conversation too long for the context drops its oldest turns (whole, from a
     user message on; the instructions stay) until it fits; disabled (the default): a 400."""
+    conversation: str | ConversationRef | None = None
+    """A stored conversation (router/conversations.py): its items come before `input`, and the
+    turn's input and output items are appended to it once the reply ended."""
     include: list[Includable] | None = None
     """`message.output_text.logprobs`: the reply's logprobs (see `top_logprobs`)."""
     top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
@@ -184,7 +196,6 @@ class ResponsesRequest(OpenAIModel):
     # accepted, not honoured (`IGNORED`)
     service_tier: str | None = None
     prompt: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
     context_management: list[dict[str, Any]] | None = None
     stream_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
@@ -197,14 +208,7 @@ class ResponsesRequest(OpenAIModel):
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} pairs; got {len(value)}")
-        for key, item in value.items():
-            if len(key) > 64 or len(item) > 512:
-                raise ValueError(f"{key[:64]!r}: keys up to 64 characters, values up to 512")
-        return value
+        return check_metadata(value)
 
     @field_validator("background")
     @classmethod
@@ -232,6 +236,17 @@ class ResponsesRequest(OpenAIModel):
             logger.warning("POST /v1/responses: ignoring fields duet does not implement: %s",
                            unhonoured)  # fmt: skip
         return names + unhonoured
+
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as items (a string: one user message)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}] if self.input else []
+        return list(self.input)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -289,6 +304,24 @@ class ResponsesRequest(OpenAIModel):
             param = RESPONSES_RENAME.get(format_loc(tuple(error["loc"])) or "")
             message = str(error["msg"]).removeprefix("Value error, ")
             raise BadRequestError(f"{param}: {message}", param=param) from None
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on a `metadata` map (`MAX_METADATA_KEYS`); a ValueError otherwise."""
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} pairs; got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64 or len(item) > 512:
+            raise ValueError(f"{key[:64]!r}: keys up to 64 characters, values up to 512")
+    return value
+
+
+def input_item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items (as `input` takes them, or a conversation's) -> chat messages; a 400
+    naming `input[i]...`."""
+    return list(_messages(items))
 
 
 def _messages(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:

@@ -71,6 +71,7 @@ def echo_fields(body: ResponsesRequest, model: str, stored: bool) -> dict[str, A
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "truncation": body.truncation or "disabled",
         "top_logprobs": body.top_logprobs,
+        "conversation": {"id": body.conversation_id} if body.conversation_id else None,
         "user": body.user,
         "safety_identifier": body.safety_identifier,
         "prompt_cache_key": body.prompt_cache_key,

@@ -48,7 +48,8 @@ class StoredResponses:
             )
         with store_errors(""):
             stored = await store.get_response(response_id)
-        if stored is None or not stored.is_owned_by(api_key):
+        # NOTE: conversations (router/conversations.py) live in the same keyspace
+        if stored is None or "response" not in stored.doc or not stored.is_owned_by(api_key):
             raise NotFoundError(
                 f"{param}: response {response_id[:64]!r} not found (unknown, expired, deleted, "
                 "or created with another API key)",

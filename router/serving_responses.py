@@ -24,13 +24,18 @@ from duet.engine import InvalidInputError, SamplingParams
 from duet.router.auth import caller_api_key
 from duet.router.chat_events import ChatStep, Final
 from duet.router.chat_turn import ChatTurns
+from duet.router.conversations import ConversationsHandler, normalize_items
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_chat import ChatPlan, assistant_message, template_reads
 from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openapi import error_responses
 from duet.router.responses_background import ResponsesBackground
-from duet.router.responses_protocol import RESPONSES_RENAME, ResponsesRequest
+from duet.router.responses_protocol import (
+    RESPONSES_RENAME,
+    ResponsesRequest,
+    input_item_messages,
+)
 from duet.router.responses_render import (
     ResponseRender,
     echo_fields,
@@ -45,12 +50,17 @@ from duet.session_store import hash_api_key
 
 class ResponsesHandler:
     def __init__(
-        self, turns: ChatTurns, stored: StoredResponses, background: ResponsesBackground | None
+        self,
+        turns: ChatTurns,
+        stored: StoredResponses,
+        background: ResponsesBackground | None,
+        conversations: ConversationsHandler,
     ) -> None:
         """`background`: runs `"background": true` responses; None: no work queue."""
         self.turns = turns
         self.stored = stored
         self.background = background
+        self.conversations = conversations
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         arrival_s = time.monotonic()
@@ -67,6 +77,15 @@ class ResponsesHandler:
                 param="background",
             )
         history: list[dict[str, Any]] = []
+        conversation_id = body.conversation_id
+        if conversation_id is not None:
+            if body.previous_response_id is not None or body.background:
+                raise BadRequestError(
+                    "conversation: cannot be combined with previous_response_id or background",
+                    param="conversation",
+                )
+            items = (await self.conversations.get(conversation_id, api_key, "conversation")).doc
+            history = input_item_messages(items["items"])
         if body.previous_response_id is not None:
             previous = await self.stored.get(
                 body.previous_response_id, api_key, "previous_response_id"
@@ -97,6 +116,8 @@ class ResponsesHandler:
         owner = hash_api_key(api_key) if store else None
 
         async def save(final: Final) -> None:
+            if conversation_id is not None and render.status in ("completed", "incomplete"):
+                await self._append_turn(conversation_id, api_key, body, render.output)
             if store:
                 reply = final.replies[0]
                 message = assistant_message(reply.content, reply.tool_calls, reply.reasoning)
@@ -115,6 +136,22 @@ class ResponsesHandler:
         finally:
             ticket.release()
         return JSONResponse(render.response(), headers=headers)
+
+    async def _append_turn(
+        self,
+        conversation_id: str,
+        api_key: str | None,
+        body: ResponsesRequest,
+        output: list[dict[str, Any]],
+    ) -> None:
+        """The turn's input items, then its output items, onto the conversation."""
+
+        def change(doc: dict[str, Any]) -> None:
+            taken = {item["id"] for item in doc["items"]}
+            added = normalize_items(body.input_items(), "input", taken)
+            doc["items"] += added + normalize_items(output, "output", taken)
+
+        await self.conversations.change(conversation_id, api_key, change, "conversation")
 
     def _fitting(
         self,

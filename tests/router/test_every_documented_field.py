@@ -92,12 +92,12 @@ RESPONSES_HONOURED: dict[str, tuple[Any, str]] = {
     "truncation": ("auto", "test_responses.py"),
     "include": (["message.output_text.logprobs"], "test_responses.py"),
     "top_logprobs": (2, "test_responses.py"),
+    "conversation": (None, "test_conversations.py (not with previous_response_id, set here)"),
 }
 RESPONSES_IGNORED: dict[str, Any] = {
     "access_programs": {"cyber": "standard"},
     "background_options": {"x": 1},
     "context_management": [{"type": "compaction", "compact_threshold": 1000}],
-    "conversation": "conv_123",
     "image": {"context_compression": "auto"},
     "moderation": {"model": "omni-moderation-latest"},
     "prompt": {"id": "pmpt_123"},

@@ -85,6 +85,14 @@ OPERATIONS = [
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/v1/responses/{response_id}/cancel"),
+    ("POST", "/v1/conversations"),
+    ("GET", "/v1/conversations/{conversation_id}"),
+    ("POST", "/v1/conversations/{conversation_id}"),
+    ("DELETE", "/v1/conversations/{conversation_id}"),
+    ("POST", "/v1/conversations/{conversation_id}/items"),
+    ("GET", "/v1/conversations/{conversation_id}/items"),
+    ("GET", "/v1/conversations/{conversation_id}/items/{item_id}"),
+    ("DELETE", "/v1/conversations/{conversation_id}/items/{item_id}"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("POST", "/v1/sessions"),
@@ -123,6 +131,7 @@ SEMANTIC_REFUSALS = (
     "best_of: other than n",  # best_of equal to n
     "in this list (an id from a previous page)",  # GET /v1/files' `after`: one of the key's ids
     "only background responses can be cancelled",  # how the response was created
+    "is already an item of this conversation",  # an item id: unique in its conversation
     # NOTE: JSON Schema can state this one (an if/then on session_id), but with it the chat
     # body's sixth if/then rule schemathesis 4.32 refuses to generate the operation at all
     # ("does not support this part of it"), whatever the rule says.
