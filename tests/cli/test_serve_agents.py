@@ -2,7 +2,9 @@
 function-tool round trip. The tiny random model calls the tool because the first turn's
 `tool_choice` is required (a grammar; one call, as `parallel_tool_calls` is off); the SDK then resets it to auto and sends the whole
 conversation back as items, and the model's reply, held to the agent's output type by its JSON
-schema (`text.format`: the grammar ends it, so it completes), is the final output."""
+schema (`text.format`: the grammar ends it, so it completes), is the final output. Run again
+with `conversation_id` (the Conversations API): the same final output, and the conversation
+holds the run's four items."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def test_agents_sdk_default_agent_completes_a_function_tool_round_trip(
             cities.append(city)
             return "sunny"
 
-        async def run() -> object:
+        async def run() -> tuple[object, object, list[str]]:
             client = AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-agents", max_retries=0)
             set_default_openai_client(client, use_for_tracing=False)
             set_tracing_disabled(True)
@@ -72,15 +74,29 @@ def test_agents_sdk_default_agent_completes_a_function_tool_round_trip(
                                              max_tokens=120, temperature=0),
             )  # fmt: skip
             try:
-                return await Runner.run(agent, "Weather in Paris?", max_turns=3)
+                plain = await Runner.run(agent, "Weather in Paris?", max_turns=3)
+                # The same run with its history in a server-side conversation: the SDK sends
+                # only each turn's new items, the server reads and extends the conversation.
+                conv = await client.conversations.create()
+                kept = await Runner.run(
+                    agent, "Weather in Paris?", max_turns=3, conversation_id=conv.id
+                )
+                items = [
+                    i.type async for i in client.conversations.items.list(conv.id, order="asc")
+                ]
+                return plain, kept, items
             finally:
                 await client.close()
 
-        result = asyncio.run(asyncio.wait_for(run(), 120))
+        result, kept, items = asyncio.run(asyncio.wait_for(run(), 120))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    kinds = [type(item) for item in result.new_items]  # type: ignore[attr-defined]
-    assert kinds == [ToolCallItem, ToolCallOutputItem, MessageOutputItem], kinds
-    assert len(cities) == 1 and len(result.raw_responses) == 2  # type: ignore[attr-defined]
-    assert isinstance(result.final_output, Forecast)  # type: ignore[attr-defined]
+    for run_result in (result, kept):
+        kinds = [type(item) for item in run_result.new_items]  # type: ignore[attr-defined]
+        assert kinds == [ToolCallItem, ToolCallOutputItem, MessageOutputItem], kinds
+        assert len(run_result.raw_responses) == 2  # type: ignore[attr-defined]
+        assert isinstance(run_result.final_output, Forecast)  # type: ignore[attr-defined]
+    assert len(cities) == 2
+    assert kept.final_output == result.final_output  # type: ignore[attr-defined]
+    assert items == ["message", "function_call", "function_call_output", "message"]
