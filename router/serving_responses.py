@@ -144,11 +144,18 @@ class ResponsesHandler:
         body: ResponsesRequest,
         output: list[dict[str, Any]],
     ) -> None:
-        """The turn's input items, then its output items, onto the conversation."""
+        """The turn's input items, then its output items, onto the conversation (an input
+        item whose id is already there, or repeats, gets a new one: the reply is not lost)."""
 
         def change(doc: dict[str, Any]) -> None:
             taken = {item["id"] for item in doc["items"]}
-            added = normalize_items(body.input_items(), "input", taken)
+            seen, inputs = set(taken), []
+            for item in body.input_items():
+                if item.get("id") in seen:
+                    item = {k: v for k, v in item.items() if k != "id"}
+                seen.add(item.get("id"))
+                inputs.append(item)
+            added = normalize_items(inputs, "input", taken)
             doc["items"] += added + normalize_items(output, "output", taken)
 
         await self.conversations.change(conversation_id, api_key, change, "conversation")

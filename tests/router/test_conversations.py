@@ -198,3 +198,14 @@ def test_concurrent_appends_lose_nothing(client: openai.OpenAI) -> None:
     assert sorted(texts) == sorted(f"{w}.{n}" for w in range(8) for n in range(3))
     for w in range(8):
         assert [t for t in texts if t.startswith(f"{w}.")] == [f"{w}.{n}" for n in range(3)]
+
+
+def test_an_input_item_resent_with_its_id_is_kept_under_a_new_one(client: openai.OpenAI) -> None:
+    conv = client.conversations.create(items=[{"role": "user", "content": "hi"}])
+    [first] = client.conversations.items.list(conv.id).data
+    resent = {"id": first.id, "type": "message", "role": "user", "content": "hi"}
+    response = client.responses.create(model=MODEL_NAME, input=[resent, resent],  # type: ignore[list-item]
+                                       conversation=conv.id, max_output_tokens=2, store=False)  # fmt: skip
+    assert response.status in ("completed", "incomplete")
+    ids = [i.id for i in client.conversations.items.list(conv.id, order="asc")]
+    assert len(ids) == 3 + len(response.output) == len(set(ids)) and ids[0] == first.id
