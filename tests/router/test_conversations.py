@@ -1,13 +1,15 @@
-"""The Conversations API (`/v1/conversations`, router/conversations.py) driven by the official
-openai client: create with items, retrieve, update, the items' list (both orders, pages),
-one item, deleting items and the conversation, another key's 404, bad items naming the
-field; the Responses API's `conversation` (the chat-completions endpoint on the whole
-conversation is the oracle, and the turn lands in the conversation); and the openai-agents
-SDK's `OpenAIConversationsSession` keeping an agent's memory there."""
+"""The Conversations API (`/v1/conversations`, router/conversations.py), on SQLite and on a real
+Redis, driven by the official openai client: create with items, retrieve, update, the items'
+list (both orders, pages), one item, deleting items and the conversation, another key's 404,
+bad items naming the field, concurrent writers; the Responses API's `conversation` (the
+chat-completions endpoint on the whole conversation is the oracle, and the turn lands in the
+conversation); and the openai-agents SDK's `OpenAIConversationsSession` keeping an agent's
+memory there."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +19,26 @@ import pytest
 from agents.memory import OpenAIConversationsSession
 
 from duet.engine import AsyncEngine
-from duet.session_store import SqliteSessionStore
+from duet.session_store import RedisSessionStore, SessionStore, SqliteSessionStore
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
+from tests.session_store.conftest import RedisServer
 
 OTHER_KEY = "sk-other-key"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["sqlite", "redis"])
 def server(
-    rest_engine: AsyncEngine, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    rest_engine: AsyncEngine,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LiveServer]:
-    store = SqliteSessionStore(tmp_path_factory.mktemp("conversations") / "duet.db")
+    """A server on each session store backend (Redis: a real redis-server)."""
+    store: SessionStore
+    if request.param == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        store = RedisSessionStore.from_url(redis.url, key_prefix=f"conv-{uuid.uuid4().hex[:8]}")
+    else:
+        store = SqliteSessionStore(tmp_path_factory.mktemp("conversations") / "duet.db")
     app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY, OTHER_KEY], session_store=store,
                    lifespan=closing(store))  # fmt: skip
     live = LiveServer(app).start()
