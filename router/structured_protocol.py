@@ -37,7 +37,8 @@ class ResponseFormat(_Body):
     """Required with type `json_schema`."""
 
 
-_SET = {"json": {"type": ["object", "string"]}, "json_object": {"const": True},
+_SET = {"json": {"anyOf": [{"type": "object"}, {"type": "string", "minLength": 1}]},
+        "json_object": {"const": True},
         "regex": {"type": "string", "minLength": 1}, "grammar": {"type": "string", "minLength": 1},
         "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}}  # fmt: skip
 
@@ -52,7 +53,7 @@ class StructuredOutputsBody(_Body):
 
     model_config = ConfigDict(json_schema_extra={"oneOf": _EXACTLY_ONE})
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: dict[str, Any] | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
     """A JSON schema (an object, or its JSON text)."""
     json_object: bool | None = None
     # NOTE: the text kinds and `choice` are bounded here too, not only in the `oneOf`
