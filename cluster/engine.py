@@ -123,6 +123,12 @@ class ClusterEngine:
         return self.config.scheduling_policy
 
     @property
+    def speculates_with_ngram(self) -> bool:
+        """False: the decode workers' speculation is their own; Predicted Outputs are not sent
+        to them (a request's `prediction` is named ignored)."""
+        return False
+
+    @property
     def deterministic(self) -> bool:
         """True when every healthy worker reports it (and there is one of each kind)."""
         prefill, decode = self.pool.healthy_prefill(), self.pool.healthy_decode()

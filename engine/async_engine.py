@@ -98,6 +98,11 @@ class AsyncEngine:
         return self.engine.deterministic
 
     @property
+    def speculates_with_ngram(self) -> bool:
+        speculator = self.engine.speculator
+        return speculator is not None and speculator.proposer.method == "ngram"
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

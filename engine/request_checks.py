@@ -81,10 +81,12 @@ def check_lengths(
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Raises `InvalidInputError` when `logit_bias` or `allowed_token_ids` names a token id
-    outside the model's vocabulary of `vocab_size` (the sampler indexes its logits by them)."""
-    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids",
-                                                          params.allowed_token_ids)):  # fmt: skip
+    """Raises `InvalidInputError` when `logit_bias`, `allowed_token_ids` or
+    `prediction_token_ids` names a token id outside the model's vocabulary of `vocab_size`
+    (the sampler indexes its logits by them; the model embeds proposed tokens)."""
+    for name, ids in (("logit_bias", params.logit_bias),
+                      ("allowed_token_ids", params.allowed_token_ids),
+                      ("prediction_token_ids", params.prediction_token_ids)):  # fmt: skip
         bad = sorted(t for t in ids or () if t >= vocab_size)
         if bad:
             raise InvalidInputError(

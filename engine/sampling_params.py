@@ -63,6 +63,12 @@ class SamplingParams:
     """vLLM's: only these token ids may be sampled (every other logit is -inf before the
     penalties, the bias and temperature); logprobs stay the model's own. Not empty; the ids
     must be in the model's vocabulary (checked where the request is admitted)."""
+    prediction_token_ids: list[int] | None = None
+    """OpenAI's Predicted Outputs, as token ids: text the output is expected to follow mostly
+    (a file being edited). With ngram speculation the proposer also looks the output's last
+    tokens up in these, as if they came before the prompt, so a stretch the output copies is
+    proposed run after run. Speeds nothing up without ngram speculation; the output is the
+    same with or without it. The ids must be in the model's vocabulary."""
     include_stop_str_in_output: bool = False
     """vLLM's: a stop string that ends the output stays at its end (by default it is cut)."""
     cache_salt: str | None = None
@@ -124,6 +130,16 @@ class SamplingParams:
             self.logit_bias = _check_logit_bias(self.logit_bias) or None  # {}: no bias
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _check_allowed_token_ids(self.allowed_token_ids)
+        if self.prediction_token_ids is not None and not (
+            isinstance(self.prediction_token_ids, list)
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.prediction_token_ids
+            )
+        ):
+            raise InvalidInputError(
+                "prediction_token_ids", "must be a list of token ids (integers >= 0)"
+            )
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):

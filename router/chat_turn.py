@@ -86,11 +86,13 @@ class ChatTurns:
     ) -> tuple[ChatPlan, SamplingParams]:
         """The request's tools and sampling parameters (400s naming the client's fields)."""
         self.ctx.check_model(body.model)
+        engine = self.ctx.engine
         try:
-            return (
-                ChatPlan.of(body, self.ctx.chat_options, self.ctx.engine.tokenizer),
-                body.to_sampling_params(),
-            )
+            params = body.to_sampling_params()
+            if body.prediction is not None and engine.speculates_with_ngram:
+                ids = engine.tokenizer.encode(body.prediction.text(), add_special_tokens=False)
+                params = dataclasses.replace(params, prediction_token_ids=ids)
+            return ChatPlan.of(body, self.ctx.chat_options, engine.tokenizer), params
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, rename) from None
 

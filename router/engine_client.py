@@ -36,6 +36,11 @@ class EngineClient(Protocol):
         and (in a cluster) disaggregation (docs/determinism.md)."""
 
     @property
+    def speculates_with_ngram(self) -> bool:
+        """Whether a request's `prediction_token_ids` (Predicted Outputs) are used: the engine
+        proposes by ngram lookup."""
+
+    @property
     def is_ready(self) -> bool:
         """True while new requests can be served (readiness)."""
 

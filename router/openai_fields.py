@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
     "function_call": lambda v: v in (None, "none", "auto"),
     "audio": _absent,
     "modalities": lambda v: v in (None, [], ["text"]),
-    "prediction": _absent,
     "verbosity": _absent,
     "web_search_options": _absent,
     "service_tier": lambda v: v in (None, "auto", "default"),
@@ -43,6 +42,24 @@ _IGNORED: dict[str, Callable[[Any], bool]] = {
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
+class PredictionTextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the reply is expected to follow mostly."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["content"]
+    content: str | list[PredictionTextPart]
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
 class UnsupportedChatFields(BaseModel):
     """OpenAI chat-completion fields duet accepts without implementing (see `_IGNORED`), and
     `reasoning_effort`, which reaches chat templates that read it."""
@@ -51,7 +68,9 @@ class UnsupportedChatFields(BaseModel):
     function_call: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
+    prediction: Prediction | None = None
+    """Predicted Outputs: with ngram speculation, proposals are also looked up in its tokens
+    (`SamplingParams.prediction_token_ids`); named ignored on an engine that does not."""
     reasoning_effort: ReasoningEffort | None = None
     """The chat-template variable `reasoning_effort` (ignored, and named in the header, when
     the template does not read it)."""

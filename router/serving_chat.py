@@ -51,6 +51,8 @@ class ChatCompletionHandler:
             ctx.engine.tokenizer, "reasoning_effort", body.chat_template
         ):
             ignored.append("reasoning_effort")
+        if body.prediction is not None and not ctx.engine.speculates_with_ngram:
+            ignored.append("prediction")  # Predicted Outputs need ngram speculation
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         if body.background:
             if self.background is None:

@@ -1,7 +1,8 @@
 """`NgramProposer` (prompt lookup): match the sequence's last n tokens (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) against its earlier tokens, prompt and output
-alike, and propose the tokens that followed the most recent match. No model; costs a vector
-compare over the sequence per request per step."""
+alike (and a request's Predicted Outputs before them, `prediction_token_ids`), and propose the
+tokens that followed the most recent match. No model; costs a vector compare over the
+sequence per request per step."""
 
 from __future__ import annotations
 
@@ -47,5 +48,8 @@ class NgramProposer(Proposer):
                 out.append(Proposal([]))
                 continue
             tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+            predicted = request.sampling_params.prediction_token_ids
+            if predicted:  # Predicted Outputs: looked up as if before the prompt
+                tokens = np.concatenate([np.asarray(predicted, dtype=np.int64), tokens])
             out.append(Proposal(ngram_lookup(tokens, self.n_min, self.n_max, k)))
         return out

@@ -62,6 +62,12 @@ def test_what_the_router_applies_never_travels(change):
         sampling_to_proto(dataclasses.replace(EVERY_FIELD, **change))
 
 
+def test_predicted_outputs_never_travel():
+    """The router sets them only for its own ngram-speculating engine, never a cluster's."""
+    with pytest.raises(ValueError, match="prediction_token_ids: workers do not take them"):
+        sampling_to_proto(dataclasses.replace(EVERY_FIELD, prediction_token_ids=[5, 6]))
+
+
 @pytest.mark.parametrize("change", [{"skip_special_tokens": False},
                                     {"include_stop_str_in_output": True}])  # fmt: skip
 def test_what_shapes_the_text_stays_with_the_router(change):
