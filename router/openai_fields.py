@@ -103,9 +103,14 @@ def ignored_fields(body: BaseModel, table: dict[str, Inert], where: str) -> list
     """The fields of `body` in `table` whose value asks for something duet does not do: logged
     as a warning, and named by the caller in the `duet-ignored-fields` header."""
     names = [name for name, inert in table.items() if not inert(getattr(body, name))]
+    log_ignored(where, names)
+    return names
+
+
+def log_ignored(where: str, names: list[str]) -> None:
+    """The warning that names fields a request set and duet does not honour (none: nothing)."""
     if names:
         logger.warning("%s: ignoring fields duet does not implement: %s", where, names)
-    return names
 
 
 def warn_unknown_fields(model: type[BaseModel], data: Any) -> None:

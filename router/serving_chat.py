@@ -23,7 +23,7 @@ from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, ru
 from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_chat import template_reads
 from duet.router.openai_chat_render import ChatCompletionRender
-from duet.router.openai_fields import IGNORED_FIELDS_HEADER
+from duet.router.openai_fields import IGNORED_FIELDS_HEADER, log_ignored
 from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.openai_responses import (
     ChatCompletionChunk,
@@ -53,6 +53,7 @@ class ChatCompletionHandler:
             ignored.append("reasoning_effort")
         if body.prediction is not None and not ctx.engine.speculates_with_ngram:
             ignored.append("prediction")  # Predicted Outputs need ngram speculation
+            log_ignored("POST /v1/chat/completions", ["prediction"])
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else {}
         if body.background:
             if self.background is None:
