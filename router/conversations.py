@@ -33,6 +33,7 @@ from duet.router.responses_protocol import (
     input_item_messages,
 )
 from duet.router.responses_render import new_id
+from duet.router.responses_store import owned_document
 from duet.router.sessions import SessionManager, store_errors
 from duet.session_store import StoredResponse, hash_api_key
 
@@ -250,16 +251,9 @@ class ConversationsHandler:
         self, conversation_id: str, api_key: str | None, param: str = "conversation_id"
     ) -> StoredResponse:
         """The caller's conversation; 404 naming `param` otherwise."""
-        store = self._store(param)
-        with store_errors(""):
-            stored = await store.get_response(conversation_id)
-        if stored is None or "conversation" not in stored.doc or not stored.is_owned_by(api_key):
-            raise NotFoundError(
-                f"{param}: conversation {conversation_id[:64]!r} not found (unknown, expired, "
-                "deleted, or created with another API key)",
-                param=param,
-            )
-        return stored
+        return await owned_document(
+            self._store(param), conversation_id, "conversation", api_key, param
+        )
 
     async def change(
         self, conversation_id: str, api_key: str | None, change: Any, param: str = "conversation_id"

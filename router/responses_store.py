@@ -15,7 +15,7 @@ from typing import Any
 from duet.router.batches import NotFoundError
 from duet.router.errors import OpenAIError
 from duet.router.sessions import SessionManager, store_errors
-from duet.session_store import StoredResponse
+from duet.session_store import SessionStore, StoredResponse
 
 RUNNING = frozenset({"queued", "in_progress"})
 """The statuses a background response can still leave (and be cancelled from)."""
@@ -25,6 +25,23 @@ class ResponsesDisabledError(OpenAIError):
     status_code = 404
     type = "not_found_error"
     code = "responses_not_stored"
+
+
+async def owned_document(
+    store: SessionStore, doc_id: str, kind: str, api_key: str | None, param: str
+) -> StoredResponse:
+    """The stored document `doc_id` of `kind` ("response", or "conversation": both live in the
+    stored responses' keyspace, told apart by the key their document holds), if `api_key`
+    owns it; else a 404 naming `param`, as for an unknown id."""
+    with store_errors(""):
+        stored = await store.get_response(doc_id)
+    if stored is None or kind not in stored.doc or not stored.is_owned_by(api_key):
+        raise NotFoundError(
+            f"{param}: {kind} {doc_id[:64]!r} not found (unknown, expired, deleted, or created "
+            "with another API key)",
+            param=param,
+        )
+    return stored
 
 
 @dataclass
@@ -46,16 +63,7 @@ class StoredResponses:
                 "session store)",
                 param=param,
             )
-        with store_errors(""):
-            stored = await store.get_response(response_id)
-        # NOTE: conversations (router/conversations.py) live in the same keyspace
-        if stored is None or "response" not in stored.doc or not stored.is_owned_by(api_key):
-            raise NotFoundError(
-                f"{param}: response {response_id[:64]!r} not found (unknown, expired, deleted, "
-                "or created with another API key)",
-                param=param,
-            )
-        return stored
+        return await owned_document(store, response_id, "response", api_key, param)
 
     async def put(
         self,
