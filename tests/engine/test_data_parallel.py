@@ -217,7 +217,10 @@ def test_a_dead_rank_ends_every_stream_at_once(tiny_model_factory):
     try:
         started = time.monotonic()
         results = asyncio.run(asyncio.wait_for(both(), 60))
-        assert [r[0] for r in results] == ["dead", "dead"] and results[0][1] == 5
+        # NOTE: "a" gets every output made before the kill and none after its rank's next
+        # collective fails; the engine may have made one or two more while the test read its
+        # fifth (a loaded make test delivered 6 once), so only the lower bound is exact.
+        assert [r[0] for r in results] == ["dead", "dead"] and results[0][1] >= 5
         assert time.monotonic() - started < 30
     finally:
         engine.shutdown()
