@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from duet.engine.attention_metadata import AttentionMetadata, KernelBatch
+from duet.engine.attention_metadata import AttentionMetadata
 from duet.engine.kernels.cpu import (
     kernels_for,
     load_cpu_kernels,
@@ -92,9 +92,7 @@ def paged_attention(
     query: [T, H, D], key/value: [T, Hkv, D] (this step's, already written to the cache)
     -> out [T, H, D]."""
     if meta.kernel_batch is not None:
-        if meta.kernel_batch.whole_prompts_in_sdpa:
-            return _whole_prompts_in_sdpa(query, key, value, kv_cache, meta, scale)
-        return _triton_attention(query, kv_cache, meta.kernel_batch, scale)
+        return _triton_attention(query, key, value, kv_cache, meta, scale)
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -188,28 +186,15 @@ def paged_attention(
 
 
 def _whole_prompts_in_sdpa(
+    out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:
-    """A Triton step whose prefills are all whole prompts (no cached prefix): each prompt's
-    causal attention over its own K/V in torch's SDPA (FlashAttention on a GPU), the decodes
-    in the decode kernel."""
-    from duet.engine.kernels.triton_decode import paged_decode_attention
-
-    batch = meta.kernel_batch
-    assert batch is not None
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
-    if batch.decode_indices.shape[0]:
-        paged_decode_attention(
-            out, query, kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
-            batch.decode_indices, scale, batch.num_splits, batch.split_partition,
-        )  # fmt: skip
+) -> None:
+    """Each prompt's causal attention over its own K/V (whole prompts, no cached prefix) in
+    torch's SDPA (FlashAttention on a GPU), into its rows of `out`."""
     gqa = query.shape[1] != key.shape[1]
     for i in meta.prefill_indices:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -218,17 +203,25 @@ def _whole_prompts_in_sdpa(
             value[start:end].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa,
         )  # fmt: skip
         out[start:end] = o[0].transpose(0, 1)
-    return out
 
 
 def _triton_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, batch: KernelBatch, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> torch.Tensor:
     """Decodes through the split-K decode kernel, the rest through the prefill kernel; both
-    read K/V from the cache, where `store_kv` has put this step's."""
+    read K/V from the cache, where `store_kv` has put this step's. A step of whole prompts
+    with `prefill_attention` sdpa (`KernelBatch.whole_prompts_in_sdpa`) runs its prompts in
+    SDPA on this step's K/V instead of the prefill kernel."""
     from duet.engine.kernels.triton_decode import paged_decode_attention
     from duet.engine.kernels.triton_prefill import paged_prefill_attention
 
+    batch = meta.kernel_batch
+    assert batch is not None
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [T, H, D]
@@ -236,5 +229,10 @@ def _triton_attention(
     paged_decode_attention(
         out, query, *common, batch.decode_indices, scale, batch.num_splits, batch.split_partition
     )
-    paged_prefill_attention(out, query, *common, batch.prefill_indices, batch.max_query_len, scale)
+    if batch.whole_prompts_in_sdpa:
+        _whole_prompts_in_sdpa(out, query, key, value, meta, scale)
+    else:
+        paged_prefill_attention(
+            out, query, *common, batch.prefill_indices, batch.max_query_len, scale
+        )
     return out
