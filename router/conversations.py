@@ -19,7 +19,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
-from pydantic import Field, WithJsonSchema, field_validator
+from pydantic import Field, WithJsonSchema
 
 from duet.router.auth import caller_api_key
 from duet.router.batches import NotFoundError
@@ -28,8 +28,7 @@ from duet.router.openai_protocol import OpenAIModel
 from duet.router.openapi import error_responses
 from duet.router.responses_protocol import (
     INPUT_ITEM_SCHEMA,
-    METADATA_SCHEMA,
-    check_metadata,
+    Metadata,
     input_item_messages,
 )
 from duet.router.responses_render import new_id
@@ -58,21 +57,11 @@ Items = Annotated[
 
 class ConversationCreate(OpenAIModel):
     items: Annotated[Items, Field(max_length=MAX_ITEMS_PER_REQUEST)] | None = None
-    metadata: Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
+    metadata: Metadata | None = None
 
 
 class ConversationUpdate(OpenAIModel):
-    metadata: Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)]
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str]) -> dict[str, str]:
-        return check_metadata(value) or {}
+    metadata: Metadata
 
 
 class ItemsCreate(OpenAIModel):

@@ -19,7 +19,14 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 from duet.router.errors import BadRequestError, format_loc
 from duet.router.openai_fields import Inert, ignored_fields
@@ -134,6 +141,24 @@ METADATA_SCHEMA = {
 (`check_metadata`)."""
 
 
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on a `metadata` map (`MAX_METADATA_KEYS`); a ValueError otherwise."""
+    if value is None:
+        return value
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} pairs; got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64 or len(item) > 512:
+            raise ValueError(f"{key[:64]!r}: keys up to 64 characters, values up to 512")
+    return value
+
+
+Metadata = Annotated[
+    dict[str, str], AfterValidator(check_metadata), WithJsonSchema(METADATA_SCHEMA)
+]
+"""A `metadata` field: checked by `check_metadata`, bounded so in the served schema."""
+
+
 class ResponsesRequest(OpenAIModel):
     # Without instructions or a previous response, the input is the whole conversation.
     model_config = ConfigDict(json_schema_extra={"allOf": [
@@ -174,7 +199,7 @@ class ResponsesRequest(OpenAIModel):
     background: bool = False
     """Run from the work queue; the reply is the response `queued` (needs `store`)."""
     previous_response_id: str | None = None
-    metadata: Annotated[dict[str, str], WithJsonSchema(METADATA_SCHEMA)] | None = None
+    metadata: Metadata | None = None
     reasoning: ReasoningConfig | None = None
     max_tool_calls: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     """Built-in tool calls only (duet has none): honoured trivially."""
@@ -204,11 +229,6 @@ class ResponsesRequest(OpenAIModel):
     moderation: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
     image: dict[str, Any] | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        return check_metadata(value)
 
     @field_validator("background")
     @classmethod
@@ -304,18 +324,6 @@ class ResponsesRequest(OpenAIModel):
             param = RESPONSES_RENAME.get(format_loc(tuple(error["loc"])) or "")
             message = str(error["msg"]).removeprefix("Value error, ")
             raise BadRequestError(f"{param}: {message}", param=param) from None
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's limits on a `metadata` map (`MAX_METADATA_KEYS`); a ValueError otherwise."""
-    if value is None:
-        return value
-    if len(value) > MAX_METADATA_KEYS:
-        raise ValueError(f"at most {MAX_METADATA_KEYS} pairs; got {len(value)}")
-    for key, item in value.items():
-        if len(key) > 64 or len(item) > 512:
-            raise ValueError(f"{key[:64]!r}: keys up to 64 characters, values up to 512")
-    return value
 
 
 def input_item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
