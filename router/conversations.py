@@ -15,6 +15,9 @@ one (`msg_`, `fc_`, `fco_`, `rs_`)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import random
 import time
 from typing import Annotated, Any, Literal
 
@@ -38,8 +41,12 @@ from duet.session_store import StoredResponse, hash_api_key
 
 MAX_ITEMS_PER_REQUEST = 20
 """OpenAI's limit on the items one create or add request carries."""
-MAX_CAS_ATTEMPTS = 16
-"""Compare-and-swap attempts of one change before it is a 503 (another writer kept winning)."""
+CAS_DEADLINE_S = 10.0
+"""How long one change keeps retrying its compare-and-swap (other writers winning) before it
+is a 503."""
+CAS_BACKOFF_S = (0.002, 0.2)
+"""A lost swap waits a random time up to the first, doubling per loss up to the second, so
+that the losers of a crowd of writers step aside and each gets its turn."""
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
               "reasoning": "rs"}  # fmt: skip
 
@@ -249,9 +256,16 @@ class ConversationsHandler:
     ) -> Any:
         """Apply `change` (the document -> the result; it edits the document in place) to the
         caller's conversation, as a compare-and-swap on its version, again from a fresh read
-        when another change landed first. Returns `change`'s result."""
+        when another change landed first (after a random back-off, so that a crowd of writers
+        takes turns). Returns `change`'s result."""
         store = self._store(param)
-        for _ in range(MAX_CAS_ATTEMPTS):
+        deadline = time.monotonic() + CAS_DEADLINE_S
+        first, most = CAS_BACKOFF_S
+        for lost in itertools.count():
+            if lost:
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(random.uniform(0, min(most, first * 2 ** min(lost, 16))))
             stored = await self.get(conversation_id, api_key, param)
             doc = stored.doc
             result = change(doc)

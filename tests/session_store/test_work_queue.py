@@ -20,7 +20,7 @@ from duet.session_store import (
 )
 from tests.session_store.conftest import RedisServer
 
-LEASE_S = 0.3
+LEASE_S = 1.0
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -42,7 +42,7 @@ def tasks(n: int, kind: str = "echo") -> list[Task]:
 
 def test_claim_complete_result(queue_factory: Callable[..., WorkQueue]) -> None:
     async def main() -> None:
-        async with queue_factory() as q:
+        async with queue_factory(lease_s=30.0) as q:  # no lease runs out here, however slow
             await q.enqueue(tasks(3), record=("batch", "b1", {"id": "b1"}))
             assert await q.num_pending() == 3
             got = await q.claim("c1", max_tasks=2)
@@ -120,7 +120,7 @@ def test_renew_keeps_the_task(queue_factory: Callable[..., WorkQueue]) -> None:
         async with queue_factory() as q:
             await q.enqueue(tasks(1))
             [d] = await q.claim("c1")
-            for _ in range(4):  # 4 x 0.15 s > the 0.3 s lease
+            for _ in range(4):  # 4 x 0.5 s > the 1 s lease
                 await asyncio.sleep(LEASE_S / 2)
                 assert await q.renew(d) is True
                 assert await q.claim("c2") == []
