@@ -75,8 +75,10 @@ def test_the_default_model_gives_the_same_greedy_tokens_with_ngram(dtype):
     prompts = chats + MIXED[:4]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     reference = _tokens(llm.generate(prompts, params))
-    for k in (KS[0], KS[-1]):  # the tiny models take every k; here the shortest and longest
-        spec = _llm(None, dtype, _config("ngram", k, None))  # type: ignore[arg-type]
-        assert _tokens(spec.generate(prompts, params)) == reference, k
-        stats = spec.engine.stats.spec_decode
-        assert stats is not None and stats.num_accepted_tokens > 0, k
+    # The tiny models take every k in both dtypes; here the shortest in fp32 and the longest in
+    # bf16 (both in both took 20 s more of the suite).
+    k = KS[0] if dtype == "float32" else KS[-1]
+    spec = _llm(None, dtype, _config("ngram", k, None))  # type: ignore[arg-type]
+    assert _tokens(spec.generate(prompts, params)) == reference, k
+    stats = spec.engine.stats.spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0, k
