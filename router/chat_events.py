@@ -138,15 +138,20 @@ class ChatStep:
         return next((e for e in self.events if isinstance(e, kind)), None)
 
 
-# -- the background log's form of a step (choice deltas only: what a stream renders) --------
+# -- the background log's form of a step (choice deltas, with their tokens' logprobs when the
+# request asked: what a stream renders) ---------------------------------------------------
 
 
 def step_to_json(step: ChatStep) -> str:
     out: list[dict[str, Any]] = []
     for event in step.events:
         match event:
-            case TokenDelta(index, token_ids, text):
-                out.append({"kind": "tokens", "index": index, "ids": token_ids, "text": text})
+            case TokenDelta(index, token_ids, text, logprobs):
+                entry: dict[str, Any] = {"kind": "tokens", "index": index, "ids": token_ids,
+                                         "text": text}  # fmt: skip
+                if logprobs:
+                    entry["logprobs"] = [_logprobs_to_json(t) for t in logprobs]
+                out.append(entry)
             case TextDelta(index, text):
                 out.append({"kind": "text", "index": index, "text": text})
             case ReasoningDelta(index, text):
@@ -164,7 +169,11 @@ def step_from_json(text: str) -> ChatStep:
     for item in json.loads(text):
         kind, index = item["kind"], item["index"]
         if kind == "tokens":
-            events.append(TokenDelta(index, item["ids"], item["text"]))
+            logprobs = item.get("logprobs")
+            events.append(TokenDelta(
+                index, item["ids"], item["text"],
+                None if logprobs is None else [_logprobs_from_json(t) for t in logprobs],
+            ))  # fmt: skip
         elif kind == "text":
             events.append(TextDelta(index, item["text"]))
         elif kind == "reasoning":
@@ -174,6 +183,19 @@ def step_from_json(text: str) -> ChatStep:
         elif kind == "finish":
             events.append(Finish(index, item["reason"], item["stop_reason"]))
     return ChatStep(events)
+
+
+def _logprob_to_json(p: Logprob) -> list[Any]:
+    return [p.token_id, p.logprob, p.token, p.rank]
+
+
+def _logprobs_to_json(t: TokenLogprobs) -> list[Any]:
+    return [_logprob_to_json(t.sampled), [_logprob_to_json(p) for p in t.top]]
+
+
+def _logprobs_from_json(item: list[Any]) -> TokenLogprobs:
+    sampled, top = item
+    return TokenLogprobs(Logprob(*sampled), [Logprob(*p) for p in top])
 
 
 def logged_tokens(steps: Sequence[ChatStep]) -> tuple[list[int], str, Finish | None]:

@@ -192,8 +192,9 @@ def as_openai_error(
 
 
 def format_loc(loc: tuple[int | str, ...]) -> str | None:
-    """`("body", "messages", 0, "content")` -> `messages[0].content`; None for the body."""
-    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    """`("body", "messages", 0, "content")` -> `messages[0].content`, `("query", "limit")` ->
+    `limit` (as OpenAI names a parameter wherever it travels); None for the body."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
     out = ""
     for part in parts:
         if isinstance(part, int):

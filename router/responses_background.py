@@ -1,27 +1,39 @@
 """Background responses (`"background": true` on `POST /v1/responses`): stored `queued` and
 enqueued at once; any replica's queue worker runs the chat turn, marks the stored response
-`in_progress`, and stores the finished one (or `failed`).
+`in_progress`, appends each engine step's events to the response's event log (the work
+queue's, as background chat requests do), and stores the finished one (or `failed`). A
+delivery after a router died reads the log and continues from it (`TurnRequest.resume`), so
+the reply has no token missing or repeated.
+
+Streaming (`"stream": true` with `background`, and `GET /v1/responses/{id}?stream=true
+&starting_after=N` on any replica, while the work queue keeps the log): the events are
+rendered again from the log by a fresh `ResponseRender`, which gives every render of the same
+steps the same events, sequence numbers and item ids; `response.created` and
+`response.queued`, `response.in_progress` once a worker runs it, the output's events, then
+the terminal event carrying the response as stored. A client whose connection dropped
+reconnects with the last `sequence_number` it saw.
 
 `POST /v1/responses/{id}/cancel` marks a queued or running response `cancelled` in the store;
 the runner checks the store between engine steps (at most every `CANCEL_CHECK_S`), stops
 generating (aborting the engine request) and never overwrites the cancelled response: every
 write after the first is conditional on the stored status (`only_from`).
-
-NOTE: unlike background chat completions, a re-delivered response (its router died) starts
-over rather than resuming from a log; it has no event stream to keep seamless.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.batches import queue_errors
-from duet.router.chat_events import Final
+from duet.router.chat_events import Final, step_from_json, step_to_json
 from duet.router.chat_turn import ChatTurns
-from duet.router.errors import OpenAIError, as_openai_error
+from duet.router.errors import BadRequestError, OpenAIError, as_openai_error
+from duet.router.logprobs import response_logprobs
 from duet.router.openai_chat import assistant_message
 from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.queue_worker import RetryTask
@@ -33,6 +45,10 @@ from duet.session_store import SessionStoreUnavailable, Task, WorkQueue
 KIND = "background.response"
 CANCEL_CHECK_S = 0.2
 """How often a running background response looks for its cancellation in the store."""
+MAX_STREAM_S = 600.0
+"""Longest one stream of a background response stays open; the client reconnects with
+`starting_after`."""
+_POLL_S = 0.05
 
 
 class ResponsesBackground:
@@ -77,16 +93,23 @@ class ResponsesBackground:
         try:
             plan, params = self.turns.plan(chat, RESPONSES_RENAME)
             messages = [m.to_template_message() for m in chat.messages]
+            logged = [step_from_json(e) for e in await self._log(response_id)]
+            for step in logged:  # what an earlier delivery ran: its output items, its ids
+                render.step(step)
             turn = self.turns.rerun(
-                chat, plan, params, messages, [], None, response_id, engine_id, []
+                chat, plan, params, messages, [], None, response_id, engine_id, logged
             )
-            ticket = await self._admit()
-            final = None
+            ticket = await self._admit() if turn.will_generate else None
+            final, offset = None, len(logged)
             async with aclosing(turn.steps(ticket, time.monotonic())) as steps:
                 next_check = time.monotonic() + CANCEL_CHECK_S
                 async for step in steps:
                     render.step(step)
                     final = step.first(Final) or final
+                    if final is None:
+                        offset = await self.queue.append_events(
+                            response_id, offset, [step_to_json(step)]
+                        )
                     if final is None and time.monotonic() >= next_check:
                         next_check = time.monotonic() + CANCEL_CHECK_S
                         if await self._cancelled(response_id):
@@ -127,3 +150,88 @@ class ResponsesBackground:
 
     async def _admit(self) -> AdmissionTicket:
         return await admit_queued(self.turns.ctx.admission)
+
+    async def _log(self, response_id: str, offset: int = 0) -> list[str]:
+        return await self.queue.read_events(response_id, offset, 1 << 30)
+
+    # --- streaming (any replica) ---
+
+    async def stream(
+        self, response_id: str, api_key: str | None, starting_after: int | None
+    ) -> AsyncGenerator[str, None]:
+        """The SSE events of the caller's background response after `starting_after` (all of
+        them when None); 404 for another's or an unknown one, 400 for one that did not run in
+        the background (its events were never logged)."""
+        stored = await self.stored.get(response_id, api_key, "response_id")
+        if not stored.doc["response"].get("background"):
+            raise BadRequestError(
+                "stream: only a background response can be streamed again", param="stream"
+            )
+        if starting_after is not None and starting_after < 0:
+            raise BadRequestError(
+                f"starting_after: must be >= 0; got {starting_after}", param="starting_after"
+            )
+        return self._stream(
+            stored.doc["response"], -1 if starting_after is None else starting_after
+        )
+
+    async def _stream(self, response: dict[str, Any], after: int) -> AsyncGenerator[str, None]:
+        response_id = response["id"]
+        store = self.stored.sessions.store
+        assert store is not None, "a background response is stored"
+        texts = self.turns.ctx.token_texts
+        top = response.get("top_logprobs") or 0
+        render = ResponseRender.resumed(
+            response, token_counter(self.turns.ctx.engine.tokenizer),
+            lambda entries: response_logprobs(entries, top, texts),  # logged only when asked
+        )  # fmt: skip
+        # Every replay gives the same sequence: created, queued, in_progress (at the first
+        # sign of a run, or at the end), the logged steps' events, the terminal event.
+        pending, offset, started = render.queued_opening(), 0, False
+        deadline = time.monotonic() + MAX_STREAM_S
+        while True:
+            for event in pending:
+                if event["sequence_number"] > after:
+                    after = event["sequence_number"]
+                    yield sse_event(event)
+            pending = []
+            if time.monotonic() >= deadline:
+                message = (
+                    f"stream open for {MAX_STREAM_S:g}s; reconnect with starting_after={after}"
+                )
+                yield sse_event(render.error_event("reconnect", message, None))
+                return
+            try:
+                raw = await self.queue.read_events(response_id, offset, 256)
+                stored = None if raw else await store.get_response(response_id)
+                ended = stored is not None and stored.status not in RUNNING
+                if ended:
+                    # The runner logs every step before it stores the end: the log's
+                    # entries appended since the read above, then the end.
+                    raw = await self._log(response_id, offset)
+            except SessionStoreUnavailable:
+                await asyncio.sleep(0.5)  # a store restarting: the log is still there after it
+                continue
+            if stored is None and not raw:  # deleted while streaming
+                yield sse_event(render.error_event("not_found", "the response was deleted", None))
+                return
+            if not started and (raw or ended or (stored and stored.status == "in_progress")):
+                pending.append(render.started())
+                started = True
+            for entry in raw:
+                pending += render.step(step_from_json(entry))
+            offset += len(raw)
+            if ended:
+                assert stored is not None
+                pending += render.ended(stored.doc["response"])
+                for event in pending:
+                    if event["sequence_number"] > after:
+                        yield sse_event(event)
+                return
+            if not raw:
+                await asyncio.sleep(_POLL_S)
+
+
+def sse_event(event: dict[str, Any]) -> str:
+    """One Responses API event as SSE."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

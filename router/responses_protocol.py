@@ -25,7 +25,6 @@ from pydantic import (
     Field,
     ValidationError,
     WithJsonSchema,
-    field_validator,
 )
 
 from duet.router.errors import BadRequestError, format_loc
@@ -162,8 +161,7 @@ Metadata = Annotated[
 class ResponsesRequest(OpenAIModel):
     # Without instructions or a previous response, the input is the whole conversation.
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        schema_rule({"background": {"const": True}}, {"stream": {"const": False},
-                                                       "store": {"const": True}}, required=False),
+        schema_rule({"background": {"const": True}}, {"store": {"const": True}}, required=False),
         schema_rule({"tool_choice": {"const": "required"}}, {"tools": {"type": "array", "minItems": 1}}),
         {
         "if": {"properties": {
@@ -229,15 +227,6 @@ class ResponsesRequest(OpenAIModel):
     moderation: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
     image: dict[str, Any] | None = None
-
-    @field_validator("background")
-    @classmethod
-    def _background_stores(cls, value: bool, info: Any) -> bool:
-        if value and info.data.get("stream"):
-            raise ValueError(
-                "cannot be combined with stream (not yet); poll GET /v1/responses/{id}"
-            )
-        return value
 
     def ignored(self) -> list[str]:
         """The fields this request sets that duet does not honour (logged once here), nested

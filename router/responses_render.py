@@ -21,6 +21,7 @@ ends: reasoning (`reasoning_text` content), the assistant message (`output_text`
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ class ResponseRender:
         self._open: dict[str, Any] | None = None
         self._calls: dict[int, dict[str, Any]] = {}  # the reply's call index -> its item
         self._reasoning = ""
+        self._ids_made = 0
 
     @classmethod
     def resumed(
@@ -156,6 +158,24 @@ class ResponseRender:
             self._event("response.in_progress", response=self.response()),
         ]
 
+    def queued_opening(self) -> list[dict[str, Any]]:
+        """A background response's first events (`started` follows once a worker runs it)."""
+        queued = self.response("queued")
+        return [
+            self._event("response.created", response=queued),
+            self._event("response.queued", response=copy.deepcopy(queued)),
+        ]
+
+    def started(self) -> dict[str, Any]:
+        return self._event("response.in_progress", response=self.response("in_progress"))
+
+    def ended(self, response: dict[str, Any]) -> list[dict[str, Any]]:
+        """A replayed background response's end: what is still open closes, then the terminal
+        event carrying `response` as stored (the stream's and the store's object are one)."""
+        events = self._close()
+        events.append(self._event(_terminal(response["status"]), response=response))
+        return events
+
     def step(self, step: ChatStep) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for event in step.events:
@@ -189,8 +209,7 @@ class ResponseRender:
         }
         if self.status == "in_progress":  # no Finish: the engine aborted it
             self.status = "cancelled"
-        kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        events.append(self._event(kind, response=self.response()))
+        events.append(self._event(_terminal(self.status), response=self.response()))
         return events
 
     # --- items ---
@@ -199,6 +218,13 @@ class ResponseRender:
         event = {"type": kind, "sequence_number": self._sequence_number, **fields}
         self._sequence_number += 1
         return event
+
+    def _new_id(self, prefix: str) -> str:
+        """An output item's id, the same on every render of the same steps (a background
+        response's stream is rendered again from its log, on any replica)."""
+        self._ids_made += 1
+        digest = hashlib.sha256(f"{self.response_id}/{self._ids_made}".encode()).hexdigest()
+        return f"{prefix}_{digest[:32]}"
 
     def _where(self) -> dict[str, Any]:
         assert self._open is not None
@@ -225,7 +251,7 @@ class ResponseRender:
         logprobs, self._pending_logprobs = self._pending_logprobs, []  # this text's tokens'
         if self._open is None or self._open["type"] != kind:
             events += self._close()
-            item_id = new_id("msg" if kind == "message" else "rs")
+            item_id = self._new_id("msg" if kind == "message" else "rs")
             item: dict[str, Any] = {"id": item_id, "type": kind, "status": "in_progress",
                                     "content": []}  # fmt: skip
             if kind == "message":
@@ -257,8 +283,8 @@ class ResponseRender:
         if item is None:
             events += self._close()
             item = {
-                "id": new_id("fc"), "type": "function_call", "status": "in_progress",
-                "call_id": call_id or new_id("call"),
+                "id": self._new_id("fc"), "type": "function_call", "status": "in_progress",
+                "call_id": call_id or self._new_id("call"),
                 "name": (function.name if function is not None else None) or "", "arguments": "",
             }  # fmt: skip
             self._calls[index] = item
@@ -321,6 +347,14 @@ _OWN_FIELDS = frozenset(
     {"id", "object", "created_at", "status", "error", "incomplete_details", "output", "usage",
      "completed_at"}
 )  # fmt: skip
+
+
+def _terminal(status: str) -> str:
+    """The event that ends a response of `status` (a cancelled one ends as completed: OpenAI
+    names no event for it; the response's status says it)."""
+    return {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+        status, "response.completed"
+    )
 
 
 def logprobs_render(chat: Any, texts: Any) -> LogprobsRender | None:

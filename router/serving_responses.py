@@ -11,13 +11,12 @@ runs it (router/responses_background.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from duet.engine import InvalidInputError, SamplingParams
@@ -30,9 +29,10 @@ from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_chat import ChatPlan, assistant_message, template_reads
 from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openapi import error_responses
-from duet.router.responses_background import ResponsesBackground
+from duet.router.responses_background import ResponsesBackground, sse_event
 from duet.router.responses_protocol import (
     RESPONSES_RENAME,
+    Includable,
     ResponsesRequest,
     input_item_messages,
 )
@@ -109,6 +109,9 @@ class ResponsesHandler:
                 chat, plan, params, api_key, response_id, RESPONSES_RENAME, live=False
             )
             queued = await self.background.submit(chat, render, conversation, hash_api_key(api_key))
+            if body.stream:
+                events = await self.background.stream(response_id, api_key, None)
+                return EventStreamResponse(events, lambda: None, headers)
             return JSONResponse(queued, headers=headers)
         turn = await self.turns.open(chat, plan, params, api_key, response_id, RESPONSES_RENAME)
         [ticket] = ctx.admission.admit([1])
@@ -195,9 +198,22 @@ class ResponsesHandler:
                 lo = mid + 1
         return messages[cuts[lo] :]
 
-    async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
-        stored = await self.stored.get(response_id, caller_api_key(raw), "response_id")
-        return dict(stored.doc["response"])
+    async def retrieve(
+        self, response_id: str, raw: Request, stream: bool, starting_after: int | None
+    ) -> Response:
+        """The stored response; with `stream`, a background response's events again (after
+        `starting_after`), from any replica."""
+        api_key = caller_api_key(raw)
+        if stream:
+            if self.background is None:  # no work queue: nothing ran in the background
+                raise BadRequestError(
+                    "stream: needs a server with a work queue (background responses)",
+                    param="stream",
+                )
+            events = await self.background.stream(response_id, api_key, starting_after)
+            return EventStreamResponse(events, lambda: None)
+        stored = await self.stored.get(response_id, api_key, "response_id")
+        return JSONResponse(stored.doc["response"])
 
     async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
         """A background response still queued or running becomes `cancelled` (its runner
@@ -238,7 +254,7 @@ async def _sse(
     stream with an `error` event."""
     try:
         for event in render.opening():
-            yield _sse_event(event)
+            yield sse_event(event)
         async with aclosing(steps):
             async for step in steps:
                 final = step.first(Final)
@@ -247,16 +263,12 @@ async def _sse(
                     events += render.closing(final)
                     await save(final)
                 for event in events:
-                    yield _sse_event(event)
+                    yield sse_event(event)
     except Exception as e:  # the client gets an error event, never a silent cut
         error = as_openai_error(e, render.response_id, RESPONSES_RENAME)
         body = error.to_body()["error"]
         code = body["code"] or str(error.status_code)
-        yield _sse_event(render.error_event(code, body["message"], body["param"]))
-
-
-def _sse_event(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        yield sse_event(render.error_event(code, body["message"], body["param"]))
 
 
 _RESPONSE = {"content": {"application/json": {"schema": {"type": "object"}}}}
@@ -276,9 +288,34 @@ def install_responses_routes(app: FastAPI, handler: ResponsesHandler) -> None:
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         return await handler.create(body, raw)
 
-    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
-    async def get_response(response_id: str, raw: Request) -> JSONResponse:
-        return JSONResponse(await handler.retrieve(response_id, raw))
+    @app.get(
+        "/v1/responses/{response_id}",
+        response_model=None,
+        responses={200: {"description": "The response, or a background one's SSE events with "
+                                        "stream", "content": {**_RESPONSE["content"],
+                                                              **_STREAMED["content"]}},
+                   **error_responses(400, 401, 404, 503)},
+    )  # fmt: skip
+    async def get_response(
+        response_id: str,
+        raw: Request,
+        stream: bool = False,
+        starting_after: Annotated[int | None, Query(ge=0)] = None,
+        include: Annotated[list[Includable] | None, Query()] = None,
+        include_obfuscation: bool | None = None,
+    ) -> Response:
+        # What a response holds was fixed when it was created (its `include`); duet's streams
+        # carry no obfuscation padding; `starting_after` places a stream.
+        unused = {
+            "include": bool(include),
+            "include_obfuscation": bool(include_obfuscation),
+            "starting_after": not stream and starting_after is not None,
+        }
+        ignored = [name for name, given in unused.items() if given]
+        reply = await handler.retrieve(response_id, raw, stream, starting_after)
+        if ignored:
+            reply.headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+        return reply
 
     @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
     async def delete_response(response_id: str, raw: Request) -> JSONResponse:

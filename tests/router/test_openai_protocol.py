@@ -60,3 +60,5 @@ def test_format_loc() -> None:
     assert format_loc(("body", "messages", 0, "content")) == "messages[0].content"
     assert format_loc(("body", "temperature")) == "temperature"
     assert format_loc(("body",)) is None
+    assert format_loc(("query", "starting_after")) == "starting_after"
+    assert format_loc(("path", "response_id")) == "response_id"

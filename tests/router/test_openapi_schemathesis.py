@@ -405,7 +405,7 @@ def test_no_constraint_reaches_the_schema_under_pydantics_own_name(
         ("/v1/responses", {"input": ""}, "input"),
         ("/v1/responses", {"input": [{"type": "reasoning", "content": []}]}, "input"),
         ("/v1/responses", {"input": "hi", "max_tool_calls": 0}, "max_tool_calls"),
-        ("/v1/responses", {"input": "hi", "background": True, "stream": True}, "background"),
+        ("/v1/responses", {"input": "hi", "background": True, "store": False}, "background"),
         ("/v1/responses", {"input": [{}]}, "input[0].type"),
     ],
 )

@@ -5,6 +5,7 @@ chat-completions endpoint on the same greedy request is the oracle for text and 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -355,3 +356,107 @@ def test_background_response_completes_and_a_cancelled_one_stays_cancelled(
     with pytest.raises(openai.BadRequestError) as refused:  # only background ones cancel
         client.responses.cancel(foreground.id)
     assert refused.value.body["param"] == "response_id"
+
+
+def _in_server(server: LiveServer, coro: Any) -> Any:
+    """Run `coro` in the server's event loop (its queue's connections live there)."""
+    return asyncio.run_coroutine_threadsafe(coro, server.app.state.loop).result(10)
+
+
+def _dumps(events: Any) -> list[dict[str, Any]]:
+    return [e.model_dump(exclude_unset=True) for e in events]
+
+
+def test_a_background_response_streams_and_streams_again_from_any_event(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    """`background` with `stream`: the typed events of a queued response (created, queued,
+    in_progress, the output's, completed), numbered 0, 1, 2, ...; the run goes on when the
+    client leaves, and `GET /v1/responses/{id}?stream=true` replays the same events (all, or
+    those after `starting_after`), as does the SDK's `responses.stream(response_id=...)`."""
+    ask: dict[str, Any] = dict(model=MODEL_NAME, input="Count to twenty", temperature=0,
+                               max_output_tokens=16, include=["message.output_text.logprobs"],
+                               top_logprobs=2)  # fmt: skip
+    plain = client.responses.create(**ask, store=False)
+    with client.responses.create(**ask, background=True, stream=True) as stream:
+        first = [next(stream) for _ in range(6)]  # then the connection closes
+    response_id = first[0].response.id
+    assert [e.type for e in first[:4]] == [
+        "response.created", "response.queued", "response.in_progress",
+        "response.output_item.added",
+    ]  # fmt: skip
+    assert first[0].response.status == first[1].response.status == "queued"
+    # The rest, from where the client left, on reconnecting.
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=5))
+    events = _dumps(first) + _dumps(rest)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = client.responses.retrieve(response_id)
+    terminal = "response.incomplete" if done.status == "incomplete" else "response.completed"
+    assert events[-1] == {"type": terminal, "sequence_number": len(events) - 1,
+                          "response": done.model_dump(exclude_unset=True)}  # fmt: skip
+    assert done.status == plain.status and done.output_text == plain.output_text
+    assert _logprobs_of(done) == _logprobs_of(plain)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(e["delta"] for e in deltas) == plain.output_text
+    assert [lp for e in deltas for lp in e["logprobs"]] == _logprobs_of(plain)
+    # The whole stream again, and any tail of it; the SDK's helper over it.
+    assert _dumps(client.responses.retrieve(response_id, stream=True)) == events
+    for after in (0, 2, len(events) - 2):
+        tail = client.responses.retrieve(response_id, stream=True, starting_after=after)
+        assert _dumps(tail) == events[after + 1 :], after
+    with client.responses.stream(response_id=response_id, starting_after=3) as helper:
+        seen = list(helper)
+    assert [e.sequence_number for e in seen] == list(range(4, len(events)))
+    assert seen[-1].response.output_text == plain.output_text  # type: ignore[union-attr]
+    # Refused, naming the parameter: a response that did not run in the background (nothing
+    # was logged), starting_after below 0.
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    foreground = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+    for query, param in (({"stream": "true"}, "stream"),
+                         ({"stream": "true", "starting_after": "-1"}, "starting_after")):  # fmt: skip
+        target = foreground.id if param == "stream" else response_id
+        reply = httpx2.get(f"{server.url}/v1/responses/{target}", params=query, headers=headers,
+                           timeout=30)  # fmt: skip
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    # include and include_obfuscation: what a response holds was fixed when it was created.
+    # starting_after places a stream only.
+    reply = httpx2.get(f"{server.url}/v1/responses/{response_id}", headers=headers, timeout=30,
+                       params={"include": "message.output_text.logprobs", "starting_after": 3,
+                               "include_obfuscation": "true"})  # fmt: skip
+    assert reply.status_code == 200 and reply.json() == done.model_dump(exclude_unset=True)
+    assert reply.headers["duet-ignored-fields"] == "include,include_obfuscation,starting_after"
+
+
+def test_a_background_response_delivered_again_goes_on_from_its_log(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    """A delivery that finds steps logged by an earlier one (its router died) renders them and
+    generates only the rest: the log here holds the first steps of another prompt's reply, so
+    a run that started over would not begin with their text."""
+    ask: dict[str, Any] = dict(model=MODEL_NAME, temperature=0, max_output_tokens=12)
+    donor = client.responses.create(**ask, input="Name a fruit", background=True)
+    ended = ("completed", "incomplete")
+    wait_for(lambda: client.responses.retrieve(donor.id).status in ended, 30,
+             "the first background response", 0.05)  # fmt: skip
+    queue = server.app.state.background_worker.queue
+    logged = _in_server(server, queue.read_events(donor.id, 0, 3))
+    assert len(logged) == 3
+    worker = server.app.state.background_worker
+    worker.free_slots = lambda num_running: 0  # hold the next one in the queue
+    try:
+        held = client.responses.create(**ask, input="Count to twenty", background=True)
+        _in_server(server, queue.append_events(held.id, 0, logged))
+    finally:
+        worker.free_slots = lambda num_running: 4
+    done = wait_for(lambda: (r := client.responses.retrieve(held.id)).status in ended and r,
+                    30, "the resumed background response", 0.05)  # fmt: skip
+    fresh = client.responses.create(**ask, input="Count to twenty", store=False)
+    prefix = "".join(json.loads(e)[0]["text"] for e in logged)
+    assert (
+        prefix and done.output_text.startswith(prefix) and not fresh.output_text.startswith(prefix)
+    )
+    assert done.usage is not None and done.usage.output_tokens == 12
+    events = _dumps(client.responses.retrieve(held.id, stream=True))
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == done.output_text
+    assert events[-1]["response"] == done.model_dump(exclude_unset=True)
