@@ -28,6 +28,7 @@ from tests.engine.gguf_files import (
     byte_level_tokens,
     expected_dequantized,
     quant_type_for,
+    quick_gguf_reading_in_transformers,
     write_tiny_gguf,
 )
 
@@ -44,9 +45,10 @@ def hf_model() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    with quick_gguf_reading_in_transformers():
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
 
 
 def test_default_model_path_is_the_smollm2_gguf() -> None:

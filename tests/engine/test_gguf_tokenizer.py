@@ -10,7 +10,11 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from duet.engine.gguf_loader import GGUFModel, default_model_path, load_gguf
-from tests.engine.gguf_files import add_sentencepiece_vocab, write_tiny_gguf
+from tests.engine.gguf_files import (
+    add_sentencepiece_vocab,
+    quick_gguf_reading_in_transformers,
+    write_tiny_gguf,
+)
 
 # Varied text; the chat markers must stay whole special tokens.
 TEXTS = [
@@ -39,7 +43,10 @@ def hf_tokenizer():  # -> transformers tokenizer
     from transformers import AutoTokenizer
 
     path = default_model_path()
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with quick_gguf_reading_in_transformers():
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path)
+        )
 
 
 def test_smollm2_tokenizer_matches_transformers(smol: GGUFModel, hf_tokenizer) -> None:
