@@ -157,13 +157,13 @@ class ConversationsHandler:
         }
         items = normalize_items(body.items or [], "items", set())
         doc = {"conversation": conversation, "items": items}
-        owner = hash_api_key(caller_api_key(raw))
+        owner = _owner(raw)
         with store_errors(""):
             await store.put_response(conversation["id"], owner, _status(0), doc)
         return conversation
 
     async def retrieve(self, conversation_id: str, raw: Request) -> dict[str, Any]:
-        stored = await self.get(conversation_id, caller_api_key(raw))
+        stored = await self.get(conversation_id, _owner(raw))
         return dict(stored.doc["conversation"])
 
     async def update(
@@ -173,10 +173,10 @@ class ConversationsHandler:
             doc["conversation"]["metadata"] = body.metadata
             return dict(doc["conversation"])
 
-        return await self.change(conversation_id, caller_api_key(raw), change)
+        return await self.change(conversation_id, _owner(raw), change)
 
     async def delete(self, conversation_id: str, raw: Request) -> dict[str, Any]:
-        await self.get(conversation_id, caller_api_key(raw))
+        await self.get(conversation_id, _owner(raw))
         store = self._store("conversation_id")
         with store_errors(""):
             await store.delete_response(conversation_id)
@@ -191,7 +191,7 @@ class ConversationsHandler:
             doc["items"] += added
             return added
 
-        added = await self.change(conversation_id, caller_api_key(raw), change)
+        added = await self.change(conversation_id, _owner(raw), change)
         return _page(added, has_more=False)
 
     async def list_items(
@@ -202,7 +202,7 @@ class ConversationsHandler:
         limit: int,
         order: Literal["asc", "desc"],
     ) -> dict[str, Any]:
-        items = list((await self.get(conversation_id, caller_api_key(raw))).doc["items"])
+        items = list((await self.get(conversation_id, _owner(raw))).doc["items"])
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -215,7 +215,7 @@ class ConversationsHandler:
         return _page(items[:limit], has_more=len(items) > limit)
 
     async def get_item(self, conversation_id: str, item_id: str, raw: Request) -> dict[str, Any]:
-        stored = await self.get(conversation_id, caller_api_key(raw))
+        stored = await self.get(conversation_id, _owner(raw))
         for item in stored.doc["items"]:
             if item["id"] == item_id:
                 return dict(item)
@@ -229,7 +229,37 @@ class ConversationsHandler:
             doc["items"] = kept
             return dict(doc["conversation"])
 
-        return await self.change(conversation_id, caller_api_key(raw), change)
+        return await self.change(conversation_id, _owner(raw), change)
+
+    async def append_turn(
+        self,
+        conversation_id: str,
+        owner: str | None,
+        response_id: str,
+        inputs: list[dict[str, Any]],
+        outputs: list[dict[str, Any]],
+    ) -> None:
+        """Response `response_id`'s turn onto the conversation: its input items, then its
+        output items, once (a background response's runner that died after this and ran again
+        finds the response id recorded and adds nothing). An input item whose id is already
+        there, or repeats, gets a new one: the reply is not lost."""
+
+        def change(doc: dict[str, Any]) -> None:
+            appended: list[str] = doc.setdefault("responses", [])
+            if response_id in appended:
+                return
+            appended.append(response_id)
+            taken = {item["id"] for item in doc["items"]}
+            seen, fresh = set(taken), []
+            for item in inputs:
+                if item.get("id") in seen:
+                    item = {k: v for k, v in item.items() if k != "id"}
+                seen.add(item.get("id"))
+                fresh.append(item)
+            added = normalize_items(fresh, "input", taken)
+            doc["items"] += added + normalize_items(outputs, "output", taken)
+
+        await self.change(conversation_id, owner, change, "conversation")
 
     # -- the store ----------------------------------------------------------------------------
 
@@ -244,18 +274,19 @@ class ConversationsHandler:
         return store
 
     async def get(
-        self, conversation_id: str, api_key: str | None, param: str = "conversation_id"
+        self, conversation_id: str, owner: str | None, param: str = "conversation_id"
     ) -> StoredResponse:
-        """The caller's conversation; 404 naming `param` otherwise."""
+        """The conversation if the key hashed as `owner` (`hash_api_key`) owns it; 404 naming
+        `param` otherwise."""
         return await owned_document(
-            self._store(param), conversation_id, "conversation", api_key, param
+            self._store(param), conversation_id, "conversation", owner, param
         )
 
     async def change(
-        self, conversation_id: str, api_key: str | None, change: Any, param: str = "conversation_id"
+        self, conversation_id: str, owner: str | None, change: Any, param: str = "conversation_id"
     ) -> Any:
         """Apply `change` (the document -> the result; it edits the document in place) to the
-        caller's conversation, as a compare-and-swap on its version, again from a fresh read
+        conversation of the key hashed as `owner`, as a compare-and-swap on its version, again from a fresh read
         when another change landed first (after a random back-off, so that a crowd of writers
         takes turns). Returns `change`'s result."""
         store = self._store(param)
@@ -266,7 +297,7 @@ class ConversationsHandler:
                 if time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(random.uniform(0, min(most, first * 2 ** min(lost, 16))))
-            stored = await self.get(conversation_id, api_key, param)
+            stored = await self.get(conversation_id, owner, param)
             doc = stored.doc
             result = change(doc)
             version = _version(stored.status)
@@ -280,6 +311,11 @@ class ConversationsHandler:
             f"{param}: conversation {conversation_id[:64]!r} kept changing under this request; "
             "retry it"
         )
+
+
+def _owner(raw: Request) -> str | None:
+    """The caller's key, hashed as documents record their owner."""
+    return hash_api_key(caller_api_key(raw))
 
 
 def _item_not_found(item_id: str) -> NotFoundError:

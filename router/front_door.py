@@ -121,7 +121,9 @@ class FrontDoor:
             queue, priority = options.work_queue, options.batch_priority or BatchPriority()
             batches = BatchService(queue, ctx.model_names)
             background = BackgroundService(queue.queue_named("background"), turns)
-            responses_background = ResponsesBackground(background.queue, turns, stored)
+            responses_background = ResponsesBackground(
+                background.queue, turns, stored, conversations
+            )
             workers = [
                 QueueWorker(queue, BatchRunner(ctx, batches).runners,
                             lambda num_running: priority.free_slots(admission, num_running),

@@ -3,7 +3,9 @@ enqueued at once; any replica's queue worker runs the chat turn, marks the store
 `in_progress`, appends each engine step's events to the response's event log (the work
 queue's, as background chat requests do), and stores the finished one (or `failed`). A
 delivery after a router died reads the log and continues from it (`TurnRequest.resume`), so
-the reply has no token missing or repeated.
+the reply has no token missing or repeated. With `conversation`, the turn joins the stored
+conversation once the response ended (completed or incomplete): once, however many
+deliveries it took (`ConversationsHandler.append_turn` records the response id).
 
 Streaming (`"stream": true` with `background`, and `GET /v1/responses/{id}?stream=true
 &starting_after=N` on any replica, while the work queue keeps the log): the events are
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -32,6 +35,7 @@ from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.batches import queue_errors
 from duet.router.chat_events import Final, step_from_json, step_to_json
 from duet.router.chat_turn import ChatTurns
+from duet.router.conversations import ConversationsHandler
 from duet.router.errors import BadRequestError, OpenAIError, as_openai_error
 from duet.router.logprobs import response_logprobs
 from duet.router.openai_chat import assistant_message
@@ -39,8 +43,10 @@ from duet.router.openai_protocol import ChatCompletionRequest
 from duet.router.queue_worker import RetryTask
 from duet.router.responses_protocol import RESPONSES_RENAME
 from duet.router.responses_render import ResponseRender, logprobs_render, token_counter
-from duet.router.responses_store import RUNNING, StoredResponses
+from duet.router.responses_store import ENDED, RUNNING, StoredResponses
 from duet.session_store import SessionStoreUnavailable, Task, WorkQueue
+
+logger = logging.getLogger(__name__)
 
 KIND = "background.response"
 CANCEL_CHECK_S = 0.2
@@ -52,10 +58,17 @@ _POLL_S = 0.05
 
 
 class ResponsesBackground:
-    def __init__(self, queue: WorkQueue, turns: ChatTurns, stored: StoredResponses) -> None:
+    def __init__(
+        self,
+        queue: WorkQueue,
+        turns: ChatTurns,
+        stored: StoredResponses,
+        conversations: ConversationsHandler,
+    ) -> None:
         self.queue = queue
         self.turns = turns
         self.stored = stored
+        self.conversations = conversations
 
     async def submit(
         self,
@@ -63,8 +76,11 @@ class ResponsesBackground:
         render: ResponseRender,
         conversation: list[dict[str, Any]],
         owner: str | None,
+        turn_of: tuple[str, list[dict[str, Any]]] | None = None,
     ) -> dict[str, Any]:
-        """Store the response `queued` and enqueue its run; the queued response."""
+        """Store the response `queued` and enqueue its run; the queued response. `turn_of`:
+        the stored conversation (`conversation`) its turn joins once it ends, and the turn's
+        input items."""
         queued = render.response("queued")
         await self.stored.put(queued, [], owner)
         payload = {
@@ -72,6 +88,7 @@ class ResponsesBackground:
             "conversation": conversation,
             "owner": owner,
             "response": queued,
+            "turn_of": None if turn_of is None else list(turn_of),
         }
         with queue_errors():
             await self.queue.enqueue([Task(queued["id"], KIND, payload)])
@@ -83,7 +100,15 @@ class ResponsesBackground:
         owner, conversation = p["owner"], p["conversation"]
         running = {**p["response"], "status": "in_progress"}
         if not await self.stored.put(running, [], owner, only_from=RUNNING):
-            return {"status": "cancelled"}
+            # Cancelled, or it ended on an earlier delivery, which may have died before its
+            # turn joined the conversation (joining twice adds nothing).
+            store = self.stored.sessions.store
+            assert store is not None
+            ended = await store.get_response(response_id)
+            if ended is None or ended.status not in ENDED:
+                return {"status": "cancelled"}
+            await self._join(p, owner, ended.doc["response"])
+            return {"status": ended.status}
         chat = ChatCompletionRequest.model_validate(p["chat"])
         ctx = self.turns.ctx
         render = ResponseRender.resumed(running, token_counter(ctx.engine.tokenizer),
@@ -131,7 +156,31 @@ class ResponsesBackground:
         stored = await self.stored.put(
             done, [*conversation, message], owner, only_from={"in_progress"}
         )
-        return {"status": done["status"] if stored else "cancelled"}
+        if not stored:
+            return {"status": "cancelled"}
+        if done["status"] in ENDED:
+            await self._join(p, owner, done)
+        return {"status": done["status"]}
+
+    async def _join(self, payload: dict[str, Any], owner: str | None, done: dict[str, Any]) -> None:
+        """The ended response's turn onto its conversation, if it names one. A conversation
+        deleted meanwhile (a 404) leaves the response as it is; a store that fails is retried
+        with the delivery (a 5xx)."""
+        if payload.get("turn_of") is None:
+            return
+        conversation_id, inputs = payload["turn_of"]
+        try:
+            await self.conversations.append_turn(
+                conversation_id, owner, done["id"], inputs, done["output"]
+            )
+        except OpenAIError as e:
+            if e.status_code >= 500:  # the store: the next delivery joins it (once)
+                raise RetryTask(f"{e.status_code} {e.message}") from e
+            # e.g. a conversation deleted meanwhile (404): the response stands alone
+            logger.warning(
+                "response %s: its turn cannot join conversation %s: %s",
+                done["id"], conversation_id, e.message,
+            )  # fmt: skip
 
     async def _cancelled(self, response_id: str) -> bool:
         store = self.stored.sessions.store

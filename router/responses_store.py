@@ -15,10 +15,12 @@ from typing import Any
 from duet.router.batches import NotFoundError
 from duet.router.errors import OpenAIError
 from duet.router.sessions import SessionManager, store_errors
-from duet.session_store import SessionStore, StoredResponse
+from duet.session_store import SessionStore, StoredResponse, hash_api_key
 
 RUNNING = frozenset({"queued", "in_progress"})
 """The statuses a background response can still leave (and be cancelled from)."""
+ENDED = frozenset({"completed", "incomplete"})
+"""The statuses of a response whose turn joins its conversation (`conversation`)."""
 
 
 class ResponsesDisabledError(OpenAIError):
@@ -28,14 +30,14 @@ class ResponsesDisabledError(OpenAIError):
 
 
 async def owned_document(
-    store: SessionStore, doc_id: str, kind: str, api_key: str | None, param: str
+    store: SessionStore, doc_id: str, kind: str, owner: str | None, param: str
 ) -> StoredResponse:
     """The stored document `doc_id` of `kind` ("response", or "conversation": both live in the
-    stored responses' keyspace, told apart by the key their document holds), if `api_key`
-    owns it; else a 404 naming `param`, as for an unknown id."""
+    stored responses' keyspace, told apart by the key their document holds), if the key hashed
+    as `owner` (`hash_api_key`) owns it; else a 404 naming `param`, as for an unknown id."""
     with store_errors(""):
         stored = await store.get_response(doc_id)
-    if stored is None or kind not in stored.doc or not stored.is_owned_by(api_key):
+    if stored is None or kind not in stored.doc or stored.api_key_hash != owner:
         raise NotFoundError(
             f"{param}: {kind} {doc_id[:64]!r} not found (unknown, expired, deleted, or created "
             "with another API key)",
@@ -63,7 +65,7 @@ class StoredResponses:
                 "session store)",
                 param=param,
             )
-        return await owned_document(store, response_id, "response", api_key, param)
+        return await owned_document(store, response_id, "response", hash_api_key(api_key), param)
 
     async def put(
         self,

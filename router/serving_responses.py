@@ -23,7 +23,7 @@ from duet.engine import InvalidInputError, SamplingParams
 from duet.router.auth import caller_api_key
 from duet.router.chat_events import ChatStep, Final
 from duet.router.chat_turn import ChatTurns
-from duet.router.conversations import ConversationsHandler, normalize_items
+from duet.router.conversations import ConversationsHandler
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_chat import ChatPlan, assistant_message, template_reads
@@ -43,7 +43,7 @@ from duet.router.responses_render import (
     new_id,
     token_counter,
 )
-from duet.router.responses_store import RUNNING, StoredResponses
+from duet.router.responses_store import ENDED, RUNNING, StoredResponses
 from duet.router.sse import SSE_EVENT_SCHEMA, EventStreamResponse
 from duet.session_store import hash_api_key
 
@@ -77,14 +77,15 @@ class ResponsesHandler:
                 param="background",
             )
         history: list[dict[str, Any]] = []
+        owner = hash_api_key(api_key)
         conversation_id = body.conversation_id
         if conversation_id is not None:
-            if body.previous_response_id is not None or body.background:
+            if body.previous_response_id is not None:
                 raise BadRequestError(
-                    "conversation: cannot be combined with previous_response_id or background",
+                    "conversation: cannot be combined with previous_response_id",
                     param="conversation",
                 )
-            items = (await self.conversations.get(conversation_id, api_key, "conversation")).doc
+            items = (await self.conversations.get(conversation_id, owner, "conversation")).doc
             history = input_item_messages(items["items"])
         if body.previous_response_id is not None:
             previous = await self.stored.get(
@@ -108,7 +109,8 @@ class ResponsesHandler:
             await self.turns.open(
                 chat, plan, params, api_key, response_id, RESPONSES_RENAME, live=False
             )
-            queued = await self.background.submit(chat, render, conversation, hash_api_key(api_key))
+            turn_of = None if conversation_id is None else (conversation_id, body.input_items())
+            queued = await self.background.submit(chat, render, conversation, owner, turn_of)
             if body.stream:
                 events = await self.background.stream(response_id, api_key, None)
                 return EventStreamResponse(events, lambda: None, headers)
@@ -116,11 +118,12 @@ class ResponsesHandler:
         turn = await self.turns.open(chat, plan, params, api_key, response_id, RESPONSES_RENAME)
         [ticket] = ctx.admission.admit([1])
         steps = turn.steps(ticket, arrival_s)
-        owner = hash_api_key(api_key) if store else None
 
         async def save(final: Final) -> None:
-            if conversation_id is not None and render.status in ("completed", "incomplete"):
-                await self._append_turn(conversation_id, api_key, body, render.output)
+            if conversation_id is not None and render.status in ENDED:
+                await self.conversations.append_turn(
+                    conversation_id, owner, response_id, body.input_items(), render.output
+                )
             if store:
                 reply = final.replies[0]
                 message = assistant_message(reply.content, reply.tool_calls, reply.reasoning)
@@ -139,29 +142,6 @@ class ResponsesHandler:
         finally:
             ticket.release()
         return JSONResponse(render.response(), headers=headers)
-
-    async def _append_turn(
-        self,
-        conversation_id: str,
-        api_key: str | None,
-        body: ResponsesRequest,
-        output: list[dict[str, Any]],
-    ) -> None:
-        """The turn's input items, then its output items, onto the conversation (an input
-        item whose id is already there, or repeats, gets a new one: the reply is not lost)."""
-
-        def change(doc: dict[str, Any]) -> None:
-            taken = {item["id"] for item in doc["items"]}
-            seen, inputs = set(taken), []
-            for item in body.input_items():
-                if item.get("id") in seen:
-                    item = {k: v for k, v in item.items() if k != "id"}
-                seen.add(item.get("id"))
-                inputs.append(item)
-            added = normalize_items(inputs, "input", taken)
-            doc["items"] += added + normalize_items(output, "output", taken)
-
-        await self.conversations.change(conversation_id, api_key, change, "conversation")
 
     def _fitting(
         self,

@@ -19,9 +19,20 @@ import pytest
 from agents.memory import OpenAIConversationsSession
 
 from duet.engine import AsyncEngine
-from duet.session_store import RedisSessionStore, SessionStore, SqliteSessionStore
+from duet.router.responses_background import KIND as RESPONSES_KIND
+from duet.session_store import (
+    Delivery,
+    RedisSessionStore,
+    RedisWorkQueue,
+    SessionStore,
+    SqliteSessionStore,
+    SqliteWorkQueue,
+    Task,
+    WorkQueue,
+)
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
 from tests.session_store.conftest import RedisServer
+from tests.waiting import wait_for
 
 OTHER_KEY = "sk-other-key"
 
@@ -34,13 +45,17 @@ def server(
 ) -> Iterator[LiveServer]:
     """A server on each session store backend (Redis: a real redis-server)."""
     store: SessionStore
+    queue: WorkQueue
     if request.param == "redis":
         redis: RedisServer = request.getfixturevalue("redis_server")
-        store = RedisSessionStore.from_url(redis.url, key_prefix=f"conv-{uuid.uuid4().hex[:8]}")
+        prefix = f"conv-{uuid.uuid4().hex[:8]}"
+        store = RedisSessionStore.from_url(redis.url, key_prefix=prefix)
+        queue = RedisWorkQueue.from_url(redis.url, key_prefix=prefix)
     else:
-        store = SqliteSessionStore(tmp_path_factory.mktemp("conversations") / "duet.db")
+        db = tmp_path_factory.mktemp("conversations") / "duet.db"
+        store, queue = SqliteSessionStore(db), SqliteWorkQueue(db)
     app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY, OTHER_KEY], session_store=store,
-                   lifespan=closing(store))  # fmt: skip
+                   work_queue=queue, lifespan=closing(queue, store))  # fmt: skip
     live = LiveServer(app).start()
     yield live
     live.stop()
@@ -220,3 +235,66 @@ def test_an_input_item_resent_with_its_id_is_kept_under_a_new_one(client: openai
     assert response.status in ("completed", "incomplete")
     ids = [i.id for i in client.conversations.items.list(conv.id, order="asc")]
     assert len(ids) == 3 + len(response.output) == len(set(ids)) and ids[0] == first.id
+
+
+def test_a_background_response_joins_its_conversation_once(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    """`conversation` with `background`: the turn joins the conversation when the response
+    ends, as an interactive one's does; a delivery of the same task again (its router died
+    after the response was stored) finds the turn there and adds nothing."""
+    history: list[Any] = [{"role": "user", "content": "Tell me a story"},
+                          {"role": "assistant", "content": "Once upon a time"}]  # fmt: skip
+    conv = client.conversations.create(items=history)
+    runner = server.app.state.background_worker.runners[RESPONSES_KIND].__self__
+    enqueued: list[Task] = []
+    enqueue = runner.queue.enqueue
+
+    async def spy(tasks: list[Task], **kwargs: Any) -> Any:
+        enqueued.extend(tasks)
+        return await enqueue(tasks, **kwargs)
+
+    runner.queue.enqueue = spy
+    try:
+        queued = client.responses.create(model=MODEL_NAME, input="Go on", conversation=conv.id,
+                                         max_output_tokens=6, temperature=0, background=True)  # fmt: skip
+    finally:
+        runner.queue.enqueue = enqueue
+    assert queued.status == "queued" and queued.conversation is not None
+    done = wait_for(
+        lambda: (r := client.responses.retrieve(queued.id)).status in ("completed", "incomplete")
+        and r,
+        30, "the background response to end", 0.05,
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[*history, {"role": "user", "content": "Go on"}],
+        max_tokens=6, temperature=0,
+    )  # fmt: skip
+    assert done.output_text == chat.choices[0].message.content
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    assert len(items) == 4
+    assert items[2].content[0].text == "Go on"  # type: ignore[union-attr]
+    assert items[3].id == done.output[0].id
+    [task] = enqueued
+    again = Delivery(task.task_id, task.kind, task.payload, "h", "another-router", 2)
+    result = asyncio.run_coroutine_threadsafe(runner.run(again), server.app.state.loop).result(30)
+    assert result == {"status": done.status}
+    assert [i.id for i in client.conversations.items.list(conv.id, order="asc")] == [
+        i.id for i in items
+    ]
+    # A conversation deleted while its response waits in the queue: the response still ends.
+    gone = client.conversations.create(items=history)
+    worker = server.app.state.background_worker
+    worker.free_slots = lambda num_running: 0  # hold the next one in the queue
+    try:
+        held = client.responses.create(model=MODEL_NAME, input="Go on", conversation=gone.id,
+                                       max_output_tokens=6, temperature=0, background=True)  # fmt: skip
+        client.conversations.delete(gone.id)
+    finally:
+        worker.free_slots = lambda num_running: 4
+    ended = wait_for(
+        lambda: (r := client.responses.retrieve(held.id)).status in ("completed", "incomplete")
+        and r,
+        30, "the response whose conversation is gone", 0.05,
+    )  # fmt: skip
+    assert ended.output_text == done.output_text
