@@ -142,9 +142,9 @@ def test_every_split_count_and_batch_reuses_one_compiled_kernel(monkeypatch):
     from duet.engine.kernels import triton_decode, triton_prefill
 
     batches = [  # (query_lens, seq_lens): decodes alone, one long, a mixed batch, one token
-        ([1] * 3, [5, 40, 300]),
-        ([1], [700]),
-        ([1] * 4 + [9], [17, 33, 129, 256, 20]),
+        ([1] * 3, [5, 40, 150]),
+        ([1], [260]),
+        ([1] * 4 + [9], [17, 33, 129, 200, 20]),
         ([1, 1], [1, 2]),
     ]
     kernels = (triton_decode._decode_kernel, triton_decode._merge_kernel)
