@@ -215,6 +215,14 @@ def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="deliveries without a result before a task is dead-lettered (default: 3)",
     )
+    parser.add_argument(
+        "--queue-event-ttl",
+        type=float,
+        default=24 * 3600.0,  # session_store.DEFAULT_EVENT_TTL_S (importing it loads redis)
+        metavar="S",
+        help="seconds a background request's event log (what its stream replays) lives after "
+        "its last event (default: 86400)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,6 +287,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_url=args.queue_url,
             queue_lease_s=args.queue_lease,
             queue_max_deliveries=args.queue_max_deliveries,
+            queue_event_ttl_s=args.queue_event_ttl,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             web_ui=args.web_ui,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ from duet.router.openai_chat import ChatOptions
 from duet.router.rate_limit import NO_RATE_LIMITS
 from duet.router.tracing import otlp_tracer_provider
 from duet.session_store import (
+    DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     RateLimits,
@@ -82,6 +84,8 @@ class RouterConfig:
     """How long a router may hold a task without renewing before another takes it over."""
     queue_max_deliveries: int = DEFAULT_MAX_DELIVERIES
     """Deliveries without a result before a task is dead-lettered."""
+    queue_event_ttl_s: float = DEFAULT_EVENT_TTL_S
+    """How long a background request's event log (its stream) lives after its last event."""
 
     # --- chat replies (docs/tool_calling.md) ---
     tool_call_parser: str | None = None
@@ -153,6 +157,8 @@ class RouterConfig:
             raise ValueError(
                 f"--queue-max-deliveries: must be >= 1; got {self.queue_max_deliveries}"
             )
+        if not (math.isfinite(self.queue_event_ttl_s) and self.queue_event_ttl_s > 0):
+            raise ValueError(f"--queue-event-ttl: must be > 0; got {self.queue_event_ttl_s}")
 
 
 def bind_rest_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -204,6 +210,7 @@ class RouterServer(uvicorn.Server):
             config.queue_url or config.session_store_url,
             lease_s=config.queue_lease_s,
             max_deliveries=config.queue_max_deliveries,
+            event_ttl_s=config.queue_event_ttl_s,
         )
         self.tracer_provider = (
             otlp_tracer_provider(config.otlp_endpoint) if config.otlp_endpoint else None

@@ -41,6 +41,7 @@ from duet.session_store.sqlite_queue import SqliteWorkQueue
 from duet.session_store.sqlite_store import SqliteSessionStore, default_sqlite_path
 from duet.session_store.token_bucket import InProcessRateLimiter
 from duet.session_store.work_queue import (
+    DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,
@@ -50,6 +51,7 @@ from duet.session_store.work_queue import (
 )
 
 __all__ = [
+    "DEFAULT_EVENT_TTL_S",
     "DEFAULT_LEASE_S",
     "DEFAULT_MAX_DELIVERIES",
     "DEFAULT_SESSION_TTL_S",
@@ -139,13 +141,17 @@ def open_work_queue(
     *,
     lease_s: float = DEFAULT_LEASE_S,
     max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    event_ttl_s: float = DEFAULT_EVENT_TTL_S,
     flag: str = "--queue-url",
 ) -> WorkQueue:
     """The work queue for a `--queue-url` (or, without one, the `--session-store` URL): Redis
     Streams, else tables in the SQLite file (None: the embedded default file)."""
-    if url is None:
-        return SqliteWorkQueue(lease_s=lease_s, max_deliveries=max_deliveries)
-    kind, path = _parse(url, flag)
+    kind, path = ("sqlite", None) if url is None else _parse(url, flag)
     if kind == "redis":
-        return RedisWorkQueue.from_url(url, lease_s=lease_s, max_deliveries=max_deliveries)
-    return SqliteWorkQueue(path, lease_s=lease_s, max_deliveries=max_deliveries)
+        assert url is not None
+        return RedisWorkQueue.from_url(
+            url, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s
+        )
+    return SqliteWorkQueue(
+        path, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s
+    )

@@ -14,7 +14,8 @@ batches, `background` for background requests):
                                             num_deliveries
     <prefix>:records:<kind>         hash    record id -> JSON document (files, batches)
     <prefix>:blob:<id>              string  a file's bytes
-    <prefix>:events:<id>            list    an event log (entry i is offset i)
+    <prefix>:events:<id>            list    an event log (entry i is offset i); expires
+                                            `event_ttl_s` after its last append
 
 Claim, renew, complete and fail are Lua scripts, so each is atomic: a result is stored and its
 entry acknowledged in one step. A claim first takes over entries idle longer than the lease
@@ -33,6 +34,7 @@ import redis.exceptions as redis_errors
 
 from duet.session_store.redis_client import RedisGuard, connect_redis
 from duet.session_store.work_queue import (
+    DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,
@@ -151,11 +153,13 @@ _APPEND_EVENTS = """
 local n = redis.call('LLEN', KEYS[1])
 local offset = tonumber(ARGV[1])
 if offset > n then return -1 end
-local first = 2 + (n - offset)
+local first = 3 + (n - offset)
 for i = first, #ARGV, 1000 do
   redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
-return redis.call('LLEN', KEYS[1])
+local length = redis.call('LLEN', KEYS[1])
+if length > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return length
 """
 
 
@@ -174,10 +178,11 @@ class RedisWorkQueue(WorkQueue):
         name: str = "work",
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        event_ttl_s: float = DEFAULT_EVENT_TTL_S,
         op_timeout_s: float = 2.5,
         owns_client: bool = True,
     ) -> None:
-        validate_queue_limits(lease_s, max_deliveries)
+        validate_queue_limits(lease_s, max_deliveries, event_ttl_s)
         self._client = client
         self._owns_client = owns_client
         self.name = name
@@ -186,6 +191,7 @@ class RedisWorkQueue(WorkQueue):
         self.key_prefix = key_prefix
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
+        self.event_ttl_s = event_ttl_s
         base = f"{key_prefix}:queue:{name}"
         self._stream = f"{base}:stream"
         self._results = f"{key_prefix}:queue:results"  # shared by every queue name
@@ -212,6 +218,7 @@ class RedisWorkQueue(WorkQueue):
             name=name,
             lease_s=self.lease_s,
             max_deliveries=self.max_deliveries,
+            event_ttl_s=self.event_ttl_s,
             op_timeout_s=self._op_timeout_s,
             owns_client=False,  # a view on this queue's connection pool
         )
@@ -383,7 +390,10 @@ class RedisWorkQueue(WorkQueue):
     async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
         key = f"{self.key_prefix}:events:{stream_id}"
         length = await self._guard.run(
-            "append_events", self._append_events(keys=[key], args=[offset, *events])
+            "append_events",
+            self._append_events(
+                keys=[key], args=[offset, max(1, round(self.event_ttl_s * 1000)), *events]
+            ),
         )
         if int(length) < 0:
             raise ValueError(f"offset: {offset} is past the end of event log {stream_id!r}")

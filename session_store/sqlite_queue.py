@@ -12,6 +12,9 @@ Schema:
     queue_records(kind, id, doc (JSON), PRIMARY KEY (kind, id))
     queue_blobs(id PRIMARY KEY, data BLOB)
     queue_events(stream_id, offset, event, PRIMARY KEY (stream_id, offset))
+    queue_event_logs(stream_id PRIMARY KEY, expires_at REAL)  -- `event_ttl_s` after the last
+                                                              -- append; an expired log reads
+                                                              -- as empty, and goes at an append
 
 Each operation is one `BEGIN IMMEDIATE` transaction, so several router processes on one
 machine may share the file: a result is stored and its task row deleted (acknowledged)
@@ -31,6 +34,7 @@ from typing import Any, TypeVar
 from duet.session_store.sqlite_client import SqliteThread, transaction
 from duet.session_store.sqlite_store import default_sqlite_path
 from duet.session_store.work_queue import (
+    DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
     DeadLetter,
@@ -76,7 +80,15 @@ CREATE TABLE IF NOT EXISTS queue_events (
     stream_id TEXT NOT NULL, offset INTEGER NOT NULL, event TEXT NOT NULL,
     PRIMARY KEY (stream_id, offset)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS queue_event_logs (
+    stream_id TEXT PRIMARY KEY, expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS queue_event_logs_by_expiry ON queue_event_logs (expires_at);
 """
+
+_PURGE_PER_APPEND = 16
+"""Expired event logs an append removes (each append removes some, so none outlives long the
+appends that follow it)."""
 
 
 class SqliteWorkQueue(WorkQueue):
@@ -89,15 +101,17 @@ class SqliteWorkQueue(WorkQueue):
         name: str = "work",
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+        event_ttl_s: float = DEFAULT_EVENT_TTL_S,
         busy_timeout_s: float = 2.0,
         op_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        validate_queue_limits(lease_s, max_deliveries)
+        validate_queue_limits(lease_s, max_deliveries, event_ttl_s)
         self.path = Path(path) if path is not None else default_sqlite_path()
         self.name = name
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
+        self.event_ttl_s = event_ttl_s
         self.busy_timeout_s = busy_timeout_s
         self.op_timeout_s = op_timeout_s
         self._clock = clock
@@ -114,6 +128,7 @@ class SqliteWorkQueue(WorkQueue):
             name=name,
             lease_s=self.lease_s,
             max_deliveries=self.max_deliveries,
+            event_ttl_s=self.event_ttl_s,
             busy_timeout_s=self.busy_timeout_s,
             op_timeout_s=self.op_timeout_s,
             clock=self._clock,
@@ -333,6 +348,18 @@ class SqliteWorkQueue(WorkQueue):
 
     async def append_events(self, stream_id: str, offset: int, events: list[str]) -> int:
         def body(conn: sqlite3.Connection) -> int:
+            now = self._clock()
+            expired = {sid for (sid,) in conn.execute(
+                "SELECT stream_id FROM queue_event_logs WHERE expires_at <= ? LIMIT ?",
+                (now, _PURGE_PER_APPEND),
+            ).fetchall()}  # fmt: skip
+            expired.update(sid for (sid,) in conn.execute(  # this log, if it is gone
+                "SELECT stream_id FROM queue_event_logs WHERE stream_id = ? AND expires_at <= ?",
+                (stream_id, now),
+            ).fetchall())  # fmt: skip
+            for sid in expired:
+                conn.execute("DELETE FROM queue_events WHERE stream_id = ?", (sid,))
+                conn.execute("DELETE FROM queue_event_logs WHERE stream_id = ?", (sid,))
             (n,) = conn.execute(
                 "SELECT COUNT(*) FROM queue_events WHERE stream_id = ?", (stream_id,)
             ).fetchone()
@@ -340,6 +367,12 @@ class SqliteWorkQueue(WorkQueue):
                 raise ValueError(f"offset: {offset} is past the end of event log {stream_id!r}")
             new = [(stream_id, offset + i, e) for i, e in enumerate(events) if offset + i >= n]
             conn.executemany("INSERT INTO queue_events VALUES (?, ?, ?)", new)
+            if n or new:
+                conn.execute(
+                    "INSERT INTO queue_event_logs VALUES (?, ?) ON CONFLICT (stream_id) "
+                    "DO UPDATE SET expires_at = excluded.expires_at",
+                    (stream_id, now + self.event_ttl_s),
+                )
             return int(n) + len(new)
 
         return await self._run("append_events", body, write=True)
@@ -348,8 +381,9 @@ class SqliteWorkQueue(WorkQueue):
         def body(conn: sqlite3.Connection) -> list[str]:
             rows = conn.execute(
                 "SELECT event FROM queue_events WHERE stream_id = ? AND offset >= ?"
-                " ORDER BY offset LIMIT ?",
-                (stream_id, offset, max_events),
+                " AND NOT EXISTS (SELECT 1 FROM queue_event_logs l WHERE l.stream_id = ?"
+                " AND l.expires_at <= ?) ORDER BY offset LIMIT ?",
+                (stream_id, offset, stream_id, self._clock(), max_events),
             )
             return [e for (e,) in rows.fetchall()]
 

@@ -40,6 +40,8 @@ DEFAULT_LEASE_S = 60.0
 """How long a claimed task stays with its consumer without a `renew`."""
 DEFAULT_MAX_DELIVERIES = 3
 """Deliveries without a result before a task is dead-lettered."""
+DEFAULT_EVENT_TTL_S = 24 * 3600.0
+"""How long an event log lives after its last append (a background request's stream)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,14 @@ class WorkQueue(ABC):
     records, blobs, event logs and results are shared by every queue of one backend."""
     lease_s: float
     max_deliveries: int
+    event_ttl_s: float
+    """How long an event log lives after its last append; then it is gone (reads as empty)."""
 
     @abstractmethod
     def queue_named(self, name: str) -> WorkQueue:
-        """Another queue in the same backend (same lease and delivery limits), so that work
-        of one kind never waits behind another's. This object closes it with itself."""
+        """Another queue in the same backend (same lease, delivery limits and event-log
+        lifetime), so that work of one kind never waits behind another's. This object closes
+        it with itself."""
 
     @abstractmethod
     async def enqueue(
@@ -170,7 +175,7 @@ class WorkQueue(ABC):
         """Append `events` to the event log `stream_id` as its entries `offset`, `offset + 1`,
         ...; entries already there are kept, not repeated (a retried or re-delivered append is
         a no-op for them). Returns the log's length. `offset` beyond the end is a ValueError:
-        a log never has gaps."""
+        a log never has gaps. The log lives `event_ttl_s` from this append."""
 
     @abstractmethod
     async def read_events(self, stream_id: str, offset: int, max_events: int) -> list[str]:
@@ -192,9 +197,13 @@ class WorkQueue(ABC):
         await self.close()
 
 
-def validate_queue_limits(lease_s: float, max_deliveries: int) -> None:
+def validate_queue_limits(
+    lease_s: float, max_deliveries: int, event_ttl_s: float = DEFAULT_EVENT_TTL_S
+) -> None:
     if not (math.isfinite(lease_s) and lease_s > 0):
         raise ValueError(f"lease_s: must be > 0 seconds; got {lease_s}")
+    if not (math.isfinite(event_ttl_s) and event_ttl_s > 0):
+        raise ValueError(f"event_ttl_s: must be > 0 seconds; got {event_ttl_s}")
     if isinstance(max_deliveries, bool) or not isinstance(max_deliveries, int):
         raise ValueError(f"max_deliveries: must be an int; got {max_deliveries!r}")
     if max_deliveries < 1:

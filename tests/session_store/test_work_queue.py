@@ -245,6 +245,37 @@ def test_event_logs_append_once_per_offset(queue_factory: Callable[..., WorkQueu
     asyncio.run(main())
 
 
+def test_an_event_log_expires_its_ttl_after_its_last_append(
+    queue_factory: Callable[..., WorkQueue],
+) -> None:
+    """Each append restarts the log's lifetime; once it passes without one, the log is gone
+    (reads as empty, and a new log of that id starts at offset 0), on every queue view."""
+
+    async def main() -> None:
+        async with queue_factory(event_ttl_s=1.0) as q:
+            view = q.queue_named("background")
+            assert view.event_ttl_s == 1.0
+            await view.append_events("kept", 0, ["a"])
+            await q.append_events("lapses", 0, ["x", "y"])
+            for n in range(1, 4):  # 3 x 0.4 s > the 1 s lifetime, each append renewing it
+                await asyncio.sleep(0.4)
+                await view.append_events("kept", n, [f"a{n}"])
+            assert await q.read_events("kept", 0, 10) == ["a", "a1", "a2", "a3"]
+            assert await q.read_events("lapses", 0, 10) == []
+            with pytest.raises(ValueError, match="offset: 2 is past the end"):
+                await q.append_events("lapses", 2, ["z"])
+            assert await q.append_events("lapses", 0, ["new"]) == 1
+            assert await q.read_events("lapses", 0, 10) == ["new"]
+
+    asyncio.run(main())
+
+
+def test_an_event_log_ttl_must_be_positive(tmp_path: Path) -> None:
+    for ttl in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="event_ttl_s: must be > 0 seconds"):
+            SqliteWorkQueue(tmp_path / "q.db", event_ttl_s=ttl)
+
+
 def test_named_queues_are_independent(queue_factory: Callable[..., WorkQueue]) -> None:
     """Tasks of one queue never wait behind another's; results and records are shared."""
 
