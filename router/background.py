@@ -65,14 +65,13 @@ class BackgroundService:
     async def submit(self, body: ChatCompletionRequest, api_key: str | None) -> Response:
         for field, bad in (
             ("n", body.n != 1),
-            ("logprobs", body.logprobs),
             ("prompt_logprobs", body.prompt_logprobs is not None),
             ("stream", body.stream),
         ):
             if bad:
                 raise BadRequestError(
-                    f"{field}: not supported with background (n must be 1, no logprobs; stream "
-                    "the result from GET /v1/chat/completions/{id}/events)",
+                    f"{field}: not supported with background (n must be 1, no prompt_logprobs; "
+                    "stream the result from GET /v1/chat/completions/{id}/events)",
                     param=field,
                 )
         rename = {"prompt": "messages", "max_tokens": body.max_tokens_field}
@@ -91,7 +90,9 @@ class BackgroundService:
                                                       "version": session.version},
             "created": created,
         }  # fmt: skip
-        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created}
+        record = {"id": request_id, "owner": hash_api_key(api_key) or "", "created": created,
+                  "logprobs": [bool(body.logprobs), body.top_logprobs or 0,
+                               body.return_tokens_as_token_ids]}  # fmt: skip
         with queue_errors():
             await self.queue.enqueue(
                 [Task(request_id, KIND, payload)], record=("background", request_id, record)
@@ -145,8 +146,9 @@ class BackgroundService:
                 raise RetryTask(f"{error.status_code} {error.message}") from e
             return _failed(error)
         assert final is not None
-        render = ChatCompletionRender(request_id, self.model_name, self.turns.ctx.token_texts,
-                                      p["created"])  # fmt: skip
+        render = ChatCompletionRender.of(
+            body, request_id, self.model_name, self.turns.ctx.token_texts, p["created"]
+        )
         return {"response": render.response(final).model_dump(mode="json")}
 
     async def _admit(self) -> AdmissionTicket:
@@ -192,8 +194,9 @@ class BackgroundService:
         self, request_id: str, doc: dict[str, Any], offset: int
     ) -> AsyncGenerator[str, None]:
         render = ChatCompletionRender(
-            request_id, self.model_name, self.turns.ctx.token_texts, doc["created"]
-        )
+            request_id, self.model_name, self.turns.ctx.token_texts, doc["created"],
+            *doc.get("logprobs", ()),  # (logprobs, top_logprobs, as ids); older records: none
+        )  # fmt: skip
         deadline = time.monotonic() + MAX_STREAM_S
         while time.monotonic() < deadline:
             try:

@@ -24,7 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from duet.engine import InvalidInputError, RequestOutput, SamplingParams
+from duet.engine import InvalidInputError, RequestOutput, SamplingParams, TokenLogprobs
 from duet.engine.tokenizer import IncrementalDetokenizer
 from duet.router.admission import AdmissionTicket
 from duet.router.chat_events import (
@@ -188,6 +188,7 @@ class ChatTurn:
         self._replies: list[ReplyStream] = [request.plan.new_reply() for _ in range(n)]
         self._pieces: list[list[Piece]] = [[] for _ in range(n)]
         self._finished: dict[int, Finish] = {}
+        self._logged_logprobs: dict[int, list[TokenLogprobs]] = {}
         self._prompt_sent = False
 
     @property
@@ -308,6 +309,8 @@ class ChatTurn:
             for event in step.events:
                 if isinstance(event, TokenDelta):
                     self._pieces[event.index].append(self._replies[event.index].feed(event.text))
+                    if event.logprobs:  # the reply's logprobs start with the logged tokens'
+                        self._logged_logprobs.setdefault(event.index, []).extend(event.logprobs)
                 elif isinstance(event, Finish):
                     self._pieces[event.index].append(self._replies[event.index].finish())
                     self._finished[event.index] = event
@@ -331,10 +334,14 @@ class ChatTurn:
                 content = None  # only thinking: no answer yet
             finish = self._finished.get(index) or Finish(index, "abort")
             sample = last.outputs[index] if last is not None else None
+            logprobs = sample.logprobs if sample is not None else None
+            logged = self._logged_logprobs.get(index)
+            if logged:
+                logprobs = logged + (logprobs or [])
             replies.append(
                 Reply(
                     index, content, reasoning or None, calls, finish.reason, finish.stop_reason,
-                    sample.logprobs if sample is not None else None,
+                    logprobs,
                 )
             )  # fmt: skip
         return replies

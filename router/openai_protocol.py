@@ -423,11 +423,11 @@ class ChatCompletionRequest(SamplingRequest, UnsupportedChatFields):
         CONTINUE_FINAL_MESSAGE_RULE,
         ONE_STRUCTURED_OUTPUT_RULE,
         schema_rule({"tool_choice": {"const": "required"}}, {"tools": {"type": "array", "minItems": 1}}),
-        # A background request's result is replayed as chunks: one sample, no logprobs; it
-        # renders its prompt in the runner, with the default template and priority (not yet
-        # otherwise: router/openai_chat.py).
+        # A background request's result is replayed as chunks: one sample, no prompt
+        # logprobs; it renders its prompt in the runner, with the default template and
+        # priority (not yet otherwise: router/openai_chat.py).
         schema_rule({"background": {"const": True}}, {
-            "n": {"const": 1}, "logprobs": {"const": False}, "prompt_logprobs": {"type": "null"},
+            "n": {"const": 1}, "prompt_logprobs": {"type": "null"},
             "stream": {"const": False}, "priority": {"const": 0},
             "chat_template": {"type": "null"}, "chat_template_kwargs": {"type": "null"},
             "continue_final_message": {"const": False}, "add_generation_prompt": {"const": True},

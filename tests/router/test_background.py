@@ -117,6 +117,35 @@ def test_background_request_is_fetched_and_streamed_later(
     assert first_id == "id: 5"
 
 
+def _chunks(url: str, request_id: str) -> list[dict[str, Any]]:
+    """The events stream's chunks, whole, until [DONE]."""
+    chunks = []
+    with httpx2.stream("GET", f"{url}/v1/chat/completions/{request_id}/events", headers=AUTH,
+                       timeout=60) as response:  # fmt: skip
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                return chunks
+            if line.startswith("data: "):
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    raise AssertionError("the stream ended without [DONE]")
+
+
+def test_background_logprobs_are_the_interactive_ones(
+    client: openai.OpenAI, server: LiveServer
+) -> None:
+    """`logprobs` and `top_logprobs` in background: the result's and the events stream's are
+    the interactive request's (each step's logged with its tokens)."""
+    queued = create(client, "tell me", 10, background=True, logprobs=True, top_logprobs=2)
+    done = wait_completed(client, queued.id)
+    direct = create(client, "tell me", 10, logprobs=True, top_logprobs=2)
+    want = direct.choices[0].logprobs.model_dump()["content"]
+    assert len(want) == 10 and all(len(t["top_logprobs"]) == 2 for t in want)
+    assert done.choices[0].logprobs.model_dump()["content"] == want
+    streamed = [t for c in _chunks(server.url, queued.id)
+                for t in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]  # fmt: skip
+    assert streamed == want
+
+
 def test_background_errors_are_clear(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         create(client, "x", 4, background=True, n=2)
@@ -291,7 +320,9 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
 ) -> None:
     """The log of a dead run ends right after a token whose text the detokenizer held back
     (half a UTF-8 character): the run that takes over must still emit that character."""
-    first = wait_completed(client, create(client, "a long story", 120, background=True).id)
+    first = wait_completed(
+        client, create(client, "a long story", 120, background=True, logprobs=True).id
+    )
     queue = SqliteWorkQueue(tmp_path / "duet.db")
 
     async def setup() -> int:
@@ -304,7 +335,7 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
             request_id = "chatcmpl-takeover"
             messages = [{"role": "user", "content": "a long story"}]
             body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 120,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+                    "temperature": 0, "ignore_eos": True, "logprobs": True}  # fmt: skip
             payload = {"body": body, "messages": messages, "new_messages": messages,
                        "session": None, "created": 0}  # fmt: skip
             await queue.append_events(request_id, 0, events[:cut])
@@ -321,6 +352,8 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
     resumed = wait_completed(client, "chatcmpl-takeover")
     assert resumed.usage.completion_tokens == 120
     assert resumed.choices[0].message.content == first.choices[0].message.content
+    # The logged tokens' logprobs, then the new run's: the whole reply's, as the first run's.
+    assert resumed.choices[0].logprobs == first.choices[0].logprobs
     streamed = read_events(server.url, "chatcmpl-takeover")
     assert len(streamed) > cut
     assert "".join(t for _, t in streamed) == first.choices[0].message.content
