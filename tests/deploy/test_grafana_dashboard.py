@@ -24,8 +24,8 @@ def dashboard_metric_names() -> set[str]:
 def test_the_chart_ships_the_same_dashboard() -> None:
     assert (CHART_DIR / "dashboards" / "duet.json").read_bytes() == DASHBOARD.read_bytes()
     dash = json.loads(DASHBOARD.read_text())
-    assert len(dash["panels"]) == 18
-    assert len(dashboard_metric_names()) == 29
+    assert len(dash["panels"]) == 20
+    assert len(dashboard_metric_names()) == 31
 
 
 def test_the_chart_installs_it_for_the_sidecar_when_asked() -> None:
