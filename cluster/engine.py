@@ -124,9 +124,11 @@ class ClusterEngine:
 
     @property
     def speculates_with_ngram(self) -> bool:
-        """False: the decode workers' speculation is their own; Predicted Outputs are not sent
-        to them (a request's `prediction` is named ignored)."""
-        return False
+        """True when every healthy decode worker reports it speculates with ngram (and there
+        is one): then a request's Predicted Outputs travel to whichever decodes it; else its
+        `prediction` is named ignored."""
+        decode = self.pool.healthy_decode()
+        return bool(decode) and all(w.ngram for w in decode)
 
     @property
     def deterministic(self) -> bool:

@@ -69,6 +69,7 @@ class DecodeState:
     num_blocks: int = 0
     max_num_seqs: int = 0
     deterministic: bool = False
+    ngram: bool = False  # it speculates with ngram (takes Predicted Outputs)
     kv_address: str = ""  # where prefill workers send its KV (last report; "": none yet)
     num_reports: int = 0  # load reports taken in so far
     num_sent: int = 0  # requests sent by this router since the last report
@@ -223,6 +224,7 @@ class WorkerPool:
         state.num_blocks = report.num_blocks
         state.max_num_seqs = report.max_num_seqs
         state.deterministic = report.deterministic
+        state.ngram = report.ngram
         state.kv_address = report.kv_address
         state.num_reports += 1
         state.num_sent = state.num_sent_blocks = 0  # the report includes them now

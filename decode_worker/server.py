@@ -157,6 +157,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             kv_address=self.worker.kv_address,
             deterministic=self.worker.deterministic,
             stats=worker_stats(self.worker.engine.stats),
+            ngram=self.worker.speculates_with_ngram,
         )
 
 

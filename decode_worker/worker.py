@@ -175,6 +175,11 @@ class DecodeWorker:
         """Whether its tokens are independent of batching and chunking (engine.deterministic)."""
         return self.engine.deterministic
 
+    @property
+    def speculates_with_ngram(self) -> bool:
+        """Whether it proposes with ngram, and so takes Predicted Outputs."""
+        return self.client.speculates_with_ngram
+
     def generate(
         self,
         prompt: Prompt,

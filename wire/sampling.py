@@ -2,7 +2,8 @@
 parameters as protobuf fields, never JSON text.
 
 The router's side (`sampling_to_proto`) refuses what a worker would not apply, so nothing is
-silently dropped: stop strings (and `include_stop_str_in_output`) and `skip_special_tokens`
+silently dropped (Predicted Outputs travel: the router sets them only when every decode worker
+speculates with ngram): stop strings (and `include_stop_str_in_output`) and `skip_special_tokens`
 are the router's (it detokenizes), and `n` is split by the router into samples. The worker's
 side (`sampling_from_proto`) validates as the `SamplingParams` constructor does:
 `InvalidInputError` naming the field.
@@ -23,9 +24,6 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     `ValueError` for fields the router must have applied itself (a bug, not the client's)."""
     if params.n != 1 or params.stop:
         raise ValueError("a worker takes one sample (n=1) and no stop strings: the router's")
-    if params.prediction_token_ids:
-        raise ValueError("prediction_token_ids: workers do not take them (the router sets them "
-                         "only for an engine that speculates with ngram)")  # fmt: skip
     if params.seed is not None and not _INT64[0] <= params.seed <= _INT64[1]:
         raise InvalidInputError("seed", f"must fit in 64 bits; got {params.seed}")
     message = worker_pb2.SamplingParams(
@@ -45,6 +43,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         message.logit_bias.update(params.logit_bias)
     if params.allowed_token_ids:
         message.allowed_token_ids.extend(params.allowed_token_ids)
+    if params.prediction_token_ids:
+        message.prediction_token_ids.extend(params.prediction_token_ids)
     for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt"):
         value = getattr(params, name)
         if value is not None:
@@ -98,4 +98,5 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         structured_outputs=structured,
         logit_bias=dict(message.logit_bias) or None,
         allowed_token_ids=list(message.allowed_token_ids) or None,
+        prediction_token_ids=list(message.prediction_token_ids) or None,
     )

@@ -5,6 +5,7 @@ conditional disaggregation, and failover when a worker disappears."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import pytest
@@ -210,6 +211,7 @@ def test_cluster_equals_aggregated_bitwise_in_bf16(smollm2_shaped):
     async def main():
         async with Cluster(smollm2_shaped, engine=engine) as c:
             assert c.engine.deterministic  # every worker reports it
+            assert not c.engine.speculates_with_ngram  # no worker speculates: no predictions
             got = await asyncio.gather(*(c.run(p, greedy) for p in prompts))
             got_seeded = await asyncio.gather(*(c.run(p, seeded) for p in prompts[:6]))
             return [o.outputs[0] for o in got], [o.outputs[0] for o in got_seeded]
@@ -416,3 +418,33 @@ def test_admission_capacity_follows_the_decode_pool(model):
     per_worker, both, one = asyncio.run(main())
     assert both == sum(per_worker)
     assert one == per_worker[0]
+
+
+def test_predicted_outputs_travel_to_ngram_decode_workers(tiny_llama):
+    """Decode workers that speculate with ngram report it, so the router sends them a request's
+    Predicted Outputs (`prediction_token_ids`, over the wire to the prefill and the decode
+    worker): the decode worker proposes from them and has most of a correctly predicted reply
+    accepted, the tokens those of the request without a prediction."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 3}  # fmt: skip
+    prompts = prompts_of([20, 33, 47], seed=11)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+    async def main():
+        async with Cluster(tiny_llama, engine={**ENGINE, "speculative_config": ngram}) as c:
+            assert c.engine.speculates_with_ngram
+            plain = [(await c.run(p, greedy)).outputs[0].token_ids for p in prompts]
+            stats = c.decode[0].engine.stats.spec_decode
+            before = stats.num_accepted_tokens
+            predicted = []
+            for p, want in zip(prompts, plain, strict=True):
+                params = dataclasses.replace(greedy, prediction_token_ids=want)
+                predicted.append((await c.run(p, params)).outputs[0].token_ids)
+            return plain, predicted, stats.num_accepted_tokens - before
+
+    plain, predicted, accepted = asyncio.run(main())
+    assert predicted == plain
+    # 31 tokens per reply come from decode steps (the first from the prefill): with the reply
+    # predicted, nearly all are accepted guesses (without, this tiny model's random text
+    # repeats little of its prompt).
+    assert accepted >= 3 * 24, accepted

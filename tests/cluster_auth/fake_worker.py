@@ -16,6 +16,7 @@ class FakeWorker:
         self.config = SimpleNamespace(block_size=8)
         self.kv_address = "127.0.0.1:1"
         self.deterministic = True
+        self.speculates_with_ngram = False
         self.role = SimpleNamespace(record_queue_times=False)  # the prefill role's switch
         self.engine = SimpleNamespace(stats=EngineStats())  # what the load reports carry
         self.load = SimpleNamespace(

@@ -31,6 +31,7 @@ EVERY_FIELD = SamplingParams(
     logit_bias={0: -100.0, 17: 0.125, 511: 100.0},
     allowed_token_ids=[300, 4, 17],
     cache_salt="tenant-7",
+    prediction_token_ids=[8, 8, 2, 511],
 )
 
 
@@ -60,12 +61,6 @@ def test_every_field_arrives_exactly(params):
 def test_what_the_router_applies_never_travels(change):
     with pytest.raises(ValueError, match="the router's"):
         sampling_to_proto(dataclasses.replace(EVERY_FIELD, **change))
-
-
-def test_predicted_outputs_never_travel():
-    """The router sets them only for its own ngram-speculating engine, never a cluster's."""
-    with pytest.raises(ValueError, match="prediction_token_ids: workers do not take them"):
-        sampling_to_proto(dataclasses.replace(EVERY_FIELD, prediction_token_ids=[5, 6]))
 
 
 @pytest.mark.parametrize("change", [{"skip_special_tokens": False},

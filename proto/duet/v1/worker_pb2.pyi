@@ -19,7 +19,7 @@ TRANSFER_OUTCOME_FAILED: TransferOutcome
 TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "allowed_token_ids", "cache_salt", "bad_words")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "allowed_token_ids", "cache_salt", "bad_words", "prediction_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SamplingParams(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     bad_words: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[WorkerStructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
+    prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[WorkerStructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[str]] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerStructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar", "whitespace", "reasoning")
@@ -312,7 +314,7 @@ class OutputDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address", "deterministic", "stats")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address", "deterministic", "stats", "ngram")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +326,7 @@ class DecodeLoad(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -335,4 +338,5 @@ class DecodeLoad(_message.Message):
     kv_address: str
     deterministic: bool
     stats: WorkerStats
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_address: _Optional[str] = ..., deterministic: _Optional[bool] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
+    ngram: bool
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_for_kv: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_address: _Optional[str] = ..., deterministic: _Optional[bool] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ..., ngram: _Optional[bool] = ...) -> None: ...
