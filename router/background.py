@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from duet.router import sse
 from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.auth import caller_api_key
 from duet.router.batches import NotFoundError, queue_errors
@@ -198,7 +199,11 @@ class BackgroundService:
             *doc.get("logprobs", ()),  # (logprobs, top_logprobs, as ids); older records: none
         )  # fmt: skip
         deadline = time.monotonic() + MAX_STREAM_S
+        quiet_since = time.monotonic()
         while time.monotonic() < deadline:
+            if time.monotonic() - quiet_since >= sse.KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield sse.KEEPALIVE
             try:
                 raw = await self.queue.read_events(request_id, offset, 256)
                 result = None if raw else (await self.queue.results([request_id]))[0]
@@ -206,6 +211,7 @@ class BackgroundService:
                 await asyncio.sleep(0.5)  # Redis restarting: the log is still there after it
                 continue
             for entry in raw:
+                quiet_since = time.monotonic()
                 step = step_from_json(entry)
                 for chunk in render.chunks(step, keep_empty=True):  # one per entry: n is 1
                     yield f"id: {offset}\ndata: {chunk.model_dump_json()}\n\n"

@@ -31,6 +31,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
+from duet.router import sse
 from duet.router.admission import AdmissionTicket, admit_queued
 from duet.router.batches import queue_errors
 from duet.router.chat_events import Final, step_from_json, step_to_json
@@ -238,17 +239,22 @@ class ResponsesBackground:
         # sign of a run, or at the end), the logged steps' events, the terminal event.
         pending, offset, started = render.queued_opening(), 0, False
         deadline = time.monotonic() + MAX_STREAM_S
+        quiet_since = time.monotonic()
         while True:
             for event in pending:
                 if event["sequence_number"] > after:
                     after = event["sequence_number"]
-                    yield sse_event(event)
+                    quiet_since = time.monotonic()
+                    yield typed_sse_event(event)
             pending = []
+            if time.monotonic() - quiet_since >= sse.KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield sse.KEEPALIVE
             if time.monotonic() >= deadline:
                 message = (
                     f"stream open for {MAX_STREAM_S:g}s; reconnect with starting_after={after}"
                 )
-                yield sse_event(render.error_event("reconnect", message, None))
+                yield typed_sse_event(render.error_event("reconnect", message, None))
                 return
             try:
                 raw = await self.queue.read_events(response_id, offset, 256)
@@ -262,7 +268,9 @@ class ResponsesBackground:
                 await asyncio.sleep(0.5)  # a store restarting: the log is still there after it
                 continue
             if stored is None and not raw:  # deleted while streaming
-                yield sse_event(render.error_event("not_found", "the response was deleted", None))
+                yield typed_sse_event(
+                    render.error_event("not_found", "the response was deleted", None)
+                )
                 return
             if not started and (raw or ended or (stored and stored.status == "in_progress")):
                 pending.append(render.started())
@@ -275,12 +283,12 @@ class ResponsesBackground:
                 pending += render.ended(stored.doc["response"])
                 for event in pending:
                     if event["sequence_number"] > after:
-                        yield sse_event(event)
+                        yield typed_sse_event(event)
                 return
             if not raw:
                 await asyncio.sleep(_POLL_S)
 
 
-def sse_event(event: dict[str, Any]) -> str:
-    """One Responses API event as SSE."""
+def typed_sse_event(event: dict[str, Any]) -> str:
+    """One Responses API event as SSE (its type on the `event:` line)."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -29,7 +29,7 @@ from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_chat import ChatPlan, assistant_message, template_reads
 from duet.router.openai_fields import IGNORED_FIELDS_HEADER
 from duet.router.openapi import error_responses
-from duet.router.responses_background import ResponsesBackground, sse_event
+from duet.router.responses_background import ResponsesBackground, typed_sse_event
 from duet.router.responses_protocol import (
     RESPONSES_RENAME,
     Includable,
@@ -234,7 +234,7 @@ async def _sse(
     stream with an `error` event."""
     try:
         for event in render.opening():
-            yield sse_event(event)
+            yield typed_sse_event(event)
         async with aclosing(steps):
             async for step in steps:
                 final = step.first(Final)
@@ -243,12 +243,12 @@ async def _sse(
                     events += render.closing(final)
                     await save(final)
                 for event in events:
-                    yield sse_event(event)
+                    yield typed_sse_event(event)
     except Exception as e:  # the client gets an error event, never a silent cut
         error = as_openai_error(e, render.response_id, RESPONSES_RENAME)
         body = error.to_body()["error"]
         code = body["code"] or str(error.status_code)
-        yield sse_event(render.error_event(code, body["message"], body["param"]))
+        yield typed_sse_event(render.error_event(code, body["message"], body["param"]))
 
 
 _RESPONSE = {"content": {"application/json": {"schema": {"type": "object"}}}}

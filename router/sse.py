@@ -27,6 +27,11 @@ SSE_EVENT_SCHEMA = {
 """One server-sent event, as the OpenAPI schema documents a `text/event-stream` reply."""
 
 DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n\n"
+"""An SSE comment (clients skip it): what a stream that waits (a background request still
+queued, or between its steps) sends every `KEEPALIVE_S`, so that no proxy or client read
+timeout takes the quiet for a dead connection."""
+KEEPALIVE_S = 15.0
 
 
 def sse_event(payload: BaseModel, exclude: set[str] | None = None) -> str:

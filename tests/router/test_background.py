@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
+from duet.router import sse
 from duet.router.chat_events import TokenDelta, step_from_json
 from duet.router.chat_turn import ChatTurns
 from duet.session_store import SqliteSessionStore, SqliteWorkQueue, Task, hash_api_key
@@ -357,3 +358,25 @@ def test_a_takeover_after_a_held_back_partial_character_loses_no_text(
     streamed = read_events(server.url, "chatcmpl-takeover")
     assert len(streamed) > cut
     assert "".join(t for _, t in streamed) == first.choices[0].message.content
+
+
+def test_a_waiting_events_stream_sends_keep_alives(
+    client: openai.OpenAI, server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a background request waits in the queue its events stream sends SSE comments
+    (every `KEEPALIVE_S`, here 0.1 s); once it runs, the chunks come as before."""
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.1)
+    worker = server.app.state.background_worker
+    worker.free_slots = lambda num_running: 0  # hold it in the queue
+    try:
+        queued = create(client, "tell me", 6, background=True)
+        with httpx2.stream("GET", f"{server.url}/v1/chat/completions/{queued.id}/events",
+                           headers=AUTH, timeout=30) as reply:  # fmt: skip
+            first = next(line for line in reply.iter_lines() if line)
+        assert first == ": keep-alive"
+    finally:
+        worker.free_slots = lambda num_running: 4
+    done = wait_completed(client, queued.id)
+    assert "".join(t for _, t in read_events(server.url, queued.id)) == (
+        done.choices[0].message.content
+    )

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
+from duet.router import sse
 from duet.session_store import SqliteSessionStore, SqliteWorkQueue
 from tests.router.rest_server import (
     API_KEY,
@@ -460,3 +461,33 @@ def test_a_background_response_delivered_again_goes_on_from_its_log(
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert deltas == done.output_text
     assert events[-1]["response"] == done.model_dump(exclude_unset=True)
+
+
+def test_a_waiting_background_stream_sends_keep_alives(
+    client: openai.OpenAI, server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a background response waits in the queue its stream sends SSE comments (every
+    `KEEPALIVE_S`, here 0.1 s), which the openai client skips."""
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.1)
+    worker = server.app.state.background_worker
+    worker.free_slots = lambda num_running: 0  # hold it in the queue
+    try:
+        queued = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=3,
+                                         temperature=0, background=True)  # fmt: skip
+        seen = []
+        with httpx2.stream("GET", f"{server.url}/v1/responses/{queued.id}", timeout=30,
+                           params={"stream": "true"},
+                           headers={"Authorization": f"Bearer {API_KEY}"}) as reply:  # fmt: skip
+            for line in reply.iter_lines():
+                seen.append(line)
+                if line.startswith(":"):
+                    break
+        assert [s for s in seen if s.startswith("event: ")] == [
+            "event: response.created", "event: response.queued"
+        ]  # fmt: skip
+        assert seen[-1] == ": keep-alive"
+    finally:
+        worker.free_slots = lambda num_running: 4
+    events = list(client.responses.retrieve(queued.id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
