@@ -45,7 +45,7 @@ from duet.router.queue_worker import RetryTask
 from duet.router.responses_protocol import RESPONSES_RENAME
 from duet.router.responses_render import ResponseRender, logprobs_render, token_counter
 from duet.router.responses_store import ENDED, RUNNING, StoredResponses
-from duet.session_store import SessionStoreUnavailable, Task, WorkQueue
+from duet.session_store import SessionStoreUnavailable, StoredResponse, Task, WorkQueue
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +103,7 @@ class ResponsesBackground:
         if not await self.stored.put(running, [], owner, only_from=RUNNING):
             # Cancelled, or it ended on an earlier delivery, which may have died before its
             # turn joined the conversation (joining twice adds nothing).
-            store = self.stored.sessions.store
-            assert store is not None
-            ended = await store.get_response(response_id)
+            ended = await self._current(response_id)
             if ended is None or ended.status not in ENDED:
                 return {"status": "cancelled"}
             await self._join(p, owner, ended.doc["response"])
@@ -183,10 +181,15 @@ class ResponsesBackground:
                 done["id"], conversation_id, e.message,
             )  # fmt: skip
 
-    async def _cancelled(self, response_id: str) -> bool:
+    async def _current(self, response_id: str) -> StoredResponse | None:
+        """The response as stored now (the runner's and the stream's own reads: the caller's
+        ownership was checked when it asked)."""
         store = self.stored.sessions.store
-        assert store is not None
-        stored = await store.get_response(response_id)
+        assert store is not None, "a background response is stored"
+        return await store.get_response(response_id)
+
+    async def _cancelled(self, response_id: str) -> bool:
+        stored = await self._current(response_id)
         return stored is None or stored.status == "cancelled"
 
     async def _failed(
@@ -227,8 +230,6 @@ class ResponsesBackground:
 
     async def _stream(self, response: dict[str, Any], after: int) -> AsyncGenerator[str, None]:
         response_id = response["id"]
-        store = self.stored.sessions.store
-        assert store is not None, "a background response is stored"
         texts = self.turns.ctx.token_texts
         top = response.get("top_logprobs") or 0
         render = ResponseRender.resumed(
@@ -258,7 +259,7 @@ class ResponsesBackground:
                 return
             try:
                 raw = await self.queue.read_events(response_id, offset, 256)
-                stored = None if raw else await store.get_response(response_id)
+                stored = None if raw else await self._current(response_id)
                 ended = stored is not None and stored.status not in RUNNING
                 if ended:
                     # The runner logs every step before it stores the end: the log's
