@@ -12,6 +12,25 @@ XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if XDIST_WORKERS:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // XDIST_WORKERS)))
 
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# NOTE: the Triton interpreter runs `tl.dot` through numpy, i.e. OpenBLAS, and the tests of the
+# kernels' batch invariance need a tile's product to give a row the same bits wherever it sits
+# in the tile (as a GPU's MMA does). OpenBLAS's SkylakeX sgemm does; its Haswell/Zen one does
+# not (a row alone and the same row 6th in a tile differ in the last bit), and this machine's
+# environment may name Haswell (OPENBLAS_CORETYPE=Haswell was set on an AMD Zen 5 VM). So where
+# the CPU has AVX-512, the tests take SkylakeX's kernels, set before numpy (which torch
+# imports) loads OpenBLAS; xdist workers and subprocesses inherit it.
+if {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= _cpu_flags():
+    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
