@@ -223,6 +223,14 @@ def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
         help="seconds a background request's event log (what its stream replays) lives after "
         "its last event (default: 86400)",
     )
+    parser.add_argument(
+        "--queue-retention",
+        type=float,
+        default=30 * 24 * 3600.0,  # session_store.DEFAULT_RETENTION_S
+        metavar="S",
+        help="seconds the work queue keeps results, dead letters, batches, and files that name "
+        "no expiry of their own, after their last write (default: 2592000, 30 days)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -288,6 +296,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_lease_s=args.queue_lease,
             queue_max_deliveries=args.queue_max_deliveries,
             queue_event_ttl_s=args.queue_event_ttl,
+            queue_retention_s=args.queue_retention,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             web_ui=args.web_ui,

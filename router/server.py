@@ -38,6 +38,7 @@ from duet.session_store import (
     DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_RETENTION_S,
     RateLimits,
     SqliteSessionStore,
     SqliteWorkQueue,
@@ -86,6 +87,9 @@ class RouterConfig:
     """Deliveries without a result before a task is dead-lettered."""
     queue_event_ttl_s: float = DEFAULT_EVENT_TTL_S
     """How long a background request's event log (its stream) lives after its last event."""
+    queue_retention_s: float = DEFAULT_RETENTION_S
+    """How long results, dead letters, batches and files without an expiry of their own are
+    kept after their last write."""
 
     # --- chat replies (docs/tool_calling.md) ---
     tool_call_parser: str | None = None
@@ -159,6 +163,8 @@ class RouterConfig:
             )
         if not (math.isfinite(self.queue_event_ttl_s) and self.queue_event_ttl_s > 0):
             raise ValueError(f"--queue-event-ttl: must be > 0; got {self.queue_event_ttl_s}")
+        if not (math.isfinite(self.queue_retention_s) and self.queue_retention_s > 0):
+            raise ValueError(f"--queue-retention: must be > 0; got {self.queue_retention_s}")
 
 
 def bind_rest_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -211,6 +217,7 @@ class RouterServer(uvicorn.Server):
             lease_s=config.queue_lease_s,
             max_deliveries=config.queue_max_deliveries,
             event_ttl_s=config.queue_event_ttl_s,
+            retention_s=config.queue_retention_s,
         )
         self.tracer_provider = (
             otlp_tracer_provider(config.otlp_endpoint) if config.otlp_endpoint else None

@@ -44,6 +44,7 @@ from duet.session_store.work_queue import (
     DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_RETENTION_S,
     DeadLetter,
     Delivery,
     Task,
@@ -54,6 +55,7 @@ __all__ = [
     "DEFAULT_EVENT_TTL_S",
     "DEFAULT_LEASE_S",
     "DEFAULT_MAX_DELIVERIES",
+    "DEFAULT_RETENTION_S",
     "DEFAULT_SESSION_TTL_S",
     "DeadLetter",
     "Delivery",
@@ -142,6 +144,7 @@ def open_work_queue(
     lease_s: float = DEFAULT_LEASE_S,
     max_deliveries: int = DEFAULT_MAX_DELIVERIES,
     event_ttl_s: float = DEFAULT_EVENT_TTL_S,
+    retention_s: float = DEFAULT_RETENTION_S,
     flag: str = "--queue-url",
 ) -> WorkQueue:
     """The work queue for a `--queue-url` (or, without one, the `--session-store` URL): Redis
@@ -150,8 +153,10 @@ def open_work_queue(
     if kind == "redis":
         assert url is not None
         return RedisWorkQueue.from_url(
-            url, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s
-        )
+            url, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s,
+            retention_s=retention_s,
+        )  # fmt: skip
     return SqliteWorkQueue(
-        path, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s
-    )
+        path, lease_s=lease_s, max_deliveries=max_deliveries, event_ttl_s=event_ttl_s,
+        retention_s=retention_s,
+    )  # fmt: skip

@@ -9,11 +9,14 @@ batches, `background` for background requests):
     <prefix>:queue:results          hash    task_id -> result (JSON), for every queue name;
                                             written with HSETNX, so a task has one result
                                             however often it is delivered
+    <prefix>:queue:results:expiry   zset    task_id scored by when its result expires (ms)
     <prefix>:queue:<name>:reasons   hash    task_id -> why its last delivery failed
     <prefix>:queue:<name>:dead      stream  dead letters: task_id, kind, payload, reason,
-                                            num_deliveries
+                                            num_deliveries; trimmed (MINID) to the last
+                                            `retention_s` at each burial
     <prefix>:records:<kind>         hash    record id -> JSON document (files, batches)
-    <prefix>:blob:<id>              string  a file's bytes
+    <prefix>:records:<kind>:expiry  zset    record id scored by when it expires (ms)
+    <prefix>:blob:<id>              string  a file's bytes; expires by itself (PXAT)
     <prefix>:events:<id>            list    an event log (entry i is offset i); expires
                                             `event_ttl_s` after its last append
 
@@ -22,6 +25,10 @@ entry acknowledged in one step. A claim first takes over entries idle longer tha
 (`XAUTOCLAIM`, which also counts the delivery), dead-letters those delivered `max_deliveries`
 times already, then reads new entries (`XREADGROUP ... >`). Durability is Redis's: run it
 with `appendonly yes` (`appendfsync always` keeps every acknowledged write across a crash).
+
+Expiry (Redis 7.0 has no per-field expiry in a hash) is a sorted set beside each hash: reads
+leave out members whose time has passed (by Redis's clock, `TIME`), and each write deletes up
+to `PURGE_PER_WRITE` expired members of its hash.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from duet.session_store.work_queue import (
     DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_RETENTION_S,
+    PURGE_PER_WRITE,
     DeadLetter,
     Delivery,
     Task,
@@ -47,13 +56,46 @@ from duet.session_store.work_queue import (
 
 GROUP = "routers"
 
-# Shared: dead-letter one pending entry (KEYS: stream, results, reasons, dead).
-_LUA_PRELUDE = """
-local function bury(id, task_id, kind, payload, n, reason)
+# Shared (KEYS: stream, results, reasons, dead, results' expiry).
+_LUA_PRELUDE = (
+    """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- Delete the expired members (at most a few) of a hash and its expiry set.
+local function purge(hash, expiry, now)
+  local old = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, """
+    + str(PURGE_PER_WRITE)
+    + """)
+  if #old > 0 then
+    redis.call('HDEL', hash, unpack(old))
+    redis.call('ZREM', expiry, unpack(old))
+  end
+end
+-- Whether the member's time has passed (a member with no expiry never expires).
+local function expired(expiry, id, now)
+  local at = redis.call('ZSCORE', expiry, id)
+  return at and tonumber(at) <= now
+end
+-- Store the task's result unless it has a live one; 1 if this stored it.
+local function store_result(task_id, value, now, retention_ms)
+  if expired(KEYS[5], task_id, now) then
+    redis.call('HDEL', KEYS[2], task_id)
+    redis.call('ZREM', KEYS[5], task_id)
+  end
+  local stored = redis.call('HSETNX', KEYS[2], task_id, value)
+  if stored == 1 then redis.call('ZADD', KEYS[5], now + retention_ms, task_id) end
+  return stored
+end
+-- Dead-letter one pending entry; dead letters older than the retention go.
+local function bury(id, task_id, kind, payload, n, reason, retention_ms)
+  local now = now_ms()
   redis.call('XADD', KEYS[4], '*', 'task_id', task_id, 'kind', kind, 'payload', payload,
              'reason', reason, 'num_deliveries', n)
+  redis.call('XTRIM', KEYS[4], 'MINID', now - retention_ms)
   local err = cjson.encode({error = {code = 'dead_letter', message = reason}})
-  redis.call('HSETNX', KEYS[2], task_id, err)
+  store_result(task_id, err, now, retention_ms)
   redis.call('HDEL', KEYS[3], task_id)
   redis.call('XACK', KEYS[1], ARGV[1], id)
   redis.call('XDEL', KEYS[1], id)
@@ -63,8 +105,9 @@ local function field(fields, name)
   return ''
 end
 """
+)
 
-# ARGV: group, consumer, lease_ms, max_tasks, max_deliveries, XAUTOCLAIM cursor.
+# ARGV: group, consumer, lease_ms, max_tasks, max_deliveries, XAUTOCLAIM cursor, retention_ms.
 # Returns a flat list: next cursor, then id, task_id, kind, payload, num_deliveries, ...
 _CLAIM = (
     _LUA_PRELUDE
@@ -83,7 +126,8 @@ local function take(id, fields, n)
       reason = 'delivered ' .. (n - 1) .. ' times without a result (each consumer died or ' ..
                'let its lease expire)'
     end
-    bury(id, task_id, field(fields, 'kind'), field(fields, 'payload'), n - 1, reason)
+    bury(id, task_id, field(fields, 'kind'), field(fields, 'payload'), n - 1, reason,
+         tonumber(ARGV[7]))
   else
     for _, v in ipairs({id, task_id, field(fields, 'kind'), field(fields, 'payload'), n}) do
       table.insert(out, v)
@@ -119,22 +163,27 @@ redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[2], 'JUSTID')
 return 1
 """
 
-# ARGV: group, id, task_id, result. Returns 1 if this stored the result.
-_COMPLETE = """
-local stored = redis.call('HSETNX', KEYS[2], ARGV[3], ARGV[4])
+# ARGV: group, id, task_id, result, retention_ms. Returns 1 if this stored the result.
+_COMPLETE = (
+    _LUA_PRELUDE
+    + """
+local now = now_ms()
+purge(KEYS[2], KEYS[5], now)
+local stored = store_result(ARGV[3], ARGV[4], now, tonumber(ARGV[5]))
 redis.call('HDEL', KEYS[3], ARGV[3])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 return stored
 """
+)
 
 # ARGV: group, id, task_id, kind, payload, num_deliveries, max_deliveries, reason, consumer,
-# lease_ms. Returns 1 if dead-lettered.
+# lease_ms, retention_ms. Returns 1 if dead-lettered.
 _FAIL = (
     _LUA_PRELUDE
     + """
 if tonumber(ARGV[6]) >= tonumber(ARGV[7]) then
-  bury(ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[8])
+  bury(ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[8], tonumber(ARGV[11]))
   return 1
 end
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[8])
@@ -163,6 +212,109 @@ return length
 """
 
 
+# KEYS: stream, results, reasons, dead, results' expiry[, record hash, record expiry].
+# ARGV: group, retention_ms, number of tasks, (task_id, kind, payload) per task, number of
+# results, (task_id, result) per result[, record id, record doc].
+_ENQUEUE = (
+    _LUA_PRELUDE
+    + """
+local now = now_ms()
+local retention_ms = tonumber(ARGV[2])
+purge(KEYS[2], KEYS[5], now)
+local i = 4
+for _ = 1, tonumber(ARGV[3]) do
+  redis.call('XADD', KEYS[1], '*', 'task_id', ARGV[i], 'kind', ARGV[i + 1],
+             'payload', ARGV[i + 2])
+  i = i + 3
+end
+local num_results = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, num_results do
+  store_result(ARGV[i], ARGV[i + 1], now, retention_ms)  -- a task that has a result keeps it
+  i = i + 2
+end
+if #KEYS == 7 then
+  purge(KEYS[6], KEYS[7], now)
+  redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[7], now + retention_ms, ARGV[i])
+end
+return 0
+"""
+)
+
+# KEYS: results, results' expiry. ARGV: task ids. Returns each live result or false.
+_RESULTS = (
+    _LUA_PRELUDE
+    + """
+local now = now_ms()
+local out = {}
+for i, task_id in ipairs(ARGV) do
+  if expired(KEYS[2], task_id, now) then out[i] = false
+  else out[i] = redis.call('HGET', KEYS[1], task_id) end
+end
+return out
+"""
+)
+
+# KEYS: record hash, its expiry. ARGV: id, doc, expires at (ms; '' = retention_ms from now),
+# retention_ms.
+_PUT_RECORD = (
+    _LUA_PRELUDE
+    + """
+local now = now_ms()
+purge(KEYS[1], KEYS[2], now)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local at = now + tonumber(ARGV[4])
+if ARGV[3] ~= '' then at = tonumber(ARGV[3]) end
+redis.call('ZADD', KEYS[2], at, ARGV[1])
+return 0
+"""
+)
+
+# KEYS: record hash, its expiry. ARGV: id. The live record, or false.
+_GET_RECORD = (
+    _LUA_PRELUDE
+    + """
+if expired(KEYS[2], ARGV[1], now_ms()) then return false end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+)
+
+# KEYS: record hash, its expiry. Every live record.
+_LIST_RECORDS = (
+    _LUA_PRELUDE
+    + """
+local now = now_ms()
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #all, 2 do
+  if not expired(KEYS[2], all[i], now) then table.insert(out, all[i + 1]) end
+end
+return out
+"""
+)
+
+# KEYS: record hash, its expiry. ARGV: id. 1 if a live record was deleted.
+_DELETE_RECORD = (
+    _LUA_PRELUDE
+    + """
+local gone = expired(KEYS[2], ARGV[1], now_ms())
+local removed = redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if gone then return 0 end
+return removed
+"""
+)
+
+# KEYS: dead letters. ARGV: retention_ms. Those stored in the last retention_ms, oldest first.
+_DEAD_LETTERS = (
+    _LUA_PRELUDE
+    + """
+return redis.call('XRANGE', KEYS[1], now_ms() - tonumber(ARGV[1]) + 1, '+')
+"""
+)
+
+
 class RedisWorkQueue(WorkQueue):
     """A work queue on Redis Streams; survives Redis restarts (it reconnects per call).
 
@@ -179,10 +331,11 @@ class RedisWorkQueue(WorkQueue):
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         event_ttl_s: float = DEFAULT_EVENT_TTL_S,
+        retention_s: float = DEFAULT_RETENTION_S,
         op_timeout_s: float = 2.5,
         owns_client: bool = True,
     ) -> None:
-        validate_queue_limits(lease_s, max_deliveries, event_ttl_s)
+        validate_queue_limits(lease_s, max_deliveries, event_ttl_s, retention_s)
         self._client = client
         self._owns_client = owns_client
         self.name = name
@@ -192,17 +345,28 @@ class RedisWorkQueue(WorkQueue):
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
         self.event_ttl_s = event_ttl_s
+        self.retention_s = retention_s
         base = f"{key_prefix}:queue:{name}"
         self._stream = f"{base}:stream"
         self._results = f"{key_prefix}:queue:results"  # shared by every queue name
         self._reasons = f"{base}:reasons"
         self._dead = f"{base}:dead"
-        self._keys = [self._stream, self._results, self._reasons, self._dead]
+        self._results_expiry = f"{key_prefix}:queue:results:expiry"
+        self._keys = [
+            self._stream, self._results, self._reasons, self._dead, self._results_expiry,
+        ]  # fmt: skip
         self._claim = client.register_script(_CLAIM)
         self._renew = client.register_script(_RENEW)
         self._complete = client.register_script(_COMPLETE)
         self._fail = client.register_script(_FAIL)
         self._append_events = client.register_script(_APPEND_EVENTS)
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._results_script = client.register_script(_RESULTS)
+        self._put_record = client.register_script(_PUT_RECORD)
+        self._get_record = client.register_script(_GET_RECORD)
+        self._list_records = client.register_script(_LIST_RECORDS)
+        self._delete_record = client.register_script(_DELETE_RECORD)
+        self._dead_letters = client.register_script(_DEAD_LETTERS)
         self._has_group = False
         self._cursor = "0-0"
         """Where the next XAUTOCLAIM scan of the pending entries starts (it wraps to 0-0)."""
@@ -219,6 +383,7 @@ class RedisWorkQueue(WorkQueue):
             lease_s=self.lease_s,
             max_deliveries=self.max_deliveries,
             event_ttl_s=self.event_ttl_s,
+            retention_s=self.retention_s,
             op_timeout_s=self._op_timeout_s,
             owns_client=False,  # a view on this queue's connection pool
         )
@@ -226,6 +391,10 @@ class RedisWorkQueue(WorkQueue):
     @property
     def _lease_ms(self) -> int:
         return max(1, round(self.lease_s * 1000))
+
+    @property
+    def _retention_ms(self) -> int:
+        return max(1, round(self.retention_s * 1000))
 
     async def _ensure_group(self) -> None:
         # NOTE: checked once per queue object, and again after NOGROUP (a Redis that lost its
@@ -245,22 +414,21 @@ class RedisWorkQueue(WorkQueue):
         results: dict[str, dict[str, Any]] | None = None,
         record: tuple[str, str, dict[str, Any]] | None = None,
     ) -> None:
+        args: list[str | int] = [GROUP, self._retention_ms, len(tasks)]
+        for task in tasks:
+            args += [task.task_id, task.kind, dumps(task.payload)]
+        args.append(len(results or {}))
+        for task_id, result in (results or {}).items():
+            args += [task_id, dumps(result)]
+        keys = list(self._keys)
+        if record is not None:
+            kind, record_id, doc = record
+            keys += self._record_keys(kind)
+            args += [record_id, dumps(doc)]
+
         async def write() -> None:
             await self._ensure_group()
-            async with self._client.pipeline(transaction=True) as pipe:
-                for task in tasks:
-                    fields: dict[Any, Any] = {
-                        "task_id": task.task_id,
-                        "kind": task.kind,
-                        "payload": dumps(task.payload),
-                    }
-                    pipe.xadd(self._stream, fields)
-                for task_id, result in (results or {}).items():
-                    pipe.hsetnx(self._results, task_id, dumps(result))  # one result per task
-                if record is not None:
-                    kind, record_id, doc = record
-                    pipe.hset(self._records_key(kind), record_id, dumps(doc))
-                await pipe.execute()
+            await self._enqueue(keys=keys, args=args)
 
         await self._guard.run("enqueue", write())
 
@@ -269,6 +437,7 @@ class RedisWorkQueue(WorkQueue):
             raise ValueError(f"max_tasks: must be >= 1; got {max_tasks}")
         args: list[str | int] = [
             GROUP, consumer, self._lease_ms, max_tasks, self.max_deliveries, self._cursor,
+            self._retention_ms,
         ]  # fmt: skip
 
         async def run() -> list[Any]:
@@ -309,7 +478,8 @@ class RedisWorkQueue(WorkQueue):
         stored = await self._guard.run(
             "complete",
             self._complete(
-                keys=self._keys[:3], args=[GROUP, delivery.handle, delivery.task_id, dumps(result)]
+                keys=self._keys,
+                args=[GROUP, delivery.handle, delivery.task_id, dumps(result), self._retention_ms],
             ),
         )
         return bool(stored)
@@ -318,7 +488,7 @@ class RedisWorkQueue(WorkQueue):
         args: list[str | int] = [
             GROUP, delivery.handle, delivery.task_id, delivery.kind, dumps(delivery.payload),
             delivery.num_deliveries, self.max_deliveries, reason, delivery.consumer,
-            self._lease_ms,
+            self._lease_ms, self._retention_ms,
         ]  # fmt: skip
         buried = await self._guard.run("fail", self._fail(keys=self._keys, args=args))
         return bool(buried)
@@ -326,56 +496,78 @@ class RedisWorkQueue(WorkQueue):
     async def results(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
         if not task_ids:
             return []
-        raw = await self._guard.run("results", self._client.hmget(self._results, task_ids))
+        raw = await self._guard.run(
+            "results",
+            self._results_script(keys=[self._results, self._results_expiry], args=task_ids),
+        )
         return [None if r is None else json.loads(r) for r in raw]
 
     async def dead_letters(self) -> list[DeadLetter]:
-        raw = await self._guard.run("dead_letters", self._client.xrange(self._dead))
-        # decode_responses=True: every field and value is a str.
-        entries = cast(list[tuple[str, dict[str, str]]], raw)
-        return [
-            DeadLetter(
-                task_id=f["task_id"],
-                kind=f["kind"],
-                payload=json.loads(f["payload"]),
-                reason=f["reason"],
-                num_deliveries=int(f["num_deliveries"]),
+        raw = await self._guard.run(
+            "dead_letters", self._dead_letters(keys=[self._dead], args=[self._retention_ms])
+        )
+        # decode_responses=True: every field and value is a str; a script's XRANGE reply is
+        # each entry as [id, [field, value, field, value, ...]].
+        entries = cast(list[tuple[str, list[str]]], raw)
+        letters = []
+        for _, flat in entries:
+            f = dict(zip(flat[::2], flat[1::2], strict=True))
+            letters.append(
+                DeadLetter(
+                    task_id=f["task_id"],
+                    kind=f["kind"],
+                    payload=json.loads(f["payload"]),
+                    reason=f["reason"],
+                    num_deliveries=int(f["num_deliveries"]),
+                )
             )
-            for _, f in entries
-        ]
+        return letters
 
     async def num_pending(self) -> int:
         return int(await self._guard.run("num_pending", self._client.xlen(self._stream)))
 
-    def _records_key(self, kind: str) -> str:
-        return f"{self.key_prefix}:records:{kind}"
+    def _record_keys(self, kind: str) -> list[str]:
+        """The hash of `kind`'s records and the sorted set of their expiries."""
+        key = f"{self.key_prefix}:records:{kind}"
+        return [key, f"{key}:expiry"]
 
-    async def put_record(self, kind: str, record_id: str, doc: dict[str, Any]) -> None:
+    async def put_record(
+        self, kind: str, record_id: str, doc: dict[str, Any], expires_at: float | None = None
+    ) -> None:
+        at = "" if expires_at is None else round(expires_at * 1000)
+        args = [record_id, dumps(doc), at, self._retention_ms]
         await self._guard.run(
-            "put_record", self._client.hset(self._records_key(kind), record_id, dumps(doc))
+            "put_record", self._put_record(keys=self._record_keys(kind), args=args)
         )
 
     async def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
         raw = await self._guard.run(
-            "get_record", self._client.hget(self._records_key(kind), record_id)
+            "get_record", self._get_record(keys=self._record_keys(kind), args=[record_id])
         )
         return None if raw is None else cast(dict[str, Any], json.loads(raw))
 
     async def list_records(self, kind: str) -> list[dict[str, Any]]:
-        raw = await self._guard.run("list_records", self._client.hvals(self._records_key(kind)))
+        raw = await self._guard.run(
+            "list_records", self._list_records(keys=self._record_keys(kind))
+        )
         return [json.loads(r) for r in raw]
 
     async def delete_record(self, kind: str, record_id: str) -> bool:
         removed = await self._guard.run(
-            "delete_record", self._client.hdel(self._records_key(kind), record_id)
+            "delete_record", self._delete_record(keys=self._record_keys(kind), args=[record_id])
         )
         return int(removed) > 0
 
-    async def put_blob(self, blob_id: str, data: bytes) -> None:
+    async def put_blob(self, blob_id: str, data: bytes, expires_at: float | None = None) -> None:
         # NOTE: the client decodes replies as str, so blobs are stored as latin-1 text, which
         # maps every byte to one code point and back.
         key = f"{self.key_prefix}:blob:{blob_id}"
-        await self._guard.run("put_blob", self._client.set(key, data.decode("latin-1")))
+        text = data.decode("latin-1")
+        if expires_at is None:
+            write = self._client.set(key, text, px=self._retention_ms)
+        else:
+            write = self._client.set(key, text, pxat=max(1, round(expires_at * 1000)))
+        await self._guard.run("put_blob", write)
 
     async def get_blob(self, blob_id: str) -> bytes | None:
         key = f"{self.key_prefix}:blob:{blob_id}"

@@ -15,6 +15,10 @@ Schema:
     queue_event_logs(stream_id PRIMARY KEY, expires_at REAL)  -- `event_ttl_s` after the last
                                                               -- append; an expired log reads
                                                               -- as empty, and goes at an append
+    queue_expiry(what, id, expires_at REAL, PRIMARY KEY (what, id))
+        -- when a result ('result', task id), blob ('blob', id), dead letter ('dead', seq) or
+        -- record ('record:<kind>', id) expires: past it, it reads as absent; writes delete a
+        -- few expired ones each (rows written before this table existed never expire)
 
 Each operation is one `BEGIN IMMEDIATE` transaction, so several router processes on one
 machine may share the file: a result is stored and its task row deleted (acknowledged)
@@ -37,6 +41,8 @@ from duet.session_store.work_queue import (
     DEFAULT_EVENT_TTL_S,
     DEFAULT_LEASE_S,
     DEFAULT_MAX_DELIVERIES,
+    DEFAULT_RETENTION_S,
+    PURGE_PER_WRITE,
     DeadLetter,
     Delivery,
     Task,
@@ -84,11 +90,16 @@ CREATE TABLE IF NOT EXISTS queue_event_logs (
     stream_id TEXT PRIMARY KEY, expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS queue_event_logs_by_expiry ON queue_event_logs (expires_at);
+CREATE TABLE IF NOT EXISTS queue_expiry (
+    what TEXT NOT NULL, id TEXT NOT NULL, expires_at REAL NOT NULL, PRIMARY KEY (what, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS queue_expiry_by_time ON queue_expiry (expires_at);
 """
 
-_PURGE_PER_APPEND = 16
-"""Expired event logs an append removes (each append removes some, so none outlives long the
-appends that follow it)."""
+_EXPIRED = (
+    "EXISTS (SELECT 1 FROM queue_expiry e WHERE e.what = ? AND e.id = {id} AND e.expires_at <= ?)"
+)
+"""SQL true when the thing (`what`, the column or `?` in {id}) has expired by the time `?`."""
 
 
 class SqliteWorkQueue(WorkQueue):
@@ -102,16 +113,18 @@ class SqliteWorkQueue(WorkQueue):
         lease_s: float = DEFAULT_LEASE_S,
         max_deliveries: int = DEFAULT_MAX_DELIVERIES,
         event_ttl_s: float = DEFAULT_EVENT_TTL_S,
+        retention_s: float = DEFAULT_RETENTION_S,
         busy_timeout_s: float = 2.0,
         op_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        validate_queue_limits(lease_s, max_deliveries, event_ttl_s)
+        validate_queue_limits(lease_s, max_deliveries, event_ttl_s, retention_s)
         self.path = Path(path) if path is not None else default_sqlite_path()
         self.name = name
         self.lease_s = lease_s
         self.max_deliveries = max_deliveries
         self.event_ttl_s = event_ttl_s
+        self.retention_s = retention_s
         self.busy_timeout_s = busy_timeout_s
         self.op_timeout_s = op_timeout_s
         self._clock = clock
@@ -129,6 +142,7 @@ class SqliteWorkQueue(WorkQueue):
             lease_s=self.lease_s,
             max_deliveries=self.max_deliveries,
             event_ttl_s=self.event_ttl_s,
+            retention_s=self.retention_s,
             busy_timeout_s=self.busy_timeout_s,
             op_timeout_s=self.op_timeout_s,
             clock=self._clock,
@@ -147,16 +161,71 @@ class SqliteWorkQueue(WorkQueue):
         task_id, kind, payload, n = conn.execute(
             "SELECT task_id, kind, payload, num_deliveries FROM queue_tasks WHERE seq = ?", (seq,)
         ).fetchone()
-        conn.execute(
+        cur = conn.execute(
             "INSERT INTO queue_dead (queue, task_id, kind, payload, reason, num_deliveries)"
             " VALUES (?, ?, ?, ?, ?, ?)",
             (self.name, task_id, kind, payload, reason, n),
         )
-        conn.execute(
-            "INSERT OR IGNORE INTO queue_results VALUES (?, ?)",
-            (task_id, dumps(dead_letter_result(reason))),
-        )
+        now = self._clock()
+        self._expire_at(conn, "dead", str(cur.lastrowid), now + self.retention_s)
+        self._store_result(conn, task_id, dumps(dead_letter_result(reason)), now)
         conn.execute("DELETE FROM queue_tasks WHERE seq = ?", (seq,))
+
+    # --- expiry (the queue_expiry table) ---
+
+    @staticmethod
+    def _expire_at(conn: sqlite3.Connection, what: str, thing_id: str, at: float) -> None:
+        conn.execute(
+            "INSERT INTO queue_expiry VALUES (?, ?, ?) ON CONFLICT (what, id) "
+            "DO UPDATE SET expires_at = excluded.expires_at",
+            (what, thing_id, at),
+        )
+
+    @staticmethod
+    def _drop(conn: sqlite3.Connection, what: str, thing_id: str) -> None:
+        """Delete the thing and its expiry."""
+        if what == "result":
+            conn.execute("DELETE FROM queue_results WHERE task_id = ?", (thing_id,))
+        elif what == "blob":
+            conn.execute("DELETE FROM queue_blobs WHERE id = ?", (thing_id,))
+        elif what == "dead":
+            conn.execute("DELETE FROM queue_dead WHERE seq = ?", (int(thing_id),))
+        else:
+            kind = what.removeprefix("record:")
+            conn.execute("DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, thing_id))
+        conn.execute("DELETE FROM queue_expiry WHERE what = ? AND id = ?", (what, thing_id))
+
+    def _purge(self, conn: sqlite3.Connection, now: float) -> None:
+        """Delete up to PURGE_PER_WRITE expired things, oldest expiry first."""
+        rows = conn.execute(
+            "SELECT what, id FROM queue_expiry WHERE expires_at <= ? ORDER BY expires_at LIMIT ?",
+            (now, PURGE_PER_WRITE),
+        ).fetchall()
+        for what, thing_id in rows:
+            self._drop(conn, what, thing_id)
+
+    @staticmethod
+    def _expired(conn: sqlite3.Connection, what: str, thing_id: str, now: float) -> bool:
+        row = conn.execute(
+            "SELECT 1 FROM queue_expiry WHERE what = ? AND id = ? AND expires_at <= ?",
+            (what, thing_id, now),
+        ).fetchone()
+        return row is not None
+
+    def _store_result(
+        self, conn: sqlite3.Connection, task_id: str, result: str, now: float
+    ) -> bool:
+        """Store the task's result unless it has a live one; True if this stored it."""
+        if self._expired(conn, "result", task_id, now):
+            self._drop(conn, "result", task_id)
+        cur = conn.execute("INSERT OR IGNORE INTO queue_results VALUES (?, ?)", (task_id, result))
+        if cur.rowcount != 1:
+            return False
+        self._expire_at(conn, "result", task_id, now + self.retention_s)
+        return True
+
+    def _expiry(self, expires_at: float | None, now: float) -> float:
+        return now + self.retention_s if expires_at is None else expires_at
 
     async def enqueue(
         self,
@@ -168,17 +237,17 @@ class SqliteWorkQueue(WorkQueue):
         done = [(k, dumps(v)) for k, v in (results or {}).items()]
 
         def body(conn: sqlite3.Connection) -> None:
+            now = self._clock()
+            self._purge(conn, now)
             conn.executemany(
                 "INSERT INTO queue_tasks (queue, task_id, kind, payload) VALUES (?, ?, ?, ?)",
                 rows,
             )
-            conn.executemany("INSERT OR IGNORE INTO queue_results VALUES (?, ?)", done)
+            for task_id, result in done:
+                self._store_result(conn, task_id, result, now)
             if record is not None:
                 kind, record_id, doc = record
-                conn.execute(
-                    "INSERT OR REPLACE INTO queue_records VALUES (?, ?, ?)",
-                    (kind, record_id, dumps(doc)),
-                )
+                self._put_record(conn, kind, record_id, dumps(doc), now + self.retention_s)
 
         await self._run("enqueue", body, write=True)
 
@@ -231,12 +300,11 @@ class SqliteWorkQueue(WorkQueue):
 
     async def complete(self, delivery: Delivery, result: dict[str, Any]) -> bool:
         def body(conn: sqlite3.Connection) -> bool:
-            cur = conn.execute(
-                "INSERT OR IGNORE INTO queue_results VALUES (?, ?)",
-                (delivery.task_id, dumps(result)),
-            )
+            now = self._clock()
+            self._purge(conn, now)
+            stored = self._store_result(conn, delivery.task_id, dumps(result), now)
             conn.execute("DELETE FROM queue_tasks WHERE seq = ?", (int(delivery.handle),))
-            return cur.rowcount == 1
+            return stored
 
         return await self._run("complete", body, write=True)
 
@@ -261,14 +329,17 @@ class SqliteWorkQueue(WorkQueue):
 
     async def results(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
         def body(conn: sqlite3.Connection) -> list[dict[str, Any] | None]:
+            now = self._clock()
             found: dict[str, str] = {}
             for start in range(0, len(task_ids), 500):
                 chunk = task_ids[start : start + 500]
                 marks = ",".join("?" * len(chunk))
+                expired = _EXPIRED.format(id="r.task_id")
                 found.update(
                     conn.execute(
-                        f"SELECT task_id, result FROM queue_results WHERE task_id IN ({marks})",
-                        chunk,
+                        f"SELECT task_id, result FROM queue_results r WHERE task_id IN ({marks})"
+                        f" AND NOT {expired}",
+                        [*chunk, "result", now],
                     ).fetchall()
                 )
             return [json.loads(found[t]) if t in found else None for t in task_ids]
@@ -277,10 +348,11 @@ class SqliteWorkQueue(WorkQueue):
 
     async def dead_letters(self) -> list[DeadLetter]:
         def body(conn: sqlite3.Connection) -> list[DeadLetter]:
+            expired = _EXPIRED.format(id="CAST(d.seq AS TEXT)")
             rows = conn.execute(
-                "SELECT task_id, kind, payload, reason, num_deliveries FROM queue_dead"
-                " WHERE queue = ? ORDER BY seq",
-                (self.name,),
+                "SELECT task_id, kind, payload, reason, num_deliveries FROM queue_dead d"
+                f" WHERE queue = ? AND NOT {expired} ORDER BY seq",
+                (self.name, "dead", self._clock()),
             ).fetchall()
             return [DeadLetter(t, k, json.loads(p), r, n) for t, k, p, r, n in rows]
 
@@ -293,19 +365,30 @@ class SqliteWorkQueue(WorkQueue):
 
         return await self._run("num_pending", body, write=False)
 
-    async def put_record(self, kind: str, record_id: str, doc: dict[str, Any]) -> None:
+    def _put_record(
+        self, conn: sqlite3.Connection, kind: str, record_id: str, doc: str, at: float
+    ) -> None:
+        conn.execute(
+            "INSERT OR REPLACE INTO queue_records VALUES (?, ?, ?)", (kind, record_id, doc)
+        )
+        self._expire_at(conn, f"record:{kind}", record_id, at)
+
+    async def put_record(
+        self, kind: str, record_id: str, doc: dict[str, Any], expires_at: float | None = None
+    ) -> None:
         def body(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT OR REPLACE INTO queue_records VALUES (?, ?, ?)",
-                (kind, record_id, dumps(doc)),
-            )
+            now = self._clock()
+            self._purge(conn, now)
+            self._put_record(conn, kind, record_id, dumps(doc), self._expiry(expires_at, now))
 
         await self._run("put_record", body, write=True)
 
     async def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
         def body(conn: sqlite3.Connection) -> dict[str, Any] | None:
             row = conn.execute(
-                "SELECT doc FROM queue_records WHERE kind = ? AND id = ?", (kind, record_id)
+                "SELECT doc FROM queue_records r WHERE kind = ? AND id = ?"
+                f" AND NOT {_EXPIRED.format(id='r.id')}",
+                (kind, record_id, f"record:{kind}", self._clock()),
             ).fetchone()
             return None if row is None else dict(json.loads(row[0]))
 
@@ -313,36 +396,49 @@ class SqliteWorkQueue(WorkQueue):
 
     async def list_records(self, kind: str) -> list[dict[str, Any]]:
         def body(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            rows = conn.execute("SELECT doc FROM queue_records WHERE kind = ?", (kind,))
+            rows = conn.execute(
+                f"SELECT doc FROM queue_records r WHERE kind = ? AND NOT {_EXPIRED.format(id='r.id')}",
+                (kind, f"record:{kind}", self._clock()),
+            )
             return [json.loads(doc) for (doc,) in rows.fetchall()]
 
         return await self._run("list_records", body, write=False)
 
     async def delete_record(self, kind: str, record_id: str) -> bool:
         def body(conn: sqlite3.Connection) -> bool:
+            live = self._expired(conn, f"record:{kind}", record_id, self._clock()) is False
             cursor = conn.execute(
                 "DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, record_id)
             )
-            return cursor.rowcount > 0
+            conn.execute(
+                "DELETE FROM queue_expiry WHERE what = ? AND id = ?", (f"record:{kind}", record_id)
+            )
+            return cursor.rowcount > 0 and live
 
         return await self._run("delete_record", body, write=True)
 
-    async def put_blob(self, blob_id: str, data: bytes) -> None:
+    async def put_blob(self, blob_id: str, data: bytes, expires_at: float | None = None) -> None:
         def body(conn: sqlite3.Connection) -> None:
+            now = self._clock()
+            self._purge(conn, now)
             conn.execute("INSERT OR REPLACE INTO queue_blobs VALUES (?, ?)", (blob_id, data))
+            self._expire_at(conn, "blob", blob_id, self._expiry(expires_at, now))
 
         await self._run("put_blob", body, write=True)
 
     async def get_blob(self, blob_id: str) -> bytes | None:
         def body(conn: sqlite3.Connection) -> bytes | None:
-            row = conn.execute("SELECT data FROM queue_blobs WHERE id = ?", (blob_id,)).fetchone()
+            row = conn.execute(
+                f"SELECT data FROM queue_blobs b WHERE id = ? AND NOT {_EXPIRED.format(id='b.id')}",
+                (blob_id, "blob", self._clock()),
+            ).fetchone()
             return None if row is None else bytes(row[0])
 
         return await self._run("get_blob", body, write=False)
 
     async def delete_blob(self, blob_id: str) -> None:
         def body(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM queue_blobs WHERE id = ?", (blob_id,))
+            self._drop(conn, "blob", blob_id)
 
         await self._run("delete_blob", body, write=True)
 
@@ -351,7 +447,7 @@ class SqliteWorkQueue(WorkQueue):
             now = self._clock()
             expired = {sid for (sid,) in conn.execute(
                 "SELECT stream_id FROM queue_event_logs WHERE expires_at <= ? LIMIT ?",
-                (now, _PURGE_PER_APPEND),
+                (now, PURGE_PER_WRITE),
             ).fetchall()}  # fmt: skip
             expired.update(sid for (sid,) in conn.execute(  # this log, if it is gone
                 "SELECT stream_id FROM queue_event_logs WHERE stream_id = ? AND expires_at <= ?",

@@ -25,6 +25,14 @@ Invariants every backend keeps:
 Records (small JSON documents by kind and id), blobs (file contents) and event logs (the
 chunks of a background request, read from any replica by offset) live beside the queue so that
 every replica shares them too.
+
+Nothing is kept forever. A result and a dead letter live `retention_s` after they are stored; a
+record or blob lives until the expiry its writer names, else `retention_s` after its last
+write; an event log lives `event_ttl_s` after its last append. Once past its time a thing reads
+as absent (a result as None, a record or blob as None, a dead letter not listed), and its space
+is reclaimed by later writes (a few expired entries per write) or by the backend itself. Clocks:
+the SQLite queue's is the process's; the Redis queue's is Redis's, except that a named expiry
+(`expires_at`) is an absolute time the writer chose.
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ DEFAULT_MAX_DELIVERIES = 3
 """Deliveries without a result before a task is dead-lettered."""
 DEFAULT_EVENT_TTL_S = 24 * 3600.0
 """How long an event log lives after its last append (a background request's stream)."""
+DEFAULT_RETENTION_S = 30 * 24 * 3600.0
+"""How long results, dead letters, and records and blobs that name no expiry of their own are
+kept after their last write (30 days, as OpenAI keeps batch files and stored responses)."""
+PURGE_PER_WRITE = 16
+"""Expired entries a write removes beside its own work, so that none outlives long the writes
+that follow it."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +106,9 @@ class WorkQueue(ABC):
     max_deliveries: int
     event_ttl_s: float
     """How long an event log lives after its last append; then it is gone (reads as empty)."""
+    retention_s: float
+    """How long a result or dead letter lives after it is stored, and a record or blob that
+    names no expiry after its last write."""
 
     @abstractmethod
     def queue_named(self, name: str) -> WorkQueue:
@@ -108,7 +125,7 @@ class WorkQueue(ABC):
     ) -> None:
         """Atomically: enqueue `tasks`, store `results` (task id -> result, for work that
         needs no run, e.g. a rejected batch line; a task that has a result keeps it) and put
-        `record` (kind, id, doc). All or nothing."""
+        `record` (kind, id, doc; it lives `retention_s`). All or nothing."""
 
     @abstractmethod
     async def claim(self, consumer: str, max_tasks: int = 1) -> list[Delivery]:
@@ -132,39 +149,44 @@ class WorkQueue(ABC):
 
     @abstractmethod
     async def results(self, task_ids: list[str]) -> list[dict[str, Any] | None]:
-        """The stored result of each task (None: none yet), in the order asked."""
+        """The stored result of each task (None: none yet, or expired), in the order asked."""
 
     @abstractmethod
     async def dead_letters(self) -> list[DeadLetter]:
-        """Every dead-lettered task, oldest first."""
+        """Every dead-lettered task of this queue stored in the last `retention_s`, oldest
+        first."""
 
     @abstractmethod
     async def num_pending(self) -> int:
         """Tasks enqueued and not yet acknowledged (waiting or leased)."""
 
     @abstractmethod
-    async def put_record(self, kind: str, record_id: str, doc: dict[str, Any]) -> None:
-        """Create or replace one record."""
+    async def put_record(
+        self, kind: str, record_id: str, doc: dict[str, Any], expires_at: float | None = None
+    ) -> None:
+        """Create or replace one record, living until `expires_at` (seconds since the epoch)
+        or, when None, `retention_s` from now."""
 
     @abstractmethod
     async def get_record(self, kind: str, record_id: str) -> dict[str, Any] | None:
-        """The record, or None."""
+        """The record, or None (never put, deleted or expired)."""
 
     @abstractmethod
     async def list_records(self, kind: str) -> list[dict[str, Any]]:
-        """Every record of `kind`, in no particular order."""
+        """Every live record of `kind`, in no particular order."""
 
     @abstractmethod
     async def delete_record(self, kind: str, record_id: str) -> bool:
         """Remove one record; False when there was none."""
 
     @abstractmethod
-    async def put_blob(self, blob_id: str, data: bytes) -> None:
-        """Create or replace one blob (a file's bytes)."""
+    async def put_blob(self, blob_id: str, data: bytes, expires_at: float | None = None) -> None:
+        """Create or replace one blob (a file's bytes), living until `expires_at` or, when
+        None, `retention_s` from now."""
 
     @abstractmethod
     async def get_blob(self, blob_id: str) -> bytes | None:
-        """The blob, or None."""
+        """The blob, or None (never put, deleted or expired)."""
 
     @abstractmethod
     async def delete_blob(self, blob_id: str) -> None:
@@ -198,12 +220,17 @@ class WorkQueue(ABC):
 
 
 def validate_queue_limits(
-    lease_s: float, max_deliveries: int, event_ttl_s: float = DEFAULT_EVENT_TTL_S
+    lease_s: float,
+    max_deliveries: int,
+    event_ttl_s: float = DEFAULT_EVENT_TTL_S,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     if not (math.isfinite(lease_s) and lease_s > 0):
         raise ValueError(f"lease_s: must be > 0 seconds; got {lease_s}")
     if not (math.isfinite(event_ttl_s) and event_ttl_s > 0):
         raise ValueError(f"event_ttl_s: must be > 0 seconds; got {event_ttl_s}")
+    if not (math.isfinite(retention_s) and retention_s > 0):
+        raise ValueError(f"retention_s: must be > 0 seconds; got {retention_s}")
     if isinstance(max_deliveries, bool) or not isinstance(max_deliveries, int):
         raise ValueError(f"max_deliveries: must be an int; got {max_deliveries!r}")
     if max_deliveries < 1:

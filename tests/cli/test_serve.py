@@ -60,15 +60,17 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         RouterConfig(metrics_prefix="x")
 
 
-def test_the_queue_event_ttl_reaches_the_router_config(tmp_path: Path) -> None:
+def test_the_queue_event_ttl_and_retention_reach_the_router_config(tmp_path: Path) -> None:
     from duet.cli.serve import _router_config
-    from duet.session_store import DEFAULT_EVENT_TTL_S
+    from duet.session_store import DEFAULT_EVENT_TTL_S, DEFAULT_RETENTION_S
 
     store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
     config = _router_config(build_parser().parse_args(["serve", *store]), [])
     assert config.queue_event_ttl_s == DEFAULT_EVENT_TTL_S == 86400
-    argv = ["serve", *store, "--queue-event-ttl", "600"]
-    assert _router_config(build_parser().parse_args(argv), []).queue_event_ttl_s == 600
+    assert config.queue_retention_s == DEFAULT_RETENTION_S == 30 * 86400
+    argv = ["serve", *store, "--queue-event-ttl", "600", "--queue-retention", "7200"]
+    config = _router_config(build_parser().parse_args(argv), [])
+    assert (config.queue_event_ttl_s, config.queue_retention_s) == (600, 7200)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +91,8 @@ def test_the_queue_event_ttl_reaches_the_router_config(tmp_path: Path) -> None:
         (["serve", "--queue-max-deliveries", "0"], "--queue-max-deliveries: must be >= 1"),
         (["serve", "--queue-event-ttl", "0"], "--queue-event-ttl: must be > 0"),
         (["serve", "--queue-event-ttl", "inf"], "--queue-event-ttl: must be > 0"),
+        (["serve", "--queue-retention", "0"], "--queue-retention: must be > 0"),
+        (["serve", "--queue-retention", "nan"], "--queue-retention: must be > 0"),
         (["serve", "--rate-limit-rpm", "0"], "--rate-limit-rpm"),
         (["serve", "--rate-limit-tpm", "nan"], "--rate-limit-tpm"),
         (["serve", "--disaggregated", "--kv-wait", "30"], "--kv-wait"),

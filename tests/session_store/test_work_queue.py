@@ -4,11 +4,14 @@ claim and complete, lease takeover, one result per task, retries and dead letter
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from duet.session_store import (
     Delivery,
@@ -270,10 +273,94 @@ def test_an_event_log_expires_its_ttl_after_its_last_append(
     asyncio.run(main())
 
 
-def test_an_event_log_ttl_must_be_positive(tmp_path: Path) -> None:
+def test_an_event_log_ttl_and_the_retention_must_be_positive(tmp_path: Path) -> None:
     for ttl in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="event_ttl_s: must be > 0 seconds"):
             SqliteWorkQueue(tmp_path / "q.db", event_ttl_s=ttl)
+        with pytest.raises(ValueError, match="retention_s: must be > 0 seconds"):
+            SqliteWorkQueue(tmp_path / "q.db", retention_s=ttl)
+
+
+def stored_counts(q: WorkQueue, request: pytest.FixtureRequest) -> dict[str, int]:
+    """What the backend holds, expired or not: results, records of kind "batch", dead letters
+    and blobs, counted in its own storage."""
+    if isinstance(q, SqliteWorkQueue):
+        with sqlite3.connect(q.path) as conn:
+            count = lambda sql: int(conn.execute(sql).fetchone()[0])  # noqa: E731
+            return {
+                "results": count("SELECT COUNT(*) FROM queue_results"),
+                "records": count("SELECT COUNT(*) FROM queue_records WHERE kind = 'batch'"),
+                "dead": count("SELECT COUNT(*) FROM queue_dead"),
+                "blobs": count("SELECT COUNT(*) FROM queue_blobs"),
+                "expiries": count("SELECT COUNT(*) FROM queue_expiry"),
+            }
+    assert isinstance(q, RedisWorkQueue)
+    server: RedisServer = request.getfixturevalue("redis_server")
+    client = redis.Redis.from_url(server.url)
+    p = q.key_prefix
+    try:
+        return {
+            "results": int(client.hlen(f"{p}:queue:results")),
+            "records": int(client.hlen(f"{p}:records:batch")),
+            "dead": int(client.xlen(f"{p}:queue:work:dead")),
+            "blobs": len(client.keys(f"{p}:blob:*")),
+            "expiries": sum(
+                int(client.zcard(k))
+                for k in (f"{p}:queue:results:expiry", f"{p}:records:batch:expiry")
+            ),
+        }
+    finally:
+        client.close()
+
+
+def test_results_records_blobs_and_dead_letters_expire(
+    queue_factory: Callable[..., WorkQueue], request: pytest.FixtureRequest
+) -> None:
+    """Past `retention_s` a result, a dead letter, and a record or blob that named no expiry
+    read as absent; a record or blob with its own later expiry stays; later writes reclaim
+    the expired entries' space; a task whose result expired can store a new one."""
+
+    async def main() -> None:
+        async with queue_factory(retention_s=1.0, max_deliveries=1) as q:
+            later = time.time() + 60
+            await q.enqueue(tasks(2), results={"pre": {"x": 1}}, record=("batch", "b", {"n": 1}))
+            await q.put_record("batch", "kept", {"n": 2}, expires_at=later)
+            await q.put_blob("lapses", b"d")
+            await q.put_blob("kept", b"k", expires_at=later)
+            first, second = await q.claim("c", max_tasks=2)
+            assert await q.complete(first, {"out": 0}) is True
+            assert await q.fail(second, "boom") is True  # its last delivery: dead-lettered
+            ids = ["pre", "t0", "t1"]
+            dead = {"error": {"code": "dead_letter", "message": "boom"}}
+            assert await q.results(ids) == [{"x": 1}, {"out": 0}, dead]
+            assert [d.task_id for d in await q.dead_letters()] == ["t1"]
+            assert sorted(r["n"] for r in await q.list_records("batch")) == [1, 2]
+            assert await q.get_blob("lapses") == b"d"
+
+            await asyncio.sleep(1.3)
+            assert await q.results(ids) == [None, None, None]
+            assert await q.dead_letters() == []
+            assert await q.get_record("batch", "b") is None
+            assert await q.list_records("batch") == [{"n": 2}]
+            assert await q.get_record("batch", "kept") == {"n": 2}
+            assert await q.delete_record("batch", "b") is False  # expired: nothing to delete
+            assert (await q.get_blob("lapses"), await q.get_blob("kept")) == (None, b"k")
+            # A write reclaims what expired (a few per write); a new result may be stored.
+            await q.enqueue([], results={"pre": {"x": 2}})
+            assert await q.results(ids) == [{"x": 2}, None, None]
+            await q.enqueue([Task("t2", "echo", {})])
+            [third] = await q.claim("c")
+            assert await q.fail(third, "again") is True  # a new burial trims the old one
+            assert [d.reason for d in await q.dead_letters()] == ["again"]
+            counts = stored_counts(q, request)
+            # Left: "pre"'s and t2's results, the "kept" record, t2's dead letter, "kept"'s
+            # blob, and the expiries of the results and the record (SQLite's table also
+            # holds the dead letter's and the blob's; Redis trims the one, expires the other).
+            sqlite = isinstance(q, SqliteWorkQueue)
+            assert counts == {"results": 2, "records": 1, "dead": 1, "blobs": 1,
+                              "expiries": 5 if sqlite else 3}  # fmt: skip
+
+    asyncio.run(main())
 
 
 def test_named_queues_are_independent(queue_factory: Callable[..., WorkQueue]) -> None:
