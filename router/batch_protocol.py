@@ -66,14 +66,32 @@ class BatchRequestCounts(BaseModel):
     failed: int
 
 
+MIN_FILE_EXPIRY_S = 3600
+MAX_FILE_EXPIRY_S = 30 * 24 * 3600
+"""The bounds OpenAI puts on a file's `expires_after.seconds` (an hour, 30 days)."""
+
+
+class ExpiresAfter(BaseModel):
+    """When a file expires: `seconds` after its creation (`anchor` is always `created_at`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    anchor: str = Field(json_schema_extra={"enum": ["created_at"]})
+    seconds: int = Field(
+        json_schema_extra={"minimum": MIN_FILE_EXPIRY_S, "maximum": MAX_FILE_EXPIRY_S}
+    )
+
+
 class BatchCreateRequest(BaseModel):
     # The allowed values are checked by BatchService (400s naming the field); the schema says them.
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     input_file_id: str
     endpoint: str = Field(json_schema_extra={"enum": list(BATCH_ENDPOINTS)})
     completion_window: str = Field("24h", json_schema_extra={"enum": list(COMPLETION_WINDOWS)})
     metadata: dict[str, str] | None = None
+    output_expires_after: ExpiresAfter | None = None
+    """When the batch's output and error files expire (default: the queue's retention)."""
 
 
 class Batch(BaseModel):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
@@ -19,7 +20,13 @@ from duet.router.batch_protocol import (
     FileList,
     FileObject,
 )
-from duet.router.batches import MAX_FILES_PAGE, BatchService
+from duet.router.batches import (
+    MAX_FILE_EXPIRY_S,
+    MAX_FILES_PAGE,
+    MIN_FILE_EXPIRY_S,
+    BatchService,
+    check_expires_after_seconds,
+)
 from duet.router.errors import BadRequestError
 from duet.router.openapi import error_responses
 
@@ -30,16 +37,58 @@ _MULTIPART_SLACK_BYTES = 64 * 1024
 UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object",
     "required": ["purpose", "file"],
+    "additionalProperties": False,
+    "dependentRequired": {
+        "expires_after[anchor]": ["expires_after[seconds]"],
+        "expires_after[seconds]": ["expires_after[anchor]"],
+    },
     "properties": {
         "purpose": {"type": "string", "enum": ["batch"]},
         "file": {"type": "string", "format": "binary", "description": "The batch's JSONL lines"},
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {
+            "type": "integer", "minimum": MIN_FILE_EXPIRY_S, "maximum": MAX_FILE_EXPIRY_S,
+        },
     },
 }}}}}  # fmt: skip
 """`POST /v1/files`'s body as the schema states it (the route reads the form itself)."""
 
+_FORM_FIELDS = ("purpose", "file", "expires_after[anchor]", "expires_after[seconds]")
 
-async def _read_form(raw: Request, service: BatchService) -> tuple[str, str, bytes]:
-    """(purpose, filename, file bytes) of a multipart upload, reading at most the size limit."""
+
+@dataclass(frozen=True)
+class Upload:
+    """What a `POST /v1/files` form says."""
+
+    purpose: str
+    filename: str
+    data: bytes
+    expires_after_s: int | None
+    """`expires_after[seconds]` (anchored at the file's creation), or None: the default."""
+
+
+def _expires_after(anchor: str | None, seconds: str | None) -> int | None:
+    """OpenAI's `expires_after` as form fields: both or neither, anchor `created_at`, seconds
+    an integer in [3600, 2592000]."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor is None or seconds is None:
+        missing = "anchor" if anchor is None else "seconds"
+        raise BadRequestError(
+            f"expires_after.{missing}: missing (expires_after takes both anchor and seconds)",
+            param=f"expires_after.{missing}",
+        )
+    if anchor != "created_at":
+        raise BadRequestError(
+            f"expires_after.anchor: must be 'created_at'; got {anchor[:64]!r}",
+            param="expires_after.anchor",
+        )
+    return check_expires_after_seconds(seconds, "expires_after.seconds")
+
+
+async def _read_form(raw: Request, service: BatchService) -> Upload:
+    """The fields of a multipart upload, reading at most the size limit; a field it does not
+    know is a 400 naming it."""
     content_type = raw.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data"):
         raise BadRequestError(
@@ -57,29 +106,40 @@ async def _read_form(raw: Request, service: BatchService) -> tuple[str, str, byt
             service.check_file_size(len(body) - _MULTIPART_SLACK_BYTES)
     head = f"Content-Type: {content_type}\r\n\r\n".encode("latin-1")
     message = BytesParser(policy=HTTP).parsebytes(head + bytes(body))
-    purpose: str | None = None
+    texts: dict[str, str] = {}
     file: tuple[str, bytes] | None = None
     parts: list[Message] = list(message.iter_parts()) if message.is_multipart() else []
     for part in parts:
-        name = part.get_param("name", header="content-disposition")
+        name = str(part.get_param("name", header="content-disposition") or "")
         payload = part.get_payload(decode=True)
         data = payload if isinstance(payload, bytes) else b""
-        if name == "purpose":
-            purpose = data.decode("utf-8", errors="replace").strip()
-        elif name == "file":
+        if name == "file":
             file = (part.get_filename() or "upload.jsonl", data)
-    if purpose is None:
+        elif name in _FORM_FIELDS:
+            texts[name] = data.decode("utf-8", errors="replace").strip()
+        else:
+            allowed = ", ".join(_FORM_FIELDS)
+            raise BadRequestError(
+                f"{name[:64]}: unknown form field (POST /v1/files takes {allowed})",
+                param=name[:64],
+            )
+    if "purpose" not in texts:
         raise BadRequestError("purpose: missing form field (use 'batch')", param="purpose")
     if file is None:
         raise BadRequestError("file: missing form field (the JSONL file)", param="file")
-    return purpose, file[0], file[1]
+    expires_after_s = _expires_after(
+        texts.get("expires_after[anchor]"), texts.get("expires_after[seconds]")
+    )
+    return Upload(texts["purpose"], file[0], file[1], expires_after_s)
 
 
 def install_batch_routes(app: FastAPI, service: BatchService) -> None:
     @app.post("/v1/files", responses=error_responses(400, 401, 503), openapi_extra=UPLOAD_BODY)
     async def create_file(raw: Request) -> FileObject:
-        purpose, filename, data = await _read_form(raw, service)
-        return await service.create_file(caller_api_key(raw), filename, purpose, data)
+        form = await _read_form(raw, service)
+        return await service.create_file(
+            caller_api_key(raw), form.filename, form.purpose, form.data, form.expires_after_s
+        )
 
     @app.get("/v1/files", responses=error_responses(400, 401, 503))
     async def list_files(

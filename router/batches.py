@@ -26,6 +26,8 @@ from typing import Any
 from duet.router.batch_protocol import (
     BATCH_ENDPOINTS,
     COMPLETION_WINDOWS,
+    MAX_FILE_EXPIRY_S,
+    MIN_FILE_EXPIRY_S,
     Batch,
     BatchCreateRequest,
     BatchRequestCounts,
@@ -45,6 +47,9 @@ MAX_BATCH_LINES = 10_000
 """Most requests in one batch."""
 MAX_FILES_PAGE = 10_000
 """Most files in one page of `GET /v1/files` (OpenAI's limit, and its default)."""
+DEFAULT_FILE_EXPIRY_S = MAX_FILE_EXPIRY_S
+"""An uploaded file's lifetime without `expires_after` (OpenAI: batch files expire after 30
+days)."""
 BATCH_KINDS = {"/v1/chat/completions": "batch.chat", "/v1/completions": "batch.completion"}
 _FINAL = ("completed", "cancelled", "failed", "expired")
 
@@ -70,6 +75,27 @@ def _owner(api_key: str | None) -> str:
     return hash_api_key(api_key) or ""
 
 
+def check_expires_after_seconds(value: object, param: str) -> int:
+    """`expires_after.seconds` as an int in [3600, 2592000] (a form field's text or JSON's
+    int), else a 400 naming `param`."""
+    text = str(value).strip()
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = int(text)
+    except ValueError:
+        raise BadRequestError(
+            f"{param}: must be an integer; got {text[:64]!r}", param=param
+        ) from None
+    if not MIN_FILE_EXPIRY_S <= seconds <= MAX_FILE_EXPIRY_S:
+        raise BadRequestError(
+            f"{param}: must be in [{MIN_FILE_EXPIRY_S}, {MAX_FILE_EXPIRY_S}] seconds; "
+            f"got {seconds}",
+            param=param,
+        )
+    return seconds
+
+
 def _request_id(batch_id: str, line: int) -> str:
     return "batch_req_" + hashlib.sha256(f"{batch_id}:{line}".encode()).hexdigest()[:32]
 
@@ -93,26 +119,40 @@ class BatchService:
     # --- files ---
 
     async def create_file(
-        self, api_key: str | None, filename: str, purpose: str, data: bytes
+        self,
+        api_key: str | None,
+        filename: str,
+        purpose: str,
+        data: bytes,
+        expires_after_s: int | None = None,
     ) -> FileObject:
+        """Store an upload; it expires `expires_after_s` after now (default 30 days, as
+        OpenAI's batch files do), its bytes and record together."""
         if purpose != "batch":
             raise BadRequestError(
                 f"purpose: only 'batch' is supported; got {purpose!r}", param="purpose"
             )
         self.check_file_size(len(data))
+        created_at = int(time.time())
         file = FileObject(
             id=f"file-{uuid.uuid4().hex}",
             bytes=len(data),
-            created_at=int(time.time()),
+            created_at=created_at,
             filename=filename,
             purpose=purpose,
+            expires_at=created_at + (expires_after_s or DEFAULT_FILE_EXPIRY_S),
         )
-        with queue_errors():
-            await self.queue.put_blob(file.id, data)
-            await self.queue.put_record(
-                "file", file.id, {**file.model_dump(), "owner": _owner(api_key)}
-            )
+        await self._put_file(file, data, _owner(api_key))
         return file
+
+    async def _put_file(self, file: FileObject, data: bytes, owner: str) -> None:
+        """The file's bytes and record, both expiring at its `expires_at`."""
+        assert file.expires_at is not None
+        with queue_errors():
+            await self.queue.put_blob(file.id, data, expires_at=file.expires_at)
+            await self.queue.put_record(
+                "file", file.id, {**file.model_dump(), "owner": owner}, expires_at=file.expires_at
+            )
 
     def check_file_size(self, num_bytes: int) -> None:
         if num_bytes > self.max_file_bytes:
@@ -220,6 +260,17 @@ class BatchService:
                 "per batch",
                 param="input_file_id",
             )
+        output_expiry_s = None
+        if body.output_expires_after is not None:
+            if body.output_expires_after.anchor != "created_at":
+                raise BadRequestError(
+                    "output_expires_after.anchor: must be 'created_at'; got "
+                    f"{body.output_expires_after.anchor[:64]!r}",
+                    param="output_expires_after.anchor",
+                )
+            output_expiry_s = check_expires_after_seconds(
+                body.output_expires_after.seconds, "output_expires_after.seconds"
+            )
         now = int(time.time())
         batch_id = f"batch_{uuid.uuid4().hex}"
         batch = Batch(
@@ -235,7 +286,8 @@ class BatchService:
             metadata=body.metadata,
         )
         lines = sorted([(g.line, g.custom_id) for g in good] + [(b.line, b.custom_id) for b in bad])
-        record = {**batch.model_dump(), "owner": _owner(api_key), "lines": lines}
+        record = {**batch.model_dump(), "owner": _owner(api_key), "lines": lines,
+                  "output_expiry_s": output_expiry_s}  # fmt: skip
         tasks = [
             Task(
                 f"{batch_id}:{g.line}",
@@ -354,20 +406,20 @@ class BatchService:
             final.update(status="expired", expired_at=now)
         else:
             final.update(status="completed", completed_at=now)
-        owner = doc["owner"]
+        # Without output_expires_after the files live as long as the queue keeps anything.
+        lifetime = doc.get("output_expiry_s") or int(self.queue.retention_s)
+        for suffix, entries in (("output", output), ("errors", errors)):
+            if not entries:
+                continue
+            file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
+            data = ("\n".join(entries) + "\n").encode()
+            file = FileObject(
+                id=file_id, bytes=len(data), created_at=now, filename=f"{batch_id}_{suffix}.jsonl",
+                purpose="batch_output", expires_at=now + lifetime,
+            )  # fmt: skip
+            await self._put_file(file, data, doc["owner"])
+            final["output_file_id" if suffix == "output" else "error_file_id"] = file_id
         with queue_errors():
-            for suffix, entries in (("output", output), ("errors", errors)):
-                if not entries:
-                    continue
-                file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
-                data = ("\n".join(entries) + "\n").encode()
-                file = FileObject(
-                    id=file_id, bytes=len(data), created_at=now, filename=f"{batch_id}_{suffix}.jsonl",
-                    purpose="batch_output",
-                )  # fmt: skip
-                await self.queue.put_blob(file_id, data)
-                await self.queue.put_record("file", file_id, {**file.model_dump(), "owner": owner})
-                final["output_file_id" if suffix == "output" else "error_file_id"] = file_id
             await self.queue.put_record("batch", batch_id, final)
         return Batch.model_validate(final)
 

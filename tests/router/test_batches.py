@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import openai
 import pytest
 from openai.types import Batch
@@ -370,3 +371,90 @@ def test_a_batch_waits_out_a_cluster_without_decode_workers(
             return list(await q.dead_letters())
 
     assert asyncio.run(dead()) == []
+
+
+def test_files_expire_and_batch_outputs_take_output_expires_after(
+    rest_engine: AsyncEngine, tmp_path: Path
+) -> None:
+    """`expires_after` on an upload and `output_expires_after` on a batch set the files'
+    `expires_at` (defaults: 30 days for an upload, the queue's retention for an output), and
+    past it a file is gone: not listed, 404 for it and its content. Bad values are 400s
+    naming the field; an unknown form or body field too, never silently ignored."""
+    skew = [0.0]
+    queue = SqliteWorkQueue(tmp_path / "q.db", lease_s=10.0, clock=lambda: time.time() + skew[0])
+    server = serve(rest_engine, queue)
+    client = client_for(server)
+    try:
+        data = input_file(2, 0, bad=False)
+        plain = client.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+        assert plain.expires_at == plain.created_at + 30 * 24 * 3600
+        hour = client.files.create(
+            file=("b.jsonl", io.BytesIO(data)), purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": 3600},
+        )  # fmt: skip
+        assert hour.expires_at == hour.created_at + 3600
+        assert client.files.retrieve(hour.id).expires_at == hour.expires_at
+        for expires_after, param in [
+            ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+            ({"anchor": "created_at", "seconds": 2592001}, "expires_after.seconds"),
+            ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+            ({"seconds": 3600}, "expires_after.anchor"),
+        ]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.files.create(
+                    file=("c.jsonl", io.BytesIO(data)), purpose="batch",
+                    expires_after=expires_after,  # type: ignore[arg-type]
+                )  # fmt: skip
+            assert e.value.body["param"] == param, expires_after  # type: ignore[index]
+        reply = httpx2.post(
+            f"{server.url}/v1/files", headers={"authorization": f"Bearer {API_KEY}"},
+            data={"purpose": "batch", "ttl": "5"}, files={"file": ("d.jsonl", data)},
+        )  # fmt: skip
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "ttl"
+
+        week = 7 * 24 * 3600
+        batch = client.batches.create(
+            input_file_id=plain.id, endpoint="/v1/chat/completions", completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": week},
+        )  # fmt: skip
+        done = wait_done(client, batch.id)
+        assert done.output_file_id is not None
+        output = client.files.retrieve(done.output_file_id)
+        assert output.expires_at == output.created_at + week
+        default = wait_done(
+            client,
+            client.batches.create(
+                input_file_id=hour.id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id,
+        )
+        assert default.output_file_id is not None
+        kept = client.files.retrieve(default.output_file_id)
+        assert kept.expires_at == kept.created_at + 30 * 24 * 3600  # the queue's retention
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(
+                input_file_id=plain.id, endpoint="/v1/chat/completions", completion_window="24h",
+                output_expires_after={"anchor": "created_at", "seconds": 60},
+            )  # fmt: skip
+        assert e.value.body["param"] == "output_expires_after.seconds"  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.batches.create(
+                input_file_id=plain.id, endpoint="/v1/chat/completions", completion_window="24h",
+                extra_body={"priority": "high"},
+            )  # fmt: skip
+        assert e.value.body["param"] == "priority"  # type: ignore[index]
+
+        skew[0] = 3601.0  # an hour and a second later: the one-hour file is gone
+        listed = [f.id for f in client.files.list().data]
+        assert hour.id not in listed and {plain.id, output.id, kept.id} <= set(listed)
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(hour.id)
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(hour.id)
+        skew[0] = week + 1.0  # the batch's output file, asked for a week, is gone too
+        with pytest.raises(openai.NotFoundError):
+            client.files.content(output.id)
+        assert client.files.content(kept.id).text == client.files.content(kept.id).text
+        assert client.files.retrieve(plain.id).id == plain.id
+    finally:
+        client.close()
+        server.stop()
