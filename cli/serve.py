@@ -189,6 +189,13 @@ def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
         choices=["qwen3", "deepseek_r1"],
         help="put <think>...</think> into reasoning_content (default: none, it stays in content)",
     )
+    parser.add_argument(
+        "--embedding-pooling",
+        default="last",
+        choices=["last", "mean"],
+        help="how POST /v1/embeddings pools a prompt's final hidden states: the last token's "
+        "(default, as vLLM pools decoder models) or the mean of every token's",
+    )
 
 
 def _add_queue_flags(parser: argparse.ArgumentParser) -> None:
@@ -298,6 +305,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             queue_event_ttl_s=args.queue_event_ttl,
             queue_retention_s=args.queue_retention,
             tool_call_parser=args.tool_call_parser,
+            embedding_pooling=args.embedding_pooling,
             reasoning_parser=args.reasoning_parser,
             web_ui=args.web_ui,
             metrics_prefix=args.metrics_prefix,

@@ -131,6 +131,12 @@ class ClusterEngine:
         return bool(decode) and all(w.ngram for w in decode)
 
     @property
+    def computes_embeddings(self) -> bool:
+        """Not yet on a cluster: the prefill workers, which run the prompt, would have to send
+        the pooled hidden state back (`/v1/embeddings` answers a 400 saying so)."""
+        return False
+
+    @property
     def deterministic(self) -> bool:
         """True when every healthy worker reports it (and there is one of each kind)."""
         prefill, decode = self.pool.healthy_prefill(), self.pool.healthy_decode()

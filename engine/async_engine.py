@@ -103,6 +103,12 @@ class AsyncEngine:
         return speculator is not None and speculator.proposer.method == "ngram"
 
     @property
+    def computes_embeddings(self) -> bool:
+        """Embeddings need the final hidden states where the outputs are made: not across
+        pipeline stages."""
+        return self.engine.config.pipeline_parallel_size == 1
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 

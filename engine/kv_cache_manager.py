@@ -41,7 +41,12 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step produces logits. A request
         that asked for prompt logprobs gets no hit (every position's logits are needed)."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if (
+            not self.enable_caching
+            or params.prompt_logprobs is not None
+            or params.pooling == "mean"
+        ):
             return [], 0
         salt = request.sampling_params.cache_salt
         hash_request_blocks(request.all_token_ids, self.block_size, request.block_hashes, salt)

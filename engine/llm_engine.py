@@ -205,6 +205,12 @@ class LLMEngine:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")
         if prefill_only and params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a prefill-only request; got {params.n}")
+        if params.pooling is not None and (prefill_only or self.config.pipeline_parallel_size > 1):
+            raise InvalidInputError(
+                "pooling",
+                "embeddings are computed by an engine that runs the whole model: not by a "
+                "disaggregated prefill worker, nor across pipeline stages",
+            )
         max_tokens = self.check_lengths(len(ids), params)
         state = RequestState.new(request_id, text, ids, params.prompt_logprobs)
         for index in range(params.n):
@@ -393,6 +399,8 @@ class LLMEngine:
             self.speculator.verified(sched.spec_token_ids, result.sampled)
         for request_id, (first, entries) in result.prompt_logprobs.items():
             self.requests.add_prompt_logprobs(request_id, first, entries)
+        for request_id, embedding in result.embeddings.items():
+            self.requests.add_embedding(request_id, embedding)
         for request, num_new in updated:
             self.requests.on_tokens(request, num_new, result.logprobs.get(request.request_id))
         if self.speculator is not None:

@@ -77,6 +77,9 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
     """Requests with `prompt_logprobs` that computed prompt positions this step: (the prompt
     index of the first entry, one entry per prompt token from there)."""
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
+    """Embedding requests (`SamplingParams.pooling`) whose prompt's last chunk ran this step:
+    the pooled, unit-length hidden state."""
 
 
 class ModelRunner:
@@ -126,6 +129,8 @@ class ModelRunner:
             for _ in range(model.num_layers)  # this pipeline stage's
         ]
         self.sampler = Sampler()
+        self._pool_sums: dict[str, torch.Tensor] = {}
+        """Mean-pooling embedding requests part-way through their prompt: the rows so far."""
         self.num_micro_batched_steps = 0
         """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
         self.attention_backend = resolve_attention_backend(
@@ -187,6 +192,8 @@ class ModelRunner:
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Requests that left the running set give back their input-batch slots."""
+        for request_id in request_ids:
+            self._pool_sums.pop(request_id, None)
         if request_ids:
             self.input_batch.remove(request_ids)
 
@@ -270,9 +277,10 @@ class ModelRunner:
             self.expert_load.snapshot()  # lands before the sampled tokens' transfer
 
         prompt_logprobs = self._prompt_logprobs(out, step.query_start, hidden)
+        embeddings = self._pool(out, step.query_start, hidden)
         # Only requests whose computed tokens reach their last token sample this step.
         if not step.sample_rows:
-            return StepResult({}, {}, prompt_logprobs)
+            return StepResult({}, {}, prompt_logprobs, embeddings)
         # Every row a logits row (all decodes): the indices are 0..N-1 in order, no gather.
         every_row = step.logits_indices.shape[0] == hidden.shape[0]
         last = hidden if every_row else hidden[step.logits_indices]
@@ -301,7 +309,7 @@ class ModelRunner:
                 for r, lp in zip(to_sample, result.logprobs, strict=True)
                 if lp is not None
             }
-            return StepResult(sampled, logprobs, prompt_logprobs)
+            return StepResult(sampled, logprobs, prompt_logprobs, embeddings)
         new_tokens, kept_rows = accept_point_mass(result.token_ids, drafts)
         batch.sampling.record(sampling, result.token_tensor, kept_rows)
         sampled, logprobs, row = {}, {}, 0
@@ -311,7 +319,39 @@ class ModelRunner:
                 lps = result.logprobs[row : row + len(tokens)]
                 logprobs[r.request_id] = [lp for lp in lps if lp is not None]
             row += len(draft) + 1
-        return StepResult(sampled, logprobs, prompt_logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs, embeddings)
+
+    def _pool(
+        self, out: SchedulerOutput, query_start: np.ndarray, hidden: torch.Tensor
+    ) -> dict[str, list[float]]:
+        """The embeddings of the requests whose prompt's last chunk ran this step. `mean`
+        sums each chunk's rows in fp32 as the chunks run (a chunk starting at position 0
+        starts the sum over: a preempted request's recomputation), `last` takes the last
+        row; either is scaled to unit length (as vLLM's and OpenAI's embeddings are)."""
+        done: dict[str, list[float]] = {}
+        for i, (request, num_new) in enumerate(out.scheduled):
+            kind = request.sampling_params.pooling
+            if kind is None:
+                continue
+            start, row = request.num_computed_tokens, int(query_start[i])
+            end = min(start + num_new, request.num_prompt_tokens)
+            if end <= start:
+                continue
+            rows = hidden[row : row + end - start].float()
+            if kind == "mean":
+                total = rows.sum(dim=0)
+                if start > 0:
+                    total += self._pool_sums.pop(request.request_id)
+                self._pool_sums[request.request_id] = total
+            if end < request.num_prompt_tokens:
+                continue
+            if kind == "mean":
+                vector = self._pool_sums.pop(request.request_id) / request.num_prompt_tokens
+            else:
+                vector = rows[-1]
+            vector = torch.nn.functional.normalize(vector, dim=0)
+            done[request.request_id] = vector.cpu().tolist()
+        return done
 
     def _forward_micro_batches(
         self, step: StepInputs, micro: list[tuple[int, int]]

@@ -69,6 +69,7 @@ class OutputAssembler:
         ]
         self.num_cached_tokens = 0
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.embedding: list[float] | None = None
         self._stops: list[tuple[int, int]] = []
 
     @property
@@ -82,6 +83,8 @@ class OutputAssembler:
         self.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.set_prompt_logprobs(out.prompt_logprobs)
+        if out.embedding is not None:
+            self.embedding = out.embedding
         return self.output()
 
     def add_sample(self, delta: SampleDelta) -> None:
@@ -190,6 +193,7 @@ class OutputAssembler:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=self.prompt_logprobs,
+            embedding=self.embedding,
         )
 
 

@@ -63,6 +63,9 @@ class RequestOutput:
     """With `SamplingParams.prompt_logprobs`: one entry per prompt token, None for the first;
     each maps the prompt token (first) and the top alternatives to their `Logprob` (vLLM's
     shape). Complete from the first output on."""
+    embedding: list[float] | None = None
+    """With `SamplingParams.pooling`: the prompt's pooled, unit-length hidden state (its
+    sampled token is not part of the answer)."""
 
     @property
     def text(self) -> str:
@@ -107,3 +110,4 @@ class EngineOutput:
     finished: bool = False  # every sample finished engine-side
     num_cached_tokens: int = 0
     prompt_logprobs: list[PromptLogprob | None] | None = None  # once, when all are computed
+    embedding: list[float] | None = None  # an embedding request's, once its prompt ran

@@ -47,6 +47,8 @@ class RequestState:
     """With `SamplingParams.prompt_logprobs`: filled position by position as chunks run (a
     preempted request's recomputation overwrites them with the same values)."""
     prompt_logprobs_sent: bool = False
+    embedding: list[float] | None = None
+    """An embedding request's pooled hidden state, once its prompt ran; sent once."""
 
     @classmethod
     def new(
@@ -91,12 +93,14 @@ class RequestState:
             and all(e is not None for e in self.prompt_logprobs[1:])
         ):
             prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        embedding, self.embedding = self.embedding, None
         return EngineOutput(
             self.request_id,
             deltas,
             finished=self.finished,
             num_cached_tokens=max(0, self.samples[0].request.num_cached_tokens),
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )
 
 
@@ -138,6 +142,12 @@ class RequestTable:
         entry = self._sample_of.get(engine_request_id)
         if entry is not None:
             entry[0].add_prompt_logprobs(first, entries)
+
+    def add_embedding(self, engine_request_id: str, embedding: list[float]) -> None:
+        entry = self._sample_of.get(engine_request_id)
+        if entry is not None:
+            entry[0].embedding = embedding
+            self._changed[entry[0].request_id] = entry[0]
 
     def on_tokens(
         self, request: Request, num_new: int, logprobs: list[TokenLogprob] | None

@@ -78,6 +78,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """A grammar the output must match (JSON schema, JSON object, regex, choice, EBNF); a dict
     is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
+    pooling: str | None = None
+    """An embedding request (`/v1/embeddings`): the prompt's final hidden states (after the
+    model's last norm) pooled, `last` (the last token's, as vLLM pools decoder models) or
+    `mean` (every token's), then scaled to unit length, come back as `RequestOutput.embedding`.
+    It samples one token, which is not its answer: needs `max_tokens` 1 and `n` 1. With
+    `mean` it skips the prefix cache (every position's hidden state is needed)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,6 +157,16 @@ class SamplingParams:
                 "include_stop_str_in_output",
                 f"must be a boolean; got {self.include_stop_str_in_output!r}",
             )
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise InvalidInputError(
+                    "pooling", f"must be one of {', '.join(POOLING_TYPES)}; got {self.pooling!r}"
+                )
+            if self.max_tokens != 1 or self.n != 1:
+                raise InvalidInputError(
+                    "pooling",
+                    "needs max_tokens 1 and n 1 (an embedding samples nothing it returns)",
+                )
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidInputError("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
 
@@ -187,6 +203,9 @@ class SamplingParams:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         )
 
+
+POOLING_TYPES = ("last", "mean")
+"""How an embedding request pools its prompt's hidden states."""
 
 MAX_LOGIT_BIAS = 100.0
 """The largest bias magnitude (OpenAI's range is [-100, 100])."""

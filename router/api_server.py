@@ -42,6 +42,7 @@ from duet.router.openai_tokenize import install_tokenize_routes
 from duet.router.openapi import error_responses, install_openapi
 from duet.router.queue_worker import QueueWorker
 from duet.router.serving_context import ServingContext
+from duet.router.serving_embeddings import EmbeddingRequest, EmbeddingResponse
 from duet.router.serving_responses import install_responses_routes
 from duet.router.sessions import SessionManager
 from duet.router.sessions_protocol import (
@@ -121,8 +122,8 @@ _STREAMED = {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}}
 
 
 def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
-    """`POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-    `GET /v1/models/{id}`."""
+    """`POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/embeddings`,
+    `GET /v1/models`, `GET /v1/models/{id}`."""
     ctx = front.ctx
 
     @app.post(
@@ -149,6 +150,14 @@ def install_openai_routes(app: FastAPI, front: FrontDoor) -> None:
     )
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await front.completions.create(body, raw)
+
+    @app.post(
+        "/v1/embeddings",
+        response_model=None,
+        responses={200: {"model": EmbeddingResponse}, **error_responses(400, 401, 404, 429, 503)},
+    )
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
+        return await front.embeddings.create(body, raw)
 
     def card(name: str) -> ModelCard:
         return ModelCard(

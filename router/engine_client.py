@@ -41,6 +41,11 @@ class EngineClient(Protocol):
         proposes by ngram lookup."""
 
     @property
+    def computes_embeddings(self) -> bool:
+        """Whether requests with `SamplingParams.pooling` (`/v1/embeddings`) are served: an
+        engine that runs the whole model in one place does."""
+
+    @property
     def is_ready(self) -> bool:
         """True while new requests can be served (readiness)."""
 

@@ -32,6 +32,7 @@ from duet.router.responses_store import StoredResponses
 from duet.router.serving_chat import ChatCompletionHandler
 from duet.router.serving_completion import CompletionHandler
 from duet.router.serving_context import ServingContext
+from duet.router.serving_embeddings import EmbeddingHandler
 from duet.router.serving_responses import ResponsesHandler
 from duet.router.sessions import SessionManager
 from duet.router.tracing import RequestTracing
@@ -74,6 +75,8 @@ class RouterOptions:
     send: none), beside the probes."""
     tracer_provider: TracerProvider | None = None
     """Where each request's trace goes (router/tracing.py); None: no tracing."""
+    embedding_pooling: str = "last"
+    """How `/v1/embeddings` pools a prompt's hidden states: `last` or `mean`."""
 
 
 @dataclass
@@ -86,6 +89,7 @@ class FrontDoor:
     turns: ChatTurns
     chat: ChatCompletionHandler
     completions: CompletionHandler
+    embeddings: EmbeddingHandler
     responses: ResponsesHandler
     conversations: ConversationsHandler
     batches: BatchService | None = None
@@ -138,6 +142,7 @@ class FrontDoor:
         return cls(
             options, ctx, APIKeyChecker(options.api_keys), turns,
             ChatCompletionHandler(turns, background), CompletionHandler(ctx),
+            EmbeddingHandler(ctx, options.embedding_pooling),
             ResponsesHandler(turns, stored, responses_background, conversations), conversations,
             batches, background, workers,
         )  # fmt: skip

@@ -24,6 +24,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI
 
+from duet.engine.sampling_params import POOLING_TYPES
 from duet.router.admission import DEFAULT_MAX_QUEUE_WAIT_S
 from duet.router.api_server import build_app
 from duet.router.engine_client import EngineClient
@@ -92,6 +93,8 @@ class RouterConfig:
     kept after their last write."""
 
     # --- chat replies (docs/tool_calling.md) ---
+    embedding_pooling: str = "last"
+    """How `/v1/embeddings` pools a prompt's final hidden states: last or mean."""
     tool_call_parser: str | None = None
     """hermes, llama3_json or mistral; None: inferred from the chat template."""
     reasoning_parser: str | None = None
@@ -143,6 +146,11 @@ class RouterConfig:
             raise ValueError(
                 f"--metrics-prefix: must be one of {', '.join(METRICS_PREFIXES)}; "
                 f"got {self.metrics_prefix!r}"
+            )
+        if self.embedding_pooling not in POOLING_TYPES:
+            raise ValueError(
+                f"--embedding-pooling: must be one of {', '.join(POOLING_TYPES)}; "
+                f"got {self.embedding_pooling!r}"
             )
         self._check_queue()
         self.http_limits  # noqa: B018  # validates them, naming the flag
@@ -233,6 +241,7 @@ class RouterServer(uvicorn.Server):
             rate_limits=config.rate_limits,
             work_queue=self.work_queue,
             chat_options=config.chat_options,
+            embedding_pooling=config.embedding_pooling,
             web_ui=config.web_ui,
             metrics_prefix=config.metrics_prefix,
             metrics_open=config.metrics_open,

@@ -80,7 +80,7 @@ class CompletionHandler:
                 self._stream(body, request_id, params.n, streams, echoes, prompts), release
             )
         try:
-            finals = await run_until_disconnect(raw, _final_outputs(streams))
+            finals = await run_until_disconnect(raw, final_outputs(streams))
             if body.prompt_only:
                 finals = [_without_completion(out) for out in finals]
         except ClientDisconnected:
@@ -227,9 +227,10 @@ class CompletionHandler:
         yield DONE
 
 
-async def _final_outputs(
+async def final_outputs(
     streams: Sequence[AsyncGenerator[RequestOutput, None]],
 ) -> list[RequestOutput]:
+    """Each stream's last output, in order, once every one finished."""
     finals: dict[int, RequestOutput] = {}
     async with aclosing(merge_streams(list(streams))) as merged:
         async for i, out in merged:

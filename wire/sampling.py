@@ -24,6 +24,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     `ValueError` for fields the router must have applied itself (a bug, not the client's)."""
     if params.n != 1 or params.stop:
         raise ValueError("a worker takes one sample (n=1) and no stop strings: the router's")
+    if params.pooling is not None:
+        raise ValueError("a worker computes no embeddings: the router refuses them on a cluster")
     if params.seed is not None and not _INT64[0] <= params.seed <= _INT64[1]:
         raise InvalidInputError("seed", f"must fit in 64 bits; got {params.seed}")
     message = worker_pb2.SamplingParams(

@@ -60,6 +60,22 @@ def test_page_metrics_and_tracing_flags_reach_the_router_config(tmp_path: Path) 
         RouterConfig(metrics_prefix="x")
 
 
+def test_the_embedding_pooling_reaches_the_router_config(tmp_path: Path) -> None:
+    from duet.cli.serve import _router_config
+    from duet.router.server import RouterConfig
+
+    store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
+    assert _router_config(build_parser().parse_args(["serve", *store]), []).embedding_pooling == (
+        "last"
+    )
+    argv = ["serve", *store, "--embedding-pooling", "mean"]
+    assert _router_config(build_parser().parse_args(argv), []).embedding_pooling == "mean"
+    with pytest.raises(
+        ValueError, match="--embedding-pooling: must be one of last, mean; got 'cls'"
+    ):
+        RouterConfig(embedding_pooling="cls")
+
+
 def test_the_queue_event_ttl_and_retention_reach_the_router_config(tmp_path: Path) -> None:
     from duet.cli.serve import _router_config
     from duet.session_store import DEFAULT_EVENT_TTL_S, DEFAULT_RETENTION_S

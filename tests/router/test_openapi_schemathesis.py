@@ -81,6 +81,7 @@ OPERATIONS = [
     ("GET", "/v1/chat/completions/{completion_id}"),
     ("GET", "/v1/chat/completions/{completion_id}/events"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
     ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
@@ -132,6 +133,7 @@ SEMANTIC_REFUSALS = (
     "in this list (an id from a previous page)",  # GET /v1/files' `after`: one of the key's ids
     "only background responses can be cancelled",  # how the response was created
     "is already an item of this conversation",  # an item id: unique in its conversation
+    "embeddings have",  # /v1/embeddings' dimensions: the model's width, known by running it
     # NOTE: JSON Schema can state this one (an if/then on session_id), but with it the chat
     # body's sixth if/then rule schemathesis 4.32 refuses to generate the operation at all
     # ("does not support this part of it"), whatever the rule says.

@@ -63,6 +63,12 @@ def test_what_the_router_applies_never_travels(change):
         sampling_to_proto(dataclasses.replace(EVERY_FIELD, **change))
 
 
+def test_an_embedding_request_never_travels():
+    params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last")
+    with pytest.raises(ValueError, match="a worker computes no embeddings"):
+        sampling_to_proto(params)
+
+
 @pytest.mark.parametrize("change", [{"skip_special_tokens": False},
                                     {"include_stop_str_in_output": True}])  # fmt: skip
 def test_what_shapes_the_text_stays_with_the_router(change):

@@ -1,0 +1,88 @@
+"""Embeddings (`SamplingParams.pooling`): a prompt's final hidden states (after the model's last
+norm), pooled `last` or `mean` and scaled to unit length. fp32 values match HF's
+`output_hidden_states` pooled the same way; chunked prefill, a batch beside generating
+requests and a prefix-cache hit give bitwise the same vector."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from duet.engine import LLM, SamplingParams
+from duet.engine.errors import InvalidInputError
+from tests.conftest import SMOLLM2_SHAPES
+
+
+def _embed(kind: str) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=1, pooling=kind)
+
+
+def _llm(path: str, dtype: str, **kw) -> LLM:
+    return LLM(path, dtype=dtype, load_progress=False, num_kv_blocks=200, **kw)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 40, 70)]
+
+
+def _hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
+            pooled = hidden[-1] if kind == "last" else hidden.mean(dim=0)
+            out.append(torch.nn.functional.normalize(pooled, dim=0))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_fp32_embeddings_match_hf_pooled_hidden_states(tiny_llama, kind):
+    prompts = _prompts()
+    outs = _llm(tiny_llama, "float32", max_num_batched_tokens=16).generate(prompts, _embed(kind))
+    for prompt, out, ref in zip(prompts, outs, _hf_vectors(tiny_llama, prompts, kind), strict=True):
+        assert out.embedding is not None and out.finished
+        vector = torch.tensor(out.embedding)
+        assert vector.shape == ref.shape
+        assert vector.norm().item() == pytest.approx(1.0, abs=1e-5)
+        torch.testing.assert_close(vector, ref, atol=2e-5, rtol=2e-5), len(prompt)
+        assert len(out.token_ids) == 1  # one token sampled, not the answer
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_chunks_batches_and_prefix_hits_give_bitwise_the_same_vector(tiny_model_factory, kind):
+    path = tiny_model_factory("llama", **SMOLLM2_SHAPES)
+    prompts = _prompts()
+    whole = _llm(path, "bfloat16", max_num_batched_tokens=256)
+    assert whole.engine.deterministic
+    expected = [o.embedding for o in whole.generate(prompts, _embed(kind))]
+    again = whole.generate(prompts, _embed(kind))  # cached now: `last` may hit, `mean` may not
+    assert [o.embedding for o in again] == expected
+    if kind == "mean":
+        assert {o.num_cached_tokens for o in again} == {0}
+    else:
+        assert max(o.num_cached_tokens for o in again) > 0
+    for chunk in (7, 16):
+        chunked = _llm(path, "bfloat16", max_num_batched_tokens=chunk)
+        assert [o.embedding for o in chunked.generate(prompts, _embed(kind))] == expected, chunk
+    # Beside requests that generate: each prompt's vector is its own, the others' text too.
+    talk = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = whole.generate(prompts[:2], talk)
+    mixed = whole.generate([*prompts, *prompts[:2]], [*(_embed(kind),) * len(prompts), talk, talk])
+    assert [o.embedding for o in mixed[: len(prompts)]] == expected
+    assert [o.token_ids for o in mixed[len(prompts) :]] == [o.token_ids for o in alone]
+    assert [o.embedding for o in mixed[len(prompts) :]] == [None, None]
+
+
+def test_bad_pooling_is_refused():
+    with pytest.raises(InvalidInputError, match="pooling: must be one of last, mean"):
+        SamplingParams(max_tokens=1, pooling="cls")
+    with pytest.raises(InvalidInputError, match="pooling: needs max_tokens 1 and n 1"):
+        SamplingParams(max_tokens=2, pooling="last")
+    with pytest.raises(InvalidInputError, match="pooling: needs max_tokens 1 and n 1"):
+        SamplingParams(max_tokens=1, n=2, pooling="mean")

@@ -1,0 +1,120 @@
+"""`POST /v1/embeddings` with the official `openai` client: the vectors (the client's default
+base64 and plain floats, bitwise equal) match HF's final hidden states pooled the same way
+(last token, or mean with `--embedding-pooling mean`) and scaled to unit length; text and
+token-id inputs give the same vectors; usage counts the prompt tokens; bad input is a 400
+naming the field; an engine that cannot compute them says so."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from duet.engine import AsyncEngine
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores keys.", "a"]
+
+
+def hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+            pooled = hidden[-1] if kind == "last" else hidden.mean(dim=0)
+            out.append(torch.nn.functional.normalize(pooled, dim=0))
+    return out
+
+
+def client_of(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def mean_client(rest_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
+    app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], embedding_pooling="mean")
+    server = LiveServer(app).start()
+    c = client_of(server)
+    yield c
+    c.close()
+    server.stop()
+
+
+@pytest.mark.parametrize("kind", ["last", "mean"])
+def test_vectors_match_hf_pooled_hidden_states(
+    kind: str, client: openai.OpenAI, mean_client: openai.OpenAI, rest_engine: AsyncEngine,
+    tiny_llama: str,
+) -> None:  # fmt: skip
+    c = client if kind == "last" else mean_client
+    ids = [rest_engine.tokenize_prompt(t)[1] for t in TEXTS]
+    reply = c.embeddings.create(model=MODEL_NAME, input=TEXTS)  # the client asks for base64
+    assert (reply.object, reply.model, [d.index for d in reply.data]) == ("list", MODEL_NAME,
+                                                                           [0, 1, 2])  # fmt: skip
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(len(i) for i in ids)
+    vectors = [torch.tensor(d.embedding) for d in reply.data]
+    for vector, ref in zip(vectors, hf_vectors(tiny_llama, ids, kind), strict=True):
+        torch.testing.assert_close(vector, ref, atol=2e-5, rtol=2e-5)
+        assert vector.norm().item() == pytest.approx(1.0, abs=1e-5)
+    floats = c.embeddings.create(model=MODEL_NAME, input=TEXTS, encoding_format="float")
+    assert [d.embedding for d in floats.data] == [d.embedding for d in reply.data]
+    by_ids = c.embeddings.create(input=ids, model=MODEL_NAME, encoding_format="float")
+    assert [d.embedding for d in by_ids.data] == [d.embedding for d in reply.data]
+    one = c.embeddings.create(input=TEXTS[1], model=MODEL_NAME, encoding_format="float")
+    assert one.data[0].embedding == reply.data[1].embedding
+    width = len(vectors[0])
+    same = c.embeddings.create(input="a", model=MODEL_NAME, dimensions=width)
+    assert same.data[0].embedding == reply.data[2].embedding
+
+
+def test_bad_input_is_a_400_naming_the_field(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    too_long = [5] * (rest_engine.max_model_len + 1)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[1, 2], []]}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({"input": too_long}, "input"),
+        ({"input": ["x"] * 2049}, "input"),
+        ({"input": "x", "dimensions": 7}, "dimensions"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "extra_body": {"truncate": 1}}, "truncate"),
+        ({"input": "x", "model": "no-such-model"}, "model"),
+    ]
+    for kwargs, param in cases:
+        kwargs = {"model": MODEL_NAME, **kwargs}
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
+            client.embeddings.create(**kwargs)
+        assert e.value.body["param"] == param, kwargs  # type: ignore[index]
+
+
+class NoEmbeddings:
+    """`engine` as a router sees a disaggregated cluster: no embeddings."""
+
+    computes_embeddings = False
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def test_an_engine_without_embeddings_says_so(rest_engine: AsyncEngine) -> None:
+    app = make_app(NoEmbeddings(rest_engine), MODEL_NAME, api_keys=[API_KEY])  # type: ignore[arg-type]
+    server = LiveServer(app).start()
+    try:
+        with client_of(server) as c, pytest.raises(openai.BadRequestError) as e:
+            c.embeddings.create(model=MODEL_NAME, input="hello")
+        assert e.value.body["param"] == "input"  # type: ignore[index]
+        assert "does not compute embeddings" in e.value.message
+    finally:
+        server.stop()
