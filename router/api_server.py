@@ -26,6 +26,7 @@ from duet.router.background import install_background_routes
 from duet.router.batch_routes import install_batch_routes
 from duet.router.conversations import install_conversation_routes
 from duet.router.dashboard import install_dashboard_routes
+from duet.router.embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from duet.router.errors import EngineUnavailableError, install_exception_handlers
 from duet.router.front_door import FrontDoor
 from duet.router.http_limits import BodyLimitMiddleware
@@ -42,7 +43,6 @@ from duet.router.openai_tokenize import install_tokenize_routes
 from duet.router.openapi import error_responses, install_openapi
 from duet.router.queue_worker import QueueWorker
 from duet.router.serving_context import ServingContext
-from duet.router.serving_embeddings import EmbeddingRequest, EmbeddingResponse
 from duet.router.serving_responses import install_responses_routes
 from duet.router.sessions import SessionManager
 from duet.router.sessions_protocol import (

@@ -2,8 +2,8 @@
 
 A batch input file is JSONL: one request per line,
 `{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}`.
-A line's `url` may be either endpoint, whatever the batch's `endpoint` (a duet extension:
-OpenAI wants one endpoint per file), so one batch may mix chat and completions.
+A line's `url` may be any of the endpoints, whatever the batch's `endpoint` (a duet extension:
+OpenAI wants one endpoint per file), so one batch may mix chat, completions and embeddings.
 A bad line never aborts the batch: it becomes an error-file entry whose message names the line
 and the field. Output and error files hold one line per request, in OpenAI's format:
 `{"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id", "body"} |
@@ -19,12 +19,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from duet.router.embeddings_protocol import EmbeddingRequest
 from duet.router.errors import format_loc
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-BATCH_ENDPOINTS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+BATCH_ENDPOINTS: dict[
+    str, type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
+] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 COMPLETION_WINDOWS = ("24h",)
 
@@ -206,9 +210,9 @@ def _check_line(
         return f"body.model: {request.model!r} is not served here; this server serves " + ", ".join(
             repr(n) for n in model_names
         )
-    if request.stream:
+    if getattr(request, "stream", False):
         return "body.stream: must be false in a batch (results are collected in a file)"
-    if request.session_id is not None:
+    if getattr(request, "session_id", None) is not None:
         return "body.session_id: not supported in a batch"
     if getattr(request, "background", False):
         return "body.background: not supported in a batch (a batch runs in the background)"

@@ -1,8 +1,8 @@
 """Running one batch line: the same handlers as interactive requests, at a lower priority.
 
-A chat line runs as the same chat turn as `POST /v1/chat/completions` (router/chat_turn.py)
-and a completion line through `CompletionHandler`, so validation, length checks and the
-response body are exactly those of `POST /v1/chat/completions` and `POST /v1/completions`. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
+A chat line runs as the same chat turn as `POST /v1/chat/completions` (router/chat_turn.py),
+a completion line through `CompletionHandler` and an embedding line through `EmbeddingHandler`,
+so validation, length checks and the response body are exactly those of the endpoints. Batch lines skip per-key rate limits (as OpenAI's batch queue has its
 own limits) and sessions (rejected at upload).
 
 Priority: `BatchPriority.free_slots` lets batch lines take engine slots only while interactive
@@ -27,6 +27,7 @@ from starlette.types import Message
 from duet.router.admission import AdmissionController, wait_out_overload
 from duet.router.batches import BatchService
 from duet.router.chat_turn import ChatTurns, chat_rename, final_of
+from duet.router.embeddings_protocol import EmbeddingRequest
 from duet.router.errors import OpenAIError, as_openai_error
 from duet.router.openai_chat_render import ChatCompletionRender
 from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -34,6 +35,7 @@ from duet.router.queue_worker import RetryTask, TaskRunner
 from duet.router.rate_limit import NO_RATE_LIMITS, RequestRateLimiter
 from duet.router.serving_completion import CompletionHandler
 from duet.router.serving_context import ServingContext
+from duet.router.serving_embeddings import EmbeddingHandler
 from duet.router.sessions import SessionManager
 from duet.session_store import Delivery
 
@@ -91,11 +93,14 @@ def _internal_request() -> Request:
 
 
 class BatchRunner:
-    """Runs `batch.chat` and `batch.completion` tasks with `ctx`'s engine and admission: a
-    chat line as a chat turn (router/chat_turn.py) rendered as `POST /v1/chat/completions`
-    renders a whole reply, a completion line through `CompletionHandler`."""
+    """Runs `batch.chat`, `batch.completion` and `batch.embedding` tasks with `ctx`'s engine
+    and admission: a chat line as a chat turn (router/chat_turn.py) rendered as
+    `POST /v1/chat/completions` renders a whole reply, a completion line through
+    `CompletionHandler`, an embedding line through `EmbeddingHandler`."""
 
-    def __init__(self, ctx: ServingContext, batches: BatchService) -> None:
+    def __init__(
+        self, ctx: ServingContext, batches: BatchService, embedding_pooling: str = "last"
+    ) -> None:
         batch_ctx = copy.copy(ctx)  # shares the engine, admission and metrics
         batch_ctx.sessions = SessionManager(None)
         batch_ctx.rate_limiter = RequestRateLimiter(None, NO_RATE_LIMITS)
@@ -106,10 +111,11 @@ class BatchRunner:
         per line (a batch record holds every line's custom_id)."""
         self.turns = ChatTurns(batch_ctx)
         self.completions = CompletionHandler(batch_ctx)
+        self.embeddings = EmbeddingHandler(batch_ctx, embedding_pooling)
 
     @property
     def runners(self) -> dict[str, TaskRunner]:
-        return {"batch.chat": self.run, "batch.completion": self.run}
+        return {"batch.chat": self.run, "batch.completion": self.run, "batch.embedding": self.run}
 
     async def _is_cancelled(self, batch_id: str) -> bool:
         now = time.monotonic()
@@ -143,6 +149,10 @@ class BatchRunner:
         response = await self.completions.create(body, _internal_request())
         return response.status_code, json.loads(bytes(response.body))
 
+    async def _embedding(self, body: EmbeddingRequest) -> tuple[int, dict[str, Any]]:
+        response = await self.embeddings.create(body, _internal_request())
+        return response.status_code, json.loads(bytes(response.body))
+
     async def run(self, delivery: Delivery) -> dict[str, Any]:
         payload = delivery.payload
         if await self._is_cancelled(payload["batch_id"]):
@@ -152,6 +162,9 @@ class BatchRunner:
             if delivery.kind == "batch.chat":
                 chat = ChatCompletionRequest.model_validate(payload["body"])
                 status, doc = await wait_out_overload(lambda: self._chat(chat))
+            elif delivery.kind == "batch.embedding":
+                embed = EmbeddingRequest.model_validate(payload["body"])
+                status, doc = await wait_out_overload(lambda: self._embedding(embed))
             else:
                 body = CompletionRequest.model_validate(payload["body"])
                 status, doc = await wait_out_overload(lambda: self._completion(body))

@@ -50,7 +50,11 @@ MAX_FILES_PAGE = 10_000
 DEFAULT_FILE_EXPIRY_S = MAX_FILE_EXPIRY_S
 """An uploaded file's lifetime without `expires_after` (OpenAI: batch files expire after 30
 days)."""
-BATCH_KINDS = {"/v1/chat/completions": "batch.chat", "/v1/completions": "batch.completion"}
+BATCH_KINDS = {
+    "/v1/chat/completions": "batch.chat",
+    "/v1/completions": "batch.completion",
+    "/v1/embeddings": "batch.embedding",
+}
 _FINAL = ("completed", "cancelled", "failed", "expired")
 
 

@@ -129,7 +129,7 @@ class FrontDoor:
                 background.queue, turns, stored, conversations
             )
             workers = [
-                QueueWorker(queue, BatchRunner(ctx, batches).runners,
+                QueueWorker(queue, BatchRunner(ctx, batches, options.embedding_pooling).runners,
                             lambda num_running: priority.free_slots(admission, num_running),
                             backoff=options.queue_backoff),
                 # Background requests are interactive work that outlives its connection: their

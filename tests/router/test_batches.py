@@ -84,8 +84,8 @@ BAD_LINES = [
     (json.dumps(completion_line("c-0", 0)), "c-0", "line 198: custom_id: 'c-0' is used by an"),
     (json.dumps({**chat_line("bad-1", 1), "body": {"max_tokens": 3}}), "bad-1",
      "line 199: body.messages: Field required"),
-    (json.dumps({**chat_line("bad-2", 2), "url": "/v1/embeddings"}), "bad-2",
-     "line 200: url: must be '/v1/chat/completions' or '/v1/completions'"),
+    (json.dumps({**chat_line("bad-2", 2), "url": "/v1/moderations"}), "bad-2",
+     "line 200: url: must be '/v1/chat/completions' or '/v1/completions' or '/v1/embeddings'"),
 ]  # fmt: skip
 
 
@@ -206,7 +206,7 @@ def test_bad_uploads_and_unknown_ids_are_clear_errors(
     file = batch_client.files.create(file=("x.jsonl", io.BytesIO(b"\n")), purpose="batch")
     with pytest.raises(openai.BadRequestError) as e:
         batch_client.batches.create(
-            input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+            input_file_id=file.id, endpoint="/v1/moderations", completion_window="24h"
         )
     assert e.value.body["param"] == "endpoint"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError) as nf:
@@ -458,3 +458,38 @@ def test_files_expire_and_batch_outputs_take_output_expires_after(
     finally:
         client.close()
         server.stop()
+
+
+def test_embedding_lines_answer_what_the_endpoint_answers(batch_client: openai.OpenAI) -> None:
+    """`/v1/embeddings` lines (beside a chat line, in one batch): each output body is the
+    endpoint's own reply to the same body; a bad one is in the error file with the endpoint's
+    400."""
+
+    def embed_line(custom_id: str, text: str) -> dict[str, Any]:
+        body = {"model": MODEL_NAME, "input": text, "encoding_format": "float"}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": body}
+
+    texts = ["alpha beta", "gamma", "delta epsilon zeta"]
+    lines = [embed_line(f"e-{i}", t) for i, t in enumerate(texts)]
+    lines += [chat_line("c-0", 0), {**embed_line("bad", "x"), "body": {"input": [10**9]}}]
+    data = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+    file = batch_client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = batch_client.batches.create(
+        input_file_id=file.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = wait_done(batch_client, batch.id)
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (4, 1)
+    output = {e["custom_id"]: e["response"] for e in read_jsonl(batch_client, done.output_file_id)}
+    assert sorted(output) == ["c-0", "e-0", "e-1", "e-2"]
+    for i, text in enumerate(texts):
+        direct = batch_client.embeddings.create(
+            model=MODEL_NAME, input=text, encoding_format="float"
+        )
+        body = output[f"e-{i}"]["body"]
+        assert output[f"e-{i}"]["status_code"] == 200
+        assert body["data"][0]["embedding"] == direct.data[0].embedding
+        assert body["usage"] == direct.usage.model_dump()
+    [error] = read_jsonl(batch_client, done.error_file_id)
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "input"
