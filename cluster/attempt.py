@@ -125,8 +125,12 @@ class AttemptRunner:
             # NOTE: the decode workers' outputs do not carry prompt logprobs; only a
             # prefill worker's answer does.
             raise EngineDeadError("prompt_logprobs: no prefill worker is available; retry later")
-        local = pick is None or (
-            uncached <= self.config.local_prefill_threshold and not wants_prompt_logprobs
+        # An embedding request runs whole on the decode worker: the vector comes back with
+        # its outputs (a prefill worker's answer has none).
+        local = (
+            pick is None
+            or params.pooling is not None
+            or (uncached <= self.config.local_prefill_threshold and not wants_prompt_logprobs)
         )
         route = Route(decode, None if local or pick is None else pick[0], uncached)
         transfer_id = f"{request.request_id}@{attempt}"

@@ -132,9 +132,9 @@ class ClusterEngine:
 
     @property
     def computes_embeddings(self) -> bool:
-        """Not yet on a cluster: the prefill workers, which run the prompt, would have to send
-        the pooled hidden state back (`/v1/embeddings` answers a 400 saying so)."""
-        return False
+        """An embedding request runs whole on a decode worker (no prefill worker, no KV
+        transfer), whose last output carries the vector."""
+        return True
 
     @property
     def deterministic(self) -> bool:

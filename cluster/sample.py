@@ -32,6 +32,8 @@ class ClusterSample:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = delta.num_cached_tokens
             stats.prefix_cache_hits += delta.num_cached_tokens
+        if delta.embedding:
+            self.assembler.embedding = list(delta.embedding)
         if not delta.token_ids and not delta.finish_reason:
             return False
         step = sample_delta_of(delta, self.index)

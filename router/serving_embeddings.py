@@ -45,8 +45,8 @@ class EmbeddingHandler:
         ctx.check_model(body.model)
         if not ctx.engine.computes_embeddings:
             raise EmbeddingsUnavailableError(
-                "input: this server's engine does not compute embeddings (a disaggregated "
-                "cluster, or pipeline stages, do not yet); serve the model aggregated",
+                "input: this server's engine does not compute embeddings (one that splits the "
+                "model into pipeline stages does not yet)",
                 param="input",
             )
         try:

@@ -23,6 +23,8 @@ def delta_of(out: EngineOutput) -> worker_pb2.OutputDelta:
         delta.logprobs.extend(_token_logprobs(lp) for lp in sample.logprobs)
     if sample.stop_reason is not None:
         delta.stop_token_id = sample.stop_reason
+    if out.embedding is not None:
+        delta.embedding.extend(out.embedding)
     return delta
 
 

@@ -24,8 +24,6 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
     `ValueError` for fields the router must have applied itself (a bug, not the client's)."""
     if params.n != 1 or params.stop:
         raise ValueError("a worker takes one sample (n=1) and no stop strings: the router's")
-    if params.pooling is not None:
-        raise ValueError("a worker computes no embeddings: the router refuses them on a cluster")
     if params.seed is not None and not _INT64[0] <= params.seed <= _INT64[1]:
         raise InvalidInputError("seed", f"must fit in 64 bits; got {params.seed}")
     message = worker_pb2.SamplingParams(
@@ -47,6 +45,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         message.allowed_token_ids.extend(params.allowed_token_ids)
     if params.prediction_token_ids:
         message.prediction_token_ids.extend(params.prediction_token_ids)
+    if params.pooling is not None:
+        message.pooling = params.pooling
     for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs", "cache_salt"):
         value = getattr(params, name)
         if value is not None:
@@ -101,4 +101,5 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         logit_bias=dict(message.logit_bias) or None,
         allowed_token_ids=list(message.allowed_token_ids) or None,
         prediction_token_ids=list(message.prediction_token_ids) or None,
+        pooling=message.pooling or None,
     )

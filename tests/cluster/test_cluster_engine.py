@@ -448,3 +448,31 @@ def test_predicted_outputs_travel_to_ngram_decode_workers(tiny_llama):
     # predicted, nearly all are accepted guesses (without, this tiny model's random text
     # repeats little of its prompt).
     assert accepted >= 3 * 24, accepted
+
+
+def test_embeddings_run_whole_on_a_decode_worker(model):
+    """An embedding request (`SamplingParams.pooling`) runs on a decode worker alone (no
+    prefill worker, no KV transfer, whatever its length), and the vector that comes back with
+    its last output is the aggregated engine's, both poolings; its blocks are freed."""
+    prompts = prompts_of([3, 40, 120, 17])
+    ref = LLM(model, **ENGINE)
+
+    async def main():
+        async with Cluster(model) as c:
+            assert c.engine.computes_embeddings
+            got = {}
+            for kind in ("last", "mean"):
+                params = SamplingParams(temperature=0, max_tokens=1, pooling=kind)
+                got[kind] = await asyncio.gather(*(c.run(p, params) for p in prompts))
+            prefilled = c.prefill[0].engine.stats.num_prompt_tokens
+            pools = [(w.engine.kv.num_free_blocks, w.engine.num_blocks) for w in c.decode]
+            return got, prefilled, pools
+
+    got, prefilled, pools = asyncio.run(main())
+    for kind, outs in got.items():
+        params = SamplingParams(temperature=0, max_tokens=1, pooling=kind)
+        want = [o.embedding for o in ref.generate(prompts, params)]
+        assert [o.embedding for o in outs] == want, kind
+        assert all(o.finished and len(o.embedding) == 64 for o in outs)
+    assert prefilled == 0  # the prefill worker never saw them
+    assert all(free == total for free, total in pools)

@@ -2,7 +2,7 @@
 base64 and plain floats, bitwise equal) match HF's final hidden states pooled the same way
 (last token, or mean with `--embedding-pooling mean`) and scaled to unit length; text and
 token-id inputs give the same vectors; usage counts the prompt tokens; bad input is a 400
-naming the field; an engine that cannot compute them says so."""
+naming the field; an engine that cannot compute them (pipeline stages) says so."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_bad_input_is_a_400_naming_the_field(
 
 
 class NoEmbeddings:
-    """`engine` as a router sees a disaggregated cluster: no embeddings."""
+    """`engine` as a router sees one that cannot compute embeddings (pipeline stages)."""
 
     computes_embeddings = False
 

@@ -3,6 +3,8 @@ the router reads back exactly what the decode worker's engine produced."""
 
 from __future__ import annotations
 
+import torch
+
 from duet.engine.outputs import EngineOutput, SampleDelta
 from duet.v1 import worker_pb2
 from duet.wire.deltas import (
@@ -28,6 +30,15 @@ def test_a_step_arrives_as_the_engine_made_it():
     assert [f.name for f, _ in delta.ListFields()] == [
         "token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens",
     ]  # fmt: skip
+
+
+def test_an_embedding_arrives_as_float32():
+    vector = [0.5, -0.25, 0.1, 1e-8]
+    out = EngineOutput("r1", [SampleDelta(0, [5], None, "length")], True, 0, None, vector)
+    delta = worker_pb2.OutputDelta.FromString(delta_of(out).SerializeToString())
+    # float32 on the wire, as the base64 encoding of /v1/embeddings sends it anyway
+    assert list(delta.embedding) == [float(torch.tensor(v, dtype=torch.float32)) for v in vector]
+    assert list(delta_of(EngineOutput("r1", [SampleDelta(0, [5])])).embedding) == []
 
 
 def test_a_running_step_without_logprobs():

@@ -63,10 +63,11 @@ def test_what_the_router_applies_never_travels(change):
         sampling_to_proto(dataclasses.replace(EVERY_FIELD, **change))
 
 
-def test_an_embedding_request_never_travels():
-    params = SamplingParams(temperature=0.0, max_tokens=1, pooling="last")
-    with pytest.raises(ValueError, match="a worker computes no embeddings"):
-        sampling_to_proto(params)
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_embedding_request_arrives_exactly(pooling):
+    params = SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling)
+    assert _over_the_wire(params) == params
+    assert _over_the_wire(SamplingParams(max_tokens=1)).pooling is None
 
 
 @pytest.mark.parametrize("change", [{"skip_special_tokens": False},

@@ -19,7 +19,7 @@ TRANSFER_OUTCOME_FAILED: TransferOutcome
 TRANSFER_OUTCOME_ABORTED: TransferOutcome
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "allowed_token_ids", "cache_salt", "bad_words", "prediction_token_ids")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "structured_outputs", "logit_bias", "allowed_token_ids", "cache_salt", "bad_words", "prediction_token_ids", "pooling")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SamplingParams(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -67,7 +68,8 @@ class SamplingParams(_message.Message):
     cache_salt: str
     bad_words: _containers.RepeatedScalarFieldContainer[str]
     prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[WorkerStructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[str]] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    pooling: str
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[WorkerStructuredOutputs, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[str]] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class WorkerStructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar", "whitespace", "reasoning")
@@ -300,18 +302,20 @@ class WorkerTokenLogprobs(_message.Message):
     def __init__(self, sampled: _Optional[_Union[WorkerLogprob, _Mapping]] = ..., top: _Optional[_Iterable[_Union[WorkerLogprob, _Mapping]]] = ...) -> None: ...
 
 class OutputDelta(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_token_id", "num_cached_tokens", "embedding")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[WorkerTokenLogprobs]
     finish_reason: str
     stop_token_id: int
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[WorkerTokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeLoad(_message.Message):
     __slots__ = ("worker_id", "num_running", "num_waiting", "num_waiting_for_kv", "num_free_blocks", "num_blocks", "max_num_seqs", "block_size", "kv_address", "deterministic", "stats", "ngram")
