@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from duet.engine import InvalidInputError, RequestOutput, SamplingParams, StructuredOutputsParams
 from duet.engine.async_engine import EngineDeadError
+from duet.engine.llm_engine import Prompt
 from duet.router.auth import APIKeyChecker
 from duet.router.errors import (
     AuthenticationError,
@@ -189,6 +190,28 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
                 ticket.release()
         except Exception as e:
             await _abort(context, e, request_id)
+
+    async def Embed(
+        self, request: serving_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.EmbedResponse:
+        """As REST's `/v1/embeddings` (router/serving_embeddings.py): floats, in input order."""
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            self._check_model(request.model)
+            inputs: list[Prompt] = []
+            for item in request.inputs:
+                kind = item.WhichOneof("input")
+                inputs.append(list(item.token_ids.ids) if kind == "token_ids" else item.text)
+            vectors, num_tokens = await self.front.embeddings.embed(
+                inputs, self._caller(context), request_id
+            )
+        except Exception as e:
+            await _abort(context, e, request_id)
+        return serving_pb2.EmbedResponse(
+            request_id=request_id,
+            embeddings=[serving_pb2.Embedding(values=v) for v in vectors],
+            usage=serving_pb2.Usage(prompt_tokens=num_tokens),
+        )
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str | None:
         return self.front.checker.authenticate(_authorization(context.invocation_metadata()))

@@ -12,10 +12,12 @@ import base64
 import struct
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import Request, Response
 
 from duet.engine import InvalidInputError, SamplingParams
+from duet.engine.llm_engine import Prompt
 from duet.router.auth import caller_api_key
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.embeddings_protocol import (
@@ -40,9 +42,36 @@ class EmbeddingHandler:
         self.params = SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling)
 
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response:
+        self.ctx.check_model(body.model)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        try:
+            vectors, num_tokens = await run_until_disconnect(
+                raw, self.embed(body.inputs(), caller_api_key(raw), request_id)
+            )
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        width = len(vectors[0])
+        if body.dimensions is not None and body.dimensions != width:
+            raise BadRequestError(
+                f"dimensions: this model's embeddings have {width} dimensions and cannot be "
+                f"shortened; got {body.dimensions} (leave it out, or send {width})",
+                param="dimensions",
+            )
+        data = [
+            Embedding(index=i, embedding=_encode(v, body.encoding_format))
+            for i, v in enumerate(vectors)
+        ]
+        usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        reply = EmbeddingResponse(data=data, model=self.ctx.model_name, usage=usage)
+        return Response(reply.model_dump_json(), media_type="application/json")
+
+    async def embed(
+        self, inputs: Sequence[Prompt], api_key: str | None, request_id: str
+    ) -> tuple[list[list[float]], int]:
+        """Each input's vector, in order, and the prompt tokens read: validated (a 400 naming
+        `input`), rate-limited for `api_key`, admitted, run. REST and gRPC both call this."""
         arrival_s = time.monotonic()
         ctx = self.ctx
-        ctx.check_model(body.model)
         if not ctx.engine.computes_embeddings:
             raise EmbeddingsUnavailableError(
                 "input: this server's engine does not compute embeddings (one that splits the "
@@ -50,24 +79,23 @@ class EmbeddingHandler:
                 param="input",
             )
         try:
-            prompts = [ctx.engine.tokenize_prompt(p)[1] for p in body.inputs()]
+            prompts = [ctx.engine.tokenize_prompt(p)[1] for p in inputs] or [
+                ctx.engine.tokenize_prompt([])[1]  # no input at all: the empty prompt's error
+            ]
             for ids in prompts:
                 ctx.engine.check_lengths(len(ids), self.params)
         except InvalidInputError as e:
             raise BadRequestError.from_invalid_input(e, {"prompt": "input"}) from None
         ctx.check_engine()
         num_tokens = sum(len(ids) for ids in prompts)
-        await ctx.rate_limiter.admit(caller_api_key(raw), num_tokens)
+        await ctx.rate_limiter.admit(api_key, num_tokens)
         tickets = ctx.admission.admit([1] * len(prompts))
-        request_id = f"embd-{uuid.uuid4().hex}"
         streams = [
             ctx.generate(ids, self.params, f"{request_id}-{i}", ticket, arrival_s)
             for i, (ids, ticket) in enumerate(zip(prompts, tickets, strict=True))
         ]
         try:
-            finals = await run_until_disconnect(raw, final_outputs(streams))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+            finals = await final_outputs(streams)
         except Exception as e:
             raise as_openai_error(e, request_id) from e
         finally:
@@ -76,20 +104,7 @@ class EmbeddingHandler:
         vectors = [out.embedding for out in finals]
         if any(v is None for v in vectors):
             raise RuntimeError("the engine ended an embedding request without its vector")
-        width = len(vectors[0] or [])
-        if body.dimensions is not None and body.dimensions != width:
-            raise BadRequestError(
-                f"dimensions: this model's embeddings have {width} dimensions and cannot be "
-                f"shortened; got {body.dimensions} (leave it out, or send {width})",
-                param="dimensions",
-            )
-        data = [
-            Embedding(index=i, embedding=_encode(v or [], body.encoding_format))
-            for i, v in enumerate(vectors)
-        ]
-        usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
-        reply = EmbeddingResponse(data=data, model=ctx.model_name, usage=usage)
-        return Response(reply.model_dump_json(), media_type="application/json")
+        return [v for v in vectors if v is not None], num_tokens
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

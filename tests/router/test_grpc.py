@@ -502,3 +502,42 @@ def test_bad_tool_and_template_fields_name_the_field(stub, request_kwargs, field
         list(stub.Chat(req, metadata=AUTH, timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(f"{field}:"), info.value.details()
+
+
+def test_embed_gives_the_engines_vectors_and_names_bad_input(stub, tiny_llama):
+    """`Embed` as REST's /v1/embeddings: one vector per input (text or token ids), in order,
+    the offline engine's; bad input is INVALID_ARGUMENT naming `input`."""
+    texts = ["The quick brown fox", "hello"]
+    params = SamplingParams(temperature=0, max_tokens=1, pooling="last")
+    ref = LLM(tiny_llama, dtype="float32", load_progress=False).generate(texts, params)
+    inputs = [serving_pb2.EmbedInput(text=t) for t in texts]
+    inputs.append(
+        serving_pb2.EmbedInput(token_ids=serving_pb2.TokenIds(ids=ref[0].prompt_token_ids))
+    )
+    reply = stub.Embed(serving_pb2.EmbedRequest(inputs=inputs), metadata=AUTH, timeout=60)
+    # float32 on the wire, as the engine's vectors are
+    assert [list(e.values) for e in reply.embeddings] == [
+        ref[0].embedding, ref[1].embedding, ref[0].embedding,
+    ]  # fmt: skip
+    assert reply.usage.prompt_tokens == 2 * len(ref[0].prompt_token_ids) + len(
+        ref[1].prompt_token_ids
+    )
+    assert reply.request_id  # a fresh one when the client sends none
+    for bad in (
+        [],
+        [serving_pb2.EmbedInput(text="")],
+        [serving_pb2.EmbedInput()],
+        [serving_pb2.EmbedInput(token_ids=serving_pb2.TokenIds(ids=[10**9]))],
+        [serving_pb2.EmbedInput(text="x " * 400)],  # past the 256-token context
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Embed(serving_pb2.EmbedRequest(inputs=bad), metadata=AUTH, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert info.value.details().startswith("input:"), info.value.details()
+    one = [serving_pb2.EmbedInput(text="hi")]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(serving_pb2.EmbedRequest(inputs=one), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(serving_pb2.EmbedRequest(model="gpt-5", inputs=one), metadata=AUTH, timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND

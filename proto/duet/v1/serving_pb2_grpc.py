@@ -49,6 +49,11 @@ class DuetStub:
                 request_serializer=duet_dot_v1_dot_serving__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=duet_dot_v1_dot_serving__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/duet.v1.Duet/Embed',
+                request_serializer=duet_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=duet_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class DuetServicer:
@@ -74,6 +79,14 @@ class DuetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One unit-length vector per input, as REST's /v1/embeddings: the prompt's final hidden
+        states pooled by the server's --embedding-pooling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DuetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +104,11 @@ def add_DuetServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=duet_dot_v1_dot_serving__pb2.ListModelsRequest.FromString,
                     response_serializer=duet_dot_v1_dot_serving__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=duet_dot_v1_dot_serving__pb2.EmbedRequest.FromString,
+                    response_serializer=duet_dot_v1_dot_serving__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +192,33 @@ class Duet:
             '/duet.v1.Duet/ListModels',
             duet_dot_v1_dot_serving__pb2.ListModelsRequest.SerializeToString,
             duet_dot_v1_dot_serving__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/duet.v1.Duet/Embed',
+            duet_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+            duet_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
