@@ -205,6 +205,12 @@ class LLMEngine:
             raise InvalidInputError("request_id", f"{request_id!r} is already running")
         if prefill_only and params.n != 1:
             raise InvalidInputError("n", f"must be 1 for a prefill-only request; got {params.n}")
+        if params.pooling is None and self.arch.embedding_only:
+            raise InvalidInputError(
+                "model",
+                f"{self.model_name} computes embeddings only (its checkpoint is a base model "
+                "without an LM head): use /v1/embeddings",
+            )
         if params.pooling is not None and (prefill_only or self.config.pipeline_parallel_size > 1):
             raise InvalidInputError(
                 "pooling",

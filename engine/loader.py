@@ -143,13 +143,22 @@ def open_model(
         tokenizer = Tokenizer.from_dir(tokenizer_path or path, eos)
         if os.path.exists(model or ""):
             name = os.path.basename(os.path.normpath(path))
+
+        def read(
+            select: SelectSlice | None, stats: ReadStats | None
+        ) -> Iterator[tuple[str, torch.Tensor]]:
+            if not arch.embedding_only:
+                return iter_tensors(_safetensors_files(path), select, stats)
+            # A base model's names take the causal LM's `model.` prefix, for `select` too.
+            chosen = None
+            if select is not None:
+                sharded = select
+                chosen = lambda name, shape: sharded(_prefixed(name), shape)  # noqa: E731
+            tensors = iter_tensors(_safetensors_files(path), chosen, stats)
+            return ((_prefixed(name), tensor) for name, tensor in tensors)
+
         return ModelSource(
-            arch,
-            tokenizer,
-            name,
-            None,
-            lambda select, stats: iter_tensors(_safetensors_files(path), select, stats),
-            lambda: count_tensors(_safetensors_files(path)),
+            arch, tokenizer, name, None, read, lambda: count_tensors(_safetensors_files(path))
         )
     raise ModelLoadError(f"{path!r} is neither a model directory nor a .gguf file")
 
@@ -254,6 +263,12 @@ def _use_invariant_cuda_kernels(net: LlamaForCausalLM) -> bool:
         if isinstance(module, RMSNorm):
             module.invariant = True
     return True
+
+
+def _prefixed(name: str) -> str:
+    """A base model's tensor under the causal LM's name: HF's `LlamaModel` saves `layers.0...`
+    and `norm.weight`, which `LlamaForCausalLM` holds under `model.`."""
+    return name if name.startswith("model.") else f"model.{name}"
 
 
 def _check_complete(net: LlamaForCausalLM, loaded: set[str]) -> None:

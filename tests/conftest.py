@@ -208,9 +208,13 @@ def build_tokenizer(path: str, vocab_size: int = 512) -> None:
         )  # fmt: skip
 
 
-def build_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
-    """Save a random tiny model of `arch` (HF format, safetensors) under `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_tiny_model(
+    path: str, arch: str, seed: int = 0, base_model: bool = False, **overrides
+) -> str:
+    """Save a random tiny model of `arch` (HF format, safetensors) under `path`; `base_model`:
+    HF's base class (`LlamaModel`: no LM head, tensors without the `model.` prefix), as
+    embedding models ship."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     base = dict(
         vocab_size=512,
@@ -229,7 +233,9 @@ def build_tiny_model(path: str, arch: str, seed: int = 0, **overrides) -> str:
     model_type = spec.pop("model_type")
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModel if base_model else AutoModelForCausalLM).from_config(
+        config, dtype=torch.float32
+    )
     with torch.no_grad():  # DeepSeek-V3's routing bias starts at 0: make it steer the choice
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

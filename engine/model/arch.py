@@ -25,6 +25,16 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
 
 _DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
+BASE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+"""A decoder without its LM head (HF's base class: the checkpoints of embedding models such as
+e5-mistral, gte-Qwen2 and Qwen3-Embedding) -> the architecture whose layers it has. Such a
+model computes embeddings only (`ModelArchConfig.embedding_only`)."""
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -248,15 +258,23 @@ class ModelArchConfig:
     """Multi-head latent attention (DeepSeek); then `num_key_value_heads` is 1 (the cache's one
     entry per token, shared by every head) and `head_dim` the rotary part's size."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    embedding_only: bool = False
+    """A base model's checkpoint (`BASE_MODELS`): no LM head (the embedding table stands in
+    for it, so the one token an embedding request samples can be computed), and requests
+    other than embeddings are refused. Its tensors may be named without the `model.` prefix."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArchConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        base = next((a for a in archs if a in BASE_MODELS), None) if arch is None else None
+        if base is not None:
+            arch = BASE_MODELS[base]
         if arch is None:
             name = archs[0] if archs else cfg.get("model_type", "<none>")
+            known = [*SUPPORTED_ARCHITECTURES, *BASE_MODELS]
             raise ModelLoadError(
-                f"unsupported architecture {name!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {name!r}; supported: {', '.join(known)}"
             )
         features = SUPPORTED_ARCHITECTURES[arch]
         heads = cfg["num_attention_heads"]
@@ -313,7 +331,8 @@ class ModelArchConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # A base model has no head of its own: the embedding table stands in.
+            tie_word_embeddings=base is not None or bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(
                 # Qwen2-MoE's config names it qkv_bias (transformers 5), or not at all (always on)
                 cfg.get(
@@ -326,6 +345,7 @@ class ModelArchConfig:
             eos_token_ids=eos_ids,
             moe=moe,
             mla=MLAConfig.from_hf_config(arch, cfg, rope_scaling) if mla else None,
+            embedding_only=base is not None,
         )
 
     def ffn_sizes(self) -> tuple[int, ...]:

@@ -86,3 +86,30 @@ def test_bad_pooling_is_refused():
         SamplingParams(max_tokens=2, pooling="last")
     with pytest.raises(InvalidInputError, match="pooling: needs max_tokens 1 and n 1"):
         SamplingParams(max_tokens=1, n=2, pooling="mean")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_base_model_checkpoint_embeds_and_refuses_to_generate(tiny_model_factory, arch):
+    """An embedding model as HF ships it (`LlamaModel`, `Qwen3Model`: the base class, no LM
+    head, tensors without `model.`) loads, and its vectors are HF's `AutoModel`'s pooled; a
+    request to generate text is refused naming `model`."""
+    import json
+    import os
+
+    from transformers import AutoModel
+
+    path = tiny_model_factory(arch, base_model=True)
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["architectures"][0].endswith("Model")  # not ...ForCausalLM
+    prompts = _prompts()
+    llm = _llm(path, "float32", max_num_batched_tokens=16)
+    assert llm.engine.arch.embedding_only
+    outs = llm.generate(prompts, _embed("last"))
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs, strict=True):
+            hidden = hf(torch.tensor([prompt])).last_hidden_state[0]
+            ref = torch.nn.functional.normalize(hidden[-1], dim=0)
+            torch.testing.assert_close(torch.tensor(out.embedding), ref, atol=2e-5, rtol=2e-5)
+    with pytest.raises(InvalidInputError, match=r"model: .* computes embeddings only"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4))
