@@ -191,10 +191,11 @@ def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--embedding-pooling",
-        default="last",
-        choices=["last", "mean"],
-        help="how POST /v1/embeddings pools a prompt's final hidden states: the last token's "
-        "(default, as vLLM pools decoder models) or the mean of every token's",
+        default="auto",
+        choices=["auto", "last", "mean", "cls"],
+        help="how POST /v1/embeddings pools a prompt's final hidden states: auto (default: what "
+        "the model's sentence-transformers config declares, else the last token's, as vLLM "
+        "pools decoder models), last, mean (every token's) or cls (the first token's)",
     )
 
 

@@ -74,6 +74,7 @@ class ClusterEngine:
         source = open_model(model, tokenizer)
         self._tokenizer = source.tokenizer
         self._vocab_size = source.arch.vocab_size
+        self._declared_pooling = source.arch.declared_pooling
         self._model_name = source.name
         limit = source.arch.max_position_embeddings
         self._max_model_len = min(max_model_len or limit, limit)
@@ -129,6 +130,10 @@ class ClusterEngine:
         `prediction` is named ignored."""
         decode = self.pool.healthy_decode()
         return bool(decode) and all(w.ngram for w in decode)
+
+    @property
+    def declared_pooling(self) -> str | None:
+        return self._declared_pooling
 
     @property
     def computes_embeddings(self) -> bool:

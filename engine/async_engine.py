@@ -103,6 +103,10 @@ class AsyncEngine:
         return speculator is not None and speculator.proposer.method == "ngram"
 
     @property
+    def declared_pooling(self) -> str | None:
+        return self.engine.arch.declared_pooling
+
+    @property
     def computes_embeddings(self) -> bool:
         """Embeddings need the final hidden states where the outputs are made: not across
         pipeline stages."""

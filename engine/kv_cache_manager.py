@@ -45,7 +45,7 @@ class KVCacheManager:
         if (
             not self.enable_caching
             or params.prompt_logprobs is not None
-            or params.pooling == "mean"
+            or params.pooling in ("mean", "cls")
         ):
             return [], 0
         salt = request.sampling_params.cache_salt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from duet.engine.model.packed_linear import fp32_packing_forced
 from duet.engine.model.quantized_linear import set_kernel_max_rows
 from duet.engine.model.weight_bytes import log_weight_bytes
 from duet.engine.parallel import SINGLE, TensorParallel
+from duet.engine.pooling_config import declared_pooling
 from duet.engine.quant.config import QuantizationConfig
 from duet.engine.quant.formats import QuantizedWeight
 from duet.engine.tokenizer import Tokenizer
@@ -133,6 +135,9 @@ def open_model(
     if os.path.isdir(path):
         hf_config = {**_read_json(os.path.join(path, "config.json")), **(hf_overrides or {})}
         arch = ModelArchConfig.from_hf_config(hf_config)
+        pooling = declared_pooling(path)
+        if pooling is not None:
+            arch = dataclasses.replace(arch, declared_pooling=pooling)
         eos = list(arch.eos_token_ids)
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):

@@ -130,7 +130,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self._pool_sums: dict[str, torch.Tensor] = {}
-        """Mean-pooling embedding requests part-way through their prompt: the rows so far."""
+        """Embedding requests part-way through their prompt: `mean`'s sum of the rows so far,
+        `cls`'s first row."""
         self.num_micro_batched_steps = 0
         """Steps whose forward ran as pipeline micro-batches (`_forward_micro_batches`)."""
         self.attention_backend = resolve_attention_backend(
@@ -326,8 +327,9 @@ class ModelRunner:
     ) -> dict[str, list[float]]:
         """The embeddings of the requests whose prompt's last chunk ran this step. `mean`
         sums each chunk's rows in fp32 as the chunks run (a chunk starting at position 0
-        starts the sum over: a preempted request's recomputation), `last` takes the last
-        row; either is scaled to unit length (as vLLM's and OpenAI's embeddings are)."""
+        starts the sum over: a preempted request's recomputation), `cls` keeps the first
+        chunk's first row, `last` takes the last row; each is scaled to unit length (as
+        vLLM's and OpenAI's embeddings are)."""
         done: dict[str, list[float]] = {}
         for i, (request, num_new) in enumerate(out.scheduled):
             kind = request.sampling_params.pooling
@@ -343,10 +345,14 @@ class ModelRunner:
                 if start > 0:
                     total += self._pool_sums.pop(request.request_id)
                 self._pool_sums[request.request_id] = total
+            elif kind == "cls" and start == 0:
+                self._pool_sums[request.request_id] = rows[0].clone()
             if end < request.num_prompt_tokens:
                 continue
             if kind == "mean":
                 vector = self._pool_sums.pop(request.request_id) / request.num_prompt_tokens
+            elif kind == "cls":
+                vector = self._pool_sums.pop(request.request_id)
             else:
                 vector = rows[-1]
             vector = torch.nn.functional.normalize(vector, dim=0)

@@ -80,10 +80,10 @@ class SamplingParams:
     is read as `StructuredOutputsParams` fields. See docs/structured_outputs.md."""
     pooling: str | None = None
     """An embedding request (`/v1/embeddings`): the prompt's final hidden states (after the
-    model's last norm) pooled, `last` (the last token's, as vLLM pools decoder models) or
-    `mean` (every token's), then scaled to unit length, come back as `RequestOutput.embedding`.
+    model's last norm) pooled, `last` (the last token's, as vLLM pools decoder models),
+    `mean` (every token's) or `cls` (the first token's), then scaled to unit length, come back as `RequestOutput.embedding`.
     It samples one token, which is not its answer: needs `max_tokens` 1 and `n` 1. With
-    `mean` it skips the prefix cache (every position's hidden state is needed)."""
+    `mean` or `cls` it skips the prefix cache (positions before the last are needed)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -204,7 +204,7 @@ class SamplingParams:
         )
 
 
-POOLING_TYPES = ("last", "mean")
+POOLING_TYPES = ("last", "mean", "cls")
 """How an embedding request pools its prompt's hidden states."""
 
 MAX_LOGIT_BIAS = 100.0

@@ -99,7 +99,7 @@ class BatchRunner:
     `CompletionHandler`, an embedding line through `EmbeddingHandler`."""
 
     def __init__(
-        self, ctx: ServingContext, batches: BatchService, embedding_pooling: str = "last"
+        self, ctx: ServingContext, batches: BatchService, embedding_pooling: str = "auto"
     ) -> None:
         batch_ctx = copy.copy(ctx)  # shares the engine, admission and metrics
         batch_ctx.sessions = SessionManager(None)

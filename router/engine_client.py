@@ -41,6 +41,11 @@ class EngineClient(Protocol):
         proposes by ngram lookup."""
 
     @property
+    def declared_pooling(self) -> str | None:
+        """How the model's sentence-transformers configuration pools an embedding (`last`,
+        `mean`, `cls`, or one duet does not compute), or None: it declares none."""
+
+    @property
     def computes_embeddings(self) -> bool:
         """Whether requests with `SamplingParams.pooling` (`/v1/embeddings`) are served: an
         engine that runs the whole model in one place does."""

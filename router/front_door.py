@@ -75,8 +75,9 @@ class RouterOptions:
     send: none), beside the probes."""
     tracer_provider: TracerProvider | None = None
     """Where each request's trace goes (router/tracing.py); None: no tracing."""
-    embedding_pooling: str = "last"
-    """How `/v1/embeddings` pools a prompt's hidden states: `last` or `mean`."""
+    embedding_pooling: str = "auto"
+    """How `/v1/embeddings` pools a prompt's hidden states: `last`, `mean`, `cls`, or `auto`
+    (what the model's sentence-transformers configuration declares, else `last`)."""
 
 
 @dataclass

@@ -93,8 +93,9 @@ class RouterConfig:
     kept after their last write."""
 
     # --- chat replies (docs/tool_calling.md) ---
-    embedding_pooling: str = "last"
-    """How `/v1/embeddings` pools a prompt's final hidden states: last or mean."""
+    embedding_pooling: str = "auto"
+    """How `/v1/embeddings` pools a prompt's final hidden states: last, mean, cls, or auto (the
+    model's sentence-transformers configuration, else last)."""
     tool_call_parser: str | None = None
     """hermes, llama3_json or mistral; None: inferred from the chat template."""
     reasoning_parser: str | None = None
@@ -147,9 +148,9 @@ class RouterConfig:
                 f"--metrics-prefix: must be one of {', '.join(METRICS_PREFIXES)}; "
                 f"got {self.metrics_prefix!r}"
             )
-        if self.embedding_pooling not in POOLING_TYPES:
+        if self.embedding_pooling not in ("auto", *POOLING_TYPES):
             raise ValueError(
-                f"--embedding-pooling: must be one of {', '.join(POOLING_TYPES)}; "
+                f"--embedding-pooling: must be one of auto, {', '.join(POOLING_TYPES)}; "
                 f"got {self.embedding_pooling!r}"
             )
         self._check_queue()

@@ -18,6 +18,7 @@ from fastapi import Request, Response
 
 from duet.engine import InvalidInputError, SamplingParams
 from duet.engine.llm_engine import Prompt
+from duet.engine.sampling_params import POOLING_TYPES
 from duet.router.auth import caller_api_key
 from duet.router.disconnect import CLIENT_CLOSED_REQUEST, ClientDisconnected, run_until_disconnect
 from duet.router.embeddings_protocol import (
@@ -37,9 +38,22 @@ class EmbeddingsUnavailableError(OpenAIError):
 
 
 class EmbeddingHandler:
-    def __init__(self, ctx: ServingContext, pooling: str) -> None:
+    def __init__(self, ctx: ServingContext, pooling: str = "auto") -> None:
+        """`pooling`: `last`, `mean`, `cls`, or `auto`: what the model's sentence-transformers
+        configuration declares (engine/pooling_config.py), else `last`."""
         self.ctx = ctx
-        self.params = SamplingParams(temperature=0.0, max_tokens=1, pooling=pooling)
+        declared = ctx.engine.declared_pooling
+        self.pooling = (declared or "last") if pooling == "auto" else pooling
+        self.unsupported: str | None = None
+        """Why no embedding is served: the model declares a pooling duet does not compute."""
+        if self.pooling not in POOLING_TYPES:
+            self.unsupported = (
+                f"input: {ctx.model_name} declares {self.pooling!r} pooling (its "
+                "sentence-transformers config), which this server does not compute; restart "
+                f"it with --embedding-pooling {' or '.join(POOLING_TYPES)} to use another"
+            )
+            self.pooling = "last"
+        self.params = SamplingParams(temperature=0.0, max_tokens=1, pooling=self.pooling)
 
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response:
         self.ctx.check_model(body.model)
@@ -72,6 +86,8 @@ class EmbeddingHandler:
         `input`), rate-limited for `api_key`, admitted, run. REST and gRPC both call this."""
         arrival_s = time.monotonic()
         ctx = self.ctx
+        if self.unsupported is not None:
+            raise EmbeddingsUnavailableError(self.unsupported, param="input")
         if not ctx.engine.computes_embeddings:
             raise EmbeddingsUnavailableError(
                 "input: this server's engine does not compute embeddings (one that splits the "

@@ -258,6 +258,9 @@ class ModelArchConfig:
     """Multi-head latent attention (DeepSeek); then `num_key_value_heads` is 1 (the cache's one
     entry per token, shared by every head) and `head_dim` the rotary part's size."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    declared_pooling: str | None = None
+    """How the model's sentence-transformers configuration pools token states for an
+    embedding (engine/pooling_config.py), or None: it declares none."""
     embedding_only: bool = False
     """A base model's checkpoint (`BASE_MODELS`): no LM head (the embedding table stands in
     for it, so the one token an embedding request samples can be computed), and requests

@@ -66,14 +66,14 @@ def test_the_embedding_pooling_reaches_the_router_config(tmp_path: Path) -> None
 
     store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
     assert _router_config(build_parser().parse_args(["serve", *store]), []).embedding_pooling == (
-        "last"
+        "auto"
     )
-    argv = ["serve", *store, "--embedding-pooling", "mean"]
-    assert _router_config(build_parser().parse_args(argv), []).embedding_pooling == "mean"
+    argv = ["serve", *store, "--embedding-pooling", "cls"]
+    assert _router_config(build_parser().parse_args(argv), []).embedding_pooling == "cls"
     with pytest.raises(
-        ValueError, match="--embedding-pooling: must be one of last, mean; got 'cls'"
+        ValueError, match="--embedding-pooling: must be one of auto, last, mean, cls; got 'max'"
     ):
-        RouterConfig(embedding_pooling="cls")
+        RouterConfig(embedding_pooling="max")
 
 
 def test_the_queue_event_ttl_and_retention_reach_the_router_config(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 from duet.engine import LLM, SamplingParams
 from duet.engine.errors import InvalidInputError
 from tests.conftest import SMOLLM2_SHAPES
+from tests.engine.st_config import ST_MODULES, write_st_config
 
 
 def _embed(kind: str) -> SamplingParams:
@@ -36,12 +37,12 @@ def _hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Te
     with torch.no_grad():
         for prompt in prompts:
             hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
-            pooled = hidden[-1] if kind == "last" else hidden.mean(dim=0)
+            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(dim=0)}[kind]
             out.append(torch.nn.functional.normalize(pooled, dim=0))
     return out
 
 
-@pytest.mark.parametrize("kind", ["last", "mean"])
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
 def test_fp32_embeddings_match_hf_pooled_hidden_states(tiny_llama, kind):
     prompts = _prompts()
     outs = _llm(tiny_llama, "float32", max_num_batched_tokens=16).generate(prompts, _embed(kind))
@@ -54,7 +55,7 @@ def test_fp32_embeddings_match_hf_pooled_hidden_states(tiny_llama, kind):
         assert len(out.token_ids) == 1  # one token sampled, not the answer
 
 
-@pytest.mark.parametrize("kind", ["last", "mean"])
+@pytest.mark.parametrize("kind", ["last", "mean", "cls"])
 def test_chunks_batches_and_prefix_hits_give_bitwise_the_same_vector(tiny_model_factory, kind):
     path = tiny_model_factory("llama", **SMOLLM2_SHAPES)
     prompts = _prompts()
@@ -63,7 +64,7 @@ def test_chunks_batches_and_prefix_hits_give_bitwise_the_same_vector(tiny_model_
     expected = [o.embedding for o in whole.generate(prompts, _embed(kind))]
     again = whole.generate(prompts, _embed(kind))  # cached now: `last` may hit, `mean` may not
     assert [o.embedding for o in again] == expected
-    if kind == "mean":
+    if kind in ("mean", "cls"):
         assert {o.num_cached_tokens for o in again} == {0}
     else:
         assert max(o.num_cached_tokens for o in again) > 0
@@ -80,8 +81,8 @@ def test_chunks_batches_and_prefix_hits_give_bitwise_the_same_vector(tiny_model_
 
 
 def test_bad_pooling_is_refused():
-    with pytest.raises(InvalidInputError, match="pooling: must be one of last, mean"):
-        SamplingParams(max_tokens=1, pooling="cls")
+    with pytest.raises(InvalidInputError, match="pooling: must be one of last, mean, cls"):
+        SamplingParams(max_tokens=1, pooling="max")
     with pytest.raises(InvalidInputError, match="pooling: needs max_tokens 1 and n 1"):
         SamplingParams(max_tokens=2, pooling="last")
     with pytest.raises(InvalidInputError, match="pooling: needs max_tokens 1 and n 1"):
@@ -113,3 +114,30 @@ def test_a_base_model_checkpoint_embeds_and_refuses_to_generate(tiny_model_facto
             torch.testing.assert_close(torch.tensor(out.embedding), ref, atol=2e-5, rtol=2e-5)
     with pytest.raises(InvalidInputError, match=r"model: .* computes embeddings only"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize(
+    ("flags", "declared"),
+    [
+        ({"pooling_mode_lasttoken": True}, "last"),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}, "mean"),
+        ({"pooling_mode_cls_token": True}, "cls"),
+        ({"pooling_mode_max_tokens": True}, "max"),
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, "cls+mean"),
+    ],
+)
+def test_the_sentence_transformers_pooling_is_read(tmp_path, flags, declared):
+    from duet.engine.pooling_config import declared_pooling
+
+    write_st_config(str(tmp_path), ST_MODULES, flags)
+    assert declared_pooling(str(tmp_path)) == declared
+
+
+def test_no_or_a_broken_sentence_transformers_config_declares_nothing(tmp_path):
+    from duet.engine.pooling_config import declared_pooling
+
+    assert declared_pooling(str(tmp_path)) is None  # no modules.json
+    write_st_config(str(tmp_path), ST_MODULES[:1], None)
+    assert declared_pooling(str(tmp_path)) is None  # no Pooling module
+    write_st_config(str(tmp_path), ST_MODULES, None)
+    assert declared_pooling(str(tmp_path)) is None  # its config.json is missing (logged)

@@ -6,7 +6,9 @@ naming the field; an engine that cannot compute them (pipeline stages) says so."
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -14,7 +16,8 @@ import pytest
 import torch
 
 from duet.engine import AsyncEngine
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app
+from tests.engine.st_config import ST_MODULES, write_st_config
+from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app, make_engine
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores keys.", "a"]
 
@@ -27,7 +30,7 @@ def hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Ten
     with torch.no_grad():
         for ids in prompts:
             hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-            pooled = hidden[-1] if kind == "last" else hidden.mean(dim=0)
+            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(dim=0)}[kind]
             out.append(torch.nn.functional.normalize(pooled, dim=0))
     return out
 
@@ -118,3 +121,45 @@ def test_an_engine_without_embeddings_says_so(rest_engine: AsyncEngine) -> None:
         assert "does not compute embeddings" in e.value.message
     finally:
         server.stop()
+
+
+def test_auto_pooling_follows_the_models_sentence_transformers_config(
+    tiny_llama: str, tmp_path: Path
+) -> None:
+    """By default (`--embedding-pooling auto`) the route pools as the model's
+    sentence-transformers config declares (here mean), a flag overrides it, and a pooling duet
+    does not compute (max) is a 400 saying so, naming `input`."""
+    dirs = {}
+    for name, flags in (("mean", {"pooling_mode_mean_tokens": True}),
+                        ("max", {"pooling_mode_max_tokens": True})):  # fmt: skip
+        dirs[name] = str(tmp_path / name)
+        shutil.copytree(tiny_llama, dirs[name])
+        write_st_config(dirs[name], ST_MODULES, flags)
+    engine = make_engine(dirs["mean"])
+    try:
+        ids = [engine.tokenize_prompt(t)[1] for t in TEXTS]
+        for pooling, kind in (("auto", "mean"), ("last", "last")):
+            app = make_app(engine, MODEL_NAME, api_keys=[API_KEY], embedding_pooling=pooling)
+            server = LiveServer(app).start()
+            try:
+                with client_of(server) as c:
+                    reply = c.embeddings.create(model=MODEL_NAME, input=TEXTS)
+            finally:
+                server.stop()
+            refs = hf_vectors(dirs["mean"], ids, kind)
+            for d, ref in zip(reply.data, refs, strict=True):
+                torch.testing.assert_close(torch.tensor(d.embedding), ref, atol=2e-5, rtol=2e-5)
+    finally:
+        engine.shutdown()
+    engine = make_engine(dirs["max"])
+    try:
+        server = LiveServer(make_app(engine, MODEL_NAME, api_keys=[API_KEY])).start()
+        try:
+            with client_of(server) as c, pytest.raises(openai.BadRequestError) as e:
+                c.embeddings.create(model=MODEL_NAME, input="hello")
+        finally:
+            server.stop()
+        assert e.value.body["param"] == "input"  # type: ignore[index]
+        assert "declares 'max' pooling" in e.value.message
+    finally:
+        engine.shutdown()

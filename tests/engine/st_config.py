@@ -1,0 +1,26 @@
+"""A sentence-transformers configuration written beside a model (engine/pooling_config.py
+reads it), for the embedding tests."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def write_st_config(path: str, modules: list[dict], pooling: dict | None) -> None:
+    """A sentence-transformers configuration in `path`: `modules.json`, and the Pooling
+    module's `1_Pooling/config.json` with `pooling`'s flags (None: no such file)."""
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    if pooling is not None:
+        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+            json.dump({"word_embedding_dimension": 64, **pooling}, f)
+
+
+ST_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize",
+     "type": "sentence_transformers.models.Normalize"},
+]  # fmt: skip
