@@ -3,11 +3,25 @@ serves them)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    field_validator,
+)
 
-from duet.router.openai_protocol import INTEGRAL, PROMPT_SCHEMA, PromptInput
+from duet.router.openai_protocol import (
+    INTEGRAL,
+    PROMPT_SCHEMA,
+    TRUNCATE_PROMPT_TOKENS_SCHEMA,
+    TRUNCATE_RANGE,
+    PromptInput,
+)
 
 MAX_INPUTS = 2048
 """Most inputs in one request (OpenAI's limit)."""
@@ -26,6 +40,30 @@ class EmbeddingRequest(BaseModel):
     be cut, as OpenAI's text-embedding-3 models are)."""
     user: str | None = None
     """OpenAI's end-user id: accepted, not used."""
+    truncate_prompt_tokens: (
+        Annotated[int, INTEGRAL, WithJsonSchema(TRUNCATE_PROMPT_TOKENS_SCHEMA)] | None
+    ) = None
+    """vLLM's: embed only each input's last this many tokens (-1: as many as fit, the model's
+    context less one, the token an embedding request samples and drops), so a text longer
+    than the context is cut, not refused; more than the context is a 400."""
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, value: int | None) -> int | None:
+        if value is not None and value < 1 and value != -1:
+            raise ValueError(TRUNCATE_RANGE.format(value))
+        return value
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _one_of_the_shapes(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists"
+            ) from None
 
     @field_validator("input")
     @classmethod

@@ -202,8 +202,13 @@ class DuetServicer(serving_pb2_grpc.DuetServicer):
             for item in request.inputs:
                 kind = item.WhichOneof("input")
                 inputs.append(list(item.token_ids.ids) if kind == "token_ids" else item.text)
+            keep = (
+                request.truncate_prompt_tokens
+                if request.HasField("truncate_prompt_tokens")
+                else None
+            )
             vectors, num_tokens = await self.front.embeddings.embed(
-                inputs, self._caller(context), request_id
+                inputs, self._caller(context), request_id, keep
             )
         except Exception as e:
             await _abort(context, e, request_id)

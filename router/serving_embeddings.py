@@ -28,6 +28,7 @@ from duet.router.embeddings_protocol import (
     EmbeddingUsage,
 )
 from duet.router.errors import BadRequestError, OpenAIError, as_openai_error
+from duet.router.openai_protocol import truncate_prompt
 from duet.router.serving_completion import final_outputs
 from duet.router.serving_context import ServingContext
 
@@ -60,7 +61,10 @@ class EmbeddingHandler:
         request_id = f"embd-{uuid.uuid4().hex}"
         try:
             vectors, num_tokens = await run_until_disconnect(
-                raw, self.embed(body.inputs(), caller_api_key(raw), request_id)
+                raw,
+                self.embed(
+                    body.inputs(), caller_api_key(raw), request_id, body.truncate_prompt_tokens
+                ),
             )
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -80,10 +84,15 @@ class EmbeddingHandler:
         return Response(reply.model_dump_json(), media_type="application/json")
 
     async def embed(
-        self, inputs: Sequence[Prompt], api_key: str | None, request_id: str
+        self,
+        inputs: Sequence[Prompt],
+        api_key: str | None,
+        request_id: str,
+        truncate_prompt_tokens: int | None = None,
     ) -> tuple[list[list[float]], int]:
         """Each input's vector, in order, and the prompt tokens read: validated (a 400 naming
-        `input`), rate-limited for `api_key`, admitted, run. REST and gRPC both call this."""
+        `input`), cut to its last `truncate_prompt_tokens` when given (vLLM's), rate-limited
+        for `api_key`, admitted, run. REST and gRPC both call this."""
         arrival_s = time.monotonic()
         ctx = self.ctx
         if self.unsupported is not None:
@@ -95,9 +104,16 @@ class EmbeddingHandler:
                 param="input",
             )
         try:
-            prompts = [ctx.engine.tokenize_prompt(p)[1] for p in inputs] or [
+            # A text to truncate may be longer than the context (the body's size bounds it).
+            bounded = truncate_prompt_tokens is None
+            prompts = [ctx.engine.tokenize_prompt(p, bounded)[1] for p in inputs] or [
                 ctx.engine.tokenize_prompt([])[1]  # no input at all: the empty prompt's error
             ]
+            # -1: as many as an embedding request takes, the context less the one token it
+            # samples and drops.
+            context = ctx.engine.max_model_len
+            keep = context - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            prompts = [truncate_prompt(ids, keep, context) for ids in prompts]
             for ids in prompts:
                 ctx.engine.check_lengths(len(ids), self.params)
         except InvalidInputError as e:

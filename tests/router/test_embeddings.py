@@ -163,3 +163,33 @@ def test_auto_pooling_follows_the_models_sentence_transformers_config(
         assert "declares 'max' pooling" in e.value.message
     finally:
         engine.shutdown()
+
+
+def test_truncate_prompt_tokens_embeds_the_last_tokens(
+    client: openai.OpenAI, rest_engine: AsyncEngine
+) -> None:
+    """vLLM's `truncate_prompt_tokens`: each input's last N tokens (-1: the context) are
+    embedded and counted, so an input past the context is cut, not refused."""
+    context = rest_engine.max_model_len
+    long = [(7 * i) % 400 + 3 for i in range(context + 40)]  # past the context
+    text_ids = rest_engine.tokenize_prompt(TEXTS[0])[1]
+
+    def embed(inputs: Any, **extra: Any) -> Any:
+        return client.embeddings.create(
+            model=MODEL_NAME, input=inputs, encoding_format="float", extra_body=extra
+        )
+
+    cut = embed([long, text_ids], truncate_prompt_tokens=5)
+    want = embed([long[-5:], text_ids[-5:]])
+    assert [d.embedding for d in cut.data] == [d.embedding for d in want.data]
+    assert cut.usage.prompt_tokens == 10
+    whole = embed([long], truncate_prompt_tokens=-1)  # as many as fit: the context less one
+    assert whole.data[0].embedding == embed([long[1 - context :]]).data[0].embedding
+    assert whole.usage.prompt_tokens == context - 1
+    for keep in (0, -2, context + 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            embed("hello", truncate_prompt_tokens=keep)
+        assert e.value.body["param"] == "truncate_prompt_tokens", keep  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        embed([long])  # no truncation: past the context is refused
+    assert e.value.body["param"] == "input"  # type: ignore[index]

@@ -534,6 +534,22 @@ def test_embed_gives_the_engines_vectors_and_names_bad_input(stub, tiny_llama):
             stub.Embed(serving_pb2.EmbedRequest(inputs=bad), metadata=AUTH, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
         assert info.value.details().startswith("input:"), info.value.details()
+    ids = ref[0].prompt_token_ids
+    cut = stub.Embed(
+        serving_pb2.EmbedRequest(inputs=inputs[:1], truncate_prompt_tokens=3),
+        metadata=AUTH, timeout=60,
+    )  # fmt: skip
+    last3 = serving_pb2.EmbedInput(token_ids=serving_pb2.TokenIds(ids=ids[-3:]))
+    want = stub.Embed(serving_pb2.EmbedRequest(inputs=[last3]), metadata=AUTH, timeout=60)
+    assert list(cut.embeddings[0].values) == list(want.embeddings[0].values)
+    assert cut.usage.prompt_tokens == 3
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(
+            serving_pb2.EmbedRequest(inputs=inputs[:1], truncate_prompt_tokens=0),
+            metadata=AUTH, timeout=10,
+        )  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("truncate_prompt_tokens:")
     one = [serving_pb2.EmbedInput(text="hi")]
     with pytest.raises(grpc.RpcError) as info:
         stub.Embed(serving_pb2.EmbedRequest(inputs=one), timeout=10)

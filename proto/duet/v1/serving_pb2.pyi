@@ -250,14 +250,16 @@ class EmbedInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "inputs", "request_id")
+    __slots__ = ("model", "inputs", "request_id", "truncate_prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    truncate_prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., request_id: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values",)
