@@ -9,7 +9,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidatorFunctionWrapHandler,
     WithJsonSchema,
     field_validator,
@@ -19,8 +18,9 @@ from duet.router.openai_protocol import (
     INTEGRAL,
     PROMPT_SCHEMA,
     TRUNCATE_PROMPT_TOKENS_SCHEMA,
-    TRUNCATE_RANGE,
     PromptInput,
+    check_truncate_range,
+    prompt_of_one_shape,
 )
 
 MAX_INPUTS = 2048
@@ -50,20 +50,12 @@ class EmbeddingRequest(BaseModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _check_truncate(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError(TRUNCATE_RANGE.format(value))
-        return value
+        return check_truncate_range(value)
 
     @field_validator("input", mode="wrap")
     @classmethod
     def _one_of_the_shapes(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(
-                "must be a string, a list of strings, a list of token ids or a list of "
-                "token-id lists"
-            ) from None
+        return prompt_of_one_shape(value, handler)
 
     @field_validator("input")
     @classmethod

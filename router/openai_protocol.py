@@ -97,6 +97,24 @@ TRUNCATE_PROMPT_TOKENS_SCHEMA = {
 TRUNCATE_RANGE = "must be -1 (the model's context length) or an integer >= 1; got {}"
 
 
+def check_truncate_range(keep: int | None) -> int | None:
+    """`truncate_prompt_tokens` as a field validator sees it: -1, >= 1 or None."""
+    if keep is not None and keep < 1 and keep != -1:
+        raise ValueError(TRUNCATE_RANGE.format(keep))
+    return keep
+
+
+def prompt_of_one_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A prompt field (`prompt`, `input`) validated as one of `PromptInput`'s shapes, with one
+    error naming them all instead of pydantic's one per shape tried."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        ) from None
+
+
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` ids (-1: the model's context
     length; None: all of them). `InvalidInputError` naming the field for 0, below -1 or more
@@ -349,9 +367,7 @@ class SamplingRequest(OpenAIModel):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _check_truncate_prompt_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 1 and value != -1:
-            raise ValueError(TRUNCATE_RANGE.format(value))
-        return value
+        return check_truncate_range(value)
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """`truncate_prompt(prompt_ids, self.truncate_prompt_tokens, max_model_len)`."""
@@ -532,13 +548,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(
-                "must be a string, a list of strings, a list of token ids or a list of "
-                "token-id lists"
-            ) from None
+        return prompt_of_one_shape(value, handler)
 
     @field_validator("suffix")
     @classmethod

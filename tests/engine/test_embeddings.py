@@ -13,7 +13,7 @@ import torch
 from duet.engine import LLM, SamplingParams
 from duet.engine.errors import InvalidInputError
 from tests.conftest import SMOLLM2_SHAPES
-from tests.engine.st_config import ST_MODULES, write_st_config
+from tests.engine.embedding_helpers import ST_MODULES, hf_vectors, write_st_config
 
 
 def _embed(kind: str) -> SamplingParams:
@@ -29,24 +29,11 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 40, 70)]
 
 
-def _hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for prompt in prompts:
-            hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0]
-            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(dim=0)}[kind]
-            out.append(torch.nn.functional.normalize(pooled, dim=0))
-    return out
-
-
 @pytest.mark.parametrize("kind", ["last", "mean", "cls"])
 def test_fp32_embeddings_match_hf_pooled_hidden_states(tiny_llama, kind):
     prompts = _prompts()
     outs = _llm(tiny_llama, "float32", max_num_batched_tokens=16).generate(prompts, _embed(kind))
-    for prompt, out, ref in zip(prompts, outs, _hf_vectors(tiny_llama, prompts, kind), strict=True):
+    for prompt, out, ref in zip(prompts, outs, hf_vectors(tiny_llama, prompts, kind), strict=True):
         assert out.embedding is not None and out.finished
         vector = torch.tensor(out.embedding)
         assert vector.shape == ref.shape

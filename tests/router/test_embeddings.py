@@ -16,23 +16,10 @@ import pytest
 import torch
 
 from duet.engine import AsyncEngine
-from tests.engine.st_config import ST_MODULES, write_st_config
+from tests.engine.embedding_helpers import ST_MODULES, hf_vectors, write_st_config
 from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, make_app, make_engine
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paged attention stores keys.", "a"]
-
-
-def hf_vectors(path: str, prompts: list[list[int]], kind: str) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for ids in prompts:
-            hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-            pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(dim=0)}[kind]
-            out.append(torch.nn.functional.normalize(pooled, dim=0))
-    return out
 
 
 def client_of(server: LiveServer) -> openai.OpenAI:
