@@ -25,7 +25,7 @@ from duet.router.batches import (
     MAX_FILES_PAGE,
     MIN_FILE_EXPIRY_S,
     BatchService,
-    check_expires_after_seconds,
+    check_expires_after,
 )
 from duet.router.errors import BadRequestError
 from duet.router.openapi import error_responses
@@ -78,12 +78,7 @@ def _expires_after(anchor: str | None, seconds: str | None) -> int | None:
             f"expires_after.{missing}: missing (expires_after takes both anchor and seconds)",
             param=f"expires_after.{missing}",
         )
-    if anchor != "created_at":
-        raise BadRequestError(
-            f"expires_after.anchor: must be 'created_at'; got {anchor[:64]!r}",
-            param="expires_after.anchor",
-        )
-    return check_expires_after_seconds(seconds, "expires_after.seconds")
+    return check_expires_after(anchor, seconds, "expires_after")
 
 
 async def _read_form(raw: Request, service: BatchService) -> Upload:

@@ -79,9 +79,18 @@ def _owner(api_key: str | None) -> str:
     return hash_api_key(api_key) or ""
 
 
-def check_expires_after_seconds(value: object, param: str) -> int:
-    """`expires_after.seconds` as an int in [3600, 2592000] (a form field's text or JSON's
-    int), else a 400 naming `param`."""
+def check_expires_after(anchor: str, seconds: object, param: str) -> int:
+    """OpenAI's `expires_after` (an upload's, or a batch's `output_expires_after`: `param`):
+    anchor `created_at` and the seconds (a form field's text or JSON's int) in [3600,
+    2592000]; else a 400 naming `<param>.anchor` or `<param>.seconds`."""
+    if anchor != "created_at":
+        raise BadRequestError(
+            f"{param}.anchor: must be 'created_at'; got {anchor[:64]!r}", param=f"{param}.anchor"
+        )
+    return _check_expiry_seconds(seconds, f"{param}.seconds")
+
+
+def _check_expiry_seconds(value: object, param: str) -> int:
     text = str(value).strip()
     try:
         if isinstance(value, bool):
@@ -266,14 +275,9 @@ class BatchService:
             )
         output_expiry_s = None
         if body.output_expires_after is not None:
-            if body.output_expires_after.anchor != "created_at":
-                raise BadRequestError(
-                    "output_expires_after.anchor: must be 'created_at'; got "
-                    f"{body.output_expires_after.anchor[:64]!r}",
-                    param="output_expires_after.anchor",
-                )
-            output_expiry_s = check_expires_after_seconds(
-                body.output_expires_after.seconds, "output_expires_after.seconds"
+            expiry = body.output_expires_after
+            output_expiry_s = check_expires_after(
+                expiry.anchor, expiry.seconds, "output_expires_after"
             )
         now = int(time.time())
         batch_id = f"batch_{uuid.uuid4().hex}"

@@ -1,6 +1,7 @@
 """`POST /v1/embeddings`, OpenAI's: one vector per input (a string, a list of strings, token ids
 or a list of token-id lists), the model's final hidden states pooled (`--embedding-pooling`:
-`last`, the last token's, as vLLM pools decoder models, or `mean`) and scaled to unit length,
+as the model's sentence-transformers config declares, else `last`, the last token's, as vLLM
+pools decoder models; or `last`, `mean`, `cls` named) and scaled to unit length,
 as floats or as base64 of little-endian float32 (`encoding_format`; the official client asks
 for base64 and decodes it). The engine computes them as requests that run their prompt and
 sample one token it drops (`SamplingParams.pooling`), batched with everything else.
@@ -27,15 +28,10 @@ from duet.router.embeddings_protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from duet.router.errors import BadRequestError, OpenAIError, as_openai_error
+from duet.router.errors import BadRequestError, as_openai_error
 from duet.router.openai_protocol import truncate_prompt
 from duet.router.serving_completion import final_outputs
 from duet.router.serving_context import ServingContext
-
-
-class EmbeddingsUnavailableError(OpenAIError):
-    status_code = 400
-    type = "invalid_request_error"
 
 
 class EmbeddingHandler:
@@ -96,9 +92,9 @@ class EmbeddingHandler:
         arrival_s = time.monotonic()
         ctx = self.ctx
         if self.unsupported is not None:
-            raise EmbeddingsUnavailableError(self.unsupported, param="input")
+            raise BadRequestError(self.unsupported, param="input")
         if not ctx.engine.computes_embeddings:
-            raise EmbeddingsUnavailableError(
+            raise BadRequestError(
                 "input: this server's engine does not compute embeddings (one that splits the "
                 "model into pipeline stages does not yet)",
                 param="input",

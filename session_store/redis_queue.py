@@ -88,6 +88,12 @@ local function store_result(task_id, value, now, retention_ms)
   if stored == 1 then redis.call('ZADD', KEYS[5], now + retention_ms, task_id) end
   return stored
 end
+-- Put one record (hash, its expiry set) living until `at`, after purging a few expired ones.
+local function put_record(hash, expiry, id, doc, at, now)
+  purge(hash, expiry, now)
+  redis.call('HSET', hash, id, doc)
+  redis.call('ZADD', expiry, at, id)
+end
 -- Dead-letter one pending entry; dead letters older than the retention go.
 local function bury(id, task_id, kind, payload, n, reason, retention_ms)
   local now = now_ms()
@@ -233,11 +239,7 @@ for _ = 1, num_results do
   store_result(ARGV[i], ARGV[i + 1], now, retention_ms)  -- a task that has a result keeps it
   i = i + 2
 end
-if #KEYS == 7 then
-  purge(KEYS[6], KEYS[7], now)
-  redis.call('HSET', KEYS[6], ARGV[i], ARGV[i + 1])
-  redis.call('ZADD', KEYS[7], now + retention_ms, ARGV[i])
-end
+if #KEYS == 7 then put_record(KEYS[6], KEYS[7], ARGV[i], ARGV[i + 1], now + retention_ms, now) end
 return 0
 """
 )
@@ -262,11 +264,9 @@ _PUT_RECORD = (
     _LUA_PRELUDE
     + """
 local now = now_ms()
-purge(KEYS[1], KEYS[2], now)
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local at = now + tonumber(ARGV[4])
 if ARGV[3] ~= '' then at = tonumber(ARGV[3]) end
-redis.call('ZADD', KEYS[2], at, ARGV[1])
+put_record(KEYS[1], KEYS[2], ARGV[1], ARGV[2], at, now)
 return 0
 """
 )

@@ -182,18 +182,21 @@ class SqliteWorkQueue(WorkQueue):
         )
 
     @staticmethod
-    def _drop(conn: sqlite3.Connection, what: str, thing_id: str) -> None:
-        """Delete the thing and its expiry."""
+    def _drop(conn: sqlite3.Connection, what: str, thing_id: str) -> bool:
+        """Delete the thing and its expiry; True if the thing was there."""
         if what == "result":
-            conn.execute("DELETE FROM queue_results WHERE task_id = ?", (thing_id,))
+            cur = conn.execute("DELETE FROM queue_results WHERE task_id = ?", (thing_id,))
         elif what == "blob":
-            conn.execute("DELETE FROM queue_blobs WHERE id = ?", (thing_id,))
+            cur = conn.execute("DELETE FROM queue_blobs WHERE id = ?", (thing_id,))
         elif what == "dead":
-            conn.execute("DELETE FROM queue_dead WHERE seq = ?", (int(thing_id),))
+            cur = conn.execute("DELETE FROM queue_dead WHERE seq = ?", (int(thing_id),))
         else:
             kind = what.removeprefix("record:")
-            conn.execute("DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, thing_id))
+            cur = conn.execute(
+                "DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, thing_id)
+            )
         conn.execute("DELETE FROM queue_expiry WHERE what = ? AND id = ?", (what, thing_id))
+        return cur.rowcount > 0
 
     def _purge(self, conn: sqlite3.Connection, now: float) -> None:
         """Delete up to PURGE_PER_WRITE expired things, oldest expiry first."""
@@ -406,14 +409,9 @@ class SqliteWorkQueue(WorkQueue):
 
     async def delete_record(self, kind: str, record_id: str) -> bool:
         def body(conn: sqlite3.Connection) -> bool:
-            live = self._expired(conn, f"record:{kind}", record_id, self._clock()) is False
-            cursor = conn.execute(
-                "DELETE FROM queue_records WHERE kind = ? AND id = ?", (kind, record_id)
-            )
-            conn.execute(
-                "DELETE FROM queue_expiry WHERE what = ? AND id = ?", (f"record:{kind}", record_id)
-            )
-            return cursor.rowcount > 0 and live
+            what = f"record:{kind}"
+            live = not self._expired(conn, what, record_id, self._clock())
+            return self._drop(conn, what, record_id) and live
 
         return await self._run("delete_record", body, write=True)
 
