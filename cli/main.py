@@ -6,11 +6,23 @@ import argparse
 import importlib.metadata
 import logging
 import sys
+import tomllib
 from collections.abc import Sequence
+from pathlib import Path
 
 from duet.cli import bench, chat, generate, plan, serve, tokenizer
 
 SUBCOMMANDS = (generate, chat, serve, bench, plan, tokenizer)
+
+
+def _version() -> str:
+    """The installed distribution's version, or the tree's own where duet runs from a checkout
+    on PYTHONPATH without being installed (a lent GPU machine: docs/gpu.md)."""
+    try:
+        return importlib.metadata.version("duet-serve")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-V",
         "--version",
         action="version",
-        version=f"duet {importlib.metadata.version('duet-serve')}",
+        version=f"duet {_version()}",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     for module in SUBCOMMANDS:
