@@ -17,7 +17,7 @@ from duet.engine.spec_decode.config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-PREFILL_ATTENTIONS = ("triton", "sdpa")
+PREFILL_ATTENTIONS = ("auto", "triton", "sdpa")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
 CUDA_GRAPH_MODES = ("decode", "piecewise")
@@ -101,12 +101,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto (Triton kernels on CUDA, the C++ decode kernel on CPU), triton (on CPU only under
     TRITON_INTERPRET=1, for tests), or torch (the reference path)."""
-    prefill_attention: str = "triton"
+    prefill_attention: str = "auto"
     """With the Triton backend: triton (the paged prefill kernel for every prompt chunk) or
     sdpa (a step whose chunks are all whole prompts with no cached prefix runs torch's
     scaled_dot_product_attention, FlashAttention on a GPU, on each prompt's own K/V; other
     steps as triton). sdpa is not batch-invariant with the decode kernel: not with
-    `deterministic`."""
+    `deterministic`. auto: sdpa on CUDA unless deterministic (the faster on the H200,
+    2026-11-30: docs/gpu.md), else triton."""
     load_progress: bool = True
     """Show a progress bar while loading weights."""
     load_format: str = "auto"
@@ -280,6 +281,12 @@ class EngineConfig:
         if self.deterministic is not None:
             return self.deterministic
         return device.type != "cuda"
+
+    def resolve_prefill_attention(self, device: torch.device, deterministic: bool) -> str:
+        """`prefill_attention`, or for auto: sdpa on CUDA unless deterministic, else triton."""
+        if self.prefill_attention != "auto":
+            return self.prefill_attention
+        return "sdpa" if device.type == "cuda" and not deterministic else "triton"
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

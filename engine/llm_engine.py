@@ -79,10 +79,11 @@ class LLMEngine:
             configure_cpu_runtime()
         self.dtype = config.resolve_dtype(self.device)
         deterministic = config.resolve_deterministic(self.device)
-        if deterministic and config.prefill_attention != "triton":
+        prefill_attention = config.resolve_prefill_attention(self.device, deterministic)
+        if deterministic and prefill_attention != "triton":
             raise InvalidInputError(
                 "prefill_attention",
-                f"{config.prefill_attention} is not batch-invariant with the decode kernel: "
+                f"{prefill_attention} is not batch-invariant with the decode kernel: "
                 "deterministic inference needs triton (or --no-deterministic)",
             )
         start = time.perf_counter()
@@ -137,7 +138,7 @@ class LLMEngine:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             cuda_graph_mode=config.cuda_graph_mode,
             decode_graphs=config.decodes,
-            prefill_attention=config.prefill_attention,
+            prefill_attention=prefill_attention,
         )
         target = TargetInfo(
             loaded.arch.vocab_size, self.tokenizer, self.device, self.dtype, config.block_size,

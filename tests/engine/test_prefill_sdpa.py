@@ -73,5 +73,19 @@ def test_sdpa_is_refused_with_deterministic_inference(tiny_llama: str) -> None:
         LLM(tiny_llama, **{**ENGINE, "deterministic": True, "prefill_attention": "sdpa"})
     assert info.value.field == "prefill_attention"
     assert "not batch-invariant" in str(info.value)
-    with pytest.raises(InvalidInputError, match="must be one of triton, sdpa; got 'flash'"):
+    with pytest.raises(InvalidInputError, match="must be one of auto, triton, sdpa; got 'flash'"):
         EngineConfig(prefill_attention="flash")
+
+
+def test_auto_is_sdpa_on_cuda_unless_deterministic() -> None:
+    """The default: SDPA where it was measured faster (a CUDA prefill, docs/gpu.md), the paged
+    kernel on the CPU and wherever deterministic inference needs it; a named value stays."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    auto = EngineConfig()
+    assert auto.prefill_attention == "auto"
+    assert auto.resolve_prefill_attention(cuda, deterministic=False) == "sdpa"
+    assert auto.resolve_prefill_attention(cuda, deterministic=True) == "triton"
+    assert auto.resolve_prefill_attention(cpu, deterministic=False) == "triton"
+    for named in ("triton", "sdpa"):
+        config = EngineConfig(prefill_attention=named)
+        assert config.resolve_prefill_attention(cuda, deterministic=True) == named
