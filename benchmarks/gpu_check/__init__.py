@@ -382,8 +382,9 @@ DEFAULT_MARGIN = 1.03
 def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """What this run says each default undecided on a GPU should be, with the numbers: the
     prefill attention (`--prefill-attention`: the kernel benchmark's prefill rows at the
-    longest prompt measured) and the CUDA-graph mode (`--cuda-graph-mode`: the serve step's
-    output tok/s and ITL p99 at each concurrency both servers ran). A choice this run did not
+    longest prompt measured), the CUDA-graph mode (`--cuda-graph-mode`: the serve step's
+    output tok/s and ITL p99 at each concurrency both servers ran) and nixl's mode
+    (`DUET_KV_NIXL_MODE`: pull and push GB/s at the most blocks both moved). A choice this run did not
     measure is absent; the alternative wins only by `DEFAULT_MARGIN`."""
     out: dict[str, dict[str, Any]] = {}
     summary = (steps.get("kernels") or {}).get("summary") or {}
@@ -415,5 +416,18 @@ def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
                 }
                 for lv in shared
             },
+        }  # fmt: skip
+    bandwidth = (steps.get("disaggregated") or {}).get("kv_bandwidth") or {}
+    gbs: dict[int, dict[str, float]] = {}
+    for row in bandwidth.get("rows", []):
+        mode = "push" if row["backend"] == "nixl-push" else "pull"
+        gbs.setdefault(row["blocks"], {})[mode] = row["nixl_gbs"]
+    both = [n for n, by_mode in gbs.items() if len(by_mode) == 2]
+    if both:
+        blocks = max(both)
+        pull, push = gbs[blocks]["pull"], gbs[blocks]["push"]
+        out["kv_nixl_mode"] = {
+            "value": "push" if push > pull * DEFAULT_MARGIN else "pull", "blocks": blocks,
+            "gbs": {"pull": pull, "push": push},
         }  # fmt: skip
     return out

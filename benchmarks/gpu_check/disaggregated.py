@@ -122,19 +122,22 @@ def kv_bandwidth(
 ) -> dict[str, Any]:
     """`benchmarks.kv.transfer` on `device` (two processes, each with a Llama-3.1-8B-shaped
     cache there), nixl pulling and pushing `blocks` blocks against a copy of the same bytes on
-    the device (on a GPU: device to device) and a raw NIXL write: GB/s per backend and size.
-    Cut off by `deadline`, it reports the timeout instead."""
+    the device (on a GPU: device to device) and a raw NIXL write: GB/s per backend and size,
+    and the data paths UCX chose (`UCX_PROTO_INFO`: `benchmarks/kv/ucx_protocols.py`; on the
+    H200 a pull ran at 0.07 GB/s, #42). Cut off by `deadline`, it reports the timeout
+    instead, with the data paths chosen by then."""
     out = workdir / "kv_transfer.json"
+    log = workdir / "kv_transfer.log"
     args = ["-m", "benchmarks.kv.transfer", "--device", device.type, "--copy-baseline",
             "--layouts", BANDWIDTH_LAYOUT, "--backends", "nixl,nixl-push",
-            "--blocks", ",".join(map(str, blocks)), "--reps", "5", "--warmup", "1",
+            "--blocks", ",".join(map(str, blocks)), "--reps", "3", "--warmup", "1",
             "--out", str(out)]  # fmt: skip
     try:
-        code = run_bounded(args, deadline, workdir / "kv_transfer.log", child_env())
+        code = run_bounded(args, deadline, log, child_env({"UCX_PROTO_INFO": "y"}))
     except StepTimeout as e:
-        return {"outcome": "timed_out", "detail": str(e)[-1500:]}
+        return {"outcome": "timed_out", "detail": str(e)[-1500:], "ucx_data_paths": _paths(log)}
     if code != 0 or not out.exists():
-        return {"outcome": "failed", "exit_code": code}
+        return {"outcome": "failed", "exit_code": code, "ucx_data_paths": _paths(log)}
     rows = [
         {"backend": layout["backend"], "blocks": r["num_blocks"], "bytes": r["bytes"],
          "nixl_gbs": r["duet_done_gbps"], "copy_gbs": r["raw_copy_gbps"],
@@ -142,7 +145,14 @@ def kv_bandwidth(
         for layout in json.loads(out.read_text())["layouts"]
         for r in layout["results"]
     ]  # fmt: skip
-    return {"outcome": "measured", "layout": BANDWIDTH_LAYOUT, "rows": rows}
+    return {"outcome": "measured", "layout": BANDWIDTH_LAYOUT, "rows": rows,
+            "ucx_data_paths": _paths(log)}  # fmt: skip
+
+
+def _paths(log: Path) -> list[dict[str, Any]]:
+    from benchmarks.kv.ucx_protocols import data_paths
+
+    return data_paths(log.read_text(errors="replace")) if log.exists() else []
 
 
 async def _through_workers(

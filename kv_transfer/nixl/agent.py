@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 BUSY_TICK_S = 0.0005
 IDLE_TICK_S = 0.002
+GET_ZCOPY_ENV = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl._api")
 """Where the NIXL Python API lives: the PyPI wheels nixl-cu12 / nixl-cu13, or a source build's
 `nixl` package."""
@@ -58,6 +59,13 @@ def load_nixl() -> Any:
         # register it ("VRAM memory is detected as host by UCX", NIXL_ERR_BACKEND; seen on an
         # H200 with nixl-cu12 1.5.1, openucx/ucx#2755). Without the cache UCX asks the driver.
         os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+        if torch.cuda.is_available():
+            # NOTE: UCX serves a READ of CUDA memory over CUDA IPC only where it finds NVLink
+            # ("cuda-ipc get zcopy disabled as no nvlinks detected"); elsewhere (one GPU, PCIe
+            # GPUs) it emulates the read in software over TCP: a pull moved 0.07 GB/s on an
+            # H200 against 698 GB/s for a NIXL WRITE of the same bytes (2026-11-30; vLLM
+            # #52607, NIXL #2208). Not set without CUDA, where UCX warns of an unused variable.
+            os.environ.setdefault(GET_ZCOPY_ENV, "on")
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # NOTE: NIXL logs INFO lines (an agent made, a backend loaded) to stdout, which a
             # worker's parent may read as its protocol; only its warnings, unless asked.

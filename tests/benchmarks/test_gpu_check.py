@@ -212,6 +212,29 @@ def test_measured_defaults_name_the_faster_choice_with_its_numbers(sdpa, pieces,
         }}  # fmt: skip
 
 
+def _bandwidth(pull: float, push: float) -> dict:
+    return {"outcome": "measured", "rows": [
+        {"backend": "nixl", "blocks": 16, "nixl_gbs": 9.0},
+        {"backend": "nixl-push", "blocks": 16, "nixl_gbs": 1.0},
+        {"backend": "nixl", "blocks": 256, "nixl_gbs": pull},
+        {"backend": "nixl-push", "blocks": 256, "nixl_gbs": push},
+    ]}  # fmt: skip
+
+
+@pytest.mark.parametrize(("pull", "push", "want"), [
+    (0.07, 3.87, "push"), (100.0, 102.0, "pull"), (100.0, 104.0, "push"), (500.0, 3.87, "pull"),
+])  # fmt: skip
+def test_measured_defaults_name_the_faster_nixl_mode(pull, push, want):
+    """nixl's mode (`DUET_KV_NIXL_MODE`) from the bandwidth rows at the most blocks measured:
+    push only when it moved 3% more GB/s (the H200 of 2026-11-30: pull 0.07, push 3.87)."""
+    steps = {"disaggregated": {"kv_bandwidth": _bandwidth(pull, push)}}
+    assert gpu_check.measured_defaults(steps) == {"kv_nixl_mode": {
+        "value": want, "blocks": 256, "gbs": {"pull": pull, "push": push},
+    }}  # fmt: skip
+    steps["disaggregated"]["kv_bandwidth"] = {"outcome": "timed_out", "ucx_data_paths": []}
+    assert gpu_check.measured_defaults(steps) == {}
+
+
 def test_the_kernels_step_profiles_decode_outside_quick(tmp_path: Path, monkeypatch):
     seen: list[list[str]] = []
 
@@ -317,6 +340,13 @@ def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
     for r in rows:
         assert r["nixl_gbs"] > 0 and r["copy_gbs"] > 0 and r["raw_nixl_gbs"] > 0
         assert r["of_copy"] == pytest.approx(r["nixl_gbs"] / r["copy_gbs"], rel=1e-9)
+    # the data paths UCX chose between the two processes (on the H200: what a pull rode on)
+    paths = {(p["context"], p["operation"]): p["ranges"] for p in bandwidth["ucx_data_paths"]}
+    cma = [["0..inf", "zero-copy", "cma/memory"]]
+    read = "remote memory read by ucp_get*(multi) into host memory from host"
+    write = "remote memory write by ucp_put*(multi) from host memory to host"
+    assert paths[("decode intra-node cfg#1", read)] == cma  # the pull
+    assert paths[("bench intra-node cfg#1", write)] == cma  # the push
 
 
 @pytest.mark.slow
