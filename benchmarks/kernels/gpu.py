@@ -11,6 +11,8 @@ and HF transformers on the same GPU, model and weights as the baseline, all in o
 - Decode is timed both eager (prebuilt metadata) and as the CUDA-graph replay the engine runs
   (input staging included); HF's step time is the median time between consecutive steps of
   one `generate` of 1 + K tokens (`hf_step_s`).
+- On CUDA, at Llama-8B's shape, the decode attention kernel alone over its split counts and
+  key tiles (`decode_splits.py`): the fastest launch per batch against the engine's.
 
 Without CUDA it says so and exits 0. `--smoke` runs tiny shapes on the CPU to check that the
 script itself works; its numbers mean nothing.
@@ -352,6 +354,12 @@ def bench_model(
     then HF's. `save(partial)` gets duet's rows before HF runs (a caller cut off by a time
     limit keeps them)."""
     hf, duet = build_models(MODELS[name], s)
+    attention = None
+    if s.device.type == "cuda" and name == "llama8b":  # the decode kernel's launches, alone
+        from benchmarks.kernels.decode_splits import best, sweep
+
+        rows = sweep(s.device, s.dtype, tuple(s.batches), s.context, iters=s.iters)
+        attention = {"rows": rows, "best": best(rows)}
     decode = decode_bench(duet, s)
     mixed = mixed_bench(duet, s)
     prefill = prefill_bench(duet, s)
@@ -369,7 +377,7 @@ def bench_model(
         for key in ("", "sdpa_"):
             if f"{key}tflops" in row:
                 row[f"{key}peak_fraction"] = row[f"{key}tflops"] / device_stats["matmul_tflops"]
-    save({"decode": decode, "mixed": mixed, "prefill": prefill,
+    save({"decode": decode, "mixed": mixed, "prefill": prefill, "decode_attention": attention,
           "hf_baseline": "not measured (yet)"})  # fmt: skip
     baseline = hf_bench(hf, s)
     del hf
@@ -381,7 +389,7 @@ def bench_model(
     for row, hf_row in zip(prefill, baseline["prefill"], strict=True):
         row["hf_ms"] = hf_row["ms"]
         row["speedup_vs_hf"] = hf_row["ms"] / row["ms"]
-    return {"decode": decode, "mixed": mixed, "prefill": prefill}
+    return {"decode": decode, "mixed": mixed, "prefill": prefill, "decode_attention": attention}
 
 
 def print_report(results: dict[str, Any]) -> None:
@@ -401,6 +409,13 @@ def print_report(results: dict[str, Any]) -> None:
             print(f"  {m['chunk']:5d}  {m['decodes']:7d} x {m['query']:<5d}  {m['tokens']:6d}"
                   f"  {m['eager_ms']:8.2f}  {m['piecewise_ms']:12.2f}  {m['speedup']:7.2f}x"
                   f"  {m['max_abs_logit_diff']:.3g}")  # fmt: skip
+        if r.get("decode_attention"):
+            print(f"{name} decode attention alone, fastest launch against the engine's:")
+            for batch, b in r["decode_attention"]["best"].items():
+                f, c = b["fastest"], b["chosen"]
+                print(f"  batch {batch}: {f['us']:.1f} us ({f['splits']} splits, BLOCK_N "
+                      f"{f['BLOCK_N']}, {f['num_stages']} stages); engine's {c['us']:.1f} us "
+                      f"({c['splits']} splits)")  # fmt: skip
         print(f"{name} prefill:")
         print("  tokens  ms  TFLOP/s  of peak  HF ms  vs HF  | attention in SDPA: ms  of peak")
         for p in r["prefill"]:

@@ -47,8 +47,11 @@ from duet.engine.kernels.triton_prefill import ordered_decode_attention
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
-# A split shorter than this costs more in the merge than it gains in parallelism.
-_MIN_TOKENS_PER_SPLIT = 256
+# A split shorter than this costs more in the merge than it gains in parallelism. Two key
+# tiles: on the H200 (2026-11-30) a batch-1 step at context 1,024 ran 4 splits of 256 tokens
+# under the old bound of 256, 32 programs on 132 SMs walking 8 tiles each, 13.6 us a layer
+# (its 4 MB of K/V is 1 us at the HBM bandwidth); 64 gives 16 splits, 128 programs of 2 tiles.
+_MIN_TOKENS_PER_SPLIT = 64
 # Deterministic inference: the partition of the one order of arithmetic (triton_attention_order).
 DETERMINISTIC_PARTITION = PARTITION
 # ... split by partition only up to this many (16k tokens): bounds the fp32 partial states a
@@ -232,7 +235,7 @@ def device_num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits of the launch: enough programs to fill every SM twice, no split shorter than
-    256 tokens, at most MAX_SPLITS. A runtime value: any choice reuses the compiled kernels."""
+    64 tokens, at most MAX_SPLITS. A runtime value: any choice reuses the compiled kernels."""
     programs = max(1, num_decodes * num_kv_heads)
     wanted = -(-2 * num_sms // programs)
     by_length = -(-max_seq_len // _MIN_TOKENS_PER_SPLIT)
@@ -298,6 +301,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     partition: int = 0,
+    tiles: dict[str, int] | None = None,
 ) -> None:
     """Attention of each decode request's one query token over its whole KV.
 
@@ -309,7 +313,9 @@ def paged_decode_attention(
     inference, which runs these rows through the prefill kernel instead, in the order a
     prefill row at the same position follows, on the same tiles (`ordered_decode_attention`;
     num_splits is then 1 or at least the longest request's partition count). Writes those
-    rows of `out` only. A request with seq_len 0 gets zeros."""
+    rows of `out` only. A request with seq_len 0 gets zeros. `tiles`: BLOCK_N, num_warps or
+    num_stages instead of `decode_launch_config`'s (the GPU benchmark's sweep,
+    `benchmarks/kernels/decode_splits.py`; each new value compiles a variant)."""
     if partition not in (0, DETERMINISTIC_PARTITION):
         raise ValueError(f"partition must be 0 or {DETERMINISTIC_PARTITION}; got {partition}")
     if partition:
@@ -327,6 +333,11 @@ def paged_decode_attention(
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     config = decode_launch_config(num_heads // num_kv_heads, head_dim, kv_cache.dtype, query.device)
+    if tiles:
+        unknown = set(tiles) - {"BLOCK_N", "num_warps", "num_stages"}
+        if unknown:
+            raise ValueError(f"tiles: only BLOCK_N, num_warps, num_stages; got {sorted(unknown)}")
+        config.update(tiles)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     # fp32 partials of the splits; with one split the kernel writes `out` and never touches them
     part_shape = (num_decodes, num_heads, MAX_SPLITS) if num_splits > 1 else (1,)

@@ -172,6 +172,7 @@ def test_roofline_summary_of_the_kernel_benchmark():
         "decode_profile_share": {"1 eager": {"gemm": 0.25}, "1 graph": {"gemm": 0.75}},
         "piecewise_speedup": {"256+64x1": 2.5},
         "piecewise_max_abs_logit_diff": {"256+64x1": 0.0},
+        "decode_attention_best": None,
         "copy_bandwidth_gbs": 4000.0,
         "matmul_tflops": 750.0,
     }

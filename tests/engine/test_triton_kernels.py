@@ -124,11 +124,26 @@ def test_kernel_batch_tensors():
     assert meta.slot_mapping.tolist() == [20, 21, 22, 12, 16, 17]
 
 
+def test_decode_tiles_override_names_what_it_takes():
+    from duet.engine.kernels.triton_decode import paged_decode_attention
+
+    i32 = torch.zeros(2, dtype=torch.int32)
+    kv = torch.zeros(2, 4, 16, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(
+        ValueError, match=r"tiles: only BLOCK_N, num_warps, num_stages; got \['BLOCK_D'\]"
+    ):
+        paged_decode_attention(q.clone(), q, kv, i32, i32[:1] + 1, i32[:1, None], i32[:1], 1.0, 1,
+                               tiles={"BLOCK_D": 32})  # fmt: skip
+
+
 def test_choose_num_splits():
     from duet.engine.kernels.triton_decode import choose_num_splits
 
-    # 132 SMs (H100 SXM): one sequence x 8 KV heads wants 33 splits; capped by length and 16
-    assert choose_num_splits(1, 8, 1024, 132) == 4
+    # 132 SMs (H100 SXM, H200): one sequence x 8 KV heads wants 33 splits; capped by length
+    # (64 tokens a split at least) and 16
+    assert choose_num_splits(1, 8, 1024, 132) == 16
+    assert choose_num_splits(1, 8, 200, 132) == 4
     assert choose_num_splits(1, 8, 100_000, 132) == 16
     assert choose_num_splits(8, 8, 4096, 132) == 5
     assert choose_num_splits(64, 8, 4096, 132) == 1
@@ -249,7 +264,8 @@ class TestOnCuda:
             graphs = llm.engine.runner.decode_graphs
             assert (graphs is None) == eager
             if graphs is not None:  # 2 KV heads: every bucket wants more programs than 1 split
-                assert graphs.num_splits == {1: 4, 2: 4, 4: 4, 8: 4}
+                assert set(graphs.num_splits) == {1, 2, 4, 8}
+                assert min(graphs.num_splits.values()) > 1
             tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
         assert tokens[False] == tokens[True]
 
