@@ -214,6 +214,7 @@ def roofline_summary(results: dict[str, Any] | None) -> dict[str, Any] | None:
     return {
         "decode_roofline_fraction": {str(d["batch"]): d["roofline_fraction"] for d in model["decode"]},
         "decode_graph_ms": {str(d["batch"]): d["graph_ms"] for d in model["decode"]},
+        "decode_graph_host_ms": {str(d["batch"]): d.get("graph_host_ms") for d in model["decode"]},
         "prefill_peak_fraction": {str(p["tokens"]): p["peak_fraction"] for p in model["prefill"]},
         "prefill_sdpa_peak_fraction": {
             str(p["tokens"]): p.get("sdpa_peak_fraction") for p in model["prefill"]

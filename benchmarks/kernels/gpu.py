@@ -111,6 +111,22 @@ def timed(
     return reduce(times)
 
 
+def host_seconds(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    """The median host time of `fn` alone, the device idle at each call's start: what a
+    CUDA-graph step spends staging its inputs and launching (the device waits for it, since
+    a step's inputs depend on the previous step's tokens)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
 def measure_device(s: Settings) -> dict[str, float]:
     src = torch.empty(s.copy_bytes, dtype=torch.uint8, device=s.device)
     dst = torch.empty_like(src)
@@ -199,10 +215,11 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
 
         with torch.inference_mode():
             eager_s = timed(eager, s.device, s.iters)
-            graph_s = None
+            graph_s = graph_host_s = None
             if graphs is not None:
                 run = functools.partial(graphs.run, ids_np, pos_np, slots_np, seq_lens, block_ids)
                 graph_s = timed(lambda run=run: duet.compute_logits(run()), s.device, s.iters)
+                graph_host_s = host_seconds(run, s.device, s.iters)
             profiles = None
             if s.profile:
                 profiles = {"eager": profile_step(eager, s.device, s.iters)}
@@ -216,6 +233,7 @@ def decode_bench(duet: Any, s: Settings) -> list[dict[str, Any]]:
         rows.append(
             {"batch": batch, "context": ctx, "eager_ms": eager_s * 1e3,
              "graph_ms": None if graph_s is None else graph_s * 1e3,
+             "graph_host_ms": None if graph_host_s is None else graph_host_s * 1e3,
              "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
         )  # fmt: skip
         if profiles is not None:
@@ -397,11 +415,13 @@ def print_report(results: dict[str, Any]) -> None:
           f"bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s")  # fmt: skip
     for name, r in results["models"].items():
         print(f"\n{name} decode (context {r['decode'][0]['context']}):")
-        print("  batch  eager ms  graph ms  roofline ms  of roofline  HF ms  vs HF")
+        print("  batch  eager ms  graph ms (host)  roofline ms  of roofline  HF ms  vs HF")
         for d in r["decode"]:
             graph = "-" if d["graph_ms"] is None else f"{d['graph_ms']:.2f}"
-            print(f"  {d['batch']:5d}  {d['eager_ms']:8.2f}  {graph:>8}  {d['roofline_ms']:11.2f}"
-                  f"  {d['roofline_fraction']:10.0%}  {d['hf_step_ms']:5.1f}  {d['speedup_vs_hf']:4.1f}x")  # fmt: skip
+            host = "" if d.get("graph_host_ms") is None else f"({d['graph_host_ms']:.2f})"
+            print(f"  {d['batch']:5d}  {d['eager_ms']:8.2f}  {graph:>8} {host:>6}"
+                  f"  {d['roofline_ms']:11.2f}  {d['roofline_fraction']:10.0%}"
+                  f"  {d['hf_step_ms']:5.1f}  {d['speedup_vs_hf']:4.1f}x")  # fmt: skip
         print_profile(name, [d for d in r["decode"] if "profile" in d])
         print(f"{name} steps that are not decode-only (eager, and in piecewise CUDA graphs):")
         print("  chunk  decodes x query  tokens  eager ms  piecewise ms  speed-up  logit diff")

@@ -1,6 +1,6 @@
 """A decoder layer's small operators on CUDA, one Triton kernel each: the residual add fused
-with the RMSNorm that follows it, the rotary embedding of q and k together (in place), and
-SiLU(gate) * up. The same calls as the CPU kernels' (engine/kernels/cpu.py), so the model's
+with the RMSNorm that follows it, the rotary embedding of q and k together (in place; or
+with the step's KV write in the same kernel, `rotary_embedding_and_store`), and SiLU(gate) * up. The same calls as the CPU kernels' (engine/kernels/cpu.py), so the model's
 layers take either through `fused_ops_for` (engine/kernels/__init__.py).
 
 Why: a decode step is a few large weight products and, per layer, a few dozen tiny operators;
@@ -26,7 +26,13 @@ import triton.language as tl
 
 from duet.engine.kernels.triton_norm import rms_norm
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = [
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_embedding_and_store",
+    "silu_and_mul",
+]
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -109,6 +115,81 @@ def rotary_embedding(
     if tokens:
         _rotary_kernel[(tokens,)](
             positions, q, k, cos, sin, q.stride(0), k.stride(0), num_q, num_k, half,
+            BLOCK_D=triton.next_power_of_2(half),
+            BLOCK_H=triton.next_power_of_2(max(num_q, num_k)), num_warps=4,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rotary_store_kernel(
+    pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, key_cache_ptr, value_cache_ptr,
+    q_stride, k_stride, v_stride, stride_cb, stride_cs, stride_ch, num_q_heads, num_kv_heads,
+    half, block_size, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """`_rotary_kernel` and the KV write (triton_cache's) of one token in one program: q
+    rotated in place, k rotated in place and into the cache at the token's slot, v into the
+    cache (a slot of -1, a padded graph row: rotated, not stored)."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cos = tl.load(cos_ptr + pos * half + cols, mask=cols < half, other=0.0)  # fp32 [P, half]
+    sin = tl.load(sin_ptr + pos * half + cols, mask=cols < half, other=0.0)
+    _rotate_heads(q_ptr + token * q_stride, num_q_heads, cos, sin, heads, cols, half)
+    mask = (heads < num_kv_heads) & (cols < half)
+    first = k_ptr + token * k_stride + heads * (2 * half) + cols
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    r1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
+    tl.store(first, r1, mask=mask)
+    tl.store(first + half, r2, mask=mask)
+    at = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads * stride_ch
+    stored = mask & (slot >= 0)
+    tl.store(key_cache_ptr + at + cols, r1.to(key_cache_ptr.dtype.element_ty), mask=stored)
+    tl.store(key_cache_ptr + at + cols + half, r2.to(key_cache_ptr.dtype.element_ty), mask=stored)
+    src = v_ptr + token * v_stride + heads * (2 * half) + cols
+    v1 = tl.load(src, mask=stored, other=0.0)
+    v2 = tl.load(src + half, mask=stored, other=0.0)
+    tl.store(value_cache_ptr + at + cols, v1.to(value_cache_ptr.dtype.element_ty), mask=stored)
+    tl.store(
+        value_cache_ptr + at + cols + half, v2.to(value_cache_ptr.dtype.element_ty), mask=stored
+    )
+
+
+def rotary_embedding_and_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`rotary_embedding(positions, q, k, cos, sin)` then `triton_cache.write_kv_cache(kv_cache,
+    k, v, slot_mapping)`, the same bits, in one kernel instead of two: a decode step's layer
+    launches one kernel fewer. v's heads must be contiguous as q's and k's (views of one qkv
+    product are); kv_cache [2, num_blocks, block_size, Hkv, D] contiguous."""
+    tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    half = head_dim // 2
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name}: each token's heads must be contiguous; strides {t.stride()}")
+    if head_dim % 2 or tuple(cos.shape[1:]) != (half,) or cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must be [P, {half}] for head_dim {head_dim}")
+    if not kv_cache.is_contiguous() or tuple(kv_cache.shape[3:]) != (num_k, head_dim):
+        raise ValueError(
+            f"kv_cache must be contiguous [2, blocks, block_size, {num_k}, {head_dim}]"
+        )
+    if tokens:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        _rotary_store_kernel[(tokens,)](
+            positions, slot_mapping, q, k, v, cos, sin, key_cache, value_cache,
+            q.stride(0), k.stride(0), v.stride(0), key_cache.stride(0), key_cache.stride(1),
+            key_cache.stride(2), num_q, num_k, half, key_cache.shape[1],
             BLOCK_D=triton.next_power_of_2(half),
             BLOCK_H=triton.next_power_of_2(max(num_q, num_k)), num_warps=4,
         )  # fmt: skip

@@ -92,8 +92,16 @@ class Attention(nn.Module):
                 self.scale,
             )  # fmt: skip
             return self.tp.all_reduce(parts["o_proj"].forward(out))
+        meta = ctx.meta
+        if meta.kernel_batch is not None:  # Triton: rotary and the KV write in one kernel
+            q, k, v = self.split_heads(qkv, ctx.positions, None)
+            if ctx.rotary.rotate_and_store(ctx.positions, q, k, v, kv_cache, meta.slot_mapping):
+                out = paged_attention(q, k, v, kv_cache, meta, self.scale, ctx.workspace)
+                return self.output(out.reshape(out.shape[0], self.q_size))
+            q, k = ctx.rotary.forward(ctx.positions, q, k)
+            return self.output(self.attend((q, k, v), kv_cache, meta, ctx.workspace))
         inputs = self.split_heads(qkv, ctx.positions, ctx.rotary)
-        return self.output(self.attend(inputs, kv_cache, ctx.meta, ctx.workspace))
+        return self.output(self.attend(inputs, kv_cache, meta, ctx.workspace))
 
     # The three parts of `forward` off the CPU's fused decode step; piecewise CUDA graphs
     # (engine/piecewise_graphs.py) capture `prepare` and `output` and run `attend` between.
@@ -110,10 +118,10 @@ class Attention(nn.Module):
         return self.split_heads(qkv_proj.forward(hidden), positions, rotary)
 
     def split_heads(
-        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding
+        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding | None
     ) -> tuple[torch.Tensor, ...]:
         """q [T, H, D], k and v [T, Hkv, D] of the projected q|k|v [T, (H + 2 Hkv) D]: views
-        of it, q and k normed (Qwen3) and rotated."""
+        of it, q and k normed (Qwen3) and rotated (not without `rotary`)."""
         num_tokens = qkv.shape[0]
         # split_with_sizes: Tensor.split is a Python wrapper around it
         q, k, v = qkv.split_with_sizes(self.qkv_sizes, dim=-1)
@@ -122,7 +130,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.forward(positions, q, k)
+        if rotary is not None:
+            q, k = rotary.forward(positions, q, k)
         return q, k, v
 
     def attend(

@@ -110,6 +110,36 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """On CUDA with the Triton operators: `forward` (in place) and the KV write of this
+        step in one kernel (`rotary_embedding_and_store`); False, having done nothing, where
+        that kernel does not apply (the caller rotates and stores as usual)."""
+        kernels = fused_store_for(q)
+        if kernels is None or not all(_heads_contiguous(t) for t in (q, k, v)):
+            return False
+        if kv_cache.dtype != k.dtype or not kv_cache.is_contiguous():
+            return False
+        kernels.rotary_embedding_and_store(
+            positions, q, k, v, self._buffers["cos"], self._buffers["sin"], kv_cache, slot_mapping
+        )
+        return True
+
+
+def fused_store_for(x: torch.Tensor) -> Any | None:
+    """The Triton operators where the rotary embedding and the KV write run as one kernel:
+    CUDA tensors of a Triton dtype (`fused_ops_for`'s there), else None."""
+    if not x.is_cuda:
+        return None
+    return fused_ops_for(x)
+
 
 def _heads_contiguous(x: torch.Tensor) -> bool:
     """Each token's heads one contiguous run (q and k as views of one qkv product are)."""

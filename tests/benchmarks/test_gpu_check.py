@@ -167,6 +167,7 @@ def test_roofline_summary_of_the_kernel_benchmark():
     assert gpu_check.roofline_summary(results) == {
         "decode_roofline_fraction": {"1": 0.5, "64": 0.6},
         "decode_graph_ms": {"1": 8.0, "64": 12.0},
+        "decode_graph_host_ms": {"1": None, "64": None},
         "prefill_peak_fraction": {"2048": 0.55},
         "prefill_sdpa_peak_fraction": {"2048": 0.62},
         "decode_profile_share": {"1 eager": {"gemm": 0.25}, "1 graph": {"gemm": 0.75}},

@@ -95,6 +95,48 @@ def test_rotary_embedding_in_place_equals_the_torch_path(model: str, dtype: torc
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("model", SHAPES)
+def test_rotary_and_store_is_the_two_kernels_in_one(model: str, dtype: torch.dtype):
+    """`rotary_embedding_and_store`: bitwise `rotary_embedding` then the KV write (in place q
+    and k, the cache's K and V at each slot), a slot of -1 rotated but not stored."""
+    from duet.engine.kernels.triton_cache import write_kv_cache
+    from duet.engine.kernels.triton_elementwise import (
+        rotary_embedding,
+        rotary_embedding_and_store,
+    )
+    from duet.engine.model.rotary import RotaryEmbedding
+
+    _, _, heads, kv_heads, head_dim = SHAPES[model]
+    tokens, block_size, num_blocks = 7, 16, 4
+    rope = RotaryEmbedding(head_dim, 8192, 500000.0)
+    rope.rebuild(DEVICE)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    positions = torch.randint(0, 8192, (tokens,), generator=g, device=DEVICE)
+    slots = torch.tensor([3, 17, 18, -1, 40, 63, 0], device=DEVICE)
+    results = []
+    for fused in (False, True):
+        qkv = _rand(tokens, sum(sizes), seed=4, dtype=dtype)
+        q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split(sizes, -1))
+        cache = _rand(2, num_blocks, block_size, kv_heads, head_dim, seed=6, dtype=dtype)
+        if fused:
+            rotary_embedding_and_store(positions, q, k, v, rope.cos, rope.sin, cache, slots)
+        else:
+            rotary_embedding(positions, q, k, rope.cos, rope.sin)
+            write_kv_cache(cache, k, v, slots)
+        results.append((qkv, cache))
+    (want_qkv, want_cache), (got_qkv, got_cache) = results
+    assert torch.equal(got_qkv, want_qkv)
+    assert torch.equal(got_cache, want_cache)
+    untouched = _rand(2, num_blocks, block_size, kv_heads, head_dim, seed=6, dtype=dtype)
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[[3, 17, 18, 40, 63, 0]] = True
+    flat = got_cache.view(2, -1, kv_heads, head_dim)
+    assert torch.equal(flat[:, ~written], untouched.view(2, -1, kv_heads, head_dim)[:, ~written])
+    assert not torch.equal(flat[:, written], untouched.view(2, -1, kv_heads, head_dim)[:, written])
+
+
 def test_rotary_embedding_refuses_heads_that_are_not_contiguous():
     from duet.engine.kernels.triton_elementwise import rotary_embedding
 
@@ -147,6 +189,7 @@ def test_every_operator_compiled_on_cuda():
         for dtype in DTYPES:
             test_fused_add_rms_norm_against_torch_and_alone_vs_batched(model, dtype)
             test_rotary_embedding_in_place_equals_the_torch_path(model, dtype)
+            test_rotary_and_store_is_the_two_kernels_in_one(model, dtype)
             test_silu_and_mul_against_torch(model, dtype)
 
 

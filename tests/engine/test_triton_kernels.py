@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,7 +203,8 @@ def test_every_shipped_variant_compiles_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = json.loads(proc.stdout)
     kernels = ("write_kv", "decode", "merge", "prefill", "prefill_split", "fold", "matmul",
-               "matmul_bias", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul")  # fmt: skip
+               "matmul_bias", "rms_norm", "add_rms_norm", "rotary", "rotary_store",
+               "silu_and_mul")  # fmt: skip
     dtypes = ("bfloat16", "float16", "float32")
     assert sorted(usage) == sorted(
         [f"{m}/{d}/{k}" for m in ("llama8b", "smollm2") for d in dtypes for k in kernels]
@@ -241,6 +243,42 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_model_factory):
         assert llm.engine.kv.prefix_stats.num_hits == 12  # the shared prefix: 3 full blocks
     assert tokens["triton"] == tokens["torch"]
     assert all(len(t) == 6 for t in tokens["triton"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k normed before the rotation
+def test_engine_with_rotary_and_kv_write_in_one_kernel(tiny_model_factory, monkeypatch, arch):
+    """On CUDA a Triton step rotates q and k and writes K/V in one kernel
+    (`RotaryEmbedding.rotate_and_store`): here the same Triton operators, interpreted, with
+    and without it, prefix hits and chunks beside decodes included: the same logprobs, bit
+    for bit, and the fused kernel ran once per layer and step."""
+    from duet.engine.kernels import triton_elementwise
+    from duet.engine.model import rotary
+
+    monkeypatch.setattr(rotary, "fused_ops_for", lambda x: triton_elementwise)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        triton_elementwise.rotary_embedding_and_store(*args)
+
+    model_dir = tiny_model_factory(arch)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, 512, (12,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 30)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for fused in (False, True):
+        store = SimpleNamespace(rotary_embedding_and_store=counted) if fused else None
+        monkeypatch.setattr(rotary, "fused_store_for", lambda x, store=store: store)
+        llm = LLM(
+            model_dir, dtype="float32", device="cpu", attention_backend="triton", block_size=4,
+            num_kv_blocks=64, max_num_batched_tokens=16, load_progress=False,
+        )  # fmt: skip
+        outs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)
+        runs[fused] = [(o.token_ids, [e.sampled.logprob for e in o.logprobs]) for o in outs]
+    assert runs[True] == runs[False]
+    layers = llm.engine.runner.model.config.num_hidden_layers
+    assert len(calls) % layers == 0 and len(calls) >= 5 * layers
 
 
 @pytest.mark.gpu

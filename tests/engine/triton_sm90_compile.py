@@ -37,6 +37,7 @@ from duet.engine.kernels.triton_elementwise import (
     SILU_BLOCK,
     _add_rms_norm_kernel,
     _rotary_kernel,
+    _rotary_store_kernel,
     _silu_and_mul_kernel,
 )
 from duet.engine.kernels.triton_matmul import _matmul_kernel, matmul_config
@@ -170,6 +171,7 @@ def shipped_variants() -> dict[str, tuple[Any, str, dict[str, Any]]]:
             rotary = {"BLOCK_D": head_dim // 2, "BLOCK_H": triton.next_power_of_2(heads),
                       "num_warps": 4}  # fmt: skip
             variants[f"{name}/rotary"] = (_rotary_kernel, ptr, rotary)
+            variants[f"{name}/rotary_store"] = (_rotary_store_kernel, ptr, rotary)
             silu = {"BLOCK": SILU_BLOCK, "num_warps": 4}
             variants[f"{name}/silu_and_mul"] = (_silu_and_mul_kernel, ptr, silu)
     for dtype_name, ptr in DTYPES.items():  # DeepSeek-V2/V3's latent attention: 512 + 64
