@@ -405,13 +405,14 @@ def _text_of(parts: list[Any], path: str) -> str:
 
 
 def _reasoning_text(item: dict[str, Any], i: int) -> str:
+    """A reasoning item's text: its `content` (reasoning_text parts), else its `summary`
+    (summary_text parts); each must be a list or null, whichever is read."""
+    for key, part in (("content", "reasoning_text"), ("summary", "summary_text")):
+        if not isinstance(item.get(key), (list, type(None))):
+            raise _bad(f"input[{i}].{key}", f"must be a list of {part} parts or null")
     parts = item.get("content")
     if parts is None:
-        parts = item.get("summary")
-    if parts is None:
-        parts = []
-    if not isinstance(parts, list):
-        raise _bad(f"input[{i}].content", "must be a list of reasoning_text parts")
+        parts = item.get("summary") or []
     return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
 
 
