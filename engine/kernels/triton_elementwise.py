@@ -74,13 +74,28 @@ def fused_add_rms_norm(
 
 @triton.jit
 def _rotate_heads(ptr, num_heads, cos, sin, heads, cols, half):
-    """One token's `num_heads` heads at `ptr` (each [2 * half], contiguous), in place."""
+    """One token's `num_heads` heads at `ptr` (each [2 * half], contiguous), in place; the
+    rotated halves, in `ptr`'s dtype, are returned too."""
     mask = (heads < num_heads) & (cols < half)
     first = ptr + heads * (2 * half) + cols
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+    r1 = (x1 * cos - x2 * sin).to(ptr.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(ptr.dtype.element_ty)
+    tl.store(first, r1, mask=mask)
+    tl.store(first + half, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
+def _token_angles(pos_ptr, cos_ptr, sin_ptr, token, half, BLOCK_D: tl.constexpr):
+    """The fp32 cos and sin rows [1, BLOCK_D] of `token`'s position (tables [P, half]), and
+    the column indices they are laid out on."""
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    cos = tl.load(cos_ptr + pos * half + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + pos * half + cols, mask=cols < half, other=0.0)
+    return cols, cos, sin
 
 
 @triton.jit
@@ -89,11 +104,8 @@ def _rotary_kernel(
     half, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)[None, :]
+    cols, cos, sin = _token_angles(pos_ptr, cos_ptr, sin_ptr, token, half, BLOCK_D)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    cos = tl.load(cos_ptr + pos * half + cols, mask=cols < half, other=0.0)  # fp32 [P, half]
-    sin = tl.load(sin_ptr + pos * half + cols, mask=cols < half, other=0.0)
     _rotate_heads(q_ptr + token * q_stride, num_q_heads, cos, sin, heads, cols, half)
     _rotate_heads(k_ptr + token * k_stride, num_k_heads, cos, sin, heads, cols, half)
 
@@ -130,23 +142,13 @@ def _rotary_store_kernel(
     rotated in place, k rotated in place and into the cache at the token's slot, v into the
     cache (a slot of -1, a padded graph row: rotated, not stored)."""
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)[None, :]
+    cols, cos, sin = _token_angles(pos_ptr, cos_ptr, sin_ptr, token, half, BLOCK_D)
     heads = tl.arange(0, BLOCK_H)[:, None]
-    cos = tl.load(cos_ptr + pos * half + cols, mask=cols < half, other=0.0)  # fp32 [P, half]
-    sin = tl.load(sin_ptr + pos * half + cols, mask=cols < half, other=0.0)
     _rotate_heads(q_ptr + token * q_stride, num_q_heads, cos, sin, heads, cols, half)
-    mask = (heads < num_kv_heads) & (cols < half)
-    first = k_ptr + token * k_stride + heads * (2 * half) + cols
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    r1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-    r2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(first, r1, mask=mask)
-    tl.store(first + half, r2, mask=mask)
+    r1, r2 = _rotate_heads(k_ptr + token * k_stride, num_kv_heads, cos, sin, heads, cols, half)
     at = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads * stride_ch
-    stored = mask & (slot >= 0)
+    stored = (heads < num_kv_heads) & (cols < half) & (slot >= 0)
     tl.store(key_cache_ptr + at + cols, r1.to(key_cache_ptr.dtype.element_ty), mask=stored)
     tl.store(key_cache_ptr + at + cols + half, r2.to(key_cache_ptr.dtype.element_ty), mask=stored)
     src = v_ptr + token * v_stride + heads * (2 * half) + cols
