@@ -61,6 +61,12 @@ def start_local_ray(spec: ClusterSpec, num_cpus: int | None = None) -> Path:
         "GLOO_SOCKET_IFNAME": "lo",
         "DUET_ADVERTISE_HOST": "127.0.0.1",
         "OMP_NUM_THREADS": str(max(1, cores // max(1, processes))),
+        # NOTE: Ray runs its workers at niceness 15 (RayConfig worker_niceness), which on a
+        # box with other busy processes starves duet's engine and router actors: in a loaded
+        # make test every rank of a 2x2 cluster answered its supervisor's `info` later than
+        # the 5 s a pass waits, pass after pass for 600 s, so no group was ever started. The
+        # workers are this machine's service: the priority of any other process.
+        "RAY_worker_niceness": "0",
         ENV_SECRET_FILE: str(secret_file),  # the path, never the secret: Ray logs runtime envs
     }
     for name in FORWARDED_ENV:  # settings every worker process must share with the driver

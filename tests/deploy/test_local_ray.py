@@ -1,6 +1,7 @@
 """Ray hygiene of a local cluster (deploy/local_ray.py): every process Ray starts listens on
-loopback only, its token file is private, and the secret directory a killed run left behind is
-gone after the next start (one a live process owns is kept)."""
+loopback only, its token file is private, its workers are not deprioritised, and the secret
+directory a killed run left behind is gone after the next start (one a live process owns is
+kept)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from duet.cluster_auth.secret import OWNER_FILE, remove_secret_file, remove_stal
 from duet.deploy.cluster_spec import ClusterSpec
 from duet.deploy.local_ray import secure_ray_token, start_local_ray
 from tests.deploy.ray_start import one_ray_start_at_a_time
+
+
+def _niceness() -> int:
+    return os.nice(0)
 
 
 def _secret_dir(owner_pid: int) -> Path:
@@ -49,6 +54,9 @@ def test_ray_listens_on_loopback_only_and_stale_secrets_go(monkeypatch: pytest.M
         assert token.stat().st_mode & 0o777 == 0o600
         assert not stale.exists() and live.exists()
         assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") is None  # restored
+        # duet's workers run at the machine's priority, not Ray's niceness 15 (starved beside
+        # busy processes, a cluster never formed)
+        assert ray.get(ray.remote(num_cpus=0)(_niceness).remote(), timeout=120) == 0
     finally:
         ray.shutdown()
         remove_secret_file(secret_file)
