@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections import Counter
 
 import grpc
@@ -165,8 +166,19 @@ def test_a_closed_client_stream_aborts_its_requests(worker):
     run(worker, scenario)
 
 
-def test_errors_and_deadlines_end_only_their_request(worker):
+def test_errors_and_deadlines_end_only_their_request(worker, monkeypatch):
     too_long = list(range(3, 3 + 2000))  # past the model's context
+    runner = worker.core.engine.runner
+    execute = runner.execute
+
+    def slowly(*args, **kwargs):
+        # 5 ms a step: the 1,000-token request outlives its 0.3 s deadline however fast the
+        # machine (the tiny model steps in about 0.1 ms: a fresh clone's run once finished
+        # all 1,000 tokens inside the deadline)
+        time.sleep(0.005)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slowly)
 
     async def scenario(client, servicer):
         bad = await client.generate("bad", too_long, wire(SamplingParams(max_tokens=2)), 60)
