@@ -380,6 +380,7 @@ class LLMEngine:
 
     def step_outputs(self) -> list[EngineOutput]:
         """`step`, returning raw outputs (token ids, no text) for the caller to assemble."""
+        started = time.perf_counter()
         sched = self.scheduler.schedule()
         self.runner.remove_requests(self.scheduler.take_left_running())
         self.runner.trim_requests(self.scheduler.take_trimmed())
@@ -396,7 +397,9 @@ class LLMEngine:
             ]
             if completing:
                 on_layer = self.prefill_stream.begin(completing)
+        executing = time.perf_counter()
         result = self.runner.execute(sched, self.kv, on_layer)
+        self.stats.execute_seconds += time.perf_counter() - executing
         updated = self.scheduler.update_from_output(sched, result.sampled)
         self.stats.num_steps += 1
         self.stats.observe_step(sched.num_batched_tokens)
@@ -414,6 +417,7 @@ class LLMEngine:
             self.speculator.propose(r for r, _ in updated if not r.is_finished)
         outputs = self.requests.take_outputs()
         self.stats.refresh(self.scheduler, self.kv, self.speculator)
+        self.stats.step_seconds += time.perf_counter() - started
         return outputs
 
     def encode_chat(self, messages: list[Message]) -> list[int]:

@@ -36,6 +36,12 @@ class EngineStats:
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
     )
     iteration_tokens_sum: int = 0
+    step_seconds: float = 0.0
+    """Wall time inside the engine's steps that ran a batch, summed: scheduling, the model
+    runner, and turning its tokens into outputs."""
+    execute_seconds: float = 0.0
+    """Of `step_seconds`, the model runner's: inputs, forward, sampling and the one host
+    transfer (on a GPU, the wait for the device). The rest is the engine's own host work."""
     # Mixtures of experts (None and 0.0 for a dense model; engine/model/expert_load.py):
     moe_expert_tokens: list[int] | None = None
     """(token, choice) pairs each routed expert received since start, summed over layers."""
@@ -52,7 +58,7 @@ class EngineStats:
         out = cls()
         for name in ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_preemptions",
                      "prefix_cache_queries", "prefix_cache_hits", "num_running", "num_waiting",
-                     "iteration_tokens_sum"):  # fmt: skip
+                     "iteration_tokens_sum", "step_seconds", "execute_seconds"):  # fmt: skip
             setattr(out, name, sum(getattr(r, name) for r in ranks))
         out.kv_usage = sum(r.kv_usage for r in ranks) / len(ranks)
         out.iteration_token_counts = [

@@ -118,6 +118,18 @@ class EngineStatsCollector(Collector):
             yield iteration_tokens_histogram(
                 stats.iteration_token_counts, stats.iteration_tokens_sum, self._labels
             )
+            for name, doc, value in (
+                ("duet:engine_steps", "Engine steps that ran a batch.", stats.num_steps),
+                ("duet:engine_step_seconds",
+                 "Wall time inside those steps: scheduling, the model runner, outputs.",
+                 stats.step_seconds),
+                ("duet:engine_execute_seconds",
+                 "Of the steps' time, the model runner's (on a GPU, with the wait for it).",
+                 stats.execute_seconds),
+            ):  # fmt: skip
+                counter = CounterMetricFamily(name, doc, labels=["model_name"])
+                counter.add_metric(self._labels, float(value))
+                yield counter
             if stats.moe_expert_tokens is not None:  # a mixture of experts
                 yield from expert_load_metrics(
                     stats.moe_expert_tokens, stats.moe_expert_imbalance, self._labels

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,39 @@ def start_up_facts(log: str) -> dict[str, float | None]:
     return facts
 
 
+ENGINE_COUNTERS = {"steps": "duet:engine_steps_total",
+                   "step_s": "duet:engine_step_seconds_total",
+                   "execute_s": "duet:engine_execute_seconds_total"}  # fmt: skip
+"""The engine's step counters on `/metrics` (docs/observability.md)."""
+
+
+def engine_counters(metrics: str) -> dict[str, float]:
+    """`ENGINE_COUNTERS`' values in a `/metrics` text (a missing one: 0)."""
+    out = {}
+    for key, name in ENGINE_COUNTERS.items():
+        match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", metrics, re.MULTILINE)
+        out[key] = float(match.group(1)) if match else 0.0
+    return out
+
+
+def engine_share(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """One level's engine steps: how many, and per step the wall time, the model runner's
+    share (on a GPU with its wait for the device) and the engine's host work besides."""
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return {"steps": 0}
+    step_s = after["step_s"] - before["step_s"]
+    execute_s = after["execute_s"] - before["execute_s"]
+    return {"steps": int(steps), "step_ms": step_s / steps * 1e3,
+            "execute_ms": execute_s / steps * 1e3,
+            "host_ms": (step_s - execute_s) / steps * 1e3}  # fmt: skip
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+        return engine_counters(reply.read().decode())
+
+
 def level_summary(result: dict[str, Any]) -> dict[str, Any]:
     """The numbers the report keeps from one `duet bench serve` result JSON (one rate)."""
     s = result["runs"][0]["summary"]
@@ -230,13 +264,14 @@ def _serve_and_bench(
                      "--request-timeout-s", str(settings.request_timeout_s),
                      "--wait-for-server-s", "30", "--result-json", str(out), "--no-plot",
                      "--label", f"gpu_check_{streams}"]  # fmt: skip
+            before = _scrape(url)
             code = run_bounded(bench, deadline, workdir / f"bench_{streams}.log", child_env())
             if code != 0 or not out.exists():
                 log = (workdir / f"bench_{streams}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"duet bench serve at {streams} streams exited {code}:\n{log}")
-            report["levels"].append(
-                {"concurrency": streams, **level_summary(json.loads(out.read_text()))}
-            )
+            summary = level_summary(json.loads(out.read_text()))
+            engine = engine_share(before, _scrape(url))
+            report["levels"].append({"concurrency": streams, **summary, "engine": engine})
     except RuntimeError as e:  # the second server's failure is its own finding
         if not extra_flags:
             raise

@@ -23,6 +23,8 @@ from benchmarks.gpu_check.serving import (
     TINY,
     ServeSettings,
     decode_bytes_per_step,
+    engine_counters,
+    engine_share,
     run_serving,
     start_up_facts,
     write_dummy_model,
@@ -214,6 +216,24 @@ def test_measured_defaults_name_the_faster_choice_with_its_numbers(sdpa, pieces,
         }}  # fmt: skip
 
 
+def test_engine_counters_from_metrics_and_a_levels_share():
+    text = (
+        '# TYPE duet:engine_steps_total counter\n'
+        'duet:engine_steps_total{model_name="m"} 110.0\n'
+        'duet:engine_step_seconds_total{model_name="m"} 0.75\n'
+        'duet:engine_execute_seconds_total{model_name="m"} 0.5\n'
+    )  # fmt: skip
+    after = engine_counters(text)
+    assert after == {"steps": 110.0, "step_s": 0.75, "execute_s": 0.5}
+    before = {"steps": 10.0, "step_s": 0.25, "execute_s": 0.1}
+    share = engine_share(before, after)
+    assert share["steps"] == 100
+    assert share["step_ms"] == pytest.approx(5.0) and share["execute_ms"] == pytest.approx(4.0)
+    assert share["host_ms"] == pytest.approx(1.0)
+    assert engine_share(after, after) == {"steps": 0}
+    assert engine_counters("") == {"steps": 0.0, "step_s": 0.0, "execute_s": 0.0}
+
+
 def _bandwidth(pull: float, push: float) -> dict:
     return {"outcome": "measured", "rows": [
         {"backend": "nixl", "blocks": 16, "nixl_gbs": 9.0},
@@ -299,6 +319,13 @@ def test_serving_step_on_a_tiny_dummy_model_on_the_cpu(tmp_path: Path):
     assert [(lv["completed"], lv["failed"]) for lv in levels] == [(2, 0), (4, 0)]
     for lv in levels:
         assert 0 < lv["ttft_ms_p50"] <= lv["ttft_ms_p99"] and lv["output_tok_s"] > 0
+        # the engine's steps in the level (its /metrics before and after): at one stream a
+        # step a token, 6 tokens for each of 2 requests and the warm-up's; the host work
+        # besides the model runner, per step
+        engine = lv["engine"]
+        assert engine["steps"] >= (18 if lv["concurrency"] == 1 else 6)
+        assert engine["step_ms"] > engine["execute_ms"] > 0
+        assert engine["host_ms"] == pytest.approx(engine["step_ms"] - engine["execute_ms"])
     start = report["start_up"]
     assert start["kv_blocks"] == 128 and start["load_s"] is not None
     assert start["graph_capture_s"] is None  # the CPU captures no graphs

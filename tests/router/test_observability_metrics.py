@@ -87,6 +87,11 @@ def test_every_metric_of_vllms_dashboard_has_data(rest_engine: AsyncEngine) -> N
     assert info == 1
     # The duet: names stay, with the same values.
     assert value(found, "duet:generation_tokens_total", model_name=MODEL_NAME) == 6
+    # The engine's steps and their time: the model runner's share, the rest its host work.
+    steps = value(found, "duet:engine_steps_total", model_name=MODEL_NAME)
+    step_s = value(found, "duet:engine_step_seconds_total", model_name=MODEL_NAME)
+    execute_s = value(found, "duet:engine_execute_seconds_total", model_name=MODEL_NAME)
+    assert steps >= 6 and step_s > execute_s > 0
     # The prefix cache counts tokens, and says so.
     assert "Prompt tokens looked up" in text.split("# HELP duet:prefix_cache_queries_total")[1]
 
