@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -165,9 +166,19 @@ def engine_share(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "host_ms": (step_s - execute_s) / steps * 1e3}  # fmt: skip
 
 
-def _scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        return engine_counters(reply.read().decode())
+def _scrape(url: str, wait_s: float = 30.0) -> dict[str, float]:
+    """The engine counters on the server's `/metrics`; a refused connection (its REST starts
+    after the gRPC line the step waits for) is retried for `wait_s`, as `duet bench serve`
+    waits for the server."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+                return engine_counters(reply.read().decode())
+        except urllib.error.URLError:
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.2)
 
 
 def level_summary(result: dict[str, Any]) -> dict[str, Any]:
