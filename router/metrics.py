@@ -103,22 +103,17 @@ class EngineStatsCollector(Collector):
                 gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
                 gauge.add_metric(self._labels, float(value))
                 yield gauge
-        for name, doc, value in (
+        aggregated = getattr(self._engine, "pool", None) is None  # else WorkerStatsCollector's
+        counters: list[tuple[str, str, float]] = [
             ("duet:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              stats.prefix_cache_queries),
             ("duet:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
              stats.prefix_cache_hits),
             ("duet:num_preemptions", "Sequences preempted (their KV freed, to be recomputed).",
              stats.num_preemptions),
-        ):  # fmt: skip
-            counter = CounterMetricFamily(name, doc, labels=["model_name"])
-            counter.add_metric(self._labels, float(value))
-            yield counter
-        if getattr(self._engine, "pool", None) is None:  # a cluster's: WorkerStatsCollector
-            yield iteration_tokens_histogram(
-                stats.iteration_token_counts, stats.iteration_tokens_sum, self._labels
-            )
-            for name, doc, value in (
+        ]  # fmt: skip
+        if aggregated:
+            counters += [
                 ("duet:engine_steps", "Engine steps that ran a batch.", stats.num_steps),
                 ("duet:engine_step_seconds",
                  "Wall time inside those steps: scheduling, the model runner, outputs.",
@@ -126,10 +121,15 @@ class EngineStatsCollector(Collector):
                 ("duet:engine_execute_seconds",
                  "Of the steps' time, the model runner's (on a GPU, with the wait for it).",
                  stats.execute_seconds),
-            ):  # fmt: skip
-                counter = CounterMetricFamily(name, doc, labels=["model_name"])
-                counter.add_metric(self._labels, float(value))
-                yield counter
+            ]  # fmt: skip
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(self._labels, float(value))
+            yield counter
+        if aggregated:
+            yield iteration_tokens_histogram(
+                stats.iteration_token_counts, stats.iteration_tokens_sum, self._labels
+            )
             if stats.moe_expert_tokens is not None:  # a mixture of experts
                 yield from expert_load_metrics(
                     stats.moe_expert_tokens, stats.moe_expert_imbalance, self._labels
