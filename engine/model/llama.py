@@ -93,15 +93,14 @@ class Attention(nn.Module):
             )  # fmt: skip
             return self.tp.all_reduce(parts["o_proj"].forward(out))
         meta = ctx.meta
-        if meta.kernel_batch is not None:  # Triton: rotary and the KV write in one kernel
-            q, k, v = self.split_heads(qkv, ctx.positions, None)
-            if ctx.rotary.rotate_and_store(ctx.positions, q, k, v, kv_cache, meta.slot_mapping):
-                out = paged_attention(q, k, v, kv_cache, meta, self.scale, ctx.workspace)
-                return self.output(out.reshape(out.shape[0], self.q_size))
+        q, k, v = self.split_heads(qkv, ctx.positions, None)
+        # Triton on CUDA: rotary and the KV write in one kernel
+        stored = meta.kernel_batch is not None and ctx.rotary.rotate_and_store(
+            ctx.positions, q, k, v, kv_cache, meta.slot_mapping
+        )
+        if not stored:
             q, k = ctx.rotary.forward(ctx.positions, q, k)
-            return self.output(self.attend((q, k, v), kv_cache, meta, ctx.workspace))
-        inputs = self.split_heads(qkv, ctx.positions, ctx.rotary)
-        return self.output(self.attend(inputs, kv_cache, meta, ctx.workspace))
+        return self.output(self.attend((q, k, v), kv_cache, meta, ctx.workspace, stored))
 
     # The three parts of `forward` off the CPU's fused decode step; piecewise CUDA graphs
     # (engine/piecewise_graphs.py) capture `prepare` and `output` and run `attend` between.
@@ -140,11 +139,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         workspace: GatherWorkspace,
+        stored: bool = False,
     ) -> torch.Tensor:
-        """This step's K/V (`inputs`: q, k, v) written into the cache, then attention over it:
-        [T, H D]."""
+        """This step's K/V (`inputs`: q, k, v) written into the cache (unless `stored`
+        already), then attention over it: [T, H D]."""
         q, k, v = inputs
-        store_kv(kv_cache, k, v, meta)
+        if not stored:
+            store_kv(kv_cache, k, v, meta)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, workspace)  # [T, H, D]
         return out.reshape(out.shape[0], self.q_size)
 
