@@ -424,6 +424,8 @@ def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     bandwidth = (steps.get("disaggregated") or {}).get("kv_bandwidth") or {}
     gbs: dict[int, dict[str, float]] = {}
     for row in bandwidth.get("rows", []):
+        if row.get("block_order", "random") != "random":
+            continue  # the mode is chosen where both ran: block ids in no order
         mode = "push" if row["backend"] == "nixl-push" else "pull"
         gbs.setdefault(row["blocks"], {})[mode] = row["nixl_gbs"]
     both = [n for n, by_mode in gbs.items() if len(by_mode) == 2]

@@ -240,6 +240,9 @@ def _bandwidth(pull: float, push: float) -> dict:
         {"backend": "nixl-push", "blocks": 16, "nixl_gbs": 1.0},
         {"backend": "nixl", "blocks": 256, "nixl_gbs": pull},
         {"backend": "nixl-push", "blocks": 256, "nixl_gbs": push},
+        # block ids in runs: not what the mode is chosen by
+        {"backend": "nixl", "block_order": "runs", "blocks": 256, "nixl_gbs": 1000.0},
+        {"backend": "nixl-push", "block_order": "runs", "blocks": 256, "nixl_gbs": 1.0},
     ]}  # fmt: skip
 
 
@@ -363,8 +366,10 @@ def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
     bandwidth = report["kv_bandwidth"]
     assert (bandwidth["outcome"], bandwidth["layout"]) == ("measured", "llama3-8b-bf16")
     rows = bandwidth["rows"]
-    assert [(r["backend"], r["blocks"], r["bytes"]) for r in rows] == [
-        ("nixl", 2, 2 * 2 * 32 * 16 * 8 * 128 * 2), ("nixl-push", 2, 2 * 2 * 32 * 16 * 8 * 128 * 2)
+    two = 2 * 2 * 32 * 16 * 8 * 128 * 2  # two blocks of the 8B layout
+    assert [(r["backend"], r["block_order"], r["blocks"], r["bytes"]) for r in rows] == [
+        ("nixl", "random", 2, two), ("nixl-push", "random", 2, two),
+        ("nixl", "runs", 2, two), ("nixl-push", "runs", 2, two),
     ]  # fmt: skip
     for r in rows:
         assert r["nixl_gbs"] > 0 and r["copy_gbs"] > 0 and r["raw_nixl_gbs"] > 0
