@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from duet.engine.block_pool import BlockPool, KVCacheBlock, hash_request_blocks
+from duet.engine.block_pool import (
+    EVICTION_WINDOW,
+    BlockPool,
+    KVCacheBlock,
+    hash_request_blocks,
+)
 from duet.engine.request import Request
 
 
@@ -20,10 +25,16 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        eviction_window: int = EVICTION_WINDOW,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_window)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # how many of each request's first blocks were offered to the prefix cache already
         self._num_offered: dict[str, int] = {}

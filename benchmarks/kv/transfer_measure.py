@@ -21,7 +21,7 @@ from benchmarks.kv.transfer_peers import (
     run_sender,
     spec_dict,
 )
-from duet.engine.block_pool import BlockPool, KVCacheBlock
+from duet.engine.block_pool import EVICTION_WINDOW, BlockPool, KVCacheBlock
 
 NOISY_OTHER_CORES = 0.2
 CHURN_STEPS = 3000
@@ -183,14 +183,16 @@ def pool_problem(pool: int, block_counts: list[int], block_order: str) -> str | 
     return None
 
 
-def churned_table(pool: int, num_blocks: int, rng: random.Random) -> list[int]:
+def churned_table(
+    pool: int, num_blocks: int, rng: random.Random, eviction_window: int = EVICTION_WINDOW
+) -> list[int]:
     """A block table as duet's allocator (engine/block_pool.py) hands it out after churn:
     `CHURN_STEPS` random steps of prompts taking 1-128 blocks at once, running requests growing
     by a block, and requests finishing (freed tail-first, as the engine frees them), always
     leaving room for the transfer; then the transfer's `num_blocks`."""
     if problem := pool_problem(pool, [num_blocks], "pool"):
         raise ValueError(problem)
-    blocks = BlockPool(pool, enable_caching=False)
+    blocks = BlockPool(pool, enable_caching=False, eviction_window=eviction_window)
     running: list[list[KVCacheBlock]] = []
     for _ in range(CHURN_STEPS):
         step = rng.random()

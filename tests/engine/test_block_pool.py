@@ -231,3 +231,39 @@ def test_cache_blocks_offers_only_blocks_that_became_full(monkeypatch):
     kv.allocate_slots(again, 12)
     kv.cache_blocks(again, 12)
     assert offered[-1] == (0, 3)
+
+
+def _pool_with_queue(order: list[int]) -> BlockPool:
+    """A pool of len(order) blocks, all handed out, then freed in `order` (the queue's)."""
+    pool = BlockPool(len(order))
+    blocks = {b.block_id: b for b in pool.get_new_blocks(len(order))}
+    pool.free_blocks(blocks[i] for i in order)
+    assert pool.free_block_ids() == order
+    return pool
+
+
+def test_requests_that_grew_interleaved_come_back_as_one_run():
+    """Two requests that grew a block at a time (0 2 4 and 1 3 5), freed tail-first: taken
+    from the front, the next request's three blocks would be 0 2 4, three runs; among the
+    six least recently freed, the oldest three consecutive ones are 2 3 4 (ages 1 4 0)."""
+    pool = _pool_with_queue([4, 2, 0, 5, 3, 1])
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [2, 3, 4]
+    assert pool.free_block_ids() == [0, 5, 1]
+
+
+def test_runs_are_sought_only_among_the_least_recently_freed():
+    """n blocks come from the 2n least recently freed: for two blocks, of 9 7 5 3, which
+    hold no run: the oldest two, not 8, which would join them but was freed last."""
+    pool = _pool_with_queue([9, 7, 5, 3, 1, 0, 2, 4, 6, 8])
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [7, 9]
+    # then three of 5 3 1 0 2 4 (one run 0-5): the consecutive three freed longest ago
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [3, 4, 5]
+    assert pool.free_block_ids() == [1, 0, 2, 6, 8]
+
+
+def test_the_longest_runs_go_first():
+    """Of 0 1 | 4 5 6 | 9 (queue 9 0 1 4 5 6 ...), three blocks are the run 4 5 6, though
+    9 and 0 were freed before it."""
+    pool = _pool_with_queue([9, 0, 1, 4, 5, 6, 2, 3, 7, 8])
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [4, 5, 6]
+    assert pool.free_block_ids() == [9, 0, 1, 2, 3, 7, 8]
