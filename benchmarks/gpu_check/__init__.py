@@ -423,9 +423,12 @@ def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
         }  # fmt: skip
     bandwidth = (steps.get("disaggregated") or {}).get("kv_bandwidth") or {}
     gbs: dict[int, dict[str, float]] = {}
-    for row in bandwidth.get("rows", []):
-        if row.get("block_order", "random") != "random":
-            continue  # the mode is chosen where both ran: block ids in no order
+    rows = bandwidth.get("rows", [])
+    orders = {row.get("block_order", "random") for row in rows}
+    order = "pool" if {"random", "pool"} <= orders and _both_modes(rows, "pool") else "random"
+    for row in rows:
+        if row.get("block_order", "random") != order:
+            continue  # chosen by the engine's own tables where both modes ran with them
         mode = "push" if row["backend"] == "nixl-push" else "pull"
         gbs.setdefault(row["blocks"], {})[mode] = row["nixl_gbs"]
     both = [n for n, by_mode in gbs.items() if len(by_mode) == 2]
@@ -434,6 +437,11 @@ def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
         pull, push = gbs[blocks]["pull"], gbs[blocks]["push"]
         out["kv_nixl_mode"] = {
             "value": "push" if push > pull * DEFAULT_MARGIN else "pull", "blocks": blocks,
-            "gbs": {"pull": pull, "push": push},
+            "block_order": order, "gbs": {"pull": pull, "push": push},
         }  # fmt: skip
     return out
+
+
+def _both_modes(rows: list[dict[str, Any]], order: str) -> bool:
+    """Whether nixl pulled and pushed with block ids in `order`."""
+    return {r["backend"] for r in rows if r.get("block_order") == order} >= {"nixl", "nixl-push"}

@@ -125,12 +125,13 @@ def kv_bandwidth(
     the device (on a GPU: device to device) and a raw NIXL write: GB/s per backend and size,
     and the data paths UCX chose (`UCX_PROTO_INFO`: `benchmarks/kv/ucx_protocols.py`; on the
     H200 a pull ran at 0.07 GB/s, #42). Block ids in no order first (64 descriptors a block:
-    the worst case, as measured on 2026-11-30), then, with the time left, the most blocks in
-    runs of consecutive ids (64 descriptors in all), which separates what each descriptor
-    costs the transport from what its bytes do. Cut off by `deadline`, an order reports the
-    timeout instead, with the data paths chosen by then."""
+    the worst case, as measured on 2026-11-30), then, with the time left, the most blocks as
+    the engine's allocator hands them out after churn (`--block-order pool`: a few runs of
+    consecutive ids, 64 descriptors each), which separates what each descriptor costs the
+    transport from what its bytes do. Cut off by `deadline`, an order reports the timeout
+    instead, with the data paths chosen by then."""
     report: dict[str, Any] = {"outcome": "measured", "layout": BANDWIDTH_LAYOUT, "rows": []}
-    for order, sizes in (("random", blocks), ("runs", blocks[-1:])):
+    for order, sizes in (("random", blocks), ("pool", blocks[-1:])):
         got = _bandwidth_rows(workdir, deadline, device, sizes, order)
         report["rows"] += got.pop("rows", [])
         report.setdefault("ucx_data_paths", got.pop("ucx_data_paths"))

@@ -164,9 +164,10 @@ class _Peers:
 
 def default_pool_blocks(block_counts: list[int], block_order: str) -> int:
     """Each side's cache: a little more than the largest transfer, or with `--block-order
-    pool` four times it, so the churn before a transfer has other requests' blocks to mix in."""
+    pool` four times it (and room for the churn's largest prompt beside it), so the churn
+    before a transfer has other requests' blocks to mix in."""
     if block_order == "pool":
-        return 4 * max(block_counts)
+        return max(4 * max(block_counts), max(block_counts) + CHURN_MAX_PROMPT_BLOCKS)
     return max(block_counts) + EXTRA_POOL_BLOCKS
 
 

@@ -240,9 +240,6 @@ def _bandwidth(pull: float, push: float) -> dict:
         {"backend": "nixl-push", "blocks": 16, "nixl_gbs": 1.0},
         {"backend": "nixl", "blocks": 256, "nixl_gbs": pull},
         {"backend": "nixl-push", "blocks": 256, "nixl_gbs": push},
-        # block ids in runs: not what the mode is chosen by
-        {"backend": "nixl", "block_order": "runs", "blocks": 256, "nixl_gbs": 1000.0},
-        {"backend": "nixl-push", "block_order": "runs", "blocks": 256, "nixl_gbs": 1.0},
     ]}  # fmt: skip
 
 
@@ -254,8 +251,20 @@ def test_measured_defaults_name_the_faster_nixl_mode(pull, push, want):
     push only when it moved 3% more GB/s (the H200 of 2026-11-30: pull 0.07, push 3.87)."""
     steps = {"disaggregated": {"kv_bandwidth": _bandwidth(pull, push)}}
     assert gpu_check.measured_defaults(steps) == {"kv_nixl_mode": {
-        "value": want, "blocks": 256, "gbs": {"pull": pull, "push": push},
+        "value": want, "blocks": 256, "block_order": "random", "gbs": {"pull": pull, "push": push},
     }}  # fmt: skip
+    # with the engine's own tables measured too (`--block-order pool`), those decide
+    rows = steps["disaggregated"]["kv_bandwidth"]["rows"]
+    rows += [
+        {"backend": "nixl", "block_order": "pool", "blocks": 256, "nixl_gbs": push},
+        {"backend": "nixl-push", "block_order": "pool", "blocks": 256, "nixl_gbs": pull},
+    ]  # fmt: skip
+    flipped = "push" if pull > push * gpu_check.DEFAULT_MARGIN else "pull"  # the modes swapped
+    assert gpu_check.measured_defaults(steps)["kv_nixl_mode"] == {
+        "value": flipped, "blocks": 256, "block_order": "pool", "gbs": {"pull": push, "push": pull},
+    }  # fmt: skip
+    del rows[-1]  # pulled but not pushed with them: the random ids decide
+    assert gpu_check.measured_defaults(steps)["kv_nixl_mode"]["block_order"] == "random"
     steps["disaggregated"]["kv_bandwidth"] = {"outcome": "timed_out", "ucx_data_paths": []}
     assert gpu_check.measured_defaults(steps) == {}
 
@@ -369,7 +378,7 @@ def test_disaggregated_step_on_the_cpu(tmp_path: Path, backend: str):
     two = 2 * 2 * 32 * 16 * 8 * 128 * 2  # two blocks of the 8B layout
     assert [(r["backend"], r["block_order"], r["blocks"], r["bytes"]) for r in rows] == [
         ("nixl", "random", 2, two), ("nixl-push", "random", 2, two),
-        ("nixl", "runs", 2, two), ("nixl-push", "runs", 2, two),
+        ("nixl", "pool", 2, two), ("nixl-push", "pool", 2, two),
     ]  # fmt: skip
     for r in rows:
         assert r["nixl_gbs"] > 0 and r["copy_gbs"] > 0 and r["raw_nixl_gbs"] > 0

@@ -14,7 +14,12 @@ import torch
 from benchmarks.kv import transfer
 from benchmarks.kv.raw_nixl import RawNixl, nixl_installed
 from benchmarks.kv.transfer import check_targets, format_table, main, parse_args
-from benchmarks.kv.transfer_measure import block_tables, measure_layout
+from benchmarks.kv.transfer_measure import (
+    block_tables,
+    default_pool_blocks,
+    measure_layout,
+    pool_problem,
+)
 from benchmarks.kv.transfer_peers import LAYOUTS, LayoutSpec
 from duet.kv_transfer.chunks import plan_pieces
 from duet.kv_transfer.staging import MIN_STAGING_BYTES
@@ -299,3 +304,13 @@ def test_block_tables_from_the_engines_allocator_after_churn():
     assert block_tables(1024, 256, seed=1, order="pool") != (src, dst)
     with pytest.raises(ValueError, match=r"--pool-blocks: 300 leaves no room for churn"):
         block_tables(300, 256, seed=0, order="pool")
+
+
+def test_the_default_pool_leaves_room_for_churn_at_any_size():
+    """`--block-order pool`: four times the largest transfer, and at least the largest plus
+    the churn's largest prompt (128 blocks), so small transfers churn too."""
+    assert default_pool_blocks([256], "pool") == 1024
+    assert default_pool_blocks([2, 16], "pool") == 16 + 128
+    assert default_pool_blocks([16], "random") == 16 + 44
+    for sizes in ([2], [16], [256]):
+        assert pool_problem(default_pool_blocks(sizes, "pool"), sizes, "pool") is None
