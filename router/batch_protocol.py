@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from duet.router.embeddings_protocol import EmbeddingRequest
 from duet.router.errors import format_loc
-from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from duet.router.openai_protocol import ChatCompletionRequest, CompletionRequest, JsonInt
 
 BATCH_ENDPOINTS: dict[
     str, type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]
@@ -81,9 +81,10 @@ class ExpiresAfter(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     anchor: str = Field(json_schema_extra={"enum": ["created_at"]})
-    seconds: int = Field(
+    seconds: JsonInt = Field(
         json_schema_extra={"minimum": MIN_FILE_EXPIRY_S, "maximum": MAX_FILE_EXPIRY_S}
     )
+    """JSON Schema's `integer`, as every body's: 3600.0 is one (a strict int refused it)."""
 
 
 class BatchCreateRequest(BaseModel):
