@@ -138,6 +138,7 @@ SEMANTIC_REFUSALS = (
     # body's sixth if/then rule schemathesis 4.32 refuses to generate the operation at all
     # ("does not support this part of it"), whatever the rule says.
     "must be 1 with session_id",
+    "cannot be combined with previous_response_id",  # /v1/responses: one history or the other
 )
 """400s a schema-valid request may get: rules between values, or on the tokenized prompt,
 that JSON Schema cannot express. Anything else the schema allows must be accepted."""
