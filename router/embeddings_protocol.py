@@ -28,8 +28,9 @@ MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
-    # Strict about names: a field this server does not know is a 400, never ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Strict about names: a field this server does not know is a 400, never ignored. Strict
+    # about types as every body is (`OpenAIModel`): `true` is no integer, `"3"` no number.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     input: Annotated[PromptInput, WithJsonSchema(PROMPT_SCHEMA)]
     """A string, a list of strings, token ids, or a list of token-id lists; none empty."""

@@ -78,6 +78,12 @@ def test_bad_input_is_a_400_naming_the_field(
         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "x", "extra_body": {"truncate": 1}}, "truncate"),
         ({"input": "x", "model": "no-such-model"}, "model"),
+        # JSON types as the schema says them (schemathesis found `true` accepted)
+        ({"input": "x", "extra_body": {"truncate_prompt_tokens": True}}, "truncate_prompt_tokens"),
+        ({"input": "x", "extra_body": {"dimensions": "7"}}, "dimensions"),
+        ({"input": "x", "extra_body": {"dimensions": True}}, "dimensions"),
+        ({"input": [1, True]}, "input"),
+        ({"input": "x", "extra_body": {"user": 5}}, "user"),
     ]
     for kwargs, param in cases:
         kwargs = {"model": MODEL_NAME, **kwargs}
