@@ -3,6 +3,7 @@ at any time between steps. One thread drives it (`AsyncEngine` wraps it for serv
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -246,7 +247,11 @@ class LLMEngine:
     ) -> Request:
         sample_seed = params.seed + index if params.seed is not None else self._seeds.next_seed()
         if index and params.prompt_logprobs is not None:  # sample 0 computes them for all `n`
-            params = dataclasses.replace(params, prompt_logprobs=None)
+            # NOTE: a copy, not `dataclasses.replace`, which validates again, here on the
+            # engine's thread: on the CPU it flushes denormals (engine/cpu_runtime.py), under
+            # which `0 < 5e-324` is false, and a top_p the router accepted was refused.
+            params = copy.copy(params)
+            params.prompt_logprobs = None
         eos = self.tokenizer.eos_token_ids
         request = Request(
             request_id, ids, params, max_tokens, eos, priority, sample_seed=sample_seed

@@ -6,6 +6,8 @@ same values bitwise; fp32 values match HF's full forward."""
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -102,3 +104,39 @@ def test_shape_zero_k_samples_and_requests_that_did_not_ask(tiny_llama):
 def test_bad_values_name_the_field(value):
     with pytest.raises(InvalidInputError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def _on_a_thread(flush_denormals: bool, fn: Callable[[], object]) -> object:
+    """`fn()` (or what it raised) on a new thread in that floating-point mode (a thread's
+    own: this one keeps whatever an engine built on it left)."""
+    out: list[object] = []
+
+    def run() -> None:
+        torch.set_flush_denormal(flush_denormals)
+        try:
+            out.append(fn())
+        except Exception as e:  # returned, for the caller to assert on
+            out.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return out[0]
+
+
+def test_samples_after_the_first_keep_a_subnormal_top_p_on_a_flushing_thread(tiny_llama):
+    """`n` > 1 with prompt logprobs: samples after the first drop them, on the engine's
+    thread, where the CPU engine flushes denormals to zero (engine/cpu_runtime.py). Their
+    params were validated again there, and a top_p of 5e-324 (valid: the router and the
+    schema take any value in (0, 1]) read as 0 and refused the request (schemathesis found
+    it). Added on a thread in that mode, the request is taken, and every sample asks for no
+    prompt logprobs but the first."""
+    llm = _llm(tiny_llama, "float32")
+    params = _on_a_thread(False, lambda: _params(n=3, prompt_logprobs=0, top_p=5e-324))
+    assert isinstance(params, SamplingParams)
+    added = _on_a_thread(True, lambda: llm.engine.add_request([5, 6, 7, 8], params, "r"))
+    assert not isinstance(added, Exception), added
+    samples = llm.engine.requests.states["r"].samples
+    assert [s.request.sampling_params.prompt_logprobs for s in samples] == [0, None, None]
+    assert {s.request.sampling_params.top_p for s in samples} == {5e-324}
+    assert params.prompt_logprobs == 0  # the caller's params untouched
