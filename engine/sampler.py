@@ -220,6 +220,11 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     seen = batch.prompt_mask.index_select(0, batch.slots) | (counts > 0)
     rep = batch.repetition.to(dtype)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    # A penalty far below 1 (any in (0, 1] is allowed) overflows a seen token's positive
+    # logit to +inf (10 / 1e-40), and a row holding +inf has no softmax: every probability
+    # NaN, and a sampled row took the vocabulary's last id. Capped at the dtype's largest
+    # value, such tokens share the top instead. (-inf, a masked token, stays.)
+    penalized.clamp_(max=torch.finfo(dtype).max)
     logits.copy_(torch.where(seen, penalized, logits))
     counts_f = counts.to(dtype)
     logits -= batch.frequency.to(dtype)[:, None] * counts_f + batch.presence.to(dtype)[:, None] * (

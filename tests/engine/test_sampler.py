@@ -287,3 +287,24 @@ def test_cpu_argmax_kernel_splits_few_rows_by_columns(vocab):
         assert torch.equal(kernels.argmax_rows(two), two.argmax(dim=-1))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_tiny_repetition_penalty_keeps_the_row_finite():
+    """repetition_penalty 1e-40 (allowed: any value > 0) divides a seen token's positive
+    logit past the float range: +inf, and a sampled row of NaN probabilities took the
+    vocabulary's last id. Capped, the seen token is on top and drawn, sampled or greedy."""
+    vocab = 50
+    slots = _slots(vocab)
+    kinds = [
+        SamplingParams(temperature=1.0, repetition_penalty=1e-40, seed=1),
+        SamplingParams(temperature=0, repetition_penalty=1e-40),
+    ]
+    requests = [_request(i, p, seed=100 + i) for i, p in enumerate(kinds)]  # seen: 1-5
+    for slot, r in enumerate(requests):
+        slots.write(slot, r)
+    logits = torch.full((2, vocab), -1.0)
+    logits[:, 2] = 3.0  # seen and positive: pushed up without bound
+    logits[:, 40] = 9.0  # unseen: the model's favourite, untouched
+    batch = slots.prepare(requests, np.arange(2))
+    out = Sampler()(logits, batch, lambda t: t.tolist())
+    assert out.token_ids == [2, 2]
