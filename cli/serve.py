@@ -190,6 +190,12 @@ def _add_chat_flags(parser: argparse.ArgumentParser) -> None:
         help="put <think>...</think> into reasoning_content (default: none, it stays in content)",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent with a request (default: refused with a 400; a "
+        "template runs on the server and can take unbounded time and memory)",
+    )
+    parser.add_argument(
         "--embedding-pooling",
         default="auto",
         choices=["auto", "last", "mean", "cls"],
@@ -308,6 +314,7 @@ def _router_config(args: argparse.Namespace, api_keys: list[str]) -> RouterConfi
             tool_call_parser=args.tool_call_parser,
             embedding_pooling=args.embedding_pooling,
             reasoning_parser=args.reasoning_parser,
+            trust_request_chat_template=args.trust_request_chat_template,
             web_ui=args.web_ui,
             metrics_prefix=args.metrics_prefix,
             metrics_open=args.metrics_open,

@@ -42,6 +42,11 @@ class ChatOptions:
     reasoning_parser: str | None = None
     """Where a reply's thinking goes (qwen3, deepseek_r1): `reasoning_content`. None: the
     thinking stays in `content`."""
+    trust_request_chat_template: bool = False
+    """Render a `chat_template` a request brings (`--trust-request-chat-template`). Off, such
+    a request is a 400 naming `chat_template`: a template runs on the server, and one line of
+    it can take unbounded time or memory (`{{ 'x' * 10**10 }}`, nested loops) while the
+    request holds the event loop (as vLLM's `--trust-request-chat-template`)."""
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None:
@@ -61,6 +66,13 @@ class ChatOptions:
         )
 
 
+UNTRUSTED_CHAT_TEMPLATE = (
+    "this server does not render chat templates sent with a request (one can take unbounded "
+    "time and memory); leave it out to use the model's, or start the server with "
+    "--trust-request-chat-template"
+)
+
+
 @dataclass
 class ChatPlan:
     """One chat request's tools, template variables and parser."""
@@ -75,8 +87,11 @@ class ChatPlan:
     def of(
         cls, body: ChatCompletionRequest, options: ChatOptions, tokenizer: Tokenizer
     ) -> ChatPlan:
-        """`InvalidInputError` naming the request's field for a choice that names no tool,
-        a tool schema that does not compile, or a forbidden combination."""
+        """`InvalidInputError` naming the request's field for a chat template the server
+        does not take, a choice that names no tool, a tool schema that does not compile, or a
+        forbidden combination."""
+        if body.chat_template is not None and not options.trust_request_chat_template:
+            raise InvalidInputError("chat_template", UNTRUSTED_CHAT_TEMPLATE)
         parser = options.parser(tokenizer, body.chat_template)
         new_id = mistral_call_id if parser.name == "mistral" else openai_call_id
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, new_id)

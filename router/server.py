@@ -100,10 +100,14 @@ class RouterConfig:
     """hermes, llama3_json or mistral; None: inferred from the chat template."""
     reasoning_parser: str | None = None
     """qwen3 or deepseek_r1: thinking goes to `reasoning_content`; None: it stays in content."""
+    trust_request_chat_template: bool = False
+    """Render chat templates that requests bring (`ChatOptions`); off: a 400."""
 
     @property
     def chat_options(self) -> ChatOptions:
-        return ChatOptions(self.tool_call_parser, self.reasoning_parser)
+        return ChatOptions(
+            self.tool_call_parser, self.reasoning_parser, self.trust_request_chat_template
+        )
 
     # --- pages and observability (docs/web_ui.md, docs/observability.md) ---
     web_ui: bool = True

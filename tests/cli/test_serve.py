@@ -76,6 +76,17 @@ def test_the_embedding_pooling_reaches_the_router_config(tmp_path: Path) -> None
         RouterConfig(embedding_pooling="max")
 
 
+def test_request_chat_templates_are_trusted_only_with_the_flag(tmp_path: Path) -> None:
+    from duet.cli.serve import _router_config
+
+    store = ["--session-store", f"sqlite:///{tmp_path}/s.db"]
+    config = _router_config(build_parser().parse_args(["serve", *store]), [])
+    assert config.chat_options.trust_request_chat_template is False
+    argv = ["serve", *store, "--trust-request-chat-template"]
+    config = _router_config(build_parser().parse_args(argv), [])
+    assert config.chat_options.trust_request_chat_template is True
+
+
 def test_the_queue_event_ttl_and_retention_reach_the_router_config(tmp_path: Path) -> None:
     from duet.cli.serve import _router_config
     from duet.session_store import DEFAULT_EVENT_TTL_S, DEFAULT_RETENTION_S

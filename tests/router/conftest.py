@@ -16,6 +16,7 @@ from tests.router.rest_server import (
     API_KEY,
     MODEL_NAME,
     NUM_KV_BLOCKS,
+    TRUSTED_TEMPLATES,
     LiveServer,
     make_app,
     make_engine,
@@ -32,7 +33,11 @@ def rest_engine(tiny_llama: str) -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="session")
 def rest_server(rest_engine: AsyncEngine) -> Iterator[LiveServer]:
-    live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY])).start()
+    # as started with --trust-request-chat-template: the tool-calling, reasoning and
+    # template-option tests send templates of their own (test_request_chat_template.py: the
+    # default refuses them)
+    app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], chat_options=TRUSTED_TEMPLATES)
+    live = LiveServer(app).start()
     yield live
     live.stop()
 

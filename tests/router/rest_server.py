@@ -19,11 +19,16 @@ from duet.engine import AsyncEngine, EngineConfig
 from duet.router.api_server import build_app
 from duet.router.engine_client import EngineClient
 from duet.router.front_door import FrontDoor, RouterOptions
+from duet.router.openai_chat import ChatOptions
 from tests.waiting import wait_for
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
 NUM_KV_BLOCKS = 2048  # 32k tokens: plenty for the tests, far less memory than the default pool
+
+
+TRUSTED_TEMPLATES = ChatOptions(trust_request_chat_template=True)
+"""A server started with `--trust-request-chat-template`, for tests that send templates."""
 
 
 def make_app(

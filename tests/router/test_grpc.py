@@ -22,6 +22,7 @@ from duet.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from duet.router.front_door import FrontDoor, RouterOptions
 from duet.router.grpc_server import start_grpc_server
 from duet.v1 import serving_pb2, serving_pb2_grpc
+from tests.router.rest_server import TRUSTED_TEMPLATES
 from tests.waiting import wait_for
 
 API_KEY = "test-key-123"
@@ -40,7 +41,8 @@ class ServerThread:
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
-            front = FrontDoor.compose(self.engine, "tiny", RouterOptions(api_keys=[API_KEY]))
+            options = RouterOptions(api_keys=[API_KEY], chat_options=TRUSTED_TEMPLATES)
+            front = FrontDoor.compose(self.engine, "tiny", options)
             self.server, self.port = self.loop.run_until_complete(start_grpc_server(front, port=0))
             started.set()
             self.loop.run_forever()

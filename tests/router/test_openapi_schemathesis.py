@@ -24,7 +24,14 @@ from schemathesis import GenerationMode, checks
 from schemathesis.checks import CHECKS
 
 from duet.session_store import SqliteSessionStore, SqliteWorkQueue
-from tests.router.rest_server import MODEL_NAME, LiveServer, closing, make_app, make_engine
+from tests.router.rest_server import (
+    MODEL_NAME,
+    TRUSTED_TEMPLATES,
+    LiveServer,
+    closing,
+    make_app,
+    make_engine,
+)
 
 
 @contextmanager
@@ -60,6 +67,7 @@ def fuzzed_server(
     store = SqliteSessionStore(folder / "sessions.db")
     queue = SqliteWorkQueue(folder / "queue.db", lease_s=10.0)
     app = make_app(engine, MODEL_NAME, session_store=store, work_queue=queue,
+                   chat_options=TRUSTED_TEMPLATES,  # generated templates are rendered
                    lifespan=closing(store, queue))  # fmt: skip
     live = LiveServer(app)
     torch.set_flush_denormal(True)  # as building an engine on this thread may have left it

@@ -27,7 +27,7 @@ QWEN3_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def thinking_client(rest_engine: AsyncEngine) -> Iterator[openai.OpenAI]:
-    options = ChatOptions(reasoning_parser="qwen3")
+    options = ChatOptions(reasoning_parser="qwen3", trust_request_chat_template=True)
     live = LiveServer(make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], chat_options=options))
     live.start()
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)

@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from duet.engine import AsyncEngine
-from duet.router.openai_chat import ChatOptions, ChatPlan
+from duet.router.openai_chat import ChatPlan
 from duet.router.openai_protocol import ChatCompletionRequest
-from tests.router.rest_server import API_KEY, MODEL_NAME
+from tests.router.rest_server import API_KEY, MODEL_NAME, TRUSTED_TEMPLATES
 
 WEATHER = {
     "type": "object",
@@ -267,7 +267,7 @@ def test_assistant_tool_calls_reach_the_template_intact(rest_engine: AsyncEngine
             "chat_template": HERMES_TEMPLATE,
         }
     )  # fmt: skip
-    plan = ChatPlan.of(body, ChatOptions(), rest_engine.tokenizer)
+    plan = ChatPlan.of(body, TRUSTED_TEMPLATES, rest_engine.tokenizer)
     messages = [m.to_template_message() for m in body.messages]
     assert messages[1]["tool_calls"] == [
         {"id": "call_1", "type": "function",

@@ -15,7 +15,14 @@ import pytest
 
 from duet.engine import AsyncEngine
 from duet.session_store import SqliteSessionStore
-from tests.router.rest_server import API_KEY, MODEL_NAME, LiveServer, closing, make_app
+from tests.router.rest_server import (
+    API_KEY,
+    MODEL_NAME,
+    TRUSTED_TEMPLATES,
+    LiveServer,
+    closing,
+    make_app,
+)
 from tests.router.test_tool_calling import HERMES_TEMPLATE, MESSAGES, TOOLS, _streamed_calls
 
 REQUIRED: dict[str, Any] = dict(
@@ -28,7 +35,7 @@ REQUIRED: dict[str, Any] = dict(
 def live(rest_engine: AsyncEngine, tmp_path: Path) -> Iterator[LiveServer]:
     store = SqliteSessionStore(tmp_path / "sessions.db")
     app = make_app(rest_engine, MODEL_NAME, api_keys=[API_KEY], session_store=store,
-                    lifespan=closing(store))  # fmt: skip
+                   chat_options=TRUSTED_TEMPLATES, lifespan=closing(store))  # fmt: skip
     server = LiveServer(app).start()
     yield server
     server.stop()
