@@ -424,8 +424,7 @@ def measured_defaults(steps: dict[str, dict[str, Any]]) -> dict[str, dict[str, A
     bandwidth = (steps.get("disaggregated") or {}).get("kv_bandwidth") or {}
     gbs: dict[int, dict[str, float]] = {}
     rows = bandwidth.get("rows", [])
-    orders = {row.get("block_order", "random") for row in rows}
-    order = "pool" if {"random", "pool"} <= orders and _both_modes(rows, "pool") else "random"
+    order = "pool" if _both_modes(rows, "pool") else "random"
     for row in rows:
         if row.get("block_order", "random") != order:
             continue  # chosen by the engine's own tables where both modes ran with them
