@@ -4,7 +4,6 @@ baseline, the targets, the staging pool it passes to the backends, plus its flag
 
 from __future__ import annotations
 
-import itertools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks.kv import transfer
+from benchmarks.kv.allocator import num_runs
 from benchmarks.kv.raw_nixl import RawNixl, nixl_installed
 from benchmarks.kv.transfer import check_targets, format_table, main, parse_args
 from benchmarks.kv.transfer_measure import (
@@ -294,12 +294,9 @@ def test_block_tables_from_the_engines_allocator_after_churn():
     assert len(set(src)) == len(set(dst)) == 256 and max(src + dst) < 1024
     assert src == sorted(src) and dst == sorted(dst)  # ascending, as BlockPool serves them
 
-    def runs(ids: list[int]) -> int:
-        return 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
-
     # churned, yet in few runs: the allocator takes the blocks that make the fewest runs
     # among the least recently freed (strict LRU: 83 runs for `src`, test_allocator_bench.py)
-    assert [runs(src), runs(dst)] == [7, 4]
+    assert [num_runs(src), num_runs(dst)] == [7, 4]
     assert block_tables(1024, 256, seed=0, order="pool") == (src, dst)  # seeded
     assert block_tables(1024, 256, seed=1, order="pool") != (src, dst)
     with pytest.raises(ValueError, match=r"--pool-blocks: 300 leaves no room for churn"):
